@@ -1,0 +1,19 @@
+# Install rules: headers, the library, and a config-file package `megatrain` with a version file,
+# exporting megatrain::megatrain.
+include(GNUInstallDirs)
+include(CMakePackageConfigHelpers)
+
+install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/megatrain" DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}")
+install(TARGETS megatrain EXPORT megatrainTargets
+        ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}"
+        LIBRARY DESTINATION "${CMAKE_INSTALL_LIBDIR}"
+        RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}"
+        INCLUDES DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}")
+set(_megatrain_cmake_dir "${CMAKE_INSTALL_LIBDIR}/cmake/megatrain")
+install(EXPORT megatrainTargets NAMESPACE megatrain:: DESTINATION "${_megatrain_cmake_dir}")
+configure_package_config_file("${PROJECT_SOURCE_DIR}/cmake/megatrainConfig.cmake.in"
+  "${PROJECT_BINARY_DIR}/megatrainConfig.cmake" INSTALL_DESTINATION "${_megatrain_cmake_dir}")
+write_basic_package_version_file("${PROJECT_BINARY_DIR}/megatrainConfigVersion.cmake"
+  COMPATIBILITY SameMinorVersion)
+install(FILES "${PROJECT_BINARY_DIR}/megatrainConfig.cmake" "${PROJECT_BINARY_DIR}/megatrainConfigVersion.cmake"
+        DESTINATION "${_megatrain_cmake_dir}")

@@ -1,0 +1,84 @@
+// Host memory for the model's state.
+//
+// HostBuffer is one page-aligned allocation, either pageable or pinned (page-locked through
+// CUDA, so that DMA engines copy it at full PCIe speed: pageable memory moves 6-7x slower).
+// Pinning is an attribute added to an ordinary mapping, so a failure to pin (no GPU, a locked
+// memory limit) leaves a working pageable buffer and a warning, never a crash.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <string>
+#include <utility>
+
+namespace megatrain {
+
+enum class Pinning {
+  automatic,  ///< pin when megatrain was built with CUDA and a GPU is present; else pageable
+  never,      ///< always pageable
+};
+
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  /// Allocates `bytes` (rounded up to whole pages), page-aligned. Contents start zeroed.
+  /// Throws megatrain::Error if the memory cannot be mapped at all.
+  static HostBuffer allocate(std::size_t bytes, Pinning pinning = Pinning::automatic);
+
+  HostBuffer(HostBuffer&& o) noexcept { swap(o); }
+  HostBuffer& operator=(HostBuffer&& o) noexcept {
+    HostBuffer tmp(std::move(o));
+    swap(tmp);
+    return *this;
+  }
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  ~HostBuffer() { release(); }
+
+  void* data() const { return data_; }
+  std::size_t size() const { return size_; }
+  bool pinned() const { return pinned_; }
+  explicit operator bool() const { return data_ != nullptr; }
+
+  /// The buffer as `count` elements of T starting `offset` elements in (bounds-checked).
+  template <class T>
+  std::span<T> as(std::size_t offset, std::size_t count) const;
+
+ private:
+  void release() noexcept;
+  void swap(HostBuffer& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(size_, o.size_);
+    std::swap(mapped_, o.mapped_);
+    std::swap(pinned_, o.pinned_);
+  }
+  void* data_ = nullptr;
+  std::size_t size_ = 0;    // bytes asked for
+  std::size_t mapped_ = 0;  // bytes mapped (whole pages)
+  bool pinned_ = false;
+};
+
+/// Bytes of host memory a new allocation can use: MemAvailable from /proc/meminfo, capped by
+/// the cgroup's memory limit. The environment variable MEGATRAIN_HOST_MEMORY (bytes, or with a
+/// K/M/G/T suffix in powers of 1024) overrides it, for machines whose memory grows on demand.
+std::size_t available_host_memory();
+
+/// Parses "123", "64G", "1.5T" (powers of 1024) into bytes; throws megatrain::Error on junk.
+std::size_t parse_byte_size(const char* text);
+
+/// True when megatrain was built with CUDA and at least one GPU is usable.
+bool cuda_device_present();
+
+/// "1.50 GiB", "512.0 MiB", "10 B"
+std::string format_bytes(std::size_t bytes);
+
+}  // namespace megatrain
+
+#include "megatrain/core/error.hpp"
+
+template <class T>
+std::span<T> megatrain::HostBuffer::as(std::size_t offset, std::size_t count) const {
+  MT_CHECK((offset + count) * sizeof(T) <= size_, "elements [{}, {}) of {} bytes pass the end of a {}-byte buffer",
+           offset, offset + count, sizeof(T), size_);
+  return {static_cast<T*>(data_) + offset, count};
+}

@@ -1,0 +1,44 @@
+// What a model's parameters are, before any memory exists: names (Hugging Face's, e.g.
+// "model.layers.3.self_attn.q_proj.weight"), shapes, how to initialise them, and whether AdamW
+// decays them. A model is a list of units (the embedding, each decoder block, the head): the
+// granularity at which weights stream to the GPU and the optimizer steps.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "megatrain/core/tensor.hpp"
+
+namespace megatrain {
+
+enum class ParamInit : std::uint8_t {
+  normal,  ///< N(0, init_std^2): matrices and embeddings
+  ones,    ///< norm weights
+  zeros,   ///< biases
+};
+
+struct ParamSpec {
+  std::string name;
+  Shape shape;
+  ParamInit init = ParamInit::normal;
+  float init_std = 0.02f;
+  bool weight_decay = true;  ///< AdamW's decoupled decay applies (off for norms and biases)
+
+  static ParamSpec matrix(std::string name, Shape shape, float init_std = 0.02f) {
+    return {std::move(name), shape, ParamInit::normal, init_std, true};
+  }
+  static ParamSpec norm(std::string name, std::int64_t dim) {
+    return {std::move(name), Shape{dim}, ParamInit::ones, 0.0f, false};
+  }
+  static ParamSpec bias(std::string name, std::int64_t dim) {
+    return {std::move(name), Shape{dim}, ParamInit::zeros, 0.0f, false};
+  }
+  std::int64_t numel() const { return shape.numel(); }
+};
+
+struct UnitSpec {
+  std::string name;               ///< e.g. "embed", "layers.3", "head"
+  std::vector<ParamSpec> params;  ///< in slab order
+};
+
+}  // namespace megatrain

@@ -1,0 +1,198 @@
+// AdamW on the CPU, exactly torch.optim.AdamW (amsgrad=False, maximize=False).
+//
+// For a parameter p with gradient g at step t (1-based), learning rate lr, weight decay wd:
+//
+//     g  <- g * c                       (c: the clipping coefficient, 1 without clipping)
+//     p  <- p * (1 - lr * wd)           (decoupled weight decay)
+//     m  <- m + (1 - beta1) * (g - m)   (= beta1 m + (1 - beta1) g, PyTorch's lerp)
+//     v  <- beta2 * v + (1 - beta2) * g^2
+//     p  <- p - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+//
+// eps is added outside the square root, after bias correction, as PyTorch does. The scalars
+// (1 - lr wd, the step size and sqrt(1 - beta2^t)) are computed in double and rounded to T,
+// as PyTorch rounds its Python-float scalars to the tensor's dtype. In the same pass the bf16
+// compute copy of p is written (round to nearest even).
+//
+// Rounding: the fp32 kernels (scalar, AVX2, AVX-512) evaluate exactly the same operations in
+// the same order, with fused multiply-adds at the same places (m update, v update and the
+// final p update), so all paths give bit-identical results. Against a float64 evaluation of
+// the formula, one fp32 step is off by a few ulp of p; see tests/unit/test_adamw.cpp for the
+// tolerance over many steps.
+//
+// Parameters whose ParamSpec says weight_decay = false (norm weights, biases) get wd = 0.
+// The optimizer is stateless: m and v live in the HostParamStore, the step count with the
+// caller, so a pipeline can step each unit as soon as its gradient lands.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "megatrain/core/cpu_features.hpp"
+#include "megatrain/core/dtype.hpp"
+#include "megatrain/store/host_param_store.hpp"
+
+namespace megatrain {
+
+struct AdamWConfig {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+
+  /// Throws megatrain::Error naming the bad field.
+  void validate() const;
+};
+
+/// The per-step scalars of the update, in T, derived once per (unit, step).
+template <class T>
+struct AdamWScalars {
+  T decay;          ///< 1 - lr * wd
+  T one_minus_b1;   ///< 1 - beta1
+  T beta2;
+  T one_minus_b2;   ///< 1 - beta2
+  T bc2_sqrt;       ///< sqrt(1 - beta2^t)
+  T eps;
+  T step_size;      ///< lr / (1 - beta1^t)
+  T grad_scale;     ///< clipping coefficient
+
+  static AdamWScalars make(const AdamWConfig& cfg, std::int64_t step, double lr, double weight_decay, double grad_scale);
+};
+
+namespace detail {
+/// One fp32 update over n contiguous elements, on the given vector path; writes bf16(p) to out.
+void adamw_f32(SimdLevel level, const AdamWScalars<float>& s, float* p, float* m, float* v, const float* g,
+               bf16* out, std::size_t n);
+/// Sum of squares of n floats on the given vector path, accumulated in double.
+double sum_squares_f32(SimdLevel level, const float* x, std::size_t n);
+}  // namespace detail
+
+/// Applies one AdamW step to every parameter of `unit` from `grad` (laid out like the unit's
+/// slabs: unit.numel() elements, the gaps between tensors ignored). `step` is the 1-based count
+/// of updates including this one; `lr` the learning rate for this step (a schedule's value);
+/// `grad_scale` multiplies the gradient first (the clipping coefficient). Runs in parallel over
+/// blocks with oneTBB, on the widest vector path the CPU has (active_simd_level()).
+template <class T>
+void adamw_step(const typename HostParamStore<T>::Unit& unit, std::span<const T> grad, const AdamWConfig& cfg,
+                std::int64_t step, double lr, double grad_scale = 1.0);
+
+/// Sum of squared gradient elements of one unit (the gaps count zero, as they hold zeros), in
+/// double, deterministic regardless of thread count.
+template <class T>
+double grad_sum_squares(std::span<const T> grad);
+
+/// torch.nn.utils.clip_grad_norm_'s coefficient: min(1, max_norm / (total_norm + 1e-6)), where
+/// total_norm = sqrt(sum over all units of grad_sum_squares). A non-finite norm gives a
+/// non-finite coefficient, as in PyTorch (error_if_nonfinite=False): the caller decides.
+double clip_coefficient(double total_norm, double max_norm);
+
+}  // namespace megatrain
+
+// ---- implementation ---------------------------------------------------------------------------
+
+#include <oneapi/tbb/parallel_for.h>
+
+#include <cmath>
+#include <vector>
+
+namespace megatrain {
+
+namespace detail {
+inline constexpr std::size_t kOptimBlock = 1 << 14;  // elements per parallel task
+
+/// Scalar update, any T; for float the compiled detail::adamw_f32 is used instead.
+template <class T>
+void adamw_generic(const AdamWScalars<T>& s, T* p, T* m, T* v, const T* g, bf16* out, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const T gi = g[i] * s.grad_scale;
+    T pi = p[i] * s.decay;
+    const T mi = std::fma(s.one_minus_b1, gi - m[i], m[i]);
+    const T vi = std::fma(s.one_minus_b2, gi * gi, v[i] * s.beta2);
+    const T denom = std::sqrt(vi) / s.bc2_sqrt + s.eps;
+    pi = std::fma(-s.step_size, mi / denom, pi);
+    p[i] = pi;
+    m[i] = mi;
+    v[i] = vi;
+    out[i] = bf16(static_cast<float>(pi));
+  }
+}
+}  // namespace detail
+
+template <class T>
+AdamWScalars<T> AdamWScalars<T>::make(const AdamWConfig& cfg, std::int64_t step, double lr, double weight_decay,
+                                      double grad_scale) {
+  const double t = static_cast<double>(step);
+  return AdamWScalars{static_cast<T>(1.0 - lr * weight_decay),
+                      static_cast<T>(1.0 - cfg.beta1),
+                      static_cast<T>(cfg.beta2),
+                      static_cast<T>(1.0 - cfg.beta2),
+                      static_cast<T>(std::sqrt(1.0 - std::pow(cfg.beta2, t))),
+                      static_cast<T>(cfg.eps),
+                      static_cast<T>(lr / (1.0 - std::pow(cfg.beta1, t))),
+                      static_cast<T>(grad_scale)};
+}
+
+template <class T>
+void adamw_step(const typename HostParamStore<T>::Unit& unit, std::span<const T> grad, const AdamWConfig& cfg,
+                std::int64_t step, double lr, double grad_scale) {
+  cfg.validate();
+  MT_CHECK(step >= 1, "step must be >= 1 (got {})", step);
+  MT_CHECK(std::isfinite(lr) && lr >= 0, "learning rate must be finite and >= 0 (got {})", lr);
+  MT_CHECK(static_cast<std::int64_t>(grad.size()) >= unit.numel(),
+           "gradient of {} elements is shorter than unit '{}' ({} elements)", grad.size(), unit.name(), unit.numel());
+  const AdamWScalars<T> with_wd = AdamWScalars<T>::make(cfg, step, lr, cfg.weight_decay, grad_scale);
+  const AdamWScalars<T> no_wd = AdamWScalars<T>::make(cfg, step, lr, 0.0, grad_scale);
+
+  struct Block {
+    std::size_t begin, size;
+    const AdamWScalars<T>* s;
+  };
+  std::vector<Block> blocks;
+  for (const auto& p : unit.params()) {
+    const auto* s = p.spec.weight_decay ? &with_wd : &no_wd;
+    const auto off = static_cast<std::size_t>(p.offset), n = static_cast<std::size_t>(p.numel());
+    for (std::size_t b = 0; b < n; b += detail::kOptimBlock) blocks.push_back({off + b, std::min(detail::kOptimBlock, n - b), s});
+  }
+  const SimdLevel level = active_simd_level();
+  T* pm = unit.master().data();
+  T* mm = unit.adam_m().data();
+  T* vm = unit.adam_v().data();
+  bf16* out = unit.compute().data();
+  const T* g = grad.data();
+  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, blocks.size()), [&](const auto& r) {
+    for (std::size_t i = r.begin(); i != r.end(); ++i) {
+      const Block& b = blocks[i];
+      const std::size_t o = b.begin;
+      if constexpr (std::is_same_v<T, float>)
+        detail::adamw_f32(level, *b.s, pm + o, mm + o, vm + o, g + o, out + o, b.size);
+      else
+        detail::adamw_generic(*b.s, pm + o, mm + o, vm + o, g + o, out + o, b.size);
+    }
+  });
+}
+
+template <class T>
+double grad_sum_squares(std::span<const T> grad) {
+  constexpr std::size_t kBlock = 1 << 16;
+  const std::size_t nblocks = (grad.size() + kBlock - 1) / kBlock;
+  std::vector<double> partial(nblocks);
+  const SimdLevel level = active_simd_level();
+  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, nblocks), [&](const auto& r) {
+    for (std::size_t b = r.begin(); b != r.end(); ++b) {
+      const std::size_t begin = b * kBlock, n = std::min(kBlock, grad.size() - begin);
+      if constexpr (std::is_same_v<T, float>) {
+        partial[b] = detail::sum_squares_f32(level, grad.data() + begin, n);
+      } else {
+        double acc = 0;
+        for (std::size_t i = 0; i < n; ++i) acc += static_cast<double>(grad[begin + i]) * static_cast<double>(grad[begin + i]);
+        partial[b] = acc;
+      }
+    }
+  });
+  double total = 0;
+  for (double x : partial) total += x;  // fixed order: deterministic
+  return total;
+}
+
+}  // namespace megatrain

@@ -1,0 +1,308 @@
+// HostParamStore<T>: the model's home in host memory.
+//
+// For every unit (embedding, each decoder block, head) the store keeps one contiguous slab per
+// kind of state: the master weights (T), AdamW's first and second moments m and v (T), and the
+// bf16 compute copy that crosses PCIe to the GPU. Inside a unit every tensor sits at the same
+// element offset in all four slabs, aligned to kAlign elements, so one offset addresses a
+// parameter everywhere, and a unit's gradient (which has the same layout) can be applied to its
+// slabs in one streaming pass. A ring of K gradient landing buffers, each as long as the
+// largest unit, receives gradients coming back from the GPU.
+//
+// Memory: (3 sizeof(T) + 2) bytes per parameter plus the ring; the gaps between tensors are a
+// few bytes each. Only what the GPU's copy engines touch (the bf16 copy and the ring) is pinned;
+// master, m and v are read only by the CPU optimizer and stay pageable (with huge pages).
+// The total is computed and checked against the host's available memory before anything is
+// allocated: a store that cannot fit is refused with the numbers.
+#pragma once
+
+#include <oneapi/tbb/parallel_for.h>
+
+#include <cmath>
+#include <cstdint>
+#include <numbers>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+#include <vector>
+
+#include "megatrain/core/dtype.hpp"
+#include "megatrain/core/error.hpp"
+#include "megatrain/core/host_memory.hpp"
+#include "megatrain/core/tensor.hpp"
+#include "megatrain/model/param_spec.hpp"
+
+namespace megatrain {
+
+struct StoreOptions {
+  std::uint64_t seed = 0;            ///< initialisation seed
+  std::size_t grad_ring_slots = 2;   ///< K gradient landing buffers (>= 1)
+  Pinning pinning = Pinning::automatic;
+  /// Host memory the store may use; default: available_host_memory().
+  std::optional<std::size_t> host_memory_budget;
+};
+
+/// Byte counts of a store, computed from the specs alone.
+struct StoreFootprint {
+  std::int64_t param_count = 0;    ///< sum of all tensors' elements
+  std::int64_t slab_elements = 0;  ///< with alignment gaps
+  std::int64_t largest_unit = 0;   ///< elements of the largest unit's slab (one ring slot)
+  std::size_t master_bytes = 0, adam_bytes = 0, compute_bytes = 0, grad_ring_bytes = 0;
+  std::vector<std::size_t> unit_bytes;  ///< master + m + v + compute, per unit
+  std::size_t total_bytes() const { return master_bytes + adam_bytes + compute_bytes + grad_ring_bytes; }
+};
+
+namespace detail {
+/// Counter-based generator: value i of stream `key` is a pure function of (key, i), so
+/// initialisation is deterministic however the work is split across threads.
+constexpr std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+constexpr std::uint64_t hash_name(std::string_view s, std::uint64_t seed) {
+  std::uint64_t h = 0xcbf29ce484222325ull ^ splitmix64(seed);
+  for (char c : s) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ull;
+  return splitmix64(h);
+}
+/// Standard normal sample i of stream `key` (Box-Muller on two 32-bit uniforms).
+inline double normal_sample(std::uint64_t key, std::uint64_t i) {
+  const std::uint64_t r = splitmix64(key ^ splitmix64(i));
+  const double u1 = (static_cast<double>(r >> 32) + 1.0) * 0x1p-32;  // (0, 1]
+  const double u2 = static_cast<double>(r & 0xffffffffu) * 0x1p-32;  // [0, 1)
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
+}
+}  // namespace detail
+
+template <class T>
+class HostParamStore {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                "HostParamStore<T>: T is the master precision and must be float (training) or double (checks)");
+
+ public:
+  using value_type = T;
+  /// Every tensor starts at a multiple of kAlign elements (256 B of fp32, 128 B of bf16).
+  static constexpr std::int64_t kAlign = 64;
+
+  struct Param {
+    ParamSpec spec;
+    std::int64_t offset;  ///< element offset inside the unit's slabs
+    std::int64_t numel() const { return spec.numel(); }
+  };
+
+  class Unit {
+   public:
+    const std::string& name() const { return name_; }
+    std::size_t index() const { return index_; }
+    std::span<const Param> params() const { return params_; }
+    /// Slab length in elements (tensors plus alignment gaps): the length of its gradient.
+    std::int64_t numel() const { return numel_; }
+    /// Elements that belong to tensors.
+    std::int64_t param_count() const {
+      std::int64_t n = 0;
+      for (const auto& p : params_) n += p.numel();
+      return n;
+    }
+    /// Bytes of this unit's four slabs.
+    std::size_t bytes() const { return static_cast<std::size_t>(numel_) * (3 * sizeof(T) + sizeof(bf16)); }
+
+    std::span<T> master() const { return master_; }
+    std::span<T> adam_m() const { return m_; }
+    std::span<T> adam_v() const { return v_; }
+    std::span<bf16> compute() const { return compute_; }
+
+    /// The parameter called `name` in this unit; throws if there is none.
+    const Param& param(std::string_view name) const {
+      for (const auto& p : params_)
+        if (p.spec.name == name) return p;
+      MT_FAIL("unit '{}' has no parameter '{}'", name_, name);
+    }
+    /// Typed view of one tensor inside any slab of this unit (or a gradient laid out like it).
+    template <class E>
+    View<E> tensor(std::span<E> slab, const Param& p) const {
+      MT_CHECK(static_cast<std::int64_t>(slab.size()) >= numel_, "slab of {} elements is shorter than unit '{}' ({})",
+               slab.size(), name_, numel_);
+      return View<E>(slab.subspan(static_cast<std::size_t>(p.offset), static_cast<std::size_t>(p.numel())), p.spec.shape);
+    }
+
+   private:
+    friend class HostParamStore;
+    std::string name_;
+    std::size_t index_ = 0;
+    std::vector<Param> params_;
+    std::int64_t numel_ = 0;
+    std::int64_t base_ = 0;  // offset of this unit's slab in the store-wide allocation
+    std::span<T> master_, m_, v_;
+    std::span<bf16> compute_;
+  };
+
+  /// Computes the store's layout and byte counts without allocating; validates the specs.
+  static StoreFootprint footprint(const std::vector<UnitSpec>& units, const StoreOptions& opt = {}) {
+    MT_CHECK(!units.empty(), "a store needs at least one unit");
+    MT_CHECK(opt.grad_ring_slots >= 1, "the gradient ring needs at least one slot (got {})", opt.grad_ring_slots);
+    StoreFootprint f;
+    std::unordered_map<std::string_view, std::string_view> seen;  // parameter -> unit
+    for (const auto& u : units) {
+      MT_CHECK(!u.params.empty(), "unit '{}' has no parameters", u.name);
+      std::int64_t n = 0;
+      for (const auto& p : u.params) {
+        MT_CHECK(!p.name.empty(), "unit '{}' has a parameter without a name", u.name);
+        MT_CHECK(p.shape.rank() >= 1 && p.numel() > 0, "parameter '{}' has an empty shape {}", p.name, p.shape.str());
+        MT_CHECK(p.init != ParamInit::normal || (std::isfinite(p.init_std) && p.init_std >= 0),
+                 "parameter '{}' has an invalid init_std {}", p.name, p.init_std);
+        auto [it, fresh] = seen.emplace(p.name, u.name);
+        MT_CHECK(fresh, "parameter '{}' appears twice (units '{}' and '{}')", p.name, it->second, u.name);
+        n = align(n) + p.numel();
+        f.param_count += p.numel();
+      }
+      n = align(n);
+      f.slab_elements += n;
+      f.largest_unit = std::max(f.largest_unit, n);
+      f.unit_bytes.push_back(static_cast<std::size_t>(n) * (3 * sizeof(T) + sizeof(bf16)));
+    }
+    const auto elems = static_cast<std::size_t>(f.slab_elements);
+    f.master_bytes = elems * sizeof(T);
+    f.adam_bytes = 2 * elems * sizeof(T);
+    f.compute_bytes = elems * sizeof(bf16);
+    f.grad_ring_bytes = opt.grad_ring_slots * static_cast<std::size_t>(f.largest_unit) * sizeof(T);
+    return f;
+  }
+
+  /// Lays out, checks the memory budget, allocates and initialises (seeded) the store.
+  explicit HostParamStore(std::vector<UnitSpec> units, StoreOptions opt = {}) : options_(opt) {
+    footprint_ = footprint(units, opt);
+    const std::size_t budget = opt.host_memory_budget ? *opt.host_memory_budget : available_host_memory();
+    MT_CHECK(footprint_.total_bytes() <= budget,
+             "the parameter store needs {} ({} parameters: master {}, AdamW m and v {}, bf16 copy {}, gradient "
+             "ring {}) but only {} of host memory is available{}",
+             format_bytes(footprint_.total_bytes()), footprint_.param_count, format_bytes(footprint_.master_bytes),
+             format_bytes(footprint_.adam_bytes), format_bytes(footprint_.compute_bytes),
+             format_bytes(footprint_.grad_ring_bytes), format_bytes(budget),
+             opt.host_memory_budget ? " (the budget given in StoreOptions)"
+                                    : " (set MEGATRAIN_HOST_MEMORY if this machine's memory grows on demand)");
+
+    const auto elems = static_cast<std::size_t>(footprint_.slab_elements);
+    master_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
+    m_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
+    v_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
+    compute_buf_ = HostBuffer::allocate(elems * sizeof(bf16), opt.pinning);
+    ring_buf_ = HostBuffer::allocate(footprint_.grad_ring_bytes, opt.pinning);
+
+    std::int64_t base = 0;
+    units_.reserve(units.size());
+    for (std::size_t ui = 0; ui < units.size(); ++ui) {
+      Unit u;
+      u.name_ = std::move(units[ui].name);
+      u.index_ = ui;
+      std::int64_t n = 0;
+      for (auto& spec : units[ui].params) {
+        n = align(n);
+        u.params_.push_back(Param{std::move(spec), n});
+        n += u.params_.back().numel();
+      }
+      u.numel_ = align(n);
+      u.base_ = base;
+      const auto b = static_cast<std::size_t>(base), len = static_cast<std::size_t>(u.numel_);
+      u.master_ = master_buf_.template as<T>(b, len);
+      u.m_ = m_buf_.template as<T>(b, len);
+      u.v_ = v_buf_.template as<T>(b, len);
+      u.compute_ = compute_buf_.template as<bf16>(b, len);
+      base += u.numel_;
+      units_.push_back(std::move(u));
+    }
+    for (std::size_t ui = 0; ui < units_.size(); ++ui)
+      for (std::size_t pi = 0; pi < units_[ui].params_.size(); ++pi)
+        index_.emplace(units_[ui].params_[pi].spec.name, std::pair{ui, pi});
+    initialize(opt.seed);
+  }
+
+  HostParamStore(const HostParamStore&) = delete;
+  HostParamStore& operator=(const HostParamStore&) = delete;
+  HostParamStore(HostParamStore&&) noexcept = default;  // slabs do not move: their views stay valid
+  HostParamStore& operator=(HostParamStore&&) noexcept = default;
+
+  /// Re-initialises every master tensor from `seed` (normal(0, init_std) for matrices, ones for
+  /// norm weights, zeros for biases), zeroes m and v, and refreshes the bf16 copy. Value i of a
+  /// tensor depends only on (seed, tensor name, i): the result does not depend on thread count.
+  void initialize(std::uint64_t seed) {
+    for (auto& u : units_) {
+      for (const auto& p : u.params_) {
+        const std::uint64_t key = detail::hash_name(p.spec.name, seed);
+        const auto out = u.master_.subspan(static_cast<std::size_t>(p.offset), static_cast<std::size_t>(p.numel()));
+        const ParamInit init = p.spec.init;
+        const double stdev = p.spec.init_std;
+        tbb::parallel_for(tbb::blocked_range<std::size_t>(0, out.size(), 1 << 16), [&](const auto& r) {
+          for (std::size_t i = r.begin(); i != r.end(); ++i)
+            out[i] = init == ParamInit::normal ? static_cast<T>(stdev * detail::normal_sample(key, i))
+                                               : (init == ParamInit::ones ? T(1) : T(0));
+        });
+      }
+      std::fill(u.m_.begin(), u.m_.end(), T(0));
+      std::fill(u.v_.begin(), u.v_.end(), T(0));
+      sync_compute(u);
+    }
+  }
+
+  /// Rewrites a unit's bf16 copy from its master weights (after loading or editing masters).
+  void sync_compute(const Unit& u) {
+    if constexpr (std::is_same_v<T, float>) {
+      tbb::parallel_for(tbb::blocked_range<std::size_t>(0, u.master_.size(), 1 << 16), [&](const auto& r) {
+        convert(std::span<const float>(u.master_.subspan(r.begin(), r.size())), u.compute_.subspan(r.begin(), r.size()));
+      });
+    } else {
+      for (std::size_t i = 0; i < u.master_.size(); ++i) u.compute_[i] = bf16(static_cast<float>(u.master_[i]));
+    }
+  }
+
+  std::size_t num_units() const { return units_.size(); }
+  std::span<Unit> units() { return units_; }
+  std::span<const Unit> units() const { return units_; }
+  Unit& unit(std::size_t i) {
+    MT_CHECK(i < units_.size(), "unit {} out of range (the store has {})", i, units_.size());
+    return units_[i];
+  }
+  const Unit& unit(std::size_t i) const { return const_cast<HostParamStore*>(this)->unit(i); }
+
+  /// Where the parameter `name` lives: (unit, parameter). Throws if unknown.
+  std::pair<const Unit*, const Param*> find(std::string_view name) const {
+    auto it = index_.find(std::string(name));
+    MT_CHECK(it != index_.end(), "no parameter named '{}' in the store", name);
+    const Unit& u = units_[it->second.first];
+    return {&u, &u.params_[it->second.second]};
+  }
+  bool contains(std::string_view name) const { return index_.count(std::string(name)) != 0; }
+
+  View<T> master(std::string_view name) const { auto [u, p] = find(name); return u->tensor(u->master_, *p); }
+  View<T> adam_m(std::string_view name) const { auto [u, p] = find(name); return u->tensor(u->m_, *p); }
+  View<T> adam_v(std::string_view name) const { auto [u, p] = find(name); return u->tensor(u->v_, *p); }
+  View<bf16> compute(std::string_view name) const { auto [u, p] = find(name); return u->tensor(u->compute_, *p); }
+
+  /// Gradient landing buffer k of the ring, grad_slot_numel() elements (zeroed at start).
+  std::span<T> grad_slot(std::size_t k) const {
+    MT_CHECK(k < options_.grad_ring_slots, "gradient slot {} out of range (the ring has {})", k, options_.grad_ring_slots);
+    const auto len = static_cast<std::size_t>(footprint_.largest_unit);
+    return ring_buf_.template as<T>(k * len, len);
+  }
+  std::size_t grad_ring_slots() const { return options_.grad_ring_slots; }
+  std::int64_t grad_slot_numel() const { return footprint_.largest_unit; }
+
+  const StoreFootprint& footprint() const { return footprint_; }
+  std::size_t bytes() const { return footprint_.total_bytes(); }
+  std::int64_t param_count() const { return footprint_.param_count; }
+  /// Whether the buffers the GPU copies from and into are page-locked.
+  bool pinned() const { return compute_buf_.pinned() && ring_buf_.pinned(); }
+
+ private:
+  static constexpr std::int64_t align(std::int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+  StoreOptions options_;
+  StoreFootprint footprint_;
+  HostBuffer master_buf_, m_buf_, v_buf_, compute_buf_, ring_buf_;
+  std::vector<Unit> units_;
+  std::unordered_map<std::string, std::pair<std::size_t, std::size_t>> index_;
+};
+
+}  // namespace megatrain

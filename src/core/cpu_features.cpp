@@ -1,0 +1,48 @@
+#include "megatrain/core/cpu_features.hpp"
+
+#include <cstdlib>
+#include <string_view>
+
+#include "megatrain/core/log.hpp"
+
+namespace megatrain {
+
+SimdLevel detect_simd_level() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl"))
+    return SimdLevel::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return SimdLevel::avx2;
+#endif
+  return SimdLevel::scalar;
+}
+
+namespace {
+SimdLevel compute_active_level() {
+  const SimdLevel best = detect_simd_level();
+  const char* env = std::getenv("MEGATRAIN_SIMD");
+  if (env == nullptr || *env == '\0') return best;
+  const std::string_view want(env);
+  SimdLevel asked = best;
+  if (want == "scalar") asked = SimdLevel::scalar;
+  else if (want == "avx2") asked = SimdLevel::avx2;
+  else if (want == "avx512") asked = SimdLevel::avx512;
+  else {
+    log_warning("MEGATRAIN_SIMD={} is not one of scalar, avx2, avx512; using {}", want, simd_level_name(best));
+    return best;
+  }
+  if (asked > best) {
+    log_warning("MEGATRAIN_SIMD={} is not supported by this CPU; using {}", want, simd_level_name(best));
+    return best;
+  }
+  return asked;
+}
+}  // namespace
+
+SimdLevel active_simd_level() {
+  static const SimdLevel level = compute_active_level();
+  return level;
+}
+
+}  // namespace megatrain

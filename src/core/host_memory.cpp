@@ -1,0 +1,149 @@
+#include "megatrain/core/host_memory.hpp"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <string>
+
+#include "megatrain/core/error.hpp"
+#include "megatrain/core/log.hpp"
+
+#if MEGATRAIN_HAS_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace megatrain {
+
+namespace {
+std::size_t page_size() {
+  static const std::size_t p = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  return p;
+}
+
+bool try_pin(void* p, std::size_t bytes) {
+#if MEGATRAIN_HAS_CUDA
+  if (!cuda_device_present()) return false;
+  const cudaError_t st = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
+  if (st == cudaSuccess) return true;
+  (void)cudaGetLastError();  // clear the sticky-free error so later calls are not confused
+  log_warning("pinning {} of host memory failed ({}); using pageable memory, which copies to the GPU several "
+              "times slower. Raise the locked-memory limit (ulimit -l) or free memory.",
+              format_bytes(bytes), cudaGetErrorString(st));
+  return false;
+#else
+  (void)p;
+  (void)bytes;
+  return false;
+#endif
+}
+
+std::size_t read_size_file(const char* path) {
+  std::ifstream f(path);
+  std::string s;
+  if (!(f >> s) || s == "max") return std::numeric_limits<std::size_t>::max();
+  try {
+    return static_cast<std::size_t>(std::stoull(s));
+  } catch (...) {
+    return std::numeric_limits<std::size_t>::max();
+  }
+}
+}  // namespace
+
+HostBuffer HostBuffer::allocate(std::size_t bytes, Pinning pinning) {
+  HostBuffer b;
+  if (bytes == 0) return b;
+  const std::size_t mapped = (bytes + page_size() - 1) / page_size() * page_size();
+  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  MT_CHECK(p != MAP_FAILED, "cannot map {} of host memory: {}", format_bytes(bytes), std::strerror(errno));
+  // Large slabs are streamed through by the optimizer: huge pages cut TLB misses.
+  if (mapped >= (std::size_t{32} << 20)) (void)madvise(p, mapped, MADV_HUGEPAGE);
+  b.data_ = p;
+  b.size_ = bytes;
+  b.mapped_ = mapped;
+  if (pinning == Pinning::automatic) b.pinned_ = try_pin(p, mapped);
+  return b;
+}
+
+void HostBuffer::release() noexcept {
+  if (data_ == nullptr) return;
+#if MEGATRAIN_HAS_CUDA
+  if (pinned_) (void)cudaHostUnregister(data_);
+#endif
+  munmap(data_, mapped_);
+  data_ = nullptr;
+  size_ = mapped_ = 0;
+  pinned_ = false;
+}
+
+std::size_t parse_byte_size(const char* text) {
+  MT_CHECK(text != nullptr && *text != '\0', "empty byte size");
+  char* end = nullptr;
+  errno = 0;
+  const double v = std::strtod(text, &end);
+  MT_CHECK(errno == 0 && end != text && v >= 0 && std::isfinite(v), "'{}' is not a byte size", text);
+  double scale = 1;
+  std::string suffix(end);
+  if (!suffix.empty() && (suffix.back() == 'B' || suffix.back() == 'b')) suffix.pop_back();
+  if (suffix == "K" || suffix == "k" || suffix == "Ki") scale = 1024.0;
+  else if (suffix == "M" || suffix == "Mi") scale = 1024.0 * 1024;
+  else if (suffix == "G" || suffix == "Gi") scale = 1024.0 * 1024 * 1024;
+  else if (suffix == "T" || suffix == "Ti") scale = 1024.0 * 1024 * 1024 * 1024;
+  else MT_CHECK(suffix.empty(), "'{}' is not a byte size (suffixes: K, M, G, T)", text);
+  return static_cast<std::size_t>(v * scale);
+}
+
+std::size_t available_host_memory() {
+  if (const char* env = std::getenv("MEGATRAIN_HOST_MEMORY"); env != nullptr && *env != '\0')
+    return parse_byte_size(env);
+  std::size_t avail = std::numeric_limits<std::size_t>::max();
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  std::size_t kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemAvailable:") {
+      avail = kib * 1024;
+      break;
+    }
+  }
+  // cgroup v2, then v1: the limit minus what the group already uses.
+  std::size_t limit = read_size_file("/sys/fs/cgroup/memory.max");
+  std::size_t used = read_size_file("/sys/fs/cgroup/memory.current");
+  if (limit == std::numeric_limits<std::size_t>::max()) {
+    limit = read_size_file("/sys/fs/cgroup/memory/memory.limit_in_bytes");
+    used = read_size_file("/sys/fs/cgroup/memory/memory.usage_in_bytes");
+  }
+  if (limit != std::numeric_limits<std::size_t>::max() && used != std::numeric_limits<std::size_t>::max())
+    avail = std::min(avail, limit > used ? limit - used : 0);
+  return avail;
+}
+
+bool cuda_device_present() {
+#if MEGATRAIN_HAS_CUDA
+  static const bool present = [] {
+    int n = 0;
+    const bool ok = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+    (void)cudaGetLastError();
+    return ok;
+  }();
+  return present;
+#else
+  return false;
+#endif
+}
+
+std::string format_bytes(std::size_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (b >= 1024.0 * 1024 * 1024) return fmt::format("{:.2f} GiB", b / (1024.0 * 1024 * 1024));
+  if (b >= 1024.0 * 1024) return fmt::format("{:.1f} MiB", b / (1024.0 * 1024));
+  if (b >= 1024.0) return fmt::format("{:.1f} KiB", b / 1024.0);
+  return fmt::format("{} B", bytes);
+}
+
+}  // namespace megatrain
