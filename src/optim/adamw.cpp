@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdint>
 
 #include "detail/simd.hpp"
 #include "megatrain/optim/adamw.hpp"
@@ -39,6 +40,8 @@ MT_TARGET_AVX512 void adamw_avx512(const AdamWScalars<float>& s, float* p, float
   const __m512 gs = _mm512_set1_ps(s.grad_scale), decay = _mm512_set1_ps(s.decay);
   const __m512 omb1 = _mm512_set1_ps(s.one_minus_b1), b2 = _mm512_set1_ps(s.beta2), omb2 = _mm512_set1_ps(s.one_minus_b2);
   const __m512 bc2 = _mm512_set1_ps(s.bc2_sqrt), eps = _mm512_set1_ps(s.eps), nstep = _mm512_set1_ps(-s.step_size);
+  // The bf16 copy is not read again in this pass: stream it past the cache (no read-for-ownership).
+  const bool stream = (reinterpret_cast<std::uintptr_t>(out) & 31) == 0;
   std::size_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), gs);
@@ -51,8 +54,11 @@ MT_TARGET_AVX512 void adamw_avx512(const AdamWScalars<float>& s, float* p, float
     _mm512_storeu_ps(p + i, pn);
     _mm512_storeu_ps(m + i, mi);
     _mm512_storeu_ps(v + i, vi);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), detail::bf16x16_from_f32(pn));
+    const __m256i o = detail::bf16x16_from_f32(pn);
+    if (stream) _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i), o);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), o);
   }
+  if (stream) _mm_sfence();
   adamw_scalar(s, p + i, m + i, v + i, g + i, out + i, n - i);
 }
 
@@ -61,6 +67,7 @@ MT_TARGET_AVX2 void adamw_avx2(const AdamWScalars<float>& s, float* p, float* m,
   const __m256 gs = _mm256_set1_ps(s.grad_scale), decay = _mm256_set1_ps(s.decay);
   const __m256 omb1 = _mm256_set1_ps(s.one_minus_b1), b2 = _mm256_set1_ps(s.beta2), omb2 = _mm256_set1_ps(s.one_minus_b2);
   const __m256 bc2 = _mm256_set1_ps(s.bc2_sqrt), eps = _mm256_set1_ps(s.eps), nstep = _mm256_set1_ps(-s.step_size);
+  const bool stream = (reinterpret_cast<std::uintptr_t>(out) & 15) == 0;
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 gi = _mm256_mul_ps(_mm256_loadu_ps(g + i), gs);
@@ -73,8 +80,11 @@ MT_TARGET_AVX2 void adamw_avx2(const AdamWScalars<float>& s, float* p, float* m,
     _mm256_storeu_ps(p + i, pn);
     _mm256_storeu_ps(m + i, mi);
     _mm256_storeu_ps(v + i, vi);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), detail::bf16x8_from_f32(pn));
+    const __m128i o = detail::bf16x8_from_f32(pn);
+    if (stream) _mm_stream_si128(reinterpret_cast<__m128i*>(out + i), o);
+    else _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), o);
   }
+  if (stream) _mm_sfence();
   adamw_scalar(s, p + i, m + i, v + i, g + i, out + i, n - i);
 }
 
@@ -90,13 +100,15 @@ MT_TARGET_AVX512 double sum_squares_avx512(const float* x, std::size_t n) {
   __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
   std::size_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
-    const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    const __m512d lo = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+    const __m512d hi = _mm512_cvtps_pd(_mm256_loadu_ps(x + i + 8));
     a0 = _mm512_fmadd_pd(lo, lo, a0);
     a1 = _mm512_fmadd_pd(hi, hi, a1);
   }
-  return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1)) + sum_squares_scalar(x + i, n - i);
+  alignas(64) double lanes[8];
+  _mm512_store_pd(lanes, _mm512_add_pd(a0, a1));
+  return (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))) +
+         sum_squares_scalar(x + i, n - i);
 }
 
 MT_TARGET_AVX2 double sum_squares_avx2(const float* x, std::size_t n) {

@@ -1,0 +1,31 @@
+# cmake -DMODE=find_package|subdirectory -DSOURCE_DIR=... -DBUILD_DIR=... -DWORK_DIR=... -DGENERATOR=...
+#       -P run_consumer.cmake
+# Installs megatrain from BUILD_DIR into WORK_DIR/prefix (find_package mode), then configures,
+# builds and runs tests/package/consumer against it.
+file(REMOVE_RECURSE "${WORK_DIR}")
+set(consumer_args)
+if(MODE STREQUAL "find_package")
+  execute_process(COMMAND "${CMAKE_COMMAND}" --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix"
+                  RESULT_VARIABLE rc OUTPUT_QUIET)
+  if(rc)
+    message(FATAL_ERROR "cmake --install failed (${rc})")
+  endif()
+  list(APPEND consumer_args "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix")
+else()
+  # The CUDA part is covered by the main build; keep this one quick.
+  list(APPEND consumer_args "-DMEGATRAIN_SOURCE_DIR=${SOURCE_DIR}" -DMEGATRAIN_CUDA=OFF)
+endif()
+execute_process(COMMAND "${CMAKE_COMMAND}" -S "${SOURCE_DIR}/tests/package/consumer" -B "${WORK_DIR}/build"
+                        -G "${GENERATOR}" -DCMAKE_BUILD_TYPE=Release -DMEGATRAIN_CONSUMER_MODE=${MODE} ${consumer_args}
+                RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "configuring the consumer failed (${rc})")
+endif()
+execute_process(COMMAND "${CMAKE_COMMAND}" --build "${WORK_DIR}/build" RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "building the consumer failed (${rc})")
+endif()
+execute_process(COMMAND "${WORK_DIR}/build/consumer" RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "the consumer program failed (${rc})")
+endif()
