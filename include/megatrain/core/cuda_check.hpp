@@ -10,24 +10,23 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdlib>
-#include <source_location>
 
 #include "megatrain/core/error.hpp"
 
 namespace megatrain::detail {
 
-[[noreturn]] inline void throw_status(const char* expr, std::string reason, const std::source_location& where) {
+[[noreturn]] inline void throw_status(const char* expr, std::string reason, const SourceLoc& where) {
   throw_error(expr, std::move(reason), where);
 }
 
-inline void check_status(cudaError_t st, const char* expr, const std::source_location& where) {
+inline void check_status(cudaError_t st, const char* expr, const SourceLoc& where) {
   if (st != cudaSuccess) [[unlikely]] {
     (void)cudaGetLastError();  // clear a non-sticky error so that the next call starts clean
     throw_status(expr, fmt::format("returned {} ({})", cudaGetErrorName(st), cudaGetErrorString(st)), where);
   }
 }
 
-inline void check_status(cublasStatus_t st, const char* expr, const std::source_location& where) {
+inline void check_status(cublasStatus_t st, const char* expr, const SourceLoc& where) {
   if (st != CUBLAS_STATUS_SUCCESS) [[unlikely]]
     throw_status(expr, fmt::format("returned {} ({})", cublasGetStatusName(st), cublasGetStatusString(st)), where);
 }
@@ -40,7 +39,7 @@ inline bool sync_debug_enabled() {
   return on;
 }
 
-inline void check_launch(const char* what, const std::source_location& where) {
+inline void check_launch(const char* what, const SourceLoc& where) {
   check_status(cudaGetLastError(), what, where);
   if (sync_debug_enabled()) check_status(cudaDeviceSynchronize(), what, where);
 }
@@ -49,7 +48,7 @@ inline void check_launch(const char* what, const std::source_location& where) {
 
 /// Checks a cudaError_t or cublasStatus_t (or, with cudnn_check.hpp / nccl_check.hpp included,
 /// a cudnnStatus_t or ncclResult_t).
-#define MT_CUDA_CHECK(expr) ::megatrain::detail::check_status((expr), #expr, std::source_location::current())
+#define MT_CUDA_CHECK(expr) ::megatrain::detail::check_status((expr), #expr, MT_HERE)
 
 /// After a kernel launch: checks the launch error (and synchronises under MEGATRAIN_SYNC_DEBUG).
-#define MT_CUDA_CHECK_LAUNCH(kernel_name) ::megatrain::detail::check_launch(kernel_name, std::source_location::current())
+#define MT_CUDA_CHECK_LAUNCH(kernel_name) ::megatrain::detail::check_launch(kernel_name, MT_HERE)

@@ -6,7 +6,7 @@
 #include "megatrain/core/cuda_check.hpp"
 
 namespace megatrain::detail {
-inline void check_status(cudnnStatus_t st, const char* expr, const std::source_location& where) {
+inline void check_status(cudnnStatus_t st, const char* expr, const SourceLoc& where) {
   if (st != CUDNN_STATUS_SUCCESS) [[unlikely]] {
     char detail[512] = {0};
     cudnnGetLastErrorString(detail, sizeof detail);

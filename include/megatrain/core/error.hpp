@@ -8,7 +8,6 @@
 
 #include <fmt/format.h>
 
-#include <source_location>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -34,6 +33,14 @@ class Error : public std::runtime_error {
 
 namespace detail {
 
+/// Where a check was made. (std::source_location would do, but clang 14 cannot compile
+/// libstdc++ 12's; the builtins below work with every compiler megatrain supports.)
+struct SourceLoc {
+  const char* file;
+  int line;
+  const char* function;  ///< the compiler's pretty signature
+};
+
 /// Strips a compiler's pretty function signature down to its qualified name ("ns::Class::fn").
 constexpr std::string_view short_function_name(std::string_view pretty) {
   auto paren = pretty.find('(');
@@ -49,32 +56,30 @@ constexpr std::string_view short_function_name(std::string_view pretty) {
   return pretty;
 }
 
-[[noreturn]] inline void throw_error(std::string_view call, std::string reason,
-                                     const std::source_location& where) {
-  std::string_view file = where.file_name();
+[[noreturn]] inline void throw_error(std::string_view call, std::string reason, const SourceLoc& where) {
+  std::string_view file = where.file;
   if (auto pos = file.rfind("include/megatrain/"); pos != std::string_view::npos) file.remove_prefix(pos + 8);
   else if (auto pos2 = file.rfind("/src/"); pos2 != std::string_view::npos) file.remove_prefix(pos2 + 1);
-  throw Error(std::string(call), std::move(reason), std::string(file), static_cast<int>(where.line()));
+  throw Error(std::string(call), std::move(reason), std::string(file), where.line);
 }
 
 }  // namespace detail
 }  // namespace megatrain
 
+/// The current source location, as a megatrain::detail::SourceLoc.
+#define MT_HERE (::megatrain::detail::SourceLoc{__FILE__, __LINE__, __PRETTY_FUNCTION__})
+
 /// Throws megatrain::Error naming the enclosing function when `cond` is false.
 /// The remaining arguments are a fmt format string and its arguments.
-#define MT_CHECK(cond, ...)                                                                          \
-  do {                                                                                               \
-    if (!(cond)) [[unlikely]] {                                                                      \
-      const auto mt_where_ = std::source_location::current();                                        \
-      ::megatrain::detail::throw_error(::megatrain::detail::short_function_name(mt_where_.function_name()), \
-                                       ::fmt::format(__VA_ARGS__), mt_where_);                      \
-    }                                                                                                \
+#define MT_CHECK(cond, ...)                                                                             \
+  do {                                                                                                  \
+    if (!(cond)) [[unlikely]] {                                                                         \
+      ::megatrain::detail::throw_error(::megatrain::detail::short_function_name(__PRETTY_FUNCTION__),   \
+                                       ::fmt::format(__VA_ARGS__), MT_HERE);                           \
+    }                                                                                                   \
   } while (0)
 
 /// Throws megatrain::Error naming the enclosing function.
-#define MT_FAIL(...)                                                                                 \
-  do {                                                                                               \
-    const auto mt_where_ = std::source_location::current();                                          \
-    ::megatrain::detail::throw_error(::megatrain::detail::short_function_name(mt_where_.function_name()),   \
-                                     ::fmt::format(__VA_ARGS__), mt_where_);                        \
-  } while (0)
+#define MT_FAIL(...)                                                                                                \
+  ::megatrain::detail::throw_error(::megatrain::detail::short_function_name(__PRETTY_FUNCTION__), ::fmt::format(__VA_ARGS__), \
+                                   MT_HERE)

@@ -6,7 +6,7 @@
 #include "megatrain/core/cuda_check.hpp"
 
 namespace megatrain::detail {
-inline void check_status(ncclResult_t st, const char* expr, const std::source_location& where) {
+inline void check_status(ncclResult_t st, const char* expr, const SourceLoc& where) {
   if (st != ncclSuccess) [[unlikely]] {
     const char* last = ncclGetLastError(nullptr);
     throw_status(expr, fmt::format("returned {}{}{}", ncclGetErrorString(st), last && *last ? ": " : "", last ? last : ""),

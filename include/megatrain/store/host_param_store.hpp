@@ -33,6 +33,7 @@
 #include "megatrain/core/host_memory.hpp"
 #include "megatrain/core/tensor.hpp"
 #include "megatrain/model/param_spec.hpp"
+#include "megatrain/model/unit_layout.hpp"
 
 namespace megatrain {
 
@@ -84,30 +85,27 @@ class HostParamStore {
 
  public:
   using value_type = T;
-  /// Every tensor starts at a multiple of kAlign elements (256 B of fp32, 128 B of bf16).
-  static constexpr std::int64_t kAlign = 64;
+  /// Every tensor starts at a multiple of kAlign elements (UnitLayout's rule).
+  static constexpr std::int64_t kAlign = UnitLayout::kAlign;
 
-  struct Param {
-    ParamSpec spec;
-    std::int64_t offset;  ///< element offset inside the unit's slabs
-    std::int64_t numel() const { return spec.numel(); }
-  };
+  using Param = UnitLayout::Entry;  ///< spec and element offset inside the unit's slabs
 
   class Unit {
    public:
     const std::string& name() const { return name_; }
     std::size_t index() const { return index_; }
-    std::span<const Param> params() const { return params_; }
+    std::span<const Param> params() const { return layout_.entries(); }
+    const UnitLayout& layout() const { return layout_; }
     /// Slab length in elements (tensors plus alignment gaps): the length of its gradient.
-    std::int64_t numel() const { return numel_; }
+    std::int64_t numel() const { return layout_.numel(); }
     /// Elements that belong to tensors.
     std::int64_t param_count() const {
       std::int64_t n = 0;
-      for (const auto& p : params_) n += p.numel();
+      for (const auto& p : params()) n += p.numel();
       return n;
     }
     /// Bytes of this unit's four slabs.
-    std::size_t bytes() const { return static_cast<std::size_t>(numel_) * (3 * sizeof(T) + sizeof(bf16)); }
+    std::size_t bytes() const { return static_cast<std::size_t>(numel()) * (3 * sizeof(T) + sizeof(bf16)); }
 
     std::span<T> master() const { return master_; }
     std::span<T> adam_m() const { return m_; }
@@ -116,15 +114,15 @@ class HostParamStore {
 
     /// The parameter called `name` in this unit; throws if there is none.
     const Param& param(std::string_view name) const {
-      for (const auto& p : params_)
-        if (p.spec.name == name) return p;
-      MT_FAIL("unit '{}' has no parameter '{}'", name_, name);
+      const Param* p = layout_.find(name);
+      MT_CHECK(p != nullptr, "unit '{}' has no parameter '{}'", name_, name);
+      return *p;
     }
     /// Typed view of one tensor inside any slab of this unit (or a gradient laid out like it).
     template <class E>
     View<E> tensor(std::span<E> slab, const Param& p) const {
-      MT_CHECK(static_cast<std::int64_t>(slab.size()) >= numel_, "slab of {} elements is shorter than unit '{}' ({})",
-               slab.size(), name_, numel_);
+      MT_CHECK(static_cast<std::int64_t>(slab.size()) >= numel(), "slab of {} elements is shorter than unit '{}' ({})",
+               slab.size(), name_, numel());
       return View<E>(slab.subspan(static_cast<std::size_t>(p.offset), static_cast<std::size_t>(p.numel())), p.spec.shape);
     }
 
@@ -132,9 +130,7 @@ class HostParamStore {
     friend class HostParamStore;
     std::string name_;
     std::size_t index_ = 0;
-    std::vector<Param> params_;
-    std::int64_t numel_ = 0;
-    std::int64_t base_ = 0;  // offset of this unit's slab in the store-wide allocation
+    UnitLayout layout_;
     std::span<T> master_, m_, v_;
     std::span<bf16> compute_;
   };
@@ -147,7 +143,6 @@ class HostParamStore {
     std::unordered_map<std::string_view, std::string_view> seen;  // parameter -> unit
     for (const auto& u : units) {
       MT_CHECK(!u.params.empty(), "unit '{}' has no parameters", u.name);
-      std::int64_t n = 0;
       for (const auto& p : u.params) {
         MT_CHECK(!p.name.empty(), "unit '{}' has a parameter without a name", u.name);
         MT_CHECK(p.shape.rank() >= 1 && p.numel() > 0, "parameter '{}' has an empty shape {}", p.name, p.shape.str());
@@ -155,10 +150,9 @@ class HostParamStore {
                  "parameter '{}' has an invalid init_std {}", p.name, p.init_std);
         auto [it, fresh] = seen.emplace(p.name, u.name);
         MT_CHECK(fresh, "parameter '{}' appears twice (units '{}' and '{}')", p.name, it->second, u.name);
-        n = align(n) + p.numel();
         f.param_count += p.numel();
       }
-      n = align(n);
+      const std::int64_t n = UnitLayout(u.params).numel();
       f.slab_elements += n;
       f.largest_unit = std::max(f.largest_unit, n);
       f.unit_bytes.push_back(static_cast<std::size_t>(n) * (3 * sizeof(T) + sizeof(bf16)));
@@ -197,25 +191,18 @@ class HostParamStore {
       Unit u;
       u.name_ = std::move(units[ui].name);
       u.index_ = ui;
-      std::int64_t n = 0;
-      for (auto& spec : units[ui].params) {
-        n = align(n);
-        u.params_.push_back(Param{std::move(spec), n});
-        n += u.params_.back().numel();
-      }
-      u.numel_ = align(n);
-      u.base_ = base;
-      const auto b = static_cast<std::size_t>(base), len = static_cast<std::size_t>(u.numel_);
+      u.layout_ = UnitLayout(std::move(units[ui].params));
+      const auto b = static_cast<std::size_t>(base), len = static_cast<std::size_t>(u.numel());
       u.master_ = master_buf_.template as<T>(b, len);
       u.m_ = m_buf_.template as<T>(b, len);
       u.v_ = v_buf_.template as<T>(b, len);
       u.compute_ = compute_buf_.template as<bf16>(b, len);
-      base += u.numel_;
+      base += u.numel();
       units_.push_back(std::move(u));
     }
     for (std::size_t ui = 0; ui < units_.size(); ++ui)
-      for (std::size_t pi = 0; pi < units_[ui].params_.size(); ++pi)
-        index_.emplace(units_[ui].params_[pi].spec.name, std::pair{ui, pi});
+      for (std::size_t pi = 0; pi < units_[ui].params().size(); ++pi)
+        index_.emplace(units_[ui].params()[pi].spec.name, std::pair{ui, pi});
     initialize(opt.seed);
   }
 
@@ -229,7 +216,7 @@ class HostParamStore {
   /// tensor depends only on (seed, tensor name, i): the result does not depend on thread count.
   void initialize(std::uint64_t seed) {
     for (auto& u : units_) {
-      for (const auto& p : u.params_) {
+      for (const auto& p : u.params()) {
         const std::uint64_t key = detail::hash_name(p.spec.name, seed);
         const auto out = u.master_.subspan(static_cast<std::size_t>(p.offset), static_cast<std::size_t>(p.numel()));
         const ParamInit init = p.spec.init;
@@ -271,7 +258,7 @@ class HostParamStore {
     auto it = index_.find(std::string(name));
     MT_CHECK(it != index_.end(), "no parameter named '{}' in the store", name);
     const Unit& u = units_[it->second.first];
-    return {&u, &u.params_[it->second.second]};
+    return {&u, &u.params()[it->second.second]};
   }
   bool contains(std::string_view name) const { return index_.count(std::string(name)) != 0; }
 
@@ -296,8 +283,6 @@ class HostParamStore {
   bool pinned() const { return compute_buf_.pinned() && ring_buf_.pinned(); }
 
  private:
-  static constexpr std::int64_t align(std::int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-
   StoreOptions options_;
   StoreFootprint footprint_;
   HostBuffer master_buf_, m_buf_, v_buf_, compute_buf_, ring_buf_;

@@ -1,0 +1,52 @@
+// ParamBinder: hands an op views of its tensors, by Hugging Face name, inside whatever buffers
+// hold them right now — a host slab, a device slot the pipeline streamed into, a gradient
+// accumulator. It knows each buffer's UnitLayout, so a view always has the spec's shape and
+// lies inside its buffer. Tied weights (an LM head that is the embedding table) are found in
+// another unit's buffer by giving the binder both.
+#pragma once
+
+#include <initializer_list>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "megatrain/core/error.hpp"
+#include "megatrain/core/tensor.hpp"
+#include "megatrain/model/unit_layout.hpp"
+
+namespace megatrain {
+
+template <class E>
+class ParamBinder {
+ public:
+  struct Slab {
+    const UnitLayout* layout;
+    std::span<E> data;  ///< at least layout->numel() elements
+  };
+
+  ParamBinder(std::initializer_list<Slab> slabs) : slabs_(slabs) {
+    for (const auto& s : slabs_)
+      MT_CHECK(static_cast<std::int64_t>(s.data.size()) >= s.layout->numel(),
+               "buffer of {} elements is shorter than its unit's layout ({} elements)", s.data.size(), s.layout->numel());
+  }
+
+  /// The tensor called `name`; throws if no slab has it.
+  View<E> operator()(std::string_view name) const {
+    for (const auto& s : slabs_)
+      if (const auto* e = s.layout->find(name))
+        return View<E>(s.data.subspan(static_cast<std::size_t>(e->offset), static_cast<std::size_t>(e->numel())),
+                       e->spec.shape);
+    MT_FAIL("no bound buffer holds the tensor '{}'", name);
+  }
+  /// The tensor called `name`, or an empty view if no slab has it (optional biases).
+  View<E> optional(std::string_view name) const {
+    for (const auto& s : slabs_)
+      if (s.layout->find(name) != nullptr) return (*this)(name);
+    return {};
+  }
+
+ private:
+  std::vector<Slab> slabs_;
+};
+
+}  // namespace megatrain

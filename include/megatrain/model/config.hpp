@@ -1,0 +1,78 @@
+// ModelConfig: the shape of a decoder-only model, read from a Hugging Face config.json.
+//
+// Supported architectures: LlamaForCausalLM (Llama 2 and 3.x, with "llama3" / "linear" rope
+// scaling), MistralForCausalLM and Qwen2ForCausalLM (q/k/v projections with bias). Anything else,
+// a missing required field, a field of the wrong type, or fields that contradict each other
+// (a head count that does not divide the hidden size, key/value heads that do not divide the
+// query heads, an odd head_dim, ...) is an error naming the file and the field.
+#pragma once
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace megatrain {
+
+enum class Architecture { llama, mistral, qwen2 };
+
+/// How rotary frequencies are derived from rope_theta (Hugging Face's rope_scaling / rope_parameters).
+struct RopeScaling {
+  enum class Type { none, linear, llama3 } type = Type::none;
+  double factor = 1.0;
+  double low_freq_factor = 1.0;                       ///< llama3
+  double high_freq_factor = 4.0;                      ///< llama3
+  std::int64_t original_max_position_embeddings = 8192;  ///< llama3
+};
+
+struct ModelConfig {
+  Architecture architecture = Architecture::llama;
+  std::int64_t hidden_size = 0;
+  std::int64_t intermediate_size = 0;
+  std::int64_t num_hidden_layers = 0;
+  std::int64_t num_attention_heads = 0;
+  std::int64_t num_key_value_heads = 0;
+  std::int64_t head_dim = 0;
+  std::int64_t vocab_size = 0;
+  std::int64_t max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = false;
+  bool qkv_bias = false;   ///< biases on q, k, v projections (Qwen2 always; Llama's attention_bias)
+  bool o_bias = false;     ///< bias on the output projection (Llama's attention_bias)
+  bool mlp_bias = false;   ///< biases on gate/up/down (Llama's mlp_bias)
+  std::optional<std::int64_t> sliding_window;  ///< Mistral/Qwen2: attention window, if any
+  double initializer_range = 0.02;
+
+  /// Parses a config.json object; `source` names it in errors (a path, or "<flags>").
+  static ModelConfig from_json(const nlohmann::json& j, std::string_view source = "config.json");
+  /// Reads and parses a config.json file.
+  static ModelConfig from_file(const std::filesystem::path& path);
+  /// A built-in shape by name: "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama-3.2-1b",
+  /// "llama-3.2-3b", "llama-3.1-8b", "mistral-7b". Throws for an unknown name (listing them).
+  static ModelConfig preset(std::string_view name);
+  static std::vector<std::string> preset_names();
+
+  /// Throws megatrain::Error naming the first inconsistent field.
+  void validate(std::string_view source = "model config") const;
+  /// The config.json a Hugging Face loader reads back into the same model.
+  nlohmann::json to_json() const;
+
+  std::string_view architecture_name() const;  ///< "LlamaForCausalLM", ...
+  std::string_view model_type() const;         ///< "llama", "mistral", "qwen2"
+  std::int64_t q_dim() const { return num_attention_heads * head_dim; }
+  std::int64_t kv_dim() const { return num_key_value_heads * head_dim; }
+  /// The rotary inverse frequencies (head_dim / 2 of them), rope scaling applied, in double.
+  std::vector<double> rope_inv_freq() const;
+  /// Parameters in the whole model (embedding, blocks, final norm, LM head unless tied).
+  std::int64_t param_count() const;
+  /// Throws if a sequence of `seq_len` tokens is beyond what this model can attend over exactly.
+  void check_sequence_length(std::int64_t seq_len) const;
+};
+
+}  // namespace megatrain

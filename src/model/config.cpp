@@ -1,0 +1,359 @@
+#include "megatrain/model/config.hpp"
+
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <numbers>
+#include <sstream>
+
+#include "megatrain/core/error.hpp"
+
+namespace megatrain {
+
+namespace {
+
+using json = nlohmann::json;
+
+std::string type_name(const json& v) { return v.type_name(); }
+
+std::int64_t get_int(const json& j, const char* key, std::string_view src, std::optional<std::int64_t> def = {}) {
+  if (!j.contains(key) || j.at(key).is_null()) {
+    MT_CHECK(def.has_value(), "{}: required field '{}' is missing", src, key);
+    return *def;
+  }
+  const json& v = j.at(key);
+  MT_CHECK(v.is_number_integer() || (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>()),
+           "{}: field '{}' must be an integer, not {} ({})", src, key, type_name(v), v.dump());
+  return v.is_number_integer() ? v.get<std::int64_t>() : static_cast<std::int64_t>(v.get<double>());
+}
+
+double get_double(const json& j, const char* key, std::string_view src, std::optional<double> def = {}) {
+  if (!j.contains(key) || j.at(key).is_null()) {
+    MT_CHECK(def.has_value(), "{}: required field '{}' is missing", src, key);
+    return *def;
+  }
+  const json& v = j.at(key);
+  MT_CHECK(v.is_number(), "{}: field '{}' must be a number, not {} ({})", src, key, type_name(v), v.dump());
+  return v.get<double>();
+}
+
+bool get_bool(const json& j, const char* key, std::string_view src, bool def) {
+  if (!j.contains(key) || j.at(key).is_null()) return def;
+  const json& v = j.at(key);
+  MT_CHECK(v.is_boolean(), "{}: field '{}' must be true or false, not {} ({})", src, key, type_name(v), v.dump());
+  return v.get<bool>();
+}
+
+struct ArchInfo {
+  Architecture arch;
+  const char* class_name;
+  const char* model_type;
+};
+constexpr ArchInfo kArchs[] = {
+    {Architecture::llama, "LlamaForCausalLM", "llama"},
+    {Architecture::mistral, "MistralForCausalLM", "mistral"},
+    {Architecture::qwen2, "Qwen2ForCausalLM", "qwen2"},
+};
+
+RopeScaling parse_rope_scaling(const json& r, std::string_view src) {
+  RopeScaling s;
+  MT_CHECK(r.is_object(), "{}: rope_scaling must be an object or null, not {}", src, type_name(r));
+  std::string type = "default";
+  for (const char* key : {"rope_type", "type"})
+    if (r.contains(key) && r.at(key).is_string()) type = r.at(key).get<std::string>();
+  if (type == "default") return s;
+  if (type == "linear") {
+    s.type = RopeScaling::Type::linear;
+    s.factor = get_double(r, "factor", src);
+  } else if (type == "llama3") {
+    s.type = RopeScaling::Type::llama3;
+    s.factor = get_double(r, "factor", src);
+    s.low_freq_factor = get_double(r, "low_freq_factor", src, 1.0);
+    s.high_freq_factor = get_double(r, "high_freq_factor", src, 4.0);
+    s.original_max_position_embeddings = get_int(r, "original_max_position_embeddings", src, 8192);
+  } else {
+    MT_FAIL("{}: rope scaling type '{}' is not supported (supported: default, linear, llama3)", src, type);
+  }
+  MT_CHECK(s.factor > 0, "{}: rope scaling factor must be > 0 (got {})", src, s.factor);
+  return s;
+}
+
+}  // namespace
+
+ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
+  MT_CHECK(j.is_object(), "{}: a model config must be a JSON object, not {}", src, type_name(j));
+  ModelConfig c;
+  // Architecture: the first entry of "architectures", else "model_type".
+  std::string arch_name;
+  if (j.contains("architectures") && !j.at("architectures").is_null()) {
+    const json& a = j.at("architectures");
+    MT_CHECK(a.is_array() && !a.empty() && a.at(0).is_string(),
+             "{}: 'architectures' must be a non-empty list of names, not {}", src, a.dump());
+    arch_name = a.at(0).get<std::string>();
+    const ArchInfo* found = nullptr;
+    for (const auto& info : kArchs)
+      if (arch_name == info.class_name) found = &info;
+    MT_CHECK(found != nullptr, "{}: architecture '{}' is not supported (supported: LlamaForCausalLM, MistralForCausalLM, "
+             "Qwen2ForCausalLM)", src, arch_name);
+    c.architecture = found->arch;
+  } else {
+    MT_CHECK(j.contains("model_type") && j.at("model_type").is_string(),
+             "{}: neither 'architectures' nor 'model_type' says what model this is", src);
+    arch_name = j.at("model_type").get<std::string>();
+    const ArchInfo* found = nullptr;
+    for (const auto& info : kArchs)
+      if (arch_name == info.model_type) found = &info;
+    MT_CHECK(found != nullptr, "{}: model_type '{}' is not supported (supported: llama, mistral, qwen2)", src, arch_name);
+    c.architecture = found->arch;
+  }
+  if (j.contains("hidden_act") && !j.at("hidden_act").is_null()) {
+    const json& act = j.at("hidden_act");
+    MT_CHECK(act.is_string() && act.get<std::string>() == "silu",
+             "{}: hidden_act {} is not supported (these architectures use \"silu\")", src, act.dump());
+  }
+
+  c.hidden_size = get_int(j, "hidden_size", src);
+  c.intermediate_size = get_int(j, "intermediate_size", src);
+  c.num_hidden_layers = get_int(j, "num_hidden_layers", src);
+  c.num_attention_heads = get_int(j, "num_attention_heads", src);
+  c.num_key_value_heads = get_int(j, "num_key_value_heads", src, c.num_attention_heads);
+  c.vocab_size = get_int(j, "vocab_size", src);
+  MT_CHECK(c.num_attention_heads > 0, "{}: num_attention_heads must be > 0 (got {})", src, c.num_attention_heads);
+  if (j.contains("head_dim") && !j.at("head_dim").is_null()) {
+    c.head_dim = get_int(j, "head_dim", src);
+  } else {
+    MT_CHECK(c.hidden_size % c.num_attention_heads == 0,
+             "{}: hidden_size {} is not a multiple of num_attention_heads {} and no head_dim is given", src,
+             c.hidden_size, c.num_attention_heads);
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  const std::int64_t default_max_pos = c.architecture == Architecture::qwen2 ? 32768
+                                       : c.architecture == Architecture::mistral ? 131072 : 2048;
+  c.max_position_embeddings = get_int(j, "max_position_embeddings", src, default_max_pos);
+  c.rms_norm_eps = get_double(j, "rms_norm_eps", src, 1e-6);
+  c.initializer_range = get_double(j, "initializer_range", src, 0.02);
+  c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", src, false);
+
+  // Rotary: transformers 4 keeps rope_theta and rope_scaling at the top level; transformers 5
+  // may put both into rope_parameters.
+  c.rope_theta = get_double(j, "rope_theta", src, 10000.0);
+  if (j.contains("rope_parameters") && !j.at("rope_parameters").is_null()) {
+    const json& rp = j.at("rope_parameters");
+    MT_CHECK(rp.is_object(), "{}: rope_parameters must be an object", src);
+    if (rp.contains("rope_theta")) c.rope_theta = get_double(rp, "rope_theta", src);
+    c.rope_scaling = parse_rope_scaling(rp, src);
+  }
+  if (j.contains("rope_scaling") && !j.at("rope_scaling").is_null())
+    c.rope_scaling = parse_rope_scaling(j.at("rope_scaling"), src);
+
+  switch (c.architecture) {
+    case Architecture::llama:
+      c.qkv_bias = c.o_bias = get_bool(j, "attention_bias", src, false);
+      c.mlp_bias = get_bool(j, "mlp_bias", src, false);
+      break;
+    case Architecture::qwen2:
+      c.qkv_bias = true;  // Qwen2's q/k/v projections always carry a bias; o_proj never does
+      if (get_bool(j, "use_sliding_window", src, false)) c.sliding_window = get_int(j, "sliding_window", src);
+      break;
+    case Architecture::mistral:
+      if (j.contains("sliding_window") && !j.at("sliding_window").is_null())
+        c.sliding_window = get_int(j, "sliding_window", src);
+      break;
+  }
+  c.validate(src);
+  return c;
+}
+
+ModelConfig ModelConfig::from_file(const std::filesystem::path& path) {
+  std::ifstream f(path);
+  MT_CHECK(f.good(), "cannot open model config '{}'", path.string());
+  std::stringstream ss;
+  ss << f.rdbuf();
+  json j;
+  try {
+    j = json::parse(ss.str());
+  } catch (const json::parse_error& e) {
+    MT_FAIL("{}: malformed JSON: {}", path.string(), e.what());
+  }
+  return from_json(j, path.string());
+}
+
+void ModelConfig::validate(std::string_view src) const {
+  auto positive = [&](std::int64_t v, const char* name) { MT_CHECK(v > 0, "{}: {} must be > 0 (got {})", src, name, v); };
+  positive(hidden_size, "hidden_size");
+  positive(intermediate_size, "intermediate_size");
+  positive(num_hidden_layers, "num_hidden_layers");
+  positive(num_attention_heads, "num_attention_heads");
+  positive(num_key_value_heads, "num_key_value_heads");
+  positive(head_dim, "head_dim");
+  positive(vocab_size, "vocab_size");
+  positive(max_position_embeddings, "max_position_embeddings");
+  MT_CHECK(num_attention_heads % num_key_value_heads == 0,
+           "{}: num_key_value_heads {} does not divide num_attention_heads {}", src, num_key_value_heads,
+           num_attention_heads);
+  MT_CHECK(head_dim % 2 == 0, "{}: head_dim must be even for rotary embeddings (got {})", src, head_dim);
+  MT_CHECK(std::isfinite(rms_norm_eps) && rms_norm_eps > 0, "{}: rms_norm_eps must be > 0 (got {})", src, rms_norm_eps);
+  MT_CHECK(std::isfinite(rope_theta) && rope_theta > 1, "{}: rope_theta must be > 1 (got {})", src, rope_theta);
+  MT_CHECK(vocab_size <= (std::int64_t{1} << 31) - 1, "{}: vocab_size {} does not fit 32-bit token ids", src, vocab_size);
+  MT_CHECK(!sliding_window || *sliding_window > 0, "{}: sliding_window must be > 0 (got {})", src, *sliding_window);
+  MT_CHECK(rope_scaling.type != RopeScaling::Type::llama3 || rope_scaling.high_freq_factor > rope_scaling.low_freq_factor,
+           "{}: llama3 rope scaling needs high_freq_factor > low_freq_factor", src);
+}
+
+std::string_view ModelConfig::architecture_name() const {
+  for (const auto& a : kArchs)
+    if (a.arch == architecture) return a.class_name;
+  return "?";
+}
+std::string_view ModelConfig::model_type() const {
+  for (const auto& a : kArchs)
+    if (a.arch == architecture) return a.model_type;
+  return "?";
+}
+
+json ModelConfig::to_json() const {
+  json j;
+  j["architectures"] = {std::string(architecture_name())};
+  j["model_type"] = std::string(model_type());
+  j["hidden_size"] = hidden_size;
+  j["intermediate_size"] = intermediate_size;
+  j["num_hidden_layers"] = num_hidden_layers;
+  j["num_attention_heads"] = num_attention_heads;
+  j["num_key_value_heads"] = num_key_value_heads;
+  j["head_dim"] = head_dim;
+  j["vocab_size"] = vocab_size;
+  j["max_position_embeddings"] = max_position_embeddings;
+  j["rms_norm_eps"] = rms_norm_eps;
+  j["rope_theta"] = rope_theta;
+  j["hidden_act"] = "silu";
+  j["tie_word_embeddings"] = tie_word_embeddings;
+  j["initializer_range"] = initializer_range;
+  switch (rope_scaling.type) {
+    case RopeScaling::Type::none: j["rope_scaling"] = nullptr; break;
+    case RopeScaling::Type::linear: j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", rope_scaling.factor}}; break;
+    case RopeScaling::Type::llama3:
+      j["rope_scaling"] = {{"rope_type", "llama3"},
+                           {"factor", rope_scaling.factor},
+                           {"low_freq_factor", rope_scaling.low_freq_factor},
+                           {"high_freq_factor", rope_scaling.high_freq_factor},
+                           {"original_max_position_embeddings", rope_scaling.original_max_position_embeddings}};
+      break;
+  }
+  if (architecture == Architecture::llama) {
+    j["attention_bias"] = qkv_bias;
+    j["mlp_bias"] = mlp_bias;
+  }
+  if (architecture == Architecture::qwen2) {
+    j["use_sliding_window"] = sliding_window.has_value();
+    j["sliding_window"] = sliding_window ? json(*sliding_window) : json(nullptr);
+  }
+  if (architecture == Architecture::mistral) j["sliding_window"] = sliding_window ? json(*sliding_window) : json(nullptr);
+  return j;
+}
+
+std::vector<double> ModelConfig::rope_inv_freq() const {
+  const std::int64_t half = head_dim / 2;
+  std::vector<double> f(static_cast<std::size_t>(half));
+  for (std::int64_t i = 0; i < half; ++i)
+    f[static_cast<std::size_t>(i)] = 1.0 / std::pow(rope_theta, static_cast<double>(2 * i) / static_cast<double>(head_dim));
+  switch (rope_scaling.type) {
+    case RopeScaling::Type::none: break;
+    case RopeScaling::Type::linear:
+      for (auto& x : f) x /= rope_scaling.factor;
+      break;
+    case RopeScaling::Type::llama3: {
+      // Long wavelengths are slowed by `factor`, short ones kept, and those in between blended.
+      const double old_ctx = static_cast<double>(rope_scaling.original_max_position_embeddings);
+      const double low_wavelen = old_ctx / rope_scaling.low_freq_factor;
+      const double high_wavelen = old_ctx / rope_scaling.high_freq_factor;
+      for (auto& x : f) {
+        const double wavelen = 2 * std::numbers::pi / x;
+        if (wavelen > low_wavelen) {
+          x /= rope_scaling.factor;
+        } else if (wavelen >= high_wavelen) {
+          const double smooth = (old_ctx / wavelen - rope_scaling.low_freq_factor) /
+                                (rope_scaling.high_freq_factor - rope_scaling.low_freq_factor);
+          x = (1 - smooth) * x / rope_scaling.factor + smooth * x;
+        }
+      }
+      break;
+    }
+  }
+  return f;
+}
+
+std::int64_t ModelConfig::param_count() const {
+  const std::int64_t d = hidden_size;
+  std::int64_t block = 2 * d                                   // two norms
+                       + d * q_dim() + 2 * d * kv_dim() + q_dim() * d  // q, k, v, o
+                       + 3 * d * intermediate_size;            // gate, up, down
+  if (qkv_bias) block += q_dim() + 2 * kv_dim();
+  if (o_bias) block += d;
+  if (mlp_bias) block += 2 * intermediate_size + d;
+  std::int64_t n = vocab_size * d + num_hidden_layers * block + d;
+  if (!tie_word_embeddings) n += vocab_size * d;
+  return n;
+}
+
+void ModelConfig::check_sequence_length(std::int64_t seq_len) const {
+  MT_CHECK(seq_len > 0, "sequence length must be > 0 (got {})", seq_len);
+  MT_CHECK(!sliding_window || seq_len <= *sliding_window,
+           "sequence length {} exceeds this {} model's sliding_window {}; sliding-window attention is not implemented, "
+           "so train with sequences of at most {} tokens",
+           seq_len, architecture_name(), *sliding_window, *sliding_window);
+}
+
+namespace {
+struct Preset {
+  const char* name;
+  const char* json_text;
+};
+// Shapes of public models (their config.json fields), for benchmarks and from-scratch training.
+constexpr Preset kPresets[] = {
+    {"qwen2.5-0.5b", R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":896,"intermediate_size":4864,
+      "num_hidden_layers":24,"num_attention_heads":14,"num_key_value_heads":2,"vocab_size":151936,
+      "max_position_embeddings":32768,"rms_norm_eps":1e-6,"rope_theta":1000000.0,"tie_word_embeddings":true})"},
+    {"qwen2.5-1.5b", R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":1536,"intermediate_size":8960,
+      "num_hidden_layers":28,"num_attention_heads":12,"num_key_value_heads":2,"vocab_size":151936,
+      "max_position_embeddings":32768,"rms_norm_eps":1e-6,"rope_theta":1000000.0,"tie_word_embeddings":true})"},
+    {"qwen2.5-7b", R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":3584,"intermediate_size":18944,
+      "num_hidden_layers":28,"num_attention_heads":28,"num_key_value_heads":4,"vocab_size":152064,
+      "max_position_embeddings":32768,"rms_norm_eps":1e-6,"rope_theta":1000000.0,"tie_word_embeddings":false})"},
+    {"llama-3.2-1b", R"({"architectures":["LlamaForCausalLM"],"hidden_size":2048,"intermediate_size":8192,
+      "num_hidden_layers":16,"num_attention_heads":32,"num_key_value_heads":8,"head_dim":64,"vocab_size":128256,
+      "max_position_embeddings":131072,"rms_norm_eps":1e-5,"rope_theta":500000.0,"tie_word_embeddings":true,
+      "rope_scaling":{"rope_type":"llama3","factor":32.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
+      "original_max_position_embeddings":8192}})"},
+    {"llama-3.2-3b", R"({"architectures":["LlamaForCausalLM"],"hidden_size":3072,"intermediate_size":8192,
+      "num_hidden_layers":28,"num_attention_heads":24,"num_key_value_heads":8,"head_dim":128,"vocab_size":128256,
+      "max_position_embeddings":131072,"rms_norm_eps":1e-5,"rope_theta":500000.0,"tie_word_embeddings":true,
+      "rope_scaling":{"rope_type":"llama3","factor":32.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
+      "original_max_position_embeddings":8192}})"},
+    {"llama-3.1-8b", R"({"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,
+      "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256,
+      "max_position_embeddings":131072,"rms_norm_eps":1e-5,"rope_theta":500000.0,"tie_word_embeddings":false,
+      "rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
+      "original_max_position_embeddings":8192}})"},
+    {"mistral-7b", R"({"architectures":["MistralForCausalLM"],"hidden_size":4096,"intermediate_size":14336,
+      "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":32768,
+      "max_position_embeddings":32768,"rms_norm_eps":1e-5,"rope_theta":1000000.0,"sliding_window":null,
+      "tie_word_embeddings":false})"},
+};
+}  // namespace
+
+std::vector<std::string> ModelConfig::preset_names() {
+  std::vector<std::string> names;
+  for (const auto& p : kPresets) names.emplace_back(p.name);
+  return names;
+}
+
+ModelConfig ModelConfig::preset(std::string_view name) {
+  for (const auto& p : kPresets)
+    if (name == p.name) return from_json(json::parse(p.json_text), std::string("preset ") + p.name);
+  std::string all;
+  for (const auto& p : kPresets) all += std::string(all.empty() ? "" : ", ") + p.name;
+  MT_FAIL("unknown model preset '{}' (known: {})", name, all);
+}
+
+}  // namespace megatrain
