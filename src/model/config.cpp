@@ -23,7 +23,10 @@ std::int64_t get_int(const json& j, const char* key, std::string_view src, std::
     return *def;
   }
   const json& v = j.at(key);
-  MT_CHECK(v.is_number_integer() || (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>()),
+  // A float is accepted when it holds a whole number that fits (4096.0); beyond 2^63 the cast
+  // below would be undefined.
+  MT_CHECK(v.is_number_integer() || (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>() &&
+                                     std::abs(v.get<double>()) < 0x1p63),
            "{}: field '{}' must be an integer, not {} ({})", src, key, type_name(v), v.dump());
   return v.is_number_integer() ? v.get<std::int64_t>() : static_cast<std::int64_t>(v.get<double>());
 }
@@ -60,8 +63,13 @@ RopeScaling parse_rope_scaling(const json& r, std::string_view src) {
   RopeScaling s;
   MT_CHECK(r.is_object(), "{}: rope_scaling must be an object or null, not {}", src, type_name(r));
   std::string type = "default";
-  for (const char* key : {"rope_type", "type"})
-    if (r.contains(key) && r.at(key).is_string()) type = r.at(key).get<std::string>();
+  // "type" (the older spelling) wins over "rope_type", as in transformers 4's LlamaConfig.
+  for (const char* key : {"rope_type", "type"}) {
+    if (!r.contains(key) || r.at(key).is_null()) continue;
+    MT_CHECK(r.at(key).is_string(), "{}: rope scaling field '{}' must be a string, not {} ({})", src, key,
+             type_name(r.at(key)), r.at(key).dump());
+    type = r.at(key).get<std::string>();
+  }
   if (type == "default") return s;
   if (type == "linear") {
     s.type = RopeScaling::Type::linear;
@@ -157,8 +165,10 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
       if (get_bool(j, "use_sliding_window", src, false)) c.sliding_window = get_int(j, "sliding_window", src);
       break;
     case Architecture::mistral:
-      if (j.contains("sliding_window") && !j.at("sliding_window").is_null())
-        c.sliding_window = get_int(j, "sliding_window", src);
+      // transformers' MistralConfig defaults sliding_window to 4096 when the key is absent;
+      // an explicit null (v0.2 and later) means full attention.
+      if (!j.contains("sliding_window")) c.sliding_window = 4096;
+      else if (!j.at("sliding_window").is_null()) c.sliding_window = get_int(j, "sliding_window", src);
       break;
   }
   c.validate(src);
@@ -166,6 +176,9 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
 }
 
 ModelConfig ModelConfig::from_file(const std::filesystem::path& path) {
+  // An ifstream opens a directory without complaint and then reads nothing ("malformed JSON").
+  MT_CHECK(!std::filesystem::is_directory(path), "'{}' is a directory; give the path of the config.json in it",
+           path.string());
   std::ifstream f(path);
   MT_CHECK(f.good(), "cannot open model config '{}'", path.string());
   std::stringstream ss;

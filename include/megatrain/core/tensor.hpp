@@ -113,6 +113,8 @@ class View {
   T* data() const { return data_; }
   const Shape& shape() const { return shape_; }
   const Strides& strides() const { return strides_; }
+  /// A default-constructed view stands for "no tensor" (an absent bias, a gradient not wanted).
+  bool is_null() const { return data_ == nullptr && shape_.rank() == 0; }
   int rank() const { return shape_.rank(); }
   std::int64_t size(int dim) const { return shape_[dim]; }
   std::int64_t numel() const { return shape_.numel(); }

@@ -24,7 +24,8 @@ class ParamBinder {
     std::span<E> data;  ///< at least layout->numel() elements
   };
 
-  ParamBinder(std::initializer_list<Slab> slabs) : slabs_(slabs) {
+  ParamBinder(std::initializer_list<Slab> slabs) : ParamBinder(std::vector<Slab>(slabs)) {}
+  explicit ParamBinder(std::vector<Slab> slabs) : slabs_(std::move(slabs)) {
     for (const auto& s : slabs_)
       MT_CHECK(static_cast<std::int64_t>(s.data.size()) >= s.layout->numel(),
                "buffer of {} elements is shorter than its unit's layout ({} elements)", s.data.size(), s.layout->numel());

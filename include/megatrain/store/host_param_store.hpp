@@ -39,7 +39,11 @@ namespace megatrain {
 
 struct StoreOptions {
   std::uint64_t seed = 0;            ///< initialisation seed
-  std::size_t grad_ring_slots = 2;   ///< K gradient landing buffers (>= 1)
+  std::size_t grad_ring_slots = 2;   ///< K gradient landing buffers (>= 1 unless resident_gradients)
+  /// Also keep one gradient slab per unit (laid out like the masters, pinned): every unit's
+  /// gradient can be resident at once, as exact global-norm clipping and gradient accumulation
+  /// over micro-batches need. Costs sizeof(T) more bytes per parameter.
+  bool resident_gradients = false;
   Pinning pinning = Pinning::automatic;
   /// Host memory the store may use; default: available_host_memory().
   std::optional<std::size_t> host_memory_budget;
@@ -50,9 +54,11 @@ struct StoreFootprint {
   std::int64_t param_count = 0;    ///< sum of all tensors' elements
   std::int64_t slab_elements = 0;  ///< with alignment gaps
   std::int64_t largest_unit = 0;   ///< elements of the largest unit's slab (one ring slot)
-  std::size_t master_bytes = 0, adam_bytes = 0, compute_bytes = 0, grad_ring_bytes = 0;
+  std::size_t master_bytes = 0, adam_bytes = 0, compute_bytes = 0, grad_ring_bytes = 0, resident_grad_bytes = 0;
   std::vector<std::size_t> unit_bytes;  ///< master + m + v + compute, per unit
-  std::size_t total_bytes() const { return master_bytes + adam_bytes + compute_bytes + grad_ring_bytes; }
+  std::size_t total_bytes() const {
+    return master_bytes + adam_bytes + compute_bytes + grad_ring_bytes + resident_grad_bytes;
+  }
 };
 
 namespace detail {
@@ -111,6 +117,8 @@ class HostParamStore {
     std::span<T> adam_m() const { return m_; }
     std::span<T> adam_v() const { return v_; }
     std::span<bf16> compute() const { return compute_; }
+    /// The unit's resident gradient slab (empty unless StoreOptions::resident_gradients).
+    std::span<T> grad() const { return grad_; }
 
     /// The parameter called `name` in this unit; throws if there is none.
     const Param& param(std::string_view name) const {
@@ -133,12 +141,14 @@ class HostParamStore {
     UnitLayout layout_;
     std::span<T> master_, m_, v_;
     std::span<bf16> compute_;
+    std::span<T> grad_;
   };
 
   /// Computes the store's layout and byte counts without allocating; validates the specs.
   static StoreFootprint footprint(const std::vector<UnitSpec>& units, const StoreOptions& opt = {}) {
     MT_CHECK(!units.empty(), "a store needs at least one unit");
-    MT_CHECK(opt.grad_ring_slots >= 1, "the gradient ring needs at least one slot (got {})", opt.grad_ring_slots);
+    MT_CHECK(opt.grad_ring_slots >= 1 || opt.resident_gradients,
+             "the gradient ring needs at least one slot (got {}) unless gradients are resident", opt.grad_ring_slots);
     StoreFootprint f;
     std::unordered_map<std::string_view, std::string_view> seen;  // parameter -> unit
     for (const auto& u : units) {
@@ -162,6 +172,7 @@ class HostParamStore {
     f.adam_bytes = 2 * elems * sizeof(T);
     f.compute_bytes = elems * sizeof(bf16);
     f.grad_ring_bytes = opt.grad_ring_slots * static_cast<std::size_t>(f.largest_unit) * sizeof(T);
+    f.resident_grad_bytes = opt.resident_gradients ? elems * sizeof(T) : 0;
     return f;
   }
 
@@ -171,10 +182,10 @@ class HostParamStore {
     const std::size_t budget = opt.host_memory_budget ? *opt.host_memory_budget : available_host_memory();
     MT_CHECK(footprint_.total_bytes() <= budget,
              "the parameter store needs {} ({} parameters: master {}, AdamW m and v {}, bf16 copy {}, gradient "
-             "ring {}) but only {} of host memory is available{}",
+             "ring {}, resident gradients {}) but only {} of host memory is available{}",
              format_bytes(footprint_.total_bytes()), footprint_.param_count, format_bytes(footprint_.master_bytes),
              format_bytes(footprint_.adam_bytes), format_bytes(footprint_.compute_bytes),
-             format_bytes(footprint_.grad_ring_bytes), format_bytes(budget),
+             format_bytes(footprint_.grad_ring_bytes), format_bytes(footprint_.resident_grad_bytes), format_bytes(budget),
              opt.host_memory_budget ? " (the budget given in StoreOptions)"
                                     : " (set MEGATRAIN_HOST_MEMORY if this machine's memory grows on demand)");
 
@@ -184,6 +195,7 @@ class HostParamStore {
     v_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
     compute_buf_ = HostBuffer::allocate(elems * sizeof(bf16), opt.pinning);
     ring_buf_ = HostBuffer::allocate(footprint_.grad_ring_bytes, opt.pinning);
+    grad_buf_ = HostBuffer::allocate(footprint_.resident_grad_bytes, opt.pinning);
 
     std::int64_t base = 0;
     units_.reserve(units.size());
@@ -197,6 +209,7 @@ class HostParamStore {
       u.m_ = m_buf_.template as<T>(b, len);
       u.v_ = v_buf_.template as<T>(b, len);
       u.compute_ = compute_buf_.template as<bf16>(b, len);
+      if (opt.resident_gradients) u.grad_ = grad_buf_.template as<T>(b, len);
       base += u.numel();
       units_.push_back(std::move(u));
     }
@@ -280,12 +293,15 @@ class HostParamStore {
   std::size_t bytes() const { return footprint_.total_bytes(); }
   std::int64_t param_count() const { return footprint_.param_count; }
   /// Whether the buffers the GPU copies from and into are page-locked.
-  bool pinned() const { return compute_buf_.pinned() && ring_buf_.pinned(); }
+  bool pinned() const {
+    return compute_buf_.pinned() && (!ring_buf_ || ring_buf_.pinned()) && (!grad_buf_ || grad_buf_.pinned());
+  }
+  bool resident_gradients() const { return options_.resident_gradients; }
 
  private:
   StoreOptions options_;
   StoreFootprint footprint_;
-  HostBuffer master_buf_, m_buf_, v_buf_, compute_buf_, ring_buf_;
+  HostBuffer master_buf_, m_buf_, v_buf_, compute_buf_, ring_buf_, grad_buf_;
   std::vector<Unit> units_;
   std::unordered_map<std::string, std::pair<std::size_t, std::size_t>> index_;
 };

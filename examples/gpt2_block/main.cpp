@@ -1,0 +1,139 @@
+// example-gpt2-block: a user-defined layer op (a GPT-2 block, gpt2_block.hpp) in a megatrain model.
+//
+// Builds a DecoderModel whose blocks are Gpt2Blocks (through the block factory), lays its units
+// out in a HostParamStore, and runs one block forward and backward on random data with the CPU
+// reference backend. The loss is L = sum(r * y) for a fixed random r (so dL/dy = r). It prints
+// the unit layout, the gradient norms, and a finite-difference spot check of a few gradients; it
+// exits with status 1 if a check disagrees.
+//
+// Everything runs in double so the finite differences are accurate to ~1e-9; a training run
+// would use HostParamStore<float> and CpuBackend<float> (or the CUDA backend) with the same op.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gpt2_block.hpp"
+#include "megatrain/backend/cpu/cpu_backend.hpp"
+#include "megatrain/layers/decoder_model.hpp"
+#include "megatrain/store/host_param_store.hpp"
+
+using namespace megatrain;
+using example::Gpt2Block;
+
+int main() try {
+  // The block reads hidden_size, num_attention_heads, intermediate_size and initializer_range.
+  // (The model's embedding and head stay megatrain's own: token embedding, RMSNorm, LM head.)
+  const auto cfg = ModelConfig::from_json(nlohmann::json::parse(R"({
+      "architectures": ["LlamaForCausalLM"], "hidden_size": 96, "num_attention_heads": 4,
+      "intermediate_size": 384, "num_hidden_layers": 2, "vocab_size": 512})"),
+                                          "example config");
+  const DecoderModel<Gpt2Block> model(cfg, [](const ModelConfig& c, std::int64_t layer) {
+    return Gpt2Block(c, layer, {.layer_norm_epsilon = 1e-5});
+  });
+
+  StoreOptions options;
+  options.seed = 7;
+  options.pinning = Pinning::never;
+  HostParamStore<double> store(model.units(), options);
+  std::printf("GPT-2 blocks in a DecoderModel: %zu units, %lld parameters\n", store.num_units(),
+              static_cast<long long>(store.param_count()));
+  for (const auto& unit : store.units()) {
+    std::printf("  unit %-9s %8lld parameters:", unit.name().c_str(), static_cast<long long>(unit.param_count()));
+    for (const auto& p : unit.params()) std::printf(" %s", p.spec.name.c_str());
+    std::printf("\n");
+  }
+
+  // Block 0 lives in unit 1. Give every tensor random values (the store initialises LayerNorm
+  // weights to ones and biases to zeros, which would hide mistakes in their gradients).
+  const auto& block = model.block(0);
+  auto& unit = store.unit(1);
+  std::mt19937_64 rng(42);  // uniform draws from its raw bits: the same values on every platform
+  const auto uniform = [&rng](double lo, double hi) { return lo + (hi - lo) * static_cast<double>(rng() >> 11) * 0x1p-53; };
+  for (const auto& p : unit.params()) {
+    const double a = p.spec.shape.rank() == 2 ? std::sqrt(3.0 / static_cast<double>(p.spec.shape[1])) : 0.0;
+    for (double& v : unit.tensor(unit.master(), p).span())
+      v = p.spec.shape.rank() == 2 ? uniform(-a, a)  // unit variance out of every matrix product
+                                   : (p.spec.init == ParamInit::ones ? 1.0 : 0.0) + uniform(-0.2, 0.2);
+  }
+
+  const ChunkShape chunk{2, 33};  // two sequences of 33 tokens
+  const std::int64_t M = chunk.tokens(), d = cfg.hidden_size;
+  std::vector<double> x(static_cast<std::size_t>(M * d)), y(x.size()), dx(x.size()), r(x.size());
+  for (double& v : x) v = uniform(-1, 1);
+  for (double& v : r) v = uniform(-1, 1);
+  const View<const double> xv(std::span<const double>(x), Shape{M, d});
+  const View<double> yv(std::span<double>(y), Shape{M, d}), dxv(std::span<double>(dx), Shape{M, d});
+
+  CpuBackend<double> be;
+  std::vector<std::byte> scratch(block.op().scratch_bytes<CpuBackend<double>>(chunk));
+  Arena arena{std::span<std::byte>(scratch)};
+  std::printf("scratch for a chunk of %lld tokens: %zu bytes\n", static_cast<long long>(M), scratch.size());
+
+  const auto loss = [&] {
+    block.op().forward(be, chunk, block.bind(std::span<const double>(unit.master())), xv, yv, arena);
+    double l = 0;
+    for (std::size_t i = 0; i < y.size(); ++i) l += r[i] * y[i];
+    return l;
+  };
+
+  // Forward and backward. Backward accumulates weight gradients, so they start from zero.
+  const double l0 = loss();
+  std::vector<double> grad(static_cast<std::size_t>(unit.numel()), 0.0);
+  const View<const double> dyv(std::span<const double>(r), Shape{M, d});
+  block.op().backward(be, chunk, block.bind(std::span<const double>(unit.master())), xv, dyv, dxv,
+                      block.bind(std::span<double>(grad)), arena);
+  const auto norm = [](std::span<const double> s) {
+    double n = 0;
+    for (double v : s) n += v * v;
+    return std::sqrt(n);
+  };
+  std::printf("loss sum(r*y) = %.6f   |dL/dx| = %.6f   |dL/dw| = %.6f\n", l0, norm(dx), norm(grad));
+  for (const auto& p : unit.params())
+    std::printf("  |grad %-28s| = %.6f\n", p.spec.name.c_str(),
+                norm(unit.tensor(std::span<const double>(grad), p).span()));
+
+  // Finite differences: (L(w + h) - L(w - h)) / 2h against the analytic gradient.
+  struct Probe {
+    std::string what;
+    double* value;
+    double analytic;
+  };
+  std::vector<Probe> probes;
+  for (const char* name : {"h.0.ln_1.weight", "h.0.ln_1.bias", "h.0.attn.c_attn.weight", "h.0.attn.c_proj.bias",
+                           "h.0.ln_2.bias", "h.0.mlp.c_fc.weight", "h.0.mlp.c_proj.weight"}) {
+    const auto& p = unit.param(name);
+    const std::size_t i = static_cast<std::size_t>(p.numel() / 3);  // some element inside
+    probes.push_back({std::string(name) + "[" + std::to_string(i) + "]",
+                      &unit.master()[static_cast<std::size_t>(p.offset) + i],
+                      grad[static_cast<std::size_t>(p.offset) + i]});
+  }
+  probes.push_back({"x[5]", &x[5], dx[5]});
+  const double h = 1e-5;
+  double worst = 0;
+  std::printf("finite-difference spot check (h = %g):\n", h);
+  for (const auto& pr : probes) {
+    const double saved = *pr.value;
+    *pr.value = saved + h;
+    const double lp = loss();
+    *pr.value = saved - h;
+    const double lm = loss();
+    *pr.value = saved;
+    const double numeric = (lp - lm) / (2 * h);
+    const double err = std::abs(numeric - pr.analytic) / std::max(1e-8, std::abs(numeric) + std::abs(pr.analytic));
+    worst = std::max(worst, err);
+    std::printf("  %-34s analytic % .9e   numeric % .9e   rel. error %.1e\n", pr.what.c_str(), pr.analytic, numeric, err);
+  }
+  const bool ok = worst < 1e-6;
+  std::printf("%s (worst relative error %.1e)\n", ok ? "gradients agree" : "GRADIENTS DISAGREE", worst);
+  return ok ? 0 : 1;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "example-gpt2-block: %s\n", e.what());
+  return 1;
+}

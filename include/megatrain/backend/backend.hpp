@@ -1,0 +1,73 @@
+// What a compute backend provides, and the shapes its primitives speak in.
+//
+// A backend is an object with three element types and a fixed set of primitives over views.
+// The layer ops (layers/ops/) are written once against this interface; the CPU backend
+// (backend/cpu) computes in T = float or double, the CUDA backend in bf16 with fp32
+// accumulation. Primitives may be asynchronous (the CUDA backend queues work on its compute
+// stream); views passed to one must stay valid until the backend is synchronised.
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <span>
+
+#include "megatrain/core/error.hpp"
+#include "megatrain/core/tensor.hpp"
+
+namespace megatrain {
+
+/// Labels equal to this are ignored by the loss (PyTorch's ignore_index).
+inline constexpr std::int32_t kIgnoreIndex = -100;
+
+/// One chunk of a batch: `rows` whole sequences of `seq` tokens. Attention never crosses a
+/// sequence, so a unit can run a batch chunk by chunk.
+struct ChunkShape {
+  std::int64_t rows = 0;
+  std::int64_t seq = 0;
+  std::int64_t tokens() const { return rows * seq; }
+};
+
+/// Shape of one causal grouped-query attention call.
+struct AttentionShape {
+  std::int64_t rows = 0;      ///< sequences
+  std::int64_t seq = 0;       ///< tokens per sequence
+  std::int64_t heads = 0;     ///< query heads
+  std::int64_t kv_heads = 0;  ///< key/value heads; divides heads
+  std::int64_t head_dim = 0;
+  void validate() const {
+    MT_CHECK(rows > 0 && seq > 0 && heads > 0 && kv_heads > 0 && head_dim > 0 && heads % kv_heads == 0,
+             "invalid attention shape: {} rows x {} tokens, {} heads, {} kv heads, head_dim {}", rows, seq, heads,
+             kv_heads, head_dim);
+  }
+};
+
+// clang-format off
+/// The primitives every backend implements (see backend/cpu/cpu_backend.hpp for their
+/// contracts, which all backends share). Requirements, one per line:
+template <class B>
+concept Backend = requires(B& be, View<const typename B::Act> a, View<typename B::Act> ma,
+                           View<const typename B::Weight> w, View<typename B::Acc> acc,
+                           View<const typename B::Acc> cacc, View<const std::int32_t> ids,
+                           std::span<const double> freqs, const AttentionShape& as, double x, bool flag) {
+  typename B::Act;     // activation element type
+  typename B::Weight;  // weight element type as the ops read it
+  typename B::Acc;     // gradient accumulators, saved statistics, losses
+  { B::kDevice } -> std::convertible_to<bool>;                     // views live in device memory
+  be.add(a, ma);                                                   // y += x
+  be.linear(a, w, w, ma);                                          // y = x W^T + b
+  be.linear_backward(a, w, a, ma, flag, acc, acc);                 // dx, dW +=, db +=
+  be.rmsnorm(a, w, x, ma, acc);                                    // y, rstd
+  be.rmsnorm_backward(a, w, cacc, a, ma, flag, acc);               // dx, dw +=
+  be.rope(ma, std::int64_t{}, std::int64_t{}, freqs);              // rotate in place
+  be.rope_backward(ma, std::int64_t{}, std::int64_t{}, freqs);     // inverse rotation in place
+  be.attention(a, a, a, ma, acc, as);                              // out, lse
+  be.attention_backward(a, a, a, a, cacc, a, ma, ma, ma, as);      // dq, dk, dv
+  be.swiglu(a, a, ma);                                             // silu(g) * u
+  be.swiglu_backward(a, a, a, ma, ma);                             // dg, du
+  be.embedding(ids, w, ma);                                        // gather rows
+  be.embedding_backward(ids, a, acc);                              // scatter-add rows
+  be.lm_head_loss(a, w, ids, x, acc, ma, acc);                     // per-token loss, dh, dW +=
+};
+// clang-format on
+
+}  // namespace megatrain

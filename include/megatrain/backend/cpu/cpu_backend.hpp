@@ -1,0 +1,502 @@
+// The CPU reference backend: every primitive a decoder layer needs, in plain precision T
+// (float by default, double for gradient checks), with Eigen for matrix products and oneTBB
+// for parallel loops. It is the ground truth the CUDA backend is tested against, and it runs
+// the same layer templates and pipeline, so the whole trainer is testable without a GPU.
+//
+// Conventions shared by all backends (see backend/backend.hpp):
+//   - activations are row-major [tokens, features]; a chunk is `rows` whole sequences of `seq`
+//     tokens, token t at position t % seq of its sequence;
+//   - linear layers follow nn.Linear: y = x W^T + b with W of shape [out, in];
+//   - `*_backward` functions accumulate (+=) into weight gradients, and overwrite input
+//     gradients unless `accumulate` says to add;
+//   - sums over tokens are computed in a fixed order (fixed row blocks, added in sequence), so
+//     results do not depend on the number of threads.
+#pragma once
+
+#include <oneapi/tbb/parallel_for.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+#include "megatrain/backend/backend.hpp"
+#include "megatrain/core/error.hpp"
+#include "megatrain/core/tensor.hpp"
+#include "megatrain/pipeline/executor.hpp"
+
+namespace megatrain {
+
+template <class T>
+class CpuBackend {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                "CpuBackend<T>: T must be float (the fp32 reference) or double (gradient checks)");
+
+ public:
+  using Act = T;     ///< activations
+  using Weight = T;  ///< weights as the ops read them
+  using Acc = T;     ///< gradient accumulators, norms' saved statistics, losses
+  static constexpr bool kDevice = false;
+
+  /// Tokens per block when the LM head computes logits (bounds the [block, vocab] scratch).
+  std::int64_t logits_block = 256;
+
+  // ---- memory and executors (what a trainer's pipeline stages use) ----------------------------
+  // "Device" memory is host memory here, and every stage runs on its own host thread.
+  using Executor = HostExecutor;
+  enum class Role { upload, compute, download };
+  Executor make_executor(Role) { return HostExecutor{}; }
+
+  /// An owning, zeroed array in backend memory.
+  template <class E>
+  class Buffer {
+   public:
+    Buffer() = default;
+    explicit Buffer(std::size_t n) : v_(n, E{}) {}
+    std::span<E> span() { return v_; }
+    std::span<const E> span() const { return v_; }
+    std::size_t size() const { return v_.size(); }
+
+   private:
+    std::vector<E> v_;
+  };
+  template <class E>
+  Buffer<E> alloc(std::size_t n) {
+    return Buffer<E>(n);
+  }
+  /// Host -> backend memory (converting the element type if they differ).
+  template <class S, class D>
+  void upload(Executor&, std::span<const S> src, std::span<D> dst) {
+    MT_CHECK(src.size() == dst.size(), "upload of {} elements into {}", src.size(), dst.size());
+    std::transform(src.begin(), src.end(), dst.begin(), [](S x) { return static_cast<D>(x); });
+  }
+  /// Backend -> host memory.
+  template <class S, class D>
+  void download(Executor& e, std::span<const S> src, std::span<D> dst) {
+    upload(e, src, dst);
+  }
+  template <class E>
+  void zero(Executor&, std::span<E> dst) {
+    std::fill(dst.begin(), dst.end(), E{});
+  }
+
+  // ---- elementwise ---------------------------------------------------------------------------
+  template <class E>
+  void copy(View<const E> src, View<E> dst) {
+    check_same(src.shape(), dst.shape(), "copy");
+    auto s = src.span();
+    std::copy(s.begin(), s.end(), dst.span().begin());
+  }
+  template <class E>
+  void fill(View<E> dst, E value) {
+    auto d = dst.span();
+    std::fill(d.begin(), d.end(), value);
+  }
+  /// y += x
+  void add(View<const Act> x, View<Act> y) {
+    check_same(x.shape(), y.shape(), "add");
+    auto xs = x.span();
+    auto ys = y.span();
+    parallel_rows(static_cast<std::int64_t>(ys.size()), 1 << 14, [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t i = b; i < e; ++i) ys[i] += xs[i];
+    });
+  }
+
+  // ---- linear --------------------------------------------------------------------------------
+  /// y[M,N] = x[M,K] w[N,K]^T (+ bias[N] unless bias is null)
+  void linear(View<const Act> x, View<const Weight> w, View<const Weight> bias, View<Act> y) {
+    const LinearDims dims = linear_dims(x, w, y, bias);
+    const std::int64_t M = dims.M, K = dims.K, N = dims.N;  // (clang 14 cannot capture structured bindings)
+    auto X = mat(x, M, K);
+    auto W = mat(w, N, K);
+    auto Y = mat(y, M, N);
+    parallel_rows(M, 256, [&](std::int64_t b, std::int64_t e) {
+      Y.middleRows(b, e - b).noalias() = X.middleRows(b, e - b) * W.transpose();
+      if (!bias.is_null()) Y.middleRows(b, e - b).rowwise() += vec(bias, N).transpose();
+    });
+  }
+  /// dx = dy w (or dx += ... if accumulate_dx; skipped if dx is null); dw += dy^T x;
+  /// db += column sums of dy (unless db is null). Null views (View{}) stand for absent tensors.
+  void linear_backward(View<const Act> x, View<const Weight> w, View<const Act> dy, View<Act> dx, bool accumulate_dx,
+                       View<Acc> dw, View<Acc> db) {
+    const LinearDims dims = linear_dims(x, w, dy, View<const Weight>{});
+    const std::int64_t M = dims.M, K = dims.K, N = dims.N;
+    auto X = mat(x, M, K);
+    auto W = mat(w, N, K);
+    auto DY = mat(dy, M, N);
+    if (!dx.is_null()) {
+      check_same(dx.shape(), x.shape(), "linear_backward dx");
+      auto DX = mat(dx, M, K);
+      parallel_rows(M, 256, [&](std::int64_t b, std::int64_t e) {
+        if (accumulate_dx) DX.middleRows(b, e - b).noalias() += DY.middleRows(b, e - b) * W;
+        else DX.middleRows(b, e - b).noalias() = DY.middleRows(b, e - b) * W;
+      });
+    }
+    check_same(dw.shape(), w.shape(), "linear_backward dw");
+    auto DW = mat(dw, N, K);
+    parallel_rows(N, 64, [&](std::int64_t b, std::int64_t e) {
+      DW.middleRows(b, e - b).noalias() += DY.middleCols(b, e - b).transpose() * X;
+    });
+    if (!db.is_null()) {
+      MT_CHECK(db.numel() == N, "bias gradient has {} elements, expected {}", db.numel(), N);
+      column_sums(DY, db.span());
+    }
+  }
+
+  // ---- RMSNorm -------------------------------------------------------------------------------
+  /// y = x / sqrt(mean(x^2) + eps) * w, row by row; rstd[M] keeps 1/sqrt(mean(x^2) + eps).
+  void rmsnorm(View<const Act> x, View<const Weight> w, double eps, View<Act> y, View<Acc> rstd) {
+    const std::int64_t M = x.size(0), d = x.size(1);
+    check_same(x.shape(), y.shape(), "rmsnorm");
+    MT_CHECK(w.numel() == d && rstd.numel() == M, "rmsnorm: weight {} / rstd {} do not match x {}", w.shape().str(),
+             rstd.shape().str(), x.shape().str());
+    const T* xs = x.data();
+    const T* ws = w.data();
+    T* ys = y.data();
+    T* rs = rstd.data();
+    parallel_rows(M, 16, [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t r = b; r < e; ++r) {
+        const T* xr = xs + r * d;
+        double ss = 0;
+        for (std::int64_t i = 0; i < d; ++i) ss += static_cast<double>(xr[i]) * static_cast<double>(xr[i]);
+        const T inv = static_cast<T>(1.0 / std::sqrt(ss / static_cast<double>(d) + eps));
+        rs[r] = inv;
+        for (std::int64_t i = 0; i < d; ++i) ys[r * d + i] = xr[i] * inv * ws[i];
+      }
+    });
+  }
+  /// dx (= or +=) and dw (+=) of rmsnorm, from the saved rstd.
+  void rmsnorm_backward(View<const Act> x, View<const Weight> w, View<const Acc> rstd, View<const Act> dy, View<Act> dx,
+                        bool accumulate_dx, View<Acc> dw) {
+    const std::int64_t M = x.size(0), d = x.size(1);
+    check_same(x.shape(), dy.shape(), "rmsnorm_backward dy");
+    check_same(x.shape(), dx.shape(), "rmsnorm_backward dx");
+    const T* xs = x.data();
+    const T* ws = w.data();
+    const T* rs = rstd.data();
+    const T* dys = dy.data();
+    T* dxs = dx.data();
+    parallel_rows(M, 16, [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t r = b; r < e; ++r) {
+        const T* xr = xs + r * d;
+        const T* gr = dys + r * d;
+        double dot = 0;  // sum_i (dy_i w_i) * xhat_i
+        for (std::int64_t i = 0; i < d; ++i) dot += static_cast<double>(gr[i] * ws[i]) * static_cast<double>(xr[i] * rs[r]);
+        const T mean = static_cast<T>(dot / static_cast<double>(d));
+        for (std::int64_t i = 0; i < d; ++i) {
+          const T xhat = xr[i] * rs[r];
+          const T v = rs[r] * (gr[i] * ws[i] - xhat * mean);
+          dxs[r * d + i] = accumulate_dx ? dxs[r * d + i] + v : v;
+        }
+      }
+    });
+    // dw_i += sum_r dy[r,i] x[r,i] rstd[r]
+    column_sums_weighted(mat(dy, M, d), mat(x, M, d), rstd.data(), dw.span());
+  }
+
+  // ---- rotary position embedding -----------------------------------------------------------
+  /// Rotates each head of x[M, heads*head_dim] in place, Hugging Face's rotate-half convention:
+  /// for i < D/2, (x_i, x_{i+D/2}) -> (x_i c - x_{i+D/2} s, x_{i+D/2} c + x_i s), angle p * inv_freq[i]
+  /// at position p = token % seq.
+  void rope(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq) {
+    rotate(x, heads, seq, inv_freq, +1);
+  }
+  /// The transpose (inverse) rotation, applied to a gradient in place.
+  void rope_backward(View<Act> dx, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq) {
+    rotate(dx, heads, seq, inv_freq, -1);
+  }
+
+  // ---- attention -----------------------------------------------------------------------------
+  /// Causal grouped-query attention over a chunk. q, out: [M, H*D]; k, v: [M, Hkv*D];
+  /// lse: [rows, H, seq] keeps the log-sum-exp of each query's scaled scores. Query head h reads
+  /// key/value head h / (H / Hkv). Scores and probabilities are formed per (sequence, head) as
+  /// [seq, seq] matrices: a reference, not a long-context kernel.
+  void attention(View<const Act> q, View<const Act> k, View<const Act> v, View<Act> out, View<Acc> lse,
+                 const AttentionShape& s) {
+    check_attention(q, k, v, out, lse, s);
+    const std::int64_t D = s.head_dim, H = s.heads, G = s.heads / s.kv_heads, S = s.seq;
+    const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(D)));
+    tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, s.rows * H), [&](const auto& r) {
+      Matrix P(S, S);
+      for (std::int64_t rh = r.begin(); rh != r.end(); ++rh) {
+        const std::int64_t row = rh / H, h = rh % H, kh = h / G;
+        const auto Q = head(q, row, h, s, H), K = head(k, row, kh, s, s.kv_heads), V = head(v, row, kh, s, s.kv_heads);
+        P.noalias() = (Q * K.transpose()) * scale;
+        T* l = lse.data() + (row * H + h) * S;
+        for (std::int64_t i = 0; i < S; ++i) {
+          const T mx = P.row(i).head(i + 1).maxCoeff();
+          double sum = 0;
+          for (std::int64_t j = 0; j <= i; ++j) sum += (P(i, j) = std::exp(P(i, j) - mx));
+          for (std::int64_t j = 0; j <= i; ++j) P(i, j) = static_cast<T>(P(i, j) / sum);
+          P.row(i).tail(S - i - 1).setZero();  // causal mask
+          l[i] = static_cast<T>(static_cast<double>(mx) + std::log(sum));
+        }
+        head(out, row, h, s, H).noalias() = P * V;
+      }
+    });
+  }
+  /// Gradients of attention: dq (overwritten), dk and dv (overwritten; each key/value head
+  /// sums over its group of query heads, in head order).
+  void attention_backward(View<const Act> q, View<const Act> k, View<const Act> v, View<const Act> out,
+                          View<const Acc> lse, View<const Act> dout, View<Act> dq, View<Act> dk, View<Act> dv,
+                          const AttentionShape& s) {
+    check_attention(q, k, v, out, lse, s);
+    check_same(dq.shape(), q.shape(), "attention_backward dq");
+    check_same(dk.shape(), k.shape(), "attention_backward dk");
+    check_same(dv.shape(), v.shape(), "attention_backward dv");
+    const std::int64_t D = s.head_dim, H = s.heads, G = s.heads / s.kv_heads, S = s.seq;
+    const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(D)));
+    // One task per (sequence, kv head): it owns dk and dv of that head, so nothing races.
+    tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, s.rows * s.kv_heads), [&](const auto& r) {
+      Matrix P(S, S), dP(S, S);
+      Eigen::Matrix<T, Eigen::Dynamic, 1> delta(S);
+      for (std::int64_t rk = r.begin(); rk != r.end(); ++rk) {
+        const std::int64_t row = rk / s.kv_heads, kh = rk % s.kv_heads;
+        const auto K = head(k, row, kh, s, s.kv_heads), V = head(v, row, kh, s, s.kv_heads);
+        auto dK = head(dk, row, kh, s, s.kv_heads);
+        auto dV = head(dv, row, kh, s, s.kv_heads);
+        dK.setZero();
+        dV.setZero();
+        for (std::int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+          const auto Q = head(q, row, h, s, H), O = head(out, row, h, s, H), dO = head(dout, row, h, s, H);
+          const T* l = lse.data() + (row * H + h) * S;
+          P.noalias() = (Q * K.transpose()) * scale;  // recompute probabilities from the saved lse
+          for (std::int64_t i = 0; i < S; ++i) {
+            for (std::int64_t j = 0; j <= i; ++j) P(i, j) = std::exp(P(i, j) - l[i]);
+            P.row(i).tail(S - i - 1).setZero();
+          }
+          delta.noalias() = (dO.cwiseProduct(O)).rowwise().sum();  // rowsum(dO * O)
+          dV.noalias() += P.transpose() * dO;
+          dP.noalias() = dO * V.transpose();
+          dP = (P.array() * (dP.colwise() - delta).array()).matrix() * scale;  // dS, scaled
+          head(dq, row, h, s, H).noalias() = dP * K;
+          dK.noalias() += dP.transpose() * Q;
+        }
+      }
+    });
+  }
+
+  // ---- SwiGLU --------------------------------------------------------------------------------
+  /// m = silu(g) * u
+  void swiglu(View<const Act> g, View<const Act> u, View<Act> m) {
+    check_same(g.shape(), u.shape(), "swiglu");
+    check_same(g.shape(), m.shape(), "swiglu");
+    auto gs = g.span();
+    auto us = u.span();
+    auto ms = m.span();
+    parallel_rows(static_cast<std::int64_t>(gs.size()), 1 << 14, [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t i = b; i < e; ++i) ms[i] = gs[i] * sigmoid(gs[i]) * us[i];
+    });
+  }
+  void swiglu_backward(View<const Act> g, View<const Act> u, View<const Act> dm, View<Act> dg, View<Act> du) {
+    check_same(g.shape(), dm.shape(), "swiglu_backward");
+    auto gs = g.span();
+    auto us = u.span();
+    auto dms = dm.span();
+    auto dgs = dg.span();
+    auto dus = du.span();
+    parallel_rows(static_cast<std::int64_t>(gs.size()), 1 << 14, [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t i = b; i < e; ++i) {
+        const T sg = sigmoid(gs[i]);
+        dus[i] = dms[i] * gs[i] * sg;
+        dgs[i] = dms[i] * us[i] * sg * (T(1) + gs[i] * (T(1) - sg));
+      }
+    });
+  }
+
+  // ---- embedding -----------------------------------------------------------------------------
+  /// y[t] = table[ids[t]]
+  void embedding(View<const std::int32_t> ids, View<const Weight> table, View<Act> y) {
+    const std::int64_t M = ids.numel(), V = table.size(0), d = table.size(1);
+    MT_CHECK(y.size(0) == M && y.size(1) == d, "embedding: output {} does not match {} tokens x {}", y.shape().str(), M, d);
+    for (std::int64_t t = 0; t < M; ++t)
+      MT_CHECK(ids.data()[t] >= 0 && ids.data()[t] < V, "token id {} at position {} is outside the vocabulary [0, {})",
+               ids.data()[t], t, V);
+    parallel_rows(M, 64, [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t t = b; t < e; ++t)
+        std::copy_n(table.data() + static_cast<std::int64_t>(ids.data()[t]) * d, d, y.data() + t * d);
+    });
+  }
+  /// dtable[ids[t]] += dy[t]
+  void embedding_backward(View<const std::int32_t> ids, View<const Act> dy, View<Acc> dtable) {
+    const std::int64_t M = ids.numel(), d = dtable.size(1);
+    // Split the feature dimension: each task owns a column range, so repeated ids never race
+    // and every element is summed in token order.
+    parallel_rows(d, 64, [&](std::int64_t c0, std::int64_t c1) {
+      for (std::int64_t t = 0; t < M; ++t) {
+        T* row = dtable.data() + static_cast<std::int64_t>(ids.data()[t]) * d;
+        const T* g = dy.data() + t * d;
+        for (std::int64_t c = c0; c < c1; ++c) row[c] += g[c];
+      }
+    });
+  }
+
+  // ---- LM head + cross-entropy ---------------------------------------------------------------
+  /// Per-token loss of logits = h w^T against labels (-100: ignored, loss 0), computed in blocks
+  /// of `logits_block` tokens so the full [M, vocab] logits never exist. Unless dh is null, also
+  /// the backward of sum_t loss_scale * loss_t: dh (overwritten) and dw (+=, unless null).
+  void lm_head_loss(View<const Act> h, View<const Weight> w, View<const std::int32_t> labels, double loss_scale,
+                    View<Acc> loss, View<Act> dh, View<Acc> dw) {
+    const std::int64_t M = h.size(0), d = h.size(1), V = w.size(0);
+    MT_CHECK(w.size(1) == d && labels.numel() == M && loss.numel() == M,
+             "lm_head_loss: h {}, w {}, labels {}, loss {} do not agree", h.shape().str(), w.shape().str(),
+             labels.shape().str(), loss.shape().str());
+    for (std::int64_t t = 0; t < M; ++t) {
+      const std::int32_t y = labels.data()[t];
+      MT_CHECK(y == kIgnoreIndex || (y >= 0 && y < V), "label {} at position {} is outside the vocabulary [0, {})", y, t, V);
+    }
+    const bool backward = !dh.is_null();
+    auto Hm = mat(h, M, d);
+    auto W = mat(w, V, d);
+    Matrix logits(std::min(logits_block, M), V);
+    for (std::int64_t b = 0; b < M; b += logits_block) {
+      const std::int64_t n = std::min(logits_block, M - b);
+      auto Z = logits.topRows(n);
+      parallel_rows(n, 8, [&](std::int64_t r0, std::int64_t r1) {
+        Z.middleRows(r0, r1 - r0).noalias() = Hm.middleRows(b + r0, r1 - r0) * W.transpose();
+        for (std::int64_t r = r0; r < r1; ++r) {
+          const std::int32_t y = labels.data()[b + r];
+          double mx = -std::numeric_limits<double>::infinity();
+          for (std::int64_t c = 0; c < V; ++c) mx = std::max(mx, static_cast<double>(Z(r, c)));
+          double sum = 0;
+          for (std::int64_t c = 0; c < V; ++c) sum += std::exp(static_cast<double>(Z(r, c)) - mx);
+          const double lse = mx + std::log(sum);
+          loss.data()[b + r] = y == kIgnoreIndex ? T(0) : static_cast<T>(lse - static_cast<double>(Z(r, y)));
+          if (!backward) continue;
+          // dlogits = scale * (softmax - onehot); ignored tokens have no gradient.
+          for (std::int64_t c = 0; c < V; ++c)
+            Z(r, c) = y == kIgnoreIndex ? T(0) : static_cast<T>(loss_scale * std::exp(static_cast<double>(Z(r, c)) - lse));
+          if (y != kIgnoreIndex) Z(r, y) -= static_cast<T>(loss_scale);
+        }
+      });
+      if (!backward) continue;
+      auto DH = mat(dh, M, d);
+      parallel_rows(n, 16, [&](std::int64_t r0, std::int64_t r1) {
+        DH.middleRows(b + r0, r1 - r0).noalias() = Z.middleRows(r0, r1 - r0) * W;
+      });
+      if (!dw.is_null()) {
+        auto DW = mat(dw, V, d);
+        parallel_rows(V, 64, [&](std::int64_t v0, std::int64_t v1) {
+          DW.middleRows(v0, v1 - v0).noalias() += Z.middleCols(v0, v1 - v0).transpose() * Hm.middleRows(b, n);
+        });
+      }
+    }
+  }
+
+ private:
+  using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using MapM = Eigen::Map<Matrix>;
+  using MapCM = Eigen::Map<const Matrix>;
+
+  static T sigmoid(T x) { return T(1) / (T(1) + std::exp(-x)); }
+
+  /// The [seq, D] block of head `h` of sequence `row` inside a [tokens, heads*D] activation.
+  template <class E>
+  static auto head(View<E> x, std::int64_t row, std::int64_t h, const AttentionShape& s, std::int64_t heads) {
+    using Stride = Eigen::OuterStride<>;
+    using M = std::conditional_t<std::is_const_v<E>, const Matrix, Matrix>;
+    return Eigen::Map<M, Eigen::Unaligned, Stride>(x.data() + row * s.seq * heads * s.head_dim + h * s.head_dim, s.seq,
+                                                    s.head_dim, Stride(heads * s.head_dim));
+  }
+
+  static void check_same(const Shape& a, const Shape& b, const char* what) {
+    MT_CHECK(a == b, "{}: shapes {} and {} differ", what, a.str(), b.str());
+  }
+  template <class E>
+  static auto mat(View<E> v, std::int64_t rows, std::int64_t cols) {
+    MT_CHECK(v.numel() == rows * cols && v.is_contiguous(), "expected a contiguous [{}, {}] view, got {}", rows, cols,
+             v.shape().str());
+    if constexpr (std::is_const_v<E>) return MapCM(v.data(), rows, cols);
+    else return MapM(v.data(), rows, cols);
+  }
+  static auto vec(View<const T> v, std::int64_t n) { return Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>(v.data(), n); }
+
+  struct LinearDims {
+    std::int64_t M, K, N;
+  };
+  template <class Y>
+  static LinearDims linear_dims(View<const Act> x, View<const Weight> w, Y y, View<const Weight> bias) {
+    MT_CHECK(x.rank() == 2 && w.rank() == 2 && y.rank() == 2, "linear: x {}, w {}, y {} must be matrices", x.shape().str(),
+             w.shape().str(), y.shape().str());
+    const std::int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+    MT_CHECK(w.size(1) == K && y.size(0) == M && y.size(1) == N, "linear: x {} . w {}^T does not give {}", x.shape().str(),
+             w.shape().str(), y.shape().str());
+    MT_CHECK(bias.is_null() || bias.numel() == N, "linear: bias {} does not match {} outputs", bias.shape().str(), N);
+    return {M, K, N};
+  }
+
+  /// Runs f(begin, end) over [0, n) in fixed blocks of `grain`, in parallel. Blocks are fixed
+  /// (simple_partitioner), so any per-block arithmetic is the same at every thread count.
+  template <class F>
+  static void parallel_rows(std::int64_t n, std::int64_t grain, F&& f) {
+    tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, n, grain),
+                      [&](const tbb::blocked_range<std::int64_t>& r) { f(r.begin(), r.end()); },
+                      tbb::simple_partitioner());
+  }
+
+  /// out[c] += sum_r m(r, c), summed in fixed row blocks added in order (thread-count independent).
+  template <class M>
+  static void column_sums(const M& m, std::span<T> out) {
+    const std::int64_t rows = m.rows(), cols = m.cols(), block = 256;
+    const std::int64_t nb = (rows + block - 1) / block;
+    Matrix partial = Matrix::Zero(nb, cols);
+    parallel_rows(nb, 1, [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t i = b; i < e; ++i)
+        partial.row(i) = m.middleRows(i * block, std::min(block, rows - i * block)).colwise().sum();
+    });
+    for (std::int64_t i = 0; i < nb; ++i)
+      for (std::int64_t c = 0; c < cols; ++c) out[static_cast<std::size_t>(c)] += partial(i, c);
+  }
+  /// out[c] += sum_r a(r, c) b(r, c) s[r], in fixed blocks.
+  template <class A, class B>
+  static void column_sums_weighted(const A& a, const B& b, const T* s, std::span<T> out) {
+    const std::int64_t rows = a.rows(), cols = a.cols(), block = 256;
+    const std::int64_t nb = (rows + block - 1) / block;
+    Matrix partial = Matrix::Zero(nb, cols);
+    parallel_rows(nb, 1, [&](std::int64_t lo, std::int64_t hi) {
+      for (std::int64_t i = lo; i < hi; ++i)
+        for (std::int64_t r = i * block; r < std::min(rows, (i + 1) * block); ++r)
+          for (std::int64_t c = 0; c < cols; ++c) partial(i, c) += a(r, c) * b(r, c) * s[r];
+    });
+    for (std::int64_t i = 0; i < nb; ++i)
+      for (std::int64_t c = 0; c < cols; ++c) out[static_cast<std::size_t>(c)] += partial(i, c);
+  }
+
+  void rotate(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq, int sign) {
+    const std::int64_t M = x.size(0), half = static_cast<std::int64_t>(inv_freq.size()), D = 2 * half;
+    MT_CHECK(x.rank() == 2 && x.size(1) == heads * D && seq > 0 && M % seq == 0,
+             "rope: x {} is not [tokens, {} heads x {}] with tokens a multiple of seq {}", x.shape().str(), heads, D, seq);
+    parallel_rows(M, 64, [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t t = b; t < e; ++t) {
+        const double pos = static_cast<double>(t % seq);
+        for (std::int64_t i = 0; i < half; ++i) {
+          const double ang = pos * inv_freq[static_cast<std::size_t>(i)];
+          const T c = static_cast<T>(std::cos(ang)), sn = static_cast<T>(sign * std::sin(ang));
+          for (std::int64_t h = 0; h < heads; ++h) {
+            T* p = x.data() + t * heads * D + h * D;
+            const T a = p[i], bb = p[i + half];
+            p[i] = a * c - bb * sn;
+            p[i + half] = bb * c + a * sn;
+          }
+        }
+      }
+    });
+  }
+
+  static void check_attention(View<const Act> q, View<const Act> k, View<const Act> v, View<const Act> out,
+                              View<const Acc> lse, const AttentionShape& s) {
+    s.validate();
+    const std::int64_t M = s.rows * s.seq;
+    MT_CHECK(q.numel() == M * s.heads * s.head_dim && out.numel() == q.numel() &&
+                 k.numel() == M * s.kv_heads * s.head_dim && v.numel() == k.numel() && lse.numel() == s.rows * s.heads * s.seq,
+             "attention: q {}, k {}, v {}, out {}, lse {} do not match {} rows x {} tokens, {}/{} heads of {}",
+             q.shape().str(), k.shape().str(), v.shape().str(), out.shape().str(), lse.shape().str(), s.rows, s.seq,
+             s.heads, s.kv_heads, s.head_dim);
+  }
+};
+
+}  // namespace megatrain

@@ -1,0 +1,104 @@
+// Token datasets: what a training step reads.
+//
+// A token file is a flat array of little-endian token ids, read through a memory mapping:
+//   - raw: uint16 (nanoGPT's train.bin / val.bin) or uint32 ids, no header;
+//   - llm.c: a 1024-byte header of 256 little-endian int32 — [0] = 20240520 (magic),
+//     [1] = 1 (version), [2] = number of tokens — followed by that many uint16 ids; recognised
+//     by the magic whatever format was asked for;
+//   - text: any other file given as text is tokenised byte by byte (vocabulary 256).
+// Every id is checked against the model's vocabulary when the dataset is opened.
+//
+// Training windows are contiguous: window w holds tokens [w*seq, w*seq + seq] (seq + 1 tokens:
+// inputs are the first seq, labels the last seq). The windows of an epoch are visited in an
+// order drawn by a seeded shuffle (one permutation per epoch), so a run is reproducible from its
+// seed. Validation uses a separate file or, by default, the last `val_fraction` of the tokens,
+// read in order.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace megatrain {
+
+enum class TokenFormat { u16, u32, text };
+
+/// A read-only stream of token ids (memory-mapped file, or bytes in memory).
+class TokenSource {
+ public:
+  /// Opens `path`: ".txt" (and other non-.bin files) as text, ".bin" as `bin_format` (u16 or
+  /// u32; an llm.c header is recognised by its magic). Throws for an empty file or a size that is
+  /// not a multiple of the token width.
+  static TokenSource open(const std::filesystem::path& path, TokenFormat bin_format = TokenFormat::u16);
+  /// Byte-level tokens of `text` (kept in memory); `label` names it in messages.
+  static TokenSource from_text(std::string text, std::string label);
+
+  std::int64_t size() const { return count_; }
+  TokenFormat format() const { return format_; }
+  const std::string& label() const { return label_; }
+  std::int32_t at(std::int64_t i) const;
+  /// Copies tokens [start, start + out.size()) into `out`.
+  void read(std::int64_t start, std::span<std::int32_t> out) const;
+  /// The largest id (scanned in parallel).
+  std::int32_t max_id() const;
+
+ private:
+  struct Mapping;
+  std::shared_ptr<const Mapping> map_;  // the mapping or the text, shared by copies
+  const std::byte* data_ = nullptr;     // first token
+  std::int64_t count_ = 0;
+  TokenFormat format_ = TokenFormat::u16;
+  std::string label_;
+};
+
+struct DatasetOptions {
+  std::int64_t vocab_size = 0;   ///< ids must be < this
+  std::int64_t seq_len = 0;      ///< tokens per sequence
+  double val_fraction = 0.05;    ///< tail of the training source held out when no validation source is given
+  std::uint64_t seed = 0;        ///< shuffle seed
+};
+
+class TokenDataset {
+ public:
+  /// Checks everything before training can start: ids within the vocabulary, at least one
+  /// training and one validation window of seq_len + 1 tokens.
+  TokenDataset(TokenSource train, DatasetOptions opt, std::optional<TokenSource> val = std::nullopt);
+
+  std::int64_t seq_len() const { return opt_.seq_len; }
+  std::int64_t train_windows() const { return train_windows_; }
+  std::int64_t val_windows() const { return val_windows_; }
+  std::int64_t train_tokens() const { return train_end_ - train_begin_; }
+  std::int64_t val_tokens() const { return val_end_ - val_begin_; }
+
+  /// Fills `rows` sequences of inputs and labels ([rows * seq_len] each) for training window
+  /// slots [first_window, first_window + rows) of the shuffled order (epoch after epoch).
+  void train_batch(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
+                   std::span<std::int32_t> labels) const;
+  /// Validation windows [first_window, first_window + rows), in file order, wrapping around.
+  void val_batch(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
+                 std::span<std::int32_t> labels) const;
+
+ private:
+  void window(const TokenSource& src, std::int64_t begin, std::int64_t w, std::span<std::int32_t> ids,
+              std::span<std::int32_t> labels) const;
+  const std::vector<std::int64_t>& permutation(std::int64_t epoch) const;
+
+  TokenSource train_;
+  std::optional<TokenSource> val_;
+  DatasetOptions opt_;
+  std::int64_t train_begin_ = 0, train_end_ = 0, val_begin_ = 0, val_end_ = 0;
+  std::int64_t train_windows_ = 0, val_windows_ = 0;
+  mutable std::int64_t perm_epoch_ = -1;
+  mutable std::vector<std::int64_t> perm_;
+};
+
+/// The built-in training text: deterministic arithmetic sentences ("17 plus 25 is 42.") in a
+/// few templates, about `bytes` long. Written by the program, so no download is needed; a
+/// model that learns it shows a loss falling well below that of a byte unigram model.
+std::string builtin_text(std::size_t bytes = 1 << 20, std::uint64_t seed = 1);
+
+}  // namespace megatrain

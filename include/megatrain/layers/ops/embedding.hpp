@@ -1,0 +1,51 @@
+// Token embedding: ids -> rows of model.embed_tokens.weight.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "megatrain/layers/layer_op.hpp"
+#include "megatrain/model/config.hpp"
+
+namespace megatrain {
+
+class Embedding {
+ public:
+  explicit Embedding(const ModelConfig& cfg) : vocab_(cfg.vocab_size), hidden_(cfg.hidden_size), std_(cfg.initializer_range) {}
+
+  static constexpr const char* kTable = "model.embed_tokens.weight";
+
+  template <class E>
+  struct Weights {
+    View<E> table;  ///< [vocab, hidden]
+  };
+
+  std::vector<ParamSpec> params() const {
+    return {ParamSpec::matrix(kTable, Shape{vocab_, hidden_}, static_cast<float>(std_))};
+  }
+  template <class E>
+  Weights<E> bind(const ParamBinder<E>& p) const {
+    return {p(kTable)};
+  }
+  std::int64_t hidden_size() const { return hidden_; }
+  std::int64_t vocab_size() const { return vocab_; }
+
+  template <class B>
+  void forward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const std::int32_t> ids,
+               View<typename B::Act> y, Arena&) const {
+    MT_CHECK(ids.numel() == c.tokens(), "embedding: {} ids for a chunk of {} tokens", ids.numel(), c.tokens());
+    be.embedding(ids, w.table, y);
+  }
+  template <class B>
+  void backward(B& be, ChunkShape c, View<const std::int32_t> ids, View<const typename B::Act> dy,
+                const Weights<typename B::Acc>& grads, Arena&) const {
+    MT_CHECK(ids.numel() == c.tokens(), "embedding: {} ids for a chunk of {} tokens", ids.numel(), c.tokens());
+    be.embedding_backward(ids, dy, grads.table);
+  }
+
+ private:
+  std::int64_t vocab_, hidden_;
+  double std_;
+};
+
+}  // namespace megatrain

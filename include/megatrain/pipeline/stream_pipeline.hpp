@@ -1,0 +1,275 @@
+// StreamPipeline<Item, Stages...>: a compile-time list of stages that every item flows through,
+// in order, each stage on its own executor, joined by ring slots and completions.
+//
+// The pipeline owns the ordering rules, so code that uses it never waits by hand:
+//   1. data: stage j of an item starts after stage j-1 of the same item;
+//   2. order: each stage handles items in submission order (one thread per stage);
+//   3. rings: a stage with ring_slots() = K > 0 writes slot seq % K of a ring read by the
+//      stages after it up to the next ring writer; it reuses a slot only after the ring's last
+//      reader is done with the item K places earlier (double buffering with K = 2);
+//   4. units: a stage whose unit_access() is `reads` starts only after the last earlier item of
+//      the same unit has passed every stage whose unit_access() is `writes` (e.g. a prefetch of
+//      a unit's weights waits for that unit's last optimizer step).
+// Dependencies only point to earlier items or earlier stages, so the graph cannot deadlock.
+// Work that needs everything before it finished (exact gradient clipping needs every unit's
+// gradient) is a new pass submitted after drain().
+//
+// Each stage S provides (see the Stage concept): executor() — a HostExecutor, or a CUDA stream
+// executor; applies(item) — whether it has work for the item (a stage with none forwards the
+// completion it depended on); run(item, slots) — does or enqueues the work; ring_slots() and
+// unit_access(). Stages are plain objects: a user adds one by putting it in the list. Timing
+// never changes what is computed, only when.
+#pragma once
+
+#include <array>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "megatrain/core/error.hpp"
+#include "megatrain/pipeline/executor.hpp"
+
+namespace megatrain {
+
+enum class UnitAccess { none, reads, writes };
+
+/// Ring slot indices of one item at one stage.
+struct StageSlots {
+  std::size_t in = 0;   ///< slot of the ring this stage reads (written by the nearest earlier writer)
+  std::size_t out = 0;  ///< slot of the ring this stage writes (if ring_slots() > 0)
+};
+
+// clang-format off
+/// An item: anything with a `unit` (which unit's state it touches; used for rule 4).
+template <class I>
+concept PipelineItem = std::copyable<I> && requires(const I& i) {
+  { i.unit } -> std::convertible_to<std::size_t>;
+};
+
+template <class S, class Item>
+concept Stage = PipelineItem<Item> && requires(S& s, const S& cs, const Item& item, const StageSlots& slots) {
+  { s.executor() } -> Executor;                            // where its work runs
+  { cs.applies(item) } -> std::convertible_to<bool>;      // has work for this item (pure)
+  s.run(item, slots);                                      // does or enqueues the work
+  { cs.ring_slots() } -> std::convertible_to<std::size_t>; // K > 0: writes a ring of K slots; 0: writes none
+  { cs.unit_access() } -> std::convertible_to<UnitAccess>;
+};
+// clang-format on
+
+template <class Item, class... Stages>
+class StreamPipeline {
+  static_assert(sizeof...(Stages) >= 1, "StreamPipeline needs at least one stage");
+  static_assert((Stage<Stages, Item> && ...),
+                "StreamPipeline<Item, Stages...>: every stage must satisfy megatrain::Stage<S, Item> (executor(), "
+                "applies(item), run(item, slots), ring_slots(), unit_access()) and Item must have a "
+                "`unit` member (see megatrain/pipeline/stream_pipeline.hpp)");
+  static constexpr std::size_t kStages = sizeof...(Stages);
+
+ public:
+  explicit StreamPipeline(Stages... stages) : stages_(std::move(stages)...) {
+    configure(std::index_sequence_for<Stages...>{});
+    start(std::index_sequence_for<Stages...>{});
+  }
+  StreamPipeline(const StreamPipeline&) = delete;
+  StreamPipeline& operator=(const StreamPipeline&) = delete;
+
+  ~StreamPipeline() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+  template <std::size_t J>
+  auto& stage() {
+    return std::get<J>(stages_);
+  }
+
+  /// Queues items: they flow through the stages in this order. Does not block.
+  void submit(const std::vector<Item>& items) {
+    const auto& pass = items;
+    if (pass.empty()) return;
+    {
+      std::lock_guard lock(mutex_);
+      throw_if_failed();
+      const std::uint64_t first = base_ + entries_.size();
+      for (std::size_t k = 0; k < pass.size(); ++k) {
+        Entry e;
+        e.item = pass[k];
+        // Rule 4: for each reading stage, the latest earlier item of the same unit a writer touches.
+        const auto u = static_cast<std::size_t>(pass[k].unit);
+        if (auto it = last_write_.find(u); it != last_write_.end()) e.unit_writes = it->second;
+        std::vector<std::pair<std::size_t, std::uint64_t>> writes;
+        for_each_stage([&](std::size_t j, const auto& s) {
+          if (access_[j] == UnitAccess::writes && s.applies(pass[k])) writes.emplace_back(j, first + k);
+        });
+        if (!writes.empty()) last_write_[u] = std::move(writes);
+        entries_.push_back(std::move(e));
+      }
+    }
+    cv_.notify_all();
+  }
+
+  /// Blocks until every submitted item has passed every stage (its device work included), then
+  /// rethrows the first error a stage raised, if any.
+  void drain() {
+    std::vector<Completion> device_tails;
+    {
+      std::unique_lock lock(mutex_);
+      const std::uint64_t end = base_ + entries_.size();
+      cv_.wait(lock, [&] { return failed_ || done_[kStages - 1] >= end; });
+      throw_if_failed();
+      // Every stage has posted every item; device work may still be in flight. A stream runs
+      // its work in order, so each stage's last device completion covers all of its earlier ones.
+      for (std::size_t j = 0; j < kStages; ++j)
+        for (std::uint64_t seq = end; seq-- > base_;)
+          if (const Completion& c = entries_[seq - base_].done[j]; c.is_device()) {
+            device_tails.push_back(c);
+            break;
+          }
+    }
+    for (const auto& c : device_tails) c.host_sync(c.device_event);
+    std::lock_guard lock(mutex_);
+    trim();
+  }
+
+ private:
+  static constexpr std::size_t kNoRing = static_cast<std::size_t>(-1);
+
+  struct Entry {
+    Item item;
+    std::vector<std::pair<std::size_t, std::uint64_t>> unit_writes;  // (writer stage, seq) to wait for
+    std::array<Completion, kStages> done{};
+  };
+
+  struct Aborted {};
+
+  template <class F>
+  void for_each_stage(F&& f) const {
+    [&]<std::size_t... J>(std::index_sequence<J...>) { (f(J, std::get<J>(stages_)), ...); }(std::index_sequence_for<Stages...>{});
+  }
+
+  template <std::size_t... J>
+  void configure(std::index_sequence<J...>) {
+    ((ring_size_[J] = std::get<J>(stages_).ring_slots(), access_[J] = std::get<J>(stages_).unit_access()), ...);
+    // Which ring each stage reads, and which stage is the last reader of each ring.
+    std::size_t current = kNoRing;
+    for (std::size_t j = 0; j < kStages; ++j) {
+      reads_ring_[j] = current;
+      if (current != kNoRing) last_reader_[current] = j;
+      if (ring_size_[j] > 0) {
+        current = j;
+        last_reader_[j] = kNoRing;
+      }
+    }
+  }
+
+  template <std::size_t... J>
+  void start(std::index_sequence<J...>) {
+    (threads_.emplace_back([this] { worker<J>(); }), ...);
+  }
+
+  void throw_if_failed() {
+    if (failed_) {
+      if (error_) std::rethrow_exception(error_);
+      MT_FAIL("the pipeline stopped after an earlier error");
+    }
+  }
+
+  // Waits (under the lock) until stage j has posted item `seq`, and returns its completion.
+  // Items before base_ were drained: all their work, device work included, has finished.
+  Completion await_posted(std::unique_lock<std::mutex>& lock, std::size_t j, std::uint64_t seq) {
+    cv_.wait(lock, [&] { return failed_ || stopping_ || done_[j] > seq; });
+    if (failed_ || stopping_) throw Aborted{};
+    if (seq < base_) return {};
+    return entries_[seq - base_].done[j];
+  }
+
+  template <std::size_t J>
+  void worker() {
+    auto& stage = std::get<J>(stages_);
+    auto& exec = stage.executor();
+    try {
+      for (std::uint64_t seq = 0;; ++seq) {
+        std::vector<Completion> deps;
+        Item item;
+        StageSlots slots;
+        {
+          std::unique_lock lock(mutex_);
+          cv_.wait(lock, [&] { return failed_ || stopping_ || seq < base_ + entries_.size(); });
+          if (failed_ || stopping_) return;
+          const Entry& e = entries_[seq - base_];
+          item = e.item;
+          if (J > 0) deps.push_back(await_posted(lock, J - 1, seq));                       // rule 1
+          if (ring_size_[J] > 0 && last_reader_[J] != kNoRing && seq >= ring_size_[J])     // rule 3
+            deps.push_back(await_posted(lock, last_reader_[J], seq - ring_size_[J]));
+          if (access_[J] == UnitAccess::reads) {                                           // rule 4
+            const auto writes = entries_[seq - base_].unit_writes;
+            for (const auto& [wj, wseq] : writes) deps.push_back(await_posted(lock, wj, wseq));
+          }
+          if (reads_ring_[J] != kNoRing) slots.in = static_cast<std::size_t>(seq % ring_size_[reads_ring_[J]]);
+          if (ring_size_[J] > 0) slots.out = static_cast<std::size_t>(seq % ring_size_[J]);
+        }
+        Completion posted;
+        if (stage.applies(item)) {
+          for (const auto& d : deps) exec.wait(d);
+          stage.run(item, slots);
+          posted = exec.complete();
+        } else if (J > 0) {
+          posted = deps.front();  // nothing done here: downstream orders after the upstream work
+        }
+        {
+          std::lock_guard lock(mutex_);
+          entries_[seq - base_].done[J] = posted;
+          done_[J] = seq + 1;
+        }
+        cv_.notify_all();
+      }
+    } catch (const Aborted&) {
+      return;
+    } catch (...) {
+      {
+        std::lock_guard lock(mutex_);
+        if (!failed_) error_ = std::current_exception();
+        failed_ = true;
+      }
+      cv_.notify_all();
+    }
+  }
+
+  // After a drain every item has finished everywhere: drop them all (waits on earlier items
+  // then see finished work; see await_posted).
+  void trim() {
+    base_ += entries_.size();
+    entries_.clear();
+  }
+
+  std::tuple<Stages...> stages_;
+  std::array<std::size_t, kStages> ring_size_{};
+  std::array<UnitAccess, kStages> access_{};
+  std::array<std::size_t, kStages> reads_ring_{};
+  std::array<std::size_t, kStages> last_reader_{};
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Entry> entries_;
+  std::uint64_t base_ = 0;                     // seq of entries_.front()
+  std::array<std::uint64_t, kStages> done_{};  // items posted per stage
+  std::unordered_map<std::size_t, std::vector<std::pair<std::size_t, std::uint64_t>>> last_write_;
+  bool stopping_ = false;
+  bool failed_ = false;
+  std::exception_ptr error_;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace megatrain

@@ -1,0 +1,587 @@
+// The streaming trainer: one optimizer step, layer-major over the whole batch.
+//
+// Units are the embedding (0), the blocks (1..L) and the head (L+1). One step, for each
+// micro-batch:
+//   forward   F0, F1..FL   prefetch the unit's weights into a slot; run it over every token chunk;
+//                          keep its output (the next unit's input) as the activation checkpoint
+//   head      H            final norm + LM head + cross-entropy, fused with its backward, chunked
+//   backward  BL..B1, B0   prefetch again, recompute each chunk from its checkpoint, backpropagate,
+//                          accumulate the weight gradient over chunks, offload it
+//   optimizer              AdamW on the unit as soon as its gradient has landed on the host
+// Each item flows through StreamPipeline<prefetch, compute, offload, [user stages], optimizer>,
+// so prefetching unit u+1 overlaps computing unit u, offloading u's gradient overlaps computing
+// u-1, and the optimizer steps u while the GPU (or CPU) works on lower layers. The pipeline
+// decides when things happen, never what is computed: results do not depend on timing.
+//
+// Gradients are resident (every unit's gradient kept on the host until all have landed) when
+// clipping is exact (PyTorch's clip_grad_norm_ over all parameters, then AdamW) or when the
+// batch is split into micro-batches (gradient accumulation). Then the optimizer runs as a second
+// pass after the global norm is known. ClipMode::stale instead clips step t with the global norm
+// measured at step t-1 (no clipping at step 1), so each unit still steps the moment its
+// gradient lands; it differs from PyTorch exactly in using the previous step's norm.
+//
+// The embedding and the head keep dedicated weight slots and gradient accumulators (a tied LM
+// head reads the embedding's slot and accumulates into its gradient); blocks share rings of
+// `weight_slots` and `grad_slots` buffers.
+#pragma once
+
+#include <oneapi/tbb/task_arena.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "megatrain/backend/arena.hpp"
+#include "megatrain/core/error.hpp"
+#include "megatrain/core/nvtx.hpp"
+#include "megatrain/layers/decoder_model.hpp"
+#include "megatrain/optim/adamw.hpp"
+#include "megatrain/optim/lr_schedule.hpp"
+#include "megatrain/pipeline/stream_pipeline.hpp"
+#include "megatrain/store/host_param_store.hpp"
+
+namespace megatrain {
+
+enum class ClipMode {
+  exact,  ///< clip_grad_norm_ semantics: global norm of this step's gradients, then AdamW
+  stale,  ///< clip with the previous step's global norm (none at step 1); no resident gradients
+};
+
+struct TrainerOptions {
+  std::int64_t batch_rows = 8;     ///< sequences per optimizer step
+  std::int64_t seq_len = 128;
+  std::int64_t micro_batches = 1;  ///< gradient accumulation: the batch is run in this many parts
+  std::int64_t chunk_rows = 0;     ///< sequences per compute chunk (0: a whole micro-batch)
+  AdamWConfig adamw;
+  LrSchedule schedule;
+  double clip_norm = 0.0;  ///< max global gradient norm; 0 disables clipping
+  ClipMode clip_mode = ClipMode::exact;
+  std::size_t weight_slots = 2;  ///< ring of block weight slots (>= 2: double buffering)
+  std::size_t grad_slots = 2;    ///< ring of block gradient accumulators on the device
+  /// Testing aid: each built-in stage sleeps a random 0..jitter_us microseconds per item.
+  int jitter_us = 0;
+
+  std::int64_t micro_rows() const { return batch_rows / micro_batches; }
+  bool resident_gradients() const { return micro_batches > 1 || (clip_norm > 0 && clip_mode == ClipMode::exact); }
+  void validate() const {
+    MT_CHECK(batch_rows > 0 && seq_len > 0, "batch of {} sequences of {} tokens is empty", batch_rows, seq_len);
+    MT_CHECK(micro_batches >= 1 && batch_rows % micro_batches == 0,
+             "{} micro-batches do not divide a batch of {} sequences", micro_batches, batch_rows);
+    MT_CHECK(chunk_rows >= 0, "chunk_rows must be >= 0 (got {})", chunk_rows);
+    MT_CHECK(weight_slots >= 2, "weight_slots must be >= 2 for double buffering (got {})", weight_slots);
+    MT_CHECK(grad_slots >= 1, "grad_slots must be >= 1 (got {})", grad_slots);
+    MT_CHECK(std::isfinite(clip_norm) && clip_norm >= 0, "clip_norm must be finite and >= 0 (got {})", clip_norm);
+    MT_CHECK(jitter_us >= 0, "jitter_us must be >= 0");
+    adamw.validate();
+    schedule.validate();
+  }
+};
+
+/// What one step did.
+struct StepStats {
+  std::int64_t step = 0;
+  double loss = 0;          ///< mean over tokens with a label
+  double lr = 0;
+  double grad_norm = 0;     ///< global norm of this step's gradient (before clipping)
+  double clip_coef = 1;     ///< what the gradients were multiplied by
+  std::int64_t tokens = 0;  ///< tokens in the batch
+  double seconds = 0;
+};
+
+/// One item of a step: which unit, and what to do with it.
+struct TrainItem {
+  enum class Kind : std::uint8_t { forward, head, head_eval, backward, optimize };
+  Kind kind;
+  std::size_t unit;
+  std::int64_t micro = 0;
+};
+
+/// What a user stage can see: the landed host gradient of an item, and where it stands.
+struct GradientView {
+  std::function<std::span<const float>(const TrainItem&, const StageSlots&)> gradient;  ///< valid in run()
+  std::function<const std::string&(std::size_t unit)> unit_name;
+  std::function<std::int64_t()> step;  ///< 1-based step being trained
+};
+
+template <class B, class Block = DecoderBlock, class... UserStages>
+class Trainer {
+  static_assert(Backend<B>, "Trainer<B>: B does not satisfy megatrain::Backend (see megatrain/backend/backend.hpp)");
+  static_assert(LayerOp<Block, B>,
+                "Trainer<B, Block>: Block does not satisfy megatrain::LayerOp<Block, B>: it needs params(), Weights<E>, "
+                "bind(), hidden_size(), scratch_bytes<B>(), forward() and backward() (see megatrain/layers/layer_op.hpp)");
+  using Act = typename B::Act;
+  using W = typename B::Weight;
+  using Acc = typename B::Acc;
+  using Exec = typename B::Executor;
+  using Kind = TrainItem::Kind;
+  template <class E>
+  using Buf = typename B::template Buffer<E>;
+
+ public:
+  /// What the store must provide for `opt`: resident gradients or a ring of host landing slots.
+  static StoreOptions store_options(const TrainerOptions& opt, StoreOptions base = {}) {
+    base.resident_gradients = opt.resident_gradients();
+    base.grad_ring_slots = opt.resident_gradients() ? 0 : std::max<std::size_t>(base.grad_ring_slots, 2);
+    return base;
+  }
+
+  /// `model`, `store` and `backend` must outlive the trainer. The store's units must be the
+  /// model's (same names and shapes) and its gradients laid out as store_options() says.
+  Trainer(const DecoderModel<Block>& model, HostParamStore<float>& store, B& backend, TrainerOptions opt)
+      : model_(model), store_(store), be_(backend), opt_(opt), state_(std::make_shared<State>()) {
+    opt_.validate();
+    check_store();
+    model_.config().check_sequence_length(opt_.seq_len);
+    allocate();
+    pipeline_ = std::make_unique<Pipeline>(Prefetch{this, be_.make_executor(B::Role::upload)},
+                                           Compute{this, be_.make_executor(B::Role::compute)},
+                                           Offload{this, be_.make_executor(B::Role::download)},
+                                           UserStages(gradient_view())..., Optimize{this, HostExecutor(optimizer_threads())});
+  }
+
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  /// One optimizer step on a batch: ids and labels hold batch_rows * seq_len tokens, row by row
+  /// (labels: the next token, or kIgnoreIndex). Throws before changing anything if the batch
+  /// is malformed or has no labelled token.
+  StepStats step(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels) {
+    MT_NVTX_RANGE("Trainer::step");
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::int64_t valid = check_batch(ids, labels, opt_.batch_rows);
+    MT_CHECK(valid > 0, "the batch has no token with a label (all labels are {})", kIgnoreIndex);
+    std::copy(ids.begin(), ids.end(), ids_host_.begin());
+    std::copy(labels.begin(), labels.end(), labels_host_.begin());
+
+    State& st = *state_;
+    st.step = step_ + 1;
+    st.lr = opt_.schedule.at(st.step);
+    st.loss_scale = 1.0 / static_cast<double>(valid);
+    st.clip_coef = 1.0;
+    if (opt_.clip_norm > 0 && opt_.clip_mode == ClipMode::stale && last_grad_norm_)
+      st.clip_coef = clip_coefficient(*last_grad_norm_, opt_.clip_norm);
+    st.sumsq = 0;
+    st.micro_rows = opt_.micro_rows();
+    st.training = true;
+
+    const std::size_t L = model_.num_blocks();
+    for (std::int64_t m = 0; m < opt_.micro_batches; ++m) {
+      std::vector<TrainItem> items;
+      for (std::size_t u = 0; u <= L; ++u) items.push_back({Kind::forward, u, m});
+      items.push_back({Kind::head, L + 1, m});
+      for (std::size_t u = L + 1; u-- > 0;) items.push_back({Kind::backward, u, m});
+      pipeline_->submit(items);
+    }
+    pipeline_->drain();
+    double grad_norm;
+    if (opt_.resident_gradients()) {
+      double sumsq = 0;
+      for (const auto& u : store_.units()) sumsq += grad_sum_squares<float>(u.grad());
+      grad_norm = std::sqrt(sumsq);
+      if (opt_.clip_norm > 0) st.clip_coef = clip_coefficient(grad_norm, opt_.clip_norm);
+      std::vector<TrainItem> items;
+      for (std::size_t u = 0; u < model_.num_units(); ++u) items.push_back({Kind::optimize, u, 0});
+      pipeline_->submit(items);
+      pipeline_->drain();
+    } else {
+      grad_norm = std::sqrt(st.sumsq);
+    }
+    MT_CHECK(std::isfinite(grad_norm), "step {}: the gradient norm is not finite ({}); the model was updated with it",
+             st.step, grad_norm);
+    last_grad_norm_ = grad_norm;
+    step_ = st.step;
+
+    StepStats s;
+    s.step = st.step;
+    s.loss = sum_loss() * st.loss_scale;
+    s.lr = st.lr;
+    s.grad_norm = grad_norm;
+    s.clip_coef = st.clip_coef;
+    s.tokens = opt_.batch_rows * opt_.seq_len;
+    s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return s;
+  }
+
+  /// Mean loss over the labelled tokens of `rows` sequences (forward only; the weights are
+  /// not changed). rows must be a multiple of the micro-batch size.
+  double evaluate(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels, std::int64_t rows) {
+    MT_NVTX_RANGE("Trainer::evaluate");
+    MT_CHECK(rows > 0 && rows % opt_.micro_rows() == 0, "evaluation rows {} must be a positive multiple of {}", rows,
+             opt_.micro_rows());
+    const std::int64_t valid = check_batch(ids, labels, rows);
+    MT_CHECK(valid > 0, "the evaluation batch has no token with a label");
+    double total = 0;
+    const std::int64_t mt = opt_.micro_rows() * opt_.seq_len;
+    for (std::int64_t first = 0; first < rows; first += opt_.micro_rows()) {
+      const auto off = static_cast<std::size_t>(first * opt_.seq_len);
+      std::copy_n(ids.begin() + off, mt, ids_host_.begin());
+      std::copy_n(labels.begin() + off, mt, labels_host_.begin());
+      state_->training = false;
+      state_->micro_rows = opt_.micro_rows();
+      std::vector<TrainItem> items;
+      for (std::size_t u = 0; u <= model_.num_blocks(); ++u) items.push_back({Kind::forward, u, 0});
+      items.push_back({Kind::head_eval, model_.head_unit(), 0});
+      pipeline_->submit(items);
+      pipeline_->drain();
+      for (std::int64_t t = 0; t < mt; ++t) total += loss_host_[static_cast<std::size_t>(t)];
+    }
+    return total / static_cast<double>(valid);
+  }
+
+  std::int64_t steps_done() const { return step_; }
+  const TrainerOptions& options() const { return opt_; }
+  /// The global gradient norm of the last step (what ClipMode::stale clips the next step with).
+  std::optional<double> last_grad_norm() const { return last_grad_norm_; }
+  /// Restores the step counter and the last norm (resuming from a checkpoint).
+  void restore(std::int64_t steps_done, std::optional<double> last_grad_norm) {
+    MT_CHECK(steps_done >= 0, "steps_done must be >= 0");
+    step_ = steps_done;
+    last_grad_norm_ = last_grad_norm;
+  }
+
+  /// Bytes of backend memory the trainer holds (weight slots, accumulators, checkpoints, scratch).
+  std::size_t device_bytes() const { return device_bytes_; }
+
+ private:
+  struct State {
+    std::int64_t step = 0;
+    double lr = 0, loss_scale = 0, clip_coef = 1;
+    double sumsq = 0;  // written by the optimizer stage only
+    std::int64_t micro_rows = 0;
+    bool training = true;
+  };
+
+  // ---- stages --------------------------------------------------------------------------------
+  struct StageBase {
+    Trainer* owner;
+    void jitter(const TrainItem& it) const {
+      if (owner->opt_.jitter_us <= 0) return;
+      thread_local std::mt19937 rng(std::random_device{}());
+      (void)it;
+      std::this_thread::sleep_for(std::chrono::microseconds(rng() % static_cast<unsigned>(owner->opt_.jitter_us + 1)));
+    }
+  };
+
+  struct Prefetch : StageBase {
+    Exec exec;
+    Exec& executor() { return exec; }
+    std::size_t ring_slots() const { return this->owner->opt_.weight_slots; }
+    UnitAccess unit_access() const { return UnitAccess::reads; }
+    bool applies(const TrainItem& it) const {
+      // The embedding's dedicated slot still holds this step's weights when its backward comes.
+      return it.kind != Kind::optimize && !(it.kind == Kind::backward && it.unit == 0);
+    }
+    void run(const TrainItem& it, const StageSlots& s) {
+      MT_NVTX_RANGE("stage:prefetch");
+      this->jitter(it);
+      Trainer& t = *this->owner;
+      const auto& unit = t.store_.unit(it.unit);
+      if constexpr (std::is_same_v<W, float>)
+        t.be_.upload(exec, std::span<const float>(unit.master()), t.weight_slot(it.unit, s.out));
+      else
+        t.be_.upload(exec, std::span<const bf16>(unit.compute()), t.weight_slot(it.unit, s.out));
+    }
+  };
+
+  struct Compute : StageBase {
+    Exec exec;
+    std::size_t dy = 0;  // which of the two gradient buffers holds dL/d(current unit's output)
+    Exec& executor() { return exec; }
+    std::size_t ring_slots() const { return this->owner->opt_.grad_slots; }
+    UnitAccess unit_access() const { return UnitAccess::none; }
+    bool applies(const TrainItem& it) const { return it.kind != Kind::optimize; }
+    void run(const TrainItem& it, const StageSlots& s) {
+      MT_NVTX_RANGE("stage:compute");
+      this->jitter(it);
+      Trainer& t = *this->owner;
+      const State& st = *t.state_;
+      const std::size_t L = t.model_.num_blocks();
+      const std::int64_t rows = st.micro_rows, seq = t.opt_.seq_len, d = t.model_.config().hidden_size;
+      const std::int64_t chunk = t.opt_.chunk_rows > 0 ? std::min(t.opt_.chunk_rows, rows) : rows;
+      auto rows_of = [&](auto buf, std::int64_t r0, std::int64_t n) {  // [n*seq, d] rows of an activation buffer
+        return View<std::remove_reference_t<decltype(buf[0])>>(buf.subspan(static_cast<std::size_t>(r0 * seq * d),
+                                                                           static_cast<std::size_t>(n * seq * d)),
+                                                               Shape{n * seq, d});
+      };
+      auto tok = [&](std::span<std::int32_t> buf, std::int64_t r0, std::int64_t n) {
+        return View<const std::int32_t>(std::span<const std::int32_t>(buf).subspan(static_cast<std::size_t>(r0 * seq),
+                                                                                   static_cast<std::size_t>(n * seq)),
+                                        Shape{n * seq});
+      };
+      auto for_chunks = [&](auto&& f) {
+        for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) f(r0, std::min(chunk, rows - r0));
+      };
+      const auto embed_w = t.model_.embedding().bind(std::span<const W>(t.embed_slot_.span()));
+      switch (it.kind) {
+        case Kind::forward: {
+          if (it.unit == 0) {
+            const auto off = static_cast<std::size_t>(it.micro * rows * seq);
+            const auto n = static_cast<std::size_t>(rows * seq);
+            t.be_.upload(exec, std::span<const std::int32_t>(t.ids_host_).subspan(off, n), t.ids_dev_.span());
+            t.be_.upload(exec, std::span<const std::int32_t>(t.labels_host_).subspan(off, n), t.labels_dev_.span());
+            for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
+              t.model_.embedding().op().forward(t.be_, ChunkShape{n_rows, seq}, embed_w, tok(t.ids_dev_.span(), r0, n_rows),
+                                                rows_of(t.ckpt_[0].span(), r0, n_rows), t.arena_);
+            });
+          } else {
+            const auto& tmpl = t.model_.block(it.unit - 1);
+            const auto w = tmpl.bind(std::span<const W>(t.weight_slot(it.unit, s.in)));
+            for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
+              tmpl.op().forward(t.be_, ChunkShape{n_rows, seq}, w, View<const Act>(rows_of(t.ckpt_[it.unit - 1].span(), r0, n_rows)),
+                                rows_of(t.ckpt_[it.unit].span(), r0, n_rows), t.arena_);
+            });
+          }
+          break;
+        }
+        case Kind::head:
+        case Kind::head_eval: {
+          const auto& tmpl = t.model_.head();
+          const auto w = tmpl.bind(std::span<const W>(t.weight_slot(it.unit, s.in)),
+                                   {{&t.model_.embedding().layout(), std::span<const W>(t.embed_slot_.span())}});
+          const auto x = t.ckpt_[L].span();
+          if (it.kind == Kind::head) {
+            t.be_.zero(exec, t.head_acc_.span());
+            if (t.model_.head().op().tied()) t.be_.zero(exec, t.embed_acc_.span());
+          }
+          const auto g = tmpl.bind(t.head_acc_.span(), {{&t.model_.embedding().layout(), t.embed_acc_.span()}});
+          for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
+            const ChunkShape c{n_rows, seq};
+            auto loss = View<Acc>(t.loss_dev_.span().subspan(static_cast<std::size_t>(r0 * seq), static_cast<std::size_t>(n_rows * seq)),
+                                  Shape{n_rows * seq});
+            if (it.kind == Kind::head)
+              tmpl.op().forward_backward(t.be_, c, w, View<const Act>(rows_of(x, r0, n_rows)), tok(t.labels_dev_.span(), r0, n_rows),
+                                         st.loss_scale, loss, rows_of(t.dbuf_[0].span(), r0, n_rows), g, t.arena_);
+            else
+              tmpl.op().forward(t.be_, c, w, View<const Act>(rows_of(x, r0, n_rows)), tok(t.labels_dev_.span(), r0, n_rows), loss,
+                                t.arena_);
+          });
+          dy = 0;
+          t.be_.download(exec, std::span<const Acc>(t.loss_dev_.span()),
+                         std::span<double>(t.loss_host_).subspan(it.kind == Kind::head ? static_cast<std::size_t>(it.micro * rows * seq) : 0,
+                                                                 static_cast<std::size_t>(rows * seq)));
+          break;
+        }
+        case Kind::backward: {
+          if (it.unit == 0) {
+            if (!t.model_.head().op().tied()) t.be_.zero(exec, t.embed_acc_.span());
+            const auto g = t.model_.embedding().bind(t.embed_acc_.span());
+            for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
+              t.model_.embedding().op().backward(t.be_, ChunkShape{n_rows, seq}, tok(t.ids_dev_.span(), r0, n_rows),
+                                                 View<const Act>(rows_of(t.dbuf_[dy].span(), r0, n_rows)), g, t.arena_);
+            });
+          } else {
+            const auto& tmpl = t.model_.block(it.unit - 1);
+            const auto w = tmpl.bind(std::span<const W>(t.weight_slot(it.unit, s.in)));
+            auto acc = t.grad_acc(it.unit, s.out);
+            t.be_.zero(exec, acc);
+            const auto g = tmpl.bind(acc);
+            for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
+              tmpl.op().backward(t.be_, ChunkShape{n_rows, seq}, w, View<const Act>(rows_of(t.ckpt_[it.unit - 1].span(), r0, n_rows)),
+                                 View<const Act>(rows_of(t.dbuf_[dy].span(), r0, n_rows)), rows_of(t.dbuf_[1 - dy].span(), r0, n_rows),
+                                 g, t.arena_);
+            });
+            dy = 1 - dy;
+          }
+          break;
+        }
+        case Kind::optimize: break;
+      }
+    }
+  };
+
+  struct Offload : StageBase {
+    Exec exec;
+    Exec& executor() { return exec; }
+    std::size_t ring_slots() const {
+      return this->owner->opt_.resident_gradients() ? 1 : this->owner->store_.grad_ring_slots();
+    }
+    UnitAccess unit_access() const { return UnitAccess::none; }
+    bool applies(const TrainItem& it) const { return it.kind == Kind::head || it.kind == Kind::backward; }
+    void run(const TrainItem& it, const StageSlots& s) {
+      MT_NVTX_RANGE("stage:offload");
+      this->jitter(it);
+      Trainer& t = *this->owner;
+      const auto& unit = t.store_.unit(it.unit);
+      const auto n = static_cast<std::size_t>(unit.numel());
+      std::span<const Acc> src = t.grad_source(it, s.in);
+      if (!t.opt_.resident_gradients()) {
+        t.be_.download(exec, src, t.store_.grad_slot(s.out).first(n));
+      } else if (it.micro == 0) {
+        t.be_.download(exec, src, unit.grad());
+      } else {  // accumulate micro-batches on the host
+        t.be_.download(exec, src, t.staging_.first(n));
+        exec.synchronize();
+        auto dst = unit.grad();
+        for (std::size_t i = 0; i < n; ++i) dst[i] += t.staging_[i];
+      }
+    }
+  };
+
+  struct Optimize : StageBase {
+    HostExecutor exec;
+    HostExecutor& executor() { return exec; }
+    std::size_t ring_slots() const { return 0; }
+    UnitAccess unit_access() const { return UnitAccess::writes; }
+    bool applies(const TrainItem& it) const {
+      return this->owner->opt_.resident_gradients() ? it.kind == Kind::optimize
+                                                : (it.kind == Kind::head || it.kind == Kind::backward);
+    }
+    void run(const TrainItem& it, const StageSlots& s) {
+      MT_NVTX_RANGE("stage:optimizer");
+      this->jitter(it);
+      Trainer& t = *this->owner;
+      State& st = *t.state_;
+      const auto& unit = t.store_.unit(it.unit);
+      const auto grad = t.landed_gradient(it, s);
+      exec.run([&] {
+        if (!t.opt_.resident_gradients()) st.sumsq += grad_sum_squares<float>(grad);
+        adamw_step<float>(unit, grad, t.opt_.adamw, st.step, st.lr, st.clip_coef);
+      });
+    }
+  };
+
+  using Pipeline = StreamPipeline<TrainItem, Prefetch, Compute, Offload, UserStages..., Optimize>;
+
+  // ---- memory --------------------------------------------------------------------------------
+  void check_store() {
+    const auto specs = model_.units();
+    MT_CHECK(store_.num_units() == specs.size(), "the store has {} units but the model has {}", store_.num_units(),
+             specs.size());
+    for (std::size_t u = 0; u < specs.size(); ++u) {
+      const auto& su = store_.unit(u);
+      MT_CHECK(su.params().size() == specs[u].params.size(), "unit {} ('{}') has {} tensors in the store, {} in the model", u,
+               su.name(), su.params().size(), specs[u].params.size());
+      for (std::size_t p = 0; p < specs[u].params.size(); ++p)
+        MT_CHECK(su.params()[p].spec.name == specs[u].params[p].name && su.params()[p].spec.shape == specs[u].params[p].shape,
+                 "unit '{}': the store has {} {} where the model expects {} {}", su.name(), su.params()[p].spec.name,
+                 su.params()[p].spec.shape.str(), specs[u].params[p].name, specs[u].params[p].shape.str());
+    }
+    if (opt_.resident_gradients())
+      MT_CHECK(store_.resident_gradients(),
+               "this configuration ({}) needs resident gradients: build the store with Trainer::store_options()",
+               opt_.micro_batches > 1 ? "gradient accumulation" : "exact clipping");
+    else
+      MT_CHECK(store_.grad_ring_slots() >= 1, "the store has no gradient ring: build it with Trainer::store_options()");
+  }
+
+  void allocate() {
+    const auto& cfg = model_.config();
+    const std::size_t L = model_.num_blocks();
+    std::int64_t block_numel = 0;
+    for (std::size_t l = 0; l < L; ++l) block_numel = std::max(block_numel, model_.block(l).layout().numel());
+    const auto micro_tokens = static_cast<std::size_t>(opt_.micro_rows() * opt_.seq_len);
+    const auto act = micro_tokens * static_cast<std::size_t>(cfg.hidden_size);
+    const std::int64_t chunk = opt_.chunk_rows > 0 ? std::min(opt_.chunk_rows, opt_.micro_rows()) : opt_.micro_rows();
+    const ChunkShape c{chunk, opt_.seq_len};
+    std::size_t scratch = model_.head().op().template scratch_bytes<B>(c);
+    for (std::size_t l = 0; l < L; ++l) scratch = std::max(scratch, model_.block(l).op().template scratch_bytes<B>(c));
+
+    for (std::size_t k = 0; k < opt_.weight_slots; ++k) weight_ring_.push_back(be_.template alloc<W>(static_cast<std::size_t>(block_numel)));
+    for (std::size_t k = 0; k < opt_.grad_slots; ++k) grad_ring_.push_back(be_.template alloc<Acc>(static_cast<std::size_t>(block_numel)));
+    embed_slot_ = be_.template alloc<W>(static_cast<std::size_t>(model_.embedding().layout().numel()));
+    head_slot_ = be_.template alloc<W>(static_cast<std::size_t>(model_.head().layout().numel()));
+    embed_acc_ = be_.template alloc<Acc>(static_cast<std::size_t>(model_.embedding().layout().numel()));
+    head_acc_ = be_.template alloc<Acc>(static_cast<std::size_t>(model_.head().layout().numel()));
+    for (std::size_t u = 0; u <= L; ++u) ckpt_.push_back(be_.template alloc<Act>(act));
+    for (int k = 0; k < 2; ++k) dbuf_.push_back(be_.template alloc<Act>(act));
+    scratch_mem_ = be_.template alloc<std::byte>(scratch);
+    arena_ = Arena(scratch_mem_.span());
+    ids_dev_ = be_.template alloc<std::int32_t>(micro_tokens);
+    labels_dev_ = be_.template alloc<std::int32_t>(micro_tokens);
+    loss_dev_ = be_.template alloc<Acc>(micro_tokens);
+    const auto batch_tokens = static_cast<std::size_t>(opt_.batch_rows * opt_.seq_len);
+    ids_host_.assign(batch_tokens, 0);
+    labels_host_.assign(batch_tokens, 0);
+    loss_host_.assign(batch_tokens, 0.0);
+    if (opt_.micro_batches > 1) staging_vec_.assign(static_cast<std::size_t>(store_.footprint().largest_unit), 0.0f);
+    staging_ = staging_vec_;
+
+    device_bytes_ = (opt_.weight_slots * static_cast<std::size_t>(block_numel) + embed_slot_.size() + head_slot_.size()) * sizeof(W) +
+                    (opt_.grad_slots * static_cast<std::size_t>(block_numel) + embed_acc_.size() + head_acc_.size()) * sizeof(Acc) +
+                    (L + 3) * act * sizeof(Act) + scratch + 2 * micro_tokens * sizeof(std::int32_t) + micro_tokens * sizeof(Acc);
+  }
+
+  std::span<W> weight_slot(std::size_t unit, std::size_t slot) {
+    if (unit == 0) return embed_slot_.span();
+    if (unit == model_.head_unit()) return head_slot_.span();
+    return weight_ring_[slot].span().first(static_cast<std::size_t>(model_.block(unit - 1).layout().numel()));
+  }
+  std::span<Acc> grad_acc(std::size_t unit, std::size_t slot) {
+    if (unit == 0) return embed_acc_.span();
+    if (unit == model_.head_unit()) return head_acc_.span();
+    return grad_ring_[slot].span().first(static_cast<std::size_t>(model_.block(unit - 1).layout().numel()));
+  }
+  std::span<const Acc> grad_source(const TrainItem& it, std::size_t slot) { return grad_acc(it.unit, slot); }
+  /// Where the gradient of `it` sits on the host once offloaded.
+  std::span<const float> landed_gradient(const TrainItem& it, const StageSlots& s) {
+    const auto& unit = store_.unit(it.unit);
+    if (opt_.resident_gradients()) return unit.grad();
+    return store_.grad_slot(s.in).first(static_cast<std::size_t>(unit.numel()));
+  }
+
+  GradientView gradient_view() {
+    return {[this](const TrainItem& it, const StageSlots& s) { return landed_gradient(it, s); },
+            [this](std::size_t u) -> const std::string& { return store_.unit(u).name(); },
+            [this] { return state_->step; }};
+  }
+
+  static int optimizer_threads() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
+  std::int64_t check_batch(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels, std::int64_t rows) const {
+    const auto n = static_cast<std::size_t>(rows * opt_.seq_len);
+    MT_CHECK(ids.size() == n && labels.size() == n, "batch of {} ids and {} labels; expected {} sequences x {} tokens = {}",
+             ids.size(), labels.size(), rows, opt_.seq_len, n);
+    const std::int64_t V = model_.config().vocab_size;
+    std::int64_t valid = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      MT_CHECK(ids[i] >= 0 && ids[i] < V, "token id {} at position {} is outside the vocabulary [0, {})", ids[i], i, V);
+      MT_CHECK(labels[i] == kIgnoreIndex || (labels[i] >= 0 && labels[i] < V),
+               "label {} at position {} is outside the vocabulary [0, {}) and is not {}", labels[i], i, V, kIgnoreIndex);
+      valid += labels[i] != kIgnoreIndex;
+    }
+    return valid;
+  }
+
+  double sum_loss() const {
+    double s = 0;
+    for (double x : loss_host_) s += x;
+    return s;
+  }
+
+  const DecoderModel<Block>& model_;
+  HostParamStore<float>& store_;
+  B& be_;
+  TrainerOptions opt_;
+  std::shared_ptr<State> state_;
+  std::int64_t step_ = 0;
+  std::optional<double> last_grad_norm_;
+  std::size_t device_bytes_ = 0;
+
+  std::vector<Buf<W>> weight_ring_;
+  std::vector<Buf<Acc>> grad_ring_;
+  Buf<W> embed_slot_, head_slot_;
+  Buf<Acc> embed_acc_, head_acc_;
+  std::vector<Buf<Act>> ckpt_;  // ckpt_[u]: output of unit u (input of unit u+1)
+  std::vector<Buf<Act>> dbuf_;  // gradients w.r.t. activations, ping-pong
+  Buf<std::byte> scratch_mem_;
+  Arena arena_;
+  Buf<std::int32_t> ids_dev_, labels_dev_;
+  Buf<Acc> loss_dev_;
+  std::vector<std::int32_t> ids_host_, labels_host_;
+  std::vector<double> loss_host_;
+  std::vector<float> staging_vec_;
+  std::span<float> staging_;
+  std::unique_ptr<Pipeline> pipeline_;  // last: its threads stop before the buffers go
+};
+
+}  // namespace megatrain

@@ -1,0 +1,266 @@
+#include "megatrain/data/token_dataset.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_reduce.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include "megatrain/core/error.hpp"
+
+namespace megatrain {
+
+namespace {
+constexpr std::int32_t kLlmcMagic = 20240520;
+constexpr std::size_t kLlmcHeaderBytes = 256 * sizeof(std::int32_t);
+
+std::size_t width(TokenFormat f) { return f == TokenFormat::u32 ? 4 : f == TokenFormat::u16 ? 2 : 1; }
+}  // namespace
+
+struct TokenSource::Mapping {
+  void* addr = nullptr;
+  std::size_t length = 0;
+  std::string text;  // when the tokens are bytes held in memory
+  ~Mapping() {
+    if (addr != nullptr) munmap(addr, length);
+  }
+};
+
+TokenSource TokenSource::open(const std::filesystem::path& path, TokenFormat bin_format) {
+  MT_CHECK(bin_format != TokenFormat::text, "bin_format must be u16 or u32");
+  const std::string label = path.string();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  MT_CHECK(fd >= 0, "cannot open dataset '{}': {}", label, std::strerror(errno));
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    MT_FAIL("cannot stat dataset '{}': {}", label, std::strerror(err));
+  }
+  const auto size = static_cast<std::size_t>(st.st_size);
+  if (size == 0) {
+    ::close(fd);
+    MT_FAIL("dataset '{}' is empty", label);
+  }
+  auto map = std::make_shared<Mapping>();
+  map->addr = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  MT_CHECK(map->addr != MAP_FAILED, "cannot map dataset '{}': {}", label, std::strerror(err));
+  map->length = size;
+  (void)madvise(map->addr, size, MADV_WILLNEED);
+
+  TokenSource s;
+  s.label_ = label;
+  const auto* bytes = static_cast<const std::byte*>(map->addr);
+  const bool is_bin = path.extension() == ".bin";
+  std::int32_t head[3] = {0, 0, 0};
+  if (size >= kLlmcHeaderBytes) std::memcpy(head, bytes, sizeof head);
+  if (size >= kLlmcHeaderBytes && head[0] == kLlmcMagic) {
+    MT_CHECK(head[1] == 1, "dataset '{}': llm.c header version {} is not supported (only version 1, uint16 tokens)", label,
+             head[1]);
+    const auto body = size - kLlmcHeaderBytes;
+    MT_CHECK(body % 2 == 0, "dataset '{}': {} bytes after the llm.c header is not a whole number of uint16 tokens", label,
+             body);
+    MT_CHECK(head[2] > 0 && static_cast<std::size_t>(head[2]) * 2 == body,
+             "dataset '{}': the llm.c header says {} tokens but the file holds {}", label, head[2], body / 2);
+    s.format_ = TokenFormat::u16;
+    s.data_ = bytes + kLlmcHeaderBytes;
+    s.count_ = head[2];
+  } else if (is_bin) {
+    const std::size_t w = width(bin_format);
+    MT_CHECK(size % w == 0, "dataset '{}': size {} bytes is not a multiple of the token width {} ({} tokens)", label, size, w,
+             bin_format == TokenFormat::u16 ? "uint16" : "uint32");
+    s.format_ = bin_format;
+    s.data_ = bytes;
+    s.count_ = static_cast<std::int64_t>(size / w);
+  } else {
+    s.format_ = TokenFormat::text;
+    s.data_ = bytes;
+    s.count_ = static_cast<std::int64_t>(size);
+  }
+  s.map_ = std::move(map);
+  return s;
+}
+
+TokenSource TokenSource::from_text(std::string text, std::string label) {
+  MT_CHECK(!text.empty(), "text '{}' is empty", label);
+  auto map = std::make_shared<Mapping>();
+  map->text = std::move(text);
+  TokenSource s;
+  s.label_ = std::move(label);
+  s.format_ = TokenFormat::text;
+  s.data_ = reinterpret_cast<const std::byte*>(map->text.data());
+  s.count_ = static_cast<std::int64_t>(map->text.size());
+  s.map_ = std::move(map);
+  return s;
+}
+
+std::int32_t TokenSource::at(std::int64_t i) const {
+  switch (format_) {
+    case TokenFormat::text: return static_cast<std::int32_t>(std::to_integer<std::uint8_t>(data_[i]));
+    case TokenFormat::u16: {
+      std::uint16_t v;
+      std::memcpy(&v, data_ + 2 * i, 2);
+      return v;
+    }
+    case TokenFormat::u32: {
+      std::uint32_t v;
+      std::memcpy(&v, data_ + 4 * i, 4);
+      return v > 0x7fffffffu ? -1 : static_cast<std::int32_t>(v);  // -1: caught by the vocabulary check
+    }
+  }
+  return -1;
+}
+
+void TokenSource::read(std::int64_t start, std::span<std::int32_t> out) const {
+  MT_CHECK(start >= 0 && start + static_cast<std::int64_t>(out.size()) <= count_, "tokens [{}, {}) are outside '{}' ({} tokens)",
+           start, start + static_cast<std::int64_t>(out.size()), label_, count_);
+  for (std::size_t k = 0; k < out.size(); ++k) out[k] = at(start + static_cast<std::int64_t>(k));
+}
+
+std::int32_t TokenSource::max_id() const {
+  // A negative id (uint32 above INT32_MAX) wins as "largest" so the caller reports it.
+  return tbb::parallel_reduce(
+      tbb::blocked_range<std::int64_t>(0, count_, 1 << 16), std::int32_t{0},
+      [&](const tbb::blocked_range<std::int64_t>& r, std::int32_t m) {
+        for (std::int64_t i = r.begin(); i != r.end(); ++i) {
+          const std::int32_t v = at(i);
+          if (v < 0) return std::int32_t{-1};
+          if (m >= 0) m = std::max(m, v);
+        }
+        return m;
+      },
+      [](std::int32_t a, std::int32_t b) { return (a < 0 || b < 0) ? std::int32_t{-1} : std::max(a, b); });
+}
+
+namespace {
+void check_vocab(const TokenSource& s, std::int64_t vocab) {
+  const std::int32_t m = s.max_id();
+  if (m >= 0 && m < vocab) return;
+  // Find the first offender for the message.
+  for (std::int64_t i = 0; i < s.size(); ++i) {
+    const std::int32_t v = s.at(i);
+    MT_CHECK(v >= 0 && v < vocab, "dataset '{}': token {} has id {}, outside the model's vocabulary [0, {})", s.label(), i,
+             v < 0 ? std::string("above 2^31") : std::to_string(v), vocab);
+  }
+}
+}  // namespace
+
+TokenDataset::TokenDataset(TokenSource train, DatasetOptions opt, std::optional<TokenSource> val)
+    : train_(std::move(train)), val_(std::move(val)), opt_(opt) {
+  MT_CHECK(opt.vocab_size > 0, "vocab_size must be > 0 (got {})", opt.vocab_size);
+  MT_CHECK(opt.seq_len > 0, "sequence length must be > 0 (got {})", opt.seq_len);
+  MT_CHECK(opt.val_fraction >= 0 && opt.val_fraction < 1, "val_fraction must be in [0, 1) (got {})", opt.val_fraction);
+  check_vocab(train_, opt.vocab_size);
+  const std::int64_t need = opt.seq_len + 1;
+  if (val_) {
+    check_vocab(*val_, opt.vocab_size);
+    train_begin_ = 0;
+    train_end_ = train_.size();
+    val_begin_ = 0;
+    val_end_ = val_->size();
+    MT_CHECK(val_->size() >= need, "validation set '{}' has {} tokens, fewer than one sequence of {} + 1", val_->label(),
+             val_->size(), opt.seq_len);
+  } else {
+    const std::int64_t n = train_.size();
+    const std::int64_t n_val = std::max(need, static_cast<std::int64_t>(static_cast<double>(n) * opt.val_fraction));
+    MT_CHECK(n >= 2 * need,
+             "dataset '{}' has {} tokens: too few for one training and one validation sequence of {} + 1 tokens each "
+             "(use a shorter sequence length or more data)",
+             train_.label(), n, opt.seq_len);
+    train_begin_ = 0;
+    train_end_ = n - n_val;
+    val_begin_ = train_end_;
+    val_end_ = n;
+  }
+  MT_CHECK(train_end_ - train_begin_ >= need, "dataset '{}' has {} training tokens, fewer than one sequence of {} + 1",
+           train_.label(), train_end_ - train_begin_, opt.seq_len);
+  train_windows_ = (train_end_ - train_begin_ - 1) / opt.seq_len;
+  val_windows_ = (val_end_ - val_begin_ - 1) / opt.seq_len;
+}
+
+const std::vector<std::int64_t>& TokenDataset::permutation(std::int64_t epoch) const {
+  if (epoch != perm_epoch_) {
+    perm_.resize(static_cast<std::size_t>(train_windows_));
+    for (std::int64_t i = 0; i < train_windows_; ++i) perm_[static_cast<std::size_t>(i)] = i;
+    // Fisher-Yates with a 64-bit engine whose sequence the standard fixes (unlike distributions).
+    std::mt19937_64 rng(opt_.seed * 0x9e3779b97f4a7c15ull + static_cast<std::uint64_t>(epoch) + 1);
+    for (std::int64_t i = train_windows_ - 1; i > 0; --i) {
+      const auto j = static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(i + 1));
+      std::swap(perm_[static_cast<std::size_t>(i)], perm_[static_cast<std::size_t>(j)]);
+    }
+    perm_epoch_ = epoch;
+  }
+  return perm_;
+}
+
+void TokenDataset::window(const TokenSource& src, std::int64_t begin, std::int64_t w, std::span<std::int32_t> ids,
+                          std::span<std::int32_t> labels) const {
+  const auto seq = static_cast<std::size_t>(opt_.seq_len);
+  std::vector<std::int32_t> buf(seq + 1);
+  src.read(begin + w * opt_.seq_len, buf);
+  std::copy_n(buf.begin(), seq, ids.begin());
+  std::copy_n(buf.begin() + 1, seq, labels.begin());
+}
+
+void TokenDataset::train_batch(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
+                               std::span<std::int32_t> labels) const {
+  const auto seq = static_cast<std::size_t>(opt_.seq_len);
+  MT_CHECK(ids.size() == static_cast<std::size_t>(rows) * seq && labels.size() == ids.size(),
+           "batch buffers hold {} / {} tokens, expected {} x {}", ids.size(), labels.size(), rows, seq);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t k = first_window + r;
+    const std::int64_t w = permutation(k / train_windows_)[static_cast<std::size_t>(k % train_windows_)];
+    window(train_, train_begin_, w, ids.subspan(static_cast<std::size_t>(r) * seq, seq),
+           labels.subspan(static_cast<std::size_t>(r) * seq, seq));
+  }
+}
+
+void TokenDataset::val_batch(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
+                             std::span<std::int32_t> labels) const {
+  const auto seq = static_cast<std::size_t>(opt_.seq_len);
+  MT_CHECK(ids.size() == static_cast<std::size_t>(rows) * seq && labels.size() == ids.size(),
+           "batch buffers hold {} / {} tokens, expected {} x {}", ids.size(), labels.size(), rows, seq);
+  const TokenSource& src = val_ ? *val_ : train_;
+  for (std::int64_t r = 0; r < rows; ++r)
+    window(src, val_begin_, (first_window + r) % val_windows_, ids.subspan(static_cast<std::size_t>(r) * seq, seq),
+           labels.subspan(static_cast<std::size_t>(r) * seq, seq));
+}
+
+std::string builtin_text(std::size_t bytes, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto num = [&](int hi) { return static_cast<int>(rng() % static_cast<std::uint64_t>(hi)); };
+  static const char* kNames[] = {"Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana"};
+  static const char* kThings[] = {"apples", "books", "coins", "stones", "shells", "cards"};
+  std::string out;
+  out.reserve(bytes + 64);
+  char line[128];
+  while (out.size() < bytes) {
+    const int a = num(100), b = num(100);
+    switch (num(5)) {
+      case 0: std::snprintf(line, sizeof line, "%d plus %d is %d.\n", a, b, a + b); break;
+      case 1: std::snprintf(line, sizeof line, "%d minus %d is %d.\n", std::max(a, b), std::min(a, b), std::abs(a - b)); break;
+      case 2: std::snprintf(line, sizeof line, "%d times %d is %d.\n", a % 13, b % 13, (a % 13) * (b % 13)); break;
+      case 3: {
+        const char* who = kNames[num(8)];
+        const char* what = kThings[num(6)];
+        std::snprintf(line, sizeof line, "%s has %d %s and finds %d more, so %s has %d %s.\n", who, a % 20, what, b % 20,
+                      who, a % 20 + b % 20, what);
+        break;
+      }
+      default: std::snprintf(line, sizeof line, "%d + %d = %d\n", a, b, a + b); break;
+    }
+    out += line;
+  }
+  return out;
+}
+
+}  // namespace megatrain

@@ -1,0 +1,620 @@
+// ModelConfig: parsing real Hugging Face config.json files (configs/, copied from the published
+// checkpoints' files), transformers-5-style rope_parameters, presets, param_count against the
+// published parameter counts and against the layer ops' own specs, to_json round trips, the
+// rotary frequencies against an independent computation, and every error a user can hit.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <numbers>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "megatrain/core/error.hpp"
+#include "megatrain/layers/decoder_model.hpp"
+#include "megatrain/model/config.hpp"
+
+using namespace megatrain;
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path fixture(const char* name) { return fs::path(MEGATRAIN_TEST_CONFIGS) / name; }
+
+/// Every field, so a round trip or a preset comparison cannot miss one.
+void check_same(const ModelConfig& a, const ModelConfig& b) {
+  CHECK(a.architecture == b.architecture);
+  CHECK(a.hidden_size == b.hidden_size);
+  CHECK(a.intermediate_size == b.intermediate_size);
+  CHECK(a.num_hidden_layers == b.num_hidden_layers);
+  CHECK(a.num_attention_heads == b.num_attention_heads);
+  CHECK(a.num_key_value_heads == b.num_key_value_heads);
+  CHECK(a.head_dim == b.head_dim);
+  CHECK(a.vocab_size == b.vocab_size);
+  CHECK(a.max_position_embeddings == b.max_position_embeddings);
+  CHECK(a.rms_norm_eps == b.rms_norm_eps);
+  CHECK(a.rope_theta == b.rope_theta);
+  CHECK(a.rope_scaling.type == b.rope_scaling.type);
+  CHECK(a.rope_scaling.factor == b.rope_scaling.factor);
+  CHECK(a.rope_scaling.low_freq_factor == b.rope_scaling.low_freq_factor);
+  CHECK(a.rope_scaling.high_freq_factor == b.rope_scaling.high_freq_factor);
+  CHECK(a.rope_scaling.original_max_position_embeddings == b.rope_scaling.original_max_position_embeddings);
+  CHECK(a.tie_word_embeddings == b.tie_word_embeddings);
+  CHECK(a.qkv_bias == b.qkv_bias);
+  CHECK(a.o_bias == b.o_bias);
+  CHECK(a.mlp_bias == b.mlp_bias);
+  CHECK(a.sliding_window == b.sliding_window);
+  CHECK(a.initializer_range == b.initializer_range);
+}
+
+/// from_json(to_json(c)) == c, both directly and through the JSON text.
+void check_round_trip(const ModelConfig& c) {
+  check_same(ModelConfig::from_json(c.to_json(), "round trip"), c);
+  check_same(ModelConfig::from_json(json::parse(c.to_json().dump(2)), "round trip (text)"), c);
+}
+
+/// Parameters counted tensor by tensor, the way a state_dict lists them (independent of
+/// ModelConfig::param_count's closed form).
+std::int64_t state_dict_count(const ModelConfig& c) {
+  const std::int64_t d = c.hidden_size, f = c.intermediate_size, qd = c.num_attention_heads * c.head_dim,
+                     kd = c.num_key_value_heads * c.head_dim;
+  std::vector<std::int64_t> tensors{c.vocab_size * d};  // model.embed_tokens.weight
+  for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    tensors.insert(tensors.end(), {d, qd * d, kd * d, kd * d, d * qd, d, f * d, f * d, d * f});
+    if (c.qkv_bias) tensors.insert(tensors.end(), {qd, kd, kd});
+    if (c.o_bias) tensors.push_back(d);
+    if (c.mlp_bias) tensors.insert(tensors.end(), {f, f, d});
+  }
+  tensors.push_back(d);                                          // model.norm.weight
+  if (!c.tie_word_embeddings) tensors.push_back(c.vocab_size * d);  // lm_head.weight
+  std::int64_t n = 0;
+  for (auto t : tensors) n += t;
+  return n;
+}
+
+/// The parameters the layer ops declare for this config (what HostParamStore would hold).
+std::int64_t op_spec_count(const ModelConfig& c) {
+  std::int64_t n = 0;
+  for (const auto& u : DecoderModel<>(c).units())
+    for (const auto& p : u.params) n += p.numel();
+  return n;
+}
+
+/// A small valid config that the error cases below break one field at a time.
+json base_config() {
+  return json::parse(R"({"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":96,
+    "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100,"hidden_act":"silu"})");
+}
+json with(json j, const char* key, json value) {
+  j[key] = std::move(value);
+  return j;
+}
+json without(json j, const char* key) {
+  j.erase(key);
+  return j;
+}
+/// The message of the Error that parsing `j` throws ("" and a failed check if it does not throw).
+std::string error_of(const json& j, std::string_view source = "config.json") {
+  try {
+    (void)ModelConfig::from_json(j, source);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  FAIL_CHECK("no error for " << j.dump());
+  return {};
+}
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  FAIL_CHECK("no error");
+  return {};
+}
+bool contains(const std::string& s, std::string_view part) { return s.find(part) != std::string::npos; }
+
+/// Rotary inverse frequencies as transformers computes them (modeling_rope_utils.py), written
+/// independently of ModelConfig::rope_inv_freq: the default table from exp/log, then the
+/// llama3 adjustment as three whole-vector steps (`torch.where` on wavelengths).
+std::vector<double> reference_inv_freq(const ModelConfig& c) {
+  const auto half = static_cast<std::size_t>(c.head_dim / 2);
+  std::vector<double> f(half);
+  for (std::size_t i = 0; i < half; ++i)
+    f[i] = std::exp(-std::log(c.rope_theta) * static_cast<double>(2 * i) / static_cast<double>(c.head_dim));
+  const RopeScaling& s = c.rope_scaling;
+  if (s.type == RopeScaling::Type::linear)
+    for (auto& x : f) x /= s.factor;
+  if (s.type == RopeScaling::Type::llama3) {
+    const double old_ctx = static_cast<double>(s.original_max_position_embeddings);
+    const double low_wavelen = old_ctx / s.low_freq_factor, high_wavelen = old_ctx / s.high_freq_factor;
+    std::vector<double> wavelen(half), scaled(half), smoothed(half);
+    for (std::size_t i = 0; i < half; ++i) wavelen[i] = 2 * std::numbers::pi / f[i];
+    for (std::size_t i = 0; i < half; ++i) scaled[i] = wavelen[i] > low_wavelen ? f[i] / s.factor : f[i];
+    for (std::size_t i = 0; i < half; ++i) {
+      const double smooth = (old_ctx / wavelen[i] - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+      smoothed[i] = (1 - smooth) * scaled[i] / s.factor + smooth * scaled[i];
+    }
+    for (std::size_t i = 0; i < half; ++i) {
+      const bool medium = !(wavelen[i] < high_wavelen) && !(wavelen[i] > low_wavelen);
+      f[i] = medium ? smoothed[i] : scaled[i];
+    }
+  }
+  return f;
+}
+
+void check_inv_freq(const ModelConfig& c) {
+  const auto got = c.rope_inv_freq();
+  const auto want = reference_inv_freq(c);
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    INFO("i = " << i);
+    CHECK(std::abs(got[i] - want[i]) <= 1e-13 * std::abs(want[i]));
+  }
+}
+
+}  // namespace
+
+// ---- real config.json files ----------------------------------------------------------------
+
+TEST_CASE("config: Llama 2 7B") {
+  const auto c = ModelConfig::from_file(fixture("llama-2-7b.json"));
+  CHECK(c.architecture == Architecture::llama);
+  CHECK(c.architecture_name() == "LlamaForCausalLM");
+  CHECK(c.model_type() == "llama");
+  CHECK(c.hidden_size == 4096);
+  CHECK(c.intermediate_size == 11008);
+  CHECK(c.num_hidden_layers == 32);
+  CHECK(c.num_attention_heads == 32);
+  CHECK(c.num_key_value_heads == 32);
+  CHECK(c.head_dim == 128);  // hidden / heads: the file has no head_dim
+  CHECK(c.vocab_size == 32000);
+  CHECK(c.max_position_embeddings == 4096);
+  CHECK(c.rms_norm_eps == 1e-5);
+  CHECK(c.rope_theta == 10000.0);  // absent: the default
+  CHECK(c.rope_scaling.type == RopeScaling::Type::none);
+  CHECK_FALSE(c.tie_word_embeddings);
+  CHECK_FALSE(c.qkv_bias);
+  CHECK_FALSE(c.o_bias);
+  CHECK_FALSE(c.mlp_bias);
+  CHECK_FALSE(c.sliding_window.has_value());
+  CHECK(c.q_dim() == 4096);
+  CHECK(c.kv_dim() == 4096);
+  CHECK(c.param_count() == 6'738'415'616);  // Llama-2-7b-hf
+  CHECK(c.param_count() == state_dict_count(c));
+  check_round_trip(c);
+}
+
+TEST_CASE("config: Llama 3.2 1B (llama3 rope scaling, explicit head_dim, tied embeddings)") {
+  const auto c = ModelConfig::from_file(fixture("llama-3.2-1b.json"));
+  CHECK(c.architecture == Architecture::llama);
+  CHECK(c.hidden_size == 2048);
+  CHECK(c.num_attention_heads == 32);
+  CHECK(c.num_key_value_heads == 8);
+  CHECK(c.head_dim == 64);
+  CHECK(c.q_dim() == 2048);
+  CHECK(c.kv_dim() == 512);
+  CHECK(c.vocab_size == 128256);
+  CHECK(c.max_position_embeddings == 131072);
+  CHECK(c.rope_theta == 500000.0);
+  CHECK(c.rope_scaling.type == RopeScaling::Type::llama3);
+  CHECK(c.rope_scaling.factor == 32.0);
+  CHECK(c.rope_scaling.low_freq_factor == 1.0);
+  CHECK(c.rope_scaling.high_freq_factor == 4.0);
+  CHECK(c.rope_scaling.original_max_position_embeddings == 8192);
+  CHECK(c.tie_word_embeddings);
+  CHECK_FALSE(c.qkv_bias);
+  CHECK_FALSE(c.mlp_bias);
+  CHECK(c.param_count() == 1'235'814'400);  // Llama-3.2-1B
+  CHECK(c.param_count() == state_dict_count(c));
+  check_same(c, ModelConfig::preset("llama-3.2-1b"));
+  check_round_trip(c);
+}
+
+TEST_CASE("config: Llama 3.2 3B in transformers-5 form (rope_theta and scaling inside rope_parameters)") {
+  const auto c = ModelConfig::from_file(fixture("llama-3.2-3b-transformers5.json"));
+  CHECK(c.rope_theta == 500000.0);  // only in rope_parameters
+  CHECK(c.rope_scaling.type == RopeScaling::Type::llama3);
+  CHECK(c.rope_scaling.factor == 32.0);
+  CHECK(c.rope_scaling.original_max_position_embeddings == 8192);
+  CHECK(c.head_dim == 128);
+  CHECK(c.num_attention_heads == 24);
+  CHECK(c.param_count() == 3'212'749'824);  // Llama-3.2-3B
+  check_same(c, ModelConfig::preset("llama-3.2-3b"));
+  check_round_trip(c);
+}
+
+TEST_CASE("config: Mistral 7B v0.1 (sliding_window 4096)") {
+  const auto c = ModelConfig::from_file(fixture("mistral-7b-v0.1.json"));
+  CHECK(c.architecture == Architecture::mistral);
+  CHECK(c.architecture_name() == "MistralForCausalLM");
+  CHECK(c.model_type() == "mistral");
+  CHECK(c.num_key_value_heads == 8);
+  CHECK(c.head_dim == 128);
+  CHECK(c.vocab_size == 32000);
+  CHECK(c.rope_theta == 10000.0);
+  CHECK(c.sliding_window == std::optional<std::int64_t>(4096));
+  CHECK_FALSE(c.qkv_bias);
+  CHECK(c.param_count() == 7'241'732'096);  // Mistral-7B-v0.1
+  CHECK(c.param_count() == state_dict_count(c));
+  CHECK_NOTHROW(c.check_sequence_length(1));
+  CHECK_NOTHROW(c.check_sequence_length(4096));
+  const auto msg = error_of([&] { c.check_sequence_length(4097); });
+  CHECK(contains(msg, "sequence length 4097"));
+  CHECK(contains(msg, "MistralForCausalLM"));
+  CHECK(contains(msg, "sliding_window 4096"));
+  check_round_trip(c);
+}
+
+TEST_CASE("config: Mistral 7B v0.3 (sliding_window null)") {
+  const auto c = ModelConfig::from_file(fixture("mistral-7b-v0.3.json"));
+  CHECK(c.architecture == Architecture::mistral);
+  CHECK(c.vocab_size == 32768);
+  CHECK(c.rope_theta == 1000000.0);
+  CHECK_FALSE(c.sliding_window.has_value());
+  CHECK_NOTHROW(c.check_sequence_length(32768));
+  CHECK_NOTHROW(c.check_sequence_length(std::int64_t{1} << 20));
+  CHECK(c.param_count() == 7'248'023'552);  // Mistral-7B-v0.3
+  check_same(c, ModelConfig::preset("mistral-7b"));
+  check_round_trip(c);
+}
+
+TEST_CASE("config: Mistral without a sliding_window key gets transformers' default window of 4096") {
+  auto j = json::parse(std::ifstream(fixture("mistral-7b-v0.1.json")));
+  j.erase("sliding_window");
+  CHECK(ModelConfig::from_json(j).sliding_window == std::optional<std::int64_t>(4096));
+  j["sliding_window"] = nullptr;
+  CHECK_FALSE(ModelConfig::from_json(j).sliding_window.has_value());
+  j["sliding_window"] = 1000;
+  CHECK(ModelConfig::from_json(j).sliding_window == std::optional<std::int64_t>(1000));
+}
+
+TEST_CASE("config: Qwen2.5 1.5B (q/k/v bias implied, tied embeddings, unused sliding_window)") {
+  const auto c = ModelConfig::from_file(fixture("qwen2.5-1.5b.json"));
+  CHECK(c.architecture == Architecture::qwen2);
+  CHECK(c.architecture_name() == "Qwen2ForCausalLM");
+  CHECK(c.model_type() == "qwen2");
+  CHECK(c.hidden_size == 1536);
+  CHECK(c.num_attention_heads == 12);
+  CHECK(c.num_key_value_heads == 2);
+  CHECK(c.head_dim == 128);
+  CHECK(c.qkv_bias);  // not in the file: Qwen2 always has it
+  CHECK_FALSE(c.o_bias);
+  CHECK_FALSE(c.mlp_bias);
+  CHECK(c.tie_word_embeddings);
+  CHECK(c.rms_norm_eps == 1e-6);
+  CHECK(c.rope_theta == 1000000.0);
+  CHECK_FALSE(c.sliding_window.has_value());  // "sliding_window": 131072 but "use_sliding_window": false
+  CHECK(c.param_count() == 1'543'714'304);    // Qwen2.5-1.5B
+  CHECK(c.param_count() == state_dict_count(c));
+  // The preset is the same model but for the context length (the preset keeps 32768).
+  auto preset = ModelConfig::preset("qwen2.5-1.5b");
+  CHECK(preset.max_position_embeddings == 32768);
+  preset.max_position_embeddings = c.max_position_embeddings;
+  check_same(c, preset);
+  check_round_trip(c);
+}
+
+TEST_CASE("config: Qwen2.5 7B in transformers-5 form (rope_parameters with rope_type default)") {
+  const auto c = ModelConfig::from_file(fixture("qwen2.5-7b-transformers5.json"));
+  CHECK(c.architecture == Architecture::qwen2);
+  CHECK(c.rope_theta == 1000000.0);  // only in rope_parameters
+  CHECK(c.rope_scaling.type == RopeScaling::Type::none);
+  CHECK(c.qkv_bias);
+  CHECK_FALSE(c.tie_word_embeddings);
+  CHECK_FALSE(c.sliding_window.has_value());
+  CHECK(c.param_count() == 7'615'616'512);  // Qwen2.5-7B
+  CHECK(c.param_count() == state_dict_count(c));
+  check_round_trip(c);
+}
+
+TEST_CASE("config: Qwen2 with use_sliding_window reads the window") {
+  auto j = json::parse(std::ifstream(fixture("qwen2.5-1.5b.json")));
+  j["use_sliding_window"] = true;
+  j["sliding_window"] = 4096;
+  const auto c = ModelConfig::from_json(j);
+  CHECK(c.sliding_window == std::optional<std::int64_t>(4096));
+  CHECK_NOTHROW(c.check_sequence_length(4096));
+  CHECK(contains(error_of([&] { c.check_sequence_length(4097); }), "sliding_window 4096"));
+  check_round_trip(c);
+}
+
+TEST_CASE("config: Llama attention_bias and mlp_bias") {
+  auto j = base_config();
+  j["attention_bias"] = true;
+  auto c = ModelConfig::from_json(j);
+  CHECK(c.qkv_bias);
+  CHECK(c.o_bias);  // Llama's attention_bias covers o_proj too
+  CHECK_FALSE(c.mlp_bias);
+  CHECK(c.param_count() == state_dict_count(c));
+  check_round_trip(c);
+  j["mlp_bias"] = true;
+  c = ModelConfig::from_json(j);
+  CHECK(c.mlp_bias);
+  CHECK(c.param_count() == state_dict_count(c));
+  CHECK(c.param_count() == op_spec_count(c));
+  check_round_trip(c);
+}
+
+TEST_CASE("config: model_type alone names the architecture; defaults fill optional fields") {
+  auto j = without(base_config(), "architectures");
+  j["model_type"] = "mistral";
+  auto c = ModelConfig::from_json(j);
+  CHECK(c.architecture == Architecture::mistral);
+  CHECK(c.max_position_embeddings == 131072);  // MistralConfig's default
+  j["model_type"] = "qwen2";
+  c = ModelConfig::from_json(j);
+  CHECK(c.architecture == Architecture::qwen2);
+  CHECK(c.max_position_embeddings == 32768);
+  j["model_type"] = "llama";
+  c = ModelConfig::from_json(without(j, "num_key_value_heads"));
+  CHECK(c.max_position_embeddings == 2048);
+  CHECK(c.num_key_value_heads == c.num_attention_heads);  // no key: multi-head attention
+  CHECK(c.rms_norm_eps == 1e-6);
+  CHECK(c.rope_theta == 10000.0);
+  CHECK(c.initializer_range == 0.02);
+  CHECK_FALSE(c.tie_word_embeddings);
+  // Integers written as floats are accepted when whole.
+  c = ModelConfig::from_json(with(base_config(), "hidden_size", 64.0));
+  CHECK(c.hidden_size == 64);
+}
+
+TEST_CASE("config: linear rope scaling, in the older \"type\" spelling and in rope_parameters") {
+  auto c = ModelConfig::from_json(with(base_config(), "rope_scaling", {{"type", "linear"}, {"factor", 4.0}}));
+  CHECK(c.rope_scaling.type == RopeScaling::Type::linear);
+  CHECK(c.rope_scaling.factor == 4.0);
+  check_round_trip(c);
+  c = ModelConfig::from_json(
+      with(base_config(), "rope_parameters", {{"rope_type", "linear"}, {"factor", 2.0}, {"rope_theta", 20000.0}}));
+  CHECK(c.rope_scaling.type == RopeScaling::Type::linear);
+  CHECK(c.rope_scaling.factor == 2.0);
+  CHECK(c.rope_theta == 20000.0);
+  check_round_trip(c);
+  // Precedence, as documented in docs/layers.md: rope_parameters' rope_theta over a top-level
+  // one; a non-null rope_scaling over rope_parameters' scaling; "type" over "rope_type".
+  auto j = with(base_config(), "rope_theta", 10000.0);
+  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 20000.0}};
+  CHECK(ModelConfig::from_json(j).rope_theta == 20000.0);
+  j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 3.0}};
+  CHECK(ModelConfig::from_json(j).rope_scaling.type == RopeScaling::Type::linear);
+  j["rope_scaling"] = {{"rope_type", "llama3"}, {"type", "linear"}, {"factor", 3.0}};
+  CHECK(ModelConfig::from_json(j).rope_scaling.type == RopeScaling::Type::linear);
+}
+
+TEST_CASE("config: from_file names the file in its errors") {
+  const fs::path dir = fs::temp_directory_path() / ("megatrain_test_config_" + std::to_string(std::random_device{}()));
+  fs::create_directories(dir);
+  const fs::path bad = dir / "config.json";
+  {
+    std::ofstream f(bad);
+    f << R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,})";  // trailing comma
+  }
+  auto msg = error_of([&] { (void)ModelConfig::from_file(bad); });
+  CHECK(contains(msg, "malformed JSON"));
+  CHECK(contains(msg, bad.string()));
+  {
+    std::ofstream f(bad);  // empty file
+  }
+  CHECK(contains(error_of([&] { (void)ModelConfig::from_file(bad); }), "malformed JSON"));
+  {
+    std::ofstream f(bad);
+    f << R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64})";  // valid JSON, fields missing
+  }
+  msg = error_of([&] { (void)ModelConfig::from_file(bad); });
+  CHECK(contains(msg, bad.string()));
+  CHECK(contains(msg, "'intermediate_size' is missing"));
+  msg = error_of([&] { (void)ModelConfig::from_file(dir); });  // a model directory, not its config.json
+  CHECK(contains(msg, "is a directory; give the path of the config.json in it"));
+  msg = error_of([&] { (void)ModelConfig::from_file(dir / "no-such-file.json"); });
+  CHECK(contains(msg, "cannot open"));
+  CHECK(contains(msg, "no-such-file.json"));
+  fs::remove_all(dir);
+}
+
+// ---- presets --------------------------------------------------------------------------------
+
+TEST_CASE("config: every preset loads, validates, round-trips and agrees with the layer ops") {
+  const auto names = ModelConfig::preset_names();
+  CHECK(names == std::vector<std::string>{"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama-3.2-1b", "llama-3.2-3b",
+                                          "llama-3.1-8b", "mistral-7b"});
+  for (const auto& name : names) {
+    CAPTURE(name);
+    const auto c = ModelConfig::preset(name);
+    CHECK_NOTHROW(c.validate());
+    check_round_trip(c);
+    CHECK(c.param_count() == state_dict_count(c));
+    CHECK(c.param_count() == op_spec_count(c));  // what DecoderModel would ask HostParamStore for
+    check_inv_freq(c);
+  }
+}
+
+TEST_CASE("config: presets' parameter counts are the published ones") {
+  CHECK(ModelConfig::preset("qwen2.5-0.5b").param_count() == 494'032'768);
+  CHECK(ModelConfig::preset("qwen2.5-1.5b").param_count() == 1'543'714'304);
+  CHECK(ModelConfig::preset("qwen2.5-7b").param_count() == 7'615'616'512);
+  CHECK(ModelConfig::preset("llama-3.2-1b").param_count() == 1'235'814'400);
+  CHECK(ModelConfig::preset("llama-3.2-3b").param_count() == 3'212'749'824);
+  CHECK(ModelConfig::preset("llama-3.1-8b").param_count() == 8'030'261'248);
+  CHECK(ModelConfig::preset("mistral-7b").param_count() == 7'248'023'552);
+}
+
+TEST_CASE("config: an unknown preset is refused with the known names") {
+  const auto msg = error_of([] { (void)ModelConfig::preset("llama-4-405b"); });
+  CHECK(contains(msg, "llama-4-405b"));
+  for (const auto& name : ModelConfig::preset_names()) CHECK(contains(msg, name));
+}
+
+// ---- rotary frequencies ---------------------------------------------------------------------
+
+TEST_CASE("config: rope_inv_freq matches an independent computation") {
+  SUBCASE("default") {
+    const auto c = ModelConfig::from_file(fixture("llama-2-7b.json"));
+    const auto f = c.rope_inv_freq();
+    REQUIRE(f.size() == 64);
+    CHECK(f[0] == 1.0);
+    CHECK(std::abs(f[1] - std::pow(10000.0, -2.0 / 128)) <= 1e-15);
+    check_inv_freq(c);
+  }
+  SUBCASE("linear") {
+    auto j = base_config();
+    const auto plain = ModelConfig::from_json(j).rope_inv_freq();
+    j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 4.0}};
+    const auto c = ModelConfig::from_json(j);
+    const auto f = c.rope_inv_freq();
+    for (std::size_t i = 0; i < f.size(); ++i) CHECK(f[i] == doctest::Approx(plain[i] / 4).epsilon(1e-15));
+    check_inv_freq(c);
+  }
+  SUBCASE("llama3: high frequencies kept, low ones divided by factor, the band between blended") {
+    const auto c = ModelConfig::from_file(fixture("llama-3.2-1b.json"));
+    auto plain_cfg = c;
+    plain_cfg.rope_scaling = {};
+    const auto plain = plain_cfg.rope_inv_freq();
+    const auto f = c.rope_inv_freq();
+    int kept = 0, divided = 0, blended = 0;
+    for (std::size_t i = 0; i < f.size(); ++i) {
+      if (f[i] == plain[i]) ++kept;
+      else if (std::abs(f[i] - plain[i] / 32) <= 1e-15 * plain[i]) ++divided;
+      else if (f[i] < plain[i] && f[i] > plain[i] / 32) ++blended;
+    }
+    CHECK(kept > 0);
+    CHECK(divided > 0);
+    CHECK(blended > 0);
+    CHECK(kept + divided + blended == static_cast<int>(f.size()));
+    check_inv_freq(c);
+    // Other factors and a shorter original context.
+    auto j = json::parse(std::ifstream(fixture("llama-3.2-1b.json")));
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", 8.0},
+                         {"low_freq_factor", 2.0},
+                         {"high_freq_factor", 8.0},
+                         {"original_max_position_embeddings", 4096}};
+    check_inv_freq(ModelConfig::from_json(j));
+  }
+}
+
+// ---- errors ---------------------------------------------------------------------------------
+
+TEST_CASE("config errors: unknown architecture, named") {
+  auto msg = error_of(with(base_config(), "architectures", {"GPT2LMHeadModel"}));
+  CHECK(contains(msg, "'GPT2LMHeadModel' is not supported"));
+  CHECK(contains(msg, "LlamaForCausalLM"));  // and what is
+  auto j = without(base_config(), "architectures");
+  j["model_type"] = "gpt2";
+  CHECK(contains(error_of(j), "model_type 'gpt2' is not supported"));
+  CHECK(contains(error_of(without(base_config(), "architectures")), "neither 'architectures' nor 'model_type'"));
+  CHECK(contains(error_of(with(base_config(), "architectures", json::array())), "'architectures' must be"));
+  CHECK(contains(error_of(with(base_config(), "architectures", "LlamaForCausalLM")), "'architectures' must be"));
+}
+
+TEST_CASE("config errors: a missing required field is named, with the source") {
+  for (const char* field : {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"}) {
+    CAPTURE(field);
+    const auto msg = error_of(without(base_config(), field), "my/config.json");
+    CHECK(contains(msg, std::string("'") + field + "' is missing"));
+    CHECK(contains(msg, "my/config.json"));
+    CHECK(contains(error_of(with(base_config(), field, nullptr)), std::string("'") + field + "' is missing"));
+  }
+  CHECK(contains(error_of(with(base_config(), "rope_scaling", {{"rope_type", "linear"}})), "'factor' is missing"));
+  CHECK(contains(error_of(with(base_config(), "rope_scaling", {{"rope_type", "llama3"}})), "'factor' is missing"));
+  auto j = json::parse(std::ifstream(fixture("qwen2.5-1.5b.json")));
+  j["use_sliding_window"] = true;
+  j.erase("sliding_window");
+  CHECK(contains(error_of(j), "'sliding_window' is missing"));
+}
+
+TEST_CASE("config errors: wrong JSON types") {
+  CHECK(contains(error_of(json::array({1, 2})), "must be a JSON object"));
+  CHECK(contains(error_of(with(base_config(), "hidden_size", "64")), "'hidden_size' must be an integer, not string"));
+  CHECK(contains(error_of(with(base_config(), "hidden_size", 64.5)), "'hidden_size' must be an integer"));
+  CHECK(contains(error_of(with(base_config(), "hidden_size", 1e30)), "'hidden_size' must be an integer"));
+  CHECK(contains(error_of(with(base_config(), "hidden_size", true)), "'hidden_size' must be an integer"));
+  CHECK(contains(error_of(with(base_config(), "num_attention_heads", json::array({4}))),
+                 "'num_attention_heads' must be an integer"));
+  CHECK(contains(error_of(with(base_config(), "rms_norm_eps", "1e-5")), "'rms_norm_eps' must be a number"));
+  CHECK(contains(error_of(with(base_config(), "rope_theta", json::object())), "'rope_theta' must be a number"));
+  CHECK(contains(error_of(with(base_config(), "tie_word_embeddings", "true")), "'tie_word_embeddings' must be true or false"));
+  CHECK(contains(error_of(with(base_config(), "attention_bias", 1)), "'attention_bias' must be true or false"));
+  CHECK(contains(error_of(with(base_config(), "rope_scaling", "llama3")), "rope_scaling must be an object"));
+  CHECK(contains(error_of(with(base_config(), "rope_parameters", json::array())), "rope_parameters must be an object"));
+  CHECK(contains(error_of(with(base_config(), "rope_scaling", {{"rope_type", 3}, {"factor", 8.0}})),
+                 "'rope_type' must be a string"));
+  CHECK(contains(error_of(with(base_config(), "rope_scaling", {{"rope_type", "linear"}, {"factor", "4"}})),
+                 "'factor' must be a number"));
+  CHECK(contains(error_of(with(base_config(), "hidden_act", 1)), "hidden_act 1 is not supported"));
+  auto j = json::parse(std::ifstream(fixture("mistral-7b-v0.1.json")));
+  j["sliding_window"] = "4096";
+  CHECK(contains(error_of(j), "'sliding_window' must be an integer"));
+}
+
+TEST_CASE("config errors: inconsistent head counts and sizes") {
+  SUBCASE("hidden_size not a multiple of the heads, without head_dim") {
+    auto j = with(base_config(), "hidden_size", 100);
+    j["num_attention_heads"] = 3;
+    j["num_key_value_heads"] = 1;
+    CHECK(contains(error_of(j), "hidden_size 100 is not a multiple of num_attention_heads 3 and no head_dim is given"));
+    j["head_dim"] = 32;  // an explicit head_dim makes it a valid shape
+    const auto c = ModelConfig::from_json(j);
+    CHECK(c.q_dim() == 96);
+    CHECK(c.param_count() == op_spec_count(c));
+  }
+  SUBCASE("key/value heads that do not divide the heads") {
+    CHECK(contains(error_of(with(base_config(), "num_key_value_heads", 3)),
+                   "num_key_value_heads 3 does not divide num_attention_heads 4"));
+  }
+  SUBCASE("odd head_dim, given or implied") {
+    CHECK(contains(error_of(with(base_config(), "head_dim", 15)), "head_dim must be even for rotary embeddings (got 15)"));
+    auto j = with(base_config(), "hidden_size", 12);
+    CHECK(contains(error_of(j), "head_dim must be even for rotary embeddings (got 3)"));
+  }
+  SUBCASE("non-positive sizes") {
+    for (const char* field : {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                              "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"}) {
+      for (int v : {0, -4}) {
+        CAPTURE(field);
+        CAPTURE(v);
+        CHECK(contains(error_of(with(base_config(), field, v)), std::string(field) + " must be > 0"));
+      }
+    }
+    CHECK(contains(error_of(with(base_config(), "rms_norm_eps", 0.0)), "rms_norm_eps must be > 0"));
+    CHECK(contains(error_of(with(base_config(), "rms_norm_eps", -1e-6)), "rms_norm_eps must be > 0"));
+    CHECK(contains(error_of(with(base_config(), "rope_theta", 1.0)), "rope_theta must be > 1"));
+    CHECK(contains(error_of(with(base_config(), "vocab_size", std::int64_t{1} << 31)), "does not fit 32-bit token ids"));
+    auto j = json::parse(std::ifstream(fixture("mistral-7b-v0.1.json")));
+    j["sliding_window"] = 0;
+    CHECK(contains(error_of(j), "sliding_window must be > 0"));
+    CHECK(contains(error_of(with(base_config(), "rope_scaling", {{"rope_type", "linear"}, {"factor", 0.0}})),
+                   "rope scaling factor must be > 0"));
+    CHECK(contains(error_of(with(base_config(), "rope_scaling",
+                                 {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 4.0}, {"high_freq_factor", 4.0}})),
+                   "high_freq_factor > low_freq_factor"));
+  }
+}
+
+TEST_CASE("config errors: unsupported rope scaling and activation are named") {
+  for (const char* type : {"yarn", "dynamic", "longrope"}) {
+    CAPTURE(type);
+    const auto msg = error_of(with(base_config(), "rope_scaling", {{"rope_type", type}, {"factor", 4.0}}));
+    CHECK(contains(msg, std::string("rope scaling type '") + type + "' is not supported"));
+    CHECK(contains(msg, "default, linear, llama3"));
+    CHECK(contains(error_of(with(base_config(), "rope_parameters", {{"rope_type", type}, {"factor", 4.0}})),
+                   std::string("'") + type + "'"));
+  }
+  for (const char* act : {"gelu", "gelu_pytorch_tanh", "relu"}) {
+    CAPTURE(act);
+    CHECK(contains(error_of(with(base_config(), "hidden_act", act)),
+                   std::string("hidden_act \"") + act + "\" is not supported"));
+  }
+}
+
+TEST_CASE("config errors: sequence lengths") {
+  const auto c = ModelConfig::from_json(base_config());
+  CHECK_NOTHROW(c.check_sequence_length(100000));  // no window: any length is exact
+  CHECK(contains(error_of([&] { c.check_sequence_length(0); }), "sequence length must be > 0"));
+  CHECK(contains(error_of([&] { c.check_sequence_length(-1); }), "sequence length must be > 0"));
+}

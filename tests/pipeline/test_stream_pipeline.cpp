@@ -1,0 +1,143 @@
+// StreamPipeline's ordering rules, checked on a log of when each stage started and finished
+// each item while stages sleep for random times; plus error propagation.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "megatrain/pipeline/stream_pipeline.hpp"
+
+using namespace megatrain;
+
+namespace {
+
+struct Item {
+  std::size_t unit;
+  int id;
+  bool skip_middle = false;
+};
+
+struct Log {
+  std::atomic<std::int64_t> clock{0};
+  std::mutex m;
+  std::map<std::pair<int, int>, std::pair<std::int64_t, std::int64_t>> span;  // (stage, id) -> (start, end)
+  std::map<std::pair<int, int>, StageSlots> slots;
+  std::vector<std::pair<int, int>> order;  // (stage, id) in start order per stage
+};
+
+struct TestStage {
+  int index;
+  Log* log;
+  std::size_t ring;
+  UnitAccess access;
+  bool skips;  // does not apply to items with skip_middle
+  int throw_at = -1;
+  HostExecutor exec{};
+  unsigned seed;
+
+  HostExecutor& executor() { return exec; }
+  bool applies(const Item& it) const { return !(skips && it.skip_middle); }
+  std::size_t ring_slots() const { return ring; }
+  UnitAccess unit_access() const { return access; }
+  void run(const Item& it, const StageSlots& s) {
+    const std::int64_t start = ++log->clock;
+    std::mt19937 rng(seed + static_cast<unsigned>(it.id) * 31u);
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 1500));
+    if (it.id == throw_at) throw std::runtime_error("stage failed on purpose");
+    const std::int64_t end = ++log->clock;
+    std::lock_guard lock(log->m);
+    log->span[{index, it.id}] = {start, end};
+    log->slots[{index, it.id}] = s;
+    log->order.emplace_back(index, it.id);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("ordering rules hold whatever the timing") {
+  for (unsigned trial = 0; trial < 4; ++trial) {
+    Log log;
+    // prefetch (ring 2) -> compute (ring 3) -> offload (ring 2; skips some items) -> optimizer (writes units)
+    StreamPipeline<Item, TestStage, TestStage, TestStage, TestStage> p(
+        TestStage{0, &log, 2, UnitAccess::reads, false, -1, {}, trial * 7 + 1},
+        TestStage{1, &log, 3, UnitAccess::none, false, -1, {}, trial * 7 + 2},
+        TestStage{2, &log, 2, UnitAccess::none, true, -1, {}, trial * 7 + 3},
+        TestStage{3, &log, 0, UnitAccess::writes, true, -1, {}, trial * 7 + 4});
+    std::vector<Item> items;
+    int id = 0;
+    for (int step = 0; step < 3; ++step) {
+      for (std::size_t u = 0; u < 5; ++u) items.push_back({u, id++, true});  // forward: no offload/optimizer
+      for (std::size_t u = 5; u-- > 0;) items.push_back({u, id++, false});  // backward
+    }
+    p.submit(std::vector<Item>(items.begin(), items.begin() + 17));
+    p.submit(std::vector<Item>(items.begin() + 17, items.end()));
+    p.drain();
+
+    auto ran = [&](int stage, int i) { return log.span.count({stage, i}) != 0; };
+    for (const auto& it : items) {
+      // Rule 1: data flow (a skipping stage forwards its upstream's completion).
+      int prev = -1;
+      for (int j = 0; j < 4; ++j) {
+        if (!ran(j, it.id)) continue;
+        if (prev >= 0) CHECK(log.span[{j, it.id}].first > log.span[{prev, it.id}].second);
+        prev = j;
+      }
+      CHECK(ran(0, it.id));
+      CHECK(ran(1, it.id));
+      CHECK(ran(2, it.id) == !it.skip_middle);
+      // Rule 3: ring slots. Stage 0's ring (2 slots) is read by stage 1; stage 1's (3 slots) by
+      // stage 2 (the last reader before the next writer); stage 2's (2 slots) by stage 3.
+      const std::size_t K[3] = {2, 3, 2};
+      for (int j = 0; j < 3; ++j) {
+        if (!ran(j, it.id) || it.id < static_cast<int>(K[j])) continue;
+        const int earlier = it.id - static_cast<int>(K[j]);
+        // The reader of the earlier item, or (if it skipped) whatever it forwarded, ended first.
+        for (int r = j + 1; r >= 0; --r)
+          if (ran(r, earlier)) {
+            CHECK(log.span[{j, it.id}].first > log.span[{r, earlier}].second);
+            break;
+          }
+        CHECK(log.slots[{j, it.id}].out == static_cast<std::size_t>(it.id) % K[j]);
+        if (j + 1 < 4 && ran(j + 1, it.id)) CHECK(log.slots[{j + 1, it.id}].in == static_cast<std::size_t>(it.id) % K[j]);
+      }
+      // Rule 4: a reader of a unit starts after the last earlier writer of that unit ended.
+      for (const auto& w : items)
+        if (w.id < it.id && w.unit == it.unit && ran(3, w.id)) CHECK(log.span[{0, it.id}].first > log.span[{3, w.id}].second);
+    }
+    // Rule 2: each stage in submission order.
+    std::map<int, int> last;
+    for (const auto& [stage, i] : log.order) {
+      if (last.count(stage)) CHECK(i > last[stage]);
+      last[stage] = i;
+    }
+  }
+}
+
+TEST_CASE("a stage's error stops the pipeline and reaches drain()") {
+  Log log;
+  StreamPipeline<Item, TestStage, TestStage> p(TestStage{0, &log, 2, UnitAccess::none, false, -1, {}, 1},
+                                               TestStage{1, &log, 0, UnitAccess::none, false, 5, {}, 2});
+  std::vector<Item> items;
+  for (int i = 0; i < 20; ++i) items.push_back({0, i});
+  p.submit(items);
+  CHECK_THROWS_WITH(p.drain(), "stage failed on purpose");
+  CHECK_THROWS(p.submit(items));
+  CHECK(log.span.count({1, 6}) == 0);
+}
+
+TEST_CASE("drain can be called repeatedly; later items see earlier writers as finished") {
+  Log log;
+  StreamPipeline<Item, TestStage, TestStage> p(TestStage{0, &log, 2, UnitAccess::reads, false, -1, {}, 3},
+                                               TestStage{1, &log, 0, UnitAccess::writes, false, -1, {}, 4});
+  for (int round = 0; round < 5; ++round) {
+    p.submit({{0, 2 * round}, {1, 2 * round + 1}});
+    p.drain();
+  }
+  CHECK(log.order.size() == 20);
+  CHECK(log.span[{0, 2}].first > log.span[{1, 0}].second);
+}

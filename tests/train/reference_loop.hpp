@@ -1,0 +1,78 @@
+// A plain training loop over the same ops, every unit resident, the whole batch as one chunk,
+// one optimizer call per unit per step: what the streaming trainer must agree with.
+#pragma once
+
+#include <cmath>
+#include <span>
+#include <vector>
+
+#include "megatrain/backend/cpu/cpu_backend.hpp"
+#include "megatrain/layers/decoder_model.hpp"
+#include "megatrain/optim/adamw.hpp"
+#include "megatrain/optim/lr_schedule.hpp"
+#include "megatrain/store/host_param_store.hpp"
+
+namespace megatrain::test {
+
+struct ReferenceLoop {
+  const DecoderModel<>& model;
+  HostParamStore<float>& store;
+  AdamWConfig adamw;
+  LrSchedule schedule;
+  double clip_norm = 0;
+  std::int64_t rows, seq;
+  CpuBackend<float> be;
+  std::int64_t step_no = 0;
+
+  struct Result {
+    double loss, grad_norm;
+  };
+
+  Result step(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels) {
+    ++step_no;
+    const std::int64_t M = rows * seq, d = model.config().hidden_size;
+    const std::size_t L = model.num_blocks();
+    const ChunkShape c{rows, seq};
+    std::vector<std::byte> mem(64 << 20);
+    Arena arena{std::span<std::byte>(mem)};
+    std::vector<std::vector<float>> acts(L + 1, std::vector<float>(static_cast<std::size_t>(M * d)));
+    std::vector<std::vector<float>> grads;
+    for (const auto& u : store.units()) grads.emplace_back(static_cast<std::size_t>(u.numel()), 0.0f);
+    auto view = [&](std::vector<float>& v) { return View<float>(std::span<float>(v), Shape{M, d}); };
+    View<const std::int32_t> idv(ids, Shape{M}), lbv(labels, Shape{M});
+    auto master = [&](std::size_t u) { return std::span<const float>(store.unit(u).master()); };
+    const auto& emb = model.embedding();
+    const auto embed_w = emb.bind(master(0));
+    emb.op().forward(be, c, embed_w, idv, view(acts[0]), arena);
+    for (std::size_t l = 0; l < L; ++l)
+      model.block(l).op().forward(be, c, model.block(l).bind(master(l + 1)), View<const float>(view(acts[l])),
+                                  view(acts[l + 1]), arena);
+    std::int64_t valid = 0;
+    for (auto y : labels) valid += y != kIgnoreIndex;
+    std::vector<float> loss(static_cast<std::size_t>(M)), dy(static_cast<std::size_t>(M * d)), dx(dy.size());
+    const std::size_t H = model.head_unit();
+    const auto head_w = model.head().bind(master(H), {{&emb.layout(), master(0)}});
+    const auto head_g = model.head().bind(std::span<float>(grads[H]), {{&emb.layout(), std::span<float>(grads[0])}});
+    model.head().op().forward_backward(be, c, head_w, View<const float>(view(acts[L])), lbv, 1.0 / static_cast<double>(valid),
+                                       View<float>(std::span<float>(loss), Shape{M}), view(dy), head_g, arena);
+    for (std::size_t l = L; l-- > 0;) {
+      model.block(l).op().backward(be, c, model.block(l).bind(master(l + 1)), View<const float>(view(acts[l])),
+                                   View<const float>(view(dy)), view(dx), model.block(l).bind(std::span<float>(grads[l + 1])),
+                                   arena);
+      std::swap(dy, dx);
+    }
+    emb.op().backward(be, c, idv, View<const float>(view(dy)), emb.bind(std::span<float>(grads[0])), arena);
+    double sumsq = 0;
+    for (auto& g : grads) sumsq += grad_sum_squares<float>(g);
+    const double norm = std::sqrt(sumsq);
+    const double coef = clip_norm > 0 ? clip_coefficient(norm, clip_norm) : 1.0;
+    const double lr = schedule.at(step_no);
+    for (std::size_t u = 0; u < store.num_units(); ++u)
+      adamw_step<float>(store.unit(u), std::span<const float>(grads[u]), adamw, step_no, lr, coef);
+    double total = 0;
+    for (float x : loss) total += x;
+    return {total / static_cast<double>(valid), norm};
+  }
+};
+
+}  // namespace megatrain::test
