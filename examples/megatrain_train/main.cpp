@@ -6,6 +6,12 @@
 // given on the command line win over the file. Unknown or contradictory options are errors.
 // Output: <out>/metrics.jsonl (one JSON object per step), <out>/config.json (the model shape),
 // <out>/options.json (every option as resolved).
+//
+// Hugging Face models: --model DIR fine-tunes a model directory (config.json + safetensors);
+// --export DIR writes the trained weights as such a directory at the end (and every
+// --export-every N steps), atomically. --steps 0 evaluates only: the validation loss of the
+// model on --val-data (or the held-out tail of --data) is printed as one JSON line on stdout,
+// and nothing is written (docs/huggingface.md).
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -26,9 +32,13 @@
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/host_memory.hpp"
 #include "megatrain/data/token_dataset.hpp"
+#include "megatrain/io/hf_checkpoint.hpp"
 #include "megatrain/layers/decoder_model.hpp"
 #include "megatrain/model/config.hpp"
 #include "megatrain/train/trainer.hpp"
+#if MEGATRAIN_HAS_CUDA
+#include "megatrain/backend/cuda/cuda_backend.hpp"
+#endif
 
 using namespace megatrain;
 using json = nlohmann::json;
@@ -38,7 +48,7 @@ namespace {
 
 struct Settings {
   // model
-  std::string model_config, preset;
+  std::string model_dir, model_config, preset;
   std::int64_t hidden = 128, layers = 4, heads = 4, kv_heads = 2, intermediate = 352, vocab = 0, head_dim = 0;
   double rope_theta = 10000.0, norm_eps = 1e-5;
   bool tie_embeddings = true;
@@ -52,9 +62,12 @@ struct Settings {
   std::string schedule = "cosine", clip_mode = "exact";
   // run
   std::uint64_t seed = 1;
-  std::string out, backend = "auto", host_memory;
+  std::string out, backend = "auto", host_memory, gpu_memory;
   std::int64_t eval_every = 20, eval_batches = 4, log_every = 1;
   bool overwrite = false;
+  // Hugging Face export
+  std::string export_dir, export_dtype = "bf16", shard_size = "5GB";
+  std::int64_t export_every = 0;
 };
 
 std::string default_out_dir() {
@@ -95,16 +108,25 @@ std::vector<std::string> config_args(const std::string& path, const CLI::App& ap
   return args;
 }
 
-ModelConfig model_config(const Settings& s, const CLI::App& app, std::int64_t data_vocab) {
+// Where the model's shape comes from: at most one of --model, --model-config, --preset, and no
+// shape flag beside it. Checked before anything is opened.
+void check_model_source(const Settings& s, const CLI::App& app) {
   const char* shape_flags[] = {"--hidden", "--layers", "--heads", "--kv-heads", "--intermediate", "--head-dim", "--rope-theta", "--norm-eps", "--tie-embeddings"};
-  std::vector<std::string> given_shape;
+  std::vector<std::string> sources;
+  if (!s.model_dir.empty()) sources.emplace_back("--model");
+  if (!s.model_config.empty()) sources.emplace_back("--model-config");
+  if (!s.preset.empty()) sources.emplace_back("--preset");
+  MT_CHECK(sources.size() <= 1, "{} and {} both give the model shape; pass one", sources[0], sources[1]);
+  if (sources.empty()) return;
   for (const char* f : shape_flags)
-    if (app.get_option(f)->count() > 0) given_shape.emplace_back(f);
-  MT_CHECK(s.model_config.empty() || s.preset.empty(), "--model-config and --preset both give the model shape; pass one");
-  if (!s.model_config.empty() || !s.preset.empty()) {
-    MT_CHECK(given_shape.empty(), "{} contradicts {}: the shape comes from there; drop one", given_shape.front(),
-             s.model_config.empty() ? "--preset" : "--model-config");
-    ModelConfig c = s.model_config.empty() ? ModelConfig::preset(s.preset) : ModelConfig::from_file(s.model_config);
+    MT_CHECK(app.get_option(f)->count() == 0, "{} contradicts {}: the shape comes from there; drop one", f, sources[0]);
+}
+
+ModelConfig model_config(const Settings& s, const CLI::App& app, std::int64_t data_vocab, const io::HfCheckpoint* hf) {
+  if (hf != nullptr || !s.model_config.empty() || !s.preset.empty()) {
+    ModelConfig c = hf != nullptr              ? hf->config()
+                    : s.model_config.empty() ? ModelConfig::preset(s.preset)
+                                             : ModelConfig::from_file(s.model_config);
     if (app.get_option("--vocab")->count() > 0)
       MT_CHECK(s.vocab == c.vocab_size, "--vocab {} contradicts the model's vocab_size {}", s.vocab, c.vocab_size);
     return c;
@@ -158,14 +180,27 @@ class Progress {
   bool tty_;
 };
 
+// What train() needs besides the trainer's options.
+struct RunPlan {
+  std::optional<io::HfCheckpoint> hf;    // --model: weights to load (released once loaded)
+  fs::path out;                          // run directory (none when evaluating only)
+  bool eval_only = false;                // --steps 0
+  std::int64_t eval_rows = 0;            // eval_only: validation windows to evaluate
+  std::optional<io::HfExportOptions> export_options;  // --export
+};
+
+template <class B>
+int train(B& be, const char* backend_name, const Settings& s, const CLI::App& app, const ModelConfig& cfg,
+          const TokenDataset& data, const TrainerOptions& topt, RunPlan& plan);
+
 int run(const Settings& s, const CLI::App& app) {
   // ---- validate everything before touching anything ------------------------------------------
   MT_CHECK(s.backend == "auto" || s.backend == "cpu" || s.backend == "cuda", "--backend must be auto, cpu or cuda (got '{}')",
            s.backend);
-  const bool want_cuda = s.backend == "cuda" || (s.backend == "auto" && cuda_device_present());
-  MT_CHECK(!(s.backend == "cuda"), "--backend cuda: {}",
-           MEGATRAIN_HAS_CUDA ? "the CUDA trainer is not available in this version yet" : "megatrain was built without CUDA");
-  (void)want_cuda;
+  MT_CHECK(!(s.backend == "cuda" && !MEGATRAIN_HAS_CUDA), "--backend cuda: megatrain was built without CUDA");
+  MT_CHECK(!(s.backend == "cuda" && !cuda_device_present()), "--backend cuda: no usable GPU was found");
+  const bool use_cuda = s.backend == "cuda" || (s.backend == "auto" && cuda_device_present());
+  MT_CHECK(s.gpu_memory.empty() || use_cuda, "--gpu-memory needs the cuda backend");
   MT_CHECK(s.schedule == "constant" || s.schedule == "cosine", "--schedule must be constant or cosine (got '{}')", s.schedule);
   MT_CHECK(!(s.schedule == "constant" && app.get_option("--warmup")->count() > 0 && s.warmup > 0),
            "--warmup needs --schedule cosine (a constant schedule has no warm-up)");
@@ -174,19 +209,52 @@ int run(const Settings& s, const CLI::App& app) {
   MT_CHECK(s.clip_mode == "exact" || s.clip_mode == "stale", "--clip-mode must be exact or stale (got '{}')", s.clip_mode);
   MT_CHECK(!(s.clip == 0 && app.get_option("--clip-mode")->count() > 0), "--clip-mode given but clipping is off (--clip 0)");
   MT_CHECK(s.data_format == "u16" || s.data_format == "u32", "--data-format must be u16 or u32 (got '{}')", s.data_format);
-  MT_CHECK(s.steps > 0, "--steps must be > 0 (got {})", s.steps);
+  MT_CHECK(s.steps >= 0, "--steps must be >= 0 (got {}; 0 evaluates only)", s.steps);
+  const bool eval_only = s.steps == 0;
   MT_CHECK(s.eval_every >= 0 && s.eval_batches > 0 && s.log_every > 0, "--eval-every >= 0, --eval-batches > 0, --log-every > 0");
-  MT_CHECK(!(s.data.empty() && !s.val_data.empty()), "--val-data needs --data");
+  MT_CHECK(!(s.data.empty() && !s.val_data.empty()) || eval_only,
+           "--val-data needs --data (except with --steps 0, which evaluates on --val-data alone)");
+  MT_CHECK(!(eval_only && !s.out.empty()),
+           "--steps 0 evaluates only and writes no run directory: drop --out (the loss is printed as JSON)");
+  check_model_source(s, app);
+
+  // Export: every contradiction is found now, not after hours of training.
+  RunPlan plan;
+  plan.eval_only = eval_only;
+  for (const char* f : {"--export-every", "--export-dtype", "--shard-size"})
+    MT_CHECK(!s.export_dir.empty() || app.get_option(f)->count() == 0, "{} needs --export DIR", f);
+  MT_CHECK(s.export_every >= 0, "--export-every must be >= 0 (got {}; 0 exports only at the end)", s.export_every);
+  MT_CHECK(!(eval_only && s.export_every > 0), "--export-every needs training steps (--steps 0 exports once)");
+  if (!s.export_dir.empty()) {
+    io::HfExportOptions e;
+    MT_CHECK(s.export_dtype == "bf16" || s.export_dtype == "f16" || s.export_dtype == "f32",
+             "--export-dtype must be bf16, f16 or f32 (got '{}')", s.export_dtype);
+    e.dtype = s.export_dtype == "f32" ? DType::f32 : s.export_dtype == "f16" ? DType::f16 : DType::bf16;
+    e.max_shard_bytes = io::parse_shard_size(s.shard_size);
+    io::check_hf_export_target(s.export_dir);
+    plan.export_options = std::move(e);
+  }
   if (!s.host_memory.empty()) setenv("MEGATRAIN_HOST_MEMORY", s.host_memory.c_str(), 1);
+
+  // A Hugging Face model is opened and checked against its config.json before anything else.
+  if (!s.model_dir.empty()) {
+    plan.hf = io::HfCheckpoint::open(s.model_dir);
+    if (plan.export_options) {
+      plan.export_options->config_json = plan.hf->config_text();
+      plan.export_options->extra_files = io::hf_side_files(s.model_dir);
+    }
+  }
 
   // Data first: its vocabulary sizes a model given on the command line.
   const TokenFormat fmt_bin = s.data_format == "u32" ? TokenFormat::u32 : TokenFormat::u16;
-  TokenSource train_src = s.data.empty() ? TokenSource::from_text(builtin_text(1 << 20, 1), "built-in text")
-                                         : TokenSource::open(s.data, fmt_bin);
+  TokenSource train_src = !s.data.empty()                       ? TokenSource::open(s.data, fmt_bin)
+                          : (eval_only && !s.val_data.empty()) ? TokenSource::open(s.val_data, fmt_bin)
+                                                               : TokenSource::from_text(builtin_text(1 << 20, 1), "built-in text");
   const std::int64_t data_vocab = train_src.format() == TokenFormat::text ? 256 : (fmt_bin == TokenFormat::u16 ? 65536 : 0);
-  MT_CHECK(train_src.format() == TokenFormat::text || s.vocab > 0 || !s.model_config.empty() || !s.preset.empty(),
-           "--data '{}' holds token ids: give the vocabulary (--vocab, --model-config or --preset)", s.data);
-  const ModelConfig cfg = model_config(s, app, data_vocab);
+  MT_CHECK(train_src.format() == TokenFormat::text || s.vocab > 0 || plan.hf || !s.model_config.empty() || !s.preset.empty(),
+           "--data '{}' holds token ids: give the vocabulary (--vocab, --model, --model-config or --preset)",
+           s.data.empty() ? s.val_data : s.data);
+  const ModelConfig cfg = model_config(s, app, data_vocab, plan.hf ? &*plan.hf : nullptr);
   MT_CHECK(train_src.format() != TokenFormat::text || cfg.vocab_size >= 256,
            "text data is tokenised by bytes (vocabulary 256) but the model's vocab_size is {}", cfg.vocab_size);
   std::optional<TokenSource> val_src;
@@ -204,28 +272,129 @@ int run(const Settings& s, const CLI::App& app) {
   topt.micro_batches = s.micro_batches;
   topt.chunk_rows = s.chunk;
   topt.adamw = {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
-  const std::int64_t warmup = s.warmup >= 0 ? s.warmup : std::min<std::int64_t>(10, s.steps / 5);
-  topt.schedule = {s.schedule == "cosine" ? LrSchedule::Kind::warmup_cosine : LrSchedule::Kind::constant, s.lr,
-                   s.schedule == "cosine" ? warmup : 0, s.steps, s.schedule == "cosine" ? s.min_lr : 0.0};
-  if (topt.schedule.kind == LrSchedule::Kind::warmup_cosine && s.steps <= warmup)
-    MT_FAIL("--warmup {} leaves no steps for the cosine decay of --steps {}", warmup, s.steps);
-  topt.clip_norm = s.clip;
-  topt.clip_mode = s.clip_mode == "stale" ? ClipMode::stale : ClipMode::exact;
+  if (eval_only) {
+    // Every validation window once (at most --eval-batches x --batch when --eval-batches is given),
+    // in batches of at most --batch sequences; no optimizer state is needed.
+    plan.eval_rows = data.val_windows();
+    if (app.get_option("--eval-batches")->count() > 0) plan.eval_rows = std::min(plan.eval_rows, s.eval_batches * s.batch);
+    topt.batch_rows = std::min(s.batch, plan.eval_rows);
+    topt.micro_batches = 1;
+    topt.schedule = {LrSchedule::Kind::constant, s.lr, 0, 1, 0.0};
+  } else {
+    const std::int64_t warmup = s.warmup >= 0 ? s.warmup : std::min<std::int64_t>(10, s.steps / 5);
+    topt.schedule = {s.schedule == "cosine" ? LrSchedule::Kind::warmup_cosine : LrSchedule::Kind::constant, s.lr,
+                     s.schedule == "cosine" ? warmup : 0, s.steps, s.schedule == "cosine" ? s.min_lr : 0.0};
+    if (topt.schedule.kind == LrSchedule::Kind::warmup_cosine && s.steps <= warmup)
+      MT_FAIL("--warmup {} leaves no steps for the cosine decay of --steps {}", warmup, s.steps);
+    topt.clip_norm = s.clip;
+    topt.clip_mode = s.clip_mode == "stale" ? ClipMode::stale : ClipMode::exact;
+  }
   topt.validate();
-  MT_CHECK(s.eval_batches * s.batch <= std::max<std::int64_t>(data.val_windows(), s.batch) * 1000, "too many eval batches");
 
-  const fs::path out = s.out.empty() ? fs::path(default_out_dir()) : fs::path(s.out);
-  MT_CHECK(s.overwrite || !fs::exists(out / "metrics.jsonl"),
-           "'{}' already holds a run (metrics.jsonl); choose another --out or pass --overwrite to replace it", out.string());
+  if (!eval_only) {
+    plan.out = s.out.empty() ? fs::path(default_out_dir()) : fs::path(s.out);
+    MT_CHECK(s.overwrite || !fs::exists(plan.out / "metrics.jsonl"),
+             "'{}' already holds a run (metrics.jsonl); choose another --out or pass --overwrite to replace it",
+             plan.out.string());
+  }
+  if (plan.export_options && !plan.out.empty()) {
+    // The export directory is replaced as a whole: it must not be, or hold, the run directory.
+    const auto resolved = [](const fs::path& p) {
+      fs::path r = fs::weakly_canonical(fs::absolute(p));
+      return r.has_filename() ? r : r.parent_path();  // "dir/" -> "dir"
+    };
+    const fs::path e = resolved(s.export_dir), o = resolved(plan.out);
+    MT_CHECK(std::mismatch(e.begin(), e.end(), o.begin(), o.end()).first != e.end(),
+             "--export '{}' would replace the run directory '{}' (it is, or holds, --out); export elsewhere", s.export_dir,
+             plan.out.string());
+  }
+  if (use_cuda) {
+#if MEGATRAIN_HAS_CUDA
+    CudaBackendOptions copt;
+    if (!s.gpu_memory.empty()) copt.memory_limit = parse_byte_size(s.gpu_memory.c_str());
+    CudaBackend be(copt);
+    return train(be, "cuda", s, app, cfg, data, topt, plan);
+#endif
+  }
+  CpuBackend<float> be;
+  return train(be, "cpu", s, app, cfg, data, topt, plan);
+}
 
+// The validation loss over plan.eval_rows windows, in batches of the trainer's batch size (a
+// short last batch is padded with rows whose labels are ignored): the mean over every labelled
+// token, as transformers' loss with labels = input_ids over the same windows.
+template <class T>
+std::pair<double, std::int64_t> evaluate_all(T& trainer, const TokenDataset& data, std::int64_t rows, std::int64_t batch,
+                                             std::int64_t seq) {
+  const auto n = static_cast<std::size_t>(batch * seq);
+  std::vector<std::int32_t> ids(n), labels(n);
+  double total = 0;
+  std::int64_t tokens = 0;
+  for (std::int64_t first = 0; first < rows; first += batch) {
+    const std::int64_t take = std::min(batch, rows - first);
+    std::fill(ids.begin(), ids.end(), 0);
+    std::fill(labels.begin(), labels.end(), kIgnoreIndex);
+    const auto used = static_cast<std::size_t>(take * seq);
+    data.val_batch(first, take, std::span(ids).first(used), std::span(labels).first(used));
+    const auto valid = static_cast<std::int64_t>(std::count_if(labels.begin(), labels.end(),
+                                                               [](std::int32_t l) { return l != kIgnoreIndex; }));
+    total += trainer.evaluate(ids, labels, batch) * static_cast<double>(valid);
+    tokens += valid;
+  }
+  return {total / static_cast<double>(tokens), tokens};
+}
+
+template <class B>
+int train(B& be, const char* backend_name, const Settings& s, const CLI::App& app, const ModelConfig& cfg,
+          const TokenDataset& data, const TrainerOptions& topt, RunPlan& plan) {
   // ---- build ----------------------------------------------------------------------------------
   DecoderModel<> model(cfg);
   StoreOptions so;
   so.seed = s.seed;
-  HostParamStore<float> store(model.units(), Trainer<CpuBackend<float>>::store_options(topt, so));
-  CpuBackend<float> be;
-  Trainer<CpuBackend<float>> trainer(model, store, be, topt);
+  HostParamStore<float> store(model.units(), Trainer<B>::store_options(topt, so));
+  Trainer<B> trainer(model, store, be, topt);
+  // Evaluating only, everything but the JSON result goes to stderr.
+  FILE* const info = plan.eval_only ? stderr : stdout;
+  const std::string model_label = !s.model_dir.empty()      ? s.model_dir
+                                  : !s.model_config.empty() ? s.model_config
+                                  : !s.preset.empty()       ? s.preset
+                                                            : std::string("command-line shape");
+  if (plan.hf) {
+    const auto t0 = std::chrono::steady_clock::now();
+    plan.hf->load_into(store);
+    std::fprintf(info, "loaded %s (%lld parameters) in %.1f s%s\n", s.model_dir.c_str(),
+                 static_cast<long long>(store.param_count()),
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                 plan.hf->ignored().empty() ? "" : fmt::format("; not loaded: {}", fmt::join(plan.hf->ignored(), ", ")).c_str());
+    plan.hf.reset();  // unmap the files: an export may replace that very directory
+  }
+  const auto export_model = [&](std::int64_t step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const fs::path dir(s.export_dir);
+    if (dir.has_parent_path()) fs::create_directories(dir.parent_path());
+    io::export_hf_model(store, cfg, dir, *plan.export_options);
+    std::fprintf(info, "exported step %lld to %s (%s) in %.1f s\n", static_cast<long long>(step), s.export_dir.c_str(),
+                 std::string(io::torch_dtype_name(plan.export_options->dtype)).c_str(),
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    std::fflush(info);
+  };
+  constexpr const char* compute_dtype = std::is_same_v<typename B::Weight, float> ? "float32" : "bfloat16";
 
+  if (plan.eval_only) {
+    std::fprintf(info, "megatrain-train: evaluating %s (%s, %lld parameters) on %lld sequences of %lld tokens, backend %s (%s)\n",
+                 model_label.c_str(), std::string(cfg.architecture_name()).c_str(),
+                 static_cast<long long>(cfg.param_count()), static_cast<long long>(plan.eval_rows),
+                 static_cast<long long>(s.seq), backend_name, compute_dtype);
+    const auto [loss, tokens] = evaluate_all(trainer, data, plan.eval_rows, topt.batch_rows, s.seq);
+    json r{{"val_loss", loss},        {"tokens", tokens},         {"sequences", plan.eval_rows}, {"seq", s.seq},
+           {"backend", backend_name}, {"compute_dtype", compute_dtype}, {"model", model_label}};
+    std::printf("%s\n", r.dump().c_str());
+    std::fflush(stdout);
+    if (plan.export_options) export_model(0);
+    return 0;
+  }
+
+  const fs::path& out = plan.out;
   fs::create_directories(out);
   {
     std::ofstream(out / "config.json") << cfg.to_json().dump(2) << '\n';
@@ -241,11 +410,11 @@ int run(const Settings& s, const CLI::App& app) {
   std::ofstream metrics(out / "metrics.jsonl", std::ios::trunc);
   MT_CHECK(metrics.good(), "cannot write '{}'", (out / "metrics.jsonl").string());
 
-  std::printf("megatrain-train: %s, %lld parameters (%lld layers, hidden %lld, vocab %lld), backend cpu, data %s "
+  std::printf("megatrain-train: %s, %lld parameters (%lld layers, hidden %lld, vocab %lld), backend %s, data %s "
               "(%lld training tokens, %lld validation)\n",
               std::string(cfg.architecture_name()).c_str(), static_cast<long long>(cfg.param_count()),
               static_cast<long long>(cfg.num_hidden_layers), static_cast<long long>(cfg.hidden_size),
-              static_cast<long long>(cfg.vocab_size), s.data.empty() ? "built-in text" : s.data.c_str(),
+              static_cast<long long>(cfg.vocab_size), backend_name, s.data.empty() ? "built-in text" : s.data.c_str(),
               static_cast<long long>(data.train_tokens()), static_cast<long long>(data.val_tokens()));
   std::printf("batch %lld x %lld tokens, %lld steps, host memory %s, writing %s\n", static_cast<long long>(s.batch),
               static_cast<long long>(s.seq), static_cast<long long>(s.steps), format_bytes(store.bytes()).c_str(),
@@ -276,6 +445,7 @@ int run(const Settings& s, const CLI::App& app) {
     metrics << m.dump() << '\n' << std::flush;
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     progress.update(st, tok_s, elapsed, val, s.log_every);
+    if (plan.export_options && (step == s.steps || (s.export_every > 0 && step % s.export_every == 0))) export_model(step);
   }
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("done: %lld steps in %.1f s; metrics in %s\n", static_cast<long long>(s.steps), total,
@@ -295,6 +465,8 @@ int main(int argc, char** argv) {
   app.add_option("--config", config_file, "JSON file of options (keys: long option names); the command line wins");
 
   auto* model = app.add_option_group("model", "Model shape (default: a small Llama)");
+  model->add_option("--model", s.model_dir,
+                    "Hugging Face model directory (config.json + safetensors) to fine-tune: shape and weights from there");
   model->add_option("--model-config", s.model_config, "Hugging Face config.json giving the model shape");
   model->add_option("--preset", s.preset, "Built-in shape: " + fmt::format("{}", fmt::join(ModelConfig::preset_names(), ", ")));
   model->add_option("--hidden", s.hidden, "Hidden size")->capture_default_str();
@@ -317,7 +489,7 @@ int main(int argc, char** argv) {
   auto* train = app.add_option_group("training", "Batch, schedule and optimizer");
   train->add_option("--batch", s.batch, "Sequences per optimizer step")->capture_default_str();
   train->add_option("--seq", s.seq, "Tokens per sequence")->capture_default_str();
-  train->add_option("--steps", s.steps, "Optimizer steps")->capture_default_str();
+  train->add_option("--steps", s.steps, "Optimizer steps (0: evaluate only: print the validation loss as JSON)")->capture_default_str();
   train->add_option("--micro-batches", s.micro_batches, "Gradient accumulation: split each batch into this many parts")->capture_default_str();
   train->add_option("--chunk", s.chunk, "Sequences per compute chunk (0: a whole micro-batch)")->capture_default_str();
   train->add_option("--lr", s.lr, "Peak learning rate")->capture_default_str();
@@ -340,6 +512,13 @@ int main(int argc, char** argv) {
   runo->add_option("--eval-batches", s.eval_batches, "Batches per validation")->capture_default_str();
   runo->add_option("--log-every", s.log_every, "Print every N steps when not on a terminal")->capture_default_str();
   runo->add_option("--host-memory", s.host_memory, "Host memory megatrain may use, e.g. 120G (default: what is free)");
+  runo->add_option("--gpu-memory", s.gpu_memory, "GPU memory megatrain may use, e.g. 20G (default: what is free less 1 GiB)");
+
+  auto* exp = app.add_option_group("export", "Hugging Face export (default: none)");
+  exp->add_option("--export", s.export_dir, "Write the trained model as a Hugging Face directory here at the end (atomically)");
+  exp->add_option("--export-every", s.export_every, "Also export every N steps (0: only at the end)")->capture_default_str();
+  exp->add_option("--export-dtype", s.export_dtype, "Exported weights: bf16, f16 or f32")->capture_default_str();
+  exp->add_option("--shard-size", s.shard_size, "Largest safetensors shard, e.g. 5GB (decimal), 2GiB")->capture_default_str();
 
   try {
     // First pass: find --config; then parse the file's options followed by the command line.

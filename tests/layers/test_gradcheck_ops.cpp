@@ -38,7 +38,6 @@ void add_tensors(std::vector<GradTensor>& out, const UnitLayout& layout, Vec& sl
   }
 }
 
-
 std::vector<std::int32_t> random_ids(std::int64_t n, std::int64_t vocab, Random& rng) {
   std::vector<std::int32_t> ids(static_cast<std::size_t>(n));
   for (auto& id : ids) id = static_cast<std::int32_t>(rng.index(vocab));

@@ -10,6 +10,7 @@
 
 #include <oneapi/tbb/task_arena.h>
 
+#include <chrono>
 #include <concepts>
 #include <memory>
 #include <utility>
@@ -46,6 +47,12 @@ class HostExecutor {
   }
   Completion complete() { return {}; }
   void synchronize() {}
+
+  /// Profiling: a point in this executor's timeline; seconds(a, b) once both have passed.
+  using Mark = std::chrono::steady_clock::time_point;
+  Mark mark() { return std::chrono::steady_clock::now(); }
+  static double seconds(Mark a, Mark b) { return std::chrono::duration<double>(b - a).count(); }
+  void reset_marks() {}
 
   template <class F>
   void run(F&& f) {

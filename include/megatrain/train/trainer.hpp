@@ -70,6 +70,8 @@ struct TrainerOptions {
   std::size_t grad_slots = 2;    ///< ring of block gradient accumulators on the device
   /// Testing aid: each built-in stage sleeps a random 0..jitter_us microseconds per item.
   int jitter_us = 0;
+  /// Time every stage's work (events on GPU streams) and report it in StepStats::profile.
+  bool profile = false;
 
   std::int64_t micro_rows() const { return batch_rows / micro_batches; }
   bool resident_gradients() const { return micro_batches > 1 || (clip_norm > 0 && clip_mode == ClipMode::exact); }
@@ -96,6 +98,13 @@ struct StepStats {
   double clip_coef = 1;     ///< what the gradients were multiplied by
   std::int64_t tokens = 0;  ///< tokens in the batch
   double seconds = 0;
+  /// With TrainerOptions::profile: time each stage spent working in this step (the compute
+  /// executor's busy time, the copy engines' transfer times) and the bytes copied.
+  struct Profile {
+    double compute_s = 0, upload_s = 0, download_s = 0, optimizer_s = 0;
+    std::size_t upload_bytes = 0, download_bytes = 0;
+  };
+  std::optional<Profile> profile;
 };
 
 /// One item of a step: which unit, and what to do with it.
@@ -143,10 +152,10 @@ class Trainer {
     check_store();
     model_.config().check_sequence_length(opt_.seq_len);
     allocate();
-    pipeline_ = std::make_unique<Pipeline>(Prefetch{this, be_.make_executor(B::Role::upload)},
-                                           Compute{this, be_.make_executor(B::Role::compute)},
-                                           Offload{this, be_.make_executor(B::Role::download)},
-                                           UserStages(gradient_view())..., Optimize{this, HostExecutor(optimizer_threads())});
+    pipeline_ = std::make_unique<Pipeline>(Prefetch{{this}, be_.make_executor(B::Role::upload)},
+                                           Compute{{this}, be_.make_executor(B::Role::compute)},
+                                           Offload{{this}, be_.make_executor(B::Role::download)},
+                                           UserStages(gradient_view())..., Optimize{{this}, HostExecutor(optimizer_threads())});
   }
 
   Trainer(const Trainer&) = delete;
@@ -172,7 +181,6 @@ class Trainer {
       st.clip_coef = clip_coefficient(*last_grad_norm_, opt_.clip_norm);
     st.sumsq = 0;
     st.micro_rows = opt_.micro_rows();
-    st.training = true;
 
     const std::size_t L = model_.num_blocks();
     for (std::int64_t m = 0; m < opt_.micro_batches; ++m) {
@@ -209,6 +217,7 @@ class Trainer {
     s.clip_coef = st.clip_coef;
     s.tokens = opt_.batch_rows * opt_.seq_len;
     s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (opt_.profile) s.profile = collect_profile();
     return s;
   }
 
@@ -226,14 +235,13 @@ class Trainer {
       const auto off = static_cast<std::size_t>(first * opt_.seq_len);
       std::copy_n(ids.begin() + off, mt, ids_host_.begin());
       std::copy_n(labels.begin() + off, mt, labels_host_.begin());
-      state_->training = false;
       state_->micro_rows = opt_.micro_rows();
       std::vector<TrainItem> items;
       for (std::size_t u = 0; u <= model_.num_blocks(); ++u) items.push_back({Kind::forward, u, 0});
       items.push_back({Kind::head_eval, model_.head_unit(), 0});
       pipeline_->submit(items);
       pipeline_->drain();
-      for (std::int64_t t = 0; t < mt; ++t) total += loss_host_[static_cast<std::size_t>(t)];
+      for (std::int64_t t = 0; t < mt; ++t) total += static_cast<double>(loss_host_[static_cast<std::size_t>(t)]);
     }
     return total / static_cast<double>(valid);
   }
@@ -251,6 +259,8 @@ class Trainer {
 
   /// Bytes of backend memory the trainer holds (weight slots, accumulators, checkpoints, scratch).
   std::size_t device_bytes() const { return device_bytes_; }
+  /// Activation checkpoints kept in host memory because the device could not hold them.
+  std::size_t spilled_checkpoints() const { return spilled_; }
 
  private:
   struct State {
@@ -258,10 +268,38 @@ class Trainer {
     double lr = 0, loss_scale = 0, clip_coef = 1;
     double sumsq = 0;  // written by the optimizer stage only
     std::int64_t micro_rows = 0;
-    bool training = true;
   };
 
   // ---- stages --------------------------------------------------------------------------------
+  template <class X>
+  struct Timings {
+    std::vector<std::pair<typename X::Mark, typename X::Mark>> spans;
+    std::size_t bytes = 0;
+    double seconds() const {
+      double t = 0;
+      for (const auto& [a, b] : spans) t += X::seconds(a, b);
+      return t;
+    }
+    void reset(X& x) {
+      spans.clear();
+      bytes = 0;
+      x.reset_marks();
+    }
+  };
+  /// Marks the start of a stage's work for an item; the returned guard marks its end.
+  template <class X>
+  struct Timed {
+    X& x;
+    Timings<X>* t;
+    typename X::Mark start{};
+    Timed(X& ex, Timings<X>* timings) : x(ex), t(timings) {
+      if (t) start = x.mark();
+    }
+    ~Timed() {
+      if (t) t->spans.emplace_back(start, x.mark());
+    }
+  };
+
   struct StageBase {
     Trainer* owner;
     void jitter(const TrainItem& it) const {
@@ -281,11 +319,14 @@ class Trainer {
       // The embedding's dedicated slot still holds this step's weights when its backward comes.
       return it.kind != Kind::optimize && !(it.kind == Kind::backward && it.unit == 0);
     }
+    Timings<Exec> timings{};
     void run(const TrainItem& it, const StageSlots& s) {
       MT_NVTX_RANGE("stage:prefetch");
       this->jitter(it);
       Trainer& t = *this->owner;
       const auto& unit = t.store_.unit(it.unit);
+      Timed<Exec> timed(exec, t.opt_.profile ? &timings : nullptr);
+      timings.bytes += static_cast<std::size_t>(unit.numel()) * sizeof(W);
       if constexpr (std::is_same_v<W, float>)
         t.be_.upload(exec, std::span<const float>(unit.master()), t.weight_slot(it.unit, s.out));
       else
@@ -296,6 +337,7 @@ class Trainer {
   struct Compute : StageBase {
     Exec exec;
     std::size_t dy = 0;  // which of the two gradient buffers holds dL/d(current unit's output)
+    Timings<Exec> timings{};
     Exec& executor() { return exec; }
     std::size_t ring_slots() const { return this->owner->opt_.grad_slots; }
     UnitAccess unit_access() const { return UnitAccess::none; }
@@ -305,6 +347,7 @@ class Trainer {
       this->jitter(it);
       Trainer& t = *this->owner;
       const State& st = *t.state_;
+      Timed<Exec> timed(exec, t.opt_.profile ? &timings : nullptr);
       const std::size_t L = t.model_.num_blocks();
       const std::int64_t rows = st.micro_rows, seq = t.opt_.seq_len, d = t.model_.config().hidden_size;
       const std::int64_t chunk = t.opt_.chunk_rows > 0 ? std::min(t.opt_.chunk_rows, rows) : rows;
@@ -324,6 +367,7 @@ class Trainer {
       const auto embed_w = t.model_.embedding().bind(std::span<const W>(t.embed_slot_.span()));
       switch (it.kind) {
         case Kind::forward: {
+          auto out = t.ckpt_out(it.unit);  // where unit u's output goes (its device checkpoint, or a staging buffer)
           if (it.unit == 0) {
             const auto off = static_cast<std::size_t>(it.micro * rows * seq);
             const auto n = static_cast<std::size_t>(rows * seq);
@@ -331,16 +375,18 @@ class Trainer {
             t.be_.upload(exec, std::span<const std::int32_t>(t.labels_host_).subspan(off, n), t.labels_dev_.span());
             for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
               t.model_.embedding().op().forward(t.be_, ChunkShape{n_rows, seq}, embed_w, tok(t.ids_dev_.span(), r0, n_rows),
-                                                rows_of(t.ckpt_[0].span(), r0, n_rows), t.arena_);
+                                                rows_of(out, r0, n_rows), t.arena_);
             });
           } else {
             const auto& tmpl = t.model_.block(it.unit - 1);
             const auto w = tmpl.bind(std::span<const W>(t.weight_slot(it.unit, s.in)));
+            const auto in = t.ckpt_out(it.unit - 1);  // the previous unit's output is still there
             for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
-              tmpl.op().forward(t.be_, ChunkShape{n_rows, seq}, w, View<const Act>(rows_of(t.ckpt_[it.unit - 1].span(), r0, n_rows)),
-                                rows_of(t.ckpt_[it.unit].span(), r0, n_rows), t.arena_);
+              tmpl.op().forward(t.be_, ChunkShape{n_rows, seq}, w, View<const Act>(rows_of(in, r0, n_rows)), rows_of(out, r0, n_rows),
+                                t.arena_);
             });
           }
+          t.spill(exec, it.unit);
           break;
         }
         case Kind::head:
@@ -348,7 +394,7 @@ class Trainer {
           const auto& tmpl = t.model_.head();
           const auto w = tmpl.bind(std::span<const W>(t.weight_slot(it.unit, s.in)),
                                    {{&t.model_.embedding().layout(), std::span<const W>(t.embed_slot_.span())}});
-          const auto x = t.ckpt_[L].span();
+          const auto x = t.ckpt_out(L);
           if (it.kind == Kind::head) {
             t.be_.zero(exec, t.head_acc_.span());
             if (t.model_.head().op().tied()) t.be_.zero(exec, t.embed_acc_.span());
@@ -367,8 +413,8 @@ class Trainer {
           });
           dy = 0;
           t.be_.download(exec, std::span<const Acc>(t.loss_dev_.span()),
-                         std::span<double>(t.loss_host_).subspan(it.kind == Kind::head ? static_cast<std::size_t>(it.micro * rows * seq) : 0,
-                                                                 static_cast<std::size_t>(rows * seq)));
+                         t.loss_host_.subspan(it.kind == Kind::head ? static_cast<std::size_t>(it.micro * rows * seq) : 0,
+                                              static_cast<std::size_t>(rows * seq)));
           break;
         }
         case Kind::backward: {
@@ -385,8 +431,9 @@ class Trainer {
             auto acc = t.grad_acc(it.unit, s.out);
             t.be_.zero(exec, acc);
             const auto g = tmpl.bind(acc);
+            const auto x = t.ckpt_in(exec, it.unit - 1);
             for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
-              tmpl.op().backward(t.be_, ChunkShape{n_rows, seq}, w, View<const Act>(rows_of(t.ckpt_[it.unit - 1].span(), r0, n_rows)),
+              tmpl.op().backward(t.be_, ChunkShape{n_rows, seq}, w, View<const Act>(rows_of(x, r0, n_rows)),
                                  View<const Act>(rows_of(t.dbuf_[dy].span(), r0, n_rows)), rows_of(t.dbuf_[1 - dy].span(), r0, n_rows),
                                  g, t.arena_);
             });
@@ -401,6 +448,7 @@ class Trainer {
 
   struct Offload : StageBase {
     Exec exec;
+    Timings<Exec> timings{};
     Exec& executor() { return exec; }
     std::size_t ring_slots() const {
       return this->owner->opt_.resident_gradients() ? 1 : this->owner->store_.grad_ring_slots();
@@ -413,6 +461,8 @@ class Trainer {
       Trainer& t = *this->owner;
       const auto& unit = t.store_.unit(it.unit);
       const auto n = static_cast<std::size_t>(unit.numel());
+      Timed<Exec> timed(exec, t.opt_.profile ? &timings : nullptr);
+      timings.bytes += n * sizeof(Acc);
       std::span<const Acc> src = t.grad_source(it, s.in);
       if (!t.opt_.resident_gradients()) {
         t.be_.download(exec, src, t.store_.grad_slot(s.out).first(n));
@@ -429,6 +479,7 @@ class Trainer {
 
   struct Optimize : StageBase {
     HostExecutor exec;
+    Timings<HostExecutor> timings{};
     HostExecutor& executor() { return exec; }
     std::size_t ring_slots() const { return 0; }
     UnitAccess unit_access() const { return UnitAccess::writes; }
@@ -443,6 +494,7 @@ class Trainer {
       State& st = *t.state_;
       const auto& unit = t.store_.unit(it.unit);
       const auto grad = t.landed_gradient(it, s);
+      Timed<HostExecutor> timed(exec, t.opt_.profile ? &timings : nullptr);
       exec.run([&] {
         if (!t.opt_.resident_gradients()) st.sumsq += grad_sum_squares<float>(grad);
         adamw_step<float>(unit, grad, t.opt_.adamw, st.step, st.lr, st.clip_coef);
@@ -492,23 +544,80 @@ class Trainer {
     head_slot_ = be_.template alloc<W>(static_cast<std::size_t>(model_.head().layout().numel()));
     embed_acc_ = be_.template alloc<Acc>(static_cast<std::size_t>(model_.embedding().layout().numel()));
     head_acc_ = be_.template alloc<Acc>(static_cast<std::size_t>(model_.head().layout().numel()));
-    for (std::size_t u = 0; u <= L; ++u) ckpt_.push_back(be_.template alloc<Act>(act));
     for (int k = 0; k < 2; ++k) dbuf_.push_back(be_.template alloc<Act>(act));
     scratch_mem_ = be_.template alloc<std::byte>(scratch);
     arena_ = Arena(scratch_mem_.span());
     ids_dev_ = be_.template alloc<std::int32_t>(micro_tokens);
     labels_dev_ = be_.template alloc<std::int32_t>(micro_tokens);
     loss_dev_ = be_.template alloc<Acc>(micro_tokens);
+    if constexpr (requires { typename B::WorkspacePlan; }) {  // backends that allocate workspaces up front
+      typename B::WorkspacePlan plan;
+      plan.max_tokens = chunk * opt_.seq_len;
+      plan.max_width = std::max({cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim()});
+      plan.vocab = cfg.vocab_size;
+      for (std::int64_t r : {chunk, opt_.micro_rows() % chunk})
+        if (r > 0) plan.attention.push_back({r, opt_.seq_len, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim});
+      be_.prepare(plan);
+    }
+    // Activation checkpoints: on the device while they fit (leaving 1/16 of what is left for the
+    // backend's own needs), the rest in pinned host memory through two device staging buffers.
+    const std::size_t ckpt_bytes = act * sizeof(Act);
+    std::size_t fit = L + 1;
+    if constexpr (requires { be_.memory_available(); }) {
+      if (const auto avail = be_.memory_available()) {
+        const std::size_t usable = *avail - *avail / 16;
+        fit = std::min<std::size_t>(L + 1, usable / std::max<std::size_t>(ckpt_bytes, 1));
+        if (fit < L + 1) fit = usable >= 2 * ckpt_bytes ? std::min<std::size_t>(L + 1, usable / ckpt_bytes - 2) : 0;
+        MT_CHECK(fit == L + 1 || usable >= 2 * ckpt_bytes,
+                 "not enough device memory for the activation checkpoints' staging buffers ({} needed, {} left)",
+                 format_bytes(2 * ckpt_bytes), format_bytes(usable));
+      }
+    }
+    ckpt_.resize(L + 1);
+    ckpt_host_.resize(L + 1);
+    for (std::size_t u = 0; u <= L; ++u) {
+      if (u < fit) {
+        ckpt_[u] = be_.template alloc<Act>(act);
+      } else {
+        ckpt_host_mem_.push_back(HostBuffer::allocate(ckpt_bytes));
+        ckpt_host_[u] = ckpt_host_mem_.back().template as<Act>(0, act);
+      }
+    }
+    spilled_ = L + 1 - fit;
+    if (spilled_ > 0)
+      for (int k = 0; k < 2; ++k) ckpt_staging_.push_back(be_.template alloc<Act>(act));
+
     const auto batch_tokens = static_cast<std::size_t>(opt_.batch_rows * opt_.seq_len);
-    ids_host_.assign(batch_tokens, 0);
-    labels_host_.assign(batch_tokens, 0);
-    loss_host_.assign(batch_tokens, 0.0);
-    if (opt_.micro_batches > 1) staging_vec_.assign(static_cast<std::size_t>(store_.footprint().largest_unit), 0.0f);
-    staging_ = staging_vec_;
+    host_io_ = HostBuffer::allocate(batch_tokens * (2 * sizeof(std::int32_t) + sizeof(Acc)));  // pinned with a GPU
+    ids_host_ = host_io_.template as<std::int32_t>(0, batch_tokens);
+    labels_host_ = host_io_.template as<std::int32_t>(batch_tokens, batch_tokens);
+    loss_host_ = std::span<Acc>(reinterpret_cast<Acc*>(labels_host_.data() + batch_tokens), batch_tokens);
+    if (opt_.micro_batches > 1) {
+      staging_mem_ = HostBuffer::allocate(static_cast<std::size_t>(store_.footprint().largest_unit) * sizeof(float));
+      staging_ = staging_mem_.template as<float>(0, static_cast<std::size_t>(store_.footprint().largest_unit));
+    }
 
     device_bytes_ = (opt_.weight_slots * static_cast<std::size_t>(block_numel) + embed_slot_.size() + head_slot_.size()) * sizeof(W) +
                     (opt_.grad_slots * static_cast<std::size_t>(block_numel) + embed_acc_.size() + head_acc_.size()) * sizeof(Acc) +
-                    (L + 3) * act * sizeof(Act) + scratch + 2 * micro_tokens * sizeof(std::int32_t) + micro_tokens * sizeof(Acc);
+                    (fit + 2 + (spilled_ > 0 ? 2 : 0)) * ckpt_bytes + scratch + 2 * micro_tokens * sizeof(std::int32_t) +
+                    micro_tokens * sizeof(Acc);
+  }
+
+  // Unit u's output during the forward: its device checkpoint, or (spilled) a staging buffer
+  // that alternates with u's neighbours, so the next unit still reads its input from the device.
+  std::span<Act> ckpt_out(std::size_t u) {
+    return ckpt_host_[u].empty() ? ckpt_[u].span() : ckpt_staging_[u % 2].span();
+  }
+  // After unit u's forward: a spilled checkpoint goes to host memory (on the compute stream,
+  // ordered after the kernels that wrote it).
+  void spill(Exec& exec, std::size_t u) {
+    if (!ckpt_host_[u].empty()) be_.download(exec, std::span<const Act>(ckpt_staging_[u % 2].span()), ckpt_host_[u]);
+  }
+  // Unit u's output as the input of unit u+1's backward: from the device, or brought back.
+  std::span<Act> ckpt_in(Exec& exec, std::size_t u) {
+    if (ckpt_host_[u].empty()) return ckpt_[u].span();
+    be_.upload(exec, std::span<const Act>(ckpt_host_[u]), ckpt_staging_[0].span());
+    return ckpt_staging_[0].span();
   }
 
   std::span<W> weight_slot(std::size_t unit, std::size_t slot) {
@@ -535,6 +644,26 @@ class Trainer {
             [this] { return state_->step; }};
   }
 
+  // After a drain: the stages' timings for the step, then cleared.
+  StepStats::Profile collect_profile() {
+    StepStats::Profile p;
+    auto& pre = pipeline_->template stage<0>();
+    auto& cmp = pipeline_->template stage<1>();
+    auto& off = pipeline_->template stage<2>();
+    auto& opt = pipeline_->template stage<3 + sizeof...(UserStages)>();
+    p.upload_s = pre.timings.seconds();
+    p.upload_bytes = pre.timings.bytes;
+    p.compute_s = cmp.timings.seconds();
+    p.download_s = off.timings.seconds();
+    p.download_bytes = off.timings.bytes;
+    p.optimizer_s = opt.timings.seconds();
+    pre.timings.reset(pre.exec);
+    cmp.timings.reset(cmp.exec);
+    off.timings.reset(off.exec);
+    opt.timings.reset(opt.exec);
+    return p;
+  }
+
   static int optimizer_threads() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
 
   std::int64_t check_batch(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels, std::int64_t rows) const {
@@ -554,7 +683,7 @@ class Trainer {
 
   double sum_loss() const {
     double s = 0;
-    for (double x : loss_host_) s += x;
+    for (Acc x : loss_host_) s += static_cast<double>(x);
     return s;
   }
 
@@ -571,15 +700,20 @@ class Trainer {
   std::vector<Buf<Acc>> grad_ring_;
   Buf<W> embed_slot_, head_slot_;
   Buf<Acc> embed_acc_, head_acc_;
-  std::vector<Buf<Act>> ckpt_;  // ckpt_[u]: output of unit u (input of unit u+1)
+  std::vector<Buf<Act>> ckpt_;          // ckpt_[u]: output of unit u (input of unit u+1), when on the device
+  std::vector<std::span<Act>> ckpt_host_;  // ... or in host memory (spilled)
+  std::vector<HostBuffer> ckpt_host_mem_;
+  std::vector<Buf<Act>> ckpt_staging_;  // two device buffers for spilled checkpoints
+  std::size_t spilled_ = 0;
   std::vector<Buf<Act>> dbuf_;  // gradients w.r.t. activations, ping-pong
   Buf<std::byte> scratch_mem_;
   Arena arena_;
   Buf<std::int32_t> ids_dev_, labels_dev_;
   Buf<Acc> loss_dev_;
-  std::vector<std::int32_t> ids_host_, labels_host_;
-  std::vector<double> loss_host_;
-  std::vector<float> staging_vec_;
+  HostBuffer host_io_;  // the batch's ids and labels, and per-token losses (pinned with a GPU)
+  std::span<std::int32_t> ids_host_, labels_host_;
+  std::span<Acc> loss_host_;
+  HostBuffer staging_mem_;
   std::span<float> staging_;
   std::unique_ptr<Pipeline> pipeline_;  // last: its threads stop before the buffers go
 };

@@ -1,0 +1,161 @@
+// Training throughput of the streaming trainer on a model shape, with random tokens (like the
+// peers in shared/DESIGN.md): tokens/s, the GPU's busy fraction, achieved PCIe rates, peak host
+// and GPU memory, and the cost model's bound next to what was measured.
+//
+//   bench_train --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 8
+//
+// Steps before --skip are warm-up (plans, first-touch of host pages) and are not averaged.
+#include <sys/resource.h>
+
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "megatrain/backend/cpu/cpu_backend.hpp"
+#include "megatrain/core/host_memory.hpp"
+#include "megatrain/train/trainer.hpp"
+#if MEGATRAIN_HAS_CUDA
+#include "megatrain/backend/cuda/cuda_backend.hpp"
+#endif
+
+using namespace megatrain;
+
+namespace {
+
+struct Args {
+  std::string preset = "qwen2.5-1.5b", backend = "auto", clip_mode = "none", gpu_memory;
+  std::int64_t batch = 32, seq = 1024, steps = 8, skip = 3, chunk = 0, layers = 0;
+  double pcie_gbs = 55.3, gemm_tflops = 700, adamw_gparams = 4.4;  // reference ceilings (shared/DESIGN.md, docs/performance.md)
+};
+
+double peak_rss_bytes() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) * 1024.0;
+}
+
+template <class B>
+int run(B& be, const char* name, const Args& a) {
+  ModelConfig cfg = ModelConfig::preset(a.preset);
+  if (a.layers > 0) cfg.num_hidden_layers = a.layers;
+  TrainerOptions opt;
+  opt.batch_rows = a.batch;
+  opt.seq_len = a.seq;
+  opt.chunk_rows = a.chunk;
+  opt.profile = true;
+  opt.adamw.lr = 1e-4;
+  opt.schedule.lr = 1e-4;
+  if (a.clip_mode != "none") {
+    opt.clip_norm = 1.0;
+    opt.clip_mode = a.clip_mode == "exact" ? ClipMode::exact : ClipMode::stale;
+  }
+  DecoderModel<> model(cfg);
+  HostParamStore<float> store(model.units(), Trainer<B>::store_options(opt));
+  Trainer<B> trainer(model, store, be, opt);
+  const double N = static_cast<double>(cfg.param_count());
+  const double T = static_cast<double>(a.batch * a.seq);
+  std::printf("%s: %s shape, %d layers, %.3fB parameters, %lld tokens per step (%lld x %lld), chunk %lld rows, "
+              "clipping %s, backend %s\n",
+              a.preset.c_str(), std::string(cfg.architecture_name()).c_str(), static_cast<int>(cfg.num_hidden_layers), N / 1e9,
+              static_cast<long long>(a.batch * a.seq), static_cast<long long>(a.batch), static_cast<long long>(a.seq),
+              static_cast<long long>(a.chunk), a.clip_mode.c_str(), name);
+  std::printf("host store %s, trainer device buffers %s, spilled checkpoints %zu\n", format_bytes(store.bytes()).c_str(),
+              format_bytes(trainer.device_bytes()).c_str(), trainer.spilled_checkpoints());
+
+  std::mt19937 rng(1);
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(T)), labels(ids.size());
+  std::vector<StepStats> stats;
+  for (std::int64_t s = 0; s < a.steps; ++s) {
+    for (auto& t : ids) t = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(cfg.vocab_size));
+    for (auto& t : labels) t = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(cfg.vocab_size));
+    stats.push_back(trainer.step(ids, labels));
+    const auto& st = stats.back();
+    const auto& p = *st.profile;
+    std::printf("step %lld: %.3f s, %.0f tok/s, loss %.4f | compute %.3f s (%.0f%% busy), H2D %.2f GB in %.3f s, D2H %.2f GB "
+                "in %.3f s, optimizer %.3f s\n",
+                static_cast<long long>(st.step), st.seconds, static_cast<double>(st.tokens) / st.seconds, st.loss, p.compute_s,
+                100 * p.compute_s / st.seconds, static_cast<double>(p.upload_bytes) / 1e9, p.upload_s,
+                static_cast<double>(p.download_bytes) / 1e9, p.download_s, p.optimizer_s);
+    std::fflush(stdout);
+  }
+  // Averages over the measured steps.
+  double t = 0, busy = 0, up_b = 0, up_s = 0, dn_b = 0, dn_s = 0, optim = 0;
+  int n = 0;
+  for (std::size_t i = static_cast<std::size_t>(std::min(a.skip, a.steps - 1)); i < stats.size(); ++i, ++n) {
+    const auto& p = *stats[i].profile;
+    t += stats[i].seconds;
+    busy += p.compute_s;
+    up_b += static_cast<double>(p.upload_bytes);
+    up_s += p.upload_s;
+    dn_b += static_cast<double>(p.download_bytes);
+    dn_s += p.download_s;
+    optim += p.optimizer_s;
+  }
+  t /= n;
+  // Cost model: 8 N T FLOPs with recompute, plus causal attention (QK^T and PV: 2 * 2 * T * seq/2
+  // * q_dim per layer forward, x4 for recompute + backward); PCIe: bf16 weights in twice, fp32
+  // gradients out once; the CPU optimizer at the measured AdamW rate.
+  const double attn = 4.0 * 2 * 2 * T * static_cast<double>(a.seq) / 2 * static_cast<double>(cfg.q_dim()) *
+                      static_cast<double>(cfg.num_hidden_layers);
+  const double gpu_s = (8 * N * T + attn) / (a.gemm_tflops * 1e12);
+  const double h2d_s = 2 * 2 * N / (a.pcie_gbs * 1e9), d2h_s = 4 * N / (a.pcie_gbs * 1e9), opt_s = N / (a.adamw_gparams * 1e9);
+  const double bound = std::max({gpu_s, h2d_s, d2h_s, opt_s});
+  std::size_t gpu_used = 0;
+#if MEGATRAIN_HAS_CUDA
+  if constexpr (std::is_same_v<B, CudaBackend>) {
+    std::size_t free = 0, total = 0;
+    MT_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    gpu_used = total - free;
+  }
+#endif
+  std::printf("\n| metric | value |\n| --- | --- |\n");
+  std::printf("| tokens/s (mean of %d steps) | %.0f |\n", n, T / t);
+  std::printf("| step time | %.3f s |\n", t);
+  std::printf("| GPU busy (compute stream) | %.0f%% |\n", 100 * busy / n / t);
+  std::printf("| H2D while copying / over the step | %.1f GB/s / %.1f GB/s |\n", up_b / up_s / 1e9, up_b / n / t / 1e9);
+  std::printf("| D2H while copying / over the step | %.1f GB/s / %.1f GB/s |\n", dn_b / dn_s / 1e9, dn_b / n / t / 1e9);
+  std::printf("| CPU optimizer per step | %.3f s (%.2f Gparam/s) |\n", optim / n, N / (optim / n) / 1e9);
+  std::printf("| peak host memory (RSS) | %s (%.2f bytes/parameter) |\n", format_bytes(static_cast<std::size_t>(peak_rss_bytes())).c_str(),
+              peak_rss_bytes() / N);
+  std::printf("| GPU memory in use (device total) | %s |\n", format_bytes(gpu_used).c_str());
+  std::printf("| cost model: GPU %.3f s, H2D %.3f s, D2H %.3f s, optimizer %.3f s | bound %.3f s = %.0f tok/s; measured / bound %.2f |\n",
+              gpu_s, h2d_s, d2h_s, opt_s, bound, T / bound, t / bound);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bench_train: streaming-trainer throughput on a model shape with random tokens"};
+  Args a;
+  app.add_option("--preset", a.preset, "Model shape")->capture_default_str();
+  app.add_option("--layers", a.layers, "Override the number of layers (0: the preset's)");
+  app.add_option("--batch", a.batch, "Sequences per step")->capture_default_str();
+  app.add_option("--seq", a.seq, "Tokens per sequence")->capture_default_str();
+  app.add_option("--chunk", a.chunk, "Sequences per compute chunk (0: all)")->capture_default_str();
+  app.add_option("--steps", a.steps, "Steps")->capture_default_str();
+  app.add_option("--skip", a.skip, "Warm-up steps left out of the averages")->capture_default_str();
+  app.add_option("--clip-mode", a.clip_mode, "none, stale or exact")->capture_default_str();
+  app.add_option("--backend", a.backend, "auto, cpu or cuda")->capture_default_str();
+  app.add_option("--gpu-memory", a.gpu_memory, "GPU memory cap, e.g. 40G");
+  CLI11_PARSE(app, argc, argv);
+  try {
+#if MEGATRAIN_HAS_CUDA
+    if (a.backend != "cpu" && cuda_device_present()) {
+      CudaBackendOptions o;
+      if (!a.gpu_memory.empty()) o.memory_limit = parse_byte_size(a.gpu_memory.c_str());
+      CudaBackend be(o);
+      return run(be, "cuda", a);
+    }
+#endif
+    MT_CHECK(a.backend != "cuda", "no CUDA backend here");
+    CpuBackend<float> be;
+    return run(be, "cpu", a);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_train: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,405 @@
+// The CUDA backend: the same primitives as the CPU reference (backend/backend.hpp), in bf16 with
+// fp32 accumulation, enqueued on one compute stream.
+//
+//   matrix products   cuBLASLt (gemm.hpp), plans cached per shape; weight gradients in fp32
+//   attention         cuDNN's fused flash attention through the graph API (cudnn_attention.hpp),
+//                     graphs cached per shape; megatrain's own kernel where cuDNN is missing or
+//                     refuses a shape
+//   everything else   megatrain's kernels (kernels.hpp): embedding, RMSNorm, rotary, SwiGLU,
+//                     the chunked LM-head cross-entropy, casts, reductions
+//
+// All device memory is cudaMalloc'ed (never managed memory) through alloc(), which counts it
+// against an optional cap (CudaBackendOptions::memory_limit) so the trainer's spill paths can be
+// exercised on a large GPU. prepare() allocates the workspaces once, before training.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "megatrain/backend/backend.hpp"
+#if MEGATRAIN_HAS_CUDNN
+#include "megatrain/backend/cuda/cudnn_attention.hpp"
+#include "megatrain/core/cudnn_check.hpp"
+#endif
+#include "megatrain/backend/cuda/gemm.hpp"
+#include "megatrain/backend/cuda/kernels.hpp"
+#include "megatrain/backend/cuda/stream_executor.hpp"
+#include "megatrain/core/cuda_check.hpp"
+#include "megatrain/core/host_memory.hpp"
+#include "megatrain/core/log.hpp"
+#include "megatrain/core/nvtx.hpp"
+#include "megatrain/core/tensor.hpp"
+
+namespace megatrain {
+
+struct CudaBackendOptions {
+  int device = 0;
+  /// Bytes of device memory megatrain may allocate; default: what is free at start, less 1 GiB.
+  std::optional<std::size_t> memory_limit;
+  /// Tokens per block of the LM head's logits ([block, vocab] fp32 plus bf16 gradients).
+  std::int64_t logits_block = 2048;
+  bool use_cudnn = true;  ///< false: always megatrain's own attention kernel
+  std::size_t gemm_workspace = std::size_t{32} << 20;
+};
+
+/// What the workspaces must fit: the largest chunk the trainer will run.
+struct WorkspacePlan {
+  std::int64_t max_tokens = 0;  ///< tokens in the largest chunk
+  std::int64_t max_width = 0;   ///< widest activation row (hidden, intermediate, q or kv width)
+  std::int64_t vocab = 0;
+  std::vector<AttentionShape> attention;  ///< every chunk shape attention will see
+};
+
+class CudaBackend {
+ public:
+  using Act = bf16;
+  using Weight = bf16;
+  using Acc = float;
+  static constexpr bool kDevice = true;
+  using Executor = cuda::StreamExecutor;
+  using WorkspacePlan = megatrain::WorkspacePlan;
+  enum class Role { upload, compute, download };
+
+  // ---- device buffers --------------------------------------------------------------------------
+  template <class E>
+  class Buffer {
+   public:
+    Buffer() = default;
+    Buffer(E* p, std::size_t n, std::shared_ptr<std::atomic<std::size_t>> counter)
+        : p_(p), n_(n), counter_(std::move(counter)) {}
+    Buffer(Buffer&& o) noexcept { swap(o); }
+    Buffer& operator=(Buffer&& o) noexcept {
+      Buffer t(std::move(o));
+      swap(t);
+      return *this;
+    }
+    ~Buffer() {
+      if (p_ != nullptr) {
+        (void)cudaFree(p_);
+        *counter_ -= n_ * sizeof(E);
+      }
+    }
+    std::span<E> span() { return {p_, n_}; }
+    std::span<const E> span() const { return {p_, n_}; }
+    std::size_t size() const { return n_; }
+
+   private:
+    void swap(Buffer& o) noexcept {
+      std::swap(p_, o.p_);
+      std::swap(n_, o.n_);
+      std::swap(counter_, o.counter_);
+    }
+    E* p_ = nullptr;
+    std::size_t n_ = 0;
+    std::shared_ptr<std::atomic<std::size_t>> counter_;
+  };
+
+  explicit CudaBackend(CudaBackendOptions opt = {}) : opt_(opt), allocated_(std::make_shared<std::atomic<std::size_t>>(0)) {
+    MT_NVTX_RANGE("CudaBackend::CudaBackend");
+    int count = 0;
+    MT_CUDA_CHECK(cudaGetDeviceCount(&count));
+    MT_CHECK(opt.device >= 0 && opt.device < count, "CUDA device {} does not exist ({} present)", opt.device, count);
+    MT_CUDA_CHECK(cudaSetDevice(opt.device));
+    std::size_t free = 0, total = 0;
+    MT_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    const std::size_t reserve = std::size_t{1} << 30;
+    limit_ = opt.memory_limit ? *opt.memory_limit : (free > reserve ? free - reserve : free / 2);
+    MT_CHECK(limit_ <= free, "the GPU memory cap of {} exceeds the {} free on device {}", format_bytes(limit_),
+             format_bytes(free), opt.device);
+    MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    gemm_ws_ = alloc<std::byte>(opt.gemm_workspace);
+    gemm_ = std::make_unique<cuda::Gemm>(gemm_ws_.span().data(), gemm_ws_.size());
+#if MEGATRAIN_HAS_CUDNN
+    if (opt.use_cudnn) {
+      const cudnnStatus_t st = cudnnCreate(&cudnn_);
+      if (st == CUDNN_STATUS_SUCCESS) {
+        MT_CUDA_CHECK(cudnnSetStream(cudnn_, stream_));
+        attention_ = std::make_unique<cuda::CudnnAttention>(cudnn_);
+      } else {
+        log_warning("cuDNN is not usable ({}); attention uses megatrain's own kernel", cudnnGetErrorString(st));
+        cudnn_ = nullptr;
+      }
+    }
+#endif
+  }
+  ~CudaBackend() {
+#if MEGATRAIN_HAS_CUDNN
+    attention_.reset();
+    if (cudnn_ != nullptr) (void)cudnnDestroy(cudnn_);
+#endif
+    gemm_.reset();
+    if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+  }
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  cudaStream_t stream() const { return stream_; }
+  Executor make_executor(Role role) { return role == Role::compute ? Executor(stream_) : Executor(nullptr); }
+  void synchronize() { MT_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+  /// A device array of n elements (contents undefined), counted against the memory cap.
+  template <class E>
+  Buffer<E> alloc(std::size_t n) {
+    const std::size_t bytes = std::max<std::size_t>(n * sizeof(E), 1);
+    MT_CHECK(*allocated_ + bytes <= limit_,
+             "GPU memory: {} more would exceed the cap of {} ({} already allocated); lower the batch, the chunk or "
+             "the sequence length, or raise the cap",
+             format_bytes(bytes), format_bytes(limit_), format_bytes(*allocated_));
+    void* p = nullptr;
+    MT_CUDA_CHECK(cudaMalloc(&p, bytes));
+    *allocated_ += n * sizeof(E);
+    return Buffer<E>(static_cast<E*>(p), n, allocated_);
+  }
+  std::size_t allocated_bytes() const { return *allocated_; }
+  std::size_t memory_limit() const { return limit_; }
+  /// Bytes alloc() can still hand out.
+  std::optional<std::size_t> memory_available() const { return limit_ > *allocated_ ? limit_ - *allocated_ : 0; }
+  /// Whether attention of this shape runs on cuDNN (after prepare()).
+  bool cudnn_attention(const AttentionShape& s) { return use_cudnn(dims(s)); }
+
+  /// Allocates every workspace the primitives will need for chunks up to `plan`.
+  void prepare(const WorkspacePlan& plan) {
+    MT_NVTX_RANGE("CudaBackend::prepare");
+    std::size_t ws = 0;
+    const std::int64_t M = plan.max_tokens, W = plan.max_width;
+    ws = std::max(ws, cuda::embedding_backward_workspace_bytes(M));
+    ws = std::max(ws, cuda::rmsnorm_backward_workspace_bytes(std::max(M, opt_.logits_block), W));
+    ws = std::max(ws, cuda::column_sum_workspace_bytes(M, W));
+    for (const auto& s : plan.attention) {
+      const auto d = dims(s);
+      ws = std::max(ws, cuda::attention_backward_workspace_bytes(d));
+#if MEGATRAIN_HAS_CUDNN
+      if (use_cudnn(d)) ws = std::max({ws, attention_->forward_workspace_bytes(d), attention_->backward_workspace_bytes(d)});
+#endif
+    }
+    if (ws > workspace_.size()) workspace_ = alloc<std::byte>(ws);
+    const auto lb = static_cast<std::size_t>(std::min(opt_.logits_block, std::max<std::int64_t>(M, 1)));
+    const auto lv = lb * static_cast<std::size_t>(plan.vocab);
+    if (lv > logits_.size()) {
+      logits_ = alloc<float>(lv);
+      dlogits_ = alloc<bf16>(lv);
+    }
+  }
+
+  // ---- transfers (a stage's executor orders them) ----------------------------------------------
+  template <class S, class D>
+  void upload(Executor& e, std::span<const S> src, std::span<D> dst) {
+    static_assert(std::is_same_v<S, D>, "CUDA transfers copy bytes: the element types must match");
+    MT_CHECK(src.size() == dst.size(), "upload of {} elements into {}", src.size(), dst.size());
+    MT_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.size_bytes(), cudaMemcpyDefault, e.stream()));
+  }
+  template <class S, class D>
+  void download(Executor& e, std::span<const S> src, std::span<D> dst) {
+    upload(e, src, dst);
+  }
+  template <class E>
+  void zero(Executor& e, std::span<E> dst) {
+    MT_CUDA_CHECK(cudaMemsetAsync(dst.data(), 0, dst.size_bytes(), e.stream()));
+  }
+  template <class E>
+  void copy(View<const E> src, View<E> dst) {
+    MT_CHECK(src.shape() == dst.shape(), "copy: shapes {} and {} differ", src.shape().str(), dst.shape().str());
+    MT_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), static_cast<std::size_t>(src.numel()) * sizeof(E),
+                                  cudaMemcpyDeviceToDevice, stream_));
+  }
+
+  // ---- primitives ------------------------------------------------------------------------------
+  void add(View<const Act> x, View<Act> y) {
+    MT_NVTX_RANGE("cuda:add");
+    same(x.shape(), y.shape(), "add");
+    cuda::launch_add(x.data(), y.data(), x.numel(), stream_);
+  }
+
+  void linear(View<const Act> x, View<const Weight> w, View<const Weight> bias, View<Act> y) {
+    MT_NVTX_RANGE("cuda:linear");
+    const auto [M, K, N] = linear_dims(x, w, y.shape(), bias);
+    gemm_->forward(x.data(), w.data(), bias.is_null() ? nullptr : bias.data(), y.data(), M, N, K, stream_);
+  }
+  void linear_backward(View<const Act> x, View<const Weight> w, View<const Act> dy, View<Act> dx, bool accumulate_dx,
+                       View<Acc> dw, View<Acc> db) {
+    MT_NVTX_RANGE("cuda:linear_backward");
+    const auto [M, K, N] = linear_dims(x, w, dy.shape(), View<const Weight>{});
+    if (!dx.is_null()) {
+      same(dx.shape(), x.shape(), "linear_backward dx");
+      gemm_->input_grad(dy.data(), w.data(), dx.data(), accumulate_dx, M, N, K, stream_);
+    }
+    same(dw.shape(), w.shape(), "linear_backward dw");
+    gemm_->weight_grad(dy.data(), x.data(), dw.data(), M, N, K, stream_);
+    if (!db.is_null()) {
+      MT_CHECK(db.numel() == N, "bias gradient has {} elements, expected {}", db.numel(), N);
+      cuda::launch_column_sum(dy.data(), db.data(), M, N, ws(), workspace_.size(), stream_);
+    }
+  }
+
+  void rmsnorm(View<const Act> x, View<const Weight> w, double eps, View<Act> y, View<Acc> rstd) {
+    MT_NVTX_RANGE("cuda:rmsnorm");
+    same(x.shape(), y.shape(), "rmsnorm");
+    MT_CHECK(w.numel() == x.size(1) && rstd.numel() == x.size(0), "rmsnorm: weight {} / rstd {} do not match x {}",
+             w.shape().str(), rstd.shape().str(), x.shape().str());
+    cuda::launch_rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), x.size(0), x.size(1), static_cast<float>(eps),
+                                 stream_);
+  }
+  void rmsnorm_backward(View<const Act> x, View<const Weight> w, View<const Acc> rstd, View<const Act> dy, View<Act> dx,
+                        bool accumulate_dx, View<Acc> dw) {
+    MT_NVTX_RANGE("cuda:rmsnorm_backward");
+    same(x.shape(), dy.shape(), "rmsnorm_backward dy");
+    same(x.shape(), dx.shape(), "rmsnorm_backward dx");
+    cuda::launch_rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx.data(), accumulate_dx, dw.data(), x.size(0),
+                                  x.size(1), ws(), workspace_.size(), stream_);
+  }
+
+  void rope(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq) {
+    rotate(x, heads, seq, inv_freq, false);
+  }
+  void rope_backward(View<Act> dx, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq) {
+    rotate(dx, heads, seq, inv_freq, true);
+  }
+
+  void attention(View<const Act> q, View<const Act> k, View<const Act> v, View<Act> out, View<Acc> lse,
+                 const AttentionShape& s) {
+    MT_NVTX_RANGE("cuda:attention");
+    check_attention(q, k, v, out, s);
+    const auto d = dims(s);
+#if MEGATRAIN_HAS_CUDNN
+    if (use_cudnn(d)) {
+      attention_->forward(q.data(), k.data(), v.data(), out.data(), lse.data(), d, ws(), workspace_.size(), stream_);
+      return;
+    }
+#endif
+    cuda::launch_attention_forward(q.data(), k.data(), v.data(), out.data(), lse.data(), d, stream_);
+  }
+  void attention_backward(View<const Act> q, View<const Act> k, View<const Act> v, View<const Act> out,
+                          View<const Acc> lse, View<const Act> dout, View<Act> dq, View<Act> dk, View<Act> dv,
+                          const AttentionShape& s) {
+    MT_NVTX_RANGE("cuda:attention_backward");
+    check_attention(q, k, v, out, s);
+    const auto d = dims(s);
+#if MEGATRAIN_HAS_CUDNN
+    if (use_cudnn(d)) {
+      attention_->backward(q.data(), k.data(), v.data(), out.data(), lse.data(), dout.data(), dq.data(), dk.data(),
+                           dv.data(), d, ws(), workspace_.size(), stream_);
+      return;
+    }
+#endif
+    cuda::launch_attention_backward(q.data(), k.data(), v.data(), out.data(), lse.data(), dout.data(), dq.data(),
+                                      dk.data(), dv.data(), d, ws(), workspace_.size(), stream_);
+  }
+
+  void swiglu(View<const Act> g, View<const Act> u, View<Act> m) {
+    MT_NVTX_RANGE("cuda:swiglu");
+    same(g.shape(), u.shape(), "swiglu");
+    same(g.shape(), m.shape(), "swiglu");
+    cuda::launch_swiglu_forward(g.data(), u.data(), m.data(), g.numel(), stream_);
+  }
+  void swiglu_backward(View<const Act> g, View<const Act> u, View<const Act> dm, View<Act> dg, View<Act> du) {
+    MT_NVTX_RANGE("cuda:swiglu_backward");
+    same(g.shape(), dm.shape(), "swiglu_backward");
+    cuda::launch_swiglu_backward(g.data(), u.data(), dm.data(), dg.data(), du.data(), g.numel(), stream_);
+  }
+
+  void embedding(View<const std::int32_t> ids, View<const Weight> table, View<Act> y) {
+    MT_NVTX_RANGE("cuda:embedding");
+    MT_CHECK(y.size(0) == ids.numel() && y.size(1) == table.size(1), "embedding: output {} does not match {} ids x {}",
+             y.shape().str(), ids.numel(), table.size(1));
+    cuda::launch_embedding_forward(ids.data(), table.data(), y.data(), ids.numel(), table.size(1), table.size(0), stream_);
+  }
+  void embedding_backward(View<const std::int32_t> ids, View<const Act> dy, View<Acc> dtable) {
+    MT_NVTX_RANGE("cuda:embedding_backward");
+    cuda::launch_embedding_backward(ids.data(), dy.data(), dtable.data(), ids.numel(), dtable.size(1), dtable.size(0), ws(),
+                                    workspace_.size(), stream_);
+  }
+
+  /// Per-token cross-entropy of h w^T, in blocks of logits_block tokens: fp32 logits from
+  /// cuBLASLt, then one kernel for loss and scale * (softmax - onehot) in bf16, then the two
+  /// products of the backward (dh rows of the block; dW += in fp32).
+  void lm_head_loss(View<const Act> h, View<const Weight> w, View<const std::int32_t> labels, double loss_scale,
+                    View<Acc> loss, View<Act> dh, View<Acc> dw) {
+    MT_NVTX_RANGE("cuda:lm_head_loss");
+    const std::int64_t M = h.size(0), d = h.size(1), V = w.size(0);
+    MT_CHECK(w.size(1) == d && labels.numel() == M && loss.numel() == M,
+             "lm_head_loss: h {}, w {}, labels {}, loss {} do not agree", h.shape().str(), w.shape().str(),
+             labels.shape().str(), loss.shape().str());
+    const std::int64_t block = std::min(opt_.logits_block, M);
+    MT_CHECK(logits_.size() >= static_cast<std::size_t>(block * V),
+             "lm_head_loss: the logits workspace holds {} elements, {} needed: call prepare() first", logits_.size(),
+             block * V);
+    const bool backward = !dh.is_null();
+    for (std::int64_t b = 0; b < M; b += block) {
+      const std::int64_t n = std::min(block, M - b);
+      gemm_->forward_f32(h.data() + b * d, w.data(), logits_.span().data(), n, V, d, stream_);
+      cuda::launch_cross_entropy(logits_.span().data(), labels.data() + b, loss.data() + b,
+                                 backward ? dlogits_.span().data() : nullptr, static_cast<float>(loss_scale), n, V, stream_);
+      if (!backward) continue;
+      gemm_->input_grad(dlogits_.span().data(), w.data(), dh.data() + b * d, false, n, V, d, stream_);
+      if (!dw.is_null()) gemm_->weight_grad(dlogits_.span().data(), h.data() + b * d, dw.data(), n, V, d, stream_);
+    }
+  }
+
+ private:
+  static void same(const Shape& a, const Shape& b, const char* what) {
+    MT_CHECK(a == b, "{}: shapes {} and {} differ", what, a.str(), b.str());
+  }
+  struct LinearDims {
+    std::int64_t M, K, N;
+  };
+  static LinearDims linear_dims(View<const Act> x, View<const Weight> w, const Shape& y, View<const Weight> bias) {
+    MT_CHECK(x.rank() == 2 && w.rank() == 2 && y.rank() == 2, "linear: x {}, w {}, y {} must be matrices", x.shape().str(),
+             w.shape().str(), y.str());
+    const std::int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+    MT_CHECK(w.size(1) == K && y[0] == M && y[1] == N, "linear: x {} . w {}^T does not give {}", x.shape().str(),
+             w.shape().str(), y.str());
+    MT_CHECK(bias.is_null() || bias.numel() == N, "linear: bias {} does not match {} outputs", bias.shape().str(), N);
+    return {M, K, N};
+  }
+  static cuda::AttentionDims dims(const AttentionShape& s) { return {s.rows, s.seq, s.heads, s.kv_heads, s.head_dim}; }
+  static void check_attention(View<const Act> q, View<const Act> k, View<const Act> v, View<const Act> out,
+                              const AttentionShape& s) {
+    s.validate();
+    const std::int64_t M = s.rows * s.seq;
+    MT_CHECK(q.numel() == M * s.heads * s.head_dim && out.numel() == q.numel() &&
+                 k.numel() == M * s.kv_heads * s.head_dim && v.numel() == k.numel(),
+             "attention: q {}, k {}, v {}, out {} do not match {} rows x {} tokens, {}/{} heads of {}", q.shape().str(),
+             k.shape().str(), v.shape().str(), out.shape().str(), s.rows, s.seq, s.heads, s.kv_heads, s.head_dim);
+  }
+  void rotate(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq, bool inverse) {
+    cuda::RopeFreqs f{};
+    MT_CHECK(inv_freq.size() <= static_cast<std::size_t>(cuda::RopeFreqs::kMax), "rope: head_dim {} exceeds {}",
+             2 * inv_freq.size(), 2 * cuda::RopeFreqs::kMax);
+    f.half = static_cast<int>(inv_freq.size());
+    for (std::size_t i = 0; i < inv_freq.size(); ++i) f.inv_freq[i] = static_cast<float>(inv_freq[i]);
+    MT_CHECK(x.rank() == 2 && x.size(1) == heads * 2 * f.half && seq > 0 && x.size(0) % seq == 0,
+             "rope: x {} is not [tokens, {} heads x {}]", x.shape().str(), heads, 2 * f.half);
+    cuda::launch_rope(x.data(), x.size(0), heads, 2 * f.half, seq, f, inverse, stream_);
+  }
+  void* ws() { return workspace_.size() ? workspace_.span().data() : nullptr; }
+  bool use_cudnn([[maybe_unused]] const cuda::AttentionDims& d) {
+#if MEGATRAIN_HAS_CUDNN
+    return attention_ && attention_->supports(d);
+#else
+    return false;
+#endif
+  }
+
+  CudaBackendOptions opt_;
+  std::shared_ptr<std::atomic<std::size_t>> allocated_;
+  std::size_t limit_ = 0;
+  cudaStream_t stream_ = nullptr;
+  Buffer<std::byte> gemm_ws_;
+  std::unique_ptr<cuda::Gemm> gemm_;
+#if MEGATRAIN_HAS_CUDNN
+  cudnnHandle_t cudnn_ = nullptr;
+  std::unique_ptr<cuda::CudnnAttention> attention_;
+#endif
+  Buffer<std::byte> workspace_;
+  Buffer<float> logits_;
+  Buffer<bf16> dlogits_;
+};
+
+}  // namespace megatrain

@@ -1,0 +1,61 @@
+// Matrix products through cuBLASLt: bf16 operands, fp32 accumulation, bf16 or fp32 results.
+//
+// Row-major, nn.Linear conventions (W is [out, in]):
+//   forward      y[M,N]  = x[M,K] W[N,K]^T (+ bias[N])       bf16 out
+//   input grad   dx[M,K] = dy[M,N] W[N,K]       (= or +=)    bf16 out
+//   weight grad  dW[N,K] += dy[M,N]^T x[M,K]                  fp32 out, accumulated
+// A plan (matmul descriptor, layouts, the heuristic's algorithm) is built once per shape and
+// kind and cached; later calls with the same shape only launch.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <tuple>
+
+#include "megatrain/core/dtype.hpp"
+
+namespace megatrain::cuda {
+
+class Gemm {
+ public:
+  /// `workspace` of `workspace_bytes` device memory (owned by the caller) is given to cuBLASLt.
+  Gemm(void* workspace, std::size_t workspace_bytes);
+  ~Gemm();
+  Gemm(const Gemm&) = delete;
+  Gemm& operator=(const Gemm&) = delete;
+
+  /// y = x W^T (+ bias, if not null).
+  void forward(const bf16* x, const bf16* w, const bf16* bias, bf16* y, std::int64_t M, std::int64_t N, std::int64_t K,
+               cudaStream_t stream);
+  /// y (fp32) = x W^T: the LM head's logits.
+  void forward_f32(const bf16* x, const bf16* w, float* y, std::int64_t M, std::int64_t N, std::int64_t K,
+                   cudaStream_t stream);
+  /// dx = dy W, or dx += dy W when accumulate.
+  void input_grad(const bf16* dy, const bf16* w, bf16* dx, bool accumulate, std::int64_t M, std::int64_t N, std::int64_t K,
+                  cudaStream_t stream);
+  /// dW += dy^T x in fp32.
+  void weight_grad(const bf16* dy, const bf16* x, float* dw, std::int64_t M, std::int64_t N, std::int64_t K,
+                   cudaStream_t stream);
+
+  std::size_t cached_plans() const { return plans_.size(); }
+
+ private:
+  struct Plan;
+  enum class Kind : int { forward, forward_bias, forward_f32, input_grad, input_grad_acc, weight_grad };
+  using Key = std::tuple<int, std::int64_t, std::int64_t, std::int64_t, bool>;
+  /// `aligned`: every pointer and row pitch is a multiple of 16 bytes (the fast kernels' need);
+  /// otherwise the plan asks cuBLASLt for algorithms that accept 2-byte alignment.
+  Plan& plan(Kind kind, std::int64_t M, std::int64_t N, std::int64_t K, bool aligned);
+  void run(Plan& p, const void* a, const void* b, void* c, const void* bias, float beta, cudaStream_t stream);
+
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_;
+  std::size_t workspace_bytes_;
+  std::map<Key, std::unique_ptr<Plan>> plans_;
+};
+
+}  // namespace megatrain::cuda

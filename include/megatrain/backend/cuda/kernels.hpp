@@ -1,0 +1,92 @@
+// Launchers of megatrain's own CUDA kernels (src/cuda/kernels.cu). Non-template, C-like: the
+// CUDA backend (cuda_backend.hpp) turns views into these calls. Every launcher enqueues on
+// `stream`, checks the launch (MT_CUDA_CHECK_LAUNCH) and returns; none synchronises.
+//
+// Element types: bf16 activations and weights (megatrain::bf16, layout-compatible with
+// __nv_bfloat16), fp32 gradient accumulators, statistics and losses. All arithmetic is in fp32.
+// All reductions are deterministic: the same inputs give the same bits on every run (no float
+// atomics), so training results never depend on timing.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "megatrain/core/dtype.hpp"
+
+namespace megatrain::cuda {
+
+/// Rotary inverse frequencies, passed by value (head_dim / 2 <= 256).
+struct RopeFreqs {
+  static constexpr int kMax = 256;
+  float inv_freq[kMax];
+  int half;  ///< head_dim / 2
+};
+
+struct AttentionDims {
+  std::int64_t rows, seq, heads, kv_heads, head_dim;  ///< q/out: [rows*seq, heads*head_dim]; k/v: [rows*seq, kv_heads*head_dim]
+};
+
+// ---- elementwise ------------------------------------------------------------------------------
+void launch_add(const bf16* x, bf16* y, std::int64_t n, cudaStream_t stream);  ///< y += x
+void launch_cast(const float* in, bf16* out, std::int64_t n, cudaStream_t stream);  ///< round to nearest even
+void launch_cast(const bf16* in, float* out, std::int64_t n, cudaStream_t stream);
+void launch_swiglu_forward(const bf16* g, const bf16* u, bf16* m, std::int64_t n, cudaStream_t stream);
+void launch_swiglu_backward(const bf16* g, const bf16* u, const bf16* dm, bf16* dg, bf16* du, std::int64_t n,
+                            cudaStream_t stream);
+
+// ---- embedding ------------------------------------------------------------------------------
+/// out[t] = table[ids[t]], out: [M, d]. Ids outside [0, V) are a device-side error (trap).
+void launch_embedding_forward(const std::int32_t* ids, const bf16* table, bf16* out, std::int64_t M, std::int64_t d,
+                              std::int64_t V, cudaStream_t stream);
+std::size_t embedding_backward_workspace_bytes(std::int64_t M);
+/// dtable[ids[t]] += dy[t] for all t, deterministically (positions grouped by id, summed in order).
+void launch_embedding_backward(const std::int32_t* ids, const bf16* dy, float* dtable, std::int64_t M, std::int64_t d,
+                               std::int64_t V, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+
+// ---- RMSNorm ---------------------------------------------------------------------------------
+/// y = x * rstd * w per row of [M, d]; rstd[M] = 1 / sqrt(mean(x^2) + eps).
+void launch_rmsnorm_forward(const bf16* x, const bf16* w, bf16* y, float* rstd, std::int64_t M, std::int64_t d, float eps,
+                            cudaStream_t stream);
+std::size_t rmsnorm_backward_workspace_bytes(std::int64_t M, std::int64_t d);
+/// dx = rstd * (dy*w - xhat * mean(dy*w*xhat)) (or dx += that); dw += sum_rows dy * xhat.
+void launch_rmsnorm_backward(const bf16* x, const bf16* w, const float* rstd, const bf16* dy, bf16* dx, bool accumulate_dx,
+                             float* dw, std::int64_t M, std::int64_t d, void* workspace, std::size_t workspace_bytes,
+                             cudaStream_t stream);
+
+// ---- rotary ----------------------------------------------------------------------------------
+/// Rotates every head of x [M, heads*head_dim] in place (Hugging Face rotate-half), position of
+/// token t = t % seq; `inverse` applies the transpose (for gradients).
+void launch_rope(bf16* x, std::int64_t M, std::int64_t heads, std::int64_t head_dim, std::int64_t seq,
+                 const RopeFreqs& freqs, bool inverse, cudaStream_t stream);
+
+// ---- reductions --------------------------------------------------------------------------------
+std::size_t column_sum_workspace_bytes(std::int64_t M, std::int64_t N);
+/// out[c] += sum_r x[r, c] over x [M, N] (bias gradients).
+void launch_column_sum(const bf16* x, float* out, std::int64_t M, std::int64_t N, void* workspace,
+                       std::size_t workspace_bytes, cudaStream_t stream);
+std::size_t sum_squares_workspace_bytes(std::int64_t n);
+/// *out = sum x[i]^2 in double (a device pointer), in a fixed order.
+void launch_sum_squares(const float* x, std::int64_t n, double* out, void* workspace, std::size_t workspace_bytes,
+                        cudaStream_t stream);
+
+// ---- cross-entropy -----------------------------------------------------------------------------
+/// For each of n rows of fp32 logits [n, V]: loss[r] = logsumexp(z_r) - z_r[label_r] (0 if the
+/// label is -100); if dlogits is not null, dlogits[r] = scale * (softmax(z_r) - onehot(label_r))
+/// (zeros for ignored rows), in bf16. Labels outside [0, V) other than -100 trap.
+void launch_cross_entropy(const float* logits, const std::int32_t* labels, float* loss, bf16* dlogits, float scale,
+                          std::int64_t n, std::int64_t V, cudaStream_t stream);
+
+// ---- attention (the fallback when cuDNN is missing or refuses a shape) ------------------------
+/// Causal grouped-query attention; lse: [rows, heads, seq] fp32 (natural log-sum-exp of the
+/// scaled scores, the same statistic cuDNN's SDPA returns).
+void launch_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, const AttentionDims& dims,
+                              cudaStream_t stream);
+std::size_t attention_backward_workspace_bytes(const AttentionDims& dims);
+/// dq, dk, dv overwritten; dk, dv sum over each kv head's group of query heads.
+void launch_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
+                               const bf16* dout, bf16* dq, bf16* dk, bf16* dv, const AttentionDims& dims, void* workspace,
+                               std::size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace megatrain::cuda

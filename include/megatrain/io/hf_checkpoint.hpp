@@ -1,0 +1,150 @@
+// Hugging Face model directories: load a Llama / Mistral / Qwen2 checkpoint into a
+// HostParamStore, and export a store as a directory transformers' from_pretrained loads.
+//
+// Loading is two-phase. HfCheckpoint::open reads config.json (ModelConfig: unknown
+// architectures are errors there), opens and validates every safetensors file (the safetensors
+// layer refuses truncated or malformed files, overlapping offsets, duplicates across shards,
+// ...), and then checks the checkpoint against the model the config describes: every tensor
+// the model needs is present with the right shape and a float dtype, nothing unexpected is
+// there. Only then does anything get allocated: load_into (or load_hf_model) converts each
+// tensor straight from the file mapping into the store's fp32 master (no second copy of the
+// model in memory) and refreshes the bf16 compute copy unit by unit.
+//
+// Decisions (see docs/huggingface.md):
+//  - Tolerated extras: rotary-embedding buffers ("*.rotary_emb.inv_freq", cos/sin caches) that
+//    some exporters save; megatrain recomputes them from config.json. Any other tensor the
+//    model does not use is an error (a checkpoint that does not match its config is better
+//    refused than half-loaded).
+//  - Tied embeddings (tie_word_embeddings true): lm_head.weight may be absent (what
+//    save_pretrained writes), or present and equal, value for value, to the embedding table
+//    (then it is ignored); present and different is an error. If only lm_head.weight is there,
+//    the table is read from it.
+//  - Dtypes: F32, BF16, F16 and F64 are read (converted exactly to fp32; F64 rounds to nearest
+//    even), whatever config.json's torch_dtype says: torch_dtype is the dtype transformers casts
+//    to, not a promise about storage, and real checkpoints mix them. Integer, boolean and FP8
+//    tensors (quantized checkpoints) are refused by name.
+//
+// Export writes config.json and the safetensors weights (one model.safetensors, or shards with
+// model.safetensors.index.json when larger than max_shard_bytes) through
+// write_safetensors_sharded: the whole directory is replaced atomically (docs/safetensors.md),
+// so a failed or interrupted export never leaves a half-written model in place of a good one.
+// Weights are converted from the fp32 masters chunk by chunk while they are written.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "megatrain/core/dtype.hpp"
+#include "megatrain/io/safetensors.hpp"
+#include "megatrain/model/config.hpp"
+#include "megatrain/model/param_spec.hpp"
+#include "megatrain/store/host_param_store.hpp"
+
+namespace megatrain::io {
+
+// ---- loading ----------------------------------------------------------------------------------
+
+/// A Hugging Face model directory (config.json + safetensors), opened and fully validated.
+/// Holds the file mappings; nothing is read into memory until load_into.
+class HfCheckpoint {
+ public:
+  /// Opens `dir` (a directory holding config.json and model.safetensors or
+  /// model.safetensors.index.json plus its shards) and validates config and weights against each
+  /// other. Throws megatrain::Error naming the file and the tensor for anything wrong: unknown
+  /// architecture, malformed config.json or safetensors, a missing, unexpected or misshapen
+  /// tensor, a non-float dtype, a tied lm_head.weight that differs from the embedding table.
+  static HfCheckpoint open(const std::filesystem::path& dir);
+
+  const std::filesystem::path& dir() const { return dir_; }
+  const ModelConfig& config() const { return config_; }
+  /// The text of config.json as read (export keeps its extra fields: token ids, ...).
+  const std::string& config_text() const { return config_text_; }
+  const SafetensorsCheckpoint& weights() const { return weights_; }
+  /// The model's units (DecoderModel<>(config()).units()): what a store for it must hold.
+  const std::vector<UnitSpec>& units() const { return units_; }
+  /// The checkpoint tensor each parameter is read from (by parameter name).
+  TensorRef source(std::string_view param) const;
+  /// Checkpoint tensors that are present but not loaded, each with the reason.
+  const std::vector<std::string>& ignored() const { return ignored_; }
+  /// Parameters and bytes of tensor data that load_into reads.
+  std::int64_t param_count() const;
+
+  /// Reads every parameter into `store`'s fp32 masters and refreshes each unit's bf16 copy.
+  /// The store must hold exactly this model's parameters (names and shapes; checked before
+  /// anything is written). Adam moments are left as they are (zero in a fresh store).
+  void load_into(HostParamStore<float>& store) const;
+
+ private:
+  std::filesystem::path dir_;
+  ModelConfig config_;
+  std::string config_text_;
+  SafetensorsCheckpoint weights_;
+  std::vector<UnitSpec> units_;
+  std::map<std::string, std::string, std::less<>> source_;  // parameter -> checkpoint tensor name
+  std::vector<std::string> ignored_;
+};
+
+/// A model loaded from a Hugging Face directory.
+struct HfModel {
+  ModelConfig config;
+  HostParamStore<float> store;
+  std::vector<std::string> ignored;  ///< see HfCheckpoint::ignored
+};
+
+/// HfCheckpoint::open(dir), then a store for it (with `options`: seed, gradients, budget, ...)
+/// and load_into. Everything is validated before the store is allocated.
+HfModel load_hf_model(const std::filesystem::path& dir, const StoreOptions& options = {});
+
+// ---- exporting --------------------------------------------------------------------------------
+
+struct HfExportOptions {
+  /// Stored element type: bf16 (default, what models are published in), f16 or f32.
+  DType dtype = DType::bf16;
+  /// Shard size limit in bytes of tensor data; above it the weights are sharded with an index.
+  /// 5 GB (decimal), as transformers' save_pretrained.
+  std::uint64_t max_shard_bytes = 5'000'000'000;
+  /// The config.json to write, as text (e.g. HfCheckpoint::config_text() of the model that was
+  /// fine-tuned, which keeps its token ids and other fields). It must describe the same model as
+  /// `cfg` (checked). Empty: cfg.to_json(). "torch_dtype" and "dtype" are set to `dtype` either way.
+  std::string config_json;
+  /// More small files for the directory (tokenizer files, generation_config.json): name -> bytes.
+  std::map<std::string, std::string> extra_files;
+  /// Called before each tensor's data is written (index counts from 0). May throw: the export is
+  /// then abandoned and `dir` left as it was.
+  std::function<void(std::string_view tensor, std::size_t index, std::size_t count)> progress;
+};
+
+/// Writes the store's fp32 masters as a Hugging Face model directory at `dir`: config.json and
+/// safetensors weights, every parameter under its Hugging Face name (no lm_head.weight when the
+/// embeddings are tied), with {"format": "pt"} metadata. The store must hold exactly the model
+/// `cfg` describes (checked first). The directory is replaced atomically: see
+/// write_safetensors_sharded; its parent must exist. Other files already in `dir` (a tokenizer,
+/// a README) are kept unless `extra_files` replaces them.
+void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg, const std::filesystem::path& dir,
+                     const HfExportOptions& options = {});
+
+/// Checks, before hours of training, that `dir` can later be exported to: it is absent, or a
+/// directory that holds only files (what export_hf_model replaces). Throws naming `dir` otherwise.
+void check_hf_export_target(const std::filesystem::path& dir);
+
+/// The files of a model directory that belong with an export of a model fine-tuned from it:
+/// tokenizer.json, tokenizer_config.json, special_tokens_map.json, tokenizer.model, vocab.json,
+/// merges.txt, added_tokens.json, generation_config.json, chat_template.jinja/.json (those that
+/// exist). name -> contents.
+std::map<std::string, std::string> hf_side_files(const std::filesystem::path& dir);
+
+/// Parses a shard size the way transformers' max_shard_size does: "5GB" = 5·10^9 bytes,
+/// "500MB", "100KB" (decimal), "2GiB" = 2·2^30 (binary), a plain number of bytes. "G", "M", "K"
+/// without the B are decimal too. Throws megatrain::Error for anything else or zero.
+std::uint64_t parse_shard_size(std::string_view text);
+
+/// "float32", "bfloat16", "float16": the torch_dtype spelling of an export dtype.
+std::string_view torch_dtype_name(DType dtype);
+
+}  // namespace megatrain::io

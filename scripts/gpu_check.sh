@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Runs the GPU tests and the GPU measurements on a machine with an NVIDIA GPU, from binaries
+# built elsewhere and copied to BIN (with libtbb/libfmt in BIN/../lib). Logs go to OUT.
+#   scripts/gpu_check.sh BIN OUT [tests|train|bench|peer|all]...
+set -uo pipefail
+BIN=$1; OUT=$2; shift 2
+what=${*:-all}
+NV=$(python3 -c "import os,torch;print(os.path.dirname(torch.__path__[0]))" 2>/dev/null)/nvidia
+export LD_LIBRARY_PATH=$BIN/../lib:$NV/cudnn/lib:$NV/nccl/lib:$NV/cu13/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+mkdir -p "$OUT"
+summary=()
+has() { [[ " $what " == *" $1 "* || " $what " == *" all "* ]]; }
+if has tests; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+  for t in test_cuda_kernels test_cudnn_attention test_cuda_backend test_cuda_trainer; do
+    start=$(date +%s)
+    timeout 400 "$BIN/$t" > "$OUT/$t.log" 2>&1; rc=$?
+    summary+=("$t rc=$rc $(( $(date +%s) - start ))s $(grep -E 'test cases:' "$OUT/$t.log" | tail -1)")
+  done
+fi
+if has train; then
+  (cd /tmp && timeout 300 "$BIN/megatrain-train" --out /tmp/mt-run --overwrite true > "$OUT/train_default.log" 2>&1)
+  summary+=("megatrain-train (no arguments) rc=$? $(tail -1 "$OUT/train_default.log")")
+fi
+# The 1.5B shape at 32k tokens per step: megatrain, then the PyTorch peer, and their ratio.
+if has bench; then
+  timeout 500 "$BIN/bench_train" --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 8 --skip 3 > "$OUT/bench_1p5b.log" 2>&1
+  summary+=("bench_train qwen2.5-1.5b rc=$?")
+  mt=$(grep -oP '\| tokens/s \(mean of \d+ steps\) \| \K[0-9]+' "$OUT/bench_1p5b.log")
+  timeout 500 python3 bench/peer_pytorch.py --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 6 --skip 2 > "$OUT/peer_1p5b.log" 2>&1
+  peer=$(python3 -c "import json,sys;print(round(json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])['peer_tokens_per_s']))" "$OUT/peer_1p5b.log" 2>/dev/null)
+  summary+=("qwen2.5-1.5b 32k tokens/step: megatrain ${mt:-?} tok/s, PyTorch all-on-GPU peer ${peer:-?} tok/s, ratio $(python3 -c "print(f'{${mt:-0}/max(${peer:-0},1):.2f}')")")
+fi
+# The 7B shape (host memory: 14 B/parameter + the gradient ring; stale clipping keeps gradients streaming).
+if has bench7b; then
+  MEGATRAIN_HOST_MEMORY=120G timeout 590 "$BIN/bench_train" --preset qwen2.5-7b --batch 32 --seq 1024 --steps 5 --skip 2 > "$OUT/bench_7b.log" 2>&1
+  summary+=("bench_train qwen2.5-7b rc=$? $(grep -E 'tokens/s \(mean' "$OUT/bench_7b.log")")
+fi
+echo "===== summary"
+printf '%s\n' "${summary[@]}"

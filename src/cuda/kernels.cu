@@ -1,0 +1,1409 @@
+// megatrain's own CUDA kernels and their launchers (contract: backend/cuda/kernels.hpp).
+//
+// Everything here is either memory-bound (elementwise ops, casts, RMSNorm, rotary, embedding,
+// cross-entropy, column and norm reductions) or a fallback (attention, for when cuDNN is absent
+// or refuses a shape). The memory-bound kernels move 16 bytes per thread per access where the
+// pointers and the row length allow it, and fall back to scalar accesses otherwise; all
+// arithmetic is in fp32 (double where a norm is summed).
+//
+// Determinism is a contract, not an accident: no kernel uses floating-point atomics, and every
+// reduction has an order fixed by the problem's shape alone (never by timing, nor by the GPU's
+// multiprocessor count). Warp sums use the xor butterfly (each step adds a pair of values, and
+// float addition is commutative, so every lane ends with the same bits); block sums add warp
+// partials in warp order; sums over rows go through per-chunk partials that a second kernel adds
+// in chunk order. The embedding backward sorts (id, position) pairs with a stable radix sort
+// and lets one block own each run of equal ids.
+//
+// Attention (CUDA cores, online softmax): the forward and the dq kernel give each warp 8 query
+// rows and let its lanes take one key each of a 32-key tile staged in shared memory (scores),
+// then split the head dimension (the P·V or dS·K product); the dk/dv kernel mirrors this with
+// 32-query tiles and 4 keys per warp, looping over the query heads of its group in order.
+// Nothing is written by two blocks, so no atomics are needed.
+//
+// Out-of-range token ids and labels cannot be reported from a kernel: they stop it with
+// __trap(), which the host sees as cudaErrorLaunchFailure at its next synchronisation. The CUDA
+// backend validates ids on the host where it can; the trap is the last line of defence against
+// reading or writing outside a table.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cub/device/device_radix_sort.cuh>
+#include <type_traits>
+#include <utility>
+
+#include "megatrain/backend/backend.hpp"  // kIgnoreIndex
+#include "megatrain/backend/cuda/kernels.hpp"
+#include "megatrain/core/cuda_check.hpp"
+#include "megatrain/core/error.hpp"
+#include "megatrain/core/nvtx.hpp"
+
+namespace megatrain::cuda {
+namespace {
+
+using bf = __nv_bfloat16;
+using u32 = std::uint32_t;
+using i64 = std::int64_t;
+
+// ---- host helpers ------------------------------------------------------------------------------
+
+const bf* dev(const bf16* p) { return reinterpret_cast<const bf*>(p); }
+bf* dev(bf16* p) { return reinterpret_cast<bf*>(p); }
+
+bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+bool aligned4(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 4 == 0; }
+
+constexpr std::size_t kWorkspaceAlign = 256;
+std::size_t align_up(std::size_t n, std::size_t a = kWorkspaceAlign) { return (n + a - 1) / a * a; }
+
+/// Carves aligned pieces out of a caller's workspace (which need not itself be aligned: every
+/// workspace size below includes kWorkspaceAlign bytes of slack for that).
+class Carver {
+ public:
+  Carver(void* base, std::size_t bytes) {
+    const auto b = reinterpret_cast<std::uintptr_t>(base);
+    const std::uintptr_t a = (b + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+    p_ = reinterpret_cast<char*>(a);
+    left_ = bytes >= a - b ? bytes - (a - b) : 0;
+  }
+  template <class T>
+  T* take(std::size_t n) {
+    const std::size_t bytes = align_up(n * sizeof(T));
+    MT_CHECK(bytes <= left_, "workspace too small: {} more bytes needed, {} left", bytes, left_);
+    T* r = reinterpret_cast<T*>(p_);
+    p_ += bytes;
+    left_ -= bytes;
+    return r;
+  }
+  std::size_t left() const { return left_; }
+  void* here() const { return p_; }
+
+ private:
+  char* p_;
+  std::size_t left_;
+};
+
+void check_workspace(const void* ws, std::size_t have, std::size_t need, const char* what) {
+  MT_CHECK(have >= need, "{}: workspace of {} bytes is smaller than the {} bytes required", what, have, need);
+  MT_CHECK(need == 0 || ws != nullptr, "{}: workspace is null", what);
+}
+
+/// Blocks for a grid-stride loop over `work` items: enough to fill any current GPU, no more.
+unsigned grid_for(i64 work, int threads, i64 cap = 4096) {
+  return static_cast<unsigned>(std::clamp<i64>((work + threads - 1) / threads, 1, cap));
+}
+
+// ---- device helpers ----------------------------------------------------------------------------
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ float bf_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ u32 pack_bf2(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // .x is the low half
+  return static_cast<u32>(__bfloat16_as_ushort(h.x)) | (static_cast<u32>(__bfloat16_as_ushort(h.y)) << 16);
+}
+__device__ __forceinline__ uint4 ld16(const void* p) { return *static_cast<const uint4*>(p); }
+__device__ __forceinline__ void st16(void* p, uint4 v) { *static_cast<uint4*>(p) = v; }
+__device__ __forceinline__ void unpack8(uint4 u, float (&f)[8]) {
+  const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    f[2 * k] = bf_lo(w[k]);
+    f[2 * k + 1] = bf_hi(w[k]);
+  }
+}
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  return make_uint4(pack_bf2(f[0], f[1]), pack_bf2(f[2], f[3]), pack_bf2(f[4], f[5]), pack_bf2(f[6], f[7]));
+}
+__device__ __forceinline__ float ldf(const bf* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ void stf(bf* p, float v) { *p = __float2bfloat16_rn(v); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
+__device__ __forceinline__ i64 min64(i64 a, i64 b) { return a < b ? a : b; }
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// ---- elementwise -------------------------------------------------------------------------------
+// One grid-stride kernel over an op with a vector body (8 consecutive elements, 16-byte bf16
+// accesses) and a scalar body (tails, or everything when a pointer is not 16-byte aligned).
+
+constexpr int kMapThreads = 256;
+
+template <class Op>
+__global__ void __launch_bounds__(kMapThreads) map_kernel(Op op, i64 n, bool vec) {
+  const i64 stride = static_cast<i64>(gridDim.x) * blockDim.x;
+  const i64 tid = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  i64 done = 0;
+  if (vec) {
+    const i64 nv = n / 8;
+    for (i64 i = tid; i < nv; i += stride) op.vec8(i * 8);
+    done = nv * 8;
+  }
+  for (i64 i = done + tid; i < n; i += stride) op.one(i);
+}
+
+template <class Op>
+void launch_map(const char* name, const Op& op, i64 n, bool vec, cudaStream_t stream) {
+  MT_CHECK(n >= 0, "{}: negative element count {}", name, n);
+  if (n == 0) return;
+  const i64 work = vec ? n / 8 + n % 8 : n;
+  map_kernel<<<grid_for(work, kMapThreads), kMapThreads, 0, stream>>>(op, n, vec);
+  MT_CUDA_CHECK_LAUNCH(name);
+}
+
+struct AddOp {
+  const bf* x;
+  bf* y;  // may alias x
+  __device__ void vec8(i64 i) const {
+    float a[8], b[8];
+    unpack8(ld16(x + i), a);
+    unpack8(ld16(y + i), b);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) b[k] += a[k];
+    st16(y + i, pack8(b));
+  }
+  __device__ void one(i64 i) const { stf(y + i, ldf(x + i) + ldf(y + i)); }
+};
+
+struct CastToBf16Op {
+  const float* in;
+  bf* out;
+  __device__ void vec8(i64 i) const {
+    const float4 a = *reinterpret_cast<const float4*>(in + i), b = *reinterpret_cast<const float4*>(in + i + 4);
+    const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    st16(out + i, pack8(f));
+  }
+  __device__ void one(i64 i) const { stf(out + i, in[i]); }
+};
+
+struct CastToF32Op {
+  const bf* in;
+  float* out;
+  __device__ void vec8(i64 i) const {
+    float f[8];
+    unpack8(ld16(in + i), f);
+    *reinterpret_cast<float4*>(out + i) = make_float4(f[0], f[1], f[2], f[3]);
+    *reinterpret_cast<float4*>(out + i + 4) = make_float4(f[4], f[5], f[6], f[7]);
+  }
+  __device__ void one(i64 i) const { out[i] = ldf(in + i); }
+};
+
+struct SwigluForwardOp {
+  const bf* g;
+  const bf* u;
+  bf* m;
+  __device__ static float f(float gv, float uv) { return gv * sigmoid(gv) * uv; }
+  __device__ void vec8(i64 i) const {
+    float a[8], b[8];
+    unpack8(ld16(g + i), a);
+    unpack8(ld16(u + i), b);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) a[k] = f(a[k], b[k]);
+    st16(m + i, pack8(a));
+  }
+  __device__ void one(i64 i) const { stf(m + i, f(ldf(g + i), ldf(u + i))); }
+};
+
+struct SwigluBackwardOp {
+  const bf* g;
+  const bf* u;
+  const bf* dm;
+  bf* dg;
+  bf* du;
+  // du = dm * silu(g); dg = dm * u * sigmoid(g) * (1 + g * (1 - sigmoid(g)))
+  __device__ static void f(float gv, float uv, float dmv, float& dgv, float& duv) {
+    const float sg = sigmoid(gv);
+    duv = dmv * gv * sg;
+    dgv = dmv * uv * sg * (1.0f + gv * (1.0f - sg));
+  }
+  __device__ void vec8(i64 i) const {
+    float a[8], b[8], c[8], rg[8], ru[8];
+    unpack8(ld16(g + i), a);
+    unpack8(ld16(u + i), b);
+    unpack8(ld16(dm + i), c);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) f(a[k], b[k], c[k], rg[k], ru[k]);
+    st16(dg + i, pack8(rg));
+    st16(du + i, pack8(ru));
+  }
+  __device__ void one(i64 i) const {
+    float rg, ru;
+    f(ldf(g + i), ldf(u + i), ldf(dm + i), rg, ru);
+    stf(dg + i, rg);
+    stf(du + i, ru);
+  }
+};
+
+// ---- embedding ---------------------------------------------------------------------------------
+
+constexpr int kEmbThreads = 128;
+
+__global__ void __launch_bounds__(kEmbThreads)
+    embedding_forward_kernel(const std::int32_t* __restrict__ ids, const bf* __restrict__ table, bf* __restrict__ out,
+                             i64 M, i64 d, i64 V, bool vec) {
+  for (i64 t = blockIdx.x; t < M; t += gridDim.x) {
+    const std::int32_t id = ids[t];
+    if (id < 0 || id >= V) __trap();  // no row to read: stop (see the top of this file)
+    const bf* src = table + static_cast<i64>(id) * d;
+    bf* dst = out + t * d;
+    if (vec) {
+      for (i64 c = threadIdx.x; c < d / 8; c += blockDim.x) st16(dst + 8 * c, ld16(src + 8 * c));
+    } else {
+      for (i64 c = threadIdx.x; c < d; c += blockDim.x) dst[c] = src[c];
+    }
+  }
+}
+
+/// Sort keys (the ids, checked) and values (the positions 0..M-1).
+__global__ void embedding_sort_init_kernel(const std::int32_t* __restrict__ ids, u32* __restrict__ keys,
+                                           std::int32_t* __restrict__ pos, i64 M, i64 V) {
+  const i64 stride = static_cast<i64>(gridDim.x) * blockDim.x;
+  for (i64 i = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; i < M; i += stride) {
+    const std::int32_t id = ids[i];
+    if (id < 0 || id >= V) __trap();  // no row to write: stop (see the top of this file)
+    keys[i] = static_cast<u32>(id);
+    pos[i] = static_cast<std::int32_t>(i);
+  }
+}
+
+/// After a stable sort by id: the block whose x index is the head of a run of equal ids sums
+/// the dy rows of the run's positions (ascending) over its column slice, then adds the sum into
+/// dtable's row. Rows are fetched 8 at a time so that their loads are in flight together.
+template <int W>  // columns per thread: 8 (16-byte accesses) or 1
+__global__ void __launch_bounds__(kEmbThreads)
+    embedding_accumulate_kernel(const u32* __restrict__ keys, const std::int32_t* __restrict__ pos,
+                                const bf* __restrict__ dy, float* __restrict__ dtable, i64 M, i64 d) {
+  constexpr int kBatch = 8;
+  const i64 col = (static_cast<i64>(blockIdx.y) * blockDim.x + threadIdx.x) * W;
+  if (col >= d) return;
+  for (i64 i = blockIdx.x; i < M; i += gridDim.x) {
+    const u32 id = keys[i];
+    if (i > 0 && keys[i - 1] == id) continue;  // not the head of its run
+    float acc[W] = {};
+    for (i64 j = i;; j += kBatch) {
+      bool in[kBatch];
+      std::int32_t p[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        in[b] = j + b < M && keys[j + b] == id;  // sorted: `in` is a prefix of the batch
+        p[b] = in[b] ? pos[j + b] : 0;
+      }
+      if constexpr (W == 8) {
+        uint4 raw[kBatch];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b)
+          if (in[b]) raw[b] = ld16(dy + static_cast<i64>(p[b]) * d + col);
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          if (!in[b]) continue;
+          float f[8];
+          unpack8(raw[b], f);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) acc[k] += f[k];
+        }
+      } else {
+        float v[kBatch];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) v[b] = in[b] ? ldf(dy + static_cast<i64>(p[b]) * d + col) : 0.0f;
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b)
+          if (in[b]) acc[0] += v[b];
+      }
+      if (!in[kBatch - 1]) break;
+    }
+    float* dst = dtable + static_cast<i64>(id) * d + col;
+    if constexpr (W == 8) {
+      float4* d4 = reinterpret_cast<float4*>(dst);
+      float4 a = d4[0], b = d4[1];
+      a.x += acc[0], a.y += acc[1], a.z += acc[2], a.w += acc[3];
+      b.x += acc[4], b.y += acc[5], b.z += acc[6], b.w += acc[7];
+      d4[0] = a;
+      d4[1] = b;
+    } else {
+      dst[0] += acc[0];
+    }
+  }
+}
+
+std::size_t radix_sort_temp_bytes(i64 M, int end_bit) {
+  std::size_t bytes = 0;
+  cub::DoubleBuffer<u32> keys(nullptr, nullptr);
+  cub::DoubleBuffer<std::int32_t> vals(nullptr, nullptr);
+  MT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, keys, vals, static_cast<int>(M), 0, end_bit));
+  return bytes;
+}
+
+// ---- RMSNorm -----------------------------------------------------------------------------------
+// A group of kGroup threads owns a row (a warp for short rows, part or all of a block for long
+// ones); blocks hold kBlock / kGroup rows. Two passes over the row: its sum (of squares, or of
+// dy*w*xhat), then the elementwise result. The second read of x hits L1/L2.
+
+/// Sum over the kGroup threads of a row group, identical in every thread of the group. Every
+/// thread of the block must call it (it synchronises when the group spans warps).
+template <int kGroup, int kBlock>
+__device__ __forceinline__ float group_sum(float v) {
+  v = warp_sum(v);
+  if constexpr (kGroup == 32) {
+    return v;
+  } else {
+    constexpr int kWarps = kGroup / 32;
+    __shared__ float partial[kBlock / 32];
+    const int warp = threadIdx.x / 32, first = warp / kWarps * kWarps;
+    if (threadIdx.x % 32 == 0) partial[warp] = v;
+    __syncthreads();
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) s += partial[first + k];
+    return s;
+  }
+}
+
+template <int kGroup, int kBlock>
+__global__ void __launch_bounds__(kBlock)
+    rmsnorm_forward_kernel(const bf* __restrict__ x, const bf* __restrict__ w, bf* __restrict__ y, float* __restrict__ rstd,
+                           i64 M, int d, float eps, bool vec) {
+  constexpr int kRows = kBlock / kGroup;
+  const int t = threadIdx.x % kGroup;
+  const i64 r = static_cast<i64>(blockIdx.x) * kRows + threadIdx.x / kGroup;
+  const bool live = r < M;
+  const bf* xr = x + (live ? r : 0) * d;
+  float ss = 0.0f;
+  if (live) {
+    if (vec) {
+      for (int c = t * 8; c < d; c += kGroup * 8) {
+        float f[8];
+        unpack8(ld16(xr + c), f);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) ss = fmaf(f[k], f[k], ss);
+      }
+    } else {
+      for (int c = t; c < d; c += kGroup) ss = fmaf(ldf(xr + c), ldf(xr + c), ss);
+    }
+  }
+  ss = group_sum<kGroup, kBlock>(ss);
+  if (!live) return;
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(d) + eps);
+  if (t == 0) rstd[r] = inv;
+  bf* yr = y + r * d;
+  if (vec) {
+    for (int c = t * 8; c < d; c += kGroup * 8) {
+      float f[8], g[8];
+      unpack8(ld16(xr + c), f);
+      unpack8(ld16(w + c), g);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f[k] = f[k] * inv * g[k];
+      st16(yr + c, pack8(f));
+    }
+  } else {
+    for (int c = t; c < d; c += kGroup) stf(yr + c, ldf(xr + c) * inv * ldf(w + c));
+  }
+}
+
+template <int kGroup, int kBlock>
+__global__ void __launch_bounds__(kBlock)
+    rmsnorm_backward_dx_kernel(const bf* __restrict__ x, const bf* __restrict__ w, const float* __restrict__ rstd,
+                               const bf* __restrict__ dy, bf* __restrict__ dx, bool accumulate, i64 M, int d, bool vec) {
+  constexpr int kRows = kBlock / kGroup;
+  const int t = threadIdx.x % kGroup;
+  const i64 r = static_cast<i64>(blockIdx.x) * kRows + threadIdx.x / kGroup;
+  const bool live = r < M;
+  const i64 off = (live ? r : 0) * d;
+  const float inv = live ? rstd[r] : 0.0f;
+  float dot = 0.0f;  // sum_i (dy_i w_i) * xhat_i
+  if (live) {
+    if (vec) {
+      for (int c = t * 8; c < d; c += kGroup * 8) {
+        float a[8], b[8], g[8];
+        unpack8(ld16(x + off + c), a);
+        unpack8(ld16(dy + off + c), b);
+        unpack8(ld16(w + c), g);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) dot = fmaf(b[k] * g[k], a[k] * inv, dot);
+      }
+    } else {
+      for (int c = t; c < d; c += kGroup) dot = fmaf(ldf(dy + off + c) * ldf(w + c), ldf(x + off + c) * inv, dot);
+    }
+  }
+  dot = group_sum<kGroup, kBlock>(dot);
+  if (!live) return;
+  const float mean = dot / static_cast<float>(d);
+  if (vec) {
+    for (int c = t * 8; c < d; c += kGroup * 8) {
+      float a[8], b[8], g[8], o[8];
+      unpack8(ld16(x + off + c), a);
+      unpack8(ld16(dy + off + c), b);
+      unpack8(ld16(w + c), g);
+      if (accumulate) unpack8(ld16(dx + off + c), o);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float v = inv * (b[k] * g[k] - a[k] * inv * mean);
+        o[k] = accumulate ? o[k] + v : v;
+      }
+      st16(dx + off + c, pack8(o));
+    }
+  } else {
+    for (int c = t; c < d; c += kGroup) {
+      const float v = inv * (ldf(dy + off + c) * ldf(w + c) - ldf(x + off + c) * inv * mean);
+      stf(dx + off + c, accumulate ? ldf(dx + off + c) + v : v);
+    }
+  }
+}
+
+/// Picks the row-group size from the row length and launches `K<kGroup, kBlock>`.
+template <class F>
+void dispatch_row_group(i64 items, F&& f) {
+  if (items <= 128) f(std::integral_constant<int, 32>{}, std::integral_constant<int, 256>{});
+  else if (items <= 1024) f(std::integral_constant<int, 128>{}, std::integral_constant<int, 256>{});
+  else f(std::integral_constant<int, 512>{}, std::integral_constant<int, 512>{});
+}
+
+// ---- column reductions (bias gradients, RMSNorm's dw) ------------------------------------------
+// out[c] += sum_r f(r, c): a block of threads takes a slice of columns (8 per thread where rows
+// allow 16-byte accesses) and a chunk of rows, and writes its column sums to partial[chunk];
+// a second kernel adds the chunks' partials in chunk order. The chunking depends on M only.
+
+constexpr int kColThreads = 128;
+constexpr i64 kColMaxChunks = 128;
+constexpr i64 kColMinRows = 32;
+
+i64 column_chunks(i64 M) { return std::clamp<i64>((M + kColMinRows - 1) / kColMinRows, 1, kColMaxChunks); }
+
+struct ColumnOfBf16 {
+  const bf* x;
+  i64 N;
+  __device__ void add8(i64 r, i64 c, float (&acc)[8]) const {
+    float f[8];
+    unpack8(ld16(x + r * N + c), f);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] += f[k];
+  }
+  __device__ float one(i64 r, i64 c) const { return ldf(x + r * N + c); }
+};
+
+struct RmsNormDw {  // dy[r, c] * x[r, c] * rstd[r]
+  const bf* dy;
+  const bf* x;
+  const float* rstd;
+  i64 N;
+  __device__ void add8(i64 r, i64 c, float (&acc)[8]) const {
+    float a[8], b[8];
+    unpack8(ld16(dy + r * N + c), a);
+    unpack8(ld16(x + r * N + c), b);
+    const float s = rstd[r];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] = fmaf(a[k] * b[k], s, acc[k]);
+  }
+  __device__ float one(i64 r, i64 c) const { return ldf(dy + r * N + c) * ldf(x + r * N + c) * rstd[r]; }
+};
+
+template <class F>
+__global__ void __launch_bounds__(kColThreads)
+    column_partial_kernel(F f, i64 M, i64 N, i64 rows_per_chunk, float* __restrict__ partial, bool vec) {
+  const i64 W = vec ? 8 : 1;
+  const i64 col = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) * W;
+  if (col >= N) return;
+  const i64 r0 = blockIdx.y * rows_per_chunk, r1 = min64(M, r0 + rows_per_chunk);
+  float* dst = partial + static_cast<i64>(blockIdx.y) * N + col;
+  if (vec) {
+    float acc[8] = {};
+    for (i64 r = r0; r < r1; ++r) f.add8(r, col, acc);
+    reinterpret_cast<float4*>(dst)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    reinterpret_cast<float4*>(dst)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+  } else {
+    float acc = 0.0f;
+    for (i64 r = r0; r < r1; ++r) acc += f.one(r, col);
+    *dst = acc;
+  }
+}
+
+__global__ void __launch_bounds__(256)
+    column_finalize_kernel(const float* __restrict__ partial, int chunks, i64 N, float* __restrict__ out) {
+  const i64 stride = static_cast<i64>(gridDim.x) * blockDim.x;
+  for (i64 c = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; c < N; c += stride) {
+    float s = 0.0f;
+    for (int k = 0; k < chunks; ++k) s += partial[k * N + c];
+    out[c] += s;
+  }
+}
+
+std::size_t column_reduce_bytes(i64 M, i64 N) {
+  return kWorkspaceAlign + align_up(static_cast<std::size_t>(column_chunks(M) * N) * sizeof(float));
+}
+
+/// Both passes of out[c] += sum_r f(r, c) over [M, N]; `vec` when f's rows allow 16-byte loads.
+template <class F>
+void column_reduce(const char* name, const F& f, i64 M, i64 N, bool vec, float* out, void* workspace, std::size_t bytes,
+                   cudaStream_t stream) {
+  if (M == 0 || N == 0) return;
+  vec = vec && N % 8 == 0;
+  const i64 chunks = column_chunks(M), rows_per_chunk = (M + chunks - 1) / chunks;
+  Carver carve(workspace, bytes);
+  float* partial = carve.take<float>(static_cast<std::size_t>(chunks * N));
+  const i64 per_block = kColThreads * (vec ? 8 : 1);
+  const i64 col_blocks = (N + per_block - 1) / per_block;
+  MT_CHECK(col_blocks <= INT_MAX, "{}: {} columns are too many", name, N);
+  column_partial_kernel<<<dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>(chunks)), kColThreads, 0,
+                          stream>>>(f, M, N, rows_per_chunk, partial, vec);
+  MT_CUDA_CHECK_LAUNCH(name);
+  column_finalize_kernel<<<grid_for(N, 256), 256, 0, stream>>>(partial, static_cast<int>(chunks), N, out);
+  MT_CUDA_CHECK_LAUNCH(name);
+}
+
+// ---- sum of squares ----------------------------------------------------------------------------
+
+constexpr int kSsThreads = 256;
+constexpr i64 kSsMaxBlocks = 1024;
+
+i64 sum_squares_blocks(i64 n) { return std::clamp<i64>((n + kSsThreads * 16 - 1) / (kSsThreads * 16), 1, kSsMaxBlocks); }
+
+/// Block sum in fixed order (warp butterflies, then warps in order); the result is in thread 0.
+__device__ double block_sum(double v) {
+  __shared__ double partial[32];
+  v = warp_sum(v);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+  __syncthreads();
+  double s = 0.0;
+  if (threadIdx.x == 0)
+    for (unsigned k = 0; k < blockDim.x / 32; ++k) s += partial[k];
+  return s;
+}
+
+__global__ void __launch_bounds__(kSsThreads)
+    sum_squares_partial_kernel(const float* __restrict__ x, i64 n, double* __restrict__ partial, bool vec) {
+  const i64 stride = static_cast<i64>(gridDim.x) * blockDim.x;
+  const i64 tid = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  double acc = 0.0;
+  i64 done = 0;
+  if (vec) {
+    const i64 nv = n / 4;
+    for (i64 i = tid; i < nv; i += stride) {
+      const float4 a = reinterpret_cast<const float4*>(x)[i];
+      acc += static_cast<double>(a.x) * a.x;  // exact: a float's square fits a double
+      acc += static_cast<double>(a.y) * a.y;
+      acc += static_cast<double>(a.z) * a.z;
+      acc += static_cast<double>(a.w) * a.w;
+    }
+    done = nv * 4;
+  }
+  for (i64 i = done + tid; i < n; i += stride) acc += static_cast<double>(x[i]) * x[i];
+  const double s = block_sum(acc);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+__global__ void __launch_bounds__(kSsThreads)
+    sum_squares_final_kernel(const double* __restrict__ partial, int blocks, double* __restrict__ out) {
+  double acc = 0.0;
+  for (int i = threadIdx.x; i < blocks; i += blockDim.x) acc += partial[i];
+  const double s = block_sum(acc);
+  if (threadIdx.x == 0) *out = s;
+}
+
+// ---- cross-entropy -----------------------------------------------------------------------------
+// One block per row. Pass 1: each thread keeps an online (max, sum of exp) over its elements;
+// the block merges them in fixed order. Pass 2 (if dlogits is wanted) re-reads the row (L2).
+
+constexpr int kCeMaxThreads = 512;
+
+struct MaxSum {
+  float m, s;  // running max, sum of exp(z - m)
+};
+__device__ __forceinline__ void online_add(MaxSum& a, float z) {
+  if (z > a.m) {
+    a.s = a.s * expf(a.m - z) + 1.0f;
+    a.m = z;
+  } else if (a.m != -INFINITY) {
+    a.s += expf(z - a.m);
+  }
+}
+__device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
+  const float m = fmaxf(a.m, b.m);
+  if (m == -INFINITY) return {m, 0.0f};
+  return {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};
+}
+
+__global__ void __launch_bounds__(kCeMaxThreads)
+    cross_entropy_kernel(const float* __restrict__ logits, const std::int32_t* __restrict__ labels, float* __restrict__ loss,
+                         bf* __restrict__ dlogits, float scale, i64 V, bool vec_in, bool vec_out) {
+  __shared__ MaxSum warp_part[kCeMaxThreads / 32];
+  const i64 r = blockIdx.x;
+  const float* z = logits + r * V;
+  const std::int32_t y = labels[r];
+  const bool ignored = y == kIgnoreIndex;
+  if (!ignored && (y < 0 || y >= V)) __trap();  // no logit to read: stop (see the top of this file)
+
+  MaxSum ms{-INFINITY, 0.0f};
+  if (vec_in) {
+    for (i64 c = threadIdx.x; c < V / 4; c += blockDim.x) {
+      const float4 a = reinterpret_cast<const float4*>(z)[c];
+      online_add(ms, a.x);
+      online_add(ms, a.y);
+      online_add(ms, a.z);
+      online_add(ms, a.w);
+    }
+    for (i64 c = V / 4 * 4 + threadIdx.x; c < V; c += blockDim.x) online_add(ms, z[c]);
+  } else {
+    for (i64 c = threadIdx.x; c < V; c += blockDim.x) online_add(ms, z[c]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ms = merge(ms, {__shfl_xor_sync(kFull, ms.m, o), __shfl_xor_sync(kFull, ms.s, o)});
+  if (threadIdx.x % 32 == 0) warp_part[threadIdx.x / 32] = ms;
+  __syncthreads();
+  ms = warp_part[0];
+  for (unsigned k = 1; k < blockDim.x / 32; ++k) ms = merge(ms, warp_part[k]);
+  const float lse = ms.m + logf(ms.s);
+  if (threadIdx.x == 0) loss[r] = ignored ? 0.0f : lse - z[y];
+  if (dlogits == nullptr) return;
+
+  bf* dl = dlogits + r * V;
+  const float g = ignored ? 0.0f : scale;  // ignored rows get zeros
+  auto grad = [&](i64 c, float zc) { return g * expf(zc - lse) - (c == y ? g : 0.0f); };
+  if (vec_out) {  // 4 logits in, 4 bf16 (8 bytes) out
+    for (i64 c = threadIdx.x; c < V / 4; c += blockDim.x) {
+      const float4 a = reinterpret_cast<const float4*>(z)[c];
+      const i64 e = c * 4;
+      reinterpret_cast<uint2*>(dl)[c] =
+          make_uint2(pack_bf2(grad(e, a.x), grad(e + 1, a.y)), pack_bf2(grad(e + 2, a.z), grad(e + 3, a.w)));
+    }
+    for (i64 c = V / 4 * 4 + threadIdx.x; c < V; c += blockDim.x) stf(dl + c, grad(c, z[c]));
+  } else {
+    for (i64 c = threadIdx.x; c < V; c += blockDim.x) stf(dl + c, grad(c, z[c]));
+  }
+}
+
+// ---- rotary ------------------------------------------------------------------------------------
+// A block per token (grid-stride): the token's cos/sin table (half entries, fp32, the angle
+// formed in fp32 as Hugging Face does) goes to shared memory, then the block rotates every head.
+
+constexpr int kRopeThreads = 128;
+
+__global__ void __launch_bounds__(kRopeThreads)
+    rope_kernel(bf* __restrict__ x, i64 M, int heads, int D, i64 seq, const __grid_constant__ RopeFreqs freqs, bool inverse,
+                bool vec) {
+  __shared__ float cs[RopeFreqs::kMax], sn[RopeFreqs::kMax];
+  const int half = freqs.half;
+  const int W = vec ? 8 : 1;
+  const int per_head = half / W, items = heads * per_head;
+  for (i64 t = blockIdx.x; t < M; t += gridDim.x) {
+    const float pos = static_cast<float>(t % seq);
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+      float s, c;
+      sincosf(pos * freqs.inv_freq[i], &s, &c);
+      cs[i] = c;
+      sn[i] = inverse ? -s : s;
+    }
+    __syncthreads();
+    bf* xt = x + t * heads * D;
+    for (int it = threadIdx.x; it < items; it += blockDim.x) {
+      const int h = it / per_head, i0 = (it - h * per_head) * W;
+      bf* p = xt + h * D + i0;
+      if (vec) {
+        float a[8], b[8];
+        unpack8(ld16(p), a);
+        unpack8(ld16(p + half), b);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const float c = cs[i0 + k], s = sn[i0 + k], ak = a[k];
+          a[k] = ak * c - b[k] * s;
+          b[k] = b[k] * c + ak * s;
+        }
+        st16(p, pack8(a));
+        st16(p + half, pack8(b));
+      } else {
+        const float a = ldf(p), b = ldf(p + half), c = cs[i0], s = sn[i0];
+        stf(p, a * c - b * s);
+        stf(p + half, b * c + a * s);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// ---- attention ---------------------------------------------------------------------------------
+// Layouts: q, out, dout, dq [rows*S, H*D]; k, v, dk, dv [rows*S, Hkv*D]; lse, delta [rows, H, S].
+// Shared-memory tiles hold kTile rows of one head, either as bf16 pairs (u32 words, row stride
+// `ks` odd, so that lanes reading one row each hit distinct banks) or as fp32 (row stride Dp,
+// read by all lanes at one address: a broadcast). Dp = D rounded up to 4; padding is zero.
+
+constexpr int kTile = 32;                       // keys (forward, dq) or queries (dk/dv) per tile
+constexpr int kQWarps = 4, kQRows = 8;          // forward and dq: 4 warps x 8 query rows
+constexpr int kKvWarps = 8, kKvRows = 4;        // dk/dv: 8 warps x 4 key rows
+static_assert(kQWarps * kQRows == kTile && kKvWarps * kKvRows == kTile);
+
+struct AttnParams {
+  int S, H, Hkv, G, D;
+  int Dp;          ///< D rounded up to a multiple of 4
+  int Dw;          ///< Dp / 2: bf16 pairs per padded row
+  int ks;          ///< row stride of a pair tile, in words: Dw + 1 (odd)
+  float scale;     ///< 1 / sqrt(D)
+  float scale_log2;  ///< scale * log2(e): scores go straight to exp2
+};
+
+/// Rows [tok0, tok0 + kTile) of head `hh` (of `nh`) of sequence `base`, as bf16 pairs.
+__device__ __forceinline__ void load_pair_tile(u32* __restrict__ dst, const bf* __restrict__ src, i64 base, int tok0, int hh,
+                                               int nh, const AttnParams& p) {
+  for (int idx = threadIdx.x; idx < kTile * p.Dw; idx += blockDim.x) {
+    const int j = idx / p.Dw, w = idx - j * p.Dw, tok = tok0 + j;
+    u32 v = 0;
+    if (tok < p.S && 2 * w < p.D) v = *reinterpret_cast<const u32*>(src + ((base + tok) * nh + hh) * p.D + 2 * w);
+    dst[j * p.ks + w] = v;
+  }
+}
+
+/// The same rows as fp32, times `mul`.
+__device__ __forceinline__ void load_float_tile(float* __restrict__ dst, const bf* __restrict__ src, i64 base, int tok0,
+                                                int hh, int nh, const AttnParams& p, float mul) {
+  for (int idx = threadIdx.x; idx < kTile * p.Dw; idx += blockDim.x) {
+    const int j = idx / p.Dw, w = idx - j * p.Dw, tok = tok0 + j;
+    u32 v = 0;
+    if (tok < p.S && 2 * w < p.D) v = *reinterpret_cast<const u32*>(src + ((base + tok) * nh + hh) * p.D + 2 * w);
+    *reinterpret_cast<float2*>(dst + j * p.Dp + 2 * w) = make_float2(bf_lo(v) * mul, bf_hi(v) * mul);
+  }
+}
+
+__device__ __forceinline__ float dot4(float4 a, u32 w01, u32 w23, float acc) {
+  acc = fmaf(a.x, bf_lo(w01), acc);
+  acc = fmaf(a.y, bf_hi(w01), acc);
+  acc = fmaf(a.z, bf_lo(w23), acc);
+  return fmaf(a.w, bf_hi(w23), acc);
+}
+__device__ __forceinline__ float get(const float4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+/// Forward. Block: one 32-query tile of one (sequence, head); the heaviest tiles launch first.
+/// kPairs = ceil(Dw / 32): the bf16 pairs of the head dimension each lane owns in P·V.
+template <int kPairs>
+__global__ void __launch_bounds__(kQWarps * 32)
+    attention_forward_kernel(const bf* __restrict__ q, const bf* __restrict__ k, const bf* __restrict__ v,
+                             bf* __restrict__ out, float* __restrict__ lse, const AttnParams p) {
+  extern __shared__ float4 smem[];
+  float* Ps = reinterpret_cast<float*>(smem);   // [kQWarps][kQRows][32] probabilities
+  float* Qs = Ps + kQWarps * kQRows * 32;       // [kTile][Dp], pre-scaled by scale*log2(e)
+  u32* Ks = reinterpret_cast<u32*>(Qs + kTile * p.Dp);  // [kTile][ks]
+  u32* Vs = Ks + kTile * p.ks;                           // [kTile][ks]
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int qt = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, kh = h / p.G;
+  const i64 base = static_cast<i64>(blockIdx.z) * p.S;
+  const int q0 = qt * kTile + warp * kQRows;  // this warp's first query
+  const int dp4 = p.Dp / 4;
+  load_float_tile(Qs, q, base, qt * kTile, h, p.H, p, p.scale_log2);
+
+  float m[kQRows], l[kQRows], o[kQRows][2 * kPairs];
+#pragma unroll
+  for (int r = 0; r < kQRows; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 2 * kPairs; ++e) o[r][e] = 0.0f;
+  }
+  const float4* Qw = reinterpret_cast<const float4*>(Qs) + warp * kQRows * dp4;
+  float* Pw = Ps + warp * kQRows * 32;
+
+  for (int kt = 0; kt <= qt; ++kt) {
+    load_pair_tile(Ks, k, base, kt * kTile, kh, p.Hkv, p);
+    load_pair_tile(Vs, v, base, kt * kTile, kh, p.Hkv, p);
+    __syncthreads();
+    // Scores: lane j takes key kt*32 + j against the warp's 8 queries.
+    float s[kQRows] = {};
+    const u32* kr = Ks + lane * p.ks;
+#pragma unroll 2
+    for (int c = 0; c < dp4; ++c) {
+      const u32 w01 = kr[2 * c], w23 = kr[2 * c + 1];
+#pragma unroll
+      for (int r = 0; r < kQRows; ++r) s[r] = dot4(Qw[r * dp4 + c], w01, w23, s[r]);
+    }
+    const int key = kt * kTile + lane;
+#pragma unroll
+    for (int r = 0; r < kQRows; ++r) {
+      const float sv = (key <= q0 + r && key < p.S) ? s[r] : -INFINITY;
+      const float mx = fmaxf(m[r], warp_max(sv));  // finite: key kt*32 is visible to every query here
+      const float corr = exp2f(m[r] - mx), pr = exp2f(sv - mx);
+      l[r] = fmaf(l[r], corr, pr);  // per-lane partial; the lanes are summed at the end
+      m[r] = mx;
+#pragma unroll
+      for (int e = 0; e < 2 * kPairs; ++e) o[r][e] *= corr;
+      Pw[r * 32 + lane] = pr;
+    }
+    __syncwarp();
+    // O += P V: lane owns pairs lane + 32 i of the head dimension.
+#pragma unroll 2
+    for (int j = 0; j < kTile; j += 4) {
+      float4 pr[kQRows];
+#pragma unroll
+      for (int r = 0; r < kQRows; ++r) pr[r] = reinterpret_cast<const float4*>(Pw + r * 32)[j / 4];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const u32* vr = Vs + (j + jj) * p.ks;
+#pragma unroll
+        for (int i = 0; i < kPairs; ++i) {
+          const u32 vw = vr[min(lane + 32 * i, p.Dw - 1)];  // clamped lanes compute values never stored
+          const float v0 = bf_lo(vw), v1 = bf_hi(vw);
+#pragma unroll
+          for (int r = 0; r < kQRows; ++r) {
+            const float pj = get(pr[r], jj);
+            o[r][2 * i] = fmaf(pj, v0, o[r][2 * i]);
+            o[r][2 * i + 1] = fmaf(pj, v1, o[r][2 * i + 1]);
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int r = 0; r < kQRows; ++r) {
+    const float lt = warp_sum(l[r]);
+    const int qi = q0 + r;
+    if (qi >= p.S) continue;
+    const float inv = 1.0f / lt;
+    bf* orow = out + ((base + qi) * p.H + h) * p.D;
+#pragma unroll
+    for (int i = 0; i < kPairs; ++i) {
+      const int w = lane + 32 * i;
+      if (2 * w < p.D) *reinterpret_cast<u32*>(orow + 2 * w) = pack_bf2(o[r][2 * i] * inv, o[r][2 * i + 1] * inv);
+    }
+    if (lane == 0) lse[(static_cast<i64>(blockIdx.z) * p.H + h) * p.S + qi] = (m[r] + log2f(lt)) * kLn2;
+  }
+}
+
+/// delta[row, h, i] = sum_d dout * out (fp32), a warp per (token, head).
+__global__ void __launch_bounds__(256)
+    attention_delta_kernel(const bf* __restrict__ out, const bf* __restrict__ dout, float* __restrict__ delta, i64 tokens,
+                           const AttnParams p) {
+  const i64 warps = static_cast<i64>(gridDim.x) * (blockDim.x / 32);
+  const int lane = threadIdx.x % 32;
+  for (i64 gw = static_cast<i64>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; gw < tokens * p.H; gw += warps) {
+    const i64 t = gw / p.H;
+    const int h = static_cast<int>(gw - t * p.H);
+    const bf* o = out + gw * p.D;
+    const bf* g = dout + gw * p.D;
+    float acc = 0.0f;
+    for (int w = lane; 2 * w < p.D; w += 32) {
+      const u32 a = *reinterpret_cast<const u32*>(o + 2 * w), b = *reinterpret_cast<const u32*>(g + 2 * w);
+      acc = fmaf(bf_lo(a), bf_lo(b), acc);
+      acc = fmaf(bf_hi(a), bf_hi(b), acc);
+    }
+    acc = warp_sum(acc);
+    const i64 row = t / p.S, i = t - row * p.S;
+    if (lane == 0) delta[(row * p.H + h) * p.S + i] = acc;
+  }
+}
+
+/// dq for one 32-query tile of one (sequence, head): dq_i = scale sum_j P_ij (dP_ij - delta_i) k_j,
+/// with P recomputed from lse and dP_ij = dout_i . v_j.
+template <int kPairs>
+__global__ void __launch_bounds__(kQWarps * 32)
+    attention_dq_kernel(const bf* __restrict__ q, const bf* __restrict__ k, const bf* __restrict__ v,
+                        const bf* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                        bf* __restrict__ dq, const AttnParams p) {
+  extern __shared__ float4 smem[];
+  float* Ds = reinterpret_cast<float*>(smem);  // [kQWarps][kQRows][32] dS
+  float* Qs = Ds + kQWarps * kQRows * 32;      // [kTile][Dp], pre-scaled by scale*log2(e)
+  float* Gs = Qs + kTile * p.Dp;               // [kTile][Dp] dout
+  u32* Ks = reinterpret_cast<u32*>(Gs + kTile * p.Dp);
+  u32* Vs = Ks + kTile * p.ks;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int qt = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, kh = h / p.G;
+  const i64 base = static_cast<i64>(blockIdx.z) * p.S;
+  const i64 stat = (static_cast<i64>(blockIdx.z) * p.H + h) * p.S;  // lse / delta row
+  const int q0 = qt * kTile + warp * kQRows;
+  const int dp4 = p.Dp / 4;
+  load_float_tile(Qs, q, base, qt * kTile, h, p.H, p, p.scale_log2);
+  load_float_tile(Gs, dout, base, qt * kTile, h, p.H, p, 1.0f);
+
+  float lse2[kQRows], dl[kQRows], acc[kQRows][2 * kPairs];
+#pragma unroll
+  for (int r = 0; r < kQRows; ++r) {
+    const bool ok = q0 + r < p.S;
+    lse2[r] = ok ? lse[stat + q0 + r] * kLog2e : 0.0f;
+    dl[r] = ok ? delta[stat + q0 + r] : 0.0f;
+#pragma unroll
+    for (int e = 0; e < 2 * kPairs; ++e) acc[r][e] = 0.0f;
+  }
+  const float4* Qw = reinterpret_cast<const float4*>(Qs) + warp * kQRows * dp4;
+  const float4* Gw = reinterpret_cast<const float4*>(Gs) + warp * kQRows * dp4;
+  float* Dw = Ds + warp * kQRows * 32;
+
+  for (int kt = 0; kt <= qt; ++kt) {
+    load_pair_tile(Ks, k, base, kt * kTile, kh, p.Hkv, p);
+    load_pair_tile(Vs, v, base, kt * kTile, kh, p.Hkv, p);
+    __syncthreads();
+    float s[kQRows] = {}, dp[kQRows] = {};
+    const u32* kr = Ks + lane * p.ks;
+    const u32* vr = Vs + lane * p.ks;
+    for (int c = 0; c < dp4; ++c) {
+      const u32 k01 = kr[2 * c], k23 = kr[2 * c + 1], v01 = vr[2 * c], v23 = vr[2 * c + 1];
+#pragma unroll
+      for (int r = 0; r < kQRows; ++r) {
+        s[r] = dot4(Qw[r * dp4 + c], k01, k23, s[r]);
+        dp[r] = dot4(Gw[r * dp4 + c], v01, v23, dp[r]);
+      }
+    }
+    const int key = kt * kTile + lane;
+#pragma unroll
+    for (int r = 0; r < kQRows; ++r) {
+      const float pr = (key <= q0 + r && key < p.S) ? exp2f(s[r] - lse2[r]) : 0.0f;
+      Dw[r * 32 + lane] = pr * (dp[r] - dl[r]);
+    }
+    __syncwarp();
+#pragma unroll 2
+    for (int j = 0; j < kTile; j += 4) {
+      float4 ds[kQRows];
+#pragma unroll
+      for (int r = 0; r < kQRows; ++r) ds[r] = reinterpret_cast<const float4*>(Dw + r * 32)[j / 4];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const u32* krow = Ks + (j + jj) * p.ks;
+#pragma unroll
+        for (int i = 0; i < kPairs; ++i) {
+          const u32 kw = krow[min(lane + 32 * i, p.Dw - 1)];
+          const float k0 = bf_lo(kw), k1 = bf_hi(kw);
+#pragma unroll
+          for (int r = 0; r < kQRows; ++r) {
+            const float dj = get(ds[r], jj);
+            acc[r][2 * i] = fmaf(dj, k0, acc[r][2 * i]);
+            acc[r][2 * i + 1] = fmaf(dj, k1, acc[r][2 * i + 1]);
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int r = 0; r < kQRows; ++r) {
+    const int qi = q0 + r;
+    if (qi >= p.S) continue;
+    bf* row = dq + ((base + qi) * p.H + h) * p.D;
+#pragma unroll
+    for (int i = 0; i < kPairs; ++i) {
+      const int w = lane + 32 * i;
+      if (2 * w < p.D) *reinterpret_cast<u32*>(row + 2 * w) = pack_bf2(acc[r][2 * i] * p.scale, acc[r][2 * i + 1] * p.scale);
+    }
+  }
+}
+
+/// dk, dv for one 32-key tile of one (sequence, kv head): loops over the group's query heads in
+/// order and over the query tiles at or after the key tile; lanes take one query each for the
+/// scores, then split the head dimension for dv += P^T dout and dk += dS^T q.
+template <int kPairs>
+__global__ void __launch_bounds__(kKvWarps * 32)
+    attention_dkdv_kernel(const bf* __restrict__ q, const bf* __restrict__ k, const bf* __restrict__ v,
+                          const bf* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                          bf* __restrict__ dk, bf* __restrict__ dv, const AttnParams p) {
+  extern __shared__ float4 smem[];
+  float* Ps = reinterpret_cast<float*>(smem);   // [kKvWarps][kKvRows][32] P
+  float* Ds = Ps + kKvWarps * kKvRows * 32;     // [kKvWarps][kKvRows][32] dS
+  float* Kf = Ds + kKvWarps * kKvRows * 32;     // [kTile][Dp], pre-scaled by scale*log2(e)
+  float* Vf = Kf + kTile * p.Dp;                // [kTile][Dp]
+  u32* Qs = reinterpret_cast<u32*>(Vf + kTile * p.Dp);  // [kTile][ks]
+  u32* Gs = Qs + kTile * p.ks;                           // [kTile][ks] dout
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int kt = blockIdx.x, kh = blockIdx.y;
+  const i64 base = static_cast<i64>(blockIdx.z) * p.S;
+  const int k0 = kt * kTile + warp * kKvRows;  // this warp's first key
+  const int dp4 = p.Dp / 4;
+  const int tiles = (p.S + kTile - 1) / kTile;
+  load_float_tile(Kf, k, base, kt * kTile, kh, p.Hkv, p, p.scale_log2);
+  load_float_tile(Vf, v, base, kt * kTile, kh, p.Hkv, p, 1.0f);
+
+  float ak[kKvRows][2 * kPairs], av[kKvRows][2 * kPairs];
+#pragma unroll
+  for (int r = 0; r < kKvRows; ++r)
+#pragma unroll
+    for (int e = 0; e < 2 * kPairs; ++e) ak[r][e] = av[r][e] = 0.0f;
+  const float4* Kw = reinterpret_cast<const float4*>(Kf) + warp * kKvRows * dp4;
+  const float4* Vw = reinterpret_cast<const float4*>(Vf) + warp * kKvRows * dp4;
+  float* Pw = Ps + warp * kKvRows * 32;
+  float* Dw = Ds + warp * kKvRows * 32;
+
+  for (int hh = 0; hh < p.G; ++hh) {
+    const int h = kh * p.G + hh;
+    const i64 stat = (static_cast<i64>(blockIdx.z) * p.H + h) * p.S;
+    for (int qt = kt; qt < tiles; ++qt) {
+      load_pair_tile(Qs, q, base, qt * kTile, h, p.H, p);
+      load_pair_tile(Gs, dout, base, qt * kTile, h, p.H, p);
+      const int qi = qt * kTile + lane;
+      const bool qok = qi < p.S;
+      const float lse2 = qok ? lse[stat + qi] * kLog2e : 0.0f;
+      const float dl = qok ? delta[stat + qi] : 0.0f;
+      __syncthreads();
+      float s[kKvRows] = {}, dp[kKvRows] = {};
+      const u32* qr = Qs + lane * p.ks;
+      const u32* gr = Gs + lane * p.ks;
+      for (int c = 0; c < dp4; ++c) {
+        const u32 q01 = qr[2 * c], q23 = qr[2 * c + 1], g01 = gr[2 * c], g23 = gr[2 * c + 1];
+#pragma unroll
+        for (int r = 0; r < kKvRows; ++r) {
+          s[r] = dot4(Kw[r * dp4 + c], q01, q23, s[r]);
+          dp[r] = dot4(Vw[r * dp4 + c], g01, g23, dp[r]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kKvRows; ++r) {
+        const float pr = (qok && qi >= k0 + r) ? exp2f(s[r] - lse2) : 0.0f;
+        Pw[r * 32 + lane] = pr;
+        Dw[r * 32 + lane] = pr * (dp[r] - dl);
+      }
+      __syncwarp();
+#pragma unroll 2
+      for (int j = 0; j < kTile; j += 4) {
+        float4 pj[kKvRows], dj[kKvRows];
+#pragma unroll
+        for (int r = 0; r < kKvRows; ++r) {
+          pj[r] = reinterpret_cast<const float4*>(Pw + r * 32)[j / 4];
+          dj[r] = reinterpret_cast<const float4*>(Dw + r * 32)[j / 4];
+        }
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          const u32* qrow = Qs + (j + jj) * p.ks;
+          const u32* grow = Gs + (j + jj) * p.ks;
+#pragma unroll
+          for (int i = 0; i < kPairs; ++i) {
+            const int w = min(lane + 32 * i, p.Dw - 1);
+            const u32 qw = qrow[w], gw = grow[w];
+            const float q0v = bf_lo(qw), q1v = bf_hi(qw), g0v = bf_lo(gw), g1v = bf_hi(gw);
+#pragma unroll
+            for (int r = 0; r < kKvRows; ++r) {
+              const float pv = get(pj[r], jj), dsv = get(dj[r], jj);
+              av[r][2 * i] = fmaf(pv, g0v, av[r][2 * i]);
+              av[r][2 * i + 1] = fmaf(pv, g1v, av[r][2 * i + 1]);
+              ak[r][2 * i] = fmaf(dsv, q0v, ak[r][2 * i]);
+              ak[r][2 * i + 1] = fmaf(dsv, q1v, ak[r][2 * i + 1]);
+            }
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < kKvRows; ++r) {
+    const int key = k0 + r;
+    if (key >= p.S) continue;
+    const i64 off = ((base + key) * p.Hkv + kh) * p.D;
+#pragma unroll
+    for (int i = 0; i < kPairs; ++i) {
+      const int w = lane + 32 * i;
+      if (2 * w >= p.D) continue;
+      *reinterpret_cast<u32*>(dk + off + 2 * w) = pack_bf2(ak[r][2 * i] * p.scale, ak[r][2 * i + 1] * p.scale);
+      *reinterpret_cast<u32*>(dv + off + 2 * w) = pack_bf2(av[r][2 * i], av[r][2 * i + 1]);
+    }
+  }
+}
+
+AttnParams attention_params(const AttentionDims& d, const char* what) {
+  MT_CHECK(d.rows > 0 && d.seq > 0 && d.heads > 0 && d.kv_heads > 0 && d.heads % d.kv_heads == 0,
+           "{}: invalid shape: {} rows x {} tokens, {} heads, {} kv heads", what, d.rows, d.seq, d.heads, d.kv_heads);
+  MT_CHECK(d.head_dim > 0 && d.head_dim % 2 == 0 && d.head_dim <= 256, "{}: head_dim {} must be even and at most 256", what,
+           d.head_dim);
+  MT_CHECK(d.heads <= 65535 && d.rows <= 65535 && d.seq <= (INT_MAX / 2), "{}: {} rows x {} tokens x {} heads is too large",
+           what, d.rows, d.seq, d.heads);
+  AttnParams p{};
+  p.S = static_cast<int>(d.seq);
+  p.H = static_cast<int>(d.heads);
+  p.Hkv = static_cast<int>(d.kv_heads);
+  p.G = p.H / p.Hkv;
+  p.D = static_cast<int>(d.head_dim);
+  p.Dp = (p.D + 3) / 4 * 4;
+  p.Dw = p.Dp / 2;
+  p.ks = p.Dw + 1;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d.head_dim));
+  p.scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  return p;
+}
+
+/// Calls f(std::integral_constant<int, kPairs>) for kPairs = ceil(Dw / 32) in 1..4.
+template <class F>
+void dispatch_pairs(const AttnParams& p, F&& f) {
+  switch ((p.Dw + 31) / 32) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    default: MT_FAIL("head_dim {} is not supported", p.D);
+  }
+}
+
+/// Raises a kernel's dynamic shared-memory limit when it needs more than the default 48 KiB.
+template <class Kernel>
+void allow_smem(Kernel kernel, std::size_t bytes) {
+  if (bytes <= 48 * 1024) return;
+  MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+void check_aligned4(const void* ptr, const char* name, const char* what) {
+  MT_CHECK(ptr != nullptr && aligned4(ptr), "{}: {} must be a non-null, 4-byte aligned device pointer", what, name);
+}
+
+}  // namespace
+
+// ================================================================================================
+// launchers
+// ================================================================================================
+
+void launch_add(const bf16* x, bf16* y, std::int64_t n, cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_add");
+  launch_map("add_kernel", AddOp{dev(x), dev(y)}, n, aligned16(x) && aligned16(y), stream);
+}
+
+void launch_cast(const float* in, bf16* out, std::int64_t n, cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_cast f32->bf16");
+  launch_map("cast_to_bf16_kernel", CastToBf16Op{in, dev(out)}, n, aligned16(in) && aligned16(out), stream);
+}
+
+void launch_cast(const bf16* in, float* out, std::int64_t n, cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_cast bf16->f32");
+  launch_map("cast_to_f32_kernel", CastToF32Op{dev(in), out}, n, aligned16(in) && aligned16(out), stream);
+}
+
+void launch_swiglu_forward(const bf16* g, const bf16* u, bf16* m, std::int64_t n, cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_swiglu_forward");
+  launch_map("swiglu_forward_kernel", SwigluForwardOp{dev(g), dev(u), dev(m)}, n,
+             aligned16(g) && aligned16(u) && aligned16(m), stream);
+}
+
+void launch_swiglu_backward(const bf16* g, const bf16* u, const bf16* dm, bf16* dg, bf16* du, std::int64_t n,
+                            cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_swiglu_backward");
+  launch_map("swiglu_backward_kernel", SwigluBackwardOp{dev(g), dev(u), dev(dm), dev(dg), dev(du)}, n,
+             aligned16(g) && aligned16(u) && aligned16(dm) && aligned16(dg) && aligned16(du), stream);
+}
+
+void launch_embedding_forward(const std::int32_t* ids, const bf16* table, bf16* out, std::int64_t M, std::int64_t d,
+                              std::int64_t V, cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_embedding_forward");
+  MT_CHECK(M >= 0 && d > 0 && V > 0, "embedding_forward: invalid sizes M {}, d {}, V {}", M, d, V);
+  if (M == 0) return;
+  const bool vec = d % 8 == 0 && aligned16(table) && aligned16(out);
+  embedding_forward_kernel<<<static_cast<unsigned>(std::min<i64>(M, 65536)), kEmbThreads, 0, stream>>>(
+      ids, dev(table), dev(out), M, d, V, vec);
+  MT_CUDA_CHECK_LAUNCH("embedding_forward_kernel");
+}
+
+std::size_t embedding_backward_workspace_bytes(std::int64_t M) {
+  MT_CHECK(M >= 0 && M <= INT_MAX, "embedding_backward: {} tokens is out of range", M);
+  if (M == 0) return 0;
+  const std::size_t arr = align_up(static_cast<std::size_t>(M) * 4);
+  // The sort's scratch is largest for full 32-bit keys; the launch sorts only log2(V) bits.
+  return kWorkspaceAlign + 4 * arr + align_up(radix_sort_temp_bytes(M, 32));
+}
+
+void launch_embedding_backward(const std::int32_t* ids, const bf16* dy, float* dtable, std::int64_t M, std::int64_t d,
+                               std::int64_t V, void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_embedding_backward");
+  MT_CHECK(M >= 0 && M <= INT_MAX && d > 0 && V > 0 && V <= INT_MAX, "embedding_backward: invalid sizes M {}, d {}, V {}",
+           M, d, V);
+  if (M == 0) return;
+  check_workspace(workspace, workspace_bytes, embedding_backward_workspace_bytes(M), "embedding_backward");
+  Carver carve(workspace, workspace_bytes);
+  u32* keys0 = carve.take<u32>(static_cast<std::size_t>(M));
+  u32* keys1 = carve.take<u32>(static_cast<std::size_t>(M));
+  auto* pos0 = carve.take<std::int32_t>(static_cast<std::size_t>(M));
+  auto* pos1 = carve.take<std::int32_t>(static_cast<std::size_t>(M));
+
+  embedding_sort_init_kernel<<<grid_for(M, 256), 256, 0, stream>>>(ids, keys0, pos0, M, V);
+  MT_CUDA_CHECK_LAUNCH("embedding_sort_init_kernel");
+
+  int end_bit = 1;
+  while (end_bit < 32 && (static_cast<i64>(1) << end_bit) < V) ++end_bit;
+  const std::size_t temp = radix_sort_temp_bytes(M, end_bit);
+  MT_CHECK(temp <= carve.left(), "embedding_backward: sort needs {} bytes of workspace, {} left", temp, carve.left());
+  cub::DoubleBuffer<u32> keys(keys0, keys1);  // the sort ping-pongs; Current() is the result
+  cub::DoubleBuffer<std::int32_t> pos(pos0, pos1);
+  // Stable: equal ids keep their positions in ascending order, which fixes the summation order.
+  std::size_t temp_bytes = carve.left();
+  MT_CUDA_CHECK(
+      cub::DeviceRadixSort::SortPairs(carve.here(), temp_bytes, keys, pos, static_cast<int>(M), 0, end_bit, stream));
+
+  const bool vec = d % 8 == 0 && aligned16(dy) && aligned16(dtable);
+  const i64 per_block = kEmbThreads * (vec ? 8 : 1);
+  const i64 col_blocks = (d + per_block - 1) / per_block;
+  MT_CHECK(col_blocks <= 65535, "embedding_backward: row length {} is too large", d);
+  const dim3 grid(static_cast<unsigned>(std::min<i64>(M, 65536)), static_cast<unsigned>(col_blocks));
+  if (vec) embedding_accumulate_kernel<8><<<grid, kEmbThreads, 0, stream>>>(keys.Current(), pos.Current(), dev(dy), dtable, M, d);
+  else embedding_accumulate_kernel<1><<<grid, kEmbThreads, 0, stream>>>(keys.Current(), pos.Current(), dev(dy), dtable, M, d);
+  MT_CUDA_CHECK_LAUNCH("embedding_accumulate_kernel");
+}
+
+void launch_rmsnorm_forward(const bf16* x, const bf16* w, bf16* y, float* rstd, std::int64_t M, std::int64_t d, float eps,
+                            cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_rmsnorm_forward");
+  MT_CHECK(M >= 0 && d > 0 && d <= INT_MAX / 8, "rmsnorm_forward: invalid sizes M {}, d {}", M, d);
+  if (M == 0) return;
+  const bool vec = d % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(y);
+  dispatch_row_group(vec ? d / 8 : d, [&](auto group, auto block) {
+    constexpr int kGroup = decltype(group)::value, kBlock = decltype(block)::value, kRows = kBlock / kGroup;
+    rmsnorm_forward_kernel<kGroup, kBlock><<<static_cast<unsigned>((M + kRows - 1) / kRows), kBlock, 0, stream>>>(
+        dev(x), dev(w), dev(y), rstd, M, static_cast<int>(d), eps, vec);
+  });
+  MT_CUDA_CHECK_LAUNCH("rmsnorm_forward_kernel");
+}
+
+std::size_t rmsnorm_backward_workspace_bytes(std::int64_t M, std::int64_t d) {
+  MT_CHECK(M >= 0 && d > 0, "rmsnorm_backward: invalid sizes M {}, d {}", M, d);
+  return column_reduce_bytes(M, d);
+}
+
+void launch_rmsnorm_backward(const bf16* x, const bf16* w, const float* rstd, const bf16* dy, bf16* dx, bool accumulate_dx,
+                             float* dw, std::int64_t M, std::int64_t d, void* workspace, std::size_t workspace_bytes,
+                             cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_rmsnorm_backward");
+  MT_CHECK(M >= 0 && d > 0 && d <= INT_MAX / 8, "rmsnorm_backward: invalid sizes M {}, d {}", M, d);
+  if (M == 0) return;
+  check_workspace(workspace, workspace_bytes, rmsnorm_backward_workspace_bytes(M, d), "rmsnorm_backward");
+  const bool vec = d % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(dy) && aligned16(dx);
+  dispatch_row_group(vec ? d / 8 : d, [&](auto group, auto block) {
+    constexpr int kGroup = decltype(group)::value, kBlock = decltype(block)::value, kRows = kBlock / kGroup;
+    rmsnorm_backward_dx_kernel<kGroup, kBlock><<<static_cast<unsigned>((M + kRows - 1) / kRows), kBlock, 0, stream>>>(
+        dev(x), dev(w), rstd, dev(dy), dev(dx), accumulate_dx, M, static_cast<int>(d), vec);
+  });
+  MT_CUDA_CHECK_LAUNCH("rmsnorm_backward_dx_kernel");
+  column_reduce("rmsnorm_dw_kernel", RmsNormDw{dev(dy), dev(x), rstd, d}, M, d, aligned16(dy) && aligned16(x), dw, workspace,
+                workspace_bytes, stream);
+}
+
+void launch_rope(bf16* x, std::int64_t M, std::int64_t heads, std::int64_t head_dim, std::int64_t seq, const RopeFreqs& freqs,
+                 bool inverse, cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_rope");
+  MT_CHECK(M >= 0 && heads > 0 && head_dim > 0 && head_dim % 2 == 0 && seq > 0 && M % seq == 0,
+           "rope: {} tokens, {} heads of {}, sequences of {} do not fit", M, heads, head_dim, seq);
+  MT_CHECK(freqs.half == head_dim / 2 && freqs.half <= RopeFreqs::kMax && heads * head_dim <= INT_MAX,
+           "rope: {} frequencies for head_dim {} (at most {} supported)", freqs.half, head_dim, 2 * RopeFreqs::kMax);
+  if (M == 0) return;
+  const bool vec = freqs.half % 8 == 0 && aligned16(x);
+  rope_kernel<<<static_cast<unsigned>(std::min<i64>(M, 65536)), kRopeThreads, 0, stream>>>(
+      dev(x), M, static_cast<int>(heads), static_cast<int>(head_dim), seq, freqs, inverse, vec);
+  MT_CUDA_CHECK_LAUNCH("rope_kernel");
+}
+
+std::size_t column_sum_workspace_bytes(std::int64_t M, std::int64_t N) {
+  MT_CHECK(M >= 0 && N >= 0, "column_sum: invalid sizes M {}, N {}", M, N);
+  return column_reduce_bytes(M, N);
+}
+
+void launch_column_sum(const bf16* x, float* out, std::int64_t M, std::int64_t N, void* workspace, std::size_t workspace_bytes,
+                       cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_column_sum");
+  MT_CHECK(M >= 0 && N >= 0, "column_sum: invalid sizes M {}, N {}", M, N);
+  if (M == 0 || N == 0) return;
+  check_workspace(workspace, workspace_bytes, column_sum_workspace_bytes(M, N), "column_sum");
+  column_reduce("column_sum_kernel", ColumnOfBf16{dev(x), N}, M, N, aligned16(x), out, workspace, workspace_bytes, stream);
+}
+
+std::size_t sum_squares_workspace_bytes(std::int64_t n) {
+  MT_CHECK(n >= 0, "sum_squares: negative count {}", n);
+  return kWorkspaceAlign + align_up(static_cast<std::size_t>(sum_squares_blocks(n)) * sizeof(double));
+}
+
+void launch_sum_squares(const float* x, std::int64_t n, double* out, void* workspace, std::size_t workspace_bytes,
+                        cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_sum_squares");
+  MT_CHECK(n >= 0 && out != nullptr, "sum_squares: invalid arguments (n {}, out {})", n, static_cast<void*>(out));
+  check_workspace(workspace, workspace_bytes, sum_squares_workspace_bytes(n), "sum_squares");
+  const i64 blocks = sum_squares_blocks(n);
+  Carver carve(workspace, workspace_bytes);
+  double* partial = carve.take<double>(static_cast<std::size_t>(blocks));
+  if (n > 0) {
+    sum_squares_partial_kernel<<<static_cast<unsigned>(blocks), kSsThreads, 0, stream>>>(x, n, partial, aligned16(x));
+    MT_CUDA_CHECK_LAUNCH("sum_squares_partial_kernel");
+  }
+  sum_squares_final_kernel<<<1, kSsThreads, 0, stream>>>(partial, n > 0 ? static_cast<int>(blocks) : 0, out);
+  MT_CUDA_CHECK_LAUNCH("sum_squares_final_kernel");
+}
+
+void launch_cross_entropy(const float* logits, const std::int32_t* labels, float* loss, bf16* dlogits, float scale,
+                          std::int64_t n, std::int64_t V, cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_cross_entropy");
+  MT_CHECK(n >= 0 && n <= INT_MAX && V > 0, "cross_entropy: invalid sizes n {}, V {}", n, V);
+  MT_CHECK(n == 0 || (logits != nullptr && labels != nullptr && loss != nullptr), "cross_entropy: null logits, labels or loss");
+  if (n == 0) return;
+  const bool vec_in = V % 4 == 0 && aligned16(logits);
+  const bool vec_out = vec_in && (dlogits == nullptr || reinterpret_cast<std::uintptr_t>(dlogits) % 8 == 0);
+  const int threads = V >= 16384 ? kCeMaxThreads : V >= 2048 ? 256 : 128;
+  cross_entropy_kernel<<<static_cast<unsigned>(n), threads, 0, stream>>>(logits, labels, loss, dev(dlogits), scale, V, vec_in,
+                                                                        vec_out);
+  MT_CUDA_CHECK_LAUNCH("cross_entropy_kernel");
+}
+
+void launch_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, const AttentionDims& dims,
+                              cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_attention_forward");
+  const AttnParams p = attention_params(dims, "attention_forward");
+  check_aligned4(q, "q", "attention_forward");
+  check_aligned4(k, "k", "attention_forward");
+  check_aligned4(v, "v", "attention_forward");
+  check_aligned4(out, "out", "attention_forward");
+  MT_CHECK(lse != nullptr, "attention_forward: lse is null");
+  const std::size_t smem = sizeof(float) * (kQWarps * kQRows * 32 + kTile * p.Dp) + sizeof(u32) * 2 * kTile * p.ks;
+  const dim3 grid(static_cast<unsigned>((p.S + kTile - 1) / kTile), static_cast<unsigned>(p.H),
+                  static_cast<unsigned>(dims.rows));
+  dispatch_pairs(p, [&](auto pairs) {
+    constexpr int kP = decltype(pairs)::value;
+    allow_smem(attention_forward_kernel<kP>, smem);
+    attention_forward_kernel<kP><<<grid, kQWarps * 32, smem, stream>>>(dev(q), dev(k), dev(v), dev(out), lse, p);
+  });
+  MT_CUDA_CHECK_LAUNCH("attention_forward_kernel");
+}
+
+std::size_t attention_backward_workspace_bytes(const AttentionDims& dims) {
+  (void)attention_params(dims, "attention_backward");  // validates
+  return kWorkspaceAlign + align_up(static_cast<std::size_t>(dims.rows * dims.heads * dims.seq) * sizeof(float));
+}
+
+void launch_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
+                               const bf16* dout, bf16* dq, bf16* dk, bf16* dv, const AttentionDims& dims, void* workspace,
+                               std::size_t workspace_bytes, cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_attention_backward");
+  const AttnParams p = attention_params(dims, "attention_backward");
+  const std::pair<const void*, const char*> tensors[] = {{q, "q"},       {k, "k"},   {v, "v"},   {out, "out"},
+                                                         {dout, "dout"}, {dq, "dq"}, {dk, "dk"}, {dv, "dv"}};
+  for (const auto& [ptr, name] : tensors) check_aligned4(ptr, name, "attention_backward");
+  MT_CHECK(lse != nullptr, "attention_backward: lse is null");
+  check_workspace(workspace, workspace_bytes, attention_backward_workspace_bytes(dims), "attention_backward");
+  Carver carve(workspace, workspace_bytes);
+  const i64 tokens = dims.rows * dims.seq;
+  float* delta = carve.take<float>(static_cast<std::size_t>(tokens * dims.heads));
+
+  attention_delta_kernel<<<grid_for(tokens * p.H, 8, 65536), 256, 0, stream>>>(dev(out), dev(dout), delta, tokens, p);
+  MT_CUDA_CHECK_LAUNCH("attention_delta_kernel");
+
+  const unsigned tiles = static_cast<unsigned>((p.S + kTile - 1) / kTile);
+  const std::size_t smem_dq = sizeof(float) * (kQWarps * kQRows * 32 + 2 * kTile * p.Dp) + sizeof(u32) * 2 * kTile * p.ks;
+  const std::size_t smem_kv = sizeof(float) * (2 * kKvWarps * kKvRows * 32 + 2 * kTile * p.Dp) + sizeof(u32) * 2 * kTile * p.ks;
+  dispatch_pairs(p, [&](auto pairs) {
+    constexpr int kP = decltype(pairs)::value;
+    allow_smem(attention_dq_kernel<kP>, smem_dq);
+    attention_dq_kernel<kP><<<dim3(tiles, static_cast<unsigned>(p.H), static_cast<unsigned>(dims.rows)), kQWarps * 32, smem_dq,
+                              stream>>>(dev(q), dev(k), dev(v), dev(dout), lse, delta, dev(dq), p);
+    MT_CUDA_CHECK_LAUNCH("attention_dq_kernel");
+    allow_smem(attention_dkdv_kernel<kP>, smem_kv);
+    attention_dkdv_kernel<kP><<<dim3(tiles, static_cast<unsigned>(p.Hkv), static_cast<unsigned>(dims.rows)), kKvWarps * 32,
+                                smem_kv, stream>>>(dev(q), dev(k), dev(v), dev(dout), lse, delta, dev(dk), dev(dv), p);
+    MT_CUDA_CHECK_LAUNCH("attention_dkdv_kernel");
+  });
+}
+
+}  // namespace megatrain::cuda

@@ -1,0 +1,444 @@
+// Hugging Face model directories (see include/megatrain/io/hf_checkpoint.hpp for the contracts).
+//
+// The checkpoint is checked against the model config.json describes as a whole before anything
+// is allocated, and every problem found is reported at once (up to a screenful): a user fixing a
+// config by hand should not have to rerun once per tensor. The safetensors layer has already
+// validated each file's framing, offsets and the index by the time we look at names and shapes.
+#include "megatrain/io/hf_checkpoint.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <system_error>
+
+#include "megatrain/core/error.hpp"
+#include "megatrain/core/nvtx.hpp"
+#include "megatrain/layers/decoder_model.hpp"
+
+namespace megatrain::io {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+constexpr std::string_view kConfigName = "config.json";
+constexpr std::size_t kMaxProblemsShown = 12;
+constexpr std::uintmax_t kMaxSideFileBytes = 64u << 20;
+
+bool is_float_dtype(SafetensorsDType t) {
+  return t == SafetensorsDType::f32 || t == SafetensorsDType::bf16 || t == SafetensorsDType::f16 ||
+         t == SafetensorsDType::f64;
+}
+
+/// Buffers that some exporters save but that megatrain derives from config.json.
+bool is_rotary_buffer(std::string_view name) {
+  return name.find("rotary_emb.") != std::string_view::npos &&
+         (name.ends_with(".inv_freq") || name.ends_with(".cos_cached") || name.ends_with(".sin_cached"));
+}
+
+std::string shape_str(const Shape& s) { return s.str(); }
+
+std::string describe(const ModelConfig& c) {
+  return fmt::format("{}, {} layers, hidden {}, {} heads ({} key/value, head_dim {}), intermediate {}, vocab {}{}{}",
+                     c.architecture_name(), c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
+                     c.num_key_value_heads, c.head_dim, c.intermediate_size, c.vocab_size,
+                     c.tie_word_embeddings ? ", tied embeddings" : "", c.qkv_bias ? ", q/k/v bias" : "");
+}
+
+std::string read_text(const fs::path& p, std::uintmax_t max_bytes) {
+  std::error_code ec;
+  const auto size = fs::file_size(p, ec);
+  MT_CHECK(!ec, "cannot read '{}': {}", p.string(), ec.message());
+  MT_CHECK(size <= max_bytes, "'{}' is {} bytes, larger than the {} accepted", p.string(), size, max_bytes);
+  std::ifstream in(p, std::ios::binary);
+  MT_CHECK(in.good(), "cannot open '{}'", p.string());
+  std::string s(static_cast<std::size_t>(size), '\0');
+  in.read(s.data(), static_cast<std::streamsize>(s.size()));
+  MT_CHECK(in.good() || (in.eof() && static_cast<std::uintmax_t>(in.gcount()) == size), "cannot read '{}'", p.string());
+  return s;
+}
+
+/// Decodes elements [first, first + out.size()) of a float tensor into `out`.
+void decode(const TensorBytes& t, std::size_t first, std::span<float> out) {
+  const std::size_t esize = safetensors_dtype_size(t.dtype);
+  const std::byte* src = t.bytes.data() + first * esize;
+  const std::size_t n = out.size();
+  switch (t.dtype) {
+    case SafetensorsDType::f32: std::memcpy(out.data(), src, n * sizeof(float)); return;
+    case SafetensorsDType::bf16: {
+      std::vector<bf16> buf(n);
+      std::memcpy(buf.data(), src, n * sizeof(bf16));
+      convert(std::span<const bf16>(buf), out);
+      return;
+    }
+    case SafetensorsDType::f16: {
+      std::vector<f16> buf(n);
+      std::memcpy(buf.data(), src, n * sizeof(f16));
+      convert(std::span<const f16>(buf), out);
+      return;
+    }
+    case SafetensorsDType::f64: {
+      std::vector<double> buf(n);
+      std::memcpy(buf.data(), src, n * sizeof(double));
+      for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(buf[i]);
+      return;
+    }
+    default: MT_FAIL("unreachable: dtype {}", safetensors_dtype_name(t.dtype));
+  }
+}
+
+/// The first element at which two float tensors of equal shape differ as fp32 values (NaN equals
+/// NaN), or -1. Streams both from their mappings in chunks.
+std::int64_t first_difference(const TensorRef& a, const TensorRef& b, float* va, float* vb) {
+  const TensorBytes ta = a.bytes(), tb = b.bytes();
+  if (ta.dtype == tb.dtype && ta.bytes.size() == tb.bytes.size() &&
+      std::memcmp(ta.bytes.data(), tb.bytes.data(), ta.bytes.size()) == 0)
+    return -1;
+  const auto n = static_cast<std::size_t>(a.info->numel());
+  constexpr std::size_t kChunk = 4096;
+  std::array<float, kChunk> xa{}, xb{};
+  for (std::size_t i = 0; i < n; i += kChunk) {
+    const std::size_t m = std::min(kChunk, n - i);
+    decode(ta, i, std::span<float>(xa.data(), m));
+    decode(tb, i, std::span<float>(xb.data(), m));
+    for (std::size_t k = 0; k < m; ++k) {
+      if (xa[k] == xb[k] || (std::isnan(xa[k]) && std::isnan(xb[k]))) continue;
+      *va = xa[k];
+      *vb = xb[k];
+      return static_cast<std::int64_t>(i + k);
+    }
+  }
+  return -1;
+}
+
+/// Where a checkpoint tensor lives, for messages: "'model-00001-of-00002.safetensors'".
+std::string where(const TensorRef& r) { return fmt::format("'{}'", r.file->path().string()); }
+
+/// Checks that `store` holds exactly the parameters of `units` (names and shapes).
+void check_store_matches(const HostParamStore<float>& store, const std::vector<UnitSpec>& units, std::string_view what) {
+  std::int64_t expected = 0;
+  std::size_t count = 0;
+  for (const auto& u : units)
+    for (const auto& p : u.params) {
+      ++count;
+      expected += p.numel();
+      MT_CHECK(store.contains(p.name), "{}: the store has no parameter '{}' (it was built for another model)", what, p.name);
+      const auto [unit, param] = store.find(p.name);
+      MT_CHECK(param->spec.shape == p.shape, "{}: parameter '{}' has shape {} in the store but {} in the model", what,
+               p.name, shape_str(param->spec.shape), shape_str(p.shape));
+    }
+  std::set<std::string_view> model_names;
+  for (const auto& u : units)
+    for (const auto& p : u.params) model_names.insert(p.name);
+  std::size_t store_count = 0;
+  for (const auto& u : store.units())
+    for (const auto& p : u.params()) {
+      ++store_count;
+      MT_CHECK(model_names.contains(p.spec.name), "{}: the store holds parameter '{}', which the model does not have",
+               what, p.spec.name);
+    }
+  MT_CHECK(store_count == count && store.param_count() == expected,
+           "{}: the store holds {} tensors ({} parameters) but the model has {} ({} parameters)", what, store_count,
+           store.param_count(), count, expected);
+}
+
+}  // namespace
+
+// ---- loading ----------------------------------------------------------------------------------
+
+HfCheckpoint HfCheckpoint::open(const fs::path& dir) {
+  MT_NVTX_RANGE("io::HfCheckpoint::open");
+  std::error_code ec;
+  const auto st = fs::status(dir, ec);
+  MT_CHECK(fs::exists(st),
+           "model directory '{}' does not exist (megatrain reads local directories: download a Hub model first, e.g. "
+           "`huggingface-cli download <id> --local-dir <dir>`)",
+           dir.string());
+  MT_CHECK(fs::is_directory(st), "'{}' is not a directory; give the model directory (the one holding config.json)",
+           dir.string());
+
+  HfCheckpoint c;
+  c.dir_ = dir;
+  const fs::path config_path = dir / kConfigName;
+  MT_CHECK(fs::is_regular_file(config_path, ec), "'{}' holds no config.json: not a Hugging Face model directory",
+           dir.string());
+  c.config_text_ = read_text(config_path, 16u << 20);
+  json j;
+  try {
+    j = json::parse(c.config_text_);
+  } catch (const json::parse_error& e) {
+    MT_FAIL("{}: malformed JSON: {}", config_path.string(), e.what());
+  }
+  c.config_ = ModelConfig::from_json(j, config_path.string());
+
+  // Weights. A directory holding only PyTorch pickles gets a message saying so.
+  if (!fs::exists(dir / "model.safetensors", ec) && !fs::exists(dir / "model.safetensors.index.json", ec)) {
+    bool pickles = false;
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      const std::string n = e.path().filename().string();
+      pickles = pickles || n == "pytorch_model.bin" || n == "pytorch_model.bin.index.json" || n.ends_with(".pt") ||
+                n.ends_with(".pth");
+    }
+    MT_CHECK(!pickles,
+             "'{}' holds PyTorch pickle weights (pytorch_model.bin), not safetensors; megatrain reads safetensors only "
+             "(convert with transformers: from_pretrained(...).save_pretrained(dir, safe_serialization=True))",
+             dir.string());
+  }
+  c.weights_ = SafetensorsCheckpoint::open(dir);
+  c.units_ = DecoderModel<>(c.config_).units();
+
+  // ---- names, shapes and dtypes against the model -------------------------------------------
+  const ModelConfig& cfg = c.config_;
+  const std::string ckpt_label = c.weights_.path().string();
+  std::vector<std::string> problems;
+  std::set<std::string, std::less<>> used;
+  const std::string table = Embedding::kTable, head = LmHead::kHead;
+  for (const auto& u : c.units_) {
+    for (const auto& p : u.params) {
+      std::optional<TensorRef> ref = c.weights_.find(p.name);
+      if (!ref && cfg.tie_word_embeddings && p.name == table) ref = c.weights_.find(head);
+      if (!ref) {
+        problems.push_back(fmt::format("tensor '{}' is missing (the model needs {})", p.name, shape_str(p.shape)));
+        continue;
+      }
+      used.insert(ref->name());
+      c.source_.emplace(p.name, ref->name());
+      const auto& dims = ref->info->shape;
+      const auto want = p.shape.dims();
+      if (!std::equal(dims.begin(), dims.end(), want.begin(), want.end()))
+        problems.push_back(fmt::format("tensor '{}' in {} has shape {} but config.json needs {}", ref->name(), where(*ref),
+                                       ref->info->shape_str(), shape_str(p.shape)));
+      if (!is_float_dtype(ref->info->dtype))
+        problems.push_back(fmt::format(
+            "tensor '{}' in {} holds {} elements; only F32, BF16, F16 and F64 weights can be loaded (quantized "
+            "checkpoints are not supported)",
+            ref->name(), where(*ref), safetensors_dtype_name(ref->info->dtype)));
+    }
+  }
+  // A tied model may carry the head anyway: then it must be the table.
+  if (cfg.tie_word_embeddings && !used.contains(head)) {
+    if (auto h = c.weights_.find(head)) {
+      used.insert(head);
+      const auto t = c.weights_.find(table);
+      const bool comparable = t && t->info->shape == h->info->shape && is_float_dtype(t->info->dtype) &&
+                              is_float_dtype(h->info->dtype);
+      float a = 0, b = 0;
+      const std::int64_t at = comparable ? first_difference(*t, *h, &a, &b) : -1;
+      if (!comparable) {
+        problems.push_back(fmt::format(
+            "tensor '{}' in {} ({} {}) cannot be the tied embedding table (config.json has tie_word_embeddings true)",
+            head, where(*h), safetensors_dtype_name(h->info->dtype), h->info->shape_str()));
+      } else if (at >= 0) {
+        problems.push_back(fmt::format(
+            "config.json has tie_word_embeddings true, but tensor '{}' in {} differs from '{}' (element {}: {} vs {}); "
+            "set tie_word_embeddings to false if the model has a separate LM head",
+            head, where(*h), table, at, b, a));
+      } else {
+        c.ignored_.push_back(fmt::format("{} (tied: equal to {})", head, table));
+      }
+    }
+  }
+  std::vector<std::string> extras;
+  for (const auto& name : c.weights_.names()) {
+    if (used.contains(name)) continue;
+    if (is_rotary_buffer(name)) {
+      c.ignored_.push_back(name + " (rotary buffer: recomputed from config.json)");
+      continue;
+    }
+    extras.push_back(name);
+  }
+  for (const auto& name : extras) {
+    const TensorRef r = c.weights_.tensor(name);
+    std::string why = "the model config.json describes has no such parameter";
+    if (name.ends_with("_proj.bias") && name.starts_with("model.layers."))
+      why = "config.json describes no bias for this projection (Llama: attention_bias / mlp_bias)";
+    else if (name.starts_with("model.layers."))
+      why = fmt::format("config.json has num_hidden_layers {}; a layer or parameter it does not describe",
+                        cfg.num_hidden_layers);
+    problems.push_back(fmt::format("unexpected tensor '{}' in {}: {}", name, where(r), why));
+  }
+  if (!problems.empty()) {
+    std::string hint;
+    if (!cfg.tie_word_embeddings && !c.weights_.contains(head) && c.weights_.contains(table))
+      hint += "\n  (lm_head.weight is missing: if the model shares its embedding table with the LM head, set "
+              "\"tie_word_embeddings\": true in config.json)";
+    if (!c.weights_.contains(table) && c.weights_.contains("embed_tokens.weight"))
+      hint += "\n  (the tensor names lack the 'model.' prefix: a base-model checkpoint without the causal-LM wrapper is "
+              "not supported)";
+    std::string list;
+    for (std::size_t i = 0; i < problems.size() && i < kMaxProblemsShown; ++i) list += "\n  " + problems[i];
+    if (problems.size() > kMaxProblemsShown) list += fmt::format("\n  ... and {} more", problems.size() - kMaxProblemsShown);
+    MT_FAIL("'{}' does not match the model its config.json describes ({}): {} problem{} in {}:{}{}", dir.string(),
+            describe(cfg), problems.size(), problems.size() == 1 ? "" : "s", ckpt_label, list, hint);
+  }
+  return c;
+}
+
+TensorRef HfCheckpoint::source(std::string_view param) const {
+  const auto it = source_.find(param);
+  MT_CHECK(it != source_.end(), "'{}': the model has no parameter '{}'", dir_.string(), param);
+  return weights_.tensor(it->second);
+}
+
+std::int64_t HfCheckpoint::param_count() const {
+  std::int64_t n = 0;
+  for (const auto& u : units_)
+    for (const auto& p : u.params) n += p.numel();
+  return n;
+}
+
+void HfCheckpoint::load_into(HostParamStore<float>& store) const {
+  MT_NVTX_RANGE("io::HfCheckpoint::load_into");
+  check_store_matches(store, units_, fmt::format("loading '{}'", dir_.string()));
+  for (auto& unit : store.units()) {
+    for (const auto& p : unit.params()) read_into(source(p.spec.name), store.master(p.spec.name));
+    store.sync_compute(unit);
+  }
+}
+
+HfModel load_hf_model(const fs::path& dir, const StoreOptions& options) {
+  MT_NVTX_RANGE("io::load_hf_model");
+  const HfCheckpoint ckpt = HfCheckpoint::open(dir);
+  HfModel m{ckpt.config(), HostParamStore<float>(ckpt.units(), options), ckpt.ignored()};
+  ckpt.load_into(m.store);
+  return m;
+}
+
+// ---- exporting --------------------------------------------------------------------------------
+
+std::string_view torch_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return "float32";
+    case DType::bf16: return "bfloat16";
+    case DType::f16: return "float16";
+    default: MT_FAIL("a model is exported as bf16, f16 or f32, not {}", dtype_name(dtype));
+  }
+}
+
+void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg, const fs::path& dir,
+                     const HfExportOptions& options) {
+  MT_NVTX_RANGE("io::export_hf_model");
+  const std::string label = fmt::format("exporting to '{}'", dir.string());
+  const std::string_view dtype_text = torch_dtype_name(options.dtype);
+  const std::vector<UnitSpec> units = DecoderModel<>(cfg).units();
+  check_store_matches(store, units, label);
+
+  // config.json: the given text (same model, checked) or the config's own, with the dtype set.
+  json j;
+  if (options.config_json.empty()) {
+    j = cfg.to_json();
+  } else {
+    try {
+      j = json::parse(options.config_json);
+    } catch (const json::parse_error& e) {
+      MT_FAIL("{}: the config.json text given is malformed JSON: {}", label, e.what());
+    }
+    const ModelConfig given = ModelConfig::from_json(j, "the config.json text given for the export");
+    MT_CHECK(given.to_json() == cfg.to_json(), "{}: the config.json text given describes another model ({}) than the "
+             "store holds ({})", label, describe(given), describe(cfg));
+  }
+  j["torch_dtype"] = dtype_text;  // transformers 4 reads this spelling,
+  j["dtype"] = dtype_text;        // transformers 5 this one
+  MT_CHECK(!options.extra_files.contains(std::string(kConfigName)),
+           "{}: config.json comes from HfExportOptions::config_json, not extra_files", label);
+
+  ShardedWriteOptions w;
+  w.max_shard_bytes = options.max_shard_bytes;
+  w.metadata = {{"format", "pt"}};
+  w.extra_files = options.extra_files;
+  w.extra_files.emplace(kConfigName, j.dump(2) + "\n");
+
+  // Every parameter, in store order, streamed from its fp32 master while the file is written.
+  std::size_t count = 0;
+  for (const auto& u : store.units()) count += u.params().size();
+  std::vector<TensorToWrite> tensors;
+  tensors.reserve(count);
+  const SafetensorsDType stored = to_safetensors_dtype(options.dtype);
+  for (const auto& u : store.units()) {
+    for (const auto& p : u.params()) {
+      const View<float> master = store.master(p.spec.name);
+      const std::span<const float> values = master.span();
+      const std::size_t index = tensors.size();
+      const std::string& name = p.spec.name;
+      std::vector<std::int64_t> shape(p.spec.shape.dims().begin(), p.spec.shape.dims().end());
+      tensors.emplace_back(name, std::move(shape), stored,
+                           [values, index, count, &name, &options](std::int64_t first, std::span<float> out) {
+                             if (first == 0 && options.progress) options.progress(name, index, count);
+                             std::copy_n(values.begin() + first, out.size(), out.begin());
+                           });
+    }
+  }
+  write_safetensors_sharded(dir, tensors, w);
+}
+
+void check_hf_export_target(const fs::path& dir) {
+  std::error_code ec;
+  const auto st = fs::symlink_status(dir, ec);
+  if (ec || !fs::exists(st)) return;
+  MT_CHECK(!fs::is_symlink(st), "cannot export to '{}': it is a symbolic link; give the directory it points to",
+           dir.string());
+  MT_CHECK(fs::is_directory(st), "cannot export to '{}': it exists and is not a directory", dir.string());
+  for (fs::directory_iterator it(dir, ec), end; it != end; it.increment(ec)) {
+    MT_CHECK(!ec, "cannot list '{}': {}", dir.string(), ec.message());
+    const auto est = it->symlink_status(ec);
+    MT_CHECK(fs::is_regular_file(est) || fs::is_symlink(est),
+             "cannot export to '{}': it holds '{}', which is not a regular file; an export replaces a directory of "
+             "files only (choose another directory)",
+             dir.string(), it->path().filename().string());
+  }
+  MT_CHECK(!ec, "cannot list '{}': {}", dir.string(), ec.message());
+}
+
+std::map<std::string, std::string> hf_side_files(const fs::path& dir) {
+  static constexpr const char* kNames[] = {
+      "tokenizer.json",   "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+      "vocab.json",       "merges.txt",            "added_tokens.json",       "generation_config.json",
+      "chat_template.jinja", "chat_template.json"};
+  std::map<std::string, std::string> files;
+  std::error_code ec;
+  for (const char* n : kNames)
+    if (fs::is_regular_file(dir / n, ec)) files.emplace(n, read_text(dir / n, kMaxSideFileBytes));
+  return files;
+}
+
+std::uint64_t parse_shard_size(std::string_view text) {
+  const std::string s(text);
+  std::size_t i = 0;
+  while (i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) != 0 || s[i] == '.')) ++i;
+  MT_CHECK(i > 0, "'{}' is not a shard size (examples: 5GB, 500MB, 2GiB, 1000000)", s);
+  double v = 0;
+  try {
+    std::size_t used = 0;
+    v = std::stod(s.substr(0, i), &used);
+    MT_CHECK(used == i, "'{}' is not a shard size", s);
+  } catch (const std::logic_error&) {
+    MT_FAIL("'{}' is not a shard size (examples: 5GB, 500MB, 2GiB, 1000000)", s);
+  }
+  std::string unit = s.substr(i);
+  for (auto& ch : unit) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  double scale = 0;
+  if (unit.empty() || unit == "B") scale = 1;
+  else if (unit == "K" || unit == "KB") scale = 1e3;
+  else if (unit == "M" || unit == "MB") scale = 1e6;
+  else if (unit == "G" || unit == "GB") scale = 1e9;
+  else if (unit == "T" || unit == "TB") scale = 1e12;
+  else if (unit == "KI" || unit == "KIB") scale = 0x1p10;
+  else if (unit == "MI" || unit == "MIB") scale = 0x1p20;
+  else if (unit == "GI" || unit == "GIB") scale = 0x1p30;
+  else if (unit == "TI" || unit == "TIB") scale = 0x1p40;
+  MT_CHECK(scale > 0, "'{}' is not a shard size: unknown unit '{}' (KB, MB, GB, TB are decimal; KiB, MiB, GiB, TiB binary)",
+           s, s.substr(i));
+  const double bytes = v * scale;
+  MT_CHECK(std::isfinite(bytes) && bytes >= 1 && bytes < 0x1p63, "shard size '{}' must be at least 1 byte", s);
+  return static_cast<std::uint64_t>(bytes);
+}
+
+}  // namespace megatrain::io

@@ -1,0 +1,227 @@
+// The CUDA backend's ops (bf16, fp32 accumulation) against the CPU reference in float64, run
+// on the same bf16 inputs and weights: the decoder block, the embedding and the head, forward
+// and backward, with attention through cuDNN and through megatrain's own kernel.
+#include <doctest/doctest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "megatrain/backend/cpu/cpu_backend.hpp"
+#include "megatrain/backend/cuda/cuda_backend.hpp"
+#include "megatrain/layers/decoder_model.hpp"
+
+using namespace megatrain;
+
+namespace {
+
+ModelConfig config(int hidden, int heads, int kv_heads, int head_dim, int vocab, bool qkv_bias, bool tied) {
+  nlohmann::json j{{"architectures", {qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
+                   {"hidden_size", hidden},
+                   {"intermediate_size", hidden * 3 - 8},
+                   {"num_hidden_layers", 1},
+                   {"num_attention_heads", heads},
+                   {"num_key_value_heads", kv_heads},
+                   {"head_dim", head_dim},
+                   {"vocab_size", vocab},
+                   {"tie_word_embeddings", tied}};
+  return ModelConfig::from_json(j, "test");
+}
+
+std::vector<bf16> random_bf16(std::size_t n, float scale, std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.0f, scale);
+  std::vector<bf16> v(n);
+  for (auto& x : v) x = bf16(nd(rng));
+  return v;
+}
+std::vector<double> to_double(const std::vector<bf16>& v) {
+  std::vector<double> d(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) d[i] = static_cast<double>(static_cast<float>(v[i]));
+  return d;
+}
+
+template <class E>
+CudaBackend::Buffer<E> to_device(CudaBackend& be, const std::vector<E>& host) {
+  auto b = be.alloc<E>(host.size());
+  MT_CUDA_CHECK(cudaMemcpy(b.span().data(), host.data(), host.size() * sizeof(E), cudaMemcpyHostToDevice));
+  return b;
+}
+template <class E>
+std::vector<double> from_device(const CudaBackend::Buffer<E>& b) {
+  std::vector<E> h(b.size());
+  MT_CUDA_CHECK(cudaMemcpy(h.data(), b.span().data(), b.size() * sizeof(E), cudaMemcpyDeviceToHost));
+  std::vector<double> d(h.size());
+  for (std::size_t i = 0; i < h.size(); ++i) d[i] = static_cast<double>(static_cast<float>(h[i]));
+  return d;
+}
+
+/// ||a - b|| / max(||b||, floor).
+double rel_err(const std::vector<double>& a, const std::vector<double>& b, double floor = 1e-300) {
+  REQUIRE(a.size() == b.size());
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    REQUIRE(std::isfinite(a[i]));
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), floor);
+}
+double norm(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x * x;
+  return std::sqrt(s);
+}
+
+// bf16 keeps 8 significant bits: one rounding is 2^-9 relative. Through a block's chain of
+// products, norms and the attention, errors of a few roundings accumulate.
+constexpr double kOutTol = 16 * 0x1p-9;   // 3.1e-2
+constexpr double kGradTol = 24 * 0x1p-9;  // 4.7e-2
+
+void check_block(const ModelConfig& cfg, ChunkShape c, bool use_cudnn) {
+  CAPTURE(cfg.hidden_size);
+  CAPTURE(cfg.head_dim);
+  CAPTURE(cfg.num_attention_heads / cfg.num_key_value_heads);
+  CAPTURE(c.rows);
+  CAPTURE(c.seq);
+  CAPTURE(use_cudnn);
+  std::mt19937 rng(1234 + static_cast<unsigned>(cfg.hidden_size + c.seq));
+  DecoderModel<> model(cfg);
+  const auto& tmpl = model.block(0);
+  const auto n = static_cast<std::size_t>(tmpl.layout().numel());
+  auto w16 = random_bf16(n, 0.08f, rng);
+  for (const auto& e : tmpl.layout().entries())  // norm weights near 1
+    if (e.spec.init == ParamInit::ones)
+      for (std::int64_t i = 0; i < e.numel(); ++i) w16[static_cast<std::size_t>(e.offset + i)] = bf16(1.0f + 0.1f * std::normal_distribution<float>()(rng));
+  const std::int64_t M = c.tokens(), d = cfg.hidden_size;
+  auto x16 = random_bf16(static_cast<std::size_t>(M * d), 1.0f, rng);
+  auto dy16 = random_bf16(static_cast<std::size_t>(M * d), 1.0f, rng);
+
+  // Reference in float64 on the same (bf16-exact) values.
+  CpuBackend<double> cpu;
+  std::vector<std::byte> mem(tmpl.op().scratch_bytes<CpuBackend<double>>(c));
+  Arena arena{std::span<std::byte>(mem)};
+  auto wd = to_double(w16), xd = to_double(x16), dyd = to_double(dy16);
+  std::vector<double> yd(xd.size()), dxd(xd.size()), gd(n, 0.0);
+  const auto wr = tmpl.bind(std::span<const double>(wd));
+  tmpl.op().forward(cpu, c, wr, View<const double>(std::span<const double>(xd), Shape{M, d}),
+                    View<double>(std::span<double>(yd), Shape{M, d}), arena);
+  tmpl.op().backward(cpu, c, wr, View<const double>(std::span<const double>(xd), Shape{M, d}),
+                     View<const double>(std::span<const double>(dyd), Shape{M, d}), View<double>(std::span<double>(dxd), Shape{M, d}),
+                     tmpl.bind(std::span<double>(gd)), arena);
+
+  CudaBackendOptions opt;
+  opt.use_cudnn = use_cudnn;
+  CudaBackend be(opt);
+  be.prepare({M, std::max({cfg.hidden_size, cfg.intermediate_size, cfg.q_dim()}), cfg.vocab_size,
+              {{c.rows, c.seq, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim}}});
+  auto w = to_device(be, w16), x = to_device(be, x16), dy = to_device(be, dy16);
+  auto y = be.alloc<bf16>(x16.size()), dx = be.alloc<bf16>(x16.size());
+  auto g = be.alloc<float>(n);
+  MT_CUDA_CHECK(cudaMemset(g.span().data(), 0, n * sizeof(float)));
+  auto scratch = be.alloc<std::byte>(tmpl.op().scratch_bytes<CudaBackend>(c));
+  Arena darena{scratch.span()};
+  const auto wb = tmpl.bind(std::span<const bf16>(w.span()));
+  tmpl.op().forward(be, c, wb, View<const bf16>(std::span<const bf16>(x.span()), Shape{M, d}), View<bf16>(y.span(), Shape{M, d}),
+                    darena);
+  tmpl.op().backward(be, c, wb, View<const bf16>(std::span<const bf16>(x.span()), Shape{M, d}),
+                     View<const bf16>(std::span<const bf16>(dy.span()), Shape{M, d}), View<bf16>(dx.span(), Shape{M, d}),
+                     tmpl.bind(g.span()), darena);
+  be.synchronize();
+  CHECK(rel_err(from_device(y), yd) < kOutTol);
+  CHECK(rel_err(from_device(dx), dxd) < kGradTol);
+  const auto gh = from_device(g);
+  // Some gradients are exactly zero in exact arithmetic (q and k with one token per sequence:
+  // attention over one key ignores them); measure those against the whole gradient's size.
+  const double floor = 1e-3 * norm(gd);
+  for (const auto& e : tmpl.layout().entries()) {
+    CAPTURE(e.spec.name);
+    std::vector<double> a(gh.begin() + e.offset, gh.begin() + e.offset + e.numel()),
+        b(gd.begin() + e.offset, gd.begin() + e.offset + e.numel());
+    CHECK(rel_err(a, b, floor) < kGradTol);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("decoder block on the GPU matches the float64 reference (cuDNN attention)") {
+  check_block(config(128, 4, 2, 64, 101, true, true), {2, 37}, true);
+  check_block(config(256, 8, 8, 64, 101, false, true), {1, 128}, true);
+  check_block(config(192, 6, 1, 128, 101, true, true), {3, 13}, true);
+}
+
+TEST_CASE("decoder block on the GPU matches the float64 reference (megatrain's attention kernel)") {
+  check_block(config(72, 6, 2, 12, 101, true, true), {2, 13}, false);
+  check_block(config(200, 7, 1, 40, 101, false, true), {1, 67}, false);
+  check_block(config(128, 2, 2, 64, 101, false, true), {3, 1}, false);
+}
+
+TEST_CASE("embedding and head on the GPU match the float64 reference") {
+  for (bool tied : {true, false}) {
+    CAPTURE(tied);
+    const auto cfg = config(96, 4, 2, 24, 1001, false, tied);
+    DecoderModel<> model(cfg);
+    std::mt19937 rng(7);
+    const ChunkShape c{3, 29};
+    const std::int64_t M = c.tokens(), d = cfg.hidden_size, V = cfg.vocab_size;
+    const auto ne = static_cast<std::size_t>(model.embedding().layout().numel());
+    const auto nh = static_cast<std::size_t>(model.head().layout().numel());
+    auto e16 = random_bf16(ne, 0.5f, rng), h16 = random_bf16(nh, 0.5f, rng), x16 = random_bf16(static_cast<std::size_t>(M * d), 1.0f, rng);
+    for (const auto& en : model.head().layout().entries())
+      if (en.spec.init == ParamInit::ones)
+        for (std::int64_t i = 0; i < en.numel(); ++i) h16[static_cast<std::size_t>(en.offset + i)] = bf16(1.0f);
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(M)), labels(ids.size());
+    for (auto& t : ids) t = static_cast<std::int32_t>(rng() % V);
+    for (auto& t : labels) t = rng() % 5 == 0 ? kIgnoreIndex : static_cast<std::int32_t>(rng() % V);
+    std::int64_t valid = 0;
+    for (auto t : labels) valid += t != kIgnoreIndex;
+    const double scale = 1.0 / static_cast<double>(valid);
+
+    CpuBackend<double> cpu;
+    std::vector<std::byte> mem(model.head().op().scratch_bytes<CpuBackend<double>>(c));
+    Arena arena{std::span<std::byte>(mem)};
+    auto ed = to_double(e16), hd = to_double(h16), xd = to_double(x16);
+    std::vector<double> embd(static_cast<std::size_t>(M * d)), lossd(static_cast<std::size_t>(M)), dxd(static_cast<std::size_t>(M * d));
+    std::vector<double> ge(ne, 0.0), gh(nh, 0.0);
+    const View<const std::int32_t> idv(std::span<const std::int32_t>(ids), Shape{M}), lbv(std::span<const std::int32_t>(labels), Shape{M});
+    model.embedding().op().forward(cpu, c, model.embedding().bind(std::span<const double>(ed)), idv,
+                                   View<double>(std::span<double>(embd), Shape{M, d}), arena);
+    const auto hw = model.head().bind(std::span<const double>(hd), {{&model.embedding().layout(), std::span<const double>(ed)}});
+    const auto hg = model.head().bind(std::span<double>(gh), {{&model.embedding().layout(), std::span<double>(ge)}});
+    model.head().op().forward_backward(cpu, c, hw, View<const double>(std::span<const double>(xd), Shape{M, d}), lbv, scale,
+                                       View<double>(std::span<double>(lossd), Shape{M}), View<double>(std::span<double>(dxd), Shape{M, d}),
+                                       hg, arena);
+    model.embedding().op().backward(cpu, c, idv, View<const double>(std::span<const double>(xd), Shape{M, d}),
+                                    model.embedding().bind(std::span<double>(ge)), arena);
+
+    CudaBackendOptions opt;
+    opt.logits_block = 37;  // several blocks, the last one short
+    CudaBackend be(opt);
+    be.prepare({M, 3 * d, V, {}});
+    auto e = to_device(be, e16), h = to_device(be, h16), x = to_device(be, x16);
+    auto idd = to_device(be, ids), lbd = to_device(be, labels);
+    auto emb = be.alloc<bf16>(static_cast<std::size_t>(M * d)), dx = be.alloc<bf16>(static_cast<std::size_t>(M * d));
+    auto loss = be.alloc<float>(static_cast<std::size_t>(M));
+    auto gE = be.alloc<float>(ne), gH = be.alloc<float>(nh);
+    MT_CUDA_CHECK(cudaMemset(gE.span().data(), 0, ne * 4));
+    MT_CUDA_CHECK(cudaMemset(gH.span().data(), 0, nh * 4));
+    auto scratch = be.alloc<std::byte>(model.head().op().scratch_bytes<CudaBackend>(c));
+    Arena darena{scratch.span()};
+    const View<const std::int32_t> idg(std::span<const std::int32_t>(idd.span()), Shape{M}), lbg(std::span<const std::int32_t>(lbd.span()), Shape{M});
+    model.embedding().op().forward(be, c, model.embedding().bind(std::span<const bf16>(e.span())), idg, View<bf16>(emb.span(), Shape{M, d}),
+                                   darena);
+    const auto hwg = model.head().bind(std::span<const bf16>(h.span()), {{&model.embedding().layout(), std::span<const bf16>(e.span())}});
+    const auto hgg = model.head().bind(gH.span(), {{&model.embedding().layout(), gE.span()}});
+    model.head().op().forward_backward(be, c, hwg, View<const bf16>(std::span<const bf16>(x.span()), Shape{M, d}), lbg, scale,
+                                       View<float>(loss.span(), Shape{M}), View<bf16>(dx.span(), Shape{M, d}), hgg, darena);
+    model.embedding().op().backward(be, c, idg, View<const bf16>(std::span<const bf16>(x.span()), Shape{M, d}),
+                                    model.embedding().bind(gE.span()), darena);
+    be.synchronize();
+    CHECK(rel_err(from_device(emb), embd) == 0.0);  // a gather is exact
+    CHECK(rel_err(from_device(loss), lossd) < 4 * 0x1p-9);
+    CHECK(rel_err(from_device(dx), dxd) < kGradTol);
+    CHECK(rel_err(from_device(gE), ge) < kGradTol);
+    CHECK(rel_err(from_device(gH), gh) < kGradTol);
+  }
+}

@@ -1,0 +1,665 @@
+// megatrain's own CUDA kernels (src/cuda/kernels.cu) against float64 host references: the CPU
+// backend run in double on the very bf16 inputs the GPU sees (RMSNorm, rotary, attention,
+// SwiGLU, embedding), or a direct double loop (cross-entropy, column sums, sum of squares);
+// add and the casts must match host rounding bit for bit.
+//
+// Sizes sit off the fast paths on purpose: odd token counts (1, 7, 13, 67), rows that are not
+// a multiple of 8 or pointers that are not 16-byte aligned (the scalar fallbacks), hidden sizes
+// that are not powers of two, head_dim 64, 80, 128 (and 34, 256), GQA ratios 1, 2 and 7,
+// vocabularies that are not a multiple of 8. Outputs are poisoned with NaN bit patterns before
+// every launch, so an element a kernel forgets to write fails the comparison; every reduction
+// runs twice and must repeat bit for bit.
+//
+// Tolerances: ||out - ref|| / ||ref|| within a few units of bf16 rounding (2^-8) where the
+// output is bf16, 1e-5 where it is fp32 (statistics, losses, accumulators), 1e-12 for the
+// double sum of squares.
+//
+// Label gpu: exits with 77 (CTest: skipped) when there is no CUDA device.
+#include <doctest/doctest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+#include "megatrain/backend/backend.hpp"
+#include "megatrain/backend/cpu/cpu_backend.hpp"
+#include "megatrain/backend/cuda/kernels.hpp"
+#include "megatrain/core/cuda_check.hpp"
+#include "megatrain/core/dtype.hpp"
+#include "megatrain/core/error.hpp"
+#include "megatrain/core/tensor.hpp"
+
+using megatrain::bf16;
+using megatrain::Shape;
+using megatrain::View;
+namespace mc = megatrain::cuda;
+using Ref = megatrain::CpuBackend<double>;
+
+namespace {
+
+constexpr double kBf16Round = 1.0 / 256;           // bf16's unit roundoff, 2^-8
+constexpr double kTolElementwise = 2 * kBf16Round;  // bf16 outputs of elementwise ops
+constexpr double kTolReduced = 3 * kBf16Round;      // bf16 outputs of row reductions, attention
+constexpr double kTolF32 = 1e-5;                    // fp32 outputs
+
+/// Exits with 77 (CTest: skipped) when the machine has no CUDA device. Runs during static
+/// initialisation, before doctest's main, so no test case ever starts without a GPU.
+bool require_gpu() {
+  int devices = 0;
+  const cudaError_t st = cudaGetDeviceCount(&devices);
+  if (st != cudaSuccess || devices == 0) {
+    std::printf("skipped: no CUDA device (%s)\n", st != cudaSuccess ? cudaGetErrorString(st) : "0 devices");
+    std::fflush(stdout);
+    std::exit(77);
+  }
+  return true;
+}
+[[maybe_unused]] const bool kGpuPresent = require_gpu();
+
+/// The stream every test runs on.
+cudaStream_t stream() {
+  static const cudaStream_t s = [] {
+    cudaStream_t r = nullptr;
+    MT_CUDA_CHECK(cudaStreamCreateWithFlags(&r, cudaStreamNonBlocking));
+    return r;
+  }();
+  return s;
+}
+
+void finish() { MT_CUDA_CHECK(cudaStreamSynchronize(stream())); }
+
+/// n elements of T in device memory, `offset` elements past the start of an allocation (an
+/// offset of 1 makes a 16-bit or 32-bit array misaligned for 16-byte accesses).
+template <class T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(std::size_t n, std::size_t offset = 0) : n_(n), offset_(offset) {
+    MT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&base_), std::max<std::size_t>(n + offset, 1) * sizeof(T)));
+  }
+  ~DeviceArray() { (void)cudaFree(base_); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+
+  T* get() const { return base_ + offset_; }
+  std::size_t bytes() const { return n_ * sizeof(T); }
+  void upload(const std::vector<T>& h) {
+    REQUIRE(h.size() == n_);
+    MT_CUDA_CHECK(cudaMemcpyAsync(get(), h.data(), bytes(), cudaMemcpyHostToDevice, stream()));
+    finish();
+  }
+  std::vector<T> download() const {
+    std::vector<T> h(n_);
+    MT_CUDA_CHECK(cudaMemcpyAsync(h.data(), get(), bytes(), cudaMemcpyDeviceToHost, stream()));
+    finish();
+    return h;
+  }
+  /// Every bit set: a NaN in bf16, fp32 and fp64 alike.
+  void poison() { MT_CUDA_CHECK(cudaMemsetAsync(get(), 0xff, bytes(), stream())); }
+
+ private:
+  T* base_ = nullptr;
+  std::size_t n_, offset_;
+};
+
+/// A kernel workspace of the size its *_workspace_bytes function asks for.
+struct Workspace {
+  DeviceArray<std::byte> mem;
+  explicit Workspace(std::size_t bytes) : mem(bytes) {}
+  void* get() const { return mem.get(); }
+  std::size_t size() const { return mem.bytes(); }
+};
+
+std::vector<bf16> random_bf16(std::size_t n, std::mt19937& rng, float mean = 0.0f, float sd = 1.0f) {
+  std::normal_distribution<float> dist(mean, sd);
+  std::vector<bf16> v(n);
+  for (auto& x : v) x = bf16(dist(rng));
+  return v;
+}
+std::vector<float> random_f32(std::size_t n, std::mt19937& rng, float sd = 1.0f) {
+  std::normal_distribution<float> dist(0.0f, sd);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+std::vector<std::int32_t> random_ids(std::size_t n, std::int64_t V, std::mt19937& rng) {
+  std::uniform_int_distribution<std::int32_t> dist(0, static_cast<std::int32_t>(V - 1));
+  std::vector<std::int32_t> v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+template <class T>
+std::vector<double> widen(const std::vector<T>& v) {
+  std::vector<double> r(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) r[i] = static_cast<double>(static_cast<float>(v[i]));
+  return r;
+}
+std::vector<double> widen(const std::vector<double>& v) { return v; }
+
+/// ||out - ref|| / ||ref||; infinite when out holds a NaN or infinity (an unwritten element).
+template <class T>
+double rel_err(const std::vector<T>& out, const std::vector<double>& ref) {
+  REQUIRE(out.size() == ref.size());
+  const std::vector<double> o = widen(out);
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < o.size(); ++i) {
+    if (!std::isfinite(o[i])) return std::numeric_limits<double>::infinity();
+    num += (o[i] - ref[i]) * (o[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / std::max(den, std::numeric_limits<double>::min()));
+}
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+template <class T>
+View<T> view(std::vector<std::remove_const_t<T>>& v, Shape shape) {
+  return View<T>(std::span<T>(v.data(), v.size()), shape);
+}
+
+std::size_t sz(std::int64_t n) { return static_cast<std::size_t>(n); }
+
+}  // namespace
+
+// ---- elementwise ---------------------------------------------------------------------------------
+
+TEST_CASE("add and casts match host rounding bit for bit, on the vector and scalar paths") {
+  std::mt19937 rng(1);
+  for (std::int64_t n : {1, 7, 8, 1000, 4103}) {
+    for (std::size_t offset : {0u, 1u}) {
+      CAPTURE(n);
+      CAPTURE(offset);
+      const auto x = random_bf16(sz(n), rng), y = random_bf16(sz(n), rng);
+      DeviceArray<bf16> dx(sz(n), offset), dy(sz(n), offset);
+      dx.upload(x);
+      dy.upload(y);
+      mc::launch_add(dx.get(), dy.get(), n, stream());
+      const auto sum = dy.download();
+      for (std::size_t i = 0; i < sz(n); ++i)
+        REQUIRE(sum[i] == bf16(static_cast<float>(x[i]) + static_cast<float>(y[i])));
+
+      auto f = random_f32(sz(n), rng, 100.0f);
+      // Specials: infinities, a value that rounds to infinity, a tie, subnormals, NaN.
+      const float specials[] = {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                                3.4e38f, 1.00390625f, 1e-40f, -3e-39f, std::numeric_limits<float>::quiet_NaN()};
+      for (std::size_t i = 0; i < std::size(specials) && i < f.size(); ++i) f[f.size() - 1 - i] = specials[i];
+      DeviceArray<float> df(sz(n), offset), back(sz(n), offset);
+      DeviceArray<bf16> db(sz(n), offset);
+      df.upload(f);
+      db.poison();
+      mc::launch_cast(df.get(), db.get(), n, stream());
+      const auto b = db.download();
+      for (std::size_t i = 0; i < sz(n); ++i) {
+        if (std::isnan(f[i])) REQUIRE(std::isnan(static_cast<float>(b[i])));
+        else REQUIRE(b[i] == bf16(f[i]));
+      }
+      back.poison();
+      mc::launch_cast(db.get(), back.get(), n, stream());
+      const auto w = back.download();
+      for (std::size_t i = 0; i < sz(n); ++i) {
+        if (std::isnan(f[i])) REQUIRE(std::isnan(w[i]));
+        else REQUIRE(w[i] == static_cast<float>(b[i]));
+      }
+    }
+  }
+}
+
+TEST_CASE("swiglu forward and backward against the double reference") {
+  std::mt19937 rng(2);
+  Ref ref;
+  for (std::int64_t n : {1, 13, 1000, 4099}) {
+    for (std::size_t offset : {0u, 1u}) {
+      CAPTURE(n);
+      CAPTURE(offset);
+      const auto g = random_bf16(sz(n), rng, 0.0f, 2.0f), u = random_bf16(sz(n), rng), dm = random_bf16(sz(n), rng);
+      DeviceArray<bf16> d_g(sz(n), offset), d_u(sz(n), offset), d_dm(sz(n), offset), d_m(sz(n), offset),
+          d_dg(sz(n), offset), d_du(sz(n), offset);
+      d_g.upload(g);
+      d_u.upload(u);
+      d_dm.upload(dm);
+      d_m.poison();
+      d_dg.poison();
+      d_du.poison();
+      mc::launch_swiglu_forward(d_g.get(), d_u.get(), d_m.get(), n, stream());
+      mc::launch_swiglu_backward(d_g.get(), d_u.get(), d_dm.get(), d_dg.get(), d_du.get(), n, stream());
+
+      auto gd = widen(g), ud = widen(u), dmd = widen(dm);
+      std::vector<double> m(sz(n)), dg(sz(n)), du(sz(n));
+      const Shape s{n};
+      ref.swiglu(view<const double>(gd, s), view<const double>(ud, s), view<double>(m, s));
+      ref.swiglu_backward(view<const double>(gd, s), view<const double>(ud, s), view<const double>(dmd, s),
+                          view<double>(dg, s), view<double>(du, s));
+      CHECK(rel_err(d_m.download(), m) <= kTolElementwise);
+      CHECK(rel_err(d_dg.download(), dg) <= kTolElementwise);
+      CHECK(rel_err(d_du.download(), du) <= kTolElementwise);
+    }
+  }
+}
+
+// ---- embedding -----------------------------------------------------------------------------------
+
+TEST_CASE("embedding forward copies rows exactly") {
+  std::mt19937 rng(3);
+  const std::int64_t V = 1001;
+  for (std::int64_t M : {1, 7, 67}) {
+    for (std::int64_t d : {72, 77, 200, 1000}) {
+      for (std::size_t offset : {0u, 1u}) {
+        CAPTURE(M);
+        CAPTURE(d);
+        CAPTURE(offset);
+        const auto table = random_bf16(sz(V * d), rng);
+        const auto ids = random_ids(sz(M), V, rng);
+        DeviceArray<bf16> d_table(sz(V * d), offset), d_out(sz(M * d));
+        DeviceArray<std::int32_t> d_ids(sz(M));
+        d_table.upload(table);
+        d_ids.upload(ids);
+        d_out.poison();
+        mc::launch_embedding_forward(d_ids.get(), d_table.get(), d_out.get(), M, d, V, stream());
+        const auto out = d_out.download();
+        bool exact = true;
+        for (std::int64_t t = 0; t < M; ++t)
+          for (std::int64_t c = 0; c < d; ++c) exact = exact && out[sz(t * d + c)] == table[sz(ids[sz(t)] * d + c)];
+        CHECK(exact);
+      }
+    }
+  }
+}
+
+TEST_CASE("embedding backward sums repeated ids, deterministically") {
+  std::mt19937 rng(4);
+  Ref ref;
+  struct Case {
+    std::int64_t M, V, d;
+  };
+  // Small vocabularies force long runs of one id (longer than the kernel's batch of 8 rows).
+  for (const Case c : {Case{1, 1001, 72}, Case{67, 13, 200}, Case{5000, 13, 72}, Case{300, 1001, 1000}, Case{67, 7, 77},
+                       Case{2049, 1, 8}}) {
+    CAPTURE(c.M);
+    CAPTURE(c.V);
+    CAPTURE(c.d);
+    const auto ids = random_ids(sz(c.M), c.V, rng);
+    const auto dy = random_bf16(sz(c.M * c.d), rng);
+    const auto table0 = random_f32(sz(c.V * c.d), rng);
+    DeviceArray<std::int32_t> d_ids(sz(c.M));
+    DeviceArray<bf16> d_dy(sz(c.M * c.d));
+    DeviceArray<float> d_table(sz(c.V * c.d));
+    Workspace ws(mc::embedding_backward_workspace_bytes(c.M));
+    d_ids.upload(ids);
+    d_dy.upload(dy);
+
+    std::vector<std::vector<float>> runs;
+    for (int rep = 0; rep < 2; ++rep) {
+      d_table.upload(table0);
+      mc::launch_embedding_backward(d_ids.get(), d_dy.get(), d_table.get(), c.M, c.d, c.V, ws.get(), ws.size(), stream());
+      runs.push_back(d_table.download());
+    }
+    CHECK(same_bits(runs[0], runs[1]));
+
+    auto dyd = widen(dy);
+    auto table = widen(table0);
+    auto ids_copy = ids;
+    ref.embedding_backward(view<const std::int32_t>(ids_copy, Shape{c.M}), view<const double>(dyd, Shape{c.M, c.d}),
+                           view<double>(table, Shape{c.V, c.d}));
+    CHECK(rel_err(runs[0], table) <= kTolF32);
+  }
+}
+
+// ---- RMSNorm -------------------------------------------------------------------------------------
+
+TEST_CASE("rmsnorm forward and backward against the double reference") {
+  std::mt19937 rng(5);
+  Ref ref;
+  const double eps = 1e-5;
+  // 72..1000 with d % 8 == 0: vector path, a warp or 128 threads per row; 77 and 1100: scalar
+  // path (1100 with 512 threads per row); 8200: vector path with 512 threads per row.
+  for (std::int64_t M : {1, 7, 67}) {
+    for (std::int64_t d : {72, 77, 200, 1000, 1100, 8200}) {
+      CAPTURE(M);
+      CAPTURE(d);
+      const auto x = random_bf16(sz(M * d), rng);
+      const auto w = random_bf16(sz(d), rng, 1.0f, 0.2f);
+      const auto dy = random_bf16(sz(M * d), rng);
+      const auto dx0 = random_bf16(sz(M * d), rng);
+      const auto dw0 = random_f32(sz(d), rng);
+      DeviceArray<bf16> d_x(sz(M * d)), d_w(sz(d)), d_y(sz(M * d)), d_dy(sz(M * d)), d_dx(sz(M * d));
+      DeviceArray<float> d_rstd(sz(M)), d_dw(sz(d));
+      d_x.upload(x);
+      d_w.upload(w);
+      d_dy.upload(dy);
+
+      // Forward, twice.
+      std::vector<std::vector<bf16>> ys;
+      std::vector<std::vector<float>> rs;
+      for (int rep = 0; rep < 2; ++rep) {
+        d_y.poison();
+        d_rstd.poison();
+        mc::launch_rmsnorm_forward(d_x.get(), d_w.get(), d_y.get(), d_rstd.get(), M, d, static_cast<float>(eps), stream());
+        ys.push_back(d_y.download());
+        rs.push_back(d_rstd.download());
+      }
+      CHECK(same_bits(ys[0], ys[1]));
+      CHECK(same_bits(rs[0], rs[1]));
+      auto xd = widen(x), wd = widen(w), dyd = widen(dy);
+      std::vector<double> y(sz(M * d)), rstd(sz(M));
+      ref.rmsnorm(view<const double>(xd, Shape{M, d}), view<const double>(wd, Shape{d}), eps, view<double>(y, Shape{M, d}),
+                  view<double>(rstd, Shape{M}));
+      CHECK(rel_err(ys[0], y) <= kTolReduced);
+      CHECK(rel_err(rs[0], rstd) <= kTolF32);
+
+      // Backward from the reference's rstd (rounded to fp32, as the GPU stores it), overwriting
+      // and accumulating dx; twice each.
+      std::vector<float> rstd_f(sz(M));
+      for (std::size_t i = 0; i < sz(M); ++i) rstd_f[i] = static_cast<float>(rstd[i]);
+      d_rstd.upload(rstd_f);
+      auto rstd_d = widen(rstd_f);
+      Workspace ws(mc::rmsnorm_backward_workspace_bytes(M, d));
+      for (bool accumulate : {false, true}) {
+        CAPTURE(accumulate);
+        std::vector<std::vector<bf16>> dxs;
+        std::vector<std::vector<float>> dws;
+        for (int rep = 0; rep < 2; ++rep) {
+          if (accumulate) d_dx.upload(dx0);
+          else d_dx.poison();
+          d_dw.upload(dw0);
+          mc::launch_rmsnorm_backward(d_x.get(), d_w.get(), d_rstd.get(), d_dy.get(), d_dx.get(), accumulate, d_dw.get(), M,
+                                      d, ws.get(), ws.size(), stream());
+          dxs.push_back(d_dx.download());
+          dws.push_back(d_dw.download());
+        }
+        CHECK(same_bits(dxs[0], dxs[1]));
+        CHECK(same_bits(dws[0], dws[1]));
+        std::vector<double> dx = accumulate ? widen(dx0) : std::vector<double>(sz(M * d), 0.0);
+        std::vector<double> dw = widen(dw0);
+        ref.rmsnorm_backward(view<const double>(xd, Shape{M, d}), view<const double>(wd, Shape{d}),
+                             view<const double>(rstd_d, Shape{M}), view<const double>(dyd, Shape{M, d}),
+                             view<double>(dx, Shape{M, d}), accumulate, view<double>(dw, Shape{d}));
+        CHECK(rel_err(dxs[0], dx) <= kTolReduced);
+        CHECK(rel_err(dws[0], dw) <= kTolF32);
+      }
+    }
+  }
+}
+
+// ---- rotary --------------------------------------------------------------------------------------
+
+TEST_CASE("rope and its inverse against the double reference") {
+  std::mt19937 rng(6);
+  Ref ref;
+  struct Case {
+    std::int64_t rows, seq, heads, D;
+    std::size_t offset;
+  };
+  for (const Case c : {Case{1, 1, 1, 64, 0}, Case{2, 7, 3, 80, 0}, Case{1, 13, 2, 128, 0}, Case{3, 5, 1, 6, 0},
+                       Case{1, 67, 2, 256, 0}, Case{2, 7, 3, 64, 1}}) {
+    CAPTURE(c.rows);
+    CAPTURE(c.seq);
+    CAPTURE(c.heads);
+    CAPTURE(c.D);
+    CAPTURE(c.offset);
+    const std::int64_t M = c.rows * c.seq, n = M * c.heads * c.D;
+    mc::RopeFreqs freqs{};
+    freqs.half = static_cast<int>(c.D / 2);
+    std::vector<double> inv_freq(sz(c.D / 2));
+    for (std::int64_t i = 0; i < c.D / 2; ++i) {
+      freqs.inv_freq[i] = static_cast<float>(std::pow(10000.0, -2.0 * static_cast<double>(i) / static_cast<double>(c.D)));
+      inv_freq[sz(i)] = freqs.inv_freq[i];
+    }
+    const auto x = random_bf16(sz(n), rng);
+    for (bool inverse : {false, true}) {
+      CAPTURE(inverse);
+      DeviceArray<bf16> d_x(sz(n), c.offset);
+      d_x.upload(x);
+      mc::launch_rope(d_x.get(), M, c.heads, c.D, c.seq, freqs, inverse, stream());
+      auto r = widen(x);
+      const View<double> rv = view<double>(r, Shape{M, c.heads * c.D});
+      if (inverse) ref.rope_backward(rv, c.heads, c.seq, inv_freq);
+      else ref.rope(rv, c.heads, c.seq, inv_freq);
+      CHECK(rel_err(d_x.download(), r) <= kTolElementwise);
+    }
+  }
+}
+
+// ---- reductions ----------------------------------------------------------------------------------
+
+TEST_CASE("column_sum adds fixed-order column sums, deterministically") {
+  std::mt19937 rng(7);
+  // 5000 rows: more rows than the kernel's 128 chunks of 32 (chunks grow instead).
+  for (std::int64_t M : {1, 7, 67, 1000, 5000}) {
+    for (std::int64_t N : {72, 77, 200, 1000}) {
+      for (std::size_t offset : {0u, 1u}) {
+        CAPTURE(M);
+        CAPTURE(N);
+        CAPTURE(offset);
+        const auto x = random_bf16(sz(M * N), rng);
+        const auto out0 = random_f32(sz(N), rng);
+        DeviceArray<bf16> d_x(sz(M * N), offset);
+        DeviceArray<float> d_out(sz(N));
+        Workspace ws(mc::column_sum_workspace_bytes(M, N));
+        d_x.upload(x);
+        std::vector<std::vector<float>> runs;
+        for (int rep = 0; rep < 2; ++rep) {
+          d_out.upload(out0);
+          mc::launch_column_sum(d_x.get(), d_out.get(), M, N, ws.get(), ws.size(), stream());
+          runs.push_back(d_out.download());
+        }
+        CHECK(same_bits(runs[0], runs[1]));
+        std::vector<double> ref = widen(out0);
+        for (std::int64_t r = 0; r < M; ++r)
+          for (std::int64_t c = 0; c < N; ++c) ref[sz(c)] += static_cast<double>(static_cast<float>(x[sz(r * N + c)]));
+        CHECK(rel_err(runs[0], ref) <= kTolF32);
+      }
+    }
+  }
+}
+
+TEST_CASE("sum_squares in double, deterministically") {
+  std::mt19937 rng(8);
+  for (std::int64_t n : {0, 1, 7, 1001, (1 << 20) + 3}) {
+    for (std::size_t offset : {0u, 1u}) {
+      CAPTURE(n);
+      CAPTURE(offset);
+      const auto x = random_f32(sz(n), rng, 3.0f);
+      DeviceArray<float> d_x(sz(n), offset);
+      DeviceArray<double> d_out(1);
+      Workspace ws(mc::sum_squares_workspace_bytes(n));
+      d_x.upload(x);
+      std::vector<std::vector<double>> runs;
+      for (int rep = 0; rep < 2; ++rep) {
+        d_out.poison();
+        mc::launch_sum_squares(d_x.get(), n, d_out.get(), ws.get(), ws.size(), stream());
+        runs.push_back(d_out.download());
+      }
+      CHECK(same_bits(runs[0], runs[1]));
+      double ref = 0;
+      for (float v : x) ref += static_cast<double>(v) * static_cast<double>(v);
+      if (n == 0) CHECK(runs[0][0] == 0.0);
+      else CHECK(std::abs(runs[0][0] - ref) <= 1e-12 * ref);
+    }
+  }
+}
+
+// ---- cross-entropy -------------------------------------------------------------------------------
+
+TEST_CASE("cross_entropy loss and dlogits against the double reference") {
+  std::mt19937 rng(9);
+  struct Case {
+    std::int64_t n, V;
+  };
+  const float scale = 0.37f;
+  for (const Case c : {Case{1, 1001}, Case{7, 1001}, Case{13, 4096}, Case{3, 150001}, Case{2, 150000}}) {
+    CAPTURE(c.n);
+    CAPTURE(c.V);
+    const auto logits = random_f32(sz(c.n * c.V), rng, 3.0f);
+    auto labels = random_ids(sz(c.n), c.V, rng);
+    if (c.n > 1) labels[1] = megatrain::kIgnoreIndex;  // an ignored row: loss 0, no gradient
+    DeviceArray<float> d_logits(sz(c.n * c.V)), d_loss(sz(c.n));
+    DeviceArray<std::int32_t> d_labels(sz(c.n));
+    DeviceArray<bf16> d_dl(sz(c.n * c.V));
+    d_logits.upload(logits);
+    d_labels.upload(labels);
+
+    // Reference in double.
+    std::vector<double> loss(sz(c.n)), dl(sz(c.n * c.V), 0.0);
+    for (std::int64_t r = 0; r < c.n; ++r) {
+      const float* z = logits.data() + r * c.V;
+      double mx = -std::numeric_limits<double>::infinity(), sum = 0;
+      for (std::int64_t j = 0; j < c.V; ++j) mx = std::max(mx, static_cast<double>(z[j]));
+      for (std::int64_t j = 0; j < c.V; ++j) sum += std::exp(static_cast<double>(z[j]) - mx);
+      const double lse = mx + std::log(sum);
+      const std::int32_t y = labels[sz(r)];
+      if (y == megatrain::kIgnoreIndex) continue;
+      loss[sz(r)] = lse - static_cast<double>(z[y]);
+      for (std::int64_t j = 0; j < c.V; ++j)
+        dl[sz(r * c.V + j)] = scale * (std::exp(static_cast<double>(z[j]) - lse) - (j == y ? 1.0 : 0.0));
+    }
+
+    std::vector<std::vector<float>> losses;
+    std::vector<std::vector<bf16>> dls;
+    for (int rep = 0; rep < 2; ++rep) {
+      d_loss.poison();
+      d_dl.poison();
+      mc::launch_cross_entropy(d_logits.get(), d_labels.get(), d_loss.get(), d_dl.get(), scale, c.n, c.V, stream());
+      losses.push_back(d_loss.download());
+      dls.push_back(d_dl.download());
+    }
+    CHECK(same_bits(losses[0], losses[1]));
+    CHECK(same_bits(dls[0], dls[1]));
+    CHECK(rel_err(losses[0], loss) <= kTolF32);
+    CHECK(rel_err(dls[0], dl) <= kTolElementwise);
+    // The label entries dominate the norm above; the softmax part alone, without them:
+    std::vector<bf16> soft_out;
+    std::vector<double> soft_ref;
+    for (std::int64_t r = 0; r < c.n; ++r)
+      for (std::int64_t j = 0; j < c.V; ++j)
+        if (j != labels[sz(r)]) {
+          soft_out.push_back(dls[0][sz(r * c.V + j)]);
+          soft_ref.push_back(dl[sz(r * c.V + j)]);
+        }
+    if (c.n > 1) {  // an ignored row is all zeros
+      bool zeros = true;
+      for (std::int64_t j = 0; j < c.V; ++j) zeros = zeros && static_cast<float>(dls[0][sz(c.V + j)]) == 0.0f;
+      CHECK(zeros);
+      CHECK(losses[0][1] == 0.0f);
+    }
+    CHECK(rel_err(soft_out, soft_ref) <= kTolElementwise);
+
+    // Loss only (no dlogits): the same bits.
+    d_loss.poison();
+    mc::launch_cross_entropy(d_logits.get(), d_labels.get(), d_loss.get(), nullptr, scale, c.n, c.V, stream());
+    CHECK(same_bits(d_loss.download(), losses[0]));
+  }
+}
+
+// ---- attention -----------------------------------------------------------------------------------
+
+TEST_CASE("attention forward and backward against the double reference") {
+  std::mt19937 rng(10);
+  Ref ref;
+  // rows, seq, heads, kv_heads, head_dim: GQA ratios 1, 2, 7; head_dim 64, 80, 128 (and 34,
+  // which pads to 36, and 256, the largest); sequences shorter than, equal to and spanning tiles.
+  const megatrain::AttentionShape cases[] = {{1, 1, 1, 1, 64},  {2, 7, 2, 1, 64},   {1, 13, 7, 1, 80},
+                                             {1, 67, 4, 2, 128}, {2, 33, 2, 2, 80},  {1, 40, 2, 1, 256},
+                                             {1, 29, 3, 3, 34},  {1, 100, 14, 2, 64}, {1, 32, 2, 2, 128}};
+  for (const auto& s : cases) {
+    CAPTURE(s.rows);
+    CAPTURE(s.seq);
+    CAPTURE(s.heads);
+    CAPTURE(s.kv_heads);
+    CAPTURE(s.head_dim);
+    const std::int64_t M = s.rows * s.seq, nq = M * s.heads * s.head_dim, nk = M * s.kv_heads * s.head_dim,
+                       nl = s.rows * s.heads * s.seq;
+    const mc::AttentionDims dims{s.rows, s.seq, s.heads, s.kv_heads, s.head_dim};
+    const auto q = random_bf16(sz(nq), rng), k = random_bf16(sz(nk), rng), v = random_bf16(sz(nk), rng),
+               dout = random_bf16(sz(nq), rng);
+    DeviceArray<bf16> d_q(sz(nq)), d_k(sz(nk)), d_v(sz(nk)), d_out(sz(nq)), d_dout(sz(nq)), d_dq(sz(nq)), d_dk(sz(nk)),
+        d_dv(sz(nk));
+    DeviceArray<float> d_lse(sz(nl));
+    d_q.upload(q);
+    d_k.upload(k);
+    d_v.upload(v);
+    d_dout.upload(dout);
+
+    // Forward, twice.
+    std::vector<std::vector<bf16>> outs;
+    std::vector<std::vector<float>> lses;
+    for (int rep = 0; rep < 2; ++rep) {
+      d_out.poison();
+      d_lse.poison();
+      mc::launch_attention_forward(d_q.get(), d_k.get(), d_v.get(), d_out.get(), d_lse.get(), dims, stream());
+      outs.push_back(d_out.download());
+      lses.push_back(d_lse.download());
+    }
+    CHECK(same_bits(outs[0], outs[1]));
+    CHECK(same_bits(lses[0], lses[1]));
+    auto qd = widen(q), kd = widen(k), vd = widen(v), dod = widen(dout);
+    std::vector<double> out(sz(nq)), lse(sz(nl));
+    const Shape sq{M, s.heads * s.head_dim}, sk{M, s.kv_heads * s.head_dim}, sl{s.rows, s.heads, s.seq};
+    ref.attention(view<const double>(qd, sq), view<const double>(kd, sk), view<const double>(vd, sk), view<double>(out, sq),
+                  view<double>(lse, sl), s);
+    CHECK(rel_err(outs[0], out) <= kTolReduced);
+    CHECK(rel_err(lses[0], lse) <= kTolF32);
+
+    // Backward from the GPU's own out and lse (the reference gets the same values), twice.
+    Workspace ws(mc::attention_backward_workspace_bytes(dims));
+    std::vector<std::vector<bf16>> dqs, dks, dvs;
+    for (int rep = 0; rep < 2; ++rep) {
+      d_dq.poison();
+      d_dk.poison();
+      d_dv.poison();
+      mc::launch_attention_backward(d_q.get(), d_k.get(), d_v.get(), d_out.get(), d_lse.get(), d_dout.get(), d_dq.get(),
+                                    d_dk.get(), d_dv.get(), dims, ws.get(), ws.size(), stream());
+      dqs.push_back(d_dq.download());
+      dks.push_back(d_dk.download());
+      dvs.push_back(d_dv.download());
+    }
+    CHECK(same_bits(dqs[0], dqs[1]));
+    CHECK(same_bits(dks[0], dks[1]));
+    CHECK(same_bits(dvs[0], dvs[1]));
+    auto outd = widen(outs[0]), lsed = widen(lses[0]);
+    std::vector<double> dq(sz(nq)), dk(sz(nk)), dv(sz(nk));
+    ref.attention_backward(view<const double>(qd, sq), view<const double>(kd, sk), view<const double>(vd, sk),
+                           view<const double>(outd, sq), view<const double>(lsed, sl), view<const double>(dod, sq),
+                           view<double>(dq, sq), view<double>(dk, sk), view<double>(dv, sk), s);
+    CHECK(rel_err(dqs[0], dq) <= kTolReduced);
+    CHECK(rel_err(dks[0], dk) <= kTolReduced);
+    CHECK(rel_err(dvs[0], dv) <= kTolReduced);
+  }
+}
+
+// ---- argument checks -----------------------------------------------------------------------------
+
+TEST_CASE("launchers reject bad arguments on the host, before launching") {
+  DeviceArray<bf16> buf(4096);
+  DeviceArray<float> fbuf(4096);
+  // head_dim odd, or above 256
+  for (std::int64_t D : {7, 258}) {
+    const mc::AttentionDims dims{1, 4, 2, 1, D};
+    CHECK_THROWS_AS(mc::launch_attention_forward(buf.get(), buf.get(), buf.get(), buf.get(), fbuf.get(), dims, stream()),
+                    megatrain::Error);
+  }
+  // heads not a multiple of kv_heads
+  CHECK_THROWS_AS(mc::attention_backward_workspace_bytes(mc::AttentionDims{1, 4, 3, 2, 64}), megatrain::Error);
+  // rotary frequencies that do not match head_dim
+  mc::RopeFreqs freqs{};
+  freqs.half = 16;
+  CHECK_THROWS_AS(mc::launch_rope(buf.get(), 4, 1, 64, 4, freqs, false, stream()), megatrain::Error);
+  // a workspace smaller than asked for
+  const std::size_t need = mc::column_sum_workspace_bytes(64, 64);
+  DeviceArray<std::byte> small(need - 1);
+  CHECK_THROWS_AS(mc::launch_column_sum(buf.get(), fbuf.get(), 64, 64, small.get(), need - 1, stream()), megatrain::Error);
+  finish();
+}
