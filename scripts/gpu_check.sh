@@ -18,6 +18,10 @@ if has tests; then
     summary+=("$t rc=$rc $(( $(date +%s) - start ))s $(grep -E 'test cases:' "$OUT/$t.log" | tail -1)")
   done
 fi
+if has hf; then
+  timeout 400 python3 tests/hf/hf_interop.py --megatrain "$BIN/megatrain-train" > "$OUT/hf_interop.log" 2>&1
+  summary+=("hf_interop (transformers) rc=$? $(tail -1 "$OUT/hf_interop.log")")
+fi
 if has train; then
   (cd /tmp && timeout 300 "$BIN/megatrain-train" --out /tmp/mt-run --overwrite true > "$OUT/train_default.log" 2>&1)
   summary+=("megatrain-train (no arguments) rc=$? $(tail -1 "$OUT/train_default.log")")
