@@ -5,6 +5,8 @@
 // tensor named and nothing allocated or written; a failed export leaves the previous one intact.
 #include <doctest/doctest.h>
 
+#include "io_test_util.hpp"
+
 #include <stdlib.h>  // mkdtemp
 #include <unistd.h>
 
@@ -49,34 +51,12 @@ std::mt19937_64& rng() {
   return gen;
 }
 
-class TempDir {
- public:
-  TempDir() {
-    std::string templ = (fs::temp_directory_path() / "megatrain-hf-XXXXXX").string();
-    REQUIRE(::mkdtemp(templ.data()) != nullptr);
-    path_ = templ;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
+struct TempDir : megatrain::test::TempDir {
+  TempDir() : megatrain::test::TempDir("megatrain-hf") {}
 };
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  REQUIRE(in.good());
-  return {std::istreambuf_iterator<char>(in), {}};
-}
-void write_file(const fs::path& p, std::string_view s) {
-  std::ofstream out(p, std::ios::binary | std::ios::trunc);
-  out.write(s.data(), static_cast<std::streamsize>(s.size()));
-  REQUIRE(out.good());
-}
+using megatrain::test::read_file;
+using megatrain::test::write_file;
 std::map<std::string, std::string> snapshot(const fs::path& dir) {
   std::map<std::string, std::string> s;
   for (const auto& e : fs::directory_iterator(dir)) s[e.path().filename().string()] = read_file(e.path());

@@ -4,6 +4,8 @@
 // file or checkpoint directory untouched.
 #include <doctest/doctest.h>
 
+#include "io_test_util.hpp"
+
 #include <stdlib.h>  // mkdtemp
 #include <unistd.h>
 
@@ -71,35 +73,13 @@ std::int64_t numel_of(const std::vector<std::int64_t>& shape) {
   return n;
 }
 
-class TempDir {
- public:
-  TempDir() {
-    std::string templ = (fs::temp_directory_path() / "megatrain-st-XXXXXX").string();
-    REQUIRE(::mkdtemp(templ.data()) != nullptr);
-    path_ = templ;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
+struct TempDir : megatrain::test::TempDir {
+  TempDir() : megatrain::test::TempDir("megatrain-st") {}
 };
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  REQUIRE(in.good());
-  return {std::istreambuf_iterator<char>(in), {}};
-}
+using megatrain::test::read_file;
 
-void write_text(const fs::path& p, std::string_view s) {
-  std::ofstream out(p, std::ios::binary);
-  out.write(s.data(), static_cast<std::streamsize>(s.size()));
-  REQUIRE(out.good());
-}
+void write_text(const fs::path& p, std::string_view s) { megatrain::test::write_file(p, s); }
 
 /// name -> contents of every file in `dir`, plus the names of every entry beside it.
 std::map<std::string, std::string> snapshot(const fs::path& dir) {
