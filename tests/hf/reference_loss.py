@@ -115,7 +115,9 @@ class Model:
             b["db"] = self.vector(p + "mlp.down_proj.bias", d) if other_bias else zero(d)
             self.blocks.append(b)
         self.norm = self.vector("model.norm.weight", d, 1.0, 0.3)
-        self.head = self.embed if tied else self.matrix("lm_head.weight", self.vocab, d)
+        # An untied head gets a large gain so that the logits spread well beyond O(1) and the loss lands
+        # several nats above ln(vocab) for every seed (gain 1.5 left it within 0.5 nats now and then).
+        self.head = self.embed if tied else self.matrix("lm_head.weight", self.vocab, d, gain=4.0)
 
     def value(self, x):
         return bf16_round(x) if self.dtype == "BF16" else struct.unpack("<f", struct.pack("<f", x))[0]
