@@ -23,7 +23,7 @@ using namespace megatrain;
 class GradStatsStage {
  public:
   struct Record {
-    double norm = 0, max_abs = 0;
+    double sumsq = 0, max_abs = 0;  // the norm is sqrt(sumsq)
   };
   struct Log {
     std::mutex m;
@@ -34,22 +34,22 @@ class GradStatsStage {
 
   // The Stage concept (megatrain/pipeline/stream_pipeline.hpp):
   HostExecutor& executor() { return exec_; }  // a host thread of its own
-  bool applies(const TrainItem& it) const {    // items that carry a gradient
-    return it.kind == TrainItem::Kind::head || it.kind == TrainItem::Kind::backward;
-  }
+  bool applies(const TrainItem& it) const { return it.carries_gradient(); }  // items that land a gradient
   std::size_t ring_slots() const { return 0; }                  // writes no buffer of its own
   UnitAccess unit_access() const { return UnitAccess::none; }   // does not touch the weights
+  // A unit's gradient may land in several pieces (view_.placement(it) says which elements):
+  // the embedding's rows and a large head come in parts. Accumulate over them.
   void run(const TrainItem& it, const StageSlots& slots) {
     const std::span<const float> g = view_.gradient(it, slots);
-    Record r;
-    double sumsq = 0;
+    double sumsq = 0, max_abs = 0;
     for (float x : g) {
       sumsq += static_cast<double>(x) * x;
-      r.max_abs = std::max(r.max_abs, static_cast<double>(std::fabs(x)));
+      max_abs = std::max(max_abs, static_cast<double>(std::fabs(x)));
     }
-    r.norm = std::sqrt(sumsq);
     std::lock_guard lock(log->m);
-    log->steps[view_.step()][view_.unit_name(it.unit)] = r;
+    Record& r = log->steps[view_.step()][view_.unit_name(it.unit)];
+    r.sumsq += sumsq;
+    r.max_abs = std::max(r.max_abs, max_abs);
   }
 
   static inline std::shared_ptr<Log> log = std::make_shared<Log>();
@@ -89,7 +89,7 @@ int main() {
     std::printf("step %lld  loss %.4f  global grad norm %.4f\n", static_cast<long long>(s.step), s.loss, s.grad_norm);
     std::lock_guard lock(GradStatsStage::log->m);
     for (const auto& [unit, r] : GradStatsStage::log->steps[s.step])
-      std::printf("    %-10s norm %9.5f  max |g| %9.6f\n", unit.c_str(), r.norm, r.max_abs);
+      std::printf("    %-10s norm %9.5f  max |g| %9.6f\n", unit.c_str(), std::sqrt(r.sumsq), r.max_abs);
   }
   return 0;
 }

@@ -273,6 +273,28 @@ __global__ void __launch_bounds__(kEmbThreads)
   }
 }
 
+__global__ void __launch_bounds__(kEmbThreads)
+    take_rows_kernel(const std::int32_t* __restrict__ rows, float* __restrict__ table, float* __restrict__ out, i64 U,
+                     i64 d, i64 V, bool vec) {
+  for (i64 i = blockIdx.x; i < U; i += gridDim.x) {
+    const std::int32_t r = rows[i];
+    if (r < 0 || r >= V) __trap();  // no row to move: stop (see the top of this file)
+    float* src = table + static_cast<i64>(r) * d;
+    float* dst = out + i * d;
+    if (vec) {
+      for (i64 c = threadIdx.x; c < d / 4; c += blockDim.x) {
+        reinterpret_cast<float4*>(dst)[c] = reinterpret_cast<const float4*>(src)[c];
+        reinterpret_cast<float4*>(src)[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    } else {
+      for (i64 c = threadIdx.x; c < d; c += blockDim.x) {
+        dst[c] = src[c];
+        src[c] = 0.f;
+      }
+    }
+  }
+}
+
 /// Sort keys (the ids, checked) and values (the positions 0..M-1).
 __global__ void embedding_sort_init_kernel(const std::int32_t* __restrict__ ids, u32* __restrict__ keys,
                                            std::int32_t* __restrict__ pos, i64 M, i64 V) {
@@ -1201,6 +1223,16 @@ void launch_embedding_forward(const std::int32_t* ids, const bf16* table, bf16* 
   embedding_forward_kernel<<<static_cast<unsigned>(std::min<i64>(M, 65536)), kEmbThreads, 0, stream>>>(
       ids, dev(table), dev(out), M, d, V, vec);
   MT_CUDA_CHECK_LAUNCH("embedding_forward_kernel");
+}
+
+void launch_take_rows(const std::int32_t* rows, float* table, float* out, std::int64_t U, std::int64_t d, std::int64_t V,
+                      cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_take_rows");
+  MT_CHECK(U >= 0 && d > 0 && V > 0, "take_rows: invalid sizes U {}, d {}, V {}", U, d, V);
+  if (U == 0) return;
+  const bool vec = d % 4 == 0 && aligned16(table) && aligned16(out);
+  take_rows_kernel<<<static_cast<unsigned>(std::min<i64>(U, 65536)), kEmbThreads, 0, stream>>>(rows, table, out, U, d, V, vec);
+  MT_CUDA_CHECK_LAUNCH("take_rows_kernel");
 }
 
 std::size_t embedding_backward_workspace_bytes(std::int64_t M) {

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -223,5 +224,39 @@ TEST_CASE("embedding and head on the GPU match the float64 reference") {
     CHECK(rel_err(from_device(dx), dxd) < kGradTol);
     CHECK(rel_err(from_device(gE), ge) < kGradTol);
     CHECK(rel_err(from_device(gH), gh) < kGradTol);
+  }
+}
+
+TEST_CASE("take_rows on the GPU moves exactly the rows the CPU backend moves") {
+  for (const std::int64_t d : {96, 37}) {  // the float4 path and the scalar one
+    CAPTURE(d);
+    const std::int64_t V = 1001, U = 313;
+    std::mt19937 rng(static_cast<unsigned>(11 + d));
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> table(static_cast<std::size_t>(V * d));
+    for (auto& x : table) x = nd(rng);
+    std::vector<std::int32_t> all(static_cast<std::size_t>(V));
+    for (std::int64_t i = 0; i < V; ++i) all[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(i);
+    std::shuffle(all.begin(), all.end(), rng);
+    std::vector<std::int32_t> rows(all.begin(), all.begin() + U);  // distinct, unsorted
+
+    CpuBackend<float> cpu;
+    std::vector<float> want_table = table, want(static_cast<std::size_t>(U * d));
+    cpu.take_rows(View<const std::int32_t>(std::span<const std::int32_t>(rows), Shape{U}),
+                  View<float>(std::span<float>(want_table), Shape{V, d}), View<float>(std::span<float>(want), Shape{U, d}));
+
+    CudaBackend be;
+    auto t = to_device(be, table);
+    auto r = to_device(be, rows);
+    auto out = be.alloc<float>(static_cast<std::size_t>(U * d));
+    be.take_rows(View<const std::int32_t>(std::span<const std::int32_t>(r.span()), Shape{U}), View<float>(t.span(), Shape{V, d}),
+                 View<float>(out.span(), Shape{U, d}));
+    be.synchronize();
+    const auto got = from_device(out), got_table = from_device(t);
+    CHECK(std::equal(got.begin(), got.end(), want.begin()));
+    CHECK(std::equal(got_table.begin(), got_table.end(), want_table.begin()));
+    const auto row0 = static_cast<std::size_t>(rows[0] * d);
+    CHECK(got_table[row0] == 0.0);
+    CHECK(want[0] == table[row0]);
   }
 }

@@ -2,6 +2,7 @@
 // each item while stages sleep for random times; plus error propagation.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <map>
@@ -20,6 +21,7 @@ struct Item {
   std::size_t unit;
   int id;
   bool skip_middle = false;
+  bool write_only = false;  // only the last stage (the unit writer) applies
 };
 
 struct Log {
@@ -41,7 +43,10 @@ struct TestStage {
   unsigned seed;
 
   HostExecutor& executor() { return exec; }
-  bool applies(const Item& it) const { return !(skips && it.skip_middle); }
+  bool applies(const Item& it) const {
+    if (it.write_only) return access == UnitAccess::writes;
+    return !(skips && it.skip_middle);
+  }
   std::size_t ring_slots() const { return ring; }
   UnitAccess unit_access() const { return access; }
   void run(const Item& it, const StageSlots& s) {
@@ -71,7 +76,10 @@ TEST_CASE("ordering rules hold whatever the timing") {
     std::vector<Item> items;
     int id = 0;
     for (int step = 0; step < 3; ++step) {
-      for (std::size_t u = 0; u < 5; ++u) items.push_back({u, id++, true});  // forward: no offload/optimizer
+      for (std::size_t u = 0; u < 5; ++u) {
+        items.push_back({u, id++, true});  // forward: no offload/optimizer
+        if (u % 2 == 0) items.push_back({u, id++, false, true});  // writes unit u, with nothing upstream
+      }
       for (std::size_t u = 5; u-- > 0;) items.push_back({u, id++, false});  // backward
     }
     p.submit(std::vector<Item>(items.begin(), items.begin() + 17));
@@ -79,6 +87,10 @@ TEST_CASE("ordering rules hold whatever the timing") {
     p.drain();
 
     auto ran = [&](int stage, int i) { return log.span.count({stage, i}) != 0; };
+    std::vector<int> slot_users[3];
+    for (const auto& it : items)
+      for (int j = 0; j < 3; ++j)
+        if (ran(j, it.id)) slot_users[j].push_back(it.id);
     for (const auto& it : items) {
       // Rule 1: data flow (a skipping stage forwards its upstream's completion).
       int prev = -1;
@@ -87,33 +99,68 @@ TEST_CASE("ordering rules hold whatever the timing") {
         if (prev >= 0) CHECK(log.span[{j, it.id}].first > log.span[{prev, it.id}].second);
         prev = j;
       }
-      CHECK(ran(0, it.id));
-      CHECK(ran(1, it.id));
-      CHECK(ran(2, it.id) == !it.skip_middle);
+      CHECK(ran(0, it.id) == !it.write_only);
+      CHECK(ran(1, it.id) == !it.write_only);
+      CHECK(ran(2, it.id) == (!it.skip_middle && !it.write_only));
+      CHECK(ran(3, it.id) == (!it.skip_middle || it.write_only));
       // Rule 3: ring slots. Stage 0's ring (2 slots) is read by stage 1; stage 1's (3 slots) by
-      // stage 2 (the last reader before the next writer); stage 2's (2 slots) by stage 3.
+      // stage 2 (the last reader before the next writer); stage 2's (2 slots, handed only to the
+      // items it applies to) by stage 3.
       const std::size_t K[3] = {2, 3, 2};
       for (int j = 0; j < 3; ++j) {
-        if (!ran(j, it.id) || it.id < static_cast<int>(K[j])) continue;
-        const int earlier = it.id - static_cast<int>(K[j]);
+        if (!ran(j, it.id)) continue;
+        const auto& users = slot_users[j];  // ids of the items stage j wrote, in order
+        const auto n = static_cast<std::size_t>(std::find(users.begin(), users.end(), it.id) - users.begin());
+        CHECK(log.slots[{j, it.id}].out == n % K[j]);
+        if (j + 1 < 4 && ran(j + 1, it.id)) CHECK(log.slots[{j + 1, it.id}].in == n % K[j]);
+        if (n < K[j]) continue;
+        const int earlier = users[n - K[j]];  // held the same slot before
         // The reader of the earlier item, or (if it skipped) whatever it forwarded, ended first.
         for (int r = j + 1; r >= 0; --r)
           if (ran(r, earlier)) {
             CHECK(log.span[{j, it.id}].first > log.span[{r, earlier}].second);
             break;
           }
-        CHECK(log.slots[{j, it.id}].out == static_cast<std::size_t>(it.id) % K[j]);
-        if (j + 1 < 4 && ran(j + 1, it.id)) CHECK(log.slots[{j + 1, it.id}].in == static_cast<std::size_t>(it.id) % K[j]);
       }
       // Rule 4: a reader of a unit starts after the last earlier writer of that unit ended.
-      for (const auto& w : items)
-        if (w.id < it.id && w.unit == it.unit && ran(3, w.id)) CHECK(log.span[{0, it.id}].first > log.span[{3, w.id}].second);
+      if (ran(0, it.id))
+        for (const auto& w : items)
+          if (w.id < it.id && w.unit == it.unit && ran(3, w.id)) CHECK(log.span[{0, it.id}].first > log.span[{3, w.id}].second);
+      // Rule 5: a writer of a unit starts after the last earlier reader of that unit ended.
+      if (ran(3, it.id))
+        for (const auto& r : items)
+          if (r.id < it.id && r.unit == it.unit && ran(0, r.id)) CHECK(log.span[{3, it.id}].first > log.span[{0, r.id}].second);
     }
     // Rule 2: each stage in submission order.
     std::map<int, int> last;
     for (const auto& [stage, i] : log.order) {
       if (last.count(stage)) CHECK(i > last[stage]);
       last[stage] = i;
+    }
+  }
+}
+
+TEST_CASE("rule 5: a writer waits for an earlier item's reader, even one downstream of it") {
+  // Stage 1 writes units, stage 2 (after it) reads them. Odd items only read, even items only
+  // write: without rule 5, stage 1 would write item 2k's unit while stage 2 still reads it for
+  // item 2k-1.
+  for (unsigned trial = 0; trial < 3; ++trial) {
+    Log log;
+    StreamPipeline<Item, TestStage, TestStage, TestStage> p(TestStage{0, &log, 0, UnitAccess::none, false, -1, {}, trial + 1},
+                                                          TestStage{1, &log, 0, UnitAccess::writes, true, -1, {}, trial + 2},
+                                                          TestStage{2, &log, 0, UnitAccess::reads, false, -1, {}, trial + 3});
+    std::vector<Item> items;
+    for (int i = 0; i < 24; ++i) {
+      const bool reader = i % 2 == 1;
+      items.push_back({static_cast<std::size_t>((i + 1) / 2 % 3), i, reader});  // items 2k-1, 2k: one unit
+    }
+    p.submit(items);
+    p.drain();
+    for (const auto& w : items) {
+      if (w.skip_middle) continue;  // readers only: stage 1 skipped them
+      for (const auto& r : items)
+        if (r.id < w.id && r.unit == w.unit && r.skip_middle)
+          CHECK(log.span[{1, w.id}].first > log.span[{2, r.id}].second);
     }
   }
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -23,6 +24,8 @@ struct ReferenceLoop {
   std::int64_t rows, seq;
   CpuBackend<float> be;
   std::int64_t step_no = 0;
+  /// When set: the gradients are multiplied by this instead (to follow ClipMode::stale).
+  std::optional<double> clip_coef = std::nullopt;
 
   struct Result {
     double loss, grad_norm;
@@ -65,7 +68,7 @@ struct ReferenceLoop {
     double sumsq = 0;
     for (auto& g : grads) sumsq += grad_sum_squares<float>(g);
     const double norm = std::sqrt(sumsq);
-    const double coef = clip_norm > 0 ? clip_coefficient(norm, clip_norm) : 1.0;
+    const double coef = clip_coef ? *clip_coef : clip_norm > 0 ? clip_coefficient(norm, clip_norm) : 1.0;
     const double lr = schedule.at(step_no);
     for (std::size_t u = 0; u < store.num_units(); ++u)
       adamw_step<float>(store.unit(u), std::span<const float>(grads[u]), adamw, step_no, lr, coef);

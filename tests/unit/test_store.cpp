@@ -85,6 +85,24 @@ TEST_CASE("layout: aligned offsets, contiguous non-overlapping slabs, byte count
         static_cast<std::size_t>(s.unit(1).numel()) * 26);
   // The exact count for the toy model.
   CHECK(params == 263 * 72 * 2 + 2 * (72 + 72 * 72 + 72 + 24 * 72 + 200 * 72 * 2) + 72);
+
+  // Slots for the inner units only (the blocks), when the first and last units are larger.
+  const std::vector<UnitSpec> big_ends = {{"embed", {ParamSpec::matrix("e", Shape{500, 16})}},
+                                          {"mid.0", {ParamSpec::matrix("m0", Shape{20, 20})}},
+                                          {"mid.1", {ParamSpec::matrix("m1", Shape{23, 19}), ParamSpec::norm("n1", 19)}},
+                                          {"head", {ParamSpec::matrix("h", Shape{300, 16})}}};
+  auto inner = small_opts();
+  const auto fw = HostParamStore<float>::footprint(big_ends, inner);
+  inner.grad_slot_size = GradSlotSize::largest_inner_unit;
+  const auto fi = HostParamStore<float>::footprint(big_ends, inner);
+  HostParamStore<float> si(big_ends, inner);
+  const std::int64_t inner_largest = std::max(si.unit(1).numel(), si.unit(2).numel());
+  CHECK(fw.grad_slot_numel == si.unit(0).numel());
+  CHECK(fi.grad_slot_numel == inner_largest);
+  CHECK(si.grad_slot_numel() == inner_largest);
+  CHECK(si.grad_slot(2).size() == static_cast<std::size_t>(inner_largest));
+  CHECK(fi.grad_ring_bytes == 3 * static_cast<std::size_t>(inner_largest) * 4);
+  CHECK(fi.total_bytes() == fw.total_bytes() - 3 * static_cast<std::size_t>(si.unit(0).numel() - inner_largest) * 4);
 }
 
 TEST_CASE("views by name address the slabs; the gradient ring has distinct slots") {

@@ -66,6 +66,7 @@ concept Backend = requires(B& be, View<const typename B::Act> a, View<typename B
   be.swiglu_backward(a, a, a, ma, ma);                             // dg, du
   be.embedding(ids, w, ma);                                        // gather rows
   be.embedding_backward(ids, a, acc);                              // scatter-add rows
+  be.take_rows(ids, acc, acc);                                     // gather rows, zero them at the source
   be.lm_head_loss(a, w, ids, x, acc, ma, acc);                     // per-token loss, dh, dW +=
 };
 // clang-format on

@@ -24,6 +24,7 @@
 // caller, so a pipeline can step each unit as soon as its gradient lands.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -76,6 +77,23 @@ double sum_squares_f32(SimdLevel level, const float* x, std::size_t n);
 template <class T>
 void adamw_step(const typename HostParamStore<T>::Unit& unit, std::span<const T> grad, const AdamWConfig& cfg,
                 std::int64_t step, double lr, double grad_scale = 1.0);
+
+/// A stretch of a unit's elements and where its gradient is: elements [offset, offset + size)
+/// of the unit's slabs take their gradient from grad[0, size). A null `grad` is a zero gradient
+/// (AdamW still decays m and v, applies weight decay and moves the weight, as PyTorch does for
+/// a parameter whose gradient is zero).
+template <class T>
+struct AdamWSegment {
+  std::size_t offset = 0, size = 0;
+  const T* grad = nullptr;
+};
+
+/// adamw_step over some of a unit's elements only (the rest untouched): the same update, so
+/// applying it to segments that cover every element once equals one adamw_step. Segments must
+/// not overlap and must lie inside the unit; gaps between tensors are skipped.
+template <class T>
+void adamw_segments(const typename HostParamStore<T>::Unit& unit, std::span<const AdamWSegment<T>> segments,
+                    const AdamWConfig& cfg, std::int64_t step, double lr, double grad_scale = 1.0);
 
 /// Sum of squared gradient elements of one unit (the gaps count zero, as they hold zeros), in
 /// double, deterministic regardless of thread count.
@@ -136,38 +154,57 @@ AdamWScalars<T> AdamWScalars<T>::make(const AdamWConfig& cfg, std::int64_t step,
 template <class T>
 void adamw_step(const typename HostParamStore<T>::Unit& unit, std::span<const T> grad, const AdamWConfig& cfg,
                 std::int64_t step, double lr, double grad_scale) {
+  MT_CHECK(static_cast<std::int64_t>(grad.size()) >= unit.numel(),
+           "gradient of {} elements is shorter than unit '{}' ({} elements)", grad.size(), unit.name(), unit.numel());
+  const AdamWSegment<T> whole{0, static_cast<std::size_t>(unit.numel()), grad.data()};
+  adamw_segments<T>(unit, std::span<const AdamWSegment<T>>(&whole, 1), cfg, step, lr, grad_scale);
+}
+
+template <class T>
+void adamw_segments(const typename HostParamStore<T>::Unit& unit, std::span<const AdamWSegment<T>> segments,
+                    const AdamWConfig& cfg, std::int64_t step, double lr, double grad_scale) {
   cfg.validate();
   MT_CHECK(step >= 1, "step must be >= 1 (got {})", step);
   MT_CHECK(std::isfinite(lr) && lr >= 0, "learning rate must be finite and >= 0 (got {})", lr);
-  MT_CHECK(static_cast<std::int64_t>(grad.size()) >= unit.numel(),
-           "gradient of {} elements is shorter than unit '{}' ({} elements)", grad.size(), unit.name(), unit.numel());
+  const auto numel = static_cast<std::size_t>(unit.numel());
+  for (const auto& sg : segments)
+    MT_CHECK(sg.offset <= numel && sg.size <= numel - sg.offset,
+             "AdamW segment [{}, {}) is outside unit '{}' ({} elements)", sg.offset, sg.offset + sg.size, unit.name(), numel);
   const AdamWScalars<T> with_wd = AdamWScalars<T>::make(cfg, step, lr, cfg.weight_decay, grad_scale);
   const AdamWScalars<T> no_wd = AdamWScalars<T>::make(cfg, step, lr, 0.0, grad_scale);
 
+  // Work blocks of at most kOptimBlock elements: each segment cut at tensor boundaries (the
+  // weight decay differs per tensor; the gaps between tensors are skipped).
   struct Block {
     std::size_t begin, size;
+    const T* g;  // null: zero gradient
     const AdamWScalars<T>* s;
   };
   std::vector<Block> blocks;
-  for (const auto& p : unit.params()) {
-    const auto* s = p.spec.weight_decay ? &with_wd : &no_wd;
-    const auto off = static_cast<std::size_t>(p.offset), n = static_cast<std::size_t>(p.numel());
-    for (std::size_t b = 0; b < n; b += detail::kOptimBlock) blocks.push_back({off + b, std::min(detail::kOptimBlock, n - b), s});
+  for (const auto& sg : segments) {
+    for (const auto& p : unit.params()) {
+      const auto lo = std::max(sg.offset, static_cast<std::size_t>(p.offset));
+      const auto hi = std::min(sg.offset + sg.size, static_cast<std::size_t>(p.offset + p.numel()));
+      const auto* s = p.spec.weight_decay ? &with_wd : &no_wd;
+      for (std::size_t b = lo; b < hi; b += detail::kOptimBlock)
+        blocks.push_back({b, std::min(detail::kOptimBlock, hi - b), sg.grad ? sg.grad + (b - sg.offset) : nullptr, s});
+    }
   }
   const SimdLevel level = active_simd_level();
   T* pm = unit.master().data();
   T* mm = unit.adam_m().data();
   T* vm = unit.adam_v().data();
   bf16* out = unit.compute().data();
-  const T* g = grad.data();
+  static const std::vector<T> zeros(detail::kOptimBlock, T(0));
   tbb::parallel_for(tbb::blocked_range<std::size_t>(0, blocks.size()), [&](const auto& r) {
     for (std::size_t i = r.begin(); i != r.end(); ++i) {
       const Block& b = blocks[i];
       const std::size_t o = b.begin;
+      const T* g = b.g ? b.g : zeros.data();
       if constexpr (std::is_same_v<T, float>)
-        detail::adamw_f32(level, *b.s, pm + o, mm + o, vm + o, g + o, out + o, b.size);
+        detail::adamw_f32(level, *b.s, pm + o, mm + o, vm + o, g, out + o, b.size);
       else
-        detail::adamw_generic(*b.s, pm + o, mm + o, vm + o, g + o, out + o, b.size);
+        detail::adamw_generic(*b.s, pm + o, mm + o, vm + o, g, out + o, b.size);
     }
   });
 }

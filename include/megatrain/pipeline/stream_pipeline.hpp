@@ -4,12 +4,18 @@
 // The pipeline owns the ordering rules, so code that uses it never waits by hand:
 //   1. data: stage j of an item starts after stage j-1 of the same item;
 //   2. order: each stage handles items in submission order (one thread per stage);
-//   3. rings: a stage with ring_slots() = K > 0 writes slot seq % K of a ring read by the
-//      stages after it up to the next ring writer; it reuses a slot only after the ring's last
-//      reader is done with the item K places earlier (double buffering with K = 2);
+//   3. rings: a stage with ring_slots() = K > 0 hands the slots of a ring to the items it
+//      applies to, in turn (the n-th such item writes slot n % K); the stages after it up to
+//      the next ring writer read that slot (or, for an item the writer skipped, the slot of the
+//      writer's latest item). A slot is reused only after the ring's last reader is done with
+//      the item that held it before (double buffering with K = 2). Items a writer skips take
+//      no slot, so they never make it wait;
 //   4. units: a stage whose unit_access() is `reads` starts only after the last earlier item of
 //      the same unit has passed every stage whose unit_access() is `writes` (e.g. a prefetch of
-//      a unit's weights waits for that unit's last optimizer step).
+//      a unit's weights waits for that unit's last optimizer step);
+//   5. and the other way round: a stage whose unit_access() is `writes` starts only after the
+//      last earlier item of the same unit has passed every `reads` stage (an optimizer step
+//      submitted after a prefetch of the same unit waits until that copy is done).
 // Dependencies only point to earlier items or earlier stages, so the graph cannot deadlock.
 // Work that needs everything before it finished (exact gradient clipping needs every unit's
 // gradient) is a new pass submitted after drain().
@@ -114,6 +120,29 @@ class StreamPipeline {
           if (access_[j] == UnitAccess::writes && s.applies(pass[k])) writes.emplace_back(j, first + k);
         });
         if (!writes.empty()) last_write_[u] = std::move(writes);
+        // Rule 5: for each writing stage, the latest earlier item of the same unit a reader touches.
+        if (auto it = last_read_.find(u); it != last_read_.end()) e.unit_reads = it->second;
+        std::vector<std::pair<std::size_t, std::uint64_t>> reads;
+        for_each_stage([&](std::size_t j, const auto& s) {
+          if (access_[j] == UnitAccess::reads && s.applies(pass[k])) reads.emplace_back(j, first + k);
+        });
+        if (!reads.empty()) last_read_[u] = std::move(reads);
+        // Rule 3: each ring writer's next slot goes to this item if the writer applies to it.
+        for_each_stage([&](std::size_t j, const auto& s) {
+          if (ring_size_[j] == 0) return;
+          e.slot_prev[j] = kNone;
+          if (s.applies(pass[k])) {
+            const std::uint64_t n = ring_uses_[j]++;
+            e.slot[j] = static_cast<std::size_t>(n % ring_size_[j]);
+            auto& holders = ring_holder_[j];
+            holders.resize(ring_size_[j], kNone);
+            e.slot_prev[j] = holders[e.slot[j]];
+            holders[e.slot[j]] = first + k;
+            ring_latest_[j] = e.slot[j];
+          } else {
+            e.slot[j] = ring_latest_[j];
+          }
+        });
         entries_.push_back(std::move(e));
       }
     }
@@ -146,10 +175,15 @@ class StreamPipeline {
  private:
   static constexpr std::size_t kNoRing = static_cast<std::size_t>(-1);
 
+  static constexpr std::uint64_t kNone = static_cast<std::uint64_t>(-1);
+
   struct Entry {
     Item item;
     std::vector<std::pair<std::size_t, std::uint64_t>> unit_writes;  // (writer stage, seq) to wait for
+    std::vector<std::pair<std::size_t, std::uint64_t>> unit_reads;   // (reader stage, seq) to wait for
     std::array<Completion, kStages> done{};
+    std::array<std::size_t, kStages> slot{};                         // rule 3: the writer's slot (ring stages)
+    std::array<std::uint64_t, kStages> slot_prev{};                  // the item that held that slot before, or kNone
   };
 
   struct Aborted {};
@@ -211,14 +245,19 @@ class StreamPipeline {
           const Entry& e = entries_[seq - base_];
           item = e.item;
           if (J > 0) deps.push_back(await_posted(lock, J - 1, seq));                       // rule 1
-          if (ring_size_[J] > 0 && last_reader_[J] != kNoRing && seq >= ring_size_[J])     // rule 3
-            deps.push_back(await_posted(lock, last_reader_[J], seq - ring_size_[J]));
+          if (ring_size_[J] > 0 && last_reader_[J] != kNoRing && e.slot_prev[J] != kNone)  // rule 3
+            deps.push_back(await_posted(lock, last_reader_[J], e.slot_prev[J]));
           if (access_[J] == UnitAccess::reads) {                                           // rule 4
             const auto writes = entries_[seq - base_].unit_writes;
             for (const auto& [wj, wseq] : writes) deps.push_back(await_posted(lock, wj, wseq));
           }
-          if (reads_ring_[J] != kNoRing) slots.in = static_cast<std::size_t>(seq % ring_size_[reads_ring_[J]]);
-          if (ring_size_[J] > 0) slots.out = static_cast<std::size_t>(seq % ring_size_[J]);
+          if (access_[J] == UnitAccess::writes) {                                          // rule 5
+            const auto reads = entries_[seq - base_].unit_reads;
+            for (const auto& [rj, rseq] : reads) deps.push_back(await_posted(lock, rj, rseq));
+          }
+          const Entry& cur = entries_[seq - base_];  // (await_posted may have waited: re-read)
+          if (reads_ring_[J] != kNoRing) slots.in = cur.slot[reads_ring_[J]];
+          if (ring_size_[J] > 0) slots.out = cur.slot[J];
         }
         Completion posted;
         if (stage.applies(item)) {
@@ -259,13 +298,16 @@ class StreamPipeline {
   std::array<UnitAccess, kStages> access_{};
   std::array<std::size_t, kStages> reads_ring_{};
   std::array<std::size_t, kStages> last_reader_{};
+  std::array<std::uint64_t, kStages> ring_uses_{};            // rule 3: slots handed out per ring
+  std::array<std::vector<std::uint64_t>, kStages> ring_holder_;  // the item holding each slot
+  std::array<std::size_t, kStages> ring_latest_{};             // the slot handed out last
 
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<Entry> entries_;
   std::uint64_t base_ = 0;                     // seq of entries_.front()
   std::array<std::uint64_t, kStages> done_{};  // items posted per stage
-  std::unordered_map<std::size_t, std::vector<std::pair<std::size_t, std::uint64_t>>> last_write_;
+  std::unordered_map<std::size_t, std::vector<std::pair<std::size_t, std::uint64_t>>> last_write_, last_read_;
   bool stopping_ = false;
   bool failed_ = false;
   std::exception_ptr error_;

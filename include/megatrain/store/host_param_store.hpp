@@ -5,8 +5,10 @@
 // bf16 compute copy that crosses PCIe to the GPU. Inside a unit every tensor sits at the same
 // element offset in all four slabs, aligned to kAlign elements, so one offset addresses a
 // parameter everywhere, and a unit's gradient (which has the same layout) can be applied to its
-// slabs in one streaming pass. A ring of K gradient landing buffers, each as long as the
-// largest unit, receives gradients coming back from the GPU.
+// slabs in one streaming pass. A ring of K gradient landing buffers receives gradients coming
+// back from the GPU: each as long as the largest unit, or (GradSlotSize::largest_inner_unit) as
+// the largest unit other than the first and the last, when the caller lands the embedding's and
+// the head's gradients in pieces (the streaming trainer does).
 //
 // Memory: (3 sizeof(T) + 2) bytes per parameter plus the ring; the gaps between tensors are a
 // few bytes each. Only what the GPU's copy engines touch (the bf16 copy and the ring) is pinned;
@@ -37,9 +39,16 @@
 
 namespace megatrain {
 
+/// How long one gradient landing slot is.
+enum class GradSlotSize {
+  largest_unit,        ///< any unit's whole gradient fits one slot
+  largest_inner_unit,  ///< the largest unit other than the first and the last (the decoder blocks)
+};
+
 struct StoreOptions {
   std::uint64_t seed = 0;            ///< initialisation seed
   std::size_t grad_ring_slots = 2;   ///< K gradient landing buffers (>= 1 unless resident_gradients)
+  GradSlotSize grad_slot_size = GradSlotSize::largest_unit;
   /// Also keep one gradient slab per unit (laid out like the masters, pinned): every unit's
   /// gradient can be resident at once, as exact global-norm clipping and gradient accumulation
   /// over micro-batches need. Costs sizeof(T) more bytes per parameter.
@@ -53,7 +62,8 @@ struct StoreOptions {
 struct StoreFootprint {
   std::int64_t param_count = 0;    ///< sum of all tensors' elements
   std::int64_t slab_elements = 0;  ///< with alignment gaps
-  std::int64_t largest_unit = 0;   ///< elements of the largest unit's slab (one ring slot)
+  std::int64_t largest_unit = 0;   ///< elements of the largest unit's slab
+  std::int64_t grad_slot_numel = 0;  ///< elements of one gradient ring slot (see GradSlotSize)
   std::size_t master_bytes = 0, adam_bytes = 0, compute_bytes = 0, grad_ring_bytes = 0, resident_grad_bytes = 0;
   std::vector<std::size_t> unit_bytes;  ///< master + m + v + compute, per unit
   std::size_t total_bytes() const {
@@ -151,7 +161,9 @@ class HostParamStore {
              "the gradient ring needs at least one slot (got {}) unless gradients are resident", opt.grad_ring_slots);
     StoreFootprint f;
     std::unordered_map<std::string_view, std::string_view> seen;  // parameter -> unit
-    for (const auto& u : units) {
+    std::int64_t largest_inner = 0;
+    for (std::size_t k = 0; k < units.size(); ++k) {
+      const auto& u = units[k];
       MT_CHECK(!u.params.empty(), "unit '{}' has no parameters", u.name);
       for (const auto& p : u.params) {
         MT_CHECK(!p.name.empty(), "unit '{}' has a parameter without a name", u.name);
@@ -165,13 +177,17 @@ class HostParamStore {
       const std::int64_t n = UnitLayout(u.params).numel();
       f.slab_elements += n;
       f.largest_unit = std::max(f.largest_unit, n);
+      if (k > 0 && k + 1 < units.size()) largest_inner = std::max(largest_inner, n);
       f.unit_bytes.push_back(static_cast<std::size_t>(n) * (3 * sizeof(T) + sizeof(bf16)));
     }
     const auto elems = static_cast<std::size_t>(f.slab_elements);
     f.master_bytes = elems * sizeof(T);
     f.adam_bytes = 2 * elems * sizeof(T);
     f.compute_bytes = elems * sizeof(bf16);
-    f.grad_ring_bytes = opt.grad_ring_slots * static_cast<std::size_t>(f.largest_unit) * sizeof(T);
+    // With fewer than three units there is no inner unit: the slot then holds the largest one.
+    f.grad_slot_numel = opt.grad_slot_size == GradSlotSize::largest_inner_unit && units.size() > 2 ? largest_inner
+                                                                                                     : f.largest_unit;
+    f.grad_ring_bytes = opt.grad_ring_slots * static_cast<std::size_t>(f.grad_slot_numel) * sizeof(T);
     f.resident_grad_bytes = opt.resident_gradients ? elems * sizeof(T) : 0;
     return f;
   }
@@ -283,11 +299,11 @@ class HostParamStore {
   /// Gradient landing buffer k of the ring, grad_slot_numel() elements (zeroed at start).
   std::span<T> grad_slot(std::size_t k) const {
     MT_CHECK(k < options_.grad_ring_slots, "gradient slot {} out of range (the ring has {})", k, options_.grad_ring_slots);
-    const auto len = static_cast<std::size_t>(footprint_.largest_unit);
+    const auto len = static_cast<std::size_t>(footprint_.grad_slot_numel);
     return ring_buf_.template as<T>(k * len, len);
   }
   std::size_t grad_ring_slots() const { return options_.grad_ring_slots; }
-  std::int64_t grad_slot_numel() const { return footprint_.largest_unit; }
+  std::int64_t grad_slot_numel() const { return footprint_.grad_slot_numel; }
 
   const StoreFootprint& footprint() const { return footprint_; }
   std::size_t bytes() const { return footprint_.total_bytes(); }

@@ -335,6 +335,23 @@ class CpuBackend {
     });
   }
 
+  /// out[i] = table[rows[i]], then table[rows[i]] = 0: moves rows of a gradient table into a
+  /// compact one. Rows must be distinct and inside the table; out is [rows, d].
+  void take_rows(View<const std::int32_t> rows, View<Acc> table, View<Acc> out) {
+    const std::int64_t U = rows.numel(), V = table.size(0), d = table.size(1);
+    MT_CHECK(out.size(0) == U && out.size(1) == d, "take_rows: output {} does not match {} rows x {}", out.shape().str(), U, d);
+    for (std::int64_t i = 0; i < U; ++i)
+      MT_CHECK(rows.data()[i] >= 0 && rows.data()[i] < V, "take_rows: row {} at position {} is outside [0, {})",
+               rows.data()[i], i, V);
+    parallel_rows(U, 64, [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t i = b; i < e; ++i) {
+        T* src = table.data() + static_cast<std::int64_t>(rows.data()[i]) * d;
+        std::copy_n(src, d, out.data() + i * d);
+        std::fill_n(src, d, T(0));
+      }
+    });
+  }
+
   // ---- LM head + cross-entropy ---------------------------------------------------------------
   /// Per-token loss of logits = h w^T against labels (-100: ignored, loss 0), computed in blocks
   /// of `logits_block` tokens so the full [M, vocab] logits never exist. Unless dh is null, also

@@ -316,6 +316,13 @@ class CudaBackend {
                                     workspace_.size(), stream_);
   }
 
+  void take_rows(View<const std::int32_t> rows, View<Acc> table, View<Acc> out) {
+    MT_NVTX_RANGE("cuda:take_rows");
+    MT_CHECK(out.size(0) == rows.numel() && out.size(1) == table.size(1), "take_rows: output {} does not match {} rows x {}",
+             out.shape().str(), rows.numel(), table.size(1));
+    cuda::launch_take_rows(rows.data(), table.data(), out.data(), rows.numel(), table.size(1), table.size(0), stream_);
+  }
+
   /// Per-token cross-entropy of h w^T, in blocks of logits_block tokens: fp32 logits from
   /// cuBLASLt, then one kernel for loss and scale * (softmax - onehot) in bf16, then the two
   /// products of the backward (dh rows of the block; dW += in fp32).

@@ -44,6 +44,10 @@ std::size_t embedding_backward_workspace_bytes(std::int64_t M);
 /// dtable[ids[t]] += dy[t] for all t, deterministically (positions grouped by id, summed in order).
 void launch_embedding_backward(const std::int32_t* ids, const bf16* dy, float* dtable, std::int64_t M, std::int64_t d,
                                std::int64_t V, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+/// out[i] = table[rows[i]] and table[rows[i]] = 0, out: [U, d] fp32. Rows must be distinct;
+/// rows outside [0, V) are a device-side error (trap).
+void launch_take_rows(const std::int32_t* rows, float* table, float* out, std::int64_t U, std::int64_t d, std::int64_t V,
+                      cudaStream_t stream);
 
 // ---- RMSNorm ---------------------------------------------------------------------------------
 /// y = x * rstd * w per row of [M, d]; rstd[M] = 1 / sqrt(mean(x^2) + eps).
