@@ -288,3 +288,24 @@ TEST_CASE("adamw_segments over pieces that cover a unit once equals adamw_step, 
   CHECK_THROWS_WITH_AS(adamw_segments<float>(ua, bad, cfg, 5, 1e-2), doctest::Contains("is outside unit 'a'"), Error);
   CHECK(std::equal(before.begin(), before.end(), ua.master().begin()));
 }
+
+TEST_CASE("adamw_segments returns the gradient's sum of squares over its segments") {
+  HostParamStore<float> a(units(), opts());
+  const auto& u = a.unit(0);
+  const auto n = static_cast<std::size_t>(u.numel());
+  std::mt19937 rng(33);
+  std::normal_distribution<float> nd;
+  std::vector<float> g(n, 0.0f);  // the gaps between tensors hold zeros, as a landed gradient does
+  for (const auto& p : u.params())
+    for (std::int64_t i = 0; i < p.numel(); ++i) g[static_cast<std::size_t>(p.offset + i)] = nd(rng);
+  const std::size_t cut = n / 3;
+  const std::vector<AdamWSegment<float>> segs = {{0, cut, g.data()}, {cut, n - cut, g.data() + cut}};
+  const double got = adamw_segments<float>(u, segs, AdamWConfig{}, 1, 1e-3, 0.5);  // scale does not enter
+  const double want = grad_sum_squares<float>(g);
+  CHECK(got == doctest::Approx(want).epsilon(1e-12));
+  CHECK(got > 0);
+  // A null gradient contributes nothing; part of a unit sums only that part.
+  const std::vector<AdamWSegment<float>> part = {{0, cut, nullptr}, {cut, n - cut, g.data() + cut}};
+  const double tail = grad_sum_squares<float>(std::span<const float>(g).subspan(cut));
+  CHECK(adamw_segments<float>(u, part, AdamWConfig{}, 2, 1e-3) == doctest::Approx(tail).epsilon(1e-12));
+}

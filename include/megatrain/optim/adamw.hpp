@@ -90,9 +90,12 @@ struct AdamWSegment {
 
 /// adamw_step over some of a unit's elements only (the rest untouched): the same update, so
 /// applying it to segments that cover every element once equals one adamw_step. Segments must
-/// not overlap and must lie inside the unit; gaps between tensors are skipped.
+/// not overlap and must lie inside the unit; gaps between tensors are skipped. Returns the sum
+/// of squares of the (unscaled) gradient over the segments, in double, deterministic at any
+/// thread count: each work block is summed just before it is updated, while its gradient is
+/// still in cache, so a caller that needs the norm reads the gradient from memory once.
 template <class T>
-void adamw_segments(const typename HostParamStore<T>::Unit& unit, std::span<const AdamWSegment<T>> segments,
+double adamw_segments(const typename HostParamStore<T>::Unit& unit, std::span<const AdamWSegment<T>> segments,
                     const AdamWConfig& cfg, std::int64_t step, double lr, double grad_scale = 1.0);
 
 /// Sum of squared gradient elements of one unit (the gaps count zero, as they hold zeros), in
@@ -161,8 +164,8 @@ void adamw_step(const typename HostParamStore<T>::Unit& unit, std::span<const T>
 }
 
 template <class T>
-void adamw_segments(const typename HostParamStore<T>::Unit& unit, std::span<const AdamWSegment<T>> segments,
-                    const AdamWConfig& cfg, std::int64_t step, double lr, double grad_scale) {
+double adamw_segments(const typename HostParamStore<T>::Unit& unit, std::span<const AdamWSegment<T>> segments,
+                      const AdamWConfig& cfg, std::int64_t step, double lr, double grad_scale) {
   cfg.validate();
   MT_CHECK(step >= 1, "step must be >= 1 (got {})", step);
   MT_CHECK(std::isfinite(lr) && lr >= 0, "learning rate must be finite and >= 0 (got {})", lr);
@@ -196,17 +199,25 @@ void adamw_segments(const typename HostParamStore<T>::Unit& unit, std::span<cons
   T* vm = unit.adam_v().data();
   bf16* out = unit.compute().data();
   static const std::vector<T> zeros(detail::kOptimBlock, T(0));
+  std::vector<double> sumsq(blocks.size(), 0.0);
   tbb::parallel_for(tbb::blocked_range<std::size_t>(0, blocks.size()), [&](const auto& r) {
     for (std::size_t i = r.begin(); i != r.end(); ++i) {
       const Block& b = blocks[i];
       const std::size_t o = b.begin;
       const T* g = b.g ? b.g : zeros.data();
-      if constexpr (std::is_same_v<T, float>)
+      if constexpr (std::is_same_v<T, float>) {
+        if (b.g) sumsq[i] = detail::sum_squares_f32(level, g, b.size);
         detail::adamw_f32(level, *b.s, pm + o, mm + o, vm + o, g, out + o, b.size);
-      else
+      } else {
+        if (b.g)
+          for (std::size_t k = 0; k < b.size; ++k) sumsq[i] += static_cast<double>(g[k]) * static_cast<double>(g[k]);
         detail::adamw_generic(*b.s, pm + o, mm + o, vm + o, g, out + o, b.size);
+      }
     }
   });
+  double total = 0;
+  for (double x : sumsq) total += x;
+  return total;
 }
 
 template <class T>

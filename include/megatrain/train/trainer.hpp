@@ -569,9 +569,9 @@ class Trainer {
           adamw_step<float>(unit, grad, t.opt_.adamw, st.step, st.lr, st.clip_coef);
           return;
         }
-        st.sumsq += grad_sum_squares<float>(grad);
-        const auto segments = t.segments(it, grad);
-        adamw_segments<float>(unit, segments, t.opt_.adamw, st.step, st.lr, st.clip_coef);
+        // One pass over the landed gradient: AdamW sums its squares (for the norm) as it goes.
+        // Elements outside the segments (touched rows inside an embed_rest piece) read zero.
+        st.sumsq += adamw_segments<float>(unit, t.segments(it, grad), t.opt_.adamw, st.step, st.lr, st.clip_coef);
       });
     }
   };
