@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the GPU measurements on a machine with an NVIDIA GPU, from binaries
 # built elsewhere and copied to BIN (with libtbb/libfmt in BIN/../lib). Logs go to OUT.
-#   scripts/gpu_check.sh BIN OUT [tests|train|bench|peer|all]...
+#   scripts/gpu_check.sh BIN OUT [tests|hf|train|bench|bench7b|kernels|all]...
 set -uo pipefail
 BIN=$1; OUT=$2; shift 2
 what=${*:-all}
@@ -39,6 +39,15 @@ fi
 if has bench7b; then
   MEGATRAIN_HOST_MEMORY=120G timeout 590 "$BIN/bench_train" --preset qwen2.5-7b --batch 32 --seq 1024 --steps 5 --skip 2 > "$OUT/bench_7b.log" 2>&1
   summary+=("bench_train qwen2.5-7b rc=$? $(grep -E 'tokens/s \(mean' "$OUT/bench_7b.log")")
+fi
+# Where the GPU time goes: every kernel of one step of the 1.5B shape cut to 2 layers (the head
+# and two blocks), timed by Nsight Compute (ncu, from the CUDA toolkit), summarised by kind.
+if [[ " $what " == *" kernels "* ]]; then
+  timeout 400 /usr/local/cuda/bin/ncu --metrics gpu__time_duration.sum --csv --print-units base \
+    "$BIN/bench_train" --preset qwen2.5-1.5b --layers 2 --batch 32 --seq 1024 --steps 1 --skip 0 \
+    > "$OUT/ncu_1p5b_2layers.csv" 2> "$OUT/ncu.err"
+  summary+=("ncu qwen2.5-1.5b 2 layers rc=$?")
+  python3 "$(dirname "$0")/kernel_table.py" "$OUT/ncu_1p5b_2layers.csv" | tee "$OUT/kernels.md"
 fi
 echo "===== summary"
 printf '%s\n' "${summary[@]}"
