@@ -167,6 +167,7 @@ TEST_CASE("a large vocabulary (gradients landing in pieces) trains the same on t
     const auto ref = run(cpu, &cpu_slot);
     CudaBackend gpu;
     const auto got = run(gpu, &gpu_slot);
+    CHECK(gpu_slot == cpu_slot);
     CHECK(gpu_slot * 3 < static_cast<std::size_t>(cfg.vocab_size * cfg.hidden_size));  // pieces do happen
     for (std::size_t s = 0; s < ref.size(); ++s) {
       CAPTURE(s);

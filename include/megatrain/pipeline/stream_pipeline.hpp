@@ -134,10 +134,8 @@ class StreamPipeline {
           if (s.applies(pass[k])) {
             const std::uint64_t n = ring_uses_[j]++;
             e.slot[j] = static_cast<std::size_t>(n % ring_size_[j]);
-            auto& holders = ring_holder_[j];
-            holders.resize(ring_size_[j], kNone);
-            e.slot_prev[j] = holders[e.slot[j]];
-            holders[e.slot[j]] = first + k;
+            e.slot_prev[j] = ring_holder_[j][e.slot[j]];
+            ring_holder_[j][e.slot[j]] = first + k;
             ring_latest_[j] = e.slot[j];
           } else {
             e.slot[j] = ring_latest_[j];
@@ -196,6 +194,7 @@ class StreamPipeline {
   template <std::size_t... J>
   void configure(std::index_sequence<J...>) {
     ((ring_size_[J] = std::get<J>(stages_).ring_slots(), access_[J] = std::get<J>(stages_).unit_access()), ...);
+    for (std::size_t j = 0; j < kStages; ++j) ring_holder_[j].assign(ring_size_[j], kNone);
     // Which ring each stage reads, and which stage is the last reader of each ring.
     std::size_t current = kNoRing;
     for (std::size_t j = 0; j < kStages; ++j) {
@@ -255,9 +254,8 @@ class StreamPipeline {
             const auto reads = entries_[seq - base_].unit_reads;
             for (const auto& [rj, rseq] : reads) deps.push_back(await_posted(lock, rj, rseq));
           }
-          const Entry& cur = entries_[seq - base_];  // (await_posted may have waited: re-read)
-          if (reads_ring_[J] != kNoRing) slots.in = cur.slot[reads_ring_[J]];
-          if (ring_size_[J] > 0) slots.out = cur.slot[J];
+          if (reads_ring_[J] != kNoRing) slots.in = e.slot[reads_ring_[J]];
+          if (ring_size_[J] > 0) slots.out = e.slot[J];
         }
         Completion posted;
         if (stage.applies(item)) {

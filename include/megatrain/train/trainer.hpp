@@ -731,7 +731,7 @@ class Trainer {
   std::span<const float> landed_gradient(const TrainItem& it, const StageSlots& s) {
     const auto& unit = store_.unit(it.unit);
     if (opt_.resident_gradients()) return unit.grad();
-    return store_.grad_slot(s.in).first(piece(it, 0).landed);
+    return store_.grad_slot(s.in).first(piece(it, 0).device.size());
   }
 
   GradientView gradient_view() {
@@ -744,9 +744,8 @@ class Trainer {
   // The items of one micro-batch, in order. Streamed, the embedding's untouched rows are spread
   // over the first four fifths of the backward, between the blocks, so that the optimizer steps
   // them without holding up the blocks' gradients (which need the host's landing slots back).
-  // Measured on an H200 for the 7B shape (untied): 10,685 tok/s so; 10,418 with the untied
-  // rows' zero-gradient steps run during the forward instead; the tied 1.5B shape gained GPU
-  // busy time (87% to 93%) over stepping them all right after the head.
+  // (Stepping them all right after the head stalled the backward on landing slots; stepping an
+  // untied model's rows during the forward was slower on the 7B shape; docs/performance.md.)
   std::vector<TrainItem> step_items(std::int64_t m) const {
     const std::size_t L = model_.num_blocks();
     const std::int64_t rest = streamed() ? pieces(vocab(), piece_rows()) : 0;
@@ -799,11 +798,10 @@ class Trainer {
     return View<Acc>(rows_acc_.span().first(static_cast<std::size_t>(touched_count_ * hidden())), Shape{touched_count_, hidden()});
   }
 
-  /// One item's share of its unit's gradient: where it is on the device (empty: a zero gradient
-  /// that does not cross), how many elements land, and where they belong in the unit.
+  /// One item's share of its unit's gradient: where it is on the device (what lands on the
+  /// host; empty: a zero gradient that does not cross), and where it belongs in the unit.
   struct Piece {
     std::span<const Acc> device;
-    std::size_t landed = 0;
     GradientPiece where;
   };
   Piece piece(const TrainItem& it, std::size_t device_slot) {
@@ -828,7 +826,6 @@ class Trainer {
     } else {  // a block, whole
       p.device = grad_acc(it.unit, device_slot);
     }
-    p.landed = p.device.size();
     return p;
   }
 
