@@ -1,20 +1,27 @@
-// AdamW on the CPU at out-of-cache sizes (1 GiB per fp32 state array: 2^28 parameters), at one
-// thread and at all threads, on the run-time-selected vector path (MEGATRAIN_SIMD=scalar|avx2|
-// avx512 to force one). Rates: items/s = parameters/s; bytes/s counts the 30 bytes each
-// parameter moves (reads g, p, m, v; writes p, m, v and the bf16 copy).
+// AdamW on the CPU at out-of-cache sizes (1 GiB per fp32 state array: 2^28 parameters; set
+// MEGATRAIN_BENCH_PARAMS=N for another size), at one thread (BM_AdamW/threads:1) and at all the
+// machine's hardware threads (BM_AdamW/threads:all_N, N the count), on the run-time-selected
+// vector path (MEGATRAIN_SIMD=scalar|avx2|avx512 to force one; the label names it). Rates, as
+// counters: "params/s" (parameters updated per second) and "bytes/s" (kBytesPerParam = 30
+// bytes moved per parameter: reads g, p, m, v, 16 B; writes p, m, v, 12 B, and the bf16 copy,
+// 2 B).
 //
 // BM_TrafficCeiling moves exactly the same bytes with trivial arithmetic: the memory-bound
 // ceiling for this machine at the same thread count. adamw / ceiling is the fraction of that
-// ceiling the optimizer reaches. bench/run_adamw.sh runs this and PyTorch's CPU AdamW (the peer)
-// and prints the ratios.
+// ceiling the optimizer reaches. bench/run_adamw.py runs this and PyTorch's CPU AdamW (the
+// peer) and prints the ratios.
 #include <benchmark/benchmark.h>
 #include <oneapi/tbb/global_control.h>
 #include <oneapi/tbb/parallel_for.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstdlib>
 #include <memory>
+#include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "megatrain/optim/adamw.hpp"
 
@@ -49,27 +56,27 @@ Fixture& fixture() {
   return f;
 }
 
-int thread_arg(const benchmark::State& state) {
-  const int t = static_cast<int>(state.range(0));
-  return t > 0 ? t : static_cast<int>(std::thread::hardware_concurrency());
-}
+constexpr std::int64_t kBytesPerParam = 30;
 
-void set_rates(benchmark::State& state, std::int64_t n) {
-  state.SetItemsProcessed(state.iterations() * n);
-  state.SetBytesProcessed(state.iterations() * n * 30);
-  state.counters["threads"] = thread_arg(state);
+int all_threads() { return std::max(1, static_cast<int>(std::thread::hardware_concurrency())); }
+
+void set_rates(benchmark::State& state, std::int64_t n, int threads) {
+  const auto params = static_cast<double>(state.iterations()) * static_cast<double>(n);
+  state.counters["params/s"] = benchmark::Counter(params, benchmark::Counter::kIsRate);
+  state.counters["bytes/s"] = benchmark::Counter(params * kBytesPerParam, benchmark::Counter::kIsRate);
+  state.counters["tbb_threads"] = threads;
   state.SetLabel(std::string(simd_level_name(active_simd_level())));
 }
 
-void BM_AdamW(benchmark::State& state) {
+void BM_AdamW(benchmark::State& state, int threads) {
   auto& f = fixture();
-  tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<std::size_t>(thread_arg(state)));
+  tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<std::size_t>(threads));
   const auto& u = f.store->unit(0);
   const auto g = f.store->grad_slot(0);
   AdamWConfig cfg;
   std::int64_t step = 0;
   for (auto _ : state) adamw_step<float>(u, g, cfg, ++step, 1e-4);
-  set_rates(state, u.numel());
+  set_rates(state, u.numel(), threads);
 }
 
 // Same bytes as AdamW, trivial arithmetic, vectorised for the same instruction set.
@@ -96,9 +103,9 @@ __attribute__((target("avx2"))) void traffic_avx2(float* __restrict p, float* __
   traffic_pass<struct Avx2>(p, m, v, out, g, n);
 }
 
-void BM_TrafficCeiling(benchmark::State& state) {
+void BM_TrafficCeiling(benchmark::State& state, int threads) {
   auto& f = fixture();
-  tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<std::size_t>(thread_arg(state)));
+  tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<std::size_t>(threads));
   const auto& u = f.store->unit(0);
   float* p = u.master().data();
   float* m = u.adam_m().data();
@@ -115,11 +122,29 @@ void BM_TrafficCeiling(benchmark::State& state) {
       else traffic_pass<void>(p + b, m + b, v + b, out + b, g + b, len);
     });
   }
-  set_rates(state, u.numel());
+  set_rates(state, u.numel(), threads);
+}
+
+// Registered by hand so that the all-threads case carries its name and count:
+// BM_AdamW/threads:1 and BM_AdamW/threads:all_16 on a 16-thread machine.
+void register_benchmarks() {
+  std::vector<int> counts = {1};
+  if (all_threads() > 1) counts.push_back(all_threads());
+  for (const auto& [name, fn] : {std::pair{"BM_AdamW", &BM_AdamW}, std::pair{"BM_TrafficCeiling", &BM_TrafficCeiling}}) {
+    for (int t : counts) {
+      const std::string full = std::string(name) + "/threads:" + (t == 1 ? "1" : "all_" + std::to_string(t));
+      benchmark::RegisterBenchmark(full.c_str(), fn, t)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
+    }
+  }
 }
 
 }  // namespace
 
-BENCHMARK(BM_AdamW)->Arg(1)->Arg(0)->ArgName("threads")->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
-BENCHMARK(BM_TrafficCeiling)->Arg(1)->Arg(0)->ArgName("threads")->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  register_benchmarks();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,6 +1,7 @@
 // Training throughput of the streaming trainer on a model shape, with random tokens (like the
 // peers in shared/DESIGN.md): tokens/s, the GPU's busy fraction, achieved PCIe rates, peak host
-// and GPU memory, and the cost model's bound next to what was measured.
+// and GPU memory (GPU: the largest device total - free seen after any step), and the cost model's
+// bound next to what was measured.
 //
 //   bench_train --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 8
 //
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "megatrain/backend/cpu/cpu_backend.hpp"
@@ -35,6 +37,20 @@ double peak_rss_bytes() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   return static_cast<double>(u.ru_maxrss) * 1024.0;
+}
+
+/// GPU memory in use on the whole device now (total - free, what cudaMemGetInfo reports: every
+/// process's allocations and the CUDA context included); 0 for the CPU backend.
+template <class B>
+std::size_t gpu_memory_in_use() {
+#if MEGATRAIN_HAS_CUDA
+  if constexpr (std::is_same_v<B, CudaBackend>) {
+    std::size_t free = 0, total = 0;
+    MT_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return total - free;
+  }
+#endif
+  return 0;
 }
 
 template <class B>
@@ -68,10 +84,15 @@ int run(B& be, const char* name, const Args& a) {
   std::mt19937 rng(1);
   std::vector<std::int32_t> ids(static_cast<std::size_t>(T)), labels(ids.size());
   std::vector<StepStats> stats;
+  // Peak GPU memory: sampled once the trainer has allocated everything it keeps, and after every
+  // step (megatrain allocates nothing inside a step, so what a step uses is still there when it
+  // returns; a library's transient allocation inside a step and freed before it ends is not seen).
+  std::size_t gpu_peak = gpu_memory_in_use<B>();
   for (std::int64_t s = 0; s < a.steps; ++s) {
     for (auto& t : ids) t = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(cfg.vocab_size));
     for (auto& t : labels) t = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(cfg.vocab_size));
     stats.push_back(trainer.step(ids, labels));
+    gpu_peak = std::max(gpu_peak, gpu_memory_in_use<B>());
     const auto& st = stats.back();
     const auto& p = *st.profile;
     std::printf("step %lld: %.3f s, %.0f tok/s, loss %.4f | compute %.3f s (%.0f%% busy), H2D %.2f GB in %.3f s, D2H %.2f GB "
@@ -103,14 +124,6 @@ int run(B& be, const char* name, const Args& a) {
   const double gpu_s = (8 * N * T + attn) / (a.gemm_tflops * 1e12);
   const double h2d_s = 2 * 2 * N / (a.pcie_gbs * 1e9), d2h_s = 4 * N / (a.pcie_gbs * 1e9), opt_s = N / (a.adamw_gparams * 1e9);
   const double bound = std::max({gpu_s, h2d_s, d2h_s, opt_s});
-  std::size_t gpu_used = 0;
-#if MEGATRAIN_HAS_CUDA
-  if constexpr (std::is_same_v<B, CudaBackend>) {
-    std::size_t free = 0, total = 0;
-    MT_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-    gpu_used = total - free;
-  }
-#endif
   std::printf("\n| metric | value |\n| --- | --- |\n");
   std::printf("| tokens/s (mean of %d steps) | %.0f |\n", n, T / t);
   std::printf("| step time | %.3f s |\n", t);
@@ -120,7 +133,7 @@ int run(B& be, const char* name, const Args& a) {
   std::printf("| CPU optimizer per step | %.3f s (%.2f Gparam/s) |\n", optim / n, N / (optim / n) / 1e9);
   std::printf("| peak host memory (RSS) | %s (%.2f bytes/parameter) |\n", format_bytes(static_cast<std::size_t>(peak_rss_bytes())).c_str(),
               peak_rss_bytes() / N);
-  std::printf("| GPU memory in use (device total) | %s |\n", format_bytes(gpu_used).c_str());
+  std::printf("| peak GPU memory (device total - free, sampled after every step) | %s |\n", format_bytes(gpu_peak).c_str());
   std::printf("| cost model: GPU %.3f s, H2D %.3f s, D2H %.3f s, optimizer %.3f s | bound %.3f s = %.0f tok/s; measured / bound %.2f |\n",
               gpu_s, h2d_s, d2h_s, opt_s, bound, T / bound, t / bound);
   return 0;

@@ -30,8 +30,10 @@ def run_megatrain(build, params):
     for b in json.loads(out)["benchmarks"]:
         if b.get("aggregate_name") != "median":
             continue
-        name = b["name"].split("/")[0]
-        rows[(name, int(b["threads"]))] = (b["items_per_second"] / 1e9, b.get("label", ""))
+        # run_name: "BM_AdamW/threads:1" or "BM_AdamW/threads:all_16" (without the aggregate's
+        # suffix); the counters "params/s" and "tbb_threads" come with every row.
+        name = b["run_name"].split("/")[0]
+        rows[(name, int(b["tbb_threads"]))] = (b["params/s"] / 1e9, b.get("label", ""))
     return rows
 
 

@@ -3,7 +3,7 @@
 # built elsewhere and copied to BIN (with libtbb/libfmt in BIN/../lib). Logs go to OUT.
 #   scripts/gpu_check.sh BIN OUT [tests|hf|train|bench|bench7b|kernels|all]...
 set -uo pipefail
-BIN=$1; OUT=$2; shift 2
+BIN=$(cd "$1" && pwd); OUT=$(mkdir -p "$2" && cd "$2" && pwd); shift 2
 what=${*:-all}
 NV=$(python3 -c "import os,torch;print(os.path.dirname(torch.__path__[0]))" 2>/dev/null)/nvidia
 export LD_LIBRARY_PATH=$BIN/../lib:$NV/cudnn/lib:$NV/nccl/lib:$NV/cu13/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -34,6 +34,7 @@ if has bench; then
   timeout 500 python3 bench/peer_pytorch.py --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 6 --skip 2 > "$OUT/peer_1p5b.log" 2>&1
   peer=$(python3 -c "import json,sys;print(round(json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])['peer_tokens_per_s']))" "$OUT/peer_1p5b.log" 2>/dev/null)
   summary+=("qwen2.5-1.5b 32k tokens/step: megatrain ${mt:-?} tok/s, PyTorch all-on-GPU peer ${peer:-?} tok/s, ratio $(python3 -c "print(f'{${mt:-0}/max(${peer:-0},1):.2f}')")")
+  summary+=("qwen2.5-1.5b peak GPU memory $(grep -oP '^\| peak GPU memory [^|]*\| \K[^|]*[^| ]' "$OUT/bench_1p5b.log" || echo '?'), peak host memory $(grep -oP '^\| peak host memory [^|]*\| \K[^|]*[^| ]' "$OUT/bench_1p5b.log" || echo '?')")
 fi
 # The 7B shape (host memory: 14 B/parameter + the gradient ring; stale clipping keeps gradients streaming).
 if has bench7b; then

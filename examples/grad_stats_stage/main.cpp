@@ -88,8 +88,18 @@ int main() {
     const StepStats s = trainer.step(ids, labels);
     std::printf("step %lld  loss %.4f  global grad norm %.4f\n", static_cast<long long>(s.step), s.loss, s.grad_norm);
     std::lock_guard lock(GradStatsStage::log->m);
-    for (const auto& [unit, r] : GradStatsStage::log->steps[s.step])
+    double total = 0;
+    for (const auto& [unit, r] : GradStatsStage::log->steps[s.step]) {
       std::printf("    %-10s norm %9.5f  max |g| %9.6f\n", unit.c_str(), std::sqrt(r.sumsq), r.max_abs);
+      total += r.sumsq;
+    }
+    // The stage saw every unit's whole gradient: its norms make up the trainer's global norm.
+    const std::size_t seen = GradStatsStage::log->steps[s.step].size();
+    if (seen != store.num_units() || std::fabs(std::sqrt(total) - s.grad_norm) > 1e-6 * s.grad_norm) {
+      std::fprintf(stderr, "step %lld: the stage saw %zu of %zu units, norm %.9g against the trainer's %.9g\n",
+                   static_cast<long long>(s.step), seen, store.num_units(), std::sqrt(total), s.grad_norm);
+      return 1;
+    }
   }
   return 0;
 }

@@ -25,6 +25,7 @@
 #include <fstream>
 #include <iostream>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,7 @@ namespace {
 struct Settings {
   // model
   std::string model_dir, model_config, preset;
+  bool allow_dtype_mismatch = false;
   std::int64_t hidden = 128, layers = 4, heads = 4, kv_heads = 2, intermediate = 352, vocab = 0, head_dim = 0;
   double rope_theta = 10000.0, norm_eps = 1e-5;
   bool tie_embeddings = true;
@@ -56,10 +58,12 @@ struct Settings {
   std::string data, val_data, data_format = "u16";
   double val_fraction = 0.05;
   // schedule and optimizer
-  std::int64_t batch = 8, seq = 128, micro_batches = 1, chunk = 0, steps = 60;
+  std::int64_t batch = 8, seq = 128, micro_batches = 1, max_micro_batch = 0, chunk = 0, steps = 60;
   double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, clip = 1.0;
   std::int64_t warmup = -1;  // default: min(10, steps / 5)
-  std::string schedule = "cosine", clip_mode = "exact";
+  // Stale clipping by default: each unit's optimizer step starts the moment its gradient lands
+  // (exact clipping must wait for the whole backward; see docs/training.md).
+  std::string schedule = "cosine", clip_mode = "stale";
   // run
   std::uint64_t seed = 1;
   std::string out, backend = "auto", host_memory, gpu_memory;
@@ -209,6 +213,8 @@ int run(const Settings& s, const CLI::App& app) {
   MT_CHECK(s.clip_mode == "exact" || s.clip_mode == "stale", "--clip-mode must be exact or stale (got '{}')", s.clip_mode);
   MT_CHECK(!(s.clip == 0 && app.get_option("--clip-mode")->count() > 0), "--clip-mode given but clipping is off (--clip 0)");
   MT_CHECK(s.data_format == "u16" || s.data_format == "u32", "--data-format must be u16 or u32 (got '{}')", s.data_format);
+  MT_CHECK(s.val_data.empty() || app.get_option("--val-fraction")->count() == 0,
+           "--val-fraction contradicts --val-data: validation comes from that file; drop one");
   MT_CHECK(s.steps >= 0, "--steps must be >= 0 (got {}; 0 evaluates only)", s.steps);
   const bool eval_only = s.steps == 0;
   MT_CHECK(s.eval_every >= 0 && s.eval_batches > 0 && s.log_every > 0, "--eval-every >= 0, --eval-batches > 0, --log-every > 0");
@@ -221,6 +227,8 @@ int run(const Settings& s, const CLI::App& app) {
   // Export: every contradiction is found now, not after hours of training.
   RunPlan plan;
   plan.eval_only = eval_only;
+  MT_CHECK(!s.model_dir.empty() || app.get_option("--allow-dtype-mismatch")->count() == 0,
+           "--allow-dtype-mismatch needs --model DIR");
   for (const char* f : {"--export-every", "--export-dtype", "--shard-size"})
     MT_CHECK(!s.export_dir.empty() || app.get_option(f)->count() == 0, "{} needs --export DIR", f);
   MT_CHECK(s.export_every >= 0, "--export-every must be >= 0 (got {}; 0 exports only at the end)", s.export_every);
@@ -238,7 +246,9 @@ int run(const Settings& s, const CLI::App& app) {
 
   // A Hugging Face model is opened and checked against its config.json before anything else.
   if (!s.model_dir.empty()) {
-    plan.hf = io::HfCheckpoint::open(s.model_dir);
+    io::HfOpenOptions open_options;
+    open_options.allow_dtype_mismatch = s.allow_dtype_mismatch;
+    plan.hf = io::HfCheckpoint::open(s.model_dir, open_options);
     if (plan.export_options) {
       plan.export_options->config_json = plan.hf->config_text();
       plan.export_options->extra_files = io::hf_side_files(s.model_dir);
@@ -250,6 +260,9 @@ int run(const Settings& s, const CLI::App& app) {
   TokenSource train_src = !s.data.empty()                       ? TokenSource::open(s.data, fmt_bin)
                           : (eval_only && !s.val_data.empty()) ? TokenSource::open(s.val_data, fmt_bin)
                                                                : TokenSource::from_text(builtin_text(1 << 20, 1), "built-in text");
+  MT_CHECK(train_src.format() != TokenFormat::text || app.get_option("--data-format")->count() == 0,
+           "--data-format applies to .bin token files, but the data is text ({}), tokenised by bytes",
+           s.data.empty() ? "the built-in text" : s.data);
   const std::int64_t data_vocab = train_src.format() == TokenFormat::text ? 256 : (fmt_bin == TokenFormat::u16 ? 65536 : 0);
   MT_CHECK(train_src.format() == TokenFormat::text || s.vocab > 0 || plan.hf || !s.model_config.empty() || !s.preset.empty(),
            "--data '{}' holds token ids: give the vocabulary (--vocab, --model, --model-config or --preset)",
@@ -270,6 +283,7 @@ int run(const Settings& s, const CLI::App& app) {
   topt.batch_rows = s.batch;
   topt.seq_len = s.seq;
   topt.micro_batches = s.micro_batches;
+  topt.max_micro_rows = s.max_micro_batch;
   topt.chunk_rows = s.chunk;
   topt.adamw = {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
   if (eval_only) {
@@ -416,9 +430,11 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
               static_cast<long long>(cfg.num_hidden_layers), static_cast<long long>(cfg.hidden_size),
               static_cast<long long>(cfg.vocab_size), backend_name, s.data.empty() ? "built-in text" : s.data.c_str(),
               static_cast<long long>(data.train_tokens()), static_cast<long long>(data.val_tokens()));
-  std::printf("batch %lld x %lld tokens, %lld steps, host memory %s, writing %s\n", static_cast<long long>(s.batch),
-              static_cast<long long>(s.seq), static_cast<long long>(s.steps), format_bytes(store.bytes()).c_str(),
-              out.string().c_str());
+  const std::int64_t micro = trainer.options().micro_batches;
+  std::printf("batch %lld x %lld tokens%s, %lld steps, host memory %s, writing %s\n", static_cast<long long>(s.batch),
+              static_cast<long long>(s.seq),
+              micro > 1 ? fmt::format(" in {} micro-batches of {}", micro, s.batch / micro).c_str() : "",
+              static_cast<long long>(s.steps), format_bytes(store.bytes()).c_str(), out.string().c_str());
   std::fflush(stdout);
 
   // ---- train ----------------------------------------------------------------------------------
@@ -467,6 +483,9 @@ int main(int argc, char** argv) {
   auto* model = app.add_option_group("model", "Model shape (default: a small Llama)");
   model->add_option("--model", s.model_dir,
                     "Hugging Face model directory (config.json + safetensors) to fine-tune: shape and weights from there");
+  model->add_option("--allow-dtype-mismatch", s.allow_dtype_mismatch,
+                    "--model: load tensors stored in another float dtype than config.json declares (true/false)")
+      ->capture_default_str();
   model->add_option("--model-config", s.model_config, "Hugging Face config.json giving the model shape");
   model->add_option("--preset", s.preset, "Built-in shape: " + fmt::format("{}", fmt::join(ModelConfig::preset_names(), ", ")));
   model->add_option("--hidden", s.hidden, "Hidden size")->capture_default_str();
@@ -491,6 +510,10 @@ int main(int argc, char** argv) {
   train->add_option("--seq", s.seq, "Tokens per sequence")->capture_default_str();
   train->add_option("--steps", s.steps, "Optimizer steps (0: evaluate only: print the validation loss as JSON)")->capture_default_str();
   train->add_option("--micro-batches", s.micro_batches, "Gradient accumulation: split each batch into this many parts")->capture_default_str();
+  train->add_option("--max-micro-batch", s.max_micro_batch,
+                    "Most sequences on the device at once; a larger --batch runs as gradient accumulation over "
+                    "micro-batches (0: no limit)")
+      ->capture_default_str();
   train->add_option("--chunk", s.chunk, "Sequences per compute chunk (0: a whole micro-batch)")->capture_default_str();
   train->add_option("--lr", s.lr, "Peak learning rate")->capture_default_str();
   train->add_option("--min-lr", s.min_lr, "Floor of the cosine schedule")->capture_default_str();
@@ -501,7 +524,8 @@ int main(int argc, char** argv) {
   train->add_option("--beta2", s.beta2, "AdamW beta2")->capture_default_str();
   train->add_option("--eps", s.eps, "AdamW epsilon")->capture_default_str();
   train->add_option("--clip", s.clip, "Max global gradient norm (0: no clipping)")->capture_default_str();
-  train->add_option("--clip-mode", s.clip_mode, "exact (PyTorch's clip_grad_norm_) or stale (previous step's norm)")->capture_default_str();
+  train->add_option("--clip-mode", s.clip_mode, "stale (clip with the previous step's global norm; the optimizer overlaps the backward) or exact "
+                    "(PyTorch's clip_grad_norm_ over this step's gradients; the optimizer waits for the backward)")->capture_default_str();
 
   auto* runo = app.add_option_group("run", "Run");
   runo->add_option("--seed", s.seed, "Seed for initialisation and data order")->capture_default_str();
@@ -530,6 +554,13 @@ int main(int argc, char** argv) {
       } else if (args[i].rfind("--config=", 0) == 0) {
         config_file = args[i].substr(9);
       }
+    }
+    // An option may appear once on the command line (a value there overrides the config file's).
+    std::set<std::string> seen;
+    for (const auto& a : args) {
+      if (a.rfind("--", 0) != 0 || a.size() == 2) continue;
+      const std::string name = a.substr(0, a.find('='));
+      MT_CHECK(seen.insert(name).second, "{} is given more than once; pass it once", name);
     }
     if (!config_file.empty()) all = config_args(config_file, app);
     all.insert(all.end(), args.begin(), args.end());

@@ -26,21 +26,36 @@ std::size_t page_size() {
   return p;
 }
 
+// Test hook: MEGATRAIN_TEST_FAIL_PIN=1 makes every pinning attempt fail as cudaHostRegister can
+// (locked-memory limit), in any build and with or without a GPU, so that the fallback can be
+// tested. Read at each allocation.
+bool pin_failure_forced() {
+  const char* e = std::getenv("MEGATRAIN_TEST_FAIL_PIN");
+  return e != nullptr && *e != '\0' && std::strcmp(e, "0") != 0;
+}
+
+// Page-locks [p, p + bytes) for Pinning::automatic. No GPU (or a CPU-only build): pageable,
+// silently. A GPU but pinning fails: pageable, with one warning.
 bool try_pin(void* p, std::size_t bytes) {
+  std::string why;
+  if (pin_failure_forced()) {
+    why = "forced by MEGATRAIN_TEST_FAIL_PIN";
+  } else {
 #if MEGATRAIN_HAS_CUDA
-  if (!cuda_device_present()) return false;
-  const cudaError_t st = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
-  if (st == cudaSuccess) return true;
-  (void)cudaGetLastError();  // clear the sticky-free error so later calls are not confused
+    if (!cuda_device_present()) return false;
+    const cudaError_t st = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
+    if (st == cudaSuccess) return true;
+    (void)cudaGetLastError();  // clear the non-sticky error so later calls are not confused
+    why = cudaGetErrorString(st);
+#else
+    (void)p;
+    return false;
+#endif
+  }
   log_warning("pinning {} of host memory failed ({}); using pageable memory, which copies to the GPU several "
               "times slower. Raise the locked-memory limit (ulimit -l) or free memory.",
-              format_bytes(bytes), cudaGetErrorString(st));
+              format_bytes(bytes), why);
   return false;
-#else
-  (void)p;
-  (void)bytes;
-  return false;
-#endif
 }
 
 std::size_t read_size_file(const char* path) {

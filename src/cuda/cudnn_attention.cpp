@@ -84,6 +84,7 @@
 #include "megatrain/core/cuda_check.hpp"
 #include "megatrain/core/cudnn_check.hpp"
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/host_memory.hpp"
 #include "megatrain/core/log.hpp"
 #include "megatrain/core/nvtx.hpp"
 
@@ -191,24 +192,29 @@ class Desc {
   cudnnBackendDescriptor_t d_ = nullptr;
 };
 
-/// Device memory for a few int32 values, freed on destruction.
-class DeviceInts {
+/// A few int32 values in pinned host memory, copied into the caller's device workspace on the
+/// caller's stream before each launch that reads them. No device memory of its own: everything
+/// cuDNN reads on the device lives in the workspace, which the caller allocates (CudaBackend
+/// counts it against its memory cap), and the copy is an ordinary cudaMemcpyAsync on the launch's
+/// stream (pinned source: asynchronous, ordered like the launch; no device-wide wait; only if
+/// pinning fails is the source pageable, and then the driver may block the host for these few
+/// bytes). The values never change after set(), so the source stays valid for every copy in flight.
+class HostInts {
  public:
-  DeviceInts() = default;
-  ~DeviceInts() {
-    if (p_ != nullptr) (void)cudaFree(p_);
+  void set(const std::vector<std::int32_t>& values) {
+    count_ = values.size();
+    buf_ = HostBuffer::allocate(bytes());
+    std::copy(values.begin(), values.end(), buf_.as<std::int32_t>(0, count_).begin());
   }
-  DeviceInts(const DeviceInts&) = delete;
-  DeviceInts& operator=(const DeviceInts&) = delete;
-  void upload(const std::vector<std::int32_t>& values) {
-    MT_CHECK(p_ == nullptr, "already uploaded");
-    MT_CUDA_CHECK(cudaMalloc(&p_, values.size() * sizeof(std::int32_t)));
-    MT_CUDA_CHECK(cudaMemcpy(p_, values.data(), values.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+  std::size_t bytes() const { return count_ * sizeof(std::int32_t); }
+  /// Enqueues the copy of the values to `device` (at least bytes() long) on `stream`.
+  void copy_to(void* device, cudaStream_t stream) const {
+    MT_CUDA_CHECK(cudaMemcpyAsync(device, buf_.data(), bytes(), cudaMemcpyHostToDevice, stream));
   }
-  std::int32_t* data(std::size_t offset = 0) const { return static_cast<std::int32_t*>(p_) + offset; }
 
  private:
-  void* p_ = nullptr;
+  std::size_t count_ = 0;
+  HostBuffer buf_;
 };
 
 /// Builds one operation graph: creates, fills and finalizes tensor and operation descriptors and
@@ -709,11 +715,12 @@ struct CudnnAttention::Plans {
   ExecPlan forward, backward;
 
   std::size_t forward_workspace = 0;
-  // Backward workspace: [cuDNN plan | softmax_sum fp32 B*H*S | dQ accumulator fp32 B*H*S*D].
-  std::size_t softmax_sum_offset = 0, dq_accum_offset = 0, backward_workspace = 0;
+  // Backward workspace: [cuDNN plan | softmax_sum fp32 B*H*S | dQ accumulator fp32 B*H*S*D
+  // (atomic dQ only) | seq_lens int32 2*B (padding workaround only)].
+  std::size_t softmax_sum_offset = 0, dq_accum_offset = 0, seq_lens_offset = 0, backward_workspace = 0;
   bool deterministic_graph = true;
   bool padding_workaround = false;
-  DeviceInts seq_lens;  ///< rows x seq_len_q, then rows x seq_len_kv (padding workaround only)
+  HostInts seq_lens;  ///< rows x seq_len_q, then rows x seq_len_kv (padding workaround only)
 
   // By-value scalars: cuDNN reads them through host pointers when a plan is launched.
   float scale = 1.0f;
@@ -733,6 +740,7 @@ std::size_t CudnnAttention::runtime_version() { return cudnnGetVersion(); }
 CudnnAttention::Plans& CudnnAttention::plans(const AttentionDims& d) {
   const Key key{d.rows, d.seq, d.heads, d.kv_heads, d.head_dim};
   if (auto it = plans_.find(key); it != plans_.end()) return *it->second;
+  MT_NVTX_RANGE("cudnn_attention_build");  // once per shape
   MT_CHECK(d.rows > 0 && d.seq > 0 && d.heads > 0 && d.kv_heads > 0 && d.head_dim > 0,
            "attention dims must be positive ({})", shape_name(d));
   MT_CHECK(d.heads % d.kv_heads == 0, "heads ({}) must be a multiple of kv_heads ({})", d.heads, d.kv_heads);
@@ -793,8 +801,12 @@ CudnnAttention::Plans& CudnnAttention::plans(const AttentionDims& d) {
                                 ? p->dq_accum_offset
                                 : p->dq_accum_offset + rows * static_cast<std::size_t>(d.head_dim) * sizeof(float);
     if (p->padding_workaround) {
+      // The sequence lengths live in the caller's workspace (counted against CudaBackend's memory
+      // cap), copied there from pinned host memory by every backward(), on its stream.
       std::vector<std::int32_t> lens(2 * static_cast<std::size_t>(d.rows), static_cast<std::int32_t>(d.seq));
-      p->seq_lens.upload(lens);
+      p->seq_lens.set(lens);
+      p->seq_lens_offset = align_up(p->backward_workspace, kWorkspaceAlignment);
+      p->backward_workspace = p->seq_lens_offset + p->seq_lens.bytes();
     }
     if (p->deterministic_graph && p->backward.nondeterministic)
       log_warning("cuDNN attention [{}]: the backward engine {} is marked non-deterministic", shape_name(d),
@@ -880,10 +892,14 @@ void CudnnAttention::backward(const bf16* q, const bf16* k, const bf16* v, const
     pointers.push_back(ws + p.dq_accum_offset);
   }
   if (p.padding_workaround) {
+    // The workspace is shared with other ops: the lengths are written again before every launch
+    // (an asynchronous copy on `stream`, ordered before the launch; 8 bytes per row).
+    auto* lens = reinterpret_cast<std::int32_t*>(ws + p.seq_lens_offset);
+    p.seq_lens.copy_to(lens, stream);
     uids.push_back(kSeqLenQ);
-    pointers.push_back(p.seq_lens.data());
+    pointers.push_back(lens);
     uids.push_back(kSeqLenKV);
-    pointers.push_back(p.seq_lens.data(static_cast<std::size_t>(d.rows)));
+    pointers.push_back(lens + d.rows);
   }
   execute(handle_, p.backward, uids.data(), pointers.data(), uids.size(), workspace, p.backward_ops->name());
 }

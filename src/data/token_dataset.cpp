@@ -14,6 +14,7 @@
 #include <random>
 
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/nvtx.hpp"
 
 namespace megatrain {
 
@@ -34,6 +35,7 @@ struct TokenSource::Mapping {
 };
 
 TokenSource TokenSource::open(const std::filesystem::path& path, TokenFormat bin_format) {
+  MT_NVTX_RANGE("TokenSource::open");
   MT_CHECK(bin_format != TokenFormat::text, "bin_format must be u16 or u32");
   const std::string label = path.string();
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -127,6 +129,7 @@ void TokenSource::read(std::int64_t start, std::span<std::int32_t> out) const {
 }
 
 std::int32_t TokenSource::max_id() const {
+  MT_NVTX_RANGE("TokenSource::max_id");
   // A negative id (uint32 above INT32_MAX) wins as "largest" so the caller reports it.
   return tbb::parallel_reduce(
       tbb::blocked_range<std::int64_t>(0, count_, 1 << 16), std::int32_t{0},
@@ -156,6 +159,7 @@ void check_vocab(const TokenSource& s, std::int64_t vocab) {
 
 TokenDataset::TokenDataset(TokenSource train, DatasetOptions opt, std::optional<TokenSource> val)
     : train_(std::move(train)), val_(std::move(val)), opt_(opt) {
+  MT_NVTX_RANGE("TokenDataset::TokenDataset");
   MT_CHECK(opt.vocab_size > 0, "vocab_size must be > 0 (got {})", opt.vocab_size);
   MT_CHECK(opt.seq_len > 0, "sequence length must be > 0 (got {})", opt.seq_len);
   MT_CHECK(opt.val_fraction >= 0 && opt.val_fraction < 1, "val_fraction must be in [0, 1) (got {})", opt.val_fraction);
@@ -213,6 +217,7 @@ void TokenDataset::window(const TokenSource& src, std::int64_t begin, std::int64
 
 void TokenDataset::train_batch(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
                                std::span<std::int32_t> labels) const {
+  MT_NVTX_RANGE("TokenDataset::train_batch");
   const auto seq = static_cast<std::size_t>(opt_.seq_len);
   MT_CHECK(ids.size() == static_cast<std::size_t>(rows) * seq && labels.size() == ids.size(),
            "batch buffers hold {} / {} tokens, expected {} x {}", ids.size(), labels.size(), rows, seq);
@@ -226,6 +231,7 @@ void TokenDataset::train_batch(std::int64_t first_window, std::int64_t rows, std
 
 void TokenDataset::val_batch(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
                              std::span<std::int32_t> labels) const {
+  MT_NVTX_RANGE("TokenDataset::val_batch");
   const auto seq = static_cast<std::size_t>(opt_.seq_len);
   MT_CHECK(ids.size() == static_cast<std::size_t>(rows) * seq && labels.size() == ids.size(),
            "batch buffers hold {} / {} tokens, expected {} x {}", ids.size(), labels.size(), rows, seq);

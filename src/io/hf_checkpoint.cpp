@@ -14,9 +14,11 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <system_error>
+#include <utility>
 
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/nvtx.hpp"
@@ -36,6 +38,41 @@ constexpr std::uintmax_t kMaxSideFileBytes = 64u << 20;
 bool is_float_dtype(SafetensorsDType t) {
   return t == SafetensorsDType::f32 || t == SafetensorsDType::bf16 || t == SafetensorsDType::f16 ||
          t == SafetensorsDType::f64;
+}
+
+/// The dtype config.json declares for the weights, if it declares one.
+struct DeclaredDType {
+  std::string key;   ///< "dtype" or "torch_dtype"
+  std::string text;  ///< as written, e.g. "bfloat16"
+  SafetensorsDType dtype = SafetensorsDType::f32;
+};
+
+/// Reads the declared dtype: "dtype" (transformers 5) or else "torch_dtype" (transformers 4);
+/// when both are there "dtype" wins, as in transformers' PretrainedConfig. Neither key, null or
+/// "auto": nothing declared. A value that is not a float dtype megatrain reads is an error naming
+/// config.json and the key, unless mismatches are allowed anyway (then it declares nothing).
+std::optional<DeclaredDType> declared_dtype(const json& j, const std::string& config_path, bool allow_mismatch) {
+  for (const char* key : {"dtype", "torch_dtype"}) {
+    if (!j.contains(key) || j.at(key).is_null()) continue;
+    const json& v = j.at(key);
+    MT_CHECK(v.is_string(), "{}: field '{}' must be a string such as \"bfloat16\", not {}", config_path, key, v.dump());
+    std::string text = v.get<std::string>();
+    std::string_view name = text;
+    if (name.starts_with("torch.")) name.remove_prefix(6);  // str(torch.bfloat16), written by some tools
+    if (name == "auto") return std::nullopt;
+    static constexpr std::pair<std::string_view, SafetensorsDType> kNames[] = {
+        {"float32", SafetensorsDType::f32}, {"float", SafetensorsDType::f32},   {"bfloat16", SafetensorsDType::bf16},
+        {"float16", SafetensorsDType::f16}, {"half", SafetensorsDType::f16},    {"float64", SafetensorsDType::f64},
+        {"double", SafetensorsDType::f64}};
+    for (const auto& [n, t] : kNames)
+      if (name == n) return DeclaredDType{key, std::move(text), t};
+    if (allow_mismatch) return std::nullopt;
+    MT_FAIL("{}: \"{}\": \"{}\" is not a dtype megatrain loads (float32, bfloat16, float16 or float64); if the weights "
+            "are floats stored in other dtypes, allow it explicitly (HfOpenOptions::allow_dtype_mismatch; megatrain-train "
+            "--allow-dtype-mismatch)",
+            config_path, key, text);
+  }
+  return std::nullopt;
 }
 
 /// Buffers that some exporters save but that megatrain derives from config.json.
@@ -154,7 +191,7 @@ void check_store_matches(const HostParamStore<float>& store, const std::vector<U
 
 // ---- loading ----------------------------------------------------------------------------------
 
-HfCheckpoint HfCheckpoint::open(const fs::path& dir) {
+HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& options) {
   MT_NVTX_RANGE("io::HfCheckpoint::open");
   std::error_code ec;
   const auto st = fs::status(dir, ec);
@@ -178,6 +215,7 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir) {
     MT_FAIL("{}: malformed JSON: {}", config_path.string(), e.what());
   }
   c.config_ = ModelConfig::from_json(j, config_path.string());
+  const std::optional<DeclaredDType> declared = declared_dtype(j, config_path.string(), options.allow_dtype_mismatch);
 
   // Weights. A directory holding only PyTorch pickles gets a message saying so.
   if (!fs::exists(dir / "model.safetensors", ec) && !fs::exists(dir / "model.safetensors.index.json", ec)) {
@@ -199,6 +237,16 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir) {
   const ModelConfig& cfg = c.config_;
   const std::string ckpt_label = c.weights_.path().string();
   std::vector<std::string> problems;
+  // Float tensors stored in another dtype than config.json declares: listed after the other
+  // problems (a whole checkpoint in the wrong dtype should not hide a missing tensor).
+  std::vector<std::string> dtype_problems;
+  const auto check_declared_dtype = [&](const TensorRef& r) {
+    if (!declared || options.allow_dtype_mismatch || !is_float_dtype(r.info->dtype) || r.info->dtype == declared->dtype)
+      return;
+    dtype_problems.push_back(fmt::format("tensor '{}' in {} is stored as {} but config.json declares \"{}\": \"{}\" ({})",
+                                         r.name(), where(r), safetensors_dtype_name(r.info->dtype), declared->key,
+                                         declared->text, safetensors_dtype_name(declared->dtype)));
+  };
   std::set<std::string, std::less<>> used;
   const std::string table = Embedding::kTable, head = LmHead::kHead;
   for (const auto& u : c.units_) {
@@ -221,6 +269,7 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir) {
             "tensor '{}' in {} holds {} elements; only F32, BF16, F16 and F64 weights can be loaded (quantized "
             "checkpoints are not supported)",
             ref->name(), where(*ref), safetensors_dtype_name(ref->info->dtype)));
+      check_declared_dtype(*ref);
     }
   }
   // A tied model may carry the head anyway: then it must be the table.
@@ -242,6 +291,7 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir) {
             "set tie_word_embeddings to false if the model has a separate LM head",
             head, where(*h), table, at, b, a));
       } else {
+        check_declared_dtype(*h);
         c.ignored_.push_back(fmt::format("{} (tied: equal to {})", head, table));
       }
     }
@@ -265,8 +315,15 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir) {
                         cfg.num_hidden_layers);
     problems.push_back(fmt::format("unexpected tensor '{}' in {}: {}", name, where(r), why));
   }
+  const std::size_t dtype_mismatches = dtype_problems.size();
+  problems.insert(problems.end(), dtype_problems.begin(), dtype_problems.end());
   if (!problems.empty()) {
     std::string hint;
+    if (dtype_mismatches > 0)
+      hint += fmt::format("\n  ({} tensor{} stored in another dtype than config.json's \"{}\": \"{}\"; if the checkpoint "
+                          "mixes dtypes on purpose, allow it explicitly (HfOpenOptions::allow_dtype_mismatch; "
+                          "megatrain-train --allow-dtype-mismatch): every float dtype is converted to the fp32 master)",
+                          dtype_mismatches, dtype_mismatches == 1 ? "" : "s", declared->key, declared->text);
     if (!cfg.tie_word_embeddings && !c.weights_.contains(head) && c.weights_.contains(table))
       hint += "\n  (lm_head.weight is missing: if the model shares its embedding table with the LM head, set "
               "\"tie_word_embeddings\": true in config.json)";
@@ -304,9 +361,9 @@ void HfCheckpoint::load_into(HostParamStore<float>& store) const {
   }
 }
 
-HfModel load_hf_model(const fs::path& dir, const StoreOptions& options) {
+HfModel load_hf_model(const fs::path& dir, const StoreOptions& options, const HfOpenOptions& open_options) {
   MT_NVTX_RANGE("io::load_hf_model");
-  const HfCheckpoint ckpt = HfCheckpoint::open(dir);
+  const HfCheckpoint ckpt = HfCheckpoint::open(dir, open_options);
   HfModel m{ckpt.config(), HostParamStore<float>(ckpt.units(), options), ckpt.ignored()};
   ckpt.load_into(m.store);
   return m;
@@ -380,6 +437,7 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
 }
 
 void check_hf_export_target(const fs::path& dir) {
+  MT_NVTX_RANGE("io::check_hf_export_target");
   std::error_code ec;
   const auto st = fs::symlink_status(dir, ec);
   if (ec || !fs::exists(st)) return;
@@ -398,6 +456,7 @@ void check_hf_export_target(const fs::path& dir) {
 }
 
 std::map<std::string, std::string> hf_side_files(const fs::path& dir) {
+  MT_NVTX_RANGE("io::hf_side_files");
   static constexpr const char* kNames[] = {
       "tokenizer.json",   "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
       "vocab.json",       "merges.txt",            "added_tokens.json",       "generation_config.json",

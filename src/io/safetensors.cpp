@@ -37,6 +37,7 @@
 
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/log.hpp"
+#include "megatrain/core/nvtx.hpp"
 
 static_assert(std::endian::native == std::endian::little,
               "safetensors data is little-endian; megatrain reads it in place on little-endian hosts only");
@@ -422,6 +423,7 @@ void SafetensorsFile::release() noexcept {
 }
 
 SafetensorsFile SafetensorsFile::open(const fs::path& path) {
+  MT_NVTX_RANGE("io::SafetensorsFile::open");
   const std::string label = path.string();
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   MT_CHECK(fd >= 0, "cannot open '{}': {}", label, errno_text(errno));
@@ -502,6 +504,7 @@ std::string read_small_file(const fs::path& path, std::uint64_t max_bytes) {
 }  // namespace
 
 SafetensorsCheckpoint SafetensorsCheckpoint::open(const fs::path& path) {
+  MT_NVTX_RANGE("io::SafetensorsCheckpoint::open");
   std::error_code ec;
   const auto status = fs::status(path, ec);
   MT_CHECK(!ec && fs::exists(status), "checkpoint '{}' does not exist", path.string());
@@ -642,6 +645,7 @@ void decode_chunk(SafetensorsDType dtype, const std::byte* src, std::size_t coun
 
 template <class D>
 void read_into_impl(const TensorRef& src, View<D> dst) {
+  MT_NVTX_RANGE("io::read_into");
   MT_CHECK(src.file != nullptr && src.info != nullptr, "read_into from an empty TensorRef");
   const TensorInfo& info = *src.info;
   const auto dims = dst.shape().dims();
@@ -991,6 +995,7 @@ bool plain_file_name(std::string_view n) {
 
 void write_safetensors(const fs::path& path, std::span<const TensorToWrite> tensors,
                        const std::map<std::string, std::string>& metadata) {
+  MT_NVTX_RANGE("io::write_safetensors");
   const fs::path target = normalized_target(path);
   const std::string label = target.string();
   const auto nbytes = check_all_for_write(tensors, metadata, label);
@@ -1184,6 +1189,7 @@ fs::path replace_directory(const fs::path& staged, const fs::path& target, bool 
 
 void write_safetensors_sharded(const fs::path& dir, std::span<const TensorToWrite> tensors,
                                const ShardedWriteOptions& options) {
+  MT_NVTX_RANGE("io::write_safetensors_sharded");
   const fs::path target = normalized_target(dir);
   const std::string label = target.string();
 

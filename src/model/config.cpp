@@ -105,6 +105,15 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
     MT_CHECK(found != nullptr, "{}: architecture '{}' is not supported (supported: LlamaForCausalLM, MistralForCausalLM, "
              "Qwen2ForCausalLM)", src, arch_name);
     c.architecture = found->arch;
+    // transformers picks the config class by model_type and other loaders (vLLM, ...) pick the
+    // model class by architectures: when both are given they must name the same model.
+    if (j.contains("model_type") && !j.at("model_type").is_null()) {
+      const json& mt = j.at("model_type");
+      MT_CHECK(mt.is_string(), "{}: field 'model_type' must be a string, not {} ({})", src, type_name(mt), mt.dump());
+      MT_CHECK(mt.get<std::string>() == found->model_type,
+               "{}: 'architectures' and 'model_type' disagree: architectures names {}, whose model_type is '{}', "
+               "but model_type is '{}'", src, arch_name, found->model_type, mt.get<std::string>());
+    }
   } else {
     MT_CHECK(j.contains("model_type") && j.at("model_type").is_string(),
              "{}: neither 'architectures' nor 'model_type' says what model this is", src);
@@ -155,16 +164,31 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
   if (j.contains("rope_scaling") && !j.at("rope_scaling").is_null())
     c.rope_scaling = parse_rope_scaling(j.at("rope_scaling"), src);
 
+  // Qwen2Config and MistralConfig have no attention_bias or mlp_bias: transformers keeps such a
+  // key as an unused attribute and builds the projections from the architecture alone (Qwen2:
+  // q/k/v biases, no o_proj or MLP bias; Mistral: no bias at all). A `true` there describes a
+  // model transformers does not build (Llama's attention_bias also covers o_proj), whose bias
+  // tensors it would drop on load, so it is refused. A `false` changes nothing in transformers
+  // and is accepted (Qwen2's q/k/v biases stay).
+  auto refuse_bias_keys = [&](std::string_view what_it_has) {
+    for (const char* key : {"attention_bias", "mlp_bias"})
+      MT_CHECK(!get_bool(j, key, src, false),
+               "{}: '{}' is true, but {} has no such option (transformers ignores it: {}); remove the field, or "
+               "use LlamaForCausalLM for a model with these biases",
+               src, key, c.architecture_name(), what_it_has);
+  };
   switch (c.architecture) {
     case Architecture::llama:
       c.qkv_bias = c.o_bias = get_bool(j, "attention_bias", src, false);
       c.mlp_bias = get_bool(j, "mlp_bias", src, false);
       break;
     case Architecture::qwen2:
+      refuse_bias_keys("its q/k/v projections always have a bias, its o_proj and MLP never do");
       c.qkv_bias = true;  // Qwen2's q/k/v projections always carry a bias; o_proj never does
       if (get_bool(j, "use_sliding_window", src, false)) c.sliding_window = get_int(j, "sliding_window", src);
       break;
     case Architecture::mistral:
+      refuse_bias_keys("it has no bias in attention or MLP");
       // transformers' MistralConfig defaults sliding_window to 4096 when the key is absent;
       // an explicit null (v0.2 and later) means full attention.
       if (!j.contains("sliding_window")) c.sliding_window = 4096;
@@ -212,6 +236,22 @@ void ModelConfig::validate(std::string_view src) const {
   MT_CHECK(!sliding_window || *sliding_window > 0, "{}: sliding_window must be > 0 (got {})", src, *sliding_window);
   MT_CHECK(rope_scaling.type != RopeScaling::Type::llama3 || rope_scaling.high_freq_factor > rope_scaling.low_freq_factor,
            "{}: llama3 rope scaling needs high_freq_factor > low_freq_factor", src);
+  // The biases a config.json can describe (from_json above): anything else would not survive
+  // to_json, nor load in transformers.
+  switch (architecture) {
+    case Architecture::llama:
+      MT_CHECK(qkv_bias == o_bias, "{}: qkv_bias ({}) and o_bias ({}) must agree for LlamaForCausalLM: its one "
+               "attention_bias sets both", src, qkv_bias, o_bias);
+      break;
+    case Architecture::qwen2:
+      MT_CHECK(qkv_bias && !o_bias && !mlp_bias, "{}: Qwen2ForCausalLM has q/k/v biases and no o_proj or MLP bias "
+               "(got qkv_bias {}, o_bias {}, mlp_bias {})", src, qkv_bias, o_bias, mlp_bias);
+      break;
+    case Architecture::mistral:
+      MT_CHECK(!qkv_bias && !o_bias && !mlp_bias, "{}: MistralForCausalLM has no biases (got qkv_bias {}, o_bias {}, "
+               "mlp_bias {})", src, qkv_bias, o_bias, mlp_bias);
+      break;
+  }
 }
 
 std::string_view ModelConfig::architecture_name() const {

@@ -260,3 +260,202 @@ TEST_CASE("take_rows on the GPU moves exactly the rows the CPU backend moves") {
     CHECK(want[0] == table[row0]);
   }
 }
+
+namespace {
+
+/// bf16's machine epsilon (7 stored fraction bits: the gap after 1.0); rounding to nearest is off
+/// by at most half of it, relative.
+constexpr double kBf16Eps = 0x1p-7;
+/// fp32's, for what accumulates in fp32 (products of bf16 values are exact in fp32).
+constexpr double kF32Eps = 0x1p-23;
+
+template <class E>
+std::vector<float> to_float(const std::vector<E>& v) {
+  std::vector<float> f(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) f[i] = static_cast<float>(v[i]);
+  return f;
+}
+View<const float> cview(const std::vector<float>& v, Shape s) { return {std::span<const float>(v), s}; }
+View<float> mview(std::vector<float>& v, Shape s) { return {std::span<float>(v), s}; }
+template <class E>
+View<const E> cview(const CudaBackend::Buffer<E>& b, Shape s) { return {b.span(), s}; }
+template <class E>
+View<E> mview(CudaBackend::Buffer<E>& b, Shape s) { return {b.span(), s}; }
+
+/// Every element within its own bound: |got - want| <= bound[i]. Reports the worst one.
+void check_within(const std::vector<double>& got, const std::vector<float>& want, const std::vector<double>& bound,
+                  const char* what) {
+  REQUIRE(got.size() == want.size());
+  REQUIRE(bound.size() == want.size());
+  std::size_t worst = 0;
+  double worst_ratio = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    REQUIRE(std::isfinite(got[i]));
+    const double ratio = std::abs(got[i] - static_cast<double>(want[i])) / bound[i];
+    if (ratio > worst_ratio) {
+      worst_ratio = ratio;
+      worst = i;
+    }
+  }
+  const std::string name(what);
+  CAPTURE(name);
+  CAPTURE(worst);
+  CAPTURE(got[worst]);
+  CAPTURE(want[worst]);
+  CAPTURE(bound[worst]);
+  CHECK(worst_ratio <= 1.0);
+}
+
+}  // namespace
+
+TEST_CASE("the cuBLASLt plan cache builds one plan per shape and reuses it") {
+  CudaBackend be;
+  auto ws = be.alloc<std::byte>(std::size_t{32} << 20);
+  cuda::Gemm gemm(ws.span().data(), ws.size());
+  std::mt19937 rng(3);
+  const std::int64_t M = 33, N = 64, K = 128;
+  auto x = to_device(be, random_bf16(static_cast<std::size_t>((M + 1) * K), 1.0f, rng));
+  auto w = to_device(be, random_bf16(static_cast<std::size_t>(N * K), 0.1f, rng));
+  auto y1 = be.alloc<bf16>(static_cast<std::size_t>((M + 1) * N)), y2 = be.alloc<bf16>(y1.size());
+  const bf16* xp = x.span().data();
+  const bf16* wp = w.span().data();
+  CHECK(gemm.cached_plans() == 0);
+
+  gemm.forward(xp, wp, nullptr, y1.span().data(), M, N, K, be.stream());
+  const std::size_t after_first = gemm.cached_plans();
+  CHECK(after_first == 1);
+  // The same shape again, into the same and into another (equally aligned) output: no new plan,
+  // and the cached plan gives the same bits.
+  for (int i = 0; i < 3; ++i) gemm.forward(xp, wp, nullptr, y2.span().data(), M, N, K, be.stream());
+  CHECK(gemm.cached_plans() == after_first);
+  be.synchronize();
+  const auto a = from_device(y1), b = from_device(y2);
+  CHECK(std::equal(a.begin(), a.begin() + M * N, b.begin()));
+
+  // A new shape: exactly one more plan, then reused.
+  gemm.forward(xp, wp, nullptr, y1.span().data(), M + 1, N, K, be.stream());
+  CHECK(gemm.cached_plans() == after_first + 1);
+  gemm.forward(xp, wp, nullptr, y2.span().data(), M + 1, N, K, be.stream());
+  CHECK(gemm.cached_plans() == after_first + 1);
+  // Another kind of product (the weight gradient) of an old shape: one more, once.
+  auto dw = be.alloc<float>(static_cast<std::size_t>(N * K));
+  MT_CUDA_CHECK(cudaMemset(dw.span().data(), 0, dw.size() * sizeof(float)));
+  gemm.weight_grad(y1.span().data(), xp, dw.span().data(), M, N, K, be.stream());
+  CHECK(gemm.cached_plans() == after_first + 2);
+  gemm.weight_grad(y2.span().data(), xp, dw.span().data(), M, N, K, be.stream());
+  CHECK(gemm.cached_plans() == after_first + 2);
+  // Pointers off the 16-byte grid need a plan of their own (part of the key), also built once.
+  gemm.forward(xp + 1, wp, nullptr, y1.span().data(), M, N, K, be.stream());
+  CHECK(gemm.cached_plans() == after_first + 3);
+  gemm.forward(xp + 1, wp, nullptr, y2.span().data(), M, N, K, be.stream());
+  CHECK(gemm.cached_plans() == after_first + 3);
+  be.synchronize();
+}
+
+TEST_CASE("linear and linear_backward on the GPU match CpuBackend<float> at awkward sizes") {
+  CudaBackend be;
+  constexpr std::int64_t kSizes[] = {1, 7, 33, 130};
+  be.prepare({130, 130, 0, {}});
+  CpuBackend<float> cpu;
+  std::mt19937 rng(29);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (const std::int64_t M : kSizes)
+    for (const std::int64_t K : kSizes)
+      for (const std::int64_t N : kSizes)
+        for (const bool bias : {false, true})
+          for (const bool accumulate : {false, true}) {
+            CAPTURE(M);
+            CAPTURE(K);
+            CAPTURE(N);
+            CAPTURE(bias);
+            CAPTURE(accumulate);
+            const auto mk = static_cast<std::size_t>(M * K), nk = static_cast<std::size_t>(N * K),
+                       mn = static_cast<std::size_t>(M * N);
+            const auto x16 = random_bf16(mk, 1.0f, rng), w16 = random_bf16(nk, 0.5f, rng),
+                       b16 = random_bf16(static_cast<std::size_t>(N), 1.0f, rng), dy16 = random_bf16(mn, 1.0f, rng),
+                       dx16 = random_bf16(mk, 1.0f, rng);  // what dx holds before (accumulate)
+            std::vector<float> dw0(nk), db0(static_cast<std::size_t>(N));  // fp32 accumulators, not zero
+            for (auto& v : dw0) v = nd(rng);
+            for (auto& v : db0) v = nd(rng);
+
+            // Reference: the CPU backend in fp32 on the same (bf16-exact) values.
+            const auto x = to_float(x16), w = to_float(w16), bv = to_float(b16), dy = to_float(dy16);
+            const auto dx0 = to_float(dx16);
+            std::vector<float> y(mn), dx = dx0, dw = dw0, db = db0;
+            const Shape sx{M, K}, sw{N, K}, sy{M, N}, sb{N};
+            cpu.linear(cview(x, sx), cview(w, sw), bias ? cview(bv, sb) : View<const float>{}, mview(y, sy));
+            cpu.linear_backward(cview(x, sx), cview(w, sw), cview(dy, sy), mview(dx, sx), accumulate, mview(dw, sw),
+                                bias ? mview(db, sb) : View<float>{});
+
+            auto gx = to_device(be, x16), gw = to_device(be, w16), gb = to_device(be, b16), gdy = to_device(be, dy16);
+            auto gdx = to_device(be, dx16);
+            auto gdw = to_device(be, dw0), gdb = to_device(be, db0);
+            auto gy = be.alloc<bf16>(mn);
+            be.linear(cview(gx, sx), cview(gw, sw), bias ? cview(gb, sb) : View<const bf16>{}, mview(gy, sy));
+            be.linear_backward(cview(gx, sx), cview(gw, sw), cview(gdy, sy), mview(gdx, sx), accumulate, mview(gdw, sw),
+                               bias ? mview(gdb, sb) : View<float>{});
+            be.synchronize();
+
+            // Bounds, element by element. bf16 results (y, dx): one rounding to bf16 (at most
+            // kBf16Eps / 2, relative; allowed kBf16Eps) on top of fp32 accumulation on both sides,
+            // which is bounded by n * fp32 eps times the sum of |terms| (a worst case whatever the
+            // order of summation; allowed 4x that). With a bias, cuBLASLt's bias epilogue rounds
+            // the product x w^T to bf16 before it adds the bias (seen on H200, cuBLAS 13, for
+            // M > 1): one more rounding, of |x w^T| (= |y - b|), allowed kBf16Eps too.
+            // fp32 results (dW, db): the accumulation term.
+            std::vector<double> by(mn), bdx(mk), bdw(nk), bdb(static_cast<std::size_t>(N));
+            auto at = [](const std::vector<float>& v, std::int64_t i) { return std::abs(static_cast<double>(v[static_cast<std::size_t>(i)])); };
+            for (std::int64_t i = 0; i < M; ++i)
+              for (std::int64_t j = 0; j < N; ++j) {
+                double s = bias ? at(bv, j) : 0.0;
+                for (std::int64_t k = 0; k < K; ++k) s += at(x, i * K + k) * at(w, j * K + k);
+                const auto ij = static_cast<std::size_t>(i * N + j), jj = static_cast<std::size_t>(j);
+                const double product =  // |x w^T| of this element
+                    bias ? std::abs(static_cast<double>(y[ij]) - static_cast<double>(bv[jj])) : 0.0;
+                by[ij] = kBf16Eps * (at(y, i * N + j) + product) + 4 * static_cast<double>(K + 2) * kF32Eps * s + 1e-30;
+              }
+            for (std::int64_t i = 0; i < M; ++i)
+              for (std::int64_t k = 0; k < K; ++k) {
+                double s = accumulate ? at(dx0, i * K + k) : 0.0;
+                for (std::int64_t j = 0; j < N; ++j) s += at(dy, i * N + j) * at(w, j * K + k);
+                bdx[static_cast<std::size_t>(i * K + k)] =
+                    kBf16Eps * at(dx, i * K + k) + 4 * static_cast<double>(N + 2) * kF32Eps * s + 1e-30;
+              }
+            for (std::int64_t j = 0; j < N; ++j)
+              for (std::int64_t k = 0; k < K; ++k) {
+                double s = at(dw0, j * K + k);
+                for (std::int64_t i = 0; i < M; ++i) s += at(dy, i * N + j) * at(x, i * K + k);
+                bdw[static_cast<std::size_t>(j * K + k)] = 4 * static_cast<double>(M + 2) * kF32Eps * s + 1e-30;
+              }
+            for (std::int64_t j = 0; j < N; ++j) {
+              double s = at(db0, j);
+              for (std::int64_t i = 0; i < M; ++i) s += at(dy, i * N + j);
+              bdb[static_cast<std::size_t>(j)] = 4 * static_cast<double>(M + 2) * kF32Eps * s + 1e-30;
+            }
+            check_within(from_device(gy), y, by, "y");
+            check_within(from_device(gdx), dx, bdx, "dx");
+            check_within(from_device(gdw), dw, bdw, "dW");
+            if (bias) check_within(from_device(gdb), db, bdb, "db");
+            else CHECK(from_device(gdb) == std::vector<double>(db0.begin(), db0.end()));  // untouched
+          }
+}
+
+TEST_CASE("alloc counts against the cap exactly the bytes it allocates") {
+  CudaBackendOptions opt;
+  opt.memory_limit = (std::size_t{32} << 20) + 4096;  // the cuBLASLt workspace and 4 KiB more
+  CudaBackend be(opt);
+  const std::size_t base = be.allocated_bytes();
+  {
+    auto empty = be.alloc<float>(0);  // cudaMalloc'ed with 1 byte: counted as 1
+    CHECK(be.allocated_bytes() == base + 1);
+    auto some = be.alloc<bf16>(1000);
+    CHECK(be.allocated_bytes() == base + 1 + 2000);
+  }
+  CHECK(be.allocated_bytes() == base);
+  auto fits = be.alloc<std::byte>(be.memory_limit() - base);
+  CHECK(be.allocated_bytes() == be.memory_limit());
+  CHECK(*be.memory_available() == 0);
+  CHECK_THROWS_AS(be.alloc<std::byte>(1), megatrain::Error);
+  CHECK_THROWS_AS(be.alloc<float>(0), megatrain::Error);  // a 0-element buffer still takes a byte
+  CHECK(be.allocated_bytes() == be.memory_limit());
+}

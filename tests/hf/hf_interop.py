@@ -11,17 +11,29 @@ q/k/v biases), in float32 on the CPU:
      positions transformers' shifted loss covers. Tolerance: megatrain's CPU backend computes in
      fp32 (rel 1e-4); its CUDA backend in bf16 (rel 3e-2), checked too when --backend auto
      resolves to cuda;
-  3. megatrain-train fine-tunes the model for a few steps and exports it (bf16 and f32); the
-     export loads with AutoModelForCausalLM.from_pretrained (no missing, unexpected or
+  3. transformers saves the same model cast to bfloat16 (config.json then declares bfloat16 and
+     every tensor is BF16); megatrain's loss on it equals transformers' on the same bf16 weights
+     (computed in fp32: rel 1e-4; computed in bf16: rel 3e-2) and the fp32 model's (rel 3e-2);
+  4. megatrain-train fine-tunes the model for a few steps and exports it (bf16 in one file, f32
+     sharded: --shard-size small enough for several shards and model.safetensors.index.json);
+     the export loads with AutoModelForCausalLM.from_pretrained (no missing, unexpected or
      mismatched weights) and transformers' loss on it equals megatrain's (evaluate only, on the
      same export) within the fp32 tolerance; the f32 export's loss also equals the validation
-     loss megatrain reported at its last step.
+     loss megatrain reported at its last step. That fine-tuning changed the model is checked
+     without relying on noise: every training window is the evaluation window itself, so the
+     (training) loss must fall clearly, and the exported weights must differ from the saved ones
+     by training steps (~lr per element with Adam), far more than bf16 rounding.
 
-Usage: hf_interop.py --megatrain PATH/megatrain-train [--work DIR] [--keep] [--no-auto-backend]
+The run is deterministic: the seed is fixed (--seed, or the environment variable
+MEGATRAIN_HF_SEED, picks another).
+
+Usage: hf_interop.py --megatrain PATH/megatrain-train [--work DIR] [--keep] [--no-auto-backend] [--seed N]
 Exit status: 0 pass, 1 fail, 77 skip (torch or transformers cannot be imported).
 """
 
 import argparse
+import copy
+import glob
 import json
 import math
 import os
@@ -51,6 +63,23 @@ SEQ = 32
 FP32_RTOL = 1e-4
 BF16_RTOL = 3e-2
 ATOL = 1e-5
+DEFAULT_SEED = 20240611
+SEED_ENV = "MEGATRAIN_HF_SEED"
+# Fine-tuning: TRAIN_STEPS AdamW steps at LR (cosine schedule, no warm-up at this length). Adam's
+# first update moves every weight with a gradient by ~LR whatever the gradient's scale.
+TRAIN_STEPS = 3
+LR = 1e-3
+# The training loss (on the evaluation window, which is every training window) must fall by at
+# least this much (nats). The first-order drop of a sign-like Adam step is LR * sum|grad|.
+MIN_TRAIN_LOSS_DROP = 0.3  # observed: 1.2 to 1.6
+# An element "moved" when it differs from the saved model by more than MOVED_ABS and by more
+# than MOVED_REL * |saved value|: 8 times the largest bf16 rounding error (2**-9 relative), so
+# rounding alone never counts. At least MIN_MOVED_FRACTION of all elements must have moved.
+MOVED_ABS = LR / 4
+MOVED_REL = 8 * 2.0 ** -9
+MIN_MOVED_FRACTION = 0.05  # observed: about 0.3
+# The f32 export is sharded: at most this many bytes per shard (several shards for these models).
+F32_SHARD_SIZE = "40KB"
 
 
 def transformers_version():
@@ -96,6 +125,42 @@ def hf_loss(model, tokens):
     ids = torch.tensor([tokens], dtype=torch.long)
     with torch.no_grad():
         return float(model(input_ids=ids, labels=ids).loss)
+
+
+def state_fp32(model):
+    """name -> float32 copy of every tensor of the model's state dict."""
+    return {k: v.detach().to(torch.float32).clone() for k, v in model.state_dict().items()}
+
+
+def weight_changes(before, after):
+    """(elements moved by more than rounding, elements compared, max |difference|, names of
+    tensors that are missing or differ in shape)."""
+    moved = total = 0
+    max_diff = 0.0
+    bad = []
+    for name, a in before.items():
+        b = after.get(name)
+        if b is None or b.shape != a.shape:
+            bad.append(name)
+            continue
+        diff = (b - a).abs()
+        moved += int(((diff > MOVED_ABS) & (diff > MOVED_REL * a.abs())).sum())
+        total += a.numel()
+        max_diff = max(max_diff, float(diff.max()) if a.numel() else 0.0)
+    return moved, total, max_diff, bad
+
+
+def safetensors_dtypes(directory):
+    """dtype -> number of tensors, over every .safetensors file in `directory` (header only)."""
+    counts = {}
+    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                counts[entry["dtype"]] = counts.get(entry["dtype"], 0) + 1
+    return counts
 
 
 def write_tokens(path, tokens):
@@ -164,11 +229,16 @@ def check_model(name, model, exe, work, check, rng, gen, auto_backend):
     perturb(model, gen)
     model.eval()
     model.save_pretrained(hf_dir)
+    saved = state_fp32(model)
     files = sorted(os.listdir(hf_dir))
     check.true(f"{name}: save_pretrained wrote safetensors", any(f.endswith(".safetensors") for f in files), str(files))
     tied = bool(model.config.tie_word_embeddings)
 
-    tokens = [rng.randrange(VOCAB) for _ in range(SEQ + 1)]
+    # The evaluation window: S random tokens and the first of them again, so that the training
+    # file below (those S tokens repeated) cuts into windows (S + 1 tokens at a stride of S) that
+    # are all this very window.
+    pattern = [rng.randrange(VOCAB) for _ in range(SEQ)]
+    tokens = pattern + pattern[:1]
     tokens_bin = os.path.join(d, "tokens.bin")
     write_tokens(tokens_bin, tokens)
     want = hf_loss(model, tokens)
@@ -188,16 +258,73 @@ def check_model(name, model, exe, work, check, rng, gen, auto_backend):
                         f"transformers model", res_auto["val_loss"], want, tolerance(res_auto["compute_dtype"]))
         else:
             print(f"note {name}: --backend auto chose the cpu (no GPU): nothing more to check", flush=True)
+    before = res["val_loss"]  # megatrain's loss on the evaluation (and training) window, fp32
 
-    # 2. Fine-tune in megatrain, export, read back with transformers.
+    # 2. transformers' model saved in bfloat16: config.json declares it, every tensor is BF16.
+    bf16_dir = os.path.join(d, "hf-bf16")
+    model_bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    model_bf16.eval()
+    model_bf16.save_pretrained(bf16_dir)
+    with open(os.path.join(bf16_dir, "config.json")) as f:
+        cfg16 = json.load(f)
+    declared = cfg16.get("dtype", cfg16.get("torch_dtype"))
+    check.true(f"{name}/bfloat16 save: config.json declares bfloat16", declared == "bfloat16",
+               f"dtype {cfg16.get('dtype')!r}, torch_dtype {cfg16.get('torch_dtype')!r}")
+    stored = safetensors_dtypes(bf16_dir)
+    check.true(f"{name}/bfloat16 save: every tensor is BF16", set(stored) == {"BF16"}, str(stored))
+    del model_bf16
+    # The references come from the saved directory, as a user would load it: in float32 (the BF16
+    # weights widened exactly; casting the bf16 model back instead would keep its rotary inv_freq
+    # buffer rounded to bf16, ~1e-4 off in the loss) and in bfloat16 (transformers computing in bf16).
+    ref32, info32 = AutoModelForCausalLM.from_pretrained(bf16_dir, output_loading_info=True,
+                                                         **dtype_kwargs(torch.float32))
+    problems = loading_info_problems(info32, tied)
+    check.true(f"{name}/bfloat16 save: from_pretrained loads it back", not problems, "; ".join(problems))
+    want16_exact = hf_loss(ref32.eval(), tokens)
+    del ref32
+    want16_native = hf_loss(AutoModelForCausalLM.from_pretrained(bf16_dir, **dtype_kwargs(torch.bfloat16)).eval(), tokens)
+    res16 = megatrain_eval(exe, bf16_dir, tokens_bin, "cpu")
+    check.close(f"{name}/bfloat16 save: megatrain (cpu) vs transformers in fp32 on the bf16 weights",
+                res16["val_loss"], want16_exact, tolerance(res16["compute_dtype"]))
+    check.close(f"{name}/bfloat16 save: megatrain (cpu) vs transformers computing in bf16", res16["val_loss"],
+                want16_native, BF16_RTOL)
+    check.close(f"{name}/bfloat16 save: megatrain (cpu) vs the fp32 model's loss", res16["val_loss"], want, BF16_RTOL)
+    if auto_backend:
+        res16_auto = megatrain_eval(exe, bf16_dir, tokens_bin, "auto")
+        if res16_auto["backend"] != "cpu":
+            check.close(f"{name}/bfloat16 save: megatrain ({res16_auto['backend']}, {res16_auto['compute_dtype']}) vs "
+                        f"transformers in fp32 on the bf16 weights", res16_auto["val_loss"], want16_exact,
+                        tolerance(res16_auto["compute_dtype"]))
+
+    # megatrain refuses the same weights under a config.json that declares another dtype, naming
+    # the file and the tensor (by default: mixing dtypes must be asked for explicitly).
+    mismatch_dir = os.path.join(d, "hf-bf16-declared-float32")
+    shutil.copytree(bf16_dir, mismatch_dir)
+    cfg16.pop("torch_dtype", None)
+    cfg16["dtype"] = "float32"
+    with open(os.path.join(mismatch_dir, "config.json"), "w") as f:
+        json.dump(cfg16, f)
+    cmd = [exe, "--model", mismatch_dir, "--steps", "0", "--val-data", tokens_bin, "--seq", str(SEQ), "--backend", "cpu"]
+    print("+ " + " ".join(cmd), flush=True)
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
+    message = r.stdout + r.stderr
+    expected = ("tensor 'model.embed_tokens.weight' in '" + os.path.join(mismatch_dir, "model.safetensors") +
+                "' is stored as BF16 but config.json declares \"dtype\": \"float32\"")
+    check.true(f"{name}/bfloat16 save declared float32: megatrain refuses it, naming file and tensor",
+               r.returncode != 0 and expected in message, f"exit {r.returncode}: {message[-600:]}")
+
+    # 3. Fine-tune in megatrain, export, read back with transformers. Every training window is
+    # the evaluation window, so the validation loss megatrain reports is the training loss.
     train_bin = os.path.join(d, "train.bin")
-    write_tokens(train_bin, [rng.randrange(VOCAB) for _ in range(40 * (SEQ + 1))])
+    write_tokens(train_bin, pattern * 40 + pattern[:1])
     for export_dtype in ("bf16", "f32"):
         exp = os.path.join(d, f"export-{export_dtype}")
         out = os.path.join(d, f"run-{export_dtype}")
+        sharded = export_dtype == "f32"
         run([exe, "--model", hf_dir, "--data", train_bin, "--val-data", tokens_bin, "--seq", str(SEQ), "--batch", "2",
-             "--steps", "3", "--lr", "1e-3", "--backend", "cpu", "--eval-every", "0", "--out", out, "--export", exp,
-             "--export-dtype", export_dtype], f"fine-tuning {name}")
+             "--steps", str(TRAIN_STEPS), "--lr", str(LR), "--backend", "cpu", "--eval-every", "0", "--out", out,
+             "--export", exp, "--export-dtype", export_dtype] + (["--shard-size", F32_SHARD_SIZE] if sharded else []),
+            f"fine-tuning {name}")
         with open(os.path.join(out, "metrics.jsonl")) as f:
             final_val = json.loads(f.read().splitlines()[-1])["val_loss"]
         with open(os.path.join(exp, "config.json")) as f:
@@ -205,6 +332,17 @@ def check_model(name, model, exe, work, check, rng, gen, auto_backend):
         torch_dtype = {"bf16": "bfloat16", "f32": "float32"}[export_dtype]
         check.true(f"{name}/{export_dtype}: config.json names the dtype",
                    cfg.get("torch_dtype") == torch_dtype and cfg.get("dtype") == torch_dtype, str(cfg))
+        files = sorted(os.listdir(exp))
+        shards = [f for f in files if f.startswith("model-") and f.endswith(".safetensors")]
+        if sharded:
+            ok = len(shards) >= 2 and "model.safetensors.index.json" in files and "model.safetensors" not in files
+            if ok:
+                with open(os.path.join(exp, "model.safetensors.index.json")) as f:
+                    ok = sorted(set(json.load(f)["weight_map"].values())) == shards
+            check.true(f"{name}/{export_dtype}: the export is sharded ({F32_SHARD_SIZE}) with an index", ok, str(files))
+        else:
+            check.true(f"{name}/{export_dtype}: the export is one model.safetensors",
+                       "model.safetensors" in files and not shards, str(files))
 
         loaded = AutoModelForCausalLM.from_pretrained(exp, output_loading_info=True, **dtype_kwargs(torch.float32))
         if isinstance(loaded, tuple):
@@ -218,8 +356,18 @@ def check_model(name, model, exe, work, check, rng, gen, auto_backend):
         mt_after = megatrain_eval(exe, exp, tokens_bin, "cpu")
         check.close(f"{name}/{export_dtype}: transformers vs megatrain loss of the export", hf_after,
                     mt_after["val_loss"], tolerance(mt_after["compute_dtype"]))
-        check.true(f"{name}/{export_dtype}: fine-tuning changed the model", abs(hf_after - want) > 1e-3,
-                   f"{want:.6f} -> {hf_after:.6f}")
+        # Fine-tuning changed the model: the training loss fell clearly, and the weights moved by
+        # training steps, not by rounding.
+        check.true(f"{name}/{export_dtype}: fine-tuning lowered the training loss",
+                   mt_after["val_loss"] < before - MIN_TRAIN_LOSS_DROP,
+                   f"{before:.6f} -> {mt_after['val_loss']:.6f} (must fall by more than {MIN_TRAIN_LOSS_DROP})")
+        moved, total, max_diff, bad = weight_changes(saved, state_fp32(loaded))
+        check.true(f"{name}/{export_dtype}: the export has every tensor of the saved model, same shapes", not bad,
+                   str(bad))
+        check.true(f"{name}/{export_dtype}: fine-tuning moved the weights by more than rounding",
+                   total > 0 and moved >= MIN_MOVED_FRACTION * total,
+                   f"{moved} of {total} elements moved (> {MOVED_ABS:g} and > {MOVED_REL:g} relative), "
+                   f"largest change {max_diff:.3g}")
         if export_dtype == "f32":  # exact export: the loss megatrain reported at its last step
             check.close(f"{name}/f32: the export's loss vs megatrain's last validation loss", mt_after["val_loss"],
                         final_val, 1e-6, 1e-7)
@@ -232,13 +380,21 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--no-auto-backend", action="store_true",
                     help="do not also evaluate with --backend auto (the GPU, in bf16, where there is one)")
-    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=None,
+                    help=f"seed of the models and tokens (default: ${SEED_ENV} if set, else {DEFAULT_SEED})")
     args = ap.parse_args()
     if not os.access(args.megatrain, os.X_OK):
         print(f"FAIL: '{args.megatrain}' is not an executable megatrain-train")
         return 1
 
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
+    seed = args.seed
+    if seed is None:
+        env = os.environ.get(SEED_ENV, "").strip()
+        try:
+            seed = int(env) if env else DEFAULT_SEED
+        except ValueError:
+            print(f"FAIL: {SEED_ENV}={env!r} is not an integer")
+            return 1
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, seed {seed}", flush=True)
     torch.manual_seed(seed)
     rng = random.Random(seed)

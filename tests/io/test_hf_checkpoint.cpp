@@ -2,7 +2,8 @@
 // F16 rounded to nearest even; single file and sharded; Llama tied and untied, with and without
 // biases, Qwen2, Mistral); checkpoints written by others (mixed dtypes, tolerated extras, a tied
 // lm_head present); every malformed case refused by HfCheckpoint::open with the file and the
-// tensor named and nothing allocated or written; a failed export leaves the previous one intact.
+// tensor named and nothing allocated or written (dtypes other than config.json's included, unless
+// HfOpenOptions::allow_dtype_mismatch); a failed export leaves the previous one intact.
 #include <doctest/doctest.h>
 
 #include "io_test_util.hpp"
@@ -526,6 +527,21 @@ TEST_CASE("bad input: tensors that disagree with config.json") {
     CHECK_ERROR_MENTIONS(HfCheckpoint::open(out), "'model.embed_tokens.weight'", "[203, 64]", "[300, 64]",
                          "'lm_head.weight'");
   }
+  SUBCASE("sharded: each problem names the shard that holds the tensor") {
+    json j = llama_json(false);
+    j["intermediate_size"] = 80;  // every MLP matrix is misshapen
+    write_model(out, with_extra("model.layers.1.mlp.extra.weight", {64}, small), j, 20'000);
+    const json map = json::parse(read_file(out / "model.safetensors.index.json"));
+    const auto shard_of = [&](const std::string& name) {
+      return (out / map["weight_map"][name].get<std::string>()).string();
+    };
+    REQUIRE(shard_of("model.layers.0.mlp.up_proj.weight") != shard_of("model.layers.1.mlp.extra.weight"));
+    CHECK_ERROR_MENTIONS(HfCheckpoint::open(out), (out / "model.safetensors.index.json").string(),
+                         "tensor 'model.layers.0.mlp.up_proj.weight' in '" + shard_of("model.layers.0.mlp.up_proj.weight") +
+                             "' has shape [72, 64] but config.json needs [80, 64]",
+                         "unexpected tensor 'model.layers.1.mlp.extra.weight' in '" +
+                             shard_of("model.layers.1.mlp.extra.weight") + "'");
+  }
   SUBCASE("a dtype that is not a float") {
     std::vector<std::int32_t> ints(64, 3);
     auto v = without("model.norm.weight");
@@ -547,6 +563,116 @@ TEST_CASE("bad input: tensors that disagree with config.json") {
     write_model(out, v, llama_json(false));
     CHECK_ERROR_MENTIONS(HfCheckpoint::open(out), "'model.embed_tokens.weight' is missing", "lack the 'model.' prefix",
                          "... and ");
+  }
+}
+
+TEST_CASE("bad input: dtypes that disagree with config.json, and allow_dtype_mismatch") {
+  const ModelConfig cfg = ModelConfig::from_json(llama_json(false));
+  const auto store = random_store(cfg);
+  TempDir dir;
+  const auto out = dir / "m";
+  const std::string file = (out / "model.safetensors").string();
+  const std::string norm = "model.layers.1.post_attention_layernorm.weight";
+  HfOpenOptions allow;
+  allow.allow_dtype_mismatch = true;
+  CHECK_FALSE(HfOpenOptions{}.allow_dtype_mismatch);  // refusing is the default
+  // All BF16 but one tensor, which is F32 (what a checkpoint keeping its norms in F32 looks like).
+  auto mixed = tensors_of(store, SafetensorsDType::bf16);
+  for (auto& x : mixed)
+    if (x.name == norm) x = TensorToWrite(norm, View<const float>(store.master(norm)), SafetensorsDType::f32);
+  const auto with_dtype = [](json j, const char* key, json value) {
+    j[key] = std::move(value);
+    return j;
+  };
+
+  SUBCASE("tensors in the declared dtype open, \"dtype\" or \"torch_dtype\"") {
+    write_model(out, tensors_of(store, SafetensorsDType::bf16), with_dtype(llama_json(false), "torch_dtype", "bfloat16"));
+    CHECK_NOTHROW(HfCheckpoint::open(out));
+    write_model(out, tensors_of(store, SafetensorsDType::f16), with_dtype(llama_json(false), "dtype", "float16"));
+    CHECK_NOTHROW(HfCheckpoint::open(out));
+    // Both keys: "dtype" (transformers 5) wins, as in transformers.
+    json j = with_dtype(llama_json(false), "dtype", "float32");
+    j["torch_dtype"] = "bfloat16";
+    write_model(out, tensors_of(store, SafetensorsDType::f32), j);
+    CHECK_NOTHROW(HfCheckpoint::open(out));
+  }
+  SUBCASE("one tensor in another float dtype: refused by default, naming file, tensor and both dtypes") {
+    write_model(out, mixed, with_dtype(llama_json(false), "torch_dtype", "bfloat16"));
+    CHECK_ERROR_MENTIONS(HfCheckpoint::open(out),
+                         "tensor '" + norm + "' in '" + file + "' is stored as F32 but config.json declares "
+                         "\"torch_dtype\": \"bfloat16\" (BF16)",
+                         "1 problem in", "allow_dtype_mismatch", "--allow-dtype-mismatch");
+    CHECK_ERROR_MENTIONS(load_hf_model(out, small_store()), norm, "allow_dtype_mismatch");
+    // Opted in: it opens, and every tensor is converted exactly.
+    CHECK_NOTHROW(HfCheckpoint::open(out, allow));
+    HfModel m = load_hf_model(out, small_store(), allow);
+    for (const auto& u : store.units())
+      for (const auto& p : u.params()) {
+        INFO(p.spec.name);
+        const DType d = p.spec.name == norm ? DType::f32 : DType::bf16;
+        const auto a = store.master(p.spec.name).span(), b = m.store.master(p.spec.name).span();
+        std::size_t bad = 0;
+        for (std::size_t i = 0; i < a.size(); ++i) bad += !same_bits(b[i], stored(a[i], d));
+        CHECK(bad == 0);
+      }
+  }
+  SUBCASE("a whole checkpoint in another dtype than transformers 5's \"dtype\"") {
+    write_model(out, tensors_of(store, SafetensorsDType::f32), with_dtype(llama_json(false), "dtype", "bfloat16"));
+    CHECK_ERROR_MENTIONS(HfCheckpoint::open(out), file,
+                         "tensor 'model.embed_tokens.weight' in '" + file + "' is stored as F32 but config.json "
+                         "declares \"dtype\": \"bfloat16\"",
+                         "21 problems", "... and 9 more", "21 tensors stored in another dtype");
+    CHECK_NOTHROW(HfCheckpoint::open(out, allow));
+  }
+  SUBCASE("sharded: the shard holding the tensor is named") {
+    write_model(out, mixed, with_dtype(llama_json(false), "dtype", "bfloat16"), 20'000);
+    const json map = json::parse(read_file(out / "model.safetensors.index.json"));
+    const std::string shard = (out / map["weight_map"][norm].get<std::string>()).string();
+    REQUIRE(listing(out).size() > 3);
+    CHECK_ERROR_MENTIONS(HfCheckpoint::open(out), "tensor '" + norm + "' in '" + shard + "' is stored as F32");
+    CHECK_NOTHROW(HfCheckpoint::open(out, allow));
+  }
+  SUBCASE("a tied lm_head.weight equal to the table but in another dtype") {
+    const ModelConfig tcfg = ModelConfig::from_json(llama_json(true));
+    const auto tstore = random_store(tcfg);
+    auto t = tensors_of(tstore, SafetensorsDType::bf16);
+    // An F32 head equal to the BF16 table value for value: the master rounded to bf16.
+    const auto table = tstore.master("model.embed_tokens.weight");
+    std::vector<float> head(table.span().begin(), table.span().end());
+    for (float& x : head) x = stored(x, DType::bf16);
+    t.emplace_back("lm_head.weight", View<const float>(std::span<const float>(head), table.shape()),
+                   SafetensorsDType::f32);
+    write_model(out, t, with_dtype(llama_json(true), "torch_dtype", "bfloat16"));
+    CHECK_ERROR_MENTIONS(HfCheckpoint::open(out), "tensor 'lm_head.weight' in '" + file + "' is stored as F32");
+    const auto ckpt = HfCheckpoint::open(out, allow);
+    CHECK(ckpt.ignored().size() == 1);
+  }
+  SUBCASE("no declared dtype (absent, null or \"auto\"): any float dtype") {
+    for (const json& j : {llama_json(false), with_dtype(llama_json(false), "torch_dtype", nullptr),
+                          with_dtype(llama_json(false), "dtype", "auto")}) {
+      INFO(j.dump());
+      write_model(out, mixed, j);
+      CHECK_NOTHROW(HfCheckpoint::open(out));
+    }
+  }
+  SUBCASE("a config.json dtype that is not a float dtype megatrain reads, or not a string") {
+    write_model(out, tensors_of(store, SafetensorsDType::bf16), with_dtype(llama_json(false), "torch_dtype", "int8"));
+    const std::string config = (out / "config.json").string();
+    CHECK_ERROR_MENTIONS(HfCheckpoint::open(out), config, "\"torch_dtype\": \"int8\" is not a dtype megatrain loads",
+                         "allow_dtype_mismatch");
+    CHECK_NOTHROW(HfCheckpoint::open(out, allow));
+    write_model(out, tensors_of(store, SafetensorsDType::bf16), with_dtype(llama_json(false), "dtype", 16));
+    CHECK_ERROR_MENTIONS(HfCheckpoint::open(out), config, "'dtype' must be a string");
+  }
+  SUBCASE("allow_dtype_mismatch still refuses tensors that are not floats") {
+    std::vector<std::int32_t> ints(64, 3);
+    auto v = tensors_of(store, SafetensorsDType::bf16);
+    std::erase_if(v, [](const TensorToWrite& x) { return x.name == "model.norm.weight"; });
+    v.emplace_back("model.norm.weight", View<const std::int32_t>(std::span<const std::int32_t>(ints), Shape{64}));
+    write_model(out, v, with_dtype(llama_json(false), "torch_dtype", "bfloat16"));
+    CHECK_ERROR_MENTIONS(HfCheckpoint::open(out, allow), file, "'model.norm.weight'", "holds I32");
+    // ... and the I32 tensor is reported once, as not a float, not also as a dtype mismatch.
+    CHECK_ERROR_MENTIONS(HfCheckpoint::open(out), "1 problem in");
   }
 }
 

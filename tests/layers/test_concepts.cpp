@@ -1,13 +1,15 @@
 // The op concepts (layers/layer_op.hpp) accept the shipped ops and reject bad types, one bad
 // type per requirement, each otherwise complete. Everything here is checked at compile time;
 // the one test case runs a minimal op through LayerTemplate to show that the smallest thing
-// the concept accepts is a working op. (That LayerTemplate<NotAnOp> fails with a readable
-// message is checked by compiling compile_fail/not_an_op.cpp; see CMakeLists.txt.)
+// the concept accepts is a working op. (That LayerTemplate<NotAnOp>, and a Trainer over a block
+// without backward(), fail with a readable message is checked by compiling compile_fail/*.cpp;
+// see CMakeLists.txt.)
 #include <doctest/doctest.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "megatrain/backend/cpu/cpu_backend.hpp"
@@ -23,6 +25,10 @@ using D = CpuBackend<double>;
 // ---- the shipped ops ----------------------------------------------------------------------
 
 static_assert(Backend<F> && Backend<D>);
+// The CPU backend is the fp32 reference unless asked for float64.
+static_assert(std::is_same_v<CpuBackend<>, CpuBackend<float>>);
+static_assert(std::is_same_v<CpuBackend<>::Act, float> && std::is_same_v<CpuBackend<>::Weight, float> &&
+              std::is_same_v<CpuBackend<>::Acc, float>);
 static_assert(ParamOp<DecoderBlock> && ParamOp<Embedding> && ParamOp<LmHead>);
 static_assert(LayerOp<DecoderBlock, F> && LayerOp<DecoderBlock, D>);
 static_assert(EmbeddingOp<Embedding, F> && EmbeddingOp<Embedding, D>);

@@ -13,6 +13,8 @@
 #include <numbers>
 #include <random>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "megatrain/core/error.hpp"
@@ -510,6 +512,101 @@ TEST_CASE("config errors: unknown architecture, named") {
   CHECK(contains(error_of(without(base_config(), "architectures")), "neither 'architectures' nor 'model_type'"));
   CHECK(contains(error_of(with(base_config(), "architectures", json::array())), "'architectures' must be"));
   CHECK(contains(error_of(with(base_config(), "architectures", "LlamaForCausalLM")), "'architectures' must be"));
+}
+
+TEST_CASE("config errors: 'architectures' and 'model_type' that name different models") {
+  const std::pair<const char*, const char*> archs[] = {
+      {"LlamaForCausalLM", "llama"}, {"MistralForCausalLM", "mistral"}, {"Qwen2ForCausalLM", "qwen2"}};
+  for (const auto& [arch, own_type] : archs) {
+    auto j = with(base_config(), "architectures", {arch});
+    j["model_type"] = own_type;
+    CHECK_NOTHROW((void)ModelConfig::from_json(j));  // agreeing: every real config.json has both
+    for (const char* other : {"llama", "mistral", "qwen2", "gpt2", "Llama"}) {
+      if (std::string_view(other) == own_type) continue;
+      CAPTURE(arch);
+      CAPTURE(other);
+      j["model_type"] = other;
+      const auto msg = error_of(j, "my/config.json");
+      CHECK(contains(msg, "my/config.json: 'architectures' and 'model_type' disagree"));
+      CHECK(contains(msg, std::string("architectures names ") + arch + ", whose model_type is '" + own_type + "'"));
+      CHECK(contains(msg, std::string("but model_type is '") + other + "'"));
+    }
+  }
+  // The example, and a model_type that is not a string.
+  auto j = with(base_config(), "architectures", {"Qwen2ForCausalLM"});
+  j["model_type"] = "llama";
+  CHECK(contains(error_of(j), "Qwen2ForCausalLM, whose model_type is 'qwen2', but model_type is 'llama'"));
+  CHECK(contains(error_of(with(base_config(), "model_type", 3)), "'model_type' must be a string, not number"));
+  CHECK_NOTHROW((void)ModelConfig::from_json(with(base_config(), "model_type", nullptr)));  // null: as if absent
+}
+
+TEST_CASE("config errors: attention_bias or mlp_bias on Qwen2 and Mistral, which have no such option") {
+  // Qwen2Config and MistralConfig have neither key; transformers ignores them (Qwen2 always has
+  // q/k/v biases and no o_proj or MLP bias, Mistral no bias). `true` is refused, `false` is not.
+  for (const char* fixture_name : {"qwen2.5-1.5b.json", "mistral-7b-v0.3.json"}) {
+    const auto file = json::parse(std::ifstream(fixture(fixture_name)));
+    const std::string arch = file.at("architectures").at(0).get<std::string>();
+    const bool qwen2 = arch == "Qwen2ForCausalLM";
+    for (const char* key : {"attention_bias", "mlp_bias"}) {
+      CAPTURE(fixture_name);
+      CAPTURE(key);
+      REQUIRE_FALSE(file.contains(key));  // the published files do not have them
+      const auto msg = error_of(with(file, key, true), "my/config.json");
+      CHECK(contains(msg, std::string("my/config.json: '") + key + "' is true, but " + arch + " has no such option"));
+      CHECK(contains(msg, qwen2 ? "q/k/v projections always have a bias" : "no bias in attention or MLP"));
+      // Named by model_type alone, the same.
+      CHECK(contains(error_of(without(with(file, key, true), "architectures")), std::string("'") + key + "' is true"));
+      // false describes the model transformers builds anyway: accepted, biases as without it.
+      const auto c = ModelConfig::from_json(with(file, key, false));
+      CHECK(c.qkv_bias == qwen2);
+      CHECK_FALSE(c.o_bias);
+      CHECK_FALSE(c.mlp_bias);
+      CHECK(contains(error_of(with(file, key, "true")), std::string("'") + key + "' must be true or false"));
+    }
+  }
+  // Llama 3's config.json carries "attention_bias": false and "mlp_bias": false: accepted.
+  const auto llama3 = json::parse(std::ifstream(fixture("llama-3.2-1b.json")));
+  REQUIRE(llama3.at("attention_bias") == false);
+  REQUIRE(llama3.at("mlp_bias") == false);
+  CHECK_NOTHROW((void)ModelConfig::from_json(llama3));
+}
+
+TEST_CASE("config errors: validate() refuses biases the architecture cannot have") {
+  struct Case {
+    const char* preset;
+    bool qkv, o, mlp;
+    const char* message;  // empty: valid
+  };
+  const Case cases[] = {
+      {"llama-3.2-1b", false, false, false, ""},
+      {"llama-3.2-1b", true, true, true, ""},
+      {"llama-3.2-1b", true, false, false, "qkv_bias (true) and o_bias (false) must agree for LlamaForCausalLM"},
+      {"llama-3.2-1b", false, true, false, "qkv_bias (false) and o_bias (true) must agree"},
+      {"qwen2.5-0.5b", true, false, false, ""},
+      {"qwen2.5-0.5b", false, false, false, "Qwen2ForCausalLM has q/k/v biases and no o_proj or MLP bias"},
+      {"qwen2.5-0.5b", true, true, false, "(got qkv_bias true, o_bias true, mlp_bias false)"},
+      {"qwen2.5-0.5b", true, false, true, "Qwen2ForCausalLM has q/k/v biases"},
+      {"mistral-7b", false, false, false, ""},
+      {"mistral-7b", true, false, false, "MistralForCausalLM has no biases"},
+      {"mistral-7b", false, true, false, "MistralForCausalLM has no biases"},
+      {"mistral-7b", false, false, true, "(got qkv_bias false, o_bias false, mlp_bias true)"},
+  };
+  for (const auto& k : cases) {
+    CAPTURE(k.preset);
+    CAPTURE(k.message);
+    auto c = ModelConfig::preset(k.preset);
+    c.qkv_bias = k.qkv;
+    c.o_bias = k.o;
+    c.mlp_bias = k.mlp;
+    if (std::string_view(k.message).empty()) {
+      CHECK_NOTHROW(c.validate());
+      check_round_trip(c);
+    } else {
+      const auto msg = error_of([&] { c.validate("hand-built"); });
+      CHECK(contains(msg, "hand-built: "));
+      CHECK(contains(msg, k.message));
+    }
+  }
 }
 
 TEST_CASE("config errors: a missing required field is named, with the source") {

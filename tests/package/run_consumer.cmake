@@ -12,14 +12,20 @@ if(MODE STREQUAL "find_package")
   endif()
   list(APPEND consumer_args "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix")
 else()
-  # The CUDA part is covered by the main build; keep this one quick.
-  list(APPEND consumer_args "-DMEGATRAIN_SOURCE_DIR=${SOURCE_DIR}" -DMEGATRAIN_CUDA=OFF)
+  # The CUDA part is covered by the main build; keep this one quick. The FetchContent fallback is
+  # on: every dependency is installed, so it must find them all and download nothing.
+  list(APPEND consumer_args "-DMEGATRAIN_SOURCE_DIR=${SOURCE_DIR}" -DMEGATRAIN_CUDA=OFF
+       -DMEGATRAIN_FETCH_DEPENDENCIES=ON)
 endif()
 execute_process(COMMAND "${CMAKE_COMMAND}" -S "${SOURCE_DIR}/tests/package/consumer" -B "${WORK_DIR}/build"
                         -G "${GENERATOR}" -DCMAKE_BUILD_TYPE=Release -DMEGATRAIN_CONSUMER_MODE=${MODE} ${consumer_args}
-                RESULT_VARIABLE rc)
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+message("${out}")
 if(rc)
   message(FATAL_ERROR "configuring the consumer failed (${rc})")
+endif()
+if(out MATCHES "megatrain: [^ ]+ not found; fetching")
+  message(FATAL_ERROR "the consumer's configure downloaded a dependency that is installed")
 endif()
 execute_process(COMMAND "${CMAKE_COMMAND}" --build "${WORK_DIR}/build" RESULT_VARIABLE rc)
 if(rc)

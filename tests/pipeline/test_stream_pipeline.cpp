@@ -41,6 +41,7 @@ struct TestStage {
   int throw_at = -1;
   HostExecutor exec{};
   unsigned seed;
+  int sleep_us = -1;  // >= 0: sleep exactly this long per item (else a random 0..1.5 ms)
 
   HostExecutor& executor() { return exec; }
   bool applies(const Item& it) const {
@@ -52,7 +53,7 @@ struct TestStage {
   void run(const Item& it, const StageSlots& s) {
     const std::int64_t start = ++log->clock;
     std::mt19937 rng(seed + static_cast<unsigned>(it.id) * 31u);
-    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 1500));
+    std::this_thread::sleep_for(std::chrono::microseconds(sleep_us >= 0 ? sleep_us : static_cast<int>(rng() % 1500)));
     if (it.id == throw_at) throw std::runtime_error("stage failed on purpose");
     const std::int64_t end = ++log->clock;
     std::lock_guard lock(log->m);
@@ -187,4 +188,49 @@ TEST_CASE("drain can be called repeatedly; later items see earlier writers as fi
   }
   CHECK(log.order.size() == 20);
   CHECK(log.span[{0, 2}].first > log.span[{1, 0}].second);
+}
+
+TEST_CASE("prefetch, offload and the optimizer overlap the compute") {
+  // The trainer's shape: prefetch (ring 2, reads units) -> compute (ring 2) -> offload (ring 2,
+  // backward items only) -> optimizer (writes units, backward items only); a forward pass over
+  // units 0..4, then a backward pass 4..0. Every stage takes 30 ms per item, so what overlaps is
+  // decided by the ordering rules, not by luck.
+  Log log;
+  constexpr int kSleep = 30000;
+  StreamPipeline<Item, TestStage, TestStage, TestStage, TestStage> p(
+      TestStage{0, &log, 2, UnitAccess::reads, false, -1, {}, 1, kSleep},
+      TestStage{1, &log, 2, UnitAccess::none, false, -1, {}, 2, kSleep},
+      TestStage{2, &log, 2, UnitAccess::none, true, -1, {}, 3, kSleep},
+      TestStage{3, &log, 0, UnitAccess::writes, true, -1, {}, 4, kSleep});
+  std::vector<Item> items;
+  for (std::size_t u = 0; u < 5; ++u) items.push_back({u, static_cast<int>(u), true});  // forward: ids 0..4
+  for (std::size_t u = 5; u-- > 0;) items.push_back({u, static_cast<int>(9 - u), false});  // backward: ids 5..9
+  p.submit(items);
+  p.drain();
+  auto overlap = [&](int sa, int a, int sb, int b) {
+    const auto x = log.span.at({sa, a}), y = log.span.at({sb, b});
+    return x.first < y.second && y.first < x.second;
+  };
+  for (int k = 0; k + 1 < 10; ++k) {
+    CAPTURE(k);
+    CHECK(overlap(0, k + 1, 1, k));  // prefetching the next unit while the current one computes
+  }
+  for (int k = 5; k + 1 < 10; ++k) {
+    CAPTURE(k);
+    CHECK(overlap(2, k, 1, k + 1));  // offloading unit u's gradient while unit u-1 computes
+  }
+  // The optimizer steps the first unit whose gradient landed before the backward has finished.
+  CHECK(log.span.at({3, 5}).second < log.span.at({1, 9}).second);
+  CHECK(overlap(3, 5, 1, 7));
+}
+
+TEST_CASE("a ring of one slot is refused: double buffering needs two") {
+  Log log;
+  using P = StreamPipeline<Item, TestStage, TestStage>;
+  CHECK_THROWS_WITH_AS(P(TestStage{0, &log, 1, UnitAccess::none, false, -1, {}, 1}, TestStage{1, &log, 0, UnitAccess::none, false, -1, {}, 2}),
+                       doctest::Contains("ring of 1 slot"), Error);
+  P ok(TestStage{0, &log, 2, UnitAccess::none, false, -1, {}, 1}, TestStage{1, &log, 0, UnitAccess::none, false, -1, {}, 2});
+  ok.submit({{0, 0}, {0, 1}, {0, 2}});
+  ok.drain();
+  CHECK(log.order.size() == 6);
 }

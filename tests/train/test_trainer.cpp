@@ -151,29 +151,84 @@ TEST_CASE("a large vocabulary lands in pieces and still follows the plain loop (
   }
 }
 
-TEST_CASE("stages that sleep for random times change nothing (bit-identical)") {
-  auto o = options(4, 7);
-  o.chunk_rows = 2;
-  std::vector<float> w0, w1;
-  const auto a = run(tiny(true, 700), o, 4, &w0);  // a vocabulary that lands in pieces
-  o.jitter_us = 400;
-  const auto b = run(tiny(true, 700), o, 4, &w1);
-  for (std::size_t s = 0; s < a.size(); ++s) {
-    CHECK(a[s].loss == b[s].loss);
-    CHECK(a[s].grad_norm == b[s].grad_norm);
+TEST_CASE("stages that sleep for random times change nothing (bit-identical), in every mode") {
+  struct Case {
+    const char* name;
+    std::int64_t micro;
+    double clip;
+    ClipMode mode;
+  };
+  for (const Case& k : {Case{"streamed, pieces, stale clipping", 1, 0.05, ClipMode::stale},
+                        Case{"exact clipping (resident, norms on the backend)", 1, 0.05, ClipMode::exact},
+                        Case{"2 micro-batches (staged and added up by the optimizer stage)", 2, 0.0, ClipMode::exact},
+                        Case{"2 micro-batches, exact clipping", 2, 0.05, ClipMode::exact}}) {
+    CAPTURE(std::string(k.name));
+    auto o = options(4, 7);
+    o.chunk_rows = 1;
+    o.micro_batches = k.micro;
+    o.clip_norm = k.clip;
+    o.clip_mode = k.mode;
+    std::vector<float> w0, w1;
+    const auto a = run(tiny(true, 700), o, 4, &w0);  // a vocabulary that lands in pieces (streamed)
+    o.jitter_us = 400;
+    const auto b = run(tiny(true, 700), o, 4, &w1);
+    for (std::size_t s = 0; s < a.size(); ++s) {
+      CHECK(a[s].loss == b[s].loss);
+      CHECK(a[s].grad_norm == b[s].grad_norm);
+      CHECK(a[s].clip_coef == b[s].clip_coef);
+    }
+    CHECK(w0 == w1);
   }
-  CHECK(w0 == w1);
 }
 
 TEST_CASE("two runs with the same seed give identical results") {
-  auto o = options(2, 9);
-  o.clip_norm = 0.1;
-  o.clip_mode = ClipMode::stale;
-  std::vector<float> w0, w1;
-  const auto a = run(tiny(false), o, 3, &w0);
-  const auto b = run(tiny(false), o, 3, &w1);
-  for (std::size_t s = 0; s < a.size(); ++s) CHECK(a[s].loss == b[s].loss);
-  CHECK(w0 == w1);
+  for (const ClipMode mode : {ClipMode::stale, ClipMode::exact}) {
+    auto o = options(2, 9);
+    o.clip_norm = 0.1;
+    o.clip_mode = mode;
+    std::vector<float> w0, w1;
+    const auto a = run(tiny(false), o, 3, &w0);
+    const auto b = run(tiny(false), o, 3, &w1);
+    for (std::size_t s = 0; s < a.size(); ++s) {  // every reported figure but the time
+      CHECK(a[s].step == b[s].step);
+      CHECK(a[s].loss == b[s].loss);
+      CHECK(a[s].lr == b[s].lr);
+      CHECK(a[s].grad_norm == b[s].grad_norm);
+      CHECK(a[s].clip_coef == b[s].clip_coef);
+      CHECK(a[s].tokens == b[s].tokens);
+    }
+    CHECK(w0 == w1);
+  }
+}
+
+TEST_CASE("a batch larger than max_micro_rows runs as gradient accumulation") {
+  auto o = options(6, 9);
+  CHECK(o.resolved().micro_batches == 1);
+  o.max_micro_rows = 4;  // 6 rows: 2 micro-batches of 3
+  CHECK(o.resolved().micro_batches == 2);
+  o.max_micro_rows = 2;  // 3 of 2
+  CHECK(o.resolved().micro_batches == 3);
+  o.max_micro_rows = 5;
+  o.micro_batches = 3;  // already within the limit: kept
+  CHECK(o.resolved().micro_batches == 3);
+  auto prime = options(7, 9);
+  prime.max_micro_rows = 3;  // 7 has no divisor in between: sequence by sequence
+  CHECK(prime.resolved().micro_batches == 7);
+
+  // The trainer runs the resolved split: the same results as asking for it by hand.
+  auto automatic = options(4, 9);
+  automatic.max_micro_rows = 2;
+  auto manual = options(4, 9);
+  manual.micro_batches = 2;
+  CHECK(Trainer<CpuBackend<float>>::store_options(automatic).resident_gradients);
+  std::vector<float> wa, wm;
+  const auto a = run(tiny(true), automatic, 3, &wa);
+  const auto m = run(tiny(true), manual, 3, &wm);
+  for (std::size_t s = 0; s < a.size(); ++s) CHECK(a[s].loss == m[s].loss);
+  CHECK(wa == wm);
+  // ... and it differs from the unsplit batch only by rounding (the sums are split).
+  const auto whole = run(tiny(true), options(4, 9), 3);
+  for (std::size_t s = 0; s < a.size(); ++s) CHECK(a[s].loss == doctest::Approx(whole[s].loss).epsilon(1e-5));
 }
 
 TEST_CASE("stale clipping uses the previous step's norm (none at step 1)") {
@@ -259,6 +314,12 @@ TEST_CASE("bad batches and options are refused before anything changes") {
   bad = o;
   bad.weight_slots = 1;
   CHECK_THROWS_AS((Trainer<CpuBackend<float>>(model, store, be, bad)), Error);
+  bad = o;
+  bad.grad_slots = 1;  // a ring needs two slots
+  CHECK_THROWS_WITH_AS((Trainer<CpuBackend<float>>(model, store, be, bad)), doctest::Contains("grad_slots must be >= 2"), Error);
+  bad = o;
+  bad.max_micro_rows = -1;
+  CHECK_THROWS_WITH_AS((Trainer<CpuBackend<float>>(model, store, be, bad)), doctest::Contains("max_micro_rows"), Error);
 }
 
 TEST_CASE("evaluate gives the head's mean loss and leaves the weights alone") {

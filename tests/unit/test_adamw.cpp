@@ -209,6 +209,72 @@ TEST_CASE("clip_coefficient has clip_grad_norm_'s semantics") {
   CHECK_THROWS_AS(clip_coefficient(1.0, 0.0), Error);
 }
 
+TEST_CASE("clip_grad_norm over several units: clip_grad_norm_'s total norm and coefficient") {
+  // Four "units" of awkward sizes (one element, across the 64k summation block, ...), random
+  // gradients of different magnitudes; the reference is clip_grad_norm_ evaluated in float64
+  // directly from the elements.
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd;
+  std::vector<std::vector<float>> g;
+  const std::size_t sizes[] = {1, 65537, 300'007, 4099};
+  const float scales[] = {3.0f, 1e-2f, 1e-3f, 0.5f};
+  for (std::size_t k = 0; k < 4; ++k) {
+    g.emplace_back(sizes[k]);
+    for (auto& x : g.back()) x = scales[k] * nd(rng);
+  }
+  const auto spans = [&] {
+    std::vector<std::span<const float>> s;
+    for (const auto& x : g) s.emplace_back(x);
+    return s;
+  };
+  double ref_sumsq = 0;
+  for (const auto& x : g)
+    for (float e : x) ref_sumsq += static_cast<double>(e) * static_cast<double>(e);
+  const double ref_norm = std::sqrt(ref_sumsq);
+  REQUIRE(ref_norm > 1.0);
+  const auto ref_coef = [&](double max_norm) { return std::min(1.0, max_norm / (ref_norm + 1e-6)); };
+
+  SUBCASE("norm above max_norm: coef < 1, and the clipped gradients have norm max_norm") {
+    const double max_norm = 0.3 * ref_norm;
+    const GradClip c = clip_grad_norm<float>(spans(), max_norm);
+    CHECK(c.total_norm == doctest::Approx(ref_norm).epsilon(1e-12));
+    CHECK(c.coef == doctest::Approx(ref_coef(max_norm)).epsilon(1e-12));
+    CHECK(c.coef < 1.0);
+    double clipped = 0;
+    for (const auto& x : g)
+      for (float e : x) clipped += (e * c.coef) * (e * c.coef);
+    // max_norm, less the 1e-6 that clip_grad_norm_ adds to the norm.
+    CHECK(std::sqrt(clipped) == doctest::Approx(max_norm * ref_norm / (ref_norm + 1e-6)).epsilon(1e-12));
+    // The same at one thread, bit for bit.
+    tbb::global_control limit(tbb::global_control::max_allowed_parallelism, 1);
+    const GradClip one = clip_grad_norm<float>(spans(), max_norm);
+    CHECK(one.total_norm == c.total_norm);
+    CHECK(one.coef == c.coef);
+  }
+  SUBCASE("norm below max_norm: coef is exactly 1") {
+    const GradClip c = clip_grad_norm<float>(spans(), 2.0 * ref_norm);
+    CHECK(c.total_norm == doctest::Approx(ref_norm).epsilon(1e-12));
+    CHECK(c.coef == 1.0);
+  }
+  SUBCASE("non-finite gradients give a non-finite coefficient, as PyTorch's error_if_nonfinite=False") {
+    g[2][12345] = std::numeric_limits<float>::infinity();
+    GradClip c = clip_grad_norm<float>(spans(), 1.0);
+    CHECK(std::isinf(c.total_norm));
+    CHECK(c.coef == 0.0);
+    g[1][7] = std::numeric_limits<float>::quiet_NaN();
+    c = clip_grad_norm<float>(spans(), 1.0);
+    CHECK(std::isnan(c.total_norm));
+    CHECK(std::isnan(c.coef));
+  }
+  SUBCASE("no gradients: norm 0, coef 1; a bad max_norm is refused") {
+    const GradClip c = clip_grad_norm<float>({}, 1.0);
+    CHECK(c.total_norm == 0.0);
+    CHECK(c.coef == 1.0);
+    CHECK_THROWS_WITH_AS(clip_grad_norm<float>(spans(), 0.0), doctest::Contains("max_norm"), Error);
+    CHECK_THROWS_AS(clip_grad_norm<float>(spans(), std::numeric_limits<double>::infinity()), Error);
+  }
+}
+
 TEST_CASE("a clipped step equals a step on pre-scaled gradients, bit for bit") {
   HostParamStore<float> a(units(), opts()), b(units(), opts());
   std::mt19937 rng(9);

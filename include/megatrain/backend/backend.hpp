@@ -48,7 +48,8 @@ template <class B>
 concept Backend = requires(B& be, View<const typename B::Act> a, View<typename B::Act> ma,
                            View<const typename B::Weight> w, View<typename B::Acc> acc,
                            View<const typename B::Acc> cacc, View<const std::int32_t> ids,
-                           std::span<const double> freqs, const AttentionShape& as, double x, bool flag) {
+                           std::span<const double> freqs, const AttentionShape& as, double x, bool flag,
+                           View<double> sum) {
   typename B::Act;     // activation element type
   typename B::Weight;  // weight element type as the ops read it
   typename B::Acc;     // gradient accumulators, saved statistics, losses
@@ -68,6 +69,7 @@ concept Backend = requires(B& be, View<const typename B::Act> a, View<typename B
   be.embedding_backward(ids, a, acc);                              // scatter-add rows
   be.take_rows(ids, acc, acc);                                     // gather rows, zero them at the source
   be.lm_head_loss(a, w, ids, x, acc, ma, acc);                     // per-token loss, dh, dW +=
+  be.sum_squares(cacc, sum);                                       // sum[0] = sum of x^2 (gradient norms)
 };
 // clang-format on
 

@@ -2,8 +2,10 @@
 //
 // HostBuffer is one page-aligned allocation, either pageable or pinned (page-locked through
 // CUDA, so that DMA engines copy it at full PCIe speed: pageable memory moves 6-7x slower).
-// Pinning is an attribute added to an ordinary mapping, so a failure to pin (no GPU, a locked
-// memory limit) leaves a working pageable buffer and a warning, never a crash.
+// Pinning is an attribute added to an ordinary mapping, so a failure to pin (a locked memory
+// limit) leaves a working pageable buffer and one warning (log_warning), never a crash; without
+// a GPU the buffer is simply pageable. For tests, MEGATRAIN_TEST_FAIL_PIN=1 in the environment
+// makes every pinning attempt fail that way, in any build, with or without a GPU.
 #pragma once
 
 #include <cstddef>
@@ -14,7 +16,8 @@
 namespace megatrain {
 
 enum class Pinning {
-  automatic,  ///< pin when megatrain was built with CUDA and a GPU is present; else pageable
+  automatic,  ///< pin when megatrain was built with CUDA and a GPU is present; else pageable (and
+              ///< if pinning fails: pageable, with a warning)
   never,      ///< always pageable
 };
 

@@ -5,10 +5,11 @@
 // architectures are errors there), opens and validates every safetensors file (the safetensors
 // layer refuses truncated or malformed files, overlapping offsets, duplicates across shards,
 // ...), and then checks the checkpoint against the model the config describes: every tensor
-// the model needs is present with the right shape and a float dtype, nothing unexpected is
-// there. Only then does anything get allocated: load_into (or load_hf_model) converts each
-// tensor straight from the file mapping into the store's fp32 master (no second copy of the
-// model in memory) and refreshes the bf16 compute copy unit by unit.
+// the model needs is present with the right shape and a float dtype (the one config.json
+// declares, unless HfOpenOptions::allow_dtype_mismatch), nothing unexpected is there. Only then
+// does anything get allocated: load_into (or load_hf_model) converts each tensor straight from
+// the file mapping into the store's fp32 master (no second copy of the model in memory) and
+// refreshes the bf16 compute copy unit by unit.
 //
 // Decisions (see docs/huggingface.md):
 //  - Tolerated extras: rotary-embedding buffers ("*.rotary_emb.inv_freq", cos/sin caches) that
@@ -20,9 +21,12 @@
 //    (then it is ignored); present and different is an error. If only lm_head.weight is there,
 //    the table is read from it.
 //  - Dtypes: F32, BF16, F16 and F64 are read (converted exactly to fp32; F64 rounds to nearest
-//    even), whatever config.json's torch_dtype says: torch_dtype is the dtype transformers casts
-//    to, not a promise about storage, and real checkpoints mix them. Integer, boolean and FP8
-//    tensors (quantized checkpoints) are refused by name.
+//    even). Every tensor the model reads must be stored in the dtype config.json declares
+//    ("dtype", transformers 5, or else "torch_dtype"): a BF16 tensor in a config saying float32
+//    is an error naming the file, the tensor and both dtypes, unless
+//    HfOpenOptions::allow_dtype_mismatch is set (checkpoints that mix dtypes on purpose). A
+//    config.json without either key accepts any float dtype. Integer, boolean and FP8 tensors
+//    (quantized checkpoints) are refused by name either way.
 //
 // Export writes config.json and the safetensors weights (one model.safetensors, or shards with
 // model.safetensors.index.json when larger than max_shard_bytes) through
@@ -50,6 +54,16 @@ namespace megatrain::io {
 
 // ---- loading ----------------------------------------------------------------------------------
 
+/// How HfCheckpoint::open (and load_hf_model) judges a checkpoint.
+struct HfOpenOptions {
+  /// Accept float tensors (F32, BF16, F16, F64) stored in a dtype other than the one config.json
+  /// declares ("dtype", or "torch_dtype" in transformers 4 configs), e.g. a checkpoint that keeps
+  /// its norms in F32 beside BF16 matrices. Off by default: such a tensor is an error naming the
+  /// file, the tensor, its dtype and the config's. Every tensor is converted to the fp32 master
+  /// either way; non-float tensors are refused whatever this says.
+  bool allow_dtype_mismatch = false;
+};
+
 /// A Hugging Face model directory (config.json + safetensors), opened and fully validated.
 /// Holds the file mappings; nothing is read into memory until load_into.
 class HfCheckpoint {
@@ -58,8 +72,9 @@ class HfCheckpoint {
   /// model.safetensors.index.json plus its shards) and validates config and weights against each
   /// other. Throws megatrain::Error naming the file and the tensor for anything wrong: unknown
   /// architecture, malformed config.json or safetensors, a missing, unexpected or misshapen
-  /// tensor, a non-float dtype, a tied lm_head.weight that differs from the embedding table.
-  static HfCheckpoint open(const std::filesystem::path& dir);
+  /// tensor, a non-float dtype, a float dtype other than config.json's (unless
+  /// options.allow_dtype_mismatch), a tied lm_head.weight that differs from the embedding table.
+  static HfCheckpoint open(const std::filesystem::path& dir, const HfOpenOptions& options = {});
 
   const std::filesystem::path& dir() const { return dir_; }
   const ModelConfig& config() const { return config_; }
@@ -97,9 +112,10 @@ struct HfModel {
   std::vector<std::string> ignored;  ///< see HfCheckpoint::ignored
 };
 
-/// HfCheckpoint::open(dir), then a store for it (with `options`: seed, gradients, budget, ...)
-/// and load_into. Everything is validated before the store is allocated.
-HfModel load_hf_model(const std::filesystem::path& dir, const StoreOptions& options = {});
+/// HfCheckpoint::open(dir, open_options), then a store for it (with `options`: seed, gradients,
+/// budget, ...) and load_into. Everything is validated before the store is allocated.
+HfModel load_hf_model(const std::filesystem::path& dir, const StoreOptions& options = {},
+                      const HfOpenOptions& open_options = {});
 
 // ---- exporting --------------------------------------------------------------------------------
 

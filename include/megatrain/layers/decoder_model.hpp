@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "megatrain/core/error.hpp"
 #include "megatrain/layers/layer_template.hpp"
 #include "megatrain/layers/ops/decoder_block.hpp"
 #include "megatrain/layers/ops/embedding.hpp"
@@ -31,6 +32,7 @@ class DecoderModel {
   DecoderModel(const ModelConfig& cfg, const BlockFactory& make_block)
       : cfg_(cfg), embedding_(Embedding(cfg)), head_(LmHead(cfg)) {
     cfg_.validate();
+    MT_CHECK(static_cast<bool>(make_block), "DecoderModel: the block factory is empty");
     blocks_.reserve(static_cast<std::size_t>(cfg.num_hidden_layers));
     for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l) blocks_.emplace_back(make_block(cfg, l));
   }
@@ -42,7 +44,12 @@ class DecoderModel {
   std::size_t head_unit() const { return blocks_.size() + 1; }
 
   const LayerTemplate<Embedding>& embedding() const { return embedding_; }
-  const LayerTemplate<Block>& block(std::size_t i) const { return blocks_.at(i); }
+  /// Block `i`, 0-based (unit i + 1); throws megatrain::Error if i >= num_blocks().
+  const LayerTemplate<Block>& block(std::size_t i) const {
+    MT_CHECK(i < blocks_.size(), "block {} out of range (the model has {} blocks: 0 to {})", i, blocks_.size(),
+             blocks_.size() - 1);
+    return blocks_[i];
+  }
   const LayerTemplate<LmHead>& head() const { return head_; }
 
   /// The units' parameter specs, for HostParamStore.

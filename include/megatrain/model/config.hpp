@@ -3,8 +3,10 @@
 // Supported architectures: LlamaForCausalLM (Llama 2 and 3.x, with "llama3" / "linear" rope
 // scaling), MistralForCausalLM and Qwen2ForCausalLM (q/k/v projections with bias). Anything else,
 // a missing required field, a field of the wrong type, or fields that contradict each other
-// (a head count that does not divide the hidden size, key/value heads that do not divide the
-// query heads, an odd head_dim, ...) is an error naming the file and the field.
+// (`architectures` and `model_type` naming different models, attention_bias or mlp_bias set on
+// Qwen2 or Mistral, which have no such option, a head count that does not divide the hidden size,
+// key/value heads that do not divide the query heads, an odd head_dim, ...) is an error naming
+// the file and the field.
 #pragma once
 
 #include <nlohmann/json_fwd.hpp>
@@ -58,7 +60,9 @@ struct ModelConfig {
   static ModelConfig preset(std::string_view name);
   static std::vector<std::string> preset_names();
 
-  /// Throws megatrain::Error naming the first inconsistent field.
+  /// Throws megatrain::Error naming the first inconsistent field (including biases the
+  /// architecture cannot have: Llama's qkv_bias and o_bias agree, Qwen2 has exactly q/k/v biases,
+  /// Mistral none).
   void validate(std::string_view source = "model config") const;
   /// The config.json a Hugging Face loader reads back into the same model.
   nlohmann::json to_json() const;

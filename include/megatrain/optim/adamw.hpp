@@ -103,10 +103,31 @@ double adamw_segments(const typename HostParamStore<T>::Unit& unit, std::span<co
 template <class T>
 double grad_sum_squares(std::span<const T> grad);
 
+/// dst += src, element by element, in parallel (gradient accumulation over micro-batches).
+template <class T>
+void accumulate_gradient(std::span<T> dst, std::span<const T> src);
+
 /// torch.nn.utils.clip_grad_norm_'s coefficient: min(1, max_norm / (total_norm + 1e-6)), where
 /// total_norm = sqrt(sum over all units of grad_sum_squares). A non-finite norm gives a
 /// non-finite coefficient, as in PyTorch (error_if_nonfinite=False): the caller decides.
 double clip_coefficient(double total_norm, double max_norm);
+
+/// The result of clip_grad_norm: the global norm and the coefficient to pass to adamw_step as
+/// grad_scale.
+struct GradClip {
+  double total_norm;  ///< sqrt(sum over all gradients of grad_sum_squares)
+  double coef;        ///< clip_coefficient(total_norm, max_norm): 1 when the norm is within max_norm
+};
+
+/// torch.nn.utils.clip_grad_norm_ (norm_type 2, error_if_nonfinite=False) over several units at
+/// once: the 2-norm over all of `grads` together, then one coefficient for all of them. Unlike
+/// PyTorch it does not scale the gradients in place: pass `coef` to adamw_step / adamw_segments
+/// as grad_scale (the same multiplication, in the same pass as the update). A non-finite norm
+/// gives a non-finite `coef` (NaN norm: NaN; infinite norm: 0), as PyTorch would scale by; the
+/// caller decides whether to skip the step. Deterministic at any thread count. Throws
+/// megatrain::Error if max_norm is not finite and > 0.
+template <class T>
+GradClip clip_grad_norm(std::span<const std::span<const T>> grads, double max_norm);
 
 }  // namespace megatrain
 
@@ -241,6 +262,22 @@ double grad_sum_squares(std::span<const T> grad) {
   double total = 0;
   for (double x : partial) total += x;  // fixed order: deterministic
   return total;
+}
+
+template <class T>
+GradClip clip_grad_norm(std::span<const std::span<const T>> grads, double max_norm) {
+  double sumsq = 0;
+  for (const auto& g : grads) sumsq += grad_sum_squares<T>(g);  // fixed order: deterministic
+  const double total_norm = std::sqrt(sumsq);
+  return {total_norm, clip_coefficient(total_norm, max_norm)};
+}
+
+template <class T>
+void accumulate_gradient(std::span<T> dst, std::span<const T> src) {
+  MT_CHECK(dst.size() == src.size(), "accumulate_gradient: {} elements into {}", src.size(), dst.size());
+  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, dst.size(), 1 << 16), [&](const auto& r) {
+    for (std::size_t i = r.begin(); i != r.end(); ++i) dst[i] += src[i];
+  });
 }
 
 }  // namespace megatrain

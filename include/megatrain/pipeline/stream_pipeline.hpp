@@ -4,7 +4,7 @@
 // The pipeline owns the ordering rules, so code that uses it never waits by hand:
 //   1. data: stage j of an item starts after stage j-1 of the same item;
 //   2. order: each stage handles items in submission order (one thread per stage);
-//   3. rings: a stage with ring_slots() = K > 0 hands the slots of a ring to the items it
+//   3. rings: a stage with ring_slots() = K >= 2 (0: none) hands the slots of a ring to the items it
 //      applies to, in turn (the n-th such item writes slot n % K); the stages after it up to
 //      the next ring writer read that slot (or, for an item the writer skipped, the slot of the
 //      writer's latest item). A slot is reused only after the ring's last reader is done with
@@ -65,7 +65,7 @@ concept Stage = PipelineItem<Item> && requires(S& s, const S& cs, const Item& it
   { s.executor() } -> Executor;                            // where its work runs
   { cs.applies(item) } -> std::convertible_to<bool>;      // has work for this item (pure)
   s.run(item, slots);                                      // does or enqueues the work
-  { cs.ring_slots() } -> std::convertible_to<std::size_t>; // K > 0: writes a ring of K slots; 0: writes none
+  { cs.ring_slots() } -> std::convertible_to<std::size_t>; // K >= 2: writes a ring of K slots; 0: writes none
   { cs.unit_access() } -> std::convertible_to<UnitAccess>;
 };
 // clang-format on
@@ -194,6 +194,11 @@ class StreamPipeline {
   template <std::size_t... J>
   void configure(std::index_sequence<J...>) {
     ((ring_size_[J] = std::get<J>(stages_).ring_slots(), access_[J] = std::get<J>(stages_).unit_access()), ...);
+    for (std::size_t j = 0; j < kStages; ++j)
+      MT_CHECK(ring_size_[j] != 1,
+               "stage {} of the pipeline asks for a ring of 1 slot: a ring needs at least 2 (a stage writes one "
+               "slot while the next reads the other); 0 means the stage writes none",
+               j);
     for (std::size_t j = 0; j < kStages; ++j) ring_holder_[j].assign(ring_size_[j], kNone);
     // Which ring each stage reads, and which stage is the last reader of each ring.
     std::size_t current = kNoRing;

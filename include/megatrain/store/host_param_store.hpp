@@ -33,6 +33,7 @@
 #include "megatrain/core/dtype.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/host_memory.hpp"
+#include "megatrain/core/nvtx.hpp"
 #include "megatrain/core/tensor.hpp"
 #include "megatrain/model/param_spec.hpp"
 #include "megatrain/model/unit_layout.hpp"
@@ -194,6 +195,7 @@ class HostParamStore {
 
   /// Lays out, checks the memory budget, allocates and initialises (seeded) the store.
   explicit HostParamStore(std::vector<UnitSpec> units, StoreOptions opt = {}) : options_(opt) {
+    MT_NVTX_RANGE("HostParamStore::HostParamStore");
     footprint_ = footprint(units, opt);
     const std::size_t budget = opt.host_memory_budget ? *opt.host_memory_budget : available_host_memory();
     MT_CHECK(footprint_.total_bytes() <= budget,
@@ -244,6 +246,7 @@ class HostParamStore {
   /// norm weights, zeros for biases), zeroes m and v, and refreshes the bf16 copy. Value i of a
   /// tensor depends only on (seed, tensor name, i): the result does not depend on thread count.
   void initialize(std::uint64_t seed) {
+    MT_NVTX_RANGE("HostParamStore::initialize");
     for (auto& u : units_) {
       for (const auto& p : u.params()) {
         const std::uint64_t key = detail::hash_name(p.spec.name, seed);
@@ -264,6 +267,7 @@ class HostParamStore {
 
   /// Rewrites a unit's bf16 copy from its master weights (after loading or editing masters).
   void sync_compute(const Unit& u) {
+    MT_NVTX_RANGE("HostParamStore::sync_compute");
     if constexpr (std::is_same_v<T, float>) {
       tbb::parallel_for(tbb::blocked_range<std::size_t>(0, u.master_.size(), 1 << 16), [&](const auto& r) {
         convert(std::span<const float>(u.master_.subspan(r.begin(), r.size())), u.compute_.subspan(r.begin(), r.size()));

@@ -73,6 +73,10 @@ struct TrainerOptions {
   std::int64_t batch_rows = 8;     ///< sequences per optimizer step
   std::int64_t seq_len = 128;
   std::int64_t micro_batches = 1;  ///< gradient accumulation: the batch is run in this many parts
+  /// The most sequences allowed on the device at once (0: no limit). A batch larger than this
+  /// runs as gradient accumulation: micro_batches grows to the smallest count, at least the
+  /// one given, that divides the batch into parts of at most this many sequences.
+  std::int64_t max_micro_rows = 0;
   std::int64_t chunk_rows = 0;     ///< sequences per compute chunk (0: a whole micro-batch)
   AdamWConfig adamw;
   LrSchedule schedule;
@@ -86,14 +90,24 @@ struct TrainerOptions {
   bool profile = false;
 
   std::int64_t micro_rows() const { return batch_rows / micro_batches; }
+  /// These options with micro_batches raised as max_micro_rows requires (see there).
+  TrainerOptions resolved() const {
+    TrainerOptions o = *this;
+    if (o.max_micro_rows > 0 && o.batch_rows > 0 && o.micro_batches >= 1)
+      while (o.micro_batches < o.batch_rows &&
+             (o.batch_rows % o.micro_batches != 0 || o.batch_rows / o.micro_batches > o.max_micro_rows))
+        ++o.micro_batches;
+    return o;
+  }
   bool resident_gradients() const { return micro_batches > 1 || (clip_norm > 0 && clip_mode == ClipMode::exact); }
   void validate() const {
     MT_CHECK(batch_rows > 0 && seq_len > 0, "batch of {} sequences of {} tokens is empty", batch_rows, seq_len);
     MT_CHECK(micro_batches >= 1 && batch_rows % micro_batches == 0,
              "{} micro-batches do not divide a batch of {} sequences", micro_batches, batch_rows);
+    MT_CHECK(max_micro_rows >= 0, "max_micro_rows must be >= 0 (got {})", max_micro_rows);
     MT_CHECK(chunk_rows >= 0, "chunk_rows must be >= 0 (got {})", chunk_rows);
     MT_CHECK(weight_slots >= 2, "weight_slots must be >= 2 for double buffering (got {})", weight_slots);
-    MT_CHECK(grad_slots >= 1, "grad_slots must be >= 1 (got {})", grad_slots);
+    MT_CHECK(grad_slots >= 2, "grad_slots must be >= 2 for double buffering (got {})", grad_slots);
     MT_CHECK(std::isfinite(clip_norm) && clip_norm >= 0, "clip_norm must be finite and >= 0 (got {})", clip_norm);
     MT_CHECK(jitter_us >= 0, "jitter_us must be >= 0");
     adamw.validate();
@@ -176,7 +190,8 @@ class Trainer {
 
  public:
   /// What the store must provide for `opt`: resident gradients or a ring of host landing slots.
-  static StoreOptions store_options(const TrainerOptions& opt, StoreOptions base = {}) {
+  static StoreOptions store_options(const TrainerOptions& options, StoreOptions base = {}) {
+    const TrainerOptions opt = options.resolved();
     base.resident_gradients = opt.resident_gradients();
     base.grad_ring_slots = opt.resident_gradients() ? 0 : std::max<std::size_t>(base.grad_ring_slots, 2);
     base.grad_slot_size = GradSlotSize::largest_inner_unit;  // the embedding and head land in pieces
@@ -186,8 +201,8 @@ class Trainer {
   /// `model`, `store` and `backend` must outlive the trainer. The store's units must be the
   /// model's (same names and shapes) and its gradients laid out as store_options() says.
   Trainer(const DecoderModel<Block>& model, HostParamStore<float>& store, B& backend, TrainerOptions opt)
-      : model_(model), store_(store), be_(backend), opt_(opt), state_(std::make_shared<State>()) {
-    opt_.validate();
+      : model_(model), store_(store), be_(backend), opt_(opt.resolved()), state_(std::make_shared<State>()) {
+    opt.validate();
     check_store();
     model_.config().check_sequence_length(opt_.seq_len);
     allocate();
@@ -227,7 +242,10 @@ class Trainer {
     double grad_norm;
     if (opt_.resident_gradients()) {
       double sumsq = 0;
-      for (const auto& u : store_.units()) sumsq += grad_sum_squares<float>(u.grad());
+      if (device_norms())  // each unit's sum landed with its gradient
+        for (const double x : sumsq_host_) sumsq += x;
+      else  // micro-batches were added up on the host
+        for (const auto& u : store_.units()) sumsq += grad_sum_squares<float>(u.grad());
       grad_norm = std::sqrt(sumsq);
       if (opt_.clip_norm > 0) st.clip_coef = clip_coefficient(grad_norm, opt_.clip_norm);
       std::vector<TrainItem> items;
@@ -280,6 +298,7 @@ class Trainer {
   }
 
   std::int64_t steps_done() const { return step_; }
+  /// The options in effect (resolved(): micro_batches as max_micro_rows made it).
   const TrainerOptions& options() const { return opt_; }
   /// The global gradient norm of the last step (what ClipMode::stale clips the next step with).
   std::optional<double> last_grad_norm() const { return last_grad_norm_; }
@@ -505,6 +524,12 @@ class Trainer {
         case Kind::embed_rest:
         case Kind::optimize: break;
       }
+      // Exact clipping: the unit's share of the global norm, summed on the device.
+      if (t.device_norms() && (it.kind == Kind::head || it.kind == Kind::backward)) {
+        const auto g = t.grad_acc(it.unit, s.out);
+        t.be_.sum_squares(View<const Acc>(std::span<const Acc>(g), Shape{static_cast<std::int64_t>(g.size())}),
+                          View<double>(t.sumsq_dev_.span().subspan(it.unit, 1), Shape{1}));
+      }
     }
   };
 
@@ -512,8 +537,13 @@ class Trainer {
     Exec exec;
     Timings<Exec> timings{};
     Exec& executor() { return exec; }
+    // Streamed: the store's landing slots. Resident with micro-batches: two host staging
+    // buffers, where micro-batches after the first land before the optimizer stage adds them
+    // into the resident gradient. Resident otherwise: none (each unit lands in place).
     std::size_t ring_slots() const {
-      return this->owner->opt_.resident_gradients() ? 1 : this->owner->store_.grad_ring_slots();
+      const Trainer& t = *this->owner;
+      if (t.streamed()) return t.store_.grad_ring_slots();
+      return t.opt_.micro_batches > 1 ? t.staging_.size() : 0;
     }
     UnitAccess unit_access() const { return UnitAccess::none; }
     // Every item that lands a gradient (an untied model's embed_rest pieces land none).
@@ -536,14 +566,10 @@ class Trainer {
       Timed<Exec> timed(exec, t.opt_.profile ? &timings : nullptr);
       timings.bytes += n * sizeof(Acc);
       std::span<const Acc> src = t.grad_acc(it.unit, s.in);
-      if (it.micro == 0) {
-        t.be_.download(exec, src, unit.grad());
-      } else {  // accumulate micro-batches on the host
-        t.be_.download(exec, src, t.staging_.first(n));
-        exec.synchronize();
-        auto dst = unit.grad();
-        for (std::size_t i = 0; i < n; ++i) dst[i] += t.staging_[i];
-      }
+      // The first micro-batch lands in place; later ones in a staging slot (see Optimize).
+      t.be_.download(exec, src, it.micro == 0 ? unit.grad() : t.staging_[s.out].first(n));
+      if (t.device_norms())
+        t.be_.download(exec, std::span<const double>(t.sumsq_dev_.span().subspan(it.unit, 1)), t.sumsq_host_.subspan(it.unit, 1));
     }
   };
 
@@ -553,8 +579,11 @@ class Trainer {
     HostExecutor& executor() { return exec; }
     std::size_t ring_slots() const { return 0; }
     UnitAccess unit_access() const { return UnitAccess::writes; }
+    // Streamed: AdamW on each landed piece. Resident: adds each later micro-batch's staged
+    // gradient into the unit's resident gradient, and AdamW in the second pass (optimize items).
     bool applies(const TrainItem& it) const {
-      return this->owner->opt_.resident_gradients() ? it.kind == Kind::optimize : it.carries_gradient();
+      if (this->owner->streamed()) return it.carries_gradient();
+      return it.kind == Kind::optimize || (it.carries_gradient() && it.micro > 0);
     }
     void run(const TrainItem& it, const StageSlots& s) {
       MT_NVTX_RANGE("stage:optimizer");
@@ -562,8 +591,13 @@ class Trainer {
       Trainer& t = *this->owner;
       State& st = *t.state_;
       const auto& unit = t.store_.unit(it.unit);
-      const auto grad = t.landed_gradient(it, s);
       Timed<HostExecutor> timed(exec, t.opt_.profile ? &timings : nullptr);
+      if (it.kind != Kind::optimize && !t.streamed()) {  // gradient accumulation
+        const auto n = static_cast<std::size_t>(unit.numel());
+        exec.run([&] { accumulate_gradient<float>(unit.grad(), std::span<const float>(t.staging_[s.in].first(n))); });
+        return;
+      }
+      const auto grad = t.landed_gradient(it, s);
       exec.run([&] {
         if (!t.streamed()) {
           adamw_step<float>(unit, grad, t.opt_.adamw, st.step, st.lr, st.clip_coef);
@@ -598,7 +632,9 @@ class Trainer {
                opt_.micro_batches > 1 ? "gradient accumulation" : "exact clipping");
       return;
     }
-    MT_CHECK(store_.grad_ring_slots() >= 1, "the store has no gradient ring: build it with Trainer::store_options()");
+    MT_CHECK(store_.grad_ring_slots() >= 2,
+             "the store's gradient ring has {} slots, the trainer needs at least 2: build it with Trainer::store_options()",
+             store_.grad_ring_slots());
     // Blocks land whole; the embedding lands in whole rows; its table is the unit's only tensor.
     std::int64_t block_numel = 0;
     for (std::size_t l = 0; l < model_.num_blocks(); ++l) block_numel = std::max(block_numel, store_.unit(l + 1).numel());
@@ -687,9 +723,15 @@ class Trainer {
     compact_ids_host_ = host_io_.template as<std::int32_t>(2 * batch_tokens, batch_tokens);
     touched_host_ = host_io_.template as<std::int32_t>(3 * batch_tokens, batch_tokens);
     loss_host_ = std::span<Acc>(reinterpret_cast<Acc*>(touched_host_.data() + batch_tokens), batch_tokens);
+    if (device_norms()) {
+      sumsq_dev_ = be_.template alloc<double>(model_.num_units());
+      sumsq_host_mem_ = HostBuffer::allocate(model_.num_units() * sizeof(double));
+      sumsq_host_ = sumsq_host_mem_.template as<double>(0, model_.num_units());
+    }
     if (opt_.micro_batches > 1) {
-      staging_mem_ = HostBuffer::allocate(static_cast<std::size_t>(store_.footprint().largest_unit) * sizeof(float));
-      staging_ = staging_mem_.template as<float>(0, static_cast<std::size_t>(store_.footprint().largest_unit));
+      const auto n = static_cast<std::size_t>(store_.footprint().largest_unit);
+      staging_mem_ = HostBuffer::allocate(2 * n * sizeof(float));
+      for (std::size_t k = 0; k < 2; ++k) staging_.push_back(staging_mem_.template as<float>(k * n, n));
     }
 
     device_bytes_ = (opt_.weight_slots * static_cast<std::size_t>(block_numel) + embed_slot_.size() + head_slot_.size()) * sizeof(W) +
@@ -773,6 +815,8 @@ class Trainer {
 
   // ---- gradient pieces (streamed: no resident gradients) ------------------------------------
   bool streamed() const { return !opt_.resident_gradients(); }
+  /// Resident gradients from one micro-batch: their norms are summed on the device.
+  bool device_norms() const { return opt_.resident_gradients() && opt_.micro_batches == 1; }
   static std::int64_t pieces(std::int64_t n, std::int64_t per) { return std::max<std::int64_t>(1, (n + per - 1) / per); }
   std::int64_t slot_numel() const { return store_.grad_slot_numel(); }
   std::int64_t vocab() const { return model_.config().vocab_size; }
@@ -929,8 +973,11 @@ class Trainer {
   HostBuffer host_io_;  // the batch's ids and labels, and per-token losses (pinned with a GPU)
   std::span<std::int32_t> ids_host_, labels_host_;
   std::span<Acc> loss_host_;
+  Buf<double> sumsq_dev_;  // device_norms(): each unit's sum of squared gradient elements
+  HostBuffer sumsq_host_mem_;
+  std::span<double> sumsq_host_;
   HostBuffer staging_mem_;
-  std::span<float> staging_;
+  std::vector<std::span<float>> staging_;  // micro-batches after the first land here (two slots)
   std::unique_ptr<Pipeline> pipeline_;  // last: its threads stop before the buffers go
 };
 

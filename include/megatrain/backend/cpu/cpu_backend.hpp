@@ -27,11 +27,12 @@
 #include "megatrain/backend/backend.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/tensor.hpp"
+#include "megatrain/optim/adamw.hpp"
 #include "megatrain/pipeline/executor.hpp"
 
 namespace megatrain {
 
-template <class T>
+template <class T = float>
 class CpuBackend {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                 "CpuBackend<T>: T must be float (the fp32 reference) or double (gradient checks)");
@@ -350,6 +351,13 @@ class CpuBackend {
         std::fill_n(src, d, T(0));
       }
     });
+  }
+
+  /// sum[0] = the sum of x's squared elements, in double (a gradient's contribution to the
+  /// global norm), deterministic whatever the thread count.
+  void sum_squares(View<const Acc> x, View<double> sum) {
+    MT_CHECK(sum.numel() == 1, "sum_squares: the result is one element, not {}", sum.shape().str());
+    sum.data()[0] = grad_sum_squares<T>(std::span<const T>(x.data(), static_cast<std::size_t>(x.numel())));
   }
 
   // ---- LM head + cross-entropy ---------------------------------------------------------------

@@ -10,7 +10,8 @@
 //
 // All device memory is cudaMalloc'ed (never managed memory) through alloc(), which counts it
 // against an optional cap (CudaBackendOptions::memory_limit) so the trainer's spill paths can be
-// exercised on a large GPU. prepare() allocates the workspaces once, before training.
+// exercised on a large GPU. prepare() allocates the workspaces once, before training. (cuDNN's
+// attention keeps no device memory of its own: what its plans need lives in the workspace.)
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -18,9 +19,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "megatrain/backend/backend.hpp"
@@ -83,9 +86,11 @@ class CudaBackend {
     ~Buffer() {
       if (p_ != nullptr) {
         (void)cudaFree(p_);
-        *counter_ -= n_ * sizeof(E);
+        *counter_ -= footprint(n_);
       }
     }
+    /// Bytes a buffer of n elements is counted as (and cudaMalloc'ed with): never 0.
+    static std::size_t footprint(std::size_t n) { return std::max<std::size_t>(n * sizeof(E), 1); }
     std::span<E> span() { return {p_, n_}; }
     std::span<const E> span() const { return {p_, n_}; }
     std::size_t size() const { return n_; }
@@ -130,6 +135,7 @@ class CudaBackend {
 #endif
   }
   ~CudaBackend() {
+    MT_NVTX_RANGE("CudaBackend::~CudaBackend");
 #if MEGATRAIN_HAS_CUDNN
     attention_.reset();
     if (cudnn_ != nullptr) (void)cudnnDestroy(cudnn_);
@@ -141,20 +147,38 @@ class CudaBackend {
   CudaBackend& operator=(const CudaBackend&) = delete;
 
   cudaStream_t stream() const { return stream_; }
-  Executor make_executor(Role role) { return role == Role::compute ? Executor(stream_) : Executor(nullptr); }
-  void synchronize() { MT_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+  Executor make_executor(Role role) {
+    MT_NVTX_RANGE("CudaBackend::make_executor");
+    return role == Role::compute ? Executor(stream_) : Executor(nullptr);
+  }
+  void synchronize() {
+    MT_NVTX_RANGE("CudaBackend::synchronize");
+    MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
 
-  /// A device array of n elements (contents undefined), counted against the memory cap.
+  /// A device array of n elements (contents undefined), counted against the memory cap: the
+  /// bytes checked against the cap, given to cudaMalloc, counted and later uncounted are the same
+  /// (Buffer<E>::footprint(n)).
   template <class E>
   Buffer<E> alloc(std::size_t n) {
-    const std::size_t bytes = std::max<std::size_t>(n * sizeof(E), 1);
-    MT_CHECK(*allocated_ + bytes <= limit_,
-             "GPU memory: {} more would exceed the cap of {} ({} already allocated); lower the batch, the chunk or "
-             "the sequence length, or raise the cap",
-             format_bytes(bytes), format_bytes(limit_), format_bytes(*allocated_));
+    MT_NVTX_RANGE("CudaBackend::alloc");
+    MT_CHECK(n <= (std::numeric_limits<std::size_t>::max() - 1) / sizeof(E), "GPU memory: {} elements of {} bytes overflow",
+             n, sizeof(E));
+    const std::size_t bytes = Buffer<E>::footprint(n);
+    // Reserve the bytes first (compare-and-swap), so that concurrent allocations cannot pass the
+    // cap together; give them back if cudaMalloc fails.
+    std::size_t used = allocated_->load();
+    do {
+      MT_CHECK(bytes <= limit_ && used <= limit_ - bytes,
+               "GPU memory: {} more would exceed the cap of {} ({} already allocated); lower the batch, the chunk or "
+               "the sequence length, or raise the cap",
+               format_bytes(bytes), format_bytes(limit_), format_bytes(used));
+    } while (!allocated_->compare_exchange_weak(used, used + bytes));
     void* p = nullptr;
-    MT_CUDA_CHECK(cudaMalloc(&p, bytes));
-    *allocated_ += n * sizeof(E);
+    if (const cudaError_t err = cudaMalloc(&p, bytes); err != cudaSuccess) {
+      *allocated_ -= bytes;
+      MT_CUDA_CHECK(err);
+    }
     return Buffer<E>(static_cast<E*>(p), n, allocated_);
   }
   std::size_t allocated_bytes() const { return *allocated_; }
@@ -162,7 +186,10 @@ class CudaBackend {
   /// Bytes alloc() can still hand out.
   std::optional<std::size_t> memory_available() const { return limit_ > *allocated_ ? limit_ - *allocated_ : 0; }
   /// Whether attention of this shape runs on cuDNN (after prepare()).
-  bool cudnn_attention(const AttentionShape& s) { return use_cudnn(dims(s)); }
+  bool cudnn_attention(const AttentionShape& s) {
+    MT_NVTX_RANGE("CudaBackend::cudnn_attention");  // may build the shape's cuDNN graphs
+    return use_cudnn(dims(s));
+  }
 
   /// Allocates every workspace the primitives will need for chunks up to `plan`.
   void prepare(const WorkspacePlan& plan) {
@@ -172,6 +199,7 @@ class CudaBackend {
     ws = std::max(ws, cuda::embedding_backward_workspace_bytes(M));
     ws = std::max(ws, cuda::rmsnorm_backward_workspace_bytes(std::max(M, opt_.logits_block), W));
     ws = std::max(ws, cuda::column_sum_workspace_bytes(M, W));
+    ws = std::max(ws, cuda::sum_squares_workspace_bytes(std::numeric_limits<std::int32_t>::max()));  // any size
     for (const auto& s : plan.attention) {
       const auto d = dims(s);
       ws = std::max(ws, cuda::attention_backward_workspace_bytes(d));
@@ -191,20 +219,26 @@ class CudaBackend {
   // ---- transfers (a stage's executor orders them) ----------------------------------------------
   template <class S, class D>
   void upload(Executor& e, std::span<const S> src, std::span<D> dst) {
+    MT_NVTX_RANGE("CudaBackend::upload");
     static_assert(std::is_same_v<S, D>, "CUDA transfers copy bytes: the element types must match");
     MT_CHECK(src.size() == dst.size(), "upload of {} elements into {}", src.size(), dst.size());
     MT_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.size_bytes(), cudaMemcpyDefault, e.stream()));
   }
   template <class S, class D>
   void download(Executor& e, std::span<const S> src, std::span<D> dst) {
-    upload(e, src, dst);
+    MT_NVTX_RANGE("CudaBackend::download");
+    static_assert(std::is_same_v<S, D>, "CUDA transfers copy bytes: the element types must match");
+    MT_CHECK(src.size() == dst.size(), "download of {} elements into {}", src.size(), dst.size());
+    MT_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.size_bytes(), cudaMemcpyDefault, e.stream()));
   }
   template <class E>
   void zero(Executor& e, std::span<E> dst) {
+    MT_NVTX_RANGE("CudaBackend::zero");
     MT_CUDA_CHECK(cudaMemsetAsync(dst.data(), 0, dst.size_bytes(), e.stream()));
   }
   template <class E>
   void copy(View<const E> src, View<E> dst) {
+    MT_NVTX_RANGE("CudaBackend::copy");
     MT_CHECK(src.shape() == dst.shape(), "copy: shapes {} and {} differ", src.shape().str(), dst.shape().str());
     MT_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), static_cast<std::size_t>(src.numel()) * sizeof(E),
                                   cudaMemcpyDeviceToDevice, stream_));
@@ -256,9 +290,11 @@ class CudaBackend {
   }
 
   void rope(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq) {
+    MT_NVTX_RANGE("cuda:rope");
     rotate(x, heads, seq, inv_freq, false);
   }
   void rope_backward(View<Act> dx, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq) {
+    MT_NVTX_RANGE("cuda:rope_backward");
     rotate(dx, heads, seq, inv_freq, true);
   }
 
@@ -321,6 +357,13 @@ class CudaBackend {
     MT_CHECK(out.size(0) == rows.numel() && out.size(1) == table.size(1), "take_rows: output {} does not match {} rows x {}",
              out.shape().str(), rows.numel(), table.size(1));
     cuda::launch_take_rows(rows.data(), table.data(), out.data(), rows.numel(), table.size(1), table.size(0), stream_);
+  }
+
+  /// sum[0] = the sum of x's squared elements, in double, in a fixed order (deterministic).
+  void sum_squares(View<const Acc> x, View<double> sum) {
+    MT_NVTX_RANGE("cuda:sum_squares");
+    MT_CHECK(sum.numel() == 1, "sum_squares: the result is one element, not {}", sum.shape().str());
+    cuda::launch_sum_squares(x.data(), x.numel(), sum.data(), ws(), workspace_.size(), stream_);
   }
 
   /// Per-token cross-entropy of h w^T, in blocks of logits_block tokens: fp32 logits from
