@@ -44,7 +44,7 @@ set(MEGATRAIN_URL_fmt "https://github.com/fmtlib/fmt/archive/refs/tags/9.1.0.tar
 set(MEGATRAIN_URL_Eigen3 "https://gitlab.com/libeigen/eigen/-/archive/3.4.0/eigen-3.4.0.tar.gz")
 set(MEGATRAIN_URL_nlohmann_json "https://github.com/nlohmann/json/releases/download/v3.11.2/json.tar.xz")
 set(MEGATRAIN_URL_doctest "https://github.com/doctest/doctest/archive/refs/tags/v2.4.9.tar.gz")
-set(MEGATRAIN_URL_CLI11 "https://github.com/CLIUtils/CLI11/archive/refs/tags/v2.3.2.tar.gz")
+set(MEGATRAIN_URL_CLI11 "https://github.com/CLIUtils/CLI11/archive/refs/tags/v2.1.2.tar.gz")
 set(MEGATRAIN_URL_benchmark "https://github.com/google/benchmark/archive/refs/tags/v1.7.1.tar.gz")
 
 find_package(Threads REQUIRED)

@@ -222,6 +222,10 @@ int run(const Settings& s, const CLI::App& app) {
            "--val-data needs --data (except with --steps 0, which evaluates on --val-data alone)");
   MT_CHECK(!(eval_only && !s.out.empty()),
            "--steps 0 evaluates only and writes no run directory: drop --out (the loss is printed as JSON)");
+  if (eval_only)  // options that only shape training would be ignored: refuse them
+    for (const char* f : {"--lr", "--min-lr", "--warmup", "--schedule", "--weight-decay", "--beta1", "--beta2", "--eps", "--clip",
+                          "--clip-mode", "--micro-batches", "--max-micro-batch", "--overwrite", "--eval-every", "--log-every"})
+      MT_CHECK(app.get_option(f)->count() == 0, "{} has no effect with --steps 0 (evaluation only); drop it", f);
   check_model_source(s, app);
 
   // Export: every contradiction is found now, not after hours of training.
@@ -271,7 +275,13 @@ int run(const Settings& s, const CLI::App& app) {
   MT_CHECK(train_src.format() != TokenFormat::text || cfg.vocab_size >= 256,
            "text data is tokenised by bytes (vocabulary 256) but the model's vocab_size is {}", cfg.vocab_size);
   std::optional<TokenSource> val_src;
-  if (!s.val_data.empty()) val_src = TokenSource::open(s.val_data, fmt_bin);
+  if (!s.val_data.empty()) {
+    val_src = TokenSource::open(s.val_data, fmt_bin);
+    MT_CHECK((val_src->format() == TokenFormat::text) == (train_src.format() == TokenFormat::text),
+             "--val-data '{}' is {} but --data '{}' is {}: both must be token files, or both text", s.val_data,
+             val_src->format() == TokenFormat::text ? "text" : "a token file", s.data,
+             train_src.format() == TokenFormat::text ? "text" : "a token file");
+  }
   DatasetOptions dopt;
   dopt.vocab_size = cfg.vocab_size;
   dopt.seq_len = s.seq;
@@ -304,6 +314,9 @@ int run(const Settings& s, const CLI::App& app) {
     topt.clip_mode = s.clip_mode == "stale" ? ClipMode::stale : ClipMode::exact;
   }
   topt.validate();
+  MT_CHECK(app.get_option("--micro-batches")->count() == 0 || topt.resolved().micro_batches == topt.micro_batches,
+           "--micro-batches {} contradicts --max-micro-batch {}: parts of {} sequences are more than {}; pass one of them",
+           s.micro_batches, s.max_micro_batch, s.batch / std::max<std::int64_t>(s.micro_batches, 1), s.max_micro_batch);
 
   if (!eval_only) {
     plan.out = s.out.empty() ? fs::path(default_out_dir()) : fs::path(s.out);
@@ -528,7 +541,7 @@ int main(int argc, char** argv) {
                     "(PyTorch's clip_grad_norm_ over this step's gradients; the optimizer waits for the backward)")->capture_default_str();
 
   auto* runo = app.add_option_group("run", "Run");
-  runo->add_option("--seed", s.seed, "Seed for initialisation and data order")->capture_default_str();
+  runo->add_option("--seed", s.seed, "Seed for initialisation and data order")->check(CLI::NonNegativeNumber)->capture_default_str();
   runo->add_option("--out", s.out, "Output directory (default: runs/<date-time>)");
   runo->add_option("--overwrite", s.overwrite, "Replace a previous run in --out (true/false)")->capture_default_str();
   runo->add_option("--backend", s.backend, "auto, cpu or cuda")->capture_default_str();

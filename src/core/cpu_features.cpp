@@ -3,6 +3,10 @@
 #include <cstdlib>
 #include <string_view>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include "megatrain/core/log.hpp"
 
 namespace megatrain {
@@ -13,7 +17,11 @@ SimdLevel detect_simd_level() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl"))
     return SimdLevel::avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return SimdLevel::avx2;
+  // The AVX2 kernels also use F16C (half-precision conversions): require all three. (Clang's
+  // __builtin_cpu_supports does not know "f16c": read CPUID leaf 1, ECX bit 29.)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) return SimdLevel::avx2;
 #endif
   return SimdLevel::scalar;
 }

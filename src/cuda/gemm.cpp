@@ -10,6 +10,7 @@
 
 #include "megatrain/core/cuda_check.hpp"
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/nvtx.hpp"
 
 namespace megatrain::cuda {
 
@@ -48,6 +49,7 @@ bool aligned16(std::initializer_list<const void*> ptrs, std::initializer_list<st
 Gemm::Plan& Gemm::plan(Kind kind, std::int64_t M, std::int64_t N, std::int64_t K, bool aligned) {
   const Key key{static_cast<int>(kind), M, N, K, aligned};
   if (auto it = plans_.find(key); it != plans_.end()) return *it->second;
+  MT_NVTX_RANGE("gemm_plan_build");  // once per shape (a cached plan returns above, without a range)
   MT_CHECK(M > 0 && N > 0 && K > 0, "matrix product of [{}, {}] x [{}, {}]^T has an empty side", M, K, N, K);
   auto p = std::make_unique<Plan>();
   MT_CUDA_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/nvtx.hpp"
 
 namespace megatrain {
 
@@ -90,6 +91,7 @@ RopeScaling parse_rope_scaling(const json& r, std::string_view src) {
 }  // namespace
 
 ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
+  MT_NVTX_RANGE("ModelConfig::from_json");
   MT_CHECK(j.is_object(), "{}: a model config must be a JSON object, not {}", src, type_name(j));
   ModelConfig c;
   // Architecture: the first entry of "architectures", else "model_type".
@@ -200,6 +202,7 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
 }
 
 ModelConfig ModelConfig::from_file(const std::filesystem::path& path) {
+  MT_NVTX_RANGE("ModelConfig::from_file");
   // An ifstream opens a directory without complaint and then reads nothing ("malformed JSON").
   MT_CHECK(!std::filesystem::is_directory(path), "'{}' is a directory; give the path of the config.json in it",
            path.string());
@@ -402,6 +405,7 @@ std::vector<std::string> ModelConfig::preset_names() {
 }
 
 ModelConfig ModelConfig::preset(std::string_view name) {
+  MT_NVTX_RANGE("ModelConfig::preset");
   for (const auto& p : kPresets)
     if (name == p.name) return from_json(json::parse(p.json_text), std::string("preset ") + p.name);
   std::string all;

@@ -1,6 +1,7 @@
 // The CUDA backend's ops (bf16, fp32 accumulation) against the CPU reference in float64, run
 // on the same bf16 inputs and weights: the decoder block, the embedding and the head, forward
-// and backward, with attention through cuDNN and through megatrain's own kernel.
+// and backward, with attention through cuDNN and through megatrain's own kernel (forced, and
+// chosen automatically for a shape cuDNN refuses).
 #include <doctest/doctest.h>
 
 #include <nlohmann/json.hpp>
@@ -438,6 +439,45 @@ TEST_CASE("linear and linear_backward on the GPU match CpuBackend<float> at awkw
             if (bias) check_within(from_device(gdb), db, bdb, "db");
             else CHECK(from_device(gdb) == std::vector<double>(db0.begin(), db0.end()));  // untouched
           }
+}
+
+TEST_CASE("a shape cuDNN refuses (head_dim 12) falls back to megatrain's kernel with default options") {
+  // use_cudnn left at its default (true): the backend must pick its own kernel by itself, since
+  // cuDNN's fused attention needs head_dim to be a multiple of 8.
+  CudaBackend be;
+  const AttentionShape s{2, 37, 6, 2, 12};  // grouped-query: 3 query heads per key/value head
+  const std::int64_t M = s.rows * s.seq, qw = s.heads * s.head_dim, kw = s.kv_heads * s.head_dim;
+  be.prepare({M, qw, 0, {s}});
+  CHECK_FALSE(be.cudnn_attention(s));
+
+  std::mt19937 rng(41);
+  const auto mq = static_cast<std::size_t>(M * qw), mk = static_cast<std::size_t>(M * kw),
+             nl = static_cast<std::size_t>(s.rows * s.heads * s.seq);
+  const auto q16 = random_bf16(mq, 1.0f, rng), k16 = random_bf16(mk, 1.0f, rng), v16 = random_bf16(mk, 1.0f, rng),
+             dout16 = random_bf16(mq, 1.0f, rng);
+  const Shape sq{M, qw}, sk{M, kw}, sl{s.rows, s.heads, s.seq};
+
+  // Reference: CpuBackend<float> on the same (bf16-exact) values.
+  CpuBackend<float> cpu;
+  const auto q = to_float(q16), k = to_float(k16), v = to_float(v16), dout = to_float(dout16);
+  std::vector<float> out(mq), lse(nl), dq(mq), dk(mk), dv(mk);
+  cpu.attention(cview(q, sq), cview(k, sk), cview(v, sk), mview(out, sq), mview(lse, sl), s);
+  cpu.attention_backward(cview(q, sq), cview(k, sk), cview(v, sk), cview(out, sq), cview(lse, sl), cview(dout, sq),
+                         mview(dq, sq), mview(dk, sk), mview(dv, sk), s);
+
+  auto gq = to_device(be, q16), gk = to_device(be, k16), gv = to_device(be, v16), gdout = to_device(be, dout16);
+  auto gout = be.alloc<bf16>(mq), gdq = be.alloc<bf16>(mq), gdk = be.alloc<bf16>(mk), gdv = be.alloc<bf16>(mk);
+  auto glse = be.alloc<float>(nl);
+  be.attention(cview(gq, sq), cview(gk, sk), cview(gv, sk), mview(gout, sq), mview(glse, sl), s);
+  be.attention_backward(cview(gq, sq), cview(gk, sk), cview(gv, sk), cview(gout, sq), cview(glse, sl),
+                        cview(gdout, sq), mview(gdq, sq), mview(gdk, sk), mview(gdv, sk), s);
+  be.synchronize();
+  const auto wide = [](const std::vector<float>& f) { return std::vector<double>(f.begin(), f.end()); };
+  CHECK(rel_err(from_device(gout), wide(out)) < kOutTol);
+  CHECK(rel_err(from_device(glse), wide(lse)) < kOutTol);
+  CHECK(rel_err(from_device(gdq), wide(dq)) < kGradTol);
+  CHECK(rel_err(from_device(gdk), wide(dk)) < kGradTol);
+  CHECK(rel_err(from_device(gdv), wide(dv)) < kGradTol);
 }
 
 TEST_CASE("alloc counts against the cap exactly the bytes it allocates") {

@@ -44,6 +44,8 @@ import subprocess
 import sys
 import tempfile
 
+from hf_seed import add_seed_option, resolve_seed
+
 SKIP = 77
 # Everything is local: never let transformers reach for the Hub (the test machines are offline).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -63,8 +65,6 @@ SEQ = 32
 FP32_RTOL = 1e-4
 BF16_RTOL = 3e-2
 ATOL = 1e-5
-DEFAULT_SEED = 20240611
-SEED_ENV = "MEGATRAIN_HF_SEED"
 # Fine-tuning: TRAIN_STEPS AdamW steps at LR (cosine schedule, no warm-up at this length). Adam's
 # first update moves every weight with a gradient by ~LR whatever the gradient's scale.
 TRAIN_STEPS = 3
@@ -380,21 +380,17 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--no-auto-backend", action="store_true",
                     help="do not also evaluate with --backend auto (the GPU, in bf16, where there is one)")
-    ap.add_argument("--seed", type=int, default=None,
-                    help=f"seed of the models and tokens (default: ${SEED_ENV} if set, else {DEFAULT_SEED})")
+    add_seed_option(ap)
     args = ap.parse_args()
     if not os.access(args.megatrain, os.X_OK):
         print(f"FAIL: '{args.megatrain}' is not an executable megatrain-train")
         return 1
 
-    seed = args.seed
-    if seed is None:
-        env = os.environ.get(SEED_ENV, "").strip()
-        try:
-            seed = int(env) if env else DEFAULT_SEED
-        except ValueError:
-            print(f"FAIL: {SEED_ENV}={env!r} is not an integer")
-            return 1
+    try:
+        seed = resolve_seed(args.seed)
+    except ValueError as e:
+        print(f"FAIL: {e}")
+        return 1
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, seed {seed}", flush=True)
     torch.manual_seed(seed)
     rng = random.Random(seed)

@@ -10,7 +10,10 @@ the next token), computed in double precision. Weights are large enough that the
 from ln(vocab), so a transposed or misnamed tensor cannot pass. Needs no third-party module: it is
 the transformers check that runs everywhere (hf_interop.py runs transformers itself).
 
-Usage: reference_loss.py --megatrain PATH/megatrain-train [--work DIR]
+The run is deterministic: the seed is fixed (--seed, or the environment variable
+MEGATRAIN_HF_SEED, picks another).
+
+Usage: reference_loss.py --megatrain PATH/megatrain-train [--work DIR] [--seed N]
 Exit status: 0 pass, 1 fail.
 """
 
@@ -24,6 +27,8 @@ import struct
 import subprocess
 import sys
 import tempfile
+
+from hf_seed import add_seed_option, resolve_seed
 
 RTOL = 1e-5  # megatrain's CPU backend computes in fp32; the reference in double
 
@@ -195,9 +200,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--megatrain", required=True)
     ap.add_argument("--work")
-    ap.add_argument("--seed", type=int)
+    add_seed_option(ap)
     args = ap.parse_args()
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
+    try:
+        seed = resolve_seed(args.seed)
+    except ValueError as e:
+        print(f"FAIL: {e}")
+        return 1
     print(f"seed {seed}", flush=True)
     rng = random.Random(seed)
     work = args.work or tempfile.mkdtemp(prefix="megatrain-hfref-")

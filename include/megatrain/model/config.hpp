@@ -4,7 +4,8 @@
 // scaling), MistralForCausalLM and Qwen2ForCausalLM (q/k/v projections with bias). Anything else,
 // a missing required field, a field of the wrong type, or fields that contradict each other
 // (`architectures` and `model_type` naming different models, attention_bias or mlp_bias set on
-// Qwen2 or Mistral, which have no such option, a head count that does not divide the hidden size,
+// Qwen2 or Mistral, which have no such option, without head_dim a head count that does not divide
+// the hidden size,
 // key/value heads that do not divide the query heads, an odd head_dim, ...) is an error naming
 // the file and the field.
 #pragma once

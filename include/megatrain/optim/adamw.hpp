@@ -31,6 +31,7 @@
 
 #include "megatrain/core/cpu_features.hpp"
 #include "megatrain/core/dtype.hpp"
+#include "megatrain/core/nvtx.hpp"
 #include "megatrain/store/host_param_store.hpp"
 
 namespace megatrain {
@@ -178,6 +179,7 @@ AdamWScalars<T> AdamWScalars<T>::make(const AdamWConfig& cfg, std::int64_t step,
 template <class T>
 void adamw_step(const typename HostParamStore<T>::Unit& unit, std::span<const T> grad, const AdamWConfig& cfg,
                 std::int64_t step, double lr, double grad_scale) {
+  MT_NVTX_RANGE("adamw_step");
   MT_CHECK(static_cast<std::int64_t>(grad.size()) >= unit.numel(),
            "gradient of {} elements is shorter than unit '{}' ({} elements)", grad.size(), unit.name(), unit.numel());
   const AdamWSegment<T> whole{0, static_cast<std::size_t>(unit.numel()), grad.data()};
@@ -187,6 +189,7 @@ void adamw_step(const typename HostParamStore<T>::Unit& unit, std::span<const T>
 template <class T>
 double adamw_segments(const typename HostParamStore<T>::Unit& unit, std::span<const AdamWSegment<T>> segments,
                       const AdamWConfig& cfg, std::int64_t step, double lr, double grad_scale) {
+  MT_NVTX_RANGE("adamw_segments");
   cfg.validate();
   MT_CHECK(step >= 1, "step must be >= 1 (got {})", step);
   MT_CHECK(std::isfinite(lr) && lr >= 0, "learning rate must be finite and >= 0 (got {})", lr);
@@ -243,6 +246,7 @@ double adamw_segments(const typename HostParamStore<T>::Unit& unit, std::span<co
 
 template <class T>
 double grad_sum_squares(std::span<const T> grad) {
+  MT_NVTX_RANGE("grad_sum_squares");
   constexpr std::size_t kBlock = 1 << 16;
   const std::size_t nblocks = (grad.size() + kBlock - 1) / kBlock;
   std::vector<double> partial(nblocks);
@@ -266,6 +270,7 @@ double grad_sum_squares(std::span<const T> grad) {
 
 template <class T>
 GradClip clip_grad_norm(std::span<const std::span<const T>> grads, double max_norm) {
+  MT_NVTX_RANGE("clip_grad_norm");
   double sumsq = 0;
   for (const auto& g : grads) sumsq += grad_sum_squares<T>(g);  // fixed order: deterministic
   const double total_norm = std::sqrt(sumsq);
@@ -274,6 +279,7 @@ GradClip clip_grad_norm(std::span<const std::span<const T>> grads, double max_no
 
 template <class T>
 void accumulate_gradient(std::span<T> dst, std::span<const T> src) {
+  MT_NVTX_RANGE("accumulate_gradient");
   MT_CHECK(dst.size() == src.size(), "accumulate_gradient: {} elements into {}", src.size(), dst.size());
   tbb::parallel_for(tbb::blocked_range<std::size_t>(0, dst.size(), 1 << 16), [&](const auto& r) {
     for (std::size_t i = r.begin(); i != r.end(); ++i) dst[i] += src[i];

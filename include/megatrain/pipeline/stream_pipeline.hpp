@@ -25,6 +25,9 @@
 // completion it depended on); run(item, slots) — does or enqueues the work; ring_slots() and
 // unit_access(). Stages are plain objects: a user adds one by putting it in the list. Timing
 // never changes what is computed, only when.
+//
+// NVTX: submit() and drain() open a range each, and the worker opens "pipeline:stage J" around
+// every run(item, slots) of stage J (0-based), so a user-defined stage shows on a timeline too.
 #pragma once
 
 #include <array>
@@ -34,6 +37,7 @@
 #include <deque>
 #include <exception>
 #include <mutex>
+#include <string_view>
 #include <thread>
 #include <tuple>
 #include <unordered_map>
@@ -41,11 +45,34 @@
 #include <vector>
 
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/nvtx.hpp"
 #include "megatrain/pipeline/executor.hpp"
 
 namespace megatrain {
 
 enum class UnitAccess { none, reads, writes };
+
+namespace detail {
+/// "pipeline:stage J", NUL-terminated, built at compile time: the worker's NVTX range name.
+template <std::size_t J>
+inline constexpr auto pipeline_stage_range_name = [] {
+  constexpr char prefix[] = "pipeline:stage ";
+  std::array<char, sizeof(prefix) + 20> name{};  // room for any std::size_t and the NUL
+  std::size_t n = 0;
+  for (std::size_t i = 0; i + 1 < sizeof(prefix); ++i) name[n++] = prefix[i];
+  char digits[20]{};
+  std::size_t d = 0;
+  std::size_t v = J;
+  do {
+    digits[d++] = static_cast<char>('0' + v % 10);
+    v /= 10;
+  } while (v != 0);
+  while (d > 0) name[n++] = digits[--d];
+  return name;
+}();
+static_assert(std::string_view(pipeline_stage_range_name<0>.data()) == "pipeline:stage 0");
+static_assert(std::string_view(pipeline_stage_range_name<12>.data()) == "pipeline:stage 12");
+}  // namespace detail
 
 /// Ring slot indices of one item at one stage.
 struct StageSlots {
@@ -103,6 +130,7 @@ class StreamPipeline {
 
   /// Queues items: they flow through the stages in this order. Does not block.
   void submit(const std::vector<Item>& items) {
+    MT_NVTX_RANGE("StreamPipeline::submit");
     const auto& pass = items;
     if (pass.empty()) return;
     {
@@ -150,6 +178,7 @@ class StreamPipeline {
   /// Blocks until every submitted item has passed every stage (its device work included), then
   /// rethrows the first error a stage raised, if any.
   void drain() {
+    MT_NVTX_RANGE("StreamPipeline::drain");
     std::vector<Completion> device_tails;
     {
       std::unique_lock lock(mutex_);
@@ -265,7 +294,10 @@ class StreamPipeline {
         Completion posted;
         if (stage.applies(item)) {
           for (const auto& d : deps) exec.wait(d);
-          stage.run(item, slots);
+          {
+            MT_NVTX_RANGE(detail::pipeline_stage_range_name<J>.data());
+            stage.run(item, slots);
+          }
           posted = exec.complete();
         } else if (J > 0) {
           posted = deps.front();  // nothing done here: downstream orders after the upstream work

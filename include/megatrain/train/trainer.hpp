@@ -168,7 +168,8 @@ struct GradientPiece {
 
 /// What a user stage can see: the landed host gradient of an item, and where it stands.
 struct GradientView {
-  std::function<std::span<const float>(const TrainItem&, const StageSlots&)> gradient;  ///< valid in run()
+  /// The item's landed gradient (with micro-batches: that micro-batch's share); valid in run().
+  std::function<std::span<const float>(const TrainItem&, const StageSlots&)> gradient;
   std::function<GradientPiece(const TrainItem&)> placement;  ///< where gradient()'s elements belong; valid in run()
   std::function<const std::string&(std::size_t unit)> unit_name;
   std::function<std::int64_t()> step;  ///< 1-based step being trained
@@ -202,6 +203,7 @@ class Trainer {
   /// model's (same names and shapes) and its gradients laid out as store_options() says.
   Trainer(const DecoderModel<Block>& model, HostParamStore<float>& store, B& backend, TrainerOptions opt)
       : model_(model), store_(store), be_(backend), opt_(opt.resolved()), state_(std::make_shared<State>()) {
+    MT_NVTX_RANGE("Trainer::Trainer");
     opt.validate();
     check_store();
     model_.config().check_sequence_length(opt_.seq_len);
@@ -698,7 +700,9 @@ class Trainer {
         fit = std::min<std::size_t>(L + 1, usable / std::max<std::size_t>(ckpt_bytes, 1));
         if (fit < L + 1) fit = usable >= 2 * ckpt_bytes ? std::min<std::size_t>(L + 1, usable / ckpt_bytes - 2) : 0;
         MT_CHECK(fit == L + 1 || usable >= 2 * ckpt_bytes,
-                 "not enough device memory for the activation checkpoints' staging buffers ({} needed, {} left)",
+                 "not enough device memory for the activation checkpoints' staging buffers ({} needed, {} left): "
+                 "run the batch in smaller micro-batches (TrainerOptions::max_micro_rows; megatrain-train "
+                 "--max-micro-batch N)",
                  format_bytes(2 * ckpt_bytes), format_bytes(usable));
       }
     }
@@ -772,7 +776,10 @@ class Trainer {
   /// Where the gradient of `it` sits on the host once offloaded.
   std::span<const float> landed_gradient(const TrainItem& it, const StageSlots& s) {
     const auto& unit = store_.unit(it.unit);
-    if (opt_.resident_gradients()) return unit.grad();
+    if (opt_.resident_gradients()) {  // a later micro-batch's gradient waits in its staging slot
+      if (it.kind != Kind::optimize && it.micro > 0) return staging_[s.in].first(static_cast<std::size_t>(unit.numel()));
+      return unit.grad();
+    }
     return store_.grad_slot(s.in).first(piece(it, 0).device.size());
   }
 
