@@ -31,6 +31,8 @@ static_assert(std::is_same_v<CpuBackend<>::Act, float> && std::is_same_v<CpuBack
               std::is_same_v<CpuBackend<>::Acc, float>);
 static_assert(ParamOp<DecoderBlock> && ParamOp<Embedding> && ParamOp<LmHead>);
 static_assert(LayerOp<DecoderBlock, F> && LayerOp<DecoderBlock, D>);
+static_assert(LayerOp<SelfAttention, F> && LayerOp<SelfAttention, D>);  // the block's parts are ops too
+static_assert(LayerOp<SwiGluMlp, F> && LayerOp<SwiGluMlp, D>);
 static_assert(EmbeddingOp<Embedding, F> && EmbeddingOp<Embedding, D>);
 static_assert(HeadOp<LmHead, F> && HeadOp<LmHead, D>);
 // Each satisfies its own contract only.

@@ -62,7 +62,9 @@ bool q_or_k(const std::string& name) {
   return name.find("q_proj") != std::string::npos || name.find("k_proj") != std::string::npos;
 }
 
-void check_block(const TestModel& shape, ChunkShape c, std::uint64_t seed) {
+// Gradcheck of a [tokens, hidden] -> [tokens, hidden] op (a LayerOp): the input and every weight.
+template <class Op>
+void check_layer(const TestModel& shape, ChunkShape c, std::uint64_t seed, const char* what = "block") {
   const ModelConfig cfg = make_config(shape);
   const std::string arch = shape.arch;
   CAPTURE(arch);
@@ -73,13 +75,13 @@ void check_block(const TestModel& shape, ChunkShape c, std::uint64_t seed) {
   CAPTURE(c.seq);
   Random rng(test_seed(seed));
   Be be;
-  const LayerTemplate<DecoderBlock> block{DecoderBlock(cfg, 0)};
+  const LayerTemplate<Op> block{Op(cfg, 0)};
   const auto& op = block.op();
   const std::int64_t M = c.tokens(), d = cfg.hidden_size;
   Vec slab = random_weights(block.layout(), rng);
   Vec x = rng.vector(M * d, -1, 1);
   const Vec r = rng.vector(M * d, -1, 1);
-  std::vector<std::byte> mem(op.scratch_bytes<Be>(c));
+  std::vector<std::byte> mem(op.template scratch_bytes<Be>(c));
   Arena arena{std::span<std::byte>(mem)};
   const auto w = block.bind(std::span<const double>(slab));
   Vec y(x.size());
@@ -94,12 +96,26 @@ void check_block(const TestModel& shape, ChunkShape c, std::uint64_t seed) {
   std::vector<GradTensor> t{{"x", x, dx}};
   // With one token per sequence attention returns v: q and k do not matter.
   add_tensors(t, block.layout(), slab, inc, c.seq == 1 ? q_or_k : nullptr);
-  report(fmt::format("{} block, {}/{} heads of {}, {}x{} tokens", shape.arch, shape.heads, shape.kv_heads,
+  report(fmt::format("{} {}, {}/{} heads of {}, {}x{} tokens", shape.arch, what, shape.heads, shape.kv_heads,
                      shape.head_dim, c.rows, c.seq),
          gradcheck(objective, t, rng));
 }
 
+void check_block(const TestModel& shape, ChunkShape c, std::uint64_t seed) { check_layer<DecoderBlock>(shape, c, seed); }
+
 }  // namespace
+
+TEST_CASE("gradcheck: self-attention op (grouped-query, rotary, biases) on its own") {
+  check_layer<SelfAttention>({"LlamaForCausalLM", 12, 20, 2, 2, 6}, {2, 7}, 1400, "attention");           // ratio 1
+  check_layer<SelfAttention>({"Qwen2ForCausalLM", 20, 28, 4, 2, 10}, {2, 13}, 1401, "attention");         // q/k/v bias
+  check_layer<SelfAttention>({"LlamaForCausalLM", 16, 24, 4, 1, 12, true, false}, {3, 5}, 1402, "attention");  // o bias too
+  check_layer<SelfAttention>({"MistralForCausalLM", 14, 30, 14, 2, 6, false, false, 50.0}, {2, 5}, 1403, "attention");  // ratio 7
+}
+
+TEST_CASE("gradcheck: SwiGLU MLP op on its own") {
+  check_layer<SwiGluMlp>({"LlamaForCausalLM", 12, 20, 2, 2, 6}, {2, 7}, 1500, "MLP");
+  check_layer<SwiGluMlp>({"LlamaForCausalLM", 16, 24, 4, 1, 12, true, true}, {3, 5}, 1501, "MLP");  // with biases
+}
 
 TEST_CASE("gradcheck: decoder block, Llama without biases") {
   check_block({"LlamaForCausalLM", 12, 20, 2, 2, 6}, {2, 7}, 1000);                       // GQA ratio 1

@@ -1,0 +1,165 @@
+// Causal self-attention of Llama, Mistral and Qwen2, as an op of its own:
+//
+//     y = o_proj(attention(rope(q_proj(x)), rope(k_proj(x)), v_proj(x)))
+//
+// grouped-query heads (num_key_value_heads divides num_attention_heads), head_dim from the
+// config, rotary embeddings rotating halves (Hugging Face's Llama convention), optional q/k/v
+// biases (Qwen2, Llama's attention_bias) and o bias (Llama's attention_bias). No norm and no
+// residual: DecoderBlock adds those around it; a user's own block can use it the same way.
+//
+// Besides the LayerOp interface (forward, backward), run() and backprop() work on activations a
+// caller keeps (carve()), so a block recomputes its whole forward once and backpropagates
+// through its parts without running them twice.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "megatrain/layers/layer_op.hpp"
+#include "megatrain/model/config.hpp"
+
+namespace megatrain {
+
+class SelfAttention {
+ public:
+  /// Layer `layer`'s attention: parameters model.layers.<layer>.self_attn.*.
+  SelfAttention(const ModelConfig& cfg, std::int64_t layer)
+      : cfg_(cfg), prefix_("model.layers." + std::to_string(layer) + ".self_attn."), inv_freq_(cfg.rope_inv_freq()) {
+    cfg.validate();
+    MT_CHECK(layer >= 0 && layer < cfg.num_hidden_layers, "layer {} out of range [0, {})", layer, cfg.num_hidden_layers);
+  }
+
+  template <class E>
+  struct Weights {
+    View<E> q, k, v, o, q_bias, k_bias, v_bias, o_bias;
+  };
+
+  std::vector<ParamSpec> params() const {
+    const std::int64_t d = cfg_.hidden_size;
+    const auto sd = static_cast<float>(cfg_.initializer_range);
+    std::vector<ParamSpec> p{ParamSpec::matrix(name("q_proj.weight"), Shape{cfg_.q_dim(), d}, sd),
+                             ParamSpec::matrix(name("k_proj.weight"), Shape{cfg_.kv_dim(), d}, sd),
+                             ParamSpec::matrix(name("v_proj.weight"), Shape{cfg_.kv_dim(), d}, sd),
+                             ParamSpec::matrix(name("o_proj.weight"), Shape{d, cfg_.q_dim()}, sd)};
+    if (cfg_.qkv_bias) {
+      p.push_back(ParamSpec::bias(name("q_proj.bias"), cfg_.q_dim()));
+      p.push_back(ParamSpec::bias(name("k_proj.bias"), cfg_.kv_dim()));
+      p.push_back(ParamSpec::bias(name("v_proj.bias"), cfg_.kv_dim()));
+    }
+    if (cfg_.o_bias) p.push_back(ParamSpec::bias(name("o_proj.bias"), d));
+    return p;
+  }
+
+  template <class E>
+  Weights<E> bind(const ParamBinder<E>& p) const {
+    return {p(name("q_proj.weight")),        p(name("k_proj.weight")),        p(name("v_proj.weight")),
+            p(name("o_proj.weight")),        p.optional(name("q_proj.bias")), p.optional(name("k_proj.bias")),
+            p.optional(name("v_proj.bias")), p.optional(name("o_proj.bias"))};
+  }
+
+  std::int64_t hidden_size() const { return cfg_.hidden_size; }
+
+  /// The activations run() keeps for backprop() (and, with_backward, backprop()'s own buffers).
+  template <class B>
+  struct Acts {
+    View<typename B::Act> q, k, v, att;
+    View<typename B::Acc> lse;
+    View<typename B::Act> datt, dq, dk, dv;  // with_backward only
+  };
+  template <class B>
+  Acts<B> carve(Arena& ar, ChunkShape c, bool with_backward) const {
+    using A = typename B::Act;
+    const std::int64_t M = c.tokens(), qd = cfg_.q_dim(), kd = cfg_.kv_dim();
+    Acts<B> a;
+    a.q = ar.alloc<A>({M, qd});
+    a.k = ar.alloc<A>({M, kd});
+    a.v = ar.alloc<A>({M, kd});
+    a.att = ar.alloc<A>({M, qd});
+    a.lse = ar.alloc<typename B::Acc>({c.rows, cfg_.num_attention_heads, c.seq});
+    if (with_backward) {
+      a.datt = ar.alloc<A>({M, qd});
+      a.dq = ar.alloc<A>({M, qd});
+      a.dk = ar.alloc<A>({M, kd});
+      a.dv = ar.alloc<A>({M, kd});
+    }
+    return a;
+  }
+
+  template <class B>
+  std::size_t scratch_bytes(ChunkShape c) const {
+    Arena measure;
+    (void)carve<B>(measure, c, true);
+    return measure.peak();
+  }
+
+  /// y = attention output projected by o_proj (y is overwritten); keeps what backprop() needs in a.
+  template <class B>
+  void run(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+           const Acts<B>& a, View<typename B::Act> y) const {
+    attend(be, c, w, x, a);
+    be.linear(cview(a.att), w.o, w.o_bias, y);
+  }
+
+  /// run() up to the attention output a.att (what backprop() needs), without the projection.
+  template <class B>
+  void attend(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+              const Acts<B>& a) const {
+    MT_CHECK(x.rank() == 2 && x.size(0) == c.tokens() && x.size(1) == cfg_.hidden_size,
+             "self-attention: input {} is not [{} tokens, {}]", x.shape().str(), c.tokens(), cfg_.hidden_size);
+    cfg_.check_sequence_length(c.seq);
+    be.linear(x, w.q, w.q_bias, a.q);
+    be.linear(x, w.k, w.k_bias, a.k);
+    be.linear(x, w.v, w.v_bias, a.v);
+    be.rope(a.q, cfg_.num_attention_heads, c.seq, std::span<const double>(inv_freq_));
+    be.rope(a.k, cfg_.num_key_value_heads, c.seq, std::span<const double>(inv_freq_));
+    be.attention(cview(a.q), cview(a.k), cview(a.v), a.att, a.lse, shape(c));
+  }
+
+  /// After run() on the same x: dx = dL/dx (overwritten) from dy, weight gradients added to g.
+  template <class B>
+  void backprop(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+                const Acts<B>& a, View<const typename B::Act> dy, View<typename B::Act> dx,
+                const Weights<typename B::Acc>& g) const {
+    be.linear_backward(cview(a.att), w.o, dy, a.datt, false, g.o, g.o_bias);
+    be.attention_backward(cview(a.q), cview(a.k), cview(a.v), cview(a.att), cview(a.lse), cview(a.datt), a.dq, a.dk,
+                          a.dv, shape(c));
+    be.rope_backward(a.dq, cfg_.num_attention_heads, c.seq, std::span<const double>(inv_freq_));
+    be.rope_backward(a.dk, cfg_.num_key_value_heads, c.seq, std::span<const double>(inv_freq_));
+    be.linear_backward(x, w.q, cview(a.dq), dx, false, g.q, g.q_bias);
+    be.linear_backward(x, w.k, cview(a.dk), dx, true, g.k, g.k_bias);
+    be.linear_backward(x, w.v, cview(a.dv), dx, true, g.v, g.v_bias);
+  }
+
+  template <class B>
+  void forward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+               View<typename B::Act> y, Arena& scratch) const {
+    ArenaScope scope(scratch);
+    run(be, c, w, x, carve<B>(scratch, c, false), y);
+  }
+
+  template <class B>
+  void backward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+                View<const typename B::Act> dy, View<typename B::Act> dx, const Weights<typename B::Acc>& g,
+                Arena& scratch) const {
+    ArenaScope scope(scratch);
+    const auto a = carve<B>(scratch, c, true);
+    attend(be, c, w, x, a);  // recompute from the input (the output projection itself is not needed)
+    backprop(be, c, w, x, a, dy, dx, g);
+  }
+
+ private:
+  template <class E>
+  static View<const E> cview(View<E> v) {
+    return v;
+  }
+  std::string name(const char* suffix) const { return prefix_ + suffix; }
+  AttentionShape shape(ChunkShape c) const {
+    return {c.rows, c.seq, cfg_.num_attention_heads, cfg_.num_key_value_heads, cfg_.head_dim};
+  }
+
+  ModelConfig cfg_;
+  std::string prefix_;
+  std::vector<double> inv_freq_;
+};
+
+}  // namespace megatrain

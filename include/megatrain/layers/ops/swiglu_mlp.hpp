@@ -1,0 +1,141 @@
+// The SwiGLU MLP of Llama, Mistral and Qwen2, as an op of its own:
+//
+//     y = down_proj(silu(gate_proj(x)) * up_proj(x))
+//
+// with optional biases (Llama's mlp_bias). No norm and no residual: DecoderBlock adds those.
+// Like SelfAttention, run() and backprop() work on activations the caller keeps (carve()).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "megatrain/layers/layer_op.hpp"
+#include "megatrain/model/config.hpp"
+
+namespace megatrain {
+
+class SwiGluMlp {
+ public:
+  /// Layer `layer`'s MLP: parameters model.layers.<layer>.mlp.*.
+  SwiGluMlp(const ModelConfig& cfg, std::int64_t layer)
+      : cfg_(cfg), prefix_("model.layers." + std::to_string(layer) + ".mlp.") {
+    cfg.validate();
+    MT_CHECK(layer >= 0 && layer < cfg.num_hidden_layers, "layer {} out of range [0, {})", layer, cfg.num_hidden_layers);
+  }
+
+  template <class E>
+  struct Weights {
+    View<E> gate, up, down, gate_bias, up_bias, down_bias;
+  };
+
+  std::vector<ParamSpec> params() const {
+    const std::int64_t d = cfg_.hidden_size, f = cfg_.intermediate_size;
+    const auto sd = static_cast<float>(cfg_.initializer_range);
+    std::vector<ParamSpec> p{ParamSpec::matrix(name("gate_proj.weight"), Shape{f, d}, sd),
+                             ParamSpec::matrix(name("up_proj.weight"), Shape{f, d}, sd),
+                             ParamSpec::matrix(name("down_proj.weight"), Shape{d, f}, sd)};
+    if (cfg_.mlp_bias) {
+      p.push_back(ParamSpec::bias(name("gate_proj.bias"), f));
+      p.push_back(ParamSpec::bias(name("up_proj.bias"), f));
+      p.push_back(ParamSpec::bias(name("down_proj.bias"), d));
+    }
+    return p;
+  }
+
+  template <class E>
+  Weights<E> bind(const ParamBinder<E>& p) const {
+    return {p(name("gate_proj.weight")),        p(name("up_proj.weight")),        p(name("down_proj.weight")),
+            p.optional(name("gate_proj.bias")), p.optional(name("up_proj.bias")), p.optional(name("down_proj.bias"))};
+  }
+
+  std::int64_t hidden_size() const { return cfg_.hidden_size; }
+
+  /// The activations run() keeps for backprop() (and, with_backward, backprop()'s own buffers).
+  template <class B>
+  struct Acts {
+    View<typename B::Act> g, u, m;
+    View<typename B::Act> dm, dg, du;  // with_backward only
+  };
+  template <class B>
+  Acts<B> carve(Arena& ar, ChunkShape c, bool with_backward) const {
+    using A = typename B::Act;
+    const std::int64_t M = c.tokens(), f = cfg_.intermediate_size;
+    Acts<B> a;
+    a.g = ar.alloc<A>({M, f});
+    a.u = ar.alloc<A>({M, f});
+    a.m = ar.alloc<A>({M, f});
+    if (with_backward) {
+      a.dm = ar.alloc<A>({M, f});
+      a.dg = ar.alloc<A>({M, f});
+      a.du = ar.alloc<A>({M, f});
+    }
+    return a;
+  }
+
+  template <class B>
+  std::size_t scratch_bytes(ChunkShape c) const {
+    Arena measure;
+    (void)carve<B>(measure, c, true);
+    return measure.peak();
+  }
+
+  /// y = down(silu(gate(x)) * up(x)) (y is overwritten); keeps what backprop() needs in a.
+  template <class B>
+  void run(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+           const Acts<B>& a, View<typename B::Act> y) const {
+    activate(be, c, w, x, a);
+    be.linear(cview(a.m), w.down, w.down_bias, y);
+  }
+
+  /// run() up to the gated product a.m (what backprop() needs), without the down projection.
+  template <class B>
+  void activate(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+                const Acts<B>& a) const {
+    MT_CHECK(x.rank() == 2 && x.size(0) == c.tokens() && x.size(1) == cfg_.hidden_size, "MLP: input {} is not [{} tokens, {}]",
+             x.shape().str(), c.tokens(), cfg_.hidden_size);
+    be.linear(x, w.gate, w.gate_bias, a.g);
+    be.linear(x, w.up, w.up_bias, a.u);
+    be.swiglu(cview(a.g), cview(a.u), a.m);
+  }
+
+  /// After run() (or activate()) on the same x: dx = dL/dx (overwritten) from dy, weight
+  /// gradients added to g.
+  template <class B>
+  void backprop(B& be, ChunkShape, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+                const Acts<B>& a, View<const typename B::Act> dy, View<typename B::Act> dx,
+                const Weights<typename B::Acc>& g) const {
+    be.linear_backward(cview(a.m), w.down, dy, a.dm, false, g.down, g.down_bias);
+    be.swiglu_backward(cview(a.g), cview(a.u), cview(a.dm), a.dg, a.du);
+    be.linear_backward(x, w.gate, cview(a.dg), dx, false, g.gate, g.gate_bias);
+    be.linear_backward(x, w.up, cview(a.du), dx, true, g.up, g.up_bias);
+  }
+
+  template <class B>
+  void forward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+               View<typename B::Act> y, Arena& scratch) const {
+    ArenaScope scope(scratch);
+    run(be, c, w, x, carve<B>(scratch, c, false), y);
+  }
+
+  template <class B>
+  void backward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+                View<const typename B::Act> dy, View<typename B::Act> dx, const Weights<typename B::Acc>& g,
+                Arena& scratch) const {
+    ArenaScope scope(scratch);
+    const auto a = carve<B>(scratch, c, true);
+    activate(be, c, w, x, a);  // recompute from the input
+    backprop(be, c, w, x, a, dy, dx, g);
+  }
+
+ private:
+  template <class E>
+  static View<const E> cview(View<E> v) {
+    return v;
+  }
+  std::string name(const char* suffix) const { return prefix_ + suffix; }
+
+  ModelConfig cfg_;
+  std::string prefix_;
+};
+
+}  // namespace megatrain
