@@ -47,7 +47,19 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// Where each option was given: on the command line or in the --config file (long names, "--x").
+struct Origins {
+  std::set<std::string> cli, file;
+  /// Whether option x, beside option y (which makes x irrelevant or contradicts it), is an
+  /// error: unless x comes only from the config file and y from the command line — there the
+  /// command line overrides the file, as a value on the command line does.
+  bool conflicts(const std::string& x, const std::string& y) const {
+    return cli.count(x) > 0 || (file.count(x) > 0 && cli.count(y) == 0);
+  }
+};
+
 struct Settings {
+  Origins origins;
   // model
   std::string model_dir, model_config, preset;
   bool allow_dtype_mismatch = false;
@@ -114,7 +126,7 @@ std::vector<std::string> config_args(const std::string& path, const CLI::App& ap
 
 // Where the model's shape comes from: at most one of --model, --model-config, --preset, and no
 // shape flag beside it. Checked before anything is opened.
-void check_model_source(const Settings& s, const CLI::App& app) {
+void check_model_source(const Settings& s) {
   const char* shape_flags[] = {"--hidden", "--layers", "--heads", "--kv-heads", "--intermediate", "--head-dim", "--rope-theta", "--norm-eps", "--tie-embeddings"};
   std::vector<std::string> sources;
   if (!s.model_dir.empty()) sources.emplace_back("--model");
@@ -123,7 +135,7 @@ void check_model_source(const Settings& s, const CLI::App& app) {
   MT_CHECK(sources.size() <= 1, "{} and {} both give the model shape; pass one", sources[0], sources[1]);
   if (sources.empty()) return;
   for (const char* f : shape_flags)
-    MT_CHECK(app.get_option(f)->count() == 0, "{} contradicts {}: the shape comes from there; drop one", f, sources[0]);
+    MT_CHECK(!s.origins.conflicts(f, sources[0]), "{} contradicts {}: the shape comes from there; drop one", f, sources[0]);
 }
 
 ModelConfig model_config(const Settings& s, const CLI::App& app, std::int64_t data_vocab, const io::HfCheckpoint* hf) {
@@ -206,14 +218,14 @@ int run(const Settings& s, const CLI::App& app) {
   const bool use_cuda = s.backend == "cuda" || (s.backend == "auto" && cuda_device_present());
   MT_CHECK(s.gpu_memory.empty() || use_cuda, "--gpu-memory needs the cuda backend");
   MT_CHECK(s.schedule == "constant" || s.schedule == "cosine", "--schedule must be constant or cosine (got '{}')", s.schedule);
-  MT_CHECK(!(s.schedule == "constant" && app.get_option("--warmup")->count() > 0 && s.warmup > 0),
+  MT_CHECK(!(s.schedule == "constant" && s.origins.conflicts("--warmup", "--schedule") && s.warmup > 0),
            "--warmup needs --schedule cosine (a constant schedule has no warm-up)");
-  MT_CHECK(!(s.schedule == "constant" && app.get_option("--min-lr")->count() > 0),
+  MT_CHECK(!(s.schedule == "constant" && s.origins.conflicts("--min-lr", "--schedule")),
            "--min-lr needs --schedule cosine (a constant schedule has no floor)");
   MT_CHECK(s.clip_mode == "exact" || s.clip_mode == "stale", "--clip-mode must be exact or stale (got '{}')", s.clip_mode);
-  MT_CHECK(!(s.clip == 0 && app.get_option("--clip-mode")->count() > 0), "--clip-mode given but clipping is off (--clip 0)");
+  MT_CHECK(!(s.clip == 0 && s.origins.conflicts("--clip-mode", "--clip")), "--clip-mode given but clipping is off (--clip 0)");
   MT_CHECK(s.data_format == "u16" || s.data_format == "u32", "--data-format must be u16 or u32 (got '{}')", s.data_format);
-  MT_CHECK(s.val_data.empty() || app.get_option("--val-fraction")->count() == 0,
+  MT_CHECK(s.val_data.empty() || !s.origins.conflicts("--val-fraction", "--val-data"),
            "--val-fraction contradicts --val-data: validation comes from that file; drop one");
   MT_CHECK(s.steps >= 0, "--steps must be >= 0 (got {}; 0 evaluates only)", s.steps);
   const bool eval_only = s.steps == 0;
@@ -224,17 +236,17 @@ int run(const Settings& s, const CLI::App& app) {
            "--steps 0 evaluates only and writes no run directory: drop --out (the loss is printed as JSON)");
   if (eval_only)  // options that only shape training would be ignored: refuse them
     for (const char* f : {"--lr", "--min-lr", "--warmup", "--schedule", "--weight-decay", "--beta1", "--beta2", "--eps", "--clip",
-                          "--clip-mode", "--micro-batches", "--max-micro-batch", "--overwrite", "--eval-every", "--log-every"})
-      MT_CHECK(app.get_option(f)->count() == 0, "{} has no effect with --steps 0 (evaluation only); drop it", f);
-  check_model_source(s, app);
+                          "--clip-mode", "--micro-batches", "--overwrite", "--eval-every", "--log-every"})
+      MT_CHECK(!s.origins.conflicts(f, "--steps"), "{} has no effect with --steps 0 (evaluation only); drop it", f);
+  check_model_source(s);
 
   // Export: every contradiction is found now, not after hours of training.
   RunPlan plan;
   plan.eval_only = eval_only;
-  MT_CHECK(!s.model_dir.empty() || app.get_option("--allow-dtype-mismatch")->count() == 0,
+  MT_CHECK(!s.model_dir.empty() || !s.origins.conflicts("--allow-dtype-mismatch", "--model"),
            "--allow-dtype-mismatch needs --model DIR");
   for (const char* f : {"--export-every", "--export-dtype", "--shard-size"})
-    MT_CHECK(!s.export_dir.empty() || app.get_option(f)->count() == 0, "{} needs --export DIR", f);
+    MT_CHECK(!s.export_dir.empty() || !s.origins.conflicts(f, "--export"), "{} needs --export DIR", f);
   MT_CHECK(s.export_every >= 0, "--export-every must be >= 0 (got {}; 0 exports only at the end)", s.export_every);
   MT_CHECK(!(eval_only && s.export_every > 0), "--export-every needs training steps (--steps 0 exports once)");
   if (!s.export_dir.empty()) {
@@ -264,7 +276,7 @@ int run(const Settings& s, const CLI::App& app) {
   TokenSource train_src = !s.data.empty()                       ? TokenSource::open(s.data, fmt_bin)
                           : (eval_only && !s.val_data.empty()) ? TokenSource::open(s.val_data, fmt_bin)
                                                                : TokenSource::from_text(builtin_text(1 << 20, 1), "built-in text");
-  MT_CHECK(train_src.format() != TokenFormat::text || app.get_option("--data-format")->count() == 0,
+  MT_CHECK(train_src.format() != TokenFormat::text || !s.origins.conflicts("--data-format", "--data"),
            "--data-format applies to .bin token files, but the data is text ({}), tokenised by bytes",
            s.data.empty() ? "the built-in text" : s.data);
   const std::int64_t data_vocab = train_src.format() == TokenFormat::text ? 256 : (fmt_bin == TokenFormat::u16 ? 65536 : 0);
@@ -302,7 +314,7 @@ int run(const Settings& s, const CLI::App& app) {
     plan.eval_rows = data.val_windows();
     if (app.get_option("--eval-batches")->count() > 0) plan.eval_rows = std::min(plan.eval_rows, s.eval_batches * s.batch);
     topt.batch_rows = std::min(s.batch, plan.eval_rows);
-    topt.micro_batches = 1;
+    topt.micro_batches = 1;  // (--max-micro-batch still splits each evaluation batch)
     topt.schedule = {LrSchedule::Kind::constant, s.lr, 0, 1, 0.0};
   } else {
     const std::int64_t warmup = s.warmup >= 0 ? s.warmup : std::min<std::int64_t>(10, s.steps / 5);
@@ -314,7 +326,7 @@ int run(const Settings& s, const CLI::App& app) {
     topt.clip_mode = s.clip_mode == "stale" ? ClipMode::stale : ClipMode::exact;
   }
   topt.validate();
-  MT_CHECK(app.get_option("--micro-batches")->count() == 0 || topt.resolved().micro_batches == topt.micro_batches,
+  MT_CHECK(!s.origins.conflicts("--micro-batches", "--max-micro-batch") || topt.resolved().micro_batches == topt.micro_batches,
            "--micro-batches {} contradicts --max-micro-batch {}: parts of {} sequences are more than {}; pass one of them",
            s.micro_batches, s.max_micro_batch, s.batch / std::max<std::int64_t>(s.micro_batches, 1), s.max_micro_batch);
 
@@ -569,13 +581,14 @@ int main(int argc, char** argv) {
       }
     }
     // An option may appear once on the command line (a value there overrides the config file's).
-    std::set<std::string> seen;
     for (const auto& a : args) {
       if (a.rfind("--", 0) != 0 || a.size() == 2) continue;
       const std::string name = a.substr(0, a.find('='));
-      MT_CHECK(seen.insert(name).second, "{} is given more than once; pass it once", name);
+      MT_CHECK(s.origins.cli.insert(name).second, "{} is given more than once; pass it once", name);
     }
     if (!config_file.empty()) all = config_args(config_file, app);
+    for (const auto& a : all)
+      if (a.rfind("--", 0) == 0) s.origins.file.insert(a);
     all.insert(all.end(), args.begin(), args.end());
     std::reverse(all.begin(), all.end());  // CLI11 parses a vector given in reverse order
     app.parse(all);

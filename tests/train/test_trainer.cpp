@@ -352,6 +352,29 @@ TEST_CASE("bad batches and options are refused before anything changes") {
   CHECK_THROWS_WITH_AS((Trainer<CpuBackend<float>>(model, store, be, bad)), doctest::Contains("max_micro_rows"), Error);
 }
 
+namespace {
+struct RingStage {  // a user stage that (wrongly) asks for a ring of its own
+  GradientView view;
+  HostExecutor exec;
+  explicit RingStage(GradientView v) : view(std::move(v)) {}
+  HostExecutor& executor() { return exec; }
+  bool applies(const TrainItem& it) const { return it.carries_gradient(); }
+  std::size_t ring_slots() const { return 2; }
+  UnitAccess unit_access() const { return UnitAccess::none; }
+  void run(const TrainItem&, const StageSlots&) {}
+};
+}  // namespace
+
+TEST_CASE("a user stage that writes a ring is refused") {
+  const auto cfg = tiny(true);
+  auto o = options(2, 9);
+  DecoderModel<> model(cfg);
+  HostParamStore<float> store(model.units(), store_opts(o));
+  CpuBackend<float> be;
+  CHECK_THROWS_WITH_AS((Trainer<CpuBackend<float>, DecoderBlock, RingStage>(model, store, be, o)),
+                       doctest::Contains("may write no ring"), Error);
+}
+
 TEST_CASE("evaluate gives the head's mean loss and leaves the weights alone") {
   const auto cfg = tiny(false);
   auto o = options(2, 9);

@@ -51,6 +51,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "megatrain/backend/arena.hpp"
@@ -212,6 +213,14 @@ class Trainer {
                                            Compute{{this}, be_.make_executor(B::Role::compute)},
                                            Offload{{this}, be_.make_executor(B::Role::download)},
                                            UserStages(gradient_view())..., Optimize{{this}, HostExecutor(optimizer_threads())});
+    // A user stage must not write a ring: the optimizer reads the offload stage's landing slots.
+    [this]<std::size_t... J>(std::index_sequence<J...>) {
+      [[maybe_unused]] const auto check = [](std::size_t slots) {
+        MT_CHECK(slots == 0, "a user stage of the trainer asks for a ring of {} slots; user stages read the landed "
+                 "gradients and may write no ring (ring_slots() must be 0)", slots);
+      };
+      (check(pipeline_->template stage<3 + J>().ring_slots()), ...);
+    }(std::index_sequence_for<UserStages...>{});
   }
 
   Trainer(const Trainer&) = delete;

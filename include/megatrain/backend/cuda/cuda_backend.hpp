@@ -136,6 +136,8 @@ class CudaBackend {
   }
   ~CudaBackend() {
     MT_NVTX_RANGE("CudaBackend::~CudaBackend");
+    // Work still queued (after an exception, say) may read buffers freed below.
+    if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);
 #if MEGATRAIN_HAS_CUDNN
     attention_.reset();
     if (cudnn_ != nullptr) (void)cudnnDestroy(cudnn_);
