@@ -3,21 +3,22 @@
 //     h  = x + attention(rmsnorm(x))        SelfAttention (self_attention.hpp)
 //     y  = h + mlp(rmsnorm(h))              SwiGluMlp (swiglu_mlp.hpp)
 //
-// Backward recomputes the forward from the block's input (the activation checkpoint) once,
-// keeping every part's activations, then backpropagates through the parts in reverse.
+// Backward (CarvedOp) recomputes the forward from the block's input (the activation checkpoint)
+// once, keeping every part's activations, then backpropagates through the parts in reverse.
 #pragma once
 
 #include <string>
 #include <vector>
 
 #include "megatrain/layers/layer_op.hpp"
+#include "megatrain/layers/ops/carved_op.hpp"
 #include "megatrain/layers/ops/self_attention.hpp"
 #include "megatrain/layers/ops/swiglu_mlp.hpp"
 #include "megatrain/model/config.hpp"
 
 namespace megatrain {
 
-class DecoderBlock {
+class DecoderBlock : public CarvedOp<DecoderBlock> {
  public:
   DecoderBlock(const ModelConfig& cfg, std::int64_t layer)
       : cfg_(cfg), prefix_("model.layers." + std::to_string(layer) + "."), attn_(cfg, layer), mlp_(cfg, layer) {}
@@ -50,41 +51,7 @@ class DecoderBlock {
   const SelfAttention& attention() const { return attn_; }
   const SwiGluMlp& mlp() const { return mlp_; }
 
-  template <class B>
-  std::size_t scratch_bytes(ChunkShape c) const {
-    Arena measure;
-    (void)carve<B>(measure, c, true);
-    return measure.peak();
-  }
-
-  template <class B>
-  void forward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
-               View<typename B::Act> y, Arena& scratch) const {
-    ArenaScope scope(scratch);
-    const auto a = carve<B>(scratch, c, false);
-    run_to_mlp(be, c, w, x, a);
-    be.linear(cview(a.mlp.m), w.mlp.down, w.mlp.down_bias, y);  // y = down(m)
-    be.add(cview(a.x2), y);                                     // y += h
-  }
-
-  template <class B>
-  void backward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
-                View<const typename B::Act> dy, View<typename B::Act> dx, const Weights<typename B::Acc>& g,
-                Arena& scratch) const {
-    ArenaScope scope(scratch);
-    const auto a = carve<B>(scratch, c, true);
-    run_to_mlp(be, c, w, x, a);  // recompute from the checkpoint
-    // y = h + mlp(n2): dn2 from the MLP, then the residual path plus the norm's backward into dh
-    mlp_.backprop(be, c, w.mlp, cview(a.n2), a.mlp, dy, a.dn, g.mlp);
-    be.copy(dy, a.dh);
-    be.rmsnorm_backward(cview(a.x2), w.post_norm, cview(a.rstd2), cview(a.dn), a.dh, true, g.post_norm);
-    // h = x + attention(n1): the same, into dx
-    attn_.backprop(be, c, w.attn, cview(a.n1), a.attn, cview(a.dh), a.dn, g.attn);
-    be.copy(cview(a.dh), dx);
-    be.rmsnorm_backward(x, w.input_norm, cview(a.rstd1), cview(a.dn), dx, true, g.input_norm);
-  }
-
- private:
+  /// The activations of one chunk (forward and, with_backward, backward buffers).
   template <class B>
   struct Acts {
     View<typename B::Act> n1, x2, n2;
@@ -93,13 +60,6 @@ class DecoderBlock {
     typename SwiGluMlp::template Acts<B> mlp;
     View<typename B::Act> dn, dh;  // backward only
   };
-
-  template <class E>
-  static View<const E> cview(View<E> v) {
-    return v;
-  }
-
-  std::string name(const char* suffix) const { return prefix_ + suffix; }
 
   // The scratch of one chunk, carved in one place so scratch_bytes() and the real runs agree.
   template <class B>
@@ -122,18 +82,45 @@ class DecoderBlock {
     return a;
   }
 
-  // Everything up to the MLP's product m (what backward needs); forward adds the down projection.
+  /// y = x + attention(rmsnorm(x)), then + mlp(rmsnorm(...)); keeps the activations in a.
   template <class B>
-  void run_to_mlp(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
-                  const Acts<B>& a) const {
+  void run(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+           const Acts<B>& a, View<typename B::Act> y) const {
+    run_kept(be, c, w, x, a);
+    be.linear(cview(a.mlp.m), w.mlp.down, w.mlp.down_bias, y);  // y = down(m)
+    be.add(cview(a.x2), y);                                     // y += h
+  }
+
+  /// Everything up to the MLP's product m (what backprop() needs).
+  template <class B>
+  void run_kept(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+                const Acts<B>& a) const {
     MT_CHECK(x.rank() == 2 && x.size(0) == c.tokens() && x.size(1) == cfg_.hidden_size,
              "decoder block: input {} is not [{} tokens, {}]", x.shape().str(), c.tokens(), cfg_.hidden_size);
     be.rmsnorm(x, w.input_norm, cfg_.rms_norm_eps, a.n1, a.rstd1);
     attn_.run(be, c, w.attn, cview(a.n1), a.attn, a.x2);  // x2 = attention(n1)
     be.add(x, a.x2);                                      // x2 = h = x + attention(n1)
     be.rmsnorm(cview(a.x2), w.post_norm, cfg_.rms_norm_eps, a.n2, a.rstd2);
-    mlp_.activate(be, c, w.mlp, cview(a.n2), a.mlp);
+    mlp_.run_kept(be, c, w.mlp, cview(a.n2), a.mlp);
   }
+
+  /// After run_kept() on the same x: dx written, weight gradients added to g.
+  template <class B>
+  void backprop(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+                const Acts<B>& a, View<const typename B::Act> dy, View<typename B::Act> dx,
+                const Weights<typename B::Acc>& g) const {
+    // y = h + mlp(n2): dn2 from the MLP, then the residual path plus the norm's backward into dh
+    mlp_.backprop(be, c, w.mlp, cview(a.n2), a.mlp, dy, a.dn, g.mlp);
+    be.copy(dy, a.dh);
+    be.rmsnorm_backward(cview(a.x2), w.post_norm, cview(a.rstd2), cview(a.dn), a.dh, true, g.post_norm);
+    // h = x + attention(n1): the same, into dx
+    attn_.backprop(be, c, w.attn, cview(a.n1), a.attn, cview(a.dh), a.dn, g.attn);
+    be.copy(cview(a.dh), dx);
+    be.rmsnorm_backward(x, w.input_norm, cview(a.rstd1), cview(a.dn), dx, true, g.input_norm);
+  }
+
+ private:
+  std::string name(const char* suffix) const { return prefix_ + suffix; }
 
   ModelConfig cfg_;
   std::string prefix_;

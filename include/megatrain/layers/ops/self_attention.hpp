@@ -7,20 +7,21 @@
 // biases (Qwen2, Llama's attention_bias) and o bias (Llama's attention_bias). No norm and no
 // residual: DecoderBlock adds those around it; a user's own block can use it the same way.
 //
-// Besides the LayerOp interface (forward, backward), run() and backprop() work on activations a
-// caller keeps (carve()), so a block recomputes its whole forward once and backpropagates
-// through its parts without running them twice.
+// Besides the LayerOp interface (forward, backward; from CarvedOp), run(), run_kept() and
+// backprop() work on activations a caller keeps (carve()), so a block recomputes its whole
+// forward once and backpropagates through its parts without running them twice.
 #pragma once
 
 #include <string>
 #include <vector>
 
 #include "megatrain/layers/layer_op.hpp"
+#include "megatrain/layers/ops/carved_op.hpp"
 #include "megatrain/model/config.hpp"
 
 namespace megatrain {
 
-class SelfAttention {
+class SelfAttention : public CarvedOp<SelfAttention> {
  public:
   /// Layer `layer`'s attention: parameters model.layers.<layer>.self_attn.*.
   SelfAttention(const ModelConfig& cfg, std::int64_t layer)
@@ -85,25 +86,18 @@ class SelfAttention {
     return a;
   }
 
-  template <class B>
-  std::size_t scratch_bytes(ChunkShape c) const {
-    Arena measure;
-    (void)carve<B>(measure, c, true);
-    return measure.peak();
-  }
-
   /// y = attention output projected by o_proj (y is overwritten); keeps what backprop() needs in a.
   template <class B>
   void run(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
            const Acts<B>& a, View<typename B::Act> y) const {
-    attend(be, c, w, x, a);
+    run_kept(be, c, w, x, a);
     be.linear(cview(a.att), w.o, w.o_bias, y);
   }
 
   /// run() up to the attention output a.att (what backprop() needs), without the projection.
   template <class B>
-  void attend(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
-              const Acts<B>& a) const {
+  void run_kept(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+                const Acts<B>& a) const {
     MT_CHECK(x.rank() == 2 && x.size(0) == c.tokens() && x.size(1) == cfg_.hidden_size,
              "self-attention: input {} is not [{} tokens, {}]", x.shape().str(), c.tokens(), cfg_.hidden_size);
     cfg_.check_sequence_length(c.seq);
@@ -130,28 +124,7 @@ class SelfAttention {
     be.linear_backward(x, w.v, cview(a.dv), dx, true, g.v, g.v_bias);
   }
 
-  template <class B>
-  void forward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
-               View<typename B::Act> y, Arena& scratch) const {
-    ArenaScope scope(scratch);
-    run(be, c, w, x, carve<B>(scratch, c, false), y);
-  }
-
-  template <class B>
-  void backward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
-                View<const typename B::Act> dy, View<typename B::Act> dx, const Weights<typename B::Acc>& g,
-                Arena& scratch) const {
-    ArenaScope scope(scratch);
-    const auto a = carve<B>(scratch, c, true);
-    attend(be, c, w, x, a);  // recompute from the input (the output projection itself is not needed)
-    backprop(be, c, w, x, a, dy, dx, g);
-  }
-
  private:
-  template <class E>
-  static View<const E> cview(View<E> v) {
-    return v;
-  }
   std::string name(const char* suffix) const { return prefix_ + suffix; }
   AttentionShape shape(ChunkShape c) const {
     return {c.rows, c.seq, cfg_.num_attention_heads, cfg_.num_key_value_heads, cfg_.head_dim};

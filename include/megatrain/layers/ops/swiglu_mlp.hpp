@@ -3,18 +3,20 @@
 //     y = down_proj(silu(gate_proj(x)) * up_proj(x))
 //
 // with optional biases (Llama's mlp_bias). No norm and no residual: DecoderBlock adds those.
-// Like SelfAttention, run() and backprop() work on activations the caller keeps (carve()).
+// Like SelfAttention, run(), run_kept() and backprop() work on activations the caller keeps
+// (carve()); forward() and backward() come from CarvedOp.
 #pragma once
 
 #include <string>
 #include <vector>
 
 #include "megatrain/layers/layer_op.hpp"
+#include "megatrain/layers/ops/carved_op.hpp"
 #include "megatrain/model/config.hpp"
 
 namespace megatrain {
 
-class SwiGluMlp {
+class SwiGluMlp : public CarvedOp<SwiGluMlp> {
  public:
   /// Layer `layer`'s MLP: parameters model.layers.<layer>.mlp.*.
   SwiGluMlp(const ModelConfig& cfg, std::int64_t layer)
@@ -72,24 +74,17 @@ class SwiGluMlp {
     return a;
   }
 
-  template <class B>
-  std::size_t scratch_bytes(ChunkShape c) const {
-    Arena measure;
-    (void)carve<B>(measure, c, true);
-    return measure.peak();
-  }
-
   /// y = down(silu(gate(x)) * up(x)) (y is overwritten); keeps what backprop() needs in a.
   template <class B>
   void run(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
            const Acts<B>& a, View<typename B::Act> y) const {
-    activate(be, c, w, x, a);
+    run_kept(be, c, w, x, a);
     be.linear(cview(a.m), w.down, w.down_bias, y);
   }
 
   /// run() up to the gated product a.m (what backprop() needs), without the down projection.
   template <class B>
-  void activate(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+  void run_kept(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
                 const Acts<B>& a) const {
     MT_CHECK(x.rank() == 2 && x.size(0) == c.tokens() && x.size(1) == cfg_.hidden_size, "MLP: input {} is not [{} tokens, {}]",
              x.shape().str(), c.tokens(), cfg_.hidden_size);
@@ -98,7 +93,7 @@ class SwiGluMlp {
     be.swiglu(cview(a.g), cview(a.u), a.m);
   }
 
-  /// After run() (or activate()) on the same x: dx = dL/dx (overwritten) from dy, weight
+  /// After run() (or run_kept()) on the same x: dx = dL/dx (overwritten) from dy, weight
   /// gradients added to g.
   template <class B>
   void backprop(B& be, ChunkShape, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
@@ -110,28 +105,7 @@ class SwiGluMlp {
     be.linear_backward(x, w.up, cview(a.du), dx, true, g.up, g.up_bias);
   }
 
-  template <class B>
-  void forward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
-               View<typename B::Act> y, Arena& scratch) const {
-    ArenaScope scope(scratch);
-    run(be, c, w, x, carve<B>(scratch, c, false), y);
-  }
-
-  template <class B>
-  void backward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
-                View<const typename B::Act> dy, View<typename B::Act> dx, const Weights<typename B::Acc>& g,
-                Arena& scratch) const {
-    ArenaScope scope(scratch);
-    const auto a = carve<B>(scratch, c, true);
-    activate(be, c, w, x, a);  // recompute from the input
-    backprop(be, c, w, x, a, dy, dx, g);
-  }
-
  private:
-  template <class E>
-  static View<const E> cview(View<E> v) {
-    return v;
-  }
   std::string name(const char* suffix) const { return prefix_ + suffix; }
 
   ModelConfig cfg_;
