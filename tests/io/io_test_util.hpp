@@ -1,18 +1,40 @@
 // Helpers shared by the io tests: a temporary directory removed at scope exit, whole-file read
-// and write.
+// and write, a randomly seeded generator (its seed printed), and CHECK_ERROR_MENTIONS.
 #pragma once
 
 #include <doctest/doctest.h>
 #include <stdlib.h>
 
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <iterator>
+#include <random>
 #include <string>
 #include <string_view>
 #include <system_error>
 
+// Every listed fragment must appear in the megatrain::Error that `expr` throws.
+// (The fragments are copied first: callers pass temporaries such as path.string().c_str().)
+#define CHECK_ERROR_MENTIONS(expr, ...)                                                    \
+  do {                                                                                     \
+    for (const std::string& part_ : std::initializer_list<std::string>{__VA_ARGS__})       \
+      CHECK_THROWS_WITH_AS(expr, doctest::Contains(part_.c_str()), megatrain::Error);       \
+  } while (0)
+
 namespace megatrain::test {
+
+/// One generator per test program, seeded at random; the seed is printed so a failure can be
+/// replayed.
+inline std::mt19937_64& rng() {
+  static std::mt19937_64 gen = [] {
+    const std::uint64_t seed = (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+    MESSAGE("io test seed: " << seed);
+    return std::mt19937_64(seed);
+  }();
+  return gen;
+}
 
 class TempDir {
  public:

@@ -40,23 +40,9 @@ using namespace megatrain::io;
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-// Every listed fragment must appear in the megatrain::Error that `expr` throws.
-#define CHECK_ERROR_MENTIONS(expr, ...)                                                    \
-  do {                                                                                     \
-    for (const std::string& part_ : std::initializer_list<std::string>{__VA_ARGS__})       \
-      CHECK_THROWS_WITH_AS(expr, doctest::Contains(part_.c_str()), megatrain::Error);       \
-  } while (0)
-
 namespace {
 
-std::mt19937_64& rng() {
-  static std::mt19937_64 gen = [] {
-    const std::uint64_t seed = (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
-    MESSAGE("hf checkpoint test seed: " << seed);
-    return std::mt19937_64(seed);
-  }();
-  return gen;
-}
+using megatrain::test::rng;
 
 struct TempDir : megatrain::test::TempDir {
   TempDir() : megatrain::test::TempDir("megatrain-hf") {}

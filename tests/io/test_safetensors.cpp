@@ -31,24 +31,9 @@ using namespace megatrain;
 using namespace megatrain::io;
 namespace fs = std::filesystem;
 
-// Every listed fragment must appear in the megatrain::Error that `expr` throws.
-// (The fragments are copied first: callers pass temporaries such as path.string().c_str().)
-#define CHECK_ERROR_MENTIONS(expr, ...)                                                    \
-  do {                                                                                     \
-    for (const std::string& part_ : std::initializer_list<std::string>{__VA_ARGS__})       \
-      CHECK_THROWS_WITH_AS(expr, doctest::Contains(part_.c_str()), megatrain::Error);       \
-  } while (0)
-
 namespace {
 
-std::mt19937_64& rng() {
-  static std::mt19937_64 gen = [] {
-    const std::uint64_t seed = (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
-    MESSAGE("safetensors test seed: " << seed);
-    return std::mt19937_64(seed);
-  }();
-  return gen;
-}
+using megatrain::test::rng;
 
 /// Random floats over several orders of magnitude, both signs, never all zero; within f16 range.
 std::vector<float> random_floats(std::size_t n) {
