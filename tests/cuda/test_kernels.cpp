@@ -53,20 +53,6 @@ constexpr double kTolElementwise = 2 * kBf16Round;  // bf16 outputs of elementwi
 constexpr double kTolReduced = 3 * kBf16Round;      // bf16 outputs of row reductions, attention
 constexpr double kTolF32 = 1e-5;                    // fp32 outputs
 
-/// Exits with 77 (CTest: skipped) when the machine has no CUDA device. Runs during static
-/// initialisation, before doctest's main, so no test case ever starts without a GPU.
-bool require_gpu() {
-  int devices = 0;
-  const cudaError_t st = cudaGetDeviceCount(&devices);
-  if (st != cudaSuccess || devices == 0) {
-    std::printf("skipped: no CUDA device (%s)\n", st != cudaSuccess ? cudaGetErrorString(st) : "0 devices");
-    std::fflush(stdout);
-    std::exit(77);
-  }
-  return true;
-}
-[[maybe_unused]] const bool kGpuPresent = require_gpu();
-
 /// The stream every test runs on.
 cudaStream_t stream() {
   static const cudaStream_t s = [] {
