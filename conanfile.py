@@ -19,6 +19,7 @@ class MegatrainConan(ConanFile):
         self.requires("fmt/9.1.0", transitive_headers=True)
         self.requires("eigen/3.4.0", transitive_headers=True)
         self.requires("nlohmann_json/3.11.3", transitive_headers=True)
+        self.requires("xxhash/0.8.2")  # compiled into the library (header, inlined)
 
     def layout(self):
         cmake_layout(self)

@@ -56,6 +56,13 @@ megatrain_dependency(Eigen3 URL "${MEGATRAIN_URL_Eigen3}" FIND_ARGS 3.4 NO_MODUL
 megatrain_dependency(nlohmann_json URL "${MEGATRAIN_URL_nlohmann_json}" FIND_ARGS 3.10
                      CACHE_OFF JSON_BuildTests)
 
+# xxHash's header (XXH3 checksums of checkpoint files), inlined into the compiled library: a
+# build-time dependency only, nothing to link or to ship.
+find_path(MEGATRAIN_XXHASH_INCLUDE_DIR xxhash.h HINTS ENV XXHASH_ROOT PATH_SUFFIXES include)
+if(NOT MEGATRAIN_XXHASH_INCLUDE_DIR)
+  message(FATAL_ERROR "megatrain: xxhash.h not found (Debian: apt-get install libxxhash-dev; or set XXHASH_ROOT)")
+endif()
+
 get_property(_megatrain_fetched GLOBAL PROPERTY MEGATRAIN_FETCHED_DEPENDENCIES)
 if(_megatrain_fetched AND MEGATRAIN_INSTALL)
   # An installed megatrain package names its dependencies for find_dependency; a dependency that

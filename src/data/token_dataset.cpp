@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/parallel_reduce.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <random>
 
+#include "megatrain/core/digest.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/nvtx.hpp"
 
@@ -122,6 +124,19 @@ std::int32_t TokenSource::at(std::int64_t i) const {
   return -1;
 }
 
+std::string TokenSource::digest() const {
+  MT_NVTX_RANGE("TokenSource::digest");
+  const std::size_t bytes = static_cast<std::size_t>(count_) * width(format_);
+  constexpr std::size_t kBlock = std::size_t{64} << 20;
+  const std::size_t blocks = (bytes + kBlock - 1) / kBlock;
+  std::vector<Digest128> parts(blocks);
+  tbb::parallel_for(std::size_t{0}, blocks, [&](std::size_t b) {
+    const std::size_t first = b * kBlock;
+    parts[b] = digest_of(std::span<const std::byte>(data_ + first, std::min(kBlock, bytes - first)));
+  });
+  return digest_of(std::as_bytes(std::span<const Digest128>(parts))).hex();
+}
+
 void TokenSource::read(std::int64_t start, std::span<std::int32_t> out) const {
   MT_CHECK(start >= 0 && start + static_cast<std::int64_t>(out.size()) <= count_, "tokens [{}, {}) are outside '{}' ({} tokens)",
            start, start + static_cast<std::int64_t>(out.size()), label_, count_);
@@ -189,6 +204,11 @@ TokenDataset::TokenDataset(TokenSource train, DatasetOptions opt, std::optional<
            train_.label(), train_end_ - train_begin_, opt.seq_len);
   train_windows_ = (train_end_ - train_begin_ - 1) / opt.seq_len;
   val_windows_ = (val_end_ - val_begin_ - 1) / opt.seq_len;
+}
+
+DataPosition TokenDataset::position(std::int64_t windows_consumed) const {
+  MT_CHECK(windows_consumed >= 0, "windows consumed must be >= 0 (got {})", windows_consumed);
+  return {opt_.seed, windows_consumed / train_windows_, windows_consumed % train_windows_, train_windows_};
 }
 
 const std::vector<std::int64_t>& TokenDataset::permutation(std::int64_t epoch) const {

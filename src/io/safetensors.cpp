@@ -35,9 +35,11 @@
 #include <system_error>
 #include <unordered_map>
 
+#include "megatrain/core/digest.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/log.hpp"
 #include "megatrain/core/nvtx.hpp"
+#include "megatrain/io/detail/atomic_files.hpp"
 
 static_assert(std::endian::native == std::endian::little,
               "safetensors data is little-endian; megatrain reads it in place on little-endian hosts only");
@@ -115,7 +117,8 @@ SafetensorsDType to_safetensors_dtype(DType t) {
 
 namespace {
 
-std::string errno_text(int e) { return std::generic_category().message(e); }
+using detail::errno_text;
+using detail::fsync_directory;
 
 std::string shape_string(std::span<const std::int64_t> dims) { return fmt::format("[{}]", fmt::join(dims, ", ")); }
 
@@ -483,7 +486,7 @@ TensorBytes SafetensorsFile::view(const TensorInfo& info) const {
 // ---- SafetensorsCheckpoint --------------------------------------------------------------------
 
 namespace {
-constexpr std::string_view kIndexName = "model.safetensors.index.json";
+constexpr std::string_view kIndexName = "model.safetensors.index.json";  // Hugging Face's names
 constexpr std::string_view kSingleName = "model.safetensors";
 
 std::string read_small_file(const fs::path& path, std::uint64_t max_bytes) {
@@ -819,88 +822,7 @@ FileLayout layout_file(std::span<const TensorToWrite> tensors, std::span<const s
 
 // ---- writing: files ---------------------------------------------------------------------------
 
-std::string random_suffix() {
-  static thread_local std::mt19937_64 rng{std::random_device{}() ^
-                                          (static_cast<std::uint64_t>(::getpid()) << 32)};
-  return fmt::format("{:08x}", static_cast<std::uint32_t>(rng()));
-}
-
-void fsync_directory(const fs::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  MT_CHECK(fd >= 0, "cannot open directory '{}' to sync it: {}", dir.string(), errno_text(errno));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  MT_CHECK(rc == 0, "cannot sync directory '{}': {}", dir.string(), errno_text(err));
-}
-
-/// A file being written: buffered, checked writes; fsync and close on commit; on destruction
-/// without commit the file is closed and removed.
-class OutputFile {
- public:
-  /// Creates `path` exclusively (it must not exist).
-  explicit OutputFile(fs::path path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    MT_CHECK(fd_ >= 0, "cannot create '{}': {}", path_.string(), errno_text(errno));
-    buffer_.reserve(kBufferBytes);
-  }
-  OutputFile(const OutputFile&) = delete;
-  OutputFile& operator=(const OutputFile&) = delete;
-  ~OutputFile() {
-    if (fd_ >= 0) ::close(fd_);
-    if (!committed_) ::unlink(path_.c_str());
-  }
-
-  const fs::path& path() const { return path_; }
-
-  void write(std::span<const std::byte> bytes) {
-    if (buffer_.size() + bytes.size() <= kBufferBytes) {
-      buffer_.insert(buffer_.end(), bytes.begin(), bytes.end());
-      return;
-    }
-    flush();
-    if (bytes.size() >= kBufferBytes) write_through(bytes);
-    else buffer_.insert(buffer_.end(), bytes.begin(), bytes.end());
-  }
-  void write(std::string_view s) { write(std::as_bytes(std::span<const char>(s.data(), s.size()))); }
-
-  /// Flushes, fsyncs and closes; the file stays (the caller renames it or removes it).
-  void finish() {
-    flush();
-    MT_CHECK(::fsync(fd_) == 0, "cannot sync '{}': {}", path_.string(), errno_text(errno));
-    const int fd = std::exchange(fd_, -1);
-    MT_CHECK(::close(fd) == 0, "cannot close '{}': {}", path_.string(), errno_text(errno));
-  }
-  /// The file is no longer ours to remove (it was renamed into place).
-  void keep() { committed_ = true; }
-
- private:
-  static constexpr std::size_t kBufferBytes = 1u << 20;
-
-  void flush() {
-    write_through(buffer_);
-    buffer_.clear();
-  }
-  void write_through(std::span<const std::byte> bytes) {
-    const std::byte* p = bytes.data();
-    std::size_t left = bytes.size();
-    while (left > 0) {
-      const ::ssize_t w = ::write(fd_, p, std::min<std::size_t>(left, std::size_t{1} << 30));
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        MT_FAIL("cannot write '{}': {}", path_.string(), errno_text(errno));
-      }
-      MT_CHECK(w > 0, "cannot write '{}': the write made no progress", path_.string());
-      p += w;
-      left -= static_cast<std::size_t>(w);
-    }
-  }
-
-  fs::path path_;
-  int fd_ = -1;
-  bool committed_ = false;
-  std::vector<std::byte> buffer_;
-};
+using detail::OutputFile;
 
 /// Converts and writes tensors chunk by chunk; the scratch buffers are reused across tensors.
 class TensorStreamer {
@@ -968,16 +890,16 @@ class TensorStreamer {
   std::vector<f16> halves_f16_ = std::vector<f16>(kChunk);
 };
 
-/// Writes one complete safetensors file at `path` (created exclusively) and fsyncs it.
-/// On failure the file is removed.
-void write_file(const fs::path& path, std::span<const TensorToWrite> tensors, const FileLayout& layout,
-                const std::function<void(OutputFile&)>& commit) {
-  OutputFile out(path);
+/// Writes one complete safetensors file into `out` and fsyncs it.
+void write_file(OutputFile& out, std::span<const TensorToWrite> tensors, const FileLayout& layout) {
   out.write(layout.header);
   TensorStreamer streamer;
-  for (const std::size_t i : layout.order) streamer.write(out, tensors[i]);
+  for (const std::size_t i : layout.order) {
+    detail::crash_point("write:tensor");
+    detail::delay_point("write:tensor");
+    streamer.write(out, tensors[i]);
+  }
   out.finish();
-  commit(out);
 }
 
 fs::path normalized_target(const fs::path& p) {
@@ -1008,17 +930,13 @@ void write_safetensors(const fs::path& path, std::span<const TensorToWrite> tens
   MT_CHECK(fs::is_directory(dir, ec), "cannot write '{}': directory '{}' does not exist", label, dir.string());
   MT_CHECK(!fs::is_directory(target, ec), "cannot write '{}': it is a directory", label);
 
-  // A fresh temporary name beside the target (created with O_EXCL: it never clobbers anything).
-  fs::path tmp;
-  for (int attempt = 0; attempt < 100; ++attempt) {
-    tmp = dir / (target.filename().string() + ".partial-" + random_suffix());
-    if (!fs::exists(fs::symlink_status(tmp, ec))) break;
-  }
-  write_file(tmp, tensors, layout, [&](OutputFile& out) {
-    MT_CHECK(::rename(tmp.c_str(), target.c_str()) == 0, "cannot rename '{}' to '{}': {}", tmp.string(), label,
-             errno_text(errno));
-    out.keep();
-  });
+  // A fresh, locked temporary file beside the target, once dead writers' ones are gone.
+  detail::remove_debris(target);
+  const auto out = OutputFile::partial_for(target);
+  write_file(*out, tensors, layout);
+  MT_CHECK(::rename(out->path().c_str(), target.c_str()) == 0, "cannot rename '{}' to '{}': {}", out->path().string(),
+           label, errno_text(errno));
+  out->keep();
   fsync_directory(dir);
 }
 
@@ -1047,20 +965,6 @@ namespace {
 
 bool is_weight_file(std::string_view name) {
   return name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json");
-}
-
-/// Removes a directory that holds only files (what write_safetensors_sharded leaves behind).
-/// Never recurses: a subdirectory that appeared meanwhile is left alone, with a warning.
-void remove_flat_directory(const fs::path& dir) {
-  std::error_code ec;
-  if (!fs::exists(fs::symlink_status(dir, ec))) return;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    if (it->is_directory(ec) && !it->is_symlink(ec)) continue;
-    fs::remove(it->path(), ec);
-  }
-  if (!fs::remove(dir, ec) || ec)
-    log_warning("could not remove the previous checkpoint directory '{}' ({}); delete it by hand", dir.string(),
-                ec ? ec.message() : std::string("not empty"));
 }
 
 /// Files of an existing checkpoint directory to keep in the new one: (name, is symlink).
@@ -1107,102 +1011,27 @@ void carry_file(const fs::path& from, const fs::path& to, bool symlink) {
   ::close(fd);
 }
 
-/// A staging directory that is removed (with what we put in it) unless released.
-class StagingDirectory {
- public:
-  explicit StagingDirectory(const fs::path& target) {
-    for (int attempt = 0;; ++attempt) {
-      path_ = target;
-      path_ += ".partial-" + random_suffix();
-      if (::mkdir(path_.c_str(), 0777) == 0) return;
-      MT_CHECK(errno == EEXIST && attempt < 100, "cannot create '{}': {}", path_.string(), errno_text(errno));
-    }
-  }
-  StagingDirectory(const StagingDirectory&) = delete;
-  StagingDirectory& operator=(const StagingDirectory&) = delete;
-  ~StagingDirectory() {
-    if (!released_) remove_flat_directory(path_);
-  }
-  const fs::path& path() const { return path_; }
-  void release() { released_ = true; }
-
- private:
-  fs::path path_;
-  bool released_ = false;
-};
-
 }  // namespace
 
-namespace detail {
-
-fs::path replace_directory(const fs::path& staged, const fs::path& target, bool allow_exchange) {
-  const fs::path parent = target.parent_path();
-  struct stat st {};
-  if (::lstat(target.c_str(), &st) != 0) {
-    MT_CHECK(errno == ENOENT, "cannot stat '{}': {}", target.string(), errno_text(errno));
-    MT_CHECK(::rename(staged.c_str(), target.c_str()) == 0, "cannot rename '{}' to '{}': {}", staged.string(),
-             target.string(), errno_text(errno));
-    fsync_directory(parent);
-    return {};
-  }
-#ifdef RENAME_EXCHANGE
-  if (allow_exchange) {
-    if (::renameat2(AT_FDCWD, staged.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
-      fsync_directory(parent);
-      return staged;  // now holds the previous contents of target
-    }
-    MT_CHECK(errno == EINVAL || errno == ENOSYS || errno == ENOTSUP || errno == EOPNOTSUPP,
-             "cannot exchange '{}' and '{}': {}", staged.string(), target.string(), errno_text(errno));
-  }
-#else
-  (void)allow_exchange;
-#endif
-  // Two renames. Between them there is no `target`; both directories are complete.
-  fs::path old;
-  std::error_code ec;
-  for (int attempt = 0;; ++attempt) {
-    old = target;
-    old += ".old-" + random_suffix();
-    if (!fs::exists(fs::symlink_status(old, ec))) break;
-    MT_CHECK(attempt < 100, "cannot find a free name beside '{}'", target.string());
-  }
-  MT_CHECK(::rename(target.c_str(), old.c_str()) == 0, "cannot rename '{}' to '{}': {}", target.string(),
-           old.string(), errno_text(errno));
-  // Halfway: complete the swap whatever happens, so that `target` is missing for a moment only.
-  try {
-    fsync_directory(parent);
-  } catch (const Error& e) {
-    log_warning("{}", e.what());
-  }
-  if (::rename(staged.c_str(), target.c_str()) != 0) {
-    const int err = errno;
-    const bool restored = ::rename(old.c_str(), target.c_str()) == 0;
-    MT_FAIL("cannot rename '{}' to '{}': {}{}", staged.string(), target.string(), errno_text(err),
-            restored ? std::string(" (the previous directory was put back)")
-                     : fmt::format(" (the previous directory is now '{}')", old.string()));
-  }
-  fsync_directory(parent);
-  return old;
-}
-
-}  // namespace detail
-
-void write_safetensors_sharded(const fs::path& dir, std::span<const TensorToWrite> tensors,
-                               const ShardedWriteOptions& options) {
+std::vector<WrittenFile> write_safetensors_sharded(const fs::path& dir, std::span<const TensorToWrite> tensors,
+                                                   const ShardedWriteOptions& options) {
   MT_NVTX_RANGE("io::write_safetensors_sharded");
   const fs::path target = normalized_target(dir);
   const std::string label = target.string();
 
   // Everything that can fail without I/O, first.
+  MT_CHECK(plain_file_name(options.base_name) && !is_weight_file(options.base_name),
+           "cannot write '{}': shard base name '{}' is not a plain file name", label, options.base_name);
   const auto nbytes = check_all_for_write(tensors, options.metadata, label);
   const auto plan = plan_safetensors_shards(tensors, options.max_shard_bytes);
   const std::size_t n = plan.size();
+  const std::string index_name = options.base_name + ".safetensors.index.json";
   std::vector<std::string> shard_names;
   if (n == 1) {
-    shard_names.emplace_back(kSingleName);
+    shard_names.push_back(options.base_name + ".safetensors");
   } else {
     for (std::size_t s = 0; s < n; ++s)
-      shard_names.push_back(fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, n));
+      shard_names.push_back(fmt::format("{}-{:05d}-of-{:05d}.safetensors", options.base_name, s + 1, n));
   }
   std::vector<FileLayout> layouts;
   layouts.reserve(n);
@@ -1211,7 +1040,7 @@ void write_safetensors_sharded(const fs::path& dir, std::span<const TensorToWrit
   std::set<std::string> written(shard_names.begin(), shard_names.end());
   std::string index_text;
   if (n > 1) {
-    written.emplace(kIndexName);
+    written.emplace(index_name);
     json weight_map = json::object();
     std::uint64_t total = 0;
     for (std::size_t s = 0; s < n; ++s)
@@ -1230,26 +1059,49 @@ void write_safetensors_sharded(const fs::path& dir, std::span<const TensorToWrit
   const fs::path parent = target.parent_path();
   std::error_code ec;
   MT_CHECK(fs::is_directory(parent, ec), "cannot write '{}': directory '{}' does not exist", label, parent.string());
-  const auto carry = files_to_carry(target, written, label);
+  const auto carry = options.carry_other_files ? files_to_carry(target, written, label)
+                                               : std::vector<std::pair<std::string, bool>>{};
+  if (!options.carry_other_files) (void)files_to_carry(target, {}, label);  // (the same checks of what is there)
 
-  // Stage the complete set beside the target.
-  StagingDirectory staging(target);
-  const auto noop = [](OutputFile& out) { out.keep(); };
-  for (std::size_t s = 0; s < n; ++s) write_file(staging.path() / shard_names[s], tensors, layouts[s], noop);
+  // Stage the complete set beside the target, once dead writers' leftovers are gone.
+  detail::remove_debris(target);
+  detail::StagingDirectory staging(target);
+  std::vector<WrittenFile> files;
+  for (std::size_t s = 0; s < n; ++s) {
+    Hasher h;
+    OutputFile out(staging.path() / shard_names[s], &h);
+    write_file(out, tensors, layouts[s]);
+    out.keep();
+    files.push_back({shard_names[s], h.size(), h.digest()});
+  }
+  detail::crash_point("write:files");
   const auto write_text = [&](const std::string& name, std::string_view text) {
-    OutputFile out(staging.path() / name);
+    Hasher h;
+    OutputFile out(staging.path() / name, &h);
     out.write(text);
     out.finish();
     out.keep();
+    files.push_back({name, h.size(), h.digest()});
   };
-  if (n > 1) write_text(std::string(kIndexName), index_text);
+  if (n > 1) write_text(index_name, index_text);
   for (const auto& [name, contents] : options.extra_files) write_text(name, contents);
+  if (options.finalize) {
+    for (const auto& [name, contents] : options.finalize(files)) {
+      MT_CHECK(plain_file_name(name) && !written.contains(name) && !is_weight_file(name),
+               "cannot write '{}': final file '{}' is not a plain file name or clashes with another file", label, name);
+      written.insert(name);
+      write_text(name, contents);
+    }
+  }
   for (const auto& [name, symlink] : carry) carry_file(target / name, staging.path() / name, symlink);
   fsync_directory(staging.path());
 
+  detail::crash_point("write:before-rename");
   const fs::path old = detail::replace_directory(staging.path(), target, /*allow_exchange=*/true);
   staging.release();
-  if (!old.empty()) remove_flat_directory(old);
+  detail::crash_point("write:after-rename");
+  if (!old.empty()) detail::remove_flat_directory(old);
+  return files;
 }
 
 }  // namespace megatrain::io

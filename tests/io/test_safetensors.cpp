@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include "io_test_util.hpp"
+#include "megatrain/io/detail/atomic_files.hpp"
 
 #include <stdlib.h>  // mkdtemp
 #include <unistd.h>

@@ -45,6 +45,9 @@ class TokenSource {
   void read(std::int64_t start, std::span<std::int32_t> out) const;
   /// The largest id (scanned in parallel).
   std::int32_t max_id() const;
+  /// A digest of the tokens as stored (32 hex digits): XXH3-128 over the XXH3-128 digests of
+  /// consecutive 64 MiB blocks, hashed in parallel. Identifies the data a run trained on.
+  std::string digest() const;
 
  private:
   struct Mapping;
@@ -53,6 +56,19 @@ class TokenSource {
   std::int64_t count_ = 0;
   TokenFormat format_ = TokenFormat::u16;
   std::string label_;
+};
+
+/// Where a run stands in the shuffled order of training windows: the seed of the shuffle (the
+/// only random stream a training step draws from), the epoch (full passes completed) and the slot
+/// (windows of the current epoch consumed). Step s of a run with batch B starts at
+/// windows_consumed = (s - 1) * B.
+struct DataPosition {
+  std::uint64_t seed = 0;
+  std::int64_t epoch = 0;
+  std::int64_t slot = 0;
+  std::int64_t windows_per_epoch = 0;
+  std::int64_t windows_consumed() const { return epoch * windows_per_epoch + slot; }
+  friend bool operator==(const DataPosition&, const DataPosition&) = default;
 };
 
 struct DatasetOptions {
@@ -78,6 +94,10 @@ class TokenDataset {
   /// slots [first_window, first_window + rows) of the shuffled order (epoch after epoch).
   void train_batch(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
                    std::span<std::int32_t> labels) const;
+  /// Where the order stands once `windows_consumed` training windows have been read.
+  DataPosition position(std::int64_t windows_consumed) const;
+  const TokenSource& train_source() const { return train_; }
+  const std::optional<TokenSource>& val_source() const { return val_; }
   /// Validation windows [first_window, first_window + rows), in file order, wrapping around.
   void val_batch(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
                  std::span<std::int32_t> labels) const;

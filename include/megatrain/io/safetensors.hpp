@@ -29,6 +29,7 @@
 #include <variant>
 #include <vector>
 
+#include "megatrain/core/digest.hpp"
 #include "megatrain/core/dtype.hpp"
 #include "megatrain/core/tensor.hpp"
 
@@ -232,7 +233,8 @@ struct TensorToWrite {
 };
 
 /// Writes one safetensors file at `path`, atomically: the data goes to a temporary file beside it
-/// (`<name>.partial-<random>`), which is fsynced, renamed over `path`, and the directory fsynced.
+/// (`<name>.partial-<random>`, locked while it is written; temporary files of dead writers of the
+/// same target are removed first), which is fsynced, renamed over `path`, and the directory fsynced.
 /// Everything that can be checked beforehand is (names non-empty, unique, valid UTF-8 and not
 /// "__metadata__"; supported conversions; contiguous sources; sizes), and throws before any file
 /// is created. A later failure (an I/O error, a producer that throws) removes the temporary file
@@ -242,6 +244,13 @@ struct TensorToWrite {
 void write_safetensors(const std::filesystem::path& path, std::span<const TensorToWrite> tensors,
                        const std::map<std::string, std::string>& metadata = {});
 
+/// One file a writer produced: its name inside the directory, size and XXH3-128 digest.
+struct WrittenFile {
+  std::string name;
+  std::uint64_t bytes = 0;
+  Digest128 digest;
+};
+
 struct ShardedWriteOptions {
   /// Tensors are packed in the given order into shards of at most this many data bytes; a
   /// tensor larger than this gets a shard of its own. (Hugging Face's default is 5 GB.)
@@ -250,6 +259,14 @@ struct ShardedWriteOptions {
   std::map<std::string, std::string> metadata;
   /// Small files written into the same set (e.g. "config.json" -> its text): file name -> bytes.
   std::map<std::string, std::string> extra_files;
+  /// The shard files' names: `<base_name>.safetensors`, or `<base_name>-00001-of-0000N.safetensors`
+  /// with `<base_name>.safetensors.index.json`. Hugging Face's is "model".
+  std::string base_name = "model";
+  /// Carry the other files of an existing `dir` into the new one (see write_safetensors_sharded).
+  bool carry_other_files = true;
+  /// Called once every shard, the index and the extra files are written, with each one's name,
+  /// size and digest; the small files it returns are written too (e.g. a manifest of checksums).
+  std::function<std::map<std::string, std::string>(std::span<const WrittenFile>)> finalize;
 };
 
 /// Writes a checkpoint directory: `model-00001-of-0000N.safetensors` ... and
@@ -257,7 +274,9 @@ struct ShardedWriteOptions {
 /// "weight_map": {...}}), or a single `model.safetensors` when everything fits in one shard;
 /// plus `options.extra_files`. The set replaces `dir` atomically as a reader sees it:
 ///
-///  1. all files are written and fsynced in a fresh sibling `<dir>.partial-<random>`;
+///  0. what dead writers of `dir` left beside it (`<dir>.partial-*`, `<dir>.old-*`, ...) is
+///     removed; what a live writer is writing is left alone (detail/atomic_files.hpp);
+///  1. all files are written and fsynced in a fresh sibling `<dir>.partial-<random>`, locked;
 ///  2. if `dir` exists, its files that are not safetensors weights (config.json, tokenizer
 ///     files, ...) and that the new set does not overwrite are carried over as hard links
 ///     (copies where the file system refuses links); its old shards and index are not;
@@ -266,26 +285,19 @@ struct ShardedWriteOptions {
 ///     and then the new one to `dir`;
 ///  4. the old directory is deleted (a failure to delete it is only a warning).
 ///
-/// A crash during 1-2 leaves `dir` untouched and a stray `<dir>.partial-*`; after the exchange
-/// in 3, `dir` is complete and new. Only in the two-rename fallback, a crash between the renames
-/// leaves no `dir` at all, with the previous model complete in `<dir>.old-*` and the new one
-/// complete in `<dir>.partial-*` (rename either back); never a half-written model at `dir`.
+/// A crash during 1-2 leaves `dir` untouched and a stray `<dir>.partial-*`, which the next writer
+/// of `dir` removes; after the exchange in 3, `dir` is complete and new. Only in the two-rename
+/// fallback, a crash between the renames leaves no `dir` at all, with the previous model complete
+/// in `<dir>.old-*`, which the next writer puts back; never a half-written model at `dir`.
 /// An existing `dir` that holds a subdirectory, or is not a directory, is refused before anything
 /// is written (this function never deletes a tree it did not write). Validation as in
 /// write_safetensors; any failure before 3 removes `<dir>.partial-*` and leaves `dir` untouched.
-void write_safetensors_sharded(const std::filesystem::path& dir, std::span<const TensorToWrite> tensors,
-                               const ShardedWriteOptions& options = {});
+/// Returns every file written (not the carried ones), in the order written.
+std::vector<WrittenFile> write_safetensors_sharded(const std::filesystem::path& dir, std::span<const TensorToWrite> tensors,
+                                                   const ShardedWriteOptions& options = {});
 
 /// How write_safetensors_sharded groups tensors (indices into `tensors`, in order) into shards.
 std::vector<std::vector<std::size_t>> plan_safetensors_shards(std::span<const TensorToWrite> tensors,
                                                               std::uint64_t max_shard_bytes);
-
-namespace detail {
-/// Step 3 of write_safetensors_sharded: puts directory `staged` at `target` and returns where the
-/// previous `target` now is (empty if there was none); the caller deletes it. `allow_exchange`
-/// false forces the two-rename fallback (tests use it to cover that path).
-std::filesystem::path replace_directory(const std::filesystem::path& staged, const std::filesystem::path& target,
-                                        bool allow_exchange);
-}  // namespace detail
 
 }  // namespace megatrain::io

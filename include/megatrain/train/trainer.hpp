@@ -62,59 +62,9 @@
 #include "megatrain/optim/lr_schedule.hpp"
 #include "megatrain/pipeline/stream_pipeline.hpp"
 #include "megatrain/store/host_param_store.hpp"
+#include "megatrain/train/trainer_options.hpp"
 
 namespace megatrain {
-
-enum class ClipMode {
-  exact,  ///< clip_grad_norm_ semantics: global norm of this step's gradients, then AdamW
-  stale,  ///< clip with the previous step's global norm (none at step 1); no resident gradients
-};
-
-struct TrainerOptions {
-  std::int64_t batch_rows = 8;     ///< sequences per optimizer step
-  std::int64_t seq_len = 128;
-  std::int64_t micro_batches = 1;  ///< gradient accumulation: the batch is run in this many parts
-  /// The most sequences allowed on the device at once (0: no limit). A batch larger than this
-  /// runs as gradient accumulation: micro_batches grows to the smallest count, at least the
-  /// one given, that divides the batch into parts of at most this many sequences.
-  std::int64_t max_micro_rows = 0;
-  std::int64_t chunk_rows = 0;     ///< sequences per compute chunk (0: a whole micro-batch)
-  AdamWConfig adamw;
-  LrSchedule schedule;
-  double clip_norm = 0.0;  ///< max global gradient norm; 0 disables clipping
-  ClipMode clip_mode = ClipMode::exact;
-  std::size_t weight_slots = 2;  ///< ring of block weight slots (>= 2: double buffering)
-  std::size_t grad_slots = 2;    ///< ring of block gradient accumulators on the device
-  /// Testing aid: each built-in stage sleeps a random 0..jitter_us microseconds per item.
-  int jitter_us = 0;
-  /// Time every stage's work (events on GPU streams) and report it in StepStats::profile.
-  bool profile = false;
-
-  std::int64_t micro_rows() const { return batch_rows / micro_batches; }
-  /// These options with micro_batches raised as max_micro_rows requires (see there).
-  TrainerOptions resolved() const {
-    TrainerOptions o = *this;
-    if (o.max_micro_rows > 0 && o.batch_rows > 0 && o.micro_batches >= 1)
-      while (o.micro_batches < o.batch_rows &&
-             (o.batch_rows % o.micro_batches != 0 || o.batch_rows / o.micro_batches > o.max_micro_rows))
-        ++o.micro_batches;
-    return o;
-  }
-  bool resident_gradients() const { return micro_batches > 1 || (clip_norm > 0 && clip_mode == ClipMode::exact); }
-  void validate() const {
-    MT_CHECK(batch_rows > 0 && seq_len > 0, "batch of {} sequences of {} tokens is empty", batch_rows, seq_len);
-    MT_CHECK(micro_batches >= 1 && batch_rows % micro_batches == 0,
-             "{} micro-batches do not divide a batch of {} sequences", micro_batches, batch_rows);
-    MT_CHECK(max_micro_rows >= 0, "max_micro_rows must be >= 0 (got {})", max_micro_rows);
-    MT_CHECK(chunk_rows >= 0, "chunk_rows must be >= 0 (got {})", chunk_rows);
-    MT_CHECK(weight_slots >= 2, "weight_slots must be >= 2 for double buffering (got {})", weight_slots);
-    MT_CHECK(grad_slots >= 2, "grad_slots must be >= 2 for double buffering (got {})", grad_slots);
-    MT_CHECK(std::isfinite(clip_norm) && clip_norm >= 0, "clip_norm must be finite and >= 0 (got {})", clip_norm);
-    MT_CHECK(jitter_us >= 0, "jitter_us must be >= 0");
-    adamw.validate();
-    schedule.validate();
-  }
-};
 
 /// What one step did.
 struct StepStats {
@@ -309,6 +259,7 @@ class Trainer {
   }
 
   std::int64_t steps_done() const { return step_; }
+  const DecoderModel<Block>& model() const { return model_; }
   /// The options in effect (resolved(): micro_batches as max_micro_rows made it).
   const TrainerOptions& options() const { return opt_; }
   /// The global gradient norm of the last step (what ClipMode::stale clips the next step with).
@@ -318,6 +269,27 @@ class Trainer {
     MT_CHECK(steps_done >= 0, "steps_done must be >= 0");
     step_ = steps_done;
     last_grad_norm_ = last_grad_norm;
+  }
+
+  /// A function the optimizer stage calls, on its own thread, before it changes unit u's master
+  /// weights or moments (each item that steps u calls gate(u) first); it may block. Set it
+  /// between steps only, not while step() runs; empty: none. The Checkpointer uses it to write a
+  /// unit to disk before the next step changes it.
+  void set_update_gate(std::function<void(std::size_t unit)> gate) { update_gate_ = std::move(gate); }
+  /// The units in the order the next step first changes them (every unit once).
+  std::vector<std::size_t> update_order() const {
+    std::vector<std::size_t> order;
+    std::vector<char> seen(model_.num_units(), 0);
+    const auto add = [&](std::size_t u) {
+      if (!seen[u]) order.push_back(u);
+      seen[u] = 1;
+    };
+    if (streamed()) {  // each landed piece is stepped as it lands (Optimize::applies)
+      for (const TrainItem& it : step_items(0))
+        if (it.carries_gradient()) add(it.unit);
+    }
+    for (std::size_t u = 0; u < model_.num_units(); ++u) add(u);  // resident: the second pass, in unit order
+    return order;
   }
 
   /// Bytes of backend memory the trainer holds (weight slots, accumulators, checkpoints, scratch).
@@ -608,6 +580,7 @@ class Trainer {
         exec.run([&] { accumulate_gradient<float>(unit.grad(), std::span<const float>(t.staging_[s.in].first(n))); });
         return;
       }
+      if (t.update_gate_) t.update_gate_(it.unit);
       const auto grad = t.landed_gradient(it, s);
       exec.run([&] {
         if (!t.streamed()) {
@@ -966,6 +939,7 @@ class Trainer {
   std::shared_ptr<State> state_;
   std::int64_t step_ = 0;
   std::optional<double> last_grad_norm_;
+  std::function<void(std::size_t)> update_gate_;
   std::size_t device_bytes_ = 0;
 
   std::vector<Buf<W>> weight_ring_;

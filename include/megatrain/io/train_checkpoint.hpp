@@ -1,0 +1,129 @@
+// Train-state checkpoints on disk: everything a run needs to continue exactly where it stopped.
+//
+// A checkpoint is a folder of files, each listed with its XXH3-128 digest in checksums.xxh128:
+//
+//   train-state-00001-of-0000N.safetensors ...   fp32 tensors: for every parameter of the store,
+//   train-state.safetensors.index.json           its master weights under its own (Hugging Face)
+//                                                name, Adam's first moment as "<name>.exp_avg"
+//                                                and the second as "<name>.exp_avg_sq" (PyTorch's
+//                                                names); one train-state.safetensors when small
+//   train_state.json                             the rest of the state (step, schedule, data
+//                                                position, options, model config, version; see
+//                                                docs/checkpointing.md), written by the caller
+//   config.json, ... (optional)                  small files the caller adds
+//   checksums.xxh128                             "<32 hex digits>  <file name>" per file, written
+//                                                last; `xxhsum -H2 -c checksums.xxh128` checks it
+//
+// The bf16 compute copies are not stored: they are the masters rounded to nearest even, and
+// are recomputed on load. The tensors stream from the store unit by unit while the files are
+// written (no second copy of the model in memory), in an order the caller chooses, and the
+// caller hears when each unit has been read, so training may go on updating the units already
+// written while the rest are (train/checkpointer.hpp does this).
+//
+// The folder is written as write_safetensors_sharded writes one: staged beside its target,
+// fsynced, renamed into place; a crash at any moment leaves the previous contents or the new
+// ones. CheckpointFolder keeps a run's checkpoints (step-00000120/ ...) with an atomically
+// replaced `latest` pointer and removes the oldest beyond a count once a new one is complete.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "megatrain/io/safetensors.hpp"
+#include "megatrain/store/host_param_store.hpp"
+
+namespace megatrain::io {
+
+inline constexpr std::string_view kTrainStateFile = "train_state.json";
+inline constexpr std::string_view kChecksumsFile = "checksums.xxh128";
+inline constexpr std::string_view kTrainStateShards = "train-state";  ///< shard base name
+
+struct TrainCheckpointWriteOptions {
+  /// The contents of train_state.json (a JSON object).
+  nlohmann::json state = nlohmann::json::object();
+  /// More small files for the folder (e.g. "config.json"): name -> contents.
+  std::map<std::string, std::string> extra_files;
+  /// The store's units in the order their tensors are written, each once (empty: store order).
+  std::vector<std::size_t> unit_order;
+  /// Called from the writing thread once every tensor of `unit` has been read from the store
+  /// (the unit may change from then on), and for every unit not yet announced if the write
+  /// fails (the caller must not wait on it forever). May be empty.
+  std::function<void(std::size_t unit)> unit_done;
+  /// Largest shard, in bytes of tensor data.
+  std::uint64_t max_shard_bytes = 2'000'000'000;
+};
+
+/// Writes the train state of `store` plus `options.state` as a checkpoint folder at `dir`
+/// (replaced atomically; its parent must exist). Throws megatrain::Error naming the file for any
+/// failure (a full disk, say), leaving `dir` as it was and no temporary files behind. Returns the
+/// files written with their digests.
+std::vector<WrittenFile> write_train_checkpoint(const std::filesystem::path& dir, const HostParamStore<float>& store,
+                                                const TrainCheckpointWriteOptions& options);
+
+/// A train-state checkpoint folder, opened and checked.
+class TrainCheckpoint {
+ public:
+  /// Opens `dir`: reads checksums.xxh128, checks every file it lists against its size and digest
+  /// (in parallel) and that every file the checkpoint needs is listed, and parses
+  /// train_state.json. Throws megatrain::Error naming the folder and the file otherwise (a
+  /// truncated or altered file, a missing one). Nothing is loaded. `verify` false skips the
+  /// digests (the listing and JSON are still checked): for tools that only read the metadata.
+  static TrainCheckpoint open(const std::filesystem::path& dir, bool verify = true);
+
+  const std::filesystem::path& dir() const { return dir_; }
+  /// train_state.json.
+  const nlohmann::json& state() const { return state_; }
+  /// The contents of a small file of the folder (config.json, ...), if the checksums list it.
+  std::optional<std::string> file(std::string_view name) const;
+  /// Bytes of tensor data (master, exp_avg and exp_avg_sq of every parameter).
+  std::uint64_t tensor_bytes() const { return tensor_bytes_; }
+
+  /// Checks that `store` holds exactly the checkpoint's parameters (names, shapes, fp32, all three
+  /// kinds present) before writing anything, then reads the masters and both moments into it and
+  /// refreshes every unit's bf16 copy. Throws naming the tensor otherwise.
+  void load_into(HostParamStore<float>& store) const;
+
+ private:
+  std::filesystem::path dir_;
+  nlohmann::json state_;
+  std::map<std::string, std::uint64_t, std::less<>> listed_;  // file -> size
+  std::uint64_t tensor_bytes_ = 0;
+};
+
+/// A run's checkpoints: `<root>/step-00000120/` folders and a `latest` file naming the newest.
+class CheckpointFolder {
+ public:
+  explicit CheckpointFolder(std::filesystem::path root) : root_(std::move(root)) {}
+  const std::filesystem::path& root() const { return root_; }
+
+  /// "step-00000120"
+  static std::string name_for(std::int64_t step);
+  std::filesystem::path path_for(std::int64_t step) const { return root_ / name_for(step); }
+
+  /// Checkpoint folders present, by step (folders appear under their name only once complete).
+  std::vector<std::pair<std::int64_t, std::filesystem::path>> list() const;
+  /// The checkpoint `latest` names; without that file, the one of the highest step; nullopt when
+  /// there is none. Throws if `latest` names a folder that is not there.
+  std::optional<std::filesystem::path> latest() const;
+
+  /// Creates the root if needed and removes what dead writers left in it.
+  void prepare() const;
+  /// After the folder of `step` is complete: points `latest` at it (atomically), then removes
+  /// the checkpoints of lower steps beyond the `keep` newest (0: keep all), each renamed away
+  /// before it is deleted. Checkpoints of higher steps (left by a run that went further before
+  /// this one resumed from an earlier step) are left alone.
+  void commit(std::int64_t step, std::size_t keep) const;
+
+ private:
+  std::filesystem::path root_;
+};
+
+}  // namespace megatrain::io

@@ -1,0 +1,288 @@
+// Saving and resuming a run: the train state (io/train_checkpoint.hpp holds the files) written
+// while training goes on, and loaded back so that the run continues bit for bit.
+//
+// A save after step t writes every unit's master weights and Adam moments plus the TrainState
+// (step, last gradient norm, options, data position, model config). With overlap (the default),
+// save() returns as soon as a writer thread has started, and step t+1 runs meanwhile: the
+// writer takes the units in the order step t+1 first changes them (Trainer::update_order), and
+// the trainer's optimizer stage waits, unit by unit, until the writer has read a unit before it
+// changes it (Trainer::set_update_gate). So the checkpoint holds exactly the state after step t,
+// and training stalls only where the disk is slower than the step.
+//
+// A run's checkpoints live in one folder (io::CheckpointFolder: step-00000120/ ..., `latest`);
+// each save is complete and in place before `latest` names it and before older ones beyond
+// `keep` are removed. A save that fails (a full disk) leaves the previous checkpoint and the
+// state in memory as they were; its error comes back from wait() and training may go on.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "megatrain/core/error.hpp"
+#include "megatrain/core/nvtx.hpp"
+#include "megatrain/core/version.hpp"
+#include "megatrain/data/token_dataset.hpp"
+#include "megatrain/io/train_checkpoint.hpp"
+#include "megatrain/store/host_param_store.hpp"
+#include "megatrain/train/trainer_options.hpp"
+
+namespace megatrain {
+
+/// A run's state besides its tensors: what train_state.json holds.
+struct TrainState {
+  std::int64_t step = 0;                 ///< optimizer steps done
+  std::optional<double> last_grad_norm;  ///< global gradient norm of step `step` (what stale clipping uses next)
+  TrainerOptions options;                ///< the trainer's options, resolved
+  std::optional<DataPosition> data;      ///< where the data order stands: the next step reads from here
+  nlohmann::json model;                  ///< ModelConfig::to_json() of the model
+  nlohmann::json user = nlohmann::json::object();  ///< the caller's own fields (kept as they are)
+  std::string megatrain_version;         ///< of the program that wrote it
+};
+
+inline nlohmann::json to_json(const TrainState& s) {
+  nlohmann::json j{{"format", "megatrain-train-state"},
+                   {"format_version", 1},
+                   {"megatrain_version", s.megatrain_version},
+                   {"step", s.step},
+                   {"last_grad_norm", s.last_grad_norm ? nlohmann::json(*s.last_grad_norm) : nlohmann::json(nullptr)},
+                   {"trainer", to_json(s.options)},
+                   {"model", s.model},
+                   {"tensors",
+                    {{"dtype", "F32"},
+                     {"master", "<parameter name>"},
+                     {"exp_avg", "<parameter name>.exp_avg"},
+                     {"exp_avg_sq", "<parameter name>.exp_avg_sq"}}},
+                   {"user", s.user}};
+  if (s.data) {
+    j["data"] = {{"seed", s.data->seed},
+                 {"epoch", s.data->epoch},
+                 {"slot", s.data->slot},
+                 {"windows_per_epoch", s.data->windows_per_epoch}};
+    // The only random stream of a step is the data order: epoch e's permutation is drawn from
+    // mt19937_64 seeded with (seed, e), so (seed, epoch, slot) is the whole generator state.
+    j["rng"] = {{"data_order", {{"engine", "mt19937_64"}, {"seed", s.data->seed}, {"epoch", s.data->epoch}}}};
+  } else {
+    j["data"] = nullptr;
+  }
+  return j;
+}
+
+/// Reads what to_json wrote; throws megatrain::Error naming `what` otherwise.
+inline TrainState train_state_from_json(const nlohmann::json& j, std::string_view what) {
+  TrainState s;
+  try {
+    MT_CHECK(j.value("format", "") == "megatrain-train-state", "{}: not a megatrain train state (format '{}')", what,
+             j.value("format", ""));
+    const int version = j.at("format_version").get<int>();
+    MT_CHECK(version == 1, "{}: train-state format version {} is not supported by megatrain {} (it reads version 1)", what,
+             version, megatrain::version());
+    s.megatrain_version = j.at("megatrain_version").get<std::string>();
+    s.step = j.at("step").get<std::int64_t>();
+    MT_CHECK(s.step >= 0, "{}: step {} is negative", what, s.step);
+    if (!j.at("last_grad_norm").is_null()) s.last_grad_norm = j.at("last_grad_norm").get<double>();
+    s.options = trainer_options_from_json(j.at("trainer"), what);
+    s.model = j.at("model");
+    s.user = j.at("user");
+    if (!j.at("data").is_null()) {
+      const auto& d = j.at("data");
+      s.data = DataPosition{d.at("seed").get<std::uint64_t>(), d.at("epoch").get<std::int64_t>(), d.at("slot").get<std::int64_t>(),
+                            d.at("windows_per_epoch").get<std::int64_t>()};
+    }
+  } catch (const nlohmann::json::exception& e) {
+    MT_FAIL("{}: the train state is malformed: {}", what, e.what());
+  }
+  return s;
+}
+
+/// The keys of two model configs (ModelConfig::to_json) whose values differ, as "key: a vs b".
+inline std::vector<std::string> model_differences(const nlohmann::json& a, const nlohmann::json& b) {
+  std::vector<std::string> out;
+  for (const auto& [k, v] : a.items())
+    if (!b.contains(k) || b.at(k) != v) out.push_back(fmt::format("{}: {} vs {}", k, v.dump(), b.contains(k) ? b.at(k).dump() : "absent"));
+  for (const auto& [k, v] : b.items())
+    if (!a.contains(k)) out.push_back(fmt::format("{}: absent vs {}", k, v.dump()));
+  return out;
+}
+
+struct CheckpointerOptions {
+  std::size_t keep = 2;  ///< checkpoints kept, newest first (0: all)
+  /// Write while the next step trains (save() returns at once); false: save() returns once the
+  /// checkpoint is complete.
+  bool overlap = true;
+  std::uint64_t max_shard_bytes = 2'000'000'000;  ///< largest tensor file
+  /// Small files copied into every checkpoint (config.json, tokenizer files): name -> contents.
+  std::map<std::string, std::string> extra_files;
+};
+
+/// What one save did.
+struct SaveResult {
+  std::int64_t step = 0;
+  std::filesystem::path dir;  ///< the checkpoint folder (complete when ok)
+  bool ok = false;
+  std::string error;          ///< why it failed (when !ok); the previous checkpoint is intact
+  double seconds = 0;         ///< from save() until the folder was in place
+  /// How long the trainer's optimizer waited for the writer (overlap): what the save added to
+  /// the steps that ran meanwhile.
+  double stall_seconds = 0;
+  std::uint64_t bytes = 0;    ///< of all files written
+};
+
+class Checkpointer {
+ public:
+  /// Checkpoints go to `folder` (created if needed; what dead writers left there is removed).
+  explicit Checkpointer(std::filesystem::path folder, CheckpointerOptions options = {})
+      : folder_(std::move(folder)), options_(std::move(options)) {
+    folder_.prepare();
+  }
+  ~Checkpointer() { (void)wait(); }
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
+
+  const io::CheckpointFolder& folder() const { return folder_; }
+  const CheckpointerOptions& options() const { return options_; }
+
+  /// Saves the state after the trainer's last step: waits for a save still in flight, then
+  /// writes (see the top of this file). `data`: where the data order stands for the next step;
+  /// `user`: the caller's own fields for train_state.json. Call between steps, from the thread
+  /// that calls trainer.step(). Errors of the write itself come back from wait(); errors in the
+  /// arguments throw here, before anything is written.
+  template <class T>
+  void save(T& trainer, const HostParamStore<float>& store, std::optional<DataPosition> data = std::nullopt,
+            nlohmann::json user = nlohmann::json::object()) {
+    MT_NVTX_RANGE("Checkpointer::save");
+    (void)wait();
+    TrainState st;
+    st.step = trainer.steps_done();
+    st.last_grad_norm = trainer.last_grad_norm();
+    st.options = trainer.options();
+    st.data = data;
+    st.model = trainer.model().config().to_json();
+    st.user = std::move(user);
+    st.megatrain_version = std::string(version());
+
+    auto gate = std::make_shared<Gate>(store.num_units());
+    io::TrainCheckpointWriteOptions w;
+    w.state = to_json(st);
+    w.extra_files = options_.extra_files;
+    w.unit_order = trainer.update_order();
+    w.unit_done = [gate](std::size_t u) { gate->release(u); };
+    w.max_shard_bytes = options_.max_shard_bytes;
+    trainer.set_update_gate([gate](std::size_t u) { gate->wait(u); });
+    uninstall_ = [&trainer] { trainer.set_update_gate({}); };
+
+    const std::int64_t step = st.step;
+    const auto t0 = std::chrono::steady_clock::now();
+    auto result = std::make_shared<SaveResult>();
+    result->step = step;
+    result->dir = folder_.path_for(step);
+    writer_ = std::thread([this, &store, w = std::move(w), result, gate, t0, step] {
+      try {
+        for (const auto& f : io::write_train_checkpoint(result->dir, store, w)) result->bytes += f.bytes;
+        folder_.commit(step, options_.keep);
+        result->ok = true;
+      } catch (const std::exception& e) {
+        result->error = e.what();
+      }
+      gate->release_all();  // (a write that failed early announced nothing)
+      result->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    });
+    result_ = std::move(result);
+    gate_ = std::move(gate);
+    if (!options_.overlap) pending_ = wait();
+  }
+
+  /// Waits for the save in flight and returns what it did; nullopt when there was none since the
+  /// last call.
+  std::optional<SaveResult> wait() {
+    if (writer_.joinable()) {
+      writer_.join();
+      if (uninstall_) uninstall_();
+      uninstall_ = nullptr;
+      pending_ = *result_;
+      {
+        std::lock_guard lock(gate_->m);
+        pending_->stall_seconds = gate_->stalled;
+      }
+      result_.reset();
+      gate_.reset();
+    }
+    return std::exchange(pending_, std::nullopt);
+  }
+
+  /// Whether a save is still being written.
+  bool in_flight() const { return writer_.joinable(); }
+
+ private:
+  // Units the writer has read: the optimizer waits here before changing a unit.
+  struct Gate {
+    explicit Gate(std::size_t units) : done(units, 0) {}
+    void wait(std::size_t u) {
+      std::unique_lock lock(m);
+      if (done[u]) return;
+      const auto t0 = std::chrono::steady_clock::now();
+      cv.wait(lock, [&] { return done[u] != 0; });
+      stalled += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    void release(std::size_t u) {
+      {
+        std::lock_guard lock(m);
+        done[u] = 1;
+      }
+      cv.notify_all();
+    }
+    void release_all() {
+      {
+        std::lock_guard lock(m);
+        std::fill(done.begin(), done.end(), 1);
+      }
+      cv.notify_all();
+    }
+    std::mutex m;
+    std::condition_variable cv;
+    std::vector<char> done;
+    double stalled = 0;  // seconds the optimizer waited (guarded by m)
+  };
+
+  io::CheckpointFolder folder_;
+  CheckpointerOptions options_;
+  std::thread writer_;
+  std::shared_ptr<SaveResult> result_;
+  std::shared_ptr<Gate> gate_;
+  std::optional<SaveResult> pending_;
+  std::function<void()> uninstall_;
+};
+
+/// Opens the checkpoint folder `dir` (every file checked against its checksum), checks that it
+/// was saved from this trainer's model and with options that give the same update
+/// (update_differences), then loads the tensors into `store` and restores the trainer's step
+/// count and last norm. Throws megatrain::Error before changing anything when a check fails.
+/// Returns the state, whose `data` says where the data order continues.
+template <class T>
+TrainState load_train_state(const std::filesystem::path& dir, T& trainer, HostParamStore<float>& store) {
+  MT_NVTX_RANGE("load_train_state");
+  const io::TrainCheckpoint ckpt = io::TrainCheckpoint::open(dir);
+  TrainState st = train_state_from_json(ckpt.state(), (dir / io::kTrainStateFile).string());
+  const auto model_diff = model_differences(st.model, trainer.model().config().to_json());
+  MT_CHECK(model_diff.empty(), "checkpoint '{}' was saved from another model (checkpoint vs this one: {})", dir.string(),
+           fmt::join(model_diff, "; "));
+  const auto diff = update_differences(st.options, trainer.options());
+  MT_CHECK(diff.empty(), "checkpoint '{}' was trained with other options (checkpoint vs this trainer: {}); resuming would "
+           "change the update", dir.string(), fmt::join(diff, "; "));
+  ckpt.load_into(store);
+  trainer.restore(st.step, st.last_grad_norm);
+  return st;
+}
+
+}  // namespace megatrain

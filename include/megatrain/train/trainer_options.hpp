@@ -1,0 +1,149 @@
+// TrainerOptions: what a Trainer is asked to do, and how options are saved with a train state.
+//
+// Fields split in two: those that define the update (batch, sequence length, AdamW, schedule,
+// clipping), which a resumed run must share with the run it continues, and those that only
+// decide how the work is laid out (micro-batches, chunks, ring sizes), which may change between
+// runs without changing the model's math (though micro-batches and chunks change the order of
+// floating-point sums, so a resumed run is bit for bit the uninterrupted one only if they stay).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "megatrain/core/error.hpp"
+#include "megatrain/optim/adamw.hpp"
+#include "megatrain/optim/lr_schedule.hpp"
+
+namespace megatrain {
+
+enum class ClipMode {
+  exact,  ///< clip_grad_norm_ semantics: global norm of this step's gradients, then AdamW
+  stale,  ///< clip with the previous step's global norm (none at step 1); no resident gradients
+};
+
+struct TrainerOptions {
+  std::int64_t batch_rows = 8;     ///< sequences per optimizer step
+  std::int64_t seq_len = 128;
+  std::int64_t micro_batches = 1;  ///< gradient accumulation: the batch is run in this many parts
+  /// The most sequences allowed on the device at once (0: no limit). A batch larger than this
+  /// runs as gradient accumulation: micro_batches grows to the smallest count, at least the
+  /// one given, that divides the batch into parts of at most this many sequences.
+  std::int64_t max_micro_rows = 0;
+  std::int64_t chunk_rows = 0;     ///< sequences per compute chunk (0: a whole micro-batch)
+  AdamWConfig adamw;
+  LrSchedule schedule;
+  double clip_norm = 0.0;  ///< max global gradient norm; 0 disables clipping
+  ClipMode clip_mode = ClipMode::exact;
+  std::size_t weight_slots = 2;  ///< ring of block weight slots (>= 2: double buffering)
+  std::size_t grad_slots = 2;    ///< ring of block gradient accumulators on the device
+  /// Testing aid: each built-in stage sleeps a random 0..jitter_us microseconds per item.
+  int jitter_us = 0;
+  /// Time every stage's work (events on GPU streams) and report it in StepStats::profile.
+  bool profile = false;
+
+  std::int64_t micro_rows() const { return batch_rows / micro_batches; }
+  /// These options with micro_batches raised as max_micro_rows requires (see there).
+  TrainerOptions resolved() const {
+    TrainerOptions o = *this;
+    if (o.max_micro_rows > 0 && o.batch_rows > 0 && o.micro_batches >= 1)
+      while (o.micro_batches < o.batch_rows &&
+             (o.batch_rows % o.micro_batches != 0 || o.batch_rows / o.micro_batches > o.max_micro_rows))
+        ++o.micro_batches;
+    return o;
+  }
+  bool resident_gradients() const { return micro_batches > 1 || (clip_norm > 0 && clip_mode == ClipMode::exact); }
+  void validate() const {
+    MT_CHECK(batch_rows > 0 && seq_len > 0, "batch of {} sequences of {} tokens is empty", batch_rows, seq_len);
+    MT_CHECK(micro_batches >= 1 && batch_rows % micro_batches == 0,
+             "{} micro-batches do not divide a batch of {} sequences", micro_batches, batch_rows);
+    MT_CHECK(max_micro_rows >= 0, "max_micro_rows must be >= 0 (got {})", max_micro_rows);
+    MT_CHECK(chunk_rows >= 0, "chunk_rows must be >= 0 (got {})", chunk_rows);
+    MT_CHECK(weight_slots >= 2, "weight_slots must be >= 2 for double buffering (got {})", weight_slots);
+    MT_CHECK(grad_slots >= 2, "grad_slots must be >= 2 for double buffering (got {})", grad_slots);
+    MT_CHECK(std::isfinite(clip_norm) && clip_norm >= 0, "clip_norm must be finite and >= 0 (got {})", clip_norm);
+    MT_CHECK(jitter_us >= 0, "jitter_us must be >= 0");
+    adamw.validate();
+    schedule.validate();
+  }
+};
+
+/// The options as JSON (every field; what a train state records).
+inline nlohmann::json to_json(const TrainerOptions& o) {
+  return {{"batch_rows", o.batch_rows},
+          {"seq_len", o.seq_len},
+          {"micro_batches", o.micro_batches},
+          {"max_micro_rows", o.max_micro_rows},
+          {"chunk_rows", o.chunk_rows},
+          {"adamw",
+           {{"lr", o.adamw.lr}, {"beta1", o.adamw.beta1}, {"beta2", o.adamw.beta2}, {"eps", o.adamw.eps},
+            {"weight_decay", o.adamw.weight_decay}}},
+          {"schedule",
+           {{"kind", o.schedule.kind == LrSchedule::Kind::constant ? "constant" : "warmup_cosine"},
+            {"lr", o.schedule.lr},
+            {"warmup_steps", o.schedule.warmup_steps},
+            {"total_steps", o.schedule.total_steps},
+            {"min_lr", o.schedule.min_lr}}},
+          {"clip_norm", o.clip_norm},
+          {"clip_mode", o.clip_mode == ClipMode::exact ? "exact" : "stale"},
+          {"weight_slots", o.weight_slots},
+          {"grad_slots", o.grad_slots}};
+}
+
+/// Reads what to_json wrote; throws megatrain::Error naming `what` and the field otherwise.
+inline TrainerOptions trainer_options_from_json(const nlohmann::json& j, std::string_view what) {
+  TrainerOptions o;
+  try {
+    o.batch_rows = j.at("batch_rows").get<std::int64_t>();
+    o.seq_len = j.at("seq_len").get<std::int64_t>();
+    o.micro_batches = j.at("micro_batches").get<std::int64_t>();
+    o.max_micro_rows = j.at("max_micro_rows").get<std::int64_t>();
+    o.chunk_rows = j.at("chunk_rows").get<std::int64_t>();
+    const auto& a = j.at("adamw");
+    o.adamw = {a.at("lr").get<double>(), a.at("beta1").get<double>(), a.at("beta2").get<double>(), a.at("eps").get<double>(),
+               a.at("weight_decay").get<double>()};
+    const auto& s = j.at("schedule");
+    const std::string kind = s.at("kind").get<std::string>();
+    MT_CHECK(kind == "constant" || kind == "warmup_cosine", "{}: schedule kind '{}' is unknown", what, kind);
+    o.schedule = {kind == "constant" ? LrSchedule::Kind::constant : LrSchedule::Kind::warmup_cosine, s.at("lr").get<double>(),
+                  s.at("warmup_steps").get<std::int64_t>(), s.at("total_steps").get<std::int64_t>(),
+                  s.at("min_lr").get<double>()};
+    o.clip_norm = j.at("clip_norm").get<double>();
+    const std::string mode = j.at("clip_mode").get<std::string>();
+    MT_CHECK(mode == "exact" || mode == "stale", "{}: clip_mode '{}' is unknown", what, mode);
+    o.clip_mode = mode == "exact" ? ClipMode::exact : ClipMode::stale;
+    o.weight_slots = j.at("weight_slots").get<std::size_t>();
+    o.grad_slots = j.at("grad_slots").get<std::size_t>();
+  } catch (const nlohmann::json::exception& e) {
+    MT_FAIL("{}: the trainer options are malformed: {}", what, e.what());
+  }
+  return o;
+}
+
+/// The fields that define the update (see the top of this file) where `a` and `b` differ, each
+/// as "field: a vs b". Empty: a run with `b` continues a run with `a` exactly.
+inline std::vector<std::string> update_differences(const TrainerOptions& a, const TrainerOptions& b) {
+  std::vector<std::string> out;
+  const nlohmann::json ja = to_json(a), jb = to_json(b);
+  for (const char* key : {"batch_rows", "seq_len", "adamw", "schedule", "clip_norm", "clip_mode"}) {
+    if (ja[key] == jb[key]) continue;
+    if (ja[key].is_object()) {
+      for (const auto& [k, v] : ja[key].items())
+        if (v != jb[key][k]) out.push_back(fmt::format("{}.{}: {} vs {}", key, k, v.dump(), jb[key][k].dump()));
+    } else {
+      out.push_back(fmt::format("{}: {} vs {}", key, ja[key].dump(), jb[key].dump()));
+    }
+  }
+  // Without clipping the mode does not matter.
+  if (a.clip_norm == 0 && b.clip_norm == 0)
+    out.erase(std::remove_if(out.begin(), out.end(), [](const std::string& s) { return s.starts_with("clip_mode:"); }),
+              out.end());
+  return out;
+}
+
+}  // namespace megatrain

@@ -1,0 +1,210 @@
+// Saving and resuming a run on the CPU backend: N steps straight equal N/2 steps, a save, a
+// fresh trainer loaded from it, and N/2 more steps, bit for bit (every loss, every gradient norm,
+// every master weight and Adam moment), in every clipping mode, tied and untied, with gradient
+// accumulation; and saving while training (overlap, with random delays in every stage) changes
+// nothing either.
+#include <doctest/doctest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <stdlib.h>
+
+#include <cstring>
+#include <random>
+
+#include "../io/io_test_util.hpp"
+#include "megatrain/backend/cpu/cpu_backend.hpp"
+#include "megatrain/train/checkpointer.hpp"
+#include "megatrain/train/trainer.hpp"
+
+using namespace megatrain;
+namespace fs = std::filesystem;
+
+namespace {
+
+using CpuTrainer = Trainer<CpuBackend<float>>;
+
+ModelConfig tiny(bool tied, std::int64_t vocab) {
+  auto j = nlohmann::json::parse(R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":32,"intermediate_size":72,
+    "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"rope_theta":10000.0})");
+  j["tie_word_embeddings"] = tied;
+  j["vocab_size"] = vocab;
+  return ModelConfig::from_json(j);
+}
+
+struct Batch {
+  std::vector<std::int32_t> ids, labels;
+};
+std::vector<Batch> batches(std::uint64_t seed, int steps, std::int64_t tokens, std::int32_t vocab) {
+  std::mt19937_64 rng(seed);
+  std::vector<Batch> out(static_cast<std::size_t>(steps));
+  for (auto& b : out)
+    for (std::int64_t i = 0; i < tokens; ++i) {
+      b.ids.push_back(static_cast<std::int32_t>(rng() % vocab));
+      b.labels.push_back(rng() % 7 == 0 ? kIgnoreIndex : static_cast<std::int32_t>(rng() % vocab));
+    }
+  return out;
+}
+
+/// master, m and v of every unit, concatenated.
+std::vector<float> state_of(const HostParamStore<float>& store) {
+  std::vector<float> out;
+  for (const auto& u : store.units())
+    for (auto s : {u.master(), u.adam_m(), u.adam_v()}) out.insert(out.end(), s.begin(), s.end());
+  return out;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+struct Run {
+  ModelConfig cfg;
+  TrainerOptions opt;
+  DecoderModel<> model;
+  HostParamStore<float> store;
+  CpuBackend<float> be;
+  CpuTrainer trainer;
+  Run(const ModelConfig& c, const TrainerOptions& o, std::uint64_t seed)
+      : cfg(c), opt(o), model(c), store(model.units(), store_options(o, seed)), trainer(model, store, be, o) {}
+  static StoreOptions store_options(const TrainerOptions& o, std::uint64_t seed) {
+    StoreOptions s;
+    s.seed = seed;
+    s.pinning = Pinning::never;
+    return CpuTrainer::store_options(o, s);
+  }
+  StepStats step(const Batch& b) { return trainer.step(b.ids, b.labels); }
+};
+
+void check_same(const StepStats& a, const StepStats& b) {
+  CHECK(a.step == b.step);
+  CHECK(std::memcmp(&a.loss, &b.loss, sizeof(double)) == 0);
+  CHECK(std::memcmp(&a.grad_norm, &b.grad_norm, sizeof(double)) == 0);
+  CHECK(std::memcmp(&a.clip_coef, &b.clip_coef, sizeof(double)) == 0);
+  CHECK(a.lr == b.lr);
+}
+
+}  // namespace
+
+TEST_CASE("a resumed run equals the uninterrupted one bit for bit, in every mode") {
+  struct Case {
+    const char* name;
+    bool tied;
+    std::int64_t vocab, micro;
+    double clip;
+    ClipMode mode;
+  };
+  const Case cases[] = {
+      {"tied, no clipping", true, 53, 1, 0.0, ClipMode::exact},
+      {"untied, stale clipping", false, 53, 1, 0.05, ClipMode::stale},
+      {"tied, exact clipping", true, 53, 1, 0.05, ClipMode::exact},
+      {"untied, 2 micro-batches, exact clipping", false, 53, 2, 0.05, ClipMode::exact},
+      {"tied, large vocabulary (pieces), stale clipping", true, 1111, 1, 0.05, ClipMode::stale},
+  };
+  test::TempDir dir("megatrain-resume");
+  for (const Case& k : cases) {
+    CAPTURE(std::string(k.name));
+    const ModelConfig cfg = tiny(k.tied, k.vocab);
+    TrainerOptions o;
+    o.batch_rows = 4;
+    o.seq_len = 11;
+    o.micro_batches = k.micro;
+    o.adamw.weight_decay = 0.1;
+    o.schedule = {LrSchedule::Kind::warmup_cosine, 3e-3, 2, 10, 3e-4};
+    o.clip_norm = k.clip;
+    o.clip_mode = k.mode;
+    constexpr int kSteps = 6, kHalf = 3;
+    const auto data = batches(11, kSteps, o.batch_rows * o.seq_len, static_cast<std::int32_t>(cfg.vocab_size));
+
+    // Straight through.
+    Run straight(cfg, o, 7);
+    std::vector<StepStats> want;
+    std::vector<float> want_half;
+    for (int s = 0; s < kSteps; ++s) {
+      want.push_back(straight.step(data[s]));
+      if (s + 1 == kHalf) want_half = state_of(straight.store);
+    }
+    const auto want_final = state_of(straight.store);
+
+    // Half, a save overlapped with the next steps (random delays in every stage), the rest.
+    const fs::path folder = dir / k.name;
+    {
+      TrainerOptions jittery = o;
+      jittery.jitter_us = 200;
+      Run first(cfg, jittery, 7);
+      Checkpointer ckpt(folder, {});
+      ::setenv("MEGATRAIN_TEST_DELAY_AT", "write:tensor:300", 1);  // a slow disk: the next steps wait for it
+      for (int s = 0; s < kSteps; ++s) {
+        check_same(first.step(data[s]), want[s]);
+        if (s + 1 == kHalf) ckpt.save(first.trainer, first.store, DataPosition{1, 0, kHalf * 4, 100});
+      }
+      const auto r = ckpt.wait();
+      ::unsetenv("MEGATRAIN_TEST_DELAY_AT");
+      REQUIRE(r.has_value());
+      CHECK_MESSAGE(r->ok, r->error);
+      CHECK(r->stall_seconds > 0);  // the optimizer did wait for the writer
+      CHECK(same_bits(state_of(first.store), want_final));
+    }
+
+    // A fresh process's view: a new store (another seed: everything must come from the file).
+    Run resumed(cfg, o, 12345);
+    const auto latest = io::CheckpointFolder(folder).latest();
+    REQUIRE(latest.has_value());
+    CHECK(latest->filename() == "step-00000003");
+    const TrainState st = load_train_state(*latest, resumed.trainer, resumed.store);
+    CHECK(st.step == kHalf);
+    CHECK(resumed.trainer.steps_done() == kHalf);
+    REQUIRE(st.data.has_value());
+    CHECK(*st.data == DataPosition{1, 0, kHalf * 4, 100});
+    CHECK(same_bits(state_of(resumed.store), want_half));
+    for (int s = kHalf; s < kSteps; ++s) check_same(resumed.step(data[s]), want[s]);
+    CHECK(same_bits(state_of(resumed.store), want_final));
+  }
+}
+
+TEST_CASE("a resume with other update options or another model is refused before anything changes") {
+  test::TempDir dir("megatrain-resume");
+  const ModelConfig cfg = tiny(true, 53);
+  TrainerOptions o;
+  o.batch_rows = 2;
+  o.seq_len = 8;
+  o.schedule = {LrSchedule::Kind::constant, 1e-3, 0, 0, 0.0};
+  const auto data = batches(3, 1, o.batch_rows * o.seq_len, 53);
+  {
+    Run r(cfg, o, 1);
+    r.step(data[0]);
+    CheckpointerOptions co;
+    co.overlap = false;
+    Checkpointer ckpt(dir.path(), co);
+    ckpt.save(r.trainer, r.store);
+    const auto res = ckpt.wait();
+    REQUIRE(res.has_value());
+    REQUIRE(res->ok);
+  }
+  const fs::path ck = dir / "step-00000001";
+  SUBCASE("another learning rate") {
+    TrainerOptions other = o;
+    other.schedule.lr = 2e-3;
+    Run r(cfg, other, 1);
+    const auto before = state_of(r.store);
+    CHECK_ERROR_MENTIONS(load_train_state(ck, r.trainer, r.store), "schedule.lr: 0.001 vs 0.002", "change the update");
+    CHECK(same_bits(state_of(r.store), before));
+    CHECK(r.trainer.steps_done() == 0);
+  }
+  SUBCASE("another batch") {
+    TrainerOptions other = o;
+    other.batch_rows = 4;
+    Run r(cfg, other, 1);
+    CHECK_ERROR_MENTIONS(load_train_state(ck, r.trainer, r.store), "batch_rows: 2 vs 4");
+  }
+  SUBCASE("another model") {
+    Run r(tiny(false, 53), o, 1);
+    CHECK_ERROR_MENTIONS(load_train_state(ck, r.trainer, r.store), "another model", "tie_word_embeddings");
+  }
+  SUBCASE("micro-batches may change (the update is the same, to rounding)") {
+    TrainerOptions other = o;
+    other.micro_batches = 2;
+    Run r(cfg, other, 1);
+    CHECK(load_train_state(ck, r.trainer, r.store).step == 1);
+  }
+}
