@@ -5,18 +5,24 @@
 // (--config FILE: an object whose keys are the long option names without the dashes); options
 // given on the command line win over the file. Unknown or contradictory options are errors.
 // Output: <out>/metrics.jsonl (one JSON object per step), <out>/config.json (the model shape),
-// <out>/options.json (every option as resolved).
+// <out>/options.json (every option as resolved), <out>/checkpoints/ (train states).
 //
 // Hugging Face models: --model DIR fine-tunes a model directory (config.json + safetensors);
 // --export DIR writes the trained weights as such a directory at the end (and every
 // --export-every N steps), atomically. --steps 0 evaluates only: the validation loss of the
 // model on --val-data (or the held-out tail of --data) is printed as one JSON line on stdout,
 // and nothing is written (docs/huggingface.md).
+//
+// Train states (docs/checkpointing.md): --save-every N writes the whole state (masters, Adam
+// moments, step, data position, ...) to <out>/checkpoints every N steps, overlapped with the
+// next step; SIGINT or SIGTERM finishes the step, saves and exits; --resume continues a run
+// exactly where its newest checkpoint left it, with the options it was given.
+#include <signal.h>
 #include <unistd.h>
 
-#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -26,103 +32,54 @@
 #include <iostream>
 #include <optional>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "cli.hpp"
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/host_memory.hpp"
 #include "megatrain/data/token_dataset.hpp"
+#include "megatrain/io/detail/atomic_files.hpp"
 #include "megatrain/io/hf_checkpoint.hpp"
+#include "megatrain/io/train_checkpoint.hpp"
 #include "megatrain/layers/decoder_model.hpp"
 #include "megatrain/model/config.hpp"
+#include "megatrain/train/checkpointer.hpp"
 #include "megatrain/train/trainer.hpp"
 #if MEGATRAIN_HAS_CUDA
 #include "megatrain/backend/cuda/cuda_backend.hpp"
 #endif
 
 using namespace megatrain;
-using json = nlohmann::json;
-namespace fs = std::filesystem;
+using namespace megatrain_train;
 
 namespace {
 
-// Where each option was given: on the command line or in the --config file (long names, "--x").
-struct Origins {
-  std::set<std::string> cli, file;
-  /// Whether option x, beside option y (which makes x irrelevant or contradicts it), is an
-  /// error: unless x comes only from the config file and y from the command line — there the
-  /// command line overrides the file, as a value on the command line does.
-  bool conflicts(const std::string& x, const std::string& y) const {
-    return cli.count(x) > 0 || (file.count(x) > 0 && cli.count(y) == 0);
-  }
-};
+// ---- signals --------------------------------------------------------------------------------------
+// The first SIGINT or SIGTERM asks the loop to stop after the current step (saving first); a
+// second one ends the process at once, leaving the checkpoints on disk as they are (a save in
+// progress is abandoned in its temporary folder, which the next save removes).
+std::atomic<int> g_stop_signal{0};
 
-struct Settings {
-  Origins origins;
-  // model
-  std::string model_dir, model_config, preset;
-  bool allow_dtype_mismatch = false;
-  std::int64_t hidden = 128, layers = 4, heads = 4, kv_heads = 2, intermediate = 352, vocab = 0, head_dim = 0;
-  double rope_theta = 10000.0, norm_eps = 1e-5;
-  bool tie_embeddings = true;
-  // data
-  std::string data, val_data, data_format = "u16";
-  double val_fraction = 0.05;
-  // schedule and optimizer
-  std::int64_t batch = 8, seq = 128, micro_batches = 1, max_micro_batch = 0, chunk = 0, steps = 60;
-  double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, clip = 1.0;
-  std::int64_t warmup = -1;  // default: min(10, steps / 5)
-  // Stale clipping by default: each unit's optimizer step starts the moment its gradient lands
-  // (exact clipping must wait for the whole backward; see docs/training.md).
-  std::string schedule = "cosine", clip_mode = "stale";
-  // run
-  std::uint64_t seed = 1;
-  std::string out, backend = "auto", host_memory, gpu_memory;
-  std::int64_t eval_every = 20, eval_batches = 4, log_every = 1;
-  bool overwrite = false;
-  // Hugging Face export
-  std::string export_dir, export_dtype = "bf16", shard_size = "5GB";
-  std::int64_t export_every = 0;
-};
-
-std::string default_out_dir() {
-  char buf[64];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(buf, sizeof buf, "runs/%Y%m%d-%H%M%S", std::localtime(&now));
-  return buf;
+void on_stop_signal(int sig) {
+  if (g_stop_signal.exchange(sig) != 0) _exit(128 + sig);
+  static const char msg[] =
+      "\nmegatrain-train: stopping: finishing this step, then saving a checkpoint (interrupt again to stop at once)\n";
+  (void)!::write(STDERR_FILENO, msg, sizeof msg - 1);
 }
 
-// Turns the JSON config into "--key value" arguments placed before the command line, so the
-// command line (parsed later, last value wins) overrides the file.
-std::vector<std::string> config_args(const std::string& path, const CLI::App& app) {
-  std::ifstream f(path);
-  MT_CHECK(f.good(), "cannot open config file '{}'", path);
-  json j;
-  try {
-    j = json::parse(f);
-  } catch (const json::parse_error& e) {
-    MT_FAIL("config file '{}': malformed JSON: {}", path, e.what());
-  }
-  MT_CHECK(j.is_object(), "config file '{}' must hold a JSON object of option names and values", path);
-  std::vector<std::string> args;
-  for (const auto& [key, value] : j.items()) {
-    MT_CHECK(key != "config", "config file '{}' cannot name another config file", path);
-    const CLI::Option* opt = nullptr;
-    try {
-      opt = app.get_option("--" + key);
-    } catch (const CLI::OptionNotFound&) {
-      MT_FAIL("config file '{}': unknown option '{}' (see megatrain-train --help)", path, key);
-    }
-    (void)opt;
-    args.push_back("--" + key);
-    if (value.is_string()) args.push_back(value.get<std::string>());
-    else if (value.is_boolean()) args.push_back(value.get<bool>() ? "true" : "false");
-    else if (value.is_number()) args.push_back(value.dump());
-    else MT_FAIL("config file '{}': option '{}' must be a string, number or boolean, not {}", path, key, value.dump());
-  }
-  return args;
+void install_stop_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
 }
+
+// ---- the model ------------------------------------------------------------------------------------
 
 // Where the model's shape comes from: at most one of --model, --model-config, --preset, and no
 // shape flag beside it. Checked before anything is opened.
@@ -162,12 +119,14 @@ ModelConfig model_config(const Settings& s, const CLI::App& app, std::int64_t da
   return ModelConfig::from_json(j, "command-line model shape");
 }
 
+// ---- progress -------------------------------------------------------------------------------------
+
 // One line that redraws itself on a terminal; plain lines otherwise.
 class Progress {
  public:
-  Progress(std::int64_t steps, bool tty) : steps_(steps), tty_(tty) {}
+  Progress(std::int64_t first_step, std::int64_t steps, bool tty) : first_(first_step), steps_(steps), tty_(tty) {}
   void update(const StepStats& s, double tok_per_s, double elapsed, std::optional<double> val, std::int64_t log_every) {
-    const double eta = elapsed / static_cast<double>(s.step) * static_cast<double>(steps_ - s.step);
+    const double eta = elapsed / static_cast<double>(s.step - first_ + 1) * static_cast<double>(steps_ - s.step);
     if (tty_) {
       const int width = 24;
       const int filled = static_cast<int>(width * s.step / steps_);
@@ -186,30 +145,121 @@ class Progress {
       std::fflush(stdout);
     }
   }
+  /// A line of its own (a save, a warning), not overwritten by the next update.
+  void note(const std::string& line, FILE* to = stdout) {
+    if (tty_) std::fputs("\r\033[K", stdout);
+    std::fflush(stdout);
+    std::fprintf(to, "%s\n", line.c_str());
+    std::fflush(to);
+  }
 
  private:
   static std::string clock(double secs) {
     const auto t = static_cast<long long>(std::max(0.0, secs));
     return fmt::format("{}:{:02}:{:02}", t / 3600, (t / 60) % 60, t % 60);
   }
-  std::int64_t steps_;
+  std::int64_t first_, steps_;
   bool tty_;
 };
 
-// What train() needs besides the trainer's options.
+// ---- resuming -------------------------------------------------------------------------------------
+
+// The checkpoint a run resumes from, opened (every file checked against its checksum).
+struct Resume {
+  io::TrainCheckpoint ckpt;
+  TrainState state;
+  json given;                          // the options its run was given
+  std::vector<std::string> side_files;  // Hugging Face side files kept in the checkpoint
+};
+
+// The checkpoint --resume names: "latest" (the newest in --out), a checkpoint folder, or a run folder.
+fs::path locate_checkpoint(const Settings& s) {
+  const auto newest_in = [](const fs::path& folder, const std::string& what) {
+    const auto latest = io::CheckpointFolder(folder).latest();
+    MT_CHECK(latest.has_value(),
+             "--resume: {} has no checkpoint in '{}' to resume from (a run saves one every --save-every N steps, at "
+             "its end when --save-every is given, and when SIGINT or SIGTERM stops it)",
+             what, folder.string());
+    return *latest;
+  };
+  if (s.resume == "latest") {
+    MT_CHECK(!s.out.empty(), "--resume needs the run to continue: give --out RUN_DIR (its checkpoints are in "
+             "RUN_DIR/checkpoints), or --resume CHECKPOINT_DIR");
+    return newest_in(fs::path(s.out) / "checkpoints", fmt::format("the run '{}'", s.out));
+  }
+  const fs::path p(s.resume);
+  std::error_code ec;
+  MT_CHECK(fs::is_directory(p, ec), "--resume '{}': no such folder", s.resume);
+  if (fs::exists(p / io::kChecksumsFile, ec)) return p;
+  if (fs::is_directory(p / "checkpoints", ec)) return newest_in(p / "checkpoints", fmt::format("the run '{}'", s.resume));
+  MT_FAIL("--resume '{}' is neither a checkpoint folder (it has no {}) nor a run folder (it has no checkpoints/)", s.resume,
+          io::kChecksumsFile);
+}
+
+Resume open_resume(const fs::path& dir) {
+  io::TrainCheckpoint ckpt = io::TrainCheckpoint::open(dir);
+  TrainState st = train_state_from_json(ckpt.state(), (dir / io::kTrainStateFile).string());
+  const json& user = st.user;
+  MT_CHECK(user.value("program", "") == "megatrain-train" && user.contains("given") && user["given"].is_object(),
+           "--resume '{}': this checkpoint was not written by megatrain-train (load it with megatrain::load_train_state)",
+           dir.string());
+  std::vector<std::string> side;
+  if (user.contains("side_files")) side = user["side_files"].get<std::vector<std::string>>();
+  json given = user["given"];
+  return {std::move(ckpt), std::move(st), std::move(given), std::move(side)};
+}
+
+// The training option a TrainerOptions field comes from.
+std::string option_of(const std::string& field) {
+  static const std::map<std::string, std::string> names{
+      {"batch_rows", "--batch"},        {"seq_len", "--seq"},           {"adamw.lr", "--lr"},
+      {"schedule.lr", "--lr"},          {"adamw.beta1", "--beta1"},     {"adamw.beta2", "--beta2"},
+      {"adamw.eps", "--eps"},           {"adamw.weight_decay", "--weight-decay"}, {"schedule.kind", "--schedule"},
+      {"schedule.warmup_steps", "--warmup"}, {"schedule.total_steps", "--steps (of the first run: the schedule's length)"},
+      {"schedule.min_lr", "--min-lr"},  {"clip_norm", "--clip"},        {"clip_mode", "--clip-mode"}};
+  const auto it = names.find(field);
+  return it == names.end() ? field : it->second;
+}
+
+// Rewrites metrics.jsonl keeping only the steps up to `step` (a run killed after its last
+// checkpoint wrote lines for steps that it will now train again), atomically.
+void truncate_metrics(const fs::path& path, std::int64_t step) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return;
+  std::ifstream in(path);
+  std::string line, kept;
+  while (std::getline(in, line)) {
+    json j;
+    try {
+      j = json::parse(line);
+    } catch (const json::parse_error&) {
+      continue;  // a line torn by the crash
+    }
+    if (j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<std::int64_t>() <= step)
+      kept += line + "\n";
+  }
+  io::detail::write_file_atomically(path, kept);
+}
+
+// ---- what train() needs besides the trainer's options -----------------------------------------------
 struct RunPlan {
   std::optional<io::HfCheckpoint> hf;    // --model: weights to load (released once loaded)
+  std::optional<Resume> resume;          // --resume: the state to load
   fs::path out;                          // run directory (none when evaluating only)
   bool eval_only = false;                // --steps 0
-  std::int64_t eval_rows = 0;            // eval_only: validation windows to evaluate
+  std::int64_t eval_rows = 0;            // eval_only: validation windows to evaluate (0: none)
   std::optional<io::HfExportOptions> export_options;  // --export
+  std::string config_text;               // config.json of the model (kept in checkpoints)
+  std::map<std::string, std::string> side_files;  // tokenizer files etc. (kept in checkpoints, exported)
+  json given;                            // the options this run was given (kept in checkpoints)
+  json data_identity;                    // the data's digests (kept in checkpoints)
 };
 
 template <class B>
 int train(B& be, const char* backend_name, const Settings& s, const CLI::App& app, const ModelConfig& cfg,
-          const TokenDataset& data, const TrainerOptions& topt, RunPlan& plan);
+          const std::optional<TokenDataset>& data, const TrainerOptions& topt, RunPlan& plan);
 
-int run(const Settings& s, const CLI::App& app) {
+int run(const Settings& s, const CLI::App& app, RunPlan plan) {
   // ---- validate everything before touching anything ------------------------------------------
   MT_CHECK(s.backend == "auto" || s.backend == "cpu" || s.backend == "cuda", "--backend must be auto, cpu or cuda (got '{}')",
            s.backend);
@@ -229,26 +279,31 @@ int run(const Settings& s, const CLI::App& app) {
            "--val-fraction contradicts --val-data: validation comes from that file; drop one");
   MT_CHECK(s.steps >= 0, "--steps must be >= 0 (got {}; 0 evaluates only)", s.steps);
   const bool eval_only = s.steps == 0;
-  MT_CHECK(s.eval_every >= 0 && s.eval_batches > 0 && s.log_every > 0, "--eval-every >= 0, --eval-batches > 0, --log-every > 0");
+  MT_CHECK(s.eval_every >= 0 && s.log_every > 0, "--eval-every >= 0, --log-every > 0");
+  MT_CHECK(s.eval_batches > 0 || (eval_only && s.eval_batches == 0),
+           "--eval-batches must be > 0 (0, no evaluation, only with --steps 0)");
+  MT_CHECK(s.save_every >= 0 && s.keep >= 0, "--save-every and --keep must be >= 0 (got {} and {})", s.save_every, s.keep);
   MT_CHECK(!(s.data.empty() && !s.val_data.empty()) || eval_only,
            "--val-data needs --data (except with --steps 0, which evaluates on --val-data alone)");
-  MT_CHECK(!(eval_only && !s.out.empty()),
+  MT_CHECK(!(eval_only && !s.out.empty() && !plan.resume),
            "--steps 0 evaluates only and writes no run directory: drop --out (the loss is printed as JSON)");
   if (eval_only)  // options that only shape training would be ignored: refuse them
     for (const char* f : {"--lr", "--min-lr", "--warmup", "--schedule", "--weight-decay", "--beta1", "--beta2", "--eps", "--clip",
-                          "--clip-mode", "--micro-batches", "--overwrite", "--eval-every", "--log-every"})
+                          "--clip-mode", "--micro-batches", "--overwrite", "--eval-every", "--log-every", "--save-every", "--keep"})
       MT_CHECK(!s.origins.conflicts(f, "--steps"), "{} has no effect with --steps 0 (evaluation only); drop it", f);
   check_model_source(s);
+  plan.eval_only = eval_only;
 
   // Export: every contradiction is found now, not after hours of training.
-  RunPlan plan;
-  plan.eval_only = eval_only;
   MT_CHECK(!s.model_dir.empty() || !s.origins.conflicts("--allow-dtype-mismatch", "--model"),
            "--allow-dtype-mismatch needs --model DIR");
   for (const char* f : {"--export-every", "--export-dtype", "--shard-size"})
     MT_CHECK(!s.export_dir.empty() || !s.origins.conflicts(f, "--export"), "{} needs --export DIR", f);
   MT_CHECK(s.export_every >= 0, "--export-every must be >= 0 (got {}; 0 exports only at the end)", s.export_every);
-  MT_CHECK(!(eval_only && s.export_every > 0), "--export-every needs training steps (--steps 0 exports once)");
+  MT_CHECK(!(eval_only && s.export_every > 0 && s.origins.conflicts("--export-every", "--steps")),
+           "--export-every needs training steps (--steps 0 exports once)");
+  MT_CHECK(!(eval_only && s.eval_batches == 0 && s.export_dir.empty()),
+           "--steps 0 --eval-batches 0 does nothing: add --export DIR (export without evaluating)");
   if (!s.export_dir.empty()) {
     io::HfExportOptions e;
     MT_CHECK(s.export_dtype == "bf16" || s.export_dtype == "f16" || s.export_dtype == "f32",
@@ -260,46 +315,86 @@ int run(const Settings& s, const CLI::App& app) {
   }
   if (!s.host_memory.empty()) setenv("MEGATRAIN_HOST_MEMORY", s.host_memory.c_str(), 1);
 
-  // A Hugging Face model is opened and checked against its config.json before anything else.
+  // The model: a resumed run's is its checkpoint's; a Hugging Face model is opened and checked
+  // against its config.json before anything else.
+  std::optional<ModelConfig> cfg;
+  if (plan.resume) {
+    const auto text = plan.resume->ckpt.file("config.json");
+    MT_CHECK(text.has_value(), "--resume '{}': the checkpoint has no config.json", plan.resume->ckpt.dir().string());
+    cfg = ModelConfig::from_json(json::parse(*text), "the checkpoint's config.json");
+    plan.config_text = *text;
+    for (const auto& name : plan.resume->side_files) {
+      const auto f = plan.resume->ckpt.file(name);
+      MT_CHECK(f.has_value(), "--resume '{}': the checkpoint lists {} but lacks it", plan.resume->ckpt.dir().string(), name);
+      plan.side_files[name] = *f;
+    }
+  }
   if (!s.model_dir.empty()) {
     io::HfOpenOptions open_options;
     open_options.allow_dtype_mismatch = s.allow_dtype_mismatch;
     plan.hf = io::HfCheckpoint::open(s.model_dir, open_options);
-    if (plan.export_options) {
-      plan.export_options->config_json = plan.hf->config_text();
-      plan.export_options->extra_files = io::hf_side_files(s.model_dir);
+    if (!plan.resume) {
+      plan.config_text = plan.hf->config_text();
+      plan.side_files = io::hf_side_files(s.model_dir);
     }
   }
 
-  // Data first: its vocabulary sizes a model given on the command line.
+  // Data first: its vocabulary sizes a model given on the command line. (With --steps 0
+  // --eval-batches 0 nothing is evaluated and no data is read.)
   const TokenFormat fmt_bin = s.data_format == "u32" ? TokenFormat::u32 : TokenFormat::u16;
-  TokenSource train_src = !s.data.empty()                       ? TokenSource::open(s.data, fmt_bin)
-                          : (eval_only && !s.val_data.empty()) ? TokenSource::open(s.val_data, fmt_bin)
-                                                               : TokenSource::from_text(builtin_text(1 << 20, 1), "built-in text");
-  MT_CHECK(train_src.format() != TokenFormat::text || !s.origins.conflicts("--data-format", "--data"),
+  const bool need_data = !(eval_only && s.eval_batches == 0);
+  std::optional<TokenSource> train_src;
+  if (need_data)
+    train_src = !s.data.empty()                       ? TokenSource::open(s.data, fmt_bin)
+                : (eval_only && !s.val_data.empty()) ? TokenSource::open(s.val_data, fmt_bin)
+                                                     : TokenSource::from_text(builtin_text(1 << 20, 1), "built-in text");
+  const bool text_data = train_src && train_src->format() == TokenFormat::text;
+  MT_CHECK(!train_src || !text_data || !s.origins.conflicts("--data-format", "--data"),
            "--data-format applies to .bin token files, but the data is text ({}), tokenised by bytes",
            s.data.empty() ? "the built-in text" : s.data);
-  const std::int64_t data_vocab = train_src.format() == TokenFormat::text ? 256 : (fmt_bin == TokenFormat::u16 ? 65536 : 0);
-  MT_CHECK(train_src.format() == TokenFormat::text || s.vocab > 0 || plan.hf || !s.model_config.empty() || !s.preset.empty(),
+  const std::int64_t data_vocab = !train_src ? 0 : text_data ? 256 : (fmt_bin == TokenFormat::u16 ? 65536 : 0);
+  MT_CHECK(!train_src || text_data || s.vocab > 0 || plan.hf || plan.resume || !s.model_config.empty() || !s.preset.empty(),
            "--data '{}' holds token ids: give the vocabulary (--vocab, --model, --model-config or --preset)",
            s.data.empty() ? s.val_data : s.data);
-  const ModelConfig cfg = model_config(s, app, data_vocab, plan.hf ? &*plan.hf : nullptr);
-  MT_CHECK(train_src.format() != TokenFormat::text || cfg.vocab_size >= 256,
-           "text data is tokenised by bytes (vocabulary 256) but the model's vocab_size is {}", cfg.vocab_size);
-  std::optional<TokenSource> val_src;
-  if (!s.val_data.empty()) {
-    val_src = TokenSource::open(s.val_data, fmt_bin);
-    MT_CHECK((val_src->format() == TokenFormat::text) == (train_src.format() == TokenFormat::text),
-             "--val-data '{}' is {} but --data '{}' is {}: both must be token files, or both text", s.val_data,
-             val_src->format() == TokenFormat::text ? "text" : "a token file", s.data,
-             train_src.format() == TokenFormat::text ? "text" : "a token file");
+  if (plan.resume) {
+    // Model options given again must describe the checkpoint's model.
+    std::vector<std::string> opts = model_source_options();
+    opts.insert(opts.end(), model_shape_options().begin(), model_shape_options().end());
+    if (std::any_of(opts.begin(), opts.end(), [&](const std::string& o) { return s.origins.given_now(o); })) {
+      const ModelConfig given = model_config(s, app, data_vocab, plan.hf ? &*plan.hf : nullptr);
+      const auto diff = model_differences(cfg->to_json(), given.to_json());
+      MT_CHECK(diff.empty(), "--resume: the model options given describe another model than the checkpoint's "
+               "(checkpoint vs given: {}); drop them (the checkpoint holds the model)", fmt::join(diff, "; "));
+    }
+  } else {
+    cfg = model_config(s, app, data_vocab, plan.hf ? &*plan.hf : nullptr);
+    if (plan.config_text.empty()) plan.config_text = cfg->to_json().dump(2) + "\n";
   }
-  DatasetOptions dopt;
-  dopt.vocab_size = cfg.vocab_size;
-  dopt.seq_len = s.seq;
-  dopt.val_fraction = s.val_fraction;
-  dopt.seed = s.seed;
-  TokenDataset data(std::move(train_src), dopt, std::move(val_src));
+  if (plan.export_options) {
+    plan.export_options->config_json = plan.config_text;
+    plan.export_options->extra_files = plan.side_files;
+  }
+  MT_CHECK(!text_data || cfg->vocab_size >= 256,
+           "text data is tokenised by bytes (vocabulary 256) but the model's vocab_size is {}", cfg->vocab_size);
+  std::optional<TokenSource> val_src;
+  if (need_data && !s.val_data.empty()) {
+    val_src = TokenSource::open(s.val_data, fmt_bin);
+    MT_CHECK((val_src->format() == TokenFormat::text) == text_data,
+             "--val-data '{}' is {} but --data '{}' is {}: both must be token files, or both text", s.val_data,
+             val_src->format() == TokenFormat::text ? "text" : "a token file", s.data, text_data ? "text" : "a token file");
+  }
+  std::optional<TokenDataset> data;
+  if (need_data) {
+    DatasetOptions dopt;
+    dopt.vocab_size = cfg->vocab_size;
+    dopt.seq_len = s.seq;
+    dopt.val_fraction = s.val_fraction;
+    dopt.seed = s.seed;
+    data.emplace(std::move(*train_src), dopt, std::move(val_src));
+    plan.data_identity = {{"train_digest", data->train_source().digest()},
+                          {"train_tokens", data->train_source().size()},
+                          {"label", data->train_source().label()}};
+  }
 
   TrainerOptions topt;
   topt.batch_rows = s.batch;
@@ -311,17 +406,23 @@ int run(const Settings& s, const CLI::App& app) {
   if (eval_only) {
     // Every validation window once (at most --eval-batches x --batch when --eval-batches is given),
     // in batches of at most --batch sequences; no optimizer state is needed.
-    plan.eval_rows = data.val_windows();
+    plan.eval_rows = data ? data->val_windows() : 0;
     if (app.get_option("--eval-batches")->count() > 0) plan.eval_rows = std::min(plan.eval_rows, s.eval_batches * s.batch);
-    topt.batch_rows = std::min(s.batch, plan.eval_rows);
+    topt.batch_rows = std::max<std::int64_t>(1, std::min(s.batch, plan.eval_rows));
     topt.micro_batches = 1;  // (--max-micro-batch still splits each evaluation batch)
-    topt.schedule = {LrSchedule::Kind::constant, s.lr, 0, 1, 0.0};
+    topt.schedule = {LrSchedule::Kind::constant, s.lr, 0, 0, 0.0};
   } else {
-    const std::int64_t warmup = s.warmup >= 0 ? s.warmup : std::min<std::int64_t>(10, s.steps / 5);
-    topt.schedule = {s.schedule == "cosine" ? LrSchedule::Kind::warmup_cosine : LrSchedule::Kind::constant, s.lr,
-                     s.schedule == "cosine" ? warmup : 0, s.steps, s.schedule == "cosine" ? s.min_lr : 0.0};
-    if (topt.schedule.kind == LrSchedule::Kind::warmup_cosine && s.steps <= warmup)
-      MT_FAIL("--warmup {} leaves no steps for the cosine decay of --steps {}", warmup, s.steps);
+    // A resumed run keeps its schedule's length (set by its first run's --steps): --steps then
+    // only says where this run stops.
+    const TrainerOptions* before = plan.resume ? &plan.resume->state.options : nullptr;
+    const std::int64_t length = before && before->schedule.kind == LrSchedule::Kind::warmup_cosine
+                                    ? before->schedule.total_steps
+                                    : s.steps;
+    const std::int64_t warmup = s.warmup >= 0 ? s.warmup : std::min<std::int64_t>(10, length / 5);
+    if (s.schedule == "cosine") topt.schedule = {LrSchedule::Kind::warmup_cosine, s.lr, warmup, length, s.min_lr};
+    else topt.schedule = {LrSchedule::Kind::constant, s.lr, 0, 0, 0.0};
+    if (topt.schedule.kind == LrSchedule::Kind::warmup_cosine && length <= warmup)
+      MT_FAIL("--warmup {} leaves no steps for the cosine decay of --steps {}", warmup, length);
     topt.clip_norm = s.clip;
     topt.clip_mode = s.clip_mode == "stale" ? ClipMode::stale : ClipMode::exact;
   }
@@ -330,11 +431,36 @@ int run(const Settings& s, const CLI::App& app) {
            "--micro-batches {} contradicts --max-micro-batch {}: parts of {} sequences are more than {}; pass one of them",
            s.micro_batches, s.max_micro_batch, s.batch / std::max<std::int64_t>(s.micro_batches, 1), s.max_micro_batch);
 
+  // A resumed run must train exactly as the run it continues.
+  if (plan.resume && !eval_only) {
+    const Resume& r = *plan.resume;
+    const fs::path dir = r.ckpt.dir();
+    std::vector<std::string> diff;
+    for (const auto& d : update_differences(r.state.options, topt)) {
+      std::string line = fmt::format("{} (checkpoint: {}, now: {})", option_of(d.field), d.before, d.after);
+      if (std::find(diff.begin(), diff.end(), line) == diff.end()) diff.push_back(std::move(line));
+    }
+    const json& was = r.state.user["data"];
+    const std::string digest = plan.data_identity["train_digest"].get<std::string>();
+    if (was.value("train_digest", "") != digest)
+      diff.push_back(fmt::format("--data '{}' (its tokens differ from the data the run was trained on: digest {} vs {})",
+                                 s.data.empty() ? "built-in text" : s.data, was.value("train_digest", ""), digest));
+    if (r.state.data && r.state.data->seed != s.seed)
+      diff.push_back(fmt::format("--seed (checkpoint: {}, now: {})", r.state.data->seed, s.seed));
+    if (r.state.data && r.state.data->windows_per_epoch != data->train_windows())
+      diff.push_back(fmt::format("--val-fraction or --seq (the training windows per epoch, checkpoint: {}, now: {})",
+                                 r.state.data->windows_per_epoch, data->train_windows()));
+    MT_CHECK(diff.empty(), "--resume '{}': this run would not continue the checkpoint's run exactly: {}. Drop these options "
+             "(a resumed run takes the checkpoint's), or start a new run", dir.string(), fmt::join(diff, "; "));
+    MT_CHECK(s.steps > r.state.step, "--steps {}: the checkpoint '{}' is at step {} already; give --steps > {} to train "
+             "further, or --steps 0 to evaluate or export it", s.steps, dir.string(), r.state.step, r.state.step);
+  }
+
   if (!eval_only) {
     plan.out = s.out.empty() ? fs::path(default_out_dir()) : fs::path(s.out);
-    MT_CHECK(s.overwrite || !fs::exists(plan.out / "metrics.jsonl"),
-             "'{}' already holds a run (metrics.jsonl); choose another --out or pass --overwrite to replace it",
-             plan.out.string());
+    MT_CHECK(plan.resume || s.overwrite || !fs::exists(plan.out / "metrics.jsonl"),
+             "'{}' already holds a run (metrics.jsonl); continue it with --resume, choose another --out, or pass "
+             "--overwrite to replace it", plan.out.string());
   }
   if (plan.export_options && !plan.out.empty()) {
     // The export directory is replaced as a whole: it must not be, or hold, the run directory.
@@ -352,11 +478,11 @@ int run(const Settings& s, const CLI::App& app) {
     CudaBackendOptions copt;
     if (!s.gpu_memory.empty()) copt.memory_limit = parse_byte_size(s.gpu_memory.c_str());
     CudaBackend be(copt);
-    return train(be, "cuda", s, app, cfg, data, topt, plan);
+    return train(be, "cuda", s, app, *cfg, data, topt, plan);
 #endif
   }
   CpuBackend<float> be;
-  return train(be, "cpu", s, app, cfg, data, topt, plan);
+  return train(be, "cpu", s, app, *cfg, data, topt, plan);
 }
 
 // The validation loss over plan.eval_rows windows, in batches of the trainer's batch size (a
@@ -385,7 +511,7 @@ std::pair<double, std::int64_t> evaluate_all(T& trainer, const TokenDataset& dat
 
 template <class B>
 int train(B& be, const char* backend_name, const Settings& s, const CLI::App& app, const ModelConfig& cfg,
-          const TokenDataset& data, const TrainerOptions& topt, RunPlan& plan) {
+          const std::optional<TokenDataset>& data, const TrainerOptions& topt, RunPlan& plan) {
   // ---- build ----------------------------------------------------------------------------------
   DecoderModel<> model(cfg);
   StoreOptions so;
@@ -394,11 +520,30 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   Trainer<B> trainer(model, store, be, topt);
   // Evaluating only, everything but the JSON result goes to stderr.
   FILE* const info = plan.eval_only ? stderr : stdout;
-  const std::string model_label = !s.model_dir.empty()      ? s.model_dir
+  const std::string model_label = plan.resume              ? plan.resume->ckpt.dir().string()
+                                  : !s.model_dir.empty()   ? s.model_dir
                                   : !s.model_config.empty() ? s.model_config
                                   : !s.preset.empty()       ? s.preset
                                                             : std::string("command-line shape");
-  if (plan.hf) {
+  std::int64_t first_step = 1;
+  if (plan.resume) {
+    const auto t0 = std::chrono::steady_clock::now();
+    // (Evaluating or exporting, only the weights matter: the trainer's options are not the run's.)
+    const TrainState st = plan.eval_only ? plan.resume->state : load_train_state(plan.resume->ckpt, trainer, store);
+    if (plan.eval_only) plan.resume->ckpt.load_into(store);
+    first_step = st.step + 1;
+    if (!plan.eval_only && data) {
+      const DataPosition expected = data->position(st.step * s.batch);
+      MT_CHECK(!st.data || *st.data == expected, "--resume '{}': the data position (epoch {}, slot {}) does not follow "
+               "from the step and batch (epoch {}, slot {})", plan.resume->ckpt.dir().string(), st.data->epoch,
+               st.data->slot, expected.epoch, expected.slot);
+    }
+    std::fprintf(info, "resumed from %s (step %lld, %s) in %.1f s\n", plan.resume->ckpt.dir().string().c_str(),
+                 static_cast<long long>(st.step), format_bytes(plan.resume->ckpt.tensor_bytes()).c_str(),
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    plan.resume.reset();
+    plan.hf.reset();  // (--model given again was only compared with the checkpoint's model)
+  } else if (plan.hf) {
     const auto t0 = std::chrono::steady_clock::now();
     plan.hf->load_into(store);
     std::fprintf(info, "loaded %s (%lld parameters) in %.1f s%s\n", s.model_dir.c_str(),
@@ -412,24 +557,28 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     const fs::path dir(s.export_dir);
     if (dir.has_parent_path()) fs::create_directories(dir.parent_path());
     io::export_hf_model(store, cfg, dir, *plan.export_options);
-    std::fprintf(info, "exported step %lld to %s (%s) in %.1f s\n", static_cast<long long>(step), s.export_dir.c_str(),
-                 std::string(io::torch_dtype_name(plan.export_options->dtype)).c_str(),
-                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    std::fflush(info);
+    return fmt::format("exported step {} to {} ({}) in {:.1f} s", step, s.export_dir,
+                       io::torch_dtype_name(plan.export_options->dtype),
+                       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   };
   constexpr const char* compute_dtype = std::is_same_v<typename B::Weight, float> ? "float32" : "bfloat16";
 
   if (plan.eval_only) {
-    std::fprintf(info, "megatrain-train: evaluating %s (%s, %lld parameters) on %lld sequences of %lld tokens, backend %s (%s)\n",
-                 model_label.c_str(), std::string(cfg.architecture_name()).c_str(),
-                 static_cast<long long>(cfg.param_count()), static_cast<long long>(plan.eval_rows),
-                 static_cast<long long>(s.seq), backend_name, compute_dtype);
-    const auto [loss, tokens] = evaluate_all(trainer, data, plan.eval_rows, topt.batch_rows, s.seq);
-    json r{{"val_loss", loss},        {"tokens", tokens},         {"sequences", plan.eval_rows}, {"seq", s.seq},
-           {"backend", backend_name}, {"compute_dtype", compute_dtype}, {"model", model_label}};
-    std::printf("%s\n", r.dump().c_str());
-    std::fflush(stdout);
-    if (plan.export_options) export_model(0);
+    if (plan.eval_rows > 0) {
+      std::fprintf(info, "megatrain-train: evaluating %s (%s, %lld parameters) on %lld sequences of %lld tokens, backend %s (%s)\n",
+                   model_label.c_str(), std::string(cfg.architecture_name()).c_str(),
+                   static_cast<long long>(cfg.param_count()), static_cast<long long>(plan.eval_rows),
+                   static_cast<long long>(s.seq), backend_name, compute_dtype);
+      const auto [loss, tokens] = evaluate_all(trainer, *data, plan.eval_rows, topt.batch_rows, s.seq);
+      json r{{"val_loss", loss},        {"tokens", tokens},         {"sequences", plan.eval_rows}, {"seq", s.seq},
+             {"backend", backend_name}, {"compute_dtype", compute_dtype}, {"model", model_label}};
+      std::printf("%s\n", r.dump().c_str());
+      std::fflush(stdout);
+    }
+    if (plan.export_options) {
+      std::fprintf(info, "%s\n", export_model(first_step - 1).c_str());
+      std::fflush(info);
+    }
     return 0;
   }
 
@@ -446,7 +595,9 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
         o[opt->get_lnames().front()] = opt->count() > 0 ? opt->as<std::string>() : opt->get_default_str();
     std::ofstream(out / "options.json") << o.dump(2) << '\n';
   }
-  std::ofstream metrics(out / "metrics.jsonl", std::ios::trunc);
+  // A resumed run continues the metrics where its checkpoint was taken.
+  if (first_step > 1) truncate_metrics(out / "metrics.jsonl", first_step - 1);
+  std::ofstream metrics(out / "metrics.jsonl", first_step > 1 ? std::ios::app : std::ios::trunc);
   MT_CHECK(metrics.good(), "cannot write '{}'", (out / "metrics.jsonl").string());
 
   std::printf("megatrain-train: %s, %lld parameters (%lld layers, hidden %lld, vocab %lld), backend %s, data %s "
@@ -454,27 +605,70 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
               std::string(cfg.architecture_name()).c_str(), static_cast<long long>(cfg.param_count()),
               static_cast<long long>(cfg.num_hidden_layers), static_cast<long long>(cfg.hidden_size),
               static_cast<long long>(cfg.vocab_size), backend_name, s.data.empty() ? "built-in text" : s.data.c_str(),
-              static_cast<long long>(data.train_tokens()), static_cast<long long>(data.val_tokens()));
+              static_cast<long long>(data->train_tokens()), static_cast<long long>(data->val_tokens()));
   const std::int64_t micro = trainer.options().micro_batches;
-  std::printf("batch %lld x %lld tokens%s, %lld steps, host memory %s, writing %s\n", static_cast<long long>(s.batch),
+  std::printf("batch %lld x %lld tokens%s, %s %lld, host memory %s, writing %s\n", static_cast<long long>(s.batch),
               static_cast<long long>(s.seq),
               micro > 1 ? fmt::format(" in {} micro-batches of {}", micro, s.batch / micro).c_str() : "",
-              static_cast<long long>(s.steps), format_bytes(store.bytes()).c_str(), out.string().c_str());
+              first_step > 1 ? fmt::format("steps {} to", first_step).c_str() : "steps", static_cast<long long>(s.steps),
+              format_bytes(store.bytes()).c_str(), out.string().c_str());
+  if (topt.schedule.kind == LrSchedule::Kind::warmup_cosine && s.steps > topt.schedule.total_steps)
+    std::printf("note: the cosine schedule ends at step %lld (the first run's --steps); later steps train at --min-lr %g\n",
+                static_cast<long long>(topt.schedule.total_steps), topt.schedule.min_lr);
   std::fflush(stdout);
+
+  // ---- checkpoints ------------------------------------------------------------------------------
+  CheckpointerOptions copt;
+  copt.keep = static_cast<std::size_t>(s.keep);
+  copt.extra_files = plan.side_files;
+  copt.extra_files["config.json"] = plan.config_text;
+  Checkpointer checkpoints(out / "checkpoints", copt);
+  json side_names = json::array();
+  for (const auto& [name, text] : plan.side_files) side_names.push_back(name);
+  const json user{{"program", "megatrain-train"}, {"given", plan.given}, {"data", plan.data_identity},
+                  {"side_files", side_names}, {"run_dir", fs::absolute(out).lexically_normal().string()}};
+  Progress progress(first_step, s.steps, isatty(STDOUT_FILENO) != 0);
+  std::int64_t saved_step = first_step - 1;  // the newest complete checkpoint (or the one resumed from)
+  bool last_save_failed = false;
+  // Reports a finished save (a failure is a warning: the previous checkpoint is still there).
+  const auto report_one = [&](const SaveResult* r) {
+    if (r->ok) {
+      saved_step = r->step;
+      last_save_failed = false;
+      progress.note(fmt::format("saved step {} to {} ({} in {:.1f} s; training waited {:.1f} s for it)", r->step,
+                                r->dir.string(), format_bytes(r->bytes), r->seconds, r->stall_seconds));
+    } else {
+      last_save_failed = true;
+      progress.note(fmt::format("megatrain-train: warning: the checkpoint of step {} could not be written: {}. {}; "
+                                "training goes on",
+                                r->step, r->error,
+                                saved_step > 0 ? fmt::format("The newest complete checkpoint is step {}", saved_step)
+                                               : std::string("There is no complete checkpoint")),
+                    stderr);
+    }
+  };
+  const auto report = [&](const std::vector<SaveResult>& results) {
+    for (const SaveResult& r : results) report_one(&r);
+  };
+  const auto save = [&](std::int64_t step) {
+    checkpoints.save(trainer, store, data->position(step * s.batch), user);
+  };
 
   // ---- train ----------------------------------------------------------------------------------
   const auto n = static_cast<std::size_t>(s.batch * s.seq);
   std::vector<std::int32_t> ids(n), labels(n);
-  Progress progress(s.steps, isatty(STDOUT_FILENO) != 0);
   const auto t0 = std::chrono::steady_clock::now();
   auto validation = [&] {
     const std::int64_t rows = s.eval_batches * s.batch;
     std::vector<std::int32_t> vi(static_cast<std::size_t>(rows * s.seq)), vl(vi.size());
-    data.val_batch(0, rows, vi, vl);
+    data->val_batch(0, rows, vi, vl);
     return trainer.evaluate(vi, vl, rows);
   };
-  for (std::int64_t step = 1; step <= s.steps; ++step) {
-    data.train_batch((step - 1) * s.batch, s.batch, ids, labels);
+  install_stop_handlers();
+  std::int64_t step = first_step;
+  for (; step <= s.steps && g_stop_signal == 0; ++step) {
+    data->train_batch((step - 1) * s.batch, s.batch, ids, labels);
+    io::detail::delay_point("train:step");  // (tests: MEGATRAIN_TEST_DELAY_AT=train:step:MICROSECONDS)
     const StepStats st = trainer.step(ids, labels);
     const double tok_s = static_cast<double>(st.tokens) / st.seconds;
     std::optional<double> val;
@@ -486,122 +680,84 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     metrics << m.dump() << '\n' << std::flush;
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     progress.update(st, tok_s, elapsed, val, s.log_every);
-    if (plan.export_options && (step == s.steps || (s.export_every > 0 && step % s.export_every == 0))) export_model(step);
+    report(checkpoints.poll());
+    if (s.save_every > 0 && (step % s.save_every == 0 || step == s.steps)) save(step);
+    if (plan.export_options && (step == s.steps || (s.export_every > 0 && step % s.export_every == 0)))
+      progress.note(export_model(step));
+  }
+  const std::int64_t done = step - 1;
+  report(checkpoints.wait());
+  if (const int sig = g_stop_signal.load(); sig != 0 && done < s.steps) {
+    // Stopped by a signal: the state after the last finished step is saved before leaving.
+    if (saved_step != done) {
+      checkpoints.save(trainer, store, data->position(done * s.batch), user);
+      report(checkpoints.wait());
+    }
+    const bool saved = saved_step == done;
+    std::fprintf(stderr, "megatrain-train: stopped by %s after step %lld of %lld; %s\n",
+                 sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "a signal", static_cast<long long>(done),
+                 static_cast<long long>(s.steps),
+                 saved ? fmt::format("checkpoint {}. Resume with: megatrain-train --resume --out {}",
+                                     checkpoints.folder().path_for(done).string(), out.string())
+                                 .c_str()
+                       : fmt::format("its checkpoint could not be written (see above){}",
+                                     saved_step > 0 ? fmt::format("; the newest complete one is step {}", saved_step)
+                                                    : std::string())
+                                 .c_str());
+    return 128 + sig;
   }
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("done: %lld steps in %.1f s; metrics in %s\n", static_cast<long long>(s.steps), total,
+  std::printf("done: %lld steps in %.1f s; metrics in %s\n", static_cast<long long>(s.steps - first_step + 1), total,
               (out / "metrics.jsonl").string().c_str());
+  if (last_save_failed) {
+    std::fprintf(stderr, "megatrain-train: error: the run finished but its last checkpoint could not be written%s\n",
+                 saved_step > 0 ? fmt::format(" (the newest complete one is step {})", saved_step).c_str() : "");
+    return 1;
+  }
   return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"megatrain-train: train a decoder-only language model (Llama / Mistral / Qwen2 family)"};
-  app.set_help_flag("-h,--help", "Print this help and exit");
-  // An option may come from the config file and again from the command line: the last wins.
-  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  Settings s;
-  std::string config_file;
-  app.add_option("--config", config_file, "JSON file of options (keys: long option names); the command line wins");
-
-  auto* model = app.add_option_group("model", "Model shape (default: a small Llama)");
-  model->add_option("--model", s.model_dir,
-                    "Hugging Face model directory (config.json + safetensors) to fine-tune: shape and weights from there");
-  model->add_option("--allow-dtype-mismatch", s.allow_dtype_mismatch,
-                    "--model: load tensors stored in another float dtype than config.json declares (true/false)")
-      ->capture_default_str();
-  model->add_option("--model-config", s.model_config, "Hugging Face config.json giving the model shape");
-  model->add_option("--preset", s.preset, "Built-in shape: " + fmt::format("{}", fmt::join(ModelConfig::preset_names(), ", ")));
-  model->add_option("--hidden", s.hidden, "Hidden size")->capture_default_str();
-  model->add_option("--layers", s.layers, "Decoder layers")->capture_default_str();
-  model->add_option("--heads", s.heads, "Attention heads")->capture_default_str();
-  model->add_option("--kv-heads", s.kv_heads, "Key/value heads (grouped-query attention)")->capture_default_str();
-  model->add_option("--intermediate", s.intermediate, "MLP intermediate size")->capture_default_str();
-  model->add_option("--head-dim", s.head_dim, "Head dimension (default hidden / heads)");
-  model->add_option("--vocab", s.vocab, "Vocabulary size (default: 256 for text data)");
-  model->add_option("--rope-theta", s.rope_theta, "Rotary base")->capture_default_str();
-  model->add_option("--norm-eps", s.norm_eps, "RMSNorm epsilon")->capture_default_str();
-  model->add_option("--tie-embeddings", s.tie_embeddings, "Share the embedding and LM head (true/false)")->capture_default_str();
-
-  auto* data = app.add_option_group("data", "Data (default: the built-in text)");
-  data->add_option("--data", s.data, "Token file (.bin: uint16/uint32 ids or llm.c format) or a text file (byte tokens)");
-  data->add_option("--data-format", s.data_format, "Token width of .bin files: u16 or u32")->capture_default_str();
-  data->add_option("--val-data", s.val_data, "Separate validation token file (default: hold out the tail of --data)");
-  data->add_option("--val-fraction", s.val_fraction, "Fraction of the data held out for validation")->capture_default_str();
-
-  auto* train = app.add_option_group("training", "Batch, schedule and optimizer");
-  train->add_option("--batch", s.batch, "Sequences per optimizer step")->capture_default_str();
-  train->add_option("--seq", s.seq, "Tokens per sequence")->capture_default_str();
-  train->add_option("--steps", s.steps, "Optimizer steps (0: evaluate only: print the validation loss as JSON)")->capture_default_str();
-  train->add_option("--micro-batches", s.micro_batches, "Gradient accumulation: split each batch into this many parts")->capture_default_str();
-  train->add_option("--max-micro-batch", s.max_micro_batch,
-                    "Most sequences on the device at once; a larger --batch runs as gradient accumulation over "
-                    "micro-batches (0: no limit)")
-      ->capture_default_str();
-  train->add_option("--chunk", s.chunk, "Sequences per compute chunk (0: a whole micro-batch)")->capture_default_str();
-  train->add_option("--lr", s.lr, "Peak learning rate")->capture_default_str();
-  train->add_option("--min-lr", s.min_lr, "Floor of the cosine schedule")->capture_default_str();
-  train->add_option("--warmup", s.warmup, "Linear warm-up steps (cosine schedule; default min(10, steps / 5))");
-  train->add_option("--schedule", s.schedule, "constant, or cosine (warm-up then cosine decay to --min-lr)")->capture_default_str();
-  train->add_option("--weight-decay", s.weight_decay, "AdamW decoupled weight decay (matrices only)")->capture_default_str();
-  train->add_option("--beta1", s.beta1, "AdamW beta1")->capture_default_str();
-  train->add_option("--beta2", s.beta2, "AdamW beta2")->capture_default_str();
-  train->add_option("--eps", s.eps, "AdamW epsilon")->capture_default_str();
-  train->add_option("--clip", s.clip, "Max global gradient norm (0: no clipping)")->capture_default_str();
-  train->add_option("--clip-mode", s.clip_mode, "stale (clip with the previous step's global norm; the optimizer overlaps the backward) or exact "
-                    "(PyTorch's clip_grad_norm_ over this step's gradients; the optimizer waits for the backward)")->capture_default_str();
-
-  auto* runo = app.add_option_group("run", "Run");
-  runo->add_option("--seed", s.seed, "Seed for initialisation and data order")->check(CLI::NonNegativeNumber)->capture_default_str();
-  runo->add_option("--out", s.out, "Output directory (default: runs/<date-time>)");
-  runo->add_option("--overwrite", s.overwrite, "Replace a previous run in --out (true/false)")->capture_default_str();
-  runo->add_option("--backend", s.backend, "auto, cpu or cuda")->capture_default_str();
-  runo->add_option("--eval-every", s.eval_every, "Validation loss every N steps (0: only at the end)")->capture_default_str();
-  runo->add_option("--eval-batches", s.eval_batches, "Batches per validation")->capture_default_str();
-  runo->add_option("--log-every", s.log_every, "Print every N steps when not on a terminal")->capture_default_str();
-  runo->add_option("--host-memory", s.host_memory, "Host memory megatrain may use, e.g. 120G (default: what is free)");
-  runo->add_option("--gpu-memory", s.gpu_memory, "GPU memory megatrain may use, e.g. 20G (default: what is free less 1 GiB)");
-
-  auto* exp = app.add_option_group("export", "Hugging Face export (default: none)");
-  exp->add_option("--export", s.export_dir, "Write the trained model as a Hugging Face directory here at the end (atomically)");
-  exp->add_option("--export-every", s.export_every, "Also export every N steps (0: only at the end)")->capture_default_str();
-  exp->add_option("--export-dtype", s.export_dtype, "Exported weights: bf16, f16 or f32")->capture_default_str();
-  exp->add_option("--shard-size", s.shard_size, "Largest safetensors shard, e.g. 5GB (decimal), 2GiB")->capture_default_str();
-
+  // A file-size limit (ulimit -f) must fail a write with a message, not kill the process.
+  signal(SIGXFSZ, SIG_IGN);
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  Parsed p;
+  RunPlan plan;
   try {
-    // First pass: find --config; then parse the file's options followed by the command line.
-    std::vector<std::string> args(argv + 1, argv + argc);
-    std::vector<std::string> all;
-    for (std::size_t i = 0; i < args.size(); ++i) {
-      if (args[i] == "--config" && i + 1 < args.size()) {
-        config_file = args[i + 1];
-      } else if (args[i].rfind("--config=", 0) == 0) {
-        config_file = args[i].substr(9);
-      }
+    parse(p, args);
+    if (p.settings->resume_given) {
+      // Resuming: the checkpoint's run options come first, under the config file and the command
+      // line. With --steps 0 (evaluate or export) only the data options are taken over.
+      const Settings& first = *p.settings;
+      const fs::path dir = locate_checkpoint(first);
+      Resume r = open_resume(dir);
+      const bool eval_only = first.origins.given("--steps") && first.steps == 0;
+      const std::set<std::string> data_only{"--data", "--data-format", "--val-data", "--val-fraction", "--batch", "--seq",
+                                            "--seed"};
+      std::string out = first.out;
+      if (out.empty() && dir.parent_path().filename() == "checkpoints") out = dir.parent_path().parent_path().string();
+      MT_CHECK(!out.empty() || eval_only, "--resume '{}': give --out (the run folder to continue in)", dir.string());
+      std::vector<std::string> before = replay_args(r.given, eval_only ? data_only : std::set<std::string>{});
+      if (!out.empty() && first.out.empty()) before.insert(before.end(), {"--out", out});
+      p = Parsed{};
+      parse(p, args, before);
+      plan.resume = std::move(r);
     }
-    // An option may appear once on the command line (a value there overrides the config file's).
-    for (const auto& a : args) {
-      if (a.rfind("--", 0) != 0 || a.size() == 2) continue;
-      const std::string name = a.substr(0, a.find('='));
-      MT_CHECK(s.origins.cli.insert(name).second, "{} is given more than once; pass it once", name);
-    }
-    if (!config_file.empty()) all = config_args(config_file, app);
-    for (const auto& a : all)
-      if (a.rfind("--", 0) == 0) s.origins.file.insert(a);
-    all.insert(all.end(), args.begin(), args.end());
-    std::reverse(all.begin(), all.end());  // CLI11 parses a vector given in reverse order
-    app.parse(all);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return p.app ? p.app->exit(e) : 2;
   } catch (const megatrain::Error& e) {
-    std::fprintf(stderr, "megatrain-train: %s\n", e.what());
+    std::fprintf(stderr, "megatrain-train: %s\n", e.reason().c_str());
     return 2;
   }
   try {
-    return run(s, app);
+    plan.given = given_options(p);
+    return run(*p.settings, *p.app, std::move(plan));
   } catch (const megatrain::Error& e) {
-    std::fprintf(stderr, "megatrain-train: error: %s\n", e.what());
+    // What went wrong and what to do, in the user's terms (the library's function and source line
+    // are in e.what(), for a bug report: MEGATRAIN_DEBUG=1 prints them).
+    std::fprintf(stderr, "megatrain-train: error: %s\n", std::getenv("MEGATRAIN_DEBUG") ? e.what() : e.reason().c_str());
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "megatrain-train: error: %s\n", e.what());

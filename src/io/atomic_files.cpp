@@ -46,20 +46,39 @@ void fsync_directory(const fs::path& dir) {
 void delay_point(std::string_view point) {
   const char* spec = std::getenv("MEGATRAIN_TEST_DELAY_AT");
   if (spec == nullptr || *spec == '\0') return;
-  const std::string_view s(spec);
-  const auto colon = s.rfind(':');
-  if (colon == std::string_view::npos || s.substr(0, colon) != point) return;
-  std::this_thread::sleep_for(std::chrono::microseconds(std::strtol(spec + colon + 1, nullptr, 10)));
+  // "point:MICROSECONDS", several separated by commas.
+  std::string_view rest(spec);
+  while (!rest.empty()) {
+    const auto comma = rest.find(',');
+    const std::string_view item = rest.substr(0, comma);
+    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    const auto colon = item.rfind(':');
+    if (colon == std::string_view::npos || item.substr(0, colon) != point) continue;
+    long us = 0;
+    for (const char c : item.substr(colon + 1)) {
+      if (c < '0' || c > '9') return;
+      us = us * 10 + (c - '0');
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(us));
+    return;
+  }
 }
 
 void crash_point(std::string_view point) {
   const char* const spec = std::getenv("MEGATRAIN_TEST_CRASH_AT");
   if (spec == nullptr || *spec == '\0') return;
+  // "point" or "point:N"; points themselves contain colons ("write:tensor"), so the count is
+  // only what follows the point's own name.
   const std::string_view s(spec);
-  const auto colon = s.find(':');
-  if (s.substr(0, colon) != point) return;
+  if (!s.starts_with(point)) return;
+  const std::string_view rest = s.substr(point.size());
   long nth = 1;
-  if (colon != std::string_view::npos) nth = std::strtol(spec + colon + 1, nullptr, 10);
+  if (!rest.empty()) {
+    if (rest.size() < 2 || rest[0] != ':' ||
+        !std::all_of(rest.begin() + 1, rest.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      return;
+    nth = std::strtol(spec + point.size() + 1, nullptr, 10);
+  }
   static std::atomic<long> hits{0};
   if (++hits == nth) {
     std::fprintf(stderr, "MEGATRAIN_TEST_CRASH_AT: killed at %.*s\n", static_cast<int>(point.size()), point.data());

@@ -1059,12 +1059,14 @@ std::vector<WrittenFile> write_safetensors_sharded(const fs::path& dir, std::spa
   const fs::path parent = target.parent_path();
   std::error_code ec;
   MT_CHECK(fs::is_directory(parent, ec), "cannot write '{}': directory '{}' does not exist", label, parent.string());
+  // Dead writers' leftovers go first: a crash between the two renames of a replace leaves the
+  // previous folder as `.old-*`, restored here, and its other files must still be carried.
+  detail::remove_debris(target);
   const auto carry = options.carry_other_files ? files_to_carry(target, written, label)
                                                : std::vector<std::pair<std::string, bool>>{};
   if (!options.carry_other_files) (void)files_to_carry(target, {}, label);  // (the same checks of what is there)
 
-  // Stage the complete set beside the target, once dead writers' leftovers are gone.
-  detail::remove_debris(target);
+  // Stage the complete set beside the target.
   detail::StagingDirectory staging(target);
   std::vector<WrittenFile> files;
   for (std::size_t s = 0; s < n; ++s) {

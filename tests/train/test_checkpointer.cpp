@@ -138,11 +138,14 @@ TEST_CASE("a resumed run equals the uninterrupted one bit for bit, in every mode
         check_same(first.step(data[s]), want[s]);
         if (s + 1 == kHalf) ckpt.save(first.trainer, first.store, DataPosition{1, 0, kHalf * 4, 100});
       }
-      const auto r = ckpt.wait();
+      const auto done = ckpt.wait();
       ::unsetenv("MEGATRAIN_TEST_DELAY_AT");
-      REQUIRE(r.has_value());
-      CHECK_MESSAGE(r->ok, r->error);
-      CHECK(r->stall_seconds > 0);  // the optimizer did wait for the writer
+      REQUIRE(done.size() == 1);
+      const SaveResult& r = done[0];
+      CHECK_MESSAGE(r.ok, r.error);
+      CHECK(r.step == kHalf);
+      CHECK(r.stall_seconds > 0);  // the optimizer did wait for the writer
+      CHECK(ckpt.wait().empty());
       CHECK(same_bits(state_of(first.store), want_final));
     }
 
@@ -178,8 +181,8 @@ TEST_CASE("a resume with other update options or another model is refused before
     Checkpointer ckpt(dir.path(), co);
     ckpt.save(r.trainer, r.store);
     const auto res = ckpt.wait();
-    REQUIRE(res.has_value());
-    REQUIRE(res->ok);
+    REQUIRE(res.size() == 1);
+    REQUIRE(res[0].ok);
   }
   const fs::path ck = dir / "step-00000001";
   SUBCASE("another learning rate") {
@@ -207,4 +210,37 @@ TEST_CASE("a resume with other update options or another model is refused before
     Run r(cfg, other, 1);
     CHECK(load_train_state(ck, r.trainer, r.store).step == 1);
   }
+}
+
+TEST_CASE("saves asked for while one is still written: every result is reported, oldest first") {
+  test::TempDir dir("megatrain-resume");
+  const ModelConfig cfg = tiny(false, 53);
+  TrainerOptions o;
+  o.batch_rows = 2;
+  o.seq_len = 8;
+  o.schedule = {LrSchedule::Kind::constant, 1e-3, 0, 0, 0.0};
+  const auto data = batches(5, 3, o.batch_rows * o.seq_len, 53);
+  Run r(cfg, o, 3);
+  CheckpointerOptions co;
+  co.keep = 0;
+  Checkpointer ckpt(dir.path(), co);
+  ::setenv("MEGATRAIN_TEST_DELAY_AT", "write:tensor:2000", 1);  // each save outlasts a step
+  for (int s = 0; s < 3; ++s) {
+    r.step(data[s]);
+    ckpt.save(r.trainer, r.store);  // waits for the previous save, keeps its result
+    CHECK(ckpt.in_flight());
+  }
+  const auto polled = ckpt.poll();  // at most the saves already finished, and never the one in flight
+  const auto rest = ckpt.wait();
+  ::unsetenv("MEGATRAIN_TEST_DELAY_AT");
+  std::vector<std::int64_t> steps;
+  for (const auto* list : {&polled, &rest})
+    for (const SaveResult& x : *list) {
+      CHECK_MESSAGE(x.ok, x.error);
+      steps.push_back(x.step);
+    }
+  CHECK_MESSAGE((steps == std::vector<std::int64_t>{1, 2, 3}), fmt::format("{}", fmt::join(steps, ",")));
+  CHECK(ckpt.wait().empty());
+  CHECK(ckpt.poll().empty());
+  CHECK(io::CheckpointFolder(dir.path()).list().size() == 3);
 }

@@ -12,11 +12,12 @@
 // A run's checkpoints live in one folder (io::CheckpointFolder: step-00000120/ ..., `latest`);
 // each save is complete and in place before `latest` names it and before older ones beyond
 // `keep` are removed. A save that fails (a full disk) leaves the previous checkpoint and the
-// state in memory as they were; its error comes back from wait() and training may go on.
+// state in memory as they were; its error comes back from poll() or wait(), and training may go on.
 #pragma once
 
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -146,23 +147,24 @@ class Checkpointer {
       : folder_(std::move(folder)), options_(std::move(options)) {
     folder_.prepare();
   }
-  ~Checkpointer() { (void)wait(); }
+  ~Checkpointer() { join(); }
   Checkpointer(const Checkpointer&) = delete;
   Checkpointer& operator=(const Checkpointer&) = delete;
 
   const io::CheckpointFolder& folder() const { return folder_; }
   const CheckpointerOptions& options() const { return options_; }
 
-  /// Saves the state after the trainer's last step: waits for a save still in flight, then
-  /// writes (see the top of this file). `data`: where the data order stands for the next step;
-  /// `user`: the caller's own fields for train_state.json. Call between steps, from the thread
-  /// that calls trainer.step(). Errors of the write itself come back from wait(); errors in the
-  /// arguments throw here, before anything is written.
+  /// Saves the state after the trainer's last step: waits for a save still in flight (its
+  /// result is kept for the next poll() or wait()), then writes (see the top of this file).
+  /// `data`: where the data order stands for the next step; `user`: the caller's own fields for
+  /// train_state.json. Call between steps, from the thread that calls trainer.step(). Errors of
+  /// the write itself come back from poll() or wait(); errors in the arguments throw here,
+  /// before anything is written.
   template <class T>
   void save(T& trainer, const HostParamStore<float>& store, std::optional<DataPosition> data = std::nullopt,
             nlohmann::json user = nlohmann::json::object()) {
     MT_NVTX_RANGE("Checkpointer::save");
-    (void)wait();
+    join();
     TrainState st;
     st.step = trainer.steps_done();
     st.last_grad_norm = trainer.last_grad_norm();
@@ -192,39 +194,54 @@ class Checkpointer {
         for (const auto& f : io::write_train_checkpoint(result->dir, store, w)) result->bytes += f.bytes;
         folder_.commit(step, options_.keep);
         result->ok = true;
+      } catch (const Error& e) {
+        result->error = e.reason();  // (what went wrong, in the user's terms)
       } catch (const std::exception& e) {
         result->error = e.what();
       }
       gate->release_all();  // (a write that failed early announced nothing)
       result->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      gate->finished = true;
     });
     result_ = std::move(result);
     gate_ = std::move(gate);
-    if (!options_.overlap) pending_ = wait();
+    if (!options_.overlap) join();
   }
 
-  /// Waits for the save in flight and returns what it did; nullopt when there was none since the
-  /// last call.
-  std::optional<SaveResult> wait() {
-    if (writer_.joinable()) {
-      writer_.join();
-      if (uninstall_) uninstall_();
-      uninstall_ = nullptr;
-      pending_ = *result_;
-      {
-        std::lock_guard lock(gate_->m);
-        pending_->stall_seconds = gate_->stalled;
-      }
-      result_.reset();
-      gate_.reset();
-    }
-    return std::exchange(pending_, std::nullopt);
+  /// Waits for the save in flight; returns what every save since the last poll() or wait() did,
+  /// oldest first (none: empty).
+  std::vector<SaveResult> wait() {
+    join();
+    return std::exchange(finished_, {});
   }
 
   /// Whether a save is still being written.
-  bool in_flight() const { return writer_.joinable(); }
+  bool in_flight() const { return writer_.joinable() && !gate_->finished; }
+
+  /// Without waiting: what the saves that have finished since the last poll() or wait() did,
+  /// oldest first (a save still being written is reported by a later call).
+  std::vector<SaveResult> poll() {
+    if (!in_flight()) join();
+    return std::exchange(finished_, {});
+  }
 
  private:
+  // Joins the writer thread, if any, and keeps its result in finished_.
+  void join() {
+    if (!writer_.joinable()) return;
+    writer_.join();
+    if (uninstall_) uninstall_();
+    uninstall_ = nullptr;
+    SaveResult r = *result_;
+    {
+      std::lock_guard lock(gate_->m);
+      r.stall_seconds = gate_->stalled;
+    }
+    finished_.push_back(std::move(r));
+    result_.reset();
+    gate_.reset();
+  }
+
   // Units the writer has read: the optimizer waits here before changing a unit.
   struct Gate {
     explicit Gate(std::size_t units) : done(units, 0) {}
@@ -253,6 +270,7 @@ class Checkpointer {
     std::condition_variable cv;
     std::vector<char> done;
     double stalled = 0;  // seconds the optimizer waited (guarded by m)
+    std::atomic<bool> finished{false};  // the writer thread is done
   };
 
   io::CheckpointFolder folder_;
@@ -260,7 +278,7 @@ class Checkpointer {
   std::thread writer_;
   std::shared_ptr<SaveResult> result_;
   std::shared_ptr<Gate> gate_;
-  std::optional<SaveResult> pending_;
+  std::vector<SaveResult> finished_;  // results not yet returned by poll() or wait()
   std::function<void()> uninstall_;
 };
 
@@ -270,19 +288,26 @@ class Checkpointer {
 /// count and last norm. Throws megatrain::Error before changing anything when a check fails.
 /// Returns the state, whose `data` says where the data order continues.
 template <class T>
-TrainState load_train_state(const std::filesystem::path& dir, T& trainer, HostParamStore<float>& store) {
+TrainState load_train_state(const io::TrainCheckpoint& ckpt, T& trainer, HostParamStore<float>& store) {
   MT_NVTX_RANGE("load_train_state");
-  const io::TrainCheckpoint ckpt = io::TrainCheckpoint::open(dir);
-  TrainState st = train_state_from_json(ckpt.state(), (dir / io::kTrainStateFile).string());
+  const std::string dir = ckpt.dir().string();
+  TrainState st = train_state_from_json(ckpt.state(), (ckpt.dir() / io::kTrainStateFile).string());
   const auto model_diff = model_differences(st.model, trainer.model().config().to_json());
-  MT_CHECK(model_diff.empty(), "checkpoint '{}' was saved from another model (checkpoint vs this one: {})", dir.string(),
+  MT_CHECK(model_diff.empty(), "checkpoint '{}' was saved from another model (checkpoint vs this one: {})", dir,
            fmt::join(model_diff, "; "));
-  const auto diff = update_differences(st.options, trainer.options());
+  std::vector<std::string> diff;
+  for (const auto& d : update_differences(st.options, trainer.options())) diff.push_back(d.str());
   MT_CHECK(diff.empty(), "checkpoint '{}' was trained with other options (checkpoint vs this trainer: {}); resuming would "
-           "change the update", dir.string(), fmt::join(diff, "; "));
+           "change the update", dir, fmt::join(diff, "; "));
   ckpt.load_into(store);
   trainer.restore(st.step, st.last_grad_norm);
   return st;
+}
+
+/// The same, opening (and checking) the checkpoint folder `dir` first.
+template <class T>
+TrainState load_train_state(const std::filesystem::path& dir, T& trainer, HostParamStore<float>& store) {
+  return load_train_state(io::TrainCheckpoint::open(dir), trainer, store);
 }
 
 }  // namespace megatrain

@@ -125,24 +125,38 @@ inline TrainerOptions trainer_options_from_json(const nlohmann::json& j, std::st
   return o;
 }
 
-/// The fields that define the update (see the top of this file) where `a` and `b` differ, each
-/// as "field: a vs b". Empty: a run with `b` continues a run with `a` exactly.
-inline std::vector<std::string> update_differences(const TrainerOptions& a, const TrainerOptions& b) {
-  std::vector<std::string> out;
-  const nlohmann::json ja = to_json(a), jb = to_json(b);
+/// One field that defines the update and differs between two option sets.
+struct OptionDifference {
+  std::string field;   ///< "batch_rows", "adamw.beta2", "schedule.warmup_steps", ...
+  std::string before;  ///< its value in the first set (JSON)
+  std::string after;   ///< in the second
+  std::string str() const { return fmt::format("{}: {} vs {}", field, before, after); }
+};
+
+/// The fields that define the update (see the top of this file) where `a` and `b` differ. Empty:
+/// a run with `b` continues a run with `a` exactly. (A constant schedule's warm-up, length and
+/// floor do not matter, nor the clipping mode without clipping.)
+inline std::vector<OptionDifference> update_differences(const TrainerOptions& a, const TrainerOptions& b) {
+  std::vector<OptionDifference> out;
+  nlohmann::json ja = to_json(a), jb = to_json(b);
+  for (auto* j : {&ja, &jb}) {
+    if ((*j)["schedule"]["kind"] == "constant")
+      for (const char* k : {"warmup_steps", "total_steps", "min_lr"}) (*j)["schedule"].erase(k);
+    if ((*j)["clip_norm"] == 0.0) j->erase("clip_mode");
+  }
   for (const char* key : {"batch_rows", "seq_len", "adamw", "schedule", "clip_norm", "clip_mode"}) {
-    if (ja[key] == jb[key]) continue;
-    if (ja[key].is_object()) {
-      for (const auto& [k, v] : ja[key].items())
-        if (v != jb[key][k]) out.push_back(fmt::format("{}.{}: {} vs {}", key, k, v.dump(), jb[key][k].dump()));
+    const nlohmann::json none;
+    const auto& va = ja.contains(key) ? ja[key] : none;
+    const auto& vb = jb.contains(key) ? jb[key] : none;
+    if (va == vb) continue;
+    if (va.is_object() && vb.is_object()) {
+      for (const auto& [k, v] : va.items())
+        if (!vb.contains(k) || v != vb[k])
+          out.push_back({fmt::format("{}.{}", key, k), v.dump(), vb.contains(k) ? vb[k].dump() : "none"});
     } else {
-      out.push_back(fmt::format("{}: {} vs {}", key, ja[key].dump(), jb[key].dump()));
+      out.push_back({key, va.is_null() ? "none" : va.dump(), vb.is_null() ? "none" : vb.dump()});
     }
   }
-  // Without clipping the mode does not matter.
-  if (a.clip_norm == 0 && b.clip_norm == 0)
-    out.erase(std::remove_if(out.begin(), out.end(), [](const std::string& s) { return s.starts_with("clip_mode:"); }),
-              out.end());
   return out;
 }
 

@@ -39,8 +39,9 @@ void fsync_directory(const std::filesystem::path& dir);
 /// "point:N", the N-th time it is reached, counting from 1), the process kills itself with
 /// SIGKILL there, as a power cut or an OOM kill would. Costs one string compare otherwise.
 void crash_point(std::string_view point);
-/// Test hook: when MEGATRAIN_TEST_DELAY_AT is "point:microseconds", sleeps that long at `point`
-/// (a slow disk, to exercise what waits for a writer).
+/// Test hook: when MEGATRAIN_TEST_DELAY_AT holds "point:microseconds" (several such items may be
+/// separated by commas), sleeps that long at `point` (a slow disk, a slow step: to exercise what
+/// waits for a writer, and to give a test's signal a moment to land in).
 void delay_point(std::string_view point);
 
 /// A file being written: created exclusively, buffered and checked writes, optionally hashed.

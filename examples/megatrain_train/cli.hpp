@@ -1,0 +1,295 @@
+// megatrain-train's command line: the options, the --config file, and the options a resumed run
+// takes over from its checkpoint.
+//
+// Every option can come from three places, later ones winning: the checkpoint being resumed
+// (the options its run was given), the --config file, the command line. Origins records which
+// options came from the command line and which from elsewhere, so that contradictions between
+// options are judged as the user sees them (an option on the command line overrides one from a
+// file, it does not contradict it).
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "megatrain/core/error.hpp"
+#include "megatrain/model/config.hpp"
+
+namespace megatrain_train {
+
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+// Where each option was given: on the command line or elsewhere (the --config file, or the
+// checkpoint of a resumed run). Long names, "--x".
+struct Origins {
+  std::set<std::string> cli, file;  // file: the --config file's and the checkpoint's
+  std::set<std::string> config;     // the --config file's
+  /// Given by the user in this invocation (command line or --config file), not taken over.
+  bool given_now(const std::string& x) const { return cli.count(x) > 0 || config.count(x) > 0; }
+  /// Whether option x, beside option y (which makes x irrelevant or contradicts it), is an
+  /// error: unless x comes only from a file and y from the command line — there the command line
+  /// overrides the file, as a value on the command line does.
+  bool conflicts(const std::string& x, const std::string& y) const {
+    return cli.count(x) > 0 || (file.count(x) > 0 && cli.count(y) == 0);
+  }
+  bool given(const std::string& x) const { return cli.count(x) > 0 || file.count(x) > 0; }
+};
+
+struct Settings {
+  Origins origins;
+  // model
+  std::string model_dir, model_config, preset;
+  bool allow_dtype_mismatch = false;
+  std::int64_t hidden = 128, layers = 4, heads = 4, kv_heads = 2, intermediate = 352, vocab = 0, head_dim = 0;
+  double rope_theta = 10000.0, norm_eps = 1e-5;
+  bool tie_embeddings = true;
+  // data
+  std::string data, val_data, data_format = "u16";
+  double val_fraction = 0.05;
+  // schedule and optimizer
+  std::int64_t batch = 8, seq = 128, micro_batches = 1, max_micro_batch = 0, chunk = 0, steps = 60;
+  double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, clip = 1.0;
+  std::int64_t warmup = -1;  // default: min(10, steps / 5)
+  // Stale clipping by default: each unit's optimizer step starts the moment its gradient lands
+  // (exact clipping must wait for the whole backward; see docs/training.md).
+  std::string schedule = "cosine", clip_mode = "stale";
+  // run
+  std::uint64_t seed = 1;
+  std::string out, backend = "auto", host_memory, gpu_memory;
+  std::int64_t eval_every = 20, eval_batches = 4, log_every = 1;
+  bool overwrite = false;
+  // checkpoints
+  std::int64_t save_every = 0, keep = 2;
+  std::string resume;  // "latest" (or empty) or a folder; see resume_given
+  bool resume_given = false;
+  // Hugging Face export
+  std::string export_dir, export_dtype = "bf16", shard_size = "5GB";
+  std::int64_t export_every = 0;
+};
+
+/// Options that name where the model comes from (a resumed run takes its model from the
+/// checkpoint: these are not taken over, and when given again the model they describe must be the
+/// checkpoint's), and the shape flags of a model given on the command line (taken over, so that
+/// one given again is compared with the rest of the shape as it was).
+inline const std::vector<std::string>& model_source_options() {
+  static const std::vector<std::string> v{"--model", "--allow-dtype-mismatch", "--model-config", "--preset"};
+  return v;
+}
+inline const std::vector<std::string>& model_shape_options() {
+  static const std::vector<std::string> v{"--hidden", "--layers", "--heads", "--kv-heads", "--intermediate", "--head-dim",
+                                          "--vocab", "--rope-theta", "--norm-eps", "--tie-embeddings"};
+  return v;
+}
+/// Options whose values are paths (recorded as absolute paths, for a resume from elsewhere).
+inline bool path_option(const std::string& name) {
+  return name == "--data" || name == "--val-data" || name == "--export" || name == "--model" || name == "--model-config";
+}
+/// Options a resumed run takes over from its checkpoint (when not given again): all but these.
+inline bool replayed_option(const std::string& name) {
+  static const std::set<std::string> never{"--config", "--out", "--resume", "--overwrite", "--help"};
+  return !never.contains(name) &&
+         std::find(model_source_options().begin(), model_source_options().end(), name) == model_source_options().end();
+}
+
+inline std::string default_out_dir() {
+  char buf[64];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(buf, sizeof buf, "runs/%Y%m%d-%H%M%S", std::localtime(&now));
+  return buf;
+}
+
+/// The program's options, bound to `s`.
+inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file) {
+  using megatrain::ModelConfig;
+  auto app = std::make_unique<CLI::App>("megatrain-train: train a decoder-only language model (Llama / Mistral / Qwen2 family)");
+  app->set_help_flag("-h,--help", "Print this help and exit");
+  // An option may come from the checkpoint, the config file and the command line: the last wins.
+  app->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app->add_option("--config", config_file, "JSON file of options (keys: long option names); the command line wins");
+
+  auto* model = app->add_option_group("model", "Model shape (default: a small Llama)");
+  model->add_option("--model", s.model_dir,
+                    "Hugging Face model directory (config.json + safetensors) to fine-tune: shape and weights from there");
+  model->add_option("--allow-dtype-mismatch", s.allow_dtype_mismatch,
+                    "--model: load tensors stored in another float dtype than config.json declares (true/false)")
+      ->capture_default_str();
+  model->add_option("--model-config", s.model_config, "Hugging Face config.json giving the model shape");
+  model->add_option("--preset", s.preset, "Built-in shape: " + fmt::format("{}", fmt::join(ModelConfig::preset_names(), ", ")));
+  model->add_option("--hidden", s.hidden, "Hidden size")->capture_default_str();
+  model->add_option("--layers", s.layers, "Decoder layers")->capture_default_str();
+  model->add_option("--heads", s.heads, "Attention heads")->capture_default_str();
+  model->add_option("--kv-heads", s.kv_heads, "Key/value heads (grouped-query attention)")->capture_default_str();
+  model->add_option("--intermediate", s.intermediate, "MLP intermediate size")->capture_default_str();
+  model->add_option("--head-dim", s.head_dim, "Head dimension (default hidden / heads)");
+  model->add_option("--vocab", s.vocab, "Vocabulary size (default: 256 for text data)");
+  model->add_option("--rope-theta", s.rope_theta, "Rotary base")->capture_default_str();
+  model->add_option("--norm-eps", s.norm_eps, "RMSNorm epsilon")->capture_default_str();
+  model->add_option("--tie-embeddings", s.tie_embeddings, "Share the embedding and LM head (true/false)")->capture_default_str();
+
+  auto* data = app->add_option_group("data", "Data (default: the built-in text)");
+  data->add_option("--data", s.data, "Token file (.bin: uint16/uint32 ids or llm.c format) or a text file (byte tokens)");
+  data->add_option("--data-format", s.data_format, "Token width of .bin files: u16 or u32")->capture_default_str();
+  data->add_option("--val-data", s.val_data, "Separate validation token file (default: hold out the tail of --data)");
+  data->add_option("--val-fraction", s.val_fraction, "Fraction of the data held out for validation")->capture_default_str();
+
+  auto* train = app->add_option_group("training", "Batch, schedule and optimizer");
+  train->add_option("--batch", s.batch, "Sequences per optimizer step")->capture_default_str();
+  train->add_option("--seq", s.seq, "Tokens per sequence")->capture_default_str();
+  train->add_option("--steps", s.steps, "Optimizer steps (0: evaluate only: print the validation loss as JSON)")->capture_default_str();
+  train->add_option("--micro-batches", s.micro_batches, "Gradient accumulation: split each batch into this many parts")->capture_default_str();
+  train->add_option("--max-micro-batch", s.max_micro_batch,
+                    "Most sequences on the device at once; a larger --batch runs as gradient accumulation over "
+                    "micro-batches (0: no limit)")
+      ->capture_default_str();
+  train->add_option("--chunk", s.chunk, "Sequences per compute chunk (0: a whole micro-batch)")->capture_default_str();
+  train->add_option("--lr", s.lr, "Peak learning rate")->capture_default_str();
+  train->add_option("--min-lr", s.min_lr, "Floor of the cosine schedule")->capture_default_str();
+  train->add_option("--warmup", s.warmup, "Linear warm-up steps (cosine schedule; default min(10, steps / 5))");
+  train->add_option("--schedule", s.schedule, "constant, or cosine (warm-up then cosine decay to --min-lr)")->capture_default_str();
+  train->add_option("--weight-decay", s.weight_decay, "AdamW decoupled weight decay (matrices only)")->capture_default_str();
+  train->add_option("--beta1", s.beta1, "AdamW beta1")->capture_default_str();
+  train->add_option("--beta2", s.beta2, "AdamW beta2")->capture_default_str();
+  train->add_option("--eps", s.eps, "AdamW epsilon")->capture_default_str();
+  train->add_option("--clip", s.clip, "Max global gradient norm (0: no clipping)")->capture_default_str();
+  train->add_option("--clip-mode", s.clip_mode, "stale (clip with the previous step's global norm; the optimizer overlaps the backward) or exact "
+                    "(PyTorch's clip_grad_norm_ over this step's gradients; the optimizer waits for the backward)")->capture_default_str();
+
+  auto* runo = app->add_option_group("run", "Run");
+  runo->add_option("--seed", s.seed, "Seed for initialisation and data order")->check(CLI::NonNegativeNumber)->capture_default_str();
+  runo->add_option("--out", s.out, "Output directory (default: runs/<date-time>)");
+  runo->add_option("--overwrite", s.overwrite, "Replace a previous run in --out (true/false)")->capture_default_str();
+  runo->add_option("--backend", s.backend, "auto, cpu or cuda")->capture_default_str();
+  runo->add_option("--eval-every", s.eval_every, "Validation loss every N steps (0: only at the end)")->capture_default_str();
+  runo->add_option("--eval-batches", s.eval_batches, "Batches per validation (with --steps 0: 0 skips the evaluation)")->capture_default_str();
+  runo->add_option("--log-every", s.log_every, "Print every N steps when not on a terminal")->capture_default_str();
+  runo->add_option("--host-memory", s.host_memory, "Host memory megatrain may use, e.g. 120G (default: what is free)");
+  runo->add_option("--gpu-memory", s.gpu_memory, "GPU memory megatrain may use, e.g. 20G (default: what is free less 1 GiB)");
+
+  auto* ck = app->add_option_group("checkpoints", "Train-state checkpoints (docs/checkpointing.md)");
+  ck->add_option("--save-every", s.save_every,
+                 "Save the whole train state to <out>/checkpoints every N steps and at the end (0: only when "
+                 "interrupted by SIGINT or SIGTERM)")
+      ->capture_default_str();
+  ck->add_option("--keep", s.keep, "Checkpoints kept, newest first (0: all)")->capture_default_str();
+  ck->add_option("--resume", s.resume,
+                 "Continue a run: 'latest' (the default: the newest checkpoint in --out), a checkpoint folder, or a run "
+                 "folder. Options not given again are the checkpoint's")
+      ->expected(0, 1);
+
+  auto* exp = app->add_option_group("export", "Hugging Face export (default: none)");
+  exp->add_option("--export", s.export_dir, "Write the trained model as a Hugging Face directory here at the end (atomically)");
+  exp->add_option("--export-every", s.export_every, "Also export every N steps (0: only at the end)")->capture_default_str();
+  exp->add_option("--export-dtype", s.export_dtype, "Exported weights: bf16, f16 or f32")->capture_default_str();
+  exp->add_option("--shard-size", s.shard_size, "Largest safetensors shard, e.g. 5GB (decimal), 2GiB")->capture_default_str();
+  return app;
+}
+
+// Turns the JSON config into "--key value" arguments placed before the command line, so the
+// command line (parsed later, last value wins) overrides the file.
+inline std::vector<std::string> config_args(const std::string& path, const CLI::App& app) {
+  std::ifstream f(path);
+  MT_CHECK(f.good(), "cannot open config file '{}'", path);
+  json j;
+  try {
+    j = json::parse(f);
+  } catch (const json::parse_error& e) {
+    MT_FAIL("config file '{}': malformed JSON: {}", path, e.what());
+  }
+  MT_CHECK(j.is_object(), "config file '{}' must hold a JSON object of option names and values", path);
+  std::vector<std::string> args;
+  for (const auto& [key, value] : j.items()) {
+    MT_CHECK(key != "config", "config file '{}' cannot name another config file", path);
+    try {
+      (void)app.get_option("--" + key);
+    } catch (const CLI::OptionNotFound&) {
+      MT_FAIL("config file '{}': unknown option '{}' (see megatrain-train --help)", path, key);
+    }
+    args.push_back("--" + key);
+    if (value.is_string()) args.push_back(value.get<std::string>());
+    else if (value.is_boolean()) args.push_back(value.get<bool>() ? "true" : "false");
+    else if (value.is_number()) args.push_back(value.dump());
+    else MT_FAIL("config file '{}': option '{}' must be a string, number or boolean, not {}", path, key, value.dump());
+  }
+  return args;
+}
+
+/// What was parsed: the settings and the parser that holds their option records.
+struct Parsed {
+  std::unique_ptr<Settings> settings = std::make_unique<Settings>();
+  std::string config_file;
+  std::unique_ptr<CLI::App> app;
+};
+
+/// Parses into `p` (fresh): `before` (options taken over from a checkpoint: "--key value" pairs),
+/// then the --config file named in `args`, then `args` (the command line), later ones winning.
+/// Throws CLI::ParseError (p.app can report it) or megatrain::Error.
+inline void parse(Parsed& p, const std::vector<std::string>& args, const std::vector<std::string>& before = {}) {
+  Settings& s = *p.settings;
+  p.app = make_app(s, p.config_file);
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--config" && i + 1 < args.size()) p.config_file = args[i + 1];
+    else if (args[i].rfind("--config=", 0) == 0) p.config_file = args[i].substr(9);
+  }
+  // An option may appear once on the command line (a value there overrides the file's).
+  for (const auto& a : args) {
+    if (a.rfind("--", 0) != 0 || a.size() == 2) continue;
+    const std::string name = a.substr(0, a.find('='));
+    MT_CHECK(s.origins.cli.insert(name).second, "{} is given more than once; pass it once", name);
+  }
+  std::vector<std::string> all = before;
+  if (!p.config_file.empty()) {
+    const auto file = config_args(p.config_file, *p.app);
+    for (const auto& a : file)
+      if (a.rfind("--", 0) == 0) s.origins.config.insert(a);
+    all.insert(all.end(), file.begin(), file.end());
+  }
+  for (const auto& a : all)
+    if (a.rfind("--", 0) == 0) s.origins.file.insert(a);
+  all.insert(all.end(), args.begin(), args.end());
+  std::reverse(all.begin(), all.end());  // CLI11 parses a vector given in reverse order
+  p.app->parse(all);
+  s.resume_given = p.app->get_option("--resume")->count() > 0;
+  if (s.resume_given && s.resume.empty()) s.resume = "latest";
+}
+
+/// The options this run was given (command line, config file, or taken over from a checkpoint)
+/// that a resumed run takes over: name -> value as the parser holds it (paths made absolute).
+inline json given_options(const Parsed& p) {
+  json j = json::object();
+  const CLI::App& app = *p.app;
+  std::vector<const CLI::Option*> opts = app.get_options();
+  for (const CLI::App* group : app.get_subcommands([](const CLI::App*) { return true; }))
+    for (const CLI::Option* opt : group->get_options()) opts.push_back(opt);
+  for (const CLI::Option* opt : opts) {
+    if (opt->get_lnames().empty() || opt->count() == 0) continue;
+    const std::string name = "--" + opt->get_lnames().front();
+    if (!replayed_option(name)) continue;
+    std::string value = opt->as<std::string>();
+    if (path_option(name) && !value.empty()) value = fs::absolute(value).lexically_normal().string();
+    j[name] = value;
+  }
+  return j;
+}
+
+/// "--key value" arguments of `given` (from a checkpoint) for parse(); `only` (if not empty)
+/// restricts them to those names.
+inline std::vector<std::string> replay_args(const json& given, const std::set<std::string>& only = {}) {
+  std::vector<std::string> args;
+  for (const auto& [name, value] : given.items()) {
+    if (!replayed_option(name) || (!only.empty() && !only.contains(name))) continue;
+    args.push_back(name);
+    args.push_back(value.get<std::string>());
+  }
+  return args;
+}
+
+}  // namespace megatrain_train

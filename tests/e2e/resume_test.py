@@ -1,0 +1,349 @@
+#!/usr/bin/env python3
+"""megatrain-train's train-state checkpoints, end to end (docs/checkpointing.md).
+
+    resume_test.py TRAIN_BINARY WORK_DIR SCENARIO
+
+Scenarios (each a CTest test):
+  signals        SIGINT, then SIGTERM, stop a run mid-way: each finishes its step, saves, exits
+                 130 / 143 with a resume line; two resumes finish the run with the metrics (every
+                 loss and gradient norm, bit for bit) and final train state of an uninterrupted run.
+  second_signal  a second SIGINT during a save stops at once; the previous checkpoint still loads
+                 and the next run removes the abandoned save's folder.
+  kill9          SIGKILL at 20 random moments of a run that saves every step (slowed so that the
+                 kills land in steps, saves, renames and clean-ups alike); resumed after each,
+                 the run ends equal to an uninterrupted one, with no debris left.
+  crash_points   SIGKILL at each named point of the save (tensors, manifest, renames, `latest`,
+                 clean-up of old checkpoints), then resume: equal to an uninterrupted run.
+  refusals       what --resume refuses (other options, data or model; no checkpoint; a damaged
+                 file), each before anything changes; what it lets change; --keep; and the
+                 export of a checkpoint without training.
+  full_disk      a file-size limit makes saves fail: a warning, training goes on exactly as
+                 without the limit, the previous checkpoint stays complete, exit status 1.
+"""
+import json
+import os
+import random
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+TRAIN, WORK, SCENARIO = sys.argv[1], sys.argv[2], sys.argv[3]
+SHAPE = ["--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "64",
+         "--batch", "4", "--seq", "16", "--backend", "cpu"]
+# Fields of metrics.jsonl that depend on the computation only (not on the clock).
+EXACT_FIELDS = ("step", "loss", "lr", "grad_norm", "clip_coef", "tokens", "val_loss")
+
+
+def fail(msg):
+    print("FAIL: " + msg, file=sys.stderr)
+    sys.exit(1)
+
+
+def check(cond, msg):
+    if not cond:
+        fail(msg)
+
+
+def path(*parts):
+    return os.path.join(WORK, *parts)
+
+
+def env_with(**extra):
+    env = dict(os.environ)
+    for k in ("MEGATRAIN_TEST_CRASH_AT", "MEGATRAIN_TEST_DELAY_AT"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+def run(args, env=None, fsize=None, expect_rc=0, what=""):
+    """Runs megatrain-train to its end; returns (rc, stdout, stderr)."""
+    def limit():
+        if fsize is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    p = subprocess.run([TRAIN] + args, cwd=WORK, env=env or env_with(), capture_output=True, text=True,
+                       preexec_fn=limit, timeout=600)
+    if expect_rc is not None and p.returncode != expect_rc:
+        fail(f"{what or ' '.join(args)}: exit status {p.returncode}, expected {expect_rc}\n"
+             f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}")
+    return p.returncode, p.stdout, p.stderr
+
+
+def start(args, env):
+    return subprocess.Popen([TRAIN] + args, cwd=WORK, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def metrics(run_dir):
+    rows = []
+    with open(path(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            m = json.loads(line)
+            rows.append({k: m[k] for k in EXACT_FIELDS if k in m})
+    return rows
+
+
+def same_metrics(a, b, what):
+    ma, mb = metrics(a), metrics(b)
+    check([m["step"] for m in mb] == list(range(1, len(mb) + 1)),
+          f"{what}: {b}/metrics.jsonl steps are not 1..{len(mb)} once each: {[m['step'] for m in mb]}")
+    for x, y in zip(ma, mb):
+        check(x == y, f"{what}: step {x['step']} differs:\n  {a}: {x}\n  {b}: {y}")
+    check(len(ma) == len(mb), f"{what}: {a} has {len(ma)} steps, {b} has {len(mb)}")
+
+
+def checkpoints(run_dir):
+    d = path(run_dir, "checkpoints")
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+def tensor_digests(ckpt_dir):
+    """The XXH3-128 digests of a checkpoint's safetensors shards (masters and both moments)."""
+    out = {}
+    with open(os.path.join(ckpt_dir, "checksums.xxh128")) as f:
+        for line in f:
+            digest, name = line.split(None, 1)
+            name = name.strip()
+            if name.endswith(".safetensors"):
+                out[name] = digest
+    check(out, f"{ckpt_dir}/checksums.xxh128 lists no safetensors file")
+    return out
+
+
+def same_state(a, b, step, what):
+    da, db = (tensor_digests(path(r, "checkpoints", f"step-{step:08d}")) for r in (a, b))
+    check(da == db, f"{what}: the train states of step {step} differ:\n  {a}: {da}\n  {b}: {db}")
+    sa, sb = (json.load(open(path(r, "checkpoints", f"step-{step:08d}", "train_state.json"))) for r in (a, b))
+    for k in ("step", "last_grad_norm", "data", "options"):
+        check(sa.get(k) == sb.get(k), f"{what}: train_state.json '{k}' differs: {sa.get(k)} vs {sb.get(k)}")
+
+
+def no_debris(run_dir):
+    names = checkpoints(run_dir)
+    bad = [n for n in names if re.search(r"\.(partial|old|trash)-[0-9a-f]{8}$", n) or ".partial-" in n]
+    check(not bad, f"{run_dir}/checkpoints holds debris: {bad}")
+    return names
+
+
+def wait_for_lines(p, run_dir, n, what):
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            with open(path(run_dir, "metrics.jsonl")) as f:
+                if sum(1 for _ in f) >= n:
+                    return
+        except FileNotFoundError:
+            pass
+        if p.poll() is not None:
+            fail(f"{what}: the run ended (status {p.returncode}) before step {n}:\n{p.stderr.read()[-3000:]}")
+        time.sleep(0.01)
+    fail(f"{what}: no step {n} within 120 s")
+
+
+def fresh():
+    shutil.rmtree(WORK, ignore_errors=True)
+    os.makedirs(WORK)
+
+
+# ---- scenarios --------------------------------------------------------------------------------------
+
+
+def signals():
+    base = SHAPE + ["--steps", "12", "--eval-every", "4", "--clip-mode", "exact", "--micro-batches", "2"]
+    run(base + ["--out", "straight", "--save-every", "100"], what="the uninterrupted run")
+    slow = env_with(MEGATRAIN_TEST_DELAY_AT="train:step:150000")
+    for sig, rc, name, lines in ((signal.SIGINT, 130, "SIGINT", 3), (signal.SIGTERM, 143, "SIGTERM", 7)):
+        args = (base + ["--out", "run"]) if sig == signal.SIGINT else ["--resume", "--out", "run"]
+        p = start(args, slow)
+        wait_for_lines(p, "run", lines, name)
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=120)
+        check(p.returncode == rc, f"{name}: exit status {p.returncode}, expected {rc}\n{err}")
+        m = re.search(r"stopped by " + name + r" after step (\d+) of 12; checkpoint (\S+)\. "
+                      r"Resume with: megatrain-train --resume --out run", err)
+        check(m, f"{name}: no stop line with a checkpoint and how to resume in:\n{err}")
+        step = int(m.group(1))
+        check(step >= lines and os.path.isdir(path(m.group(2))), f"{name}: stopped after step {step}, checkpoint {m.group(2)}")
+        check(len(metrics("run")) == step, f"{name}: metrics.jsonl has {len(metrics('run'))} lines after step {step}")
+        check(open(path("run", "checkpoints", "latest")).read().strip() == f"step-{step:08d}",
+              f"{name}: 'latest' does not name step {step}")
+    # The first run gave no --save-every; the last leg adds one, so that its end is saved too.
+    _, out, _ = run(["--resume", "--out", "run", "--save-every", "100"], what="the last resume")
+    check("resumed from" in out, f"the last resume did not say where it resumed from:\n{out}")
+    same_metrics("straight", "run", "SIGINT + SIGTERM + 2 resumes vs uninterrupted")
+    same_state("straight", "run", 12, "SIGINT + SIGTERM + 2 resumes vs uninterrupted")
+
+
+def second_signal():
+    base = SHAPE + ["--steps", "40", "--save-every", "1", "--keep", "2", "--out", "run"]
+    # Steps of 50 ms, saves of >= 0.5 s (a slow disk): the second SIGINT lands during a save.
+    p = start(base, env_with(MEGATRAIN_TEST_DELAY_AT="train:step:50000,write:tensor:100000"))
+    wait_for_lines(p, "run", 3, "second SIGINT")
+    deadline = time.time() + 60
+    while not os.path.exists(path("run", "checkpoints", "latest")) and time.time() < deadline:
+        time.sleep(0.01)
+    check(os.path.exists(path("run", "checkpoints", "latest")), "no checkpoint was completed within 60 s")
+    before = open(path("run", "checkpoints", "latest")).read().strip()
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    t0 = time.time()
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    check(p.returncode == 130, f"second SIGINT: exit status {p.returncode}, expected 130\n{err}")
+    check(time.time() - t0 < 0.4, f"second SIGINT: the process took {time.time() - t0:.2f} s to stop")
+    latest = open(path("run", "checkpoints", "latest")).read().strip()
+    check(latest >= before, f"'latest' went back from {before} to {latest}")
+    # The newest complete checkpoint loads (evaluated without training) ...
+    _, out, err = run(["--resume", "--out", "run", "--steps", "0", "--eval-batches", "1"], what="evaluating the checkpoint")
+    check('"val_loss"' in out and f"resumed from run/checkpoints/{latest}" in err,
+          f"evaluating {latest}: unexpected output\n{out}\n{err}")
+    # ... and the run goes on from it, removing what the stopped save left.
+    run(["--resume", "--out", "run", "--steps", str(int(latest[5:]) + 2)], what="resuming after the second SIGINT")
+    names = no_debris("run")
+    check(names == sorted([f"step-{int(latest[5:]) + 1:08d}", f"step-{int(latest[5:]) + 2:08d}", "latest"]),
+          f"checkpoints after the resume: {names}")
+
+
+def kill9():
+    steps = 400
+    base = SHAPE + ["--steps", str(steps), "--save-every", "1", "--keep", "2", "--eval-every", "50"]
+    run(base + ["--out", "straight"], what="the uninterrupted run")
+    rnd = random.Random(int(os.environ.get("MEGATRAIN_KILL_SEED", str(time.time_ns()))))
+    slow = env_with(MEGATRAIN_TEST_DELAY_AT="train:step:20000,write:tensor:2000")
+    kills = fresh_starts = 0
+    while kills < 20:
+        have = os.path.exists(path("run", "checkpoints")) and any(n.startswith("step-") for n in checkpoints("run"))
+        args = ["--resume", "--out", "run"] if have else base + ["--out", "run", "--overwrite", "true"]
+        fresh_starts += 0 if have else 1
+        p = start(args, slow)
+        time.sleep(rnd.uniform(0.02, 0.7))
+        if p.poll() is not None:
+            out, err = p.communicate()
+            fail(f"the run ended by itself (status {p.returncode}) before the 20th kill; raise its --steps\n{err[-2000:]}")
+        p.kill()
+        p.communicate()
+        kills += 1
+        print(f"kill {kills}: {len(metrics('run')) if os.path.exists(path('run', 'metrics.jsonl')) else 0} metrics lines, "
+              f"checkpoints {checkpoints('run')}", flush=True)
+    check(fresh_starts < 20, "no checkpoint was ever completed between kills")
+    run(["--resume", "--out", "run"], what="the final resume")
+    same_metrics("straight", "run", f"{kills} kills + resumes vs uninterrupted")
+    same_state("straight", "run", steps, f"{kills} kills + resumes vs uninterrupted")
+    names = no_debris("run")
+    check(names == ["latest", f"step-{steps - 1:08d}", f"step-{steps:08d}"], f"checkpoints at the end: {names}")
+
+
+def crash_points():
+    base = SHAPE + ["--steps", "6", "--save-every", "1", "--keep", "1"]
+    run(base + ["--out", "straight"], what="the uninterrupted run")
+    for point in ("write:tensor:80", "write:files:3", "write:before-rename:3", "write:after-rename:3",
+                  "checkpoint:checksums:3", "checkpoint:latest:3", "retire:2"):
+        name = "run-" + point.replace(":", "-")
+        rc, _, err = run(base + ["--out", name], env=env_with(MEGATRAIN_TEST_CRASH_AT=point), expect_rc=None)
+        check(rc == -signal.SIGKILL, f"crash at {point}: exit status {rc}, expected SIGKILL (the point was not reached?)\n{err}")
+        check(any(n.startswith("step-") for n in checkpoints(name)), f"crash at {point}: it came before the first checkpoint")
+        run(["--resume", "--out", name], what=f"resume after a crash at {point}")
+        same_metrics("straight", name, f"crash at {point} + resume vs uninterrupted")
+        same_state("straight", name, 6, f"crash at {point} + resume vs uninterrupted")
+        check(no_debris(name) == ["latest", "step-00000006"], f"crash at {point}: checkpoints {checkpoints(name)}")
+
+
+def refusals():
+    base = SHAPE + ["--steps", "6", "--save-every", "2", "--keep", "2", "--lr", "0.002"]
+    # --resume with nothing to resume.
+    _, _, err = run(["--resume", "--out", "nothing"], expect_rc=2)
+    check("has no checkpoint in 'nothing/checkpoints'" in err, f"--resume without a checkpoint:\n{err}")
+    _, _, err = run(["--resume", "absent"], expect_rc=2)
+    check("--resume 'absent': no such folder" in err, f"--resume of a missing folder:\n{err}")
+    # --keep 2 leaves the two newest; the checkpoints hold the model's config.json.
+    run(base + ["--out", "run"])
+    check(checkpoints("run") == ["latest", "step-00000004", "step-00000006"], f"--keep 2: {checkpoints('run')}")
+    check(os.path.exists(path("run", "checkpoints", "step-00000006", "config.json")), "no config.json in the checkpoint")
+    # Other optimizer, batch, sequence, model or data: refused, naming each option; nothing changes.
+    metrics_before = open(path("run", "metrics.jsonl")).read()
+    for extra, wants in ((["--lr", "0.01", "--batch", "2"], ["--lr (checkpoint: 0.002, now: 0.01)", "--batch (checkpoint: 4, now: 2)"]),
+                         (["--seq", "8", "--clip", "0.5"], ["--seq (checkpoint: 16, now: 8)", "--clip (checkpoint: 1.0, now: 0.5)"]),
+                         (["--weight-decay", "0.5", "--beta2", "0.9"], ["--weight-decay", "--beta2"]),
+                         (["--hidden", "48"], ["another model than the checkpoint's", "hidden_size"]),
+                         (["--data", "other.txt"], ["--data 'other.txt' (its tokens differ"]),
+                         (["--seed", "5"], ["--seed (checkpoint: 1, now: 5)"])):
+        if "--data" in extra:
+            with open(path("other.txt"), "w") as f:
+                f.write("another text, other tokens. " * 400)
+        _, _, err = run(["--resume", "--out", "run", "--steps", "8"] + extra, expect_rc=1, what=f"resume with {extra}")
+        for w in wants:
+            check(w in err, f"resume with {extra}: the error does not name '{w}':\n{err}")
+        check(open(path("run", "metrics.jsonl")).read() == metrics_before, f"resume with {extra} changed metrics.jsonl")
+        check(checkpoints("run") == ["latest", "step-00000004", "step-00000006"], f"resume with {extra} changed checkpoints")
+    _, _, err = run(["--resume", "--out", "run", "--steps", "6"], expect_rc=1)
+    check("is at step 6 already; give --steps > 6" in err, f"--steps not beyond the checkpoint:\n{err}")
+    # What may change: the run's length, its saving, logging, evaluation and export.
+    _, out, _ = run(["--resume", "--out", "run", "--steps", "8", "--save-every", "1", "--keep", "3", "--eval-every", "1",
+                     "--log-every", "1", "--export", "exp", "--micro-batches", "2"])
+    check("resumed from" in out and "exported step 8 to exp" in out, f"an allowed resume:\n{out}")
+    check(checkpoints("run") == ["latest", "step-00000006", "step-00000007", "step-00000008"], f"--keep 3: {checkpoints('run')}")
+    check([m["step"] for m in metrics("run")] == list(range(1, 9)), "metrics.jsonl after the resume")
+    # A damaged checkpoint is refused naming the file, before anything changes.
+    ck = path("run", "checkpoints", "step-00000008")
+    shard = sorted(n for n in os.listdir(ck) if n.endswith(".safetensors"))[0]
+    data = bytearray(open(os.path.join(ck, shard), "rb").read())
+    metrics_before = open(path("run", "metrics.jsonl")).read()
+    for damage in ("flip", "truncate"):
+        bad = bytearray(data)
+        if damage == "flip":
+            bad[len(bad) // 2] ^= 0x10
+        else:
+            bad = bad[: len(bad) - 100]
+        open(os.path.join(ck, shard), "wb").write(bad)
+        _, _, err = run(["--resume", "--out", "run", "--steps", "10"], expect_rc=2, what=f"resume from a {damage}ped shard")
+        check(shard in err and ("checksum" in err or "size" in err), f"{damage}: the error does not name {shard}:\n{err}")
+        check(open(path("run", "metrics.jsonl")).read() == metrics_before, f"{damage}: metrics.jsonl changed")
+    open(os.path.join(ck, shard), "wb").write(data)
+    # Export without training: a Hugging Face folder that loads and evaluates.
+    _, out, err = run(["--resume", "--out", "run", "--steps", "0", "--eval-batches", "0", "--export", "exp2",
+                       "--export-dtype", "f32"])
+    check("exported step 8 to exp2 (float32)" in err + out, f"export from the checkpoint:\n{out}\n{err}")
+    check(os.path.exists(path("exp2", "model.safetensors")) and os.path.exists(path("exp2", "config.json")),
+          f"exp2 holds {os.listdir(path('exp2'))}")
+    _, out, _ = run(["--model", "exp2", "--steps", "0", "--seq", "16", "--batch", "4", "--eval-batches", "1", "--backend", "cpu"])
+    check('"val_loss"' in out, f"evaluating the export:\n{out}")
+    # The export equals the checkpoint's masters: evaluating either gives the same loss.
+    _, out2, _ = run(["--resume", "--out", "run", "--steps", "0", "--eval-batches", "1"])
+    l1, l2 = json.loads(out.strip().splitlines()[-1])["val_loss"], json.loads(out2.strip().splitlines()[-1])["val_loss"]
+    check(l1 == l2, f"the f32 export evaluates to {l1}, the checkpoint to {l2}")
+
+
+def full_disk():
+    base = SHAPE + ["--save-every", "2", "--keep", "3", "--schedule", "constant"]
+    run(base + ["--steps", "2", "--out", "free"], what="the first two steps")
+    shutil.copytree(path("free"), path("limited"))
+    ckpt_bytes = sum(os.path.getsize(path("free", "checkpoints", "step-00000002", n))
+                     for n in os.listdir(path("free", "checkpoints", "step-00000002")))
+    check(ckpt_bytes > 200_000, f"the checkpoint is {ckpt_bytes} bytes: too small for the 64 KiB limit to bite")
+    rc, out, err = run(["--resume", "--out", "limited", "--steps", "8"], fsize=64 * 1024, expect_rc=1,
+                       what="the run under a 64 KiB file-size limit")
+    for s in (4, 6, 8):
+        check(f"warning: the checkpoint of step {s} could not be written" in err, f"no warning for step {s}:\n{err}")
+    check("File too large" in err or "file too large" in err.lower() or "limit" in err, f"the cause is not named:\n{err}")
+    check("The newest complete checkpoint is step 2" in err and "training goes on" in err, f"warning text:\n{err}")
+    check("error: the run finished but its last checkpoint could not be written (the newest complete one is step 2)" in err,
+          f"final error:\n{err}")
+    check(no_debris("limited") == ["latest", "step-00000002"], f"checkpoints under the limit: {checkpoints('limited')}")
+    # Training went on exactly as it does with room to save.
+    run(["--resume", "--out", "free", "--steps", "8"], what="the same run with room")
+    same_metrics("free", "limited", "saves failing vs saves succeeding")
+    # The previous checkpoint is intact: the run resumes from it again and matches.
+    run(["--resume", "--out", "limited", "--steps", "8"], what="resuming the limited run with room")
+    same_metrics("free", "limited", "resumed after failed saves vs saves succeeding")
+    same_state("free", "limited", 8, "resumed after failed saves vs saves succeeding")
+
+
+SCENARIOS = {f.__name__: f for f in (signals, second_signal, kill9, crash_points, refusals, full_disk)}
+if SCENARIO not in SCENARIOS:
+    fail(f"unknown scenario '{SCENARIO}' (one of {', '.join(SCENARIOS)})")
+fresh()
+SCENARIOS[SCENARIO]()
+print(f"{SCENARIO}: ok")
