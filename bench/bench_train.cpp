@@ -6,18 +6,32 @@
 //   bench_train --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 8
 //
 // Steps before --skip are warm-up (plans, first-touch of host pages) and are not averaged.
+//
+// Checkpoint cost (docs/checkpointing.md): --save-dir DIR saves the train state after step
+// --save-at, overlapped with the next steps, and reports its size, write time, how long the
+// optimizer waited for the writer and how much slower the steps it overlapped were; then the
+// files are dropped from the page cache and the checkpoint is opened (every checksum read from
+// disk) and loaded into the store, timed.
+//
+//   bench_train --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 10 --save-dir /tmp/ck --save-at 5
+#include <fcntl.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <optional>
 #include <random>
 #include <type_traits>
 #include <vector>
 
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/core/host_memory.hpp"
+#include "megatrain/train/checkpointer.hpp"
 #include "megatrain/train/trainer.hpp"
 #if MEGATRAIN_HAS_CUDA
 #include "megatrain/backend/cuda/cuda_backend.hpp"
@@ -28,8 +42,8 @@ using namespace megatrain;
 namespace {
 
 struct Args {
-  std::string preset = "qwen2.5-1.5b", backend = "auto", clip_mode = "none", gpu_memory;
-  std::int64_t batch = 32, seq = 1024, steps = 8, skip = 3, chunk = 0, layers = 0;
+  std::string preset = "qwen2.5-1.5b", backend = "auto", clip_mode = "none", gpu_memory, save_dir;
+  std::int64_t batch = 32, seq = 1024, steps = 8, skip = 3, chunk = 0, layers = 0, save_at = 0;
   double pcie_gbs = 55.3, gemm_tflops = 700, adamw_gparams = 4.4;  // reference ceilings (shared/DESIGN.md, docs/performance.md)
 };
 
@@ -51,6 +65,21 @@ std::size_t gpu_memory_in_use() {
   }
 #endif
   return 0;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/// Drops a folder's files from the page cache (they are fsync'd, so clean), so that reading
+/// them again comes from the disk.
+void evict_from_page_cache(const std::filesystem::path& dir) {
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const int fd = ::open(e.path().c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  }
 }
 
 template <class B>
@@ -88,10 +117,21 @@ int run(B& be, const char* name, const Args& a) {
   // step (megatrain allocates nothing inside a step, so what a step uses is still there when it
   // returns; a library's transient allocation inside a step and freed before it ends is not seen).
   std::size_t gpu_peak = gpu_memory_in_use<B>();
+  std::optional<Checkpointer> ckpt;
+  if (!a.save_dir.empty()) {
+    MT_CHECK(a.save_at >= 1 && a.save_at < a.steps, "--save-at must be in [1, --steps)");
+    CheckpointerOptions co;
+    co.keep = 1;
+    ckpt.emplace(a.save_dir, co);
+  }
+  std::vector<char> overlapped;  // per step: a save was being written while it ran
   for (std::int64_t s = 0; s < a.steps; ++s) {
     for (auto& t : ids) t = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(cfg.vocab_size));
     for (auto& t : labels) t = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(cfg.vocab_size));
+    const bool writing = ckpt && ckpt->in_flight();
     stats.push_back(trainer.step(ids, labels));
+    overlapped.push_back(writing ? 1 : 0);
+    if (ckpt && s + 1 == a.save_at) ckpt->save(trainer, store);
     gpu_peak = std::max(gpu_peak, gpu_memory_in_use<B>());
     const auto& st = stats.back();
     const auto& p = *st.profile;
@@ -102,10 +142,16 @@ int run(B& be, const char* name, const Args& a) {
                 static_cast<double>(p.download_bytes) / 1e9, p.download_s, p.optimizer_s);
     std::fflush(stdout);
   }
-  // Averages over the measured steps.
-  double t = 0, busy = 0, up_b = 0, up_s = 0, dn_b = 0, dn_s = 0, optim = 0;
-  int n = 0;
-  for (std::size_t i = static_cast<std::size_t>(std::min(a.skip, a.steps - 1)); i < stats.size(); ++i, ++n) {
+  // Averages over the measured steps (those that overlapped a save apart).
+  double t = 0, busy = 0, up_b = 0, up_s = 0, dn_b = 0, dn_s = 0, optim = 0, t_saving = 0;
+  int n = 0, n_saving = 0;
+  for (std::size_t i = static_cast<std::size_t>(std::min(a.skip, a.steps - 1)); i < stats.size(); ++i) {
+    if (overlapped[i]) {
+      t_saving += stats[i].seconds;
+      ++n_saving;
+      continue;
+    }
+    ++n;
     const auto& p = *stats[i].profile;
     t += stats[i].seconds;
     busy += p.compute_s;
@@ -136,6 +182,29 @@ int run(B& be, const char* name, const Args& a) {
   std::printf("| peak GPU memory (device total - free, sampled after every step) | %s |\n", format_bytes(gpu_peak).c_str());
   std::printf("| cost model: GPU %.3f s, H2D %.3f s, D2H %.3f s, optimizer %.3f s | bound %.3f s = %.0f tok/s; measured / bound %.2f |\n",
               gpu_s, h2d_s, d2h_s, opt_s, bound, T / bound, t / bound);
+  if (!ckpt) return 0;
+
+  // ---- the checkpoint ----------------------------------------------------------------------------
+  auto done = ckpt->wait();
+  MT_CHECK(done.size() == 1 && done[0].ok, "the checkpoint failed: {}", done.empty() ? "no result" : done[0].error);
+  const SaveResult& r = done[0];
+  std::printf("| checkpoint of step %lld | %s in %.1f s (%.2f GB/s, fsync'd); the optimizer waited %.2f s for it |\n",
+              static_cast<long long>(r.step), format_bytes(r.bytes).c_str(), r.seconds, static_cast<double>(r.bytes) / r.seconds / 1e9,
+              r.stall_seconds);
+  if (n_saving > 0)
+    std::printf("| steps while it was written | %d, %.3f s each (the others %.3f s): training lost %.1f s to the save |\n",
+                n_saving, t_saving / n_saving, t, t_saving - n_saving * t);
+  else
+    std::printf("| steps while it was written | none measured (raise --steps) |\n");
+  evict_from_page_cache(r.dir);
+  auto t0 = std::chrono::steady_clock::now();
+  const io::TrainCheckpoint opened = io::TrainCheckpoint::open(r.dir);
+  const double open_s = seconds_since(t0);
+  t0 = std::chrono::steady_clock::now();
+  opened.load_into(store);
+  const double load_s = seconds_since(t0);
+  std::printf("| load: open with every checksum (from disk) + into the store | %.1f s (%.2f GB/s) + %.1f s = %.1f s |\n", open_s,
+              static_cast<double>(r.bytes) / open_s / 1e9, load_s, open_s + load_s);
   return 0;
 }
 
@@ -154,6 +223,8 @@ int main(int argc, char** argv) {
   app.add_option("--clip-mode", a.clip_mode, "none, stale or exact")->capture_default_str();
   app.add_option("--backend", a.backend, "auto, cpu or cuda")->capture_default_str();
   app.add_option("--gpu-memory", a.gpu_memory, "GPU memory cap, e.g. 40G");
+  app.add_option("--save-dir", a.save_dir, "Save a train-state checkpoint here (overlapped) and time it, and its load");
+  app.add_option("--save-at", a.save_at, "The step after which --save-dir saves")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
 #if MEGATRAIN_HAS_CUDA

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the GPU measurements on a machine with an NVIDIA GPU, from binaries
 # built elsewhere and copied to BIN (with libtbb/libfmt in BIN/../lib). Logs go to OUT.
-#   scripts/gpu_check.sh BIN OUT [tests|hf|train|bench|bench7b|kernels|all]...
+#   scripts/gpu_check.sh BIN OUT [tests|hf|train|bench|bench7b|checkpoint|checkpoint7b|kernels|all]...
 set -uo pipefail
 BIN=$(cd "$1" && pwd); OUT=$(mkdir -p "$2" && cd "$2" && pwd); shift 2
 what=${*:-all}
@@ -12,7 +12,7 @@ summary=()
 has() { [[ " $what " == *" $1 "* || " $what " == *" all "* ]]; }
 if has tests; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-  for t in test_cuda_kernels test_cudnn_attention test_cuda_backend test_cuda_trainer test_core; do
+  for t in test_cuda_kernels test_cudnn_attention test_cuda_backend test_cuda_trainer test_cuda_resume test_core; do
     start=$(date +%s)
     timeout 400 "$BIN/$t" > "$OUT/$t.log" 2>&1; rc=$?
     summary+=("$t rc=$rc $(( $(date +%s) - start ))s $(grep -E 'test cases:' "$OUT/$t.log" | tail -1)")
@@ -40,6 +40,29 @@ fi
 if has bench7b; then
   MEGATRAIN_HOST_MEMORY=120G timeout 590 "$BIN/bench_train" --preset qwen2.5-7b --batch 32 --seq 1024 --steps 5 --skip 2 > "$OUT/bench_7b.log" 2>&1
   summary+=("bench_train qwen2.5-7b rc=$? $(grep -E 'tokens/s \(mean' "$OUT/bench_7b.log")")
+fi
+# Train-state checkpoints (docs/checkpointing.md): the disk's own sequential write rate (dd, 4 GiB,
+# fsync'd), then a checkpoint saved while training goes on and loaded back (bench_train
+# --save-dir). They are written beside the working tree (not /tmp, which may be memory).
+# checkpoint7b: the 7B shape cut to --layers 8 (35 GB), as the whole 7B state (91 GB) does not
+# fit on a 64 GiB disk.
+if has checkpoint || [[ " $what " == *" checkpoint7b "* ]]; then
+  CK=$PWD/.ckpt-bench; rm -rf "$CK"; mkdir -p "$CK"
+  df -hT "$CK" > "$OUT/disk.txt"
+  dd if=/dev/zero of="$CK/raw" bs=64M count=64 conv=fsync 2> "$OUT/dd.txt"; rm -f "$CK/raw"
+  summary+=("disk: $(tail -1 "$OUT/dd.txt"); $(tail -1 "$OUT/disk.txt")")
+fi
+if has checkpoint; then
+  timeout 500 "$BIN/bench_train" --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 14 --skip 3 --save-dir "$CK/1p5b" \
+    --save-at 5 > "$OUT/checkpoint_1p5b.log" 2>&1
+  summary+=("checkpoint qwen2.5-1.5b rc=$?" "$(grep -E '^\| (tokens/s|checkpoint|steps while|load)' "$OUT/checkpoint_1p5b.log")")
+  rm -rf "$CK/1p5b"
+fi
+if [[ " $what " == *" checkpoint7b "* ]]; then
+  MEGATRAIN_HOST_MEMORY=120G timeout 590 "$BIN/bench_train" --preset qwen2.5-7b --layers 8 --batch 32 --seq 1024 --steps 10 \
+    --skip 2 --save-dir "$CK/7b" --save-at 3 > "$OUT/checkpoint_7b_8layers.log" 2>&1
+  summary+=("checkpoint qwen2.5-7b, 8 of 28 layers rc=$?" "$(grep -E '^(qwen|host store)|^\| (tokens/s|checkpoint|steps while|load)' "$OUT/checkpoint_7b_8layers.log")")
+  rm -rf "$CK/7b"
 fi
 # Where the GPU time goes: every kernel of one step of the 1.5B shape cut to 2 layers (the head
 # and two blocks), timed by Nsight Compute (ncu, from the CUDA toolkit), summarised by kind.

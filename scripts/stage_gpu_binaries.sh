@@ -15,7 +15,7 @@ fi
 BUILD=$1
 DEST=$2
 binaries=(tests/cuda/test_cuda_kernels tests/cuda/test_cudnn_attention tests/cuda/test_cuda_backend
-          tests/cuda/test_cuda_trainer bench/bench_train bench/bench_adamw examples/megatrain-train
+          tests/cuda/test_cuda_trainer tests/cuda/test_cuda_resume bench/bench_train bench/bench_adamw examples/megatrain-train
           tests/unit/test_core)
 for b in "${binaries[@]}"; do
   if [[ ! -x $BUILD/$b ]]; then
