@@ -44,6 +44,7 @@ namespace {
 struct Args {
   std::string preset = "qwen2.5-1.5b", backend = "auto", clip_mode = "none", gpu_memory, save_dir;
   std::int64_t batch = 32, seq = 1024, steps = 8, skip = 3, chunk = 0, layers = 0, save_at = 0;
+  bool overlap_update = true;
   double pcie_gbs = 55.3, gemm_tflops = 700, adamw_gparams = 4.4;  // reference ceilings (shared/DESIGN.md, docs/performance.md)
 };
 
@@ -91,6 +92,7 @@ int run(B& be, const char* name, const Args& a) {
   opt.seq_len = a.seq;
   opt.chunk_rows = a.chunk;
   opt.profile = true;
+  opt.overlap_update = a.overlap_update;
   opt.adamw.lr = 1e-4;
   opt.schedule.lr = 1e-4;
   if (a.clip_mode != "none") {
@@ -223,6 +225,9 @@ int main(int argc, char** argv) {
   app.add_option("--clip-mode", a.clip_mode, "none, stale or exact")->capture_default_str();
   app.add_option("--backend", a.backend, "auto, cpu or cuda")->capture_default_str();
   app.add_option("--gpu-memory", a.gpu_memory, "GPU memory cap, e.g. 40G");
+  app.add_option("--overlap-update", a.overlap_update,
+                 "Exact clipping: run the AdamW pass of step t ahead of step t+1's forward (true/false)")
+      ->capture_default_str();
   app.add_option("--save-dir", a.save_dir, "Save a train-state checkpoint here (overlapped) and time it, and its load");
   app.add_option("--save-at", a.save_at, "The step after which --save-dir saves")->capture_default_str();
   CLI11_PARSE(app, argc, argv);

@@ -61,7 +61,7 @@ struct Settings {
   std::int64_t warmup = -1;  // default: min(10, steps / 5)
   // Stale clipping by default: each unit's optimizer step starts the moment its gradient lands
   // (exact clipping must wait for the whole backward; see docs/training.md).
-  std::string schedule = "cosine", clip_mode = "stale";
+  std::string schedule = "cosine", clip_mode = "exact";
   // run
   std::uint64_t seed = 1;
   std::string out, backend = "auto", host_memory, gpu_memory;
@@ -160,8 +160,10 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
   train->add_option("--beta2", s.beta2, "AdamW beta2")->capture_default_str();
   train->add_option("--eps", s.eps, "AdamW epsilon")->capture_default_str();
   train->add_option("--clip", s.clip, "Max global gradient norm (0: no clipping)")->capture_default_str();
-  train->add_option("--clip-mode", s.clip_mode, "stale (clip with the previous step's global norm; the optimizer overlaps the backward) or exact "
-                    "(PyTorch's clip_grad_norm_ over this step's gradients; the optimizer waits for the backward)")->capture_default_str();
+  train->add_option("--clip-mode", s.clip_mode,
+                    "exact (PyTorch's clip_grad_norm_ over this step's gradients, then AdamW) or stale (clips step t "
+                    "with step t-1's norm: a different update, which lets the optimizer overlap the backward)")
+      ->capture_default_str();
 
   auto* runo = app->add_option_group("run", "Run");
   runo->add_option("--seed", s.seed, "Seed for initialisation and data order")->check(CLI::NonNegativeNumber)->capture_default_str();
@@ -276,6 +278,33 @@ inline json given_options(const Parsed& p) {
     std::string value = opt->as<std::string>();
     if (path_option(name) && !value.empty()) value = fs::absolute(value).lexically_normal().string();
     j[name] = value;
+  }
+  return j;
+}
+
+/// What a checkpoint records of the options: those given (given_options), plus the value of
+/// every option that defines the update even where it was left at its default, so that a resume
+/// by a later megatrain with other defaults still continues the same run.
+inline json recorded_options(const Parsed& p) {
+  json j = given_options(p);
+  const Settings& s = *p.settings;
+  const auto record = [&](const char* name, const std::string& value) {
+    if (!j.contains(name)) j[name] = value;
+  };
+  record("--batch", fmt::format("{}", s.batch));
+  record("--seq", fmt::format("{}", s.seq));
+  record("--seed", fmt::format("{}", s.seed));
+  record("--lr", fmt::format("{}", s.lr));
+  record("--weight-decay", fmt::format("{}", s.weight_decay));
+  record("--beta1", fmt::format("{}", s.beta1));
+  record("--beta2", fmt::format("{}", s.beta2));
+  record("--eps", fmt::format("{}", s.eps));
+  record("--schedule", s.schedule);
+  record("--clip", fmt::format("{}", s.clip));
+  if (s.clip > 0) record("--clip-mode", s.clip_mode);
+  if (s.schedule == "cosine") {
+    record("--min-lr", fmt::format("{}", s.min_lr));
+    if (s.warmup >= 0) record("--warmup", fmt::format("{}", s.warmup));
   }
   return j;
 }

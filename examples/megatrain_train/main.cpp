@@ -462,16 +462,30 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
              "'{}' already holds a run (metrics.jsonl); continue it with --resume, choose another --out, or pass "
              "--overwrite to replace it", plan.out.string());
   }
-  if (plan.export_options && !plan.out.empty()) {
-    // The export directory is replaced as a whole: it must not be, or hold, the run directory.
+  if (plan.export_options) {
+    // The export directory is replaced as a whole: it must not be, or hold, the run directory or
+    // the checkpoint resumed from, nor lie inside a checkpoints folder.
     const auto resolved = [](const fs::path& p) {
       fs::path r = fs::weakly_canonical(fs::absolute(p));
       return r.has_filename() ? r : r.parent_path();  // "dir/" -> "dir"
     };
-    const fs::path e = resolved(s.export_dir), o = resolved(plan.out);
-    MT_CHECK(std::mismatch(e.begin(), e.end(), o.begin(), o.end()).first != e.end(),
-             "--export '{}' would replace the run directory '{}' (it is, or holds, --out); export elsewhere", s.export_dir,
-             plan.out.string());
+    const auto within = [](const fs::path& a, const fs::path& b) {  // a is b or inside it
+      return std::mismatch(b.begin(), b.end(), a.begin(), a.end()).first == b.end();
+    };
+    const fs::path e = resolved(s.export_dir);
+    if (!plan.out.empty()) {
+      const fs::path o = resolved(plan.out);
+      MT_CHECK(!within(o, e), "--export '{}' would replace the run directory '{}' (it is, or holds, --out); export elsewhere",
+               s.export_dir, plan.out.string());
+      MT_CHECK(!within(e, o / "checkpoints"), "--export '{}' lies in the run's checkpoints folder '{}'; export elsewhere",
+               s.export_dir, (plan.out / "checkpoints").string());
+    }
+    if (plan.resume) {
+      const fs::path c = resolved(plan.resume->ckpt.dir());
+      MT_CHECK(!within(c, e) && !within(e, c.parent_path()),
+               "--export '{}' would replace or lie in the checkpoints of '{}'; export elsewhere", s.export_dir,
+               c.parent_path().string());
+    }
   }
   if (use_cuda) {
 #if MEGATRAIN_HAS_CUDA
@@ -553,6 +567,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     plan.hf.reset();  // unmap the files: an export may replace that very directory
   }
   const auto export_model = [&](std::int64_t step) {
+    trainer.finish_update();  // (the step's update, if it runs in the background)
     const auto t0 = std::chrono::steady_clock::now();
     const fs::path dir(s.export_dir);
     if (dir.has_parent_path()) fs::create_directories(dir.parent_path());
@@ -686,25 +701,30 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
       progress.note(export_model(step));
   }
   const std::int64_t done = step - 1;
+  trainer.finish_update();
   report(checkpoints.wait());
-  if (const int sig = g_stop_signal.load(); sig != 0 && done < s.steps) {
-    // Stopped by a signal: the state after the last finished step is saved before leaving.
-    if (saved_step != done) {
+  if (const int sig = g_stop_signal.load(); sig != 0) {
+    // A signal asked for a checkpoint: the state after the last finished step is saved (also when
+    // that step was the last one), unless it is already, or no step ran.
+    if (saved_step != done && done > 0) {
       checkpoints.save(trainer, store, data->position(done * s.batch), user);
       report(checkpoints.wait());
     }
-    const bool saved = saved_step == done;
-    std::fprintf(stderr, "megatrain-train: stopped by %s after step %lld of %lld; %s\n",
-                 sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "a signal", static_cast<long long>(done),
-                 static_cast<long long>(s.steps),
-                 saved ? fmt::format("checkpoint {}. Resume with: megatrain-train --resume --out {}",
-                                     checkpoints.folder().path_for(done).string(), out.string())
-                                 .c_str()
-                       : fmt::format("its checkpoint could not be written (see above){}",
-                                     saved_step > 0 ? fmt::format("; the newest complete one is step {}", saved_step)
-                                                    : std::string())
-                                 .c_str());
-    return 128 + sig;
+    const char* name = sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "a signal";
+    if (done < s.steps) {
+      std::string what;
+      if (done == 0) what = "no step had finished: nothing to save";
+      else if (saved_step == done)
+        what = fmt::format("checkpoint {}. Resume with: megatrain-train --resume --out {}",
+                           checkpoints.folder().path_for(done).string(), out.string());
+      else
+        what = fmt::format("its checkpoint could not be written (see above){}",
+                           saved_step > 0 ? fmt::format("; the newest complete one is step {}", saved_step) : std::string());
+      std::fprintf(stderr, "megatrain-train: stopped by %s after step %lld of %lld; %s\n", name, static_cast<long long>(done),
+                   static_cast<long long>(s.steps), what.c_str());
+      return 128 + sig;
+    }
+    // (The signal came during the last step: the run is complete, and saved as promised.)
   }
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("done: %lld steps in %.1f s; metrics in %s\n", static_cast<long long>(s.steps - first_step + 1), total,
@@ -752,7 +772,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    plan.given = given_options(p);
+    plan.given = recorded_options(p);
     return run(*p.settings, *p.app, std::move(plan));
   } catch (const megatrain::Error& e) {
     // What went wrong and what to do, in the user's terms (the library's function and source line

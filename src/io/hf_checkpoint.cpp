@@ -354,6 +354,7 @@ std::int64_t HfCheckpoint::param_count() const {
 
 void HfCheckpoint::load_into(HostParamStore<float>& store) const {
   MT_NVTX_RANGE("io::HfCheckpoint::load_into");
+  store.check_settled(fmt::format("loading '{}'", dir_.string()));
   check_store_matches(store, units_, fmt::format("loading '{}'", dir_.string()));
   for (auto& unit : store.units()) {
     for (const auto& p : unit.params()) read_into(source(p.spec.name), store.master(p.spec.name));
@@ -384,6 +385,7 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
                      const HfExportOptions& options) {
   MT_NVTX_RANGE("io::export_hf_model");
   const std::string label = fmt::format("exporting to '{}'", dir.string());
+  store.check_settled(label);
   const std::string_view dtype_text = torch_dtype_name(options.dtype);
   const std::vector<UnitSpec> units = DecoderModel<>(cfg).units();
   check_store_matches(store, units, label);

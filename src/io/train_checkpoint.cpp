@@ -75,6 +75,8 @@ std::vector<WrittenFile> write_train_checkpoint(const fs::path& dir, const HostP
                                                 const TrainCheckpointWriteOptions& options) {
   MT_NVTX_RANGE("io::write_train_checkpoint");
   MT_CHECK(options.state.is_object(), "writing '{}': the train state must be a JSON object", dir.string());
+  // (With unit_done the caller orders the writes with the updates unit by unit: the Checkpointer.)
+  if (!options.unit_done) store.check_settled(fmt::format("writing '{}'", dir.string()));
   std::vector<std::size_t> order = options.unit_order;
   if (order.empty())
     for (std::size_t u = 0; u < store.num_units(); ++u) order.push_back(u);
@@ -219,6 +221,7 @@ std::optional<std::string> TrainCheckpoint::file(std::string_view name) const {
 
 void TrainCheckpoint::load_into(HostParamStore<float>& store) const {
   MT_NVTX_RANGE("io::TrainCheckpoint::load_into");
+  store.check_settled(fmt::format("loading '{}'", dir_.string()));
   const std::string index = std::string(kTrainStateShards) + ".safetensors.index.json";
   const SafetensorsCheckpoint tensors =
       SafetensorsCheckpoint::open(listed_.contains(index) ? dir_ / index : dir_ / (std::string(kTrainStateShards) + ".safetensors"));

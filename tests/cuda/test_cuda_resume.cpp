@@ -70,6 +70,7 @@ struct Run {
 };
 
 std::vector<float> state_of(const HostParamStore<float>& store) {
+  store.check_settled("reading the store in a test");
   std::vector<float> out;
   for (const auto& u : store.units())
     for (auto s : {u.master(), u.adam_m(), u.adam_v()}) out.insert(out.end(), s.begin(), s.end());
@@ -133,6 +134,7 @@ TEST_CASE("a resumed GPU run equals the uninterrupted one as closely as two unin
     {
       Run r(cfg, be, o, 7);
       for (int s = 0; s < kSteps; ++s) a.push_back(r.step());
+      r.trainer.finish_update();
       a_final = state_of(r.store);
     }
     const auto folder = dir / k.name;
@@ -144,6 +146,7 @@ TEST_CASE("a resumed GPU run equals the uninterrupted one as closely as two unin
         b.push_back(r.step());
         if (s + 1 == kHalf) ckpt.save(r.trainer, r.store, r.data.position(kHalf * o.batch_rows));
       }
+      r.trainer.finish_update();
       const auto saved = ckpt.wait();
       ::unsetenv("MEGATRAIN_TEST_DELAY_AT");
       REQUIRE(saved.size() == 1);
@@ -163,6 +166,7 @@ TEST_CASE("a resumed GPU run equals the uninterrupted one as closely as two unin
       CHECK(*st.data == r.data.position(kHalf * o.batch_rows));
       CHECK(r.trainer.steps_done() == kHalf);
       for (int s = kHalf; s < kSteps; ++s) c.push_back(r.step());
+      r.trainer.finish_update();
       c_final = state_of(r.store);
     }
     const Gap twice = gap(a, b, a_final, b_final), resumed = gap(a, c, a_final, c_final);

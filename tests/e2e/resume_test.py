@@ -7,6 +7,7 @@ Scenarios (each a CTest test):
   signals        SIGINT, then SIGTERM, stop a run mid-way: each finishes its step, saves, exits
                  130 / 143 with a resume line; two resumes finish the run with the metrics (every
                  loss and gradient norm, bit for bit) and final train state of an uninterrupted run.
+                 A signal during the last step: the run completes and is saved.
   second_signal  a second SIGINT during a save stops at once; the previous checkpoint still loads
                  and the next run removes the abandoned save's folder.
   kill9          SIGKILL at 20 random moments of a run that saves every step (slowed so that the
@@ -175,6 +176,15 @@ def signals():
     check("resumed from" in out, f"the last resume did not say where it resumed from:\n{out}")
     same_metrics("straight", "run", "SIGINT + SIGTERM + 2 resumes vs uninterrupted")
     same_state("straight", "run", 12, "SIGINT + SIGTERM + 2 resumes vs uninterrupted")
+    # A signal during the last step: the run completes (status 0) and is saved, as the stop line
+    # promised, although it saves no checkpoint otherwise.
+    p = start(SHAPE + ["--steps", "3", "--out", "last"], env_with(MEGATRAIN_TEST_DELAY_AT="train:step:400000"))
+    wait_for_lines(p, "last", 2, "SIGTERM in the last step")
+    time.sleep(0.1)  # well inside step 3 (its 0.4 s delay), which has begun
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    check(p.returncode == 0, f"SIGTERM in the last step: exit status {p.returncode}, expected 0\n{err}")
+    check(checkpoints("last") == ["latest", "step-00000003"], f"SIGTERM in the last step: checkpoints {checkpoints('last')}")
 
 
 def second_signal():
@@ -278,6 +288,18 @@ def refusals():
             check(w in err, f"resume with {extra}: the error does not name '{w}':\n{err}")
         check(open(path("run", "metrics.jsonl")).read() == metrics_before, f"resume with {extra} changed metrics.jsonl")
         check(checkpoints("run") == ["latest", "step-00000004", "step-00000006"], f"resume with {extra} changed checkpoints")
+    _, _, err = run(["--resume", "--out", "run", "--steps", "8", "--schedule", "constant"], expect_rc=1)
+    check('--schedule (checkpoint: "warmup_cosine", now: "constant")' in err and "--min-lr" not in err,
+          f"a change of schedule kind names the kind only:\n{err}")
+    # Options left at their defaults are recorded too (a later megatrain may change a default).
+    given = json.load(open(path("run", "checkpoints", "step-00000006", "train_state.json")))["user"]["given"]
+    for name in ("--beta2", "--eps", "--clip", "--clip-mode", "--schedule", "--min-lr", "--seed", "--batch", "--seq"):
+        check(name in given, f"the checkpoint does not record {name}: {sorted(given)}")
+    # An export never replaces, or lands in, the checkpoints.
+    for target in ("run/checkpoints/step-00000006", "run/checkpoints/other", "run"):
+        _, _, err = run(["--resume", "--out", "run", "--steps", "0", "--eval-batches", "0", "--export", target], expect_rc=1)
+        check("export elsewhere" in err or "choose another directory" in err, f"--export {target}: not refused:\n{err}")
+    check(checkpoints("run") == ["latest", "step-00000004", "step-00000006"], "a refused export changed the checkpoints")
     _, _, err = run(["--resume", "--out", "run", "--steps", "6"], expect_rc=1)
     check("is at step 6 already; give --steps > 6" in err, f"--steps not beyond the checkpoint:\n{err}")
     # What may change: the run's length, its saving, logging, evaluation and export.

@@ -166,6 +166,36 @@ TEST_CASE("rule 5: a writer waits for an earlier item's reader, even one downstr
   }
 }
 
+namespace {
+// A ring writer that writes a slot only for even items (takes_slot): the odd ones it applies to
+// need none, like a compute stage's forward items.
+struct EvenSlotStage : TestStage {
+  bool takes_slot(const Item& it) const { return it.id % 2 == 0; }
+};
+}  // namespace
+
+TEST_CASE("rule 3: items a ring writer takes no slot for do not wait for the ring's readers") {
+  Log log;
+  EvenSlotStage writer{TestStage{0, &log, 2, UnitAccess::none, false, -1, {}, 1, 0}};
+  TestStage reader{1, &log, 0, UnitAccess::none, false, -1, {}, 2, 20000};  // a slow reader: 20 ms per item
+  StreamPipeline<Item, EvenSlotStage, TestStage> p(writer, reader);
+  std::vector<Item> items;
+  for (int i = 0; i < 8; ++i) items.push_back({static_cast<std::size_t>(i), i});
+  p.submit(items);
+  p.drain();
+  // Slots go to the even items only, in turn; an odd item sees the latest even item's slot.
+  for (int i = 0; i < 8; ++i) {
+    CAPTURE(i);
+    CHECK(log.slots[{0, i}].out == static_cast<std::size_t>((i / 2) % 2));
+    CHECK(log.slots[{1, i}].in == static_cast<std::size_t>((i / 2) % 2));
+  }
+  // Items 0..3 take two slots between them: none waits for the reader. Item 4 reuses item 0's
+  // slot, so it waits until the reader is done with item 0.
+  CHECK(log.span[{0, 3}].first < log.span[{1, 0}].second);
+  CHECK(log.span[{0, 4}].first > log.span[{1, 0}].second);
+  CHECK(log.span[{0, 6}].first > log.span[{1, 2}].second);
+}
+
 TEST_CASE("a stage's error stops the pipeline and reaches drain()") {
   Log log;
   StreamPipeline<Item, TestStage, TestStage> p(TestStage{0, &log, 2, UnitAccess::none, false, -1, {}, 1},

@@ -48,6 +48,7 @@ std::vector<Batch> batches(std::uint64_t seed, int steps, std::int64_t tokens, s
 
 /// master, m and v of every unit, concatenated.
 std::vector<float> state_of(const HostParamStore<float>& store) {
+  store.check_settled("reading the store in a test");
   std::vector<float> out;
   for (const auto& u : store.units())
     for (auto s : {u.master(), u.adam_m(), u.adam_v()}) out.insert(out.end(), s.begin(), s.end());
@@ -73,7 +74,12 @@ struct Run {
     s.pinning = Pinning::never;
     return CpuTrainer::store_options(o, s);
   }
-  StepStats step(const Batch& b) { return trainer.step(b.ids, b.labels); }
+  /// A step, its update applied (the tests read the store between steps).
+  StepStats step(const Batch& b) {
+    const StepStats st = trainer.step(b.ids, b.labels);
+    trainer.finish_update();
+    return st;
+  }
 };
 
 void check_same(const StepStats& a, const StepStats& b) {
@@ -134,10 +140,13 @@ TEST_CASE("a resumed run equals the uninterrupted one bit for bit, in every mode
       Run first(cfg, jittery, 7);
       Checkpointer ckpt(folder, {});
       ::setenv("MEGATRAIN_TEST_DELAY_AT", "write:tensor:300", 1);  // a slow disk: the next steps wait for it
+      // (Updates left in flight between steps, as a training loop leaves them: save() applies the
+      // last one before writing, and the next ones wait for the writer unit by unit.)
       for (int s = 0; s < kSteps; ++s) {
-        check_same(first.step(data[s]), want[s]);
+        check_same(first.trainer.step(data[s].ids, data[s].labels), want[s]);
         if (s + 1 == kHalf) ckpt.save(first.trainer, first.store, DataPosition{1, 0, kHalf * 4, 100});
       }
+      first.trainer.finish_update();
       const auto done = ckpt.wait();
       ::unsetenv("MEGATRAIN_TEST_DELAY_AT");
       REQUIRE(done.size() == 1);

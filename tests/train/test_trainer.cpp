@@ -67,6 +67,7 @@ std::vector<StepStats> run(const ModelConfig& cfg, const TrainerOptions& o, int 
     auto b = random_batch(rng, o.batch_rows, o.seq_len, static_cast<std::int32_t>(cfg.vocab_size));
     out.push_back(trainer.step(b.ids, b.labels));
   }
+  trainer.finish_update();  // (with resident gradients the last update may still be in flight)
   if (weights)
     for (const auto& u : store.units()) weights->insert(weights->end(), u.master().begin(), u.master().end());
   return out;
@@ -209,6 +210,64 @@ TEST_CASE("stages that sleep for random times change nothing (bit-identical), in
     eval[j] = trainer.evaluate(batch.ids, batch.labels, 6);
   }
   CHECK(eval[0] == eval[1]);
+}
+
+TEST_CASE("the AdamW pass of step t, run ahead of step t+1's forward, changes no bit") {
+  // Resident gradients: exact clipping, micro-batches, both. overlap_update true (the default)
+  // against false (the update applied before step() returns), with random delays in every stage.
+  struct Case {
+    const char* name;
+    std::int64_t micro;
+    double clip;
+  };
+  for (const Case& k : {Case{"exact clipping", 1, 0.05}, Case{"2 micro-batches", 2, 0.0},
+                        Case{"2 micro-batches, exact clipping", 2, 0.05}}) {
+    for (const bool tied : {true, false}) {
+      CAPTURE(std::string(k.name));
+      CAPTURE(tied);
+      const auto cfg = tiny(tied, 700);
+      std::vector<std::vector<float>> weights;
+      std::vector<std::vector<double>> seen;  // losses, norms, and evaluations between steps
+      for (const bool overlap : {false, true}) {
+        auto o = options(4, 7);
+        o.chunk_rows = 2;
+        o.micro_batches = k.micro;
+        o.clip_norm = k.clip;
+        o.clip_mode = ClipMode::exact;
+        o.overlap_update = overlap;
+        o.jitter_us = overlap ? 300 : 0;
+        DecoderModel<> model(cfg);
+        HostParamStore<float> store(model.units(), store_opts(o));
+        CpuBackend<float> be;
+        Trainer<CpuBackend<float>> trainer(model, store, be, o);
+        std::mt19937 rng(5);
+        std::vector<double> out;
+        for (int s = 0; s < 4; ++s) {
+          auto b = random_batch(rng, 4, 7, 700);
+          const auto st = trainer.step(b.ids, b.labels);
+          out.insert(out.end(), {st.loss, st.grad_norm, st.clip_coef});
+          CHECK(trainer.update_pending() == overlap);
+          CHECK(store.update_in_flight() == overlap);
+          if (overlap && s == 1) {  // the store's readers refuse until the update is applied
+            CHECK_THROWS_WITH_AS(store.check_settled("exporting"), doctest::Contains("call trainer.finish_update() first"),
+                                 Error);
+          }
+          if (s == 2) out.push_back(trainer.evaluate(b.ids, b.labels, 4));  // sees the updated weights
+          if (s == 2) CHECK_FALSE(trainer.update_pending());
+        }
+        trainer.finish_update();
+        CHECK_FALSE(trainer.update_pending());
+        CHECK_FALSE(store.update_in_flight());
+        std::vector<float> w;
+        for (const auto& u : store.units())
+          for (auto x : {u.master(), u.adam_m(), u.adam_v()}) w.insert(w.end(), x.begin(), x.end());
+        weights.push_back(std::move(w));
+        seen.push_back(std::move(out));
+      }
+      CHECK(seen[0] == seen[1]);
+      CHECK(weights[0] == weights[1]);
+    }
+  }
 }
 
 TEST_CASE("two runs with the same seed give identical results") {

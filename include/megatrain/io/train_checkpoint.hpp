@@ -55,7 +55,9 @@ struct TrainCheckpointWriteOptions {
   std::vector<std::size_t> unit_order;
   /// Called from the writing thread once every tensor of `unit` has been read from the store
   /// (the unit may change from then on), and for every unit not yet announced if the write
-  /// fails (the caller must not wait on it forever). May be empty.
+  /// fails (the caller must not wait on it forever). May be empty: then the store must be
+  /// settled (no trainer update in flight, HostParamStore::check_settled); with it, the caller
+  /// orders its updates after the announcements (as the Checkpointer does).
   std::function<void(std::size_t unit)> unit_done;
   /// Largest shard, in bytes of tensor data.
   std::uint64_t max_shard_bytes = 2'000'000'000;

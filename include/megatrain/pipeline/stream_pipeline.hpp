@@ -9,7 +9,9 @@
 //      the next ring writer read that slot (or, for an item the writer skipped, the slot of the
 //      writer's latest item). A slot is reused only after the ring's last reader is done with
 //      the item that held it before (double buffering with K = 2). Items a writer skips take
-//      no slot, so they never make it wait;
+//      no slot, so they never make it wait; nor do items it applies to but writes no slot for,
+//      when it says so with an optional takes_slot(item) (e.g. a compute stage whose forward
+//      items need no gradient buffer: they must not wait for a slow reader of that ring);
 //   4. units: a stage whose unit_access() is `reads` starts only after the last earlier item of
 //      the same unit has passed every stage whose unit_access() is `writes` (e.g. a prefetch of
 //      a unit's weights waits for that unit's last optimizer step);
@@ -97,6 +99,15 @@ concept Stage = PipelineItem<Item> && requires(S& s, const S& cs, const Item& it
 };
 // clang-format on
 
+/// Whether stage `s` writes a slot of its ring for `item` (rule 3): takes_slot(item) where the
+/// stage defines it, else every item it applies to.
+template <class S, class Item>
+bool stage_takes_slot(const S& s, const Item& item) {
+  if (!s.applies(item)) return false;
+  if constexpr (requires { { s.takes_slot(item) } -> std::convertible_to<bool>; }) return s.takes_slot(item);
+  return true;
+}
+
 template <class Item, class... Stages>
 class StreamPipeline {
   static_assert(sizeof...(Stages) >= 1, "StreamPipeline needs at least one stage");
@@ -159,7 +170,7 @@ class StreamPipeline {
         for_each_stage([&](std::size_t j, const auto& s) {
           if (ring_size_[j] == 0) return;
           e.slot_prev[j] = kNone;
-          if (s.applies(pass[k])) {
+          if (stage_takes_slot(s, pass[k])) {
             const std::uint64_t n = ring_uses_[j]++;
             e.slot[j] = static_cast<std::size_t>(n % ring_size_[j]);
             e.slot_prev[j] = ring_holder_[j][e.slot[j]];

@@ -19,8 +19,10 @@
 
 #include <oneapi/tbb/parallel_for.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <numbers>
 #include <optional>
 #include <span>
@@ -318,7 +320,19 @@ class HostParamStore {
   }
   bool resident_gradients() const { return options_.resident_gradients; }
 
+  /// Whether a trainer is still applying its last step's update to this store in the
+  /// background (Trainer::finish_update() waits for it). Set and cleared by the trainer.
+  bool update_in_flight() const { return in_flight_->load(std::memory_order_acquire); }
+  void set_update_in_flight(bool on) const { in_flight_->store(on, std::memory_order_release); }
+  /// Throws, naming `what`, while an update is in flight: the store then holds some units
+  /// before and some after the update, and whatever reads (or loads into) it whole must wait.
+  void check_settled(std::string_view what) const {
+    MT_CHECK(!update_in_flight(), "{}: the trainer is still applying the last step's update to this store in the "
+             "background; call trainer.finish_update() first", what);
+  }
+
  private:
+  std::unique_ptr<std::atomic<bool>> in_flight_ = std::make_unique<std::atomic<bool>>(false);
   StoreOptions options_;
   StoreFootprint footprint_;
   HostBuffer master_buf_, m_buf_, v_buf_, compute_buf_, ring_buf_, grad_buf_;

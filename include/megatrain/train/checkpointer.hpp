@@ -140,6 +140,8 @@ struct SaveResult {
   std::uint64_t bytes = 0;    ///< of all files written
 };
 
+/// While a save is written the Checkpointer refers to the trainer and the store it was given:
+/// destroy it (or call wait()) before either of them goes.
 class Checkpointer {
  public:
   /// Checkpoints go to `folder` (created if needed; what dead writers left there is removed).
@@ -165,6 +167,7 @@ class Checkpointer {
             nlohmann::json user = nlohmann::json::object()) {
     MT_NVTX_RANGE("Checkpointer::save");
     join();
+    trainer.finish_update();  // the checkpoint holds the state after the last step, its update applied
     TrainState st;
     st.step = trainer.steps_done();
     st.last_grad_norm = trainer.last_grad_norm();
@@ -290,6 +293,7 @@ class Checkpointer {
 template <class T>
 TrainState load_train_state(const io::TrainCheckpoint& ckpt, T& trainer, HostParamStore<float>& store) {
   MT_NVTX_RANGE("load_train_state");
+  trainer.finish_update();  // (an update in flight would overwrite what is loaded)
   const std::string dir = ckpt.dir().string();
   TrainState st = train_state_from_json(ckpt.state(), (ckpt.dir() / io::kTrainStateFile).string());
   const auto model_diff = model_differences(st.model, trainer.model().config().to_json());

@@ -16,7 +16,12 @@
 // Gradients are resident (every unit's gradient kept on the host until all have landed) when
 // clipping is exact (PyTorch's clip_grad_norm_ over all parameters, then AdamW) or when the
 // batch is split into micro-batches (gradient accumulation). Then the optimizer runs as a second
-// pass after the global norm is known. ClipMode::stale instead clips step t with the global norm
+// pass after the global norm is known: in the background, ahead of the next step's forward
+// (TrainerOptions::overlap_update), whose prefetch of unit u waits only for u's update (the
+// pipeline's rule 4), so the AdamW pass of step t overlaps the forward of step t+1.
+// finish_update() waits for it; the next step(), evaluate() and the Checkpointer order
+// themselves after it, and the library's readers of a whole store refuse while it runs
+// (HostParamStore::check_settled). ClipMode::stale instead clips step t with the global norm
 // measured at step t-1 (no clipping at step 1), so each unit still steps the moment its
 // gradient lands; it differs from PyTorch exactly in using the previous step's norm.
 //
@@ -40,6 +45,7 @@
 #include <oneapi/tbb/task_arena.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -56,6 +62,7 @@
 
 #include "megatrain/backend/arena.hpp"
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/log.hpp"
 #include "megatrain/core/nvtx.hpp"
 #include "megatrain/layers/decoder_model.hpp"
 #include "megatrain/optim/adamw.hpp"
@@ -175,6 +182,14 @@ class Trainer {
 
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
+  /// Applies an update still in flight (finish_update()) before the trainer goes.
+  ~Trainer() {
+    try {
+      finish_update();
+    } catch (const std::exception& e) {
+      log_warning("megatrain: the trainer's last update failed while the trainer was destroyed: {}", e.what());
+    }
+  }
 
   /// One optimizer step on a batch: ids and labels hold batch_rows * seq_len tokens, row by row
   /// (labels: the next token, or kIgnoreIndex). Throws before changing anything if the batch
@@ -198,8 +213,11 @@ class Trainer {
     st.micro_rows = opt_.micro_rows();
     if (streamed()) find_touched_rows(ids);
 
+    // (The previous step's AdamW pass, if still in flight, goes first: each unit's prefetch waits
+    // for its update.)
     for (std::int64_t m = 0; m < opt_.micro_batches; ++m) pipeline_->submit(step_items(m));
     pipeline_->drain();
+    settle();
     double grad_norm;
     if (opt_.resident_gradients()) {
       double sumsq = 0;
@@ -209,10 +227,16 @@ class Trainer {
         for (const auto& u : store_.units()) sumsq += grad_sum_squares<float>(u.grad());
       grad_norm = std::sqrt(sumsq);
       if (opt_.clip_norm > 0) st.clip_coef = clip_coefficient(grad_norm, opt_.clip_norm);
+      pass_ = {st.step, st.lr, st.clip_coef};
       std::vector<TrainItem> items;
       for (std::size_t u = 0; u < model_.num_units(); ++u) items.push_back({Kind::optimize, u, 0});
       pipeline_->submit(items);
-      pipeline_->drain();
+      if (opt_.overlap_update) {
+        update_pending_ = true;
+        store_.set_update_in_flight(true);
+      } else {
+        pipeline_->drain();
+      }
     } else {
       grad_norm = std::sqrt(st.sumsq);
     }
@@ -253,10 +277,23 @@ class Trainer {
       items.push_back({Kind::head_eval, model_.head_unit(), 0});
       pipeline_->submit(items);
       pipeline_->drain();
+      settle();  // (a pending update went first)
       for (std::int64_t t = 0; t < mt; ++t) total += static_cast<double>(loss_host_[static_cast<std::size_t>(t)]);
     }
     return total / static_cast<double>(valid);
   }
+
+  /// Waits until the last step's update is applied to the store (see the top of this file and
+  /// TrainerOptions::overlap_update). Read the store's weights or moments yourself only after
+  /// this; no-op when nothing is in flight.
+  void finish_update() {
+    if (!update_pending_) return;
+    MT_NVTX_RANGE("Trainer::finish_update");
+    pipeline_->drain();
+    settle();
+  }
+  /// Whether the last step's update is still being applied (finish_update() waits for it).
+  bool update_pending() const { return update_pending_; }
 
   std::int64_t steps_done() const { return step_; }
   const DecoderModel<Block>& model() const { return model_; }
@@ -273,9 +310,12 @@ class Trainer {
 
   /// A function the optimizer stage calls, on its own thread, before it changes unit u's master
   /// weights or moments (each item that steps u calls gate(u) first); it may block. Set it
-  /// between steps only, not while step() runs; empty: none. The Checkpointer uses it to write a
-  /// unit to disk before the next step changes it.
-  void set_update_gate(std::function<void(std::size_t unit)> gate) { update_gate_ = std::move(gate); }
+  /// between calls of step(), not during one (an update in flight sees the old or the new gate
+  /// per unit); empty: none. The Checkpointer uses it to write a unit to disk before the next
+  /// update changes it.
+  void set_update_gate(std::function<void(std::size_t unit)> gate) {
+    update_gate_.store(gate ? std::make_shared<const std::function<void(std::size_t)>>(std::move(gate)) : nullptr);
+  }
   /// The units in the order the next step first changes them (every unit once).
   std::vector<std::size_t> update_order() const {
     std::vector<std::size_t> order;
@@ -304,6 +344,18 @@ class Trainer {
     double sumsq = 0;  // written by the optimizer stage only
     std::int64_t micro_rows = 0;
   };
+  // The AdamW pass of resident gradients (set before it is submitted; the next step's State
+  // changes while it may still run).
+  struct Pass {
+    std::int64_t step = 0;
+    double lr = 0, clip_coef = 1;
+  };
+
+  // After a drain: nothing is in flight.
+  void settle() {
+    update_pending_ = false;
+    store_.set_update_in_flight(false);
+  }
 
   // ---- stages --------------------------------------------------------------------------------
   template <class X>
@@ -379,6 +431,15 @@ class Trainer {
     UnitAccess unit_access() const { return UnitAccess::none; }
     bool applies(const TrainItem& it) const {
       return it.kind == Kind::forward || it.kind == Kind::head || it.kind == Kind::head_eval || it.kind == Kind::backward;
+    }
+    // A forward writes no gradient: taking a slot would make it wait for the optimizer stage to
+    // pass the item that held the slot, i.e. for the whole AdamW pass still in flight. With
+    // micro-batches the forward items keep taking slots: the slots' reuse is what orders the next
+    // micro-batch's head (which zeroes the head's and a tied embedding's accumulators) after the
+    // offload of the previous micro-batch's embedding gradient.
+    bool takes_slot(const TrainItem& it) const {
+      if (it.kind == Kind::head_eval) return false;
+      return it.kind != Kind::forward || this->owner->opt_.micro_batches > 1;
     }
     void run(const TrainItem& it, const StageSlots& s) {
       MT_NVTX_RANGE("stage:compute");
@@ -580,11 +641,11 @@ class Trainer {
         exec.run([&] { accumulate_gradient<float>(unit.grad(), std::span<const float>(t.staging_[s.in].first(n))); });
         return;
       }
-      if (t.update_gate_) t.update_gate_(it.unit);
+      if (const auto gate = t.update_gate_.load()) (*gate)(it.unit);
       const auto grad = t.landed_gradient(it, s);
       exec.run([&] {
-        if (!t.streamed()) {
-          adamw_step<float>(unit, grad, t.opt_.adamw, st.step, st.lr, st.clip_coef);
+        if (!t.streamed()) {  // the second pass, possibly while the next step begins: its own parameters
+          adamw_step<float>(unit, grad, t.opt_.adamw, t.pass_.step, t.pass_.lr, t.pass_.clip_coef);
           return;
         }
         // One pass over the landed gradient: AdamW sums its squares (for the norm) as it goes.
@@ -939,7 +1000,9 @@ class Trainer {
   std::shared_ptr<State> state_;
   std::int64_t step_ = 0;
   std::optional<double> last_grad_norm_;
-  std::function<void(std::size_t)> update_gate_;
+  std::atomic<std::shared_ptr<const std::function<void(std::size_t)>>> update_gate_;
+  Pass pass_;
+  bool update_pending_ = false;
   std::size_t device_bytes_ = 0;
 
   std::vector<Buf<W>> weight_ring_;

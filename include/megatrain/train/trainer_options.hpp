@@ -42,6 +42,12 @@ struct TrainerOptions {
   ClipMode clip_mode = ClipMode::exact;
   std::size_t weight_slots = 2;  ///< ring of block weight slots (>= 2: double buffering)
   std::size_t grad_slots = 2;    ///< ring of block gradient accumulators on the device
+  /// With resident gradients (exact clipping, micro-batches): step() returns once the global
+  /// norm is known and the AdamW pass runs in the background, unit by unit, ahead of the next
+  /// step's forward (which waits for each unit's update only as it reaches that unit). The
+  /// update is the same; Trainer::finish_update() waits for it. false: step() returns with the
+  /// update applied.
+  bool overlap_update = true;
   /// Testing aid: each built-in stage sleeps a random 0..jitter_us microseconds per item.
   int jitter_us = 0;
   /// Time every stage's work (events on GPU streams) and report it in StepStats::profile.
@@ -139,6 +145,11 @@ struct OptionDifference {
 inline std::vector<OptionDifference> update_differences(const TrainerOptions& a, const TrainerOptions& b) {
   std::vector<OptionDifference> out;
   nlohmann::json ja = to_json(a), jb = to_json(b);
+  // Schedules of different kinds: the kind is the difference (their other fields mean other things).
+  if (ja["schedule"]["kind"] != jb["schedule"]["kind"]) {
+    ja["schedule"] = {{"kind", ja["schedule"]["kind"]}, {"lr", ja["schedule"]["lr"]}};
+    jb["schedule"] = {{"kind", jb["schedule"]["kind"]}, {"lr", jb["schedule"]["lr"]}};
+  }
   for (auto* j : {&ja, &jb}) {
     if ((*j)["schedule"]["kind"] == "constant")
       for (const char* k : {"warmup_steps", "total_steps", "min_lr"}) (*j)["schedule"].erase(k);
