@@ -2,7 +2,13 @@
 """The peer: PyTorch with the whole model on the GPU (bf16 weights and AdamW states), activation
 checkpointing, random tokens, on the same shape and tokens per step as bench_train.
 
-    python3 bench/peer_pytorch.py --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 8
+    python3 bench/peer_pytorch.py --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 8 [--clip 1.0]
+
+As strong as PyTorch is on the shape: the fastest of PyTorch's scaled-dot-product attention
+kernels on this GPU (flash, cuDNN and memory-efficient are each timed on a step), then the
+fastest of the whole batch in one forward/backward, halves and quarters, among those that fit
+(--micro 0, the default; --micro N fixes it), fused AdamW, and with --clip PyTorch's
+clip_grad_norm_ (foreach) before it, as megatrain's exact mode does.
 
 Prints tokens/s (mean over the steps after --skip) and peak GPU memory. Shapes come from the same
 config.json fields megatrain's presets use (bench_train prints them with --print-config).
@@ -28,7 +34,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen2.5-1.5b", choices=sorted(PRESETS))
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--micro", type=int, default=8, help="sequences per forward/backward (gradient accumulation)")
+    ap.add_argument("--micro", type=int, default=0,
+                    help="sequences per forward/backward (gradient accumulation); 0: the whole batch if it fits, else halves")
+    ap.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ max norm before AdamW (0: none)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--skip", type=int, default=3)
@@ -46,25 +54,69 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     n = sum(p.numel() for p in model.parameters())
     tokens = a.batch * a.seq
-    print(f"peer: PyTorch {torch.__version__}, transformers {transformers.__version__}, {a.preset}, {n / 1e9:.3f}B "
-          f"parameters, {tokens} tokens per step ({a.batch} x {a.seq}, micro-batches of {a.micro})", flush=True)
-    times = []
-    for step in range(a.steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for m in range(a.batch // a.micro):
-            ids = torch.randint(0, cfg.vocab_size, (a.micro, a.seq), device="cuda")
-            out = model(input_ids=ids, labels=ids)
-            (out.loss / (a.batch // a.micro)).backward()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def step(micro, backend):
+        with sdpa_kernel([backend]):
+            for _ in range(a.batch // micro):
+                ids = torch.randint(0, cfg.vocab_size, (micro, a.seq), device="cuda")
+                out = model(input_ids=ids, labels=ids)
+                (out.loss / (a.batch // micro)).backward()
+        if a.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    def timed(micro, backend):
         torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        step(micro, backend)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    # The fastest attention kernel at the largest split that fits, then the fastest split: the whole
+    # batch, half, a quarter (each timed on its second step: the first pays for allocations and
+    # plans). None of these steps is measured.
+    def fits(micro):
+        try:
+            timed(micro, SDPBackend.FLASH_ATTENTION)
+            return True
+        except torch.OutOfMemoryError:
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            return False
+
+    splits = [a.micro] if a.micro > 0 else [m for m in (a.batch, a.batch // 2, a.batch // 4) if m >= 1 and a.batch % m == 0]
+    splits = [m for m in splits if fits(m)]
+    if not splits:
+        raise SystemExit(f"peer: not even micro-batches of {a.batch // 4} fit on this GPU")
+    trial = {}
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            timed(splits[0], backend)
+            trial[backend] = timed(splits[0], backend)
+        except RuntimeError as e:  # not available for this shape or GPU
+            print(f"peer: {backend.name} not usable here ({str(e).splitlines()[0][:80]})", flush=True)
+    backend = min(trial, key=trial.get)
+    split_times = {splits[0]: trial[backend]}
+    for m in splits[1:]:
+        timed(m, backend)
+        split_times[m] = timed(m, backend)
+    micro = min(split_times, key=split_times.get)
+    print(f"peer: PyTorch {torch.__version__}, transformers {transformers.__version__}, {a.preset}, {n / 1e9:.3f}B "
+          f"parameters, {tokens} tokens per step ({a.batch} x {a.seq}, {a.batch // micro} pass(es) of {micro}), attention "
+          f"{backend.name} (trial steps: {', '.join(f'{b.name} {t:.3f} s' for b, t in trial.items())}; passes of "
+          f"{', '.join(f'{m}: {t:.3f} s' for m, t in split_times.items())}), fused AdamW"
+          f"{f', clip_grad_norm_ {a.clip}' if a.clip > 0 else ''}", flush=True)
+    times = []
+    for i in range(a.steps):
+        dt = timed(micro, backend)
         times.append(dt)
-        print(f"peer step {step + 1}: {dt:.3f} s, {tokens / dt:.0f} tok/s", flush=True)
+        print(f"peer step {i + 1}: {dt:.3f} s, {tokens / dt:.0f} tok/s", flush=True)
     measured = times[min(a.skip, len(times) - 1):]
     mean = sum(measured) / len(measured)
-    print(json.dumps({"peer_tokens_per_s": tokens / mean, "peer_step_s": mean,
+    print(json.dumps({"peer_tokens_per_s": tokens / mean, "peer_step_s": mean, "peer_micro": micro,
+                      "peer_attention": backend.name, "peer_clip": a.clip,
                       "peer_peak_gpu_bytes": torch.cuda.max_memory_allocated()}))
 
 

@@ -26,15 +26,28 @@ if has train; then
   (cd /tmp && timeout 300 "$BIN/megatrain-train" --out /tmp/mt-run --overwrite true > "$OUT/train_default.log" 2>&1)
   summary+=("megatrain-train (no arguments) rc=$? $(tail -1 "$OUT/train_default.log")")
 fi
-# The 1.5B shape at 32k tokens per step: megatrain, then the PyTorch peer, and their ratio.
+# The 1.5B shape at 32k tokens per step: megatrain without clipping and with exact clipping, then
+# the PyTorch peer likewise (whole batch in one pass, its fastest attention, fused AdamW, and
+# clip_grad_norm_ for the exact run), and the ratios.
 if has bench; then
-  timeout 500 "$BIN/bench_train" --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 8 --skip 3 > "$OUT/bench_1p5b.log" 2>&1
-  summary+=("bench_train qwen2.5-1.5b rc=$?")
-  mt=$(grep -oP '\| tokens/s \(mean of \d+ steps\) \| \K[0-9]+' "$OUT/bench_1p5b.log")
-  timeout 500 python3 bench/peer_pytorch.py --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 6 --skip 2 > "$OUT/peer_1p5b.log" 2>&1
-  peer=$(python3 -c "import json,sys;print(round(json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])['peer_tokens_per_s']))" "$OUT/peer_1p5b.log" 2>/dev/null)
-  summary+=("qwen2.5-1.5b 32k tokens/step: megatrain ${mt:-?} tok/s, PyTorch all-on-GPU peer ${peer:-?} tok/s, ratio $(python3 -c "print(f'{${mt:-0}/max(${peer:-0},1):.2f}')")")
-  summary+=("qwen2.5-1.5b peak GPU memory $(grep -oP '^\| peak GPU memory [^|]*\| \K[^|]*[^| ]' "$OUT/bench_1p5b.log" || echo '?'), peak host memory $(grep -oP '^\| peak host memory [^|]*\| \K[^|]*[^| ]' "$OUT/bench_1p5b.log" || echo '?')")
+  tps() { grep -oP '\| tokens/s \(mean of \d+ steps\) \| \K[0-9]+' "$1"; }
+  peer_tps() { python3 -c "import json,sys;print(round(json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])['peer_tokens_per_s']))" "$1" 2>/dev/null; }
+  ratio() { python3 -c "print(f'{${1:-0}/max(${2:-0},1):.2f}')"; }
+  for mode in none exact; do
+    timeout 500 "$BIN/bench_train" --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 8 --skip 3 --clip-mode $mode \
+      > "$OUT/bench_1p5b_$mode.log" 2>&1
+    summary+=("bench_train qwen2.5-1.5b clip $mode rc=$?")
+  done
+  timeout 500 python3 bench/peer_pytorch.py --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 6 --skip 2 > "$OUT/peer_1p5b_none.log" 2>&1
+  timeout 500 python3 bench/peer_pytorch.py --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 6 --skip 2 --clip 1.0 > "$OUT/peer_1p5b_exact.log" 2>&1
+  mt_n=$(tps "$OUT/bench_1p5b_none.log"); mt_e=$(tps "$OUT/bench_1p5b_exact.log")
+  pe_n=$(peer_tps "$OUT/peer_1p5b_none.log"); pe_e=$(peer_tps "$OUT/peer_1p5b_exact.log")
+  summary+=("qwen2.5-1.5b 32k tokens/step, no clipping: megatrain ${mt_n:-?} tok/s, PyTorch peer ${pe_n:-?} tok/s, ratio $(ratio "$mt_n" "$pe_n")")
+  summary+=("qwen2.5-1.5b 32k tokens/step, exact clipping: megatrain ${mt_e:-?} tok/s ($(ratio "$mt_e" "$mt_n")x its unclipped), PyTorch peer ${pe_e:-?} tok/s, ratio $(ratio "$mt_e" "$pe_e")")
+  summary+=("peer: $(grep -E '^peer: PyTorch' "$OUT/peer_1p5b_exact.log" | head -1)")
+  for mode in none exact; do
+    summary+=("qwen2.5-1.5b clip $mode: peak GPU memory $(grep -oP '^\| peak GPU memory [^|]*\| \K[^|]*[^| ]' "$OUT/bench_1p5b_$mode.log" || echo '?'), peak host memory $(grep -oP '^\| peak host memory [^|]*\| \K[^|]*[^| ]' "$OUT/bench_1p5b_$mode.log" || echo '?')")
+  done
 fi
 # The 7B shape (host memory: 14 B/parameter + the gradient ring; stale clipping keeps gradients streaming).
 if has bench7b; then

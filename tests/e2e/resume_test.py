@@ -203,7 +203,7 @@ def second_signal():
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     check(p.returncode == 130, f"second SIGINT: exit status {p.returncode}, expected 130\n{err}")
-    check(time.time() - t0 < 0.4, f"second SIGINT: the process took {time.time() - t0:.2f} s to stop")
+    check(time.time() - t0 < 1.5, f"second SIGINT: the process took {time.time() - t0:.2f} s to stop (a save takes > 3 s here)")
     latest = open(path("run", "checkpoints", "latest")).read().strip()
     check(latest >= before, f"'latest' went back from {before} to {latest}")
     # The newest complete checkpoint loads (evaluated without training) ...
