@@ -555,6 +555,22 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     std::fprintf(info, "resumed from %s (step %lld, %s) in %.1f s\n", plan.resume->ckpt.dir().string().c_str(),
                  static_cast<long long>(st.step), format_bytes(plan.resume->ckpt.tensor_bytes()).c_str(),
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (!plan.eval_only) {
+      // Allowed, but then the continuation is not bit for bit the uninterrupted run: say so.
+      std::vector<std::string> layout;
+      const std::string was_backend = st.user.value("backend", "");
+      if (!was_backend.empty() && was_backend != backend_name)
+        layout.push_back(fmt::format("backend {} (checkpoint: {})", backend_name, was_backend));
+      const TrainerOptions now = trainer.options();
+      if (now.micro_batches != st.options.micro_batches)
+        layout.push_back(fmt::format("{} micro-batches (checkpoint: {})", now.micro_batches, st.options.micro_batches));
+      if (now.chunk_rows != st.options.chunk_rows)
+        layout.push_back(fmt::format("--chunk {} (checkpoint: {})", now.chunk_rows, st.options.chunk_rows));
+      if (!layout.empty())
+        std::fprintf(info, "note: this run computes the same update as the checkpoint's with %s: its floating-point sums "
+                     "come in another order, so it is not bit for bit the run that was not interrupted\n",
+                     fmt::format("{}", fmt::join(layout, ", ")).c_str());
+    }
     plan.resume.reset();
     plan.hf.reset();  // (--model given again was only compared with the checkpoint's model)
   } else if (plan.hf) {
@@ -640,7 +656,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   Checkpointer checkpoints(out / "checkpoints", copt);
   json side_names = json::array();
   for (const auto& [name, text] : plan.side_files) side_names.push_back(name);
-  const json user{{"program", "megatrain-train"}, {"given", plan.given}, {"data", plan.data_identity},
+  const json user{{"program", "megatrain-train"}, {"given", plan.given}, {"data", plan.data_identity}, {"backend", backend_name},
                   {"side_files", side_names}, {"run_dir", fs::absolute(out).lexically_normal().string()}};
   Progress progress(first_step, s.steps, isatty(STDOUT_FILENO) != 0);
   std::int64_t saved_step = first_step - 1;  // the newest complete checkpoint (or the one resumed from)

@@ -164,6 +164,12 @@ class Trainer {
     MT_NVTX_RANGE("Trainer::Trainer");
     opt.validate();
     check_store();
+    // With micro-batches, what orders a micro-batch's head and embedding backward after the
+    // offload of the previous micro-batch's accumulators is the reuse of the compute stage's
+    // ring (see Compute::takes_slot): a ring longer than a micro-batch's items would lose that.
+    MT_CHECK(opt_.micro_batches == 1 || opt_.grad_slots <= 2 * model_.num_blocks() + 3,
+             "grad_slots {} is more than the {} items of a micro-batch of this {}-block model: with micro-batches use at "
+             "most {}", opt_.grad_slots, 2 * model_.num_blocks() + 3, model_.num_blocks(), 2 * model_.num_blocks() + 3);
     model_.config().check_sequence_length(opt_.seq_len);
     allocate();
     pipeline_ = std::make_unique<Pipeline>(Prefetch{{this}, be_.make_executor(B::Role::upload)},
