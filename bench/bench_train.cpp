@@ -26,6 +26,7 @@
 #include <filesystem>
 #include <optional>
 #include <random>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -42,10 +43,12 @@ using namespace megatrain;
 namespace {
 
 struct Args {
-  std::string preset = "qwen2.5-1.5b", backend = "auto", clip_mode = "none", gpu_memory, save_dir;
+  std::string preset = "qwen2.5-1.5b", backend = "auto", clip_mode = "none", gpu_memory, save_dir, gradients = "device";
   std::int64_t batch = 32, seq = 1024, steps = 8, skip = 3, chunk = 0, layers = 0, save_at = 0;
+  std::int64_t device_units = TrainerOptions::kAutoDeviceUnits;
   bool overlap_update = true;
-  double pcie_gbs = 55.3, gemm_tflops = 700, adamw_gparams = 4.4;  // reference ceilings (shared/DESIGN.md, docs/performance.md)
+  // reference ceilings (shared/DESIGN.md, docs/performance.md; HBM: an H200's 4.8 TB/s at ~85%)
+  double pcie_gbs = 55.3, gemm_tflops = 700, adamw_gparams = 4.4, hbm_tbs = 4.0;
 };
 
 double peak_rss_bytes() {
@@ -93,6 +96,9 @@ int run(B& be, const char* name, const Args& a) {
   opt.chunk_rows = a.chunk;
   opt.profile = true;
   opt.overlap_update = a.overlap_update;
+  opt.device_units = a.device_units;
+  MT_CHECK(a.gradients == "device" || a.gradients == "host", "--gradients must be device or host");
+  opt.gradient_home = a.gradients == "host" ? GradientHome::host : GradientHome::device;
   opt.adamw.lr = 1e-4;
   opt.schedule.lr = 1e-4;
   if (a.clip_mode != "none") {
@@ -111,6 +117,12 @@ int run(B& be, const char* name, const Args& a) {
               static_cast<long long>(a.chunk), a.clip_mode.c_str(), name);
   std::printf("host store %s, trainer device buffers %s, spilled checkpoints %zu\n", format_bytes(store.bytes()).c_str(),
               format_bytes(trainer.device_bytes()).c_str(), trainer.spilled_checkpoints());
+  // Parameters whose AdamW runs on the device (device units) and on the host.
+  double n_dev = 0;
+  for (std::size_t u = 0; u < trainer.device_units(); ++u) n_dev += static_cast<double>(store.unit(u).param_count());
+  const double n_host = N - n_dev;
+  std::printf("AdamW on the device for %zu of %zu units (%.3fB parameters), on the host for %.3fB; gradients wait in %s memory\n",
+              trainer.device_units(), store.num_units(), n_dev / 1e9, n_host / 1e9, opt.resident_gradients() ? a.gradients.c_str() : "no");
 
   std::mt19937 rng(1);
   std::vector<std::int32_t> ids(static_cast<std::size_t>(T)), labels(ids.size());
@@ -165,20 +177,24 @@ int run(B& be, const char* name, const Args& a) {
   }
   t /= n;
   // Cost model: 8 N T FLOPs with recompute, plus causal attention (QK^T and PV: 2 * 2 * T * seq/2
-  // * q_dim per layer forward, x4 for recompute + backward); PCIe: bf16 weights in twice, fp32
-  // gradients out once; the CPU optimizer at the measured AdamW rate.
+  // * q_dim per layer forward, x4 for recompute + backward), plus the device units' AdamW (30
+  // bytes per parameter through HBM); PCIe: the host units' bf16 weights in twice and fp32
+  // gradients out once; the CPU optimizer at the reference AdamW rate over the host units.
   const double attn = 4.0 * 2 * 2 * T * static_cast<double>(a.seq) / 2 * static_cast<double>(cfg.q_dim()) *
                       static_cast<double>(cfg.num_hidden_layers);
-  const double gpu_s = (8 * N * T + attn) / (a.gemm_tflops * 1e12);
-  const double h2d_s = 2 * 2 * N / (a.pcie_gbs * 1e9), d2h_s = 4 * N / (a.pcie_gbs * 1e9), opt_s = N / (a.adamw_gparams * 1e9);
+  const double gpu_s = (8 * N * T + attn) / (a.gemm_tflops * 1e12) + 30 * n_dev / (a.hbm_tbs * 1e12);
+  const double h2d_s = 2 * 2 * n_host / (a.pcie_gbs * 1e9), d2h_s = 4 * n_host / (a.pcie_gbs * 1e9),
+               opt_s = n_host / (a.adamw_gparams * 1e9);
   const double bound = std::max({gpu_s, h2d_s, d2h_s, opt_s});
   std::printf("\n| metric | value |\n| --- | --- |\n");
   std::printf("| tokens/s (mean of %d steps) | %.0f |\n", n, T / t);
   std::printf("| step time | %.3f s |\n", t);
   std::printf("| GPU busy (compute stream) | %.0f%% |\n", 100 * busy / n / t);
-  std::printf("| H2D while copying / over the step | %.1f GB/s / %.1f GB/s |\n", up_b / up_s / 1e9, up_b / n / t / 1e9);
-  std::printf("| D2H while copying / over the step | %.1f GB/s / %.1f GB/s |\n", dn_b / dn_s / 1e9, dn_b / n / t / 1e9);
-  std::printf("| CPU optimizer per step | %.3f s (%.2f Gparam/s) |\n", optim / n, N / (optim / n) / 1e9);
+  for (const auto& [dir, bytes, secs] : {std::tuple{"H2D", up_b, up_s}, std::tuple{"D2H", dn_b, dn_s}}) {
+    if (bytes > 0) std::printf("| %s while copying / over the step | %.1f GB/s / %.1f GB/s |\n", dir, bytes / secs / 1e9, bytes / n / t / 1e9);
+    else std::printf("| %s | none (every unit on the device) |\n", dir);
+  }
+  if (n_host > 0) std::printf("| CPU optimizer per step | %.3f s (%.2f Gparam/s) |\n", optim / n, n_host / (optim / n) / 1e9);
   std::printf("| peak host memory (RSS) | %s (%.2f bytes/parameter) |\n", format_bytes(static_cast<std::size_t>(peak_rss_bytes())).c_str(),
               peak_rss_bytes() / N);
   std::printf("| peak GPU memory (device total - free, sampled after every step) | %s |\n", format_bytes(gpu_peak).c_str());
@@ -227,6 +243,11 @@ int main(int argc, char** argv) {
   app.add_option("--gpu-memory", a.gpu_memory, "GPU memory cap, e.g. 40G");
   app.add_option("--overlap-update", a.overlap_update,
                  "Exact clipping: run the AdamW pass of step t ahead of step t+1's forward (true/false)")
+      ->capture_default_str();
+  app.add_option("--device-units", a.device_units,
+                 "Units whose AdamW state lives on the device, the first in forward order (-1: as many as fit)")
+      ->capture_default_str();
+  app.add_option("--gradients", a.gradients, "Where gradients wait for the norm (exact clipping): device or host")
       ->capture_default_str();
   app.add_option("--save-dir", a.save_dir, "Save a train-state checkpoint here (overlapped) and time it, and its load");
   app.add_option("--save-at", a.save_at, "The step after which --save-dir saves")->capture_default_str();

@@ -26,34 +26,36 @@ if has train; then
   (cd /tmp && timeout 300 "$BIN/megatrain-train" --out /tmp/mt-run --overwrite true > "$OUT/train_default.log" 2>&1)
   summary+=("megatrain-train (no arguments) rc=$? $(tail -1 "$OUT/train_default.log")")
 fi
-# The 1.5B shape at 32k tokens per step: megatrain without clipping and with exact clipping, then
-# the PyTorch peer likewise (whole batch in one pass, its fastest attention, fused AdamW, and
-# clip_grad_norm_ for the exact run), and the ratios.
-if has bench; then
-  tps() { grep -oP '\| tokens/s \(mean of \d+ steps\) \| \K[0-9]+' "$1"; }
-  peer_tps() { python3 -c "import json,sys;print(round(json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])['peer_tokens_per_s']))" "$1" 2>/dev/null; }
-  ratio() { python3 -c "print(f'{${1:-0}/max(${2:-0},1):.2f}')"; }
+# A shape at 32k tokens per step: megatrain without clipping and with exact clipping (placement:
+# auto, as many units' AdamW state on the GPU as fit), then the PyTorch peer likewise (whole batch
+# in one pass where it fits, its fastest attention, fused AdamW, and clip_grad_norm_ for the exact
+# run), and the ratios. bench: the 1.5B shape; bench7b: the 7B shape (MEGATRAIN_HOST_MEMORY=120G).
+tps() { grep -oP '\| tokens/s \(mean of \d+ steps\) \| \K[0-9]+' "$1"; }
+peer_tps() { python3 -c "import json,sys;print(round(json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])['peer_tokens_per_s']))" "$1" 2>/dev/null; }
+ratio() { python3 -c "print(f'{${1:-0}/max(${2:-0},1):.2f}')"; }
+bench_shape() {  # preset tag steps skip peer_steps
+  local preset=$1 tag=$2 steps=$3 skip=$4 psteps=$5
   for mode in none exact; do
-    timeout 500 "$BIN/bench_train" --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 8 --skip 3 --clip-mode $mode \
-      > "$OUT/bench_1p5b_$mode.log" 2>&1
-    summary+=("bench_train qwen2.5-1.5b clip $mode rc=$?")
+    MEGATRAIN_HOST_MEMORY=120G timeout 590 "$BIN/bench_train" --preset "$preset" --batch 32 --seq 1024 --steps "$steps" \
+      --skip "$skip" --clip-mode $mode > "$OUT/bench_${tag}_$mode.log" 2>&1
+    summary+=("bench_train $preset clip $mode rc=$?: $(grep -E '^AdamW on the device' "$OUT/bench_${tag}_$mode.log")")
   done
-  timeout 500 python3 bench/peer_pytorch.py --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 6 --skip 2 > "$OUT/peer_1p5b_none.log" 2>&1
-  timeout 500 python3 bench/peer_pytorch.py --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 6 --skip 2 --clip 1.0 > "$OUT/peer_1p5b_exact.log" 2>&1
-  mt_n=$(tps "$OUT/bench_1p5b_none.log"); mt_e=$(tps "$OUT/bench_1p5b_exact.log")
-  pe_n=$(peer_tps "$OUT/peer_1p5b_none.log"); pe_e=$(peer_tps "$OUT/peer_1p5b_exact.log")
-  summary+=("qwen2.5-1.5b 32k tokens/step, no clipping: megatrain ${mt_n:-?} tok/s, PyTorch peer ${pe_n:-?} tok/s, ratio $(ratio "$mt_n" "$pe_n")")
-  summary+=("qwen2.5-1.5b 32k tokens/step, exact clipping: megatrain ${mt_e:-?} tok/s ($(ratio "$mt_e" "$mt_n")x its unclipped), PyTorch peer ${pe_e:-?} tok/s, ratio $(ratio "$mt_e" "$pe_e")")
-  summary+=("peer: $(grep -E '^peer: PyTorch' "$OUT/peer_1p5b_exact.log" | head -1)")
+  if [[ -z ${NO_PEER:-} ]]; then
+    timeout 590 python3 bench/peer_pytorch.py --preset "$preset" --batch 32 --seq 1024 --steps "$psteps" --skip 2 > "$OUT/peer_${tag}_none.log" 2>&1
+    timeout 590 python3 bench/peer_pytorch.py --preset "$preset" --batch 32 --seq 1024 --steps "$psteps" --skip 2 --clip 1.0 > "$OUT/peer_${tag}_exact.log" 2>&1
+  fi
+  local mt_n mt_e pe_n pe_e
+  mt_n=$(tps "$OUT/bench_${tag}_none.log"); mt_e=$(tps "$OUT/bench_${tag}_exact.log")
+  pe_n=$(peer_tps "$OUT/peer_${tag}_none.log"); pe_e=$(peer_tps "$OUT/peer_${tag}_exact.log")
+  summary+=("$preset 32k tokens/step, no clipping: megatrain ${mt_n:-?} tok/s, PyTorch peer ${pe_n:-?} tok/s, ratio $(ratio "$mt_n" "$pe_n")")
+  summary+=("$preset 32k tokens/step, exact clipping: megatrain ${mt_e:-?} tok/s ($(ratio "$mt_e" "$mt_n")x its unclipped), PyTorch peer ${pe_e:-?} tok/s, ratio $(ratio "$mt_e" "$pe_e")")
+  summary+=("peer: $(grep -E '^peer: PyTorch' "$OUT/peer_${tag}_exact.log" | head -1)")
   for mode in none exact; do
-    summary+=("qwen2.5-1.5b clip $mode: peak GPU memory $(grep -oP '^\| peak GPU memory [^|]*\| \K[^|]*[^| ]' "$OUT/bench_1p5b_$mode.log" || echo '?'), peak host memory $(grep -oP '^\| peak host memory [^|]*\| \K[^|]*[^| ]' "$OUT/bench_1p5b_$mode.log" || echo '?')")
+    summary+=("$preset clip $mode: peak GPU memory $(grep -oP '^\| peak GPU memory [^|]*\| \K[^|]*[^| ]' "$OUT/bench_${tag}_$mode.log" || echo '?'), peak host memory $(grep -oP '^\| peak host memory [^|]*\| \K[^|]*[^| ]' "$OUT/bench_${tag}_$mode.log" || echo '?'), $(grep -oP '^\| cost model[^|]*\| \K.*measured / bound [0-9.]+' "$OUT/bench_${tag}_$mode.log" || echo '?')")
   done
-fi
-# The 7B shape (host memory: 14 B/parameter + the gradient ring; stale clipping keeps gradients streaming).
-if has bench7b; then
-  MEGATRAIN_HOST_MEMORY=120G timeout 590 "$BIN/bench_train" --preset qwen2.5-7b --batch 32 --seq 1024 --steps 5 --skip 2 > "$OUT/bench_7b.log" 2>&1
-  summary+=("bench_train qwen2.5-7b rc=$? $(grep -E 'tokens/s \(mean' "$OUT/bench_7b.log")")
-fi
+}
+has bench && bench_shape qwen2.5-1.5b 1p5b 8 3 6
+has bench7b && bench_shape qwen2.5-7b 7b 5 2 5
 # Train-state checkpoints (docs/checkpointing.md): the disk's own sequential write rate (dd, 4 GiB,
 # fsync'd), then a checkpoint saved while training goes on and loaded back (bench_train
 # --save-dir). They are written beside the working tree (not /tmp, which may be memory).

@@ -59,9 +59,10 @@ struct Settings {
   std::int64_t batch = 8, seq = 128, micro_batches = 1, max_micro_batch = 0, chunk = 0, steps = 60;
   double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, clip = 1.0;
   std::int64_t warmup = -1;  // default: min(10, steps / 5)
-  // Stale clipping by default: each unit's optimizer step starts the moment its gradient lands
-  // (exact clipping must wait for the whole backward; see docs/training.md).
+  // Exact clipping by default (PyTorch's clip_grad_norm_); stale changes the update (docs/training.md).
   std::string schedule = "cosine", clip_mode = "exact";
+  // where gradients wait for the norm, and how many units keep their AdamW state on the GPU
+  std::string gradients = "device", device_units = "auto";
   // run
   std::uint64_t seed = 1;
   std::string out, backend = "auto", host_memory, gpu_memory;
@@ -175,6 +176,14 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
   runo->add_option("--log-every", s.log_every, "Print every N steps when not on a terminal")->capture_default_str();
   runo->add_option("--host-memory", s.host_memory, "Host memory megatrain may use, e.g. 120G (default: what is free)");
   runo->add_option("--gpu-memory", s.gpu_memory, "GPU memory megatrain may use, e.g. 20G (default: what is free less 1 GiB)");
+  runo->add_option("--device-units", s.device_units,
+                   "Units (the first in forward order: embedding, blocks, head) whose AdamW state lives in GPU memory "
+                   "and is updated there: auto (as many as fit), all, or a count (0: every unit on the host)")
+      ->capture_default_str();
+  runo->add_option("--gradients", s.gradients,
+                   "Where gradients wait for the global norm (exact clipping, micro-batches): device (GPU memory) or "
+                   "host (4 more bytes of host memory per parameter)")
+      ->capture_default_str();
 
   auto* ck = app->add_option_group("checkpoints", "Train-state checkpoints (docs/checkpointing.md)");
   ck->add_option("--save-every", s.save_every,

@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include <atomic>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -56,6 +57,18 @@ using namespace megatrain;
 using namespace megatrain_train;
 
 namespace {
+
+/// --device-units: "auto" (kAutoDeviceUnits), "all" (kAllDeviceUnits, resolved with the model)
+/// or a count >= 0; nullopt when malformed.
+constexpr std::int64_t kAllDeviceUnits = -2;
+std::optional<std::int64_t> parse_device_units(const std::string& v) {
+  if (v == "auto") return TrainerOptions::kAutoDeviceUnits;
+  if (v == "all") return kAllDeviceUnits;
+  std::int64_t n = 0;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (ec != std::errc{} || end != v.data() + v.size() || n < 0) return std::nullopt;
+  return n;
+}
 
 // ---- signals --------------------------------------------------------------------------------------
 // The first SIGINT or SIGTERM asks the loop to stop after the current step (saving first); a
@@ -273,6 +286,9 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
   MT_CHECK(!(s.schedule == "constant" && s.origins.conflicts("--min-lr", "--schedule")),
            "--min-lr needs --schedule cosine (a constant schedule has no floor)");
   MT_CHECK(s.clip_mode == "exact" || s.clip_mode == "stale", "--clip-mode must be exact or stale (got '{}')", s.clip_mode);
+  MT_CHECK(s.gradients == "device" || s.gradients == "host", "--gradients must be device or host (got '{}')", s.gradients);
+  const std::optional<std::int64_t> device_units = parse_device_units(s.device_units);
+  MT_CHECK(device_units.has_value(), "--device-units must be auto, all or a count >= 0 (got '{}')", s.device_units);
   MT_CHECK(!(s.clip == 0 && s.origins.conflicts("--clip-mode", "--clip")), "--clip-mode given but clipping is off (--clip 0)");
   MT_CHECK(s.data_format == "u16" || s.data_format == "u32", "--data-format must be u16 or u32 (got '{}')", s.data_format);
   MT_CHECK(s.val_data.empty() || !s.origins.conflicts("--val-fraction", "--val-data"),
@@ -289,7 +305,8 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
            "--steps 0 evaluates only and writes no run directory: drop --out (the loss is printed as JSON)");
   if (eval_only)  // options that only shape training would be ignored: refuse them
     for (const char* f : {"--lr", "--min-lr", "--warmup", "--schedule", "--weight-decay", "--beta1", "--beta2", "--eps", "--clip",
-                          "--clip-mode", "--micro-batches", "--overwrite", "--eval-every", "--log-every", "--save-every", "--keep"})
+                          "--clip-mode", "--micro-batches", "--overwrite", "--eval-every", "--log-every", "--save-every", "--keep",
+                          "--device-units", "--gradients"})
       MT_CHECK(!s.origins.conflicts(f, "--steps"), "{} has no effect with --steps 0 (evaluation only); drop it", f);
   check_model_source(s);
   plan.eval_only = eval_only;
@@ -403,6 +420,10 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
   topt.max_micro_rows = s.max_micro_batch;
   topt.chunk_rows = s.chunk;
   topt.adamw = {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
+  topt.gradient_home = s.gradients == "host" ? GradientHome::host : GradientHome::device;
+  topt.device_units = *device_units == kAllDeviceUnits ? cfg->num_hidden_layers + 2 : *device_units;
+  MT_CHECK(topt.device_units <= cfg->num_hidden_layers + 2, "--device-units {} is more than the model's {} units (the "
+           "embedding, {} blocks and the head); use all", topt.device_units, cfg->num_hidden_layers + 2, cfg->num_hidden_layers);
   if (eval_only) {
     // Every validation window once (at most --eval-batches x --batch when --eval-batches is given),
     // in batches of at most --batch sequences; no optimizer state is needed.
@@ -410,6 +431,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
     if (app.get_option("--eval-batches")->count() > 0) plan.eval_rows = std::min(plan.eval_rows, s.eval_batches * s.batch);
     topt.batch_rows = std::max<std::int64_t>(1, std::min(s.batch, plan.eval_rows));
     topt.micro_batches = 1;  // (--max-micro-batch still splits each evaluation batch)
+    topt.device_units = 0;   // (no optimizer state is needed)
     topt.schedule = {LrSchedule::Kind::constant, s.lr, 0, 0, 0.0};
   } else {
     // A resumed run keeps its schedule's length (set by its first run's --steps): --steps then
@@ -643,6 +665,12 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
               micro > 1 ? fmt::format(" in {} micro-batches of {}", micro, s.batch / micro).c_str() : "",
               first_step > 1 ? fmt::format("steps {} to", first_step).c_str() : "steps", static_cast<long long>(s.steps),
               format_bytes(store.bytes()).c_str(), out.string().c_str());
+  if constexpr (B::kDevice)
+    std::printf("AdamW on the GPU for %zu of %zu units (--device-units), on the host for the rest%s\n", trainer.device_units(),
+                store.num_units(),
+                topt.resident_gradients() ? fmt::format("; gradients wait for the norm in {} memory (--gradients)",
+                                                        s.gradients == "host" ? "host" : "GPU").c_str()
+                                          : "");
   if (topt.schedule.kind == LrSchedule::Kind::warmup_cosine && s.steps > topt.schedule.total_steps)
     std::printf("note: the cosine schedule ends at step %lld (the first run's --steps); later steps train at --min-lr %g\n",
                 static_cast<long long>(topt.schedule.total_steps), topt.schedule.min_lr);

@@ -1182,6 +1182,53 @@ void check_aligned4(const void* ptr, const char* name, const char* what) {
 
 }  // namespace
 
+// ---- AdamW -------------------------------------------------------------------------------------
+// The update of optim/adamw.hpp, each operation written as its IEEE-rounded intrinsic so that
+// the compiler contracts nothing into a fused multiply-add the CPU path does not have: the
+// result is bit for bit the CPU's (tests/cuda/test_kernels.cpp checks it).
+namespace {
+
+__device__ __forceinline__ float adamw_one(const AdamWArgs& s, float& p, float& m, float& v, float g) {
+  const float gi = __fmul_rn(g, s.grad_scale);
+  const float pi = __fmul_rn(p, s.decay);
+  const float mi = __fmaf_rn(s.one_minus_b1, __fsub_rn(gi, m), m);
+  const float vi = __fmaf_rn(s.one_minus_b2, __fmul_rn(gi, gi), __fmul_rn(v, s.beta2));
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), s.bc2_sqrt), s.eps);
+  p = __fmaf_rn(-s.step_size, __fdiv_rn(mi, denom), pi);
+  m = mi;
+  v = vi;
+  return p;
+}
+
+struct AdamWOp {
+  AdamWArgs s;
+  float* p;
+  float* m;
+  float* v;
+  const float* g;
+  bf* w;
+  __device__ void one(i64 i) const { stf(w + i, adamw_one(s, p[i], m[i], v[i], g[i])); }
+  __device__ void vec8(i64 i) const {
+    float out[8];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float4 pp = *reinterpret_cast<const float4*>(p + i + 4 * h), mm = *reinterpret_cast<const float4*>(m + i + 4 * h);
+      float4 vv = *reinterpret_cast<const float4*>(v + i + 4 * h);
+      const float4 gg = *reinterpret_cast<const float4*>(g + i + 4 * h);
+      out[4 * h + 0] = adamw_one(s, pp.x, mm.x, vv.x, gg.x);
+      out[4 * h + 1] = adamw_one(s, pp.y, mm.y, vv.y, gg.y);
+      out[4 * h + 2] = adamw_one(s, pp.z, mm.z, vv.z, gg.z);
+      out[4 * h + 3] = adamw_one(s, pp.w, mm.w, vv.w, gg.w);
+      *reinterpret_cast<float4*>(p + i + 4 * h) = pp;
+      *reinterpret_cast<float4*>(m + i + 4 * h) = mm;
+      *reinterpret_cast<float4*>(v + i + 4 * h) = vv;
+    }
+    st16(w + i, pack8(out));
+  }
+};
+
+}  // namespace
+
 // ================================================================================================
 // launchers
 // ================================================================================================
@@ -1436,6 +1483,13 @@ void launch_attention_backward(const bf16* q, const bf16* k, const bf16* v, cons
                                 smem_kv, stream>>>(dev(q), dev(k), dev(v), dev(dout), lse, delta, dev(dk), dev(dv), p);
     MT_CUDA_CHECK_LAUNCH("attention_dkdv_kernel");
   });
+}
+
+void launch_adamw(const AdamWArgs& s, float* p, float* m, float* v, const float* g, bf16* w, std::int64_t n,
+                  cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_adamw");
+  launch_map("adamw_kernel", AdamWOp{s, p, m, v, g, dev(w)}, n,
+             aligned16(p) && aligned16(m) && aligned16(v) && aligned16(g) && aligned16(w), stream);
 }
 
 }  // namespace megatrain::cuda

@@ -1,7 +1,7 @@
 // Saving and resuming on the GPU: a run resumed from a checkpoint equals the uninterrupted run at
 // least as closely as two uninterrupted runs equal each other (measured, both printed), in stale
-// and exact clipping with gradient accumulation; and a save overlapped with the next steps
-// changes nothing in the run that saves.
+// and exact clipping with gradient accumulation, with AdamW on the GPU (device units) or the
+// host; and a save overlapped with the next steps changes nothing in the run that saves.
 #include <doctest/doctest.h>
 
 #include <nlohmann/json.hpp>
@@ -108,9 +108,13 @@ TEST_CASE("a resumed GPU run equals the uninterrupted one as closely as two unin
     bool tied;
     std::int64_t micro;
     ClipMode mode;
+    std::int64_t device_units = TrainerOptions::kAutoDeviceUnits;  // (auto: every unit of this model on the GPU)
   };
   const Case cases[] = {{"tied, stale clipping", true, 1, ClipMode::stale},
-                        {"untied, exact clipping, 2 micro-batches", false, 2, ClipMode::exact}};
+                        {"tied, stale clipping, AdamW on the host", true, 1, ClipMode::stale, 0},
+                        {"untied, exact clipping, 2 micro-batches", false, 2, ClipMode::exact},
+                        {"untied, exact clipping, 2 micro-batches, AdamW on the host for all but 2 units", false, 2,
+                         ClipMode::exact, 2}};
   megatrain::test::TempDir dir("megatrain-gpu-resume");
   CudaBackend be;
   for (const Case& k : cases) {
@@ -125,6 +129,7 @@ TEST_CASE("a resumed GPU run equals the uninterrupted one as closely as two unin
     o.schedule = {LrSchedule::Kind::warmup_cosine, 2e-3, 2, 10, 2e-4};
     o.clip_norm = 0.5;
     o.clip_mode = k.mode;
+    o.device_units = k.device_units;
     constexpr int kSteps = 8, kHalf = 4;
 
     // Two uninterrupted runs; the second saves at kHalf while it goes on (a slow disk, so the

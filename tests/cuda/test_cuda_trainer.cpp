@@ -1,6 +1,7 @@
 // The streaming trainer on the GPU: it follows the CPU backend's loss curve within bf16
-// tolerance over 50 steps of a small model, and a GPU memory cap that forces activation
-// checkpoints into host memory changes no bit of the result.
+// tolerance over 50 steps of a small model, a GPU memory cap that forces activation
+// checkpoints into host memory changes no bit of the result, and neither does where AdamW runs
+// (host or device units) or where gradients wait for the norm.
 #include <doctest/doctest.h>
 
 #include <nlohmann/json.hpp>
@@ -39,12 +40,14 @@ TrainerOptions options() {
   o.schedule = {LrSchedule::Kind::warmup_cosine, 2e-3, 5, 50, 2e-4};
   o.clip_norm = 1.0;
   o.clip_mode = ClipMode::stale;
+  o.device_units = 0;  // the streaming paths (the placement test below sets its own)
   return o;
 }
 
 template <class B>
 std::vector<StepStats> train(B& be, int steps, std::size_t* spilled = nullptr, bool profile = false,
-                             TrainerOptions opt = options()) {
+                             TrainerOptions opt = options(), std::vector<float>* weights = nullptr,
+                             std::size_t* device_units = nullptr) {
   const auto cfg = small();
   opt.profile = profile;
   DecoderModel<> model(cfg);
@@ -64,6 +67,11 @@ std::vector<StepStats> train(B& be, int steps, std::size_t* spilled = nullptr, b
     data.train_batch(s * opt.batch_rows, opt.batch_rows, ids, labels);
     out.push_back(trainer.step(ids, labels));
   }
+  if (device_units) *device_units = trainer.device_units();
+  trainer.finish_update();
+  if (weights)
+    for (const auto& u : store.units())
+      for (auto sl : {u.master(), u.adam_m(), u.adam_v()}) weights->insert(weights->end(), sl.begin(), sl.end());
   return out;
 }
 
@@ -94,15 +102,18 @@ TEST_CASE("the GPU trainer follows the CPU trainer's loss curve over 50 steps") 
 }
 
 TEST_CASE("exact clipping and gradient accumulation on the GPU follow the CPU") {
-  // Exact clipping: gradients resident, each unit's norm summed on the GPU (sum_squares) and
-  // landed with it. Micro-batches: later micro-batches staged on the host and added up by the
-  // optimizer stage.
-  for (const std::int64_t micro : {1, 2}) {
+  // Exact clipping: every gradient kept until the norm is known, each unit's norm summed on the
+  // GPU (sum_squares). Gradients wait on the GPU (micro-batches add up there), or in host memory
+  // (later micro-batches staged on the host and added up by the optimizer stage).
+  for (const std::int64_t micro : {1, 2})
+  for (const GradientHome home : {GradientHome::device, GradientHome::host}) {
     CAPTURE(micro);
+    CAPTURE(home == GradientHome::device);
     auto o = options();
     o.clip_mode = ClipMode::exact;
     o.clip_norm = 0.5;
     o.micro_batches = micro;
+    o.gradient_home = home;
     CpuBackend<float> cpu;
     const auto ref = train(cpu, 8, nullptr, false, o);
     CudaBackend gpu;
@@ -200,5 +211,49 @@ TEST_CASE("a large vocabulary (gradients landing in pieces) trains the same on t
       CHECK(got[s].grad_norm == doctest::Approx(ref[s].grad_norm).epsilon(0.05));
     }
     CHECK(got.back().loss < got.front().loss);
+  }
+}
+
+TEST_CASE("where AdamW runs and where gradients wait change no bit on the GPU") {
+  // Gradients on the GPU or in host memory; AdamW on the host for every unit, for the first
+  // three, or (auto, which on a GPU of this size takes them all) for every unit on the GPU. The
+  // gradients are the same fp32 numbers, each unit's norm is summed on the GPU either way, and
+  // the GPU's AdamW is the host's bit for bit: exact clipping and no clipping give the same
+  // bits everywhere (stale clipping sums the norm in another order when units are on the GPU).
+  for (const double clip : {0.5, 0.0}) {
+    CAPTURE(clip);
+    std::vector<std::vector<StepStats>> stats;
+    std::vector<std::vector<float>> weights;
+    struct Placement {
+      GradientHome home;
+      std::int64_t units;
+    };
+    for (const Placement pl : {Placement{GradientHome::device, 0}, Placement{GradientHome::device, 3},
+                               Placement{GradientHome::device, TrainerOptions::kAutoDeviceUnits},
+                               Placement{GradientHome::host, 0}, Placement{GradientHome::host, 3}}) {
+      CAPTURE(pl.home == GradientHome::device);
+      CAPTURE(pl.units);
+      auto o = options();
+      o.clip_mode = ClipMode::exact;
+      o.clip_norm = clip;
+      o.gradient_home = pl.home;
+      o.device_units = pl.units;
+      CudaBackend gpu;
+      std::vector<float> w;
+      std::size_t units = 0;
+      stats.push_back(train(gpu, 6, nullptr, false, o, &w, &units));
+      if (pl.units == TrainerOptions::kAutoDeviceUnits) CHECK(units == static_cast<std::size_t>(small().num_hidden_layers + 2));
+      else CHECK(units == static_cast<std::size_t>(pl.units));
+      weights.push_back(std::move(w));
+    }
+    for (std::size_t r = 1; r < stats.size(); ++r) {
+      CAPTURE(r);
+      CHECK(weights[r] == weights[0]);
+      for (std::size_t s = 0; s < stats[0].size(); ++s) {
+        CHECK(stats[r][s].loss == stats[0][s].loss);
+        if (clip > 0) CHECK(stats[r][s].grad_norm == stats[0][s].grad_norm);
+      }
+    }
+    if (clip > 0) CHECK(stats[0].front().clip_coef < 1.0);
   }
 }

@@ -628,6 +628,53 @@ TEST_CASE("attention forward and backward against the double reference") {
 
 // ---- argument checks -----------------------------------------------------------------------------
 
+// ---- optimizer ----------------------------------------------------------------------------------
+
+TEST_CASE("adamw is bit for bit the host optimizer (fp32 state, bf16 weights), on the vector and scalar paths") {
+  std::mt19937 rng(9);
+  for (std::int64_t n : {1, 7, 8, 1000, 4103, 1 << 16}) {
+    for (std::size_t offset : {0u, 1u}) {
+      CAPTURE(n);
+      CAPTURE(offset);
+      // A trained state: moments of the gradients' scale, v > 0, a few elements tiny or zero.
+      auto p = random_f32(sz(n), rng, 0.05f), g = random_f32(sz(n), rng, 1e-3f), m = random_f32(sz(n), rng, 1e-4f);
+      std::vector<float> v(sz(n));
+      for (auto& x : v) x = std::fabs(random_f32(1, rng, 1e-6f)[0]);
+      for (std::size_t i = 0; i < sz(n); i += 97) {
+        g[i] = 0.0f;
+        v[i] = 0.0f;
+        m[i] = 0.0f;
+      }
+      megatrain::AdamWConfig cfg;
+      cfg.weight_decay = 0.1;
+      for (const std::int64_t step : {1, 7, 1000}) {
+        CAPTURE(step);
+        const auto s = megatrain::AdamWScalars<float>::make(cfg, step, 3e-4, cfg.weight_decay, 0.37);
+        DeviceArray<float> dp(sz(n), offset), dm(sz(n), offset), dv(sz(n), offset), dg(sz(n), offset);
+        DeviceArray<bf16> dw(sz(n), offset);
+        dp.upload(p);
+        dm.upload(m);
+        dv.upload(v);
+        dg.upload(g);
+        dw.poison();
+        const mc::AdamWArgs a{s.decay, s.one_minus_b1, s.beta2, s.one_minus_b2, s.bc2_sqrt, s.eps, s.step_size, s.grad_scale};
+        mc::launch_adamw(a, dp.get(), dm.get(), dv.get(), dg.get(), dw.get(), n, stream());
+        // The host optimizer on the widest vector path this CPU has.
+        std::vector<float> hp = p, hm = m, hv = v;
+        std::vector<bf16> hw(sz(n));
+        megatrain::detail::adamw_f32(megatrain::active_simd_level(), s, hp.data(), hm.data(), hv.data(), g.data(), hw.data(), sz(n));
+        CHECK(same_bits(dp.download(), hp));
+        CHECK(same_bits(dm.download(), hm));
+        CHECK(same_bits(dv.download(), hv));
+        CHECK(same_bits(dw.download(), hw));
+        p = hp;
+        m = hm;
+        v = hv;
+      }
+    }
+  }
+}
+
 TEST_CASE("launchers reject bad arguments on the host, before launching") {
   DeviceArray<bf16> buf(4096);
   DeviceArray<float> fbuf(4096);

@@ -99,13 +99,18 @@ TEST_CASE("a resumed run equals the uninterrupted one bit for bit, in every mode
     std::int64_t vocab, micro;
     double clip;
     ClipMode mode;
+    std::int64_t device_units = 0;
+    GradientHome home = GradientHome::device;
   };
   const Case cases[] = {
       {"tied, no clipping", true, 53, 1, 0.0, ClipMode::exact},
       {"untied, stale clipping", false, 53, 1, 0.05, ClipMode::stale},
       {"tied, exact clipping", true, 53, 1, 0.05, ClipMode::exact},
+      {"tied, exact clipping, gradients in host memory", true, 53, 1, 0.05, ClipMode::exact, 0, GradientHome::host},
       {"untied, 2 micro-batches, exact clipping", false, 53, 2, 0.05, ClipMode::exact},
       {"tied, large vocabulary (pieces), stale clipping", true, 1111, 1, 0.05, ClipMode::stale},
+      {"untied, exact clipping, the embedding and a block on the device", false, 53, 1, 0.05, ClipMode::exact, 2},
+      {"tied, large vocabulary, stale clipping, every unit on the device", true, 1111, 1, 0.05, ClipMode::stale, 5},
   };
   test::TempDir dir("megatrain-resume");
   for (const Case& k : cases) {
@@ -119,6 +124,8 @@ TEST_CASE("a resumed run equals the uninterrupted one bit for bit, in every mode
     o.schedule = {LrSchedule::Kind::warmup_cosine, 3e-3, 2, 10, 3e-4};
     o.clip_norm = k.clip;
     o.clip_mode = k.mode;
+    o.device_units = k.device_units;
+    o.gradient_home = k.home;
     constexpr int kSteps = 6, kHalf = 3;
     const auto data = batches(11, kSteps, o.batch_rows * o.seq_len, static_cast<std::int32_t>(cfg.vocab_size));
 

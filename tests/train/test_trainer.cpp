@@ -61,6 +61,7 @@ std::vector<StepStats> run(const ModelConfig& cfg, const TrainerOptions& o, int 
   HostParamStore<float> store(model.units(), store_opts(o));
   CpuBackend<float> be;
   Trainer<CpuBackend<float>> trainer(model, store, be, o);
+  if (o.device_units != TrainerOptions::kAutoDeviceUnits) REQUIRE(trainer.device_units() == static_cast<std::size_t>(o.device_units));
   std::mt19937 rng(5);
   std::vector<StepStats> out;
   for (int s = 0; s < steps; ++s) {
@@ -153,6 +154,197 @@ TEST_CASE("a large vocabulary lands in pieces and still follows the plain loop (
       CHECK(worst < 1e-6);  // every weight after 4 steps
     }
   }
+}
+
+TEST_CASE("wherever gradients wait and wherever AdamW runs, the update is the plain loop's (bit for bit alike in exact mode)") {
+  // GradientHome device / host, and device units none, the embedding and a block, or all (the
+  // embedding, 3 blocks and the head): the update is the same formula on the same gradients.
+  // The vocabulary is large enough that the embedding and an untied head land in pieces.
+  struct Mode {
+    const char* name;
+    double clip;
+    ClipMode mode;
+    std::int64_t micro;
+  };
+  for (const bool tied : {true, false}) {
+    for (const Mode& k : {Mode{"no clipping", 0.0, ClipMode::exact, 1}, Mode{"exact clipping", 0.05, ClipMode::exact, 1},
+                          Mode{"stale clipping", 0.05, ClipMode::stale, 1}, Mode{"exact, 2 micro-batches", 0.05, ClipMode::exact, 2}}) {
+      CAPTURE(tied);
+      CAPTURE(std::string(k.name));
+      const auto cfg = tiny(tied, 1111);
+      DecoderModel<> model(cfg);
+      std::vector<std::vector<float>> all_weights;
+      std::vector<std::vector<StepStats>> all_stats;
+      for (const GradientHome home : {GradientHome::device, GradientHome::host}) {
+        for (const std::int64_t units : {std::int64_t{0}, std::int64_t{2}, static_cast<std::int64_t>(model.num_units())}) {
+          CAPTURE(home == GradientHome::device ? "gradients on the device" : "gradients in host memory");
+          CAPTURE(units);
+          auto o = options(8, 64);
+          o.clip_norm = k.clip;
+          o.clip_mode = k.mode;
+          o.micro_batches = k.micro;
+          o.gradient_home = home;
+          o.device_units = units;
+          o.jitter_us = 50;
+          std::vector<float> weights;
+          const auto stats = run(cfg, o, 4, &weights);
+
+          HostParamStore<float> store(model.units(), store_opts(o));
+          test::ReferenceLoop ref{model, store, o.adamw, o.schedule, k.mode == ClipMode::exact ? k.clip : 0.0, 8, 64, {}};
+          std::mt19937 rng(5);
+          std::optional<double> last_norm;
+          for (int s = 0; s < 4; ++s) {
+            auto b = random_batch(rng, 8, 64, static_cast<std::int32_t>(cfg.vocab_size));
+            if (k.mode == ClipMode::stale) ref.clip_coef = last_norm ? clip_coefficient(*last_norm, k.clip) : 1.0;
+            const auto r = ref.step(b.ids, b.labels);
+            last_norm = r.grad_norm;
+            CAPTURE(s);
+            CHECK(stats[s].loss == doctest::Approx(r.loss).epsilon(1e-5));
+            CHECK(stats[s].grad_norm == doctest::Approx(r.grad_norm).epsilon(1e-4));
+          }
+          std::vector<float> want;
+          for (const auto& u : store.units()) want.insert(want.end(), u.master().begin(), u.master().end());
+          REQUIRE(want.size() == weights.size());
+          double worst = 0;
+          for (std::size_t i = 0; i < want.size(); ++i)
+            worst = std::max(worst, std::fabs(static_cast<double>(weights[i]) - want[i]) / (std::fabs(static_cast<double>(want[i])) + 1e-3));
+          // Every weight after 4 steps. Micro-batches add the gradient up in another order than
+          // the whole batch; AdamW divides by sqrt(v), so a rounding difference in a gradient
+          // element near zero moves that weight by up to a step size (lr 3e-3) of a few steps.
+          CHECK(worst < (k.micro > 1 ? 2e-3 : 1e-6));
+          all_weights.push_back(std::move(weights));
+          all_stats.push_back(stats);
+        }
+      }
+      // One gradient, one formula: placements change no bit where nothing is summed in another
+      // order (exact clipping sums each unit on the device wherever it waits; without clipping
+      // the norm only reports). Stale clipping's norm sums device units apart, and micro-batches
+      // added up in host memory come in another order than in device accumulators: rounding
+      // apart there (the first three runs keep gradients on the device).
+      if (k.mode == ClipMode::exact) {
+        for (std::size_t r = 1; r < (k.micro > 1 ? 3 : all_weights.size()); ++r) {
+          CAPTURE(r);
+          CHECK(all_weights[r] == all_weights[0]);
+          for (std::size_t s = 0; s < all_stats[0].size(); ++s) {
+            CHECK(all_stats[r][s].loss == all_stats[0][s].loss);
+            if (k.clip > 0) CHECK(all_stats[r][s].grad_norm == all_stats[0][s].grad_norm);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("device units: the store is stale until finish_update(), which hands it back; edits to it then count") {
+  const auto cfg = tiny(false);
+  for (const std::int64_t units : {std::int64_t{0}, std::int64_t{3}}) {
+    CAPTURE(units);
+    std::vector<float> final_weights;
+    std::vector<double> losses;
+    for (int run_no = 0; run_no < 2; ++run_no) {  // twice: the same bits
+      auto o = options(2, 9);
+      o.device_units = units;
+      DecoderModel<> model(cfg);
+      HostParamStore<float> store(model.units(), store_opts(o));
+      CpuBackend<float> be;
+      Trainer<CpuBackend<float>> trainer(model, store, be, o);
+      REQUIRE(trainer.device_units() == static_cast<std::size_t>(units));
+      std::mt19937 rng(2);
+      auto b = random_batch(rng, 2, 9, 53);
+      // Loaded at the first step, not at construction: an edit made before it counts.
+      for (auto& x : store.unit(1).master()) x *= 0.5f;
+      store.sync_compute(store.unit(1));
+      losses.push_back(trainer.step(b.ids, b.labels).loss);
+      if (units > 0) CHECK_THROWS_WITH_AS(store.check_settled("exporting"), doctest::Contains("call trainer.finish_update() first"), Error);
+      trainer.finish_update();
+      store.check_settled("exporting");
+      // The store holds the device units' state after the step: edit it; the next step uses the edit.
+      for (auto& x : store.unit(2).master()) x = -x;
+      for (auto& x : store.unit(2).adam_m()) x *= 2.0f;
+      store.sync_compute(store.unit(2));
+      b = random_batch(rng, 2, 9, 53);
+      losses.push_back(trainer.step(b.ids, b.labels).loss);
+      trainer.finish_update();
+      std::vector<float> w;
+      for (const auto& u : store.units())
+        for (auto sl : {u.master(), u.adam_m(), u.adam_v()}) w.insert(w.end(), sl.begin(), sl.end());
+      if (run_no == 0) final_weights = w;
+      else CHECK(w == final_weights);
+    }
+    static std::vector<double> losses_without;
+    static std::vector<float> weights_without;
+    if (units == 0) {
+      losses_without = losses;
+      weights_without = final_weights;
+    } else {  // the same as without device units, bit for bit
+      CHECK(losses == losses_without);
+      CHECK(final_weights == weights_without);
+    }
+  }
+}
+
+namespace {
+// Adds up the landed pieces of every unit's gradient where they belong (placement).
+struct PlacedGrads {
+  struct Shared {
+    std::mutex m;
+    std::map<std::size_t, std::vector<double>> grad;
+    std::map<std::size_t, std::vector<int>> hits;
+  };
+  static inline std::shared_ptr<Shared> shared = std::make_shared<Shared>();
+  static inline std::vector<std::int64_t> numel;
+  GradientView view;
+  HostExecutor exec;
+  explicit PlacedGrads(GradientView v) : view(std::move(v)) {}
+  HostExecutor& executor() { return exec; }
+  bool applies(const TrainItem& it) const { return it.carries_gradient(); }
+  std::size_t ring_slots() const { return 0; }
+  UnitAccess unit_access() const { return UnitAccess::none; }
+  void run(const TrainItem& it, const StageSlots& s) {
+    const auto g = view.gradient(it, s);
+    const GradientPiece p = view.placement(it);
+    REQUIRE(p.rows.empty());
+    std::lock_guard lock(shared->m);
+    auto& acc = shared->grad[it.unit];
+    auto& hits = shared->hits[it.unit];
+    acc.resize(static_cast<std::size_t>(numel[it.unit]));
+    hits.resize(acc.size());
+    for (std::size_t i = 0; i < g.size(); ++i) {
+      acc[p.offset + i] += g[i];
+      ++hits[p.offset + i];
+    }
+  }
+};
+}  // namespace
+
+TEST_CASE("with gradients waiting on the device a user stage sees each unit's whole gradient in the AdamW pass") {
+  // Vocabulary 1111: the embedding's and the head's gradients come in several pieces.
+  const auto cfg = tiny(false, 1111);
+  auto o = options(4, 16);
+  o.clip_norm = 0.05;
+  o.micro_batches = 2;
+  o.jitter_us = 100;
+  DecoderModel<> model(cfg);
+  HostParamStore<float> store(model.units(), store_opts(o));
+  PlacedGrads::shared = std::make_shared<PlacedGrads::Shared>();
+  PlacedGrads::numel.clear();
+  for (const auto& u : store.units()) PlacedGrads::numel.push_back(u.numel());
+  CpuBackend<float> be;
+  Trainer<CpuBackend<float>, DecoderBlock, PlacedGrads> trainer(model, store, be, o);
+  std::mt19937 rng(6);
+  auto b = random_batch(rng, 4, 16, 1111);
+  const StepStats st = trainer.step(b.ids, b.labels);
+  trainer.finish_update();
+  double sumsq = 0;
+  for (std::size_t u = 0; u < store.num_units(); ++u) {
+    CAPTURE(u);
+    const auto& hits = PlacedGrads::shared->hits.at(u);
+    CHECK(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; }));  // every element once
+    for (double x : PlacedGrads::shared->grad.at(u)) sumsq += x * x;
+  }
+  // The micro-batches' sum, before clipping: its norm is the step's.
+  CHECK(std::sqrt(sumsq) == doctest::Approx(st.grad_norm).epsilon(1e-12));
+  CHECK(st.clip_coef < 1.0);
 }
 
 TEST_CASE("stages that sleep for random times change nothing (bit-identical), in every mode") {
@@ -309,7 +501,11 @@ TEST_CASE("a batch larger than max_micro_rows runs as gradient accumulation") {
   automatic.max_micro_rows = 2;
   auto manual = options(4, 9);
   manual.micro_batches = 2;
-  CHECK(Trainer<CpuBackend<float>>::store_options(automatic).resident_gradients);
+  // The micro-batches add up in device accumulators (the store keeps none), or in host memory.
+  CHECK(!Trainer<CpuBackend<float>>::store_options(automatic).resident_gradients);
+  auto on_host = automatic;
+  on_host.gradient_home = GradientHome::host;
+  CHECK(Trainer<CpuBackend<float>>::store_options(on_host).resident_gradients);
   std::vector<float> wa, wm;
   const auto a = run(tiny(true), automatic, 3, &wa);
   const auto m = run(tiny(true), manual, 3, &wm);
@@ -398,7 +594,8 @@ TEST_CASE("bad batches and options are refused before anything changes") {
   bad.micro_batches = 3;
   CHECK_THROWS_WITH_AS((Trainer<CpuBackend<float>>(model, store, be, bad)), doctest::Contains("do not divide"), Error);
   bad = o;
-  bad.clip_norm = 1.0;  // exact clipping needs resident gradients; this store has a ring
+  bad.clip_norm = 1.0;  // exact clipping with gradients in host memory needs resident ones; this store has a ring
+  bad.gradient_home = GradientHome::host;
   CHECK_THROWS_WITH_AS((Trainer<CpuBackend<float>>(model, store, be, bad)), doctest::Contains("resident gradients"), Error);
   bad = o;
   bad.weight_slots = 1;
@@ -482,13 +679,14 @@ struct MicroGrads {
 };
 }  // namespace
 
-TEST_CASE("with micro-batches a user stage sees each micro-batch's own gradient") {
+TEST_CASE("with micro-batches added up in host memory a user stage sees each micro-batch's own gradient") {
   for (const std::int64_t micro : {2, 3}) {
     CAPTURE(micro);
     MicroGrads::shared = std::make_shared<MicroGrads::Shared>();
     const auto cfg = tiny(false);
     auto o = options(6, 9);
     o.micro_batches = micro;
+    o.gradient_home = GradientHome::host;
     o.jitter_us = 200;
     DecoderModel<> model(cfg);
     HostParamStore<float> store(model.units(), store_opts(o));

@@ -16,6 +16,9 @@
 
 namespace megatrain {
 
+template <class T>
+struct AdamWScalars;  // optim/adamw.hpp
+
 /// Labels equal to this are ignored by the loss (PyTorch's ignore_index).
 inline constexpr std::int32_t kIgnoreIndex = -100;
 
@@ -49,7 +52,8 @@ concept Backend = requires(B& be, View<const typename B::Act> a, View<typename B
                            View<const typename B::Weight> w, View<typename B::Acc> acc,
                            View<const typename B::Acc> cacc, View<const std::int32_t> ids,
                            std::span<const double> freqs, const AttentionShape& as, double x, bool flag,
-                           View<double> sum) {
+                           View<double> sum, const AdamWScalars<float>& adam, std::span<float> f32,
+                           std::span<const typename B::Acc> grad, std::span<typename B::Weight> wout) {
   typename B::Act;     // activation element type
   typename B::Weight;  // weight element type as the ops read it
   typename B::Acc;     // gradient accumulators, saved statistics, losses
@@ -70,6 +74,7 @@ concept Backend = requires(B& be, View<const typename B::Act> a, View<typename B
   be.take_rows(ids, acc, acc);                                     // gather rows, zero them at the source
   be.lm_head_loss(a, w, ids, x, acc, ma, acc);                     // per-token loss, dh, dW +=
   be.sum_squares(cacc, sum);                                       // sum[0] = sum of x^2 (gradient norms)
+  be.adamw(adam, f32, f32, f32, grad, wout);                       // AdamW on p, m, v; w = p as the ops read it
 };
 // clang-format on
 

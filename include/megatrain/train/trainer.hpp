@@ -25,11 +25,26 @@
 // measured at step t-1 (no clipping at step 1), so each unit still steps the moment its
 // gradient lands; it differs from PyTorch exactly in using the previous step's norm.
 //
+// Where gradients wait for the norm (TrainerOptions::gradient_home): by default on the device,
+// one fp32 accumulator per unit (micro-batches add into it there); then the AdamW pass downloads
+// each host unit's gradient in slot-sized pieces into the store's landing ring, in forward order,
+// while the next forward runs, so host memory stays at the store's 14 bytes per parameter. With
+// GradientHome::host every gradient lands in the store's resident slabs during the backward.
+//
+// Device units (TrainerOptions::device_units, train/device_units.hpp): the first units in
+// forward order may keep their AdamW state and weights in backend memory. They are never
+// prefetched, their gradients never land on the host, and their update is an `optimize` item of
+// the compute stage (Backend::adamw, the host optimizer's formula and bits): right after the item
+// that completes the gradient when it streams, in the AdamW pass otherwise. The store's copies of
+// them are stale while the backend holds the newer state; finish_update() writes them back (the
+// store then holds the whole train state and is its owner again, until the next step() or
+// evaluate() loads the device units from it).
+//
 // The embedding and the head keep dedicated weight slots and gradient accumulators (a tied LM
 // head reads the embedding's slot and accumulates into its gradient); blocks share rings of
 // `weight_slots` and `grad_slots` buffers.
 //
-// Without resident gradients the embedding's gradient comes back in two parts, as only the rows
+// Without resident gradients a host embedding's gradient comes back in two parts, as only the rows
 // of the batch's tokens (the "touched" rows) get a gradient from the embedding itself:
 //   - the other rows (embed_rest items, spread between the blocks of the backward): with a
 //     tied head their gradient is the head's, complete once the head has run, so they cross
@@ -69,6 +84,7 @@
 #include "megatrain/optim/lr_schedule.hpp"
 #include "megatrain/pipeline/stream_pipeline.hpp"
 #include "megatrain/store/host_param_store.hpp"
+#include "megatrain/train/device_units.hpp"
 #include "megatrain/train/trainer_options.hpp"
 
 namespace megatrain {
@@ -105,11 +121,12 @@ struct TrainItem {
   Kind kind;
   std::size_t unit;
   std::int64_t micro = 0;
-  std::int64_t piece = 0;  ///< grad_piece: piece number (>= 1); embed_rest: which rows (0, 1, ...)
+  std::int64_t piece = 0;  ///< grad_piece: piece number (>= 1); embed_rest: which rows (0, 1, ...); optimize: piece (>= 0)
+  /// Set by the trainer: the item hands a host gradient to the stages after offload (an untied
+  /// embedding's untouched rows: a zero one, which does not cross).
+  bool host_gradient = false;
   /// Whether a gradient lands on the host for this item (GradientView::gradient).
-  bool carries_gradient() const {
-    return kind == Kind::head || kind == Kind::backward || kind == Kind::grad_piece || kind == Kind::embed_rest;
-  }
+  bool carries_gradient() const { return host_gradient; }
 };
 
 /// Which elements of its unit an item's landed gradient holds: contiguous elements from
@@ -151,8 +168,8 @@ class Trainer {
   /// What the store must provide for `opt`: resident gradients or a ring of host landing slots.
   static StoreOptions store_options(const TrainerOptions& options, StoreOptions base = {}) {
     const TrainerOptions opt = options.resolved();
-    base.resident_gradients = opt.resident_gradients();
-    base.grad_ring_slots = opt.resident_gradients() ? 0 : std::max<std::size_t>(base.grad_ring_slots, 2);
+    base.resident_gradients = opt.resident_gradients() && opt.gradient_home == GradientHome::host;
+    base.grad_ring_slots = base.resident_gradients ? 0 : std::max<std::size_t>(base.grad_ring_slots, 2);
     base.grad_slot_size = GradSlotSize::largest_inner_unit;  // the embedding and head land in pieces
     return base;
   }
@@ -217,7 +234,8 @@ class Trainer {
       st.clip_coef = clip_coefficient(*last_grad_norm_, opt_.clip_norm);
     st.sumsq = 0;
     st.micro_rows = opt_.micro_rows();
-    if (streamed()) find_touched_rows(ids);
+    if (streamed_unit(0)) find_touched_rows(ids);
+    load_device_units();
 
     // (The previous step's AdamW pass, if still in flight, goes first: each unit's prefetch waits
     // for its update.)
@@ -227,25 +245,21 @@ class Trainer {
     double grad_norm;
     if (opt_.resident_gradients()) {
       double sumsq = 0;
-      if (device_norms())  // each unit's sum landed with its gradient
-        for (const double x : sumsq_host_) sumsq += x;
-      else  // micro-batches were added up on the host
-        for (const auto& u : store_.units()) sumsq += grad_sum_squares<float>(u.grad());
+      for (std::size_t u = 0; u < model_.num_units(); ++u)  // in unit order, whatever the placement
+        sumsq += summed_on_device(u) ? sumsq_host_[u] : grad_sum_squares<float>(store_.unit(u).grad());
       grad_norm = std::sqrt(sumsq);
       if (opt_.clip_norm > 0) st.clip_coef = clip_coefficient(grad_norm, opt_.clip_norm);
       pass_ = {st.step, st.lr, st.clip_coef};
-      std::vector<TrainItem> items;
-      for (std::size_t u = 0; u < model_.num_units(); ++u) items.push_back({Kind::optimize, u, 0});
-      pipeline_->submit(items);
-      if (opt_.overlap_update) {
-        update_pending_ = true;
-        store_.set_update_in_flight(true);
-      } else {
-        pipeline_->drain();
-      }
-    } else {
-      grad_norm = std::sqrt(st.sumsq);
+      pipeline_->submit(pass_items());
+      if (opt_.overlap_update) update_pending_ = true;
+      else pipeline_->drain();
+    } else {  // the host units' sums came with their updates, the device units' from the device
+      double sumsq = st.sumsq;
+      for (std::size_t u = 0; u < devices_.count(); ++u) sumsq += sumsq_host_[u];
+      grad_norm = std::sqrt(sumsq);
     }
+    device_newer_ = devices_.count() > 0;
+    publish_store_state();
     MT_CHECK(std::isfinite(grad_norm), "step {}: the gradient norm is not finite ({}); the model was updated with it",
              st.step, grad_norm);
     last_grad_norm_ = grad_norm;
@@ -273,6 +287,7 @@ class Trainer {
     MT_CHECK(valid > 0, "the evaluation batch has no token with a label");
     double total = 0;
     const std::int64_t mt = opt_.micro_rows() * opt_.seq_len;
+    load_device_units();
     for (std::int64_t first = 0; first < rows; first += opt_.micro_rows()) {
       const auto off = static_cast<std::size_t>(first * opt_.seq_len);
       std::copy_n(ids.begin() + off, mt, ids_host_.begin());
@@ -289,14 +304,20 @@ class Trainer {
     return total / static_cast<double>(valid);
   }
 
-  /// Waits until the last step's update is applied to the store (see the top of this file and
-  /// TrainerOptions::overlap_update). Read the store's weights or moments yourself only after
-  /// this; no-op when nothing is in flight.
+  /// Waits until the last step's update is applied, and writes the state of the device units
+  /// back into the store (see the top of this file, TrainerOptions::overlap_update and
+  /// device_units): afterwards the store holds the whole train state, and may be read or
+  /// written; the next step() or evaluate() loads the device units from it again. Read the
+  /// store's weights or moments yourself only after this. Without device units, a no-op when
+  /// nothing is in flight.
   void finish_update() {
-    if (!update_pending_) return;
     MT_NVTX_RANGE("Trainer::finish_update");
-    pipeline_->drain();
-    settle();
+    if (update_pending_) pipeline_->drain();
+    update_pending_ = false;
+    if (device_newer_) save_device_units();
+    device_newer_ = false;
+    device_owns_ = false;
+    publish_store_state();
   }
   /// Whether the last step's update is still being applied (finish_update() waits for it).
   bool update_pending() const { return update_pending_; }
@@ -307,9 +328,14 @@ class Trainer {
   const TrainerOptions& options() const { return opt_; }
   /// The global gradient norm of the last step (what ClipMode::stale clips the next step with).
   std::optional<double> last_grad_norm() const { return last_grad_norm_; }
-  /// Restores the step counter and the last norm (resuming from a checkpoint).
+  /// Restores the step counter and the last norm (resuming from a checkpoint whose tensors
+  /// were loaded into the store after finish_update()); the next step takes the device units'
+  /// state from the store.
   void restore(std::int64_t steps_done, std::optional<double> last_grad_norm) {
     MT_CHECK(steps_done >= 0, "steps_done must be >= 0");
+    MT_CHECK(!update_pending_ && !device_newer_, "restore: the trainer holds a newer state than the store; call "
+             "finish_update() before loading the store and restoring");
+    device_owns_ = false;
     step_ = steps_done;
     last_grad_norm_ = last_grad_norm;
   }
@@ -338,8 +364,11 @@ class Trainer {
     return order;
   }
 
-  /// Bytes of backend memory the trainer holds (weight slots, accumulators, checkpoints, scratch).
+  /// Bytes of backend memory the trainer holds (weight slots, accumulators, checkpoints, scratch,
+  /// device units).
   std::size_t device_bytes() const { return device_bytes_; }
+  /// How many units (the first in forward order) keep their AdamW state in backend memory.
+  std::size_t device_units() const { return devices_.count(); }
   /// Activation checkpoints kept in host memory because the device could not hold them.
   std::size_t spilled_checkpoints() const { return spilled_; }
 
@@ -360,7 +389,27 @@ class Trainer {
   // After a drain: nothing is in flight.
   void settle() {
     update_pending_ = false;
-    store_.set_update_in_flight(false);
+    publish_store_state();
+  }
+  // The store refuses whole readers while it is not the newest state (HostParamStore::check_settled).
+  void publish_store_state() { store_.set_update_in_flight(update_pending_ || device_newer_); }
+
+  // Device units: the backend takes their state from the store when it is not its owner yet.
+  void load_device_units() {
+    if (device_owns_ || devices_.count() == 0) return;
+    MT_NVTX_RANGE("Trainer::load_device_units");
+    for (std::size_t u = 0; u < devices_.count(); ++u) devices_.load(be_, xfer_, store_.unit(u), weight_slot(u, 0));
+    xfer_.synchronize();
+    device_owns_ = true;
+  }
+  // ... and gives it back (each unit through the update gate: a checkpoint writer may still read it).
+  void save_device_units() {
+    MT_NVTX_RANGE("Trainer::save_device_units");
+    const auto gate = update_gate_.load();
+    for (std::size_t u = 0; u < devices_.count(); ++u) {
+      if (gate) (*gate)(u);
+      devices_.save(be_, xfer_, store_, u, std::span<const W>(weight_slot(u, 0)));
+    }
   }
 
   // ---- stages --------------------------------------------------------------------------------
@@ -409,7 +458,9 @@ class Trainer {
     std::size_t ring_slots() const { return this->owner->opt_.weight_slots; }
     UnitAccess unit_access() const { return UnitAccess::reads; }
     bool applies(const TrainItem& it) const {
-      // The embedding's dedicated slot still holds this step's weights when its backward comes.
+      // The embedding's dedicated slot still holds this step's weights when its backward comes;
+      // device units' weights stay on the device.
+      if (this->owner->devices_.holds(it.unit)) return false;
       return it.kind == Kind::forward || it.kind == Kind::head || it.kind == Kind::head_eval ||
              (it.kind == Kind::backward && it.unit != 0);
     }
@@ -436,15 +487,17 @@ class Trainer {
     std::size_t ring_slots() const { return this->owner->opt_.grad_slots; }
     UnitAccess unit_access() const { return UnitAccess::none; }
     bool applies(const TrainItem& it) const {
-      return it.kind == Kind::forward || it.kind == Kind::head || it.kind == Kind::head_eval || it.kind == Kind::backward;
+      return it.kind == Kind::forward || it.kind == Kind::head || it.kind == Kind::head_eval || it.kind == Kind::backward ||
+             (it.kind == Kind::optimize && this->owner->devices_.holds(it.unit));
     }
     // A forward writes no gradient: taking a slot would make it wait for the optimizer stage to
     // pass the item that held the slot, i.e. for the whole AdamW pass still in flight. With
     // micro-batches the forward items keep taking slots: the slots' reuse is what orders the next
     // micro-batch's head (which zeroes the head's and a tied embedding's accumulators) after the
-    // offload of the previous micro-batch's embedding gradient.
+    // offload of the previous micro-batch's embedding gradient. A device unit's update writes
+    // no gradient either.
     bool takes_slot(const TrainItem& it) const {
-      if (it.kind == Kind::head_eval) return false;
+      if (it.kind == Kind::head_eval || it.kind == Kind::optimize) return false;
       return it.kind != Kind::forward || this->owner->opt_.micro_batches > 1;
     }
     void run(const TrainItem& it, const StageSlots& s) {
@@ -500,9 +553,9 @@ class Trainer {
           const auto w = tmpl.bind(std::span<const W>(t.weight_slot(it.unit, s.in)),
                                    {{&t.model_.embedding().layout(), std::span<const W>(t.embed_slot_.span())}});
           const auto x = t.ckpt_out(L);
-          if (it.kind == Kind::head) {
-            t.be_.zero(exec, t.head_acc_.span());
-            if (t.model_.head().op().tied()) t.be_.zero(exec, t.embed_acc_.span());
+          if (it.kind == Kind::head) {  // (accumulators that add up micro-batches: at the first)
+            if (t.fresh(it, it.unit)) t.be_.zero(exec, t.head_acc_.span());
+            if (t.model_.head().op().tied() && t.fresh(it, 0)) t.be_.zero(exec, t.embed_acc_.span());
           }
           // (untied: the head's own lm_head; the embedding's gradient buffer is not bound)
           const auto g = t.model_.head().op().tied()
@@ -519,7 +572,7 @@ class Trainer {
               tmpl.op().forward(t.be_, c, w, View<const Act>(rows_of(x, r0, n_rows)), tok(t.labels_dev_.span(), r0, n_rows), loss,
                                 t.arena_);
           });
-          if (it.kind == Kind::head && t.streamed() && t.model_.head().op().tied()) {
+          if (it.kind == Kind::head && t.streamed_unit(0) && t.model_.head().op().tied()) {
             // The touched rows' share of the tied head's gradient moves to the compact buffer,
             // where the embedding's backward adds its own; the rest of the table is final.
             const auto U = static_cast<std::size_t>(t.touched_count_);
@@ -540,14 +593,14 @@ class Trainer {
             // Streamed: into the compact buffer of touched rows, indexed by the tokens' compact ids.
             std::span<std::int32_t> ids = t.ids_dev_.span();
             typename Embedding::template Weights<Acc> g{};
-            if (t.streamed()) {
+            if (t.streamed_unit(0)) {
               const auto off = static_cast<std::size_t>(it.micro * rows * seq), n = static_cast<std::size_t>(rows * seq);
               t.be_.upload(exec, std::span<const std::int32_t>(t.compact_ids_host_).subspan(off, n), t.compact_ids_dev_.span());
               ids = t.compact_ids_dev_.span();
               g.table = t.touched_grad();
               if (!tied) t.be_.zero(exec, g.table.span());
             } else {
-              if (!tied) t.be_.zero(exec, t.embed_acc_.span());
+              if (!tied && t.fresh(it, 0)) t.be_.zero(exec, t.embed_acc_.span());
               g = t.model_.embedding().bind(t.embed_acc_.span());
             }
             for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
@@ -558,7 +611,7 @@ class Trainer {
             const auto& tmpl = t.model_.block(it.unit - 1);
             const auto w = tmpl.bind(std::span<const W>(t.weight_slot(it.unit, s.in)));
             auto acc = t.grad_acc(it.unit, s.out);
-            t.be_.zero(exec, acc);
+            if (t.fresh(it, it.unit)) t.be_.zero(exec, acc);
             const auto g = tmpl.bind(acc);
             const auto x = t.ckpt_in(exec, it.unit - 1);
             for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
@@ -570,15 +623,24 @@ class Trainer {
           }
           break;
         }
+        case Kind::optimize: {  // a device unit's update, with this step's or the AdamW pass's scalars
+          const bool pass = t.opt_.resident_gradients();
+          t.devices_.step(t.be_, t.store_.unit(it.unit), t.grad_acc(it.unit, s.out), t.weight_slot(it.unit, 0), t.opt_.adamw,
+                          pass ? t.pass_.step : st.step, pass ? t.pass_.lr : st.lr, pass ? t.pass_.clip_coef : st.clip_coef);
+          break;
+        }
         case Kind::grad_piece:
-        case Kind::embed_rest:
-        case Kind::optimize: break;
+        case Kind::embed_rest: break;
       }
-      // Exact clipping: the unit's share of the global norm, summed on the device.
-      if (t.device_norms() && (it.kind == Kind::head || it.kind == Kind::backward)) {
+      // The unit's share of the global norm, summed on the device once its gradient is complete
+      // (the embedding's only after its backward: a tied head adds to it first).
+      const bool completes = it.kind == Kind::head || it.kind == Kind::backward;
+      if (completes && it.micro + 1 == t.opt_.micro_batches && t.summed_on_device(it.unit)) {
         const auto g = t.grad_acc(it.unit, s.out);
+        const auto sum = t.sumsq_dev_.span().subspan(it.unit, 1);
         t.be_.sum_squares(View<const Acc>(std::span<const Acc>(g), Shape{static_cast<std::int64_t>(g.size())}),
-                          View<double>(t.sumsq_dev_.span().subspan(it.unit, 1), Shape{1}));
+                          View<double>(sum, Shape{1}));
+        t.be_.download(exec, std::span<const double>(sum), t.sumsq_host_.subspan(it.unit, 1));
       }
     }
   };
@@ -587,13 +649,14 @@ class Trainer {
     Exec exec;
     Timings<Exec> timings{};
     Exec& executor() { return exec; }
-    // Streamed: the store's landing slots. Resident with micro-batches: two host staging
-    // buffers, where micro-batches after the first land before the optimizer stage adds them
-    // into the resident gradient. Resident otherwise: none (each unit lands in place).
+    // The store's landing slots (streamed, or the AdamW pass's pieces of gradients waiting on the
+    // device); with GradientHome::host, the two host staging buffers where micro-batches after
+    // the first land before the optimizer stage adds them into the resident gradient (none
+    // without micro-batches: each unit lands in place).
     std::size_t ring_slots() const {
       const Trainer& t = *this->owner;
-      if (t.streamed()) return t.store_.grad_ring_slots();
-      return t.opt_.micro_batches > 1 ? t.staging_.size() : 0;
+      if (t.grads_on_host()) return t.opt_.micro_batches > 1 ? t.staging_.size() : 0;
+      return t.store_.grad_ring_slots();
     }
     UnitAccess unit_access() const { return UnitAccess::none; }
     // Every item that lands a gradient (an untied model's embed_rest pieces land none).
@@ -604,7 +667,7 @@ class Trainer {
       MT_NVTX_RANGE("stage:offload");
       this->jitter(it);
       Trainer& t = *this->owner;
-      if (t.streamed()) {
+      if (!t.grads_on_host()) {  // a piece into a landing slot
         const Piece p = t.piece(it, s.in);
         Timed<Exec> timed(exec, t.opt_.profile ? &timings : nullptr);
         timings.bytes += p.device.size() * sizeof(Acc);
@@ -618,8 +681,6 @@ class Trainer {
       std::span<const Acc> src = t.grad_acc(it.unit, s.in);
       // The first micro-batch lands in place; later ones in a staging slot (see Optimize).
       t.be_.download(exec, src, it.micro == 0 ? unit.grad() : t.staging_[s.out].first(n));
-      if (t.device_norms())
-        t.be_.download(exec, std::span<const double>(t.sumsq_dev_.span().subspan(it.unit, 1)), t.sumsq_host_.subspan(it.unit, 1));
     }
   };
 
@@ -629,11 +690,13 @@ class Trainer {
     HostExecutor& executor() { return exec; }
     std::size_t ring_slots() const { return 0; }
     UnitAccess unit_access() const { return UnitAccess::writes; }
-    // Streamed: AdamW on each landed piece. Resident: adds each later micro-batch's staged
-    // gradient into the unit's resident gradient, and AdamW in the second pass (optimize items).
+    // AdamW on each landed piece (streamed, or the AdamW pass of gradients that waited on the
+    // device). GradientHome::host: adds each later micro-batch's staged gradient into the unit's
+    // resident gradient, and AdamW on it in the pass. Device units are the compute stage's.
     bool applies(const TrainItem& it) const {
-      if (this->owner->streamed()) return it.carries_gradient();
-      return it.kind == Kind::optimize || (it.carries_gradient() && it.micro > 0);
+      const Trainer& t = *this->owner;
+      if (!t.grads_on_host()) return it.carries_gradient();
+      return it.kind == Kind::optimize ? !t.devices_.holds(it.unit) : it.carries_gradient() && it.micro > 0;
     }
     void run(const TrainItem& it, const StageSlots& s) {
       MT_NVTX_RANGE("stage:optimizer");
@@ -642,7 +705,7 @@ class Trainer {
       State& st = *t.state_;
       const auto& unit = t.store_.unit(it.unit);
       Timed<HostExecutor> timed(exec, t.opt_.profile ? &timings : nullptr);
-      if (it.kind != Kind::optimize && !t.streamed()) {  // gradient accumulation
+      if (it.kind != Kind::optimize && t.grads_on_host()) {  // gradient accumulation on the host
         const auto n = static_cast<std::size_t>(unit.numel());
         exec.run([&] { accumulate_gradient<float>(unit.grad(), std::span<const float>(t.staging_[s.in].first(n))); });
         return;
@@ -650,8 +713,11 @@ class Trainer {
       if (const auto gate = t.update_gate_.load()) (*gate)(it.unit);
       const auto grad = t.landed_gradient(it, s);
       exec.run([&] {
-        if (!t.streamed()) {  // the second pass, possibly while the next step begins: its own parameters
-          adamw_step<float>(unit, grad, t.opt_.adamw, t.pass_.step, t.pass_.lr, t.pass_.clip_coef);
+        if (it.kind == Kind::optimize) {  // the AdamW pass, possibly while the next step begins: its own scalars
+          if (t.grads_on_host())
+            adamw_step<float>(unit, grad, t.opt_.adamw, t.pass_.step, t.pass_.lr, t.pass_.clip_coef);
+          else
+            adamw_segments<float>(unit, t.segments(it, grad), t.opt_.adamw, t.pass_.step, t.pass_.lr, t.pass_.clip_coef);
           return;
         }
         // One pass over the landed gradient: AdamW sums its squares (for the norm) as it goes.
@@ -677,9 +743,10 @@ class Trainer {
                  "unit '{}': the store has {} {} where the model expects {} {}", su.name(), su.params()[p].spec.name,
                  su.params()[p].spec.shape.str(), specs[u].params[p].name, specs[u].params[p].shape.str());
     }
-    if (opt_.resident_gradients()) {
+    if (grads_on_host()) {
       MT_CHECK(store_.resident_gradients(),
-               "this configuration ({}) needs resident gradients: build the store with Trainer::store_options()",
+               "this configuration ({}, gradients waiting in host memory) needs resident gradients: build the store "
+               "with Trainer::store_options()",
                opt_.micro_batches > 1 ? "gradient accumulation" : "exact clipping");
       return;
     }
@@ -710,7 +777,12 @@ class Trainer {
     for (std::size_t l = 0; l < L; ++l) scratch = std::max(scratch, model_.block(l).op().template scratch_bytes<B>(c));
 
     for (std::size_t k = 0; k < opt_.weight_slots; ++k) weight_ring_.push_back(be_.template alloc<W>(static_cast<std::size_t>(block_numel)));
-    for (std::size_t k = 0; k < opt_.grad_slots; ++k) grad_ring_.push_back(be_.template alloc<Acc>(static_cast<std::size_t>(block_numel)));
+    // Blocks' gradients: each its own accumulator when they wait on the device, else a ring.
+    block_acc_.resize(L + 2);
+    if (grads_on_device())
+      for (std::size_t l = 0; l < L; ++l) block_acc_[l + 1] = be_.template alloc<Acc>(static_cast<std::size_t>(model_.block(l).layout().numel()));
+    else
+      for (std::size_t k = 0; k < opt_.grad_slots; ++k) grad_ring_.push_back(be_.template alloc<Acc>(static_cast<std::size_t>(block_numel)));
     embed_slot_ = be_.template alloc<W>(static_cast<std::size_t>(model_.embedding().layout().numel()));
     head_slot_ = be_.template alloc<W>(static_cast<std::size_t>(model_.head().layout().numel()));
     // The dense embedding gradient: resident gradients, or a tied head's share (streamed).
@@ -776,23 +848,73 @@ class Trainer {
     compact_ids_host_ = host_io_.template as<std::int32_t>(2 * batch_tokens, batch_tokens);
     touched_host_ = host_io_.template as<std::int32_t>(3 * batch_tokens, batch_tokens);
     loss_host_ = std::span<Acc>(reinterpret_cast<Acc*>(touched_host_.data() + batch_tokens), batch_tokens);
-    if (device_norms()) {
-      sumsq_dev_ = be_.template alloc<double>(model_.num_units());
-      sumsq_host_mem_ = HostBuffer::allocate(model_.num_units() * sizeof(double));
-      sumsq_host_ = sumsq_host_mem_.template as<double>(0, model_.num_units());
-    }
-    if (opt_.micro_batches > 1) {
+    sumsq_dev_ = be_.template alloc<double>(model_.num_units());
+    sumsq_host_mem_ = HostBuffer::allocate(model_.num_units() * sizeof(double));
+    sumsq_host_ = sumsq_host_mem_.template as<double>(0, model_.num_units());
+    if (opt_.micro_batches > 1 && grads_on_host()) {
       const auto n = static_cast<std::size_t>(store_.footprint().largest_unit);
       staging_mem_ = HostBuffer::allocate(2 * n * sizeof(float));
       for (std::size_t k = 0; k < 2; ++k) staging_.push_back(staging_mem_.template as<float>(k * n, n));
     }
 
-    device_bytes_ = (opt_.weight_slots * static_cast<std::size_t>(block_numel) + embed_slot_.size() + head_slot_.size()) * sizeof(W) +
-                    (opt_.grad_slots * static_cast<std::size_t>(block_numel) + embed_acc_.size() + head_acc_.size() +
-                     rows_acc_.size()) * sizeof(Acc) +
+    std::size_t block_accs = grad_ring_.size() * static_cast<std::size_t>(block_numel);
+    for (const auto& a : block_acc_) block_accs += a.size();
+    device_bytes_ = (weight_ring_.size() * static_cast<std::size_t>(block_numel) + embed_slot_.size() + head_slot_.size()) * sizeof(W) +
+                    (block_accs + embed_acc_.size() + head_acc_.size() + rows_acc_.size()) * sizeof(Acc) +
                     (touched_dev_.size() + compact_ids_dev_.size()) * sizeof(std::int32_t) +
                     (fit + 2 + (spilled_ > 0 ? 2 : 0)) * ckpt_bytes + scratch + 2 * micro_tokens * sizeof(std::int32_t) +
-                    micro_tokens * sizeof(Acc);
+                    micro_tokens * sizeof(Acc) + model_.num_units() * sizeof(double);
+    place_device_units();
+  }
+
+  // Device units (TrainerOptions::device_units): each needs its state, its own gradient
+  // accumulator where gradients would otherwise share a ring or land in pieces, and its own
+  // weights (a block; the embedding and the head have theirs). Auto: the longest prefix in
+  // forward order that fits beside a reserve for what the backend allocates later.
+  std::size_t device_unit_bytes(std::size_t u) const {
+    const auto n = static_cast<std::int64_t>(store_.unit(u).numel());
+    std::size_t b = DeviceUnits<B>::state_bytes(n);
+    const bool block = u != 0 && u != model_.head_unit();
+    if (block) b += static_cast<std::size_t>(n) * sizeof(W);
+    if (block && !grads_on_device()) b += static_cast<std::size_t>(n) * sizeof(Acc);
+    if (u == 0 && embed_acc_.size() == 0) b += static_cast<std::size_t>(n) * sizeof(Acc);
+    return b;
+  }
+  void place_device_units() {
+    const std::size_t units = model_.num_units();
+    std::size_t count = 0;
+    if (opt_.device_units != TrainerOptions::kAutoDeviceUnits) {
+      count = static_cast<std::size_t>(opt_.device_units);
+      MT_CHECK(count <= units, "device_units {} is more than the model's {} units", count, units);
+      if constexpr (requires { be_.memory_available(); }) {
+        std::size_t need = 0;
+        for (std::size_t u = 0; u < count; ++u) need += device_unit_bytes(u);
+        const auto avail = be_.memory_available().value_or(need);
+        MT_CHECK(need <= avail, "device_units {} needs {} of device memory for those units' AdamW state, {} is left after "
+                 "the trainer's buffers; ask for fewer (megatrain-train --device-units N, or auto)", count,
+                 format_bytes(need), format_bytes(avail));
+      }
+    } else if constexpr (B::kDevice) {
+      if constexpr (requires { be_.memory_available(); }) {
+        if (sizeof...(UserStages) == 0) {  // (user stages read gradients that land on the host)
+          const std::size_t avail = be_.memory_available().value_or(0);
+          const std::size_t reserve = std::max<std::size_t>(std::size_t{1} << 30, avail / 32);
+          std::size_t used = 0;
+          while (count < units && used + device_unit_bytes(count) + reserve <= avail) used += device_unit_bytes(count++);
+        }
+      }
+    }
+    opt_.device_units = static_cast<std::int64_t>(count);
+    if (count == 0) return;
+    for (std::size_t u = 0; u < count; ++u) device_bytes_ += device_unit_bytes(u);  // (before they change what it counts)
+    devices_ = DeviceUnits<B>(be_, store_, count);
+    dev_weights_.resize(units);
+    for (std::size_t u = 1; u < count && u != model_.head_unit(); ++u) {
+      const auto n = static_cast<std::size_t>(store_.unit(u).numel());
+      dev_weights_[u] = be_.template alloc<W>(n);
+      if (block_acc_[u].size() == 0) block_acc_[u] = be_.template alloc<Acc>(n);
+    }
+    if (embed_acc_.size() == 0) embed_acc_ = be_.template alloc<Acc>(static_cast<std::size_t>(store_.unit(0).numel()));
   }
 
   // Unit u's output during the forward: its device checkpoint, or (spilled) a staging buffer
@@ -812,20 +934,25 @@ class Trainer {
     return ckpt_staging_[0].span();
   }
 
+  // A unit's weights on the device: a device unit's own, the embedding's or head's slot, or a
+  // slot of the blocks' ring.
   std::span<W> weight_slot(std::size_t unit, std::size_t slot) {
     if (unit == 0) return embed_slot_.span();
     if (unit == model_.head_unit()) return head_slot_.span();
+    if (devices_.holds(unit)) return dev_weights_[unit].span();
     return weight_ring_[slot].span().first(static_cast<std::size_t>(model_.block(unit - 1).layout().numel()));
   }
+  // A unit's gradient accumulator: its own, or a slot of the blocks' ring.
   std::span<Acc> grad_acc(std::size_t unit, std::size_t slot) {
     if (unit == 0) return embed_acc_.span();
     if (unit == model_.head_unit()) return head_acc_.span();
+    if (block_acc_[unit].size() > 0) return block_acc_[unit].span();
     return grad_ring_[slot].span().first(static_cast<std::size_t>(model_.block(unit - 1).layout().numel()));
   }
   /// Where the gradient of `it` sits on the host once offloaded.
   std::span<const float> landed_gradient(const TrainItem& it, const StageSlots& s) {
     const auto& unit = store_.unit(it.unit);
-    if (opt_.resident_gradients()) {  // a later micro-batch's gradient waits in its staging slot
+    if (grads_on_host()) {  // a later micro-batch's gradient waits in its staging slot
       if (it.kind != Kind::optimize && it.micro > 0) return staging_[s.in].first(static_cast<std::size_t>(unit.numel()));
       return unit.grad();
     }
@@ -834,7 +961,7 @@ class Trainer {
 
   GradientView gradient_view() {
     return {[this](const TrainItem& it, const StageSlots& s) { return landed_gradient(it, s); },
-            [this](const TrainItem& it) { return opt_.resident_gradients() ? GradientPiece{} : piece(it, 0).where; },
+            [this](const TrainItem& it) { return grads_on_host() ? GradientPiece{} : piece(it, 0).where; },
             [this](std::size_t u) -> const std::string& { return store_.unit(u).name(); },
             [this] { return state_->step; }};
   }
@@ -845,34 +972,70 @@ class Trainer {
   // (Stepping them all right after the head stalled the backward on landing slots; stepping an
   // untied model's rows during the forward was slower on the 7B shape; docs/performance.md.)
   std::vector<TrainItem> step_items(std::int64_t m) const {
-    const std::size_t L = model_.num_blocks();
-    const std::int64_t rest = streamed() ? pieces(vocab(), piece_rows()) : 0;
-    std::int64_t rest_done = 0;
+    const std::size_t L = model_.num_blocks(), H = L + 1;
+    // A host unit's gradient lands during the backward when it streams or waits in host memory;
+    // a device unit streaming is updated right after the item that completes its gradient.
+    const auto lands = [&](std::size_t u) { return !devices_.holds(u) && (streamed() || grads_on_host()); };
     std::vector<TrainItem> items;
+    const auto update_now = [&](std::size_t u) {
+      if (streamed() && devices_.holds(u)) items.push_back({Kind::optimize, u, m});
+    };
+    const std::int64_t rest = streamed_unit(0) ? pieces(vocab(), piece_rows()) : 0;
+    std::int64_t rest_done = 0;
     auto rest_until = [&](std::int64_t n) {
-      for (; rest_done < std::min(n, rest); ++rest_done) items.push_back({Kind::embed_rest, 0, m, rest_done});
+      for (; rest_done < std::min(n, rest); ++rest_done) items.push_back({Kind::embed_rest, 0, m, rest_done, true});
     };
     for (std::size_t u = 0; u <= L; ++u) items.push_back({Kind::forward, u, m});
-    items.push_back({Kind::head, L + 1, m});
-    if (streamed())
-      for (std::int64_t j = 1; j < pieces(head_numel(), slot_numel()); ++j) items.push_back({Kind::grad_piece, L + 1, m, j});
+    items.push_back({Kind::head, H, m, 0, lands(H)});
+    if (streamed_unit(H))
+      for (std::int64_t j = 1; j < pieces(head_numel(), slot_numel()); ++j) items.push_back({Kind::grad_piece, H, m, j, true});
+    update_now(H);
     const auto span = static_cast<std::int64_t>(std::max<std::size_t>(1, L - L / 5));
     for (std::size_t u = L; u >= 1; --u) {
-      items.push_back({Kind::backward, u, m});
+      items.push_back({Kind::backward, u, m, 0, lands(u)});
+      update_now(u);
       const auto done = static_cast<std::int64_t>(L - u + 1);  // blocks submitted so far
       rest_until((rest * done + span - 1) / span);
     }
     rest_until(rest);  // (no blocks)
-    items.push_back({Kind::backward, 0, m});
-    if (streamed())
-      for (std::int64_t j = 1; j < pieces(touched_count_, piece_rows()); ++j) items.push_back({Kind::grad_piece, 0, m, j});
+    items.push_back({Kind::backward, 0, m, 0, lands(0)});
+    if (streamed_unit(0))
+      for (std::int64_t j = 1; j < pieces(touched_count_, piece_rows()); ++j) items.push_back({Kind::grad_piece, 0, m, j, true});
+    update_now(0);
     return items;
   }
 
-  // ---- gradient pieces (streamed: no resident gradients) ------------------------------------
+  // The AdamW pass of resident gradients, in forward order: a device unit's update on the
+  // device; a host unit's from its resident slab, or (gradients waiting on the device) in
+  // landing-slot-sized pieces.
+  std::vector<TrainItem> pass_items() const {
+    std::vector<TrainItem> items;
+    for (std::size_t u = 0; u < model_.num_units(); ++u) {
+      if (devices_.holds(u) || grads_on_host()) {
+        items.push_back({Kind::optimize, u, 0});
+        continue;
+      }
+      for (std::int64_t j = 0; j < pieces(store_.unit(u).numel(), slot_numel()); ++j)
+        items.push_back({Kind::optimize, u, 0, j, true});
+    }
+    return items;
+  }
+
+  // ---- where gradients go ------------------------------------------------------------------------
   bool streamed() const { return !opt_.resident_gradients(); }
-  /// Resident gradients from one micro-batch: their norms are summed on the device.
-  bool device_norms() const { return opt_.resident_gradients() && opt_.micro_batches == 1; }
+  bool grads_on_host() const { return opt_.resident_gradients() && opt_.gradient_home == GradientHome::host; }
+  bool grads_on_device() const { return opt_.resident_gradients() && opt_.gradient_home == GradientHome::device; }
+  /// Whether unit u's gradient streams to the host during the backward (stepped as it lands).
+  bool streamed_unit(std::size_t u) const { return streamed() && !devices_.holds(u); }
+  /// Whether unit u's gradient adds up micro-batches in its device accumulator.
+  bool accumulates_on_device(std::size_t u) const { return devices_.holds(u) || grads_on_device(); }
+  /// Whether the item starts unit u's gradient afresh (zeroes its accumulator).
+  bool fresh(const TrainItem& it, std::size_t u) const { return it.micro == 0 || !accumulates_on_device(u); }
+  /// Whether unit u's share of the norm is summed on the device, over its complete gradient (else:
+  /// as its streamed pieces are stepped, or over the resident slab where micro-batches add up).
+  bool summed_on_device(std::size_t u) const {
+    return devices_.holds(u) || (opt_.resident_gradients() && (grads_on_device() || opt_.micro_batches == 1));
+  }
   static std::int64_t pieces(std::int64_t n, std::int64_t per) { return std::max<std::int64_t>(1, (n + per - 1) / per); }
   std::int64_t slot_numel() const { return store_.grad_slot_numel(); }
   std::int64_t vocab() const { return model_.config().vocab_size; }
@@ -908,7 +1071,12 @@ class Trainer {
     const auto d = static_cast<std::size_t>(hidden());
     const auto R = static_cast<std::size_t>(piece_rows());
     Piece p;
-    if (it.kind == Kind::embed_rest) {  // table rows [r0, r1)
+    if (it.kind == Kind::optimize) {  // elements [o, o + slot) of a gradient that waited on the device
+      const auto S = static_cast<std::size_t>(slot_numel()), n = static_cast<std::size_t>(store_.unit(it.unit).numel());
+      const auto o = static_cast<std::size_t>(it.piece) * S;
+      p.device = std::span<const Acc>(grad_acc(it.unit, device_slot)).subspan(o, std::min(S, n - o));
+      p.where.offset = o;
+    } else if (it.kind == Kind::embed_rest) {  // table rows [r0, r1)
       const auto r0 = static_cast<std::size_t>(it.piece) * R, r1 = std::min(static_cast<std::size_t>(vocab()), r0 + R);
       p.where.offset = r0 * d;
       if (model_.head().op().tied()) p.device = std::span<const Acc>(embed_acc_.span()).subspan(r0 * d, (r1 - r0) * d);
@@ -1011,6 +1179,11 @@ class Trainer {
   bool update_pending_ = false;
   std::size_t device_bytes_ = 0;
 
+  DeviceUnits<B> devices_;
+  bool device_owns_ = false;   // the backend holds the device units' state (loaded from the store)
+  bool device_newer_ = false;  // ... and has changed it since: the store's copies are stale
+  std::vector<Buf<W>> dev_weights_;  // a device block's own weights
+  std::vector<Buf<Acc>> block_acc_;  // a block's own gradient accumulator (gradients waiting on the device; device blocks)
   std::vector<Buf<W>> weight_ring_;
   std::vector<Buf<Acc>> grad_ring_;
   Buf<W> embed_slot_, head_slot_;
@@ -1032,11 +1205,12 @@ class Trainer {
   HostBuffer host_io_;  // the batch's ids and labels, and per-token losses (pinned with a GPU)
   std::span<std::int32_t> ids_host_, labels_host_;
   std::span<Acc> loss_host_;
-  Buf<double> sumsq_dev_;  // device_norms(): each unit's sum of squared gradient elements
+  Buf<double> sumsq_dev_;  // each unit's sum of squared gradient elements, where summed on the device
   HostBuffer sumsq_host_mem_;
   std::span<double> sumsq_host_;
   HostBuffer staging_mem_;
   std::vector<std::span<float>> staging_;  // micro-batches after the first land here (two slots)
+  Exec xfer_ = be_.make_executor(B::Role::upload);  // device units' state to and from the store
   std::unique_ptr<Pipeline> pipeline_;  // last: its threads stop before the buffers go
 };
 

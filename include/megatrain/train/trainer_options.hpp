@@ -27,7 +27,17 @@ enum class ClipMode {
   stale,  ///< clip with the previous step's global norm (none at step 1); no resident gradients
 };
 
+/// Where gradients wait for the global norm when they must all be kept (exact clipping, or
+/// gradient accumulation over micro-batches): TrainerOptions::gradient_home.
+enum class GradientHome {
+  device,  ///< in backend memory: one fp32 accumulator per unit (4 bytes per parameter there)
+  host,    ///< in the store's resident gradient slabs (4 more bytes per parameter of host memory)
+};
+
 struct TrainerOptions {
+  /// device_units: as many units as the device has room for (see there).
+  static constexpr std::int64_t kAutoDeviceUnits = -1;
+
   std::int64_t batch_rows = 8;     ///< sequences per optimizer step
   std::int64_t seq_len = 128;
   std::int64_t micro_batches = 1;  ///< gradient accumulation: the batch is run in this many parts
@@ -48,6 +58,14 @@ struct TrainerOptions {
   /// update is the same; Trainer::finish_update() waits for it. false: step() returns with the
   /// update applied.
   bool overlap_update = true;
+  GradientHome gradient_home = GradientHome::device;
+  /// The first N units in forward order (the embedding, the blocks, the head) keep their AdamW
+  /// state (fp32 master weights, m and v) and their weights in backend memory, and are updated
+  /// there (Backend::adamw: the same formula and, on the CPU and CUDA backends, the same bits as
+  /// the host optimizer). The store holds their state again after Trainer::finish_update().
+  /// kAutoDeviceUnits: as many as fit in device memory after everything else (none on a backend
+  /// whose memory is host memory, or when user stages read the landed gradients).
+  std::int64_t device_units = kAutoDeviceUnits;
   /// Testing aid: each built-in stage sleeps a random 0..jitter_us microseconds per item.
   int jitter_us = 0;
   /// Time every stage's work (events on GPU streams) and report it in StepStats::profile.
@@ -74,6 +92,7 @@ struct TrainerOptions {
     MT_CHECK(grad_slots >= 2, "grad_slots must be >= 2 for double buffering (got {})", grad_slots);
     MT_CHECK(std::isfinite(clip_norm) && clip_norm >= 0, "clip_norm must be finite and >= 0 (got {})", clip_norm);
     MT_CHECK(jitter_us >= 0, "jitter_us must be >= 0");
+    MT_CHECK(device_units >= kAutoDeviceUnits, "device_units must be >= 0, or kAutoDeviceUnits (got {})", device_units);
     adamw.validate();
     schedule.validate();
   }
@@ -98,7 +117,9 @@ inline nlohmann::json to_json(const TrainerOptions& o) {
           {"clip_norm", o.clip_norm},
           {"clip_mode", o.clip_mode == ClipMode::exact ? "exact" : "stale"},
           {"weight_slots", o.weight_slots},
-          {"grad_slots", o.grad_slots}};
+          {"grad_slots", o.grad_slots},
+          {"gradient_home", o.gradient_home == GradientHome::device ? "device" : "host"},
+          {"device_units", o.device_units}};
 }
 
 /// Reads what to_json wrote; throws megatrain::Error naming `what` and the field otherwise.
@@ -125,6 +146,11 @@ inline TrainerOptions trainer_options_from_json(const nlohmann::json& j, std::st
     o.clip_mode = mode == "exact" ? ClipMode::exact : ClipMode::stale;
     o.weight_slots = j.at("weight_slots").get<std::size_t>();
     o.grad_slots = j.at("grad_slots").get<std::size_t>();
+    // (layout only, and absent from train states written before they existed)
+    const std::string home = j.value("gradient_home", "host");
+    MT_CHECK(home == "device" || home == "host", "{}: gradient_home '{}' is unknown", what, home);
+    o.gradient_home = home == "device" ? GradientHome::device : GradientHome::host;
+    o.device_units = j.value("device_units", std::int64_t{0});
   } catch (const nlohmann::json::exception& e) {
     MT_FAIL("{}: the trainer options are malformed: {}", what, e.what());
   }

@@ -360,6 +360,29 @@ class CpuBackend {
     sum.data()[0] = grad_sum_squares<T>(std::span<const T>(x.data(), static_cast<std::size_t>(x.numel())));
   }
 
+  // ---- optimizer -----------------------------------------------------------------------------
+  /// One AdamW step over the elements of p (optim/adamw.hpp's formula, the same code as the host
+  /// optimizer, so the same bits): p, m, v updated in place from the gradient g, and w = the
+  /// weights the ops read (here p itself, in T).
+  void adamw(const AdamWScalars<float>& s, std::span<float> p, std::span<float> m, std::span<float> v, std::span<const Acc> g,
+             std::span<Weight> w) {
+    const std::size_t n = p.size();
+    MT_CHECK(m.size() == n && v.size() == n && g.size() == n && w.size() == n,
+             "adamw: p {}, m {}, v {}, g {} and w {} elements differ", n, m.size(), v.size(), g.size(), w.size());
+    const SimdLevel level = active_simd_level();
+    tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, detail::kOptimBlock), [&](const auto& r) {
+      const std::size_t o = r.begin(), k = r.size();
+      std::vector<bf16> copy(k);  // (the host optimizer's bf16 copy; the ops here read T)
+      if constexpr (std::is_same_v<T, float>) {
+        detail::adamw_f32(level, s, p.data() + o, m.data() + o, v.data() + o, g.data() + o, copy.data(), k);
+      } else {
+        std::vector<float> gf(g.begin() + static_cast<std::ptrdiff_t>(o), g.begin() + static_cast<std::ptrdiff_t>(o + k));
+        detail::adamw_f32(level, s, p.data() + o, m.data() + o, v.data() + o, gf.data(), copy.data(), k);
+      }
+      for (std::size_t i = o; i < o + k; ++i) w[i] = static_cast<T>(p[i]);
+    });
+  }
+
   // ---- LM head + cross-entropy ---------------------------------------------------------------
   /// Per-token loss of logits = h w^T against labels (-100: ignored, loss 0), computed in blocks
   /// of `logits_block` tokens so the full [M, vocab] logits never exist. Unless dh is null, also

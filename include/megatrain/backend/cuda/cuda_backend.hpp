@@ -39,6 +39,7 @@
 #include "megatrain/core/log.hpp"
 #include "megatrain/core/nvtx.hpp"
 #include "megatrain/core/tensor.hpp"
+#include "megatrain/optim/adamw.hpp"
 
 namespace megatrain {
 
@@ -366,6 +367,18 @@ class CudaBackend {
     MT_NVTX_RANGE("cuda:sum_squares");
     MT_CHECK(sum.numel() == 1, "sum_squares: the result is one element, not {}", sum.shape().str());
     cuda::launch_sum_squares(x.data(), x.numel(), sum.data(), ws(), workspace_.size(), stream_);
+  }
+
+  /// One AdamW step in device memory (optim/adamw.hpp's formula, bit for bit the host
+  /// optimizer's): p, m, v updated in place from the gradient g, and w = bf16(p).
+  void adamw(const AdamWScalars<float>& s, std::span<float> p, std::span<float> m, std::span<float> v, std::span<const Acc> g,
+             std::span<Weight> w) {
+    MT_NVTX_RANGE("cuda:adamw");
+    const std::size_t n = p.size();
+    MT_CHECK(m.size() == n && v.size() == n && g.size() == n && w.size() == n,
+             "adamw: p {}, m {}, v {}, g {} and w {} elements differ", n, m.size(), v.size(), g.size(), w.size());
+    const cuda::AdamWArgs a{s.decay, s.one_minus_b1, s.beta2, s.one_minus_b2, s.bc2_sqrt, s.eps, s.step_size, s.grad_scale};
+    cuda::launch_adamw(a, p.data(), m.data(), v.data(), g.data(), w.data(), static_cast<std::int64_t>(n), stream_);
   }
 
   /// Per-token cross-entropy of h w^T, in blocks of logits_block tokens: fp32 logits from

@@ -75,6 +75,17 @@ std::size_t sum_squares_workspace_bytes(std::int64_t n);
 void launch_sum_squares(const float* x, std::int64_t n, double* out, void* workspace, std::size_t workspace_bytes,
                         cudaStream_t stream);
 
+// ---- optimizer ---------------------------------------------------------------------------------
+/// AdamW's per-step scalars (megatrain::AdamWScalars<float>, optim/adamw.hpp), by value.
+struct AdamWArgs {
+  float decay, one_minus_b1, beta2, one_minus_b2, bc2_sqrt, eps, step_size, grad_scale;
+};
+/// One AdamW step over n elements (optim/adamw.hpp's formula): p, m, v updated in place from the
+/// gradient g, and w = bf16(p). Every operation is the CPU's, IEEE-rounded, with fused
+/// multiply-adds at the same places and no others, so the result is bit for bit the CPU's.
+void launch_adamw(const AdamWArgs& s, float* p, float* m, float* v, const float* g, bf16* w, std::int64_t n,
+                  cudaStream_t stream);
+
 // ---- cross-entropy -----------------------------------------------------------------------------
 /// For each of n rows of fp32 logits [n, V]: loss[r] = logsumexp(z_r) - z_r[label_r] (0 if the
 /// label is -100); if dlogits is not null, dlogits[r] = scale * (softmax(z_r) - onehot(label_r))

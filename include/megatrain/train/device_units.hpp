@@ -1,0 +1,106 @@
+// DeviceUnits<B>: the units whose AdamW state lives in backend memory.
+//
+// The store is the model's home, but a GPU often has room to spare once the streaming trainer
+// has what it needs: there the first units in forward order (TrainerOptions::device_units) keep
+// their fp32 master weights and moments, and the weights the ops read, so that they are updated
+// where their gradient already is (Backend::adamw): nothing of theirs crosses PCIe in a step,
+// and the host's cores have fewer parameters to step. The update is the host optimizer's
+// formula; on the CPU and CUDA backends it is bit for bit the same.
+//
+// Who holds the newer state is explicit: after load() the backend does, and the store's copies
+// of these units are stale until save() writes them back (Trainer::finish_update does both).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+#include "megatrain/core/error.hpp"
+#include "megatrain/core/nvtx.hpp"
+#include "megatrain/optim/adamw.hpp"
+#include "megatrain/store/host_param_store.hpp"
+
+namespace megatrain {
+
+template <class B>
+class DeviceUnits {
+  using W = typename B::Weight;
+  using Acc = typename B::Acc;
+  using Exec = typename B::Executor;
+  template <class E>
+  using Buf = typename B::template Buffer<E>;
+
+ public:
+  /// Backend bytes of one unit's state (master, m, v in fp32), for `numel` slab elements.
+  static std::size_t state_bytes(std::int64_t numel) { return 3 * static_cast<std::size_t>(numel) * sizeof(float); }
+
+  DeviceUnits() = default;
+  /// Allocates backend memory for the state of store units [0, count) (contents undefined until load()).
+  DeviceUnits(B& be, const HostParamStore<float>& store, std::size_t count) {
+    MT_CHECK(count <= store.num_units(), "{} device units, but the store has {} units", count, store.num_units());
+    for (std::size_t u = 0; u < count; ++u) {
+      const auto n = static_cast<std::size_t>(store.unit(u).numel());
+      units_.push_back({be.template alloc<float>(n), be.template alloc<float>(n), be.template alloc<float>(n)});
+    }
+  }
+
+  std::size_t count() const { return units_.size(); }
+  bool holds(std::size_t u) const { return u < units_.size(); }
+
+  /// One AdamW step of unit u (enqueued on the backend's compute stream): `g` is its gradient in
+  /// backend memory, laid out like its slabs; `w` receives the weights the ops read. Tensors
+  /// whose spec says weight_decay = false get none, as on the host; the gaps are left alone.
+  void step(B& be, const typename HostParamStore<float>::Unit& unit, std::span<const Acc> g, std::span<W> w,
+            const AdamWConfig& cfg, std::int64_t step, double lr, double grad_scale) {
+    MT_NVTX_RANGE("DeviceUnits::step");
+    auto& d = at(unit.index());
+    const auto with_wd = AdamWScalars<float>::make(cfg, step, lr, cfg.weight_decay, grad_scale);
+    const auto no_wd = AdamWScalars<float>::make(cfg, step, lr, 0.0, grad_scale);
+    for (const auto& p : unit.params()) {
+      const auto o = static_cast<std::size_t>(p.offset), n = static_cast<std::size_t>(p.numel());
+      be.adamw(p.spec.weight_decay ? with_wd : no_wd, d.master.span().subspan(o, n), d.m.span().subspan(o, n),
+               d.v.span().subspan(o, n), g.subspan(o, n), w.subspan(o, n));
+    }
+  }
+
+  /// Copies unit u's master weights and moments from the store into backend memory, and its
+  /// weights into `w` (the bf16 compute copy, or the masters where the ops read fp32). Enqueued
+  /// on `e`; the caller synchronises.
+  void load(B& be, Exec& e, const typename HostParamStore<float>::Unit& unit, std::span<W> w) {
+    auto& d = at(unit.index());
+    be.upload(e, std::span<const float>(unit.master()), d.master.span());
+    be.upload(e, std::span<const float>(unit.adam_m()), d.m.span());
+    be.upload(e, std::span<const float>(unit.adam_v()), d.v.span());
+    if constexpr (std::is_same_v<W, bf16>)
+      be.upload(e, std::span<const bf16>(unit.compute()), w);
+    else
+      be.upload(e, std::span<const float>(unit.master()), w);
+  }
+
+  /// Copies unit u's state from backend memory into the store (the bf16 copy too), and waits
+  /// for the copies.
+  void save(B& be, Exec& e, HostParamStore<float>& store, std::size_t u, std::span<const W> w) {
+    auto& d = at(u);
+    const auto& unit = store.unit(u);
+    be.download(e, std::span<const float>(d.master.span()), unit.master());
+    be.download(e, std::span<const float>(d.m.span()), unit.adam_m());
+    be.download(e, std::span<const float>(d.v.span()), unit.adam_v());
+    if constexpr (std::is_same_v<W, bf16>) be.download(e, w, unit.compute());
+    e.synchronize();
+    if constexpr (!std::is_same_v<W, bf16>) store.sync_compute(unit);
+  }
+
+ private:
+  struct Unit {
+    Buf<float> master, m, v;
+  };
+  Unit& at(std::size_t u) {
+    MT_CHECK(u < units_.size(), "unit {} is not kept in backend memory ({} units are)", u, units_.size());
+    return units_[u];
+  }
+  std::vector<Unit> units_;
+};
+
+}  // namespace megatrain
