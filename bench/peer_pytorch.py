@@ -74,34 +74,40 @@ def main():
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    # The fastest attention kernel at the largest split that fits, then the fastest split: the whole
-    # batch, half, a quarter (each timed on its second step: the first pays for allocations and
-    # plans). None of these steps is measured.
-    def fits(micro):
+    # The fastest attention kernel at the largest split where one runs, then the fastest split
+    # with that kernel: the whole batch, half, a quarter (each timed on its second step: the
+    # first pays for allocations and plans). A split that runs out of memory (also on the second
+    # step, as a fragmented allocator can) is left out. None of these steps is measured.
+    def attempt(micro, backend):
         try:
-            timed(micro, SDPBackend.FLASH_ATTENTION)
-            return True
+            timed(micro, backend)
+            return timed(micro, backend)
         except torch.OutOfMemoryError:
             opt.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
-            return False
+            return None
+        except RuntimeError as e:  # not available for this shape or GPU
+            print(f"peer: {backend.name} not usable for passes of {micro} ({str(e).splitlines()[0][:80]})", flush=True)
+            return None
 
     splits = [a.micro] if a.micro > 0 else [m for m in (a.batch, a.batch // 2, a.batch // 4) if m >= 1 and a.batch % m == 0]
-    splits = [m for m in splits if fits(m)]
-    if not splits:
-        raise SystemExit(f"peer: not even micro-batches of {a.batch // 4} fit on this GPU")
     trial = {}
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-        try:
-            timed(splits[0], backend)
-            trial[backend] = timed(splits[0], backend)
-        except RuntimeError as e:  # not available for this shape or GPU
-            print(f"peer: {backend.name} not usable here ({str(e).splitlines()[0][:80]})", flush=True)
+    while splits and not trial:
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            t = attempt(splits[0], backend)
+            if t is not None:
+                trial[backend] = t
+        if not trial:
+            print(f"peer: passes of {splits[0]} do not fit", flush=True)
+            splits = splits[1:]
+    if not trial:
+        raise SystemExit(f"peer: not even passes of {a.batch // 4} sequences fit on this GPU")
     backend = min(trial, key=trial.get)
     split_times = {splits[0]: trial[backend]}
     for m in splits[1:]:
-        timed(m, backend)
-        split_times[m] = timed(m, backend)
+        t = attempt(m, backend)
+        if t is not None:
+            split_times[m] = t
     micro = min(split_times, key=split_times.get)
     print(f"peer: PyTorch {torch.__version__}, transformers {transformers.__version__}, {a.preset}, {n / 1e9:.3f}B "
           f"parameters, {tokens} tokens per step ({a.batch} x {a.seq}, {a.batch // micro} pass(es) of {micro}), attention "

@@ -174,6 +174,20 @@ struct EvenSlotStage : TestStage {
 };
 }  // namespace
 
+TEST_CASE("rules 4 and 5: an item a stage passes through waits for no unit's writer or reader") {
+  // A slow writer steps unit 0 in three pieces; the reading stage (a prefetch) passes those
+  // through and must reach the next item of another unit at once, not in step with the writer.
+  Log log;
+  StreamPipeline<Item, TestStage, TestStage> p(TestStage{0, &log, 0, UnitAccess::reads, false, -1, {}, 1, 0},
+                                               TestStage{1, &log, 0, UnitAccess::writes, true, -1, {}, 2, 30000});
+  p.submit({{0, 0, false, true}, {0, 1, false, true}, {0, 2, false, true}, {1, 3, true, false}});
+  p.drain();
+  REQUIRE(log.span.count({0, 3}) == 1);
+  REQUIRE(log.span.count({1, 1}) == 1);
+  CHECK(log.span[{0, 3}].first < log.span[{1, 1}].first);  // read before the writer's second piece began
+  CHECK(log.span.count({1, 3}) == 0);                          // (the writer skips it)
+}
+
 TEST_CASE("rule 3: items a ring writer takes no slot for do not wait for the ring's readers") {
   Log log;
   EvenSlotStage writer{TestStage{0, &log, 2, UnitAccess::none, false, -1, {}, 1, 0}};

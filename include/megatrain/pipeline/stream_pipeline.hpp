@@ -12,12 +12,15 @@
 //      no slot, so they never make it wait; nor do items it applies to but writes no slot for,
 //      when it says so with an optional takes_slot(item) (e.g. a compute stage whose forward
 //      items need no gradient buffer: they must not wait for a slow reader of that ring);
-//   4. units: a stage whose unit_access() is `reads` starts only after the last earlier item of
-//      the same unit has passed every stage whose unit_access() is `writes` (e.g. a prefetch of
-//      a unit's weights waits for that unit's last optimizer step);
-//   5. and the other way round: a stage whose unit_access() is `writes` starts only after the
-//      last earlier item of the same unit has passed every `reads` stage (an optimizer step
-//      submitted after a prefetch of the same unit waits until that copy is done).
+//   4. units: a stage whose unit_access() is `reads` starts an item it applies to only after the
+//      last earlier item of the same unit has passed every stage whose unit_access() is `writes`
+//      (e.g. a prefetch of a unit's weights waits for that unit's last optimizer step);
+//   5. and the other way round: a stage whose unit_access() is `writes` starts an item it
+//      applies to only after the last earlier item of the same unit has passed every `reads`
+//      stage (an optimizer step submitted after a prefetch of the same unit waits until that
+//      copy is done). An item a stage passes through waits for neither: it would hold up every
+//      later item of the stage (a prefetch stage, passing an optimizer's item of unit u, would
+//      otherwise wait for u's previous optimizer item, and the next prefetch with it).
 // Dependencies only point to earlier items or earlier stages, so the graph cannot deadlock.
 // Work that needs everything before it finished (exact gradient clipping needs every unit's
 // gradient) is a new pass submitted after drain().
@@ -282,20 +285,24 @@ class StreamPipeline {
         std::vector<Completion> deps;
         Item item;
         StageSlots slots;
+        bool applies = false;
         {
           std::unique_lock lock(mutex_);
           cv_.wait(lock, [&] { return failed_ || stopping_ || seq < base_ + entries_.size(); });
           if (failed_ || stopping_) return;
           const Entry& e = entries_[seq - base_];
           item = e.item;
+          applies = stage.applies(item);
           if (J > 0) deps.push_back(await_posted(lock, J - 1, seq));                       // rule 1
           if (ring_size_[J] > 0 && last_reader_[J] != kNoRing && e.slot_prev[J] != kNone)  // rule 3
             deps.push_back(await_posted(lock, last_reader_[J], e.slot_prev[J]));
-          if (access_[J] == UnitAccess::reads) {                                           // rule 4
+          // Rules 4 and 5 order the stage's own work on a unit: an item it passes through waits
+          // for nothing more (else it would hold up every later item of this stage).
+          if (applies && access_[J] == UnitAccess::reads) {                                // rule 4
             const auto writes = entries_[seq - base_].unit_writes;
             for (const auto& [wj, wseq] : writes) deps.push_back(await_posted(lock, wj, wseq));
           }
-          if (access_[J] == UnitAccess::writes) {                                          // rule 5
+          if (applies && access_[J] == UnitAccess::writes) {                               // rule 5
             const auto reads = entries_[seq - base_].unit_reads;
             for (const auto& [rj, rseq] : reads) deps.push_back(await_posted(lock, rj, rseq));
           }
@@ -303,7 +310,7 @@ class StreamPipeline {
           if (ring_size_[J] > 0) slots.out = e.slot[J];
         }
         Completion posted;
-        if (stage.applies(item)) {
+        if (applies) {
           for (const auto& d : deps) exec.wait(d);
           {
             MT_NVTX_RANGE(detail::pipeline_stage_range_name<J>.data());
