@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the GPU measurements on a machine with an NVIDIA GPU, from binaries
 # built elsewhere and copied to BIN (with libtbb/libfmt in BIN/../lib). Logs go to OUT.
-#   scripts/gpu_check.sh BIN OUT [tests|hf|train|bench|bench7b|checkpoint|checkpoint7b|kernels|all]...
+#   scripts/gpu_check.sh BIN OUT [tests|hf|numerics|train|bench|bench7b|checkpoint|checkpoint7b|kernels|all]...
 set -uo pipefail
 BIN=$(cd "$1" && pwd); OUT=$(mkdir -p "$2" && cd "$2" && pwd); shift 2
 what=${*:-all}
@@ -21,6 +21,12 @@ fi
 if has hf; then
   timeout 400 python3 tests/hf/hf_interop.py --megatrain "$BIN/megatrain-train" > "$OUT/hf_interop.log" 2>&1
   summary+=("hf_interop (transformers) rc=$? $(tail -1 "$OUT/hf_interop.log")")
+fi
+# bf16 numerics against PyTorch's autocast, both measured from an fp32 PyTorch run (docs/numerics.md).
+if has numerics; then
+  timeout 900 python3 tests/hf/numerics.py --megatrain "$BIN/megatrain-train" --work /tmp/mt-numerics \
+    --report "$OUT/numerics.json" ${NUMERICS_ARGS:-} > "$OUT/numerics.log" 2>&1
+  summary+=("numerics (bf16 vs autocast) rc=$? $(tail -1 "$OUT/numerics.log")")
 fi
 if has train; then
   (cd /tmp && timeout 300 "$BIN/megatrain-train" --out /tmp/mt-run --overwrite true > "$OUT/train_default.log" 2>&1)

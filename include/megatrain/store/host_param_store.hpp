@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <numbers>
 #include <optional>
 #include <span>
@@ -214,7 +215,6 @@ class HostParamStore {
     m_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
     v_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
     compute_buf_ = HostBuffer::allocate(elems * sizeof(bf16), opt.pinning);
-    ring_buf_ = HostBuffer::allocate(footprint_.grad_ring_bytes, opt.pinning);
     grad_buf_ = HostBuffer::allocate(footprint_.resident_grad_bytes, opt.pinning);
 
     std::int64_t base = 0;
@@ -302,9 +302,13 @@ class HostParamStore {
   View<T> adam_v(std::string_view name) const { auto [u, p] = find(name); return u->tensor(u->v_, *p); }
   View<bf16> compute(std::string_view name) const { auto [u, p] = find(name); return u->tensor(u->compute_, *p); }
 
-  /// Gradient landing buffer k of the ring, grad_slot_numel() elements (zeroed at start).
+  /// Gradient landing buffer k of the ring, grad_slot_numel() elements (zeroed at start). The
+  /// ring is allocated at the first call (a trainer whose units all step on the device never
+  /// lands a gradient: its ring would be host memory held for nothing), from any thread; the
+  /// store's memory budget counted it from the start.
   std::span<T> grad_slot(std::size_t k) const {
     MT_CHECK(k < options_.grad_ring_slots, "gradient slot {} out of range (the ring has {})", k, options_.grad_ring_slots);
+    std::call_once(*ring_once_, [this] { ring_buf_ = HostBuffer::allocate(footprint_.grad_ring_bytes, options_.pinning); });
     const auto len = static_cast<std::size_t>(footprint_.grad_slot_numel);
     return ring_buf_.template as<T>(k * len, len);
   }
@@ -314,7 +318,8 @@ class HostParamStore {
   const StoreFootprint& footprint() const { return footprint_; }
   std::size_t bytes() const { return footprint_.total_bytes(); }
   std::int64_t param_count() const { return footprint_.param_count; }
-  /// Whether the buffers the GPU copies from and into are page-locked.
+  /// Whether the buffers the GPU copies from and into are page-locked (the gradient ring once
+  /// it is allocated).
   bool pinned() const {
     return compute_buf_.pinned() && (!ring_buf_ || ring_buf_.pinned()) && (!grad_buf_ || grad_buf_.pinned());
   }
@@ -335,7 +340,9 @@ class HostParamStore {
   std::unique_ptr<std::atomic<bool>> in_flight_ = std::make_unique<std::atomic<bool>>(false);
   StoreOptions options_;
   StoreFootprint footprint_;
-  HostBuffer master_buf_, m_buf_, v_buf_, compute_buf_, ring_buf_, grad_buf_;
+  HostBuffer master_buf_, m_buf_, v_buf_, compute_buf_, grad_buf_;
+  mutable HostBuffer ring_buf_;  // allocated by the first grad_slot()
+  std::unique_ptr<std::once_flag> ring_once_ = std::make_unique<std::once_flag>();
   std::vector<Unit> units_;
   std::unordered_map<std::string, std::pair<std::size_t, std::size_t>> index_;
 };
