@@ -60,12 +60,13 @@ Gemm::Plan& Gemm::plan(Kind kind, std::int64_t M, std::int64_t N, std::int64_t K
     case Kind::forward:
     case Kind::forward_bias:
     case Kind::forward_f32:
+    case Kind::forward_add:
       ta = CUBLAS_OP_T;
       m = N, n = M, k = K;
       arows = K, acols = N, lda = K;  // W
       brows = K, bcols = M, ldb = K;  // x
       ldc = N;
-      if (kind == Kind::forward_f32) ctype = CUDA_R_32F;
+      if (kind == Kind::forward_f32 || kind == Kind::forward_add) ctype = CUDA_R_32F;
       break;
     case Kind::input_grad:
     case Kind::input_grad_acc:
@@ -117,12 +118,13 @@ Gemm::Plan& Gemm::plan(Kind kind, std::int64_t M, std::int64_t N, std::int64_t K
   return *plans_.emplace(key, std::move(p)).first->second;
 }
 
-void Gemm::run(Plan& p, const void* a, const void* b, void* c, const void* bias, float beta, cudaStream_t stream) {
+void Gemm::run(Plan& p, const void* a, const void* b, void* c, const void* bias, float beta, cudaStream_t stream,
+               const void* c_in) {
   if (p.has_bias)
     MT_CUDA_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
   const float alpha = 1.0f;
-  MT_CUDA_CHECK(cublasLtMatmul(handle_, p.desc, &alpha, a, p.a, b, p.b, &beta, c, p.c, c, p.c, &p.algo, workspace_,
-                               workspace_bytes_, stream));
+  MT_CUDA_CHECK(cublasLtMatmul(handle_, p.desc, &alpha, a, p.a, b, p.b, &beta, c_in ? c_in : c, p.c, c, p.c, &p.algo,
+                               workspace_, workspace_bytes_, stream));
 }
 
 void Gemm::forward(const bf16* x, const bf16* w, const bf16* bias, bf16* y, std::int64_t M, std::int64_t N,
@@ -135,6 +137,12 @@ void Gemm::forward_f32(const bf16* x, const bf16* w, float* y, std::int64_t M, s
                        cudaStream_t stream) {
   const bool al = aligned16({x, w, y}, {2 * K, 4 * N});
   run(plan(Kind::forward_f32, M, N, K, al), w, x, y, nullptr, 0.0f, stream);
+}
+
+void Gemm::forward_add(const bf16* x, const bf16* w, const float* r, float* y, std::int64_t M, std::int64_t N, std::int64_t K,
+                       cudaStream_t stream) {
+  const bool al = aligned16({x, w, r, y}, {2 * K, 4 * N});
+  run(plan(Kind::forward_add, M, N, K, al), w, x, y, nullptr, 1.0f, stream, r);
 }
 
 void Gemm::input_grad(const bf16* dy, const bf16* w, bf16* dx, bool accumulate, std::int64_t M, std::int64_t N,

@@ -121,6 +121,14 @@ __device__ __forceinline__ void unpack8(uint4 u, float (&f)[8]) {
 __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   return make_uint4(pack_bf2(f[0], f[1]), pack_bf2(f[2], f[3]), pack_bf2(f[4], f[5]), pack_bf2(f[6], f[7]));
 }
+__device__ __forceinline__ void ld8(const float* p, float (&f)[8]) {  // 8 floats, two 16-byte loads
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+__device__ __forceinline__ void st8(float* p, const float (&f)[8]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+}
 __device__ __forceinline__ float ldf(const bf* p) { return __bfloat162float(*p); }
 __device__ __forceinline__ void stf(bf* p, float v) { *p = __float2bfloat16_rn(v); }
 
@@ -182,6 +190,35 @@ struct AddOp {
     st16(y + i, pack8(b));
   }
   __device__ void one(i64 i) const { stf(y + i, ldf(x + i) + ldf(y + i)); }
+};
+
+struct AddToResidualOp {  // y (fp32) += x (bf16)
+  const bf* x;
+  float* y;
+  __device__ void vec8(i64 i) const {
+    float a[8], b[8];
+    unpack8(ld16(x + i), a);
+    ld8(y + i, b);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) b[k] += a[k];
+    st8(y + i, b);
+  }
+  __device__ void one(i64 i) const { y[i] += ldf(x + i); }
+};
+
+struct AddBiasOp {  // y[r, c] (fp32) += bias[c] (bf16), over the flat index i = r * N + c
+  const bf* bias;
+  float* y;
+  i64 N;
+  __device__ void vec8(i64 i) const {  // (N % 8 == 0: 8 elements share a row)
+    float a[8], b[8];
+    unpack8(ld16(bias + i % N), a);
+    ld8(y + i, b);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) b[k] += a[k];
+    st8(y + i, b);
+  }
+  __device__ void one(i64 i) const { y[i] += ldf(bias + i % N); }
 };
 
 struct CastToBf16Op {
@@ -258,17 +295,21 @@ struct SwigluBackwardOp {
 constexpr int kEmbThreads = 128;
 
 __global__ void __launch_bounds__(kEmbThreads)
-    embedding_forward_kernel(const std::int32_t* __restrict__ ids, const bf* __restrict__ table, bf* __restrict__ out,
+    embedding_forward_kernel(const std::int32_t* __restrict__ ids, const bf* __restrict__ table, float* __restrict__ out,
                              i64 M, i64 d, i64 V, bool vec) {
   for (i64 t = blockIdx.x; t < M; t += gridDim.x) {
     const std::int32_t id = ids[t];
     if (id < 0 || id >= V) __trap();  // no row to read: stop (see the top of this file)
     const bf* src = table + static_cast<i64>(id) * d;
-    bf* dst = out + t * d;
+    float* dst = out + t * d;
     if (vec) {
-      for (i64 c = threadIdx.x; c < d / 8; c += blockDim.x) st16(dst + 8 * c, ld16(src + 8 * c));
+      for (i64 c = threadIdx.x; c < d / 8; c += blockDim.x) {
+        float f[8];
+        unpack8(ld16(src + 8 * c), f);
+        st8(dst + 8 * c, f);
+      }
     } else {
-      for (i64 c = threadIdx.x; c < d; c += blockDim.x) dst[c] = src[c];
+      for (i64 c = threadIdx.x; c < d; c += blockDim.x) dst[c] = ldf(src + c);
     }
   }
 }
@@ -313,7 +354,7 @@ __global__ void embedding_sort_init_kernel(const std::int32_t* __restrict__ ids,
 template <int W>  // columns per thread: 8 (16-byte accesses) or 1
 __global__ void __launch_bounds__(kEmbThreads)
     embedding_accumulate_kernel(const u32* __restrict__ keys, const std::int32_t* __restrict__ pos,
-                                const bf* __restrict__ dy, float* __restrict__ dtable, i64 M, i64 d) {
+                                const float* __restrict__ dy, float* __restrict__ dtable, i64 M, i64 d) {
   constexpr int kBatch = 8;
   const i64 col = (static_cast<i64>(blockIdx.y) * blockDim.x + threadIdx.x) * W;
   if (col >= d) return;
@@ -330,22 +371,20 @@ __global__ void __launch_bounds__(kEmbThreads)
         p[b] = in[b] ? pos[j + b] : 0;
       }
       if constexpr (W == 8) {
-        uint4 raw[kBatch];
+        float raw[kBatch][8];
 #pragma unroll
         for (int b = 0; b < kBatch; ++b)
-          if (in[b]) raw[b] = ld16(dy + static_cast<i64>(p[b]) * d + col);
+          if (in[b]) ld8(dy + static_cast<i64>(p[b]) * d + col, raw[b]);
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
           if (!in[b]) continue;
-          float f[8];
-          unpack8(raw[b], f);
 #pragma unroll
-          for (int k = 0; k < 8; ++k) acc[k] += f[k];
+          for (int k = 0; k < 8; ++k) acc[k] += raw[b][k];
         }
       } else {
         float v[kBatch];
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b) v[b] = in[b] ? ldf(dy + static_cast<i64>(p[b]) * d + col) : 0.0f;
+        for (int b = 0; b < kBatch; ++b) v[b] = in[b] ? dy[static_cast<i64>(p[b]) * d + col] : 0.0f;
 #pragma unroll
         for (int b = 0; b < kBatch; ++b)
           if (in[b]) acc[0] += v[b];
@@ -399,26 +438,27 @@ __device__ __forceinline__ float group_sum(float v) {
   }
 }
 
+// x is the residual stream (fp32), w the gain (fp32), y the normalised activations (bf16).
 template <int kGroup, int kBlock>
 __global__ void __launch_bounds__(kBlock)
-    rmsnorm_forward_kernel(const bf* __restrict__ x, const bf* __restrict__ w, bf* __restrict__ y, float* __restrict__ rstd,
-                           i64 M, int d, float eps, bool vec) {
+    rmsnorm_forward_kernel(const float* __restrict__ x, const float* __restrict__ w, bf* __restrict__ y,
+                           float* __restrict__ rstd, i64 M, int d, float eps, bool vec) {
   constexpr int kRows = kBlock / kGroup;
   const int t = threadIdx.x % kGroup;
   const i64 r = static_cast<i64>(blockIdx.x) * kRows + threadIdx.x / kGroup;
   const bool live = r < M;
-  const bf* xr = x + (live ? r : 0) * d;
+  const float* xr = x + (live ? r : 0) * d;
   float ss = 0.0f;
   if (live) {
     if (vec) {
       for (int c = t * 8; c < d; c += kGroup * 8) {
         float f[8];
-        unpack8(ld16(xr + c), f);
+        ld8(xr + c, f);
 #pragma unroll
         for (int k = 0; k < 8; ++k) ss = fmaf(f[k], f[k], ss);
       }
     } else {
-      for (int c = t; c < d; c += kGroup) ss = fmaf(ldf(xr + c), ldf(xr + c), ss);
+      for (int c = t; c < d; c += kGroup) ss = fmaf(xr[c], xr[c], ss);
     }
   }
   ss = group_sum<kGroup, kBlock>(ss);
@@ -429,21 +469,24 @@ __global__ void __launch_bounds__(kBlock)
   if (vec) {
     for (int c = t * 8; c < d; c += kGroup * 8) {
       float f[8], g[8];
-      unpack8(ld16(xr + c), f);
-      unpack8(ld16(w + c), g);
+      ld8(xr + c, f);
+      ld8(w + c, g);
 #pragma unroll
       for (int k = 0; k < 8; ++k) f[k] = f[k] * inv * g[k];
       st16(yr + c, pack8(f));
     }
   } else {
-    for (int c = t; c < d; c += kGroup) stf(yr + c, ldf(xr + c) * inv * ldf(w + c));
+    for (int c = t; c < d; c += kGroup) stf(yr + c, xr[c] * inv * w[c]);
   }
 }
 
+// dx = residual (if any) + the norm's input gradient, in fp32, and dx_act = bf16(dx) (if asked
+// for); x, w fp32, dy (the gradient of the bf16 output) bf16. residual may be dx itself.
 template <int kGroup, int kBlock>
 __global__ void __launch_bounds__(kBlock)
-    rmsnorm_backward_dx_kernel(const bf* __restrict__ x, const bf* __restrict__ w, const float* __restrict__ rstd,
-                               const bf* __restrict__ dy, bf* __restrict__ dx, bool accumulate, i64 M, int d, bool vec) {
+    rmsnorm_backward_dx_kernel(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ rstd,
+                               const bf* __restrict__ dy, const float* residual, float* dx, bf* __restrict__ dx_act, i64 M,
+                               int d, bool vec) {
   constexpr int kRows = kBlock / kGroup;
   const int t = threadIdx.x % kGroup;
   const i64 r = static_cast<i64>(blockIdx.x) * kRows + threadIdx.x / kGroup;
@@ -455,14 +498,14 @@ __global__ void __launch_bounds__(kBlock)
     if (vec) {
       for (int c = t * 8; c < d; c += kGroup * 8) {
         float a[8], b[8], g[8];
-        unpack8(ld16(x + off + c), a);
+        ld8(x + off + c, a);
         unpack8(ld16(dy + off + c), b);
-        unpack8(ld16(w + c), g);
+        ld8(w + c, g);
 #pragma unroll
         for (int k = 0; k < 8; ++k) dot = fmaf(b[k] * g[k], a[k] * inv, dot);
       }
     } else {
-      for (int c = t; c < d; c += kGroup) dot = fmaf(ldf(dy + off + c) * ldf(w + c), ldf(x + off + c) * inv, dot);
+      for (int c = t; c < d; c += kGroup) dot = fmaf(ldf(dy + off + c) * w[c], x[off + c] * inv, dot);
     }
   }
   dot = group_sum<kGroup, kBlock>(dot);
@@ -471,21 +514,24 @@ __global__ void __launch_bounds__(kBlock)
   if (vec) {
     for (int c = t * 8; c < d; c += kGroup * 8) {
       float a[8], b[8], g[8], o[8];
-      unpack8(ld16(x + off + c), a);
+      ld8(x + off + c, a);
       unpack8(ld16(dy + off + c), b);
-      unpack8(ld16(w + c), g);
-      if (accumulate) unpack8(ld16(dx + off + c), o);
+      ld8(w + c, g);
+      if (residual != nullptr) ld8(residual + off + c, o);
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const float v = inv * (b[k] * g[k] - a[k] * inv * mean);
-        o[k] = accumulate ? o[k] + v : v;
+        o[k] = residual != nullptr ? o[k] + v : v;
       }
-      st16(dx + off + c, pack8(o));
+      st8(dx + off + c, o);
+      if (dx_act != nullptr) st16(dx_act + off + c, pack8(o));
     }
   } else {
     for (int c = t; c < d; c += kGroup) {
-      const float v = inv * (ldf(dy + off + c) * ldf(w + c) - ldf(x + off + c) * inv * mean);
-      stf(dx + off + c, accumulate ? ldf(dx + off + c) + v : v);
+      const float v = inv * (ldf(dy + off + c) * w[c] - x[off + c] * inv * mean);
+      const float o = residual != nullptr ? residual[off + c] + v : v;
+      dx[off + c] = o;
+      if (dx_act != nullptr) stf(dx_act + off + c, o);
     }
   }
 }
@@ -523,18 +569,18 @@ struct ColumnOfBf16 {
 
 struct RmsNormDw {  // dy[r, c] * x[r, c] * rstd[r]
   const bf* dy;
-  const bf* x;
+  const float* x;
   const float* rstd;
   i64 N;
   __device__ void add8(i64 r, i64 c, float (&acc)[8]) const {
     float a[8], b[8];
     unpack8(ld16(dy + r * N + c), a);
-    unpack8(ld16(x + r * N + c), b);
+    ld8(x + r * N + c, b);
     const float s = rstd[r];
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc[k] = fmaf(a[k] * b[k], s, acc[k]);
   }
-  __device__ float one(i64 r, i64 c) const { return ldf(dy + r * N + c) * ldf(x + r * N + c) * rstd[r]; }
+  __device__ float one(i64 r, i64 c) const { return ldf(dy + r * N + c) * x[r * N + c] * rstd[r]; }
 };
 
 template <class F>
@@ -1238,6 +1284,17 @@ void launch_add(const bf16* x, bf16* y, std::int64_t n, cudaStream_t stream) {
   launch_map("add_kernel", AddOp{dev(x), dev(y)}, n, aligned16(x) && aligned16(y), stream);
 }
 
+void launch_add(const bf16* x, float* y, std::int64_t n, cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_add residual");
+  launch_map("add_to_residual_kernel", AddToResidualOp{dev(x), y}, n, aligned16(x) && aligned16(y), stream);
+}
+
+void launch_add_bias(const bf16* bias, float* y, std::int64_t M, std::int64_t N, cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_add_bias");
+  MT_CHECK(M >= 0 && N > 0, "add_bias: invalid sizes M {}, N {}", M, N);
+  launch_map("add_bias_kernel", AddBiasOp{dev(bias), y, N}, M * N, N % 8 == 0 && aligned16(bias) && aligned16(y), stream);
+}
+
 void launch_cast(const float* in, bf16* out, std::int64_t n, cudaStream_t stream) {
   MT_NVTX_RANGE("launch_cast f32->bf16");
   launch_map("cast_to_bf16_kernel", CastToBf16Op{in, dev(out)}, n, aligned16(in) && aligned16(out), stream);
@@ -1261,14 +1318,14 @@ void launch_swiglu_backward(const bf16* g, const bf16* u, const bf16* dm, bf16* 
              aligned16(g) && aligned16(u) && aligned16(dm) && aligned16(dg) && aligned16(du), stream);
 }
 
-void launch_embedding_forward(const std::int32_t* ids, const bf16* table, bf16* out, std::int64_t M, std::int64_t d,
+void launch_embedding_forward(const std::int32_t* ids, const bf16* table, float* out, std::int64_t M, std::int64_t d,
                               std::int64_t V, cudaStream_t stream) {
   MT_NVTX_RANGE("launch_embedding_forward");
   MT_CHECK(M >= 0 && d > 0 && V > 0, "embedding_forward: invalid sizes M {}, d {}, V {}", M, d, V);
   if (M == 0) return;
   const bool vec = d % 8 == 0 && aligned16(table) && aligned16(out);
   embedding_forward_kernel<<<static_cast<unsigned>(std::min<i64>(M, 65536)), kEmbThreads, 0, stream>>>(
-      ids, dev(table), dev(out), M, d, V, vec);
+      ids, dev(table), out, M, d, V, vec);
   MT_CUDA_CHECK_LAUNCH("embedding_forward_kernel");
 }
 
@@ -1290,7 +1347,7 @@ std::size_t embedding_backward_workspace_bytes(std::int64_t M) {
   return kWorkspaceAlign + 4 * arr + align_up(radix_sort_temp_bytes(M, 32));
 }
 
-void launch_embedding_backward(const std::int32_t* ids, const bf16* dy, float* dtable, std::int64_t M, std::int64_t d,
+void launch_embedding_backward(const std::int32_t* ids, const float* dy, float* dtable, std::int64_t M, std::int64_t d,
                                std::int64_t V, void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
   MT_NVTX_RANGE("launch_embedding_backward");
   MT_CHECK(M >= 0 && M <= INT_MAX && d > 0 && V > 0 && V <= INT_MAX, "embedding_backward: invalid sizes M {}, d {}, V {}",
@@ -1322,12 +1379,12 @@ void launch_embedding_backward(const std::int32_t* ids, const bf16* dy, float* d
   const i64 col_blocks = (d + per_block - 1) / per_block;
   MT_CHECK(col_blocks <= 65535, "embedding_backward: row length {} is too large", d);
   const dim3 grid(static_cast<unsigned>(std::min<i64>(M, 65536)), static_cast<unsigned>(col_blocks));
-  if (vec) embedding_accumulate_kernel<8><<<grid, kEmbThreads, 0, stream>>>(keys.Current(), pos.Current(), dev(dy), dtable, M, d);
-  else embedding_accumulate_kernel<1><<<grid, kEmbThreads, 0, stream>>>(keys.Current(), pos.Current(), dev(dy), dtable, M, d);
+  if (vec) embedding_accumulate_kernel<8><<<grid, kEmbThreads, 0, stream>>>(keys.Current(), pos.Current(), dy, dtable, M, d);
+  else embedding_accumulate_kernel<1><<<grid, kEmbThreads, 0, stream>>>(keys.Current(), pos.Current(), dy, dtable, M, d);
   MT_CUDA_CHECK_LAUNCH("embedding_accumulate_kernel");
 }
 
-void launch_rmsnorm_forward(const bf16* x, const bf16* w, bf16* y, float* rstd, std::int64_t M, std::int64_t d, float eps,
+void launch_rmsnorm_forward(const float* x, const float* w, bf16* y, float* rstd, std::int64_t M, std::int64_t d, float eps,
                             cudaStream_t stream) {
   MT_NVTX_RANGE("launch_rmsnorm_forward");
   MT_CHECK(M >= 0 && d > 0 && d <= INT_MAX / 8, "rmsnorm_forward: invalid sizes M {}, d {}", M, d);
@@ -1336,7 +1393,7 @@ void launch_rmsnorm_forward(const bf16* x, const bf16* w, bf16* y, float* rstd, 
   dispatch_row_group(vec ? d / 8 : d, [&](auto group, auto block) {
     constexpr int kGroup = decltype(group)::value, kBlock = decltype(block)::value, kRows = kBlock / kGroup;
     rmsnorm_forward_kernel<kGroup, kBlock><<<static_cast<unsigned>((M + kRows - 1) / kRows), kBlock, 0, stream>>>(
-        dev(x), dev(w), dev(y), rstd, M, static_cast<int>(d), eps, vec);
+        x, w, dev(y), rstd, M, static_cast<int>(d), eps, vec);
   });
   MT_CUDA_CHECK_LAUNCH("rmsnorm_forward_kernel");
 }
@@ -1346,21 +1403,22 @@ std::size_t rmsnorm_backward_workspace_bytes(std::int64_t M, std::int64_t d) {
   return column_reduce_bytes(M, d);
 }
 
-void launch_rmsnorm_backward(const bf16* x, const bf16* w, const float* rstd, const bf16* dy, bf16* dx, bool accumulate_dx,
-                             float* dw, std::int64_t M, std::int64_t d, void* workspace, std::size_t workspace_bytes,
-                             cudaStream_t stream) {
+void launch_rmsnorm_backward(const float* x, const float* w, const float* rstd, const bf16* dy, const float* residual,
+                             float* dx, bf16* dx_act, float* dw, std::int64_t M, std::int64_t d, void* workspace,
+                             std::size_t workspace_bytes, cudaStream_t stream) {
   MT_NVTX_RANGE("launch_rmsnorm_backward");
   MT_CHECK(M >= 0 && d > 0 && d <= INT_MAX / 8, "rmsnorm_backward: invalid sizes M {}, d {}", M, d);
   if (M == 0) return;
   check_workspace(workspace, workspace_bytes, rmsnorm_backward_workspace_bytes(M, d), "rmsnorm_backward");
-  const bool vec = d % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(dy) && aligned16(dx);
+  const bool vec = d % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(dy) && aligned16(dx) &&
+                   (residual == nullptr || aligned16(residual)) && (dx_act == nullptr || aligned16(dx_act));
   dispatch_row_group(vec ? d / 8 : d, [&](auto group, auto block) {
     constexpr int kGroup = decltype(group)::value, kBlock = decltype(block)::value, kRows = kBlock / kGroup;
     rmsnorm_backward_dx_kernel<kGroup, kBlock><<<static_cast<unsigned>((M + kRows - 1) / kRows), kBlock, 0, stream>>>(
-        dev(x), dev(w), rstd, dev(dy), dev(dx), accumulate_dx, M, static_cast<int>(d), vec);
+        x, w, rstd, dev(dy), residual, dx, dx_act ? dev(dx_act) : nullptr, M, static_cast<int>(d), vec);
   });
   MT_CUDA_CHECK_LAUNCH("rmsnorm_backward_dx_kernel");
-  column_reduce("rmsnorm_dw_kernel", RmsNormDw{dev(dy), dev(x), rstd, d}, M, d, aligned16(dy) && aligned16(x), dw, workspace,
+  column_reduce("rmsnorm_dw_kernel", RmsNormDw{dev(dy), x, rstd, d}, M, d, aligned16(dy) && aligned16(x), dw, workspace,
                 workspace_bytes, stream);
 }
 

@@ -1,7 +1,7 @@
-// The CUDA backend's ops (bf16, fp32 accumulation) against the CPU reference in float64, run
-// on the same bf16 inputs and weights: the decoder block, the embedding and the head, forward
-// and backward, with attention through cuDNN and through megatrain's own kernel (forced, and
-// chosen automatically for a shape cuDNN refuses).
+// The CUDA backend's ops (bf16, fp32 accumulation, an fp32 residual stream and fp32 norm gains)
+// against the CPU reference in float64, run on the same inputs and weights: the decoder block,
+// the embedding and the head, forward and backward, with attention through cuDNN and through
+// megatrain's own kernel (forced, and chosen automatically for a shape cuDNN refuses).
 #include <doctest/doctest.h>
 
 #include <nlohmann/json.hpp>
@@ -38,10 +38,32 @@ std::vector<bf16> random_bf16(std::size_t n, float scale, std::mt19937& rng) {
   for (auto& x : v) x = bf16(nd(rng));
   return v;
 }
-std::vector<double> to_double(const std::vector<bf16>& v) {
+std::vector<float> random_f32(std::size_t n, float scale, std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+template <class E>
+std::vector<double> to_double(const std::vector<E>& v) {
   std::vector<double> d(v.size());
   for (std::size_t i = 0; i < v.size(); ++i) d[i] = static_cast<double>(static_cast<float>(v[i]));
   return d;
+}
+/// The unit's full-precision parameters (norm gains), packed by its full_layout(), drawn near 1
+/// in fp32; the same values written into the double reference's slab.
+template <class Tmpl>
+std::vector<float> random_gains(const Tmpl& tmpl, std::vector<double>& reference, std::mt19937& rng) {
+  std::vector<float> g(static_cast<std::size_t>(tmpl.full_layout().numel()), 0.0f);
+  for (const auto& e : tmpl.full_layout().entries()) {
+    const auto* full = tmpl.layout().find(e.spec.name);
+    for (std::int64_t i = 0; i < e.numel(); ++i) {
+      const float v = 1.0f + 0.1f * std::normal_distribution<float>()(rng);
+      g[static_cast<std::size_t>(e.offset + i)] = v;
+      reference[static_cast<std::size_t>(full->offset + i)] = v;
+    }
+  }
+  return g;
 }
 
 template <class E>
@@ -93,18 +115,17 @@ void check_block(const ModelConfig& cfg, ChunkShape c, bool use_cudnn) {
   const auto& tmpl = model.block(0);
   const auto n = static_cast<std::size_t>(tmpl.layout().numel());
   auto w16 = random_bf16(n, 0.08f, rng);
-  for (const auto& e : tmpl.layout().entries())  // norm weights near 1
-    if (e.spec.init == ParamInit::ones)
-      for (std::int64_t i = 0; i < e.numel(); ++i) w16[static_cast<std::size_t>(e.offset + i)] = bf16(1.0f + 0.1f * std::normal_distribution<float>()(rng));
+  auto wd = to_double(w16);
+  const auto gains = random_gains(tmpl, wd, rng);  // fp32 gains near 1, read at full precision
   const std::int64_t M = c.tokens(), d = cfg.hidden_size;
-  auto x16 = random_bf16(static_cast<std::size_t>(M * d), 1.0f, rng);
-  auto dy16 = random_bf16(static_cast<std::size_t>(M * d), 1.0f, rng);
+  auto x32 = random_f32(static_cast<std::size_t>(M * d), 1.0f, rng);  // the residual stream, fp32
+  auto dy32 = random_f32(static_cast<std::size_t>(M * d), 1.0f, rng);
 
-  // Reference in float64 on the same (bf16-exact) values.
+  // Reference in float64 on the same values.
   CpuBackend<double> cpu;
   std::vector<std::byte> mem(tmpl.op().scratch_bytes<CpuBackend<double>>(c));
   Arena arena{std::span<std::byte>(mem)};
-  auto wd = to_double(w16), xd = to_double(x16), dyd = to_double(dy16);
+  auto xd = to_double(x32), dyd = to_double(dy32);
   std::vector<double> yd(xd.size()), dxd(xd.size()), gd(n, 0.0);
   const auto wr = tmpl.bind(std::span<const double>(wd));
   tmpl.op().forward(cpu, c, wr, View<const double>(std::span<const double>(xd), Shape{M, d}),
@@ -118,17 +139,18 @@ void check_block(const ModelConfig& cfg, ChunkShape c, bool use_cudnn) {
   CudaBackend be(opt);
   be.prepare({M, std::max({cfg.hidden_size, cfg.intermediate_size, cfg.q_dim()}), cfg.vocab_size,
               {{c.rows, c.seq, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim}}});
-  auto w = to_device(be, w16), x = to_device(be, x16), dy = to_device(be, dy16);
-  auto y = be.alloc<bf16>(x16.size()), dx = be.alloc<bf16>(x16.size());
+  auto w = to_device(be, w16);
+  auto gd32 = to_device(be, gains), x = to_device(be, x32), dy = to_device(be, dy32);
+  auto y = be.alloc<float>(x32.size()), dx = be.alloc<float>(x32.size());
   auto g = be.alloc<float>(n);
   MT_CUDA_CHECK(cudaMemset(g.span().data(), 0, n * sizeof(float)));
   auto scratch = be.alloc<std::byte>(tmpl.op().scratch_bytes<CudaBackend>(c));
   Arena darena{scratch.span()};
-  const auto wb = tmpl.bind(std::span<const bf16>(w.span()));
-  tmpl.op().forward(be, c, wb, View<const bf16>(std::span<const bf16>(x.span()), Shape{M, d}), View<bf16>(y.span(), Shape{M, d}),
-                    darena);
-  tmpl.op().backward(be, c, wb, View<const bf16>(std::span<const bf16>(x.span()), Shape{M, d}),
-                     View<const bf16>(std::span<const bf16>(dy.span()), Shape{M, d}), View<bf16>(dx.span(), Shape{M, d}),
+  const auto wb = tmpl.bind(std::span<const bf16>(w.span()), {&tmpl.full_layout(), std::span<const float>(gd32.span())});
+  tmpl.op().forward(be, c, wb, View<const float>(std::span<const float>(x.span()), Shape{M, d}),
+                    View<float>(y.span(), Shape{M, d}), darena);
+  tmpl.op().backward(be, c, wb, View<const float>(std::span<const float>(x.span()), Shape{M, d}),
+                     View<const float>(std::span<const float>(dy.span()), Shape{M, d}), View<float>(dx.span(), Shape{M, d}),
                      tmpl.bind(g.span()), darena);
   be.synchronize();
   CHECK(rel_err(from_device(y), yd) < kOutTol);
@@ -169,10 +191,10 @@ TEST_CASE("embedding and head on the GPU match the float64 reference") {
     const std::int64_t M = c.tokens(), d = cfg.hidden_size, V = cfg.vocab_size;
     const auto ne = static_cast<std::size_t>(model.embedding().layout().numel());
     const auto nh = static_cast<std::size_t>(model.head().layout().numel());
-    auto e16 = random_bf16(ne, 0.5f, rng), h16 = random_bf16(nh, 0.5f, rng), x16 = random_bf16(static_cast<std::size_t>(M * d), 1.0f, rng);
-    for (const auto& en : model.head().layout().entries())
-      if (en.spec.init == ParamInit::ones)
-        for (std::int64_t i = 0; i < en.numel(); ++i) h16[static_cast<std::size_t>(en.offset + i)] = bf16(1.0f);
+    auto e16 = random_bf16(ne, 0.5f, rng), h16 = random_bf16(nh, 0.5f, rng);
+    auto x32 = random_f32(static_cast<std::size_t>(M * d), 1.0f, rng);
+    auto hd = to_double(h16);
+    const auto hgains = random_gains(model.head(), hd, rng);
     std::vector<std::int32_t> ids(static_cast<std::size_t>(M)), labels(ids.size());
     for (auto& t : ids) t = static_cast<std::int32_t>(rng() % V);
     for (auto& t : labels) t = rng() % 5 == 0 ? kIgnoreIndex : static_cast<std::int32_t>(rng() % V);
@@ -183,7 +205,7 @@ TEST_CASE("embedding and head on the GPU match the float64 reference") {
     CpuBackend<double> cpu;
     std::vector<std::byte> mem(model.head().op().scratch_bytes<CpuBackend<double>>(c));
     Arena arena{std::span<std::byte>(mem)};
-    auto ed = to_double(e16), hd = to_double(h16), xd = to_double(x16);
+    auto ed = to_double(e16), xd = to_double(x32);
     std::vector<double> embd(static_cast<std::size_t>(M * d)), lossd(static_cast<std::size_t>(M)), dxd(static_cast<std::size_t>(M * d));
     std::vector<double> ge(ne, 0.0), gh(nh, 0.0);
     const View<const std::int32_t> idv(std::span<const std::int32_t>(ids), Shape{M}), lbv(std::span<const std::int32_t>(labels), Shape{M});
@@ -201,9 +223,10 @@ TEST_CASE("embedding and head on the GPU match the float64 reference") {
     opt.logits_block = 37;  // several blocks, the last one short
     CudaBackend be(opt);
     be.prepare({M, 3 * d, V, {}});
-    auto e = to_device(be, e16), h = to_device(be, h16), x = to_device(be, x16);
+    auto e = to_device(be, e16), h = to_device(be, h16);
+    auto hg32 = to_device(be, hgains), x = to_device(be, x32);
     auto idd = to_device(be, ids), lbd = to_device(be, labels);
-    auto emb = be.alloc<bf16>(static_cast<std::size_t>(M * d)), dx = be.alloc<bf16>(static_cast<std::size_t>(M * d));
+    auto emb = be.alloc<float>(static_cast<std::size_t>(M * d)), dx = be.alloc<float>(static_cast<std::size_t>(M * d));
     auto loss = be.alloc<float>(static_cast<std::size_t>(M));
     auto gE = be.alloc<float>(ne), gH = be.alloc<float>(nh);
     MT_CUDA_CHECK(cudaMemset(gE.span().data(), 0, ne * 4));
@@ -211,13 +234,14 @@ TEST_CASE("embedding and head on the GPU match the float64 reference") {
     auto scratch = be.alloc<std::byte>(model.head().op().scratch_bytes<CudaBackend>(c));
     Arena darena{scratch.span()};
     const View<const std::int32_t> idg(std::span<const std::int32_t>(idd.span()), Shape{M}), lbg(std::span<const std::int32_t>(lbd.span()), Shape{M});
-    model.embedding().op().forward(be, c, model.embedding().bind(std::span<const bf16>(e.span())), idg, View<bf16>(emb.span(), Shape{M, d}),
-                                   darena);
-    const auto hwg = model.head().bind(std::span<const bf16>(h.span()), {{&model.embedding().layout(), std::span<const bf16>(e.span())}});
+    model.embedding().op().forward(be, c, model.embedding().bind(std::span<const bf16>(e.span())), idg,
+                                   View<float>(emb.span(), Shape{M, d}), darena);
+    const auto hwg = model.head().bind(std::span<const bf16>(h.span()), {&model.head().full_layout(), std::span<const float>(hg32.span())},
+                                       {{&model.embedding().layout(), std::span<const bf16>(e.span())}});
     const auto hgg = model.head().bind(gH.span(), {{&model.embedding().layout(), gE.span()}});
-    model.head().op().forward_backward(be, c, hwg, View<const bf16>(std::span<const bf16>(x.span()), Shape{M, d}), lbg, scale,
-                                       View<float>(loss.span(), Shape{M}), View<bf16>(dx.span(), Shape{M, d}), hgg, darena);
-    model.embedding().op().backward(be, c, idg, View<const bf16>(std::span<const bf16>(x.span()), Shape{M, d}),
+    model.head().op().forward_backward(be, c, hwg, View<const float>(std::span<const float>(x.span()), Shape{M, d}), lbg, scale,
+                                       View<float>(loss.span(), Shape{M}), View<float>(dx.span(), Shape{M, d}), hgg, darena);
+    model.embedding().op().backward(be, c, idg, View<const float>(std::span<const float>(x.span()), Shape{M, d}),
                                     model.embedding().bind(gE.span()), darena);
     be.synchronize();
     CHECK(rel_err(from_device(emb), embd) == 0.0);  // a gather is exact

@@ -238,7 +238,7 @@ TEST_CASE("swiglu forward and backward against the double reference") {
 
 // ---- embedding -----------------------------------------------------------------------------------
 
-TEST_CASE("embedding forward copies rows exactly") {
+TEST_CASE("embedding forward copies rows exactly, into the fp32 residual stream") {
   std::mt19937 rng(3);
   const std::int64_t V = 1001;
   for (std::int64_t M : {1, 7, 67}) {
@@ -249,7 +249,8 @@ TEST_CASE("embedding forward copies rows exactly") {
         CAPTURE(offset);
         const auto table = random_bf16(sz(V * d), rng);
         const auto ids = random_ids(sz(M), V, rng);
-        DeviceArray<bf16> d_table(sz(V * d), offset), d_out(sz(M * d));
+        DeviceArray<bf16> d_table(sz(V * d), offset);
+        DeviceArray<float> d_out(sz(M * d));
         DeviceArray<std::int32_t> d_ids(sz(M));
         d_table.upload(table);
         d_ids.upload(ids);
@@ -258,7 +259,8 @@ TEST_CASE("embedding forward copies rows exactly") {
         const auto out = d_out.download();
         bool exact = true;
         for (std::int64_t t = 0; t < M; ++t)
-          for (std::int64_t c = 0; c < d; ++c) exact = exact && out[sz(t * d + c)] == table[sz(ids[sz(t)] * d + c)];
+          for (std::int64_t c = 0; c < d; ++c)
+            exact = exact && out[sz(t * d + c)] == static_cast<float>(table[sz(ids[sz(t)] * d + c)]);
         CHECK(exact);
       }
     }
@@ -278,10 +280,10 @@ TEST_CASE("embedding backward sums repeated ids, deterministically") {
     CAPTURE(c.V);
     CAPTURE(c.d);
     const auto ids = random_ids(sz(c.M), c.V, rng);
-    const auto dy = random_bf16(sz(c.M * c.d), rng);
+    const auto dy = random_f32(sz(c.M * c.d), rng);  // (the residual stream's gradient)
     const auto table0 = random_f32(sz(c.V * c.d), rng);
     DeviceArray<std::int32_t> d_ids(sz(c.M));
-    DeviceArray<bf16> d_dy(sz(c.M * c.d));
+    DeviceArray<float> d_dy(sz(c.M * c.d));
     DeviceArray<float> d_table(sz(c.V * c.d));
     Workspace ws(mc::embedding_backward_workspace_bytes(c.M));
     d_ids.upload(ids);
@@ -306,7 +308,7 @@ TEST_CASE("embedding backward sums repeated ids, deterministically") {
 
 // ---- RMSNorm -------------------------------------------------------------------------------------
 
-TEST_CASE("rmsnorm forward and backward against the double reference") {
+TEST_CASE("rmsnorm of the fp32 residual stream with an fp32 gain, forward and backward, against the double reference") {
   std::mt19937 rng(5);
   Ref ref;
   const double eps = 1e-5;
@@ -316,13 +318,14 @@ TEST_CASE("rmsnorm forward and backward against the double reference") {
     for (std::int64_t d : {72, 77, 200, 1000, 1100, 8200}) {
       CAPTURE(M);
       CAPTURE(d);
-      const auto x = random_bf16(sz(M * d), rng);
-      const auto w = random_bf16(sz(d), rng, 1.0f, 0.2f);
+      const auto x = random_f32(sz(M * d), rng);
+      std::vector<float> w = random_f32(sz(d), rng, 0.2f);
+      for (auto& g : w) g += 1.0f;
       const auto dy = random_bf16(sz(M * d), rng);
-      const auto dx0 = random_bf16(sz(M * d), rng);
+      const auto dx0 = random_f32(sz(M * d), rng);
       const auto dw0 = random_f32(sz(d), rng);
-      DeviceArray<bf16> d_x(sz(M * d)), d_w(sz(d)), d_y(sz(M * d)), d_dy(sz(M * d)), d_dx(sz(M * d));
-      DeviceArray<float> d_rstd(sz(M)), d_dw(sz(d));
+      DeviceArray<bf16> d_y(sz(M * d)), d_dy(sz(M * d)), d_dx_act(sz(M * d));
+      DeviceArray<float> d_x(sz(M * d)), d_w(sz(d)), d_dx(sz(M * d)), d_rstd(sz(M)), d_dw(sz(d));
       d_x.upload(x);
       d_w.upload(w);
       d_dy.upload(dy);
@@ -346,8 +349,9 @@ TEST_CASE("rmsnorm forward and backward against the double reference") {
       CHECK(rel_err(ys[0], y) <= kTolReduced);
       CHECK(rel_err(rs[0], rstd) <= kTolF32);
 
-      // Backward from the reference's rstd (rounded to fp32, as the GPU stores it), overwriting
-      // and accumulating dx; twice each.
+      // Backward from the reference's rstd (rounded to fp32, as the GPU stores it): dx alone, and
+      // dx = residual + gradient with the residual in place (dx itself), with dx's bf16 copy;
+      // twice each.
       std::vector<float> rstd_f(sz(M));
       for (std::size_t i = 0; i < sz(M); ++i) rstd_f[i] = static_cast<float>(rstd[i]);
       d_rstd.upload(rstd_f);
@@ -355,25 +359,31 @@ TEST_CASE("rmsnorm forward and backward against the double reference") {
       Workspace ws(mc::rmsnorm_backward_workspace_bytes(M, d));
       for (bool accumulate : {false, true}) {
         CAPTURE(accumulate);
-        std::vector<std::vector<bf16>> dxs;
-        std::vector<std::vector<float>> dws;
+        std::vector<std::vector<float>> dxs, dws;
+        std::vector<bf16> dx_act;
         for (int rep = 0; rep < 2; ++rep) {
           if (accumulate) d_dx.upload(dx0);
           else d_dx.poison();
+          d_dx_act.poison();
           d_dw.upload(dw0);
-          mc::launch_rmsnorm_backward(d_x.get(), d_w.get(), d_rstd.get(), d_dy.get(), d_dx.get(), accumulate, d_dw.get(), M,
-                                      d, ws.get(), ws.size(), stream());
+          mc::launch_rmsnorm_backward(d_x.get(), d_w.get(), d_rstd.get(), d_dy.get(), accumulate ? d_dx.get() : nullptr,
+                                      d_dx.get(), d_dx_act.get(), d_dw.get(), M, d, ws.get(), ws.size(), stream());
           dxs.push_back(d_dx.download());
           dws.push_back(d_dw.download());
+          dx_act = d_dx_act.download();
         }
         CHECK(same_bits(dxs[0], dxs[1]));
         CHECK(same_bits(dws[0], dws[1]));
+        bool rounded = true;  // dx_act is dx rounded to bf16
+        for (std::size_t i = 0; i < dx_act.size(); ++i) rounded = rounded && dx_act[i] == bf16(dxs[0][i]);
+        CHECK(rounded);
         std::vector<double> dx = accumulate ? widen(dx0) : std::vector<double>(sz(M * d), 0.0);
         std::vector<double> dw = widen(dw0);
         ref.rmsnorm_backward(view<const double>(xd, Shape{M, d}), view<const double>(wd, Shape{d}),
                              view<const double>(rstd_d, Shape{M}), view<const double>(dyd, Shape{M, d}),
-                             view<double>(dx, Shape{M, d}), accumulate, view<double>(dw, Shape{d}));
-        CHECK(rel_err(dxs[0], dx) <= kTolReduced);
+                             accumulate ? view<const double>(dx, Shape{M, d}) : View<const double>{},
+                             view<double>(dx, Shape{M, d}), View<double>{}, view<double>(dw, Shape{d}));
+        CHECK(rel_err(dxs[0], dx) <= kTolF32);
         CHECK(rel_err(dws[0], dw) <= kTolF32);
       }
     }

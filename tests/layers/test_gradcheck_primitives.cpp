@@ -165,10 +165,13 @@ void check_rmsnorm(std::int64_t M, std::int64_t d, double eps, double x_amp, boo
   check_close("rmsnorm forward", y, want, kFwdRtol, kFwdAtol);
   check_close("rmsnorm rstd", rstd, want_rstd, kFwdRtol, 0.0);
 
+  // dx = residual + gradient (the residual in place: dx itself), and its activation copy.
   const Vec dx0 = accumulate_dx ? rng.vector(M * d, -1, 1) : nans(M * d), dw0 = rng.vector(d, -1, 1);
-  Vec dx = dx0, dw = dw0;
-  be.rmsnorm_backward(cview(x, {M, d}), cview(w, {d}), cview(rstd, {M}), cview(r, {M, d}), view(dx, {M, d}),
-                      accumulate_dx, view(dw, {d}));
+  Vec dx = dx0, dw = dw0, dx_act = nans(M * d);
+  be.rmsnorm_backward(cview(x, {M, d}), cview(w, {d}), cview(rstd, {M}), cview(r, {M, d}),
+                      accumulate_dx ? cview(dx, {M, d}) : View<const double>{}, view(dx, {M, d}), view(dx_act, {M, d}),
+                      view(dw, {d}));
+  CHECK(dx_act == dx);
   const Vec gx = accumulate_dx ? minus(dx, dx0) : dx, gw = minus(dw, dw0);
   report("rmsnorm", gradcheck(objective, {{"x", x, gx}, {"w", w, gw}}, rng));
 }

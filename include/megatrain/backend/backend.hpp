@@ -13,6 +13,7 @@
 
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/tensor.hpp"
+#include "megatrain/core/dtype.hpp"
 
 namespace megatrain {
 
@@ -49,28 +50,33 @@ struct AttentionShape {
 /// contracts, which all backends share). Requirements, one per line:
 template <class B>
 concept Backend = requires(B& be, View<const typename B::Act> a, View<typename B::Act> ma,
-                           View<const typename B::Weight> w, View<typename B::Acc> acc,
-                           View<const typename B::Acc> cacc, View<const std::int32_t> ids,
+                           View<const typename B::Weight> w, View<const full_t<typename B::Weight>> gain,
+                           View<typename B::Acc> acc, View<const typename B::Acc> cacc,
+                           View<const typename B::Res> r, View<typename B::Res> mr, View<const std::int32_t> ids,
                            std::span<const double> freqs, const AttentionShape& as, double x, bool flag,
                            View<double> sum, const AdamWScalars<float>& adam, std::span<float> f32,
                            std::span<const typename B::Acc> grad, std::span<typename B::Weight> wout) {
   typename B::Act;     // activation element type
-  typename B::Weight;  // weight element type as the ops read it
+  typename B::Weight;  // weight element type as the ops read it (norm gains: full_t<Weight>)
   typename B::Acc;     // gradient accumulators, saved statistics, losses
+  typename B::Res;     // the residual stream between and inside blocks, and its gradient
   { B::kDevice } -> std::convertible_to<bool>;                     // views live in device memory
   be.add(a, ma);                                                   // y += x
+  be.add(a, mr);                                                   // residual y += x
+  be.convert(r, ma);                                               // residual values as activations
   be.linear(a, w, w, ma);                                          // y = x W^T + b
+  be.linear_add(a, w, w, r, mr);                                   // residual y = r + x W^T + b (y may be r)
   be.linear_backward(a, w, a, ma, flag, acc, acc);                 // dx, dW +=, db +=
-  be.rmsnorm(a, w, x, ma, acc);                                    // y, rstd
-  be.rmsnorm_backward(a, w, cacc, a, ma, flag, acc);               // dx, dw +=
+  be.rmsnorm(r, gain, x, ma, acc);                                 // y, rstd (of the residual stream)
+  be.rmsnorm_backward(r, gain, cacc, a, r, mr, ma, acc);           // dx = residual + ..., its activation copy, dw +=
   be.rope(ma, std::int64_t{}, std::int64_t{}, freqs);              // rotate in place
   be.rope_backward(ma, std::int64_t{}, std::int64_t{}, freqs);     // inverse rotation in place
   be.attention(a, a, a, ma, acc, as);                              // out, lse
   be.attention_backward(a, a, a, a, cacc, a, ma, ma, ma, as);      // dq, dk, dv
   be.swiglu(a, a, ma);                                             // silu(g) * u
   be.swiglu_backward(a, a, a, ma, ma);                             // dg, du
-  be.embedding(ids, w, ma);                                        // gather rows
-  be.embedding_backward(ids, a, acc);                              // scatter-add rows
+  be.embedding(ids, w, mr);                                        // gather rows into the residual stream
+  be.embedding_backward(ids, r, acc);                              // scatter-add rows
   be.take_rows(ids, acc, acc);                                     // gather rows, zero them at the source
   be.lm_head_loss(a, w, ids, x, acc, ma, acc);                     // per-token loss, dh, dW +=
   be.sum_squares(cacc, sum);                                       // sum[0] = sum of x^2 (gradient norms)

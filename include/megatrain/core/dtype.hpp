@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <span>
 #include <string_view>
+#include <type_traits>
 
 namespace megatrain {
 
@@ -128,5 +129,12 @@ void convert(std::span<const float> in, std::span<bf16> out);
 void convert(std::span<const bf16> in, std::span<float> out);
 void convert(std::span<const float> in, std::span<f16> out);
 void convert(std::span<const f16> in, std::span<float> out);
+
+/// The element type in which ops read full-precision parameters (ParamSpec::full_precision:
+/// norm gains) beside weights of type E: fp32 where the weights are bf16, E itself otherwise
+/// (const kept).
+template <class E>
+using full_t = std::conditional_t<std::is_same_v<std::remove_const_t<E>, bf16>,
+                                  std::conditional_t<std::is_const_v<E>, const float, float>, E>;
 
 }  // namespace megatrain

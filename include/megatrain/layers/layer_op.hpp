@@ -8,6 +8,10 @@
 // whatever buffers hold the unit's tensors right now) into the op's Weights struct, so the same
 // op runs on a host slab, a device slot the pipeline streamed into, or a gradient buffer.
 //
+// Between units (and along the residual path inside a block) activations are of the backend's
+// residual type B::Res, which is fp32 where the other activations are bf16, as PyTorch's
+// autocast keeps the residual stream: every block adds into it without rounding it to bf16.
+//
 // Ops run one chunk at a time (a few whole sequences; see ChunkShape): forward writes the
 // chunk's output; backward writes the chunk's input gradient and *accumulates* weight
 // gradients, so a unit run over a batch chunk by chunk sums its gradients over the batch.
@@ -46,7 +50,7 @@ concept LayerOp = ParamOp<Op> && Backend<B> &&
   requires(const Op& op, B& be, ChunkShape chunk, Arena& scratch,
            const typename Op::template Weights<const typename B::Weight>& w,
            const typename Op::template Weights<typename B::Acc>& grads,
-           View<const typename B::Act> in, View<typename B::Act> out) {
+           View<const typename B::Res> in, View<typename B::Res> out) {
   // Width of its input and output rows.
   { op.hidden_size() } -> std::convertible_to<std::int64_t>;
   // Scratch one chunk needs (forward or backward, whichever is more).
@@ -63,7 +67,7 @@ concept EmbeddingOp = ParamOp<Op> && Backend<B> &&
   requires(const Op& op, B& be, ChunkShape chunk, Arena& scratch,
            const typename Op::template Weights<const typename B::Weight>& w,
            const typename Op::template Weights<typename B::Acc>& grads,
-           View<const std::int32_t> ids, View<const typename B::Act> dy, View<typename B::Act> out) {
+           View<const std::int32_t> ids, View<const typename B::Res> dy, View<typename B::Res> out) {
   { op.hidden_size() } -> std::convertible_to<std::int64_t>;
   op.forward(be, chunk, w, ids, out, scratch);
   op.backward(be, chunk, ids, dy, grads, scratch);
@@ -75,7 +79,7 @@ concept HeadOp = ParamOp<Op> && Backend<B> &&
   requires(const Op& op, B& be, ChunkShape chunk, Arena& scratch,
            const typename Op::template Weights<const typename B::Weight>& w,
            const typename Op::template Weights<typename B::Acc>& grads,
-           View<const std::int32_t> labels, View<const typename B::Act> x, View<typename B::Act> dx,
+           View<const std::int32_t> labels, View<const typename B::Res> x, View<typename B::Res> dx,
            View<typename B::Acc> loss, double loss_scale) {
   { op.hidden_size() } -> std::convertible_to<std::int64_t>;
   { op.template scratch_bytes<B>(chunk) } -> std::convertible_to<std::size_t>;

@@ -24,10 +24,13 @@ class LayerTemplate {
                 "returning Weights<E> (see megatrain/layers/layer_op.hpp)");
 
  public:
-  explicit LayerTemplate(Op op) : op_(std::move(op)), layout_(op_.params()) {}
+  explicit LayerTemplate(Op op) : op_(std::move(op)), layout_(op_.params()), full_layout_(full_specs(layout_)) {}
 
   const Op& op() const { return op_; }
   const UnitLayout& layout() const { return layout_; }
+  /// The unit's full-precision parameters alone (ParamSpec::full_precision), packed: how a
+  /// buffer of their fp32 values is laid out beside bf16 weights.
+  const UnitLayout& full_layout() const { return full_layout_; }
 
   /// The unit as HostParamStore wants it.
   UnitSpec unit_spec(std::string name) const {
@@ -44,10 +47,26 @@ class LayerTemplate {
     all.insert(all.end(), others.begin(), others.end());
     return op_.bind(ParamBinder<E>(std::move(all)));
   }
+  /// The same, with the full-precision parameters (where E is bf16) in `full`.
+  template <class E>
+  auto bind(std::span<E> slab, typename ParamBinder<E>::FullSlab full,
+            std::initializer_list<typename ParamBinder<E>::Slab> others = {}) const {
+    std::vector<typename ParamBinder<E>::Slab> all{{&layout_, slab}};
+    all.insert(all.end(), others.begin(), others.end());
+    return op_.bind(ParamBinder<E>(std::move(all), {full}));
+  }
 
  private:
+  static UnitLayout full_specs(const UnitLayout& l) {
+    std::vector<ParamSpec> specs;
+    for (const auto& e : l.entries())
+      if (e.spec.full_precision) specs.push_back(e.spec);
+    return UnitLayout(std::move(specs));
+  }
+
   Op op_;
   UnitLayout layout_;
+  UnitLayout full_layout_;
 };
 
 }  // namespace megatrain

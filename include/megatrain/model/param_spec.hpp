@@ -23,12 +23,16 @@ struct ParamSpec {
   ParamInit init = ParamInit::normal;
   float init_std = 0.02f;
   bool weight_decay = true;  ///< AdamW's decoupled decay applies (off for norms and biases)
+  /// Read by the ops at master precision even where the weights are bf16 (norm gains, as
+  /// PyTorch's autocast reads them: a gain near 1 has bf16's coarsest spacing, 2^-7, so its
+  /// updates would be lost in the rounding). See ParamBinder::full.
+  bool full_precision = false;
 
   static ParamSpec matrix(std::string name, Shape shape, float init_std = 0.02f) {
     return {std::move(name), shape, ParamInit::normal, init_std, true};
   }
   static ParamSpec norm(std::string name, std::int64_t dim) {
-    return {std::move(name), Shape{dim}, ParamInit::ones, 0.0f, false};
+    return {std::move(name), Shape{dim}, ParamInit::ones, 0.0f, false, true};
   }
   static ParamSpec bias(std::string name, std::int64_t dim) {
     return {std::move(name), Shape{dim}, ParamInit::zeros, 0.0f, false};

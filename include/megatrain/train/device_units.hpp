@@ -48,6 +48,11 @@ class DeviceUnits {
 
   std::size_t count() const { return units_.size(); }
   bool holds(std::size_t u) const { return u < units_.size(); }
+  /// Unit u's fp32 master weights in backend memory (laid out like its slabs).
+  std::span<const float> master(std::size_t u) const {
+    MT_CHECK(u < units_.size(), "unit {} is not kept in backend memory ({} units are)", u, units_.size());
+    return units_[u].master.span();
+  }
 
   /// One AdamW step of unit u (enqueued on the backend's compute stream): `g` is its gradient in
   /// backend memory, laid out like its slabs; `w` receives the weights the ops read. Tensors

@@ -157,6 +157,7 @@ class Trainer {
                 "Trainer<B, Block>: Block does not satisfy megatrain::LayerOp<Block, B>: it needs params(), Weights<E>, "
                 "bind(), hidden_size(), scratch_bytes<B>(), forward() and backward() (see megatrain/layers/layer_op.hpp)");
   using Act = typename B::Act;
+  using Res = typename B::Res;  // the residual stream: activation checkpoints, gradients between units
   using W = typename B::Weight;
   using Acc = typename B::Acc;
   using Exec = typename B::Executor;
@@ -476,6 +477,18 @@ class Trainer {
         t.be_.upload(exec, std::span<const float>(unit.master()), t.weight_slot(it.unit, s.out));
       else
         t.be_.upload(exec, std::span<const bf16>(unit.compute()), t.weight_slot(it.unit, s.out));
+      // The unit's full-precision parameters (norm gains) from its fp32 masters: once per step,
+      // with the forward (the backward reads the same values).
+      if constexpr (kSplitGains)
+        if (it.kind != Kind::backward) {
+          const auto& full = t.full_layout(it.unit);
+          for (const auto& e : full.entries()) {
+            const auto& p = unit.param(e.spec.name);
+            const auto n = static_cast<std::size_t>(e.numel());
+            t.be_.upload(exec, std::span<const float>(unit.master()).subspan(static_cast<std::size_t>(p.offset), n),
+                         t.gains_[it.unit].span().subspan(static_cast<std::size_t>(e.offset), n));
+          }
+        }
     }
   };
 
@@ -537,10 +550,10 @@ class Trainer {
             });
           } else {
             const auto& tmpl = t.model_.block(it.unit - 1);
-            const auto w = tmpl.bind(std::span<const W>(t.weight_slot(it.unit, s.in)));
+            const auto w = t.weights(tmpl, it.unit, s.in);
             const auto in = t.ckpt_out(it.unit - 1);  // the previous unit's output is still there
             for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
-              tmpl.op().forward(t.be_, ChunkShape{n_rows, seq}, w, View<const Act>(rows_of(in, r0, n_rows)), rows_of(out, r0, n_rows),
+              tmpl.op().forward(t.be_, ChunkShape{n_rows, seq}, w, View<const Res>(rows_of(in, r0, n_rows)), rows_of(out, r0, n_rows),
                                 t.arena_);
             });
           }
@@ -550,8 +563,7 @@ class Trainer {
         case Kind::head:
         case Kind::head_eval: {
           const auto& tmpl = t.model_.head();
-          const auto w = tmpl.bind(std::span<const W>(t.weight_slot(it.unit, s.in)),
-                                   {{&t.model_.embedding().layout(), std::span<const W>(t.embed_slot_.span())}});
+          const auto w = t.weights(tmpl, it.unit, s.in, {{&t.model_.embedding().layout(), std::span<const W>(t.embed_slot_.span())}});
           const auto x = t.ckpt_out(L);
           if (it.kind == Kind::head) {  // (accumulators that add up micro-batches: at the first)
             if (t.fresh(it, it.unit)) t.be_.zero(exec, t.head_acc_.span());
@@ -566,10 +578,10 @@ class Trainer {
             auto loss = View<Acc>(t.loss_dev_.span().subspan(static_cast<std::size_t>(r0 * seq), static_cast<std::size_t>(n_rows * seq)),
                                   Shape{n_rows * seq});
             if (it.kind == Kind::head)
-              tmpl.op().forward_backward(t.be_, c, w, View<const Act>(rows_of(x, r0, n_rows)), tok(t.labels_dev_.span(), r0, n_rows),
+              tmpl.op().forward_backward(t.be_, c, w, View<const Res>(rows_of(x, r0, n_rows)), tok(t.labels_dev_.span(), r0, n_rows),
                                          st.loss_scale, loss, rows_of(t.dbuf_[0].span(), r0, n_rows), g, t.arena_);
             else
-              tmpl.op().forward(t.be_, c, w, View<const Act>(rows_of(x, r0, n_rows)), tok(t.labels_dev_.span(), r0, n_rows), loss,
+              tmpl.op().forward(t.be_, c, w, View<const Res>(rows_of(x, r0, n_rows)), tok(t.labels_dev_.span(), r0, n_rows), loss,
                                 t.arena_);
           });
           if (it.kind == Kind::head && t.streamed_unit(0) && t.model_.head().op().tied()) {
@@ -605,18 +617,18 @@ class Trainer {
             }
             for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
               t.model_.embedding().op().backward(t.be_, ChunkShape{n_rows, seq}, tok(ids, r0, n_rows),
-                                                 View<const Act>(rows_of(t.dbuf_[dy].span(), r0, n_rows)), g, t.arena_);
+                                                 View<const Res>(rows_of(t.dbuf_[dy].span(), r0, n_rows)), g, t.arena_);
             });
           } else {
             const auto& tmpl = t.model_.block(it.unit - 1);
-            const auto w = tmpl.bind(std::span<const W>(t.weight_slot(it.unit, s.in)));
+            const auto w = t.weights(tmpl, it.unit, s.in);
             auto acc = t.grad_acc(it.unit, s.out);
             if (t.fresh(it, it.unit)) t.be_.zero(exec, acc);
             const auto g = tmpl.bind(acc);
             const auto x = t.ckpt_in(exec, it.unit - 1);
             for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
-              tmpl.op().backward(t.be_, ChunkShape{n_rows, seq}, w, View<const Act>(rows_of(x, r0, n_rows)),
-                                 View<const Act>(rows_of(t.dbuf_[dy].span(), r0, n_rows)), rows_of(t.dbuf_[1 - dy].span(), r0, n_rows),
+              tmpl.op().backward(t.be_, ChunkShape{n_rows, seq}, w, View<const Res>(rows_of(x, r0, n_rows)),
+                                 View<const Res>(rows_of(t.dbuf_[dy].span(), r0, n_rows)), rows_of(t.dbuf_[1 - dy].span(), r0, n_rows),
                                  g, t.arena_);
             });
             dy = 1 - dy;
@@ -783,6 +795,9 @@ class Trainer {
       for (std::size_t l = 0; l < L; ++l) block_acc_[l + 1] = be_.template alloc<Acc>(static_cast<std::size_t>(model_.block(l).layout().numel()));
     else
       for (std::size_t k = 0; k < opt_.grad_slots; ++k) grad_ring_.push_back(be_.template alloc<Acc>(static_cast<std::size_t>(block_numel)));
+    if constexpr (kSplitGains)
+      for (std::size_t u = 0; u < model_.num_units(); ++u)
+        gains_.push_back(be_.template alloc<full_t<W>>(static_cast<std::size_t>(full_layout(u).numel())));
     embed_slot_ = be_.template alloc<W>(static_cast<std::size_t>(model_.embedding().layout().numel()));
     head_slot_ = be_.template alloc<W>(static_cast<std::size_t>(model_.head().layout().numel()));
     // The dense embedding gradient: resident gradients, or a tied head's share (streamed).
@@ -796,7 +811,7 @@ class Trainer {
       compact_ids_dev_ = be_.template alloc<std::int32_t>(micro_tokens);
     }
     head_acc_ = be_.template alloc<Acc>(static_cast<std::size_t>(model_.head().layout().numel()));
-    for (int k = 0; k < 2; ++k) dbuf_.push_back(be_.template alloc<Act>(act));
+    for (int k = 0; k < 2; ++k) dbuf_.push_back(be_.template alloc<Res>(act));
     scratch_mem_ = be_.template alloc<std::byte>(scratch);
     arena_ = Arena(scratch_mem_.span());
     ids_dev_ = be_.template alloc<std::int32_t>(micro_tokens);
@@ -813,7 +828,7 @@ class Trainer {
     }
     // Activation checkpoints: on the device while they fit (leaving 1/16 of what is left for the
     // backend's own needs), the rest in pinned host memory through two device staging buffers.
-    const std::size_t ckpt_bytes = act * sizeof(Act);
+    const std::size_t ckpt_bytes = act * sizeof(Res);
     std::size_t fit = L + 1;
     if constexpr (requires { be_.memory_available(); }) {
       if (const auto avail = be_.memory_available()) {
@@ -831,15 +846,15 @@ class Trainer {
     ckpt_host_.resize(L + 1);
     for (std::size_t u = 0; u <= L; ++u) {
       if (u < fit) {
-        ckpt_[u] = be_.template alloc<Act>(act);
+        ckpt_[u] = be_.template alloc<Res>(act);
       } else {
         ckpt_host_mem_.push_back(HostBuffer::allocate(ckpt_bytes));
-        ckpt_host_[u] = ckpt_host_mem_.back().template as<Act>(0, act);
+        ckpt_host_[u] = ckpt_host_mem_.back().template as<Res>(0, act);
       }
     }
     spilled_ = L + 1 - fit;
     if (spilled_ > 0)
-      for (int k = 0; k < 2; ++k) ckpt_staging_.push_back(be_.template alloc<Act>(act));
+      for (int k = 0; k < 2; ++k) ckpt_staging_.push_back(be_.template alloc<Res>(act));
 
     // ids, labels, compact ids and touched rows (int32), then per-token losses; pinned with a GPU
     host_io_ = HostBuffer::allocate(batch_tokens * (4 * sizeof(std::int32_t) + sizeof(Acc)));
@@ -919,18 +934,18 @@ class Trainer {
 
   // Unit u's output during the forward: its device checkpoint, or (spilled) a staging buffer
   // that alternates with u's neighbours, so the next unit still reads its input from the device.
-  std::span<Act> ckpt_out(std::size_t u) {
+  std::span<Res> ckpt_out(std::size_t u) {
     return ckpt_host_[u].empty() ? ckpt_[u].span() : ckpt_staging_[u % 2].span();
   }
   // After unit u's forward: a spilled checkpoint goes to host memory (on the compute stream,
   // ordered after the kernels that wrote it).
   void spill(Exec& exec, std::size_t u) {
-    if (!ckpt_host_[u].empty()) be_.download(exec, std::span<const Act>(ckpt_staging_[u % 2].span()), ckpt_host_[u]);
+    if (!ckpt_host_[u].empty()) be_.download(exec, std::span<const Res>(ckpt_staging_[u % 2].span()), ckpt_host_[u]);
   }
   // Unit u's output as the input of unit u+1's backward: from the device, or brought back.
-  std::span<Act> ckpt_in(Exec& exec, std::size_t u) {
+  std::span<Res> ckpt_in(Exec& exec, std::size_t u) {
     if (ckpt_host_[u].empty()) return ckpt_[u].span();
-    be_.upload(exec, std::span<const Act>(ckpt_host_[u]), ckpt_staging_[0].span());
+    be_.upload(exec, std::span<const Res>(ckpt_host_[u]), ckpt_staging_[0].span());
     return ckpt_staging_[0].span();
   }
 
@@ -941,6 +956,27 @@ class Trainer {
     if (unit == model_.head_unit()) return head_slot_.span();
     if (devices_.holds(unit)) return dev_weights_[unit].span();
     return weight_ring_[slot].span().first(static_cast<std::size_t>(model_.block(unit - 1).layout().numel()));
+  }
+  // The ops' view of a unit's weights in slot `slot` (and further units' slabs: a tied table),
+  // with the full-precision parameters from where they are: a device unit's fp32 masters, else
+  // the gains the prefetch uploaded (only where the weights are bf16).
+  template <class Tmpl>
+  auto weights(const Tmpl& tmpl, std::size_t unit, std::size_t slot,
+               std::initializer_list<typename ParamBinder<const W>::Slab> others = {}) {
+    const std::span<const W> w(weight_slot(unit, slot));
+    if constexpr (kSplitGains) {
+      const typename ParamBinder<const W>::FullSlab full =
+          devices_.holds(unit) ? typename ParamBinder<const W>::FullSlab{&tmpl.layout(), devices_.master(unit)}
+                               : typename ParamBinder<const W>::FullSlab{&tmpl.full_layout(), std::span<const float>(gains_[unit].span())};
+      return tmpl.bind(w, full, others);
+    } else {
+      return tmpl.bind(w, others);
+    }
+  }
+  const UnitLayout& full_layout(std::size_t unit) const {
+    if (unit == 0) return model_.embedding().full_layout();
+    if (unit == model_.head_unit()) return model_.head().full_layout();
+    return model_.block(unit - 1).full_layout();
   }
   // A unit's gradient accumulator: its own, or a slot of the blocks' ring.
   std::span<Acc> grad_acc(std::size_t unit, std::size_t slot) {
@@ -1179,6 +1215,10 @@ class Trainer {
   bool update_pending_ = false;
   std::size_t device_bytes_ = 0;
 
+  // Norm gains are read at full precision where the weights are bf16: host units' gains live in
+  // these fp32 buffers (a unit's full_layout()), refreshed by the prefetch from the masters.
+  static constexpr bool kSplitGains = !std::is_same_v<full_t<W>, W>;
+  std::vector<Buf<full_t<W>>> gains_;
   DeviceUnits<B> devices_;
   bool device_owns_ = false;   // the backend holds the device units' state (loaded from the store)
   bool device_newer_ = false;  // ... and has changed it since: the store's copies are stale
@@ -1188,12 +1228,12 @@ class Trainer {
   std::vector<Buf<Acc>> grad_ring_;
   Buf<W> embed_slot_, head_slot_;
   Buf<Acc> embed_acc_, head_acc_;
-  std::vector<Buf<Act>> ckpt_;          // ckpt_[u]: output of unit u (input of unit u+1), when on the device
-  std::vector<std::span<Act>> ckpt_host_;  // ... or in host memory (spilled)
+  std::vector<Buf<Res>> ckpt_;          // ckpt_[u]: output of unit u (input of unit u+1), when on the device
+  std::vector<std::span<Res>> ckpt_host_;  // ... or in host memory (spilled)
   std::vector<HostBuffer> ckpt_host_mem_;
-  std::vector<Buf<Act>> ckpt_staging_;  // two device buffers for spilled checkpoints
+  std::vector<Buf<Res>> ckpt_staging_;  // two device buffers for spilled checkpoints
   std::size_t spilled_ = 0;
-  std::vector<Buf<Act>> dbuf_;  // gradients w.r.t. activations, ping-pong
+  std::vector<Buf<Res>> dbuf_;  // gradients w.r.t. activations, ping-pong
   Buf<std::byte> scratch_mem_;
   Arena arena_;
   Buf<std::int32_t> ids_dev_, labels_dev_;

@@ -41,6 +41,7 @@ class CpuBackend {
   using Act = T;     ///< activations
   using Weight = T;  ///< weights as the ops read them
   using Acc = T;     ///< gradient accumulators, norms' saved statistics, losses
+  using Res = T;     ///< the residual stream and its gradient
   static constexpr bool kDevice = false;
 
   /// Tokens per block when the LM head computes logits (bounds the [block, vocab] scratch).
@@ -120,6 +121,22 @@ class CpuBackend {
       if (!bias.is_null()) Y.middleRows(b, e - b).rowwise() += vec(bias, N).transpose();
     });
   }
+  /// y = r + (x[M,K] w[N,K]^T + bias[N], unless bias is null): a product added to the residual
+  /// stream (y may be r).
+  void linear_add(View<const Act> x, View<const Weight> w, View<const Weight> bias, View<const Res> r, View<Res> y) {
+    const LinearDims dims = linear_dims(x, w, y, bias);
+    const std::int64_t M = dims.M, K = dims.K, N = dims.N;
+    check_same(r.shape(), y.shape(), "linear_add");
+    auto X = mat(x, M, K);
+    auto W = mat(w, N, K);
+    auto R = mat(r, M, N);
+    auto Y = mat(y, M, N);
+    parallel_rows(M, 256, [&](std::int64_t b, std::int64_t e) {
+      Matrix P = X.middleRows(b, e - b) * W.transpose();  // (the product first: y may alias r)
+      if (!bias.is_null()) P.rowwise() += vec(bias, N).transpose();
+      Y.middleRows(b, e - b) = R.middleRows(b, e - b) + P;
+    });
+  }
   /// dx = dy w (or dx += ... if accumulate_dx; skipped if dx is null); dw += dy^T x;
   /// db += column sums of dy (unless db is null). Null views (View{}) stand for absent tensors.
   void linear_backward(View<const Act> x, View<const Weight> w, View<const Act> dy, View<Act> dx, bool accumulate_dx,
@@ -170,17 +187,23 @@ class CpuBackend {
       }
     });
   }
-  /// dx (= or +=) and dw (+=) of rmsnorm, from the saved rstd.
-  void rmsnorm_backward(View<const Act> x, View<const Weight> w, View<const Acc> rstd, View<const Act> dy, View<Act> dx,
-                        bool accumulate_dx, View<Acc> dw) {
+  /// dx = residual + (rmsnorm's input gradient) (no residual: null view; it may be dx itself),
+  /// dx_act = dx as activations (unless null), dw += the gain's gradient; from the saved rstd.
+  void rmsnorm_backward(View<const Res> x, View<const Weight> w, View<const Acc> rstd, View<const Act> dy,
+                        View<const Res> residual, View<Res> dx, View<Act> dx_act, View<Acc> dw) {
     const std::int64_t M = x.size(0), d = x.size(1);
     check_same(x.shape(), dy.shape(), "rmsnorm_backward dy");
     check_same(x.shape(), dx.shape(), "rmsnorm_backward dx");
+    if (!residual.is_null()) check_same(x.shape(), residual.shape(), "rmsnorm_backward residual");
+    if (!dx_act.is_null()) check_same(x.shape(), dx_act.shape(), "rmsnorm_backward dx_act");
+    const bool accumulate_dx = !residual.is_null();
     const T* xs = x.data();
     const T* ws = w.data();
     const T* rs = rstd.data();
     const T* dys = dy.data();
+    const T* res = residual.data();
     T* dxs = dx.data();
+    T* dxa = dx_act.data();
     parallel_rows(M, 16, [&](std::int64_t b, std::int64_t e) {
       for (std::int64_t r = b; r < e; ++r) {
         const T* xr = xs + r * d;
@@ -191,13 +214,17 @@ class CpuBackend {
         for (std::int64_t i = 0; i < d; ++i) {
           const T xhat = xr[i] * rs[r];
           const T v = rs[r] * (gr[i] * ws[i] - xhat * mean);
-          dxs[r * d + i] = accumulate_dx ? dxs[r * d + i] + v : v;
+          dxs[r * d + i] = accumulate_dx ? res[r * d + i] + v : v;
+          if (dxa != nullptr) dxa[r * d + i] = dxs[r * d + i];
         }
       }
     });
     // dw_i += sum_r dy[r,i] x[r,i] rstd[r]
     column_sums_weighted(mat(dy, M, d), mat(x, M, d), rstd.data(), dw.span());
   }
+
+  /// y = x: residual-stream values as activations (a copy here; a rounding where they differ).
+  void convert(View<const Res> x, View<Act> y) { copy(x, y); }
 
   // ---- rotary position embedding -----------------------------------------------------------
   /// Rotates each head of x[M, heads*head_dim] in place, Hugging Face's rotate-half convention:

@@ -66,6 +66,7 @@ class CudaBackend {
   using Act = bf16;
   using Weight = bf16;
   using Acc = float;
+  using Res = float;  ///< the residual stream, in fp32 as PyTorch's autocast keeps it
   static constexpr bool kDevice = true;
   using Executor = cuda::StreamExecutor;
   using WorkspacePlan = megatrain::WorkspacePlan;
@@ -253,11 +254,32 @@ class CudaBackend {
     same(x.shape(), y.shape(), "add");
     cuda::launch_add(x.data(), y.data(), x.numel(), stream_);
   }
+  /// The residual stream y (fp32) += x.
+  void add(View<const Act> x, View<Res> y) {
+    MT_NVTX_RANGE("cuda:add_residual");
+    same(x.shape(), y.shape(), "add");
+    cuda::launch_add(x.data(), y.data(), x.numel(), stream_);
+  }
+  /// Residual-stream values as activations (rounded to bf16, nearest even).
+  void convert(View<const Res> x, View<Act> y) {
+    MT_NVTX_RANGE("cuda:convert");
+    same(x.shape(), y.shape(), "convert");
+    cuda::launch_cast(x.data(), y.data(), x.numel(), stream_);
+  }
 
   void linear(View<const Act> x, View<const Weight> w, View<const Weight> bias, View<Act> y) {
     MT_NVTX_RANGE("cuda:linear");
     const auto [M, K, N] = linear_dims(x, w, y.shape(), bias);
     gemm_->forward(x.data(), w.data(), bias.is_null() ? nullptr : bias.data(), y.data(), M, N, K, stream_);
+  }
+  /// y = r + x W^T (+ bias), in fp32: a projection added to the residual stream (y may be r);
+  /// the sum is formed in cuBLASLt's epilogue, without rounding the product to bf16.
+  void linear_add(View<const Act> x, View<const Weight> w, View<const Weight> bias, View<const Res> r, View<Res> y) {
+    MT_NVTX_RANGE("cuda:linear_add");
+    const auto [M, K, N] = linear_dims(x, w, y.shape(), bias);
+    same(r.shape(), y.shape(), "linear_add");
+    gemm_->forward_add(x.data(), w.data(), r.data(), y.data(), M, N, K, stream_);
+    if (!bias.is_null()) cuda::launch_add_bias(bias.data(), y.data(), M, N, stream_);
   }
   void linear_backward(View<const Act> x, View<const Weight> w, View<const Act> dy, View<Act> dx, bool accumulate_dx,
                        View<Acc> dw, View<Acc> db) {
@@ -275,7 +297,8 @@ class CudaBackend {
     }
   }
 
-  void rmsnorm(View<const Act> x, View<const Weight> w, double eps, View<Act> y, View<Acc> rstd) {
+  /// y (bf16) = rmsnorm of the residual stream x with the fp32 gain w; rstd saved.
+  void rmsnorm(View<const Res> x, View<const full_t<Weight>> w, double eps, View<Act> y, View<Acc> rstd) {
     MT_NVTX_RANGE("cuda:rmsnorm");
     same(x.shape(), y.shape(), "rmsnorm");
     MT_CHECK(w.numel() == x.size(1) && rstd.numel() == x.size(0), "rmsnorm: weight {} / rstd {} do not match x {}",
@@ -283,13 +306,20 @@ class CudaBackend {
     cuda::launch_rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), x.size(0), x.size(1), static_cast<float>(eps),
                                  stream_);
   }
-  void rmsnorm_backward(View<const Act> x, View<const Weight> w, View<const Acc> rstd, View<const Act> dy, View<Act> dx,
-                        bool accumulate_dx, View<Acc> dw) {
+  /// dx = residual (unless null; may be dx) + the input gradient, in fp32; dx_act = bf16(dx)
+  /// unless null; dw += the gain's gradient.
+  void rmsnorm_backward(View<const Res> x, View<const full_t<Weight>> w, View<const Acc> rstd, View<const Act> dy,
+                        View<const Res> residual, View<Res> dx, View<Act> dx_act, View<Acc> dw) {
     MT_NVTX_RANGE("cuda:rmsnorm_backward");
     same(x.shape(), dy.shape(), "rmsnorm_backward dy");
     same(x.shape(), dx.shape(), "rmsnorm_backward dx");
-    cuda::launch_rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx.data(), accumulate_dx, dw.data(), x.size(0),
-                                  x.size(1), ws(), workspace_.size(), stream_);
+    if (!residual.is_null()) same(x.shape(), residual.shape(), "rmsnorm_backward residual");
+    if (!dx_act.is_null()) same(x.shape(), dx_act.shape(), "rmsnorm_backward dx_act");
+    MT_CHECK(w.numel() == x.size(1) && rstd.numel() == x.size(0), "rmsnorm_backward: weight {} / rstd {} do not match x {}",
+             w.shape().str(), rstd.shape().str(), x.shape().str());
+    cuda::launch_rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), residual.is_null() ? nullptr : residual.data(),
+                                  dx.data(), dx_act.is_null() ? nullptr : dx_act.data(), dw.data(), x.size(0), x.size(1), ws(),
+                                  workspace_.size(), stream_);
   }
 
   void rope(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq) {
@@ -343,13 +373,13 @@ class CudaBackend {
     cuda::launch_swiglu_backward(g.data(), u.data(), dm.data(), dg.data(), du.data(), g.numel(), stream_);
   }
 
-  void embedding(View<const std::int32_t> ids, View<const Weight> table, View<Act> y) {
+  void embedding(View<const std::int32_t> ids, View<const Weight> table, View<Res> y) {
     MT_NVTX_RANGE("cuda:embedding");
     MT_CHECK(y.size(0) == ids.numel() && y.size(1) == table.size(1), "embedding: output {} does not match {} ids x {}",
              y.shape().str(), ids.numel(), table.size(1));
     cuda::launch_embedding_forward(ids.data(), table.data(), y.data(), ids.numel(), table.size(1), table.size(0), stream_);
   }
-  void embedding_backward(View<const std::int32_t> ids, View<const Act> dy, View<Acc> dtable) {
+  void embedding_backward(View<const std::int32_t> ids, View<const Res> dy, View<Acc> dtable) {
     MT_NVTX_RANGE("cuda:embedding_backward");
     cuda::launch_embedding_backward(ids.data(), dy.data(), dtable.data(), ids.numel(), dtable.size(1), dtable.size(0), ws(),
                                     workspace_.size(), stream_);

@@ -34,6 +34,10 @@ class Gemm {
   /// y (fp32) = x W^T: the LM head's logits.
   void forward_f32(const bf16* x, const bf16* w, float* y, std::int64_t M, std::int64_t N, std::int64_t K,
                    cudaStream_t stream);
+  /// y (fp32) = r (fp32) + x W^T, the sum formed in fp32 in the epilogue (y may be r): a
+  /// projection added to the residual stream.
+  void forward_add(const bf16* x, const bf16* w, const float* r, float* y, std::int64_t M, std::int64_t N, std::int64_t K,
+                   cudaStream_t stream);
   /// dx = dy W, or dx += dy W when accumulate.
   void input_grad(const bf16* dy, const bf16* w, bf16* dx, bool accumulate, std::int64_t M, std::int64_t N, std::int64_t K,
                   cudaStream_t stream);
@@ -45,12 +49,14 @@ class Gemm {
 
  private:
   struct Plan;
-  enum class Kind : int { forward, forward_bias, forward_f32, input_grad, input_grad_acc, weight_grad };
+  enum class Kind : int { forward, forward_bias, forward_f32, forward_add, input_grad, input_grad_acc, weight_grad };
   using Key = std::tuple<int, std::int64_t, std::int64_t, std::int64_t, bool>;
   /// `aligned`: every pointer and row pitch is a multiple of 16 bytes (the fast kernels' need);
   /// otherwise the plan asks cuBLASLt for algorithms that accept 2-byte alignment.
   Plan& plan(Kind kind, std::int64_t M, std::int64_t N, std::int64_t K, bool aligned);
-  void run(Plan& p, const void* a, const void* b, void* c, const void* bias, float beta, cudaStream_t stream);
+  /// D = A B (+ bias) + beta C; c_in: C when it is not D (null: C is D).
+  void run(Plan& p, const void* a, const void* b, void* c, const void* bias, float beta, cudaStream_t stream,
+           const void* c_in = nullptr);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_;

@@ -30,6 +30,9 @@ struct AttentionDims {
 
 // ---- elementwise ------------------------------------------------------------------------------
 void launch_add(const bf16* x, bf16* y, std::int64_t n, cudaStream_t stream);  ///< y += x
+void launch_add(const bf16* x, float* y, std::int64_t n, cudaStream_t stream);  ///< y += x (into the residual stream)
+/// y[r, c] += bias[c] over y [M, N] (fp32).
+void launch_add_bias(const bf16* bias, float* y, std::int64_t M, std::int64_t N, cudaStream_t stream);
 void launch_cast(const float* in, bf16* out, std::int64_t n, cudaStream_t stream);  ///< round to nearest even
 void launch_cast(const bf16* in, float* out, std::int64_t n, cudaStream_t stream);
 void launch_swiglu_forward(const bf16* g, const bf16* u, bf16* m, std::int64_t n, cudaStream_t stream);
@@ -37,12 +40,13 @@ void launch_swiglu_backward(const bf16* g, const bf16* u, const bf16* dm, bf16* 
                             cudaStream_t stream);
 
 // ---- embedding ------------------------------------------------------------------------------
-/// out[t] = table[ids[t]], out: [M, d]. Ids outside [0, V) are a device-side error (trap).
-void launch_embedding_forward(const std::int32_t* ids, const bf16* table, bf16* out, std::int64_t M, std::int64_t d,
+/// out[t] = table[ids[t]] (into the fp32 residual stream), out: [M, d]. Ids outside [0, V) are
+/// a device-side error (trap).
+void launch_embedding_forward(const std::int32_t* ids, const bf16* table, float* out, std::int64_t M, std::int64_t d,
                               std::int64_t V, cudaStream_t stream);
 std::size_t embedding_backward_workspace_bytes(std::int64_t M);
 /// dtable[ids[t]] += dy[t] for all t, deterministically (positions grouped by id, summed in order).
-void launch_embedding_backward(const std::int32_t* ids, const bf16* dy, float* dtable, std::int64_t M, std::int64_t d,
+void launch_embedding_backward(const std::int32_t* ids, const float* dy, float* dtable, std::int64_t M, std::int64_t d,
                                std::int64_t V, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
 /// out[i] = table[rows[i]] and table[rows[i]] = 0, out: [U, d] fp32. Rows must be distinct;
 /// rows outside [0, V) are a device-side error (trap).
@@ -50,14 +54,16 @@ void launch_take_rows(const std::int32_t* rows, float* table, float* out, std::i
                       cudaStream_t stream);
 
 // ---- RMSNorm ---------------------------------------------------------------------------------
-/// y = x * rstd * w per row of [M, d]; rstd[M] = 1 / sqrt(mean(x^2) + eps).
-void launch_rmsnorm_forward(const bf16* x, const bf16* w, bf16* y, float* rstd, std::int64_t M, std::int64_t d, float eps,
+/// y = x * rstd * w per row of [M, d] (x the fp32 residual stream, w an fp32 gain, y bf16);
+/// rstd[M] = 1 / sqrt(mean(x^2) + eps).
+void launch_rmsnorm_forward(const float* x, const float* w, bf16* y, float* rstd, std::int64_t M, std::int64_t d, float eps,
                             cudaStream_t stream);
 std::size_t rmsnorm_backward_workspace_bytes(std::int64_t M, std::int64_t d);
-/// dx = rstd * (dy*w - xhat * mean(dy*w*xhat)) (or dx += that); dw += sum_rows dy * xhat.
-void launch_rmsnorm_backward(const bf16* x, const bf16* w, const float* rstd, const bf16* dy, bf16* dx, bool accumulate_dx,
-                             float* dw, std::int64_t M, std::int64_t d, void* workspace, std::size_t workspace_bytes,
-                             cudaStream_t stream);
+/// dx = residual + rstd * (dy*w - xhat * mean(dy*w*xhat)) in fp32 (residual null: none; it may
+/// be dx), dx_act = bf16(dx) unless null; dw += sum_rows dy * xhat.
+void launch_rmsnorm_backward(const float* x, const float* w, const float* rstd, const bf16* dy, const float* residual,
+                             float* dx, bf16* dx_act, float* dw, std::int64_t M, std::int64_t d, void* workspace,
+                             std::size_t workspace_bytes, cudaStream_t stream);
 
 // ---- rotary ----------------------------------------------------------------------------------
 /// Rotates every head of x [M, heads*head_dim] in place (Hugging Face rotate-half), position of

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstddef>
+#include <type_traits>
 
 #include "megatrain/backend/arena.hpp"
 #include "megatrain/backend/backend.hpp"
@@ -29,17 +30,23 @@ class CarvedOp {
   }
 
   // (D names Derived late: Derived is still incomplete when CarvedOp<Derived> is instantiated.)
+  // Input and output are the residual stream (B::Res). An op whose run() and backprop() speak
+  // activations (a block's part: attention, MLP) is a LayerOp of its own only on backends whose
+  // residual stream is its activation type (the CPU backend); a bf16 backend runs it inside a
+  // block, which converts.
   template <class B, class D = Derived>
   void forward(B& be, ChunkShape c, const typename D::template Weights<const typename B::Weight>& w,
-               View<const typename B::Act> x, View<typename B::Act> y, Arena& scratch) const {
+               View<const typename B::Res> x, View<typename B::Res> y, Arena& scratch) const {
+    check_io<B, D>();
     ArenaScope scope(scratch);
     self().run(be, c, w, x, self().template carve<B>(scratch, c, false), y);
   }
 
   template <class B, class D = Derived>
   void backward(B& be, ChunkShape c, const typename D::template Weights<const typename B::Weight>& w,
-                View<const typename B::Act> x, View<const typename B::Act> dy, View<typename B::Act> dx,
+                View<const typename B::Res> x, View<const typename B::Res> dy, View<typename B::Res> dx,
                 const typename D::template Weights<typename B::Acc>& g, Arena& scratch) const {
+    check_io<B, D>();
     ArenaScope scope(scratch);
     const auto a = self().template carve<B>(scratch, c, true);
     self().run_kept(be, c, w, x, a);  // recompute from the input (the activation checkpoint)
@@ -53,6 +60,12 @@ class CarvedOp {
   }
 
  private:
+  template <class B, class D>
+  static constexpr void check_io() {
+    static_assert(D::kResidualIO || std::is_same_v<typename B::Res, typename B::Act>,
+                  "this op reads and writes activations (B::Act), not the residual stream (B::Res): on a backend "
+                  "where they differ (bf16 activations, fp32 residual) run it inside a block such as DecoderBlock");
+  }
   const Derived& self() const { return static_cast<const Derived&>(*this); }
 };
 

@@ -1,4 +1,4 @@
-// Token embedding: ids -> rows of model.embed_tokens.weight.
+// Token embedding: ids -> rows of model.embed_tokens.weight, into the residual stream (B::Res).
 #pragma once
 
 #include <string>
@@ -32,12 +32,12 @@ class Embedding {
 
   template <class B>
   void forward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const std::int32_t> ids,
-               View<typename B::Act> y, Arena&) const {
+               View<typename B::Res> y, Arena&) const {
     MT_CHECK(ids.numel() == c.tokens(), "embedding: {} ids for a chunk of {} tokens", ids.numel(), c.tokens());
     be.embedding(ids, w.table, y);
   }
   template <class B>
-  void backward(B& be, ChunkShape c, View<const std::int32_t> ids, View<const typename B::Act> dy,
+  void backward(B& be, ChunkShape c, View<const std::int32_t> ids, View<const typename B::Res> dy,
                 const Weights<typename B::Acc>& grads, Arena&) const {
     MT_CHECK(ids.numel() == c.tokens(), "embedding: {} ids for a chunk of {} tokens", ids.numel(), c.tokens());
     be.embedding_backward(ids, dy, grads.table);

@@ -1,5 +1,5 @@
 // The head: final RMSNorm, LM head and cross-entropy, fused and chunked over tokens so the
-// full logits never exist. With tied embeddings the LM head is the embedding table, bound
+// full logits never exist. Its input (and input gradient) is the residual stream (B::Res). With tied embeddings the LM head is the embedding table, bound
 // from the embedding unit's buffer (its gradient accumulates there too).
 //
 // Loss: per token, logsumexp(z) - z[label] (0 where the label is kIgnoreIndex). The caller
@@ -25,8 +25,8 @@ class LmHead {
 
   template <class E>
   struct Weights {
-    View<E> norm;     ///< [hidden]
-    View<E> lm_head;  ///< [vocab, hidden]; the embedding table when tied
+    View<full_t<E>> norm;  ///< [hidden], at full precision (ParamBinder::full)
+    View<E> lm_head;       ///< [vocab, hidden]; the embedding table when tied
   };
 
   /// The head unit's own tensors (without the table when tied: that lives in the embedding unit).
@@ -37,7 +37,7 @@ class LmHead {
   }
   template <class E>
   Weights<E> bind(const ParamBinder<E>& p) const {
-    return {p(kNorm), p(tied_ ? Embedding::kTable : kHead)};
+    return {p.full(kNorm), p(tied_ ? Embedding::kTable : kHead)};
   }
   bool tied() const { return tied_; }
   std::int64_t hidden_size() const { return hidden_; }
@@ -50,7 +50,7 @@ class LmHead {
   }
 
   template <class B>
-  void forward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+  void forward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Res> x,
                View<const std::int32_t> labels, View<typename B::Acc> loss, Arena& scratch) const {
     ArenaScope scope(scratch);
     const auto a = carve<B>(scratch, c);
@@ -60,15 +60,15 @@ class LmHead {
   }
 
   template <class B>
-  void forward_backward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+  void forward_backward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Res> x,
                         View<const std::int32_t> labels, double loss_scale, View<typename B::Acc> loss,
-                        View<typename B::Act> dx, const Weights<typename B::Acc>& g, Arena& scratch) const {
+                        View<typename B::Res> dx, const Weights<typename B::Acc>& g, Arena& scratch) const {
     ArenaScope scope(scratch);
     const auto a = carve<B>(scratch, c);
     be.rmsnorm(x, w.norm, eps_, a.n, a.rstd);
     be.lm_head_loss(View<const typename B::Act>(a.n), w.lm_head, labels, loss_scale, loss, a.dn, g.lm_head);
-    be.rmsnorm_backward(x, w.norm, View<const typename B::Acc>(a.rstd), View<const typename B::Act>(a.dn), dx, false,
-                        g.norm);
+    be.rmsnorm_backward(x, w.norm, View<const typename B::Acc>(a.rstd), View<const typename B::Act>(a.dn),
+                        View<const typename B::Res>{}, dx, View<typename B::Act>{}, g.norm);
   }
 
  private:

@@ -30,6 +30,8 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     MT_CHECK(layer >= 0 && layer < cfg.num_hidden_layers, "layer {} out of range [0, {})", layer, cfg.num_hidden_layers);
   }
 
+  static constexpr bool kResidualIO = false;  // (CarvedOp: x and y are activations)
+
   template <class E>
   struct Weights {
     View<E> q, k, v, o, q_bias, k_bias, v_bias, o_bias;

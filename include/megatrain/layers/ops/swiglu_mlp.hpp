@@ -25,6 +25,8 @@ class SwiGluMlp : public CarvedOp<SwiGluMlp> {
     MT_CHECK(layer >= 0 && layer < cfg.num_hidden_layers, "layer {} out of range [0, {})", layer, cfg.num_hidden_layers);
   }
 
+  static constexpr bool kResidualIO = false;  // (CarvedOp: x and y are activations)
+
   template <class E>
   struct Weights {
     View<E> gate, up, down, gate_bias, up_bias, down_bias;
