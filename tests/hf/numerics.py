@@ -11,13 +11,19 @@ on matrices only, constant learning rate, clip_grad_norm_ 1.0):
   megatrain megatrain-train --model DIR --backend cuda (bf16 compute, fp32 masters and moments),
             exported in f32 at the end
 
-and each run's distance from the reference is measured three ways: the loss curve (largest
-relative difference over the steps), the gradient norms (likewise), and each tensor's total
-update after N steps (||update - reference update|| / ||reference update||: the median and the
-largest over tensors). megatrain passes where each of its distances is at most --ratio (1.2)
-times autocast's. The table is printed either way; --report FILE writes it as JSON too.
+and each run's distance from the reference is measured:
+  - along the trajectory: the loss curve and the gradient norms (the mean relative difference
+    over the steps), and each tensor's total update after N steps (||update - reference update||
+    / ||reference update||: the median and the largest over tensors);
+  - at fixed weights (the initial ones and the fp32 run's final ones): the loss and gradient norm
+    each computes there (megatrain with a learning rate of 0), free of any trajectory's drift.
+Each is the mean over --seeds seeds. Under Adam a trajectory's later steps drift apart
+chaotically whatever the precision, so the trajectory measures are judged pooled over every
+model and seed; the fixed-weight measures, deterministic, model by model. megatrain passes
+where each is at most --ratio (1.2) times autocast's. The tables are printed either way;
+--report FILE writes them (and every run's loss and norm series) as JSON.
 
-Usage: numerics.py --megatrain PATH/megatrain-train [--work DIR] [--steps N] [--seed N] [--report FILE]
+Usage: numerics.py --megatrain PATH/megatrain-train [--work DIR] [--steps N] [--seeds N] [--seed N] [--report FILE]
 Exit status: 0 pass, 1 fail, 77 skipped (no torch, transformers or CUDA GPU).
 """
 
@@ -144,21 +150,15 @@ def loss_and_norm(model, ids, labels, autocast):
 MEASURES = ("loss", "grad_norm", "update_median", "update_max", "loss_fixed", "grad_norm_fixed")
 
 
-def round_residual_to_bf16(model):
-    """Diagnostic: make PyTorch keep the residual stream (each decoder layer's output and the
-    embedding's) and its gradient in bf16, as megatrain does, to see what that costs."""
+def round_lookup_to_bf16(model):
+    """Diagnostic: make PyTorch read the embedding table's rows in bf16, as megatrain's lookup
+    does (its residual stream is fp32 from there on, as autocast's)."""
     import torch
 
     def round_out(module, inputs, output):
-        t = output[0] if isinstance(output, tuple) else output
-        r = t.to(torch.bfloat16).to(t.dtype)
-        if r.requires_grad:
-            r.register_hook(lambda g: g.to(torch.bfloat16).to(g.dtype))
-        return (r,) + tuple(output[1:]) if isinstance(output, tuple) else r
+        return output.to(torch.bfloat16).to(output.dtype)
 
     model.model.embed_tokens.register_forward_hook(round_out)
-    for layer in model.model.layers:
-        layer.register_forward_hook(round_out)
 
 
 def run_case(args, work, name, arch, extra, seed, kinds):
@@ -197,8 +197,8 @@ def run_case(args, work, name, arch, extra, seed, kinds):
     def load(directory, label):
         m = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
                                                               attn_implementation="sdpa").cuda().train()
-        if label == "autocast_bf16_residual":
-            round_residual_to_bf16(m)
+        if label == "autocast_bf16_lookup":
+            round_lookup_to_bf16(m)
         return m
 
     runs = {}
@@ -216,20 +216,6 @@ def run_case(args, work, name, arch, extra, seed, kinds):
         fixed = [loss_and_norm(load(w, label), ids, labels, label != "fp32") for w in (hf_dir, trained)]
         runs[label]["loss_fixed"] = [x[0] for x in fixed]
         runs[label]["norm_fixed"] = [x[1] for x in fixed]
-    if args.diagnose:  # fixed weights only: also the norm gains and biases rounded to bf16
-        extra = {}
-        for w in (hf_dir, trained):
-            m = load(w, "autocast_bf16_residual")
-            with torch.no_grad():
-                for k, p in m.named_parameters():
-                    if p.ndim == 1:
-                        p.copy_(p.to(torch.bfloat16).float())
-            extra.setdefault("loss", []).append(loss_and_norm(m, ids, labels, True)[0])
-            extra.setdefault("norm", []).append(loss_and_norm(m, ids, labels, True)[1])
-        runs["diag_small_bf16"] = {"loss_fixed": extra["loss"], "norm_fixed": extra["norm"]}
-        print(f"{name} seed {seed}: fixed-weight loss deviations (start, trained): " + "; ".join(
-            f"{k} " + ", ".join(f"{abs(a - b) / b:.2e}" for a, b in zip(runs[k]["loss_fixed"], runs["fp32"]["loss_fixed"]))
-            for k in ["autocast", "autocast_bf16_residual", "diag_small_bf16"]), flush=True)
     def megatrain(model_dir, out, steps, lr, export=None):
         cmd = [args.megatrain, "--model", model_dir, "--data", train_bin, "--val-data", val_bin, "--seq", str(SEQ),
                "--batch", str(BATCH), "--steps", str(steps), "--lr", str(lr), "--schedule", "constant",
@@ -250,9 +236,6 @@ def run_case(args, work, name, arch, extra, seed, kinds):
     runs["megatrain"] = {"loss": [m["loss"] for m in metrics], "norm": [m["grad_norm"] for m in metrics],
                          "state": read_safetensors_f32(exp), "loss_fixed": [metrics[0]["loss"], at_end["loss"]],
                          "norm_fixed": [metrics[0]["grad_norm"], at_end["grad_norm"]]}
-    if args.diagnose:
-        print(f"{name} seed {seed}: megatrain fixed-weight loss deviations (start, trained): " + ", ".join(
-            f"{abs(a - b) / b:.2e}" for a, b in zip(runs["megatrain"]["loss_fixed"], runs["fp32"]["loss_fixed"])), flush=True)
     return {"seed": seed, "distances": {k: distances(runs[k], runs["fp32"], before, names) for k in kinds},
             "series": {k: {"loss": v["loss"], "grad_norm": v["norm"]} for k, v in runs.items() if "loss" in v}}
 
@@ -263,9 +246,9 @@ def main():
     ap.add_argument("--work")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--ratio", type=float, default=1.2)
-    ap.add_argument("--seeds", type=int, default=3, help="runs per model (seed, seed + 1, ...): distances are averaged")
+    ap.add_argument("--seeds", type=int, default=8, help="runs per model (seed, seed + 1, ...): distances are averaged")
     ap.add_argument("--diagnose", action="store_true",
-                    help="also run autocast with its residual stream rounded to bf16 (as megatrain kept it)")
+                    help="also run autocast with its embedding lookup rounded to bf16 (as megatrain's is)")
     ap.add_argument("--report")
     add_seed_option(ap)
     args = ap.parse_args()
@@ -281,8 +264,12 @@ def main():
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
 
+    # The trajectory measures: a trajectory's later steps drift apart chaotically under Adam
+    # whatever the precision, so they are judged pooled (the mean over every model and seed);
+    # the fixed-weight measures are deterministic and judged model by model.
+    trajectory, fixed = ("loss", "grad_norm", "update_median", "update_max"), ("loss_fixed", "grad_norm_fixed")
     report, failures, seeds = {}, [], [seed + k for k in range(args.seeds)]
-    kinds = ["autocast", "megatrain"] + (["autocast_bf16_residual"] if args.diagnose else [])
+    kinds = ["autocast", "megatrain"] + (["autocast_bf16_lookup"] if args.diagnose else [])
     for name, arch, extra in CASES:
         per_seed = [run_case(args, work, name, arch, extra, sd, kinds) for sd in seeds]
         mean = {k: {m: sum(p["distances"][k][m] for p in per_seed) / len(per_seed) for m in MEASURES} for k in kinds}
@@ -294,8 +281,17 @@ def main():
         for m in MEASURES:
             a, g = mean["autocast"][m], mean["megatrain"][m]
             print(f"| {m} | " + " | ".join(f"{mean[k][m]:.3e}" for k in kinds) + f" | {g / a:.2f} |")
-            if g > args.ratio * a:
+            if m in fixed and g > args.ratio * a:
                 failures.append(f"{name} {m}: megatrain {g:.3e} > {args.ratio} x autocast {a:.3e}")
+    pooled = {k: {m: sum(report[n]["mean"][k][m] for n, _, _ in CASES) / len(CASES) for m in MEASURES} for k in kinds}
+    report["pooled"] = pooled
+    print(f"\npooled over the {len(CASES)} models and {len(seeds)} seeds")
+    print("| distance from fp32 | " + " | ".join(kinds) + " | megatrain / autocast |\n|" + " --- |" * (len(kinds) + 2))
+    for m in MEASURES:
+        a, g = pooled["autocast"][m], pooled["megatrain"][m]
+        print(f"| {m} | " + " | ".join(f"{pooled[k][m]:.3e}" for k in kinds) + f" | {g / a:.2f} |")
+        if m in trajectory and g > args.ratio * a:
+            failures.append(f"pooled {m}: megatrain {g:.3e} > {args.ratio} x autocast {a:.3e}")
     if args.report:
         with open(args.report, "w") as f:
             json.dump(report, f, indent=1)
