@@ -240,6 +240,19 @@ def run_case(args, work, name, arch, extra, seed, kinds):
             "series": {k: {"loss": v["loss"], "grad_norm": v["norm"]} for k, v in runs.items() if "loss" in v}}
 
 
+def judge(dist, kinds, judged, ratio, label):
+    """Prints a table of distances from fp32 (one column per kind of run, then megatrain's over
+    autocast's); returns a failure line for each measure in `judged` beyond `ratio`."""
+    print("| distance from fp32 | " + " | ".join(kinds) + " | megatrain / autocast |\n|" + " --- |" * (len(kinds) + 2))
+    failures = []
+    for m in MEASURES:
+        a, g = dist["autocast"][m], dist["megatrain"][m]
+        print(f"| {m} | " + " | ".join(f"{dist[k][m]:.3e}" for k in kinds) + f" | {g / a:.2f} |")
+        if m in judged and g > ratio * a:
+            failures.append(f"{label} {m}: megatrain {g:.3e} > {ratio} x autocast {a:.3e}")
+    return failures
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--megatrain", required=True)
@@ -277,21 +290,11 @@ def main():
         fp = per_seed[0]["series"]["fp32"]
         print(f"\n{name}: {args.steps} steps, loss {fp['loss'][0]:.3f} -> {fp['loss'][-1]:.3f} (fp32, seed {seeds[0]}); "
               f"distances from fp32, the mean over {len(seeds)} seeds")
-        print("| distance from fp32 | " + " | ".join(kinds) + " | megatrain / autocast |\n|" + " --- |" * (len(kinds) + 2))
-        for m in MEASURES:
-            a, g = mean["autocast"][m], mean["megatrain"][m]
-            print(f"| {m} | " + " | ".join(f"{mean[k][m]:.3e}" for k in kinds) + f" | {g / a:.2f} |")
-            if m in fixed and g > args.ratio * a:
-                failures.append(f"{name} {m}: megatrain {g:.3e} > {args.ratio} x autocast {a:.3e}")
+        failures += judge(mean, kinds, fixed, args.ratio, name)
     pooled = {k: {m: sum(report[n]["mean"][k][m] for n, _, _ in CASES) / len(CASES) for m in MEASURES} for k in kinds}
     report["pooled"] = pooled
     print(f"\npooled over the {len(CASES)} models and {len(seeds)} seeds")
-    print("| distance from fp32 | " + " | ".join(kinds) + " | megatrain / autocast |\n|" + " --- |" * (len(kinds) + 2))
-    for m in MEASURES:
-        a, g = pooled["autocast"][m], pooled["megatrain"][m]
-        print(f"| {m} | " + " | ".join(f"{pooled[k][m]:.3e}" for k in kinds) + f" | {g / a:.2f} |")
-        if m in trajectory and g > args.ratio * a:
-            failures.append(f"pooled {m}: megatrain {g:.3e} > {args.ratio} x autocast {a:.3e}")
+    failures += judge(pooled, kinds, trajectory, args.ratio, "pooled")
     if args.report:
         with open(args.report, "w") as f:
             json.dump(report, f, indent=1)

@@ -74,6 +74,46 @@ std::vector<StepStats> run(const ModelConfig& cfg, const TrainerOptions& o, int 
   return out;
 }
 
+/// What a user stage that reads the landed gradients needs besides its run().
+struct GradientReaderStage {
+  GradientView view;
+  HostExecutor exec;
+  explicit GradientReaderStage(GradientView v) : view(std::move(v)) {}
+  HostExecutor& executor() { return exec; }
+  bool applies(const TrainItem& it) const { return it.carries_gradient(); }
+  std::size_t ring_slots() const { return 0; }
+  UnitAccess unit_access() const { return UnitAccess::none; }
+};
+
+/// Runs the plain loop over run()'s batches and checks each step's loss and gradient norm
+/// against `stats` (rel 1e-5 and 1e-4); returns the largest relative difference of any master
+/// weight from `weights` (what run() left).
+double against_plain_loop(const ModelConfig& cfg, const TrainerOptions& o, const std::vector<StepStats>& stats,
+                          const std::vector<float>& weights) {
+  DecoderModel<> model(cfg);
+  HostParamStore<float> store(model.units(), store_opts(o));
+  const bool stale = o.clip_mode == ClipMode::stale;
+  test::ReferenceLoop ref{model, store, o.adamw, o.schedule, stale ? 0.0 : o.clip_norm, o.batch_rows, o.seq_len, {}};
+  std::mt19937 rng(5);
+  std::optional<double> last_norm;
+  for (std::size_t s = 0; s < stats.size(); ++s) {
+    auto b = random_batch(rng, o.batch_rows, o.seq_len, static_cast<std::int32_t>(cfg.vocab_size));
+    if (stale && o.clip_norm > 0) ref.clip_coef = last_norm ? clip_coefficient(*last_norm, o.clip_norm) : 1.0;
+    const auto r = ref.step(b.ids, b.labels);
+    last_norm = r.grad_norm;
+    CAPTURE(s);
+    CHECK(stats[s].loss == doctest::Approx(r.loss).epsilon(1e-5));
+    CHECK(stats[s].grad_norm == doctest::Approx(r.grad_norm).epsilon(1e-4));
+  }
+  std::vector<float> want;
+  for (const auto& u : store.units()) want.insert(want.end(), u.master().begin(), u.master().end());
+  REQUIRE(want.size() == weights.size());
+  double worst = 0;
+  for (std::size_t i = 0; i < want.size(); ++i)
+    worst = std::max(worst, std::fabs(static_cast<double>(weights[i]) - want[i]) / (std::fabs(static_cast<double>(want[i])) + 1e-3));
+  return worst;
+}
+
 }  // namespace
 
 TEST_CASE("the streaming trainer follows a plain loop over the same ops (fp32, rel 1e-5)") {
@@ -131,27 +171,7 @@ TEST_CASE("a large vocabulary lands in pieces and still follows the plain loop (
       REQUIRE(fp.grad_slot_numel < cfg.vocab_size * cfg.hidden_size / 3);  // pieces do happen
       std::vector<float> weights;
       const auto stats = run(cfg, o, 4, &weights);
-
-      HostParamStore<float> store(model.units(), so);
-      test::ReferenceLoop ref{model, store, o.adamw, o.schedule, 0.0, 8, 64, {}};
-      std::mt19937 rng(5);
-      std::optional<double> last_norm;
-      for (int s = 0; s < 4; ++s) {
-        auto b = random_batch(rng, 8, 64, static_cast<std::int32_t>(cfg.vocab_size));
-        ref.clip_coef = clip > 0 && last_norm ? clip_coefficient(*last_norm, clip) : 1.0;
-        const auto r = ref.step(b.ids, b.labels);
-        last_norm = r.grad_norm;
-        CAPTURE(s);
-        CHECK(stats[s].loss == doctest::Approx(r.loss).epsilon(1e-5));
-        CHECK(stats[s].grad_norm == doctest::Approx(r.grad_norm).epsilon(1e-4));
-      }
-      std::vector<float> want;
-      for (const auto& u : store.units()) want.insert(want.end(), u.master().begin(), u.master().end());
-      REQUIRE(want.size() == weights.size());
-      double worst = 0;
-      for (std::size_t i = 0; i < want.size(); ++i)
-        worst = std::max(worst, std::fabs(static_cast<double>(weights[i]) - want[i]) / (std::fabs(static_cast<double>(want[i])) + 1e-3));
-      CHECK(worst < 1e-6);  // every weight after 4 steps
+      CHECK(against_plain_loop(cfg, o, stats, weights) < 1e-6);  // every weight after 4 steps
     }
   }
 }
@@ -188,30 +208,10 @@ TEST_CASE("wherever gradients wait and wherever AdamW runs, the update is the pl
           o.jitter_us = 50;
           std::vector<float> weights;
           const auto stats = run(cfg, o, 4, &weights);
-
-          HostParamStore<float> store(model.units(), store_opts(o));
-          test::ReferenceLoop ref{model, store, o.adamw, o.schedule, k.mode == ClipMode::exact ? k.clip : 0.0, 8, 64, {}};
-          std::mt19937 rng(5);
-          std::optional<double> last_norm;
-          for (int s = 0; s < 4; ++s) {
-            auto b = random_batch(rng, 8, 64, static_cast<std::int32_t>(cfg.vocab_size));
-            if (k.mode == ClipMode::stale) ref.clip_coef = last_norm ? clip_coefficient(*last_norm, k.clip) : 1.0;
-            const auto r = ref.step(b.ids, b.labels);
-            last_norm = r.grad_norm;
-            CAPTURE(s);
-            CHECK(stats[s].loss == doctest::Approx(r.loss).epsilon(1e-5));
-            CHECK(stats[s].grad_norm == doctest::Approx(r.grad_norm).epsilon(1e-4));
-          }
-          std::vector<float> want;
-          for (const auto& u : store.units()) want.insert(want.end(), u.master().begin(), u.master().end());
-          REQUIRE(want.size() == weights.size());
-          double worst = 0;
-          for (std::size_t i = 0; i < want.size(); ++i)
-            worst = std::max(worst, std::fabs(static_cast<double>(weights[i]) - want[i]) / (std::fabs(static_cast<double>(want[i])) + 1e-3));
           // Every weight after 4 steps. Micro-batches add the gradient up in another order than
           // the whole batch; AdamW divides by sqrt(v), so a rounding difference in a gradient
           // element near zero moves that weight by up to a step size (lr 3e-3) of a few steps.
-          CHECK(worst < (k.micro > 1 ? 2e-3 : 1e-6));
+          CHECK(against_plain_loop(cfg, o, stats, weights) < (k.micro > 1 ? 2e-3 : 1e-6));
           all_weights.push_back(std::move(weights));
           all_stats.push_back(stats);
         }
@@ -285,7 +285,7 @@ TEST_CASE("device units: the store is stale until finish_update(), which hands i
 
 namespace {
 // Adds up the landed pieces of every unit's gradient where they belong (placement).
-struct PlacedGrads {
+struct PlacedGrads : GradientReaderStage {
   struct Shared {
     std::mutex m;
     std::map<std::size_t, std::vector<double>> grad;
@@ -293,13 +293,7 @@ struct PlacedGrads {
   };
   static inline std::shared_ptr<Shared> shared = std::make_shared<Shared>();
   static inline std::vector<std::int64_t> numel;
-  GradientView view;
-  HostExecutor exec;
-  explicit PlacedGrads(GradientView v) : view(std::move(v)) {}
-  HostExecutor& executor() { return exec; }
-  bool applies(const TrainItem& it) const { return it.carries_gradient(); }
-  std::size_t ring_slots() const { return 0; }
-  UnitAccess unit_access() const { return UnitAccess::none; }
+  using GradientReaderStage::GradientReaderStage;
   void run(const TrainItem& it, const StageSlots& s) {
     const auto g = view.gradient(it, s);
     const GradientPiece p = view.placement(it);
@@ -654,20 +648,14 @@ TEST_CASE("evaluate gives the head's mean loss and leaves the weights alone") {
 
 namespace {
 // Keeps every micro-batch's landed gradient of every unit, to add them up in the test.
-struct MicroGrads {
+struct MicroGrads : GradientReaderStage {
   struct Shared {
     std::mutex m;
     std::map<std::size_t, std::vector<double>> sum;  // unit -> sum over the step's micro-batches
     std::map<std::size_t, int> pieces;
   };
   static inline std::shared_ptr<Shared> shared = std::make_shared<Shared>();
-  GradientView view;
-  HostExecutor exec;
-  explicit MicroGrads(GradientView v) : view(std::move(v)) {}
-  HostExecutor& executor() { return exec; }
-  bool applies(const TrainItem& it) const { return it.carries_gradient(); }
-  std::size_t ring_slots() const { return 0; }
-  UnitAccess unit_access() const { return UnitAccess::none; }
+  using GradientReaderStage::GradientReaderStage;
   void run(const TrainItem& it, const StageSlots& s) {
     const auto g = view.gradient(it, s);
     std::lock_guard lock(shared->m);
