@@ -478,9 +478,10 @@ class Trainer {
       else
         t.be_.upload(exec, std::span<const bf16>(unit.compute()), t.weight_slot(it.unit, s.out));
       // The unit's full-precision parameters (norm gains) from its fp32 masters: once per step,
-      // with the forward (the backward reads the same values).
+      // with the first micro-batch's forward (the rest of the step reads the same values; the
+      // unit's last update came before, rule 4).
       if constexpr (kSplitGains)
-        if (it.kind != Kind::backward) {
+        if (it.kind != Kind::backward && it.micro == 0) {
           const auto& full = t.full_layout(it.unit);
           for (const auto& e : full.entries()) {
             const auto& p = unit.param(e.spec.name);
