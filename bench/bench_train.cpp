@@ -214,6 +214,7 @@ int run(B& be, const char* name, const Args& a) {
                 n_saving, t_saving / n_saving, t, t_saving - n_saving * t);
   else
     std::printf("| steps while it was written | none measured (raise --steps) |\n");
+  trainer.finish_update();  // (the store is loaded below: the trainer hands it over first)
   evict_from_page_cache(r.dir);
   auto t0 = std::chrono::steady_clock::now();
   const io::TrainCheckpoint opened = io::TrainCheckpoint::open(r.dir);

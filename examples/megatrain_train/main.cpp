@@ -588,6 +588,16 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
         layout.push_back(fmt::format("{} micro-batches (checkpoint: {})", now.micro_batches, st.options.micro_batches));
       if (now.chunk_rows != st.options.chunk_rows)
         layout.push_back(fmt::format("--chunk {} (checkpoint: {})", now.chunk_rows, st.options.chunk_rows));
+      // (placement changes no bit, except the order of a sum: stale clipping's norm, and
+      // micro-batches added up in host memory instead of on the GPU or the other way round)
+      const bool stale = now.clip_norm > 0 && now.clip_mode == ClipMode::stale;
+      if (stale && now.device_units != st.options.device_units)
+        layout.push_back(fmt::format("AdamW on the GPU for {} units (checkpoint: {}) with stale clipping", now.device_units,
+                                     st.options.device_units));
+      if (now.micro_batches > 1 && now.gradient_home != st.options.gradient_home)
+        layout.push_back(fmt::format("micro-batches added up in {} memory (checkpoint: {})",
+                                     now.gradient_home == GradientHome::host ? "host" : "GPU",
+                                     st.options.gradient_home == GradientHome::host ? "host" : "GPU"));
       if (!layout.empty())
         std::fprintf(info, "note: this run computes the same update as the checkpoint's with %s: its floating-point sums "
                      "come in another order, so it is not bit for bit the run that was not interrupted\n",

@@ -258,6 +258,12 @@ TEST_CASE("device units: the store is stale until finish_update(), which hands i
       if (units > 0) CHECK_THROWS_WITH_AS(store.check_settled("exporting"), doctest::Contains("call trainer.finish_update() first"), Error);
       trainer.finish_update();
       store.check_settled("exporting");
+      // An evaluation takes the device units back from the store: the store is not to be edited
+      // (a loader refuses) until finish_update() hands it over again.
+      (void)trainer.evaluate(b.ids, b.labels, 2);
+      if (units > 0) CHECK_THROWS_WITH_AS(store.check_settled("loading"), doctest::Contains("call trainer.finish_update() first"), Error);
+      trainer.finish_update();
+      store.check_settled("loading");
       // The store holds the device units' state after the step: edit it; the next step uses the edit.
       for (auto& x : store.unit(2).master()) x = -x;
       for (auto& x : store.unit(2).adam_m()) x *= 2.0f;
@@ -347,12 +353,18 @@ TEST_CASE("stages that sleep for random times change nothing (bit-identical), in
     std::int64_t micro;
     double clip;
     ClipMode mode;
+    GradientHome home = GradientHome::device;
   };
   for (const Case& k : {Case{"streamed, pieces, stale clipping", 1, 0.05, ClipMode::stale},
                         Case{"streamed, pieces, no clipping", 1, 0.0, ClipMode::stale},
                         Case{"exact clipping (resident, norms on the backend)", 1, 0.05, ClipMode::exact},
-                        Case{"2 micro-batches (staged and added up by the optimizer stage)", 2, 0.0, ClipMode::exact},
-                        Case{"2 micro-batches, exact clipping", 2, 0.05, ClipMode::exact}}) {
+                        Case{"exact clipping, gradients in host memory", 1, 0.05, ClipMode::exact, GradientHome::host},
+                        Case{"2 micro-batches (added up on the device)", 2, 0.0, ClipMode::exact},
+                        Case{"2 micro-batches, exact clipping", 2, 0.05, ClipMode::exact},
+                        Case{"2 micro-batches in host memory (staged, added up by the optimizer stage)", 2, 0.0,
+                             ClipMode::exact, GradientHome::host},
+                        Case{"4 micro-batches in host memory, exact clipping", 4, 0.05, ClipMode::exact,
+                             GradientHome::host}}) {
     for (const bool tied : {true, false}) {
       CAPTURE(std::string(k.name));
       CAPTURE(tied);
@@ -361,6 +373,7 @@ TEST_CASE("stages that sleep for random times change nothing (bit-identical), in
       o.micro_batches = k.micro;
       o.clip_norm = k.clip;
       o.clip_mode = k.mode;
+      o.gradient_home = k.home;
       std::vector<float> w0, w1;
       const auto a = run(tiny(tied, 700), o, 3, &w0);  // a vocabulary that lands in pieces (streamed)
       o.jitter_us = 400;

@@ -325,15 +325,17 @@ class HostParamStore {
   }
   bool resident_gradients() const { return options_.resident_gradients; }
 
-  /// Whether a trainer is still applying its last step's update to this store in the
-  /// background (Trainer::finish_update() waits for it). Set and cleared by the trainer.
+  /// Whether a trainer holds state newer than (or owned apart from) this store: its last step's
+  /// update still being applied in the background, or units whose AdamW state it keeps on the
+  /// GPU (Trainer::finish_update() settles both). Set and cleared by the trainer.
   bool update_in_flight() const { return in_flight_->load(std::memory_order_acquire); }
   void set_update_in_flight(bool on) const { in_flight_->store(on, std::memory_order_release); }
-  /// Throws, naming `what`, while an update is in flight: the store then holds some units
-  /// before and some after the update, and whatever reads (or loads into) it whole must wait.
+  /// Throws, naming `what`, while that is so: the store then holds some units before and some
+  /// after the update, or stale copies of the GPU's units, and whatever reads (or loads into) it
+  /// whole must wait.
   void check_settled(std::string_view what) const {
-    MT_CHECK(!update_in_flight(), "{}: the trainer is still applying the last step's update to this store in the "
-             "background; call trainer.finish_update() first", what);
+    MT_CHECK(!update_in_flight(), "{}: the trainer holds newer state than this store (the last step's update "
+             "running in the background, or units kept on the GPU); call trainer.finish_update() first", what);
   }
 
  private:

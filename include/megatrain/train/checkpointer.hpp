@@ -7,7 +7,10 @@
 // writer takes the units in the order step t+1 first changes them (Trainer::update_order), and
 // the trainer's optimizer stage waits, unit by unit, until the writer has read a unit before it
 // changes it (Trainer::set_update_gate). So the checkpoint holds exactly the state after step t,
-// and training stalls only where the disk is slower than the step.
+// and training stalls only where the disk is slower than the step — and for the write-back of
+// the units whose AdamW state lives on the GPU (Trainer::finish_update: their state is copied
+// into the store before save() returns, and loaded back by the next step; a few seconds for a
+// large model).
 //
 // A run's checkpoints live in one folder (io::CheckpointFolder: step-00000120/ ..., `latest`);
 // each save is complete and in place before `latest` names it and before older ones beyond

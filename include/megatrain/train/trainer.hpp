@@ -182,12 +182,15 @@ class Trainer {
     MT_NVTX_RANGE("Trainer::Trainer");
     opt.validate();
     check_store();
-    // With micro-batches, what orders a micro-batch's head and embedding backward after the
-    // offload of the previous micro-batch's accumulators is the reuse of the compute stage's
-    // ring (see Compute::takes_slot): a ring longer than a micro-batch's items would lose that.
-    MT_CHECK(opt_.micro_batches == 1 || opt_.grad_slots <= 2 * model_.num_blocks() + 3,
-             "grad_slots {} is more than the {} items of a micro-batch of this {}-block model: with micro-batches use at "
-             "most {}", opt_.grad_slots, 2 * model_.num_blocks() + 3, model_.num_blocks(), 2 * model_.num_blocks() + 3);
+    // Micro-batches added up in host memory: what orders a micro-batch's head (which zeroes the
+    // head's and a tied embedding's accumulators) after the offload of the previous micro-batch's
+    // embedding gradient is the reuse of the compute stage's ring (Compute::takes_slot,
+    // Offload::applies): the slot the head takes must have been held by that backward or by a
+    // forward after it, so the ring may be at most L + 2 long.
+    MT_CHECK(!(grads_on_host() && opt_.micro_batches > 1) || opt_.grad_slots <= model_.num_blocks() + 2,
+             "grad_slots {} is more than {}: with micro-batches added up in host memory (GradientHome::host) a "
+             "{}-block model takes at most {}", opt_.grad_slots, model_.num_blocks() + 2, model_.num_blocks(),
+             model_.num_blocks() + 2);
     model_.config().check_sequence_length(opt_.seq_len);
     allocate();
     pipeline_ = std::make_unique<Pipeline>(Prefetch{{this}, be_.make_executor(B::Role::upload)},
@@ -392,8 +395,10 @@ class Trainer {
     update_pending_ = false;
     publish_store_state();
   }
-  // The store refuses whole readers while it is not the newest state (HostParamStore::check_settled).
-  void publish_store_state() { store_.set_update_in_flight(update_pending_ || device_newer_); }
+  // The store refuses whole readers (and loaders) while it is not the owner of the whole state
+  // (HostParamStore::check_settled): while an update runs, and while the backend holds the
+  // device units (after an evaluate() too: a store edited then would not reach them).
+  void publish_store_state() { store_.set_update_in_flight(update_pending_ || device_newer_ || device_owns_); }
 
   // Device units: the backend takes their state from the store when it is not its owner yet.
   void load_device_units() {
@@ -402,6 +407,7 @@ class Trainer {
     for (std::size_t u = 0; u < devices_.count(); ++u) devices_.load(be_, xfer_, store_.unit(u), weight_slot(u, 0));
     xfer_.synchronize();
     device_owns_ = true;
+    publish_store_state();
   }
   // ... and gives it back (each unit through the update gate: a checkpoint writer may still read it).
   void save_device_units() {
@@ -672,12 +678,20 @@ class Trainer {
       return t.store_.grad_ring_slots();
     }
     UnitAccess unit_access() const { return UnitAccess::none; }
-    // Every item that lands a gradient (an untied model's embed_rest pieces land none).
+    // Every item that lands a gradient (an untied model's embed_rest pieces land none). With
+    // micro-batches added up in host memory also the forwards, for nothing but their completion:
+    // recorded on this stream, it covers every download before it, so the compute stage's next
+    // head, reusing a forward's ring slot, waits for the previous micro-batch's last download
+    // (a forward passed through would hand on only its own compute).
     bool applies(const TrainItem& it) const {
-      return it.carries_gradient() && !(it.kind == Kind::embed_rest && !this->owner->model_.head().op().tied());
+      const Trainer& t = *this->owner;
+      if (it.kind == Kind::forward) return t.grads_on_host() && t.opt_.micro_batches > 1;
+      return it.carries_gradient() && !(it.kind == Kind::embed_rest && !t.model_.head().op().tied());
     }
+    bool takes_slot(const TrainItem& it) const { return it.kind != Kind::forward; }  // (writes no staging slot)
     void run(const TrainItem& it, const StageSlots& s) {
       MT_NVTX_RANGE("stage:offload");
+      if (it.kind == Kind::forward) return;
       this->jitter(it);
       Trainer& t = *this->owner;
       if (!t.grads_on_host()) {  // a piece into a landing slot
