@@ -53,7 +53,7 @@ struct Settings {
   double rope_theta = 10000.0, norm_eps = 1e-5;
   bool tie_embeddings = true;
   // data
-  std::string data, val_data, data_format = "u16";
+  std::string data, val_data, data_format = "auto";
   double val_fraction = 0.05;
   // schedule and optimizer
   std::int64_t batch = 8, seq = 128, micro_batches = 1, max_micro_batch = 0, chunk = 0, steps = 60;
@@ -138,7 +138,9 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
 
   auto* data = app->add_option_group("data", "Data (default: the built-in text)");
   data->add_option("--data", s.data, "Token file (.bin: uint16/uint32 ids or llm.c format) or a text file (byte tokens)");
-  data->add_option("--data-format", s.data_format, "Token width of .bin files: u16 or u32")->capture_default_str();
+  data->add_option("--data-format", s.data_format,
+                   "Token width of .bin files: u16, u32, or auto (u32 where the vocabulary exceeds 65536, else u16)")
+      ->capture_default_str();
   data->add_option("--val-data", s.val_data, "Separate validation token file (default: hold out the tail of --data)");
   data->add_option("--val-fraction", s.val_fraction, "Fraction of the data held out for validation")->capture_default_str();
 

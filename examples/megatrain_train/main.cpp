@@ -290,7 +290,8 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
   const std::optional<std::int64_t> device_units = parse_device_units(s.device_units);
   MT_CHECK(device_units.has_value(), "--device-units must be auto, all or a count >= 0 (got '{}')", s.device_units);
   MT_CHECK(!(s.clip == 0 && s.origins.conflicts("--clip-mode", "--clip")), "--clip-mode given but clipping is off (--clip 0)");
-  MT_CHECK(s.data_format == "u16" || s.data_format == "u32", "--data-format must be u16 or u32 (got '{}')", s.data_format);
+  MT_CHECK(s.data_format == "auto" || s.data_format == "u16" || s.data_format == "u32",
+           "--data-format must be auto, u16 or u32 (got '{}')", s.data_format);
   MT_CHECK(s.val_data.empty() || !s.origins.conflicts("--val-fraction", "--val-data"),
            "--val-fraction contradicts --val-data: validation comes from that file; drop one");
   MT_CHECK(s.steps >= 0, "--steps must be >= 0 (got {}; 0 evaluates only)", s.steps);
@@ -356,23 +357,30 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
     }
   }
 
-  // Data first: its vocabulary sizes a model given on the command line. (With --steps 0
-  // --eval-batches 0 nothing is evaluated and no data is read.)
-  const TokenFormat fmt_bin = s.data_format == "u32" ? TokenFormat::u32 : TokenFormat::u16;
+  // Data first: text data's vocabulary (bytes) sizes a model given on the command line; token
+  // files need the vocabulary given, which decides their width unless --data-format does.
+  // (With --steps 0 --eval-batches 0 nothing is evaluated and no data is read.)
   const bool need_data = !(eval_only && s.eval_batches == 0);
+  const std::string data_file = !s.data.empty() ? s.data : (eval_only ? s.val_data : std::string());
+  const bool bin_data = need_data && fs::path(data_file).extension() == ".bin";
+  MT_CHECK(!bin_data || s.vocab > 0 || plan.hf || plan.resume || !s.model_config.empty() || !s.preset.empty(),
+           "--data '{}' holds token ids: give the vocabulary (--vocab, --model, --model-config or --preset)", data_file);
+  MT_CHECK(!need_data || bin_data || !s.origins.conflicts("--data-format", "--data"),
+           "--data-format applies to .bin token files, but the data is text ({}), tokenised by bytes",
+           data_file.empty() ? "the built-in text" : data_file);
+  // auto: uint32 where the vocabulary does not fit 16 bits, else uint16 (the reader refuses a
+  // file whose contents say otherwise).
+  TokenFormat fmt_bin = s.data_format == "u32" ? TokenFormat::u32 : TokenFormat::u16;
+  if (s.data_format == "auto" && bin_data) {
+    const std::int64_t vocab = cfg ? cfg->vocab_size : model_config(s, app, 0, plan.hf ? &*plan.hf : nullptr).vocab_size;
+    fmt_bin = vocab > 65536 ? TokenFormat::u32 : TokenFormat::u16;
+  }
   std::optional<TokenSource> train_src;
   if (need_data)
-    train_src = !s.data.empty()                       ? TokenSource::open(s.data, fmt_bin)
-                : (eval_only && !s.val_data.empty()) ? TokenSource::open(s.val_data, fmt_bin)
-                                                     : TokenSource::from_text(builtin_text(1 << 20, 1), "built-in text");
+    train_src = !data_file.empty() ? TokenSource::open(data_file, fmt_bin)
+                                   : TokenSource::from_text(builtin_text(1 << 20, 1), "built-in text");
   const bool text_data = train_src && train_src->format() == TokenFormat::text;
-  MT_CHECK(!train_src || !text_data || !s.origins.conflicts("--data-format", "--data"),
-           "--data-format applies to .bin token files, but the data is text ({}), tokenised by bytes",
-           s.data.empty() ? "the built-in text" : s.data);
-  const std::int64_t data_vocab = !train_src ? 0 : text_data ? 256 : (fmt_bin == TokenFormat::u16 ? 65536 : 0);
-  MT_CHECK(!train_src || text_data || s.vocab > 0 || plan.hf || plan.resume || !s.model_config.empty() || !s.preset.empty(),
-           "--data '{}' holds token ids: give the vocabulary (--vocab, --model, --model-config or --preset)",
-           s.data.empty() ? s.val_data : s.data);
+  const std::int64_t data_vocab = text_data ? 256 : 0;
   if (plan.resume) {
     // Model options given again must describe the checkpoint's model.
     std::vector<std::string> opts = model_source_options();

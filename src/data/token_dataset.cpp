@@ -85,6 +85,20 @@ TokenSource TokenSource::open(const std::filesystem::path& path, TokenFormat bin
     s.format_ = bin_format;
     s.data_ = bytes;
     s.count_ = static_cast<std::int64_t>(size / w);
+    // uint32 ids (of any vocabulary below 2^18) read as uint16 are pairs whose second half is
+    // 0 to 3: refuse that pattern rather than train on wrong ids (a sample of the first 2^20
+    // pairs; real uint16 text never holds only such ids at every other position).
+    if (bin_format == TokenFormat::u16 && size % 4 == 0) {
+      const std::int64_t pairs = std::min<std::int64_t>(s.count_ / 2, std::int64_t{1} << 20);
+      std::int32_t high = 0, low = 0;
+      for (std::int64_t i = 0; i < pairs; ++i) {
+        low = std::max(low, s.at(2 * i));
+        high = std::max(high, s.at(2 * i + 1));
+      }
+      MT_CHECK(pairs < 16 || high > 3 || low <= high,
+               "dataset '{}' looks like uint32 token ids read as uint16 (in the first {} pairs of uint16 every second one "
+               "is at most {}): pass --data-format u32", label, pairs, high);
+    }
   } else {
     s.format_ = TokenFormat::text;
     s.data_ = bytes;
@@ -122,6 +136,17 @@ std::int32_t TokenSource::at(std::int64_t i) const {
     }
   }
   return -1;
+}
+
+bool TokenSource::holds_u16_pairs(std::int64_t vocab) const {
+  if (format_ != TokenFormat::u32) return false;
+  const std::int64_t n = std::min<std::int64_t>(count_, std::int64_t{1} << 20);
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::uint32_t v;
+    std::memcpy(&v, data_ + 4 * i, 4);
+    if ((v & 0xffffu) >= vocab || (v >> 16) >= vocab) return false;
+  }
+  return n > 0;
 }
 
 std::string TokenSource::digest() const {
@@ -163,11 +188,14 @@ namespace {
 void check_vocab(const TokenSource& s, std::int64_t vocab) {
   const std::int32_t m = s.max_id();
   if (m >= 0 && m < vocab) return;
+  // uint16 ids read as uint32 pair up into ids far above any vocabulary: say so.
+  const std::string hint =
+      s.holds_u16_pairs(vocab) ? "; the file looks like uint16 token ids: pass --data-format u16" : "";
   // Find the first offender for the message.
   for (std::int64_t i = 0; i < s.size(); ++i) {
     const std::int32_t v = s.at(i);
-    MT_CHECK(v >= 0 && v < vocab, "dataset '{}': token {} has id {}, outside the model's vocabulary [0, {})", s.label(), i,
-             v < 0 ? std::string("above 2^31") : std::to_string(v), vocab);
+    MT_CHECK(v >= 0 && v < vocab, "dataset '{}': token {} has id {}, outside the model's vocabulary [0, {}){}", s.label(), i,
+             v < 0 ? std::string("above 2^31") : std::to_string(v), vocab, hint);
   }
 }
 }  // namespace

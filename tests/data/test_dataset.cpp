@@ -167,3 +167,29 @@ TEST_CASE("bad data is refused with a clear message") {
                        doctest::Contains("validation set"), Error);
   CHECK_THROWS_AS(TokenSource::from_text("", "x"), Error);
 }
+
+TEST_CASE("a token file read at the wrong width is refused, naming the right one") {
+  TempDir dir;
+  std::mt19937 rng(7);
+  // uint32 ids of a 16-bit vocabulary and of a 152k one, read as uint16.
+  for (const std::uint32_t vocab : {50000u, 152000u}) {
+    CAPTURE(vocab);
+    std::vector<std::uint32_t> ids(4096);
+    for (auto& x : ids) x = static_cast<std::uint32_t>(rng() % vocab);
+    const auto path = write_tokens(dir.path / ("u32-" + std::to_string(vocab) + ".bin"), ids);
+    CHECK_THROWS_WITH_AS(TokenSource::open(path, TokenFormat::u16),
+                         doctest::Contains("looks like uint32 token ids read as uint16 (in the first 4096 pairs of uint16 "
+                                           "every second one is at most"), Error);
+    CHECK_THROWS_WITH_AS(TokenSource::open(path, TokenFormat::u16), doctest::Contains("pass --data-format u32"), Error);
+    CHECK(TokenSource::open(path, TokenFormat::u32).size() == 4096);
+  }
+  // uint16 ids read as uint32 pair up beyond the vocabulary: the message says which width fits.
+  DatasetOptions o;
+  o.vocab_size = 50000;
+  o.seq_len = 16;
+  const auto u16 = random_u16(4096, 50000, 8);
+  CHECK_THROWS_WITH_AS(TokenDataset(TokenSource::open(write_tokens(dir.path / "u16.bin", u16), TokenFormat::u32), o),
+                       doctest::Contains("looks like uint16 token ids: pass --data-format u16"), Error);
+  // Genuine uint16 data is not mistaken for uint32, also with small ids.
+  CHECK(TokenSource::open(write_tokens(dir.path / "small.bin", random_u16(4096, 40, 9)), TokenFormat::u16).size() == 4096);
+}

@@ -1,7 +1,8 @@
 // Token datasets: what a training step reads.
 //
 // A token file is a flat array of little-endian token ids, read through a memory mapping:
-//   - raw: uint16 (nanoGPT's train.bin / val.bin) or uint32 ids, no header;
+//   - raw: uint16 (nanoGPT's train.bin / val.bin) or uint32 ids, no header; uint32 ids read as
+//     uint16 are recognised (every second uint16 at most 3) and refused;
 //   - llm.c: a 1024-byte header of 256 little-endian int32 — [0] = 20240520 (magic),
 //     [1] = 1 (version), [2] = number of tokens — followed by that many uint16 ids; recognised
 //     by the magic whatever format was asked for;
@@ -45,6 +46,9 @@ class TokenSource {
   void read(std::int64_t start, std::span<std::int32_t> out) const;
   /// The largest id (scanned in parallel).
   std::int32_t max_id() const;
+  /// For a uint32 source: whether its first ids (up to 2^20) all read as two uint16 ids below
+  /// `vocab` — a uint16 file opened at the wrong width.
+  bool holds_u16_pairs(std::int64_t vocab) const;
   /// A digest of the tokens as stored (32 hex digits): XXH3-128 over the XXH3-128 digests of
   /// consecutive 64 MiB blocks, hashed in parallel. Identifies the data a run trained on.
   std::string digest() const;
