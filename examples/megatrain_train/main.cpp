@@ -401,6 +401,13 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
   }
   MT_CHECK(!text_data || cfg->vocab_size >= 256,
            "text data is tokenised by bytes (vocabulary 256) but the model's vocab_size is {}", cfg->vocab_size);
+  // A pretrained model reads its own tokenizer's ids: byte ids would train it on nonsense (unless
+  // its vocabulary is the 256 bytes, as a model megatrain-train trained on text is).
+  MT_CHECK(!text_data || !plan.hf || cfg->vocab_size == 256,
+           "{} is text, which megatrain-train tokenises by bytes (ids 0-255), not with the tokenizer of --model '{}' "
+           "(vocabulary {}): tokenise it with the model's tokenizer into a .bin file of token ids (uint32 above 65,536 "
+           "ids) and pass that as --data", data_file.empty() ? std::string("the built-in text") : "--data '" + data_file + "'",
+           s.model_dir, cfg->vocab_size);
   std::optional<TokenSource> val_src;
   if (need_data && !s.val_data.empty()) {
     val_src = TokenSource::open(s.val_data, fmt_bin);
