@@ -57,8 +57,14 @@ struct Settings {
   double val_fraction = 0.05;
   // schedule and optimizer
   std::int64_t batch = 8, seq = 128, micro_batches = 1, max_micro_batch = 0, chunk = 0, steps = 60;
-  double lr = 3e-3, min_lr = 3e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, clip = 1.0;
-  std::int64_t warmup = -1;  // default: min(10, steps / 5)
+  double lr = 3e-3, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, clip = 1.0;
+  // The floor of a decaying schedule: --min-lr (absolute) or --min-lr-ratio x --lr (default 0.1
+  // with cosine, 0 with linear); see min_lr_of().
+  double min_lr = 0, min_lr_ratio = 0;
+  // Warm-up steps: --warmup, or --warmup-ratio x the schedule's length (rounded up); default
+  // min(10, length / 5) for a decaying schedule, none for a constant one.
+  std::int64_t warmup = -1;
+  double warmup_ratio = 0;
   // Exact clipping by default (PyTorch's clip_grad_norm_); stale changes the update (docs/training.md).
   std::string schedule = "cosine", clip_mode = "exact";
   // where gradients wait for the norm, and how many units keep their AdamW state on the GPU
@@ -155,9 +161,15 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
       ->capture_default_str();
   train->add_option("--chunk", s.chunk, "Sequences per compute chunk (0: a whole micro-batch)")->capture_default_str();
   train->add_option("--lr", s.lr, "Peak learning rate")->capture_default_str();
-  train->add_option("--min-lr", s.min_lr, "Floor of the cosine schedule")->capture_default_str();
-  train->add_option("--warmup", s.warmup, "Linear warm-up steps (cosine schedule; default min(10, steps / 5))");
-  train->add_option("--schedule", s.schedule, "constant, or cosine (warm-up then cosine decay to --min-lr)")->capture_default_str();
+  train->add_option("--min-lr", s.min_lr, "Floor of a decaying schedule, absolute (default: --min-lr-ratio x --lr)");
+  train->add_option("--min-lr-ratio", s.min_lr_ratio,
+                    "Floor of a decaying schedule as a fraction of --lr (default 0.1 with cosine, 0 with linear)");
+  train->add_option("--warmup", s.warmup,
+                    "Linear warm-up steps (default: min(10, steps / 5) for cosine and linear, 0 for constant)");
+  train->add_option("--warmup-ratio", s.warmup_ratio, "Warm-up as a fraction of the schedule's steps, rounded up");
+  train->add_option("--schedule", s.schedule,
+                    "cosine or linear (warm-up, then decay to the floor at the last step), or constant (after any warm-up)")
+      ->capture_default_str();
   train->add_option("--weight-decay", s.weight_decay, "AdamW decoupled weight decay (matrices only)")->capture_default_str();
   train->add_option("--beta1", s.beta1, "AdamW beta1")->capture_default_str();
   train->add_option("--beta2", s.beta2, "AdamW beta2")->capture_default_str();
@@ -274,6 +286,21 @@ inline void parse(Parsed& p, const std::vector<std::string>& args, const std::ve
   if (s.resume_given && s.resume.empty()) s.resume = "latest";
 }
 
+/// Whether option x, rather than y (which sets the same thing), decides: x is given and y is not,
+/// or x on the command line overrides y from a file. Throws where both are given alike.
+inline bool decides(const Settings& s, const std::string& x, const std::string& y) {
+  const Origins& o = s.origins;
+  MT_CHECK(!(o.conflicts(x, y) && o.conflicts(y, x)), "{} and {} set the same thing; pass one of them", x, y);
+  return o.given(x) && (!o.given(y) || o.cli.contains(x));
+}
+
+/// The floor of a decaying schedule (see Settings::min_lr).
+inline double min_lr_of(const Settings& s) {
+  if (decides(s, "--min-lr", "--min-lr-ratio")) return s.min_lr;
+  const double ratio = s.origins.given("--min-lr-ratio") ? s.min_lr_ratio : s.schedule == "linear" ? 0.0 : 0.1;
+  return ratio * s.lr;
+}
+
 /// The options this run was given (command line, config file, or taken over from a checkpoint)
 /// that a resumed run takes over: name -> value as the parser holds it (paths made absolute).
 inline json given_options(const Parsed& p) {
@@ -313,10 +340,7 @@ inline json recorded_options(const Parsed& p) {
   record("--schedule", s.schedule);
   record("--clip", fmt::format("{}", s.clip));
   if (s.clip > 0) record("--clip-mode", s.clip_mode);
-  if (s.schedule == "cosine") {
-    record("--min-lr", fmt::format("{}", s.min_lr));
-    if (s.warmup >= 0) record("--warmup", fmt::format("{}", s.warmup));
-  }
+  if (s.schedule != "constant" && !j.contains("--min-lr-ratio")) record("--min-lr", fmt::format("{}", min_lr_of(s)));
   return j;
 }
 

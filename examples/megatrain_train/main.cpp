@@ -228,8 +228,8 @@ std::string option_of(const std::string& field) {
       {"batch_rows", "--batch"},        {"seq_len", "--seq"},           {"adamw.lr", "--lr"},
       {"schedule.lr", "--lr"},          {"adamw.beta1", "--beta1"},     {"adamw.beta2", "--beta2"},
       {"adamw.eps", "--eps"},           {"adamw.weight_decay", "--weight-decay"}, {"schedule.kind", "--schedule"},
-      {"schedule.warmup_steps", "--warmup"}, {"schedule.total_steps", "--steps (of the first run: the schedule's length)"},
-      {"schedule.min_lr", "--min-lr"},  {"clip_norm", "--clip"},        {"clip_mode", "--clip-mode"}};
+      {"schedule.warmup_steps", "--warmup (or --warmup-ratio)"}, {"schedule.total_steps", "--steps (of the first run: the schedule's length)"},
+      {"schedule.min_lr", "--min-lr (or --min-lr-ratio)"},  {"clip_norm", "--clip"},        {"clip_mode", "--clip-mode"}};
   const auto it = names.find(field);
   return it == names.end() ? field : it->second;
 }
@@ -280,11 +280,18 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
   MT_CHECK(!(s.backend == "cuda" && !cuda_device_present()), "--backend cuda: no usable GPU was found");
   const bool use_cuda = s.backend == "cuda" || (s.backend == "auto" && cuda_device_present());
   MT_CHECK(s.gpu_memory.empty() || use_cuda, "--gpu-memory needs the cuda backend");
-  MT_CHECK(s.schedule == "constant" || s.schedule == "cosine", "--schedule must be constant or cosine (got '{}')", s.schedule);
-  MT_CHECK(!(s.schedule == "constant" && s.origins.conflicts("--warmup", "--schedule") && s.warmup > 0),
-           "--warmup needs --schedule cosine (a constant schedule has no warm-up)");
-  MT_CHECK(!(s.schedule == "constant" && s.origins.conflicts("--min-lr", "--schedule")),
-           "--min-lr needs --schedule cosine (a constant schedule has no floor)");
+  MT_CHECK(s.schedule == "constant" || s.schedule == "cosine" || s.schedule == "linear",
+           "--schedule must be cosine, linear or constant (got '{}')", s.schedule);
+  for (const char* f : {"--min-lr", "--min-lr-ratio"})
+    MT_CHECK(!(s.schedule == "constant" && s.origins.conflicts(f, "--schedule")),
+             "{} needs --schedule cosine or linear (a constant schedule has no floor)", f);
+  MT_CHECK(!s.origins.given("--min-lr-ratio") || (s.min_lr_ratio >= 0 && s.min_lr_ratio <= 1),
+           "--min-lr-ratio must be in [0, 1] (got {})", s.min_lr_ratio);
+  MT_CHECK(!s.origins.given("--min-lr") || (s.min_lr >= 0 && s.min_lr <= s.lr),
+           "--min-lr must be in [0, --lr] (got {} with --lr {}); --min-lr-ratio sets it relative to --lr", s.min_lr, s.lr);
+  MT_CHECK(!s.origins.given("--warmup-ratio") || (s.warmup_ratio >= 0 && s.warmup_ratio < 1),
+           "--warmup-ratio must be in [0, 1) (got {})", s.warmup_ratio);
+  MT_CHECK(!s.origins.given("--warmup") || s.warmup >= 0, "--warmup must be >= 0 (got {})", s.warmup);
   MT_CHECK(s.clip_mode == "exact" || s.clip_mode == "stale", "--clip-mode must be exact or stale (got '{}')", s.clip_mode);
   MT_CHECK(s.gradients == "device" || s.gradients == "host", "--gradients must be device or host (got '{}')", s.gradients);
   const std::optional<std::int64_t> device_units = parse_device_units(s.device_units);
@@ -305,7 +312,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
   MT_CHECK(!(eval_only && !s.out.empty() && !plan.resume),
            "--steps 0 evaluates only and writes no run directory: drop --out (the loss is printed as JSON)");
   if (eval_only)  // options that only shape training would be ignored: refuse them
-    for (const char* f : {"--lr", "--min-lr", "--warmup", "--schedule", "--weight-decay", "--beta1", "--beta2", "--eps", "--clip",
+    for (const char* f : {"--lr", "--min-lr", "--min-lr-ratio", "--warmup", "--warmup-ratio", "--schedule", "--weight-decay", "--beta1", "--beta2", "--eps", "--clip",
                           "--clip-mode", "--micro-batches", "--overwrite", "--eval-every", "--log-every", "--save-every", "--keep",
                           "--device-units", "--gradients"})
       MT_CHECK(!s.origins.conflicts(f, "--steps"), "{} has no effect with --steps 0 (evaluation only); drop it", f);
@@ -452,14 +459,21 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
     // A resumed run keeps its schedule's length (set by its first run's --steps): --steps then
     // only says where this run stops.
     const TrainerOptions* before = plan.resume ? &plan.resume->state.options : nullptr;
-    const std::int64_t length = before && before->schedule.kind == LrSchedule::Kind::warmup_cosine
-                                    ? before->schedule.total_steps
-                                    : s.steps;
-    const std::int64_t warmup = s.warmup >= 0 ? s.warmup : std::min<std::int64_t>(10, length / 5);
-    if (s.schedule == "cosine") topt.schedule = {LrSchedule::Kind::warmup_cosine, s.lr, warmup, length, s.min_lr};
-    else topt.schedule = {LrSchedule::Kind::constant, s.lr, 0, 0, 0.0};
-    if (topt.schedule.kind == LrSchedule::Kind::warmup_cosine && length <= warmup)
-      MT_FAIL("--warmup {} leaves no steps for the cosine decay of --steps {}", warmup, length);
+    const std::int64_t length = before && before->schedule.decays() ? before->schedule.total_steps : s.steps;
+    const bool decays = s.schedule != "constant";
+    const std::int64_t warmup =
+        decides(s, "--warmup-ratio", "--warmup")
+            ? static_cast<std::int64_t>(std::ceil(s.warmup_ratio * static_cast<double>(length)))
+        : s.origins.given("--warmup") ? s.warmup
+        : decays                      ? std::min<std::int64_t>(10, length / 5)
+                                      : 0;
+    const auto kind = s.schedule == "cosine"   ? LrSchedule::Kind::warmup_cosine
+                      : s.schedule == "linear" ? LrSchedule::Kind::warmup_linear
+                                               : LrSchedule::Kind::constant;
+    topt.schedule = {kind, s.lr, warmup, decays ? length : 0, decays ? min_lr_of(s) : 0.0};
+    if (decays && length <= warmup)
+      MT_FAIL("--warmup {} leaves no steps for the {} decay of --steps {}{}", warmup, s.schedule, length,
+              before ? " (the first run's: the schedule's length)" : "");
     topt.clip_norm = s.clip;
     topt.clip_mode = s.clip_mode == "stale" ? ClipMode::stale : ClipMode::exact;
   }
@@ -696,9 +710,9 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
                 topt.resident_gradients() ? fmt::format("; gradients wait for the norm in {} memory (--gradients)",
                                                         s.gradients == "host" ? "host" : "GPU").c_str()
                                           : "");
-  if (topt.schedule.kind == LrSchedule::Kind::warmup_cosine && s.steps > topt.schedule.total_steps)
-    std::printf("note: the cosine schedule ends at step %lld (the first run's --steps); later steps train at --min-lr %g\n",
-                static_cast<long long>(topt.schedule.total_steps), topt.schedule.min_lr);
+  if (topt.schedule.decays() && s.steps > topt.schedule.total_steps)
+    std::printf("note: the %s schedule ends at step %lld (the first run's --steps); later steps train at its floor %g\n",
+                s.schedule.c_str(), static_cast<long long>(topt.schedule.total_steps), topt.schedule.min_lr);
   std::fflush(stdout);
 
   // ---- checkpoints ------------------------------------------------------------------------------

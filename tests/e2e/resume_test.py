@@ -225,7 +225,8 @@ def kill9():
     slow = env_with(MEGATRAIN_TEST_DELAY_AT="train:step:20000,write:tensor:2000")
     kills = fresh_starts = 0
     while kills < 20:
-        have = os.path.exists(path("run", "checkpoints")) and any(n.startswith("step-") for n in checkpoints("run"))
+        # (a complete checkpoint: a kill during the first save leaves step-00000001.partial-*)
+        have = any(re.fullmatch(r"step-\d{8}", n) for n in checkpoints("run"))
         args = ["--resume", "--out", "run"] if have else base + ["--out", "run", "--overwrite", "true"]
         fresh_starts += 0 if have else 1
         p = start(args, slow)

@@ -109,7 +109,7 @@ inline nlohmann::json to_json(const TrainerOptions& o) {
            {{"lr", o.adamw.lr}, {"beta1", o.adamw.beta1}, {"beta2", o.adamw.beta2}, {"eps", o.adamw.eps},
             {"weight_decay", o.adamw.weight_decay}}},
           {"schedule",
-           {{"kind", o.schedule.kind == LrSchedule::Kind::constant ? "constant" : "warmup_cosine"},
+           {{"kind", LrSchedule::name(o.schedule.kind)},
             {"lr", o.schedule.lr},
             {"warmup_steps", o.schedule.warmup_steps},
             {"total_steps", o.schedule.total_steps},
@@ -135,9 +135,7 @@ inline TrainerOptions trainer_options_from_json(const nlohmann::json& j, std::st
     o.adamw = {a.at("lr").get<double>(), a.at("beta1").get<double>(), a.at("beta2").get<double>(), a.at("eps").get<double>(),
                a.at("weight_decay").get<double>()};
     const auto& s = j.at("schedule");
-    const std::string kind = s.at("kind").get<std::string>();
-    MT_CHECK(kind == "constant" || kind == "warmup_cosine", "{}: schedule kind '{}' is unknown", what, kind);
-    o.schedule = {kind == "constant" ? LrSchedule::Kind::constant : LrSchedule::Kind::warmup_cosine, s.at("lr").get<double>(),
+    o.schedule = {LrSchedule::kind_named(s.at("kind").get<std::string>(), what), s.at("lr").get<double>(),
                   s.at("warmup_steps").get<std::int64_t>(), s.at("total_steps").get<std::int64_t>(),
                   s.at("min_lr").get<double>()};
     o.clip_norm = j.at("clip_norm").get<double>();
@@ -166,8 +164,8 @@ struct OptionDifference {
 };
 
 /// The fields that define the update (see the top of this file) where `a` and `b` differ. Empty:
-/// a run with `b` continues a run with `a` exactly. (A constant schedule's warm-up, length and
-/// floor do not matter, nor the clipping mode without clipping.)
+/// a run with `b` continues a run with `a` exactly. (A constant schedule's length and floor do not
+/// matter, nor the clipping mode without clipping.)
 inline std::vector<OptionDifference> update_differences(const TrainerOptions& a, const TrainerOptions& b) {
   std::vector<OptionDifference> out;
   nlohmann::json ja = to_json(a), jb = to_json(b);
@@ -178,7 +176,7 @@ inline std::vector<OptionDifference> update_differences(const TrainerOptions& a,
   }
   for (auto* j : {&ja, &jb}) {
     if ((*j)["schedule"]["kind"] == "constant")
-      for (const char* k : {"warmup_steps", "total_steps", "min_lr"}) (*j)["schedule"].erase(k);
+      for (const char* k : {"total_steps", "min_lr"}) (*j)["schedule"].erase(k);
     if ((*j)["clip_norm"] == 0.0) j->erase("clip_mode");
   }
   for (const char* key : {"batch_rows", "seq_len", "adamw", "schedule", "clip_norm", "clip_mode"}) {
