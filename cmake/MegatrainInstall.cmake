@@ -1,5 +1,5 @@
-# Install rules: headers, the library, and a config-file package `megatrain` with a version file,
-# exporting megatrain::megatrain.
+# Install rules: headers, the library, a config-file package `megatrain` with a version file,
+# exporting megatrain::megatrain, and the megatrain-train program where it is built.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
@@ -17,3 +17,6 @@ write_basic_package_version_file("${PROJECT_BINARY_DIR}/megatrainConfigVersion.c
   COMPATIBILITY SameMinorVersion)
 install(FILES "${PROJECT_BINARY_DIR}/megatrainConfig.cmake" "${PROJECT_BINARY_DIR}/megatrainConfigVersion.cmake"
         DESTINATION "${_megatrain_cmake_dir}")
+if(TARGET megatrain-train)
+  install(TARGETS megatrain-train RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}")
+endif()

@@ -164,7 +164,7 @@ std::vector<std::string> clean(const fs::path& parent, const std::string* only_b
     try {
       fsync_directory(parent);
     } catch (const Error& e) {
-      log_warning("{}", e.what());
+      log_warning("{}", e.reason());
     }
   }
   return handled;
@@ -356,7 +356,7 @@ fs::path replace_directory(const fs::path& staged, const fs::path& target, bool 
   try {
     fsync_directory(parent);
   } catch (const Error& e) {
-    log_warning("{}", e.what());
+    log_warning("{}", e.reason());
   }
   crash_point("replace:halfway");
   if (::rename(staged.c_str(), target.c_str()) != 0) {

@@ -1,7 +1,8 @@
 # cmake -DMODE=find_package|subdirectory -DSOURCE_DIR=... -DBUILD_DIR=... -DWORK_DIR=... -DGENERATOR=...
 #       -P run_consumer.cmake
-# Installs megatrain from BUILD_DIR into WORK_DIR/prefix (find_package mode), then configures,
-# builds and runs tests/package/consumer against it.
+# Installs megatrain from BUILD_DIR into WORK_DIR/prefix (find_package mode; with -DPROGRAM=name
+# the installed program must be there and train), then configures, builds and runs
+# tests/package/consumer against it.
 file(REMOVE_RECURSE "${WORK_DIR}")
 set(consumer_args)
 if(MODE STREQUAL "find_package")
@@ -11,6 +12,19 @@ if(MODE STREQUAL "find_package")
     message(FATAL_ERROR "cmake --install failed (${rc})")
   endif()
   list(APPEND consumer_args "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix")
+  if(DEFINED PROGRAM)
+    # The installed program, run from the prefix as a user would: two steps of a tiny model.
+    set(exe "${WORK_DIR}/prefix/bin/${PROGRAM}")
+    if(NOT EXISTS "${exe}")
+      message(FATAL_ERROR "cmake --install did not install ${PROGRAM} into ${WORK_DIR}/prefix/bin")
+    endif()
+    execute_process(COMMAND "${exe}" --hidden 32 --layers 1 --heads 2 --kv-heads 1 --intermediate 64 --batch 2 --seq 16
+                            --steps 2 --backend cpu --out "${WORK_DIR}/run"
+                    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+    if(rc OR NOT EXISTS "${WORK_DIR}/run/metrics.jsonl")
+      message(FATAL_ERROR "the installed ${PROGRAM} failed (${rc}):\n${out}")
+    endif()
+  endif()
 else()
   # The CUDA part is covered by the main build; keep this one quick. The FetchContent fallback is
   # on: every dependency is installed, so it must find them all and download nothing.
