@@ -63,6 +63,18 @@ if(NOT MEGATRAIN_XXHASH_INCLUDE_DIR)
   message(FATAL_ERROR "megatrain: xxhash.h not found (Debian: apt-get install libxxhash-dev; or set XXHASH_ROOT)")
 endif()
 
+# megatrain::text (the tokenizer): PCRE2 for Unicode regular expressions, utf8proc for Unicode
+# normalization, both through pkg-config (Debian: libpcre2-dev libutf8proc-dev pkg-config).
+find_package(PkgConfig)
+if(PKG_CONFIG_FOUND)
+  pkg_check_modules(MEGATRAIN_PCRE2 IMPORTED_TARGET libpcre2-8)
+  pkg_check_modules(MEGATRAIN_UTF8PROC IMPORTED_TARGET libutf8proc)
+endif()
+if(NOT TARGET PkgConfig::MEGATRAIN_PCRE2 OR NOT TARGET PkgConfig::MEGATRAIN_UTF8PROC)
+  message(FATAL_ERROR "megatrain: PCRE2 or utf8proc not found through pkg-config (Debian: apt-get install "
+                      "pkg-config libpcre2-dev libutf8proc-dev)")
+endif()
+
 get_property(_megatrain_fetched GLOBAL PROPERTY MEGATRAIN_FETCHED_DEPENDENCIES)
 if(_megatrain_fetched AND MEGATRAIN_INSTALL)
   # An installed megatrain package names its dependencies for find_dependency; a dependency that

@@ -1,10 +1,10 @@
 # Install rules: headers, the library, a config-file package `megatrain` with a version file,
-# exporting megatrain::megatrain, and the megatrain-train program where it is built.
+# exporting megatrain::megatrain and megatrain::text (the tokenizer), and the megatrain-train program where it is built.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/megatrain" DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}")
-install(TARGETS megatrain EXPORT megatrainTargets
+install(TARGETS megatrain megatrain_text EXPORT megatrainTargets
         ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}"
         LIBRARY DESTINATION "${CMAKE_INSTALL_LIBDIR}"
         RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}"

@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <mutex>
 #include <random>
 #include <system_error>
@@ -181,6 +182,19 @@ std::vector<std::string> remove_debris(const fs::path& target) {
 }
 
 std::vector<std::string> remove_debris_in(const fs::path& dir) { return clean(dir, nullptr); }
+
+std::string read_file(const fs::path& p, std::uintmax_t max_bytes) {
+  std::error_code ec;
+  const auto size = fs::file_size(p, ec);
+  MT_CHECK(!ec, "cannot read '{}': {}", p.string(), ec.message());
+  MT_CHECK(size <= max_bytes, "'{}' is {} bytes, larger than the {} accepted", p.string(), size, max_bytes);
+  std::ifstream in(p, std::ios::binary);
+  MT_CHECK(in.good(), "cannot open '{}'", p.string());
+  std::string s(static_cast<std::size_t>(size), '\0');
+  in.read(s.data(), static_cast<std::streamsize>(s.size()));
+  MT_CHECK(in.good() || (in.eof() && static_cast<std::uintmax_t>(in.gcount()) == size), "cannot read '{}'", p.string());
+  return s;
+}
 
 // ---- OutputFile -----------------------------------------------------------------------------------
 

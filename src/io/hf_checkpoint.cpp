@@ -21,6 +21,7 @@
 #include <utility>
 
 #include "megatrain/core/error.hpp"
+#include "megatrain/io/detail/atomic_files.hpp"
 #include "megatrain/core/nvtx.hpp"
 #include "megatrain/layers/decoder_model.hpp"
 
@@ -90,18 +91,6 @@ std::string describe(const ModelConfig& c) {
                      c.tie_word_embeddings ? ", tied embeddings" : "", c.qkv_bias ? ", q/k/v bias" : "");
 }
 
-std::string read_text(const fs::path& p, std::uintmax_t max_bytes) {
-  std::error_code ec;
-  const auto size = fs::file_size(p, ec);
-  MT_CHECK(!ec, "cannot read '{}': {}", p.string(), ec.message());
-  MT_CHECK(size <= max_bytes, "'{}' is {} bytes, larger than the {} accepted", p.string(), size, max_bytes);
-  std::ifstream in(p, std::ios::binary);
-  MT_CHECK(in.good(), "cannot open '{}'", p.string());
-  std::string s(static_cast<std::size_t>(size), '\0');
-  in.read(s.data(), static_cast<std::streamsize>(s.size()));
-  MT_CHECK(in.good() || (in.eof() && static_cast<std::uintmax_t>(in.gcount()) == size), "cannot read '{}'", p.string());
-  return s;
-}
 
 /// Decodes elements [first, first + out.size()) of a float tensor into `out`.
 void decode(const TensorBytes& t, std::size_t first, std::span<float> out) {
@@ -207,7 +196,7 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
   const fs::path config_path = dir / kConfigName;
   MT_CHECK(fs::is_regular_file(config_path, ec), "'{}' holds no config.json: not a Hugging Face model directory",
            dir.string());
-  c.config_text_ = read_text(config_path, 16u << 20);
+  c.config_text_ = io::detail::read_file(config_path, 16u << 20);
   json j;
   try {
     j = json::parse(c.config_text_);
@@ -466,7 +455,7 @@ std::map<std::string, std::string> hf_side_files(const fs::path& dir) {
   std::map<std::string, std::string> files;
   std::error_code ec;
   for (const char* n : kNames)
-    if (fs::is_regular_file(dir / n, ec)) files.emplace(n, read_text(dir / n, kMaxSideFileBytes));
+    if (fs::is_regular_file(dir / n, ec)) files.emplace(n, io::detail::read_file(dir / n, kMaxSideFileBytes));
   return files;
 }
 

@@ -9,7 +9,6 @@
 #include <fstream>
 #include <mutex>
 #include <set>
-#include <sstream>
 
 #include "megatrain/core/digest.hpp"
 #include "megatrain/core/error.hpp"
@@ -24,14 +23,6 @@ using json = nlohmann::json;
 namespace {
 
 constexpr std::string_view kExpAvg = ".exp_avg", kExpAvgSq = ".exp_avg_sq";
-
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  MT_CHECK(in.good(), "cannot open '{}'", path.string());
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 /// "<32 hex>  <name>" lines.
 std::string checksums_text(std::span<const WrittenFile> files) {
@@ -160,7 +151,7 @@ TrainCheckpoint TrainCheckpoint::open(const fs::path& dir, bool verify) {
   MT_CHECK(fs::is_regular_file(sums, ec),
            "checkpoint '{}' has no {}: it is not a megatrain train-state checkpoint, or it is incomplete", dir.string(),
            kChecksumsFile);
-  const std::vector<Listed> listed = parse_checksums(read_text(sums), sums.string());
+  const std::vector<Listed> listed = parse_checksums(detail::read_file(sums), sums.string());
 
   TrainCheckpoint c;
   c.dir_ = dir;
@@ -190,7 +181,7 @@ TrainCheckpoint TrainCheckpoint::open(const fs::path& dir, bool verify) {
   MT_CHECK(c.listed_.contains(kTrainStateFile), "checkpoint '{}': {} does not list {}", dir.string(), kChecksumsFile,
            kTrainStateFile);
   try {
-    c.state_ = json::parse(read_text(dir / kTrainStateFile));
+    c.state_ = json::parse(detail::read_file(dir / kTrainStateFile));
   } catch (const json::parse_error& e) {
     MT_FAIL("checkpoint '{}': {} is malformed JSON: {}", dir.string(), kTrainStateFile, e.what());
   }
@@ -200,7 +191,7 @@ TrainCheckpoint TrainCheckpoint::open(const fs::path& dir, bool verify) {
   const std::string index = std::string(kTrainStateShards) + ".safetensors.index.json";
   std::vector<std::string> shards;
   if (c.listed_.contains(index)) {
-    for (const auto& [tensor, shard] : parse_safetensors_index(read_text(dir / index), (dir / index).string()))
+    for (const auto& [tensor, shard] : parse_safetensors_index(detail::read_file(dir / index), (dir / index).string()))
       if (std::find(shards.begin(), shards.end(), shard) == shards.end()) shards.push_back(shard);
   } else {
     MT_CHECK(c.listed_.contains(single), "checkpoint '{}': {} lists neither {} nor {}", dir.string(), kChecksumsFile,
@@ -216,7 +207,7 @@ TrainCheckpoint TrainCheckpoint::open(const fs::path& dir, bool verify) {
 
 std::optional<std::string> TrainCheckpoint::file(std::string_view name) const {
   if (!listed_.contains(name)) return std::nullopt;
-  return read_text(dir_ / name);
+  return detail::read_file(dir_ / name);
 }
 
 void TrainCheckpoint::load_into(HostParamStore<float>& store) const {
@@ -290,7 +281,7 @@ std::optional<fs::path> CheckpointFolder::latest() const {
   std::error_code ec;
   const fs::path pointer = root_ / kLatest;
   if (fs::is_regular_file(pointer, ec)) {
-    std::string name = read_text(pointer);
+    std::string name = detail::read_file(pointer);
     while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
     MT_CHECK(parse_step_name(name).has_value(), "'{}' should name a checkpoint folder (step-NNNNNNNN) but holds '{}'",
              pointer.string(), name);

@@ -122,6 +122,10 @@ std::vector<std::string> remove_debris(const std::filesystem::path& target);
 /// remove_debris for every target inside `dir` (a folder that one writer manages).
 std::vector<std::string> remove_debris_in(const std::filesystem::path& dir);
 
+/// The whole content of the file `path`; throws naming it where it cannot be read or is larger
+/// than `max_bytes`.
+std::string read_file(const std::filesystem::path& path, std::uintmax_t max_bytes = UINTMAX_MAX);
+
 /// Replaces the file `path` with `contents` atomically (staged, fsynced, renamed, parent fsynced).
 void write_file_atomically(const std::filesystem::path& path, std::string_view contents);
 
