@@ -412,9 +412,9 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
   // its vocabulary is the 256 bytes, as a model megatrain-train trained on text is).
   MT_CHECK(!text_data || !plan.hf || cfg->vocab_size == 256,
            "{} is text, which megatrain-train tokenises by bytes (ids 0-255), not with the tokenizer of --model '{}' "
-           "(vocabulary {}): tokenise it with the model's tokenizer into a .bin file of token ids (uint32 above 65,536 "
-           "ids) and pass that as --data", data_file.empty() ? std::string("the built-in text") : "--data '" + data_file + "'",
-           s.model_dir, cfg->vocab_size);
+           "(vocabulary {}): tokenise it with the model's tokenizer first (megatrain-tokenize --tokenizer '{}' --input "
+           "FILE --output train.bin) and pass the token file as --data", data_file.empty() ? std::string("the built-in text") : "--data '" + data_file + "'",
+           s.model_dir, cfg->vocab_size, s.model_dir);
   std::optional<TokenSource> val_src;
   if (need_data && !s.val_data.empty()) {
     val_src = TokenSource::open(s.val_data, fmt_bin);

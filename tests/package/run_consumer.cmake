@@ -15,9 +15,11 @@ if(MODE STREQUAL "find_package")
   if(DEFINED PROGRAM)
     # The installed program, run from the prefix as a user would: two steps of a tiny model.
     set(exe "${WORK_DIR}/prefix/bin/${PROGRAM}")
-    if(NOT EXISTS "${exe}")
-      message(FATAL_ERROR "cmake --install did not install ${PROGRAM} into ${WORK_DIR}/prefix/bin")
-    endif()
+    foreach(installed "${exe}" "${WORK_DIR}/prefix/bin/megatrain-tokenize")
+      if(NOT EXISTS "${installed}")
+        message(FATAL_ERROR "cmake --install did not install ${installed}")
+      endif()
+    endforeach()
     execute_process(COMMAND "${exe}" --hidden 32 --layers 1 --heads 2 --kv-heads 1 --intermediate 64 --batch 2 --seq 16
                             --steps 2 --backend cpu --out "${WORK_DIR}/run"
                     RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)

@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""megatrain-tokenize end to end, with a hand-made byte-level tokenizer.json (ids worked out by
+hand): JSONL, JSON and text inputs, the end-of-text token, the output width, bad lines refused
+with file and line or skipped and counted, nothing left behind by a refused run, and a
+megatrain-train run on the output.
+
+    tokenize_test.py TOKENIZE_BIN TRAIN_BIN WORK_DIR
+"""
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+tokenize, train, work = sys.argv[1:4]
+shutil.rmtree(work, ignore_errors=True)
+os.makedirs(work)
+failures = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what)
+
+
+def byte_char(b):
+    n = 0
+    for x in range(256):
+        own = 33 <= x <= 126 or 161 <= x <= 172 or 174 <= x <= 255
+        cp = x if own else 256 + n
+        n += 0 if own else 1
+        if x == b:
+            return chr(cp)
+
+
+def write_tokenizer(folder, vocab_size=None):
+    """Byte ids 0-255, "he" 256, "ll" 257, <|endoftext|> 258 (special)."""
+    os.makedirs(folder, exist_ok=True)
+    vocab = {byte_char(b): b for b in range(256)}
+    vocab["he"], vocab["ll"] = 256, 257
+    tok = {
+        "added_tokens": [{"id": 258, "content": "<|endoftext|>", "special": True, "normalized": False,
+                          "lstrip": False, "rstrip": False, "single_word": False}],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel"},
+        "model": {"type": "BPE", "vocab": vocab, "merges": ["h e", "l l"]},
+    }
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    if vocab_size is not None:
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({"vocab_size": vocab_size}, f)
+
+
+def run(prog, args, rc=0):
+    p = subprocess.run([prog] + args, cwd=work, capture_output=True, text=True)
+    check(p.returncode == rc, f"{os.path.basename(prog)} {' '.join(args)}: exit {p.returncode}, expected {rc}\n{p.stderr}")
+    return p.stdout + p.stderr
+
+
+def ids(path, width):
+    data = open(os.path.join(work, path), "rb").read()
+    return list(struct.unpack(f"<{len(data) // width}{'H' if width == 2 else 'I'}", data))
+
+
+tok = os.path.join(work, "tok")
+write_tokenizer(tok)
+O = ord("o")
+hello = [256, 257, O]  # "hello" -> he ll o
+
+# JSONL: one document per line, blank lines ignored, <|endoftext|> after each
+with open(os.path.join(work, "a.jsonl"), "w") as f:
+    f.write('{"text": "hello"}\n\n{"text": "hell", "id": 7}\n')
+out = run(tokenize, ["--tokenizer", tok, "--input", "a.jsonl", "--output", "a.bin"])
+check("2 documents, 7 tokens (uint16" in out, f"summary: {out}")
+check(ids("a.bin", 2) == hello + [258, 256, 257, 258], f"a.bin: {ids('a.bin', 2)}")
+
+# another field, no end-of-text, uint32
+with open(os.path.join(work, "b.jsonl"), "w") as f:
+    f.write('{"body": "hello"}\n')
+run(tokenize, ["--tokenizer", tok, "--input", "b.jsonl", "--output", "b.bin", "--field", "body", "--eos", "none",
+               "--width", "u32"])
+check(ids("b.bin", 4) == hello, f"b.bin: {ids('b.bin', 4)}")
+
+# JSON array and a text file (one document)
+with open(os.path.join(work, "c.json"), "w") as f:
+    json.dump([{"text": "hello"}, {"text": "o"}], f)
+run(tokenize, ["--tokenizer", os.path.join(tok, "tokenizer.json"), "--input", "c.json", "--output", "c.bin"])
+check(ids("c.bin", 2) == hello + [258, O, 258], f"c.bin: {ids('c.bin', 2)}")
+with open(os.path.join(work, "d.txt"), "w") as f:
+    f.write("hello hello")
+run(tokenize, ["--tokenizer", tok, "--input", "d.txt", "--output", "d.bin", "--eos", "258"])
+check(ids("d.bin", 2) == hello + [32, 256, 257, O, 258], f"d.bin: {ids('d.bin', 2)}")  # " hello": a space byte, he, ll, o
+
+# bad lines: refused with file and line, nothing written; or skipped and counted
+with open(os.path.join(work, "bad.jsonl"), "w") as f:
+    f.write('{"text": "hello"}\n{"text": "hel\n["list"]\n{"text": ""}\n{"text": 3}\n{"text": "o"}\n')
+err = run(tokenize, ["--tokenizer", tok, "--input", "bad.jsonl", "--output", "bad.bin"], rc=1)
+check("bad.jsonl:2: not JSON" in err and "--skip-bad-lines" in err, f"bad line 2: {err}")
+check(not any(n.startswith("bad.bin") for n in os.listdir(work)), f"a refused run left files: {os.listdir(work)}")
+out = run(tokenize, ["--tokenizer", tok, "--input", "bad.jsonl", "--output", "bad.bin", "--skip-bad-lines"])
+check("bad lines skipped: 4" in out, f"skipped count: {out}")
+check(ids("bad.bin", 2) == hello + [258, O, 258], f"bad.bin: {ids('bad.bin', 2)}")
+with open(os.path.join(work, "empty.jsonl"), "w") as f:
+    f.write('{"text": ""}\n')
+err = run(tokenize, ["--tokenizer", tok, "--input", "empty.jsonl", "--output", "e.bin"], rc=1)
+check("empty.jsonl:1: the field 'text' is empty" in err, f"empty field: {err}")
+
+# an existing output is kept unless --overwrite
+err = run(tokenize, ["--tokenizer", tok, "--input", "a.jsonl", "--output", "a.bin"], rc=1)
+check("--output 'a.bin' exists; pass --overwrite" in err, f"existing output: {err}")
+run(tokenize, ["--tokenizer", tok, "--input", "b.jsonl", "--output", "a.bin", "--field", "body", "--overwrite"])
+check(ids("a.bin", 2) == hello + [258], f"overwritten a.bin: {ids('a.bin', 2)}")
+
+# the model's vocabulary: smaller than the tokenizer's is refused; larger than 65,536 makes uint32
+small = os.path.join(work, "small")
+write_tokenizer(small, vocab_size=200)
+err = run(tokenize, ["--tokenizer", small, "--input", "a.jsonl", "--output", "s.bin"], rc=1)
+check("has 259 ids but the model's config.json says vocab_size 200" in err, f"vocab check: {err}")
+big = os.path.join(work, "big")
+write_tokenizer(big, vocab_size=70000)
+out = run(tokenize, ["--tokenizer", big, "--input", "a.jsonl", "--output", "w.bin"])
+check("uint32" in out and ids("w.bin", 4) == hello + [258, 256, 257, 258], f"uint32 by the model's vocabulary: {out}")
+err = run(tokenize, ["--tokenizer", tok, "--input", "a.jsonl", "--output", "x.bin", "--eos", "<nope>"], rc=1)
+check("--eos '<nope>' is neither a token" in err, f"bad --eos: {err}")
+
+# megatrain-train trains on the output
+with open(os.path.join(work, "train.jsonl"), "w") as f:
+    for i in range(300):
+        f.write(json.dumps({"text": f"hello {i} hell {i * i} oh hello"}) + "\n")
+run(tokenize, ["--tokenizer", tok, "--input", "train.jsonl", "--output", "train.bin"])
+out = run(train, ["--data", "train.bin", "--vocab", "259", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+                  "--intermediate", "64", "--batch", "2", "--seq", "16", "--steps", "2", "--backend", "cpu", "--out", "run"])
+check(os.path.exists(os.path.join(work, "run", "metrics.jsonl")), f"training on the token file: {out}")
+
+if failures:
+    sys.exit(f"{len(failures)} checks failed")
+print("megatrain-tokenize: all checks passed")
