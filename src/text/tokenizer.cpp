@@ -166,8 +166,9 @@ class Regex {
     std::size_t pos = 0;
     while (pos <= s.size()) {
       const auto* subject = reinterpret_cast<PCRE2_SPTR>(s.data());
-      const int rc = jit_ ? pcre2_jit_match(code_, subject, s.size(), pos, 0, md, nullptr)
-                          : pcre2_match(code_, subject, s.size(), pos, PCRE2_NO_UTF_CHECK, md, nullptr);
+      int rc = jit_ ? pcre2_jit_match(code_, subject, s.size(), pos, 0, md, nullptr) : PCRE2_ERROR_JIT_STACKLIMIT;
+      if (rc == PCRE2_ERROR_JIT_STACKLIMIT)  // (no JIT, or its stack is too small here: the interpreter's is on the heap)
+        rc = pcre2_match(code_, subject, s.size(), pos, PCRE2_NO_UTF_CHECK, md, nullptr);
       if (rc == PCRE2_ERROR_NOMATCH) break;
       if (rc < 0) {
         pcre2_match_data_free(md);

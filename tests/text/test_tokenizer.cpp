@@ -175,6 +175,26 @@ TEST_CASE("normalizers: NFC composes, Prepend and Replace spell SentencePiece's 
   CHECK(t.decode(t.encode("e\xCC\x81")) == "\xC3\xA9");
 }
 
+TEST_CASE("Qwen's split pattern on long runs: a megabyte of letters, of spaces, of digits") {
+  test::TempDir dir("megatrain-text");
+  json j = byte_level({{"a", "a"}, {"aa", "aa"}});
+  j["pre_tokenizer"] = {
+      {"type", "Sequence"},
+      {"pretokenizers",
+       json::array({{{"type", "Split"},
+                     {"pattern", {{"Regex", R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)"}}},
+                     {"behavior", "Isolated"},
+                     {"invert", false}},
+                    {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}})}};
+  const auto t = load(dir, j);
+  const std::size_t n = 1u << 20;
+  const std::string text = std::string(n, 'a') + std::string(n, ' ') + "b" + std::string(n / 4, '7') + "\n\n";
+  const auto ids = t.encode(text);
+  // aaaa tokens for the letters; one token per space, digit and newline
+  CHECK(ids.size() == n / 4 + n + 1 + n / 4 + 2);
+  CHECK(t.decode(ids) == text);
+}
+
 TEST_CASE("encode_batch equals encode, document by document, on random text") {
   test::TempDir dir("megatrain-text");
   const auto t = load(dir, byte_level({{"t", "h"}, {"th", "e"}, {byte_char(' '), "the"}, {"i", "n"}}));
