@@ -1006,5 +1006,14 @@ const fs::path& Tokenizer::path() const { return impl_->path; }
 std::optional<std::int32_t> Tokenizer::eos_id() const { return impl_->eos; }
 std::optional<std::int32_t> Tokenizer::bos_id() const { return impl_->bos; }
 const std::optional<std::string>& Tokenizer::chat_template() const { return impl_->chat_template; }
+std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> Tokenizer::special_tokens_around() const {
+  std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> r;
+  bool after = false;
+  for (const auto& item : impl_->template_single) {
+    if (item.empty()) after = true;
+    else (after ? r.second : r.first).insert((after ? r.second : r.first).end(), item.begin(), item.end());
+  }
+  return r;
+}
 
 }  // namespace megatrain::text

@@ -29,6 +29,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace megatrain::text {
@@ -77,6 +78,8 @@ class Tokenizer {
   std::optional<std::int32_t> bos_id() const;
   /// tokenizer_config.json's `chat_template` (or chat_template.jinja beside it), if any.
   const std::optional<std::string>& chat_template() const;
+  /// The ids encode(text, true) puts before and after the text's own (the post-processor's).
+  std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> special_tokens_around() const;
 
  private:
   struct Impl;
