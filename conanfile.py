@@ -35,7 +35,7 @@ class MegatrainConan(ConanFile):
         tc.variables["MEGATRAIN_BUILD_TESTS"] = False
         tc.variables["MEGATRAIN_BUILD_BENCHMARKS"] = False
         tc.variables["MEGATRAIN_BUILD_EXAMPLES"] = False
-        tc.variables["MEGATRAIN_BUILD_PROGRAM"] = bool(self.options.program)  # bin/megatrain-train
+        tc.variables["MEGATRAIN_BUILD_PROGRAM"] = bool(self.options.program)  # bin/megatrain-train, -tokenize, -report
         tc.variables["MEGATRAIN_INSTALL"] = True
         tc.variables["MEGATRAIN_WERROR"] = False
         tc.generate()

@@ -55,6 +55,9 @@ struct Settings {
   // data
   std::string data, val_data, data_format = "auto";
   double val_fraction = 0.05;
+  // text and JSON data: the tokenizer (default --model's), the chat format, what is trained on
+  std::string tokenizer, chat_format = "auto", train_on = "completion";
+  bool skip_bad_lines = false;
   // schedule and optimizer
   std::int64_t batch = 8, seq = 128, micro_batches = 1, max_micro_batch = 0, chunk = 0, steps = 60;
   double lr = 3e-3, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, clip = 1.0;
@@ -143,12 +146,29 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
   model->add_option("--tie-embeddings", s.tie_embeddings, "Share the embedding and LM head (true/false)")->capture_default_str();
 
   auto* data = app->add_option_group("data", "Data (default: the built-in text)");
-  data->add_option("--data", s.data, "Token file (.bin: uint16/uint32 ids or llm.c format) or a text file (byte tokens)");
+  data->add_option("--data", s.data,
+                   "Token file (.bin: uint16/uint32 ids, llm.c format, or examples with .mask and .idx beside it), JSONL or "
+                   "JSON records (documents, prompt/completion, alpaca, conversations: tokenised with the model's tokenizer), "
+                   "or a text file (with a tokenizer: one document; without: byte tokens)");
   data->add_option("--data-format", s.data_format,
                    "Token width of .bin files: u16, u32, or auto (u32 where the vocabulary exceeds 65536, else u16)")
       ->capture_default_str();
   data->add_option("--val-data", s.val_data, "Separate validation token file (default: hold out the tail of --data)");
-  data->add_option("--val-fraction", s.val_fraction, "Fraction of the data held out for validation")->capture_default_str();
+  data->add_option("--val-fraction", s.val_fraction, "Fraction of the data (tokens, or examples) held out for validation")
+      ->capture_default_str();
+  data->add_option("--tokenizer", s.tokenizer,
+                   "Tokenizer for text and JSON data: a Hugging Face folder or its tokenizer.json (default: --model's)");
+  data->add_option("--chat-format", s.chat_format,
+                   "How conversations and alpaca records are rendered: auto (the tokenizer's chat template, where megatrain "
+                   "renders it) or one of: chatml, qwen2.5, qwen3, llama3, llama3-base, llama3.1")
+      ->capture_default_str();
+  data->add_option("--train-on", s.train_on,
+                   "Examples: the tokens the loss is taken on: completion (the completions and assistant turns) or "
+                   "prompt+completion (every token)")
+      ->capture_default_str();
+  data->add_option("--skip-bad-lines", s.skip_bad_lines,
+                   "JSON data: skip (and count) bad records instead of stopping at the first (true/false)")
+      ->capture_default_str();
 
   auto* train = app->add_option_group("training", "Batch, schedule and optimizer");
   train->add_option("--batch", s.batch, "Sequences per optimizer step")->capture_default_str();

@@ -44,9 +44,11 @@
 #include "megatrain/data/token_dataset.hpp"
 #include "megatrain/io/detail/atomic_files.hpp"
 #include "megatrain/io/hf_checkpoint.hpp"
+#include "megatrain/io/run_report.hpp"
 #include "megatrain/io/train_checkpoint.hpp"
 #include "megatrain/layers/decoder_model.hpp"
 #include "megatrain/model/config.hpp"
+#include "megatrain/text/prepare.hpp"
 #include "megatrain/train/checkpointer.hpp"
 #include "megatrain/train/trainer.hpp"
 #if MEGATRAIN_HAS_CUDA
@@ -266,6 +268,7 @@ struct RunPlan {
   std::map<std::string, std::string> side_files;  // tokenizer files etc. (kept in checkpoints, exported)
   json given;                            // the options this run was given (kept in checkpoints)
   json data_identity;                    // the data's digests (kept in checkpoints)
+  std::shared_ptr<const fs::path> temp_data;  // evaluation only: prepared data, removed with the plan
 };
 
 template <class B>
@@ -368,7 +371,67 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
   // files need the vocabulary given, which decides their width unless --data-format does.
   // (With --steps 0 --eval-batches 0 nothing is evaluated and no data is read.)
   const bool need_data = !(eval_only && s.eval_batches == 0);
-  const std::string data_file = !s.data.empty() ? s.data : (eval_only ? s.val_data : std::string());
+  if (!eval_only) {
+    plan.out = s.out.empty() ? fs::path(default_out_dir()) : fs::path(s.out);
+    MT_CHECK(plan.resume || s.overwrite || !fs::exists(plan.out / "metrics.jsonl"),
+             "'{}' already holds a run (metrics.jsonl); continue it with --resume, choose another --out, or pass "
+             "--overwrite to replace it", plan.out.string());
+  }
+  std::string data_file = !s.data.empty() ? s.data : (eval_only ? s.val_data : std::string());
+  std::string val_file = s.val_data;
+  MT_CHECK(s.train_on == "completion" || s.train_on == "prompt+completion",
+           "--train-on must be completion or prompt+completion (got '{}')", s.train_on);
+  // JSON data, and text with a tokenizer, are tokenised first (megatrain-tokenize's work) into
+  // token files in the run folder (a temporary folder when only evaluating), then memory-mapped.
+  std::optional<text::PrepareResult> prepared;
+  if (need_data && !data_file.empty()) {
+    const std::string ext = fs::path(data_file).extension().string();
+    const bool json_data = ext == ".jsonl" || ext == ".json";
+    const std::string tokenizer = !s.tokenizer.empty() ? s.tokenizer : plan.hf ? s.model_dir : std::string();
+    MT_CHECK(!json_data || !tokenizer.empty(),
+             "--data '{}' is JSON records, tokenised with the model's own tokenizer: give --model DIR (a Hugging Face folder "
+             "with tokenizer.json) or --tokenizer", data_file);
+    for (const char* f : {"--chat-format", "--skip-bad-lines"})
+      MT_CHECK(json_data || !s.origins.conflicts(f, "--data"), "{} applies to JSON data; --data '{}' is not", f, data_file);
+    MT_CHECK(!s.origins.given("--tokenizer") || ext != ".bin", "--tokenizer applies to text and JSON data; --data '{}' holds "
+             "token ids already", data_file);
+    if (ext != ".bin" && !tokenizer.empty()) {
+      MT_CHECK(!s.origins.conflicts("--data-format", "--data"),
+               "--data-format applies to .bin token files; --data '{}' is tokenised with the model's tokenizer", data_file);
+      std::error_code ec;
+      const fs::path tp(tokenizer);
+      const auto tok = fs::is_directory(tp, ec) ? text::Tokenizer::from_folder(tp) : text::Tokenizer::from_file(tp);
+      const fs::path dir = eval_only ? fs::temp_directory_path() / fmt::format("megatrain-data-{}", getpid()) : plan.out / "data";
+      fs::create_directories(dir);
+      if (eval_only)
+        plan.temp_data = std::shared_ptr<const fs::path>(new fs::path(dir), [](const fs::path* p) {
+          std::error_code ignored;
+          fs::remove_all(*p, ignored);
+          delete p;
+        });
+      const auto prepare = [&](const std::string& in, const char* name, const char* option) {
+        text::PrepareOptions po;
+        po.input = in;
+        po.output = dir / name;
+        po.chat_format = s.chat_format;
+        po.skip_bad_lines = s.skip_bad_lines;
+        po.overwrite = true;  // (the run folder's own copy)
+        po.input_option = option;
+        po.progress = text::terminal_progress(in);
+        auto r = text::prepare_token_files(tok, po);
+        std::fprintf(eval_only ? stderr : stdout, "%s\n", r.summary.c_str());
+        return r;
+      };
+      prepared = prepare(data_file, "train.bin", "--data");
+      data_file = (dir / "train.bin").string();
+      if (!val_file.empty()) {
+        const auto v = prepare(val_file, "val.bin", "--val-data");
+        MT_CHECK(v.examples == prepared->examples, "--val-data '{}' holds {} but --data '{}' holds {}: give both alike", val_file,
+                 v.examples ? "examples" : "documents", s.data, prepared->examples ? "examples" : "documents");
+        val_file = (dir / "val.bin").string();
+      }
+    }
+  }
   const bool bin_data = need_data && fs::path(data_file).extension() == ".bin";
   MT_CHECK(!bin_data || s.vocab > 0 || plan.hf || plan.resume || !s.model_config.empty() || !s.preset.empty(),
            "--data '{}' holds token ids: give the vocabulary (--vocab, --model, --model-config or --preset)", data_file);
@@ -378,7 +441,9 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
   // auto: uint32 where the vocabulary does not fit 16 bits, else uint16 (the reader refuses a
   // file whose contents say otherwise).
   TokenFormat fmt_bin = s.data_format == "u32" ? TokenFormat::u32 : TokenFormat::u16;
-  if (s.data_format == "auto" && bin_data) {
+  if (prepared) {
+    fmt_bin = prepared->wide ? TokenFormat::u32 : TokenFormat::u16;
+  } else if (s.data_format == "auto" && bin_data) {
     const std::int64_t vocab = cfg ? cfg->vocab_size : model_config(s, app, 0, plan.hf ? &*plan.hf : nullptr).vocab_size;
     fmt_bin = vocab > 65536 ? TokenFormat::u32 : TokenFormat::u16;
   }
@@ -416,8 +481,8 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
            "FILE --output train.bin) and pass the token file as --data", data_file.empty() ? std::string("the built-in text") : "--data '" + data_file + "'",
            s.model_dir, cfg->vocab_size, s.model_dir);
   std::optional<TokenSource> val_src;
-  if (need_data && !s.val_data.empty()) {
-    val_src = TokenSource::open(s.val_data, fmt_bin);
+  if (need_data && !val_file.empty()) {
+    val_src = TokenSource::open(val_file, fmt_bin);
     MT_CHECK((val_src->format() == TokenFormat::text) == text_data,
              "--val-data '{}' is {} but --data '{}' is {}: both must be token files, or both text", s.val_data,
              val_src->format() == TokenFormat::text ? "text" : "a token file", s.data, text_data ? "text" : "a token file");
@@ -429,10 +494,30 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
     dopt.seq_len = s.seq;
     dopt.val_fraction = s.val_fraction;
     dopt.seed = s.seed;
+    dopt.train_on_prompt = s.train_on == "prompt+completion";
+    MT_CHECK(train_src->has_examples() || !s.origins.conflicts("--train-on", "--data"),
+             "--train-on applies to fine-tuning examples (prompt/completion, alpaca, conversations); --data '{}' is documents, "
+             "every token of which is trained on", s.data.empty() ? "built-in text" : s.data);
     data.emplace(std::move(*train_src), dopt, std::move(val_src));
     plan.data_identity = {{"train_digest", data->train_source().digest()},
                           {"train_tokens", data->train_source().size()},
                           {"label", data->train_source().label()}};
+    if (data->examples()) {
+      const ExampleStats &t = data->train_examples(), &v = data->val_examples();
+      plan.data_identity["examples"] = data->train_source().examples();
+      const auto cut = [&](const ExampleStats& x) {
+        std::string w;
+        if (x.truncated) w += fmt::format(", {} cut at --seq {}", x.truncated, s.seq);
+        if (x.dropped) w += fmt::format(", {} left out: no trained token within --seq", x.dropped);
+        return w;
+      };
+      std::fprintf(eval_only ? stderr : stdout,
+                   "examples: %lld for training%s; %lld for validation%s; %lld trained tokens of %lld (--train-on %s), one "
+                   "example per sequence, padded to --seq %lld\n",
+                   static_cast<long long>(t.examples - t.dropped), cut(t).c_str(), static_cast<long long>(v.examples - v.dropped),
+                   cut(v).c_str(), static_cast<long long>(t.labels), static_cast<long long>(t.tokens), s.train_on.c_str(),
+                   static_cast<long long>(s.seq));
+    }
   }
 
   TrainerOptions topt;
@@ -507,12 +592,6 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
              "further, or --steps 0 to evaluate or export it", s.steps, dir.string(), r.state.step, r.state.step);
   }
 
-  if (!eval_only) {
-    plan.out = s.out.empty() ? fs::path(default_out_dir()) : fs::path(s.out);
-    MT_CHECK(plan.resume || s.overwrite || !fs::exists(plan.out / "metrics.jsonl"),
-             "'{}' already holds a run (metrics.jsonl); continue it with --resume, choose another --out, or pass "
-             "--overwrite to replace it", plan.out.string());
-  }
   if (plan.export_options) {
     // The export directory is replaced as a whole: it must not be, or hold, the run directory or
     // the checkpoint resumed from, nor lie inside a checkpoints folder.
@@ -762,6 +841,18 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     data->val_batch(0, rows, vi, vl);
     return trainer.evaluate(vi, vl, rows);
   };
+  // report.html in the run folder: at each evaluation and at the end (a failure only warns).
+  io::RunReportInfo report_info;
+  report_info.machine = io::describe_machine(B::kDevice ? 0 : -1);
+  report_info.machine["backend"] = backend_name;
+  report_info.machine["compute_dtype"] = compute_dtype;
+  const auto write_report = [&] {
+    try {
+      io::write_run_report(out, report_info);
+    } catch (const megatrain::Error& e) {
+      progress.note(fmt::format("megatrain-train: warning: report.html not written: {}", e.reason()), stderr);
+    }
+  };
   install_stop_handlers();
   std::int64_t step = first_step;
   for (; step <= s.steps && g_stop_signal == 0; ++step) {
@@ -776,6 +867,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
            {"tokens_per_s", tok_s},     {"step_time_s", st.seconds}};
     if (val) m["val_loss"] = *val;
     metrics << m.dump() << '\n' << std::flush;
+    if (val) write_report();
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     progress.update(st, tok_s, elapsed, val, s.log_every);
     report(checkpoints.poll());
@@ -786,6 +878,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   const std::int64_t done = step - 1;
   trainer.finish_update();
   report(checkpoints.wait());
+  write_report();
   if (const int sig = g_stop_signal.load(); sig != 0) {
     // A signal asked for a checkpoint: the state after the last finished step is saved (also when
     // that step was the last one), unless it is already, or no step ran.

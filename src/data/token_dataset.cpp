@@ -11,9 +11,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <random>
 
+#include "megatrain/backend/backend.hpp"  // kIgnoreIndex
 #include "megatrain/core/digest.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/nvtx.hpp"
@@ -27,6 +29,9 @@ constexpr std::size_t kLlmcHeaderBytes = 256 * sizeof(std::int32_t);
 std::size_t width(TokenFormat f) { return f == TokenFormat::u32 ? 4 : f == TokenFormat::u16 ? 2 : 1; }
 }  // namespace
 
+std::filesystem::path example_mask_path(const std::filesystem::path& tokens) { return tokens.string() + ".mask"; }
+std::filesystem::path example_index_path(const std::filesystem::path& tokens) { return tokens.string() + ".idx"; }
+
 struct TokenSource::Mapping {
   void* addr = nullptr;
   std::size_t length = 0;
@@ -34,11 +39,11 @@ struct TokenSource::Mapping {
   ~Mapping() {
     if (addr != nullptr) munmap(addr, length);
   }
+  static std::shared_ptr<Mapping> of(const std::filesystem::path& path);
 };
 
-TokenSource TokenSource::open(const std::filesystem::path& path, TokenFormat bin_format) {
-  MT_NVTX_RANGE("TokenSource::open");
-  MT_CHECK(bin_format != TokenFormat::text, "bin_format must be u16 or u32");
+// A read-only mapping of a whole, non-empty file.
+std::shared_ptr<TokenSource::Mapping> TokenSource::Mapping::of(const std::filesystem::path& path) {
   const std::string label = path.string();
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   MT_CHECK(fd >= 0, "cannot open dataset '{}': {}", label, std::strerror(errno));
@@ -60,7 +65,15 @@ TokenSource TokenSource::open(const std::filesystem::path& path, TokenFormat bin
   MT_CHECK(map->addr != MAP_FAILED, "cannot map dataset '{}': {}", label, std::strerror(err));
   map->length = size;
   (void)madvise(map->addr, size, MADV_WILLNEED);
+  return map;
+}
 
+TokenSource TokenSource::open(const std::filesystem::path& path, TokenFormat bin_format) {
+  MT_NVTX_RANGE("TokenSource::open");
+  MT_CHECK(bin_format != TokenFormat::text, "bin_format must be u16 or u32");
+  const std::string label = path.string();
+  auto map = Mapping::of(path);
+  const std::size_t size = map->length;
   TokenSource s;
   s.label_ = label;
   const auto* bytes = static_cast<const std::byte*>(map->addr);
@@ -105,7 +118,41 @@ TokenSource TokenSource::open(const std::filesystem::path& path, TokenFormat bin
     s.count_ = static_cast<std::int64_t>(size);
   }
   s.map_ = std::move(map);
+  // Examples: the mask and the index beside the token file (both, and consistent with it).
+  const auto mask = example_mask_path(path), index = example_index_path(path);
+  std::error_code ec;
+  const bool has_mask = std::filesystem::exists(mask, ec), has_index = std::filesystem::exists(index, ec);
+  if (has_mask || has_index) {
+    MT_CHECK(has_mask && has_index && is_bin,
+             "dataset '{}': '{}' is there but not '{}' (a token file of examples has both; prepare it again with "
+             "megatrain-tokenize)", label, (has_mask ? mask : index).string(), (has_mask ? index : mask).string());
+    s.mask_map_ = Mapping::of(mask);
+    s.index_map_ = Mapping::of(index);
+    MT_CHECK(static_cast<std::int64_t>(s.mask_map_->length) == s.count_,
+             "dataset '{}': its mask '{}' has {} bytes for {} tokens (the files are not one preparation's; prepare them again)",
+             label, mask.string(), s.mask_map_->length, s.count_);
+    const std::size_t n = s.index_map_->length / 8;
+    MT_CHECK(s.index_map_->length % 8 == 0 && n >= 2,
+             "dataset '{}': its index '{}' is not a list of int64 offsets (prepare it again)", label, index.string());
+    s.mask_ = static_cast<const std::byte*>(s.mask_map_->addr);
+    s.index_ = static_cast<const std::byte*>(s.index_map_->addr);
+    s.examples_ = static_cast<std::int64_t>(n) - 1;
+    std::int64_t prev = -1;
+    for (std::int64_t e = 0; e <= s.examples_; ++e) {
+      const std::int64_t at = s.example_begin(e);
+      MT_CHECK(at > prev && (e > 0 || at == 0) && (e < s.examples_ || at == s.count_),
+               "dataset '{}': its index '{}' does not divide its {} tokens into examples (entry {} is {}; prepare them again)",
+               label, index.string(), s.count_, e, at);
+      prev = at;
+    }
+  }
   return s;
+}
+
+std::int64_t TokenSource::example_begin(std::int64_t e) const {
+  std::int64_t v;
+  std::memcpy(&v, index_ + 8 * e, 8);
+  return v;
 }
 
 TokenSource TokenSource::from_text(std::string text, std::string label) {
@@ -159,6 +206,10 @@ std::string TokenSource::digest() const {
     const std::size_t first = b * kBlock;
     parts[b] = digest_of(std::span<const std::byte>(data_ + first, std::min(kBlock, bytes - first)));
   });
+  if (has_examples()) {
+    parts.push_back(digest_of(std::span<const std::byte>(mask_, static_cast<std::size_t>(count_))));
+    parts.push_back(digest_of(std::span<const std::byte>(index_, static_cast<std::size_t>(examples_ + 1) * 8)));
+  }
   return digest_of(std::as_bytes(std::span<const Digest128>(parts))).hex();
 }
 
@@ -208,7 +259,40 @@ TokenDataset::TokenDataset(TokenSource train, DatasetOptions opt, std::optional<
   MT_CHECK(opt.val_fraction >= 0 && opt.val_fraction < 1, "val_fraction must be in [0, 1) (got {})", opt.val_fraction);
   check_vocab(train_, opt.vocab_size);
   const std::int64_t need = opt.seq_len + 1;
+  if (train_.has_examples()) {
+    std::int64_t n_train = train_.examples();
+    if (val_) {
+      check_vocab(*val_, opt.vocab_size);
+      MT_CHECK(val_->has_examples(), "validation set '{}' is not examples like '{}' (no '{}' beside it): prepare it the same way",
+               val_->label(), train_.label(), example_index_path(val_->label()).string());
+      val_stats_ = select(*val_, 0, val_->examples(), val_kept_);
+      val_begin_ = 0;
+      val_end_ = val_->size();
+    } else {
+      const std::int64_t n = train_.examples();
+      const std::int64_t n_val = std::max<std::int64_t>(1, std::llround(static_cast<double>(n) * opt.val_fraction));
+      MT_CHECK(n >= 2, "dataset '{}' has {} example: too few for one training and one validation example", train_.label(), n);
+      n_train = n - n_val;
+      val_stats_ = select(train_, n_train, n, val_kept_);
+      val_begin_ = train_.example_begin(n_train);
+      val_end_ = train_.size();
+    }
+    train_stats_ = select(train_, 0, n_train, train_kept_);
+    train_begin_ = 0;
+    train_end_ = train_.example_begin(n_train);
+    train_windows_ = static_cast<std::int64_t>(train_kept_.size());
+    val_windows_ = static_cast<std::int64_t>(val_kept_.size());
+    MT_CHECK(train_windows_ > 0,
+             "dataset '{}': none of its {} training examples has a trained token within the first {} + 1 tokens (a longer "
+             "--seq keeps more of each example)", train_.label(), n_train, opt.seq_len);
+    MT_CHECK(val_windows_ > 0,
+             "validation set of '{}': none of its {} examples has a trained token within the first {} + 1 tokens",
+             (val_ ? *val_ : train_).label(), val_stats_.examples, opt.seq_len);
+    return;
+  }
   if (val_) {
+    MT_CHECK(!val_->has_examples(), "validation set '{}' is examples but '{}' is not: prepare them the same way", val_->label(),
+             train_.label());
     check_vocab(*val_, opt.vocab_size);
     train_begin_ = 0;
     train_end_ = train_.size();
@@ -232,6 +316,43 @@ TokenDataset::TokenDataset(TokenSource train, DatasetOptions opt, std::optional<
            train_.label(), train_end_ - train_begin_, opt.seq_len);
   train_windows_ = (train_end_ - train_begin_ - 1) / opt.seq_len;
   val_windows_ = (val_end_ - val_begin_ - 1) / opt.seq_len;
+}
+
+ExampleStats TokenDataset::select(const TokenSource& src, std::int64_t first, std::int64_t last,
+                                  std::vector<std::int64_t>& kept) const {
+  ExampleStats st;
+  st.examples = last - first;
+  std::vector<std::int64_t> labels(static_cast<std::size_t>(st.examples));
+  tbb::parallel_for(first, last, [&](std::int64_t e) {
+    const std::int64_t b = src.example_begin(e), end = std::min(src.example_end(e), b + opt_.seq_len + 1);
+    std::int64_t n = 0;
+    for (std::int64_t t = b + 1; t < end; ++t) n += opt_.train_on_prompt || src.trained(t);
+    labels[static_cast<std::size_t>(e - first)] = n;
+  });
+  for (std::int64_t e = first; e < last; ++e) {
+    const std::int64_t len = src.example_end(e) - src.example_begin(e);
+    st.truncated += len > opt_.seq_len + 1;
+    const std::int64_t n = labels[static_cast<std::size_t>(e - first)];
+    if (n == 0) {
+      ++st.dropped;
+      continue;
+    }
+    kept.push_back(e);
+    st.labels += n;
+    st.tokens += std::min(len, opt_.seq_len + 1);
+  }
+  return st;
+}
+
+void TokenDataset::example_window(const TokenSource& src, std::int64_t e, std::span<std::int32_t> ids,
+                                  std::span<std::int32_t> labels) const {
+  const std::int64_t b = src.example_begin(e);
+  const std::int64_t len = std::min(src.example_end(e) - b, opt_.seq_len + 1);
+  for (std::int64_t t = 0; t < opt_.seq_len; ++t) {
+    const auto k = static_cast<std::size_t>(t);
+    ids[k] = t < len ? src.at(b + t) : 0;  // (padding: any id; its label is ignored and attention is causal)
+    labels[k] = t + 1 < len && (opt_.train_on_prompt || src.trained(b + t + 1)) ? src.at(b + t + 1) : kIgnoreIndex;
+  }
 }
 
 DataPosition TokenDataset::position(std::int64_t windows_consumed) const {
@@ -272,8 +393,10 @@ void TokenDataset::train_batch(std::int64_t first_window, std::int64_t rows, std
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t k = first_window + r;
     const std::int64_t w = permutation(k / train_windows_)[static_cast<std::size_t>(k % train_windows_)];
-    window(train_, train_begin_, w, ids.subspan(static_cast<std::size_t>(r) * seq, seq),
-           labels.subspan(static_cast<std::size_t>(r) * seq, seq));
+    const auto row_ids = ids.subspan(static_cast<std::size_t>(r) * seq, seq);
+    const auto row_labels = labels.subspan(static_cast<std::size_t>(r) * seq, seq);
+    if (examples()) example_window(train_, train_kept_[static_cast<std::size_t>(w)], row_ids, row_labels);
+    else window(train_, train_begin_, w, row_ids, row_labels);
   }
 }
 
@@ -284,9 +407,13 @@ void TokenDataset::val_batch(std::int64_t first_window, std::int64_t rows, std::
   MT_CHECK(ids.size() == static_cast<std::size_t>(rows) * seq && labels.size() == ids.size(),
            "batch buffers hold {} / {} tokens, expected {} x {}", ids.size(), labels.size(), rows, seq);
   const TokenSource& src = val_ ? *val_ : train_;
-  for (std::int64_t r = 0; r < rows; ++r)
-    window(src, val_begin_, (first_window + r) % val_windows_, ids.subspan(static_cast<std::size_t>(r) * seq, seq),
-           labels.subspan(static_cast<std::size_t>(r) * seq, seq));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t w = (first_window + r) % val_windows_;
+    const auto row_ids = ids.subspan(static_cast<std::size_t>(r) * seq, seq);
+    const auto row_labels = labels.subspan(static_cast<std::size_t>(r) * seq, seq);
+    if (examples()) example_window(src, val_kept_[static_cast<std::size_t>(w)], row_ids, row_labels);
+    else window(src, val_begin_, w, row_ids, row_labels);
+  }
 }
 
 std::string builtin_text(std::size_t bytes, std::uint64_t seed) {

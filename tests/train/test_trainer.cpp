@@ -767,3 +767,61 @@ TEST_CASE("the backward of the blocks goes on while the head's gradient is offlo
   MESSAGE("blocks backpropagated while the head's gradient was held: " << SlowHeadStage::seen_at_head.load());
   CHECK(SlowHeadStage::seen_at_head.load() >= 2);  // a serial schedule would show 0
 }
+
+TEST_CASE("a step's loss is the mean over its labelled tokens (PyTorch's cross_entropy with ignore_index=-100), however it is split") {
+  // Prompt-masked fine-tuning: most labels ignored, and unevenly so: the first two rows carry
+  // 1 labelled token, the last two 15. PyTorch's F.cross_entropy(logits, labels,
+  // ignore_index=-100) takes the mean over the labelled tokens of the whole batch; a mean of
+  // per-micro-batch means would weigh that one token as much as the other 15.
+  const auto cfg = tiny(false);
+  const std::int64_t rows = 4, seq = 9;
+  std::mt19937 rng(21);
+  auto b = random_batch(rng, rows, seq, 53);
+  std::fill(b.labels.begin(), b.labels.end(), kIgnoreIndex);
+  b.labels[4] = 7;  // row 0: one label
+  for (std::int64_t t = 2 * seq; t < rows * seq; ++t)
+    if (t % seq != 0) b.labels[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(rng() % 53);  // rows 2-3: 16
+  const auto count = std::count_if(b.labels.begin(), b.labels.end(), [](std::int32_t l) { return l != kIgnoreIndex; });
+  REQUIRE(count == 17);
+
+  struct Result {
+    double loss, grad_norm, mean_of_halves;
+  };
+  const auto step = [&](std::int64_t micro) {
+    auto o = options(rows, seq);
+    o.micro_batches = micro;
+    DecoderModel<> model(cfg);
+    HostParamStore<float> store(model.units(), store_opts(o));
+    CpuBackend<float> be;
+    Trainer<CpuBackend<float>> trainer(model, store, be, o);
+    // the per-row means, from the weights before the step: the mean over all labelled tokens is
+    // their average weighted by each row's labels
+    const auto mean_of_rows = [&](std::int64_t first, std::int64_t last, std::int64_t* n_out) {
+      std::vector<std::int32_t> only(b.labels.size(), kIgnoreIndex);  // those rows' labels alone
+      for (std::int64_t t = first * seq; t < last * seq; ++t) only[static_cast<std::size_t>(t)] = b.labels[static_cast<std::size_t>(t)];
+      *n_out = std::count_if(only.begin(), only.end(), [](std::int32_t l) { return l != kIgnoreIndex; });
+      return *n_out > 0 ? trainer.evaluate(b.ids, only, rows) : 0.0;
+    };
+    double weighted = 0;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      std::int64_t n = 0;
+      weighted += mean_of_rows(r, r + 1, &n) * static_cast<double>(n);
+    }
+    std::int64_t n0 = 0, n1 = 0;
+    const double halves = (mean_of_rows(0, 2, &n0) + mean_of_rows(2, 4, &n1)) / 2;
+    const StepStats st = trainer.step(b.ids, b.labels);
+    CHECK(st.loss == doctest::Approx(weighted / static_cast<double>(count)).epsilon(1e-6));
+    trainer.finish_update();
+    return Result{st.loss, st.grad_norm, halves};
+  };
+  const Result whole = step(1);
+  for (const std::int64_t micro : {2, 4}) {
+    CAPTURE(micro);
+    const Result split = step(micro);
+    CHECK(split.loss == doctest::Approx(whole.loss).epsilon(1e-6));
+    // the gradient too: its norm (the sum over micro-batches, each scaled by 1 / 17)
+    CHECK(split.grad_norm == doctest::Approx(whole.grad_norm).epsilon(1e-5));
+  }
+  // (the case tells the two apart: the mean of the two halves' means is another number)
+  CHECK(std::fabs(whole.mean_of_halves - whole.loss) > 0.005 * whole.loss);
+}

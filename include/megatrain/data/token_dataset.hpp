@@ -14,8 +14,18 @@
 // order drawn by a seeded shuffle (one permutation per epoch), so a run is reproducible from its
 // seed. Validation uses a separate file or, by default, the last `val_fraction` of the tokens,
 // read in order.
+//
+// Examples (fine-tuning data, written by megatrain-tokenize; megatrain/text/prepare.hpp): a .bin
+// token file with FILE.mask (one byte per token, 1 where the token is trained on) and FILE.idx
+// (little-endian int64: where each example starts, then the total) beside it. Then a window is one
+// example: its first seq + 1 tokens at the start of a row (a longer example is truncated), the
+// rest of the row padding; a label is the next token where that token is trained on (every token
+// of the example with train_on_prompt), kIgnoreIndex elsewhere, padding included. An example with
+// no trained label left within its window is dropped (counted in ExampleStats). Validation: a
+// separate file of examples or the last `val_fraction` of the examples.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -27,6 +37,10 @@
 namespace megatrain {
 
 enum class TokenFormat { u16, u32, text };
+
+/// The sidecars of a token file of examples: FILE.mask and FILE.idx.
+std::filesystem::path example_mask_path(const std::filesystem::path& tokens);
+std::filesystem::path example_index_path(const std::filesystem::path& tokens);
 
 /// A read-only stream of token ids (memory-mapped file, or bytes in memory).
 class TokenSource {
@@ -50,13 +64,27 @@ class TokenSource {
   /// `vocab` — a uint16 file opened at the wrong width.
   bool holds_u16_pairs(std::int64_t vocab) const;
   /// A digest of the tokens as stored (32 hex digits): XXH3-128 over the XXH3-128 digests of
-  /// consecutive 64 MiB blocks, hashed in parallel. Identifies the data a run trained on.
+  /// consecutive 64 MiB blocks, hashed in parallel (and of the mask and index, for examples).
+  /// Identifies the data a run trained on.
   std::string digest() const;
+
+  /// Whether the file is examples (FILE.mask and FILE.idx beside it).
+  bool has_examples() const { return examples_ > 0; }
+  std::int64_t examples() const { return examples_; }
+  /// Tokens [example_begin(e), example_end(e)) are example e.
+  std::int64_t example_begin(std::int64_t e) const;
+  std::int64_t example_end(std::int64_t e) const { return example_begin(e + 1); }
+  /// Whether token i is trained on (examples only).
+  bool trained(std::int64_t i) const { return std::to_integer<std::uint8_t>(mask_[i]) != 0; }
 
  private:
   struct Mapping;
   std::shared_ptr<const Mapping> map_;  // the mapping or the text, shared by copies
   const std::byte* data_ = nullptr;     // first token
+  std::shared_ptr<const Mapping> mask_map_, index_map_;  // examples
+  const std::byte* mask_ = nullptr;
+  const std::byte* index_ = nullptr;
+  std::int64_t examples_ = 0;
   std::int64_t count_ = 0;
   TokenFormat format_ = TokenFormat::u16;
   std::string label_;
@@ -80,6 +108,16 @@ struct DatasetOptions {
   std::int64_t seq_len = 0;      ///< tokens per sequence
   double val_fraction = 0.05;    ///< tail of the training source held out when no validation source is given
   std::uint64_t seed = 0;        ///< shuffle seed
+  bool train_on_prompt = false;  ///< examples: every token is a label, not only the trained ones
+};
+
+/// What became of the examples of a source (TokenDataset in example mode).
+struct ExampleStats {
+  std::int64_t examples = 0;   ///< in the split
+  std::int64_t truncated = 0;  ///< longer than seq + 1 tokens: cut at the end of the window
+  std::int64_t dropped = 0;    ///< no trained label within the window: left out
+  std::int64_t labels = 0;     ///< trained labels of the kept examples, within their windows
+  std::int64_t tokens = 0;     ///< tokens of the kept examples within their windows
 };
 
 class TokenDataset {
@@ -101,6 +139,10 @@ class TokenDataset {
   /// Where the order stands once `windows_consumed` training windows have been read.
   DataPosition position(std::int64_t windows_consumed) const;
   const TokenSource& train_source() const { return train_; }
+  /// Example mode: one example per window (see above).
+  bool examples() const { return train_.has_examples(); }
+  const ExampleStats& train_examples() const { return train_stats_; }
+  const ExampleStats& val_examples() const { return val_stats_; }
   const std::optional<TokenSource>& val_source() const { return val_; }
   /// Validation windows [first_window, first_window + rows), in file order, wrapping around.
   void val_batch(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
@@ -110,12 +152,16 @@ class TokenDataset {
   void window(const TokenSource& src, std::int64_t begin, std::int64_t w, std::span<std::int32_t> ids,
               std::span<std::int32_t> labels) const;
   const std::vector<std::int64_t>& permutation(std::int64_t epoch) const;
+  void example_window(const TokenSource& src, std::int64_t e, std::span<std::int32_t> ids, std::span<std::int32_t> labels) const;
+  ExampleStats select(const TokenSource& src, std::int64_t first, std::int64_t last, std::vector<std::int64_t>& kept) const;
 
   TokenSource train_;
   std::optional<TokenSource> val_;
   DatasetOptions opt_;
   std::int64_t train_begin_ = 0, train_end_ = 0, val_begin_ = 0, val_end_ = 0;
   std::int64_t train_windows_ = 0, val_windows_ = 0;
+  std::vector<std::int64_t> train_kept_, val_kept_;  // examples: the window's example
+  ExampleStats train_stats_, val_stats_;
   mutable std::int64_t perm_epoch_ = -1;
   mutable std::vector<std::int64_t> perm_;
 };
