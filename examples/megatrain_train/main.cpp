@@ -505,6 +505,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
     if (data->examples()) {
       const ExampleStats &t = data->train_examples(), &v = data->val_examples();
       plan.data_identity["examples"] = data->train_source().examples();
+      plan.data_identity["train_on"] = s.train_on;
       const auto cut = [&](const ExampleStats& x) {
         std::string w;
         if (x.truncated) w += fmt::format(", {} cut at --seq {}", x.truncated, s.seq);
@@ -579,8 +580,11 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
     const json& was = r.state.user["data"];
     const std::string digest = plan.data_identity["train_digest"].get<std::string>();
     if (was.value("train_digest", "") != digest)
-      diff.push_back(fmt::format("--data '{}' (its tokens differ from the data the run was trained on: digest {} vs {})",
-                                 s.data.empty() ? "built-in text" : s.data, was.value("train_digest", ""), digest));
+      diff.push_back(fmt::format("--data '{}' (its tokens{} differ from the data the run was trained on: digest {} vs {})",
+                                 s.data.empty() ? "built-in text" : s.data, data->examples() ? " or loss masks" : "",
+                                 was.value("train_digest", ""), digest));
+    if (data->examples() && was.value("train_on", "completion") != s.train_on)
+      diff.push_back(fmt::format("--train-on (checkpoint: {}, now: {})", was.value("train_on", "completion"), s.train_on));
     if (r.state.data && r.state.data->seed != s.seed)
       diff.push_back(fmt::format("--seed (checkpoint: {}, now: {})", r.state.data->seed, s.seed));
     if (r.state.data && r.state.data->windows_per_epoch != data->train_windows())

@@ -123,7 +123,9 @@ TokenSource TokenSource::open(const std::filesystem::path& path, TokenFormat bin
   std::error_code ec;
   const bool has_mask = std::filesystem::exists(mask, ec), has_index = std::filesystem::exists(index, ec);
   if (has_mask || has_index) {
-    MT_CHECK(has_mask && has_index && is_bin,
+    MT_CHECK(is_bin, "dataset '{}': '{}' is beside it, but only a .bin token file can be examples (rename it, or remove "
+             "the sidecar)", label, (has_mask ? mask : index).string());
+    MT_CHECK(has_mask && has_index,
              "dataset '{}': '{}' is there but not '{}' (a token file of examples has both; prepare it again with "
              "megatrain-tokenize)", label, (has_mask ? mask : index).string(), (has_mask ? index : mask).string());
     s.mask_map_ = Mapping::of(mask);
@@ -331,12 +333,12 @@ ExampleStats TokenDataset::select(const TokenSource& src, std::int64_t first, st
   });
   for (std::int64_t e = first; e < last; ++e) {
     const std::int64_t len = src.example_end(e) - src.example_begin(e);
-    st.truncated += len > opt_.seq_len + 1;
     const std::int64_t n = labels[static_cast<std::size_t>(e - first)];
     if (n == 0) {
       ++st.dropped;
       continue;
     }
+    st.truncated += len > opt_.seq_len + 1;
     kept.push_back(e);
     st.labels += n;
     st.tokens += std::min(len, opt_.seq_len + 1);

@@ -181,7 +181,8 @@ class Encoder {
             error[i] = !format_ || !f ? fmt::format("a record has a '{}' field (documents), 'prompt' and 'completion', "
                                                     "'instruction' and 'output' (alpaca), or 'messages' / 'conversations'",
                                                     opt_.field)
-                                      : fmt::format("a {} record in a file of {} records", record_format_name(*f),
+                                      : fmt::format("{} {} record in a file of {} records",
+                                                    *f == RecordFormat::alpaca ? "an" : "a", record_format_name(*f),
                                                     record_format_name(*format_));
             return;
           }

@@ -10,6 +10,7 @@
 #include <random>
 #include <set>
 
+#include "megatrain/backend/backend.hpp"  // kIgnoreIndex
 #include "megatrain/core/error.hpp"
 #include "megatrain/data/token_dataset.hpp"
 
@@ -192,4 +193,498 @@ TEST_CASE("a token file read at the wrong width is refused, naming the right one
                        doctest::Contains("looks like uint16 token ids: pass --data-format u16"), Error);
   // Genuine uint16 data is not mistaken for uint32, also with small ids.
   CHECK(TokenSource::open(write_tokens(dir.path / "small.bin", random_u16(4096, 40, 9)), TokenFormat::u16).size() == 4096);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Examples (fine-tuning data): a token file with FILE.mask and FILE.idx beside it, one example per
+// window, labels only on trained tokens.
+
+namespace {
+// One example: its ids and, per token, whether it is trained on.
+struct Example {
+  std::vector<std::uint16_t> ids;
+  std::vector<std::uint8_t> mask;
+};
+
+// Example e of `len` tokens: ids 100 + 20 * e + t (unique across examples: a row's first id names
+// its example), trained where `trained(t)`.
+template <class F>
+Example make_example(int e, int len, F trained) {
+  Example x;
+  for (int t = 0; t < len; ++t) {
+    x.ids.push_back(static_cast<std::uint16_t>(100 + 20 * e + t));
+    x.mask.push_back(trained(t) ? 1 : 0);
+  }
+  return x;
+}
+
+void write_bytes(const fs::path& p, const void* data, std::size_t n) {
+  std::ofstream f(p, std::ios::binary | std::ios::trunc);
+  f.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
+}
+
+void write_index(const fs::path& tokens, const std::vector<std::int64_t>& index) {
+  write_bytes(example_index_path(tokens), index.data(), index.size() * sizeof(std::int64_t));
+}
+
+// Writes the examples as `path` (uint16, or uint32 when `wide`) with its .mask and .idx.
+fs::path write_examples(const fs::path& path, const std::vector<Example>& xs, bool wide = false) {
+  std::vector<std::uint16_t> ids;
+  std::vector<std::uint8_t> mask;
+  std::vector<std::int64_t> index{0};
+  for (const auto& x : xs) {
+    ids.insert(ids.end(), x.ids.begin(), x.ids.end());
+    mask.insert(mask.end(), x.mask.begin(), x.mask.end());
+    index.push_back(static_cast<std::int64_t>(ids.size()));
+  }
+  if (wide) write_tokens(path, std::vector<std::uint32_t>(ids.begin(), ids.end()));
+  else write_tokens(path, ids);
+  write_bytes(example_mask_path(path), mask.data(), mask.size());
+  write_index(path, index);
+  return path;
+}
+
+// Training data of awkward lengths, for seq = 8 (windows of 9 tokens):
+//   0: 6 tokens, 3 prompt then 3 trained                       kept, 3 labels
+//   1: 12 tokens, trained at 2, 3 and 9-11                     truncated, kept with 2 labels
+//   2: 14 tokens, trained only at 10-13 (beyond the window)    truncated and dropped
+//   3: 5 tokens, no prompt (all trained)                       kept, 4 labels (the first token is no label)
+//   4: 9 tokens (exactly seq + 1), only the last trained       kept, 1 label at the row's last position
+//   5: 10 tokens, only the last (10th) trained                 truncated and dropped
+//   6: 2 tokens, the second trained                            kept, 1 label
+//   7: 1 token, trained                                        dropped: no next token to be a label
+//   8: 4 tokens, trained at 2, 3                               (validation: 2 labels)
+//   9: 7 tokens, trained at 1-5, the last (a "\n") not         (validation: 5 labels)
+std::vector<Example> awkward_examples() {
+  return {
+      make_example(0, 6, [](int t) { return t >= 3; }),
+      make_example(1, 12, [](int t) { return t == 2 || t == 3 || t >= 9; }),
+      make_example(2, 14, [](int t) { return t >= 10; }),
+      make_example(3, 5, [](int) { return true; }),
+      make_example(4, 9, [](int t) { return t == 8; }),
+      make_example(5, 10, [](int t) { return t == 9; }),
+      make_example(6, 2, [](int t) { return t == 1; }),
+      make_example(7, 1, [](int) { return true; }),
+      make_example(8, 4, [](int t) { return t >= 2; }),
+      make_example(9, 7, [](int t) { return t >= 1 && t <= 5; }),
+  };
+}
+
+// The example whose first id a row starts with.
+int example_of_row(std::span<const std::int32_t> ids) { return (ids[0] - 100) / 20; }
+
+// Checks one row against the example it holds: its first seq ids, then padding (an id within the
+// vocabulary, not the next example's tokens); a label is the next token where that one is trained
+// (any next token within the example with `all`), kIgnoreIndex elsewhere.
+void check_row(const Example& x, std::span<const std::int32_t> ids, std::span<const std::int32_t> labels, std::int64_t seq,
+               std::int64_t vocab, bool all) {
+  const std::int64_t len = std::min<std::int64_t>(static_cast<std::int64_t>(x.ids.size()), seq + 1);
+  for (std::int64_t t = 0; t < seq; ++t) {
+    CAPTURE(t);
+    const auto k = static_cast<std::size_t>(t);
+    if (t < len) {
+      CHECK(ids[k] == x.ids[k]);
+    } else {
+      CHECK(ids[k] >= 0);
+      CHECK(ids[k] < vocab);
+      CHECK(ids[k] < 100);  // not a token of any example (they are 100 and above)
+    }
+    const bool labelled = t + 1 < len && (all || x.mask[k + 1] != 0);
+    CHECK(labels[k] == (labelled ? x.ids[k + 1] : kIgnoreIndex));
+  }
+}
+
+DatasetOptions example_options(bool all = false) {
+  DatasetOptions o;
+  o.vocab_size = 1000;
+  o.seq_len = 8;
+  o.val_fraction = 0.2;  // 2 of 10 examples
+  o.seed = 5;
+  o.train_on_prompt = all;
+  return o;
+}
+
+// The examples of the windows of a whole epoch, in order.
+std::vector<int> epoch_examples(const TokenDataset& ds, std::int64_t epoch) {
+  const std::int64_t seq = ds.seq_len(), w = ds.train_windows();
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(w * seq)), labels(ids.size());
+  ds.train_batch(epoch * w, w, ids, labels);
+  std::vector<int> out;
+  for (std::int64_t r = 0; r < w; ++r) out.push_back(example_of_row(std::span(ids).subspan(static_cast<std::size_t>(r * seq))));
+  return out;
+}
+}  // namespace
+
+TEST_CASE("examples: the source reads the mask and the index beside the token file") {
+  TempDir dir;
+  const auto xs = awkward_examples();
+  const auto path = write_examples(dir.path / "sft.bin", xs);
+  CHECK(example_mask_path(path) == dir.path / "sft.bin.mask");
+  CHECK(example_index_path(path) == dir.path / "sft.bin.idx");
+  const auto src = TokenSource::open(path);
+  REQUIRE(src.has_examples());
+  CHECK(src.examples() == 10);
+  CHECK(src.size() == 70);  // 6 + 12 + 14 + 5 + 9 + 10 + 2 + 1 + 4 + 7
+  std::int64_t at = 0;
+  for (int e = 0; e < 10; ++e) {
+    CAPTURE(e);
+    const auto& x = xs[static_cast<std::size_t>(e)];
+    CHECK(src.example_begin(e) == at);
+    CHECK(src.example_end(e) == at + static_cast<std::int64_t>(x.ids.size()));
+    for (std::size_t t = 0; t < x.ids.size(); ++t) {
+      CHECK(src.at(at + static_cast<std::int64_t>(t)) == x.ids[t]);
+      CHECK(src.trained(at + static_cast<std::int64_t>(t)) == (x.mask[t] != 0));
+    }
+    at += static_cast<std::int64_t>(x.ids.size());
+  }
+  // A plain token file is no examples.
+  const auto plain = TokenSource::open(write_tokens(dir.path / "plain.bin", random_u16(100, 50, 1)));
+  CHECK_FALSE(plain.has_examples());
+  CHECK(plain.examples() == 0);
+  // uint32 ids with a mask and an index.
+  const auto wide = TokenSource::open(write_examples(dir.path / "wide.bin", xs, true), TokenFormat::u32);
+  REQUIRE(wide.has_examples());
+  CHECK(wide.examples() == 10);
+  CHECK(wide.size() == 70);
+  CHECK(wide.at(src.example_begin(9) + 6) == xs[9].ids[6]);
+  CHECK_FALSE(wide.trained(src.example_begin(9) + 6));
+  CHECK(wide.trained(src.example_begin(9) + 5));
+}
+
+TEST_CASE("examples: one example per window, padded, labels only on trained tokens") {
+  TempDir dir;
+  const auto xs = awkward_examples();
+  const auto o = example_options();
+  TokenDataset ds(TokenSource::open(write_examples(dir.path / "sft.bin", xs)), o);
+  REQUIRE(ds.examples());
+  // Examples 8 and 9 are held out; of 0-7, 2, 5 and 7 have no label within their windows.
+  CHECK(ds.train_windows() == 5);
+  CHECK(ds.val_windows() == 2);
+  const ExampleStats& t = ds.train_examples();
+  CHECK(t.examples == 8);
+  CHECK(t.truncated == 1);  // 1, 2 and 5 are longer than seq + 1 = 9; 2 and 5 are dropped, so not counted as cut
+  CHECK(t.dropped == 3);
+  CHECK(t.labels == 3 + 2 + 4 + 1 + 1);
+  CHECK(t.tokens == 6 + 9 + 5 + 9 + 2);
+  const ExampleStats& v = ds.val_examples();
+  CHECK(v.examples == 2);
+  CHECK(v.truncated == 0);
+  CHECK(v.dropped == 0);
+  CHECK(v.labels == 2 + 5);
+  CHECK(v.tokens == 4 + 7);
+  CHECK(ds.train_tokens() == 59);  // the tokens of examples 0-7
+  CHECK(ds.val_tokens() == 11);
+
+  const std::int64_t seq = 8, w = ds.train_windows();
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(w * seq)), labels(ids.size());
+  ds.train_batch(0, w, ids, labels);
+  std::set<int> seen;
+  for (std::int64_t r = 0; r < w; ++r) {
+    const auto row = static_cast<std::size_t>(r * seq);
+    const int e = example_of_row(std::span(ids).subspan(row));
+    CAPTURE(e);
+    REQUIRE(e >= 0);
+    REQUIRE(e < 10);
+    seen.insert(e);
+    check_row(xs[static_cast<std::size_t>(e)], std::span(ids).subspan(row, 8), std::span(labels).subspan(row, 8), seq,
+              o.vocab_size, false);
+    // By hand, for a few of them.
+    const auto L = [&](int k) { return labels[row + static_cast<std::size_t>(k)]; };
+    if (e == 0) {
+      CHECK(L(0) == kIgnoreIndex);
+      CHECK(L(1) == kIgnoreIndex);
+      CHECK(L(2) == 103);  // the first trained token, as the label of the last prompt token
+      CHECK(L(4) == 105);
+      CHECK(L(5) == kIgnoreIndex);  // padding
+    }
+    if (e == 1) {
+      CHECK(ids[row + 7] == 127);  // truncated: tokens 0-7 as inputs, 8 as the last label
+      CHECK(L(1) == 122);
+      CHECK(L(2) == 123);
+      CHECK(L(7) == kIgnoreIndex);  // token 8 is not trained (9-11 are, but lie beyond the window)
+    }
+    if (e == 4) {
+      CHECK(L(7) == 188);  // the last token of a seq + 1 example, trained
+      CHECK(std::count(labels.begin() + static_cast<std::ptrdiff_t>(row), labels.begin() + static_cast<std::ptrdiff_t>(row) + 8,
+                       kIgnoreIndex) == 7);
+    }
+    if (e == 6) {
+      CHECK(ids[row] == 220);
+      CHECK(L(0) == 221);
+      for (int k = 1; k < 8; ++k) CHECK(L(k) == kIgnoreIndex);
+    }
+  }
+  CHECK(seen == std::set<int>{0, 1, 3, 4, 6});
+
+  // Validation: the last examples (8 and 9), in order, wrapping around.
+  std::vector<std::int32_t> vids(3 * 8), vlabels(vids.size());
+  ds.val_batch(0, 3, vids, vlabels);
+  CHECK(example_of_row(std::span(vids).subspan(0)) == 8);
+  CHECK(example_of_row(std::span(vids).subspan(8)) == 9);
+  CHECK(example_of_row(std::span(vids).subspan(16)) == 8);
+  check_row(xs[8], std::span(vids).subspan(0, 8), std::span(vlabels).subspan(0, 8), seq, o.vocab_size, false);
+  check_row(xs[9], std::span(vids).subspan(8, 8), std::span(vlabels).subspan(8, 8), seq, o.vocab_size, false);
+  CHECK(vlabels[8 + 5] == kIgnoreIndex);  // example 9's last token (not trained)
+  CHECK(vlabels[8 + 4] == 285);
+
+  // A larger val_fraction holds out more of the last examples.
+  auto o3 = o;
+  o3.val_fraction = 0.3;  // examples 7-9: 7 is dropped from validation now
+  TokenDataset ds3(TokenSource::open(dir.path / "sft.bin"), o3);
+  CHECK(ds3.train_examples().examples == 7);
+  CHECK(ds3.train_windows() == 5);
+  CHECK(ds3.val_examples().examples == 3);
+  CHECK(ds3.val_examples().dropped == 1);
+  CHECK(ds3.val_windows() == 2);
+  ds3.val_batch(0, 1, std::span(vids).first(8), std::span(vlabels).first(8));
+  CHECK(example_of_row(vids) == 8);
+}
+
+TEST_CASE("examples: train_on_prompt labels every next token of the example") {
+  TempDir dir;
+  const auto xs = awkward_examples();
+  const auto o = example_options(true);
+  TokenDataset ds(TokenSource::open(write_examples(dir.path / "sft.bin", xs)), o);
+  // Only example 7 (one token) has no label now.
+  CHECK(ds.train_windows() == 7);
+  const ExampleStats& t = ds.train_examples();
+  CHECK(t.examples == 8);
+  CHECK(t.truncated == 3);
+  CHECK(t.dropped == 1);
+  CHECK(t.labels == 5 + 8 + 8 + 4 + 8 + 8 + 1);
+  CHECK(t.tokens == 6 + 9 + 9 + 5 + 9 + 9 + 2);
+  CHECK(ds.val_examples().labels == 3 + 6);
+  const std::int64_t seq = 8, w = ds.train_windows();
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(w * seq)), labels(ids.size());
+  ds.train_batch(0, w, ids, labels);
+  std::set<int> seen;
+  for (std::int64_t r = 0; r < w; ++r) {
+    const auto row = static_cast<std::size_t>(r * seq);
+    const int e = example_of_row(std::span(ids).subspan(row));
+    CAPTURE(e);
+    seen.insert(e);
+    check_row(xs[static_cast<std::size_t>(e)], std::span(ids).subspan(row, 8), std::span(labels).subspan(row, 8), seq,
+              o.vocab_size, true);
+    if (e == 0) {
+      CHECK(labels[row] == 101);
+      CHECK(labels[row + 4] == 105);
+      CHECK(labels[row + 5] == kIgnoreIndex);  // no label across into padding or the next example
+    }
+    if (e == 2) CHECK(labels[row + 7] == 148);
+  }
+  CHECK(seen == std::set<int>{0, 1, 2, 3, 4, 5, 6});
+}
+
+TEST_CASE("examples: the shuffled order visits every kept example once per epoch") {
+  TempDir dir;
+  // 40 examples of 3 to 11 tokens, every third with nothing trained (dropped).
+  std::vector<Example> xs;
+  std::set<int> kept_train;
+  for (int e = 0; e < 40; ++e) {
+    const bool none = e % 3 == 2;
+    xs.push_back(make_example(e, 3 + e % 9, [&](int t) { return !none && t > 0 && t % 2 == 0; }));
+  }
+  const auto o = [] {
+    auto x = example_options();
+    x.seq_len = 12;
+    x.val_fraction = 0.1;  // the last 4
+    return x;
+  }();
+  for (int e = 0; e < 36; ++e)
+    if (e % 3 != 2) kept_train.insert(e);
+  TokenDataset ds(TokenSource::open(write_examples(dir.path / "sft.bin", xs)), o);
+  CHECK(ds.train_windows() == static_cast<std::int64_t>(kept_train.size()));
+  CHECK(ds.train_examples().dropped == 12);
+  CHECK(ds.val_windows() == 3);  // 36-39: 38 is dropped
+  std::vector<std::vector<int>> orders;
+  for (std::int64_t epoch = 0; epoch < 3; ++epoch) {
+    CAPTURE(epoch);
+    const auto order = epoch_examples(ds, epoch);
+    CHECK(std::set<int>(order.begin(), order.end()) == kept_train);
+    CHECK(order.size() == kept_train.size());
+    orders.push_back(order);
+  }
+  CHECK(orders[0] != orders[1]);  // a permutation per epoch
+  CHECK(orders[1] != orders[2]);
+  std::vector<int> sorted(kept_train.begin(), kept_train.end());
+  CHECK(orders[0] != sorted);  // shuffled, not in file order
+  // Reproducible from the seed; another seed, another order.
+  TokenDataset same(TokenSource::open(dir.path / "sft.bin"), o);
+  CHECK(epoch_examples(same, 1) == orders[1]);
+  auto o2 = o;
+  o2.seed = 6;
+  TokenDataset other(TokenSource::open(dir.path / "sft.bin"), o2);
+  CHECK(epoch_examples(other, 0) != orders[0]);
+  // A batch that runs across the end of an epoch continues with the next epoch's order.
+  const std::int64_t w = ds.train_windows(), seq = 12;
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(4 * seq)), labels(ids.size());
+  ds.train_batch(w - 2, 4, ids, labels);
+  CHECK(example_of_row(std::span(ids).subspan(0)) == orders[0][static_cast<std::size_t>(w - 2)]);
+  CHECK(example_of_row(std::span(ids).subspan(static_cast<std::size_t>(seq))) == orders[0][static_cast<std::size_t>(w - 1)]);
+  CHECK(example_of_row(std::span(ids).subspan(static_cast<std::size_t>(2 * seq))) == orders[1][0]);
+  CHECK(example_of_row(std::span(ids).subspan(static_cast<std::size_t>(3 * seq))) == orders[1][1]);
+  const auto pos = ds.position(w + 3);
+  CHECK(pos.windows_per_epoch == w);
+  CHECK(pos.epoch == 1);
+  CHECK(pos.slot == 3);
+}
+
+TEST_CASE("examples: a separate validation file of examples; plain and example files do not mix") {
+  TempDir dir;
+  const auto xs = awkward_examples();
+  const auto train = write_examples(dir.path / "train.bin", xs);
+  const std::vector<Example> vxs{make_example(20, 3, [](int t) { return t == 2; }),
+                                 make_example(21, 11, [](int t) { return t >= 9; }),  // dropped at seq 8
+                                 make_example(22, 6, [](int t) { return t >= 1; })};
+  const auto val = write_examples(dir.path / "val.bin", vxs);
+  const auto o = example_options();
+  TokenDataset ds(TokenSource::open(train), o, TokenSource::open(val));
+  // Every example of the training file trains now: 0, 1, 3, 4, 6, 8, 9.
+  CHECK(ds.train_examples().examples == 10);
+  CHECK(ds.train_windows() == 7);
+  CHECK(ds.train_tokens() == 70);
+  CHECK(ds.val_examples().examples == 3);
+  CHECK(ds.val_examples().dropped == 1);
+  CHECK(ds.val_examples().truncated == 0);  // (the long one is dropped: not counted as cut)
+  CHECK(ds.val_examples().labels == 1 + 5);
+  CHECK(ds.val_windows() == 2);
+  CHECK(ds.val_tokens() == 20);
+  std::vector<std::int32_t> ids(2 * 8), labels(ids.size());
+  ds.val_batch(0, 2, ids, labels);
+  CHECK(example_of_row(std::span(ids).subspan(0)) == 20);
+  CHECK(example_of_row(std::span(ids).subspan(8)) == 22);
+  check_row(vxs[0], std::span(ids).subspan(0, 8), std::span(labels).subspan(0, 8), 8, o.vocab_size, false);
+  check_row(vxs[2], std::span(ids).subspan(8, 8), std::span(labels).subspan(8, 8), 8, o.vocab_size, false);
+  CHECK(labels[1] == 502);
+  CHECK(labels[0] == kIgnoreIndex);
+  std::set<int> seen;
+  for (const int e : epoch_examples(ds, 0)) seen.insert(e);
+  CHECK(seen == std::set<int>{0, 1, 3, 4, 6, 8, 9});
+
+  // Examples with a plain validation file, and a plain file with examples for validation: refused.
+  const auto plain = write_tokens(dir.path / "plain.bin", random_u16(500, 90, 2));
+  CHECK_THROWS_WITH_AS(TokenDataset(TokenSource::open(train), o, TokenSource::open(plain)),
+                       doctest::Contains("is not examples like"), Error);
+  CHECK_THROWS_WITH_AS(TokenDataset(TokenSource::open(train), o, TokenSource::open(plain)),
+                       doctest::Contains("plain.bin.idx"), Error);
+  DatasetOptions po;
+  po.vocab_size = 1000;
+  po.seq_len = 8;
+  CHECK_THROWS_WITH_AS(TokenDataset(TokenSource::open(plain), po, TokenSource::open(val)),
+                       doctest::Contains("is examples but"), Error);
+  // A validation file none of whose examples has a label within the window.
+  const auto none = write_examples(dir.path / "none.bin", {make_example(30, 12, [](int t) { return t == 11; })});
+  CHECK_THROWS_WITH_AS(TokenDataset(TokenSource::open(train), o, TokenSource::open(none)),
+                       doctest::Contains("none of its 1 examples has a trained token within the first 8 + 1 tokens"), Error);
+}
+
+TEST_CASE("examples: inconsistent sidecars are refused with a clear message") {
+  TempDir dir;
+  const auto xs = awkward_examples();
+  const auto good = write_examples(dir.path / "good.bin", xs);
+  std::vector<std::uint16_t> ids;
+  std::vector<std::uint8_t> mask;
+  for (const auto& x : xs) {
+    ids.insert(ids.end(), x.ids.begin(), x.ids.end());
+    mask.insert(mask.end(), x.mask.begin(), x.mask.end());
+  }
+  REQUIRE(ids.size() == 70);
+  const auto fresh = [&](const std::string& name) {
+    const auto p = write_tokens(dir.path / name, ids);
+    write_bytes(example_mask_path(p), mask.data(), mask.size());
+    write_index(p, {0, 6, 18, 70});
+    CHECK(TokenSource::open(p).examples() == 3);  // consistent as written
+    return p;
+  };
+
+  // A mask without an index, and an index without a mask.
+  {
+    const auto p = fresh("no-idx.bin");
+    fs::remove(example_index_path(p));
+    CHECK_THROWS_WITH_AS(TokenSource::open(p), doctest::Contains("no-idx.bin.mask' is there but not"), Error);
+    CHECK_THROWS_WITH_AS(TokenSource::open(p), doctest::Contains("no-idx.bin.idx"), Error);
+  }
+  {
+    const auto p = fresh("no-mask.bin");
+    fs::remove(example_mask_path(p));
+    CHECK_THROWS_WITH_AS(TokenSource::open(p), doctest::Contains("no-mask.bin.idx' is there but not"), Error);
+  }
+  // A mask of another size than the tokens.
+  {
+    const auto p = fresh("short-mask.bin");
+    write_bytes(example_mask_path(p), mask.data(), mask.size() - 1);
+    CHECK_THROWS_WITH_AS(TokenSource::open(p), doctest::Contains("has 69 bytes for 70 tokens"), Error);
+    write_bytes(example_mask_path(p), std::vector<std::uint8_t>(71, 1).data(), 71);
+    CHECK_THROWS_WITH_AS(TokenSource::open(p), doctest::Contains("has 71 bytes for 70 tokens"), Error);
+  }
+  // uint32 tokens: the mask counts tokens, not bytes.
+  {
+    const auto p = write_tokens(dir.path / "wide-mask.bin", std::vector<std::uint32_t>(ids.begin(), ids.end()));
+    write_bytes(example_mask_path(p), std::vector<std::uint8_t>(140, 1).data(), 140);  // one per byte of uint16
+    write_index(p, {0, 70});
+    CHECK_THROWS_WITH_AS(TokenSource::open(p, TokenFormat::u32), doctest::Contains("has 140 bytes for 70 tokens"), Error);
+  }
+  // Indexes that do not divide the tokens into examples.
+  const std::vector<std::pair<std::vector<std::int64_t>, std::string>> bad_indexes{
+      {{3, 18, 70}, "entry 0 is 3"},       // not starting at 0
+      {{0, 18, 69}, "entry 2 is 69"},      // not ending at the token count
+      {{0, 18, 71}, "entry 2 is 71"},      // beyond it
+      {{0, 30, 18, 70}, "entry 2 is 18"},  // decreasing
+      {{0, 18, 18, 70}, "entry 2 is 18"},  // an empty example
+      {{0}, "is not a list of int64 offsets"},
+  };
+  for (const auto& [index, what] : bad_indexes) {
+    CAPTURE(what);
+    const auto p = fresh("bad-index.bin");
+    write_index(p, index);
+    CHECK_THROWS_WITH_AS(TokenSource::open(p), doctest::Contains(what.c_str()), Error);
+    if (index.size() > 1) CHECK_THROWS_WITH_AS(TokenSource::open(p), doctest::Contains("does not divide its 70 tokens into examples"), Error);
+  }
+  {
+    const auto p = fresh("ragged-index.bin");
+    const std::int64_t v[2] = {0, 70};
+    write_bytes(example_index_path(p), v, 12);  // not a whole number of int64
+    CHECK_THROWS_WITH_AS(TokenSource::open(p), doctest::Contains("is not a list of int64 offsets"), Error);
+  }
+  // Examples that all lose their labels to the window, and too few examples to hold one out.
+  {
+    const auto p = write_examples(dir.path / "late.bin", {make_example(0, 12, [](int t) { return t == 11; }),
+                                                          make_example(1, 12, [](int t) { return t == 10; }),
+                                                          make_example(2, 4, [](int t) { return t == 3; })});
+    CHECK_THROWS_WITH_AS(TokenDataset(TokenSource::open(p), example_options()),
+                         doctest::Contains("none of its 2 training examples has a trained token within the first 8 + 1 tokens"),
+                         Error);
+    const auto one = write_examples(dir.path / "one.bin", {xs[0]});
+    CHECK_THROWS_WITH_AS(TokenDataset(TokenSource::open(one), example_options()),
+                         doctest::Contains("has 1 example: too few for one training and one validation example"), Error);
+  }
+  // The good file still opens.
+  CHECK(TokenSource::open(good).examples() == 10);
+}
+
+TEST_CASE("examples: the digest covers the mask and the index") {
+  TempDir dir;
+  auto xs = awkward_examples();
+  const auto a = TokenSource::open(write_examples(dir.path / "a.bin", xs)).digest();
+  CHECK(a.size() == 32);
+  CHECK(TokenSource::open(write_examples(dir.path / "a2.bin", xs)).digest() == a);  // the same data, the same digest
+  // Only the mask changes.
+  xs[3].mask[2] = 0;
+  const auto b = TokenSource::open(write_examples(dir.path / "b.bin", xs)).digest();
+  CHECK(b != a);
+  // Only the index changes (the same tokens and mask, examples 0 and 1 joined).
+  const auto c_path = write_examples(dir.path / "c.bin", awkward_examples());
+  std::vector<std::int64_t> index{0};
+  for (std::size_t e = 0; e < xs.size(); ++e)
+    if (e != 0) index.push_back(index.back() + static_cast<std::int64_t>(xs[e].ids.size()) + (e == 1 ? 6 : 0));
+  REQUIRE(index.back() == 70);
+  write_index(c_path, index);
+  const auto c = TokenSource::open(c_path);
+  CHECK(c.examples() == 9);
+  CHECK(c.digest() != a);
+  CHECK(c.digest() != b);
+  // The tokens alone, without sidecars, differ from the examples.
+  fs::remove(example_mask_path(c_path));
+  fs::remove(example_index_path(c_path));
+  CHECK(TokenSource::open(c_path).digest() != a);
 }

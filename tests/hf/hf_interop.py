@@ -260,6 +260,42 @@ def check_model(name, model, exe, work, check, rng, gen, auto_backend):
             print(f"note {name}: --backend auto chose the cpu (no GPU): nothing more to check", flush=True)
     before = res["val_loss"]  # megatrain's loss on the evaluation (and training) window, fp32
 
+    # 1b. Prompt-masked examples (a token file with .mask and .idx beside it, as megatrain-tokenize
+    # writes them), one per sequence and padded, against transformers with labels -100 on the
+    # untrained tokens and the padding: PyTorch's cross_entropy(ignore_index=-100), the mean over
+    # the labelled tokens of the batch. Lengths below, at and above a row of SEQ + 1 tokens.
+    examples = []
+    for length in (SEQ // 3, SEQ + 1, SEQ + 7):
+        toks = [rng.randrange(VOCAB) for _ in range(length)]
+        mask = [1 if rng.random() < 0.5 else 0 for _ in range(length)]
+        mask[min(length, SEQ + 1) - 1] = 1
+        examples.append((toks, mask))
+    ex_bin = os.path.join(d, "examples.bin")
+    ids = torch.zeros((len(examples), SEQ + 1), dtype=torch.long)
+    labels = torch.full((len(examples), SEQ + 1), -100, dtype=torch.long)
+    with open(ex_bin, "wb") as f, open(ex_bin + ".mask", "wb") as fm, open(ex_bin + ".idx", "wb") as fi:
+        at = 0
+        for r, (toks, mask) in enumerate(examples):
+            f.write(struct.pack(f"<{len(toks)}H", *toks))
+            fm.write(bytes(mask))
+            fi.write(struct.pack("<q", at))
+            at += len(toks)
+            n = min(len(toks), SEQ + 1)
+            ids[r, :n] = torch.tensor(toks[:n])
+            labels[r, 1:n] = torch.tensor([t if m else -100 for t, m in zip(toks[1:n], mask[1:n])])
+        fi.write(struct.pack("<q", at))
+    with torch.no_grad():
+        want_masked = float(model(input_ids=ids, labels=labels).loss)
+    labelled = int((labels[:, 1:] != -100).sum())
+    for backend in ["cpu"] + (["auto"] if auto_backend else []):
+        r = run([exe, "--model", hf_dir, "--steps", "0", "--val-data", ex_bin, "--seq", str(SEQ), "--backend", backend],
+                "evaluating prompt-masked examples")
+        got = json.loads([l for l in r.stdout.splitlines() if l.strip().startswith("{")][-1])
+        check.true(f"{name}: prompt-masked examples: {got['tokens']} labelled tokens, want {labelled}",
+                   got["tokens"] == labelled and got["sequences"] == len(examples), str(got))
+        check.close(f"{name}: megatrain ({got['backend']}, {got['compute_dtype']}) loss of prompt-masked examples vs "
+                    f"transformers with labels -100", got["val_loss"], want_masked, tolerance(got["compute_dtype"]))
+
     # 2. transformers' model saved in bfloat16: config.json declares it, every tensor is BF16.
     bf16_dir = os.path.join(d, "hf-bf16")
     model_bf16 = copy.deepcopy(model).to(torch.bfloat16)

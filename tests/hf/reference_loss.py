@@ -159,8 +159,10 @@ class Model:
             out.append(o)
         return out
 
-    def loss(self, tokens):
-        """transformers' loss with labels = input_ids on tokens (S + 1 of them: S predictions)."""
+    def loss(self, tokens, trained=None):
+        """transformers' loss with labels = input_ids on tokens (S + 1 of them: S predictions).
+        With `trained` (a flag per token), the labels of untrained tokens are -100: then the sum
+        of the labelled tokens' losses and their count."""
         seq = len(tokens) - 1
         x = [list(self.embed[t]) for t in tokens[:seq]]
         group = self.heads // self.kv
@@ -188,12 +190,15 @@ class Model:
                 g, u = add(matvec(b["gate"], n), b["gb"]), add(matvec(b["up"], n), b["ub"])
                 act = [gi / (1.0 + math.exp(-gi)) * ui for gi, ui in zip(g, u)]  # silu(gate) * up
                 x[i] = add(r, matvec(b["down"], act), b["db"])
-        total = 0.0
+        total, count = 0.0, 0
         for t in range(seq):
+            if trained is not None and not trained[t + 1]:
+                continue  # label -100: ignored by cross_entropy
             z = matvec(self.head, rmsnorm(x[t], self.norm, self.eps))
             top = max(z)
             total += top + math.log(sum(math.exp(v - top) for v in z)) - z[tokens[t + 1]]
-        return total / seq
+            count += 1
+        return (total, count) if trained is not None else total / seq
 
 
 def main():
@@ -244,6 +249,44 @@ def main():
                   flush=True)
             if not ok:
                 failures.append(what)
+            if n == 0:
+                # Prompt-masked examples (a token file with .mask and .idx beside it, as
+                # megatrain-tokenize writes them): one example per sequence, padded; the loss is
+                # transformers' with labels -100 on untrained tokens, the mean over all labelled
+                # tokens of all the examples. Lengths: shorter than the row, exactly a row (seq + 1)
+                # and longer (cut at seq + 1).
+                examples, total, count = [], 0.0, 0
+                for length in (7, seq + 1, seq + 9, 12):
+                    toks = [rng.randrange(model.vocab) for _ in range(length)]
+                    mask = [1 if rng.random() < 0.5 else 0 for _ in range(length)]
+                    mask[min(length, seq + 1) - 1] = 1  # a trained label within the row
+                    examples.append((toks, mask))
+                    t, c = model.loss(toks[:seq + 1], mask[:seq + 1])
+                    total, count = total + t, count + c
+                want = total / count
+                ex = os.path.join(path, "examples.bin")
+                with open(ex, "wb") as f, open(ex + ".mask", "wb") as fm, open(ex + ".idx", "wb") as fi:
+                    at = 0
+                    for toks, mask in examples:
+                        f.write(struct.pack(f"<{len(toks)}H", *toks))
+                        fm.write(bytes(mask))
+                        fi.write(struct.pack("<q", at))
+                        at += len(toks)
+                    fi.write(struct.pack("<q", at))
+                r = subprocess.run([args.megatrain, "--model", path, "--steps", "0", "--val-data", ex, "--seq", str(seq),
+                                    "--backend", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   timeout=300)
+                label = f"{what}, prompt-masked examples"
+                if r.returncode != 0:
+                    print(f"FAIL {label}: megatrain-train exited {r.returncode}\n{r.stdout}{r.stderr}")
+                    failures.append(label)
+                    continue
+                got = json.loads(r.stdout.strip().splitlines()[-1])
+                ok = got["tokens"] == count and abs(got["val_loss"] - want) <= RTOL * abs(want)
+                print(f"{'ok  ' if ok else 'FAIL'} {label}: megatrain {got['val_loss']:.8f} over {got['tokens']} labels, "
+                      f"reference {want:.8f} over {count}", flush=True)
+                if not ok:
+                    failures.append(label)
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)

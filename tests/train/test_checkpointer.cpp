@@ -146,7 +146,7 @@ TEST_CASE("a resumed run equals the uninterrupted one bit for bit, in every mode
       jittery.jitter_us = 200;
       Run first(cfg, jittery, 7);
       Checkpointer ckpt(folder, {});
-      ::setenv("MEGATRAIN_TEST_DELAY_AT", "write:tensor:300", 1);  // a slow disk: the next steps wait for it
+      ::setenv("MEGATRAIN_TEST_DELAY_AT", "write:tensor:3000", 1);  // a slow disk: the next steps wait for it (3 ms a tensor: slower than the steps even on a loaded 2-core machine)
       // (Updates left in flight between steps, as a training loop leaves them: save() applies the
       // last one before writing, and the next ones wait for the writer unit by unit.)
       for (int s = 0; s < kSteps; ++s) {

@@ -114,8 +114,8 @@ struct DatasetOptions {
 /// What became of the examples of a source (TokenDataset in example mode).
 struct ExampleStats {
   std::int64_t examples = 0;   ///< in the split
-  std::int64_t truncated = 0;  ///< longer than seq + 1 tokens: cut at the end of the window
-  std::int64_t dropped = 0;    ///< no trained label within the window: left out
+  std::int64_t truncated = 0;  ///< kept, and longer than seq + 1 tokens: cut at the end of the window
+  std::int64_t dropped = 0;    ///< no trained label within the window: left out (cut or not)
   std::int64_t labels = 0;     ///< trained labels of the kept examples, within their windows
   std::int64_t tokens = 0;     ///< tokens of the kept examples within their windows
 };

