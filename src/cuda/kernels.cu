@@ -294,15 +294,18 @@ struct SwigluBackwardOp {
 
 constexpr int kEmbThreads = 128;
 
+template <class T>  // bf (the streamed bf16 table) or float (fp32 master rows)
 __global__ void __launch_bounds__(kEmbThreads)
-    embedding_forward_kernel(const std::int32_t* __restrict__ ids, const bf* __restrict__ table, float* __restrict__ out,
+    embedding_forward_kernel(const std::int32_t* __restrict__ ids, const T* __restrict__ table, float* __restrict__ out,
                              i64 M, i64 d, i64 V, bool vec) {
   for (i64 t = blockIdx.x; t < M; t += gridDim.x) {
     const std::int32_t id = ids[t];
     if (id < 0 || id >= V) __trap();  // no row to read: stop (see the top of this file)
-    const bf* src = table + static_cast<i64>(id) * d;
+    const T* src = table + static_cast<i64>(id) * d;
     float* dst = out + t * d;
-    if (vec) {
+    if constexpr (std::is_same_v<T, float>) {
+      for (i64 c = threadIdx.x; c < d; c += blockDim.x) dst[c] = src[c];
+    } else if (vec) {
       for (i64 c = threadIdx.x; c < d / 8; c += blockDim.x) {
         float f[8];
         unpack8(ld16(src + 8 * c), f);
@@ -1327,6 +1330,16 @@ void launch_embedding_forward(const std::int32_t* ids, const bf16* table, float*
   embedding_forward_kernel<<<static_cast<unsigned>(std::min<i64>(M, 65536)), kEmbThreads, 0, stream>>>(
       ids, dev(table), out, M, d, V, vec);
   MT_CUDA_CHECK_LAUNCH("embedding_forward_kernel");
+}
+
+void launch_embedding_forward(const std::int32_t* ids, const float* table, float* out, std::int64_t M, std::int64_t d,
+                              std::int64_t V, cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_embedding_forward");
+  MT_CHECK(M >= 0 && d > 0 && V > 0, "embedding_forward: invalid sizes M {}, d {}, V {}", M, d, V);
+  if (M == 0) return;
+  embedding_forward_kernel<<<static_cast<unsigned>(std::min<i64>(M, 65536)), kEmbThreads, 0, stream>>>(
+      ids, table, out, M, d, V, false);
+  MT_CUDA_CHECK_LAUNCH("embedding_forward_kernel (fp32 rows)");
 }
 
 void launch_take_rows(const std::int32_t* rows, float* table, float* out, std::int64_t U, std::int64_t d, std::int64_t V,

@@ -136,6 +136,103 @@ struct Record {
   std::string text;       // the JSON (or a text file's content)
 };
 
+// The elements of a JSON array, one at a time, from a file read in blocks: a JSON file of any
+// size is read once and never held whole. Each element's text is cut at the commas and the
+// closing bracket outside strings and nested values, then parsed on its own (a malformed
+// element is a bad record, like a malformed JSONL line).
+class JsonArrayReader {
+ public:
+  JsonArrayReader(const fs::path& path, const std::string& option) : in_(path, std::ios::binary), path_(path), option_(option) {
+    MT_CHECK(in_.good(), "{} '{}': cannot open it", option_, path_.string());
+    int c = skip_space();
+    if (c == 0xEF) {  // a UTF-8 byte order mark
+      get(), get();
+      c = skip_space();
+    }
+    MT_CHECK(c == '[', "{} '{}': a JSON input must be an array of records (one per line is JSONL: name it .jsonl)", option_,
+             path_.string());
+    c = skip_space();
+    if (c == ']') finish();
+    else unget();
+  }
+  /// The next element's text; false after the last.
+  bool next(std::string& out) {
+    out.clear();
+    if (done_) return false;
+    int depth = 0;
+    bool in_string = false, escaped = false;
+    for (;;) {
+      const int c = get();
+      MT_CHECK(c >= 0, "{} '{}': the file ends before its array closes (a truncated file?)", option_, path_.string());
+      if (in_string) {
+        if (escaped) escaped = false;
+        else if (c == '\\') escaped = true;
+        else if (c == '"') in_string = false;
+      } else if (c == '"') {
+        in_string = true;
+      } else if (c == '{' || c == '[') {
+        ++depth;
+      } else if (c == '}' || c == ']') {
+        if (depth == 0) {  // (only ']' can close the array; '}' here is a malformed element)
+          if (c == ']') {
+            finish();
+            return trimmed(out);
+          }
+        } else {
+          --depth;
+        }
+      } else if (c == ',' && depth == 0) {
+        return trimmed(out);
+      }
+      out.push_back(static_cast<char>(c));
+    }
+  }
+  std::uintmax_t bytes() const { return read_; }
+
+ private:
+  int get() {
+    if (at_ == end_) {
+      in_.read(block_.data(), static_cast<std::streamsize>(block_.size()));
+      end_ = static_cast<std::size_t>(in_.gcount());
+      at_ = 0;
+      MT_CHECK(!in_.bad(), "{} '{}': read error", option_, path_.string());
+      if (end_ == 0) return -1;
+    }
+    ++read_;
+    return static_cast<unsigned char>(block_[at_++]);
+  }
+  void unget() {
+    --at_;
+    --read_;
+  }
+  int skip_space() {
+    int c;
+    do c = get();
+    while (c == ' ' || c == '\n' || c == '\t' || c == '\r');
+    return c;
+  }
+  void finish() {
+    done_ = true;
+    const int c = skip_space();
+    MT_CHECK(c < 0, "{} '{}': more after the array's closing bracket (one record per line is JSONL: name it .jsonl)",
+             option_, path_.string());
+  }
+  // An element's text without the white space around it; an empty one (as in "[1,,2]" or a
+  // comma before "]") is kept as "" and refused as not JSON, except the nothing of "[]".
+  static bool trimmed(std::string& s) {
+    const auto b = s.find_first_not_of(" \n\t\r");
+    s = b == std::string::npos ? std::string() : s.substr(b, s.find_last_not_of(" \n\t\r") - b + 1);
+    return true;
+  }
+  std::ifstream in_;
+  fs::path path_;
+  std::string option_;
+  std::vector<char> block_ = std::vector<char>(1 << 20);
+  std::size_t at_ = 0, end_ = 0;
+  std::uintmax_t read_ = 0;
+  bool done_ = false;
+};
+
 // Encodes records and writes them, in order; the first good record fixes the format.
 class Encoder {
  public:
@@ -365,26 +462,27 @@ PrepareResult prepare_token_files(const Tokenizer& tok, const PrepareOptions& op
     MT_CHECK(!in.bad(), "{} '{}': read error at line {}", in_opt, opt.input.string(), line_no);
     enc.add(batch, "");
   } else {
-    std::string content = detail::read_file(opt.input);
-    r.bytes = content.size();
     if (format == "text") {
+      std::string content = detail::read_file(opt.input);  // (one document: its ids need all of it)
+      r.bytes = content.size();
       MT_CHECK(!content.empty(), "{} '{}' is empty", in_opt, opt.input.string());
       batch.push_back({1, std::move(content)});
       enc.add(batch, "");
     } else {
-      json j;
-      try {
-        j = json::parse(content);
-      } catch (const json::parse_error& e) {
-        MT_FAIL("{} '{}': malformed JSON ({}); a JSON input is an array of objects (one per line is JSONL: name it .jsonl)",
-                in_opt, opt.input.string(), e.what());
-      }
-      MT_CHECK(j.is_array(), "{} '{}': a JSON input must be an array of objects (records)", in_opt, opt.input.string());
-      for (std::size_t i = 0; i < j.size(); ++i) {
-        batch.push_back({static_cast<std::int64_t>(i), j[i].dump()});
-        if (batch.size() >= 8192) enc.add(batch, " element ");
+      JsonArrayReader reader(opt.input, in_opt);
+      std::string element;
+      std::size_t batch_bytes = 0;
+      for (std::int64_t i = 0; reader.next(element); ++i) {
+        batch_bytes += element.size();
+        batch.push_back({i, std::move(element)});
+        if (batch_bytes >= (16u << 20) || batch.size() >= 8192) {
+          enc.add(batch, " element ");
+          batch_bytes = 0;
+          if (opt.progress) opt.progress(reader.bytes(), total);
+        }
       }
       enc.add(batch, " element ");
+      r.bytes = reader.bytes();
     }
   }
   if (opt.progress) opt.progress(r.bytes, total);

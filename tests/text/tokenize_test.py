@@ -91,6 +91,28 @@ with open(os.path.join(work, "c.json"), "w") as f:
     json.dump([{"text": "hello"}, {"text": "o"}], f)
 run(tokenize, ["--tokenizer", os.path.join(tok, "tokenizer.json"), "--input", "c.json", "--output", "c.bin"])
 check(ids("c.bin", 2) == hello + [258, O, 258], f"c.bin: {ids('c.bin', 2)}")
+# a JSON array is read element by element (streamed): brackets, braces, commas and escaped
+# quotes inside strings, nested values, a byte order mark and white space are its elements' own
+tricky = '\ufeff [ {"text": "he]l,l}o", "meta": {"a": [1, {"b": "\\"]"}]}} ,\n\t{"text": "o\\"o"}\n]\n'
+with open(os.path.join(work, "t.json"), "w", encoding="utf-8") as f:
+    f.write(tricky)
+out = run(tokenize, ["--tokenizer", tok, "--input", "t.json", "--output", "t.bin", "--eos", "none"])
+want_t = [256, ord("]"), ord("l"), ord(","), ord("l"), ord("}"), O] + [O, ord('"'), O]
+check(ids("t.bin", 2) == want_t, f"t.bin: {ids('t.bin', 2)} vs {want_t}\n{out}")
+for name, text, why in [("e.json", "[]", "holds no document"),
+                        ("u.json", '[{"text": "hello"}, {"text": "o"', "ends before its array closes"),
+                        ("x.json", '[{"text": "hello"}] {"text": "o"}', "more after the array's closing bracket"),
+                        ("o.json", '{"text": "hello"}', "must be an array of records")]:
+    with open(os.path.join(work, name), "w") as f:
+        f.write(text)
+    err = run(tokenize, ["--tokenizer", tok, "--input", name, "--output", name + ".bin"], rc=1)
+    check(why in err, f"{name}: {err}")
+    check(not os.path.exists(os.path.join(work, name + ".bin")), f"{name}: a refused run left its output")
+with open(os.path.join(work, "badel.json"), "w") as f:
+    f.write('[{"text": "hello"}, {"text": }, {"text": "o"}]')
+err = run(tokenize, ["--tokenizer", tok, "--input", "badel.json", "--output", "badel.bin"], rc=1)
+check("badel.json: element 1: not JSON" in err, f"a malformed element: {err}")
+
 with open(os.path.join(work, "d.txt"), "w") as f:
     f.write("hello hello")
 run(tokenize, ["--tokenizer", tok, "--input", "d.txt", "--output", "d.bin", "--eos", "258"])

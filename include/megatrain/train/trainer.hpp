@@ -44,6 +44,12 @@
 // head reads the embedding's slot and accumulates into its gradient); blocks share rings of
 // `weight_slots` and `grad_slots` buffers.
 //
+// The embedding's lookup reads fp32 rows, as PyTorch's autocast does (it leaves F.embedding in
+// fp32; a tied head's product is in the compute dtype like any other): a device embedding's
+// fp32 master table, or, for a host embedding, the batch's distinct rows of its masters,
+// gathered on the host once per step and uploaded (then the bf16 table crosses only for a tied
+// head). Both give the same bits.
+//
 // Without resident gradients a host embedding's gradient comes back in two parts, as only the rows
 // of the batch's tokens (the "touched" rows) get a gradient from the embedding itself:
 //   - the other rows (embed_rest items, spread between the blocks of the backward): with a
@@ -57,6 +63,8 @@
 // only be as large as a decoder block, and the step's tail holds only the touched rows.
 #pragma once
 
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/task_arena.h>
 
 #include <algorithm>
@@ -238,7 +246,7 @@ class Trainer {
       st.clip_coef = clip_coefficient(*last_grad_norm_, opt_.clip_norm);
     st.sumsq = 0;
     st.micro_rows = opt_.micro_rows();
-    if (streamed_unit(0)) find_touched_rows(ids);
+    if (!devices_.holds(0)) find_touched_rows(ids);  // (the forward's fp32 rows; a streamed gradient's rows)
     load_device_units();
 
     // (The previous step's AdamW pass, if still in flight, goes first: each unit's prefetch waits
@@ -296,6 +304,7 @@ class Trainer {
       const auto off = static_cast<std::size_t>(first * opt_.seq_len);
       std::copy_n(ids.begin() + off, mt, ids_host_.begin());
       std::copy_n(labels.begin() + off, mt, labels_host_.begin());
+      if (!devices_.holds(0)) find_touched_rows(std::span<const std::int32_t>(ids_host_).first(static_cast<std::size_t>(mt)));
       state_->micro_rows = opt_.micro_rows();
       std::vector<TrainItem> items;
       for (std::size_t u = 0; u <= model_.num_blocks(); ++u) items.push_back({Kind::forward, u, 0});
@@ -478,6 +487,25 @@ class Trainer {
       Trainer& t = *this->owner;
       const auto& unit = t.store_.unit(it.unit);
       Timed<Exec> timed(exec, t.opt_.profile ? &timings : nullptr);
+      if (it.unit == 0) {
+        // The embedding's lookup reads fp32 rows (see the top of this file): the batch's distinct
+        // tokens' rows of the master table, gathered once per step (or evaluation part); its bf16
+        // weights only where a tied head reads them.
+        if (it.kind == Kind::forward && it.micro == 0) {
+          const auto d = static_cast<std::size_t>(t.hidden());
+          const auto rows = t.touched();
+          const std::span<const float> master = unit.master();
+          tbb::parallel_for(tbb::blocked_range<std::size_t>(0, rows.size(), 256), [&](const tbb::blocked_range<std::size_t>& r) {
+            for (std::size_t i = r.begin(); i != r.end(); ++i)
+              std::copy_n(master.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(rows[i]) * d), d,
+                          t.embed_rows_host_.begin() + static_cast<std::ptrdiff_t>(i * d));
+          });
+          t.be_.upload(exec, std::span<const float>(t.embed_rows_host_).first(rows.size() * d),
+                       t.embed_rows_.span().first(rows.size() * d));
+          timings.bytes += rows.size() * d * sizeof(float);
+        }
+        if (!t.model_.head().op().tied()) return;
+      }
       timings.bytes += static_cast<std::size_t>(unit.numel()) * sizeof(W);
       if constexpr (std::is_same_v<W, float>)
         t.be_.upload(exec, std::span<const float>(unit.master()), t.weight_slot(it.unit, s.out));
@@ -542,7 +570,6 @@ class Trainer {
       auto for_chunks = [&](auto&& f) {
         for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) f(r0, std::min(chunk, rows - r0));
       };
-      const auto embed_w = t.model_.embedding().bind(std::span<const W>(t.embed_slot_.span()));
       switch (it.kind) {
         case Kind::forward: {
           auto out = t.ckpt_out(it.unit);  // where unit u's output goes (its device checkpoint, or a staging buffer)
@@ -551,9 +578,21 @@ class Trainer {
             const auto n = static_cast<std::size_t>(rows * seq);
             t.be_.upload(exec, std::span<const std::int32_t>(t.ids_host_).subspan(off, n), t.ids_dev_.span());
             t.be_.upload(exec, std::span<const std::int32_t>(t.labels_host_).subspan(off, n), t.labels_dev_.span());
+            // fp32 rows: a device unit's master table, or the batch's distinct rows gathered by
+            // the prefetch (indexed by the tokens' compact ids)
+            std::span<std::int32_t> ids = t.ids_dev_.span();
+            View<const float> table;
+            if (t.devices_.holds(0)) {
+              table = View<const float>(t.devices_.master(0).first(static_cast<std::size_t>(t.vocab() * d)), Shape{t.vocab(), d});
+            } else {
+              t.be_.upload(exec, std::span<const std::int32_t>(t.compact_ids_host_).subspan(off, n), t.compact_ids_dev_.span());
+              ids = t.compact_ids_dev_.span();
+              table = View<const float>(std::span<const float>(t.embed_rows_.span()).first(static_cast<std::size_t>(t.touched_count_ * d)),
+                                        Shape{t.touched_count_, d});
+            }
             for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
-              t.model_.embedding().op().forward(t.be_, ChunkShape{n_rows, seq}, embed_w, tok(t.ids_dev_.span(), r0, n_rows),
-                                                rows_of(out, r0, n_rows), t.arena_);
+              t.model_.embedding().op().forward_full(t.be_, ChunkShape{n_rows, seq}, table, tok(ids, r0, n_rows),
+                                                     rows_of(out, r0, n_rows), t.arena_);
             });
           } else {
             const auto& tmpl = t.model_.block(it.unit - 1);
@@ -895,6 +934,15 @@ class Trainer {
                     (fit + 2 + (spilled_ > 0 ? 2 : 0)) * ckpt_bytes + scratch + 2 * micro_tokens * sizeof(std::int32_t) +
                     micro_tokens * sizeof(Acc) + model_.num_units() * sizeof(double);
     place_device_units();
+    if (!devices_.holds(0)) {  // the embedding's fp32 rows for the lookup, gathered on the host
+      const auto max_rows = std::min<std::size_t>(static_cast<std::size_t>(vocab()), batch_tokens);
+      const auto n = max_rows * static_cast<std::size_t>(cfg.hidden_size);
+      embed_rows_ = be_.template alloc<float>(n);
+      embed_rows_host_mem_ = HostBuffer::allocate(n * sizeof(float));
+      embed_rows_host_ = embed_rows_host_mem_.template as<float>(0, n);
+      if (compact_ids_dev_.size() == 0) compact_ids_dev_ = be_.template alloc<std::int32_t>(micro_tokens);
+      device_bytes_ += n * sizeof(float) + (streamed() ? 0 : micro_tokens * sizeof(std::int32_t));
+    }
   }
 
   // Device units (TrainerOptions::device_units): each needs its state, its own gradient
@@ -1254,6 +1302,9 @@ class Trainer {
   Buf<std::int32_t> ids_dev_, labels_dev_;
   Buf<Acc> rows_acc_;                            // streamed: the touched rows' gradient, compact
   Buf<std::int32_t> touched_dev_, compact_ids_dev_;
+  Buf<float> embed_rows_;           // a host embedding: the batch's distinct rows, fp32, for the lookup
+  HostBuffer embed_rows_host_mem_;  // (gathered here from the masters, then uploaded)
+  std::span<float> embed_rows_host_;
   std::span<std::int32_t> compact_ids_host_, touched_host_;
   std::int64_t touched_count_ = 0;
   Buf<Acc> loss_dev_;

@@ -338,7 +338,8 @@ class CpuBackend {
 
   // ---- embedding -----------------------------------------------------------------------------
   /// y[t] = table[ids[t]]
-  void embedding(View<const std::int32_t> ids, View<const Weight> table, View<Act> y) {
+  template <class U>  // Weight, or float (fp32 master rows)
+  void embedding(View<const std::int32_t> ids, View<const U> table, View<Act> y) {
     const std::int64_t M = ids.numel(), V = table.size(0), d = table.size(1);
     MT_CHECK(y.size(0) == M && y.size(1) == d, "embedding: output {} does not match {} tokens x {}", y.shape().str(), M, d);
     for (std::int64_t t = 0; t < M; ++t)
@@ -346,7 +347,7 @@ class CpuBackend {
                ids.data()[t], t, V);
     parallel_rows(M, 64, [&](std::int64_t b, std::int64_t e) {
       for (std::int64_t t = b; t < e; ++t)
-        std::copy_n(table.data() + static_cast<std::int64_t>(ids.data()[t]) * d, d, y.data() + t * d);
+        for (std::int64_t c = 0; c < d; ++c) y.data()[t * d + c] = static_cast<T>(table.data()[static_cast<std::int64_t>(ids.data()[t]) * d + c]);
     });
   }
   /// dtable[ids[t]] += dy[t]

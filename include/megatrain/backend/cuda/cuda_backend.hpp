@@ -379,6 +379,13 @@ class CudaBackend {
              y.shape().str(), ids.numel(), table.size(1));
     cuda::launch_embedding_forward(ids.data(), table.data(), y.data(), ids.numel(), table.size(1), table.size(0), stream_);
   }
+  /// The same from an fp32 table (fp32 master rows: the lookup as PyTorch's autocast does it).
+  void embedding(View<const std::int32_t> ids, View<const float> table, View<Res> y) {
+    MT_NVTX_RANGE("cuda:embedding");
+    MT_CHECK(y.size(0) == ids.numel() && y.size(1) == table.size(1), "embedding: output {} does not match {} ids x {}",
+             y.shape().str(), ids.numel(), table.size(1));
+    cuda::launch_embedding_forward(ids.data(), table.data(), y.data(), ids.numel(), table.size(1), table.size(0), stream_);
+  }
   void embedding_backward(View<const std::int32_t> ids, View<const Res> dy, View<Acc> dtable) {
     MT_NVTX_RANGE("cuda:embedding_backward");
     cuda::launch_embedding_backward(ids.data(), dy.data(), dtable.data(), ids.numel(), dtable.size(1), dtable.size(0), ws(),

@@ -44,6 +44,9 @@ void launch_swiglu_backward(const bf16* g, const bf16* u, const bf16* dm, bf16* 
 /// a device-side error (trap).
 void launch_embedding_forward(const std::int32_t* ids, const bf16* table, float* out, std::int64_t M, std::int64_t d,
                               std::int64_t V, cudaStream_t stream);
+/// The same from an fp32 table (the embedding's fp32 master rows).
+void launch_embedding_forward(const std::int32_t* ids, const float* table, float* out, std::int64_t M, std::int64_t d,
+                              std::int64_t V, cudaStream_t stream);
 std::size_t embedding_backward_workspace_bytes(std::int64_t M);
 /// dtable[ids[t]] += dy[t] for all t, deterministically (positions grouped by id, summed in order).
 void launch_embedding_backward(const std::int32_t* ids, const float* dy, float* dtable, std::int64_t M, std::int64_t d,

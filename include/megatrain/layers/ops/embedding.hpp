@@ -36,6 +36,16 @@ class Embedding {
     MT_CHECK(ids.numel() == c.tokens(), "embedding: {} ids for a chunk of {} tokens", ids.numel(), c.tokens());
     be.embedding(ids, w.table, y);
   }
+  /// The forward from fp32 rows: `table` is the fp32 master table, or the rows the `ids` index
+  /// (the batch's distinct tokens' rows). The lookup PyTorch's autocast does (it does not round
+  /// the embedding to bf16); the trainer uses it.
+  template <class B>
+  void forward_full(B& be, ChunkShape c, View<const float> table, View<const std::int32_t> ids, View<typename B::Res> y,
+                    Arena&) const {
+    MT_CHECK(ids.numel() == c.tokens(), "embedding: {} ids for a chunk of {} tokens", ids.numel(), c.tokens());
+    MT_CHECK(table.size(1) == hidden_, "embedding: fp32 rows of width {} for hidden size {}", table.size(1), hidden_);
+    be.embedding(ids, table, y);
+  }
   template <class B>
   void backward(B& be, ChunkShape c, View<const std::int32_t> ids, View<const typename B::Res> dy,
                 const Weights<typename B::Acc>& grads, Arena&) const {
