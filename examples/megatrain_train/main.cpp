@@ -268,7 +268,7 @@ struct RunPlan {
   std::map<std::string, std::string> side_files;  // tokenizer files etc. (kept in checkpoints, exported)
   json given;                            // the options this run was given (kept in checkpoints)
   json data_identity;                    // the data's digests (kept in checkpoints)
-  std::shared_ptr<const fs::path> temp_data;  // evaluation only: prepared data, removed with the plan
+  std::shared_ptr<const fs::path> temp_data;  // data prepared for this run only (evaluation; a resume's, until accepted): removed with the plan
 };
 
 template <class B>
@@ -401,14 +401,21 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
       std::error_code ec;
       const fs::path tp(tokenizer);
       const auto tok = fs::is_directory(tp, ec) ? text::Tokenizer::from_folder(tp) : text::Tokenizer::from_file(tp);
-      const fs::path dir = eval_only ? fs::temp_directory_path() / fmt::format("megatrain-data-{}", getpid()) : plan.out / "data";
-      fs::create_directories(dir);
-      if (eval_only)
+      // (evaluating only: a temporary folder; resuming: RUN/data/incoming, moved over RUN/data's
+      // files once the resume is accepted, so a refused resume leaves the run's data as it was)
+      const fs::path dir = eval_only     ? fs::temp_directory_path() / fmt::format("megatrain-data-{}", getpid())
+                           : plan.resume ? plan.out / "data" / "incoming"
+                                         : plan.out / "data";
+      if (eval_only || plan.resume) {
+        std::error_code ignored;
+        fs::remove_all(dir, ignored);
         plan.temp_data = std::shared_ptr<const fs::path>(new fs::path(dir), [](const fs::path* p) {
-          std::error_code ignored;
-          fs::remove_all(*p, ignored);
+          std::error_code ignored_too;
+          fs::remove_all(*p, ignored_too);
           delete p;
         });
+      }
+      fs::create_directories(dir);
       const auto prepare = [&](const std::string& in, const char* name, const char* option) {
         text::PrepareOptions po;
         po.input = in;
@@ -594,6 +601,11 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
              "(a resumed run takes the checkpoint's), or start a new run", dir.string(), fmt::join(diff, "; "));
     MT_CHECK(s.steps > r.state.step, "--steps {}: the checkpoint '{}' is at step {} already; give --steps > {} to train "
              "further, or --steps 0 to evaluate or export it", s.steps, dir.string(), r.state.step, r.state.step);
+    // The data prepared again is the run's: it replaces the run folder's copy (the same files).
+    if (plan.temp_data && plan.temp_data->filename() == "incoming") {
+      for (const auto& e : fs::directory_iterator(*plan.temp_data))
+        fs::rename(e.path(), plan.temp_data->parent_path() / e.path().filename());
+    }
   }
 
   if (plan.export_options) {

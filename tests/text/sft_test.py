@@ -452,7 +452,11 @@ out = run(train, ["--data", "pc_run.jsonl", "--tokenizer", QWEN, "--seq", "16", 
 before = read_examples(os.path.join("run_pc", "data", "train.bin"))
 write_jsonl("pc_run.jsonl", [{"prompt": r["prompt"] + " ", "completion": r["completion"][1:]} for r in pc_run])
 err = run(train, ["--resume", "--out", "run_pc", "--steps", "2"], rc=1)
-after = read_examples(os.path.join("run_pc", "data", "train.bin"))
+check(read_examples(os.path.join("run_pc", "data", "train.bin")) == before,
+      "a refused resume changed the run folder's prepared data")
+check(not os.path.exists(os.path.join(work, "run_pc", "data", "incoming")), "a refused resume left its incoming data")
+run(tokenize, ["--tokenizer", QWEN, "--input", "pc_run.jsonl", "--output", "pc_moved.bin"])
+after = read_examples("pc_moved.bin")
 if check(after[0] == before[0] and after[2] == before[2] and after[1] != before[1],
          "moving the prompt/completion boundary should change only the mask"):
     check("its tokens or loss masks differ from the data the run was trained on" in err, f"resume with only the mask changed: {err}")
