@@ -424,6 +424,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
         po.skip_bad_lines = s.skip_bad_lines;
         po.overwrite = true;  // (the run folder's own copy)
         po.input_option = option;
+        po.skip_option = "--skip-bad-lines true";
         po.progress = text::terminal_progress(in);
         auto r = text::prepare_token_files(tok, po);
         std::fprintf(eval_only ? stderr : stdout, "%s\n", r.summary.c_str());
@@ -432,6 +433,9 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
       prepared = prepare(data_file, "train.bin", "--data");
       data_file = (dir / "train.bin").string();
       if (!val_file.empty()) {
+        MT_CHECK(fs::path(val_file).extension() != ".bin",
+                 "--val-data '{}' holds token ids but --data '{}' is tokenised here: give both as token files, or both as "
+                 "JSON or text", val_file, s.data);
         const auto v = prepare(val_file, "val.bin", "--val-data");
         MT_CHECK(v.examples == prepared->examples, "--val-data '{}' holds {} but --data '{}' holds {}: give both alike", val_file,
                  v.examples ? "examples" : "documents", s.data, prepared->examples ? "examples" : "documents");
@@ -441,7 +445,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
   }
   const bool bin_data = need_data && fs::path(data_file).extension() == ".bin";
   MT_CHECK(!bin_data || s.vocab > 0 || plan.hf || plan.resume || !s.model_config.empty() || !s.preset.empty(),
-           "--data '{}' holds token ids: give the vocabulary (--vocab, --model, --model-config or --preset)", data_file);
+           "--data '{}' holds token ids{}: give the vocabulary (--vocab, --model, --model-config or --preset)", s.data.empty() ? data_file : s.data, prepared ? " once tokenised" : "");
   MT_CHECK(!need_data || bin_data || !s.origins.conflicts("--data-format", "--data"),
            "--data-format applies to .bin token files, but the data is text ({}), tokenised by bytes",
            data_file.empty() ? "the built-in text" : data_file);
@@ -946,8 +950,9 @@ int main(int argc, char** argv) {
       const fs::path dir = locate_checkpoint(first);
       Resume r = open_resume(dir);
       const bool eval_only = first.origins.given("--steps") && first.steps == 0;
-      const std::set<std::string> data_only{"--data", "--data-format", "--val-data", "--val-fraction", "--batch", "--seq",
-                                            "--seed"};
+      const std::set<std::string> data_only{"--data",      "--data-format", "--val-data",    "--val-fraction",
+                                            "--batch",     "--seq",         "--seed",        "--train-on",
+                                            "--tokenizer", "--chat-format", "--skip-bad-lines"};
       std::string out = first.out;
       if (out.empty() && dir.parent_path().filename() == "checkpoints") out = dir.parent_path().parent_path().string();
       MT_CHECK(!out.empty() || eval_only, "--resume '{}': give --out (the run folder to continue in)", dir.string());

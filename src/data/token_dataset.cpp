@@ -272,8 +272,9 @@ TokenDataset::TokenDataset(TokenSource train, DatasetOptions opt, std::optional<
       val_end_ = val_->size();
     } else {
       const std::int64_t n = train_.examples();
-      const std::int64_t n_val = std::max<std::int64_t>(1, std::llround(static_cast<double>(n) * opt.val_fraction));
       MT_CHECK(n >= 2, "dataset '{}' has {} example: too few for one training and one validation example", train_.label(), n);
+      const std::int64_t n_val =
+          std::min<std::int64_t>(n - 1, std::max<std::int64_t>(1, std::llround(static_cast<double>(n) * opt.val_fraction)));
       n_train = n - n_val;
       val_stats_ = select(train_, n_train, n, val_kept_);
       val_begin_ = train_.example_begin(n_train);

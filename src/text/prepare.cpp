@@ -68,13 +68,17 @@ class Writer {
     ids_.finish();
     if (mask_) mask_->finish(), index_->finish();
     // the sidecars first: a token file in place is always complete with them
-    if (mask_) mask_->commit(), index_->commit();
-    ids_.commit();
-    if (!mask_) {  // documents: no sidecars of an earlier run of examples stay beside them
-      std::error_code ec;
-      fs::remove(example_mask_path(out), ec);
-      fs::remove(example_index_path(out), ec);
+    if (mask_) {
+      mask_->commit(), index_->commit();
+    } else {  // documents: no sidecars of an earlier run of examples may stay beside them
+      for (const fs::path& p : {example_mask_path(out), example_index_path(out)}) {
+        std::error_code ec;
+        fs::remove(p, ec);
+        MT_CHECK(!ec, "cannot remove '{}' (an earlier preparation's, which would make '{}' read as examples): {}", p.string(),
+                 out.string(), ec.message());
+      }
     }
+    ids_.commit();
     detail::fsync_directory(out.parent_path().empty() ? fs::path(".") : out.parent_path());
   }
   std::int64_t tokens() const { return tokens_; }
@@ -153,7 +157,7 @@ class JsonArrayReader {
              path_.string());
     c = skip_space();
     if (c == ']') finish();
-    else unget();
+    else if (c >= 0) unget();  // (at the end of the file next() reports the unclosed array)
   }
   /// The next element's text; false after the last.
   bool next(std::string& out) {
@@ -289,6 +293,10 @@ class Encoder {
           } else {
             const auto pieces = record_pieces(rec, *format_, ropt_);
             enc[i] = encode_pieces(tok_, pieces, *format_ == RecordFormat::prompt_completion);
+            if (*format_ == RecordFormat::prompt_completion && r_.eos) {
+              enc[i].ids.push_back(*r_.eos);  // (a completion's end token is trained)
+              enc[i].trained.push_back(1);
+            }
             if (std::none_of(enc[i].trained.begin() + 1, enc[i].trained.end(), [](std::uint8_t t) { return t != 0; }))
               error[i] = "no token to train on";
           }
@@ -299,8 +307,8 @@ class Encoder {
     }
     for (std::size_t i = 0; i < n; ++i) {
       if (!error[i].empty()) {
-        MT_CHECK(opt_.skip_bad_lines, "{}:{}{}: {} (fix it, or pass --skip-bad-lines to skip such records and count them)",
-                 opt_.input.string(), where_kind, batch[i].line, error[i]);
+        MT_CHECK(opt_.skip_bad_lines, "{}:{}{}: {} (fix it, or pass {} to skip such records and count them)",
+                 opt_.input.string(), where_kind, batch[i].line, error[i], opt_.skip_option);
         ++r_.bad_lines;
         continue;
       }
@@ -335,7 +343,8 @@ class Encoder {
     if (f == RecordFormat::text || f == RecordFormat::prompt_completion)
       r_.eos = end_token(tok_, opt_.eos, f == RecordFormat::prompt_completion);
     ropt_.text_field = opt_.field;
-    if (r_.eos && f == RecordFormat::prompt_completion) ropt_.eos = *tok_.id_to_token(*r_.eos);
+    // (the end token is appended by id after the encoding, not as text: an id that is not an
+    // added token would encode as its characters)
     if (tok_.bos_id()) ropt_.bos = *tok_.id_to_token(*tok_.bos_id());
     if (f == RecordFormat::alpaca || f == RecordFormat::messages) {
       if (opt_.chat_format != "auto") {

@@ -176,6 +176,13 @@ for e, (ids, mask) in enumerate(ex):
     else:
         check(all(mask), f"the example without a prompt is not all trained: {mask}")
 
+# an end token given by id that is no added token (198: the newline, "Ċ") ends each example as that
+# id, trained: it is appended by id, not encoded from its text
+out = run(tokenize, ["--tokenizer", QWEN, "--input", "pc.jsonl", "--output", "pc198.bin", "--eos", "198"])
+for e, (ids, mask) in enumerate(check_files("pc198.bin", len(pcs))):
+    check(ids[-1] == 198 and mask[-1] == 1, f"--eos 198: example {e} ends with {ids[-1]} (mask {mask[-1]})")
+
+
 # alpaca: a user turn (instruction, input) and the answer, with system and history
 alpacas = [{"instruction": "Add the numbers.", "input": f"{i} and {i + 1}", "output": f"{2 * i + 1}"} for i in range(4)]
 alpacas.append({"instruction": "Say hi.", "input": "", "output": "Hi!", "system": "You are terse.",

@@ -74,8 +74,11 @@ struct EncodedExample {
 };
 
 /// The ids of the pieces' concatenated text, exactly as tok.encode(text) gives them, and which of
-/// them come from trained pieces. A token whose text runs across the boundary of two pieces
-/// belongs to the later one (so a token spanning the start of a trained piece is trained). With `add_special_tokens` the post-processor's
+/// them come from trained pieces. Where the pre-tokenizer does not split at a boundary (rare: a
+/// prompt ending in white space, say), the tokens from the first one in which the whole text's
+/// encoding and the encoding of the text up to the boundary differ belong to the later piece: a
+/// token spanning the start of a trained piece is trained, and so, at times, is the prompt
+/// token before it. With `add_special_tokens` the post-processor's
 /// tokens (e.g. Llama's <s>) come first, as prompt.
 EncodedExample encode_pieces(const Tokenizer& tok, std::span<const Piece> pieces, bool add_special_tokens = false);
 

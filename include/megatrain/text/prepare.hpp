@@ -44,7 +44,7 @@ struct PrepareOptions {
   /// Called now and then with bytes read and the input's size (a progress bar).
   std::function<void(std::uintmax_t done, std::uintmax_t total)> progress;
   /// Option names in messages (a program may call them otherwise).
-  std::string input_option = "--input", output_option = "--output";
+  std::string input_option = "--input", output_option = "--output", skip_option = "--skip-bad-lines";
 };
 
 struct PrepareResult {
