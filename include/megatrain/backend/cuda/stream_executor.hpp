@@ -70,6 +70,7 @@ class StreamExecutor {
   }
   static double seconds(Mark a, Mark b) {
     float ms = 0;
+    MT_CUDA_CHECK(cudaEventSynchronize(b));  // (a came before b on the stream: both are done)
     MT_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
     return ms * 1e-3;
   }
