@@ -880,6 +880,23 @@ class Trainer {
         if (r > 0) plan.attention.push_back({r, opt_.seq_len, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim});
       be_.prepare(plan);
     }
+    // The embedding's fp32 rows for the lookup, gathered on the host, where the embedding is a
+    // host unit: before the checkpoints take their share when no unit will be on the device;
+    // otherwise once the placement says (from the reserve it leaves).
+    std::size_t rows_bytes = 0;
+    const auto alloc_embed_rows = [&](bool after_sum) {  // after_sum: device_bytes_ does not count the compact ids
+      const auto max_rows = std::min<std::size_t>(static_cast<std::size_t>(vocab()), batch_tokens);
+      const auto n = max_rows * static_cast<std::size_t>(cfg.hidden_size);
+      embed_rows_ = be_.template alloc<float>(n);
+      embed_rows_host_mem_ = HostBuffer::allocate(n * sizeof(float));
+      embed_rows_host_ = embed_rows_host_mem_.template as<float>(0, n);
+      rows_bytes = n * sizeof(float);
+      if (compact_ids_dev_.size() == 0) {
+        compact_ids_dev_ = be_.template alloc<std::int32_t>(micro_tokens);
+        if (after_sum) rows_bytes += micro_tokens * sizeof(std::int32_t);
+      }
+    };
+    if (opt_.device_units == 0) alloc_embed_rows(false);
     // Activation checkpoints: on the device while they fit (leaving 1/16 of what is left for the
     // backend's own needs), the rest in pinned host memory through two device staging buffers.
     const std::size_t ckpt_bytes = act * sizeof(Res);
@@ -934,15 +951,8 @@ class Trainer {
                     (fit + 2 + (spilled_ > 0 ? 2 : 0)) * ckpt_bytes + scratch + 2 * micro_tokens * sizeof(std::int32_t) +
                     micro_tokens * sizeof(Acc) + model_.num_units() * sizeof(double);
     place_device_units();
-    if (!devices_.holds(0)) {  // the embedding's fp32 rows for the lookup, gathered on the host
-      const auto max_rows = std::min<std::size_t>(static_cast<std::size_t>(vocab()), batch_tokens);
-      const auto n = max_rows * static_cast<std::size_t>(cfg.hidden_size);
-      embed_rows_ = be_.template alloc<float>(n);
-      embed_rows_host_mem_ = HostBuffer::allocate(n * sizeof(float));
-      embed_rows_host_ = embed_rows_host_mem_.template as<float>(0, n);
-      if (compact_ids_dev_.size() == 0) compact_ids_dev_ = be_.template alloc<std::int32_t>(micro_tokens);
-      device_bytes_ += n * sizeof(float) + (streamed() ? 0 : micro_tokens * sizeof(std::int32_t));
-    }
+    if (!devices_.holds(0) && embed_rows_.size() == 0) alloc_embed_rows(true);
+    device_bytes_ += rows_bytes;
   }
 
   // Device units (TrainerOptions::device_units): each needs its state, its own gradient
