@@ -384,14 +384,18 @@ fs::path replace_directory(const fs::path& staged, const fs::path& target, bool 
   return old;
 }
 
+void OutputFile::rename_to(const fs::path& target) {
+  MT_CHECK(::rename(path_.c_str(), target.c_str()) == 0, "cannot rename '{}' to '{}': {}", path_.string(), target.string(),
+           errno_text(errno));
+  keep();
+}
+
 void write_file_atomically(const fs::path& path, std::string_view contents) {
   remove_debris(path);
   const auto out = OutputFile::partial_for(path);
   out->write(contents);
   out->finish();
-  MT_CHECK(::rename(out->path().c_str(), path.c_str()) == 0, "cannot rename '{}' to '{}': {}", out->path().string(),
-           path.string(), errno_text(errno));
-  out->keep();
+  out->rename_to(path);
   fsync_directory(path.has_parent_path() ? path.parent_path() : fs::path("."));
 }
 

@@ -7,6 +7,7 @@
 
 #include "megatrain/core/digest.hpp"
 #include "megatrain/core/error.hpp"
+#include "utf8.hpp"
 
 namespace megatrain::text {
 
@@ -46,33 +47,21 @@ bool py_space(char32_t c) {
          (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
-// Decodes the code point at s[i] (valid UTF-8 assumed; an invalid byte is returned as itself).
-char32_t code_point(std::string_view s, std::size_t i, std::size_t* len) {
-  const auto b = static_cast<unsigned char>(s[i]);
-  const std::size_t n = b < 0x80 ? 1 : (b >> 5) == 6 ? 2 : (b >> 4) == 14 ? 3 : (b >> 3) == 30 ? 4 : 1;
-  if (n == 1 || i + n > s.size()) {
-    *len = 1;
-    return b;
-  }
-  char32_t c = b & (0xFF >> (n + 1));
-  for (std::size_t k = 1; k < n; ++k) c = (c << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
-  *len = n;
-  return c;
-}
-
 // Jinja's `trim` (Python's str.strip()).
 std::string py_strip(std::string_view s) {
   std::size_t b = 0;
   while (b < s.size()) {
-    std::size_t n = 0;
-    if (!py_space(code_point(s, b, &n))) break;
+    char32_t c = 0;
+    const std::size_t n = detail::utf8_next(s, b, &c);
+    if (!py_space(c)) break;
     b += n;
   }
   std::size_t e = b;  // end of the last non-space code point
   for (std::size_t i = b; i < s.size();) {
-    std::size_t n = 0;
-    const bool space = py_space(code_point(s, i, &n));
+    char32_t c = 0;
+    const std::size_t n = detail::utf8_next(s, i, &c);
     i += n;
+    const bool space = py_space(c);
     if (!space) e = i;
   }
   return std::string(s.substr(b, e - b));

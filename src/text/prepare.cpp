@@ -29,11 +29,7 @@ class Staged {
   explicit Staged(fs::path target) : target_(std::move(target)), file_(detail::OutputFile::partial_for(target_)) {}
   void write(std::span<const std::byte> b) { file_->write(b); }
   void finish() { file_->finish(); }
-  void commit() {
-    MT_CHECK(::rename(file_->path().c_str(), target_.c_str()) == 0, "cannot rename '{}' to '{}': {}", file_->path().string(),
-             target_.string(), detail::errno_text(errno));
-    file_->keep();
-  }
+  void commit() { file_->rename_to(target_); }
 
  private:
   fs::path target_;

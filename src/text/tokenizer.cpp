@@ -1,6 +1,8 @@
 // Hugging Face tokenizers in C++: see megatrain/text/tokenizer.hpp for what is supported.
 #include "megatrain/text/tokenizer.hpp"
 
+#include "utf8.hpp"
+
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 #include <tbb/enumerable_thread_specific.h>
@@ -74,17 +76,7 @@ std::string utf8_lossy(std::string_view s) {
 
 namespace {
 
-// Decodes the code point at s[i] (valid UTF-8) and returns its length in bytes.
-std::size_t utf8_next(std::string_view s, std::size_t i, char32_t* cp = nullptr) {
-  const auto b = static_cast<unsigned char>(s[i]);
-  const std::size_t len = b < 0x80 ? 1 : b < 0xE0 ? 2 : b < 0xF0 ? 3 : 4;
-  if (cp) {
-    char32_t c = len == 1 ? b : len == 2 ? (b & 0x1F) : len == 3 ? (b & 0x0F) : (b & 0x07);
-    for (std::size_t k = 1; k < len; ++k) c = (c << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
-    *cp = c;
-  }
-  return len;
-}
+using detail::utf8_next;
 
 void append_utf8(std::string& out, char32_t c) {
   if (c < 0x80) {

@@ -67,6 +67,8 @@ class OutputFile {
   /// The file is no longer ours to remove (it was renamed into place, or belongs to a directory
   /// that is).
   void keep() { committed_ = true; }
+  /// Renames the (finished) file to `target`, replacing it atomically, and keeps it.
+  void rename_to(const std::filesystem::path& target);
 
  private:
   OutputFile(std::filesystem::path path, int fd, Hasher* hasher);
