@@ -175,7 +175,7 @@ class Gpt2Block {
   std::string name(const char* suffix) const { return prefix_ + suffix; }
 
   megatrain::AttentionShape attention_shape(ChunkShape c) const {
-    return {c.rows, c.seq, cfg_.num_attention_heads, cfg_.num_attention_heads, cfg_.head_dim};
+    return {c.rows, c.seq, cfg_.num_attention_heads, cfg_.num_attention_heads, cfg_.head_dim, c.packed};
   }
 
   // The scratch of one chunk, carved in one place so scratch_bytes() and the real runs agree.

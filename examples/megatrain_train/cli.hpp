@@ -58,6 +58,7 @@ struct Settings {
   // text and JSON data: the tokenizer (default --model's), the chat format, what is trained on
   std::string tokenizer, chat_format = "auto", train_on = "completion";
   bool skip_bad_lines = false;
+  bool pack = false;
   // schedule and optimizer
   std::int64_t batch = 8, seq = 128, micro_batches = 1, max_micro_batch = 0, chunk = 0, steps = 60;
   double lr = 3e-3, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, clip = 1.0;
@@ -165,6 +166,10 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
   data->add_option("--train-on", s.train_on,
                    "Examples: the tokens the loss is taken on: completion (the completions and assistant turns) or "
                    "prompt+completion (every token)")
+      ->capture_default_str();
+  data->add_option("--pack", s.pack,
+                   "Examples: pack several into each sequence of --seq tokens, attention kept within each (true/false; "
+                   "default false: one example per sequence, padded)")
       ->capture_default_str();
   data->add_option("--skip-bad-lines", s.skip_bad_lines,
                    "JSON data: skip (and count) bad records instead of stopping at the first (true/false)")

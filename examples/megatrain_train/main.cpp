@@ -506,9 +506,13 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
     dopt.val_fraction = s.val_fraction;
     dopt.seed = s.seed;
     dopt.train_on_prompt = s.train_on == "prompt+completion";
+    dopt.pack = s.pack;
     MT_CHECK(train_src->has_examples() || !s.origins.conflicts("--train-on", "--data"),
              "--train-on applies to fine-tuning examples (prompt/completion, alpaca, conversations); --data '{}' is documents, "
              "every token of which is trained on", s.data.empty() ? "built-in text" : s.data);
+    MT_CHECK(train_src->has_examples() || !s.pack,
+             "--pack applies to fine-tuning examples (prompt/completion, alpaca, conversations); --data '{}' is documents, "
+             "which fill every sequence already", s.data.empty() ? "built-in text" : s.data);
     data.emplace(std::move(*train_src), dopt, std::move(val_src));
     plan.data_identity = {{"train_digest", data->train_source().digest()},
                           {"train_tokens", data->train_source().size()},
@@ -517,6 +521,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
       const ExampleStats &t = data->train_examples(), &v = data->val_examples();
       plan.data_identity["examples"] = data->train_source().examples();
       plan.data_identity["train_on"] = s.train_on;
+      plan.data_identity["pack"] = s.pack;
       const auto cut = [&](const ExampleStats& x) {
         std::string w;
         if (x.truncated) w += fmt::format(", {} cut at --seq {}", x.truncated, s.seq);
@@ -524,11 +529,13 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
         return w;
       };
       std::fprintf(eval_only ? stderr : stdout,
-                   "examples: %lld for training%s; %lld for validation%s; %lld trained tokens of %lld (--train-on %s), one "
-                   "example per sequence, padded to --seq %lld\n",
+                   "examples: %lld for training%s; %lld for validation%s; %lld trained tokens of %lld (--train-on %s), %s\n",
                    static_cast<long long>(t.examples - t.dropped), cut(t).c_str(), static_cast<long long>(v.examples - v.dropped),
                    cut(v).c_str(), static_cast<long long>(t.labels), static_cast<long long>(t.tokens), s.train_on.c_str(),
-                   static_cast<long long>(s.seq));
+                   (s.pack ? fmt::format("packed into {} sequences of --seq {} ({:.1f}% of their tokens are examples'; --pack)", t.rows,
+                                         s.seq, 100.0 * static_cast<double>(t.tokens - (t.examples - t.dropped)) /
+                                                    static_cast<double>(t.rows * s.seq))
+                           : fmt::format("one example per sequence, padded to --seq {}", s.seq)).c_str());
     }
   }
 
@@ -538,6 +545,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
   topt.micro_batches = s.micro_batches;
   topt.max_micro_rows = s.max_micro_batch;
   topt.chunk_rows = s.chunk;
+  topt.packed = data && data->packed();
   topt.adamw = {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
   topt.gradient_home = s.gradients == "host" ? GradientHome::host : GradientHome::device;
   topt.device_units = *device_units == kAllDeviceUnits ? cfg->num_hidden_layers + 2 : *device_units;
@@ -596,6 +604,8 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
                                  was.value("train_digest", ""), digest));
     if (data->examples() && was.value("train_on", "completion") != s.train_on)
       diff.push_back(fmt::format("--train-on (checkpoint: {}, now: {})", was.value("train_on", "completion"), s.train_on));
+    if (data->examples() && was.value("pack", false) != s.pack)
+      diff.push_back(fmt::format("--pack (checkpoint: {}, now: {})", was.value("pack", false), s.pack));
     if (r.state.data && r.state.data->seed != s.seed)
       diff.push_back(fmt::format("--seed (checkpoint: {}, now: {})", r.state.data->seed, s.seed));
     if (r.state.data && r.state.data->windows_per_epoch != data->train_windows())
@@ -656,18 +666,20 @@ template <class T>
 std::pair<double, std::int64_t> evaluate_all(T& trainer, const TokenDataset& data, std::int64_t rows, std::int64_t batch,
                                              std::int64_t seq) {
   const auto n = static_cast<std::size_t>(batch * seq);
-  std::vector<std::int32_t> ids(n), labels(n);
+  std::vector<std::int32_t> ids(n), labels(n), positions(data.packed() ? n : 0);
   double total = 0;
   std::int64_t tokens = 0;
   for (std::int64_t first = 0; first < rows; first += batch) {
     const std::int64_t take = std::min(batch, rows - first);
     std::fill(ids.begin(), ids.end(), 0);
     std::fill(labels.begin(), labels.end(), kIgnoreIndex);
+    for (std::size_t i = 0; i < positions.size(); ++i) positions[i] = static_cast<std::int32_t>(i % static_cast<std::size_t>(seq));
     const auto used = static_cast<std::size_t>(take * seq);
-    data.val_batch(first, take, std::span(ids).first(used), std::span(labels).first(used));
+    data.val_batch(first, take, std::span(ids).first(used), std::span(labels).first(used),
+                   std::span(positions).first(positions.empty() ? 0 : used));
     const auto valid = static_cast<std::int64_t>(std::count_if(labels.begin(), labels.end(),
                                                                [](std::int32_t l) { return l != kIgnoreIndex; }));
-    total += trainer.evaluate(ids, labels, batch) * static_cast<double>(valid);
+    total += trainer.evaluate(ids, labels, batch, positions) * static_cast<double>(valid);
     tokens += valid;
   }
   return {total / static_cast<double>(tokens), tokens};
@@ -853,13 +865,13 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
 
   // ---- train ----------------------------------------------------------------------------------
   const auto n = static_cast<std::size_t>(s.batch * s.seq);
-  std::vector<std::int32_t> ids(n), labels(n);
+  std::vector<std::int32_t> ids(n), labels(n), positions(data->packed() ? n : 0);
   const auto t0 = std::chrono::steady_clock::now();
   auto validation = [&] {
     const std::int64_t rows = s.eval_batches * s.batch;
-    std::vector<std::int32_t> vi(static_cast<std::size_t>(rows * s.seq)), vl(vi.size());
-    data->val_batch(0, rows, vi, vl);
-    return trainer.evaluate(vi, vl, rows);
+    std::vector<std::int32_t> vi(static_cast<std::size_t>(rows * s.seq)), vl(vi.size()), vp(data->packed() ? vi.size() : 0);
+    data->val_batch(0, rows, vi, vl, vp);
+    return trainer.evaluate(vi, vl, rows, vp);
   };
   // report.html in the run folder: at each evaluation and at the end (a failure only warns).
   io::RunReportInfo report_info;
@@ -876,9 +888,9 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   install_stop_handlers();
   std::int64_t step = first_step;
   for (; step <= s.steps && g_stop_signal == 0; ++step) {
-    data->train_batch((step - 1) * s.batch, s.batch, ids, labels);
+    data->train_batch((step - 1) * s.batch, s.batch, ids, labels, positions);
     io::detail::delay_point("train:step");  // (tests: MEGATRAIN_TEST_DELAY_AT=train:step:MICROSECONDS)
-    const StepStats st = trainer.step(ids, labels);
+    const StepStats st = trainer.step(ids, labels, positions);
     const double tok_s = static_cast<double>(st.tokens) / st.seconds;
     std::optional<double> val;
     if ((s.eval_every > 0 && step % s.eval_every == 0) || step == s.steps) val = validation();
@@ -952,7 +964,7 @@ int main(int argc, char** argv) {
       const bool eval_only = first.origins.given("--steps") && first.steps == 0;
       const std::set<std::string> data_only{"--data",      "--data-format", "--val-data",    "--val-fraction",
                                             "--batch",     "--seq",         "--seed",        "--train-on",
-                                            "--tokenizer", "--chat-format", "--skip-bad-lines"};
+                                            "--tokenizer", "--chat-format", "--skip-bad-lines", "--pack"};
       std::string out = first.out;
       if (out.empty() && dir.parent_path().filename() == "checkpoints") out = dir.parent_path().parent_path().string();
       MT_CHECK(!out.empty() || eval_only, "--resume '{}': give --out (the run folder to continue in)", dir.string());

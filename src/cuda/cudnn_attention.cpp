@@ -125,6 +125,11 @@ enum Uid : std::int64_t {
   kOne,
   kSeqLenQ,
   kSeqLenKV,
+  kOffQ,  // packed rows: the ragged offsets of Q (and dQ), K (dK), V (dV), O (dO) and the statistics
+  kOffK,
+  kOffV,
+  kOffO,
+  kOffStats,
   kFirstVirtual = 100,
 };
 
@@ -224,7 +229,8 @@ class GraphBuilder {
   explicit GraphBuilder(std::string name) : name_(std::move(name)) {}
 
   cudnnBackendDescriptor_t tensor(std::string_view name, std::int64_t uid, cudnnDataType_t type, const Dims& dims,
-                                  const Dims& strides, bool is_virtual = false, bool by_value = false) {
+                                  const Dims& strides, bool is_virtual = false, bool by_value = false,
+                                  cudnnBackendDescriptor_t ragged_offset = nullptr) {
     const std::string node = fmt::format("{}: tensor {} (uid {})", name_, name, uid);
     Desc t(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
     const std::int64_t alignment = kByteAlignment;
@@ -241,14 +247,16 @@ class GraphBuilder {
       const bool yes = true;
       MT_CUDNN_SET(t.get(), node, CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &yes);
     }
+    if (ragged_offset != nullptr)
+      MT_CUDNN_SET(t.get(), node, CUDNN_ATTR_TENSOR_RAGGED_OFFSET_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &ragged_offset);
     MT_CUDNN_FINALIZE(t.get(), node);
     return keep(std::move(t));
   }
 
   /// A virtual (intermediate) tensor with the next free uid.
   cudnnBackendDescriptor_t virtual_tensor(std::string_view name, cudnnDataType_t type, const Dims& dims,
-                                          const Dims& strides) {
-    return tensor(name, next_virtual_uid_++, type, dims, strides, /*is_virtual=*/true);
+                                          const Dims& strides, cudnnBackendDescriptor_t ragged_offset = nullptr) {
+    return tensor(name, next_virtual_uid_++, type, dims, strides, /*is_virtual=*/true, false, ragged_offset);
   }
 
   /// A by-value fp32 scalar [1,1,1,1]; its variant-pack pointer is a host pointer to the value.
@@ -494,10 +502,32 @@ bool find_plan(cudnnHandle_t handle, cudnnBackendDescriptor_t graph, const std::
   return false;
 }
 
-/// The shape in the graph's terms: batch B = rows, H query heads, Hk kv heads, S, D.
+/// The shape in the graph's terms: batch B = rows, H query heads, Hk kv heads, S, D. Packed
+/// (`ragged`): B sequences of at most S tokens laid end to end, where the ragged offsets say.
 struct Shape {
   std::int64_t b, h, hk, s, d;
+  bool ragged = false;
 };
+
+/// Packed rows: the ragged-offset tensors (int64 [B+1], element offsets of each sequence's start)
+/// and the sequence lengths (int32 [B]) a graph reads, or all null.
+struct Ragged {
+  cudnnBackendDescriptor_t q = nullptr, k = nullptr, v = nullptr, o = nullptr, stats = nullptr;
+  cudnnBackendDescriptor_t seq_q = nullptr, seq_kv = nullptr;
+};
+Ragged ragged_tensors(GraphBuilder& g, const Shape& x) {
+  Ragged r;
+  if (!x.ragged) return r;
+  const Dims od = {x.b + 1, 1, 1, 1}, one = {1, 1, 1, 1};
+  r.q = g.tensor("ragged offsets of Q", kOffQ, CUDNN_DATA_INT64, od, one);
+  r.k = g.tensor("ragged offsets of K", kOffK, CUDNN_DATA_INT64, od, one);
+  r.v = g.tensor("ragged offsets of V", kOffV, CUDNN_DATA_INT64, od, one);
+  r.o = g.tensor("ragged offsets of O", kOffO, CUDNN_DATA_INT64, od, one);
+  r.stats = g.tensor("ragged offsets of the statistics", kOffStats, CUDNN_DATA_INT64, od, one);
+  r.seq_q = g.tensor("seq_len_q", kSeqLenQ, CUDNN_DATA_INT32, {x.b, 1, 1, 1}, one);
+  r.seq_kv = g.tensor("seq_len_kv", kSeqLenKV, CUDNN_DATA_INT32, {x.b, 1, 1, 1}, one);
+  return r;
+}
 
 /// [B, heads, S, D] over row-major [B*S, heads*D] memory (BSHD).
 Dims bshd_dims(const Shape& x, std::int64_t heads) { return {x.b, heads, x.s, x.d}; }
@@ -510,6 +540,8 @@ Dims score_dims(const Shape& x) { return {x.b, x.h, x.s, x.s}; }
 Dims score_strides(const Shape& x) { return {x.h * x.s * x.s, x.s * x.s, x.s, 1}; }
 Dims row_dims(const Shape& x) { return {x.b, x.h, x.s, 1}; }
 Dims row_strides(const Shape& x) { return {x.h * x.s, x.s, 1, 1}; }
+/// The statistics a graph keeps ([B,H,S,1]): dense per row, or, packed, token-major ([tokens, H]).
+Dims stats_strides(const Shape& x) { return x.ragged ? Dims{x.h * x.s, 1, x.h, 1} : row_strides(x); }
 
 /// Keeps scores where key index <= query index, -inf elsewhere (top-left aligned causal mask).
 cudnnBackendDescriptor_t causal_mask(GraphBuilder& g, const Shape& x, cudnnBackendDescriptor_t scores,
@@ -549,19 +581,21 @@ cudnnBackendDescriptor_t padding_mask(GraphBuilder& g, const Shape& x, cudnnBack
 
 /// The forward graph (see the top of this file).
 void build_forward(GraphBuilder& g, const Shape& x) {
-  auto q = g.tensor("Q", kQ, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.h), bshd_strides(x, x.h));
-  auto kt = g.tensor("K^T", kK, CUDNN_DATA_BFLOAT16, bshd_t_dims(x, x.hk), bshd_t_strides(x, x.hk));
-  auto v = g.tensor("V", kV, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.hk), bshd_strides(x, x.hk));
-  auto o = g.tensor("O", kO, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.h), bshd_strides(x, x.h));
-  auto stats = g.tensor("Stats (lse)", kStats, CUDNN_DATA_FLOAT, row_dims(x), row_strides(x));
+  const Ragged r = ragged_tensors(g, x);
+  auto q = g.tensor("Q", kQ, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.h), bshd_strides(x, x.h), false, false, r.q);
+  auto kt = g.tensor("K^T", kK, CUDNN_DATA_BFLOAT16, bshd_t_dims(x, x.hk), bshd_t_strides(x, x.hk), false, false, r.k);
+  auto v = g.tensor("V", kV, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.hk), bshd_strides(x, x.hk), false, false, r.v);
+  auto o = g.tensor("O", kO, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.h), bshd_strides(x, x.h), false, false, r.o);
+  auto stats = g.tensor("Stats (lse)", kStats, CUDNN_DATA_FLOAT, row_dims(x), stats_strides(x), false, false, r.stats);
   auto scale = g.scalar("attention scale", kScale);
   auto neg_inf = g.scalar("-inf", kNegInf);
   const Dims sd = score_dims(x), ss = score_strides(x), rd = row_dims(x), rs = row_strides(x);
 
   auto s = g.virtual_tensor("S = Q K^T", CUDNN_DATA_FLOAT, sd, ss);
-  g.matmul("bmm1 Q K^T", q, kt, s);
+  g.matmul("bmm1 Q K^T", q, kt, s, r.seq_q, r.seq_kv);
   auto scaled = g.virtual_tensor("S * scale", CUDNN_DATA_FLOAT, sd, ss);
   g.pointwise("attention scale", CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, s, scale, nullptr, scaled);
+  if (x.ragged) scaled = padding_mask(g, x, scaled, neg_inf, r.seq_q, r.seq_kv);
   auto masked = causal_mask(g, x, scaled, neg_inf);
 
   auto max = g.virtual_tensor("softmax max", CUDNN_DATA_FLOAT, rd, rs);
@@ -577,21 +611,22 @@ void build_forward(GraphBuilder& g, const Shape& x) {
   g.pointwise("softmax stats = max + log(sum)", CUDNN_POINTWISE_ADD, CUDNN_DATA_FLOAT, max, log_sum, nullptr, stats);
   auto p = g.virtual_tensor("P", CUDNN_DATA_BFLOAT16, sd, ss);  // bf16: matmul 2's A operand
   g.pointwise("softmax exp / sum", CUDNN_POINTWISE_DIV, CUDNN_DATA_FLOAT, e, sum, nullptr, p);
-  g.matmul("bmm2 P V", p, v, o);
+  g.matmul("bmm2 P V", p, v, o, r.seq_q, nullptr, r.seq_kv);
 }
 
 /// The backward graph (see the top of this file). `deterministic`: dQ straight from the matmul
 /// (no fp32 accumulator). `padding_workaround`: the explicit padding mask of cuDNN <= 9.15.
 void build_backward(GraphBuilder& g, const Shape& x, bool deterministic, bool padding_workaround) {
-  auto q = g.tensor("Q", kQ, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.h), bshd_strides(x, x.h));
-  auto kt = g.tensor("K^T", kK, CUDNN_DATA_BFLOAT16, bshd_t_dims(x, x.hk), bshd_t_strides(x, x.hk));
-  auto vt = g.tensor("V^T", kV, CUDNN_DATA_BFLOAT16, bshd_t_dims(x, x.hk), bshd_t_strides(x, x.hk));
-  auto o = g.tensor("O", kO, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.h), bshd_strides(x, x.h));
-  auto d_o = g.tensor("dO", kDO, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.h), bshd_strides(x, x.h));
-  auto stats = g.tensor("Stats (lse)", kStats, CUDNN_DATA_FLOAT, row_dims(x), row_strides(x));
-  auto d_q = g.tensor("dQ", kDQ, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.h), bshd_strides(x, x.h));
-  auto d_k = g.tensor("dK", kDK, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.hk), bshd_strides(x, x.hk));
-  auto d_v = g.tensor("dV", kDV, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.hk), bshd_strides(x, x.hk));
+  const Ragged r = ragged_tensors(g, x);
+  auto q = g.tensor("Q", kQ, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.h), bshd_strides(x, x.h), false, false, r.q);
+  auto kt = g.tensor("K^T", kK, CUDNN_DATA_BFLOAT16, bshd_t_dims(x, x.hk), bshd_t_strides(x, x.hk), false, false, r.k);
+  auto vt = g.tensor("V^T", kV, CUDNN_DATA_BFLOAT16, bshd_t_dims(x, x.hk), bshd_t_strides(x, x.hk), false, false, r.v);
+  auto o = g.tensor("O", kO, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.h), bshd_strides(x, x.h), false, false, r.o);
+  auto d_o = g.tensor("dO", kDO, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.h), bshd_strides(x, x.h), false, false, r.o);
+  auto stats = g.tensor("Stats (lse)", kStats, CUDNN_DATA_FLOAT, row_dims(x), stats_strides(x), false, false, r.stats);
+  auto d_q = g.tensor("dQ", kDQ, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.h), bshd_strides(x, x.h), false, false, r.q);
+  auto d_k = g.tensor("dK", kDK, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.hk), bshd_strides(x, x.hk), false, false, r.k);
+  auto d_v = g.tensor("dV", kDV, CUDNN_DATA_BFLOAT16, bshd_dims(x, x.hk), bshd_strides(x, x.hk), false, false, r.v);
   auto scale = g.scalar("attention scale", kScale);
   auto neg_inf = g.scalar("-inf", kNegInf);
   auto one = g.scalar("1", kOne);
@@ -599,8 +634,11 @@ void build_backward(GraphBuilder& g, const Shape& x, bool deterministic, bool pa
   const Dims hd = bshd_dims(x, x.h);
   const Dims hd_packed = {x.h * x.s * x.d, x.s * x.d, x.d, 1};  // [B,H,S,D] dense, for intermediates
   const Dims kv_full = {x.b, x.h, x.s, x.d};                    // dK, dV before the GQA reduction
+  // (packed, the per-query-head dK and dV are laid out like dK and dV with every head, and carry
+  // their ragged offsets, as the frontend builds them)
+  const Dims kv_full_strides = x.ragged ? bshd_strides(x, x.h) : hd_packed;
 
-  cudnnBackendDescriptor_t seq_q = nullptr, seq_kv = nullptr;
+  cudnnBackendDescriptor_t seq_q = r.seq_q, seq_kv = r.seq_kv;
   if (padding_workaround) {
     seq_q = g.tensor("seq_len_q", kSeqLenQ, CUDNN_DATA_INT32, {x.b, 1, 1, 1}, {1, 1, 1, 1});
     seq_kv = g.tensor("seq_len_kv", kSeqLenKV, CUDNN_DATA_INT32, {x.b, 1, 1, 1}, {1, 1, 1, 1});
@@ -611,7 +649,7 @@ void build_backward(GraphBuilder& g, const Shape& x, bool deterministic, bool pa
   g.pointwise("dO * O", CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, d_o, o, nullptr, do_o);
   auto row_sum = g.virtual_tensor("rowsum(dO * O)", CUDNN_DATA_FLOAT, rd, rs);
   g.reduction("rowsum(dO * O)", CUDNN_REDUCE_TENSOR_ADD, do_o, row_sum);
-  auto softmax_sum = g.tensor("softmax_sum", kSoftmaxSum, CUDNN_DATA_FLOAT, rd, rs);
+  auto softmax_sum = g.tensor("softmax_sum", kSoftmaxSum, CUDNN_DATA_FLOAT, rd, stats_strides(x), false, false, r.stats);
   g.pointwise("softmax_sum = rowsum * 1", CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, row_sum, one, nullptr, softmax_sum);
 
   // P = exp(causal(S * scale - lse)), recomputed.
@@ -621,7 +659,7 @@ void build_backward(GraphBuilder& g, const Shape& x, bool deterministic, bool pa
   g.pointwise("attention scale", CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, s, scale, nullptr, scaled);
   auto shifted = g.virtual_tensor("S - lse", CUDNN_DATA_FLOAT, sd, ss);
   g.pointwise("S - lse", CUDNN_POINTWISE_SUB, CUDNN_DATA_FLOAT, scaled, stats, nullptr, shifted);
-  if (padding_workaround) shifted = padding_mask(g, x, shifted, neg_inf, seq_q, seq_kv);
+  if (padding_workaround || x.ragged) shifted = padding_mask(g, x, shifted, neg_inf, seq_q, seq_kv);
   auto masked = causal_mask(g, x, shifted, neg_inf);
   auto p = g.virtual_tensor("P = exp(S - lse)", CUDNN_DATA_FLOAT, sd, ss);
   g.pointwise("exp(S - lse)", CUDNN_POINTWISE_EXP, CUDNN_DATA_FLOAT, masked, nullptr, nullptr, p);
@@ -634,7 +672,7 @@ void build_backward(GraphBuilder& g, const Shape& x, bool deterministic, bool pa
   if (x.h == x.hk) {
     g.matmul("P^T dO", p_t, d_o, d_v, seq_kv, nullptr, seq_q);
   } else {
-    auto d_v_full = g.virtual_tensor("dV per query head", CUDNN_DATA_BFLOAT16, kv_full, hd_packed);
+    auto d_v_full = g.virtual_tensor("dV per query head", CUDNN_DATA_BFLOAT16, kv_full, kv_full_strides, r.v);
     g.matmul("P^T dO", p_t, d_o, d_v_full, seq_kv, nullptr, seq_q);
     g.reduction("dV over the query-head group", CUDNN_REDUCE_TENSOR_ADD, d_v_full, d_v);
   }
@@ -655,7 +693,7 @@ void build_backward(GraphBuilder& g, const Shape& x, bool deterministic, bool pa
   if (x.h == x.hk) {
     g.matmul("dS^T Q", ds_t, q, d_k, seq_kv, nullptr, seq_q);
   } else {
-    auto d_k_full = g.virtual_tensor("dK per query head", CUDNN_DATA_BFLOAT16, kv_full, hd_packed);
+    auto d_k_full = g.virtual_tensor("dK per query head", CUDNN_DATA_BFLOAT16, kv_full, kv_full_strides, r.k);
     g.matmul("dS^T Q", ds_t, q, d_k_full, seq_kv, nullptr, seq_q);
     g.reduction("dK over the query-head group", CUDNN_REDUCE_TENSOR_ADD, d_k_full, d_k);
   }
@@ -664,12 +702,13 @@ void build_backward(GraphBuilder& g, const Shape& x, bool deterministic, bool pa
   // the graph's intermediate type, fp32; it is a view of the bf16 input.)
   const Dims kt_strides = bshd_t_strides(x, x.hk);
   auto k = g.virtual_tensor("K", CUDNN_DATA_FLOAT, bshd_dims(x, x.hk),
-                            {kt_strides[0], kt_strides[1], kt_strides[3], kt_strides[2]});
+                            {kt_strides[0], kt_strides[1], kt_strides[3], kt_strides[2]}, r.k);
   g.reshape("K", kt, k);
   if (deterministic) {
     g.matmul("dS K", ds, k, d_q, seq_q, nullptr, seq_kv);
   } else {
-    auto dq_accum = g.tensor("dQ_accum", kDQAccum, CUDNN_DATA_FLOAT, bshd_dims(x, x.h), hd_packed);
+    auto dq_accum = g.tensor("dQ_accum", kDQAccum, CUDNN_DATA_FLOAT, bshd_dims(x, x.h),
+                             x.ragged ? bshd_strides(x, x.h) : hd_packed, false, false, r.q);
     g.matmul("dS K", ds, k, dq_accum, seq_q, nullptr, seq_kv);
     g.pointwise("dQ = dQ_accum", CUDNN_POINTWISE_IDENTITY, CUDNN_DATA_FLOAT, dq_accum, nullptr, nullptr, d_q);
   }
@@ -681,7 +720,26 @@ bool aligned(const void* p) {
   return reinterpret_cast<std::uintptr_t>(p) % static_cast<std::uintptr_t>(kByteAlignment) == 0;
 }
 
+std::int64_t next_pow2(std::int64_t n) {
+  std::int64_t p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+/// Packed rows: the graph's batch (sequences, a power of two from 8, the rest empty) and the
+/// graph's S (the longest sequence's power of two from 64, at most the row), so that a few plans
+/// serve every batch; 0, 0 when each row is one sequence.
+std::pair<std::int64_t, std::int64_t> packed_buckets(const AttentionDims& d) {
+  if (d.sequences <= 0) return {0, 0};
+  return {std::max<std::int64_t>(8, next_pow2(d.sequences)),
+          std::min(d.seq, std::max<std::int64_t>(64, next_pow2(std::max<std::int64_t>(d.longest, 1))))};
+}
+
 std::string shape_name(const AttentionDims& d) {
+  const auto [b, s] = packed_buckets(d);
+  if (b > 0)
+    return fmt::format("rows={} seq={} heads={} kv_heads={} head_dim={} packed: up to {} sequences of up to {}", d.rows, d.seq,
+                       d.heads, d.kv_heads, d.head_dim, b, s);
   return fmt::format("rows={} seq={} heads={} kv_heads={} head_dim={}", d.rows, d.seq, d.heads, d.kv_heads, d.head_dim);
 }
 
@@ -720,6 +778,11 @@ struct CudnnAttention::Plans {
   std::size_t softmax_sum_offset = 0, dq_accum_offset = 0, seq_lens_offset = 0, backward_workspace = 0;
   bool deterministic_graph = true;
   bool padding_workaround = false;
+  // Packed rows: the graph's sequences and their bound, and where the ragged offsets (int64
+  // [B+1] each: Q and O, K and V, the statistics) and lengths (int32 [B]) go, at the end of
+  // either workspace (`ragged_offset` bytes after forward_ragged / backward_ragged).
+  std::int64_t packed_b = 0, packed_s = 0;
+  std::size_t forward_ragged = 0, backward_ragged = 0;
   HostInts seq_lens;  ///< rows x seq_len_q, then rows x seq_len_kv (padding workaround only)
 
   // By-value scalars: cuDNN reads them through host pointers when a plan is launched.
@@ -737,16 +800,34 @@ CudnnAttention::~CudnnAttention() = default;
 
 std::size_t CudnnAttention::runtime_version() { return cudnnGetVersion(); }
 
+/// The ragged offsets and lengths of B sequences, as laid out at the end of a workspace.
+struct RaggedLayout {
+  std::size_t qo = 0, kv = 0, st = 0, len = 0, bytes = 0;
+  explicit RaggedLayout(std::int64_t b) {
+    const std::size_t offs = static_cast<std::size_t>(b + 1) * sizeof(std::int64_t);
+    kv = align_up(offs, kWorkspaceAlignment);
+    st = kv + align_up(offs, kWorkspaceAlignment);
+    len = st + align_up(offs, kWorkspaceAlignment);
+    bytes = len + static_cast<std::size_t>(b) * sizeof(std::int32_t);
+  }
+};
+
 CudnnAttention::Plans& CudnnAttention::plans(const AttentionDims& d) {
-  const Key key{d.rows, d.seq, d.heads, d.kv_heads, d.head_dim};
+  const auto [packed_b, packed_s] = packed_buckets(d);
+  const Key key{d.rows, d.seq, d.heads, d.kv_heads, d.head_dim, packed_b, packed_s};
   if (auto it = plans_.find(key); it != plans_.end()) return *it->second;
   MT_NVTX_RANGE("cudnn_attention_build");  // once per shape
   MT_CHECK(d.rows > 0 && d.seq > 0 && d.heads > 0 && d.kv_heads > 0 && d.head_dim > 0,
            "attention dims must be positive ({})", shape_name(d));
   MT_CHECK(d.heads % d.kv_heads == 0, "heads ({}) must be a multiple of kv_heads ({})", d.heads, d.kv_heads);
 
+  MT_CHECK(d.sequences == 0 || (d.sequences >= d.rows && d.longest > 0 && d.longest <= d.seq),
+           "packed attention: {} sequences, the longest {}, in {} rows of {}", d.sequences, d.longest, d.rows, d.seq);
   auto p = std::make_unique<Plans>();
-  const Shape x{d.rows, d.heads, d.kv_heads, d.seq, d.head_dim};
+  p->packed_b = packed_b;
+  p->packed_s = packed_s;
+  const Shape x = packed_b > 0 ? Shape{packed_b, d.heads, d.kv_heads, packed_s, d.head_dim, true}
+                               : Shape{d.rows, d.heads, d.kv_heads, d.seq, d.head_dim};
   const std::size_t version = cudnnGetVersion();
   int device = 0, cc_major = 0;
   MT_CUDA_CHECK(cudaGetDevice(&device));
@@ -766,7 +847,7 @@ CudnnAttention::Plans& CudnnAttention::plans(const AttentionDims& d) {
     p->reason = fmt::format("seq {} does not fit the int32 indices of the causal mask", d.seq);
   } else {
     p->deterministic_graph = deterministic_;
-    p->padding_workaround = version <= kLastPaddingWorkaroundVersion && d.seq % 128 != 0;
+    p->padding_workaround = !x.ragged && version <= kLastPaddingWorkaroundVersion && d.seq % 128 != 0;
     p->scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.head_dim)));
 
     p->forward_ops = std::make_unique<GraphBuilder>(fmt::format("SDPA forward [{}]", shape_name(d)));
@@ -794,7 +875,7 @@ CudnnAttention::Plans& CudnnAttention::plans(const AttentionDims& d) {
 
   if (p->supported) {
     p->forward_workspace = static_cast<std::size_t>(p->forward.workspace);
-    const std::size_t rows = static_cast<std::size_t>(d.rows * d.heads * d.seq);
+    const std::size_t rows = static_cast<std::size_t>(d.rows * d.heads * d.seq);  // (packed: every token's, token-major)
     p->softmax_sum_offset = align_up(static_cast<std::size_t>(p->backward.workspace), kWorkspaceAlignment);
     p->dq_accum_offset = align_up(p->softmax_sum_offset + rows * sizeof(float), kWorkspaceAlignment);
     p->backward_workspace = p->deterministic_graph
@@ -807,6 +888,12 @@ CudnnAttention::Plans& CudnnAttention::plans(const AttentionDims& d) {
       p->seq_lens.set(lens);
       p->seq_lens_offset = align_up(p->backward_workspace, kWorkspaceAlignment);
       p->backward_workspace = p->seq_lens_offset + p->seq_lens.bytes();
+    }
+    if (x.ragged) {
+      p->forward_ragged = align_up(p->forward_workspace, kWorkspaceAlignment);
+      p->forward_workspace = p->forward_ragged + RaggedLayout(x.b).bytes;
+      p->backward_ragged = align_up(p->backward_workspace, kWorkspaceAlignment);
+      p->backward_workspace = p->backward_ragged + RaggedLayout(x.b).bytes;
     }
     if (p->deterministic_graph && p->backward.nondeterministic)
       log_warning("cuDNN attention [{}]: the backward engine {} is marked non-deterministic", shape_name(d),
@@ -851,8 +938,29 @@ std::size_t CudnnAttention::backward_workspace_bytes(const AttentionDims& d) {
   return supported_plans(d, "backward_workspace_bytes").backward_workspace;
 }
 
+namespace cudnn_attention_detail {
+/// Packed rows: writes the ragged offsets and lengths into the workspace at `at` (on `stream`)
+/// and adds their bindings.
+void bind_ragged(const AttentionDims& d, std::int64_t b, const std::int32_t* starts, std::byte* at, cudaStream_t stream,
+                 std::vector<std::int64_t>& uids, std::vector<void*>& pointers) {
+  MT_CHECK(starts != nullptr, "packed attention: the sequence starts are null");
+  const RaggedLayout l(b);
+  auto* qo = reinterpret_cast<std::int64_t*>(at + l.qo);
+  auto* kv = reinterpret_cast<std::int64_t*>(at + l.kv);
+  auto* st = reinterpret_cast<std::int64_t*>(at + l.st);
+  auto* len = reinterpret_cast<std::int32_t*>(at + l.len);
+  launch_packed_offsets(starts, d.sequences, b, d.heads * d.head_dim, d.kv_heads * d.head_dim, d.heads, qo, kv, st, len,
+                        stream);
+  for (const auto& [uid, ptr] : {std::pair<std::int64_t, void*>{kOffQ, qo}, {kOffO, qo}, {kOffK, kv}, {kOffV, kv},
+                                 {kOffStats, st}, {kSeqLenQ, len}, {kSeqLenKV, len}}) {
+    uids.push_back(uid);
+    pointers.push_back(ptr);
+  }
+}
+}  // namespace cudnn_attention_detail
+
 void CudnnAttention::forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, const AttentionDims& d,
-                             void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+                             void* workspace, std::size_t workspace_bytes, cudaStream_t stream, const std::int32_t* starts) {
   MT_NVTX_RANGE("cudnn_attention_forward");
   Plans& p = supported_plans(d, "CudnnAttention::forward");
   MT_CHECK(workspace_bytes >= p.forward_workspace, "the workspace holds {} bytes, {} needed", workspace_bytes,
@@ -862,15 +970,17 @@ void CudnnAttention::forward(const bf16* q, const bf16* k, const bf16* v, bf16* 
   MT_CHECK(aligned(q) && aligned(k) && aligned(v) && aligned(out) && aligned(lse) && aligned(workspace),
            "every pointer must be 16-byte aligned");
   MT_CUDA_CHECK(cudnnSetStream(handle_, stream));
-  const std::array<std::int64_t, 7> uids{kQ, kK, kV, kO, kStats, kScale, kNegInf};
-  const std::array<void*, 7> pointers{const_cast<bf16*>(q), const_cast<bf16*>(k), const_cast<bf16*>(v), out, lse,
-                                      &p.scale, &p.neg_inf};
+  std::vector<std::int64_t> uids{kQ, kK, kV, kO, kStats, kScale, kNegInf};
+  std::vector<void*> pointers{const_cast<bf16*>(q), const_cast<bf16*>(k), const_cast<bf16*>(v), out, lse, &p.scale,
+                              &p.neg_inf};
+  if (p.packed_b > 0)
+    bind_ragged(d, p.packed_b, starts, static_cast<std::byte*>(workspace) + p.forward_ragged, stream, uids, pointers);
   execute(handle_, p.forward, uids.data(), pointers.data(), uids.size(), workspace, p.forward_ops->name());
 }
 
 void CudnnAttention::backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
                               const bf16* dout, bf16* dq, bf16* dk, bf16* dv, const AttentionDims& d, void* workspace,
-                              std::size_t workspace_bytes, cudaStream_t stream) {
+                              std::size_t workspace_bytes, cudaStream_t stream, const std::int32_t* starts) {
   MT_NVTX_RANGE("cudnn_attention_backward");
   Plans& p = supported_plans(d, "CudnnAttention::backward");
   MT_CHECK(workspace_bytes >= p.backward_workspace, "the workspace holds {} bytes, {} needed", workspace_bytes,
@@ -901,6 +1011,7 @@ void CudnnAttention::backward(const bf16* q, const bf16* k, const bf16* v, const
     uids.push_back(kSeqLenKV);
     pointers.push_back(lens + d.rows);
   }
+  if (p.packed_b > 0) bind_ragged(d, p.packed_b, starts, ws + p.backward_ragged, stream, uids, pointers);
   execute(handle_, p.backward, uids.data(), pointers.data(), uids.size(), workspace, p.backward_ops->name());
 }
 

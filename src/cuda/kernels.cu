@@ -767,14 +767,14 @@ __global__ void __launch_bounds__(kCeMaxThreads)
 constexpr int kRopeThreads = 128;
 
 __global__ void __launch_bounds__(kRopeThreads)
-    rope_kernel(bf* __restrict__ x, i64 M, int heads, int D, i64 seq, const __grid_constant__ RopeFreqs freqs, bool inverse,
-                bool vec) {
+    rope_kernel(bf* __restrict__ x, const std::int32_t* __restrict__ positions, i64 M, int heads, int D, i64 seq,
+                const __grid_constant__ RopeFreqs freqs, bool inverse, bool vec) {
   __shared__ float cs[RopeFreqs::kMax], sn[RopeFreqs::kMax];
   const int half = freqs.half;
   const int W = vec ? 8 : 1;
   const int per_head = half / W, items = heads * per_head;
   for (i64 t = blockIdx.x; t < M; t += gridDim.x) {
-    const float pos = static_cast<float>(t % seq);
+    const float pos = static_cast<float>(positions ? positions[t] : t % seq);
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
       float s, c;
       sincosf(pos * freqs.inv_freq[i], &s, &c);
@@ -826,7 +826,13 @@ struct AttnParams {
   int ks;          ///< row stride of a pair tile, in words: Dw + 1 (odd)
   float scale;     ///< 1 / sqrt(D)
   float scale_log2;  ///< scale * log2(e): scores go straight to exp2
+  /// Packed rows: each token's position within its sequence ([rows*S]), or null (a row is one
+  /// sequence). Query i of a row sees keys i - pos[i] .. i; i - pos[i] never decreases along a row.
+  const std::int32_t* pos;
 };
+
+/// The first key query i of the row at `base` sees.
+__device__ __forceinline__ int first_key(const AttnParams& p, i64 base, int i) { return p.pos ? i - p.pos[base + i] : 0; }
 
 /// Rows [tok0, tok0 + kTile) of head `hh` (of `nh`) of sequence `base`, as bf16 pairs.
 __device__ __forceinline__ void load_pair_tile(u32* __restrict__ dst, const bf* __restrict__ src, i64 base, int tok0, int hh,
@@ -878,17 +884,19 @@ __global__ void __launch_bounds__(kQWarps * 32)
   load_float_tile(Qs, q, base, qt * kTile, h, p.H, p, p.scale_log2);
 
   float m[kQRows], l[kQRows], o[kQRows][2 * kPairs];
+  int k_first[kQRows];
 #pragma unroll
   for (int r = 0; r < kQRows; ++r) {
     m[r] = -INFINITY;
     l[r] = 0.0f;
+    k_first[r] = q0 + r < p.S ? first_key(p, base, q0 + r) : 0;
 #pragma unroll
     for (int e = 0; e < 2 * kPairs; ++e) o[r][e] = 0.0f;
   }
   const float4* Qw = reinterpret_cast<const float4*>(Qs) + warp * kQRows * dp4;
   float* Pw = Ps + warp * kQRows * 32;
 
-  for (int kt = 0; kt <= qt; ++kt) {
+  for (int kt = first_key(p, base, qt * kTile) / kTile; kt <= qt; ++kt) {
     load_pair_tile(Ks, k, base, kt * kTile, kh, p.Hkv, p);
     load_pair_tile(Vs, v, base, kt * kTile, kh, p.Hkv, p);
     __syncthreads();
@@ -904,9 +912,10 @@ __global__ void __launch_bounds__(kQWarps * 32)
     const int key = kt * kTile + lane;
 #pragma unroll
     for (int r = 0; r < kQRows; ++r) {
-      const float sv = (key <= q0 + r && key < p.S) ? s[r] : -INFINITY;
-      const float mx = fmaxf(m[r], warp_max(sv));  // finite: key kt*32 is visible to every query here
-      const float corr = exp2f(m[r] - mx), pr = exp2f(sv - mx);
+      const float sv = (key <= q0 + r && key < p.S && key >= k_first[r]) ? s[r] : -INFINITY;
+      const float mx = fmaxf(m[r], warp_max(sv));  // -inf only while a packed query's sequence starts later
+      const float mref = mx == -INFINITY ? 0.0f : mx;
+      const float corr = exp2f(m[r] - mref), pr = exp2f(sv - mref);
       l[r] = fmaf(l[r], corr, pr);  // per-lane partial; the lanes are summed at the end
       m[r] = mx;
 #pragma unroll
@@ -1002,11 +1011,13 @@ __global__ void __launch_bounds__(kQWarps * 32)
   load_float_tile(Gs, dout, base, qt * kTile, h, p.H, p, 1.0f);
 
   float lse2[kQRows], dl[kQRows], acc[kQRows][2 * kPairs];
+  int k_first[kQRows];
 #pragma unroll
   for (int r = 0; r < kQRows; ++r) {
     const bool ok = q0 + r < p.S;
     lse2[r] = ok ? lse[stat + q0 + r] * kLog2e : 0.0f;
     dl[r] = ok ? delta[stat + q0 + r] : 0.0f;
+    k_first[r] = ok ? first_key(p, base, q0 + r) : 0;
 #pragma unroll
     for (int e = 0; e < 2 * kPairs; ++e) acc[r][e] = 0.0f;
   }
@@ -1014,7 +1025,7 @@ __global__ void __launch_bounds__(kQWarps * 32)
   const float4* Gw = reinterpret_cast<const float4*>(Gs) + warp * kQRows * dp4;
   float* Dw = Ds + warp * kQRows * 32;
 
-  for (int kt = 0; kt <= qt; ++kt) {
+  for (int kt = first_key(p, base, qt * kTile) / kTile; kt <= qt; ++kt) {
     load_pair_tile(Ks, k, base, kt * kTile, kh, p.Hkv, p);
     load_pair_tile(Vs, v, base, kt * kTile, kh, p.Hkv, p);
     __syncthreads();
@@ -1032,7 +1043,7 @@ __global__ void __launch_bounds__(kQWarps * 32)
     const int key = kt * kTile + lane;
 #pragma unroll
     for (int r = 0; r < kQRows; ++r) {
-      const float pr = (key <= q0 + r && key < p.S) ? exp2f(s[r] - lse2[r]) : 0.0f;
+      const float pr = (key <= q0 + r && key < p.S && key >= k_first[r]) ? exp2f(s[r] - lse2[r]) : 0.0f;
       Dw[r * 32 + lane] = pr * (dp[r] - dl[r]);
     }
     __syncwarp();
@@ -1112,12 +1123,14 @@ __global__ void __launch_bounds__(kKvWarps * 32)
     const int h = kh * p.G + hh;
     const i64 stat = (static_cast<i64>(blockIdx.z) * p.H + h) * p.S;
     for (int qt = kt; qt < tiles; ++qt) {
+      if (first_key(p, base, qt * kTile) >= (kt + 1) * kTile) break;  // packed: later queries see none of these keys
       load_pair_tile(Qs, q, base, qt * kTile, h, p.H, p);
       load_pair_tile(Gs, dout, base, qt * kTile, h, p.H, p);
       const int qi = qt * kTile + lane;
       const bool qok = qi < p.S;
       const float lse2 = qok ? lse[stat + qi] * kLog2e : 0.0f;
       const float dl = qok ? delta[stat + qi] : 0.0f;
+      const int qk_first = qok ? first_key(p, base, qi) : 0;
       __syncthreads();
       float s[kKvRows] = {}, dp[kKvRows] = {};
       const u32* qr = Qs + lane * p.ks;
@@ -1132,7 +1145,7 @@ __global__ void __launch_bounds__(kKvWarps * 32)
       }
 #pragma unroll
       for (int r = 0; r < kKvRows; ++r) {
-        const float pr = (qok && qi >= k0 + r) ? exp2f(s[r] - lse2) : 0.0f;
+        const float pr = (qok && qi >= k0 + r && k0 + r >= qk_first) ? exp2f(s[r] - lse2) : 0.0f;
         Pw[r * 32 + lane] = pr;
         Dw[r * 32 + lane] = pr * (dp[r] - dl);
       }
@@ -1435,8 +1448,8 @@ void launch_rmsnorm_backward(const float* x, const float* w, const float* rstd, 
                 workspace_bytes, stream);
 }
 
-void launch_rope(bf16* x, std::int64_t M, std::int64_t heads, std::int64_t head_dim, std::int64_t seq, const RopeFreqs& freqs,
-                 bool inverse, cudaStream_t stream) {
+void launch_rope(bf16* x, const std::int32_t* positions, std::int64_t M, std::int64_t heads, std::int64_t head_dim,
+                 std::int64_t seq, const RopeFreqs& freqs, bool inverse, cudaStream_t stream) {
   MT_NVTX_RANGE("launch_rope");
   MT_CHECK(M >= 0 && heads > 0 && head_dim > 0 && head_dim % 2 == 0 && seq > 0 && M % seq == 0,
            "rope: {} tokens, {} heads of {}, sequences of {} do not fit", M, heads, head_dim, seq);
@@ -1445,7 +1458,7 @@ void launch_rope(bf16* x, std::int64_t M, std::int64_t heads, std::int64_t head_
   if (M == 0) return;
   const bool vec = freqs.half % 8 == 0 && aligned16(x);
   rope_kernel<<<static_cast<unsigned>(std::min<i64>(M, 65536)), kRopeThreads, 0, stream>>>(
-      dev(x), M, static_cast<int>(heads), static_cast<int>(head_dim), seq, freqs, inverse, vec);
+      dev(x), positions, M, static_cast<int>(heads), static_cast<int>(head_dim), seq, freqs, inverse, vec);
   MT_CUDA_CHECK_LAUNCH("rope_kernel");
 }
 
@@ -1498,10 +1511,33 @@ void launch_cross_entropy(const float* logits, const std::int32_t* labels, float
   MT_CUDA_CHECK_LAUNCH("cross_entropy_kernel");
 }
 
+__global__ void packed_offsets_kernel(const std::int32_t* __restrict__ starts, i64 count, i64 padded, i64 qo_mul, i64 kv_mul,
+                                      i64 st_mul, i64* __restrict__ qo, i64* __restrict__ kv, i64* __restrict__ st,
+                                      std::int32_t* __restrict__ len) {
+  for (i64 i = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; i <= padded; i += static_cast<i64>(gridDim.x) * blockDim.x) {
+    const i64 at = static_cast<i64>(starts[min(i, count)]) - starts[0];
+    qo[i] = qo_mul * at;
+    kv[i] = kv_mul * at;
+    st[i] = st_mul * at;
+    if (i < padded) len[i] = i < count ? starts[i + 1] - starts[i] : 0;
+  }
+}
+
+void launch_packed_offsets(const std::int32_t* starts, std::int64_t count, std::int64_t padded, std::int64_t qo_mul,
+                           std::int64_t kv_mul, std::int64_t st_mul, std::int64_t* qo, std::int64_t* kv, std::int64_t* st,
+                           std::int32_t* len, cudaStream_t stream) {
+  MT_CHECK(starts && qo && kv && st && len && count > 0 && padded >= count, "packed_offsets: bad arguments ({} of {})", count,
+           padded);
+  packed_offsets_kernel<<<grid_for(padded + 1, 256, 1024), 256, 0, stream>>>(starts, count, padded, qo_mul, kv_mul, st_mul,
+                                                                             qo, kv, st, len);
+  MT_CUDA_CHECK_LAUNCH("packed_offsets_kernel");
+}
+
 void launch_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, const AttentionDims& dims,
-                              cudaStream_t stream) {
+                              cudaStream_t stream, const std::int32_t* positions) {
   MT_NVTX_RANGE("launch_attention_forward");
-  const AttnParams p = attention_params(dims, "attention_forward");
+  AttnParams p = attention_params(dims, "attention_forward");
+  p.pos = positions;
   check_aligned4(q, "q", "attention_forward");
   check_aligned4(k, "k", "attention_forward");
   check_aligned4(v, "v", "attention_forward");
@@ -1525,9 +1561,10 @@ std::size_t attention_backward_workspace_bytes(const AttentionDims& dims) {
 
 void launch_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
                                const bf16* dout, bf16* dq, bf16* dk, bf16* dv, const AttentionDims& dims, void* workspace,
-                               std::size_t workspace_bytes, cudaStream_t stream) {
+                               std::size_t workspace_bytes, cudaStream_t stream, const std::int32_t* positions) {
   MT_NVTX_RANGE("launch_attention_backward");
-  const AttnParams p = attention_params(dims, "attention_backward");
+  AttnParams p = attention_params(dims, "attention_backward");
+  p.pos = positions;
   const std::pair<const void*, const char*> tensors[] = {{q, "q"},       {k, "k"},   {v, "v"},   {out, "out"},
                                                          {dout, "dout"}, {dq, "dq"}, {dk, "dk"}, {dv, "dv"}};
   for (const auto& [ptr, name] : tensors) check_aligned4(ptr, name, "attention_backward");

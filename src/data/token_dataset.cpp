@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <random>
 
 #include "megatrain/backend/backend.hpp"  // kIgnoreIndex
@@ -283,8 +284,17 @@ TokenDataset::TokenDataset(TokenSource train, DatasetOptions opt, std::optional<
     train_stats_ = select(train_, 0, n_train, train_kept_);
     train_begin_ = 0;
     train_end_ = train_.example_begin(n_train);
-    train_windows_ = static_cast<std::int64_t>(train_kept_.size());
-    val_windows_ = static_cast<std::int64_t>(val_kept_.size());
+    if (opt.pack) {
+      train_packing_ = pack(train_, train_kept_, true);
+      val_packing_ = pack(val_ ? *val_ : train_, val_kept_, false);
+      train_stats_.rows = static_cast<std::int64_t>(train_packing_.begin.size()) - 1;
+      val_stats_.rows = static_cast<std::int64_t>(val_packing_.begin.size()) - 1;
+    } else {
+      train_stats_.rows = static_cast<std::int64_t>(train_kept_.size());
+      val_stats_.rows = static_cast<std::int64_t>(val_kept_.size());
+    }
+    train_windows_ = train_stats_.rows;
+    val_windows_ = val_stats_.rows;
     MT_CHECK(train_windows_ > 0,
              "dataset '{}': none of its {} training examples has a trained token within the first {} + 1 tokens (a longer "
              "--seq keeps more of each example)", train_.label(), n_train, opt.seq_len);
@@ -347,6 +357,63 @@ ExampleStats TokenDataset::select(const TokenSource& src, std::int64_t first, st
   return st;
 }
 
+TokenDataset::Packing TokenDataset::pack(const TokenSource& src, std::vector<std::int64_t> kept, bool shuffle) const {
+  if (shuffle) {  // a fixed order of its own, drawn from the seed (the epochs' orders shuffle the rows)
+    std::mt19937_64 rng(opt_.seed * 0x9e3779b97f4a7c15ull + 0x7061636b);  // ("pack")
+    for (std::size_t i = kept.size(); i > 1; --i) std::swap(kept[i - 1], kept[rng() % i]);
+  }
+  // Best fit: each example into the row with the least room that still holds it, else a new row.
+  std::vector<std::int64_t> row_of(kept.size());
+  std::multimap<std::int64_t, std::int64_t> room;  // free tokens -> row
+  std::int64_t rows = 0;
+  for (std::size_t i = 0; i < kept.size(); ++i) {
+    const std::int64_t e = kept[i];
+    const std::int64_t n = std::min(src.example_end(e) - src.example_begin(e), opt_.seq_len + 1) - 1;
+    auto it = room.lower_bound(n);
+    std::int64_t row, left;
+    if (it == room.end()) {
+      row = rows++;
+      left = opt_.seq_len - n;
+    } else {
+      row = it->second;
+      left = it->first - n;
+      room.erase(it);
+    }
+    row_of[i] = row;
+    if (left > 0) room.emplace(left, row);
+  }
+  Packing p;  // counting sort by row, keeping the order within a row
+  p.begin.assign(static_cast<std::size_t>(rows) + 1, 0);
+  for (const std::int64_t r : row_of) ++p.begin[static_cast<std::size_t>(r) + 1];
+  for (std::size_t r = 0; r < static_cast<std::size_t>(rows); ++r) p.begin[r + 1] += p.begin[r];
+  p.examples.resize(kept.size());
+  std::vector<std::int64_t> next(p.begin.begin(), p.begin.end() - 1);
+  for (std::size_t i = 0; i < kept.size(); ++i) p.examples[static_cast<std::size_t>(next[static_cast<std::size_t>(row_of[i])]++)] = kept[i];
+  return p;
+}
+
+void TokenDataset::packed_window(const TokenSource& src, const Packing& packing, std::int64_t row,
+                                 std::span<std::int32_t> ids, std::span<std::int32_t> labels,
+                                 std::span<std::int32_t> positions) const {
+  std::int64_t o = 0;
+  for (auto k = packing.begin[static_cast<std::size_t>(row)]; k < packing.begin[static_cast<std::size_t>(row) + 1]; ++k) {
+    const std::int64_t e = packing.examples[static_cast<std::size_t>(k)], b = src.example_begin(e);
+    const std::int64_t n = std::min(src.example_end(e) - b, opt_.seq_len + 1) - 1;
+    for (std::int64_t t = 0; t < n; ++t, ++o) {
+      const auto i = static_cast<std::size_t>(o);
+      ids[i] = src.at(b + t);
+      labels[i] = opt_.train_on_prompt || src.trained(b + t + 1) ? src.at(b + t + 1) : kIgnoreIndex;
+      positions[i] = static_cast<std::int32_t>(t);
+    }
+  }
+  for (std::int64_t t = 0; o < opt_.seq_len; ++t, ++o) {  // the free tail: a sequence of padding
+    const auto i = static_cast<std::size_t>(o);
+    ids[i] = 0;
+    labels[i] = kIgnoreIndex;
+    positions[i] = static_cast<std::int32_t>(t);
+  }
+}
+
 void TokenDataset::example_window(const TokenSource& src, std::int64_t e, std::span<std::int32_t> ids,
                                   std::span<std::int32_t> labels) const {
   const std::int64_t b = src.example_begin(e);
@@ -387,35 +454,52 @@ void TokenDataset::window(const TokenSource& src, std::int64_t begin, std::int64
   std::copy_n(buf.begin() + 1, seq, labels.begin());
 }
 
+/// Window w of a split into one row of ids, labels and (unless empty) positions.
+void TokenDataset::fill(const TokenSource& src, std::int64_t begin, const std::vector<std::int64_t>& kept,
+                        const Packing& packing, std::int64_t w, std::span<std::int32_t> ids, std::span<std::int32_t> labels,
+                        std::span<std::int32_t> positions) const {
+  if (packed()) return packed_window(src, packing, w, ids, labels, positions);
+  if (examples()) example_window(src, kept[static_cast<std::size_t>(w)], ids, labels);
+  else window(src, begin, w, ids, labels);
+  for (std::size_t i = 0; i < positions.size(); ++i) positions[i] = static_cast<std::int32_t>(i);  // one sequence
+}
+
+namespace {
+void check_batch_buffers(std::int64_t rows, std::int64_t seq_len, std::span<std::int32_t> ids, std::span<std::int32_t> labels,
+                         std::span<std::int32_t> positions, bool packed) {
+  const auto n = static_cast<std::size_t>(rows * seq_len);
+  MT_CHECK(ids.size() == n && labels.size() == n && (positions.empty() || positions.size() == n),
+           "batch buffers hold {} / {} / {} tokens, expected {} x {}", ids.size(), labels.size(), positions.size(), rows,
+           seq_len);
+  MT_CHECK(!packed || !positions.empty(), "packed examples: the batch needs a buffer for the positions");
+}
+}  // namespace
+
 void TokenDataset::train_batch(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
-                               std::span<std::int32_t> labels) const {
+                               std::span<std::int32_t> labels, std::span<std::int32_t> positions) const {
   MT_NVTX_RANGE("TokenDataset::train_batch");
+  check_batch_buffers(rows, opt_.seq_len, ids, labels, positions, packed());
   const auto seq = static_cast<std::size_t>(opt_.seq_len);
-  MT_CHECK(ids.size() == static_cast<std::size_t>(rows) * seq && labels.size() == ids.size(),
-           "batch buffers hold {} / {} tokens, expected {} x {}", ids.size(), labels.size(), rows, seq);
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t k = first_window + r;
     const std::int64_t w = permutation(k / train_windows_)[static_cast<std::size_t>(k % train_windows_)];
-    const auto row_ids = ids.subspan(static_cast<std::size_t>(r) * seq, seq);
-    const auto row_labels = labels.subspan(static_cast<std::size_t>(r) * seq, seq);
-    if (examples()) example_window(train_, train_kept_[static_cast<std::size_t>(w)], row_ids, row_labels);
-    else window(train_, train_begin_, w, row_ids, row_labels);
+    const auto at = static_cast<std::size_t>(r) * seq;
+    fill(train_, train_begin_, train_kept_, train_packing_, w, ids.subspan(at, seq), labels.subspan(at, seq),
+         positions.empty() ? positions : positions.subspan(at, seq));
   }
 }
 
 void TokenDataset::val_batch(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
-                             std::span<std::int32_t> labels) const {
+                             std::span<std::int32_t> labels, std::span<std::int32_t> positions) const {
   MT_NVTX_RANGE("TokenDataset::val_batch");
+  check_batch_buffers(rows, opt_.seq_len, ids, labels, positions, packed());
   const auto seq = static_cast<std::size_t>(opt_.seq_len);
-  MT_CHECK(ids.size() == static_cast<std::size_t>(rows) * seq && labels.size() == ids.size(),
-           "batch buffers hold {} / {} tokens, expected {} x {}", ids.size(), labels.size(), rows, seq);
   const TokenSource& src = val_ ? *val_ : train_;
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t w = (first_window + r) % val_windows_;
-    const auto row_ids = ids.subspan(static_cast<std::size_t>(r) * seq, seq);
-    const auto row_labels = labels.subspan(static_cast<std::size_t>(r) * seq, seq);
-    if (examples()) example_window(src, val_kept_[static_cast<std::size_t>(w)], row_ids, row_labels);
-    else window(src, val_begin_, w, row_ids, row_labels);
+    const auto at = static_cast<std::size_t>(r) * seq;
+    fill(src, val_begin_, val_kept_, val_packing_, w, ids.subspan(at, seq), labels.subspan(at, seq),
+         positions.empty() ? positions : positions.subspan(at, seq));
   }
 }
 

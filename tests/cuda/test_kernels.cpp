@@ -419,7 +419,7 @@ TEST_CASE("rope and its inverse against the double reference") {
       CAPTURE(inverse);
       DeviceArray<bf16> d_x(sz(n), c.offset);
       d_x.upload(x);
-      mc::launch_rope(d_x.get(), M, c.heads, c.D, c.seq, freqs, inverse, stream());
+      mc::launch_rope(d_x.get(), nullptr, M, c.heads, c.D, c.seq, freqs, inverse, stream());
       auto r = widen(x);
       const View<double> rv = view<double>(r, Shape{M, c.heads * c.D});
       if (inverse) ref.rope_backward(rv, c.heads, c.seq, inv_freq);
@@ -699,7 +699,7 @@ TEST_CASE("launchers reject bad arguments on the host, before launching") {
   // rotary frequencies that do not match head_dim
   mc::RopeFreqs freqs{};
   freqs.half = 16;
-  CHECK_THROWS_AS(mc::launch_rope(buf.get(), 4, 1, 64, 4, freqs, false, stream()), megatrain::Error);
+  CHECK_THROWS_AS(mc::launch_rope(buf.get(), nullptr, 4, 1, 64, 4, freqs, false, stream()), megatrain::Error);
   // a workspace smaller than asked for
   const std::size_t need = mc::column_sum_workspace_bytes(64, 64);
   DeviceArray<std::byte> small(need - 1);

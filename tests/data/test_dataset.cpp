@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <numeric>
 #include <random>
 #include <set>
@@ -687,4 +688,94 @@ TEST_CASE("examples: the digest covers the mask and the index") {
   fs::remove(example_mask_path(c_path));
   fs::remove(example_index_path(c_path));
   CHECK(TokenSource::open(c_path).digest() != a);
+}
+
+TEST_CASE("examples packed: each kept example once per epoch, positions restarting, its labels as in its own window") {
+  TempDir dir;
+  std::mt19937 rng(11);
+  std::vector<Example> xs;
+  for (int e = 0; e < 44; ++e) {  // 1..19 tokens; a few with no trained token (dropped)
+    const int len = 1 + static_cast<int>(rng() % 19);
+    const auto salt = static_cast<int>(rng() % 3);
+    xs.push_back(make_example(e, len, [&](int t) { return e % 9 != 4 && (t + salt) % 3 != 0; }));
+  }
+  for (const std::int64_t seq : {8, 16, 23}) {
+    CAPTURE(seq);
+    auto o = example_options();
+    o.seq_len = seq;
+    o.pack = true;
+    const auto path = write_examples(dir.path / "pack.bin", xs);
+    TokenDataset ds(TokenSource::open(path), o);
+    auto u = o;
+    u.pack = false;
+    TokenDataset one(TokenSource::open(path), u);  // the same examples, one to a window
+    REQUIRE(ds.packed());
+    CHECK(ds.train_examples().rows == ds.train_windows());
+    CHECK(ds.train_windows() < one.train_windows());
+    CHECK(one.train_examples().rows == one.train_windows());
+    const ExampleStats &p = ds.train_examples(), &q = one.train_examples();
+    CHECK(p.labels == q.labels);
+    CHECK(p.tokens == q.tokens);
+    CHECK(p.dropped == q.dropped);
+    // (best fit leaves little room: the rows hold at least the tokens the examples take)
+    CHECK(p.rows * seq >= p.tokens - (p.examples - p.dropped));
+    CHECK(p.rows * seq < p.tokens - (p.examples - p.dropped) + seq * 3);
+
+    const auto epoch = [&](const TokenDataset& d, std::int64_t which, bool val) {
+      const std::int64_t w = val ? d.val_windows() : d.train_windows();
+      std::vector<std::int32_t> ids(static_cast<std::size_t>(w * seq)), labels(ids.size()), pos(ids.size());
+      if (val) d.val_batch(0, w, ids, labels, pos);
+      else d.train_batch(which * w, w, ids, labels, pos);
+      // every sequence: an example (its first n = min(len, seq + 1) - 1 tokens, the labels of its
+      // own window) or the padding of a row's tail
+      std::map<int, int> seen;
+      std::vector<int> rows_first;
+      for (std::int64_t i = 0; i < w * seq;) {
+        CAPTURE(i);
+        REQUIRE(pos[static_cast<std::size_t>(i)] == 0);
+        std::int64_t n = 1;
+        while (i + n < w * seq && (i + n) % seq != 0 && pos[static_cast<std::size_t>(i + n)] != 0) {
+          REQUIRE(pos[static_cast<std::size_t>(i + n)] == n);
+          ++n;
+        }
+        REQUIRE(((i + n) % seq == 0 || pos[static_cast<std::size_t>(i + n)] == 0));
+        if (i % seq == 0) rows_first.push_back(ids[static_cast<std::size_t>(i)]);
+        const auto id0 = ids[static_cast<std::size_t>(i)];
+        if (id0 < 100) {  // padding: to the end of the row, nothing labelled
+          CHECK((i + n) % seq == 0);
+          for (std::int64_t t = i; t < i + n; ++t) CHECK(labels[static_cast<std::size_t>(t)] == kIgnoreIndex);
+        } else {
+          const int e = (id0 - 100) / 20;
+          const Example& x = xs[static_cast<std::size_t>(e)];
+          const auto len = std::min<std::int64_t>(static_cast<std::int64_t>(x.ids.size()), seq + 1);
+          CHECK(n == len - 1);
+          for (std::int64_t t = 0; t < n; ++t) {
+            const auto k = static_cast<std::size_t>(t);
+            CHECK(ids[static_cast<std::size_t>(i + t)] == x.ids[k]);
+            CHECK(labels[static_cast<std::size_t>(i + t)] == (x.mask[k + 1] ? x.ids[k + 1] : kIgnoreIndex));
+          }
+          ++seen[e];
+        }
+        i += n;
+      }
+      return std::pair{seen, rows_first};
+    };
+    const auto [seen0, rows0] = epoch(ds, 0, false);
+    const auto [seen1, rows1] = epoch(ds, 1, false);
+    CHECK(static_cast<std::int64_t>(seen0.size()) == p.examples - p.dropped);
+    for (const auto& [e, k] : seen0) CHECK(k == 1);
+    CHECK(seen1 == seen0);    // the same rows every epoch ...
+    CHECK(rows1 != rows0);    // ... in another order
+    const auto [vseen, vrows] = epoch(ds, 0, true);
+    CHECK(static_cast<std::int64_t>(vseen.size()) == ds.val_examples().examples - ds.val_examples().dropped);
+    // reproducible: the same seed packs the same rows
+    TokenDataset again(TokenSource::open(path), o);
+    CHECK(epoch(again, 0, false).second == rows0);
+  }
+  // Packed batches need a positions buffer.
+  auto o = example_options();
+  o.pack = true;
+  TokenDataset ds(TokenSource::open(write_examples(dir.path / "p2.bin", xs)), o);
+  std::vector<std::int32_t> ids(8), labels(8);
+  CHECK_THROWS_WITH_AS(ds.train_batch(0, 1, ids, labels), doctest::Contains("needs a buffer for the positions"), Error);
 }

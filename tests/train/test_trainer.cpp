@@ -825,3 +825,125 @@ TEST_CASE("a step's loss is the mean over its labelled tokens (PyTorch's cross_e
   // (the case tells the two apart: the mean of the two halves' means is another number)
   CHECK(std::fabs(whole.mean_of_halves - whole.loss) > 0.005 * whole.loss);
 }
+
+TEST_CASE("packed rows train exactly as the same examples one to a row (positions restart, attention within each)") {
+  // Examples of awkward random lengths, each with its own labels: one per row (padded), or
+  // packed several to a row with positions restarting at 0 and a padding sequence in the free
+  // tail. Attention within each example and rotary positions from 0 make every example's
+  // logits the same either way, so the step's loss, gradient norm and update are the same.
+  const auto cfg = tiny(true);
+  const std::int64_t seq = 13;
+  std::mt19937 rng(31);
+  struct Example {
+    std::vector<std::int32_t> ids, labels;
+  };
+  std::vector<Example> ex;
+  for (int e = 0; e < 9; ++e) {
+    Example x;
+    const auto n = 1 + static_cast<std::int64_t>(rng() % 7);  // 1..7 tokens of a row
+    for (std::int64_t t = 0; t < n; ++t) {
+      x.ids.push_back(static_cast<std::int32_t>(rng() % 53));
+      x.labels.push_back(rng() % 3 == 0 ? kIgnoreIndex : static_cast<std::int32_t>(rng() % 53));
+    }
+    x.labels.back() = static_cast<std::int32_t>(rng() % 53);  // at least one label each
+    ex.push_back(std::move(x));
+  }
+  // one to a row
+  Batch one;
+  for (const auto& x : ex)
+    for (std::int64_t t = 0; t < seq; ++t) {
+      const bool in = t < static_cast<std::int64_t>(x.ids.size());
+      one.ids.push_back(in ? x.ids[static_cast<std::size_t>(t)] : 0);
+      one.labels.push_back(in ? x.labels[static_cast<std::size_t>(t)] : kIgnoreIndex);
+    }
+  // packed in order, a new row when the next does not fit; the tail is padding
+  Batch packed;
+  std::vector<std::int32_t> positions;
+  std::int64_t col = 0;
+  auto pad_row = [&] {
+    for (std::int32_t p = 0; col < seq; ++col, ++p) {
+      packed.ids.push_back(static_cast<std::int32_t>(rng() % 53));  // (any id: its labels are ignored)
+      packed.labels.push_back(kIgnoreIndex);
+      positions.push_back(p);
+    }
+    col = 0;
+  };
+  for (const auto& x : ex) {
+    if (col + static_cast<std::int64_t>(x.ids.size()) > seq) pad_row();
+    for (std::size_t t = 0; t < x.ids.size(); ++t, ++col) {
+      packed.ids.push_back(x.ids[t]);
+      packed.labels.push_back(x.labels[t]);
+      positions.push_back(static_cast<std::int32_t>(t));
+    }
+  }
+  pad_row();
+  const auto rows_one = static_cast<std::int64_t>(ex.size()), rows_packed = static_cast<std::int64_t>(packed.ids.size()) / seq;
+  REQUIRE(rows_packed < rows_one - 2);
+
+  const auto train = [&](const Batch& b, std::int64_t rows, const std::vector<std::int32_t>& pos, std::int64_t micro,
+                         std::int64_t chunk, std::vector<float>* weights) {
+    auto o = options(rows, seq);
+    o.packed = !pos.empty();
+    o.micro_batches = micro;
+    o.chunk_rows = chunk;
+    o.clip_norm = 0.5;
+    o.adamw.eps = 1e-4;  // (so that Adam does not blow float noise in near-zero gradients up to +-lr)
+    DecoderModel<> model(cfg);
+    HostParamStore<float> store(model.units(), store_opts(o));
+    CpuBackend<float> be;
+    Trainer<CpuBackend<float>> trainer(model, store, be, o);
+    const double before = trainer.evaluate(b.ids, b.labels, rows, pos);
+    std::vector<StepStats> st;
+    for (int s = 0; s < 2; ++s) st.push_back(trainer.step(b.ids, b.labels, pos));
+    trainer.finish_update();
+    for (const auto& u : store.units()) weights->insert(weights->end(), u.master().begin(), u.master().end());
+    return std::pair{before, st};
+  };
+  std::vector<float> w_one;
+  const auto [eval_one, st_one] = train(one, rows_one, {}, 1, 0, &w_one);
+  for (const auto& [micro, chunk] : {std::pair<std::int64_t, std::int64_t>{1, 0}, {1, 1}, {rows_packed, 0}}) {
+    CAPTURE(micro);
+    CAPTURE(chunk);
+    std::vector<float> w;
+    const auto [eval, st] = train(packed, rows_packed, positions, micro, chunk, &w);
+    CHECK(eval == doctest::Approx(eval_one).epsilon(1e-5));
+    for (std::size_t s = 0; s < st.size(); ++s) {
+      CHECK(st[s].loss == doctest::Approx(st_one[s].loss).epsilon(1e-5));
+      CHECK(st[s].grad_norm == doctest::Approx(st_one[s].grad_norm).epsilon(1e-4));
+    }
+    double worst = 0;
+    for (std::size_t i = 0; i < w.size(); ++i)
+      worst = std::max(worst, std::fabs(static_cast<double>(w[i]) - w_one[i]) / (std::fabs(static_cast<double>(w_one[i])) + 1e-3));
+    CHECK(worst < 1e-4);
+  }
+  // Without the positions (each packed row one sequence) the examples see each other: another loss.
+  std::vector<float> w;
+  const auto [eval_plain, st_plain] = train(packed, rows_packed, {}, 1, 0, &w);
+  CHECK(std::fabs(eval_plain - eval_one) > 1e-3 * eval_one);
+}
+
+TEST_CASE("positions are checked before anything changes") {
+  const auto cfg = tiny(false);
+  auto o = options(2, 5);
+  DecoderModel<> model(cfg);
+  HostParamStore<float> store(model.units(), store_opts(o));
+  CpuBackend<float> be;
+  std::mt19937 rng(3);
+  const auto b = random_batch(rng, 2, 5, 53);
+  {
+    Trainer<CpuBackend<float>> plain(model, store, be, o);
+    CHECK_THROWS_WITH_AS(plain.step(b.ids, b.labels, std::vector<std::int32_t>(10, 0)),
+                         doctest::Contains("not made for packed rows"), Error);
+  }
+  o.packed = true;
+  Trainer<CpuBackend<float>> trainer(model, store, be, o);
+  CHECK_THROWS_WITH_AS(trainer.step(b.ids, b.labels, std::vector<std::int32_t>{0, 1, 2, 0, 1, 1, 2, 3, 4, 5}),
+                       doctest::Contains("position 1 at token 5 (row 1, column 0)"), Error);
+  CHECK_THROWS_WITH_AS(trainer.step(b.ids, b.labels, std::vector<std::int32_t>{0, 1, 3, 0, 1, 0, 1, 2, 3, 4}),
+                       doctest::Contains("position 3 at token 2"), Error);
+  CHECK_THROWS_WITH_AS(trainer.step(b.ids, b.labels, std::vector<std::int32_t>{0, 1, 2}),
+                       doctest::Contains("3 positions for 2 sequences x 5 tokens"), Error);
+  CHECK(trainer.steps_done() == 0);
+  const auto st = trainer.step(b.ids, b.labels, std::vector<std::int32_t>{0, 1, 2, 0, 1, 0, 0, 1, 2, 3});
+  CHECK(std::isfinite(st.loss));
+}

@@ -7,6 +7,7 @@
 // stream); views passed to one must stay valid until the backend is synchronised.
 #pragma once
 
+#include <algorithm>
 #include <concepts>
 #include <cstdint>
 #include <span>
@@ -23,11 +24,35 @@ struct AdamWScalars;  // optim/adamw.hpp
 /// Labels equal to this are ignored by the loss (PyTorch's ignore_index).
 inline constexpr std::int32_t kIgnoreIndex = -100;
 
-/// One chunk of a batch: `rows` whole sequences of `seq` tokens. Attention never crosses a
-/// sequence, so a unit can run a batch chunk by chunk.
+/// Several sequences packed into each row of a chunk ("packing", docs/data.md): rotary positions
+/// restart and attention stays within each sequence. Empty when each row is one sequence.
+struct PackedRows {
+  /// [tokens]: each token's position within its own sequence, in the backend's memory: 0 at a
+  /// row's first token and wherever a sequence starts, the previous token's plus one elsewhere.
+  View<const std::int32_t> positions;
+  /// Where the sequences start, then where the last one ends (count + 1 increasing token
+  /// offsets, relative to the first entry, which is the chunk's first token), in the backend's
+  /// memory and in host memory. Every row starts a sequence; none crosses a row.
+  View<const std::int32_t> starts;
+  std::span<const std::int32_t> host_starts;
+
+  bool empty() const { return positions.is_null(); }
+  /// Sequences in the chunk.
+  std::int64_t count() const { return host_starts.empty() ? 0 : static_cast<std::int64_t>(host_starts.size()) - 1; }
+  /// The longest one.
+  std::int64_t longest() const {
+    std::int32_t m = 0;
+    for (std::size_t i = 1; i < host_starts.size(); ++i) m = std::max(m, host_starts[i] - host_starts[i - 1]);
+    return m;
+  }
+};
+
+/// One chunk of a batch: `rows` whole rows of `seq` tokens, each one sequence or, packed, several
+/// (`packed`). Attention never crosses a row, so a unit can run a batch chunk by chunk.
 struct ChunkShape {
   std::int64_t rows = 0;
   std::int64_t seq = 0;
+  PackedRows packed{};
   std::int64_t tokens() const { return rows * seq; }
 };
 
@@ -38,10 +63,14 @@ struct AttentionShape {
   std::int64_t heads = 0;     ///< query heads
   std::int64_t kv_heads = 0;  ///< key/value heads; divides heads
   std::int64_t head_dim = 0;
+  PackedRows packed{};        ///< several sequences per row (attention within each), or empty
   void validate() const {
     MT_CHECK(rows > 0 && seq > 0 && heads > 0 && kv_heads > 0 && head_dim > 0 && heads % kv_heads == 0,
              "invalid attention shape: {} rows x {} tokens, {} heads, {} kv heads, head_dim {}", rows, seq, heads,
              kv_heads, head_dim);
+    MT_CHECK(packed.empty() || (packed.positions.numel() == rows * seq && packed.count() >= rows),
+             "packed attention: {} positions and {} sequences for {} rows x {} tokens", packed.positions.numel(),
+             packed.count(), rows, seq);
   }
 };
 
@@ -69,8 +98,8 @@ concept Backend = requires(B& be, View<const typename B::Act> a, View<typename B
   be.linear_backward(a, w, a, ma, flag, acc, acc);                 // dx, dW +=, db +=
   be.rmsnorm(r, gain, x, ma, acc);                                 // y, rstd (of the residual stream)
   be.rmsnorm_backward(r, gain, cacc, a, r, mr, ma, acc);           // dx = residual + ..., its activation copy, dw +=
-  be.rope(ma, std::int64_t{}, std::int64_t{}, freqs);              // rotate in place
-  be.rope_backward(ma, std::int64_t{}, std::int64_t{}, freqs);     // inverse rotation in place
+  be.rope(ma, std::int64_t{}, std::int64_t{}, freqs, ids);         // rotate in place (ids: positions, or empty)
+  be.rope_backward(ma, std::int64_t{}, std::int64_t{}, freqs, ids);  // inverse rotation in place
   be.attention(a, a, a, ma, acc, as);                              // out, lse
   be.attention_backward(a, a, a, a, cacc, a, ma, ma, ma, as);      // dq, dk, dv
   be.swiglu(a, a, ma);                                             // silu(g) * u

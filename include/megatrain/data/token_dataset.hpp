@@ -23,6 +23,15 @@
 // of the example with train_on_prompt), kIgnoreIndex elsewhere, padding included. An example with
 // no trained label left within its window is dropped (counted in ExampleStats). Validation: a
 // separate file of examples or the last `val_fraction` of the examples.
+//
+// Packing (DatasetOptions::pack, examples only): the kept examples are packed once into rows of
+// seq tokens, and a window is a row. An example takes min(length, seq + 1) - 1 tokens of a row
+// (its last token is only a label, as in its own window); positions restart at 0 for each
+// example, and a row's free tail is one more sequence of padding (labels kIgnoreIndex). The
+// order is a shuffle drawn from the seed (file order for validation), each example placed in
+// the fullest row it still fits (best fit); the rows are fixed for the run, and their order is
+// shuffled every epoch like windows. The loss of an example is the same packed or not, as long
+// as attention stays within it (TrainerOptions::packed).
 #pragma once
 
 #include <cstddef>
@@ -109,6 +118,7 @@ struct DatasetOptions {
   double val_fraction = 0.05;    ///< tail of the training source held out when no validation source is given
   std::uint64_t seed = 0;        ///< shuffle seed
   bool train_on_prompt = false;  ///< examples: every token is a label, not only the trained ones
+  bool pack = false;             ///< examples: several per row (see above)
 };
 
 /// What became of the examples of a source (TokenDataset in example mode).
@@ -118,6 +128,7 @@ struct ExampleStats {
   std::int64_t dropped = 0;    ///< no trained label within the window: left out (cut or not)
   std::int64_t labels = 0;     ///< trained labels of the kept examples, within their windows
   std::int64_t tokens = 0;     ///< tokens of the kept examples within their windows
+  std::int64_t rows = 0;       ///< windows: one per kept example, or the rows they are packed into
 };
 
 class TokenDataset {
@@ -133,22 +144,35 @@ class TokenDataset {
   std::int64_t val_tokens() const { return val_end_ - val_begin_; }
 
   /// Fills `rows` sequences of inputs and labels ([rows * seq_len] each) for training window
-  /// slots [first_window, first_window + rows) of the shuffled order (epoch after epoch).
+  /// slots [first_window, first_window + rows) of the shuffled order (epoch after epoch), and,
+  /// unless empty, each token's position within its sequence (required when packed()).
   void train_batch(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
-                   std::span<std::int32_t> labels) const;
+                   std::span<std::int32_t> labels, std::span<std::int32_t> positions = {}) const;
   /// Where the order stands once `windows_consumed` training windows have been read.
   DataPosition position(std::int64_t windows_consumed) const;
   const TokenSource& train_source() const { return train_; }
   /// Example mode: one example per window (see above).
   bool examples() const { return train_.has_examples(); }
+  /// Examples packed several to a row (DatasetOptions::pack).
+  bool packed() const { return examples() && opt_.pack; }
   const ExampleStats& train_examples() const { return train_stats_; }
   const ExampleStats& val_examples() const { return val_stats_; }
   const std::optional<TokenSource>& val_source() const { return val_; }
   /// Validation windows [first_window, first_window + rows), in file order, wrapping around.
   void val_batch(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
-                 std::span<std::int32_t> labels) const;
+                 std::span<std::int32_t> labels, std::span<std::int32_t> positions = {}) const;
 
  private:
+  /// Packed rows: row r holds examples[begin[r] .. begin[r + 1]).
+  struct Packing {
+    std::vector<std::int64_t> begin, examples;
+  };
+  Packing pack(const TokenSource& src, std::vector<std::int64_t> kept, bool shuffle) const;
+  void fill(const TokenSource& src, std::int64_t begin, const std::vector<std::int64_t>& kept, const Packing& packing,
+            std::int64_t w, std::span<std::int32_t> ids, std::span<std::int32_t> labels,
+            std::span<std::int32_t> positions) const;
+  void packed_window(const TokenSource& src, const Packing& packing, std::int64_t row, std::span<std::int32_t> ids,
+                     std::span<std::int32_t> labels, std::span<std::int32_t> positions) const;
   void window(const TokenSource& src, std::int64_t begin, std::int64_t w, std::span<std::int32_t> ids,
               std::span<std::int32_t> labels) const;
   const std::vector<std::int64_t>& permutation(std::int64_t epoch) const;
@@ -161,6 +185,7 @@ class TokenDataset {
   std::int64_t train_begin_ = 0, train_end_ = 0, val_begin_ = 0, val_end_ = 0;
   std::int64_t train_windows_ = 0, val_windows_ = 0;
   std::vector<std::int64_t> train_kept_, val_kept_;  // examples: the window's example
+  Packing train_packing_, val_packing_;              // packed examples: each row's examples
   ExampleStats train_stats_, val_stats_;
   mutable std::int64_t perm_epoch_ = -1;
   mutable std::vector<std::int64_t> perm_;

@@ -227,15 +227,20 @@ class Trainer {
   }
 
   /// One optimizer step on a batch: ids and labels hold batch_rows * seq_len tokens, row by row
-  /// (labels: the next token, or kIgnoreIndex). Throws before changing anything if the batch
+  /// (labels: the next token, or kIgnoreIndex). With TrainerOptions::packed, `positions` (as many)
+  /// gives each token's position within its sequence (0 where one starts, and at every row's
+  /// first token; empty: each row is one sequence). Throws before changing anything if the batch
   /// is malformed or has no labelled token.
-  StepStats step(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels) {
+  StepStats step(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels,
+                 std::span<const std::int32_t> positions = {}) {
     MT_NVTX_RANGE("Trainer::step");
     const auto t0 = std::chrono::steady_clock::now();
     const std::int64_t valid = check_batch(ids, labels, opt_.batch_rows);
     MT_CHECK(valid > 0, "the batch has no token with a label (all labels are {})", kIgnoreIndex);
+    check_positions(positions, opt_.batch_rows);
     std::copy(ids.begin(), ids.end(), ids_host_.begin());
     std::copy(labels.begin(), labels.end(), labels_host_.begin());
+    stage_positions(positions, opt_.batch_rows);
 
     State& st = *state_;
     st.step = step_ + 1;
@@ -290,13 +295,15 @@ class Trainer {
   }
 
   /// Mean loss over the labelled tokens of `rows` sequences (forward only; the weights are
-  /// not changed). rows must be a multiple of the micro-batch size.
-  double evaluate(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels, std::int64_t rows) {
+  /// not changed). rows must be a multiple of the micro-batch size. `positions` as for step().
+  double evaluate(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels, std::int64_t rows,
+                  std::span<const std::int32_t> positions = {}) {
     MT_NVTX_RANGE("Trainer::evaluate");
     MT_CHECK(rows > 0 && rows % opt_.micro_rows() == 0, "evaluation rows {} must be a positive multiple of {}", rows,
              opt_.micro_rows());
     const std::int64_t valid = check_batch(ids, labels, rows);
     MT_CHECK(valid > 0, "the evaluation batch has no token with a label");
+    check_positions(positions, rows);
     double total = 0;
     const std::int64_t mt = opt_.micro_rows() * opt_.seq_len;
     load_device_units();
@@ -304,6 +311,7 @@ class Trainer {
       const auto off = static_cast<std::size_t>(first * opt_.seq_len);
       std::copy_n(ids.begin() + off, mt, ids_host_.begin());
       std::copy_n(labels.begin() + off, mt, labels_host_.begin());
+      stage_positions(positions.empty() ? positions : positions.subspan(off, static_cast<std::size_t>(mt)), opt_.micro_rows());
       if (!devices_.holds(0)) find_touched_rows(std::span<const std::int32_t>(ids_host_).first(static_cast<std::size_t>(mt)));
       state_->micro_rows = opt_.micro_rows();
       std::vector<TrainItem> items;
@@ -570,6 +578,9 @@ class Trainer {
       auto for_chunks = [&](auto&& f) {
         for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) f(r0, std::min(chunk, rows - r0));
       };
+      auto block_chunk = [&](std::int64_t r0, std::int64_t n_rows) {  // a block's chunk: rows, and packing
+        return ChunkShape{n_rows, seq, t.packed_rows(it.micro, rows, r0, n_rows)};
+      };
       switch (it.kind) {
         case Kind::forward: {
           auto out = t.ckpt_out(it.unit);  // where unit u's output goes (its device checkpoint, or a staging buffer)
@@ -578,6 +589,7 @@ class Trainer {
             const auto n = static_cast<std::size_t>(rows * seq);
             t.be_.upload(exec, std::span<const std::int32_t>(t.ids_host_).subspan(off, n), t.ids_dev_.span());
             t.be_.upload(exec, std::span<const std::int32_t>(t.labels_host_).subspan(off, n), t.labels_dev_.span());
+            if (t.opt_.packed) t.upload_positions(exec, it.micro, rows);
             // fp32 rows: a device unit's master table, or the batch's distinct rows gathered by
             // the prefetch (indexed by the tokens' compact ids)
             std::span<std::int32_t> ids = t.ids_dev_.span();
@@ -599,7 +611,7 @@ class Trainer {
             const auto w = t.weights(tmpl, it.unit, s.in);
             const auto in = t.ckpt_out(it.unit - 1);  // the previous unit's output is still there
             for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
-              tmpl.op().forward(t.be_, ChunkShape{n_rows, seq}, w, View<const Res>(rows_of(in, r0, n_rows)), rows_of(out, r0, n_rows),
+              tmpl.op().forward(t.be_, block_chunk(r0, n_rows), w, View<const Res>(rows_of(in, r0, n_rows)), rows_of(out, r0, n_rows),
                                 t.arena_);
             });
           }
@@ -673,7 +685,7 @@ class Trainer {
             const auto g = tmpl.bind(acc);
             const auto x = t.ckpt_in(exec, it.unit - 1);
             for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
-              tmpl.op().backward(t.be_, ChunkShape{n_rows, seq}, w, View<const Res>(rows_of(x, r0, n_rows)),
+              tmpl.op().backward(t.be_, block_chunk(r0, n_rows), w, View<const Res>(rows_of(x, r0, n_rows)),
                                  View<const Res>(rows_of(t.dbuf_[dy].span(), r0, n_rows)), rows_of(t.dbuf_[1 - dy].span(), r0, n_rows),
                                  g, t.arena_);
             });
@@ -870,12 +882,19 @@ class Trainer {
     arena_ = Arena(scratch_mem_.span());
     ids_dev_ = be_.template alloc<std::int32_t>(micro_tokens);
     labels_dev_ = be_.template alloc<std::int32_t>(micro_tokens);
+    if (opt_.packed) {  // a micro-batch's positions, and where its sequences start (at most one per token)
+      MT_CHECK(opt_.batch_rows * opt_.seq_len < std::numeric_limits<std::int32_t>::max(),
+               "packed rows: a batch of {} tokens exceeds the int32 offsets of its sequences", opt_.batch_rows * opt_.seq_len);
+      positions_dev_ = be_.template alloc<std::int32_t>(micro_tokens);
+      starts_dev_ = be_.template alloc<std::int32_t>(micro_tokens + 1);
+    }
     loss_dev_ = be_.template alloc<Acc>(micro_tokens);
     if constexpr (requires { typename B::WorkspacePlan; }) {  // backends that allocate workspaces up front
       typename B::WorkspacePlan plan;
       plan.max_tokens = chunk * opt_.seq_len;
       plan.max_width = std::max({cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim()});
       plan.vocab = cfg.vocab_size;
+      plan.packed = opt_.packed;
       for (std::int64_t r : {chunk, opt_.micro_rows() % chunk})
         if (r > 0) plan.attention.push_back({r, opt_.seq_len, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim});
       be_.prepare(plan);
@@ -929,6 +948,12 @@ class Trainer {
 
     // ids, labels, compact ids and touched rows (int32), then per-token losses; pinned with a GPU
     host_io_ = HostBuffer::allocate(batch_tokens * (4 * sizeof(std::int32_t) + sizeof(Acc)));
+    if (opt_.packed) {  // positions, then the sequences' starts (pinned: uploaded asynchronously)
+      positions_mem_ = HostBuffer::allocate((2 * batch_tokens + 1) * sizeof(std::int32_t));
+      positions_host_ = positions_mem_.template as<std::int32_t>(0, batch_tokens);
+      starts_host_ = positions_mem_.template as<std::int32_t>(batch_tokens, batch_tokens + 1);
+      row_seq_.assign(static_cast<std::size_t>(opt_.batch_rows) + 1, 0);
+    }
     ids_host_ = host_io_.template as<std::int32_t>(0, batch_tokens);
     labels_host_ = host_io_.template as<std::int32_t>(batch_tokens, batch_tokens);
     compact_ids_host_ = host_io_.template as<std::int32_t>(2 * batch_tokens, batch_tokens);
@@ -1270,6 +1295,62 @@ class Trainer {
     return valid;
   }
 
+  /// Positions must come with TrainerOptions::packed, one per token, 0 at each row's start and
+  /// wherever a sequence starts, the previous one plus one elsewhere.
+  void check_positions(std::span<const std::int32_t> positions, std::int64_t rows) const {
+    if (positions.empty()) return;
+    MT_CHECK(opt_.packed, "positions were given, but the trainer was not made for packed rows (TrainerOptions::packed)");
+    const std::int64_t seq = opt_.seq_len;
+    MT_CHECK(static_cast<std::int64_t>(positions.size()) == rows * seq, "{} positions for {} sequences x {} tokens",
+             positions.size(), rows, seq);
+    for (std::int64_t i = 0; i < rows * seq; ++i) {
+      const std::int32_t p = positions[static_cast<std::size_t>(i)];
+      const bool ok = i % seq == 0 ? p == 0 : (p == 0 || p == positions[static_cast<std::size_t>(i - 1)] + 1);
+      MT_CHECK(ok, "position {} at token {} (row {}, column {}): a row starts at 0, and each position is 0 (a new "
+               "sequence) or the previous one plus 1", p, i, i / seq, i % seq);
+    }
+  }
+  /// Host copies of the positions of `rows` rows (empty: each row one sequence) and of where
+  /// their sequences start (starts_host_, and row_seq_: each row's first sequence).
+  void stage_positions(std::span<const std::int32_t> positions, std::int64_t rows) {
+    if (!opt_.packed) return;
+    const std::int64_t seq = opt_.seq_len;
+    std::int64_t n = 0;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      row_seq_[static_cast<std::size_t>(r)] = n;
+      for (std::int64_t c = 0; c < seq; ++c) {
+        const auto i = static_cast<std::size_t>(r * seq + c);
+        const std::int32_t p = positions.empty() ? static_cast<std::int32_t>(c) : positions[i];
+        positions_host_[i] = p;
+        if (p == 0) starts_host_[static_cast<std::size_t>(n++)] = static_cast<std::int32_t>(i);
+      }
+    }
+    row_seq_[static_cast<std::size_t>(rows)] = n;
+    starts_host_[static_cast<std::size_t>(n)] = static_cast<std::int32_t>(rows * seq);
+  }
+  /// Uploads micro-batch m's positions and sequence starts (with its ids, in its forward).
+  void upload_positions(Exec& exec, std::int64_t m, std::int64_t rows) {
+    const auto off = static_cast<std::size_t>(m * rows * opt_.seq_len), n = static_cast<std::size_t>(rows * opt_.seq_len);
+    be_.upload(exec, std::span<const std::int32_t>(positions_host_).subspan(off, n), positions_dev_.span().first(n));
+    const auto s0 = static_cast<std::size_t>(row_seq_[static_cast<std::size_t>(m * rows)]);
+    const auto s1 = static_cast<std::size_t>(row_seq_[static_cast<std::size_t>((m + 1) * rows)]);
+    be_.upload(exec, std::span<const std::int32_t>(starts_host_).subspan(s0, s1 - s0 + 1), starts_dev_.span().first(s1 - s0 + 1));
+  }
+  /// The packing of rows [r0, r0 + n) of micro-batch m (of `rows` rows), or none.
+  PackedRows packed_rows(std::int64_t m, std::int64_t rows, std::int64_t r0, std::int64_t n) const {
+    if (!opt_.packed) return {};
+    const std::int64_t seq = opt_.seq_len, base = row_seq_[static_cast<std::size_t>(m * rows)];
+    const std::int64_t s0 = row_seq_[static_cast<std::size_t>(m * rows + r0)], s1 = row_seq_[static_cast<std::size_t>(m * rows + r0 + n)];
+    const auto count = static_cast<std::size_t>(s1 - s0 + 1);
+    PackedRows p;
+    p.positions = View<const std::int32_t>(std::span<const std::int32_t>(positions_dev_.span()).subspan(static_cast<std::size_t>(r0 * seq), static_cast<std::size_t>(n * seq)),
+                                           Shape{n * seq});
+    p.starts = View<const std::int32_t>(std::span<const std::int32_t>(starts_dev_.span()).subspan(static_cast<std::size_t>(s0 - base), count),
+                                        Shape{static_cast<std::int64_t>(count)});
+    p.host_starts = std::span<const std::int32_t>(starts_host_).subspan(static_cast<std::size_t>(s0), count);
+    return p;
+  }
+
   double sum_loss() const {
     double s = 0;
     for (Acc x : loss_host_) s += static_cast<double>(x);
@@ -1310,6 +1391,10 @@ class Trainer {
   Buf<std::byte> scratch_mem_;
   Arena arena_;
   Buf<std::int32_t> ids_dev_, labels_dev_;
+  Buf<std::int32_t> positions_dev_, starts_dev_;  // packed rows: a micro-batch's positions and sequence starts
+  HostBuffer positions_mem_;
+  std::span<std::int32_t> positions_host_, starts_host_;  // the batch's (starts: token offsets, then the end)
+  std::vector<std::int64_t> row_seq_;                     // each row's first sequence in starts_host_, then the count
   Buf<Acc> rows_acc_;                            // streamed: the touched rows' gradient, compact
   Buf<std::int32_t> touched_dev_, compact_ids_dev_;
   Buf<float> embed_rows_;           // a host embedding: the batch's distinct rows, fp32, for the lookup

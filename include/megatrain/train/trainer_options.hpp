@@ -46,6 +46,9 @@ struct TrainerOptions {
   /// one given, that divides the batch into parts of at most this many sequences.
   std::int64_t max_micro_rows = 0;
   std::int64_t chunk_rows = 0;     ///< sequences per compute chunk (0: a whole micro-batch)
+  /// Rows may hold several sequences (packing, docs/data.md): step() and evaluate() then take
+  /// each token's position within its sequence, and attention stays within each sequence.
+  bool packed = false;
   AdamWConfig adamw;
   LrSchedule schedule;
   double clip_norm = 0.0;  ///< max global gradient norm; 0 disables clipping
@@ -105,6 +108,7 @@ inline nlohmann::json to_json(const TrainerOptions& o) {
           {"micro_batches", o.micro_batches},
           {"max_micro_rows", o.max_micro_rows},
           {"chunk_rows", o.chunk_rows},
+          {"packed", o.packed},
           {"adamw",
            {{"lr", o.adamw.lr}, {"beta1", o.adamw.beta1}, {"beta2", o.adamw.beta2}, {"eps", o.adamw.eps},
             {"weight_decay", o.adamw.weight_decay}}},
@@ -131,6 +135,7 @@ inline TrainerOptions trainer_options_from_json(const nlohmann::json& j, std::st
     o.micro_batches = j.at("micro_batches").get<std::int64_t>();
     o.max_micro_rows = j.at("max_micro_rows").get<std::int64_t>();
     o.chunk_rows = j.at("chunk_rows").get<std::int64_t>();
+    o.packed = j.value("packed", false);  // (absent from train states written before packing)
     const auto& a = j.at("adamw");
     o.adamw = {a.at("lr").get<double>(), a.at("beta1").get<double>(), a.at("beta2").get<double>(), a.at("eps").get<double>(),
                a.at("weight_decay").get<double>()};

@@ -229,20 +229,23 @@ class CpuBackend {
   // ---- rotary position embedding -----------------------------------------------------------
   /// Rotates each head of x[M, heads*head_dim] in place, Hugging Face's rotate-half convention:
   /// for i < D/2, (x_i, x_{i+D/2}) -> (x_i c - x_{i+D/2} s, x_{i+D/2} c + x_i s), angle p * inv_freq[i]
-  /// at position p = token % seq.
-  void rope(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq) {
-    rotate(x, heads, seq, inv_freq, +1);
+  /// at position p = token % seq, or p = positions[token] where positions are given (packed rows).
+  void rope(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq,
+            View<const std::int32_t> positions = {}) {
+    rotate(x, heads, seq, inv_freq, positions, +1);
   }
   /// The transpose (inverse) rotation, applied to a gradient in place.
-  void rope_backward(View<Act> dx, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq) {
-    rotate(dx, heads, seq, inv_freq, -1);
+  void rope_backward(View<Act> dx, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq,
+                     View<const std::int32_t> positions = {}) {
+    rotate(dx, heads, seq, inv_freq, positions, -1);
   }
 
   // ---- attention -----------------------------------------------------------------------------
   /// Causal grouped-query attention over a chunk. q, out: [M, H*D]; k, v: [M, Hkv*D];
   /// lse: [rows, H, seq] keeps the log-sum-exp of each query's scaled scores. Query head h reads
   /// key/value head h / (H / Hkv). Scores and probabilities are formed per (sequence, head) as
-  /// [seq, seq] matrices: a reference, not a long-context kernel.
+  /// [seq, seq] matrices: a reference, not a long-context kernel. Packed rows (s.packed): query i
+  /// sees keys i - positions[i] .. i, those of its own sequence.
   void attention(View<const Act> q, View<const Act> k, View<const Act> v, View<Act> out, View<Acc> lse,
                  const AttentionShape& s) {
     check_attention(q, k, v, out, lse, s);
@@ -256,10 +259,12 @@ class CpuBackend {
         P.noalias() = (Q * K.transpose()) * scale;
         T* l = lse.data() + (row * H + h) * S;
         for (std::int64_t i = 0; i < S; ++i) {
-          const T mx = P.row(i).head(i + 1).maxCoeff();
+          const std::int64_t j0 = first_key(s, row, i);
+          const T mx = P.row(i).segment(j0, i + 1 - j0).maxCoeff();
           double sum = 0;
-          for (std::int64_t j = 0; j <= i; ++j) sum += (P(i, j) = std::exp(P(i, j) - mx));
-          for (std::int64_t j = 0; j <= i; ++j) P(i, j) = static_cast<T>(P(i, j) / sum);
+          for (std::int64_t j = j0; j <= i; ++j) sum += (P(i, j) = std::exp(P(i, j) - mx));
+          for (std::int64_t j = j0; j <= i; ++j) P(i, j) = static_cast<T>(P(i, j) / sum);
+          P.row(i).head(j0).setZero();        // another sequence of the row
           P.row(i).tail(S - i - 1).setZero();  // causal mask
           l[i] = static_cast<T>(static_cast<double>(mx) + std::log(sum));
         }
@@ -294,7 +299,9 @@ class CpuBackend {
           const T* l = lse.data() + (row * H + h) * S;
           P.noalias() = (Q * K.transpose()) * scale;  // recompute probabilities from the saved lse
           for (std::int64_t i = 0; i < S; ++i) {
-            for (std::int64_t j = 0; j <= i; ++j) P(i, j) = std::exp(P(i, j) - l[i]);
+            const std::int64_t j0 = first_key(s, row, i);
+            for (std::int64_t j = j0; j <= i; ++j) P(i, j) = std::exp(P(i, j) - l[i]);
+            P.row(i).head(j0).setZero();
             P.row(i).tail(S - i - 1).setZero();
           }
           delta.noalias() = (dO.cwiseProduct(O)).rowwise().sum();  // rowsum(dO * O)
@@ -542,13 +549,20 @@ class CpuBackend {
       for (std::int64_t c = 0; c < cols; ++c) out[static_cast<std::size_t>(c)] += partial(i, c);
   }
 
-  void rotate(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq, int sign) {
+  /// The first key query i of row `row` sees: 0, or the start of its sequence in a packed row.
+  static std::int64_t first_key(const AttentionShape& s, std::int64_t row, std::int64_t i) {
+    return s.packed.empty() ? 0 : i - s.packed.positions.data()[row * s.seq + i];
+  }
+
+  void rotate(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq,
+              View<const std::int32_t> positions, int sign) {
     const std::int64_t M = x.size(0), half = static_cast<std::int64_t>(inv_freq.size()), D = 2 * half;
     MT_CHECK(x.rank() == 2 && x.size(1) == heads * D && seq > 0 && M % seq == 0,
              "rope: x {} is not [tokens, {} heads x {}] with tokens a multiple of seq {}", x.shape().str(), heads, D, seq);
+    MT_CHECK(positions.is_null() || positions.numel() == M, "rope: {} positions for {} tokens", positions.numel(), M);
     parallel_rows(M, 64, [&](std::int64_t b, std::int64_t e) {
       for (std::int64_t t = b; t < e; ++t) {
-        const double pos = static_cast<double>(t % seq);
+        const double pos = static_cast<double>(positions.is_null() ? t % seq : positions.data()[t]);
         for (std::int64_t i = 0; i < half; ++i) {
           const double ang = pos * inv_freq[static_cast<std::size_t>(i)];
           const T c = static_cast<T>(std::cos(ang)), sn = static_cast<T>(sign * std::sin(ang));

@@ -59,6 +59,10 @@ struct WorkspacePlan {
   std::int64_t max_width = 0;   ///< widest activation row (hidden, intermediate, q or kv width)
   std::int64_t vocab = 0;
   std::vector<AttentionShape> attention;  ///< every chunk shape attention will see
+  /// Rows may hold several sequences (packing): room is made for cuDNN's packed plans of up to
+  /// `packed_sequences_per_row` sequences a row, as long as a row.
+  bool packed = false;
+  std::int64_t packed_sequences_per_row = 8;
 };
 
 class CudaBackend {
@@ -209,6 +213,12 @@ class CudaBackend {
       ws = std::max(ws, cuda::attention_backward_workspace_bytes(d));
 #if MEGATRAIN_HAS_CUDNN
       if (use_cudnn(d)) ws = std::max({ws, attention_->forward_workspace_bytes(d), attention_->backward_workspace_bytes(d)});
+      if (plan.packed) {
+        auto p = d;
+        p.sequences = std::min(d.rows * plan.packed_sequences_per_row, d.rows * d.seq);
+        p.longest = d.seq;
+        if (use_cudnn(p)) ws = std::max({ws, attention_->forward_workspace_bytes(p), attention_->backward_workspace_bytes(p)});
+      }
 #endif
     }
     if (ws > workspace_.size()) workspace_ = alloc<std::byte>(ws);
@@ -322,27 +332,32 @@ class CudaBackend {
                                   workspace_.size(), stream_);
   }
 
-  void rope(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq) {
+  void rope(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq,
+            View<const std::int32_t> positions = {}) {
     MT_NVTX_RANGE("cuda:rope");
-    rotate(x, heads, seq, inv_freq, false);
+    rotate(x, heads, seq, inv_freq, positions, false);
   }
-  void rope_backward(View<Act> dx, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq) {
+  void rope_backward(View<Act> dx, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq,
+                     View<const std::int32_t> positions = {}) {
     MT_NVTX_RANGE("cuda:rope_backward");
-    rotate(dx, heads, seq, inv_freq, true);
+    rotate(dx, heads, seq, inv_freq, positions, true);
   }
 
+  /// Packed rows (s.packed) run as cuDNN's ragged attention where it takes them and the
+  /// workspace holds what its plan needs, else on megatrain's own kernel (said once).
   void attention(View<const Act> q, View<const Act> k, View<const Act> v, View<Act> out, View<Acc> lse,
                  const AttentionShape& s) {
     MT_NVTX_RANGE("cuda:attention");
     check_attention(q, k, v, out, s);
     const auto d = dims(s);
 #if MEGATRAIN_HAS_CUDNN
-    if (use_cudnn(d)) {
-      attention_->forward(q.data(), k.data(), v.data(), out.data(), lse.data(), d, ws(), workspace_.size(), stream_);
+    if (use_cudnn(d) && (s.packed.empty() || packed_fits(d, attention_->forward_workspace_bytes(d)))) {
+      attention_->forward(q.data(), k.data(), v.data(), out.data(), lse.data(), d, ws(), workspace_.size(), stream_,
+                          starts(s));
       return;
     }
 #endif
-    cuda::launch_attention_forward(q.data(), k.data(), v.data(), out.data(), lse.data(), d, stream_);
+    cuda::launch_attention_forward(q.data(), k.data(), v.data(), out.data(), lse.data(), d, stream_, positions(s));
   }
   void attention_backward(View<const Act> q, View<const Act> k, View<const Act> v, View<const Act> out,
                           View<const Acc> lse, View<const Act> dout, View<Act> dq, View<Act> dk, View<Act> dv,
@@ -351,14 +366,15 @@ class CudaBackend {
     check_attention(q, k, v, out, s);
     const auto d = dims(s);
 #if MEGATRAIN_HAS_CUDNN
-    if (use_cudnn(d)) {
+    // (the same choice as the forward's: lse is laid out for the one that wrote it)
+    if (use_cudnn(d) && (s.packed.empty() || packed_fits(d, attention_->forward_workspace_bytes(d)))) {
       attention_->backward(q.data(), k.data(), v.data(), out.data(), lse.data(), dout.data(), dq.data(), dk.data(),
-                           dv.data(), d, ws(), workspace_.size(), stream_);
+                           dv.data(), d, ws(), workspace_.size(), stream_, starts(s));
       return;
     }
 #endif
     cuda::launch_attention_backward(q.data(), k.data(), v.data(), out.data(), lse.data(), dout.data(), dq.data(),
-                                      dk.data(), dv.data(), d, ws(), workspace_.size(), stream_);
+                                      dk.data(), dv.data(), d, ws(), workspace_.size(), stream_, positions(s));
   }
 
   void swiglu(View<const Act> g, View<const Act> u, View<Act> m) {
@@ -460,7 +476,27 @@ class CudaBackend {
     MT_CHECK(bias.is_null() || bias.numel() == N, "linear: bias {} does not match {} outputs", bias.shape().str(), N);
     return {M, K, N};
   }
-  static cuda::AttentionDims dims(const AttentionShape& s) { return {s.rows, s.seq, s.heads, s.kv_heads, s.head_dim}; }
+  static cuda::AttentionDims dims(const AttentionShape& s) {
+    return {s.rows, s.seq, s.heads, s.kv_heads, s.head_dim, s.packed.count(), s.packed.empty() ? 0 : s.packed.longest()};
+  }
+  static const std::int32_t* positions(const AttentionShape& s) { return s.packed.empty() ? nullptr : s.packed.positions.data(); }
+  static const std::int32_t* starts(const AttentionShape& s) { return s.packed.empty() ? nullptr : s.packed.starts.data(); }
+#if MEGATRAIN_HAS_CUDNN
+  /// Whether the workspace holds what cuDNN's packed plans for `d` need (both directions); says
+  /// once when it does not, and the own kernel runs instead.
+  bool packed_fits(const cuda::AttentionDims& d, std::size_t forward_bytes) {
+    const std::size_t need = std::max(forward_bytes, attention_->backward_workspace_bytes(d));
+    if (need <= workspace_.size()) return true;
+    if (!packed_fallback_said_) {
+      log_warning("megatrain: packed attention of {} sequences (the longest {}) needs {:.1f} MiB of cuDNN workspace, {:.1f} "
+                  "MiB are allocated: megatrain's own attention kernel runs it (slower)", d.sequences, d.longest,
+                  static_cast<double>(need) / (1 << 20), static_cast<double>(workspace_.size()) / (1 << 20));
+      packed_fallback_said_ = true;
+    }
+    return false;
+  }
+  bool packed_fallback_said_ = false;
+#endif
   static void check_attention(View<const Act> q, View<const Act> k, View<const Act> v, View<const Act> out,
                               const AttentionShape& s) {
     s.validate();
@@ -470,7 +506,8 @@ class CudaBackend {
              "attention: q {}, k {}, v {}, out {} do not match {} rows x {} tokens, {}/{} heads of {}", q.shape().str(),
              k.shape().str(), v.shape().str(), out.shape().str(), s.rows, s.seq, s.heads, s.kv_heads, s.head_dim);
   }
-  void rotate(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq, bool inverse) {
+  void rotate(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq,
+              View<const std::int32_t> positions, bool inverse) {
     cuda::RopeFreqs f{};
     MT_CHECK(inv_freq.size() <= static_cast<std::size_t>(cuda::RopeFreqs::kMax), "rope: head_dim {} exceeds {}",
              2 * inv_freq.size(), 2 * cuda::RopeFreqs::kMax);
@@ -478,7 +515,10 @@ class CudaBackend {
     for (std::size_t i = 0; i < inv_freq.size(); ++i) f.inv_freq[i] = static_cast<float>(inv_freq[i]);
     MT_CHECK(x.rank() == 2 && x.size(1) == heads * 2 * f.half && seq > 0 && x.size(0) % seq == 0,
              "rope: x {} is not [tokens, {} heads x {}]", x.shape().str(), heads, 2 * f.half);
-    cuda::launch_rope(x.data(), x.size(0), heads, 2 * f.half, seq, f, inverse, stream_);
+    MT_CHECK(positions.is_null() || positions.numel() == x.size(0), "rope: {} positions for {} tokens", positions.numel(),
+             x.size(0));
+    cuda::launch_rope(x.data(), positions.is_null() ? nullptr : positions.data(), x.size(0), heads, 2 * f.half, seq, f,
+                      inverse, stream_);
   }
   void* ws() { return workspace_.size() ? workspace_.span().data() : nullptr; }
   bool use_cudnn([[maybe_unused]] const cuda::AttentionDims& d) {

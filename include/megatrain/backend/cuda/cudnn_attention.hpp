@@ -14,6 +14,13 @@
 // h / (heads / kv_heads); dk and dv sum over each kv head's group of query heads. The softmax
 // scale is 1/sqrt(head_dim) and the mask is causal (query i attends to keys 0..i).
 //
+// Packed rows (AttentionDims::sequences > 0): the rows hold that many sequences end to end (none
+// crossing a row), whose starts forward() and backward() take in device memory (`starts`:
+// sequences + 1 token offsets relative to starts[0], the last the end); each sequence attends
+// causally within itself (cuDNN's ragged "THD" layout with a padding mask). lse is then
+// token-major, [rows*seq, heads]. Plans are built per power of two of the sequence count (from
+// 8, padded with empty sequences) and of the longest sequence (from 64, at most seq).
+//
 // Not thread-safe: one CudnnAttention per thread (or external locking), like the cuDNN handle.
 #pragma once
 
@@ -61,12 +68,12 @@ class CudnnAttention {
   /// out and lse from q, k, v. Every pointer (workspace included) must be 16-byte aligned.
   /// Precondition: supports(d), workspace_bytes >= forward_workspace_bytes(d).
   void forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, const AttentionDims& d,
-               void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+               void* workspace, std::size_t workspace_bytes, cudaStream_t stream, const std::int32_t* starts = nullptr);
   /// dq, dk, dv (overwritten) from the forward's inputs, out and lse and the output gradient dout.
   /// Precondition: supports(d), workspace_bytes >= backward_workspace_bytes(d), 16-byte alignment.
   void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse, const bf16* dout,
                 bf16* dq, bf16* dk, bf16* dv, const AttentionDims& d, void* workspace, std::size_t workspace_bytes,
-                cudaStream_t stream);
+                cudaStream_t stream, const std::int32_t* starts = nullptr);
 
   /// Number of shapes whose graphs have been built (supported or not).
   std::size_t cached_plans() const { return plans_.size(); }
@@ -75,7 +82,7 @@ class CudnnAttention {
 
  private:
   struct Plans;
-  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
+  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
   Plans& plans(const AttentionDims& d);
   Plans& supported_plans(const AttentionDims& d, const char* caller);
 

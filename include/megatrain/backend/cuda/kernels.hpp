@@ -26,6 +26,9 @@ struct RopeFreqs {
 
 struct AttentionDims {
   std::int64_t rows, seq, heads, kv_heads, head_dim;  ///< q/out: [rows*seq, heads*head_dim]; k/v: [rows*seq, kv_heads*head_dim]
+  /// Packed rows: how many sequences the rows hold end to end (none crosses a row), and the
+  /// longest; 0 when each row is one sequence.
+  std::int64_t sequences = 0, longest = 0;
 };
 
 // ---- elementwise ------------------------------------------------------------------------------
@@ -70,9 +73,10 @@ void launch_rmsnorm_backward(const float* x, const float* w, const float* rstd, 
 
 // ---- rotary ----------------------------------------------------------------------------------
 /// Rotates every head of x [M, heads*head_dim] in place (Hugging Face rotate-half), position of
-/// token t = t % seq; `inverse` applies the transpose (for gradients).
-void launch_rope(bf16* x, std::int64_t M, std::int64_t heads, std::int64_t head_dim, std::int64_t seq,
-                 const RopeFreqs& freqs, bool inverse, cudaStream_t stream);
+/// token t = positions[t] (device memory), or t % seq where positions is null; `inverse` applies
+/// the transpose (for gradients).
+void launch_rope(bf16* x, const std::int32_t* positions, std::int64_t M, std::int64_t heads, std::int64_t head_dim,
+                 std::int64_t seq, const RopeFreqs& freqs, bool inverse, cudaStream_t stream);
 
 // ---- reductions --------------------------------------------------------------------------------
 std::size_t column_sum_workspace_bytes(std::int64_t M, std::int64_t N);
@@ -103,14 +107,23 @@ void launch_cross_entropy(const float* logits, const std::int32_t* labels, float
                           std::int64_t n, std::int64_t V, cudaStream_t stream);
 
 // ---- attention (the fallback when cuDNN is missing or refuses a shape) ------------------------
+/// For cuDNN's packed (ragged) attention: from `count` + 1 sequence starts (device, token offsets
+/// relative to starts[0], the last one the end), element offsets qo[i] = qo_mul * start_i,
+/// kv[i] = kv_mul * start_i, st[i] = st_mul * start_i and lengths len[i] for i < `padded`
+/// (entries past `count` are empty sequences at the end: offsets of the end, length 0).
+void launch_packed_offsets(const std::int32_t* starts, std::int64_t count, std::int64_t padded, std::int64_t qo_mul,
+                           std::int64_t kv_mul, std::int64_t st_mul, std::int64_t* qo, std::int64_t* kv, std::int64_t* st,
+                           std::int32_t* len, cudaStream_t stream);
 /// Causal grouped-query attention; lse: [rows, heads, seq] fp32 (natural log-sum-exp of the
-/// scaled scores, the same statistic cuDNN's SDPA returns).
+/// scaled scores, the same statistic cuDNN's SDPA returns). Packed rows: `positions` (device,
+/// [rows*seq]) holds each token's position within its sequence, and query i sees keys
+/// i - positions[i] .. i of its row; null: a row is one sequence.
 void launch_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, const AttentionDims& dims,
-                              cudaStream_t stream);
+                              cudaStream_t stream, const std::int32_t* positions = nullptr);
 std::size_t attention_backward_workspace_bytes(const AttentionDims& dims);
 /// dq, dk, dv overwritten; dk, dv sum over each kv head's group of query heads.
 void launch_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
                                const bf16* dout, bf16* dq, bf16* dk, bf16* dv, const AttentionDims& dims, void* workspace,
-                               std::size_t workspace_bytes, cudaStream_t stream);
+                               std::size_t workspace_bytes, cudaStream_t stream, const std::int32_t* positions = nullptr);
 
 }  // namespace megatrain::cuda

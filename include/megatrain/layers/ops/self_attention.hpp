@@ -106,8 +106,8 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     be.linear(x, w.q, w.q_bias, a.q);
     be.linear(x, w.k, w.k_bias, a.k);
     be.linear(x, w.v, w.v_bias, a.v);
-    be.rope(a.q, cfg_.num_attention_heads, c.seq, std::span<const double>(inv_freq_));
-    be.rope(a.k, cfg_.num_key_value_heads, c.seq, std::span<const double>(inv_freq_));
+    be.rope(a.q, cfg_.num_attention_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions);
+    be.rope(a.k, cfg_.num_key_value_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions);
     be.attention(cview(a.q), cview(a.k), cview(a.v), a.att, a.lse, shape(c));
   }
 
@@ -119,8 +119,8 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     be.linear_backward(cview(a.att), w.o, dy, a.datt, false, g.o, g.o_bias);
     be.attention_backward(cview(a.q), cview(a.k), cview(a.v), cview(a.att), cview(a.lse), cview(a.datt), a.dq, a.dk,
                           a.dv, shape(c));
-    be.rope_backward(a.dq, cfg_.num_attention_heads, c.seq, std::span<const double>(inv_freq_));
-    be.rope_backward(a.dk, cfg_.num_key_value_heads, c.seq, std::span<const double>(inv_freq_));
+    be.rope_backward(a.dq, cfg_.num_attention_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions);
+    be.rope_backward(a.dk, cfg_.num_key_value_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions);
     be.linear_backward(x, w.q, cview(a.dq), dx, false, g.q, g.q_bias);
     be.linear_backward(x, w.k, cview(a.dk), dx, true, g.k, g.k_bias);
     be.linear_backward(x, w.v, cview(a.dv), dx, true, g.v, g.v_bias);
@@ -129,7 +129,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
  private:
   std::string name(const char* suffix) const { return prefix_ + suffix; }
   AttentionShape shape(ChunkShape c) const {
-    return {c.rows, c.seq, cfg_.num_attention_heads, cfg_.num_key_value_heads, cfg_.head_dim};
+    return {c.rows, c.seq, cfg_.num_attention_heads, cfg_.num_key_value_heads, cfg_.head_dim, c.packed};
   }
 
   ModelConfig cfg_;
