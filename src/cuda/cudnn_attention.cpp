@@ -77,6 +77,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -633,10 +634,10 @@ void build_backward(GraphBuilder& g, const Shape& x, bool deterministic, bool pa
   const Dims sd = score_dims(x), ss = score_strides(x), rd = row_dims(x), rs = row_strides(x);
   const Dims hd = bshd_dims(x, x.h);
   const Dims hd_packed = {x.h * x.s * x.d, x.s * x.d, x.d, 1};  // [B,H,S,D] dense, for intermediates
-  const Dims kv_full = {x.b, x.h, x.s, x.d};                    // dK, dV before the GQA reduction
-  // (packed, the per-query-head dK and dV are laid out like dK and dV with every head, and carry
-  // their ragged offsets, as the frontend builds them)
-  const Dims kv_full_strides = x.ragged ? bshd_strides(x, x.h) : hd_packed;
+  // dK, dV before the GQA reduction: dense and without ragged offsets also when packed (measured
+  // on cuDNN 9.19, H100: with dK's offsets, as the frontend gives them, the engine reads out of
+  // bounds; dense, every packed case of tests/cuda/test_cuda_backend.cpp matches the reference)
+  const Dims kv_full = {x.b, x.h, x.s, x.d};
 
   cudnnBackendDescriptor_t seq_q = r.seq_q, seq_kv = r.seq_kv;
   if (padding_workaround) {
@@ -649,7 +650,8 @@ void build_backward(GraphBuilder& g, const Shape& x, bool deterministic, bool pa
   g.pointwise("dO * O", CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, d_o, o, nullptr, do_o);
   auto row_sum = g.virtual_tensor("rowsum(dO * O)", CUDNN_DATA_FLOAT, rd, rs);
   g.reduction("rowsum(dO * O)", CUDNN_REDUCE_TENSOR_ADD, do_o, row_sum);
-  auto softmax_sum = g.tensor("softmax_sum", kSoftmaxSum, CUDNN_DATA_FLOAT, rd, stats_strides(x), false, false, r.stats);
+  // (dense [B,H,S,1] also when packed: the engine writes it so without a bound on the total tokens)
+  auto softmax_sum = g.tensor("softmax_sum", kSoftmaxSum, CUDNN_DATA_FLOAT, rd, rs);
   g.pointwise("softmax_sum = rowsum * 1", CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, row_sum, one, nullptr, softmax_sum);
 
   // P = exp(causal(S * scale - lse)), recomputed.
@@ -672,7 +674,7 @@ void build_backward(GraphBuilder& g, const Shape& x, bool deterministic, bool pa
   if (x.h == x.hk) {
     g.matmul("P^T dO", p_t, d_o, d_v, seq_kv, nullptr, seq_q);
   } else {
-    auto d_v_full = g.virtual_tensor("dV per query head", CUDNN_DATA_BFLOAT16, kv_full, kv_full_strides, r.v);
+    auto d_v_full = g.virtual_tensor("dV per query head", CUDNN_DATA_BFLOAT16, kv_full, hd_packed);
     g.matmul("P^T dO", p_t, d_o, d_v_full, seq_kv, nullptr, seq_q);
     g.reduction("dV over the query-head group", CUDNN_REDUCE_TENSOR_ADD, d_v_full, d_v);
   }
@@ -693,7 +695,7 @@ void build_backward(GraphBuilder& g, const Shape& x, bool deterministic, bool pa
   if (x.h == x.hk) {
     g.matmul("dS^T Q", ds_t, q, d_k, seq_kv, nullptr, seq_q);
   } else {
-    auto d_k_full = g.virtual_tensor("dK per query head", CUDNN_DATA_BFLOAT16, kv_full, kv_full_strides, r.k);
+    auto d_k_full = g.virtual_tensor("dK per query head", CUDNN_DATA_BFLOAT16, kv_full, hd_packed);
     g.matmul("dS^T Q", ds_t, q, d_k_full, seq_kv, nullptr, seq_q);
     g.reduction("dK over the query-head group", CUDNN_REDUCE_TENSOR_ADD, d_k_full, d_k);
   }
@@ -875,7 +877,8 @@ CudnnAttention::Plans& CudnnAttention::plans(const AttentionDims& d) {
 
   if (p->supported) {
     p->forward_workspace = static_cast<std::size_t>(p->forward.workspace);
-    const std::size_t rows = static_cast<std::size_t>(d.rows * d.heads * d.seq);  // (packed: every token's, token-major)
+    // softmax_sum: one float per (sequence, head, position), the graph's [B,H,S]
+    const std::size_t rows = static_cast<std::size_t>(x.b * x.h * x.s);
     p->softmax_sum_offset = align_up(static_cast<std::size_t>(p->backward.workspace), kWorkspaceAlignment);
     p->dq_accum_offset = align_up(p->softmax_sum_offset + rows * sizeof(float), kWorkspaceAlignment);
     p->backward_workspace = p->deterministic_graph

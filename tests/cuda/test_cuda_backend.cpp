@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -103,8 +104,33 @@ double norm(const std::vector<double>& v) {
 constexpr double kOutTol = 16 * 0x1p-9;   // 3.1e-2
 constexpr double kGradTol = 24 * 0x1p-9;  // 4.7e-2
 
-void check_block(const ModelConfig& cfg, ChunkShape c, bool use_cudnn) {
+/// Packed rows: positions and sequence starts of rows of `seq` holding sequences of `lengths`
+/// (each row's add up to seq).
+struct Packing {
+  std::vector<std::int32_t> positions, starts;
+  Packing(const std::vector<int>& lengths, std::int64_t rows, std::int64_t seq) {
+    std::int32_t at = 0;
+    for (const int n : lengths) {
+      starts.push_back(at);
+      for (int t = 0; t < n; ++t) positions.push_back(t);
+      at += n;
+    }
+    starts.push_back(at);
+    REQUIRE(at == rows * seq);
+    for (std::int64_t r = 0; r < rows; ++r) REQUIRE(positions[static_cast<std::size_t>(r * seq)] == 0);
+  }
+  PackedRows view(const std::vector<std::int32_t>& pos, const std::vector<std::int32_t>& st) const {
+    PackedRows p;
+    p.positions = View<const std::int32_t>(std::span<const std::int32_t>(pos), Shape{static_cast<std::int64_t>(pos.size())});
+    p.starts = View<const std::int32_t>(std::span<const std::int32_t>(st), Shape{static_cast<std::int64_t>(st.size())});
+    p.host_starts = starts;
+    return p;
+  }
+};
+
+void check_block(const ModelConfig& cfg, ChunkShape c, bool use_cudnn, const std::vector<int>& lengths = {}) {
   CAPTURE(cfg.hidden_size);
+  CAPTURE(lengths.size());
   CAPTURE(cfg.head_dim);
   CAPTURE(cfg.num_attention_heads / cfg.num_key_value_heads);
   CAPTURE(c.rows);
@@ -125,6 +151,9 @@ void check_block(const ModelConfig& cfg, ChunkShape c, bool use_cudnn) {
   CpuBackend<double> cpu;
   std::vector<std::byte> mem(tmpl.op().scratch_bytes<CpuBackend<double>>(c));
   Arena arena{std::span<std::byte>(mem)};
+  std::optional<Packing> pk;
+  if (!lengths.empty()) pk.emplace(lengths, c.rows, c.seq);
+  if (pk) c.packed = pk->view(pk->positions, pk->starts);  // (host memory: the CPU's)
   auto xd = to_double(x32), dyd = to_double(dy32);
   std::vector<double> yd(xd.size()), dxd(xd.size()), gd(n, 0.0);
   const auto wr = tmpl.bind(std::span<const double>(wd));
@@ -137,8 +166,23 @@ void check_block(const ModelConfig& cfg, ChunkShape c, bool use_cudnn) {
   CudaBackendOptions opt;
   opt.use_cudnn = use_cudnn;
   CudaBackend be(opt);
-  be.prepare({M, std::max({cfg.hidden_size, cfg.intermediate_size, cfg.q_dim()}), cfg.vocab_size,
-              {{c.rows, c.seq, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim}}});
+  WorkspacePlan plan{M, std::max({cfg.hidden_size, cfg.intermediate_size, cfg.q_dim()}), cfg.vocab_size,
+                     {{c.rows, c.seq, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim}}};
+  plan.packed = pk.has_value();
+  plan.packed_sequences_per_row = pk ? static_cast<std::int64_t>(lengths.size()) : 8;
+  be.prepare(plan);
+  std::optional<CudaBackend::Buffer<std::int32_t>> dpos, dstarts;
+  if (pk) {  // the same packing in device memory
+    dpos.emplace(to_device(be, pk->positions));
+    dstarts.emplace(to_device(be, pk->starts));
+    c.packed.positions = View<const std::int32_t>(std::span<const std::int32_t>(dpos->span()), Shape{M});
+    c.packed.starts = View<const std::int32_t>(std::span<const std::int32_t>(dstarts->span()),
+                                               Shape{static_cast<std::int64_t>(pk->starts.size())});
+    const AttentionShape as{c.rows, c.seq, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, c.packed};
+    MESSAGE("packed: cuDNN " << (be.cudnn_attention(as) ? "runs" : "does not run") << " " << lengths.size()
+                             << " sequences; " << be.attention_plan_summary(as));
+    if (use_cudnn) CHECK(be.cudnn_attention(as));
+  }
   auto w = to_device(be, w16);
   auto gd32 = to_device(be, gains), x = to_device(be, x32), dy = to_device(be, dy32);
   auto y = be.alloc<float>(x32.size()), dx = be.alloc<float>(x32.size());
@@ -179,6 +223,27 @@ TEST_CASE("decoder block on the GPU matches the float64 reference (megatrain's a
   check_block(config(72, 6, 2, 12, 101, true, true), {2, 13}, false);
   check_block(config(200, 7, 1, 40, 101, false, true), {1, 67}, false);
   check_block(config(128, 2, 2, 64, 101, false, true), {3, 1}, false);
+}
+
+TEST_CASE("packed rows: a decoder block matches the float64 reference, attention within each sequence") {
+  std::mt19937 rng(77);
+  const auto random_lengths = [&](std::int64_t rows, std::int64_t seq, int most) {
+    std::vector<int> out;
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t left = seq; left > 0;) {
+        const int n = std::min<int>(static_cast<int>(left), 1 + static_cast<int>(rng() % static_cast<unsigned>(most)));
+        out.push_back(n);
+        left -= n;
+      }
+    return out;
+  };
+  for (const bool cudnn : {true, false}) {
+    CAPTURE(cudnn);
+    check_block(config(256, 8, 8, 64, 101, false, true), {3, 128}, cudnn, random_lengths(3, 128, 40));
+    check_block(config(128, 4, 2, 64, 101, true, true), {2, 37}, cudnn, {5, 1, 20, 11, 37});
+    check_block(config(192, 6, 1, 128, 101, true, true), {2, 300}, cudnn, random_lengths(2, 300, 25));
+    check_block(config(128, 4, 2, 64, 101, true, true), {1, 1000}, cudnn, random_lengths(1, 1000, 400));
+  }
 }
 
 TEST_CASE("embedding and head on the GPU match the float64 reference") {

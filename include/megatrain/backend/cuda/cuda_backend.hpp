@@ -23,6 +23,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -196,7 +197,14 @@ class CudaBackend {
   /// Whether attention of this shape runs on cuDNN (after prepare()).
   bool cudnn_attention(const AttentionShape& s) {
     MT_NVTX_RANGE("CudaBackend::cudnn_attention");  // may build the shape's cuDNN graphs
-    return use_cudnn(dims(s));
+    return runs_on_cudnn(s);
+  }
+  /// cuDNN's plans for attention of this shape, in a line (or why it does not run them).
+  std::string attention_plan_summary([[maybe_unused]] const AttentionShape& s) {
+#if MEGATRAIN_HAS_CUDNN
+    if (attention_) return attention_->plan_summary(dims(s));
+#endif
+    return "cuDNN is not used";
   }
 
   /// Allocates every workspace the primitives will need for chunks up to `plan`.
@@ -351,7 +359,7 @@ class CudaBackend {
     check_attention(q, k, v, out, s);
     const auto d = dims(s);
 #if MEGATRAIN_HAS_CUDNN
-    if (use_cudnn(d) && (s.packed.empty() || packed_fits(d, attention_->forward_workspace_bytes(d)))) {
+    if (runs_on_cudnn(s)) {
       attention_->forward(q.data(), k.data(), v.data(), out.data(), lse.data(), d, ws(), workspace_.size(), stream_,
                           starts(s));
       return;
@@ -366,8 +374,7 @@ class CudaBackend {
     check_attention(q, k, v, out, s);
     const auto d = dims(s);
 #if MEGATRAIN_HAS_CUDNN
-    // (the same choice as the forward's: lse is laid out for the one that wrote it)
-    if (use_cudnn(d) && (s.packed.empty() || packed_fits(d, attention_->forward_workspace_bytes(d)))) {
+    if (runs_on_cudnn(s)) {  // (the same choice as the forward's: lse is laid out for the one that wrote it)
       attention_->backward(q.data(), k.data(), v.data(), out.data(), lse.data(), dout.data(), dq.data(), dk.data(),
                            dv.data(), d, ws(), workspace_.size(), stream_, starts(s));
       return;
@@ -479,13 +486,21 @@ class CudaBackend {
   static cuda::AttentionDims dims(const AttentionShape& s) {
     return {s.rows, s.seq, s.heads, s.kv_heads, s.head_dim, s.packed.count(), s.packed.empty() ? 0 : s.packed.longest()};
   }
+  bool runs_on_cudnn(const AttentionShape& s) {
+    const auto d = dims(s);
+#if MEGATRAIN_HAS_CUDNN
+    return use_cudnn(d) && (s.packed.empty() || packed_fits(d));
+#else
+    return use_cudnn(d);
+#endif
+  }
   static const std::int32_t* positions(const AttentionShape& s) { return s.packed.empty() ? nullptr : s.packed.positions.data(); }
   static const std::int32_t* starts(const AttentionShape& s) { return s.packed.empty() ? nullptr : s.packed.starts.data(); }
 #if MEGATRAIN_HAS_CUDNN
   /// Whether the workspace holds what cuDNN's packed plans for `d` need (both directions); says
   /// once when it does not, and the own kernel runs instead.
-  bool packed_fits(const cuda::AttentionDims& d, std::size_t forward_bytes) {
-    const std::size_t need = std::max(forward_bytes, attention_->backward_workspace_bytes(d));
+  bool packed_fits(const cuda::AttentionDims& d) {
+    const std::size_t need = std::max(attention_->forward_workspace_bytes(d), attention_->backward_workspace_bytes(d));
     if (need <= workspace_.size()) return true;
     if (!packed_fallback_said_) {
       log_warning("megatrain: packed attention of {} sequences (the longest {}) needs {:.1f} MiB of cuDNN workspace, {:.1f} "
