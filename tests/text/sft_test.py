@@ -427,6 +427,20 @@ check("give --model DIR" in err and "--tokenizer" in err, f"JSON data without a 
 out = run(train, ["--data", "train_chat.bin", "--seq", "64", "--steps", "1", "--out", "run_bin"] + MODEL)
 check_examples_line(out, "run", 64)  # (run/data/train.bin holds the same files, checked above)
 
+# --pack true: the same examples and labels, packed several to a sequence (fewer sequences)
+out = run(train, ["--data", "train_chat.jsonl", "--tokenizer", QWEN, "--seq", "128", "--steps", "2", "--out", "run_pack",
+                  "--pack", "true"] + MODEL)
+got = check_examples_line(out, "run_pack", 128)
+packed = re.search(r"packed into (\d+) sequences of --seq 128 \(([0-9.]+)% of their tokens are examples'; --pack\)", out)
+check(packed is not None and got is not None and 0 < int(packed[1]) < got[0] and 0 < float(packed[2]) <= 100,
+      f"--pack true: {out}")
+check(steps("run_pack") == [1, 2], f"--pack run steps: {out}")
+with open(os.path.join(work, "run_pack", "metrics.jsonl")) as f:
+    losses = [json.loads(line).get("loss") for line in f if line.strip()]
+check(all(isinstance(x, float) and 0 < x < 20 for x in losses), f"--pack losses: {losses}")
+err = run(train, ["--data", "docs_big.bin", "--seq", "16", "--steps", "1", "--out", "run_docs", "--pack", "true"] + MODEL, rc=1)
+check("--pack applies to fine-tuning examples" in err, f"--pack with documents: {err}")
+
 # --- resume a chat run -------------------------------------------------------------------------------
 out = run(train, ["--data", "train_chat.jsonl", "--tokenizer", QWEN, "--seq", "64", "--steps", "2", "--save-every", "1",
                   "--out", "run_resume"] + MODEL)
@@ -441,6 +455,9 @@ check(m is not None and first_line is not None and m[0] == first_line[0], "the r
 # another --train-on would change what the run trains on: refused
 err = run(train, ["--resume", "--out", "run_resume", "--steps", "5", "--train-on", "prompt+completion"], rc=1)
 check("--train-on (checkpoint: completion, now: prompt+completion)" in err, f"resume with another --train-on: {err}")
+check(steps("run_resume") == [1, 2, 3, 4], "a refused resume wrote metrics")
+err = run(train, ["--resume", "--out", "run_resume", "--steps", "5", "--pack", "true"], rc=1)
+check("--pack (checkpoint: false, now: true)" in err, f"resume with --pack: {err}")
 check(steps("run_resume") == [1, 2, 3, 4], "a refused resume wrote metrics")
 # the data changed since (one answer): the resumed run would not continue the same run, and says so
 changed = list(train_chats)
