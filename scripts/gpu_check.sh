@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the GPU measurements on a machine with an NVIDIA GPU, from binaries
 # built elsewhere and copied to BIN (with libtbb/libfmt in BIN/../lib). Logs go to OUT.
-#   scripts/gpu_check.sh BIN OUT [tests|hf|numerics|train|bench|bench7b|checkpoint|checkpoint7b|kernels|all]...
+#   scripts/gpu_check.sh BIN OUT [tests|hf|numerics|train|bench|bench7b|checkpoint|checkpoint7b|kernels|packing|all]...
 set -uo pipefail
 BIN=$(cd "$1" && pwd); OUT=$(mkdir -p "$2" && cd "$2" && pwd); shift 2
 what=${*:-all}
@@ -84,6 +84,13 @@ if [[ " $what " == *" checkpoint7b "* ]]; then
     --skip 2 --save-dir "$CK/7b" --save-at 3 > "$OUT/checkpoint_7b_8layers.log" 2>&1
   summary+=("checkpoint qwen2.5-7b, 8 of 28 layers rc=$?" "$(grep -E '^(qwen|host store)|^\| (tokens/s|checkpoint|steps while|load)' "$OUT/checkpoint_7b_8layers.log")")
   rm -rf "$CK/7b"
+fi
+# Packing (docs/data.md): examples/s with one example per sequence and with --pack true, the
+# 1.5B shape on synthetic instruction data of mixed lengths.
+if [[ " $what " == *" packing "* ]]; then
+  timeout 500 python3 bench/packing.py --megatrain "$BIN/megatrain-train" --seq 2048 --batch 16 --steps 12 \
+    --work /tmp/mt-packing > "$OUT/packing.log" 2>&1
+  summary+=("packing rc=$? $(tail -1 "$OUT/packing.log")")
 fi
 # Where the GPU time goes: every kernel of one step of the 1.5B shape cut to 2 layers (the head
 # and two blocks), timed by Nsight Compute (ncu, from the CUDA toolkit), summarised by kind.
