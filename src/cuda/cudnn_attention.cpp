@@ -793,8 +793,8 @@ struct CudnnAttention::Plans {
   float one = 1.0f;
 };
 
-CudnnAttention::CudnnAttention(cudnnHandle_t handle, bool deterministic_backward)
-    : handle_(handle), deterministic_(deterministic_backward) {
+CudnnAttention::CudnnAttention(cudnnHandle_t handle, bool deterministic_backward, std::size_t deterministic_workspace_limit)
+    : handle_(handle), deterministic_(deterministic_backward), deterministic_limit_(deterministic_workspace_limit) {
   MT_CHECK(handle != nullptr, "the cuDNN handle is null");
 }
 
@@ -860,13 +860,23 @@ CudnnAttention::Plans& CudnnAttention::plans(const AttentionDims& d) {
         p->reason.empty())
       p->reason = "no forward engine";
 
-    if (p->forward.plan) {
+    // The backward: deterministic if asked and its workspace is within the limit, else atomic dQ.
+    for (int attempt = 0; attempt < 2 && p->forward.plan && !p->supported; ++attempt) {
       p->backward_ops = std::make_unique<GraphBuilder>(fmt::format("SDPA backward [{}]", shape_name(d)));
       build_backward(*p->backward_ops, x, p->deterministic_graph, p->padding_workaround);
       std::string why;
       p->backward_graph = p->backward_ops->finalize(handle_, why);
       if (p->backward_graph && find_plan(handle_, p->backward_graph.get(), p->backward_ops->name(),
                                          p->deterministic_graph, p->backward, why)) {
+        const auto ws = static_cast<std::size_t>(p->backward.workspace);
+        if (p->deterministic_graph && ws > deterministic_limit_) {
+          log_warning("cuDNN attention [{}]: the deterministic backward needs {:.1f} GiB of workspace (more than {:.1f} "
+                      "GiB): it accumulates dQ with atomics instead (linear in the tokens, not bitwise repeatable)",
+                      shape_name(d), static_cast<double>(ws) / (1 << 30),
+                      static_cast<double>(deterministic_limit_) / (1 << 30));
+          p->deterministic_graph = false;
+          continue;
+        }
         p->supported = true;
         p->reason.clear();
       } else {

@@ -276,6 +276,27 @@ TEST_CASE("cudnn attention: the atomic-dQ backward matches the reference too") {
   run_and_check(attn, {1, 1000, 4, 2, 128}, 102);
 }
 
+TEST_CASE("cudnn attention: a deterministic backward beyond the workspace limit takes atomic dQ, linear in the tokens") {
+  // Its dP buffer grows with the square of the sequence: with a 1 MiB limit, 2 x 512 tokens of 8
+  // heads already exceed it, and the backward falls back to atomic dQ (still correct).
+  CudnnAttention limited(gpu().handle, true, std::size_t{1} << 20);
+  CudnnAttention unlimited(gpu().handle);
+  const AttentionDims d{2, 512, 8, 2, 128};
+  REQUIRE(limited.supports(d));
+  REQUIRE(unlimited.supports(d));
+  MESSAGE("unlimited: ", unlimited.plan_summary(d));
+  MESSAGE("1 MiB limit: ", limited.plan_summary(d));
+  CHECK(unlimited.backward_is_deterministic(d));
+  CHECK_FALSE(limited.backward_is_deterministic(d));
+  run_and_check(limited, d, 103);
+  // atomic dQ's workspace is linear in the tokens: twice the sequence, about twice the bytes
+  const AttentionDims d2{2, 1024, 8, 2, 128};
+  REQUIRE(limited.supports(d2));
+  const double ratio = static_cast<double>(limited.backward_workspace_bytes(d2)) / static_cast<double>(limited.backward_workspace_bytes(d));
+  MESSAGE("atomic dQ workspace, 1024 vs 512 tokens: ", ratio, "x");
+  CHECK(ratio < 2.5);
+}
+
 TEST_CASE("cudnn attention: the deterministic backward repeats bit for bit") {
   Gpu& g = gpu();
   CudnnAttention attn(g.handle);

@@ -51,6 +51,10 @@ struct CudaBackendOptions {
   /// Tokens per block of the LM head's logits ([block, vocab] fp32 plus bf16 gradients).
   std::int64_t logits_block = 2048;
   bool use_cudnn = true;  ///< false: always megatrain's own attention kernel
+  /// cuDNN's attention backward is deterministic (bitwise repeatable) unless its plan would need
+  /// more workspace than this (it grows with the square of the sequence length): then dQ is
+  /// accumulated with atomics, in workspace linear in the tokens (said once per shape).
+  std::size_t deterministic_attention_workspace = std::size_t{8} << 30;
   std::size_t gemm_workspace = std::size_t{32} << 20;
 };
 
@@ -133,7 +137,7 @@ class CudaBackend {
       const cudnnStatus_t st = cudnnCreate(&cudnn_);
       if (st == CUDNN_STATUS_SUCCESS) {
         MT_CUDA_CHECK(cudnnSetStream(cudnn_, stream_));
-        attention_ = std::make_unique<cuda::CudnnAttention>(cudnn_);
+        attention_ = std::make_unique<cuda::CudnnAttention>(cudnn_, true, opt.deterministic_attention_workspace);
       } else {
         log_warning("cuDNN is not usable ({}); attention uses megatrain's own kernel", cudnnGetErrorString(st));
         cudnn_ = nullptr;

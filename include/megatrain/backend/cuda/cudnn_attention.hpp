@@ -45,7 +45,11 @@ class CudnnAttention {
   /// its stream. With `deterministic_backward` (the default) the backward graph asks for cuDNN's
   /// algorithm that writes dQ in a fixed order (bitwise-repeatable gradients; its workspace grows
   /// with rows*heads*seq^2). false allows cuDNN's faster dQ accumulation through fp32 atomics.
-  explicit CudnnAttention(cudnnHandle_t handle, bool deterministic_backward = true);
+  /// A deterministic backward whose plan needs more workspace than `deterministic_workspace_limit`
+  /// bytes (its dP buffer grows with rows*heads*seq^2: 56 GB for 28 heads at 32k tokens) takes
+  /// the atomic dQ instead, whose workspace is linear in the tokens (said once per shape).
+  explicit CudnnAttention(cudnnHandle_t handle, bool deterministic_backward = true,
+                          std::size_t deterministic_workspace_limit = std::size_t{8} << 30);
   ~CudnnAttention();
   CudnnAttention(const CudnnAttention&) = delete;
   CudnnAttention& operator=(const CudnnAttention&) = delete;
@@ -88,6 +92,7 @@ class CudnnAttention {
 
   cudnnHandle_t handle_;
   bool deterministic_;
+  std::size_t deterministic_limit_;
   std::map<Key, std::unique_ptr<Plans>> plans_;
 };
 
