@@ -321,3 +321,39 @@ TEST_CASE("packed rows (examples of mixed lengths, attention within each) train 
   CHECK(ref[29] < 0.8 * ref[0]);
   CHECK(got[29] < 0.8 * got[0]);
 }
+
+TEST_CASE("GPU memory for a step grows linearly with the sequence length (token blocks, atomic-dQ attention)") {
+  // One sequence of 2k..8k tokens: what the trainer allocates on the device grows by the same
+  // amount for each 2k more (checkpoints, h, q/k/v and their gradients, attention workspace),
+  // nothing grows with the square; a step runs at the longest.
+  std::vector<double> bytes;
+  for (const std::int64_t seq : {2048, 4096, 6144, 8192}) {
+    CudaBackendOptions bo;
+    bo.deterministic_attention_workspace = 0;  // (the deterministic backward's dP buffer is quadratic)
+    CudaBackend be(bo);
+    auto opt = options();
+    opt.batch_rows = 1;
+    opt.seq_len = seq;
+    opt.chunk_rows = 0;
+    opt.token_chunk = 512;
+    DecoderModel<> model(small());
+    StoreOptions so;
+    so.seed = 3;
+    HostParamStore<float> store(model.units(), Trainer<CudaBackend>::store_options(opt, so));
+    const std::size_t before = be.allocated_bytes();
+    Trainer<CudaBackend> trainer(model, store, be, opt);
+    bytes.push_back(static_cast<double>(be.allocated_bytes() - before));
+    if (seq == 8192) {
+      std::vector<std::int32_t> ids(static_cast<std::size_t>(seq)), labels(ids.size());
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        ids[i] = static_cast<std::int32_t>((i * 7) % 256);
+        labels[i] = static_cast<std::int32_t>((i * 7 + 7) % 256);
+      }
+      CHECK(std::isfinite(trainer.step(ids, labels).loss));
+    }
+  }
+  MESSAGE("device bytes at 2k/4k/6k/8k tokens: " << bytes[0] << " " << bytes[1] << " " << bytes[2] << " " << bytes[3]);
+  const double step = bytes[1] - bytes[0];
+  CHECK(step > 0);
+  for (std::size_t i = 2; i < bytes.size(); ++i) CHECK(bytes[i] - bytes[i - 1] == doctest::Approx(step).epsilon(0.02));
+}

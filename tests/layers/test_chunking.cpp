@@ -93,7 +93,7 @@ class Harness {
   }
 
   /// Runs every unit over the batch in chunks of `chunk_rows` sequences (summing to rows).
-  Results<T> run(std::span<const std::int64_t> chunk_rows, std::int64_t logits_block = 256) const {
+  Results<T> run(std::span<const std::int64_t> chunk_rows, std::int64_t logits_block = 256, std::int64_t token_block = 0) const {
     Be be;
     be.logits_block = logits_block;
     const std::int64_t M = rows_ * seq_, d = cfg_.hidden_size;
@@ -117,7 +117,7 @@ class Harness {
     const auto gh = head.bind(std::span<T>(res.head_grad), {{&emb.layout(), std::span<T>(res.emb_grad)}});
     std::int64_t row0 = 0;
     for (const std::int64_t rows : chunk_rows) {
-      const ChunkShape c{rows, seq_};
+      const ChunkShape c{rows, seq_, {}, token_block};
       const std::int64_t t0 = row0 * seq_, n = c.tokens();
       std::vector<std::byte> mem(
           std::max(block.op().template scratch_bytes<Be>(c), head.op().template scratch_bytes<Be>(c)));
@@ -180,6 +180,42 @@ TEST_CASE("chunking: units over 2 + 1 + 3 sequences equal one call over 6, float
 TEST_CASE("chunking: units over 2 + 1 + 3 sequences equal one call over 6, float") {
   check_chunking<float>(kQwen, 7, 2002);
   check_chunking<float>(kLlama, 13, 2003);
+}
+
+TEST_CASE("token blocks: a block's norms, projections and MLP a few tokens at a time equal one call") {
+  // Blocks of 5 and 9 tokens cut across rows of 7 and 13; attention still sees whole rows.
+  for (const std::int64_t block : {5, 9}) {
+    CAPTURE(block);
+    const Harness<double> h(kQwen, kBatchRows, 7, 2200);
+    const std::int64_t whole_rows[] = {kBatchRows};
+    const Results<double> whole = h.run(whole_rows);
+    const Results<double> blocked = h.run(kChunkRows, 256, block);
+    check_same("block output", blocked.block_out, whole.block_out);
+    check_same("block dx", blocked.block_dx, whole.block_dx);
+    check_same("block gradient", blocked.block_grad, whole.block_grad);
+    const Harness<float> f(kLlama, kBatchRows, 13, 2201);
+    const Results<float> fw = f.run(whole_rows), fb = f.run(kChunkRows, 256, block);
+    check_same("block output (float)", fb.block_out, fw.block_out);
+    check_same("block dx (float)", fb.block_dx, fw.block_dx);
+    check_same("block gradient (float)", fb.block_grad, fw.block_grad);
+  }
+}
+
+TEST_CASE("token blocks: a block's scratch grows linearly with the sequence length") {
+  // With the token-wise work in blocks of 64 tokens, only the attention's buffers and h grow
+  // with the row: the scratch is affine in the sequence length (equal steps for equal growth).
+  const auto cfg = make_config(kQwen);
+  DecoderModel<> model(cfg);
+  const auto& op = model.block(0).op();
+  std::vector<double> bytes;
+  for (const std::int64_t seq : {1024, 2048, 3072, 4096})
+    bytes.push_back(static_cast<double>(op.scratch_bytes<CpuBackend<float>>(ChunkShape{1, seq, {}, 64})));
+  const double step = bytes[1] - bytes[0];
+  CHECK(step > 0);
+  for (std::size_t i = 2; i < bytes.size(); ++i) CHECK(bytes[i] - bytes[i - 1] == doctest::Approx(step).epsilon(0.01));
+  // and without blocks, the MLP's buffers grow with it too: more per token
+  const auto whole = static_cast<double>(op.scratch_bytes<CpuBackend<float>>(ChunkShape{1, 4096}));
+  CHECK(whole > bytes[3]);
 }
 
 TEST_CASE("threads: results do not depend on the number of TBB threads, bit for bit") {

@@ -947,3 +947,22 @@ TEST_CASE("positions are checked before anything changes") {
   const auto st = trainer.step(b.ids, b.labels, std::vector<std::int32_t>{0, 1, 2, 0, 1, 0, 0, 1, 2, 3});
   CHECK(std::isfinite(st.loss));
 }
+
+TEST_CASE("token blocks (TrainerOptions::token_chunk) change the step only by rounding") {
+  const auto cfg = tiny(true);
+  auto o = options(4, 11);
+  o.chunk_rows = 3;
+  const auto whole = run(cfg, o, 4);
+  for (const std::int64_t block : {7, 16}) {
+    CAPTURE(block);
+    o.token_chunk = block;  // across rows of 11, and a last chunk of 1 row
+    const auto blocked = run(cfg, o, 4);
+    for (std::size_t s = 0; s < whole.size(); ++s) {
+      CAPTURE(s);
+      CHECK(blocked[s].loss == doctest::Approx(whole[s].loss).epsilon(1e-5));
+      CHECK(blocked[s].grad_norm == doctest::Approx(whole[s].grad_norm).epsilon(1e-4));
+    }
+  }
+  o.token_chunk = -1;
+  CHECK_THROWS_WITH_AS(run(cfg, o, 1), doctest::Contains("token_chunk must be >= 0"), Error);
+}

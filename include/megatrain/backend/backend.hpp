@@ -53,8 +53,29 @@ struct ChunkShape {
   std::int64_t rows = 0;
   std::int64_t seq = 0;
   PackedRows packed{};
+  /// Tokens per block of the token-wise work of an op that splits it (a decoder block's norms,
+  /// projections and MLP), so that its transient buffers are bounded by the block and not by a
+  /// long sequence; 0: the whole chunk at once. Attention always sees whole rows.
+  std::int64_t token_block = 0;
   std::int64_t tokens() const { return rows * seq; }
+  /// The token-wise blocks of the chunk: [first, first + count) for each, in order.
+  std::int64_t block_tokens() const { return token_block > 0 && token_block < tokens() ? token_block : tokens(); }
+  template <class F>
+  void for_each_block(F&& f) const {
+    const std::int64_t n = block_tokens();
+    for (std::int64_t t0 = 0; t0 < tokens(); t0 += n) f(t0, std::min(n, tokens() - t0));
+  }
 };
+
+/// Rows [first, first + count) of a contiguous [tokens, width] (or [tokens]) view.
+template <class E>
+View<E> token_rows(View<E> v, std::int64_t first, std::int64_t count) {
+  MT_CHECK(v.rank() >= 1 && first >= 0 && count >= 0 && first + count <= v.size(0), "rows [{}, {}) of {}", first,
+           first + count, v.shape().str());
+  const std::int64_t width = v.rank() == 2 ? v.size(1) : 1;
+  const auto part = v.span().subspan(static_cast<std::size_t>(first * width), static_cast<std::size_t>(count * width));
+  return v.rank() == 2 ? View<E>(part, Shape{count, width}) : View<E>(part, Shape{count});
+}
 
 /// Shape of one causal grouped-query attention call.
 struct AttentionShape {

@@ -578,8 +578,8 @@ class Trainer {
       auto for_chunks = [&](auto&& f) {
         for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) f(r0, std::min(chunk, rows - r0));
       };
-      auto block_chunk = [&](std::int64_t r0, std::int64_t n_rows) {  // a block's chunk: rows, and packing
-        return ChunkShape{n_rows, seq, t.packed_rows(it.micro, rows, r0, n_rows)};
+      auto block_chunk = [&](std::int64_t r0, std::int64_t n_rows) {  // a block's chunk: rows, packing, token blocks
+        return ChunkShape{n_rows, seq, t.packed_rows(it.micro, rows, r0, n_rows), t.token_block(chunk * seq)};
       };
       switch (it.kind) {
         case Kind::forward: {
@@ -850,7 +850,7 @@ class Trainer {
     const auto micro_tokens = static_cast<std::size_t>(opt_.micro_rows() * opt_.seq_len);
     const auto act = micro_tokens * static_cast<std::size_t>(cfg.hidden_size);
     const std::int64_t chunk = opt_.chunk_rows > 0 ? std::min(opt_.chunk_rows, opt_.micro_rows()) : opt_.micro_rows();
-    const ChunkShape c{chunk, opt_.seq_len};
+    const ChunkShape c{chunk, opt_.seq_len, {}, token_block(chunk * opt_.seq_len)};
     std::size_t scratch = model_.head().op().template scratch_bytes<B>(c);
     for (std::size_t l = 0; l < L; ++l) scratch = std::max(scratch, model_.block(l).op().template scratch_bytes<B>(c));
 
@@ -1295,6 +1295,12 @@ class Trainer {
     return valid;
   }
 
+  /// Tokens per block of a decoder block's token-wise work for chunks of `chunk_tokens` (see
+  /// TrainerOptions::token_chunk; 0: the whole chunk).
+  std::int64_t token_block(std::int64_t chunk_tokens) const {
+    if (opt_.token_chunk > 0) return opt_.token_chunk;
+    return chunk_tokens > 32768 ? 16384 : 0;
+  }
   /// Positions must come with TrainerOptions::packed, one per token, 0 at each row's start and
   /// wherever a sequence starts, the previous one plus one elsewhere.
   void check_positions(std::span<const std::int32_t> positions, std::int64_t rows) const {

@@ -46,6 +46,10 @@ struct TrainerOptions {
   /// one given, that divides the batch into parts of at most this many sequences.
   std::int64_t max_micro_rows = 0;
   std::int64_t chunk_rows = 0;     ///< sequences per compute chunk (0: a whole micro-batch)
+  /// Tokens per block of a decoder block's token-wise work within a chunk (norms, projections,
+  /// MLP; attention always sees whole rows), which bounds their buffers at long sequence
+  /// lengths. 0: 16,384 where a chunk holds more than 32,768 tokens, else the whole chunk.
+  std::int64_t token_chunk = 0;
   /// Rows may hold several sequences (packing, docs/data.md): step() and evaluate() then take
   /// each token's position within its sequence, and attention stays within each sequence.
   bool packed = false;
@@ -91,6 +95,7 @@ struct TrainerOptions {
              "{} micro-batches do not divide a batch of {} sequences", micro_batches, batch_rows);
     MT_CHECK(max_micro_rows >= 0, "max_micro_rows must be >= 0 (got {})", max_micro_rows);
     MT_CHECK(chunk_rows >= 0, "chunk_rows must be >= 0 (got {})", chunk_rows);
+    MT_CHECK(token_chunk >= 0, "token_chunk must be >= 0 (got {})", token_chunk);
     MT_CHECK(weight_slots >= 2, "weight_slots must be >= 2 for double buffering (got {})", weight_slots);
     MT_CHECK(grad_slots >= 2, "grad_slots must be >= 2 for double buffering (got {})", grad_slots);
     MT_CHECK(std::isfinite(clip_norm) && clip_norm >= 0, "clip_norm must be finite and >= 0 (got {})", clip_norm);
@@ -108,6 +113,7 @@ inline nlohmann::json to_json(const TrainerOptions& o) {
           {"micro_batches", o.micro_batches},
           {"max_micro_rows", o.max_micro_rows},
           {"chunk_rows", o.chunk_rows},
+          {"token_chunk", o.token_chunk},
           {"packed", o.packed},
           {"adamw",
            {{"lr", o.adamw.lr}, {"beta1", o.adamw.beta1}, {"beta2", o.adamw.beta2}, {"eps", o.adamw.eps},
@@ -136,6 +142,7 @@ inline TrainerOptions trainer_options_from_json(const nlohmann::json& j, std::st
     o.max_micro_rows = j.at("max_micro_rows").get<std::int64_t>();
     o.chunk_rows = j.at("chunk_rows").get<std::int64_t>();
     o.packed = j.value("packed", false);  // (absent from train states written before packing)
+    o.token_chunk = j.value("token_chunk", std::int64_t{0});
     const auto& a = j.at("adamw");
     o.adamw = {a.at("lr").get<double>(), a.at("beta1").get<double>(), a.at("beta2").get<double>(), a.at("eps").get<double>(),
                a.at("weight_decay").get<double>()};

@@ -8,8 +8,15 @@
 // gains at full precision, as PyTorch's autocast does; only the parts' inner activations are
 // bf16. The gradient along the residual path is kept the same way.
 //
-// Backward (CarvedOp) recomputes the forward from the block's input (the activation checkpoint)
-// once, keeping every part's activations, then backpropagates through the parts in reverse.
+// Backward (CarvedOp) recomputes the attention part from the block's input (the activation
+// checkpoint), keeping its activations and h, then backpropagates through the parts in reverse,
+// recomputing the MLP's activations a token block at a time on the way.
+//
+// Token blocks (ChunkShape::token_block): the norms, the projections and the MLP run on blocks
+// of that many tokens, so that their buffers (the MLP's are the largest: 6 x intermediate_size
+// per token) are bounded by the block; only q, k, v, the attention output (and their
+// gradients) and h span the whole chunk, since attention sees whole rows. One block (the
+// default) is the whole chunk.
 #pragma once
 
 #include <string>
@@ -59,16 +66,17 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
   const SelfAttention& attention() const { return attn_; }
   const SwiGluMlp& mlp() const { return mlp_; }
 
-  /// The activations of one chunk (forward and, with_backward, backward buffers).
+  /// The activations of one chunk: the attention's over the whole chunk and h (x2), and the
+  /// token-wise parts' for one block of ChunkShape::block_tokens() tokens (forward and, with
+  /// backward, backward buffers).
   template <class B>
   struct Acts {
-    View<typename B::Act> n1, n2;
-    View<typename B::Res> x2;  // h
+    View<typename B::Act> n1, n2;  // a token block's
+    View<typename B::Res> x2;      // h, the whole chunk's
     View<typename B::Acc> rstd1, rstd2;
     typename SelfAttention::template Acts<B> attn;
-    typename SwiGluMlp::template Acts<B> mlp;
+    typename SwiGluMlp::template Acts<B> mlp;  // a token block's
     View<typename B::Act> dn, dya;  // backward only: a norm's input gradient; dy, then dh, as activations
-    View<typename B::Res> dh;       // backward only
   };
 
   // The scratch of one chunk, carved in one place so scratch_bytes() and the real runs agree.
@@ -76,61 +84,102 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
   Acts<B> carve(Arena& ar, ChunkShape c, bool with_backward) const {
     using A = typename B::Act;
     using C = typename B::Acc;
-    const std::int64_t M = c.tokens(), d = cfg_.hidden_size;
+    const std::int64_t M = c.tokens(), T = c.block_tokens(), d = cfg_.hidden_size;
     Acts<B> a;
-    a.n1 = ar.alloc<A>({M, d});
+    a.n1 = ar.alloc<A>({T, d});
     a.x2 = ar.alloc<typename B::Res>({M, d});
-    a.n2 = ar.alloc<A>({M, d});
-    a.rstd1 = ar.alloc<C>({M});
-    a.rstd2 = ar.alloc<C>({M});
+    a.n2 = ar.alloc<A>({T, d});
+    a.rstd1 = ar.alloc<C>({T});
+    a.rstd2 = ar.alloc<C>({T});
     a.attn = attn_.carve<B>(ar, c, with_backward);
-    a.mlp = mlp_.carve<B>(ar, c, with_backward);
+    a.mlp = mlp_.carve<B>(ar, ChunkShape{1, T}, with_backward);
     if (with_backward) {
-      a.dn = ar.alloc<A>({M, d});
-      a.dya = ar.alloc<A>({M, d});
-      a.dh = ar.alloc<typename B::Res>({M, d});
+      a.dn = ar.alloc<A>({T, d});
+      a.dya = ar.alloc<A>({T, d});
     }
     return a;
   }
 
-  /// y = x + attention(rmsnorm(x)), then + mlp(rmsnorm(...)); keeps the activations in a.
+  /// y = x + attention(rmsnorm(x)), then + mlp(rmsnorm(...)); keeps the attention's activations
+  /// and h in a. The norms, projections and MLP run a token block at a time.
   template <class B>
   void run(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Res> x,
            const Acts<B>& a, View<typename B::Res> y) const {
     run_kept(be, c, w, x, a);
-    be.linear_add(cview(a.mlp.m), w.mlp.down, w.mlp.down_bias, cview(a.x2), y);  // y = h + down(m)
+    c.for_each_block([&](std::int64_t t0, std::int64_t n) {
+      const auto n2 = token_rows(a.n2, 0, n);
+      const auto h = cview(token_rows(a.x2, t0, n));
+      be.rmsnorm(h, w.post_norm, cfg_.rms_norm_eps, n2, token_rows(a.rstd2, 0, n));
+      const auto m = mlp_acts(a, n);
+      mlp_.run_kept(be, ChunkShape{1, n}, w.mlp, cview(n2), m);
+      be.linear_add(cview(m.m), w.mlp.down, w.mlp.down_bias, h, token_rows(y, t0, n));  // y = h + down(m)
+    });
   }
 
-  /// Everything up to the MLP's product m (what backprop() needs).
+  /// The attention part: the whole chunk's attention activations and h = x + o_proj(attention(n1)).
   template <class B>
   void run_kept(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Res> x,
                 const Acts<B>& a) const {
     MT_CHECK(x.rank() == 2 && x.size(0) == c.tokens() && x.size(1) == cfg_.hidden_size,
              "decoder block: input {} is not [{} tokens, {}]", x.shape().str(), c.tokens(), cfg_.hidden_size);
-    be.rmsnorm(x, w.input_norm, cfg_.rms_norm_eps, a.n1, a.rstd1);
-    attn_.run_kept(be, c, w.attn, cview(a.n1), a.attn);
-    be.linear_add(cview(a.attn.att), w.attn.o, w.attn.o_bias, x, a.x2);  // h = x + o_proj(attention(n1))
-    be.rmsnorm(cview(a.x2), w.post_norm, cfg_.rms_norm_eps, a.n2, a.rstd2);
-    mlp_.run_kept(be, c, w.mlp, cview(a.n2), a.mlp);
+    c.for_each_block([&](std::int64_t t0, std::int64_t n) {
+      const auto n1 = token_rows(a.n1, 0, n);
+      be.rmsnorm(token_rows(x, t0, n), w.input_norm, cfg_.rms_norm_eps, n1, token_rows(a.rstd1, 0, n));
+      attn_.project(be, w.attn, cview(n1), a.attn, t0);
+    });
+    attn_.attend(be, c, a.attn);
+    c.for_each_block([&](std::int64_t t0, std::int64_t n) {  // h = x + o_proj(attention(n1))
+      be.linear_add(cview(token_rows(a.attn.att, t0, n)), w.attn.o, w.attn.o_bias, token_rows(x, t0, n),
+                    token_rows(a.x2, t0, n));
+    });
   }
 
-  /// After run_kept() on the same x: dx written, weight gradients added to g.
+  /// After run_kept() on the same x: dx written, weight gradients added to g. The MLP part is
+  /// recomputed a token block at a time (from h), as is the input norm.
   template <class B>
   void backprop(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Res> x,
                 const Acts<B>& a, View<const typename B::Res> dy, View<typename B::Res> dx,
                 const Weights<typename B::Acc>& g) const {
-    // y = h + mlp(n2): dn2 from the MLP, then dh = dy + the norm's backward (and dh as activations)
-    be.convert(dy, a.dya);
-    mlp_.backprop(be, c, w.mlp, cview(a.n2), a.mlp, cview(a.dya), a.dn, g.mlp);
-    be.rmsnorm_backward(cview(a.x2), w.post_norm, cview(a.rstd2), cview(a.dn), dy, a.dh, a.dya, g.post_norm);
-    // h = x + attention(n1): the same, into dx
-    attn_.backprop(be, c, w.attn, cview(a.n1), a.attn, cview(a.dya), a.dn, g.attn);
-    be.rmsnorm_backward(x, w.input_norm, cview(a.rstd1), cview(a.dn), cview(a.dh), dx, View<typename B::Act>{},
-                        g.input_norm);
+    // y = h + mlp(n2): dn2 from the MLP, then dh = dy + the norm's backward (into dx, and as
+    // activations), then datt = o_proj's backward of dh
+    c.for_each_block([&](std::int64_t t0, std::int64_t n) {
+      const auto n2 = token_rows(a.n2, 0, n), dn = token_rows(a.dn, 0, n), dya = token_rows(a.dya, 0, n);
+      const auto rstd2 = token_rows(a.rstd2, 0, n);
+      const auto h = cview(token_rows(a.x2, t0, n));
+      be.rmsnorm(h, w.post_norm, cfg_.rms_norm_eps, n2, rstd2);
+      const auto m = mlp_acts(a, n);
+      mlp_.run_kept(be, ChunkShape{1, n}, w.mlp, cview(n2), m);
+      be.convert(token_rows(dy, t0, n), dya);
+      mlp_.backprop(be, ChunkShape{1, n}, w.mlp, cview(n2), m, cview(dya), dn, g.mlp);
+      be.rmsnorm_backward(h, w.post_norm, cview(rstd2), cview(dn), token_rows(dy, t0, n), token_rows(dx, t0, n), dya,
+                          g.post_norm);
+      be.linear_backward(cview(token_rows(a.attn.att, t0, n)), w.attn.o, cview(dya), token_rows(a.attn.datt, t0, n),
+                         false, g.attn.o, g.attn.o_bias);
+    });
+    // h = x + attention(n1): through the attention, then the projections and the norm, into dx
+    attn_.attend_backward(be, c, a.attn);
+    c.for_each_block([&](std::int64_t t0, std::int64_t n) {
+      const auto n1 = token_rows(a.n1, 0, n), dn = token_rows(a.dn, 0, n), rstd1 = token_rows(a.rstd1, 0, n);
+      const auto xs = token_rows(x, t0, n);
+      if (c.block_tokens() < c.tokens())  // (one block: n1 and rstd1 are still the forward's)
+        be.rmsnorm(xs, w.input_norm, cfg_.rms_norm_eps, n1, rstd1);
+      attn_.project_backward(be, w.attn, cview(n1), a.attn, t0, dn, g.attn);
+      const auto dxs = token_rows(dx, t0, n);
+      be.rmsnorm_backward(xs, w.input_norm, cview(rstd1), cview(dn), View<const typename B::Res>(dxs), dxs,
+                          View<typename B::Act>{}, g.input_norm);
+    });
   }
 
  private:
   std::string name(const char* suffix) const { return prefix_ + suffix; }
+  /// The MLP's activations for a token block of n tokens (the first n rows of its buffers).
+  template <class B>
+  typename SwiGluMlp::template Acts<B> mlp_acts(const Acts<B>& a, std::int64_t n) const {
+    auto m = a.mlp;
+    for (auto* v : {&m.g, &m.u, &m.m, &m.dm, &m.dg, &m.du})
+      if (!v->is_null()) *v = token_rows(*v, 0, n);
+    return m;
+  }
 
   ModelConfig cfg_;
   std::string prefix_;

@@ -102,13 +102,8 @@ class SelfAttention : public CarvedOp<SelfAttention> {
                 const Acts<B>& a) const {
     MT_CHECK(x.rank() == 2 && x.size(0) == c.tokens() && x.size(1) == cfg_.hidden_size,
              "self-attention: input {} is not [{} tokens, {}]", x.shape().str(), c.tokens(), cfg_.hidden_size);
-    cfg_.check_sequence_length(c.seq);
-    be.linear(x, w.q, w.q_bias, a.q);
-    be.linear(x, w.k, w.k_bias, a.k);
-    be.linear(x, w.v, w.v_bias, a.v);
-    be.rope(a.q, cfg_.num_attention_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions);
-    be.rope(a.k, cfg_.num_key_value_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions);
-    be.attention(cview(a.q), cview(a.k), cview(a.v), a.att, a.lse, shape(c));
+    project(be, w, x, a, 0);
+    attend(be, c, a);
   }
 
   /// After run() on the same x: dx = dL/dx (overwritten) from dy, weight gradients added to g.
@@ -117,13 +112,48 @@ class SelfAttention : public CarvedOp<SelfAttention> {
                 const Acts<B>& a, View<const typename B::Act> dy, View<typename B::Act> dx,
                 const Weights<typename B::Acc>& g) const {
     be.linear_backward(cview(a.att), w.o, dy, a.datt, false, g.o, g.o_bias);
+    attend_backward(be, c, a);
+    project_backward(be, w, x, a, 0, dx, g);
+  }
+
+  // The pieces of run_kept() and backprop(), for a block that runs the token-wise ones (the
+  // projections) a block of tokens at a time, and the attention over whole rows.
+
+  /// q, k and v of tokens [first, first + x.size(0)) of the chunk, from their input x.
+  template <class B>
+  void project(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x, const Acts<B>& a,
+               std::int64_t first) const {
+    const std::int64_t n = x.size(0);
+    be.linear(x, w.q, w.q_bias, token_rows(a.q, first, n));
+    be.linear(x, w.k, w.k_bias, token_rows(a.k, first, n));
+    be.linear(x, w.v, w.v_bias, token_rows(a.v, first, n));
+  }
+  /// Rotary embeddings of q and k, then attention: a.att and a.lse of the whole chunk.
+  template <class B>
+  void attend(B& be, ChunkShape c, const Acts<B>& a) const {
+    cfg_.check_sequence_length(c.seq);
+    be.rope(a.q, cfg_.num_attention_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions);
+    be.rope(a.k, cfg_.num_key_value_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions);
+    be.attention(cview(a.q), cview(a.k), cview(a.v), a.att, a.lse, shape(c));
+  }
+  /// From a.datt (the gradient of a.att): a.dq, a.dk, a.dv, the rotations undone.
+  template <class B>
+  void attend_backward(B& be, ChunkShape c, const Acts<B>& a) const {
     be.attention_backward(cview(a.q), cview(a.k), cview(a.v), cview(a.att), cview(a.lse), cview(a.datt), a.dq, a.dk,
                           a.dv, shape(c));
     be.rope_backward(a.dq, cfg_.num_attention_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions);
     be.rope_backward(a.dk, cfg_.num_key_value_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions);
-    be.linear_backward(x, w.q, cview(a.dq), dx, false, g.q, g.q_bias);
-    be.linear_backward(x, w.k, cview(a.dk), dx, true, g.k, g.k_bias);
-    be.linear_backward(x, w.v, cview(a.dv), dx, true, g.v, g.v_bias);
+  }
+  /// dx (overwritten) of tokens [first, first + x.size(0)) from a.dq, a.dk, a.dv; the
+  /// projections' weight gradients added to g.
+  template <class B>
+  void project_backward(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+                        const Acts<B>& a, std::int64_t first, View<typename B::Act> dx,
+                        const Weights<typename B::Acc>& g) const {
+    const std::int64_t n = x.size(0);
+    be.linear_backward(x, w.q, cview(token_rows(a.dq, first, n)), dx, false, g.q, g.q_bias);
+    be.linear_backward(x, w.k, cview(token_rows(a.dk, first, n)), dx, true, g.k, g.k_bias);
+    be.linear_backward(x, w.v, cview(token_rows(a.dv, first, n)), dx, true, g.v, g.v_bias);
   }
 
  private:
