@@ -778,8 +778,8 @@ __global__ void __launch_bounds__(kRopeThreads)
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
       float s, c;
       sincosf(pos * freqs.inv_freq[i], &s, &c);
-      cs[i] = c;
-      sn[i] = inverse ? -s : s;
+      cs[i] = c * freqs.scale;
+      sn[i] = (inverse ? -s : s) * freqs.scale;
     }
     __syncthreads();
     bf* xt = x + t * heads * D;

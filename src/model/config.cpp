@@ -4,6 +4,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <algorithm>
 #include <numbers>
 #include <sstream>
 
@@ -81,8 +82,26 @@ RopeScaling parse_rope_scaling(const json& r, std::string_view src) {
     s.low_freq_factor = get_double(r, "low_freq_factor", src, 1.0);
     s.high_freq_factor = get_double(r, "high_freq_factor", src, 4.0);
     s.original_max_position_embeddings = get_int(r, "original_max_position_embeddings", src, 8192);
+  } else if (type == "yarn") {
+    s.type = RopeScaling::Type::yarn;
+    const auto given = [&](const char* key) { return r.contains(key) && !r.at(key).is_null(); };
+    s.factor = given("factor") ? get_double(r, "factor", src) : 0.0;  // (0: from the two lengths)
+    s.original_max_position_embeddings = given("original_max_position_embeddings")
+                                              ? get_int(r, "original_max_position_embeddings", src)
+                                              : 0;  // (0: max_position_embeddings)
+    // (transformers takes `x or default`: a 0 is the default too)
+    if (given("beta_fast") && get_double(r, "beta_fast", src) != 0) s.beta_fast = get_double(r, "beta_fast", src);
+    if (given("beta_slow") && get_double(r, "beta_slow", src) != 0) s.beta_slow = get_double(r, "beta_slow", src);
+    if (given("truncate")) s.truncate = get_bool(r, "truncate", src, true);
+    if (given("attention_factor")) s.attention_factor = get_double(r, "attention_factor", src);
+    if (given("mscale")) s.mscale = get_double(r, "mscale", src);
+    if (given("mscale_all_dim")) s.mscale_all_dim = get_double(r, "mscale_all_dim", src);
+    MT_CHECK(s.original_max_position_embeddings >= 0, "{}: yarn's original_max_position_embeddings must be > 0 (got {})",
+             src, s.original_max_position_embeddings);
+    MT_CHECK(s.factor >= 0, "{}: rope scaling factor must be > 0 (got {})", src, s.factor);
+    return s;
   } else {
-    MT_FAIL("{}: rope scaling type '{}' is not supported (supported: default, linear, llama3)", src, type);
+    MT_FAIL("{}: rope scaling type '{}' is not supported (supported: default, linear, llama3, yarn)", src, type);
   }
   MT_CHECK(s.factor > 0, "{}: rope scaling factor must be > 0 (got {})", src, s.factor);
   return s;
@@ -295,6 +314,15 @@ json ModelConfig::to_json() const {
                            {"high_freq_factor", rope_scaling.high_freq_factor},
                            {"original_max_position_embeddings", rope_scaling.original_max_position_embeddings}};
       break;
+    case RopeScaling::Type::yarn: {
+      json y = {{"rope_type", "yarn"}, {"factor", yarn_factor()}, {"original_max_position_embeddings", yarn_original_length()},
+                {"beta_fast", rope_scaling.beta_fast}, {"beta_slow", rope_scaling.beta_slow}, {"truncate", rope_scaling.truncate}};
+      if (rope_scaling.attention_factor) y["attention_factor"] = *rope_scaling.attention_factor;
+      if (rope_scaling.mscale) y["mscale"] = *rope_scaling.mscale;
+      if (rope_scaling.mscale_all_dim) y["mscale_all_dim"] = *rope_scaling.mscale_all_dim;
+      j["rope_scaling"] = y;
+      break;
+    }
   }
   if (architecture == Architecture::llama) {
     j["attention_bias"] = qkv_bias;
@@ -308,6 +336,25 @@ json ModelConfig::to_json() const {
   return j;
 }
 
+std::int64_t ModelConfig::yarn_original_length() const {
+  return rope_scaling.original_max_position_embeddings > 0 ? rope_scaling.original_max_position_embeddings
+                                                           : max_position_embeddings;
+}
+double ModelConfig::yarn_factor() const {
+  return rope_scaling.factor > 0 ? rope_scaling.factor
+                                 : static_cast<double>(max_position_embeddings) / static_cast<double>(yarn_original_length());
+}
+
+double ModelConfig::rope_attention_scaling() const {
+  if (rope_scaling.type != RopeScaling::Type::yarn) return 1.0;
+  if (rope_scaling.attention_factor) return *rope_scaling.attention_factor;
+  const auto mscale = [](double scale, double m) { return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; };
+  const double factor = yarn_factor();
+  if (rope_scaling.mscale && rope_scaling.mscale_all_dim && *rope_scaling.mscale != 0 && *rope_scaling.mscale_all_dim != 0)
+    return mscale(factor, *rope_scaling.mscale) / mscale(factor, *rope_scaling.mscale_all_dim);
+  return mscale(factor, 1.0);
+}
+
 std::vector<double> ModelConfig::rope_inv_freq() const {
   const std::int64_t half = head_dim / 2;
   std::vector<double> f(static_cast<std::size_t>(half));
@@ -318,6 +365,32 @@ std::vector<double> ModelConfig::rope_inv_freq() const {
     case RopeScaling::Type::linear:
       for (auto& x : f) x /= rope_scaling.factor;
       break;
+    case RopeScaling::Type::yarn: {
+      // Frequencies that turn fewer than beta_slow times over the original context are slowed
+      // by `factor` (interpolated), those that turn more than beta_fast times are kept
+      // (extrapolated), and a linear ramp over the dimensions in between blends the two.
+      const double base = rope_theta, dim = static_cast<double>(head_dim);
+      const double orig = static_cast<double>(yarn_original_length());
+      const double factor = yarn_factor();
+      const auto correction_dim = [&](double rotations) {
+        return dim * std::log(orig / (rotations * 2 * std::numbers::pi)) / (2 * std::log(base));
+      };
+      double low = correction_dim(rope_scaling.beta_fast), high = correction_dim(rope_scaling.beta_slow);
+      if (rope_scaling.truncate) {
+        low = std::floor(low);
+        high = std::ceil(high);
+      }
+      low = std::max(low, 0.0);
+      high = std::min(high, dim - 1);
+      if (low == high) high += 0.001;
+      for (std::int64_t i = 0; i < half; ++i) {
+        const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+        const double extrapolation = 1 - ramp;  // the share of the original frequency
+        double& x = f[static_cast<std::size_t>(i)];
+        x = x / factor * (1 - extrapolation) + x * extrapolation;
+      }
+      break;
+    }
     case RopeScaling::Type::llama3: {
       // Long wavelengths are slowed by `factor`, short ones kept, and those in between blended.
       const double old_ctx = static_cast<double>(rope_scaling.original_max_position_embeddings);

@@ -24,6 +24,10 @@ q/k/v biases), in float32 on the CPU:
      (training) loss must fall clearly, and the exported weights must differ from the saved ones
      by training steps (~lr per element with Adam), far more than bf16 rounding.
 
+  5. rope scaling: for tiny models with linear, llama3 and yarn rope parameters (yarn with and
+     without an explicit attention factor and betas), on a window twice the original context,
+     megatrain's loss equals transformers' (which differs from the loss without the scaling).
+
 The run is deterministic: the seed is fixed (--seed, or the environment variable
 MEGATRAIN_HF_SEED, picks another).
 
@@ -409,6 +413,57 @@ def check_model(name, model, exe, work, check, rng, gen, auto_backend):
                         final_val, 1e-6, 1e-7)
 
 
+ROPE_CASES = [  # (architecture, rope parameters): positions past original_max_position_embeddings (16)
+    ("llama", {"rope_type": "linear", "factor": 4.0}),
+    ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}),
+    ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
+    ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "attention_factor": 1.6,
+               "beta_fast": 8.0, "beta_slow": 2.0}),
+]
+
+
+def check_rope_scaling(exe, work, check, rng, gen, auto_backend):
+    """megatrain's loss equals transformers' for models with rope scaling (linear, llama3, yarn),
+    on a window longer than the original context, and differs from the loss without it."""
+    for k, (arch, rope) in enumerate(ROPE_CASES):
+        name = f"rope-{k}-{rope['rope_type']}-{arch}"
+        common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+                      tie_word_embeddings=arch == "qwen2")
+        cls, cfg_cls = (LlamaForCausalLM, LlamaConfig) if arch == "llama" else (Qwen2ForCausalLM, Qwen2Config)
+        extra = {} if arch == "llama" else {"use_sliding_window": False}
+        if transformers_version() >= (5, 0):
+            cfg = cfg_cls(rope_parameters=dict(rope, rope_theta=100.0), **common, **extra)
+            plain_cfg = cfg_cls(rope_parameters={"rope_type": "default", "rope_theta": 100.0}, **common, **extra)
+        else:
+            cfg = cfg_cls(rope_theta=100.0, rope_scaling=dict(rope), **common, **extra)
+            plain_cfg = cfg_cls(rope_theta=100.0, **common, **extra)
+        model = cls(cfg).to(torch.float32)
+        perturb(model, gen)
+        model.eval()
+        d = os.path.join(work, name)
+        hf_dir = os.path.join(d, "hf")
+        os.makedirs(d)
+        model.save_pretrained(hf_dir)
+        tokens = [rng.randrange(VOCAB) for _ in range(SEQ + 1)]
+        tokens_bin = os.path.join(d, "tokens.bin")
+        write_tokens(tokens_bin, tokens)
+        want = hf_loss(model, tokens)
+        plain = cls(plain_cfg).to(torch.float32)
+        plain.load_state_dict(model.state_dict())
+        plain.eval()
+        check.true(f"{name}: the scaling changes transformers' loss", abs(hf_loss(plain, tokens) - want) > 3 * FP32_RTOL * want,
+                   f"{hf_loss(plain, tokens):.6f} vs {want:.6f}")
+        res = megatrain_eval(exe, hf_dir, tokens_bin, "cpu")
+        check.close(f"{name}: megatrain (cpu) loss", res["val_loss"], want, FP32_RTOL)
+        if auto_backend:
+            res_auto = megatrain_eval(exe, hf_dir, tokens_bin, "auto")
+            if res_auto["backend"] != "cpu":
+                check.close(f"{name}: megatrain ({res_auto['backend']}) loss", res_auto["val_loss"], want,
+                            tolerance(res_auto["compute_dtype"]))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--megatrain", required=True, help="path of the megatrain-train program")
@@ -440,6 +495,7 @@ def main():
     try:
         for name, model in make_models():
             check_model(name, model.to(torch.float32), args.megatrain, work, check, rng, gen, not args.no_auto_backend)
+        check_rope_scaling(args.megatrain, work, check, rng, gen, not args.no_auto_backend)
     except Exception as e:  # a crash is a failure with its story, not a skip
         import traceback
         traceback.print_exc()

@@ -43,10 +43,22 @@ void check_same(const ModelConfig& a, const ModelConfig& b) {
   CHECK(a.rms_norm_eps == b.rms_norm_eps);
   CHECK(a.rope_theta == b.rope_theta);
   CHECK(a.rope_scaling.type == b.rope_scaling.type);
-  CHECK(a.rope_scaling.factor == b.rope_scaling.factor);
+  if (a.rope_scaling.type == RopeScaling::Type::yarn) {  // (absent lengths and factor are written resolved)
+    CHECK(a.yarn_factor() == b.yarn_factor());
+    CHECK(a.yarn_original_length() == b.yarn_original_length());
+    CHECK(a.rope_scaling.beta_fast == b.rope_scaling.beta_fast);
+    CHECK(a.rope_scaling.beta_slow == b.rope_scaling.beta_slow);
+    CHECK(a.rope_scaling.truncate == b.rope_scaling.truncate);
+    CHECK(a.rope_scaling.attention_factor == b.rope_scaling.attention_factor);
+    CHECK(a.rope_scaling.mscale == b.rope_scaling.mscale);
+    CHECK(a.rope_scaling.mscale_all_dim == b.rope_scaling.mscale_all_dim);
+    CHECK(a.rope_attention_scaling() == b.rope_attention_scaling());
+  } else {
+    CHECK(a.rope_scaling.factor == b.rope_scaling.factor);
+    CHECK(a.rope_scaling.original_max_position_embeddings == b.rope_scaling.original_max_position_embeddings);
+  }
   CHECK(a.rope_scaling.low_freq_factor == b.rope_scaling.low_freq_factor);
   CHECK(a.rope_scaling.high_freq_factor == b.rope_scaling.high_freq_factor);
-  CHECK(a.rope_scaling.original_max_position_embeddings == b.rope_scaling.original_max_position_embeddings);
   CHECK(a.tie_word_embeddings == b.tie_word_embeddings);
   CHECK(a.qkv_bias == b.qkv_bias);
   CHECK(a.o_bias == b.o_bias);
@@ -147,6 +159,30 @@ std::vector<double> reference_inv_freq(const ModelConfig& c) {
       const bool medium = !(wavelen[i] < high_wavelen) && !(wavelen[i] > low_wavelen);
       f[i] = medium ? smoothed[i] : scaled[i];
     }
+  }
+  if (s.type == RopeScaling::Type::yarn) {
+    // transformers' _compute_yarn_parameters: the correction range from the number of turns each
+    // dimension makes over the original context, a ramp over it, interpolation and extrapolation
+    // blended by the ramp, as whole vectors.
+    const double orig = static_cast<double>(s.original_max_position_embeddings > 0 ? s.original_max_position_embeddings
+                                                                                   : c.max_position_embeddings);
+    const double factor = s.factor > 0 ? s.factor : static_cast<double>(c.max_position_embeddings) / orig;
+    const double dim = static_cast<double>(c.head_dim), base = c.rope_theta;
+    const auto corr = [&](double turns) { return dim * std::log(orig / (turns * 2 * std::numbers::pi)) / (2 * std::log(base)); };
+    double lo = corr(s.beta_fast), hi = corr(s.beta_slow);
+    if (s.truncate) {
+      lo = std::floor(lo);
+      hi = std::ceil(hi);
+    }
+    lo = std::max(lo, 0.0);
+    hi = std::min(hi, dim - 1);
+    if (lo == hi) hi += 0.001;
+    std::vector<double> interpolation(half), extrapolation_factor(half);
+    for (std::size_t i = 0; i < half; ++i) interpolation[i] = f[i] / factor;
+    for (std::size_t i = 0; i < half; ++i)
+      extrapolation_factor[i] = 1 - std::min(1.0, std::max(0.0, (static_cast<double>(i) - lo) / (hi - lo)));
+    for (std::size_t i = 0; i < half; ++i)
+      f[i] = interpolation[i] * (1 - extrapolation_factor[i]) + f[i] * extrapolation_factor[i];
   }
   return f;
 }
@@ -472,6 +508,44 @@ TEST_CASE("config: rope_inv_freq matches an independent computation") {
     for (std::size_t i = 0; i < f.size(); ++i) CHECK(f[i] == doctest::Approx(plain[i] / 4).epsilon(1e-15));
     check_inv_freq(c);
   }
+  SUBCASE("yarn (Qwen2.5's long-context setting): frequencies turning often kept, slow ones divided, a ramp between") {
+    auto j = base_config();
+    j["head_dim"] = 128;
+    j["hidden_size"] = 512;
+    j["rope_theta"] = 1000000.0;
+    j["max_position_embeddings"] = 32768;
+    j["rope_scaling"] = {{"type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 32768}};
+    const auto c = ModelConfig::from_json(j);
+    CHECK(c.rope_scaling.type == RopeScaling::Type::yarn);
+    auto plain_cfg = c;
+    plain_cfg.rope_scaling = {};
+    const auto plain = plain_cfg.rope_inv_freq(), f = c.rope_inv_freq();
+    CHECK(f.front() == plain.front());                                       // fast: extrapolated
+    CHECK(f.back() == doctest::Approx(plain.back() / 4).epsilon(1e-12));     // slow: interpolated
+    check_inv_freq(c);
+    CHECK(c.rope_attention_scaling() == doctest::Approx(0.1 * std::log(4.0) + 1).epsilon(1e-15));
+    check_round_trip(c);
+    // the attention factor given, or from mscale and mscale_all_dim (DeepSeek's spelling)
+    j["rope_scaling"]["attention_factor"] = 1.25;
+    CHECK(ModelConfig::from_json(j).rope_attention_scaling() == 1.25);
+    j["rope_scaling"].erase("attention_factor");
+    j["rope_scaling"]["mscale"] = 0.707;
+    j["rope_scaling"]["mscale_all_dim"] = 1.0;
+    CHECK(ModelConfig::from_json(j).rope_attention_scaling() ==
+          doctest::Approx((0.1 * 0.707 * std::log(4.0) + 1) / (0.1 * std::log(4.0) + 1)).epsilon(1e-15));
+    // no factor: max_position_embeddings / original_max_position_embeddings; other betas; no truncation
+    j["rope_scaling"] = {{"rope_type", "yarn"}, {"original_max_position_embeddings", 4096}, {"beta_fast", 16.0},
+                         {"beta_slow", 2.0}, {"truncate", false}};
+    const auto d = ModelConfig::from_json(j);
+    CHECK(d.yarn_factor() == 8.0);
+    check_inv_freq(d);
+    check_round_trip(d);
+    CHECK(ModelConfig::from_json(j).rope_attention_scaling() == doctest::Approx(0.1 * std::log(8.0) + 1).epsilon(1e-15));
+    // and a type it does not take is named
+    j["rope_scaling"] = {{"rope_type", "dynamic"}, {"factor", 2.0}};
+    const auto msg = error_of([&] { (void)ModelConfig::from_json(j, "cfg.json"); });
+    CHECK(contains(msg, "'dynamic' is not supported (supported: default, linear, llama3, yarn)"));
+  }
   SUBCASE("llama3: high frequencies kept, low ones divided by factor, the band between blended") {
     const auto c = ModelConfig::from_file(fixture("llama-3.2-1b.json"));
     auto plain_cfg = c;
@@ -694,11 +768,11 @@ TEST_CASE("config errors: inconsistent head counts and sizes") {
 }
 
 TEST_CASE("config errors: unsupported rope scaling and activation are named") {
-  for (const char* type : {"yarn", "dynamic", "longrope"}) {
+  for (const char* type : {"dynamic", "longrope", "ntk"}) {
     CAPTURE(type);
     const auto msg = error_of(with(base_config(), "rope_scaling", {{"rope_type", type}, {"factor", 4.0}}));
     CHECK(contains(msg, std::string("rope scaling type '") + type + "' is not supported"));
-    CHECK(contains(msg, "default, linear, llama3"));
+    CHECK(contains(msg, "default, linear, llama3, yarn"));
     CHECK(contains(error_of(with(base_config(), "rope_parameters", {{"rope_type", type}, {"factor", 4.0}})),
                    std::string("'") + type + "'"));
   }

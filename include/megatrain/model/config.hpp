@@ -25,11 +25,17 @@ enum class Architecture { llama, mistral, qwen2 };
 
 /// How rotary frequencies are derived from rope_theta (Hugging Face's rope_scaling / rope_parameters).
 struct RopeScaling {
-  enum class Type { none, linear, llama3 } type = Type::none;
-  double factor = 1.0;
+  enum class Type { none, linear, llama3, yarn } type = Type::none;
+  double factor = 1.0;  ///< yarn: 0 when absent (then max_position_embeddings / original_max_position_embeddings)
   double low_freq_factor = 1.0;                       ///< llama3
   double high_freq_factor = 4.0;                      ///< llama3
-  std::int64_t original_max_position_embeddings = 8192;  ///< llama3
+  /// llama3 (default 8192); yarn (0 when absent: max_position_embeddings)
+  std::int64_t original_max_position_embeddings = 8192;
+  // yarn (transformers' _compute_yarn_parameters): the ramp's bounds, whether they are rounded to
+  // whole dimensions, and the cos/sin scale (given, or 0.1 ln(factor) + 1, or mscale's ratio)
+  double beta_fast = 32, beta_slow = 1;
+  bool truncate = true;
+  std::optional<double> attention_factor, mscale, mscale_all_dim;
 };
 
 struct ModelConfig {
@@ -74,6 +80,12 @@ struct ModelConfig {
   std::int64_t kv_dim() const { return num_key_value_heads * head_dim; }
   /// The rotary inverse frequencies (head_dim / 2 of them), rope scaling applied, in double.
   std::vector<double> rope_inv_freq() const;
+  /// The scale of the rotary cos and sin (yarn's attention factor; 1 for the other types), as
+  /// transformers multiplies them: q and k both scaled by it.
+  double rope_attention_scaling() const;
+  /// yarn: the original context length and the factor, absent ones resolved as transformers does.
+  std::int64_t yarn_original_length() const;
+  double yarn_factor() const;
   /// Parameters in the whole model (embedding, blocks, final norm, LM head unless tied).
   std::int64_t param_count() const;
   /// Throws if a sequence of `seq_len` tokens is beyond what this model can attend over exactly.

@@ -229,15 +229,16 @@ class CpuBackend {
   // ---- rotary position embedding -----------------------------------------------------------
   /// Rotates each head of x[M, heads*head_dim] in place, Hugging Face's rotate-half convention:
   /// for i < D/2, (x_i, x_{i+D/2}) -> (x_i c - x_{i+D/2} s, x_{i+D/2} c + x_i s), angle p * inv_freq[i]
-  /// at position p = token % seq, or p = positions[token] where positions are given (packed rows).
+  /// at position p = token % seq, or p = positions[token] where positions are given (packed rows);
+  /// cos and sin times `scale` (yarn's attention factor; 1 otherwise).
   void rope(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq,
-            View<const std::int32_t> positions = {}) {
-    rotate(x, heads, seq, inv_freq, positions, +1);
+            View<const std::int32_t> positions = {}, double scale = 1.0) {
+    rotate(x, heads, seq, inv_freq, positions, +1, scale);
   }
-  /// The transpose (inverse) rotation, applied to a gradient in place.
+  /// The transpose of that (scaled) rotation, applied to a gradient in place.
   void rope_backward(View<Act> dx, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq,
-                     View<const std::int32_t> positions = {}) {
-    rotate(dx, heads, seq, inv_freq, positions, -1);
+                     View<const std::int32_t> positions = {}, double scale = 1.0) {
+    rotate(dx, heads, seq, inv_freq, positions, -1, scale);
   }
 
   // ---- attention -----------------------------------------------------------------------------
@@ -555,7 +556,7 @@ class CpuBackend {
   }
 
   void rotate(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq,
-              View<const std::int32_t> positions, int sign) {
+              View<const std::int32_t> positions, int sign, double scale) {
     const std::int64_t M = x.size(0), half = static_cast<std::int64_t>(inv_freq.size()), D = 2 * half;
     MT_CHECK(x.rank() == 2 && x.size(1) == heads * D && seq > 0 && M % seq == 0,
              "rope: x {} is not [tokens, {} heads x {}] with tokens a multiple of seq {}", x.shape().str(), heads, D, seq);
@@ -565,7 +566,7 @@ class CpuBackend {
         const double pos = static_cast<double>(positions.is_null() ? t % seq : positions.data()[t]);
         for (std::int64_t i = 0; i < half; ++i) {
           const double ang = pos * inv_freq[static_cast<std::size_t>(i)];
-          const T c = static_cast<T>(std::cos(ang)), sn = static_cast<T>(sign * std::sin(ang));
+          const T c = static_cast<T>(scale * std::cos(ang)), sn = static_cast<T>(scale * sign * std::sin(ang));
           for (std::int64_t h = 0; h < heads; ++h) {
             T* p = x.data() + t * heads * D + h * D;
             const T a = p[i], bb = p[i + half];

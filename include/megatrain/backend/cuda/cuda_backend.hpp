@@ -345,14 +345,14 @@ class CudaBackend {
   }
 
   void rope(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq,
-            View<const std::int32_t> positions = {}) {
+            View<const std::int32_t> positions = {}, double scale = 1.0) {
     MT_NVTX_RANGE("cuda:rope");
-    rotate(x, heads, seq, inv_freq, positions, false);
+    rotate(x, heads, seq, inv_freq, positions, false, scale);
   }
   void rope_backward(View<Act> dx, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq,
-                     View<const std::int32_t> positions = {}) {
+                     View<const std::int32_t> positions = {}, double scale = 1.0) {
     MT_NVTX_RANGE("cuda:rope_backward");
-    rotate(dx, heads, seq, inv_freq, positions, true);
+    rotate(dx, heads, seq, inv_freq, positions, true, scale);
   }
 
   /// Packed rows (s.packed) run as cuDNN's ragged attention where it takes them and the
@@ -526,8 +526,9 @@ class CudaBackend {
              k.shape().str(), v.shape().str(), out.shape().str(), s.rows, s.seq, s.heads, s.kv_heads, s.head_dim);
   }
   void rotate(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq,
-              View<const std::int32_t> positions, bool inverse) {
+              View<const std::int32_t> positions, bool inverse, double scale) {
     cuda::RopeFreqs f{};
+    f.scale = static_cast<float>(scale);
     MT_CHECK(inv_freq.size() <= static_cast<std::size_t>(cuda::RopeFreqs::kMax), "rope: head_dim {} exceeds {}",
              2 * inv_freq.size(), 2 * cuda::RopeFreqs::kMax);
     f.half = static_cast<int>(inv_freq.size());

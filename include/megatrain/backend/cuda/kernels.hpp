@@ -21,7 +21,8 @@ namespace megatrain::cuda {
 struct RopeFreqs {
   static constexpr int kMax = 256;
   float inv_freq[kMax];
-  int half;  ///< head_dim / 2
+  int half;            ///< head_dim / 2
+  float scale = 1.0f;  ///< cos and sin times this (yarn's attention factor)
 };
 
 struct AttentionDims {

@@ -25,7 +25,10 @@ class SelfAttention : public CarvedOp<SelfAttention> {
  public:
   /// Layer `layer`'s attention: parameters model.layers.<layer>.self_attn.*.
   SelfAttention(const ModelConfig& cfg, std::int64_t layer)
-      : cfg_(cfg), prefix_("model.layers." + std::to_string(layer) + ".self_attn."), inv_freq_(cfg.rope_inv_freq()) {
+      : cfg_(cfg),
+        prefix_("model.layers." + std::to_string(layer) + ".self_attn."),
+        inv_freq_(cfg.rope_inv_freq()),
+        rope_scale_(cfg.rope_attention_scaling()) {
     cfg.validate();
     MT_CHECK(layer >= 0 && layer < cfg.num_hidden_layers, "layer {} out of range [0, {})", layer, cfg.num_hidden_layers);
   }
@@ -132,8 +135,8 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   template <class B>
   void attend(B& be, ChunkShape c, const Acts<B>& a) const {
     cfg_.check_sequence_length(c.seq);
-    be.rope(a.q, cfg_.num_attention_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions);
-    be.rope(a.k, cfg_.num_key_value_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions);
+    be.rope(a.q, cfg_.num_attention_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions, rope_scale_);
+    be.rope(a.k, cfg_.num_key_value_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions, rope_scale_);
     be.attention(cview(a.q), cview(a.k), cview(a.v), a.att, a.lse, shape(c));
   }
   /// From a.datt (the gradient of a.att): a.dq, a.dk, a.dv, the rotations undone.
@@ -141,8 +144,8 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   void attend_backward(B& be, ChunkShape c, const Acts<B>& a) const {
     be.attention_backward(cview(a.q), cview(a.k), cview(a.v), cview(a.att), cview(a.lse), cview(a.datt), a.dq, a.dk,
                           a.dv, shape(c));
-    be.rope_backward(a.dq, cfg_.num_attention_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions);
-    be.rope_backward(a.dk, cfg_.num_key_value_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions);
+    be.rope_backward(a.dq, cfg_.num_attention_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions, rope_scale_);
+    be.rope_backward(a.dk, cfg_.num_key_value_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions, rope_scale_);
   }
   /// dx (overwritten) of tokens [first, first + x.size(0)) from a.dq, a.dk, a.dv; the
   /// projections' weight gradients added to g.
@@ -165,6 +168,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   ModelConfig cfg_;
   std::string prefix_;
   std::vector<double> inv_freq_;
+  double rope_scale_;  // the rotary cos/sin scale (yarn's attention factor)
 };
 
 }  // namespace megatrain
