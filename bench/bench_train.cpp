@@ -86,8 +86,36 @@ void evict_from_page_cache(const std::filesystem::path& dir) {
   }
 }
 
+/// The backend's dense bf16 GEMM rate (TFLOP/s): y = x W^T with x, W, y of 8192 x 8192, the
+/// best of 20 timed calls after 3 warm-up calls (0 on a backend without a device).
+template <class B>
+double measured_gemm_tflops(B& be) {
+  if constexpr (!B::kDevice) {
+    return 0.0;
+  } else {
+    const std::int64_t n = 8192;
+    auto x = be.template alloc<typename B::Act>(static_cast<std::size_t>(n * n));
+    auto w = be.template alloc<typename B::Weight>(static_cast<std::size_t>(n * n));
+    auto y = be.template alloc<typename B::Act>(static_cast<std::size_t>(n * n));
+    // (the contents do not matter to the rate: whatever the allocation holds)
+    const View<const typename B::Act> xv(std::span<const typename B::Act>(x.span()), Shape{n, n});
+    const View<const typename B::Weight> wv(std::span<const typename B::Weight>(w.span()), Shape{n, n});
+    const View<typename B::Act> yv(y.span(), Shape{n, n});
+    double best = 1e30;
+    for (int i = 0; i < 23; ++i) {
+      be.synchronize();
+      const auto t0 = std::chrono::steady_clock::now();
+      be.linear(xv, wv, View<const typename B::Weight>{}, yv);
+      be.synchronize();
+      if (i >= 3) best = std::min(best, seconds_since(t0));
+    }
+    return 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n) / best / 1e12;
+  }
+}
+
 template <class B>
 int run(B& be, const char* name, const Args& a) {
+  const double gemm_measured = measured_gemm_tflops(be);  // (before the trainer takes the memory)
   ModelConfig cfg = ModelConfig::preset(a.preset);
   if (a.layers > 0) cfg.num_hidden_layers = a.layers;
   TrainerOptions opt;
@@ -200,6 +228,17 @@ int run(B& be, const char* name, const Args& a) {
   std::printf("| peak GPU memory (device total - free, sampled after every step) | %s |\n", format_bytes(gpu_peak).c_str());
   std::printf("| cost model: GPU %.3f s, H2D %.3f s, D2H %.3f s, optimizer %.3f s | bound %.3f s = %.0f tok/s; measured / bound %.2f |\n",
               gpu_s, h2d_s, d2h_s, opt_s, bound, T / bound, t / bound);
+  // Model FLOPs (the MFU convention: no recompute): 6 x the matmul parameters per token (the
+  // embedding lookup is none; a tied head's matmul is) plus causal attention, QK^T and PV over
+  // half the keys on average, forward and backward (x3): 6 * seq * q_dim per token and layer.
+  const double tied = cfg.tie_word_embeddings ? 0.0 : static_cast<double>(cfg.vocab_size * cfg.hidden_size);
+  const double model_flops = 6 * (N - tied) * T + 6.0 * T * static_cast<double>(a.seq) *
+                                                    static_cast<double>(cfg.q_dim()) *
+                                                    static_cast<double>(cfg.num_hidden_layers);
+  std::printf("| model TFLOP/s (6 x matmul parameters + causal attention, per token) | %.1f |\n", model_flops / t / 1e12);
+  if (gemm_measured > 0)
+    std::printf("| MFU (against the measured dense bf16 GEMM rate, %.0f TFLOP/s at 8192^3) | %.1f%% |\n", gemm_measured,
+                100 * model_flops / t / 1e12 / gemm_measured);
   if (!ckpt) return 0;
 
   // ---- the checkpoint ----------------------------------------------------------------------------
