@@ -51,7 +51,9 @@ void naive_attention(const Vec& q, const Vec& k, const Vec& v, const AttentionSh
           double dot = 0;
           for (std::int64_t c = 0; c < D; ++c)
             dot += at(q, r * S + i, H * D, h * D + c) * at(k, r * S + j, Hkv * D, kh * D + c);
-          const double mask = j > i ? -std::numeric_limits<double>::infinity() : 0.0;
+          // causal, and packed rows: not before the query's own sequence
+          const std::int64_t first = s.packed.empty() ? 0 : i - s.packed.positions.data()[r * S + i];
+          const double mask = j > i || j < first ? -std::numeric_limits<double>::infinity() : 0.0;
           score[j] = dot / std::sqrt(static_cast<double>(D)) + mask;
           mx = std::max(mx, score[j]);
         }
@@ -206,7 +208,21 @@ void check_rope(std::int64_t rows, std::int64_t seq, std::int64_t heads, std::in
   report("rope", gradcheck(objective, {{"x", x, g}}, rng));
 }
 
-void check_attention(const AttentionShape& s, std::uint64_t seed) {
+void check_attention(AttentionShape s, std::uint64_t seed, const std::vector<int>& lengths = {}) {
+  // Packed rows: sequences of `lengths` laid end to end (each row's add up to seq).
+  std::vector<std::int32_t> positions, starts;
+  for (const int n : lengths) {
+    starts.push_back(static_cast<std::int32_t>(positions.size()));
+    for (int t = 0; t < n; ++t) positions.push_back(t);
+  }
+  if (!lengths.empty()) {
+    starts.push_back(static_cast<std::int32_t>(positions.size()));
+    REQUIRE(static_cast<std::int64_t>(positions.size()) == s.rows * s.seq);
+    s.packed.positions = View<const std::int32_t>(std::span<const std::int32_t>(positions), Shape{s.rows * s.seq});
+    s.packed.starts = View<const std::int32_t>(std::span<const std::int32_t>(starts), Shape{static_cast<std::int64_t>(starts.size())});
+    s.packed.host_starts = starts;
+  }
+  CAPTURE(lengths.size());
   CAPTURE(s.rows);
   CAPTURE(s.seq);
   CAPTURE(s.heads);
@@ -332,6 +348,10 @@ TEST_CASE("gradcheck: causal grouped-query attention") {
   check_attention({1, 13, 14, 2, 6}, 404);  // ratio 7, two kv heads
   check_attention({3, 1, 2, 1, 24}, 405);   // one token per sequence
   check_attention({2, 6, 12, 3, 10}, 406);  // ratio 4, three kv heads
+  check_attention({2, 150, 4, 2, 8}, 407);  // three blocks of queries (64, 64, 22)
+  // packed rows: sequences across the blocks' edges, one of one token, one the whole row
+  check_attention({2, 150, 4, 2, 8}, 408, {40, 30, 1, 79, 150});
+  check_attention({3, 9, 4, 1, 6}, 409, {2, 7, 9, 1, 1, 1, 6});
 }
 
 TEST_CASE("gradcheck: swiglu") {

@@ -244,37 +244,43 @@ class CpuBackend {
   // ---- attention -----------------------------------------------------------------------------
   /// Causal grouped-query attention over a chunk. q, out: [M, H*D]; k, v: [M, Hkv*D];
   /// lse: [rows, H, seq] keeps the log-sum-exp of each query's scaled scores. Query head h reads
-  /// key/value head h / (H / Hkv). Scores and probabilities are formed per (sequence, head) as
-  /// [seq, seq] matrices: a reference, not a long-context kernel. Packed rows (s.packed): query i
-  /// sees keys i - positions[i] .. i, those of its own sequence.
+  /// key/value head h / (H / Hkv). Scores and probabilities are formed for blocks of kQueryBlock
+  /// queries against the keys they see ([block, keys] matrices), so memory grows linearly with
+  /// the sequence: a reference, not a fast kernel. Packed rows (s.packed): query i sees keys
+  /// i - positions[i] .. i, those of its own sequence.
   void attention(View<const Act> q, View<const Act> k, View<const Act> v, View<Act> out, View<Acc> lse,
                  const AttentionShape& s) {
     check_attention(q, k, v, out, lse, s);
     const std::int64_t D = s.head_dim, H = s.heads, G = s.heads / s.kv_heads, S = s.seq;
+    const std::int64_t blocks = (S + kQueryBlock - 1) / kQueryBlock;
     const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(D)));
-    tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, s.rows * H), [&](const auto& r) {
-      Matrix P(S, S);
-      for (std::int64_t rh = r.begin(); rh != r.end(); ++rh) {
-        const std::int64_t row = rh / H, h = rh % H, kh = h / G;
-        const auto Q = head(q, row, h, s, H), K = head(k, row, kh, s, s.kv_heads), V = head(v, row, kh, s, s.kv_heads);
+    tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, s.rows * H * blocks), [&](const auto& r) {
+      Matrix P;
+      for (std::int64_t task = r.begin(); task != r.end(); ++task) {
+        const std::int64_t row = task / (H * blocks), h = task / blocks % H, b = task % blocks, kh = h / G;
+        const std::int64_t i0 = b * kQueryBlock, n = std::min(kQueryBlock, S - i0), j0 = first_key(s, row, i0);
+        const std::int64_t keys = i0 + n - j0;  // the keys any query of the block sees
+        const auto Q = head(q, row, h, s, H).middleRows(i0, n);
+        const auto K = head(k, row, kh, s, s.kv_heads).middleRows(j0, keys);
+        const auto V = head(v, row, kh, s, s.kv_heads).middleRows(j0, keys);
         P.noalias() = (Q * K.transpose()) * scale;
         T* l = lse.data() + (row * H + h) * S;
-        for (std::int64_t i = 0; i < S; ++i) {
-          const std::int64_t j0 = first_key(s, row, i);
-          const T mx = P.row(i).segment(j0, i + 1 - j0).maxCoeff();
+        for (std::int64_t qi = 0; qi < n; ++qi) {
+          const std::int64_t i = i0 + qi, lo = first_key(s, row, i) - j0, hi = i - j0;  // [lo, hi] of P's columns
+          const T mx = P.row(qi).segment(lo, hi + 1 - lo).maxCoeff();
           double sum = 0;
-          for (std::int64_t j = j0; j <= i; ++j) sum += (P(i, j) = std::exp(P(i, j) - mx));
-          for (std::int64_t j = j0; j <= i; ++j) P(i, j) = static_cast<T>(P(i, j) / sum);
-          P.row(i).head(j0).setZero();        // another sequence of the row
-          P.row(i).tail(S - i - 1).setZero();  // causal mask
+          for (std::int64_t j = lo; j <= hi; ++j) sum += (P(qi, j) = std::exp(P(qi, j) - mx));
+          for (std::int64_t j = lo; j <= hi; ++j) P(qi, j) = static_cast<T>(P(qi, j) / sum);
+          P.row(qi).head(lo).setZero();                // another sequence of the row
+          P.row(qi).tail(keys - hi - 1).setZero();     // causal mask
           l[i] = static_cast<T>(static_cast<double>(mx) + std::log(sum));
         }
-        head(out, row, h, s, H).noalias() = P * V;
+        head(out, row, h, s, H).middleRows(i0, n).noalias() = P * V;
       }
     });
   }
   /// Gradients of attention: dq (overwritten), dk and dv (overwritten; each key/value head
-  /// sums over its group of query heads, in head order).
+  /// sums over its group of query heads, in head order, and over query blocks in order).
   void attention_backward(View<const Act> q, View<const Act> k, View<const Act> v, View<const Act> out,
                           View<const Acc> lse, View<const Act> dout, View<Act> dq, View<Act> dk, View<Act> dv,
                           const AttentionShape& s) {
@@ -286,8 +292,8 @@ class CpuBackend {
     const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(D)));
     // One task per (sequence, kv head): it owns dk and dv of that head, so nothing races.
     tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, s.rows * s.kv_heads), [&](const auto& r) {
-      Matrix P(S, S), dP(S, S);
-      Eigen::Matrix<T, Eigen::Dynamic, 1> delta(S);
+      Matrix P, dP;
+      Eigen::Matrix<T, Eigen::Dynamic, 1> delta;
       for (std::int64_t rk = r.begin(); rk != r.end(); ++rk) {
         const std::int64_t row = rk / s.kv_heads, kh = rk % s.kv_heads;
         const auto K = head(k, row, kh, s, s.kv_heads), V = head(v, row, kh, s, s.kv_heads);
@@ -296,21 +302,26 @@ class CpuBackend {
         dK.setZero();
         dV.setZero();
         for (std::int64_t h = kh * G; h < (kh + 1) * G; ++h) {
-          const auto Q = head(q, row, h, s, H), O = head(out, row, h, s, H), dO = head(dout, row, h, s, H);
           const T* l = lse.data() + (row * H + h) * S;
-          P.noalias() = (Q * K.transpose()) * scale;  // recompute probabilities from the saved lse
-          for (std::int64_t i = 0; i < S; ++i) {
-            const std::int64_t j0 = first_key(s, row, i);
-            for (std::int64_t j = j0; j <= i; ++j) P(i, j) = std::exp(P(i, j) - l[i]);
-            P.row(i).head(j0).setZero();
-            P.row(i).tail(S - i - 1).setZero();
+          for (std::int64_t i0 = 0; i0 < S; i0 += kQueryBlock) {
+            const std::int64_t n = std::min(kQueryBlock, S - i0), j0 = first_key(s, row, i0), keys = i0 + n - j0;
+            const auto Q = head(q, row, h, s, H).middleRows(i0, n), O = head(out, row, h, s, H).middleRows(i0, n),
+                       dO = head(dout, row, h, s, H).middleRows(i0, n);
+            const auto Kb = K.middleRows(j0, keys), Vb = V.middleRows(j0, keys);
+            P.noalias() = (Q * Kb.transpose()) * scale;  // recompute probabilities from the saved lse
+            for (std::int64_t qi = 0; qi < n; ++qi) {
+              const std::int64_t i = i0 + qi, lo = first_key(s, row, i) - j0, hi = i - j0;
+              for (std::int64_t j = lo; j <= hi; ++j) P(qi, j) = std::exp(P(qi, j) - l[i]);
+              P.row(qi).head(lo).setZero();
+              P.row(qi).tail(keys - hi - 1).setZero();
+            }
+            delta.noalias() = (dO.cwiseProduct(O)).rowwise().sum();  // rowsum(dO * O)
+            dV.middleRows(j0, keys).noalias() += P.transpose() * dO;
+            dP.noalias() = dO * Vb.transpose();
+            dP = (P.array() * (dP.colwise() - delta).array()).matrix() * scale;  // dS, scaled
+            head(dq, row, h, s, H).middleRows(i0, n).noalias() = dP * Kb;
+            dK.middleRows(j0, keys).noalias() += dP.transpose() * Q;
           }
-          delta.noalias() = (dO.cwiseProduct(O)).rowwise().sum();  // rowsum(dO * O)
-          dV.noalias() += P.transpose() * dO;
-          dP.noalias() = dO * V.transpose();
-          dP = (P.array() * (dP.colwise() - delta).array()).matrix() * scale;  // dS, scaled
-          head(dq, row, h, s, H).noalias() = dP * K;
-          dK.noalias() += dP.transpose() * Q;
         }
       }
     });
@@ -473,6 +484,7 @@ class CpuBackend {
 
  private:
   using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  static constexpr std::int64_t kQueryBlock = 64;  ///< queries per block of the reference attention
   using MapM = Eigen::Map<Matrix>;
   using MapCM = Eigen::Map<const Matrix>;
 
