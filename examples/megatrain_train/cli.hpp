@@ -60,7 +60,7 @@ struct Settings {
   bool skip_bad_lines = false;
   bool pack = false;
   // schedule and optimizer
-  std::int64_t batch = 8, seq = 128, micro_batches = 1, max_micro_batch = 0, chunk = 0, steps = 60;
+  std::int64_t batch = 8, seq = 128, micro_batches = 1, max_micro_batch = 0, chunk = 0, token_chunk = 0, steps = 60;
   double lr = 3e-3, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, clip = 1.0;
   // The floor of a decaying schedule: --min-lr (absolute) or --min-lr-ratio x --lr (default 0.1
   // with cosine, 0 with linear); see min_lr_of().
@@ -185,6 +185,10 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
                     "micro-batches (0: no limit)")
       ->capture_default_str();
   train->add_option("--chunk", s.chunk, "Sequences per compute chunk (0: a whole micro-batch)")->capture_default_str();
+  train->add_option("--token-chunk", s.token_chunk,
+                    "Tokens per block of a decoder block's norms, projections and MLP (0: 16384 where a chunk holds more "
+                    "than 32768 tokens, else the whole chunk); bounds their memory at long --seq")
+      ->capture_default_str();
   train->add_option("--lr", s.lr, "Peak learning rate")->capture_default_str();
   train->add_option("--min-lr", s.min_lr, "Floor of a decaying schedule, absolute (default: --min-lr-ratio x --lr)");
   train->add_option("--min-lr-ratio", s.min_lr_ratio,
