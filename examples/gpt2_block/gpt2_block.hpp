@@ -165,11 +165,7 @@ class Gpt2Block {
   /// Rows [first, first + count) of a contiguous matrix, or elements of a vector.
   template <class E>
   static View<E> rows(View<E> m, std::int64_t first, std::int64_t count) {
-    const std::int64_t width = m.rank() == 2 ? m.size(1) : 1;
-    MT_CHECK(first >= 0 && count >= 0 && first + count <= m.size(0), "rows [{}, {}) of {}", first, first + count,
-             m.shape().str());
-    const auto part = m.span().subspan(static_cast<std::size_t>(first * width), static_cast<std::size_t>(count * width));
-    return m.rank() == 2 ? View<E>(part, Shape{count, width}) : View<E>(part, Shape{count});
+    return megatrain::token_rows(m, first, count);
   }
 
   std::string name(const char* suffix) const { return prefix_ + suffix; }
