@@ -1,7 +1,8 @@
 // Training throughput of the streaming trainer on a model shape, with random tokens (like the
 // peers in shared/DESIGN.md): tokens/s, the GPU's busy fraction, achieved PCIe rates, peak host
-// and GPU memory (GPU: the largest device total - free seen after any step), and the cost model's
-// bound next to what was measured.
+// and GPU memory (GPU: the largest device total - free seen after any step), and the step
+// planner's plan (docs/planner.md: its memory against what was allocated, its predicted step
+// against the measured one).
 //
 //   bench_train --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 8
 //
@@ -19,11 +20,13 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <random>
 #include <tuple>
@@ -33,6 +36,7 @@
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/core/host_memory.hpp"
 #include "megatrain/train/checkpointer.hpp"
+#include "megatrain/plan/planner.hpp"
 #include "megatrain/train/trainer.hpp"
 #if MEGATRAIN_HAS_CUDA
 #include "megatrain/backend/cuda/cuda_backend.hpp"
@@ -47,8 +51,7 @@ struct Args {
   std::int64_t batch = 32, seq = 1024, steps = 8, skip = 3, chunk = 0, layers = 0, save_at = 0;
   std::int64_t device_units = TrainerOptions::kAutoDeviceUnits;
   bool overlap_update = true;
-  // reference ceilings (shared/DESIGN.md, docs/performance.md; HBM: an H200's 4.8 TB/s at ~85%)
-  double pcie_gbs = 55.3, gemm_tflops = 700, adamw_gparams = 4.4, hbm_tbs = 4.0;
+  std::string machine;  // --machine FILE: the cost model's rates (default: the reference H200 host)
 };
 
 double peak_rss_bytes() {
@@ -116,6 +119,12 @@ double measured_gemm_tflops(B& be) {
 template <class B>
 int run(B& be, const char* name, const Args& a) {
   const double gemm_measured = measured_gemm_tflops(be);  // (before the trainer takes the memory)
+  plan::MachineFigures machine;
+  if (!a.machine.empty()) {
+    std::ifstream f(a.machine);
+    MT_CHECK(f.good(), "--machine '{}': cannot open it", a.machine);
+    machine = plan::machine_figures_from_json(nlohmann::json::parse(f), a.machine);
+  }
   ModelConfig cfg = ModelConfig::preset(a.preset);
   if (a.layers > 0) cfg.num_hidden_layers = a.layers;
   TrainerOptions opt;
@@ -136,6 +145,9 @@ int run(B& be, const char* name, const Args& a) {
   DecoderModel<> model(cfg);
   HostParamStore<float> store(model.units(), Trainer<B>::store_options(opt));
   Trainer<B> trainer(model, store, be, opt);
+  std::printf("%s", plan::format_summary({cfg, trainer.options(), trainer.memory_plan(),
+                                          plan::predict_step(cfg, trainer.options(), trainer.memory_plan(), machine), machine,
+                                          std::nullopt}).c_str());
   const double N = static_cast<double>(cfg.param_count());
   const double T = static_cast<double>(a.batch * a.seq);
   std::printf("%s: %s shape, %d layers, %.3fB parameters, %lld tokens per step (%lld x %lld), chunk %lld rows, "
@@ -204,16 +216,8 @@ int run(B& be, const char* name, const Args& a) {
     optim += p.optimizer_s;
   }
   t /= n;
-  // Cost model: 8 N T FLOPs with recompute, plus causal attention (QK^T and PV: 2 * 2 * T * seq/2
-  // * q_dim per layer forward, x4 for recompute + backward), plus the device units' AdamW (30
-  // bytes per parameter through HBM); PCIe: the host units' bf16 weights in twice and fp32
-  // gradients out once; the CPU optimizer at the reference AdamW rate over the host units.
-  const double attn = 4.0 * 2 * 2 * T * static_cast<double>(a.seq) / 2 * static_cast<double>(cfg.q_dim()) *
-                      static_cast<double>(cfg.num_hidden_layers);
-  const double gpu_s = (8 * N * T + attn) / (a.gemm_tflops * 1e12) + 30 * n_dev / (a.hbm_tbs * 1e12);
-  const double h2d_s = 2 * 2 * n_host / (a.pcie_gbs * 1e9), d2h_s = 4 * n_host / (a.pcie_gbs * 1e9),
-               opt_s = n_host / (a.adamw_gparams * 1e9);
-  const double bound = std::max({gpu_s, h2d_s, d2h_s, opt_s});
+  // The planner's prediction for this very plan (plan/cost_model.hpp: the one cost model).
+  const plan::StepTime pred = plan::predict_step(cfg, trainer.options(), trainer.memory_plan(), machine);
   std::printf("\n| metric | value |\n| --- | --- |\n");
   std::printf("| tokens/s (mean of %d steps) | %.0f |\n", n, T / t);
   std::printf("| step time | %.3f s |\n", t);
@@ -226,16 +230,19 @@ int run(B& be, const char* name, const Args& a) {
   std::printf("| peak host memory (RSS) | %s (%.2f bytes/parameter) |\n", format_bytes(static_cast<std::size_t>(peak_rss_bytes())).c_str(),
               peak_rss_bytes() / N);
   std::printf("| peak GPU memory (device total - free, sampled after every step) | %s |\n", format_bytes(gpu_peak).c_str());
-  std::printf("| cost model: GPU %.3f s, H2D %.3f s, D2H %.3f s, optimizer %.3f s | bound %.3f s = %.0f tok/s; measured / bound %.2f |\n",
-              gpu_s, h2d_s, d2h_s, opt_s, bound, T / bound, t / bound);
-  // Model FLOPs (the MFU convention: no recompute): 6 x the matmul parameters per token (the
-  // embedding lookup is none; a tied head's matmul is) plus causal attention, QK^T and PV over
-  // half the keys on average, forward and backward (x3): 6 * seq * q_dim per token and layer.
-  const double tied = cfg.tie_word_embeddings ? 0.0 : static_cast<double>(cfg.vocab_size * cfg.hidden_size);
-  const double model_flops = 6 * (N - tied) * T + 6.0 * T * static_cast<double>(a.seq) *
-                                                    static_cast<double>(cfg.q_dim()) *
-                                                    static_cast<double>(cfg.num_hidden_layers);
+  std::string terms;
+  for (const auto& term : pred.terms) terms += fmt::format("{} {:.3f} s, ", term.what, term.seconds);
+  std::printf("| plan: %s+ %.3f s not overlapped | predicted %.3f s = %.0f tok/s (%s-bound); measured / predicted %.3f |\n",
+              terms.c_str(), pred.exposed_s, pred.step_s, pred.tokens_per_s(), pred.bottleneck.c_str(), t / pred.step_s);
+  const plan::MemoryPlan& mp = trainer.memory_plan();
+  std::printf("| plan: GPU memory (the trainer's buffers; + the backend's own) | %s planned, %s allocated (+ %s) |\n",
+              format_bytes(mp.device_total()).c_str(), format_bytes(trainer.device_bytes()).c_str(),
+              format_bytes(mp.device_before).c_str());
+  std::printf("| plan: host memory (store and trainer buffers) | %s planned; peak RSS / planned %.3f |\n",
+              format_bytes(mp.host_total()).c_str(), peak_rss_bytes() / static_cast<double>(mp.host_total()));
+  const double model_flops = plan::model_flops(cfg, T, static_cast<double>(a.seq));
   std::printf("| model TFLOP/s (6 x matmul parameters + causal attention, per token) | %.1f |\n", model_flops / t / 1e12);
+  std::printf("| executed TFLOP/s (with the recompute) | %.1f |\n", pred.executed_flops / t / 1e12);
   if (gemm_measured > 0)
     std::printf("| MFU (against the measured dense bf16 GEMM rate, %.0f TFLOP/s at 8192^3) | %.1f%% |\n", gemm_measured,
                 100 * model_flops / t / 1e12 / gemm_measured);
@@ -291,6 +298,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--save-dir", a.save_dir, "Save a train-state checkpoint here (overlapped) and time it, and its load");
   app.add_option("--save-at", a.save_at, "The step after which --save-dir saves")->capture_default_str();
+  app.add_option("--machine", a.machine, "JSON file of the machine's rates for the plan's prediction (docs/planner.md)");
   CLI11_PARSE(app, argc, argv);
   try {
 #if MEGATRAIN_HAS_CUDA

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the GPU measurements on a machine with an NVIDIA GPU, from binaries
 # built elsewhere and copied to BIN (with libtbb/libfmt in BIN/../lib). Logs go to OUT.
-#   scripts/gpu_check.sh BIN OUT [tests|hf|numerics|train|bench|bench7b|checkpoint|checkpoint7b|kernels|packing|all]...
+#   scripts/gpu_check.sh BIN OUT [tests|hf|numerics|train|bench|bench7b|checkpoint|checkpoint7b|kernels|packing|plan|longctx|all]...
 set -uo pipefail
 BIN=$(cd "$1" && pwd); OUT=$(mkdir -p "$2" && cd "$2" && pwd); shift 2
 what=${*:-all}
@@ -57,11 +57,34 @@ bench_shape() {  # preset tag steps skip peer_steps
   summary+=("$preset 32k tokens/step, exact clipping: megatrain ${mt_e:-?} tok/s ($(ratio "$mt_e" "$mt_n")x its unclipped), PyTorch peer ${pe_e:-?} tok/s, ratio $(ratio "$mt_e" "$pe_e")")
   summary+=("peer: $(grep -E '^peer: PyTorch' "$OUT/peer_${tag}_exact.log" | head -1)")
   for mode in none exact; do
-    summary+=("$preset clip $mode: peak GPU memory $(grep -oP '^\| peak GPU memory [^|]*\| \K[^|]*[^| ]' "$OUT/bench_${tag}_$mode.log" || echo '?'), peak host memory $(grep -oP '^\| peak host memory [^|]*\| \K[^|]*[^| ]' "$OUT/bench_${tag}_$mode.log" || echo '?'), $(grep -oP '^\| cost model[^|]*\| \K.*measured / bound [0-9.]+' "$OUT/bench_${tag}_$mode.log" || echo '?')")
+    summary+=("$preset clip $mode: peak GPU memory $(grep -oP '^\| peak GPU memory [^|]*\| \K[^|]*[^| ]' "$OUT/bench_${tag}_$mode.log" || echo '?'), peak host memory $(grep -oP '^\| peak host memory [^|]*\| \K[^|]*[^| ]' "$OUT/bench_${tag}_$mode.log" || echo '?'), $(grep -oP '^\| plan: [^|]*\| \Kpredicted.*measured / predicted [0-9.]+' "$OUT/bench_${tag}_$mode.log" || echo '?'); $(grep -oP '^\| plan: GPU memory[^|]*\| \K[^|]*[^| ]' "$OUT/bench_${tag}_$mode.log" || echo '?'); host $(grep -oP '^\| plan: host memory[^|]*\| \K[^|]*[^| ]' "$OUT/bench_${tag}_$mode.log" || echo '?')")
   done
 }
 has bench && bench_shape qwen2.5-1.5b 1p5b 8 3 6
 has bench7b && bench_shape qwen2.5-7b 7b 5 2 5
+# The planner on this GPU (docs/planner.md): megatrain-plan for the shapes measured here, then its
+# prediction against bench_train (which prints both) at long context: the 7B shape at LONG_SEQ
+# (default 262144; no clipping: exact clipping's waiting gradients do not fit beside the
+# checkpoints on a 128 GiB host), and the 1.5B shape at 1,048,576 tokens cut to LONG_LAYERS
+# (default 4) layers, as a whole step of all 28 outlasts a command's 10 minutes.
+if [[ " $what " == *" plan "* ]]; then
+  for args in "--preset qwen2.5-7b --batch 32 --seq 1024" "--preset qwen2.5-1.5b --batch 32 --seq 1024" \
+              "--preset qwen2.5-7b --batch 1 --seq 262144 --clip 0" "--preset qwen2.5-7b --batch 1 --seq 262144" \
+              "--preset qwen2.5-1.5b --batch 1 --seq 1048576 --clip 0"; do
+    MEGATRAIN_HOST_MEMORY=120G timeout 120 "$BIN/megatrain-plan" $args >> "$OUT/plan.log" 2>&1
+    summary+=("megatrain-plan $args rc=$?: $(grep -E '^(fits|plan:)' "$OUT/plan.log" | tail -1 | cut -c1-200)")
+  done
+fi
+if [[ " $what " == *" longctx "* ]]; then
+  MEGATRAIN_HOST_MEMORY=120G timeout 590 "$BIN/bench_train" --preset qwen2.5-7b --batch 1 --seq "${LONG_SEQ:-262144}" \
+    --steps "${LONG_STEPS:-2}" --skip 1 > "$OUT/long_7b.log" 2>&1
+  summary+=("bench_train 7b seq ${LONG_SEQ:-262144} rc=$?" "$(grep -E '^(plan:|host store)|^\| (tokens/s|step time|model TFLOP|MFU|plan|peak)' "$OUT/long_7b.log")")
+fi
+if [[ " $what " == *" longctx1m "* ]]; then
+  MEGATRAIN_HOST_MEMORY=120G timeout 590 "$BIN/bench_train" --preset qwen2.5-1.5b --layers "${LONG_LAYERS:-4}" --batch 1 \
+    --seq 1048576 --steps 1 --skip 0 > "$OUT/long_1p5b_1m.log" 2>&1
+  summary+=("bench_train 1.5b 1M tokens ${LONG_LAYERS:-4} layers rc=$?" "$(grep -E '^(plan:|host store|step)|^\| (tokens/s|step time|model TFLOP|MFU|plan|peak)' "$OUT/long_1p5b_1m.log")")
+fi
 # Train-state checkpoints (docs/checkpointing.md): the disk's own sequential write rate (dd, 4 GiB,
 # fsync'd), then a checkpoint saved while training goes on and loaded back (bench_train
 # --save-dir). They are written beside the working tree (not /tmp, which may be memory).

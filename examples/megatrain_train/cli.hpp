@@ -12,6 +12,8 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <charconv>
+#include <optional>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -21,7 +23,10 @@
 #include <vector>
 
 #include "megatrain/core/error.hpp"
+#include "megatrain/io/hf_checkpoint.hpp"
 #include "megatrain/model/config.hpp"
+#include "megatrain/plan/memory_plan.hpp"
+#include "megatrain/train/trainer_options.hpp"
 
 namespace megatrain_train {
 
@@ -118,15 +123,11 @@ inline std::string default_out_dir() {
   return buf;
 }
 
-/// The program's options, bound to `s`.
-inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file) {
+/// The model options (--model, --model-config, --preset and the shape flags), bound to `s`:
+/// megatrain-train's and megatrain-plan's.
+inline void add_model_options(CLI::App& app_, Settings& s) {
   using megatrain::ModelConfig;
-  auto app = std::make_unique<CLI::App>("megatrain-train: train a decoder-only language model (Llama / Mistral / Qwen2 family)");
-  app->set_help_flag("-h,--help", "Print this help and exit");
-  // An option may come from the checkpoint, the config file and the command line: the last wins.
-  app->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  app->add_option("--config", config_file, "JSON file of options (keys: long option names); the command line wins");
-
+  CLI::App* app = &app_;
   auto* model = app->add_option_group("model", "Model shape (default: a small Llama)");
   model->add_option("--model", s.model_dir,
                     "Hugging Face model directory (config.json + safetensors) to fine-tune: shape and weights from there");
@@ -145,6 +146,124 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
   model->add_option("--rope-theta", s.rope_theta, "Rotary base")->capture_default_str();
   model->add_option("--norm-eps", s.norm_eps, "RMSNorm epsilon")->capture_default_str();
   model->add_option("--tie-embeddings", s.tie_embeddings, "Share the embedding and LM head (true/false)")->capture_default_str();
+
+}
+
+/// The options of a step's shape and layout (--batch, --seq, --micro-batches, --max-micro-batch,
+/// --chunk, --token-chunk), added to `train`.
+inline void add_step_options(CLI::App& train_, Settings& s) {
+  CLI::App* train = &train_;
+  train->add_option("--batch", s.batch, "Sequences per optimizer step")->capture_default_str();
+  train->add_option("--seq", s.seq, "Tokens per sequence")->capture_default_str();
+  train->add_option("--micro-batches", s.micro_batches, "Gradient accumulation: split each batch into this many parts")->capture_default_str();
+  train->add_option("--max-micro-batch", s.max_micro_batch,
+                    "Most sequences on the device at once; a larger --batch runs as gradient accumulation over "
+                    "micro-batches (0: no limit)")
+      ->capture_default_str();
+  train->add_option("--chunk", s.chunk, "Sequences per compute chunk (0: a whole micro-batch)")->capture_default_str();
+  train->add_option("--token-chunk", s.token_chunk,
+                    "Tokens per block of a decoder block's norms, projections and MLP (0: 16384 where a chunk holds more "
+                    "than 32768 tokens, else the whole chunk); bounds their memory at long --seq")
+      ->capture_default_str();
+}
+
+/// --clip and --clip-mode, added to `train`.
+inline void add_clip_options(CLI::App& train_, Settings& s) {
+  CLI::App* train = &train_;
+  train->add_option("--clip", s.clip, "Max global gradient norm (0: no clipping)")->capture_default_str();
+  train->add_option("--clip-mode", s.clip_mode,
+                    "exact (PyTorch's clip_grad_norm_ over this step's gradients, then AdamW) or stale (clips step t "
+                    "with step t-1's norm: a different update, which lets the optimizer overlap the backward)")
+      ->capture_default_str();
+}
+
+/// Where the step runs and what memory it may use (--backend, --host-memory, --gpu-memory,
+/// --device-units, --gradients), added to `runo`.
+inline void add_memory_options(CLI::App& runo_, Settings& s) {
+  CLI::App* runo = &runo_;
+  runo->add_option("--backend", s.backend, "auto, cpu or cuda")->capture_default_str();
+  runo->add_option("--host-memory", s.host_memory, "Host memory megatrain may use, e.g. 120G (default: what is free)");
+  runo->add_option("--gpu-memory", s.gpu_memory, "GPU memory megatrain may use, e.g. 20G (default: what is free less 1 GiB)");
+  runo->add_option("--device-units", s.device_units,
+                   "Units (the first in forward order: embedding, blocks, head) whose AdamW state lives in GPU memory "
+                   "and is updated there: auto (as many as fit), all, or a count (0: every unit on the host)")
+      ->capture_default_str();
+  runo->add_option("--gradients", s.gradients,
+                   "Where gradients wait for the global norm (exact clipping, micro-batches): device (GPU memory) or "
+                   "host (4 more bytes of host memory per parameter)")
+      ->capture_default_str();
+}
+
+/// --device-units: "auto" (kAutoDeviceUnits), "all" (kAllDeviceUnits, resolved with the model)
+/// or a count >= 0; nullopt when malformed.
+inline constexpr std::int64_t kAllDeviceUnits = -2;
+inline std::optional<std::int64_t> parse_device_units(const std::string& v) {
+  if (v == "auto") return megatrain::TrainerOptions::kAutoDeviceUnits;
+  if (v == "all") return kAllDeviceUnits;
+  std::int64_t n = 0;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (ec != std::errc{} || end != v.data() + v.size() || n < 0) return std::nullopt;
+  return n;
+}
+
+// Where the model's shape comes from: at most one of --model, --model-config, --preset, and no
+// shape flag beside it. Checked before anything is opened.
+inline void check_model_source(const Settings& s) {
+  const char* shape_flags[] = {"--hidden", "--layers", "--heads", "--kv-heads", "--intermediate", "--head-dim", "--rope-theta", "--norm-eps", "--tie-embeddings"};
+  std::vector<std::string> sources;
+  if (!s.model_dir.empty()) sources.emplace_back("--model");
+  if (!s.model_config.empty()) sources.emplace_back("--model-config");
+  if (!s.preset.empty()) sources.emplace_back("--preset");
+  MT_CHECK(sources.size() <= 1, "{} and {} both give the model shape; pass one", sources[0], sources[1]);
+  if (sources.empty()) return;
+  for (const char* f : shape_flags)
+    MT_CHECK(!s.origins.conflicts(f, sources[0]), "{} contradicts {}: the shape comes from there; drop one", f, sources[0]);
+}
+
+inline megatrain::ModelConfig model_config(const Settings& s, const CLI::App& app, std::int64_t data_vocab,
+                                           const megatrain::io::HfCheckpoint* hf) {
+  using megatrain::ModelConfig;
+  if (hf != nullptr || !s.model_config.empty() || !s.preset.empty()) {
+    ModelConfig c = hf != nullptr              ? hf->config()
+                    : s.model_config.empty() ? ModelConfig::preset(s.preset)
+                                             : ModelConfig::from_file(s.model_config);
+    if (app.get_option("--vocab")->count() > 0)
+      MT_CHECK(s.vocab == c.vocab_size, "--vocab {} contradicts the model's vocab_size {}", s.vocab, c.vocab_size);
+    return c;
+  }
+  json j{{"architectures", {"LlamaForCausalLM"}},
+         {"hidden_size", s.hidden},
+         {"intermediate_size", s.intermediate},
+         {"num_hidden_layers", s.layers},
+         {"num_attention_heads", s.heads},
+         {"num_key_value_heads", s.kv_heads},
+         {"vocab_size", s.vocab > 0 ? s.vocab : data_vocab},
+         {"max_position_embeddings", std::max<std::int64_t>(s.seq, 2048)},
+         {"rms_norm_eps", s.norm_eps},
+         {"rope_theta", s.rope_theta},
+         {"tie_word_embeddings", s.tie_embeddings}};
+  if (s.head_dim > 0) j["head_dim"] = s.head_dim;
+  return ModelConfig::from_json(j, "command-line model shape");
+}
+
+/// The host memory a run may use, and where that figure comes from: --host-memory, the
+/// environment's MEGATRAIN_HOST_MEMORY, or what is available now.
+inline megatrain::plan::HostBudget host_budget(const Settings& s) {
+  const bool env = std::getenv("MEGATRAIN_HOST_MEMORY") != nullptr && *std::getenv("MEGATRAIN_HOST_MEMORY") != '\0';
+  return {megatrain::available_host_memory(),
+          !s.host_memory.empty() ? "--host-memory" : env ? "MEGATRAIN_HOST_MEMORY" : "available host memory"};
+}
+
+/// The program's options, bound to `s`.
+inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file) {
+  using megatrain::ModelConfig;
+  auto app = std::make_unique<CLI::App>("megatrain-train: train a decoder-only language model (Llama / Mistral / Qwen2 family)");
+  app->set_help_flag("-h,--help", "Print this help and exit");
+  // An option may come from the checkpoint, the config file and the command line: the last wins.
+  app->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app->add_option("--config", config_file, "JSON file of options (keys: long option names); the command line wins");
+
+  add_model_options(*app, s);
 
   auto* data = app->add_option_group("data", "Data (default: the built-in text)");
   data->add_option("--data", s.data,
@@ -176,19 +295,8 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
       ->capture_default_str();
 
   auto* train = app->add_option_group("training", "Batch, schedule and optimizer");
-  train->add_option("--batch", s.batch, "Sequences per optimizer step")->capture_default_str();
-  train->add_option("--seq", s.seq, "Tokens per sequence")->capture_default_str();
+  add_step_options(*train, s);
   train->add_option("--steps", s.steps, "Optimizer steps (0: evaluate only: print the validation loss as JSON)")->capture_default_str();
-  train->add_option("--micro-batches", s.micro_batches, "Gradient accumulation: split each batch into this many parts")->capture_default_str();
-  train->add_option("--max-micro-batch", s.max_micro_batch,
-                    "Most sequences on the device at once; a larger --batch runs as gradient accumulation over "
-                    "micro-batches (0: no limit)")
-      ->capture_default_str();
-  train->add_option("--chunk", s.chunk, "Sequences per compute chunk (0: a whole micro-batch)")->capture_default_str();
-  train->add_option("--token-chunk", s.token_chunk,
-                    "Tokens per block of a decoder block's norms, projections and MLP (0: 16384 where a chunk holds more "
-                    "than 32768 tokens, else the whole chunk); bounds their memory at long --seq")
-      ->capture_default_str();
   train->add_option("--lr", s.lr, "Peak learning rate")->capture_default_str();
   train->add_option("--min-lr", s.min_lr, "Floor of a decaying schedule, absolute (default: --min-lr-ratio x --lr)");
   train->add_option("--min-lr-ratio", s.min_lr_ratio,
@@ -203,30 +311,16 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
   train->add_option("--beta1", s.beta1, "AdamW beta1")->capture_default_str();
   train->add_option("--beta2", s.beta2, "AdamW beta2")->capture_default_str();
   train->add_option("--eps", s.eps, "AdamW epsilon")->capture_default_str();
-  train->add_option("--clip", s.clip, "Max global gradient norm (0: no clipping)")->capture_default_str();
-  train->add_option("--clip-mode", s.clip_mode,
-                    "exact (PyTorch's clip_grad_norm_ over this step's gradients, then AdamW) or stale (clips step t "
-                    "with step t-1's norm: a different update, which lets the optimizer overlap the backward)")
-      ->capture_default_str();
+  add_clip_options(*train, s);
 
   auto* runo = app->add_option_group("run", "Run");
   runo->add_option("--seed", s.seed, "Seed for initialisation and data order")->check(CLI::NonNegativeNumber)->capture_default_str();
   runo->add_option("--out", s.out, "Output directory (default: runs/<date-time>)");
   runo->add_option("--overwrite", s.overwrite, "Replace a previous run in --out (true/false)")->capture_default_str();
-  runo->add_option("--backend", s.backend, "auto, cpu or cuda")->capture_default_str();
   runo->add_option("--eval-every", s.eval_every, "Validation loss every N steps (0: only at the end)")->capture_default_str();
   runo->add_option("--eval-batches", s.eval_batches, "Batches per validation (with --steps 0: 0 skips the evaluation)")->capture_default_str();
   runo->add_option("--log-every", s.log_every, "Print every N steps when not on a terminal")->capture_default_str();
-  runo->add_option("--host-memory", s.host_memory, "Host memory megatrain may use, e.g. 120G (default: what is free)");
-  runo->add_option("--gpu-memory", s.gpu_memory, "GPU memory megatrain may use, e.g. 20G (default: what is free less 1 GiB)");
-  runo->add_option("--device-units", s.device_units,
-                   "Units (the first in forward order: embedding, blocks, head) whose AdamW state lives in GPU memory "
-                   "and is updated there: auto (as many as fit), all, or a count (0: every unit on the host)")
-      ->capture_default_str();
-  runo->add_option("--gradients", s.gradients,
-                   "Where gradients wait for the global norm (exact clipping, micro-batches): device (GPU memory) or "
-                   "host (4 more bytes of host memory per parameter)")
-      ->capture_default_str();
+  add_memory_options(*runo, s);
 
   auto* ck = app->add_option_group("checkpoints", "Train-state checkpoints (docs/checkpointing.md)");
   ck->add_option("--save-every", s.save_every,

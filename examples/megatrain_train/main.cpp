@@ -48,6 +48,7 @@
 #include "megatrain/io/train_checkpoint.hpp"
 #include "megatrain/layers/decoder_model.hpp"
 #include "megatrain/model/config.hpp"
+#include "megatrain/plan/planner.hpp"
 #include "megatrain/text/prepare.hpp"
 #include "megatrain/train/checkpointer.hpp"
 #include "megatrain/train/trainer.hpp"
@@ -59,18 +60,6 @@ using namespace megatrain;
 using namespace megatrain_train;
 
 namespace {
-
-/// --device-units: "auto" (kAutoDeviceUnits), "all" (kAllDeviceUnits, resolved with the model)
-/// or a count >= 0; nullopt when malformed.
-constexpr std::int64_t kAllDeviceUnits = -2;
-std::optional<std::int64_t> parse_device_units(const std::string& v) {
-  if (v == "auto") return TrainerOptions::kAutoDeviceUnits;
-  if (v == "all") return kAllDeviceUnits;
-  std::int64_t n = 0;
-  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
-  if (ec != std::errc{} || end != v.data() + v.size() || n < 0) return std::nullopt;
-  return n;
-}
 
 // ---- signals --------------------------------------------------------------------------------------
 // The first SIGINT or SIGTERM asks the loop to stop after the current step (saving first); a
@@ -95,44 +84,6 @@ void install_stop_handlers() {
 }
 
 // ---- the model ------------------------------------------------------------------------------------
-
-// Where the model's shape comes from: at most one of --model, --model-config, --preset, and no
-// shape flag beside it. Checked before anything is opened.
-void check_model_source(const Settings& s) {
-  const char* shape_flags[] = {"--hidden", "--layers", "--heads", "--kv-heads", "--intermediate", "--head-dim", "--rope-theta", "--norm-eps", "--tie-embeddings"};
-  std::vector<std::string> sources;
-  if (!s.model_dir.empty()) sources.emplace_back("--model");
-  if (!s.model_config.empty()) sources.emplace_back("--model-config");
-  if (!s.preset.empty()) sources.emplace_back("--preset");
-  MT_CHECK(sources.size() <= 1, "{} and {} both give the model shape; pass one", sources[0], sources[1]);
-  if (sources.empty()) return;
-  for (const char* f : shape_flags)
-    MT_CHECK(!s.origins.conflicts(f, sources[0]), "{} contradicts {}: the shape comes from there; drop one", f, sources[0]);
-}
-
-ModelConfig model_config(const Settings& s, const CLI::App& app, std::int64_t data_vocab, const io::HfCheckpoint* hf) {
-  if (hf != nullptr || !s.model_config.empty() || !s.preset.empty()) {
-    ModelConfig c = hf != nullptr              ? hf->config()
-                    : s.model_config.empty() ? ModelConfig::preset(s.preset)
-                                             : ModelConfig::from_file(s.model_config);
-    if (app.get_option("--vocab")->count() > 0)
-      MT_CHECK(s.vocab == c.vocab_size, "--vocab {} contradicts the model's vocab_size {}", s.vocab, c.vocab_size);
-    return c;
-  }
-  json j{{"architectures", {"LlamaForCausalLM"}},
-         {"hidden_size", s.hidden},
-         {"intermediate_size", s.intermediate},
-         {"num_hidden_layers", s.layers},
-         {"num_attention_heads", s.heads},
-         {"num_key_value_heads", s.kv_heads},
-         {"vocab_size", s.vocab > 0 ? s.vocab : data_vocab},
-         {"max_position_embeddings", std::max<std::int64_t>(s.seq, 2048)},
-         {"rms_norm_eps", s.norm_eps},
-         {"rope_theta", s.rope_theta},
-         {"tie_word_embeddings", s.tie_embeddings}};
-  if (s.head_dim > 0) j["head_dim"] = s.head_dim;
-  return ModelConfig::from_json(j, "command-line model shape");
-}
 
 // ---- progress -------------------------------------------------------------------------------------
 
@@ -692,12 +643,19 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
           const std::optional<TokenDataset>& data, const TrainerOptions& topt, RunPlan& plan) {
   // ---- build ----------------------------------------------------------------------------------
   DecoderModel<> model(cfg);
+  // The plan (docs/planner.md), before anything is allocated: printed, and refused with what would
+  // fit when it cannot.
+  FILE* const info = plan.eval_only ? stderr : stdout;
+  {
+    const plan::StepPlan sp = plan::plan_step<B>(model, topt, plan::device_budget(be), host_budget(s));
+    MT_CHECK(sp.memory.fits, "{}", sp.refusal());
+    std::fprintf(info, "%s", plan::format_summary(sp).c_str());
+  }
   StoreOptions so;
   so.seed = s.seed;
   HostParamStore<float> store(model.units(), Trainer<B>::store_options(topt, so));
   Trainer<B> trainer(model, store, be, topt);
-  // Evaluating only, everything but the JSON result goes to stderr.
-  FILE* const info = plan.eval_only ? stderr : stdout;
+  // (Evaluating only, everything but the JSON result goes to stderr.)
   const std::string model_label = plan.resume              ? plan.resume->ckpt.dir().string()
                                   : !s.model_dir.empty()   ? s.model_dir
                                   : !s.model_config.empty() ? s.model_config

@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -25,6 +26,7 @@ std::size_t page_size() {
   static const std::size_t p = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   return p;
 }
+std::atomic<std::size_t> g_mapped{0};  // bytes mapped by live HostBuffers
 
 // Test hook: MEGATRAIN_TEST_FAIL_PIN=1 makes every pinning attempt fail as cudaHostRegister can
 // (locked-memory limit), in any build and with or without a GPU, so that the fallback can be
@@ -81,6 +83,7 @@ HostBuffer HostBuffer::allocate(std::size_t bytes, Pinning pinning) {
   b.data_ = p;
   b.size_ = bytes;
   b.mapped_ = mapped;
+  g_mapped += mapped;
   if (pinning == Pinning::automatic) b.pinned_ = try_pin(p, mapped);
   return b;
 }
@@ -91,6 +94,7 @@ void HostBuffer::release() noexcept {
   if (pinned_) (void)cudaHostUnregister(data_);
 #endif
   munmap(data_, mapped_);
+  g_mapped -= mapped_;
   data_ = nullptr;
   size_ = mapped_ = 0;
   pinned_ = false;
@@ -112,6 +116,9 @@ std::size_t parse_byte_size(const char* text) {
   else MT_CHECK(suffix.empty(), "'{}' is not a byte size (suffixes: K, M, G, T)", text);
   return static_cast<std::size_t>(v * scale);
 }
+
+std::size_t host_page_size() { return page_size(); }
+std::size_t host_buffer_bytes() { return g_mapped.load(); }
 
 std::size_t available_host_memory() {
   if (const char* env = std::getenv("MEGATRAIN_HOST_MEMORY"); env != nullptr && *env != '\0')

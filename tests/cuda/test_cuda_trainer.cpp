@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -343,6 +344,7 @@ TEST_CASE("GPU memory for a step grows linearly with the sequence length (token 
     const std::size_t before = be.allocated_bytes();
     Trainer<CudaBackend> trainer(model, store, be, opt);
     bytes.push_back(static_cast<double>(be.allocated_bytes() - before));
+    CHECK(be.allocated_bytes() - before == trainer.memory_plan().device_total());
     if (seq == 8192) {
       std::vector<std::int32_t> ids(static_cast<std::size_t>(seq)), labels(ids.size());
       for (std::size_t i = 0; i < ids.size(); ++i) {
@@ -356,4 +358,54 @@ TEST_CASE("GPU memory for a step grows linearly with the sequence length (token 
   const double step = bytes[1] - bytes[0];
   CHECK(step > 0);
   for (std::size_t i = 2; i < bytes.size(); ++i) CHECK(bytes[i] - bytes[i - 1] == doctest::Approx(step).epsilon(0.02));
+}
+
+TEST_CASE("the memory plan is the GPU trainer's allocation, byte for byte, and is known before it") {
+  // What plan::plan_memory says before the store and the trainer exist (what megatrain-train and
+  // megatrain-plan print) is what the trainer then allocates on the GPU, in every mode: cuDNN's
+  // workspaces are the backend's own figure (CudaBackend::prepare_bytes).
+  struct Case {
+    const char* name;
+    std::function<void(TrainerOptions&)> set;
+  };
+  const std::vector<Case> cases{
+      {"stale clipping, every unit streamed", [](TrainerOptions&) {}},
+      {"exact clipping, device units auto", [](TrainerOptions& o) {
+         o.clip_mode = ClipMode::exact;
+         o.device_units = TrainerOptions::kAutoDeviceUnits;
+       }},
+      {"exact clipping, gradients in host memory, 2 device units", [](TrainerOptions& o) {
+         o.clip_mode = ClipMode::exact;
+         o.gradient_home = GradientHome::host;
+         o.device_units = 2;
+       }},
+      {"packed rows, micro-batches", [](TrainerOptions& o) {
+         o.packed = true;
+         o.micro_batches = 2;
+       }},
+      {"one long sequence in token blocks", [](TrainerOptions& o) {
+         o.batch_rows = 1;
+         o.seq_len = 4096;
+         o.chunk_rows = 0;
+         o.token_chunk = 1024;
+       }},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    auto opt = options();
+    c.set(opt);
+    CudaBackend be;
+    DecoderModel<> model(small());
+    const plan::HostBudget host{available_host_memory(), "test"};
+    const plan::MemoryPlan before = plan::plan_memory<CudaBackend>(model, opt, plan::device_budget(be), host);
+    REQUIRE(before.fits);
+    StoreOptions so;
+    so.seed = 3;
+    HostParamStore<float> store(model.units(), Trainer<CudaBackend>::store_options(opt, so));
+    const std::size_t b0 = be.allocated_bytes();
+    Trainer<CudaBackend> trainer(model, store, be, opt);
+    CHECK(be.allocated_bytes() - b0 == trainer.memory_plan().device_total());
+    CHECK(trainer.memory_plan().device_total() == before.device_total());
+    CHECK(trainer.device_units() == before.buffers.device_units);
+  }
 }

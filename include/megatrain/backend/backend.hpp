@@ -11,6 +11,7 @@
 #include <concepts>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/tensor.hpp"
@@ -93,6 +94,19 @@ struct AttentionShape {
              "packed attention: {} positions and {} sequences for {} rows x {} tokens", packed.positions.numel(),
              packed.count(), rows, seq);
   }
+};
+
+/// What a backend's workspaces must fit, for backends that allocate them up front (a
+/// `prepare(const WorkspacePlan&)` member; the CUDA backend): the largest chunk a trainer runs.
+struct WorkspacePlan {
+  std::int64_t max_tokens = 0;  ///< tokens in the largest chunk
+  std::int64_t max_width = 0;   ///< widest activation row (hidden, intermediate, q or kv width)
+  std::int64_t vocab = 0;
+  std::vector<AttentionShape> attention;  ///< every chunk shape attention will see
+  /// Rows may hold several sequences (packing): room is made for cuDNN's packed plans of up to
+  /// `packed_sequences_per_row` sequences a row, as long as a row.
+  bool packed = false;
+  std::int64_t packed_sequences_per_row = 8;
 };
 
 // clang-format off

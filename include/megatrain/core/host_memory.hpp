@@ -66,6 +66,11 @@ class HostBuffer {
 /// K/M/G/T suffix in powers of 1024) overrides it, for machines whose memory grows on demand.
 std::size_t available_host_memory();
 
+/// The host's page size: a HostBuffer maps whole pages.
+std::size_t host_page_size();
+/// Bytes mapped by the HostBuffers alive in this process (what tests compare memory plans with).
+std::size_t host_buffer_bytes();
+
 /// Parses "123", "64G", "1.5T" (powers of 1024) into bytes; throws megatrain::Error on junk.
 std::size_t parse_byte_size(const char* text);
 

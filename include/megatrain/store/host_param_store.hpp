@@ -201,6 +201,7 @@ class HostParamStore {
     MT_NVTX_RANGE("HostParamStore::HostParamStore");
     footprint_ = footprint(units, opt);
     const std::size_t budget = opt.host_memory_budget ? *opt.host_memory_budget : available_host_memory();
+    host_budget_ = budget;
     MT_CHECK(footprint_.total_bytes() <= budget,
              "the parameter store needs {} ({} parameters: master {}, AdamW m and v {}, bf16 copy {}, gradient "
              "ring {}, resident gradients {}) but only {} of host memory is available{}",
@@ -317,6 +318,9 @@ class HostParamStore {
 
   const StoreFootprint& footprint() const { return footprint_; }
   std::size_t bytes() const { return footprint_.total_bytes(); }
+  /// The host memory this store was checked against when it was built (StoreOptions::host_memory_budget,
+  /// or what was available then): the budget of the store and of what a trainer adds beside it.
+  std::size_t host_budget() const { return host_budget_; }
   std::int64_t param_count() const { return footprint_.param_count; }
   /// Whether the buffers the GPU copies from and into are page-locked (the gradient ring once
   /// it is allocated).
@@ -342,6 +346,7 @@ class HostParamStore {
   std::unique_ptr<std::atomic<bool>> in_flight_ = std::make_unique<std::atomic<bool>>(false);
   StoreOptions options_;
   StoreFootprint footprint_;
+  std::size_t host_budget_ = 0;
   HostBuffer master_buf_, m_buf_, v_buf_, compute_buf_, grad_buf_;
   mutable HostBuffer ring_buf_;  // allocated by the first grad_slot()
   std::unique_ptr<std::once_flag> ring_once_ = std::make_unique<std::once_flag>();

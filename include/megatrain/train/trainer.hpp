@@ -91,6 +91,7 @@
 #include "megatrain/optim/adamw.hpp"
 #include "megatrain/optim/lr_schedule.hpp"
 #include "megatrain/pipeline/stream_pipeline.hpp"
+#include "megatrain/plan/planner.hpp"
 #include "megatrain/store/host_param_store.hpp"
 #include "megatrain/train/device_units.hpp"
 #include "megatrain/train/trainer_options.hpp"
@@ -176,11 +177,7 @@ class Trainer {
  public:
   /// What the store must provide for `opt`: resident gradients or a ring of host landing slots.
   static StoreOptions store_options(const TrainerOptions& options, StoreOptions base = {}) {
-    const TrainerOptions opt = options.resolved();
-    base.resident_gradients = opt.resident_gradients() && opt.gradient_home == GradientHome::host;
-    base.grad_ring_slots = base.resident_gradients ? 0 : std::max<std::size_t>(base.grad_ring_slots, 2);
-    base.grad_slot_size = GradSlotSize::largest_inner_unit;  // the embedding and head land in pieces
-    return base;
+    return plan::store_options(options, base);
   }
 
   /// `model`, `store` and `backend` must outlive the trainer. The store's units must be the
@@ -392,6 +389,9 @@ class Trainer {
   std::size_t device_units() const { return devices_.count(); }
   /// Activation checkpoints kept in host memory because the device could not hold them.
   std::size_t spilled_checkpoints() const { return spilled_; }
+  /// The memory plan the trainer allocated (plan/memory_plan.hpp): every buffer, in backend and
+  /// host memory, and the decisions (checkpoints spilled, device units).
+  const plan::MemoryPlan& memory_plan() const { return plan_; }
 
  private:
   struct State {
@@ -842,113 +842,67 @@ class Trainer {
              "the embedding unit must hold the table alone, at offset 0");
   }
 
+  // The trainer's memory is what plan::plan_memory() says (plan/memory_plan.hpp), allocated here
+  // buffer by buffer in its order; a configuration that does not fit is refused before anything
+  // is allocated, with what would fit.
   void allocate() {
-    const auto& cfg = model_.config();
+    MT_NVTX_RANGE("Trainer::allocate");
+    const plan::DeviceBudget budget = plan::device_budget(be_, sizeof...(UserStages) > 0);
+    const plan::HostBudget host{store_.host_budget(), "the host memory budget the store was built with"};
+    plan_ = plan::plan_memory<B>(model_, opt_, budget, host, store_.footprint());
+    if (!plan_.fits) MT_FAIL("{}", plan::refusal_message(plan_, plan::suggest<B>(model_, opt_, budget, host, store_.footprint())));
+    const plan::TrainerBuffers& b = plan_.buffers;
     const std::size_t L = model_.num_blocks();
-    std::int64_t block_numel = 0;
-    for (std::size_t l = 0; l < L; ++l) block_numel = std::max(block_numel, model_.block(l).layout().numel());
-    const auto micro_tokens = static_cast<std::size_t>(opt_.micro_rows() * opt_.seq_len);
-    const auto act = micro_tokens * static_cast<std::size_t>(cfg.hidden_size);
-    const std::int64_t chunk = opt_.chunk_rows > 0 ? std::min(opt_.chunk_rows, opt_.micro_rows()) : opt_.micro_rows();
-    const ChunkShape c{chunk, opt_.seq_len, {}, token_block(chunk * opt_.seq_len)};
-    std::size_t scratch = model_.head().op().template scratch_bytes<B>(c);
-    for (std::size_t l = 0; l < L; ++l) scratch = std::max(scratch, model_.block(l).op().template scratch_bytes<B>(c));
-
-    for (std::size_t k = 0; k < opt_.weight_slots; ++k) weight_ring_.push_back(be_.template alloc<W>(static_cast<std::size_t>(block_numel)));
-    // Blocks' gradients: each its own accumulator when they wait on the device, else a ring.
+    for (std::size_t k = 0; k < b.weight_slots; ++k) weight_ring_.push_back(alloc<W>(b.block_slot));
     block_acc_.resize(L + 2);
-    if (grads_on_device())
-      for (std::size_t l = 0; l < L; ++l) block_acc_[l + 1] = be_.template alloc<Acc>(static_cast<std::size_t>(model_.block(l).layout().numel()));
-    else
-      for (std::size_t k = 0; k < opt_.grad_slots; ++k) grad_ring_.push_back(be_.template alloc<Acc>(static_cast<std::size_t>(block_numel)));
+    for (std::size_t u = 0; u < b.block_acc.size(); ++u) block_acc_[u] = alloc<Acc>(b.block_acc[u]);
+    for (std::size_t k = 0; k < b.grad_slots; ++k) grad_ring_.push_back(alloc<Acc>(b.block_slot));
     if constexpr (kSplitGains)
-      for (std::size_t u = 0; u < model_.num_units(); ++u)
-        gains_.push_back(be_.template alloc<full_t<W>>(static_cast<std::size_t>(full_layout(u).numel())));
-    embed_slot_ = be_.template alloc<W>(static_cast<std::size_t>(model_.embedding().layout().numel()));
-    head_slot_ = be_.template alloc<W>(static_cast<std::size_t>(model_.head().layout().numel()));
-    // The dense embedding gradient: resident gradients, or a tied head's share (streamed).
-    if (!streamed() || model_.head().op().tied())
-      embed_acc_ = be_.template alloc<Acc>(static_cast<std::size_t>(model_.embedding().layout().numel()));
-    const auto batch_tokens = static_cast<std::size_t>(opt_.batch_rows * opt_.seq_len);
-    if (streamed()) {  // the touched rows' compact gradient, their list, and the tokens' compact ids
-      const auto max_rows = std::min<std::size_t>(static_cast<std::size_t>(vocab()), batch_tokens);
-      rows_acc_ = be_.template alloc<Acc>(max_rows * static_cast<std::size_t>(cfg.hidden_size));
-      touched_dev_ = be_.template alloc<std::int32_t>(max_rows);
-      compact_ids_dev_ = be_.template alloc<std::int32_t>(micro_tokens);
-    }
-    head_acc_ = be_.template alloc<Acc>(static_cast<std::size_t>(model_.head().layout().numel()));
-    for (int k = 0; k < 2; ++k) dbuf_.push_back(be_.template alloc<Res>(act));
-    scratch_mem_ = be_.template alloc<std::byte>(scratch);
+      for (std::size_t u = 0; u < b.units; ++u) gains_.push_back(alloc<full_t<W>>(b.gains[u]));
+    embed_slot_ = alloc<W>(b.embed_slot);
+    head_slot_ = alloc<W>(b.head_slot);
+    embed_acc_ = alloc<Acc>(b.embed_acc);  // resident gradients, or a tied head's share (streamed)
+    rows_acc_ = alloc<Acc>(b.rows_acc);    // streamed: the touched rows' compact gradient, their list, the compact ids
+    touched_dev_ = alloc<std::int32_t>(b.touched);
+    compact_ids_dev_ = alloc<std::int32_t>(b.compact_ids);
+    head_acc_ = alloc<Acc>(b.head_acc);
+    for (int k = 0; k < 2; ++k) dbuf_.push_back(alloc<Res>(b.act));
+    scratch_mem_ = alloc<std::byte>(b.scratch_bytes);
     arena_ = Arena(scratch_mem_.span());
-    ids_dev_ = be_.template alloc<std::int32_t>(micro_tokens);
-    labels_dev_ = be_.template alloc<std::int32_t>(micro_tokens);
-    if (opt_.packed) {  // a micro-batch's positions, and where its sequences start (at most one per token)
-      MT_CHECK(opt_.batch_rows * opt_.seq_len < std::numeric_limits<std::int32_t>::max(),
-               "packed rows: a batch of {} tokens exceeds the int32 offsets of its sequences", opt_.batch_rows * opt_.seq_len);
-      positions_dev_ = be_.template alloc<std::int32_t>(micro_tokens);
-      starts_dev_ = be_.template alloc<std::int32_t>(micro_tokens + 1);
+    ids_dev_ = alloc<std::int32_t>(b.micro_tokens);
+    labels_dev_ = alloc<std::int32_t>(b.micro_tokens);
+    if (b.packed) {  // a micro-batch's positions, and where its sequences start (at most one per token)
+      MT_CHECK(b.batch_tokens < static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
+               "packed rows: a batch of {} tokens exceeds the int32 offsets of its sequences", b.batch_tokens);
+      positions_dev_ = alloc<std::int32_t>(b.micro_tokens);
+      starts_dev_ = alloc<std::int32_t>(b.micro_tokens + 1);
     }
-    loss_dev_ = be_.template alloc<Acc>(micro_tokens);
-    if constexpr (requires { typename B::WorkspacePlan; }) {  // backends that allocate workspaces up front
-      typename B::WorkspacePlan plan;
-      plan.max_tokens = chunk * opt_.seq_len;
-      plan.max_width = std::max({cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim()});
-      plan.vocab = cfg.vocab_size;
-      plan.packed = opt_.packed;
-      for (std::int64_t r : {chunk, opt_.micro_rows() % chunk})
-        if (r > 0) plan.attention.push_back({r, opt_.seq_len, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim});
-      be_.prepare(plan);
-    }
-    // The embedding's fp32 rows for the lookup, gathered on the host, where the embedding is a
-    // host unit: before the checkpoints take their share when no unit will be on the device;
-    // otherwise once the placement says (from the reserve it leaves).
-    std::size_t rows_bytes = 0;
-    const auto alloc_embed_rows = [&](bool after_sum) {  // after_sum: device_bytes_ does not count the compact ids
-      const auto max_rows = std::min<std::size_t>(static_cast<std::size_t>(vocab()), batch_tokens);
-      const auto n = max_rows * static_cast<std::size_t>(cfg.hidden_size);
-      embed_rows_ = be_.template alloc<float>(n);
-      embed_rows_host_mem_ = HostBuffer::allocate(n * sizeof(float));
-      embed_rows_host_ = embed_rows_host_mem_.template as<float>(0, n);
-      rows_bytes = n * sizeof(float);
-      if (compact_ids_dev_.size() == 0) {
-        compact_ids_dev_ = be_.template alloc<std::int32_t>(micro_tokens);
-        if (after_sum) rows_bytes += micro_tokens * sizeof(std::int32_t);
-      }
-    };
-    if (opt_.device_units == 0) alloc_embed_rows(false);
-    // Activation checkpoints: on the device while they fit (leaving 1/16 of what is left for the
-    // backend's own needs), the rest in pinned host memory through two device staging buffers.
-    const std::size_t ckpt_bytes = act * sizeof(Res);
-    std::size_t fit = L + 1;
-    if constexpr (requires { be_.memory_available(); }) {
-      if (const auto avail = be_.memory_available()) {
-        const std::size_t usable = *avail - *avail / 16;
-        fit = std::min<std::size_t>(L + 1, usable / std::max<std::size_t>(ckpt_bytes, 1));
-        if (fit < L + 1) fit = usable >= 2 * ckpt_bytes ? std::min<std::size_t>(L + 1, usable / ckpt_bytes - 2) : 0;
-        MT_CHECK(fit == L + 1 || usable >= 2 * ckpt_bytes,
-                 "not enough device memory for the activation checkpoints' staging buffers ({} needed, {} left): "
-                 "run the batch in smaller micro-batches (TrainerOptions::max_micro_rows; megatrain-train "
-                 "--max-micro-batch N)",
-                 format_bytes(2 * ckpt_bytes), format_bytes(usable));
-      }
-    }
+    loss_dev_ = alloc<Acc>(b.micro_tokens);
+    sumsq_dev_ = alloc<double>(b.units);
+    if constexpr (requires { typename B::WorkspacePlan; }) be_.prepare(b.workspace);  // backends that allocate workspaces up front
+    // The embedding's fp32 rows for the lookup (a host embedding): first when no unit will be on
+    // the device, else after the placement (from the reserve it leaves).
+    if (b.embed_rows_first) alloc_embed_rows();
+    // Activation checkpoints: the first on the device, the rest in pinned host memory through two
+    // device staging buffers.
+    const std::size_t fit = b.checkpoints_on_device;
     ckpt_.resize(L + 1);
     ckpt_host_.resize(L + 1);
     for (std::size_t u = 0; u <= L; ++u) {
       if (u < fit) {
-        ckpt_[u] = be_.template alloc<Res>(act);
+        ckpt_[u] = alloc<Res>(b.act);
       } else {
-        ckpt_host_mem_.push_back(HostBuffer::allocate(ckpt_bytes));
-        ckpt_host_[u] = ckpt_host_mem_.back().template as<Res>(0, act);
+        ckpt_host_mem_.push_back(HostBuffer::allocate(b.checkpoint_bytes()));
+        ckpt_host_[u] = ckpt_host_mem_.back().template as<Res>(0, b.act);
       }
     }
-    spilled_ = L + 1 - fit;
+    spilled_ = b.checkpoints_in_host();
     if (spilled_ > 0)
-      for (int k = 0; k < 2; ++k) ckpt_staging_.push_back(be_.template alloc<Res>(act));
-
-    // ids, labels, compact ids and touched rows (int32), then per-token losses; pinned with a GPU
+      for (int k = 0; k < 2; ++k) ckpt_staging_.push_back(alloc<Res>(b.act));
+    // Host: ids, labels, compact ids and touched rows (int32), then per-token losses; pinned with a GPU
+    const std::size_t batch_tokens = b.batch_tokens;
     host_io_ = HostBuffer::allocate(batch_tokens * (4 * sizeof(std::int32_t) + sizeof(Acc)));
-    if (opt_.packed) {  // positions, then the sequences' starts (pinned: uploaded asynchronously)
+    if (b.packed) {  // positions, then the sequences' starts (pinned: uploaded asynchronously)
       positions_mem_ = HostBuffer::allocate((2 * batch_tokens + 1) * sizeof(std::int32_t));
       positions_host_ = positions_mem_.template as<std::int32_t>(0, batch_tokens);
       starts_host_ = positions_mem_.template as<std::int32_t>(batch_tokens, batch_tokens + 1);
@@ -959,75 +913,46 @@ class Trainer {
     compact_ids_host_ = host_io_.template as<std::int32_t>(2 * batch_tokens, batch_tokens);
     touched_host_ = host_io_.template as<std::int32_t>(3 * batch_tokens, batch_tokens);
     loss_host_ = std::span<Acc>(reinterpret_cast<Acc*>(touched_host_.data() + batch_tokens), batch_tokens);
-    sumsq_dev_ = be_.template alloc<double>(model_.num_units());
-    sumsq_host_mem_ = HostBuffer::allocate(model_.num_units() * sizeof(double));
-    sumsq_host_ = sumsq_host_mem_.template as<double>(0, model_.num_units());
-    if (opt_.micro_batches > 1 && grads_on_host()) {
-      const auto n = static_cast<std::size_t>(store_.footprint().largest_unit);
-      staging_mem_ = HostBuffer::allocate(2 * n * sizeof(float));
-      for (std::size_t k = 0; k < 2; ++k) staging_.push_back(staging_mem_.template as<float>(k * n, n));
+    sumsq_host_mem_ = HostBuffer::allocate(b.units * sizeof(double));
+    sumsq_host_ = sumsq_host_mem_.template as<double>(0, b.units);
+    if (b.staging > 0) {
+      staging_mem_ = HostBuffer::allocate(2 * b.staging * sizeof(float));
+      for (std::size_t k = 0; k < 2; ++k) staging_.push_back(staging_mem_.template as<float>(k * b.staging, b.staging));
     }
-
-    std::size_t block_accs = grad_ring_.size() * static_cast<std::size_t>(block_numel);
-    for (const auto& a : block_acc_) block_accs += a.size();
-    device_bytes_ = (weight_ring_.size() * static_cast<std::size_t>(block_numel) + embed_slot_.size() + head_slot_.size()) * sizeof(W) +
-                    (block_accs + embed_acc_.size() + head_acc_.size() + rows_acc_.size()) * sizeof(Acc) +
-                    (touched_dev_.size() + compact_ids_dev_.size()) * sizeof(std::int32_t) +
-                    (fit + 2 + (spilled_ > 0 ? 2 : 0)) * ckpt_bytes + scratch + 2 * micro_tokens * sizeof(std::int32_t) +
-                    micro_tokens * sizeof(Acc) + model_.num_units() * sizeof(double);
     place_device_units();
-    if (!devices_.holds(0) && embed_rows_.size() == 0) alloc_embed_rows(true);
-    device_bytes_ += rows_bytes;
+    if (b.embed_rows > 0 && !b.embed_rows_first) alloc_embed_rows();
+    device_bytes_ = plan_.device_total();
+  }
+  // A backend buffer of n elements; none (no memory at all) for n = 0, as the plan counts it.
+  template <class E>
+  Buf<E> alloc(std::size_t n) {
+    return n == 0 ? Buf<E>() : be_.template alloc<E>(n);
+  }
+  // The embedding's fp32 rows for the lookup, on the device and in (pinned) host memory, and the
+  // compact ids where no streamed gradient has them already.
+  void alloc_embed_rows() {
+    const std::size_t n = plan_.buffers.embed_rows;
+    embed_rows_ = alloc<float>(n);
+    embed_rows_host_mem_ = HostBuffer::allocate(n * sizeof(float));
+    embed_rows_host_ = embed_rows_host_mem_.template as<float>(0, n);
+    if (compact_ids_dev_.size() == 0) compact_ids_dev_ = alloc<std::int32_t>(plan_.buffers.micro_tokens);
   }
 
-  // Device units (TrainerOptions::device_units): each needs its state, its own gradient
-  // accumulator where gradients would otherwise share a ring or land in pieces, and its own
-  // weights (a block; the embedding and the head have theirs). Auto: the longest prefix in
-  // forward order that fits beside a reserve for what the backend allocates later.
-  std::size_t device_unit_bytes(std::size_t u) const {
-    const auto n = static_cast<std::int64_t>(store_.unit(u).numel());
-    std::size_t b = DeviceUnits<B>::state_bytes(n);
-    const bool block = u != 0 && u != model_.head_unit();
-    if (block) b += static_cast<std::size_t>(n) * sizeof(W);
-    if (block && !grads_on_device()) b += static_cast<std::size_t>(n) * sizeof(Acc);
-    if (u == 0 && embed_acc_.size() == 0) b += static_cast<std::size_t>(n) * sizeof(Acc);
-    return b;
-  }
+  // Device units (TrainerOptions::device_units): the plan's count; each needs its state, its own
+  // gradient accumulator where gradients would otherwise share a ring or land in pieces, and its
+  // own weights (a block; the embedding and the head have theirs).
   void place_device_units() {
-    const std::size_t units = model_.num_units();
-    std::size_t count = 0;
-    if (opt_.device_units != TrainerOptions::kAutoDeviceUnits) {
-      count = static_cast<std::size_t>(opt_.device_units);
-      MT_CHECK(count <= units, "device_units {} is more than the model's {} units", count, units);
-      if constexpr (requires { be_.memory_available(); }) {
-        std::size_t need = 0;
-        for (std::size_t u = 0; u < count; ++u) need += device_unit_bytes(u);
-        const auto avail = be_.memory_available().value_or(need);
-        MT_CHECK(need <= avail, "device_units {} needs {} of device memory for those units' AdamW state, {} is left after "
-                 "the trainer's buffers; ask for fewer (megatrain-train --device-units N, or auto)", count,
-                 format_bytes(need), format_bytes(avail));
-      }
-    } else if constexpr (B::kDevice) {
-      if constexpr (requires { be_.memory_available(); }) {
-        if (sizeof...(UserStages) == 0) {  // (user stages read gradients that land on the host)
-          const std::size_t avail = be_.memory_available().value_or(0);
-          const std::size_t reserve = std::max<std::size_t>(std::size_t{1} << 30, avail / 32);
-          std::size_t used = 0;
-          while (count < units && used + device_unit_bytes(count) + reserve <= avail) used += device_unit_bytes(count++);
-        }
-      }
-    }
+    const std::size_t count = plan_.buffers.device_units;
     opt_.device_units = static_cast<std::int64_t>(count);
     if (count == 0) return;
-    for (std::size_t u = 0; u < count; ++u) device_bytes_ += device_unit_bytes(u);  // (before they change what it counts)
     devices_ = DeviceUnits<B>(be_, store_, count);
-    dev_weights_.resize(units);
+    dev_weights_.resize(model_.num_units());
     for (std::size_t u = 1; u < count && u != model_.head_unit(); ++u) {
       const auto n = static_cast<std::size_t>(store_.unit(u).numel());
-      dev_weights_[u] = be_.template alloc<W>(n);
-      if (block_acc_[u].size() == 0) block_acc_[u] = be_.template alloc<Acc>(n);
+      dev_weights_[u] = alloc<W>(n);
+      if (block_acc_[u].size() == 0) block_acc_[u] = alloc<Acc>(n);
     }
-    if (embed_acc_.size() == 0) embed_acc_ = be_.template alloc<Acc>(static_cast<std::size_t>(store_.unit(0).numel()));
+    if (embed_acc_.size() == 0) embed_acc_ = alloc<Acc>(static_cast<std::size_t>(store_.unit(0).numel()));
   }
 
   // Unit u's output during the forward: its device checkpoint, or (spilled) a staging buffer
@@ -1297,10 +1222,7 @@ class Trainer {
 
   /// Tokens per block of a decoder block's token-wise work for chunks of `chunk_tokens` (see
   /// TrainerOptions::token_chunk; 0: the whole chunk).
-  std::int64_t token_block(std::int64_t chunk_tokens) const {
-    if (opt_.token_chunk > 0) return opt_.token_chunk;
-    return chunk_tokens > 32768 ? 16384 : 0;
-  }
+  std::int64_t token_block(std::int64_t chunk_tokens) const { return plan::token_block(opt_, chunk_tokens); }
   /// Positions must come with TrainerOptions::packed, one per token, 0 at each row's start and
   /// wherever a sequence starts, the previous one plus one elsewhere.
   void check_positions(std::span<const std::int32_t> positions, std::int64_t rows) const {
@@ -1374,6 +1296,7 @@ class Trainer {
   Pass pass_;
   bool update_pending_ = false;
   std::size_t device_bytes_ = 0;
+  plan::MemoryPlan plan_;
 
   // Norm gains are read at full precision where the weights are bf16: host units' gains live in
   // these fp32 buffers (a unit's full_layout()), refreshed by the prefetch from the masters.

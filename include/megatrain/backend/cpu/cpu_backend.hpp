@@ -17,15 +17,19 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <optional>
 #include <span>
 #include <type_traits>
 #include <vector>
 
 #include "megatrain/backend/backend.hpp"
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/host_memory.hpp"
 #include "megatrain/core/tensor.hpp"
 #include "megatrain/optim/adamw.hpp"
 #include "megatrain/pipeline/executor.hpp"
@@ -53,22 +57,59 @@ class CpuBackend {
   enum class Role { upload, compute, download };
   Executor make_executor(Role) { return HostExecutor{}; }
 
-  /// An owning, zeroed array in backend memory.
+  /// The most bytes alloc() may hand out in all (none: no cap), as the CUDA backend's memory cap:
+  /// a trainer on this backend then keeps some activation checkpoints in host memory of its own,
+  /// as it does on a GPU, which lets tests exercise that path and the memory plan's decisions.
+  std::optional<std::size_t> memory_limit;
+
+  /// An owning, zeroed array in backend memory, counted in allocated_bytes() while it lives
+  /// (n * sizeof(E) bytes, as the memory plan counts it).
   template <class E>
   class Buffer {
    public:
     Buffer() = default;
-    explicit Buffer(std::size_t n) : v_(n, E{}) {}
+    Buffer(std::size_t n, std::shared_ptr<std::atomic<std::size_t>> counter) : v_(n, E{}), counter_(std::move(counter)) {
+      if (counter_) *counter_ += n * sizeof(E);
+    }
+    Buffer(Buffer&& o) noexcept : v_(std::move(o.v_)), counter_(std::move(o.counter_)) { o.v_.clear(); }
+    Buffer& operator=(Buffer&& o) noexcept {
+      if (this != &o) {
+        release();
+        v_ = std::move(o.v_);
+        counter_ = std::move(o.counter_);
+        o.v_.clear();
+      }
+      return *this;
+    }
+    Buffer(const Buffer&) = delete;
+    Buffer& operator=(const Buffer&) = delete;
+    ~Buffer() { release(); }
     std::span<E> span() { return v_; }
     std::span<const E> span() const { return v_; }
     std::size_t size() const { return v_.size(); }
 
    private:
+    void release() {
+      if (counter_) *counter_ -= v_.size() * sizeof(E);
+      counter_.reset();
+    }
     std::vector<E> v_;
+    std::shared_ptr<std::atomic<std::size_t>> counter_;
   };
   template <class E>
   Buffer<E> alloc(std::size_t n) {
-    return Buffer<E>(n);
+    const std::size_t bytes = n * sizeof(E), used = *allocated_;
+    MT_CHECK(!memory_limit || (bytes <= *memory_limit && used <= *memory_limit - bytes),
+             "backend memory: {} more would exceed the cap of {} ({} already allocated)", format_bytes(bytes),
+             format_bytes(memory_limit.value_or(0)), format_bytes(used));
+    return Buffer<E>(n, allocated_);
+  }
+  /// Bytes of the buffers alloc() handed out that are still alive.
+  std::size_t allocated_bytes() const { return *allocated_; }
+  /// Bytes alloc() can still hand out (none: no cap).
+  std::optional<std::size_t> memory_available() const {
+    if (!memory_limit) return std::nullopt;
+    return *memory_limit > *allocated_ ? *memory_limit - *allocated_ : 0;
   }
   /// Host -> backend memory (converting the element type if they differ).
   template <class S, class D>
@@ -483,6 +524,7 @@ class CpuBackend {
   }
 
  private:
+  std::shared_ptr<std::atomic<std::size_t>> allocated_ = std::make_shared<std::atomic<std::size_t>>(0);
   using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   static constexpr std::int64_t kQueryBlock = 64;  ///< queries per block of the reference attention
   using MapM = Eigen::Map<Matrix>;

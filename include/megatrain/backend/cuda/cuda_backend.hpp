@@ -58,18 +58,6 @@ struct CudaBackendOptions {
   std::size_t gemm_workspace = std::size_t{32} << 20;
 };
 
-/// What the workspaces must fit: the largest chunk the trainer will run.
-struct WorkspacePlan {
-  std::int64_t max_tokens = 0;  ///< tokens in the largest chunk
-  std::int64_t max_width = 0;   ///< widest activation row (hidden, intermediate, q or kv width)
-  std::int64_t vocab = 0;
-  std::vector<AttentionShape> attention;  ///< every chunk shape attention will see
-  /// Rows may hold several sequences (packing): room is made for cuDNN's packed plans of up to
-  /// `packed_sequences_per_row` sequences a row, as long as a row.
-  bool packed = false;
-  std::int64_t packed_sequences_per_row = 8;
-};
-
 class CudaBackend {
  public:
   using Act = bf16;
@@ -214,32 +202,23 @@ class CudaBackend {
   /// Allocates every workspace the primitives will need for chunks up to `plan`.
   void prepare(const WorkspacePlan& plan) {
     MT_NVTX_RANGE("CudaBackend::prepare");
-    std::size_t ws = 0;
-    const std::int64_t M = plan.max_tokens, W = plan.max_width;
-    ws = std::max(ws, cuda::embedding_backward_workspace_bytes(M));
-    ws = std::max(ws, cuda::rmsnorm_backward_workspace_bytes(std::max(M, opt_.logits_block), W));
-    ws = std::max(ws, cuda::column_sum_workspace_bytes(M, W));
-    ws = std::max(ws, cuda::sum_squares_workspace_bytes(std::numeric_limits<std::int32_t>::max()));  // any size
-    for (const auto& s : plan.attention) {
-      const auto d = dims(s);
-      ws = std::max(ws, cuda::attention_backward_workspace_bytes(d));
-#if MEGATRAIN_HAS_CUDNN
-      if (use_cudnn(d)) ws = std::max({ws, attention_->forward_workspace_bytes(d), attention_->backward_workspace_bytes(d)});
-      if (plan.packed) {
-        auto p = d;
-        p.sequences = std::min(d.rows * plan.packed_sequences_per_row, d.rows * d.seq);
-        p.longest = d.seq;
-        if (use_cudnn(p)) ws = std::max({ws, attention_->forward_workspace_bytes(p), attention_->backward_workspace_bytes(p)});
-      }
-#endif
+    const Needs n = needs(plan);
+    if (n.workspace > workspace_.size()) workspace_ = alloc<std::byte>(n.workspace);
+    if (n.logits > logits_.size()) {
+      logits_ = alloc<float>(n.logits);
+      dlogits_ = alloc<bf16>(n.logits);
     }
-    if (ws > workspace_.size()) workspace_ = alloc<std::byte>(ws);
-    const auto lb = static_cast<std::size_t>(std::min(opt_.logits_block, std::max<std::int64_t>(M, 1)));
-    const auto lv = lb * static_cast<std::size_t>(plan.vocab);
-    if (lv > logits_.size()) {
-      logits_ = alloc<float>(lv);
-      dlogits_ = alloc<bf16>(lv);
-    }
+  }
+  /// The bytes prepare(plan) would add to what this backend holds (allocates nothing; may build
+  /// cuDNN's plans for the attention shapes): what a memory plan counts before prepare() runs.
+  std::size_t prepare_bytes(const WorkspacePlan& plan) {
+    const Needs n = needs(plan);
+    std::size_t add = 0;
+    if (n.workspace > workspace_.size()) add += Buffer<std::byte>::footprint(n.workspace) - workspace_.size();
+    if (n.logits > logits_.size())
+      add += Buffer<float>::footprint(n.logits) + Buffer<bf16>::footprint(n.logits) -
+             logits_.size() * (sizeof(float) + sizeof(bf16));
+    return add;
   }
 
   // ---- transfers (a stage's executor orders them) ----------------------------------------------
@@ -472,6 +451,34 @@ class CudaBackend {
   }
 
  private:
+  // What prepare() allocates for a plan: workspace bytes, and logits elements (fp32 and bf16).
+  struct Needs {
+    std::size_t workspace = 0, logits = 0;
+  };
+  Needs needs(const WorkspacePlan& plan) {
+    std::size_t ws = 0;
+    const std::int64_t M = plan.max_tokens, W = plan.max_width;
+    ws = std::max(ws, cuda::embedding_backward_workspace_bytes(M));
+    ws = std::max(ws, cuda::rmsnorm_backward_workspace_bytes(std::max(M, opt_.logits_block), W));
+    ws = std::max(ws, cuda::column_sum_workspace_bytes(M, W));
+    ws = std::max(ws, cuda::sum_squares_workspace_bytes(std::numeric_limits<std::int32_t>::max()));  // any size
+    for (const auto& s : plan.attention) {
+      const auto d = dims(s);
+      ws = std::max(ws, cuda::attention_backward_workspace_bytes(d));
+#if MEGATRAIN_HAS_CUDNN
+      if (use_cudnn(d)) ws = std::max({ws, attention_->forward_workspace_bytes(d), attention_->backward_workspace_bytes(d)});
+      if (plan.packed) {
+        auto p = d;
+        p.sequences = std::min(d.rows * plan.packed_sequences_per_row, d.rows * d.seq);
+        p.longest = d.seq;
+        if (use_cudnn(p)) ws = std::max({ws, attention_->forward_workspace_bytes(p), attention_->backward_workspace_bytes(p)});
+      }
+#endif
+    }
+    const auto lb = static_cast<std::size_t>(std::min(opt_.logits_block, std::max<std::int64_t>(M, 1)));
+    return {ws, lb * static_cast<std::size_t>(plan.vocab)};
+  }
+
   static void same(const Shape& a, const Shape& b, const char* what) {
     MT_CHECK(a == b, "{}: shapes {} and {} differ", what, a.str(), b.str());
   }

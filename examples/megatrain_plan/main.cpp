@@ -1,0 +1,202 @@
+// megatrain-plan: will a training configuration fit, and how fast will it go? Prints the step
+// planner's plan (plan/planner.hpp, docs/planner.md) before anything is allocated: every buffer
+// in GPU and host memory, the placement decisions (activation checkpoints on the GPU or in host
+// memory, AdamW on the GPU or the CPU), the step time term by term with its bottleneck, and the
+// longest sequence and the largest micro-batch that fit.
+//
+//   megatrain-plan --preset qwen2.5-7b --batch 1 --seq 262144 --host-memory 120G
+//   megatrain-plan --model-config config.json --tokens-per-step 32768 --seq 1024 --gpu-memory 139G
+//
+// The options are megatrain-train's (model, step shape, clipping, memory). On a machine with a
+// GPU (megatrain built with CUDA) the plan is that GPU's (its free memory, cuDNN's workspaces);
+// elsewhere --backend cuda plans a GPU of --gpu-memory (default: an H200's 139 GiB) with the
+// workspaces estimated. Exit status: 0 when it fits, 2 when it does not, 1 on bad options.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <fstream>
+#include <optional>
+#include <string>
+
+#include "../megatrain_train/cli.hpp"
+#include "megatrain/backend/cpu/cpu_backend.hpp"
+#include "megatrain/core/error.hpp"
+#include "megatrain/core/host_memory.hpp"
+#include "megatrain/layers/decoder_model.hpp"
+#include "megatrain/plan/planner.hpp"
+#if MEGATRAIN_HAS_CUDA
+#include "megatrain/backend/cuda/cuda_backend.hpp"
+#endif
+
+using namespace megatrain;
+using namespace megatrain_train;
+
+namespace {
+
+struct PlanArgs {
+  std::int64_t tokens_per_step = 0;
+  std::string machine;  // --machine FILE
+  bool json = false;
+};
+
+template <class B>
+int report(const DecoderModel<>& model, const TrainerOptions& topt, const plan::DeviceBudget& device, const plan::HostBudget& host,
+           const plan::MachineFigures& machine, const PlanArgs& a, const std::string& where) {
+  const plan::StepPlan p = plan::plan_step<B>(model, topt, device, host, machine);
+  // The longest sequence and the largest micro-batch that fit (searched up or down from these).
+  const plan::Suggestions lim = p.suggestions ? *p.suggestions : plan::suggest<B>(model, p.options, device, host);
+  if (a.json) {
+    nlohmann::json j{{"fits", p.memory.fits},
+                     {"gpu_bytes", p.memory.device_total() + p.memory.device_before},
+                     {"host_bytes", p.memory.host_total()},
+                     {"checkpoints_on_gpu", p.memory.buffers.checkpoints_on_device},
+                     {"checkpoints", p.memory.buffers.checkpoints},
+                     {"device_units", p.memory.buffers.device_units},
+                     {"units", p.memory.buffers.units},
+                     {"step_s", p.time.step_s},
+                     {"tokens_per_s", p.time.tokens_per_s()},
+                     {"bottleneck", p.time.bottleneck},
+                     {"model_flops", p.time.model_flops},
+                     {"executed_flops", p.time.executed_flops},
+                     {"longest_seq", lim.seq ? nlohmann::json(*lim.seq) : nlohmann::json()},
+                     {"largest_micro_batch", lim.micro_rows ? nlohmann::json(*lim.micro_rows) : nlohmann::json()},
+                     {"machine", plan::to_json(machine)},
+                     {"where", where}};
+    for (const auto& t : p.time.terms) j["terms"][t.what] = t.seconds;
+    for (const auto& l : p.memory.device) j["gpu_lines"][l.what] = l.bytes;
+    for (const auto& l : p.memory.host) j["host_lines"][l.what] = l.bytes;
+    if (!p.memory.fits) j["refusal"] = p.refusal();
+    std::printf("%s\n", j.dump(2).c_str());
+    return p.memory.fits ? 0 : 2;
+  }
+  std::printf("%s\n", where.c_str());
+  std::printf("%s", plan::format_plan(p).c_str());
+  if (p.memory.fits) {
+    std::printf("largest that fit: --seq %s at this batch; %s sequences per micro-batch at --seq %lld (%s tokens; more per "
+                "step through --micro-batches)\n",
+                lim.seq ? fmt::format("{}", *lim.seq).c_str() : "?", lim.micro_rows ? fmt::format("{}", *lim.micro_rows).c_str() : "?",
+                static_cast<long long>(topt.seq_len),
+                lim.micro_rows ? fmt::format("{}", *lim.micro_rows * topt.seq_len).c_str() : "?");
+  }
+  return p.memory.fits ? 0 : 2;
+}
+
+int run(const Settings& s, const CLI::App& app, const PlanArgs& a) {
+  check_model_source(s);
+  MT_CHECK(s.backend == "auto" || s.backend == "cpu" || s.backend == "cuda", "--backend must be auto, cpu or cuda (got '{}')",
+           s.backend);
+  MT_CHECK(s.clip_mode == "exact" || s.clip_mode == "stale", "--clip-mode must be exact or stale (got '{}')", s.clip_mode);
+  MT_CHECK(s.gradients == "device" || s.gradients == "host", "--gradients must be device or host (got '{}')", s.gradients);
+  const std::optional<std::int64_t> device_units = parse_device_units(s.device_units);
+  MT_CHECK(device_units.has_value(), "--device-units must be auto, all or a count >= 0 (got '{}')", s.device_units);
+  if (!s.host_memory.empty()) setenv("MEGATRAIN_HOST_MEMORY", s.host_memory.c_str(), 1);
+
+  // The model: --model DIR reads DIR/config.json (no weights are opened).
+  ModelConfig cfg = [&] {
+    if (!s.model_dir.empty()) {
+      const std::filesystem::path f = std::filesystem::path(s.model_dir) / "config.json";
+      MT_CHECK(std::filesystem::exists(f), "--model '{}': no config.json there", s.model_dir);
+      return ModelConfig::from_file(f);
+    }
+    return model_config(s, app, 256, nullptr);
+  }();
+
+  TrainerOptions topt;
+  MT_CHECK(s.seq > 0, "--seq must be > 0 (got {})", s.seq);
+  topt.seq_len = s.seq;
+  topt.batch_rows = s.batch;
+  if (a.tokens_per_step > 0) {
+    MT_CHECK(!s.origins.given("--batch"), "--tokens-per-step and --batch both set the batch; pass one");
+    MT_CHECK(a.tokens_per_step % s.seq == 0, "--tokens-per-step {} is not a whole number of --seq {} sequences",
+             a.tokens_per_step, s.seq);
+    topt.batch_rows = a.tokens_per_step / s.seq;
+  }
+  topt.micro_batches = s.micro_batches;
+  topt.max_micro_rows = s.max_micro_batch;
+  topt.chunk_rows = s.chunk;
+  topt.token_chunk = s.token_chunk;
+  topt.clip_norm = s.clip;
+  topt.clip_mode = s.clip_mode == "stale" ? ClipMode::stale : ClipMode::exact;
+  topt.gradient_home = s.gradients == "host" ? GradientHome::host : GradientHome::device;
+  topt.device_units = *device_units == kAllDeviceUnits ? cfg.num_hidden_layers + 2 : *device_units;
+  topt.validate();
+
+  plan::MachineFigures machine;
+  if (!a.machine.empty()) {
+    std::ifstream f(a.machine);
+    MT_CHECK(f.good(), "--machine '{}': cannot open it", a.machine);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(f);
+    } catch (const nlohmann::json::parse_error& e) {
+      MT_FAIL("--machine '{}': malformed JSON: {}", a.machine, e.what());
+    }
+    machine = plan::machine_figures_from_json(j, fmt::format("--machine '{}'", a.machine));
+  }
+  const plan::HostBudget host = host_budget(s);
+  const DecoderModel<> model(cfg);
+  const bool want_cuda = s.backend != "cpu";
+#if MEGATRAIN_HAS_CUDA
+  if (want_cuda && cuda_device_present()) {
+    CudaBackendOptions copt;
+    if (!s.gpu_memory.empty()) copt.memory_limit = parse_byte_size(s.gpu_memory.c_str());
+    CudaBackend be(copt);
+    cudaDeviceProp prop{};
+    MT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    return report<CudaBackend>(model, topt, plan::device_budget(be), host, machine, a,
+                               fmt::format("megatrain-plan: on this machine's GPU ({}, cap {}), host memory {} ({})", prop.name,
+                                           format_bytes(be.memory_limit()), format_bytes(host.bytes), host.source));
+  }
+#endif
+  if (want_cuda) {
+    plan::DeviceBudget d;
+    d.cap = s.gpu_memory.empty() ? std::size_t{139} << 30 : parse_byte_size(s.gpu_memory.c_str());
+    d.allocated = std::size_t{32} << 20;  // cuBLASLt's workspace (CudaBackendOptions::gemm_workspace)
+    d.prepare_bytes = [](const WorkspacePlan& w) { return plan::cuda_prepare_estimate(w); };
+    d.auto_device_units = true;
+    return report<plan::CudaTypes>(model, topt, d, host, machine, a,
+                                   fmt::format("megatrain-plan: for a GPU of {}{} (no GPU here: cuDNN's workspaces "
+                                               "estimated), host memory {} ({})",
+                                               format_bytes(*d.cap), s.gpu_memory.empty() ? " (an H200's; --gpu-memory)" : "",
+                                               format_bytes(host.bytes), host.source));
+  }
+  CpuBackend<float> be;
+  return report<CpuBackend<float>>(model, topt, plan::device_budget(be), host, machine, a,
+                                   fmt::format("megatrain-plan: on the CPU backend, host memory {} ({})", format_bytes(host.bytes),
+                                               host.source));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  PlanArgs a;
+  CLI::App app("megatrain-plan: the memory and the step time of a training configuration, before anything is allocated");
+  app.set_help_flag("-h,--help", "Print this help and exit");
+  add_model_options(app, s);
+  auto* step = app.add_option_group("step", "The step (megatrain-train's options)");
+  add_step_options(*step, s);
+  step->add_option("--tokens-per-step", a.tokens_per_step, "Tokens per optimizer step (instead of --batch: --batch = this / --seq)");
+  add_clip_options(*step, s);
+  auto* mem = app.add_option_group("memory", "Where it runs (megatrain-train's options)");
+  add_memory_options(*mem, s);
+  mem->add_option("--machine", a.machine,
+                  "JSON file of the machine's rates for the step time (h2d_gbs, d2h_gbs, duplex_gbs, gemm_tflops, "
+                  "attention_fwd_tflops, attention_bwd_tflops, hbm_gbs, adamw_gparams, adamw_dma_gparams; default: the "
+                  "reference H200 host)");
+  app.add_flag("--json", a.json, "Print the plan as JSON");
+  try {
+    app.parse(argc, argv);
+    for (int i = 1; i < argc; ++i) {
+      const std::string arg = argv[i];
+      if (arg.rfind("--", 0) == 0) s.origins.cli.insert(arg.substr(0, arg.find('=')));
+    }
+    return run(s, app, a);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "megatrain-plan: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,191 @@
+// The cost model of one training step (a roofline): what the GPU computes, what crosses PCIe
+// each way, what the CPU's AdamW steps, each over the machine's measured rate; the step can be no
+// faster than the largest, and the pipeline overlaps the rest with it.
+//
+//   GPU      matrix products: 8 x the blocks' parameters x tokens (forward, the recompute of the
+//            forward from the activation checkpoint, backward), 6 x the head's (no recompute);
+//            causal attention: 2 T S q_dim per layer forward (twice: forward and recompute) and
+//            2.5 times that backward; the element-wise passes (norms, SwiGLU, rotary, residual
+//            adds, the loss over the logits) at device-memory bandwidth; AdamW of the device units
+//            (30 bytes per parameter through device memory); activation checkpoints that live in
+//            host memory cross PCIe on the compute stream, so they count here.
+//   H2D      the host units' bf16 weights twice (forward, backward; the head once), the batch's
+//            fp32 embedding rows, and a tied head's table.
+//   D2H      the host units' fp32 gradients.
+//   CPU      AdamW over the host units' parameters (at its rate under PCIe DMA, as it runs while
+//            the copies do).
+// The step is the largest term plus what cannot overlap: the first block's weights before the
+// first forward can start, and, when gradients stream, the last unit's gradient and update.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <iterator>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "megatrain/core/error.hpp"
+#include "megatrain/model/config.hpp"
+#include "megatrain/plan/memory_plan.hpp"
+#include "megatrain/train/trainer_options.hpp"
+
+namespace megatrain::plan {
+
+/// A machine's measured rates (the cost model's ceilings). The defaults are the reference H200
+/// host of docs/design.md; `megatrain-plan --machine FILE` reads others (the fields below, JSON).
+struct MachineFigures {
+  std::string name = "reference H200 host (docs/design.md)";
+  double h2d_gbs = 55.3;      ///< pinned host-to-device copy, GB/s
+  double d2h_gbs = 55.3;      ///< pinned device-to-host copy, GB/s
+  double duplex_gbs = 97.0;   ///< both directions at once, GB/s in total
+  double gemm_tflops = 700;   ///< bf16 matrix products at layer shapes
+  double attention_fwd_tflops = 600;  ///< causal flash attention forward (cuDNN SDPA)
+  double attention_bwd_tflops = 500;  ///< ... backward
+  double hbm_gbs = 4000;      ///< device memory, bytes read plus written per second (GB/s)
+  double adamw_gparams = 4.4;       ///< CPU AdamW (fp32, with the bf16 copy), all cores, G parameters/s
+  double adamw_dma_gparams = 4.2;   ///< the same while PCIe copies run both ways
+};
+
+namespace detail {
+struct FigureField {
+  const char* name;
+  double MachineFigures::*value;
+};
+inline constexpr FigureField kFigureFields[] = {
+    {"h2d_gbs", &MachineFigures::h2d_gbs},           {"d2h_gbs", &MachineFigures::d2h_gbs},
+    {"duplex_gbs", &MachineFigures::duplex_gbs},     {"gemm_tflops", &MachineFigures::gemm_tflops},
+    {"attention_fwd_tflops", &MachineFigures::attention_fwd_tflops},
+    {"attention_bwd_tflops", &MachineFigures::attention_bwd_tflops},
+    {"hbm_gbs", &MachineFigures::hbm_gbs},           {"adamw_gparams", &MachineFigures::adamw_gparams},
+    {"adamw_dma_gparams", &MachineFigures::adamw_dma_gparams}};
+}  // namespace detail
+
+inline nlohmann::json to_json(const MachineFigures& m) {
+  nlohmann::json j{{"name", m.name}};
+  for (const auto& f : detail::kFigureFields) j[f.name] = m.*f.value;
+  return j;
+}
+
+/// Reads figures written by to_json (fields left out keep the reference values); `what` names
+/// the source in errors.
+inline MachineFigures machine_figures_from_json(const nlohmann::json& j, std::string_view what) {
+  std::string names = "name";
+  for (const auto& f : detail::kFigureFields) names += fmt::format(", {}", f.name);
+  MT_CHECK(j.is_object(), "{}: machine figures must be a JSON object (fields: {})", what, names);
+  MachineFigures m;
+  m.name = std::string(what);
+  for (const auto& [key, value] : j.items()) {
+    if (key == "name") {
+      MT_CHECK(value.is_string(), "{}: 'name' must be a string", what);
+      m.name = value.get<std::string>();
+      continue;
+    }
+    const auto* f = std::find_if(std::begin(detail::kFigureFields), std::end(detail::kFigureFields),
+                                 [&](const detail::FigureField& x) { return key == x.name; });
+    MT_CHECK(f != std::end(detail::kFigureFields), "{}: unknown field '{}' (fields: {})", what, key, names);
+    MT_CHECK(value.is_number() && value.get<double>() > 0 && std::isfinite(value.get<double>()),
+             "{}: '{}' must be a positive number (got {})", what, key, value.dump());
+    m.*f->value = value.get<double>();
+  }
+  return m;
+}
+
+/// One term of the step time.
+struct TimeTerm {
+  std::string what;    ///< "GPU", "PCIe H2D", ...
+  double seconds = 0;
+  std::string detail;  ///< how it was computed
+};
+
+/// The predicted step.
+struct StepTime {
+  std::vector<TimeTerm> terms;  ///< GPU, PCIe H2D, PCIe D2H, PCIe both ways, CPU AdamW
+  std::string bottleneck;       ///< the largest term's name
+  double bound_s = 0;           ///< the largest term
+  double exposed_s = 0;         ///< what cannot overlap it
+  double step_s = 0;            ///< bound + exposed
+  double tokens = 0;
+  double model_flops = 0;       ///< 6 x matmul parameters x tokens + causal attention (fwd + bwd): the MFU convention
+  double executed_flops = 0;    ///< what the GPU runs (recompute included)
+  double tokens_per_s() const { return step_s > 0 ? tokens / step_s : 0; }
+};
+
+/// Model FLOPs of a step of `tokens` tokens in sequences of `seq` (the MFU convention: no
+/// recompute; 6 x the matmul parameters per token, the embedding lookup none, a tied head's
+/// product counted; causal attention 6 x seq x q_dim per token and layer).
+inline double model_flops(const ModelConfig& cfg, double tokens, double seq) {
+  const double V = static_cast<double>(cfg.vocab_size), d = static_cast<double>(cfg.hidden_size);
+  const double matmul = static_cast<double>(cfg.param_count()) - (cfg.tie_word_embeddings ? 0.0 : V * d);
+  return 6 * matmul * tokens + 6.0 * tokens * seq * static_cast<double>(cfg.q_dim()) * static_cast<double>(cfg.num_hidden_layers);
+}
+
+/// The step time of `plan` (its decisions: device units, spilled checkpoints) on `m`.
+inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& options, const MemoryPlan& plan,
+                             const MachineFigures& m) {
+  const TrainerOptions opt = options.resolved();
+  const TrainerBuffers& b = plan.buffers;
+  const double T = static_cast<double>(b.batch_tokens), S = static_cast<double>(opt.seq_len);
+  const double L = static_cast<double>(cfg.num_hidden_layers), d = static_cast<double>(cfg.hidden_size);
+  const double V = static_cast<double>(cfg.vocab_size), I = static_cast<double>(cfg.intermediate_size);
+  const double qd = static_cast<double>(cfg.q_dim());
+  const double embed = V * d;
+  const double head = embed + d;  // the LM head's product (tied or not) and the final norm
+  const double blocks = static_cast<double>(cfg.param_count()) - embed - d - (cfg.tie_word_embeddings ? 0.0 : embed);
+  const double block = blocks / L;
+  // Which parameters are stepped where.
+  const std::size_t units = b.units, dev_units = b.device_units;
+  const bool embed_dev = dev_units >= 1, head_dev = dev_units >= units;
+  const double blocks_dev = static_cast<double>(std::min<std::size_t>(dev_units > 1 ? dev_units - 1 : 0, units - 2));
+  const double head_params = cfg.tie_word_embeddings ? d : head;
+  const double n_dev = (embed_dev ? embed : 0) + blocks_dev * block + (head_dev ? head_params : 0);
+  const double n_host = static_cast<double>(cfg.param_count()) - n_dev;
+
+  StepTime t;
+  t.tokens = T;
+  // GPU
+  const double gemm = 8 * blocks * T + 6 * embed * T;
+  const double att_fwd = 2 * T * S * qd * L;
+  const double gemm_s = gemm / (m.gemm_tflops * 1e12);
+  const double att_s = 2 * att_fwd / (m.attention_fwd_tflops * 1e12) + 2.5 * att_fwd / (m.attention_bwd_tflops * 1e12);
+  // element-wise passes: per token and layer about 120 bytes per hidden unit (the fp32 residual
+  // stream through two norms, forward, recompute and backward) and 22 per intermediate unit
+  // (SwiGLU forward twice and backward); the loss: 8 bytes per logit
+  const double elem_bytes = T * L * (120 * d + 22 * I) + 8 * T * V;
+  const double elem_s = elem_bytes / (m.hbm_gbs * 1e9);
+  const double adam_dev_s = 30 * n_dev / (m.hbm_gbs * 1e9);
+  const double ckpt_moved = static_cast<double>(b.checkpoints_in_host()) * static_cast<double>(b.checkpoint_bytes());
+  const double ckpt_s = ckpt_moved / (m.d2h_gbs * 1e9) + ckpt_moved / (m.h2d_gbs * 1e9);
+  const double gpu_s = gemm_s + att_s + elem_s + adam_dev_s + ckpt_s;
+  t.executed_flops = gemm + 4.5 * att_fwd;
+  t.model_flops = model_flops(cfg, T, S);
+  t.terms.push_back({"GPU", gpu_s,
+                     fmt::format("matrix products {:.3f} s ({:.1f} TFLOP at {:.0f} TFLOP/s), attention {:.3f} s, element-wise "
+                                 "{:.3f} s, AdamW {:.3f} s{}",
+                                 gemm_s, gemm / 1e12, m.gemm_tflops, att_s, elem_s, adam_dev_s,
+                                 ckpt_s > 0 ? fmt::format(", checkpoints through host memory {:.3f} s", ckpt_s) : "")});
+  // PCIe
+  const double rows = std::min(V, T);
+  double h2d = 4 * blocks * ((L - blocks_dev) / L) + (embed_dev ? 0 : rows * d * 4) + (head_dev ? 0 : 2 * head_params);
+  if (cfg.tie_word_embeddings && !embed_dev) h2d += 2 * embed;  // the head reads the embedding's bf16 table
+  const double d2h = 4 * n_host;
+  t.terms.push_back({"PCIe H2D", h2d / (m.h2d_gbs * 1e9), fmt::format("{:.2f} GB of weights at {:.1f} GB/s", h2d / 1e9, m.h2d_gbs)});
+  t.terms.push_back({"PCIe D2H", d2h / (m.d2h_gbs * 1e9), fmt::format("{:.2f} GB of fp32 gradients at {:.1f} GB/s", d2h / 1e9, m.d2h_gbs)});
+  t.terms.push_back({"PCIe both ways", (h2d + d2h) / (m.duplex_gbs * 1e9), fmt::format("at {:.0f} GB/s in total", m.duplex_gbs)});
+  const double cpu_s = n_host / (m.adamw_dma_gparams * 1e9);
+  t.terms.push_back({"CPU AdamW", cpu_s, fmt::format("{:.3f}B parameters at {:.2f} Gparam/s", n_host / 1e9, m.adamw_dma_gparams)});
+  const auto top = std::max_element(t.terms.begin(), t.terms.end(), [](const TimeTerm& a, const TimeTerm& c) { return a.seconds < c.seconds; });
+  t.bottleneck = top->what;
+  t.bound_s = top->seconds;
+  // Not overlapped: the first block's weights before the first forward; with gradients streamed
+  // as they are computed, the last unit's (the embedding's rows) download and update.
+  const bool first_block_dev = dev_units >= 2;
+  t.exposed_s = first_block_dev ? 0.0 : 2 * block / (m.h2d_gbs * 1e9);
+  if (!opt.resident_gradients() && !embed_dev) t.exposed_s += rows * d * 4 / (m.d2h_gbs * 1e9) + rows * d / (m.adamw_gparams * 1e9);
+  t.step_s = t.bound_s + t.exposed_s;
+  return t;
+}
+
+}  // namespace megatrain::plan

@@ -1,0 +1,252 @@
+// The step planner: for a model, a step's shape and the machine's memory and rates, what the
+// trainer will allocate and decide (memory_plan.hpp), how long a step should take
+// (cost_model.hpp), whether it fits, and, when it does not, the largest configuration that does.
+//
+// The trainer allocates by the same plan (Trainer::memory_plan()), and megatrain-train and
+// megatrain-plan print it before anything is allocated (docs/planner.md). A refusal names what
+// does not fit and what would: the longest sequence at this batch, and the most sequences per
+// micro-batch at this sequence length.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "megatrain/core/dtype.hpp"
+#include "megatrain/core/host_memory.hpp"
+#include "megatrain/layers/decoder_model.hpp"
+#include "megatrain/plan/cost_model.hpp"
+#include "megatrain/plan/memory_plan.hpp"
+#include "megatrain/train/trainer_options.hpp"
+
+namespace megatrain::plan {
+
+/// The element types of the CUDA backend (bf16 weights and activations, fp32 accumulators and
+/// residual stream), for planning a GPU run where none is present.
+struct CudaTypes {
+  using Act = bf16;
+  using Weight = bf16;
+  using Acc = float;
+  using Res = float;
+  static constexpr bool kDevice = true;
+};
+
+/// The memory a backend brings to a plan: its cap (what it can still hand out, plus what it
+/// holds), what it holds, and its prepare()'s workspaces. `user_stages`: a trainer with user
+/// stages, which read gradients landed on the host, places no device units by itself.
+template <class B>
+DeviceBudget device_budget(B& be, bool user_stages = false) {
+  DeviceBudget d;
+  if constexpr (requires { be.allocated_bytes(); }) d.allocated = be.allocated_bytes();
+  if constexpr (requires { be.memory_available(); }) {
+    if (const std::optional<std::size_t> avail = be.memory_available()) d.cap = d.allocated + *avail;
+  }
+  if constexpr (requires(const WorkspacePlan& w) { be.prepare_bytes(w); })
+    d.prepare_bytes = [&be](const WorkspacePlan& w) { return be.prepare_bytes(w); };
+  d.host_memory = !B::kDevice;
+  d.auto_device_units = B::kDevice && d.cap.has_value() && !user_stages;
+  return d;
+}
+
+/// What the CUDA backend's prepare() allocates, estimated without a GPU (for planning elsewhere):
+/// the logits of a block of 2,048 tokens (fp32 and bf16), and the attention's workspace: cuDNN's
+/// deterministic backward (a dP buffer of rows x heads x seq^2 bf16) while it stays within
+/// `deterministic_limit`, else its dQ accumulated in fp32 (rows x seq x q_dim); at least 64 MiB
+/// for the rest. An estimate: a plan made on the GPU machine uses the backend's own figure.
+inline std::size_t cuda_prepare_estimate(const WorkspacePlan& w, std::size_t deterministic_limit = std::size_t{8} << 30) {
+  const auto lb = static_cast<std::size_t>(std::min<std::int64_t>(2048, std::max<std::int64_t>(w.max_tokens, 1)));
+  std::size_t ws = std::size_t{64} << 20;
+  for (const AttentionShape& a : w.attention) {
+    const auto rows = static_cast<std::size_t>(a.rows), seq = static_cast<std::size_t>(a.seq);
+    const std::size_t dp = rows * static_cast<std::size_t>(a.heads) * seq * seq * 2;
+    const std::size_t dq = rows * seq * static_cast<std::size_t>(a.heads * a.head_dim) * 4 + rows * seq * static_cast<std::size_t>(a.heads) * 8;
+    ws = std::max(ws, dp <= deterministic_limit ? dp : dq);
+  }
+  return ws + lb * static_cast<std::size_t>(w.vocab) * (sizeof(float) + sizeof(bf16));
+}
+
+/// The largest configurations near a given one that fit: the longest sequence at its batch (the
+/// same sequences per micro-batch), and the most sequences per micro-batch at its sequence length
+/// (a larger batch then runs as gradient accumulation).
+struct Suggestions {
+  std::optional<std::int64_t> seq;          ///< the longest sequence that fits (none: not even the shortest tried)
+  std::optional<std::int64_t> micro_rows;   ///< the most sequences per micro-batch at this sequence length
+  bool store_alone_too_large = false;       ///< the model's state alone exceeds host memory: no shape helps
+  std::size_t store_bytes = 0, host_budget = 0;
+};
+
+namespace detail {
+/// The largest v in [lo, hi] (multiples of `step` from lo) for which fits(v), assuming fits is
+/// monotone (true up to some v, false after); nullopt when not even lo fits.
+template <class F>
+std::optional<std::int64_t> largest(std::int64_t lo, std::int64_t hi, std::int64_t step, F&& fits) {
+  if (hi < lo || !fits(lo)) return std::nullopt;
+  std::int64_t a = 0, b = (hi - lo) / step;  // fits(lo + a * step); look in (a, b]
+  while (a < b) {
+    const std::int64_t mid = a + (b - a + 1) / 2;
+    if (fits(lo + mid * step)) a = mid;
+    else b = mid - 1;
+  }
+  return lo + a * step;
+}
+/// The largest multiple of `step` (or `from` itself) for which fits(v), searching up from `from`
+/// (doubling, up to `ceiling`) when it fits and down from it when it does not.
+template <class F>
+std::optional<std::int64_t> largest_near(std::int64_t from, std::int64_t step, std::int64_t ceiling, F&& fits) {
+  if (!fits(from)) return largest(step, (from - 1) / step * step, step, fits);
+  std::int64_t hi = from;
+  while (hi < ceiling && fits(std::min(2 * hi, ceiling))) hi = std::min(2 * hi, ceiling);
+  if (hi >= ceiling) return hi;
+  const std::int64_t top = std::min(2 * hi, ceiling) - 1;
+  const std::int64_t first = (hi + step - 1) / step * step;  // the multiples of step above hi
+  const auto above = largest(first, top, step, fits);
+  return above ? *above : hi;
+}
+/// Granularity of sequence lengths searched: whole thousands of tokens (1,024) for long ones.
+inline std::int64_t seq_step(std::int64_t seq) { return seq >= 4096 ? 1024 : seq >= 256 ? 64 : 1; }
+}  // namespace detail
+
+/// What fits near `options` (each probe is a memory plan): see Suggestions.
+template <class B, class Block>
+Suggestions suggest(const DecoderModel<Block>& model, const TrainerOptions& options, const DeviceBudget& device,
+                    const HostBudget& host, const std::optional<StoreFootprint>& store = std::nullopt) {
+  const TrainerOptions opt = options.resolved();
+  Suggestions s;
+  const StoreFootprint fp = store ? *store : HostParamStore<float>::footprint(model.units(), store_options(opt));
+  s.store_bytes = fp.total_bytes();
+  s.host_budget = host.bytes;
+  if (s.store_bytes > host.bytes) {
+    s.store_alone_too_large = true;
+    return s;
+  }
+  const auto fits = [&](const TrainerOptions& o) {
+    try {
+      return plan_memory<B>(model, o, device, host, fp).fits;
+    } catch (const Error&) {
+      return false;
+    }
+  };
+  constexpr std::int64_t kCeiling = std::int64_t{1} << 26;  // tokens: far beyond any GPU of today
+  s.seq = detail::largest_near(opt.seq_len, detail::seq_step(opt.seq_len), std::max<std::int64_t>(opt.seq_len, kCeiling / opt.micro_rows()),
+                               [&](std::int64_t seq) {
+                                 TrainerOptions o = opt;
+                                 o.seq_len = seq;
+                                 return fits(o);
+                               });
+  s.micro_rows = detail::largest_near(opt.micro_rows(), 1, std::max<std::int64_t>(opt.micro_rows(), kCeiling / opt.seq_len),
+                                      [&](std::int64_t m) {
+                                        TrainerOptions o = opt;
+                                        o.batch_rows = m;
+                                        o.micro_batches = 1;
+                                        o.max_micro_rows = 0;
+                                        return fits(o);
+                                      });
+  return s;
+}
+
+/// The refusal of a plan that does not fit, with what would (the same words from the trainer,
+/// megatrain-train and megatrain-plan).
+inline std::string refusal_message(const MemoryPlan& plan, const Suggestions& s) {
+  std::string m = fmt::format("this configuration does not fit: {}.", plan.refusal);
+  if (s.store_alone_too_large) {
+    m += fmt::format(" The model's state alone (fp32 master weights, AdamW m and v, the bf16 copy) needs {} of host memory "
+                     "and {} is available: no batch or sequence length fits; use a machine with more memory, or a smaller "
+                     "model", format_bytes(s.store_bytes), format_bytes(s.host_budget));
+    return m;
+  }
+  std::vector<std::string> would;
+  if (s.seq) would.push_back(fmt::format("--seq {} (TrainerOptions::seq_len) at this batch", *s.seq));
+  if (s.micro_rows)
+    would.push_back(fmt::format("--max-micro-batch {} (TrainerOptions::max_micro_rows: sequences on the GPU at once, the "
+                                "batch as gradient accumulation)", *s.micro_rows));
+  if (!would.empty()) m += fmt::format(" What fits: {}.", fmt::join(would, ", or "));
+  else m += " No shorter sequence or smaller micro-batch fits either.";
+  m += " Or give more memory (--gpu-memory, --host-memory), or run `megatrain-plan` with these options to see every buffer.";
+  return m;
+}
+
+/// A whole plan: the memory, the step time, and what fits when the configuration does not.
+struct StepPlan {
+  ModelConfig config;
+  TrainerOptions options;  ///< resolved, with the placement the plan decided
+  MemoryPlan memory;
+  StepTime time;
+  MachineFigures machine;
+  std::optional<Suggestions> suggestions;  ///< when !memory.fits
+  std::string refusal() const { return suggestions ? refusal_message(memory, *suggestions) : std::string(); }
+};
+
+/// Plans `options` for `model` (memory and time); a configuration that does not fit also gets
+/// what would.
+template <class B, class Block>
+StepPlan plan_step(const DecoderModel<Block>& model, const TrainerOptions& options, const DeviceBudget& device,
+                   const HostBudget& host, const MachineFigures& machine = {}) {
+  StepPlan p;
+  p.config = model.config();
+  p.options = options.resolved();
+  p.machine = machine;
+  p.memory = plan_memory<B>(model, p.options, device, host);
+  p.options.device_units = static_cast<std::int64_t>(p.memory.buffers.device_units);
+  p.time = predict_step(p.config, p.options, p.memory, machine);
+  if (!p.memory.fits) p.suggestions = suggest<B>(model, p.options, device, host);
+  return p;
+}
+
+/// The plan in two lines (what megatrain-train prints at start).
+inline std::string format_summary(const StepPlan& p) {
+  const TrainerBuffers& b = p.memory.buffers;
+  const bool gpu = !p.memory.host_lines_include_device;
+  std::string s = fmt::format(
+      "plan: {} memory {}{} (activation checkpoints: {} of {} there{}; AdamW there for {} of {} units); host memory {} of "
+      "{} ({}), {:.2f} bytes per parameter\n",
+      gpu ? "GPU" : "backend", format_bytes(p.memory.device_total() + p.memory.device_before),
+      p.memory.device_cap ? fmt::format(" of {}", format_bytes(*p.memory.device_cap)) : std::string(),
+      b.checkpoints_on_device, b.checkpoints, b.checkpoints_in_host() > 0 ? fmt::format(", {} in host memory", b.checkpoints_in_host()) : "",
+      b.device_units, b.units, format_bytes(p.memory.host_total()), format_bytes(p.memory.host_budget), p.memory.host_budget_source,
+      static_cast<double>(p.memory.host_total()) / static_cast<double>(p.config.param_count()));
+  if (gpu)
+    s += fmt::format("plan: predicted step {:.3f} s, {:.0f} tokens/s ({}-bound, on the figures of the {}); megatrain-plan "
+                     "prints every buffer and term\n",
+                     p.time.step_s, p.time.tokens_per_s(), p.time.bottleneck, p.machine.name);
+  return s;
+}
+
+/// The plan as a short table (markdown): memory by buffer, the decisions, the step's terms.
+inline std::string format_plan(const StepPlan& p) {
+  const TrainerBuffers& b = p.memory.buffers;
+  const ModelConfig& c = p.config;
+  const TrainerOptions& o = p.options;
+  std::string s;
+  s += fmt::format("plan: {}, {:.3f}B parameters ({} layers, hidden {}, vocab {}); {} x {} tokens per step{}; clipping {}\n",
+                   c.architecture_name(), static_cast<double>(c.param_count()) / 1e9, c.num_hidden_layers, c.hidden_size,
+                   c.vocab_size, o.batch_rows, o.seq_len,
+                   o.micro_batches > 1 ? fmt::format(" in {} micro-batches", o.micro_batches) : "",
+                   o.clip_norm > 0 ? (o.clip_mode == ClipMode::exact ? "exact" : "stale") : "off");
+  s += "\n| GPU memory | |\n| --- | --- |\n";
+  for (const auto& l : p.memory.device) s += fmt::format("| {} | {} |\n", l.what, format_bytes(l.bytes));
+  s += fmt::format("| **total** (+ {} the backend holds) | **{}**{} |\n", format_bytes(p.memory.device_before),
+                   format_bytes(p.memory.device_total() + p.memory.device_before),
+                   p.memory.device_cap ? fmt::format(" of {}", format_bytes(*p.memory.device_cap)) : "");
+  s += "\n| host memory | |\n| --- | --- |\n";
+  for (const auto& l : p.memory.host) s += fmt::format("| {} | {} |\n", l.what, format_bytes(l.bytes));
+  s += fmt::format("| **total** | **{}** of {} ({}); {:.2f} bytes per parameter |\n", format_bytes(p.memory.host_total()),
+                   format_bytes(p.memory.host_budget), p.memory.host_budget_source,
+                   static_cast<double>(p.memory.host_total()) / static_cast<double>(c.param_count()));
+  s += fmt::format("\ndecisions: activation checkpoints {} of {} on the GPU{}; AdamW on the GPU for {} of {} units; token "
+                   "blocks of {}\n",
+                   b.checkpoints_on_device, b.checkpoints,
+                   b.checkpoints_in_host() > 0 ? fmt::format(", {} in host memory", b.checkpoints_in_host()) : "",
+                   b.device_units, b.units, b.token_block > 0 ? fmt::format("{}", b.token_block) : "the whole chunk");
+  s += fmt::format("\n| step time ({}) | seconds | |\n| --- | --- | --- |\n", p.machine.name);
+  for (const auto& t : p.time.terms) s += fmt::format("| {} | {:.3f} | {} |\n", t.what, t.seconds, t.detail);
+  s += fmt::format("| **predicted step** | **{:.3f}** | {}-bound ({:.3f} s) + {:.3f} s not overlapped: {:.0f} tokens/s, {:.1f} "
+                   "model TFLOP/s ({:.1f} executed) |\n",
+                   p.time.step_s, p.time.bottleneck, p.time.bound_s, p.time.exposed_s, p.time.tokens_per_s(),
+                   p.time.model_flops / p.time.step_s / 1e12, p.time.executed_flops / p.time.step_s / 1e12);
+  s += p.memory.fits ? "\nfits: yes\n" : fmt::format("\nfits: no: {}\n", p.refusal());
+  return s;
+}
+
+}  // namespace megatrain::plan

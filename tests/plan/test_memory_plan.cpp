@@ -1,0 +1,309 @@
+// The step planner (plan/): the memory plan is the trainer's memory, byte for byte, checked
+// against the allocators' own accounting (CpuBackend::allocated_bytes for backend memory,
+// host_buffer_bytes for the pinned host buffers) in every mode; its decisions (checkpoints in
+// host memory, device units) are the trainer's and give the same training; a configuration that
+// does not fit is refused before anything is allocated, with suggestions that do fit; memory is
+// affine in the sequence length; the cost model's FLOPs agree with the documented figures.
+#include <doctest/doctest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <random>
+#include <string>
+
+#include "megatrain/backend/cpu/cpu_backend.hpp"
+#include "megatrain/plan/planner.hpp"
+#include "megatrain/train/trainer.hpp"
+
+using namespace megatrain;
+
+namespace {
+
+ModelConfig small(bool tied, std::int64_t layers = 3, std::int64_t vocab = 61) {
+  auto j = nlohmann::json::parse(R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":40,"intermediate_size":88,
+    "num_attention_heads":5,"num_key_value_heads":1,"rope_theta":10000.0})");
+  j["tie_word_embeddings"] = tied;
+  j["vocab_size"] = vocab;
+  j["num_hidden_layers"] = layers;
+  return ModelConfig::from_json(j);
+}
+
+TrainerOptions opts(std::int64_t rows, std::int64_t seq) {
+  TrainerOptions o;
+  o.batch_rows = rows;
+  o.seq_len = seq;
+  o.adamw.lr = 2e-3;
+  o.schedule.lr = 2e-3;
+  return o;
+}
+
+StoreOptions store_opts(const TrainerOptions& o) {
+  StoreOptions s;
+  s.seed = 3;
+  s.pinning = Pinning::never;
+  return plan::store_options(o, s);
+}
+
+std::vector<double> train(const ModelConfig& cfg, const TrainerOptions& o, CpuBackend<float>& be, int steps,
+                          std::size_t* spilled = nullptr) {
+  DecoderModel<> model(cfg);
+  HostParamStore<float> store(model.units(), store_opts(o));
+  Trainer<CpuBackend<float>> t(model, store, be, o);
+  if (spilled) *spilled = t.spilled_checkpoints();
+  std::mt19937 rng(11);
+  std::vector<double> losses;
+  const auto n = static_cast<std::size_t>(o.batch_rows * o.seq_len);
+  for (int s = 0; s < steps; ++s) {
+    std::vector<std::int32_t> ids(n), labels(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      ids[i] = static_cast<std::int32_t>(rng() % static_cast<unsigned>(cfg.vocab_size));
+      labels[i] = static_cast<std::int32_t>(rng() % static_cast<unsigned>(cfg.vocab_size));
+    }
+    losses.push_back(t.step(ids, labels).loss);
+  }
+  t.finish_update();
+  for (const auto& u : store.units()) losses.push_back(static_cast<double>(u.master()[3]));
+  return losses;
+}
+
+// Builds a trainer for (cfg, o) on `be` and checks that its memory plan is what it allocated.
+void check_plan_is_allocation(const ModelConfig& cfg, const TrainerOptions& o, CpuBackend<float>& be) {
+  DecoderModel<> model(cfg);
+  HostParamStore<float> store(model.units(), store_opts(o));
+  const std::size_t dev0 = be.allocated_bytes(), host0 = host_buffer_bytes();
+  Trainer<CpuBackend<float>> t(model, store, be, o);
+  const plan::MemoryPlan& p = t.memory_plan();
+  CHECK(p.fits);
+  CHECK(be.allocated_bytes() - dev0 == p.device_total());
+  CHECK(t.device_bytes() == p.device_total());
+  // host: the trainer's pinned buffers (the store's were there before; on this backend its
+  // buffers are host memory too, but not HostBuffers)
+  CHECK(host_buffer_bytes() - host0 == p.host_total() - p.store_bytes - p.device_total());
+  CHECK(p.store_bytes == store.bytes());
+  CHECK(t.spilled_checkpoints() == p.buffers.checkpoints_in_host());
+  CHECK(t.device_units() == p.buffers.device_units);
+  // The plan computed before anything exists (what megatrain-train prints) is the same plan.
+  CpuBackend<float> fresh;
+  fresh.memory_limit = be.memory_limit;
+  const plan::MemoryPlan before = plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(fresh),
+                                                                       {store.host_budget(), "test"});
+  CHECK(before.device_total() == p.device_total());
+  CHECK(before.host_total() == p.host_total());
+}
+
+}  // namespace
+
+TEST_CASE("the memory plan is the trainer's allocation, byte for byte, in every mode") {
+  struct Case {
+    const char* name;
+    bool tied;
+    std::int64_t rows, seq;
+    std::function<void(TrainerOptions&)> set;
+  };
+  const std::vector<Case> cases{
+      {"streamed (no clipping), tied", true, 3, 19, [](TrainerOptions& o) { o.clip_norm = 0; }},
+      {"streamed, untied", false, 3, 19, [](TrainerOptions& o) { o.clip_norm = 0; }},
+      {"exact clipping, gradients on the device", false, 2, 23, [](TrainerOptions& o) { o.clip_norm = 1; }},
+      {"exact clipping, gradients in host memory", true, 2, 23,
+       [](TrainerOptions& o) {
+         o.clip_norm = 1;
+         o.gradient_home = GradientHome::host;
+       }},
+      {"micro-batches added up in host memory", false, 4, 17,
+       [](TrainerOptions& o) {
+         o.micro_batches = 2;
+         o.gradient_home = GradientHome::host;
+       }},
+      {"chunks and token blocks", true, 4, 33,
+       [](TrainerOptions& o) {
+         o.chunk_rows = 3;
+         o.token_chunk = 20;
+       }},
+      {"packed rows", false, 2, 29, [](TrainerOptions& o) { o.packed = true; }},
+      {"device units (2)", false, 2, 21, [](TrainerOptions& o) { o.device_units = 2; }},
+      {"every unit on the device, tied", true, 2, 21, [](TrainerOptions& o) { o.device_units = 5; }},
+      {"three weight slots, four gradient slots", false, 3, 13,
+       [](TrainerOptions& o) {
+         o.clip_norm = 0;
+         o.weight_slots = 3;
+         o.grad_slots = 4;
+       }},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    TrainerOptions o = opts(c.rows, c.seq);
+    c.set(o);
+    CpuBackend<float> be;
+    check_plan_is_allocation(small(c.tied), o, be);
+    CHECK(be.allocated_bytes() == 0);  // (everything given back with the trainer)
+  }
+}
+
+TEST_CASE("checkpoints that do not fit the backend's cap go to host memory, as planned, and train the same") {
+  const ModelConfig cfg = small(false, 4);
+  TrainerOptions o = opts(3, 37);
+  o.clip_norm = 0;
+  DecoderModel<> model(cfg);
+  CpuBackend<float> probe;
+  const plan::HostBudget host{std::size_t{1} << 34, "test"};
+  const auto all = plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(probe), host);
+  REQUIRE(all.fits);
+  REQUIRE(all.buffers.checkpoints_in_host() == 0);
+  const std::size_t ckpt = all.buffers.checkpoint_bytes();
+  std::size_t ckpt_total = 0;
+  for (const auto& l : all.device)
+    if (l.what.find("activation checkpoints") != std::string::npos) ckpt_total = l.bytes;
+  REQUIRE(ckpt_total == all.buffers.checkpoints * ckpt);
+  const std::size_t fixed = all.device_total() - ckpt_total;
+  // Caps that leave room for 0 to all of the checkpoints (the staging buffers take two; a 1/32
+  // reserve is kept).
+  for (std::size_t room : {std::size_t{2}, std::size_t{3}, std::size_t{4}, std::size_t{5}}) {
+    CAPTURE(room);
+    CpuBackend<float> be;
+    be.memory_limit = fixed + room * ckpt * 34 / 32;
+    const auto p = plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(be), host);
+    REQUIRE(p.fits);
+    CHECK(p.buffers.checkpoints_on_device == (room < 5 ? room - 2 : 5));
+    CHECK(p.device_total() <= *be.memory_limit);
+    check_plan_is_allocation(cfg, o, be);
+    std::size_t spilled = 0;
+    CpuBackend<float> unlimited;
+    const auto a = train(cfg, o, unlimited, 3), b = train(cfg, o, be, 3, &spilled);
+    CHECK(spilled == p.buffers.checkpoints_in_host());
+    CHECK(a == b);  // the same bits: where a checkpoint waits changes nothing
+  }
+}
+
+TEST_CASE("a configuration that does not fit is refused before anything is allocated, with what fits") {
+  const ModelConfig cfg = small(true, 2);
+  const TrainerOptions o = opts(2, 96);
+  DecoderModel<> model(cfg);
+  HostParamStore<float> store(model.units(), store_opts(o));
+  const plan::HostBudget host{store.host_budget(), "test"};
+  // A cap that holds the whole step at half the sequence length, not the step's buffers at this one.
+  TrainerOptions half = o;
+  half.seq_len = 48;
+  CpuBackend<float> probe;
+  CpuBackend<float> be;
+  be.memory_limit = plan::plan_memory<CpuBackend<float>>(model, half, plan::device_budget(probe), host).device_total();
+  REQUIRE_FALSE(plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(be), host).fits);
+  const std::size_t host0 = host_buffer_bytes();
+  std::string message;
+  try {
+    Trainer<CpuBackend<float>> t(model, store, be, o);
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  CHECK(be.allocated_bytes() == 0);
+  CHECK(host_buffer_bytes() == host0);
+  CHECK(message.find("this configuration does not fit: the step's buffers need") != std::string::npos);
+  CHECK(message.find("What fits: --seq ") != std::string::npos);
+  // The suggestions fit, and a step beyond them does not.
+  const auto s = plan::suggest<CpuBackend<float>>(model, o, plan::device_budget(be), host);
+  REQUIRE(s.seq.has_value());
+  CHECK(*s.seq >= 48);
+  CHECK(*s.seq < o.seq_len);
+  CHECK(message.find(fmt::format("What fits: --seq {} ", *s.seq)) != std::string::npos);
+  TrainerOptions shorter = o;
+  shorter.seq_len = *s.seq;
+  CHECK(plan::plan_memory<CpuBackend<float>>(model, shorter, plan::device_budget(be), host).fits);
+  shorter.seq_len = *s.seq + 1;  // (seq_step is 1 below 256 tokens)
+  CHECK_FALSE(plan::plan_memory<CpuBackend<float>>(model, shorter, plan::device_budget(be), host).fits);
+  shorter.seq_len = *s.seq;
+  Trainer<CpuBackend<float>> ok(model, store, be, shorter);
+  CHECK(ok.memory_plan().fits);
+  if (s.micro_rows) {
+    TrainerOptions micro = o;
+    micro.max_micro_rows = *s.micro_rows;
+    CpuBackend<float> capped;
+    capped.memory_limit = be.memory_limit;
+    CHECK(plan::plan_memory<CpuBackend<float>>(model, micro, plan::device_budget(capped), host).fits);
+  }
+}
+
+TEST_CASE("host memory: checkpoints that fit neither the GPU nor the host are refused; the store alone too") {
+  const ModelConfig cfg = small(false, 3);
+  TrainerOptions o = opts(2, 64);
+  DecoderModel<> model(cfg);
+  CpuBackend<float> probe;
+  const auto p = plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(probe), {std::size_t{1} << 34, "test"});
+  // The CPU backend's memory is host memory: its buffers count against the host budget.
+  const plan::HostBudget tight{p.host_total() - 1, "--host-memory"};
+  const auto q = plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(probe), tight);
+  CHECK_FALSE(q.fits);
+  CHECK(q.refusal.find("host memory") != std::string::npos);
+  CHECK(q.refusal.find("(--host-memory)") != std::string::npos);
+  const auto s = plan::suggest<CpuBackend<float>>(model, o, plan::device_budget(probe), tight);
+  REQUIRE(s.seq.has_value());
+  CHECK(*s.seq < 64);
+  const plan::HostBudget tiny{p.store_bytes - 1, "--host-memory"};
+  const auto t = plan::suggest<CpuBackend<float>>(model, o, plan::device_budget(probe), tiny);
+  CHECK(t.store_alone_too_large);
+  CHECK(plan::refusal_message(plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(probe), tiny), t)
+            .find("The model's state alone") != std::string::npos);
+}
+
+TEST_CASE("memory is affine in the sequence length (token blocks fixed)") {
+  for (bool cuda_types : {false, true}) {
+    CAPTURE(cuda_types);
+    const ModelConfig cfg = small(false, 2, 1000);
+    DecoderModel<> model(cfg);
+    const auto at = [&](std::int64_t seq) {
+      TrainerOptions o = opts(1, seq);
+      o.token_chunk = 64;
+      plan::DeviceBudget d;
+      d.prepare_bytes = [](const WorkspacePlan& w) { return plan::cuda_prepare_estimate(w, 0); };  // (the linear dQ workspace)
+      const plan::HostBudget host{std::size_t{1} << 40, "test"};
+      const auto p = cuda_types ? plan::plan_memory<plan::CudaTypes>(model, o, d, host)
+                                : plan::plan_memory<CpuBackend<float>>(model, o, plan::DeviceBudget{}, host);
+      return static_cast<double>(p.device_total() + p.host_total());
+    };
+    // Sequences of more tokens than the vocabulary (the batch's distinct rows are then capped)
+    // and token blocks much shorter than the sequence; allocations are 256-byte aligned, hence
+    // the small tolerance.
+    const double a = at(4096), b = at(8192), c = at(12288), d = at(16384);
+    CHECK(b - a == doctest::Approx(c - b).epsilon(1e-3));
+    CHECK(c - b == doctest::Approx(d - c).epsilon(1e-3));
+    CHECK(b - a > 0);
+  }
+}
+
+TEST_CASE("the largest-that-fits search") {
+  // monotone predicates: the answer is the last value that fits, on the grid of step
+  CHECK(plan::detail::largest(1, 100, 1, [](std::int64_t v) { return v <= 37; }) == 37);
+  CHECK(plan::detail::largest(64, 4096, 64, [](std::int64_t v) { return v <= 1000; }) == 960);
+  CHECK_FALSE(plan::detail::largest(64, 4096, 64, [](std::int64_t v) { return v < 64; }).has_value());
+  CHECK(plan::detail::largest_near(1024, 1024, 1 << 20, [](std::int64_t v) { return v <= 300000; }) == 299008);
+  CHECK(plan::detail::largest_near(8192, 1024, 1 << 20, [](std::int64_t v) { return v <= 5000; }) == 4096);
+  CHECK(plan::detail::largest_near(3, 1, 1 << 20, [](std::int64_t) { return true; }) == (1 << 20));
+}
+
+TEST_CASE("the cost model's model FLOPs are bench_train's (docs/performance.md)") {
+  // 6 x matmul parameters per token + causal attention 6 x seq x q_dim per token and layer; the
+  // 7B shape at 32k tokens per sequence: 444.4 model TFLOP/s at 7,150 tokens/s (an H200).
+  const ModelConfig cfg = ModelConfig::preset("qwen2.5-7b");
+  const double per_token = plan::model_flops(cfg, 1, 32768);
+  CHECK(per_token * 7150 / 1e12 == doctest::Approx(444.4).epsilon(1e-3));
+  // A step with every unit on the device moves no weights over PCIe but the batch's rows.
+  DecoderModel<> model(small(false, 2));
+  TrainerOptions o = opts(2, 32);
+  o.device_units = 4;
+  CpuBackend<float> be;
+  const auto p = plan::plan_step<CpuBackend<float>>(model, o, plan::device_budget(be), {std::size_t{1} << 34, "test"});
+  for (const auto& t : p.time.terms) {
+    if (t.what == "PCIe D2H" || t.what == "CPU AdamW") CHECK(t.seconds == 0);
+  }
+}
+
+TEST_CASE("machine figures from JSON: fields checked by name and value") {
+  const auto m = plan::machine_figures_from_json(nlohmann::json::parse(R"({"gemm_tflops": 650, "h2d_gbs": 50})"), "figures.json");
+  CHECK(m.gemm_tflops == 650);
+  CHECK(m.h2d_gbs == 50);
+  CHECK(m.d2h_gbs == plan::MachineFigures{}.d2h_gbs);
+  CHECK_THROWS_WITH_AS(plan::machine_figures_from_json(nlohmann::json::parse(R"({"gemm_tflop": 650})"), "figures.json"),
+                       doctest::Contains("figures.json: unknown field 'gemm_tflop'"), Error);
+  CHECK_THROWS_WITH_AS(plan::machine_figures_from_json(nlohmann::json::parse(R"({"hbm_gbs": -1})"), "figures.json"),
+                       doctest::Contains("'hbm_gbs' must be a positive number"), Error);
+  const auto back = plan::machine_figures_from_json(plan::to_json(m), "again");
+  CHECK(plan::to_json(back) == plan::to_json(m));
+}
