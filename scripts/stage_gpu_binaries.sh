@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stages a CUDA build for scripts/gpu_check.sh on a GPU machine that has the NVIDIA driver, the
 # CUDA libraries and PyTorch (whose wheel brings cuDNN) but not this project's other dependencies.
-# Copies the GPU tests, the benchmarks, megatrain-train and test_core into DEST/bin, and the shared
+# Copies the GPU tests, the benchmarks, megatrain-train, megatrain-plan and test_core into DEST/bin, and the shared
 # libraries they load (ldd) other than the C/C++ runtime and the CUDA/cuDNN libraries (libtbb,
 # libfmt, libbenchmark) into DEST/lib, where gpu_check.sh puts them on LD_LIBRARY_PATH. Then
 #   scripts/gpu_check.sh DEST/bin OUT [tests|hf|train|bench|bench7b|kernels|all]...
@@ -15,7 +15,7 @@ fi
 BUILD=$1
 DEST=$2
 binaries=(tests/cuda/test_cuda_kernels tests/cuda/test_cudnn_attention tests/cuda/test_cuda_backend
-          tests/cuda/test_cuda_trainer tests/cuda/test_cuda_resume bench/bench_train bench/bench_adamw examples/megatrain-train
+          tests/cuda/test_cuda_trainer tests/cuda/test_cuda_resume bench/bench_train bench/bench_adamw examples/megatrain-train examples/megatrain-plan
           tests/unit/test_core)
 for b in "${binaries[@]}"; do
   if [[ ! -x $BUILD/$b ]]; then

@@ -241,9 +241,10 @@ inline std::string format_plan(const StepPlan& p) {
                    b.device_units, b.units, b.token_block > 0 ? fmt::format("{}", b.token_block) : "the whole chunk");
   s += fmt::format("\n| step time ({}) | seconds | |\n| --- | --- | --- |\n", p.machine.name);
   for (const auto& t : p.time.terms) s += fmt::format("| {} | {:.3f} | {} |\n", t.what, t.seconds, t.detail);
-  s += fmt::format("| **predicted step** | **{:.3f}** | {}-bound ({:.3f} s) + {:.3f} s not overlapped: {:.0f} tokens/s, {:.1f} "
+  s += fmt::format("| **predicted step** | **{:.3f}** | {}-bound ({:.3f} s) + {:.3f} s not overlapped{}: {:.0f} tokens/s, {:.1f} "
                    "model TFLOP/s ({:.1f} executed) |\n",
-                   p.time.step_s, p.time.bottleneck, p.time.bound_s, p.time.exposed_s, p.time.tokens_per_s(),
+                   p.time.step_s, p.time.bottleneck, p.time.bound_s, p.time.exposed_s,
+                   p.time.exposed_detail.empty() ? std::string() : " (" + p.time.exposed_detail + ")", p.time.tokens_per_s(),
                    p.time.model_flops / p.time.step_s / 1e12, p.time.executed_flops / p.time.step_s / 1e12);
   s += p.memory.fits ? "\nfits: yes\n" : fmt::format("\nfits: no: {}\n", p.refusal());
   return s;
