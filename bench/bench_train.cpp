@@ -49,7 +49,7 @@ namespace {
 struct Args {
   std::string preset = "qwen2.5-1.5b", backend = "auto", clip_mode = "none", gpu_memory, save_dir, gradients = "device";
   std::int64_t batch = 32, seq = 1024, steps = 8, skip = 3, chunk = 0, layers = 0, save_at = 0;
-  std::int64_t device_units = TrainerOptions::kAutoDeviceUnits;
+  std::int64_t device_units = TrainerOptions::kAutoDeviceUnits, checkpoint_every = 0;
   bool overlap_update = true;
   std::string machine;  // --machine FILE: the cost model's rates (default: the reference H200 host)
 };
@@ -134,6 +134,7 @@ int run(B& be, const char* name, const Args& a) {
   opt.profile = true;
   opt.overlap_update = a.overlap_update;
   opt.device_units = a.device_units;
+  opt.checkpoint_every = a.checkpoint_every;
   MT_CHECK(a.gradients == "device" || a.gradients == "host", "--gradients must be device or host");
   opt.gradient_home = a.gradients == "host" ? GradientHome::host : GradientHome::device;
   opt.adamw.lr = 1e-4;
@@ -293,6 +294,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--device-units", a.device_units,
                  "Units whose AdamW state lives on the device, the first in forward order (-1: as many as fit)")
+      ->capture_default_str();
+  app.add_option("--checkpoint-every", a.checkpoint_every,
+                 "Activation checkpoints every N blocks (0: as the plan needs, docs/planner.md)")
       ->capture_default_str();
   app.add_option("--gradients", a.gradients, "Where gradients wait for the norm (exact clipping): device or host")
       ->capture_default_str();

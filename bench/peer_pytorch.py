@@ -10,6 +10,13 @@ fastest of the whole batch in one forward/backward, halves and quarters, among t
 (--micro 0, the default; --micro N fixes it), fused AdamW, and with --clip PyTorch's
 clip_grad_norm_ (foreach) before it, as megatrain's exact mode does.
 
+Long sequences: the full logits tensor (tokens x vocabulary, upcast to fp32 by transformers' loss)
+is what runs out of memory first, so where not even one sequence per pass fits with it, the peer
+computes the loss as a strong PyTorch user would: the decoder's hidden states, then the LM head and
+cross-entropy over chunks of --loss-chunk tokens, each chunk checkpointed (recomputed in the
+backward), so only one chunk's logits exist at a time (the same loss: the mean over the shifted
+labels). --loss-chunk N forces it; --attention NAME skips the trial of the others.
+
 Prints tokens/s (mean over the steps after --skip) and peak GPU memory. Shapes come from the same
 config.json fields megatrain's presets use (bench_train prints them with --print-config).
 """
@@ -40,6 +47,11 @@ def main():
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--skip", type=int, default=3)
+    ap.add_argument("--loss-chunk", type=int, default=-1,
+                    help="tokens per chunk of a chunked, checkpointed loss (0: transformers' full logits; -1: full logits "
+                         "unless not even one sequence per pass fits, then 8192)")
+    ap.add_argument("--attention", choices=["flash", "cudnn", "efficient"], default=None,
+                    help="the SDPA kernel to use (default: the fastest of the three on a trial step)")
     a = ap.parse_args()
 
     import torch
@@ -56,12 +68,27 @@ def main():
     tokens = a.batch * a.seq
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+    loss_chunk = max(a.loss_chunk, 0)
+
+    def chunk_loss(h, y):
+        return F.cross_entropy(model.lm_head(h).float(), y, reduction="sum")
+
+    def loss_of(ids):
+        if loss_chunk == 0:
+            return model(input_ids=ids, labels=ids).loss
+        h = model.model(input_ids=ids).last_hidden_state[:, :-1].reshape(-1, cfg.hidden_size)
+        y = ids[:, 1:].reshape(-1)
+        total = sum(checkpoint(chunk_loss, h[i:i + loss_chunk], y[i:i + loss_chunk], use_reentrant=False)
+                    for i in range(0, y.numel(), loss_chunk))
+        return total / y.numel()
+
     def step(micro, backend):
         with sdpa_kernel([backend]):
             for _ in range(a.batch // micro):
                 ids = torch.randint(0, cfg.vocab_size, (micro, a.seq), device="cuda")
-                out = model(input_ids=ids, labels=ids)
-                (out.loss / (a.batch // micro)).backward()
+                (loss_of(ids) / (a.batch // micro)).backward()
         if a.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip, foreach=True)
         opt.step()
@@ -91,17 +118,24 @@ def main():
             return None
 
     splits = [a.micro] if a.micro > 0 else [m for m in (a.batch, a.batch // 2, a.batch // 4) if m >= 1 and a.batch % m == 0]
+    named = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    kernels = [named[a.attention]] if a.attention else list(named.values())
     trial = {}
     while splits and not trial:
-        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        for backend in kernels:
             t = attempt(splits[0], backend)
             if t is not None:
                 trial[backend] = t
         if not trial:
-            print(f"peer: passes of {splits[0]} do not fit", flush=True)
+            print(f"peer: passes of {splits[0]} do not fit{' (full logits)' if loss_chunk == 0 else ''}", flush=True)
+            if len(splits) == 1 and loss_chunk == 0 and a.loss_chunk < 0:
+                loss_chunk = 8192  # the full logits do not fit: the chunked loss (see the top of this file)
+                print(f"peer: the loss in checkpointed chunks of {loss_chunk} tokens from here", flush=True)
+                continue
             splits = splits[1:]
     if not trial:
-        raise SystemExit(f"peer: not even passes of {a.batch // 4} sequences fit on this GPU")
+        raise SystemExit(f"peer: not even passes of {splits[0] if splits else 1} sequence(s) fit on this GPU"
+                         f"{f' (loss in chunks of {loss_chunk} tokens)' if loss_chunk else ''}")
     backend = min(trial, key=trial.get)
     split_times = {splits[0]: trial[backend]}
     for m in splits[1:]:
@@ -112,7 +146,8 @@ def main():
     print(f"peer: PyTorch {torch.__version__}, transformers {transformers.__version__}, {a.preset}, {n / 1e9:.3f}B "
           f"parameters, {tokens} tokens per step ({a.batch} x {a.seq}, {a.batch // micro} pass(es) of {micro}), attention "
           f"{backend.name} (trial steps: {', '.join(f'{b.name} {t:.3f} s' for b, t in trial.items())}; passes of "
-          f"{', '.join(f'{m}: {t:.3f} s' for m, t in split_times.items())}), fused AdamW"
+          f"{', '.join(f'{m}: {t:.3f} s' for m, t in split_times.items())}), "
+          f"{f'loss in checkpointed chunks of {loss_chunk} tokens' if loss_chunk else 'full logits'}, fused AdamW"
           f"{f', clip_grad_norm_ {a.clip}' if a.clip > 0 else ''}", flush=True)
     times = []
     for i in range(a.steps):
@@ -122,7 +157,7 @@ def main():
     measured = times[min(a.skip, len(times) - 1):]
     mean = sum(measured) / len(measured)
     print(json.dumps({"peer_tokens_per_s": tokens / mean, "peer_step_s": mean, "peer_micro": micro,
-                      "peer_attention": backend.name, "peer_clip": a.clip,
+                      "peer_attention": backend.name, "peer_clip": a.clip, "peer_loss_chunk": loss_chunk,
                       "peer_peak_gpu_bytes": torch.cuda.max_memory_allocated()}))
 
 

@@ -116,6 +116,8 @@ int run(const Settings& s, const CLI::App& app, const PlanArgs& a) {
   topt.max_micro_rows = s.max_micro_batch;
   topt.chunk_rows = s.chunk;
   topt.token_chunk = s.token_chunk;
+  MT_CHECK(s.checkpoint_every >= 0, "--checkpoint-every must be >= 0 (0: as the plan needs; got {})", s.checkpoint_every);
+  topt.checkpoint_every = s.checkpoint_every;
   topt.clip_norm = s.clip;
   topt.clip_mode = s.clip_mode == "stale" ? ClipMode::stale : ClipMode::exact;
   topt.gradient_home = s.gradients == "host" ? GradientHome::host : GradientHome::device;

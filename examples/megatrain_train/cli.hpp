@@ -65,7 +65,8 @@ struct Settings {
   bool skip_bad_lines = false;
   bool pack = false;
   // schedule and optimizer
-  std::int64_t batch = 8, seq = 128, micro_batches = 1, max_micro_batch = 0, chunk = 0, token_chunk = 0, steps = 60;
+  std::int64_t batch = 8, seq = 128, micro_batches = 1, max_micro_batch = 0, chunk = 0, token_chunk = 0, checkpoint_every = 0,
+               steps = 60;
   double lr = 3e-3, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, clip = 1.0;
   // The floor of a decaying schedule: --min-lr (absolute) or --min-lr-ratio x --lr (default 0.1
   // with cosine, 0 with linear); see min_lr_of().
@@ -150,7 +151,7 @@ inline void add_model_options(CLI::App& app_, Settings& s) {
 }
 
 /// The options of a step's shape and layout (--batch, --seq, --micro-batches, --max-micro-batch,
-/// --chunk, --token-chunk), added to `train`.
+/// --chunk, --token-chunk, --checkpoint-every), added to `train`.
 inline void add_step_options(CLI::App& train_, Settings& s) {
   CLI::App* train = &train_;
   train->add_option("--batch", s.batch, "Sequences per optimizer step")->capture_default_str();
@@ -164,6 +165,11 @@ inline void add_step_options(CLI::App& train_, Settings& s) {
   train->add_option("--token-chunk", s.token_chunk,
                     "Tokens per block of a decoder block's norms, projections and MLP (0: 16384 where a chunk holds more "
                     "than 32768 tokens, else the whole chunk); bounds their memory at long --seq")
+      ->capture_default_str();
+  train->add_option("--checkpoint-every", s.checkpoint_every,
+                    "Activation checkpoints every N decoder blocks, the outputs between recomputed before the backward "
+                    "(the same result; fewer checkpoints, one more forward of those blocks); 0: 1 where that fits, else "
+                    "the smallest N that fits")
       ->capture_default_str();
 }
 

@@ -498,6 +498,8 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
   topt.chunk_rows = s.chunk;
   MT_CHECK(s.token_chunk >= 0, "--token-chunk must be >= 0 (0: automatic; got {})", s.token_chunk);
   topt.token_chunk = s.token_chunk;
+  MT_CHECK(s.checkpoint_every >= 0, "--checkpoint-every must be >= 0 (0: as the plan needs; got {})", s.checkpoint_every);
+  topt.checkpoint_every = s.checkpoint_every;
   topt.packed = data && data->packed();
   topt.adamw = {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
   topt.gradient_home = s.gradients == "host" ? GradientHome::host : GradientHome::device;

@@ -196,7 +196,8 @@ TEST_CASE("a configuration that does not fit is refused before anything is alloc
   }
   CHECK(be.allocated_bytes() == 0);
   CHECK(host_buffer_bytes() == host0);
-  CHECK(message.find("this configuration does not fit: the step's buffers need") != std::string::npos);
+  CHECK(message.find("this configuration does not fit: even with activation checkpoints every 2 blocks, the step's buffers "
+                     "need") != std::string::npos);
   CHECK(message.find("What fits: --seq ") != std::string::npos);
   // The suggestions fit, and a step beyond them does not.
   const auto s = plan::suggest<CpuBackend<float>>(model, o, plan::device_budget(be), host);
@@ -224,6 +225,7 @@ TEST_CASE("a configuration that does not fit is refused before anything is alloc
 TEST_CASE("host memory: checkpoints that fit neither the GPU nor the host are refused; the store alone too") {
   const ModelConfig cfg = small(false, 3);
   TrainerOptions o = opts(2, 64);
+  o.checkpoint_every = 1;  // (0 would fit with fewer checkpoints: the test below)
   DecoderModel<> model(cfg);
   CpuBackend<float> probe;
   const auto p = plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(probe), {std::size_t{1} << 34, "test"});
@@ -306,4 +308,112 @@ TEST_CASE("machine figures from JSON: fields checked by name and value") {
                        doctest::Contains("'hbm_gbs' must be a positive number"), Error);
   const auto back = plan::machine_figures_from_json(plan::to_json(m), "again");
   CHECK(plan::to_json(back) == plan::to_json(m));
+}
+
+TEST_CASE("where exact clipping's waiting gradients are what does not fit, the refusal names stale clipping") {
+  const ModelConfig cfg = small(false, 4);
+  TrainerOptions exact = opts(2, 64);
+  exact.clip_norm = 1;  // exact clipping, gradients waiting on the device (here: the CPU backend's memory)
+  TrainerOptions stale = exact;
+  stale.clip_mode = ClipMode::stale;
+  DecoderModel<> model(cfg);
+  CpuBackend<float> be;
+  const plan::HostBudget lots{std::size_t{1} << 34, "test"};
+  const auto need_exact = plan::plan_memory<CpuBackend<float>>(model, exact, plan::device_budget(be), lots).host_total();
+  const auto need_stale = plan::plan_memory<CpuBackend<float>>(model, stale, plan::device_budget(be), lots).host_total();
+  REQUIRE(need_stale < need_exact);
+  const plan::HostBudget between{(need_stale + need_exact) / 2, "--host-memory"};
+  const auto p = plan::plan_memory<CpuBackend<float>>(model, exact, plan::device_budget(be), between);
+  REQUIRE_FALSE(p.fits);
+  const auto s = plan::suggest<CpuBackend<float>>(model, exact, plan::device_budget(be), between);
+  CHECK(s.stale_fits);
+  CHECK_FALSE(s.host_gradients_fit);  // (on this backend both homes are host memory)
+  CHECK(plan::refusal_message(p, s).find("--clip-mode stale") != std::string::npos);
+}
+
+TEST_CASE("checkpoints every k blocks: the same bits as every unit's, in every mode, as planned") {
+  // The outputs between checkpoints are recomputed before the backward from the checkpoint
+  // below them: the same function of the same bits, so the run is the same to the bit.
+  struct Case {
+    const char* name;
+    std::int64_t layers;
+    std::function<void(TrainerOptions&)> set;
+  };
+  const std::vector<Case> cases{
+      {"no clipping, 4 blocks", 4, [](TrainerOptions& o) { o.clip_norm = 0; }},
+      {"exact clipping, 5 blocks", 5, [](TrainerOptions& o) { o.clip_norm = 0.5; }},
+      {"micro-batches in host memory, 5 blocks", 5,
+       [](TrainerOptions& o) {
+         o.micro_batches = 2;
+         o.gradient_home = GradientHome::host;
+       }},
+      {"chunks and token blocks, 3 blocks", 3,
+       [](TrainerOptions& o) {
+         o.chunk_rows = 1;
+         o.token_chunk = 8;
+       }},
+      {"device units (3), 4 blocks", 4, [](TrainerOptions& o) { o.device_units = 3; }},
+  };
+  bool any_spilled = false;
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    const ModelConfig cfg = small(false, c.layers);
+    TrainerOptions base = opts(2, 21);
+    c.set(base);
+    base.checkpoint_every = 1;
+    CpuBackend<float> ref_be;
+    const auto ref = train(cfg, base, ref_be, 3);
+    for (std::int64_t k : {2, 3, 4}) {
+      CAPTURE(k);
+      TrainerOptions o = base;
+      o.checkpoint_every = k;
+      CpuBackend<float> be;
+      check_plan_is_allocation(cfg, o, be);
+      DecoderModel<> model(cfg);
+      const auto p = plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(be), {std::size_t{1} << 34, "t"});
+      CHECK(p.buffers.checkpoints == static_cast<std::size_t>((c.layers - 1) / k + 1));
+      CHECK(p.buffers.recompute_buffers == static_cast<std::size_t>(k - 1));
+      CHECK(train(cfg, o, be, 3) == ref);
+      // ... and with the checkpoints in host memory where more than two of them (a cap that holds
+      // the staging buffers and no checkpoint beside them)
+      CpuBackend<float> capped;
+      std::size_t ckpt_lines = 0;
+      for (const auto& l : p.device)
+        if (l.what.find("activation checkpoints on the GPU") != std::string::npos) ckpt_lines = l.bytes;
+      capped.memory_limit = p.device_total() - ckpt_lines + 2 * p.buffers.checkpoint_bytes() * 34 / 32;
+      const auto pc = plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(capped), {std::size_t{1} << 34, "t"});
+      REQUIRE(pc.fits);
+      CHECK(pc.buffers.checkpoints_in_host() == (pc.buffers.checkpoints > 2 ? pc.buffers.checkpoints : 0));
+      std::size_t spilled = 0;
+      const auto got = train(cfg, o, capped, 3, &spilled);
+      CHECK(spilled == pc.buffers.checkpoints_in_host());
+      any_spilled = any_spilled || spilled > 0;
+      CHECK(got == ref);
+    }
+  }
+  CHECK(any_spilled);
+}
+
+TEST_CASE("the plan keeps checkpoints every k blocks only where every unit's do not fit") {
+  const ModelConfig cfg = small(false, 9);
+  DecoderModel<> model(cfg);
+  TrainerOptions o = opts(2, 64);
+  CpuBackend<float> probe;
+  const plan::HostBudget lots{std::size_t{1} << 34, "test"};
+  const auto all = plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(probe), lots);
+  REQUIRE(all.buffers.checkpoint_every == 1);
+  TrainerOptions two = o;
+  two.checkpoint_every = 2;
+  const auto grouped = plan::plan_memory<CpuBackend<float>>(model, two, plan::device_budget(probe), lots);
+  REQUIRE(grouped.host_total() < all.host_total());
+  // A host budget between the two: auto picks a checkpoint every 2 blocks (every 3 would fit too)
+  const plan::HostBudget between{(grouped.host_total() + all.host_total()) / 2, "--host-memory"};
+  const auto p = plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(probe), between);
+  CHECK(p.fits);
+  CHECK(p.buffers.checkpoint_every == 2);
+  // The cost model counts the recompute: more executed FLOPs, the same model FLOPs.
+  const auto t1 = plan::predict_step(cfg, o, all, plan::MachineFigures{});
+  const auto t2 = plan::predict_step(cfg, two, grouped, plan::MachineFigures{});
+  CHECK(t2.executed_flops > t1.executed_flops);
+  CHECK(t2.model_flops == t1.model_flops);
 }

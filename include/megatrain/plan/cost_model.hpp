@@ -149,10 +149,12 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   StepTime t;
   t.tokens = T;
   // GPU
-  const double gemm = 8 * blocks * T + 6 * embed * T;
+  // (a checkpoint every k blocks: the k - 1 outputs between are computed once more, before the backward)
+  const double refill = b.checkpoint_every > 1 ? static_cast<double>(b.blocks - b.checkpoints) / L : 0.0;  // blocks run once more
+  const double gemm = (8 + 2 * refill) * blocks * T + 6 * embed * T;
   const double att_fwd = 2 * T * S * qd * L;
   const double gemm_s = gemm / (m.gemm_tflops * 1e12);
-  const double att_s = 2 * att_fwd / (m.attention_fwd_tflops * 1e12) + 2.5 * att_fwd / (m.attention_bwd_tflops * 1e12);
+  const double att_s = (2 + refill) * att_fwd / (m.attention_fwd_tflops * 1e12) + 2.5 * att_fwd / (m.attention_bwd_tflops * 1e12);
   // element-wise passes: per token and layer about 120 bytes per hidden unit (the fp32 residual
   // stream through two norms, forward, recompute and backward) and 22 per intermediate unit
   // (SwiGLU forward twice and backward); the loss: 8 bytes per logit
@@ -162,7 +164,7 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   const double ckpt_moved = static_cast<double>(b.checkpoints_in_host()) * static_cast<double>(b.checkpoint_bytes());
   const double ckpt_s = ckpt_moved / (m.d2h_gbs * 1e9) + ckpt_moved / (m.h2d_gbs * 1e9);
   const double gpu_s = gemm_s + att_s + elem_s + adam_dev_s + ckpt_s;
-  t.executed_flops = gemm + 4.5 * att_fwd;
+  t.executed_flops = gemm + (4.5 + refill) * att_fwd;
   t.model_flops = model_flops(cfg, T, S);
   t.terms.push_back({"GPU", gpu_s,
                      fmt::format("matrix products {:.3f} s ({:.1f} TFLOP at {:.0f} TFLOP/s), attention {:.3f} s, element-wise "

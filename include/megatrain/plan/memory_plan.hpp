@@ -129,14 +129,25 @@ struct TrainerBuffers {
   std::size_t prepare_bytes = 0;        ///< ... and what it adds
   std::size_t embed_rows = 0;           ///< fp32 rows of a host embedding's lookup (0: a device embedding)
   bool embed_rows_first = false;        ///< allocated before the checkpoints (no device units asked for)
-  std::size_t checkpoints = 0;          ///< activation checkpoints (L + 1)
+  std::size_t blocks = 0;               ///< L
+  std::size_t checkpoint_every = 1;     ///< k: unit outputs kept for the backward (TrainerOptions::checkpoint_every)
+  std::size_t checkpoints = 0;          ///< activation checkpoints kept: L + 1, or every k-th below L
   std::size_t checkpoints_on_device = 0;  ///< the rest in host memory, through two staging buffers
+  std::size_t recompute_buffers = 0;    ///< k - 1 device buffers for the outputs between checkpoints
   std::size_t device_units = 0;
   std::vector<std::size_t> device_unit_bytes;  ///< by unit, for each device unit: state, own weights and accumulator
   // host memory (pinned where a GPU is present)
   std::size_t staging = 0;              ///< elements of one of two fp32 landing slots (micro-batches added on the host)
 
   std::size_t checkpoints_in_host() const { return checkpoints - checkpoints_on_device; }
+  /// Whether unit u's output (u in [0, L]) is an activation checkpoint: all of them with k = 1;
+  /// else every k-th below L (the last block's output, read only by the head right after it, and
+  /// the others live in the recompute buffers).
+  bool kept(std::size_t u) const { return checkpoint_every == 1 || (u % checkpoint_every == 0 && u < blocks); }
+  /// Among the checkpoints, which one unit u's output is (kept(u)).
+  std::size_t checkpoint_index(std::size_t u) const { return u / checkpoint_every; }
+  /// The recompute buffer of unit u's output when it is not kept and u < L.
+  std::size_t recompute_buffer(std::size_t u) const { return u % checkpoint_every - 1; }
   std::size_t checkpoint_bytes() const { return act * sizes.res; }
 };
 
@@ -193,11 +204,12 @@ inline std::size_t device_unit_bytes(const TrainerBuffers& b, std::size_t u, std
 /// The memory plan of `model` trained with `options` on a backend of element types B (anything
 /// with B::Weight, B::Act, B::Acc and B::Res: a backend, or plan::CudaTypes when planning without
 /// one), with `device` describing the backend's memory and `host` the host's.
-/// `store`: the footprint of the store the trainer will use (default: one built with
-/// store_options(options)).
+namespace detail {
+/// plan_memory with checkpoints every `every` blocks.
 template <class B, class Block>
-MemoryPlan plan_memory(const DecoderModel<Block>& model, const TrainerOptions& options, const DeviceBudget& device,
-                       const HostBudget& host, const std::optional<StoreFootprint>& store_footprint = std::nullopt) {
+MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOptions& options, std::size_t every,
+                             const DeviceBudget& device, const HostBudget& host,
+                             const std::optional<StoreFootprint>& store_footprint) {
   const TrainerOptions opt = options.resolved();
   opt.validate();
   const ModelConfig& cfg = model.config();
@@ -254,7 +266,10 @@ MemoryPlan plan_memory(const DecoderModel<Block>& model, const TrainerOptions& o
   for (std::int64_t r : {b.chunk_rows, opt.micro_rows() % b.chunk_rows})
     if (r > 0) b.workspace.attention.push_back({r, opt.seq_len, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim});
   b.prepare_bytes = device.prepare_bytes ? device.prepare_bytes(b.workspace) : 0;
-  b.checkpoints = L + 1;
+  b.blocks = L;
+  b.checkpoint_every = std::max<std::size_t>(every, 1);
+  b.checkpoints = b.checkpoint_every == 1 ? L + 1 : (L - 1) / b.checkpoint_every + 1;
+  b.recompute_buffers = b.checkpoint_every - 1;
 
   const auto& sz = b.sizes;
   std::vector<MemoryLine>& dev = plan.device;
@@ -275,6 +290,10 @@ MemoryPlan plan_memory(const DecoderModel<Block>& model, const TrainerOptions& o
   dev.push_back({"token ids, labels, losses", b.micro_tokens * (2 * 4 + sz.acc) + (opt.packed ? (2 * b.micro_tokens + 1) * 4 : 0) +
                                                   b.units * sizeof(double)});
   if (b.prepare_bytes > 0) dev.push_back({"backend workspaces (attention, logits of a block)", b.prepare_bytes});
+  if (b.recompute_buffers > 0)
+    dev.push_back({fmt::format("outputs recomputed between checkpoints ({} buffers: a checkpoint every {} blocks)",
+                               b.recompute_buffers, b.checkpoint_every),
+                   b.recompute_buffers * b.act * sz.res});
   const auto embed_rows_bytes = [&] {
     return max_rows * hidden * sizeof(float) + (b.compact_ids == 0 ? b.micro_tokens * 4 : 0);
   };
@@ -396,6 +415,33 @@ MemoryPlan plan_memory(const DecoderModel<Block>& model, const TrainerOptions& o
                            : std::string(),
                        format_bytes(plan.host_total()), format_bytes(host.bytes), host.source));
   return plan;
+}
+}  // namespace detail
+
+/// `store`: the footprint of the store the trainer will use (default: one built with
+/// store_options(options)). With TrainerOptions::checkpoint_every = 0 the plan keeps every
+/// unit's output where that fits, else a checkpoint every k blocks for the smallest k that fits
+/// (up to about the square root of the depth, beyond which more recompute buffers than
+/// checkpoints are saved); a configuration that fits with none is refused with the last k's reason.
+template <class B, class Block>
+MemoryPlan plan_memory(const DecoderModel<Block>& model, const TrainerOptions& options, const DeviceBudget& device,
+                       const HostBudget& host, const std::optional<StoreFootprint>& store_footprint = std::nullopt) {
+  if (options.checkpoint_every > 0)
+    return detail::plan_memory_every<B>(model, options, static_cast<std::size_t>(options.checkpoint_every), device, host,
+                                        store_footprint);
+  MemoryPlan first = detail::plan_memory_every<B>(model, options, 1, device, host, store_footprint);
+  if (first.fits) return first;
+  const std::size_t L = model.num_blocks();
+  std::size_t most = 2;
+  while ((most + 1) * (most + 1) <= L + 2) ++most;  // ~ sqrt(L) + 1
+  MemoryPlan last = std::move(first);
+  for (std::size_t k = 2; k <= std::min(most, L); ++k) {
+    MemoryPlan p = detail::plan_memory_every<B>(model, options, k, device, host, store_footprint);
+    if (p.fits) return p;
+    p.refusal = fmt::format("even with activation checkpoints every {} blocks, {}", k, p.refusal);
+    last = std::move(p);
+  }
+  return last;
 }
 
 }  // namespace megatrain::plan

@@ -53,15 +53,16 @@ DeviceBudget device_budget(B& be, bool user_stages = false) {
 /// What the CUDA backend's prepare() allocates, estimated without a GPU (for planning elsewhere):
 /// the logits of a block of 2,048 tokens (fp32 and bf16), and the attention's workspace: cuDNN's
 /// deterministic backward (a dP buffer of rows x heads x seq^2 bf16) while it stays within
-/// `deterministic_limit`, else its dQ accumulated in fp32 (rows x seq x q_dim); at least 64 MiB
-/// for the rest. An estimate: a plan made on the GPU machine uses the backend's own figure.
+/// `deterministic_limit`, else its dQ accumulated in fp32 (2 x rows x seq x q_dim x 4 bytes: 8.77
+/// GiB in all for the 7B shape at 262,144 tokens on cuDNN 9.19, as CudaBackend::prepare_bytes
+/// gave); at least 64 MiB for the rest. A plan made on the GPU machine uses the backend's figure.
 inline std::size_t cuda_prepare_estimate(const WorkspacePlan& w, std::size_t deterministic_limit = std::size_t{8} << 30) {
   const auto lb = static_cast<std::size_t>(std::min<std::int64_t>(2048, std::max<std::int64_t>(w.max_tokens, 1)));
   std::size_t ws = std::size_t{64} << 20;
   for (const AttentionShape& a : w.attention) {
     const auto rows = static_cast<std::size_t>(a.rows), seq = static_cast<std::size_t>(a.seq);
     const std::size_t dp = rows * static_cast<std::size_t>(a.heads) * seq * seq * 2;
-    const std::size_t dq = rows * seq * static_cast<std::size_t>(a.heads * a.head_dim) * 4 + rows * seq * static_cast<std::size_t>(a.heads) * 8;
+    const std::size_t dq = 2 * rows * seq * static_cast<std::size_t>(a.heads * a.head_dim) * 4 + rows * seq * static_cast<std::size_t>(a.heads) * 8;
     ws = std::max(ws, dp <= deterministic_limit ? dp : dq);
   }
   return ws + lb * static_cast<std::size_t>(w.vocab) * (sizeof(float) + sizeof(bf16));
@@ -73,6 +74,8 @@ inline std::size_t cuda_prepare_estimate(const WorkspacePlan& w, std::size_t det
 struct Suggestions {
   std::optional<std::int64_t> seq;          ///< the longest sequence that fits (none: not even the shortest tried)
   std::optional<std::int64_t> micro_rows;   ///< the most sequences per micro-batch at this sequence length
+  bool stale_fits = false;                  ///< exact clipping refused, stale clipping (no waiting gradients) fits
+  bool host_gradients_fit = false;          ///< gradients waiting on the GPU refused, in host memory they fit
   bool store_alone_too_large = false;       ///< the model's state alone exceeds host memory: no shape helps
   std::size_t store_bytes = 0, host_budget = 0;
 };
@@ -121,13 +124,26 @@ Suggestions suggest(const DecoderModel<Block>& model, const TrainerOptions& opti
     s.store_alone_too_large = true;
     return s;
   }
-  const auto fits = [&](const TrainerOptions& o) {
+  // (`same_store`: the step keeps this store; a probe that moves the gradients needs another one)
+  const auto fits = [&](const TrainerOptions& o, bool same_store = true) {
     try {
-      return plan_memory<B>(model, o, device, host, fp).fits;
+      return plan_memory<B>(model, o, device, host, same_store ? std::optional<StoreFootprint>(fp) : std::nullopt).fits;
     } catch (const Error&) {
       return false;
     }
   };
+  // The same step with its gradients elsewhere: no waiting at all (stale clipping, a different
+  // update), or waiting in host memory.
+  if (opt.resident_gradients() && opt.micro_batches == 1 && opt.clip_norm > 0 && opt.clip_mode == ClipMode::exact) {
+    TrainerOptions o = opt;
+    o.clip_mode = ClipMode::stale;
+    s.stale_fits = !fits(opt) && fits(o, false);
+  }
+  if (opt.resident_gradients() && opt.gradient_home == GradientHome::device) {
+    TrainerOptions o = opt;
+    o.gradient_home = GradientHome::host;
+    s.host_gradients_fit = !fits(opt) && fits(o, false);
+  }
   constexpr std::int64_t kCeiling = std::int64_t{1} << 26;  // tokens: far beyond any GPU of today
   s.seq = detail::largest_near(opt.seq_len, detail::seq_step(opt.seq_len), std::max<std::int64_t>(opt.seq_len, kCeiling / opt.micro_rows()),
                                [&](std::int64_t seq) {
@@ -161,6 +177,11 @@ inline std::string refusal_message(const MemoryPlan& plan, const Suggestions& s)
   if (s.micro_rows)
     would.push_back(fmt::format("--max-micro-batch {} (TrainerOptions::max_micro_rows: sequences on the GPU at once, the "
                                 "batch as gradient accumulation)", *s.micro_rows));
+  if (s.host_gradients_fit)
+    would.push_back("--gradients host (TrainerOptions::gradient_home: the gradients wait for the norm in host memory)");
+  if (s.stale_fits)
+    would.push_back("--clip-mode stale (ClipMode::stale: no gradient waits for the norm, as each step is clipped with the "
+                    "previous step's norm, which changes the update; or --clip 0, no clipping)");
   if (!would.empty()) m += fmt::format(" What fits: {}.", fmt::join(would, ", or "));
   else m += " No shorter sequence or smaller micro-batch fits either.";
   m += " Or give more memory (--gpu-memory, --host-memory), or run `megatrain-plan` with these options to see every buffer.";
@@ -199,11 +220,12 @@ inline std::string format_summary(const StepPlan& p) {
   const TrainerBuffers& b = p.memory.buffers;
   const bool gpu = !p.memory.host_lines_include_device;
   std::string s = fmt::format(
-      "plan: {} memory {}{} (activation checkpoints: {} of {} there{}; AdamW there for {} of {} units); host memory {} of "
+      "plan: {} memory {}{} (activation checkpoints{}: {} of {} there{}; AdamW there for {} of {} units); host memory {} of "
       "{} ({}), {:.2f} bytes per parameter\n",
       gpu ? "GPU" : "backend", format_bytes(p.memory.device_total() + p.memory.device_before),
       p.memory.device_cap ? fmt::format(" of {}", format_bytes(*p.memory.device_cap)) : std::string(),
-      b.checkpoints_on_device, b.checkpoints, b.checkpoints_in_host() > 0 ? fmt::format(", {} in host memory", b.checkpoints_in_host()) : "",
+      b.checkpoint_every > 1 ? fmt::format(" every {} blocks", b.checkpoint_every) : std::string(), b.checkpoints_on_device,
+      b.checkpoints, b.checkpoints_in_host() > 0 ? fmt::format(", {} in host memory", b.checkpoints_in_host()) : "",
       b.device_units, b.units, format_bytes(p.memory.host_total()), format_bytes(p.memory.host_budget), p.memory.host_budget_source,
       static_cast<double>(p.memory.host_total()) / static_cast<double>(p.config.param_count()));
   if (gpu)
@@ -234,8 +256,11 @@ inline std::string format_plan(const StepPlan& p) {
   s += fmt::format("| **total** | **{}** of {} ({}); {:.2f} bytes per parameter |\n", format_bytes(p.memory.host_total()),
                    format_bytes(p.memory.host_budget), p.memory.host_budget_source,
                    static_cast<double>(p.memory.host_total()) / static_cast<double>(c.param_count()));
-  s += fmt::format("\ndecisions: activation checkpoints {} of {} on the GPU{}; AdamW on the GPU for {} of {} units; token "
-                   "blocks of {}\n",
+  s += fmt::format("\ndecisions: activation checkpoints {}{} of {} on the GPU{}; AdamW on the GPU for {} of {} units; "
+                   "token blocks of {}\n",
+                   b.checkpoint_every > 1 ? fmt::format("every {} blocks (the outputs between recomputed before the "
+                                                        "backward), ", b.checkpoint_every)
+                                          : std::string(),
                    b.checkpoints_on_device, b.checkpoints,
                    b.checkpoints_in_host() > 0 ? fmt::format(", {} in host memory", b.checkpoints_in_host()) : "",
                    b.device_units, b.units, b.token_block > 0 ? fmt::format("{}", b.token_block) : "the whole chunk");

@@ -123,6 +123,7 @@ struct TrainItem {
     head,        ///< the head's forward and backward (its gradient's first piece)
     head_eval,   ///< the head's forward only (evaluation)
     backward,    ///< recompute and backpropagate a unit (its gradient's first piece)
+    refill,      ///< recompute a block's output that is no checkpoint (TrainerOptions::checkpoint_every), for the backward
     grad_piece,  ///< a further piece of the head's gradient, or of the embedding's touched rows
     embed_rest,  ///< the embedding rows no token of the batch uses (see the top of this file)
     optimize,    ///< AdamW on a unit's resident gradient (second pass)
@@ -485,7 +486,7 @@ class Trainer {
       // The embedding's dedicated slot still holds this step's weights when its backward comes;
       // device units' weights stay on the device.
       if (this->owner->devices_.holds(it.unit)) return false;
-      return it.kind == Kind::forward || it.kind == Kind::head || it.kind == Kind::head_eval ||
+      return it.kind == Kind::forward || it.kind == Kind::head || it.kind == Kind::head_eval || it.kind == Kind::refill ||
              (it.kind == Kind::backward && it.unit != 0);
     }
     Timings<Exec> timings{};
@@ -523,7 +524,7 @@ class Trainer {
       // with the first micro-batch's forward (the rest of the step reads the same values; the
       // unit's last update came before, rule 4).
       if constexpr (kSplitGains)
-        if (it.kind != Kind::backward && it.micro == 0) {
+        if (it.kind != Kind::backward && it.kind != Kind::refill && it.micro == 0) {
           const auto& full = t.full_layout(it.unit);
           for (const auto& e : full.entries()) {
             const auto& p = unit.param(e.spec.name);
@@ -544,7 +545,7 @@ class Trainer {
     UnitAccess unit_access() const { return UnitAccess::none; }
     bool applies(const TrainItem& it) const {
       return it.kind == Kind::forward || it.kind == Kind::head || it.kind == Kind::head_eval || it.kind == Kind::backward ||
-             (it.kind == Kind::optimize && this->owner->devices_.holds(it.unit));
+             it.kind == Kind::refill || (it.kind == Kind::optimize && this->owner->devices_.holds(it.unit));
     }
     // A forward writes no gradient: taking a slot would make it wait for the optimizer stage to
     // pass the item that held the slot, i.e. for the whole AdamW pass still in flight. With
@@ -553,7 +554,7 @@ class Trainer {
     // offload of the previous micro-batch's embedding gradient. A device unit's update writes
     // no gradient either.
     bool takes_slot(const TrainItem& it) const {
-      if (it.kind == Kind::head_eval || it.kind == Kind::optimize) return false;
+      if (it.kind == Kind::head_eval || it.kind == Kind::optimize || it.kind == Kind::refill) return false;
       return it.kind != Kind::forward || this->owner->opt_.micro_batches > 1;
     }
     void run(const TrainItem& it, const StageSlots& s) {
@@ -616,6 +617,17 @@ class Trainer {
             });
           }
           t.spill(exec, it.unit);
+          break;
+        }
+        case Kind::refill: {  // a block's output again, from the checkpoint below it (or the output refilled before)
+          const auto& tmpl = t.model_.block(it.unit - 1);
+          const auto w = t.weights(tmpl, it.unit, s.in);
+          const auto in = t.ckpt_in(exec, it.unit - 1);
+          const auto out = t.ckpt_out(it.unit);
+          for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
+            tmpl.op().forward(t.be_, block_chunk(r0, n_rows), w, View<const Res>(rows_of(in, r0, n_rows)), rows_of(out, r0, n_rows),
+                              t.arena_);
+          });
           break;
         }
         case Kind::head:
@@ -883,13 +895,15 @@ class Trainer {
     // The embedding's fp32 rows for the lookup (a host embedding): first when no unit will be on
     // the device, else after the placement (from the reserve it leaves).
     if (b.embed_rows_first) alloc_embed_rows();
-    // Activation checkpoints: the first on the device, the rest in pinned host memory through two
-    // device staging buffers.
+    // Outputs between checkpoints (a checkpoint every k blocks), then the activation checkpoints:
+    // the first on the device, the rest in pinned host memory through two device staging buffers.
+    for (std::size_t k = 0; k < b.recompute_buffers; ++k) recompute_.push_back(alloc<Res>(b.act));
     const std::size_t fit = b.checkpoints_on_device;
     ckpt_.resize(L + 1);
     ckpt_host_.resize(L + 1);
     for (std::size_t u = 0; u <= L; ++u) {
-      if (u < fit) {
+      if (!b.kept(u)) continue;
+      if (b.checkpoint_index(u) < fit) {
         ckpt_[u] = alloc<Res>(b.act);
       } else {
         ckpt_host_mem_.push_back(HostBuffer::allocate(b.checkpoint_bytes()));
@@ -944,6 +958,7 @@ class Trainer {
   void place_device_units() {
     const std::size_t count = plan_.buffers.device_units;
     opt_.device_units = static_cast<std::int64_t>(count);
+    opt_.checkpoint_every = static_cast<std::int64_t>(plan_.buffers.checkpoint_every);
     if (count == 0) return;
     devices_ = DeviceUnits<B>(be_, store_, count);
     dev_weights_.resize(model_.num_units());
@@ -957,16 +972,23 @@ class Trainer {
 
   // Unit u's output during the forward: its device checkpoint, or (spilled) a staging buffer
   // that alternates with u's neighbours, so the next unit still reads its input from the device.
+  // With a checkpoint every k >= 2 blocks, an output that is none lives in a recompute buffer,
+  // and the last block's (read only by the head, right after) in the second activation-gradient
+  // buffer, which the head does not write.
   std::span<Res> ckpt_out(std::size_t u) {
+    const plan::TrainerBuffers& b = plan_.buffers;
+    if (!b.kept(u)) return u == model_.num_blocks() ? dbuf_[1].span() : recompute_[b.recompute_buffer(u)].span();
     return ckpt_host_[u].empty() ? ckpt_[u].span() : ckpt_staging_[u % 2].span();
   }
   // After unit u's forward: a spilled checkpoint goes to host memory (on the compute stream,
   // ordered after the kernels that wrote it).
   void spill(Exec& exec, std::size_t u) {
-    if (!ckpt_host_[u].empty()) be_.download(exec, std::span<const Res>(ckpt_staging_[u % 2].span()), ckpt_host_[u]);
+    if (plan_.buffers.kept(u) && !ckpt_host_[u].empty())
+      be_.download(exec, std::span<const Res>(ckpt_staging_[u % 2].span()), ckpt_host_[u]);
   }
   // Unit u's output as the input of unit u+1's backward: from the device, or brought back.
   std::span<Res> ckpt_in(Exec& exec, std::size_t u) {
+    if (!plan_.buffers.kept(u)) return ckpt_out(u);  // (refilled before)
     if (ckpt_host_[u].empty()) return ckpt_[u].span();
     be_.upload(exec, std::span<const Res>(ckpt_host_[u]), ckpt_staging_[0].span());
     return ckpt_staging_[0].span();
@@ -1050,7 +1072,10 @@ class Trainer {
       for (std::int64_t j = 1; j < pieces(head_numel(), slot_numel()); ++j) items.push_back({Kind::grad_piece, H, m, j, true});
     update_now(H);
     const auto span = static_cast<std::int64_t>(std::max<std::size_t>(1, L - L / 5));
+    const std::size_t k = plan_.buffers.checkpoint_every;
     for (std::size_t u = L; u >= 1; --u) {
+      if (k > 1 && (u == L || u % k == 0))  // the top of a group: its outputs between checkpoints again
+        for (std::size_t v = (u - 1) / k * k + 1; v < u; ++v) items.push_back({Kind::refill, v, m});
       items.push_back({Kind::backward, u, m, 0, lands(u)});
       update_now(u);
       const auto done = static_cast<std::int64_t>(L - u + 1);  // blocks submitted so far
@@ -1315,6 +1340,7 @@ class Trainer {
   std::vector<std::span<Res>> ckpt_host_;  // ... or in host memory (spilled)
   std::vector<HostBuffer> ckpt_host_mem_;
   std::vector<Buf<Res>> ckpt_staging_;  // two device buffers for spilled checkpoints
+  std::vector<Buf<Res>> recompute_;     // a checkpoint every k >= 2 blocks: the k - 1 outputs between
   std::size_t spilled_ = 0;
   std::vector<Buf<Res>> dbuf_;  // gradients w.r.t. activations, ping-pong
   Buf<std::byte> scratch_mem_;

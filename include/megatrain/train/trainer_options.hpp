@@ -50,6 +50,12 @@ struct TrainerOptions {
   /// MLP; attention always sees whole rows), which bounds their buffers at long sequence
   /// lengths. 0: 16,384 where a chunk holds more than 32,768 tokens, else the whole chunk.
   std::int64_t token_chunk = 0;
+  /// Activation checkpoints every k decoder blocks (layout only: the same bits). 1: every unit's
+  /// output is kept for the backward; k >= 2: only every k-th block's input, and the backward
+  /// recomputes the k - 1 outputs between from it before it needs them (one more forward of
+  /// those blocks; k - 1 more device buffers), for long sequences whose checkpoints do not fit.
+  /// 0: 1 where the step fits, else the smallest k that makes it fit (the planner decides).
+  std::int64_t checkpoint_every = 0;
   /// Rows may hold several sequences (packing, docs/data.md): step() and evaluate() then take
   /// each token's position within its sequence, and attention stays within each sequence.
   bool packed = false;
@@ -96,6 +102,7 @@ struct TrainerOptions {
     MT_CHECK(max_micro_rows >= 0, "max_micro_rows must be >= 0 (got {})", max_micro_rows);
     MT_CHECK(chunk_rows >= 0, "chunk_rows must be >= 0 (got {})", chunk_rows);
     MT_CHECK(token_chunk >= 0, "token_chunk must be >= 0 (got {})", token_chunk);
+    MT_CHECK(checkpoint_every >= 0, "checkpoint_every must be >= 0 (got {}; 0: as the plan needs)", checkpoint_every);
     MT_CHECK(weight_slots >= 2, "weight_slots must be >= 2 for double buffering (got {})", weight_slots);
     MT_CHECK(grad_slots >= 2, "grad_slots must be >= 2 for double buffering (got {})", grad_slots);
     MT_CHECK(std::isfinite(clip_norm) && clip_norm >= 0, "clip_norm must be finite and >= 0 (got {})", clip_norm);
@@ -114,6 +121,7 @@ inline nlohmann::json to_json(const TrainerOptions& o) {
           {"max_micro_rows", o.max_micro_rows},
           {"chunk_rows", o.chunk_rows},
           {"token_chunk", o.token_chunk},
+          {"checkpoint_every", o.checkpoint_every},
           {"packed", o.packed},
           {"adamw",
            {{"lr", o.adamw.lr}, {"beta1", o.adamw.beta1}, {"beta2", o.adamw.beta2}, {"eps", o.adamw.eps},
@@ -143,6 +151,7 @@ inline TrainerOptions trainer_options_from_json(const nlohmann::json& j, std::st
     o.chunk_rows = j.at("chunk_rows").get<std::int64_t>();
     o.packed = j.value("packed", false);  // (absent from train states written before packing)
     o.token_chunk = j.value("token_chunk", std::int64_t{0});
+    o.checkpoint_every = j.value("checkpoint_every", std::int64_t{1});  // (absent: written before it existed)
     const auto& a = j.at("adamw");
     o.adamw = {a.at("lr").get<double>(), a.at("beta1").get<double>(), a.at("beta2").get<double>(), a.at("eps").get<double>(),
                a.at("weight_decay").get<double>()};
