@@ -102,26 +102,16 @@ int run(const Settings& s, const CLI::App& app, const PlanArgs& a) {
     return model_config(s, app, 256, nullptr);
   }();
 
-  TrainerOptions topt;
   MT_CHECK(s.seq > 0, "--seq must be > 0 (got {})", s.seq);
-  topt.seq_len = s.seq;
-  topt.batch_rows = s.batch;
+  TrainerOptions topt = step_layout(s, cfg.num_hidden_layers, *device_units);
   if (a.tokens_per_step > 0) {
     MT_CHECK(!s.origins.given("--batch"), "--tokens-per-step and --batch both set the batch; pass one");
     MT_CHECK(a.tokens_per_step % s.seq == 0, "--tokens-per-step {} is not a whole number of --seq {} sequences",
              a.tokens_per_step, s.seq);
     topt.batch_rows = a.tokens_per_step / s.seq;
   }
-  topt.micro_batches = s.micro_batches;
-  topt.max_micro_rows = s.max_micro_batch;
-  topt.chunk_rows = s.chunk;
-  topt.token_chunk = s.token_chunk;
-  MT_CHECK(s.checkpoint_every >= 0, "--checkpoint-every must be >= 0 (0: as the plan needs; got {})", s.checkpoint_every);
-  topt.checkpoint_every = s.checkpoint_every;
   topt.clip_norm = s.clip;
   topt.clip_mode = s.clip_mode == "stale" ? ClipMode::stale : ClipMode::exact;
-  topt.gradient_home = s.gradients == "host" ? GradientHome::host : GradientHome::device;
-  topt.device_units = *device_units == kAllDeviceUnits ? cfg.num_hidden_layers + 2 : *device_units;
   topt.validate();
 
   plan::MachineFigures machine;

@@ -252,6 +252,27 @@ inline megatrain::ModelConfig model_config(const Settings& s, const CLI::App& ap
   return ModelConfig::from_json(j, "command-line model shape");
 }
 
+/// The step's shape and layout as TrainerOptions (batch, sequence, micro-batches, chunks, token
+/// blocks, checkpoints, where gradients wait, device units) for a model of `layers` blocks:
+/// megatrain-train's and megatrain-plan's. `device_units` is parse_device_units' value.
+inline megatrain::TrainerOptions step_layout(const Settings& s, std::int64_t layers, std::int64_t device_units) {
+  megatrain::TrainerOptions o;
+  o.batch_rows = s.batch;
+  o.seq_len = s.seq;
+  o.micro_batches = s.micro_batches;
+  o.max_micro_rows = s.max_micro_batch;
+  o.chunk_rows = s.chunk;
+  MT_CHECK(s.token_chunk >= 0, "--token-chunk must be >= 0 (0: automatic; got {})", s.token_chunk);
+  o.token_chunk = s.token_chunk;
+  MT_CHECK(s.checkpoint_every >= 0, "--checkpoint-every must be >= 0 (0: as the plan needs; got {})", s.checkpoint_every);
+  o.checkpoint_every = s.checkpoint_every;
+  o.gradient_home = s.gradients == "host" ? megatrain::GradientHome::host : megatrain::GradientHome::device;
+  o.device_units = device_units == kAllDeviceUnits ? layers + 2 : device_units;
+  MT_CHECK(o.device_units <= layers + 2, "--device-units {} is more than the model's {} units (the embedding, {} blocks and "
+           "the head); use all", o.device_units, layers + 2, layers);
+  return o;
+}
+
 /// The host memory a run may use, and where that figure comes from: --host-memory, the
 /// environment's MEGATRAIN_HOST_MEMORY, or what is available now.
 inline megatrain::plan::HostBudget host_budget(const Settings& s) {

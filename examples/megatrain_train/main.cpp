@@ -490,22 +490,9 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
     }
   }
 
-  TrainerOptions topt;
-  topt.batch_rows = s.batch;
-  topt.seq_len = s.seq;
-  topt.micro_batches = s.micro_batches;
-  topt.max_micro_rows = s.max_micro_batch;
-  topt.chunk_rows = s.chunk;
-  MT_CHECK(s.token_chunk >= 0, "--token-chunk must be >= 0 (0: automatic; got {})", s.token_chunk);
-  topt.token_chunk = s.token_chunk;
-  MT_CHECK(s.checkpoint_every >= 0, "--checkpoint-every must be >= 0 (0: as the plan needs; got {})", s.checkpoint_every);
-  topt.checkpoint_every = s.checkpoint_every;
+  TrainerOptions topt = step_layout(s, cfg->num_hidden_layers, *device_units);
   topt.packed = data && data->packed();
   topt.adamw = {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
-  topt.gradient_home = s.gradients == "host" ? GradientHome::host : GradientHome::device;
-  topt.device_units = *device_units == kAllDeviceUnits ? cfg->num_hidden_layers + 2 : *device_units;
-  MT_CHECK(topt.device_units <= cfg->num_hidden_layers + 2, "--device-units {} is more than the model's {} units (the "
-           "embedding, {} blocks and the head); use all", topt.device_units, cfg->num_hidden_layers + 2, cfg->num_hidden_layers);
   if (eval_only) {
     // Every validation window once (at most --eval-batches x --batch when --eval-batches is given),
     // in batches of at most --batch sequences; no optimizer state is needed.
