@@ -459,8 +459,8 @@ TEST_CASE("config: from_file names the file in its errors") {
 
 TEST_CASE("config: every preset loads, validates, round-trips and agrees with the layer ops") {
   const auto names = ModelConfig::preset_names();
-  CHECK(names == std::vector<std::string>{"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama-3.2-1b", "llama-3.2-3b",
-                                          "llama-3.1-8b", "mistral-7b"});
+  CHECK(names == std::vector<std::string>{"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-72b",
+                                          "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "mistral-7b"});
   for (const auto& name : names) {
     CAPTURE(name);
     const auto c = ModelConfig::preset(name);
@@ -476,6 +476,8 @@ TEST_CASE("config: presets' parameter counts are the published ones") {
   CHECK(ModelConfig::preset("qwen2.5-0.5b").param_count() == 494'032'768);
   CHECK(ModelConfig::preset("qwen2.5-1.5b").param_count() == 1'543'714'304);
   CHECK(ModelConfig::preset("qwen2.5-7b").param_count() == 7'615'616'512);
+  CHECK(ModelConfig::preset("qwen2.5-14b").param_count() == 14'770'033'664);
+  CHECK(ModelConfig::preset("qwen2.5-72b").param_count() == 72'706'203'648);
   CHECK(ModelConfig::preset("llama-3.2-1b").param_count() == 1'235'814'400);
   CHECK(ModelConfig::preset("llama-3.2-3b").param_count() == 3'212'749'824);
   CHECK(ModelConfig::preset("llama-3.1-8b").param_count() == 8'030'261'248);

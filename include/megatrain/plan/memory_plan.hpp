@@ -169,6 +169,7 @@ struct MemoryPlan {
   bool host_lines_include_device = false;  ///< the backend's memory is host memory (the CPU backend)
   bool fits = true;
   std::string refusal;  ///< why not, in a sentence or two, when !fits
+  bool fixed_too_large = false;  ///< the step's buffers besides the checkpoints do not fit (fewer checkpoints cannot help)
 
   std::size_t device_total() const { return sum(device); }  ///< the trainer's backend memory
   std::size_t host_total() const { return sum(host); }
@@ -313,9 +314,11 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
     if (plan.fits) plan.refusal = std::move(why);
     plan.fits = false;
   };
-  if (device.cap && device.allocated + plan.device_total() > *device.cap)
+  if (device.cap && device.allocated + plan.device_total() > *device.cap) {
     refuse(fmt::format("the step's buffers need {} of GPU memory beside the {} the backend holds, more than the cap of {}",
                        format_bytes(plan.device_total()), format_bytes(device.allocated), format_bytes(*device.cap)));
+    plan.fixed_too_large = true;
+  }
 
   // 2. the activation checkpoints
   const std::size_t ckpt = b.checkpoint_bytes();
@@ -430,7 +433,7 @@ MemoryPlan plan_memory(const DecoderModel<Block>& model, const TrainerOptions& o
     return detail::plan_memory_every<B>(model, options, static_cast<std::size_t>(options.checkpoint_every), device, host,
                                         store_footprint);
   MemoryPlan first = detail::plan_memory_every<B>(model, options, 1, device, host, store_footprint);
-  if (first.fits) return first;
+  if (first.fits || first.fixed_too_large || first.store_bytes > first.host_budget) return first;  // (fewer checkpoints cannot help)
   const std::size_t L = model.num_blocks();
   std::size_t most = 2;
   while ((most + 1) * (most + 1) <= L + 2) ++most;  // ~ sqrt(L) + 1
