@@ -202,9 +202,6 @@ inline std::size_t device_unit_bytes(const TrainerBuffers& b, std::size_t u, std
 }
 }  // namespace detail
 
-/// The memory plan of `model` trained with `options` on a backend of element types B (anything
-/// with B::Weight, B::Act, B::Acc and B::Res: a backend, or plan::CudaTypes when planning without
-/// one), with `device` describing the backend's memory and `host` the host's.
 namespace detail {
 /// plan_memory with checkpoints every `every` blocks.
 template <class B, class Block>
@@ -421,6 +418,9 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
 }
 }  // namespace detail
 
+/// The memory plan of `model` trained with `options` on a backend of element types B (anything
+/// with B::Weight, B::Act, B::Acc and B::Res: a backend, or plan::CudaTypes when planning without
+/// one), with `device` describing the backend's memory and `host` the host's.
 /// `store`: the footprint of the store the trainer will use (default: one built with
 /// store_options(options)). With TrainerOptions::checkpoint_every = 0 the plan keeps every
 /// unit's output where that fits, else a checkpoint every k blocks for the smallest k that fits

@@ -33,9 +33,6 @@ class DeviceUnits {
   using Buf = typename B::template Buffer<E>;
 
  public:
-  /// Backend bytes of one unit's state (master, m, v in fp32), for `numel` slab elements.
-  static std::size_t state_bytes(std::int64_t numel) { return 3 * static_cast<std::size_t>(numel) * sizeof(float); }
-
   DeviceUnits() = default;
   /// Allocates backend memory for the state of store units [0, count) (contents undefined until load()).
   DeviceUnits(B& be, const HostParamStore<float>& store, std::size_t count) {
