@@ -49,7 +49,7 @@ namespace {
 struct Args {
   std::string preset = "qwen2.5-1.5b", backend = "auto", clip_mode = "none", gpu_memory, save_dir, gradients = "device";
   std::int64_t batch = 32, seq = 1024, steps = 8, skip = 3, chunk = 0, layers = 0, save_at = 0;
-  std::int64_t device_units = TrainerOptions::kAutoDeviceUnits, checkpoint_every = 0;
+  std::int64_t device_units = TrainerOptions::kAutoDeviceUnits, checkpoint_every = 0, kept_blocks = TrainerOptions::kAutoKeptBlocks;
   bool overlap_update = true;
   std::string machine;  // --machine FILE: the cost model's rates (default: the reference H200 host)
 };
@@ -135,6 +135,7 @@ int run(B& be, const char* name, const Args& a) {
   opt.overlap_update = a.overlap_update;
   opt.device_units = a.device_units;
   opt.checkpoint_every = a.checkpoint_every;
+  opt.kept_blocks = a.kept_blocks;
   MT_CHECK(a.gradients == "device" || a.gradients == "host", "--gradients must be device or host");
   opt.gradient_home = a.gradients == "host" ? GradientHome::host : GradientHome::device;
   opt.adamw.lr = 1e-4;
@@ -156,8 +157,9 @@ int run(B& be, const char* name, const Args& a) {
               a.preset.c_str(), std::string(cfg.architecture_name()).c_str(), static_cast<int>(cfg.num_hidden_layers), N / 1e9,
               static_cast<long long>(a.batch * a.seq), static_cast<long long>(a.batch), static_cast<long long>(a.seq),
               static_cast<long long>(a.chunk), a.clip_mode.c_str(), name);
-  std::printf("host store %s, trainer device buffers %s, spilled checkpoints %zu\n", format_bytes(store.bytes()).c_str(),
-              format_bytes(trainer.device_bytes()).c_str(), trainer.spilled_checkpoints());
+  std::printf("host store %s, trainer device buffers %s, spilled checkpoints %zu, blocks keeping their activations %zu\n",
+              format_bytes(store.bytes()).c_str(), format_bytes(trainer.device_bytes()).c_str(), trainer.spilled_checkpoints(),
+              trainer.memory_plan().buffers.kept_blocks);
   // Parameters whose AdamW runs on the device (device units) and on the host.
   double n_dev = 0;
   for (std::size_t u = 0; u < trainer.device_units(); ++u) n_dev += static_cast<double>(store.unit(u).param_count());
@@ -294,6 +296,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--device-units", a.device_units,
                  "Units whose AdamW state lives on the device, the first in forward order (-1: as many as fit)")
+      ->capture_default_str();
+  app.add_option("--keep-activations", a.kept_blocks,
+                 "The last N blocks keep their activations for the backward, no recompute (-1: the plan's choice)")
       ->capture_default_str();
   app.add_option("--checkpoint-every", a.checkpoint_every,
                  "Activation checkpoints every N blocks (0: as the plan needs, docs/planner.md)")

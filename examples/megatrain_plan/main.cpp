@@ -53,6 +53,7 @@ int report(const DecoderModel<>& model, const TrainerOptions& topt, const plan::
                      {"checkpoints_on_gpu", p.memory.buffers.checkpoints_on_device},
                      {"checkpoints", p.memory.buffers.checkpoints},
                      {"device_units", p.memory.buffers.device_units},
+                     {"kept_blocks", p.memory.buffers.kept_blocks},
                      {"units", p.memory.buffers.units},
                      {"step_s", p.time.step_s},
                      {"tokens_per_s", p.time.tokens_per_s()},
@@ -88,8 +89,6 @@ int run(const Settings& s, const CLI::App& app, const PlanArgs& a) {
            s.backend);
   MT_CHECK(s.clip_mode == "exact" || s.clip_mode == "stale", "--clip-mode must be exact or stale (got '{}')", s.clip_mode);
   MT_CHECK(s.gradients == "device" || s.gradients == "host", "--gradients must be device or host (got '{}')", s.gradients);
-  const std::optional<std::int64_t> device_units = parse_device_units(s.device_units);
-  MT_CHECK(device_units.has_value(), "--device-units must be auto, all or a count >= 0 (got '{}')", s.device_units);
   if (!s.host_memory.empty()) setenv("MEGATRAIN_HOST_MEMORY", s.host_memory.c_str(), 1);
 
   // The model: --model DIR reads DIR/config.json (no weights are opened).
@@ -103,7 +102,7 @@ int run(const Settings& s, const CLI::App& app, const PlanArgs& a) {
   }();
 
   MT_CHECK(s.seq > 0, "--seq must be > 0 (got {})", s.seq);
-  TrainerOptions topt = step_layout(s, cfg.num_hidden_layers, *device_units);
+  TrainerOptions topt = step_layout(s, cfg.num_hidden_layers);
   if (a.tokens_per_step > 0) {
     MT_CHECK(!s.origins.given("--batch"), "--tokens-per-step and --batch both set the batch; pass one");
     MT_CHECK(a.tokens_per_step % s.seq == 0, "--tokens-per-step {} is not a whole number of --seq {} sequences",

@@ -79,6 +79,8 @@ struct Settings {
   std::string schedule = "cosine", clip_mode = "exact";
   // where gradients wait for the norm, and how many units keep their AdamW state on the GPU
   std::string gradients = "device", device_units = "auto";
+  // blocks that keep their activations for the backward (auto: the plan's choice)
+  std::string keep_activations = "auto";
   // run
   std::uint64_t seed = 1;
   std::string out, backend = "auto", host_memory, gpu_memory;
@@ -184,7 +186,7 @@ inline void add_clip_options(CLI::App& train_, Settings& s) {
 }
 
 /// Where the step runs and what memory it may use (--backend, --host-memory, --gpu-memory,
-/// --device-units, --gradients), added to `runo`.
+/// --device-units, --keep-activations, --gradients), added to `runo`.
 inline void add_memory_options(CLI::App& runo_, Settings& s) {
   CLI::App* runo = &runo_;
   runo->add_option("--backend", s.backend, "auto, cpu or cuda")->capture_default_str();
@@ -194,18 +196,24 @@ inline void add_memory_options(CLI::App& runo_, Settings& s) {
                    "Units (the first in forward order: embedding, blocks, head) whose AdamW state lives in GPU memory "
                    "and is updated there: auto (as many as fit), all, or a count (0: every unit on the host)")
       ->capture_default_str();
+  runo->add_option("--keep-activations", s.keep_activations,
+                   "Decoder blocks (the last ones) that keep their activations in GPU memory from forward to backward "
+                   "instead of recomputing them (the same result, faster, more memory): auto (the plan's choice: the "
+                   "fastest step that fits beside the AdamW state on the GPU), all, or a count")
+      ->capture_default_str();
   runo->add_option("--gradients", s.gradients,
                    "Where gradients wait for the global norm (exact clipping, micro-batches): device (GPU memory) or "
                    "host (4 more bytes of host memory per parameter)")
       ->capture_default_str();
 }
 
-/// --device-units: "auto" (kAutoDeviceUnits), "all" (kAllDeviceUnits, resolved with the model)
-/// or a count >= 0; nullopt when malformed.
-inline constexpr std::int64_t kAllDeviceUnits = -2;
-inline std::optional<std::int64_t> parse_device_units(const std::string& v) {
+/// --device-units and --keep-activations: "auto" (-1: TrainerOptions::kAutoDeviceUnits,
+/// kAutoKeptBlocks), "all" (kAll, resolved with the model) or a count >= 0; nullopt when malformed.
+inline constexpr std::int64_t kAll = -2;
+static_assert(megatrain::TrainerOptions::kAutoDeviceUnits == -1 && megatrain::TrainerOptions::kAutoKeptBlocks == -1);
+inline std::optional<std::int64_t> parse_auto_all_count(const std::string& v) {
   if (v == "auto") return megatrain::TrainerOptions::kAutoDeviceUnits;
-  if (v == "all") return kAllDeviceUnits;
+  if (v == "all") return kAll;
   std::int64_t n = 0;
   const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
   if (ec != std::errc{} || end != v.data() + v.size() || n < 0) return std::nullopt;
@@ -254,8 +262,12 @@ inline megatrain::ModelConfig model_config(const Settings& s, const CLI::App& ap
 
 /// The step's shape and layout as TrainerOptions (batch, sequence, micro-batches, chunks, token
 /// blocks, checkpoints, where gradients wait, device units) for a model of `layers` blocks:
-/// megatrain-train's and megatrain-plan's. `device_units` is parse_device_units' value.
-inline megatrain::TrainerOptions step_layout(const Settings& s, std::int64_t layers, std::int64_t device_units) {
+/// megatrain-train's and megatrain-plan's.
+inline megatrain::TrainerOptions step_layout(const Settings& s, std::int64_t layers) {
+  const std::optional<std::int64_t> device_units = parse_auto_all_count(s.device_units);
+  MT_CHECK(device_units.has_value(), "--device-units must be auto, all or a count >= 0 (got '{}')", s.device_units);
+  const std::optional<std::int64_t> kept = parse_auto_all_count(s.keep_activations);
+  MT_CHECK(kept.has_value(), "--keep-activations must be auto, all or a count >= 0 (got '{}')", s.keep_activations);
   megatrain::TrainerOptions o;
   o.batch_rows = s.batch;
   o.seq_len = s.seq;
@@ -267,9 +279,14 @@ inline megatrain::TrainerOptions step_layout(const Settings& s, std::int64_t lay
   MT_CHECK(s.checkpoint_every >= 0, "--checkpoint-every must be >= 0 (0: as the plan needs; got {})", s.checkpoint_every);
   o.checkpoint_every = s.checkpoint_every;
   o.gradient_home = s.gradients == "host" ? megatrain::GradientHome::host : megatrain::GradientHome::device;
-  o.device_units = device_units == kAllDeviceUnits ? layers + 2 : device_units;
+  o.device_units = *device_units == kAll ? layers + 2 : *device_units;
   MT_CHECK(o.device_units <= layers + 2, "--device-units {} is more than the model's {} units (the embedding, {} blocks and "
            "the head); use all", o.device_units, layers + 2, layers);
+  o.kept_blocks = *kept == kAll ? layers : *kept;
+  MT_CHECK(o.kept_blocks <= layers, "--keep-activations {} is more than the model's {} blocks; use all", o.kept_blocks, layers);
+  MT_CHECK(o.kept_blocks <= 0 || s.checkpoint_every <= 1,
+           "--keep-activations {} needs a checkpoint at every block: drop --checkpoint-every {} (or keep none)", s.keep_activations,
+           s.checkpoint_every);
   return o;
 }
 

@@ -248,8 +248,8 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
   MT_CHECK(!s.origins.given("--warmup") || s.warmup >= 0, "--warmup must be >= 0 (got {})", s.warmup);
   MT_CHECK(s.clip_mode == "exact" || s.clip_mode == "stale", "--clip-mode must be exact or stale (got '{}')", s.clip_mode);
   MT_CHECK(s.gradients == "device" || s.gradients == "host", "--gradients must be device or host (got '{}')", s.gradients);
-  const std::optional<std::int64_t> device_units = parse_device_units(s.device_units);
-  MT_CHECK(device_units.has_value(), "--device-units must be auto, all or a count >= 0 (got '{}')", s.device_units);
+  for (const auto& [flag, v] : {std::pair{"--device-units", &s.device_units}, std::pair{"--keep-activations", &s.keep_activations}})
+    MT_CHECK(parse_auto_all_count(*v).has_value(), "{} must be auto, all or a count >= 0 (got '{}')", flag, *v);
   MT_CHECK(!(s.clip == 0 && s.origins.conflicts("--clip-mode", "--clip")), "--clip-mode given but clipping is off (--clip 0)");
   MT_CHECK(s.data_format == "auto" || s.data_format == "u16" || s.data_format == "u32",
            "--data-format must be auto, u16 or u32 (got '{}')", s.data_format);
@@ -268,7 +268,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
   if (eval_only)  // options that only shape training would be ignored: refuse them
     for (const char* f : {"--lr", "--min-lr", "--min-lr-ratio", "--warmup", "--warmup-ratio", "--schedule", "--weight-decay", "--beta1", "--beta2", "--eps", "--clip",
                           "--clip-mode", "--micro-batches", "--overwrite", "--eval-every", "--log-every", "--save-every", "--keep",
-                          "--device-units", "--gradients"})
+                          "--device-units", "--keep-activations", "--gradients"})
       MT_CHECK(!s.origins.conflicts(f, "--steps"), "{} has no effect with --steps 0 (evaluation only); drop it", f);
   check_model_source(s);
   plan.eval_only = eval_only;
@@ -490,7 +490,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
     }
   }
 
-  TrainerOptions topt = step_layout(s, cfg->num_hidden_layers, *device_units);
+  TrainerOptions topt = step_layout(s, cfg->num_hidden_layers);
   topt.packed = data && data->packed();
   topt.adamw = {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
   if (eval_only) {
@@ -501,6 +501,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
     topt.batch_rows = std::max<std::int64_t>(1, std::min(s.batch, plan.eval_rows));
     topt.micro_batches = 1;  // (--max-micro-batch still splits each evaluation batch)
     topt.device_units = 0;   // (no optimizer state is needed)
+    topt.kept_blocks = 0;    // (no backward)
     topt.schedule = {LrSchedule::Kind::constant, s.lr, 0, 0, 0.0};
   } else {
     // A resumed run keeps its schedule's length (set by its first run's --steps): --steps then

@@ -337,6 +337,7 @@ TEST_CASE("GPU memory for a step grows linearly with the sequence length (token 
     opt.seq_len = seq;
     opt.chunk_rows = 0;
     opt.token_chunk = 512;
+    opt.kept_blocks = 4;  // (fixed: the plan's choice may change with the length; kept activations grow linearly too)
     DecoderModel<> model(small());
     StoreOptions so;
     so.seed = 3;
@@ -389,6 +390,10 @@ TEST_CASE("the memory plan is the GPU trainer's allocation, byte for byte, and i
          o.chunk_rows = 0;
          o.token_chunk = 1024;
        }},
+      {"exact clipping, 3 blocks keep their activations", [](TrainerOptions& o) {
+         o.clip_mode = ClipMode::exact;
+         o.kept_blocks = 3;
+       }},
   };
   for (const Case& c : cases) {
     CAPTURE(c.name);
@@ -407,6 +412,7 @@ TEST_CASE("the memory plan is the GPU trainer's allocation, byte for byte, and i
     CHECK(be.allocated_bytes() - b0 == trainer.memory_plan().device_total());
     CHECK(trainer.memory_plan().device_total() == before.device_total());
     CHECK(trainer.device_units() == before.buffers.device_units);
+    CHECK(trainer.memory_plan().buffers.kept_blocks == before.buffers.kept_blocks);
   }
 }
 
@@ -431,6 +437,55 @@ TEST_CASE("checkpoints every 2 or 3 blocks train the same bits on the GPU") {
     for (std::size_t s = 0; s < ref.size(); ++s) {
       CHECK(got[s].loss == ref[s].loss);
       CHECK(got[s].grad_norm == ref[s].grad_norm);
+    }
+  }
+}
+
+TEST_CASE("blocks that keep their activations train the same bits on the GPU as blocks that recompute") {
+  // Kept activations (TrainerOptions::kept_blocks): the backward reads the forward's q, k, v,
+  // attention output, h, gate and up instead of computing them again, and recomputes only the
+  // norms and SwiGLU's product with the same kernels: the same bits, in every layout.
+  struct Case {
+    const char* name;
+    std::function<void(TrainerOptions&)> set;
+  };
+  const std::vector<Case> cases{
+      {"exact clipping, chunks", [](TrainerOptions& o) { o.clip_mode = ClipMode::exact; }},
+      {"stale clipping, micro-batches, device units", [](TrainerOptions& o) {
+         o.micro_batches = 2;
+         o.device_units = 3;
+       }},
+      {"one long sequence in token blocks", [](TrainerOptions& o) {
+         o.batch_rows = 1;
+         o.seq_len = 4096;
+         o.chunk_rows = 0;
+         o.token_chunk = 1000;
+       }},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    auto opt = options();
+    c.set(opt);
+    opt.kept_blocks = 0;
+    CudaBackend ref_gpu;
+    std::vector<float> ref_w;
+    const auto ref = train(ref_gpu, 4, nullptr, false, opt, &ref_w);
+    for (const std::int64_t n : {std::int64_t{2}, std::int64_t{4}}) {
+      CAPTURE(n);
+      auto o = opt;
+      o.kept_blocks = n;
+      CudaBackend gpu;
+      DecoderModel<> model(small());
+      const plan::MemoryPlan p =
+          plan::plan_memory<CudaBackend>(model, o, plan::device_budget(gpu), {available_host_memory(), "test"});
+      REQUIRE(p.buffers.kept_blocks == static_cast<std::size_t>(n));
+      std::vector<float> w;
+      const auto got = train(gpu, 4, nullptr, false, o, &w);
+      CHECK(w == ref_w);
+      for (std::size_t s = 0; s < ref.size(); ++s) {
+        CHECK(got[s].loss == ref[s].loss);
+        CHECK(got[s].grad_norm == ref[s].grad_norm);
+      }
     }
   }
 }

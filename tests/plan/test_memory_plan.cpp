@@ -393,6 +393,147 @@ TEST_CASE("checkpoints every k blocks: the same bits as every unit's, in every m
   CHECK(any_spilled);
 }
 
+TEST_CASE("kept activations: the same bits as recomputing, in every mode, as planned") {
+  // A block that keeps its activations runs no forward product again in the backward; what it
+  // recomputes (norms, SwiGLU's product) is the same function of the same bits.
+  struct Case {
+    const char* name;
+    std::int64_t layers;
+    std::function<void(TrainerOptions&)> set;
+  };
+  const std::vector<Case> cases{
+      {"no clipping, 4 blocks", 4, [](TrainerOptions& o) { o.clip_norm = 0; }},
+      {"exact clipping, 5 blocks", 5, [](TrainerOptions& o) { o.clip_norm = 0.5; }},
+      {"stale clipping, 3 blocks", 3,
+       [](TrainerOptions& o) {
+         o.clip_norm = 0.5;
+         o.clip_mode = ClipMode::stale;
+       }},
+      {"micro-batches in host memory, 5 blocks", 5,
+       [](TrainerOptions& o) {
+         o.micro_batches = 2;
+         o.gradient_home = GradientHome::host;
+       }},
+      {"chunks (one of them shorter) and token blocks, 3 blocks", 3,
+       [](TrainerOptions& o) {
+         o.batch_rows = 3;
+         o.chunk_rows = 2;
+         o.token_chunk = 8;
+       }},
+      {"device units (3), 4 blocks", 4, [](TrainerOptions& o) { o.device_units = 3; }},
+  };
+  // (every weight of every unit, bit for bit, and the losses)
+  const auto run = [](const ModelConfig& cfg, const TrainerOptions& o, CpuBackend<float>& be, std::size_t* kept) {
+    DecoderModel<> model(cfg);
+    HostParamStore<float> store(model.units(), store_opts(o));
+    Trainer<CpuBackend<float>> t(model, store, be, o);
+    *kept = t.memory_plan().buffers.kept_blocks;
+    std::mt19937 rng(5);
+    std::vector<float> out;
+    const auto n = static_cast<std::size_t>(o.batch_rows * o.seq_len);
+    for (int s = 0; s < 3; ++s) {
+      std::vector<std::int32_t> ids(n), labels(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        ids[i] = static_cast<std::int32_t>(rng() % static_cast<unsigned>(cfg.vocab_size));
+        labels[i] = static_cast<std::int32_t>(rng() % static_cast<unsigned>(cfg.vocab_size));
+      }
+      out.push_back(static_cast<float>(t.step(ids, labels).loss));
+    }
+    t.finish_update();
+    for (const auto& u : store.units()) out.insert(out.end(), u.master().begin(), u.master().end());
+    return out;
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    const ModelConfig cfg = small(false, c.layers);
+    TrainerOptions base = opts(2, 21);
+    c.set(base);
+    base.kept_blocks = 0;
+    CpuBackend<float> ref_be;
+    std::size_t kept = 0;
+    const auto ref = run(cfg, base, ref_be, &kept);
+    REQUIRE(kept == 0);
+    for (std::int64_t n : {std::int64_t{1}, c.layers, TrainerOptions::kAutoKeptBlocks}) {
+      CAPTURE(n);
+      TrainerOptions o = base;
+      o.kept_blocks = n;
+      CpuBackend<float> be;
+      check_plan_is_allocation(cfg, o, be);
+      CHECK(run(cfg, o, be, &kept) == ref);
+      // (auto: the trainer's choice on the reference figures, whatever it is)
+      if (n != TrainerOptions::kAutoKeptBlocks) CHECK(kept == static_cast<std::size_t>(n));
+    }
+  }
+}
+
+TEST_CASE("kept activations: the plan trades them against device units by the predicted step") {
+  const ModelConfig cfg = small(false, 6);
+  DecoderModel<> model(cfg);
+  TrainerOptions o = opts(2, 64);
+  CpuBackend<float> probe;
+  const plan::HostBudget lots{std::size_t{1} << 34, "test"};
+  TrainerOptions none = o, all = o;
+  none.kept_blocks = 0;
+  all.kept_blocks = 6;
+  const auto p0 = plan::plan_memory<CpuBackend<float>>(model, none, plan::device_budget(probe), lots);
+  const auto p6 = plan::plan_memory<CpuBackend<float>>(model, all, plan::device_budget(probe), lots);
+  REQUIRE(p6.buffers.kept_blocks == 6);
+  std::size_t kept_line = 0;
+  for (const auto& l : p6.device)
+    if (l.what.find("activations kept for the backward (6 of 6 blocks") != std::string::npos) kept_line = l.bytes;
+  std::size_t sum = 0;
+  for (std::size_t n : p6.buffers.kept_bytes) sum += n;
+  CHECK(kept_line == sum);
+  CHECK(kept_line > 0);
+  // Keeping removes the recompute: fewer executed FLOPs, the same model FLOPs, and on a machine
+  // where this tiny step is GPU-bound (a slow GPU), a shorter step.
+  plan::MachineFigures slow_gpu;
+  slow_gpu.gemm_tflops = slow_gpu.attention_fwd_tflops = slow_gpu.attention_bwd_tflops = 1e-6;
+  const auto t0 = plan::predict_step(cfg, none, p0, slow_gpu), t6 = plan::predict_step(cfg, all, p6, slow_gpu);
+  CHECK(t6.executed_flops < t0.executed_flops);
+  CHECK(t6.model_flops == t0.model_flops);
+  CHECK(t6.step_s < t0.step_s);
+  // A cap with room for some blocks' activations: auto keeps as many as fit there, and asking
+  // for one more is refused by name
+  CpuBackend<float> capped;
+  capped.memory_limit = p0.device_total() + 5 * kept_line / 12;  // (2 blocks, less their smaller scratch)
+  const auto pc = plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(capped), lots, std::nullopt, slow_gpu);
+  REQUIRE(pc.fits);
+  CHECK(pc.buffers.kept_blocks >= 2);
+  CHECK(pc.buffers.kept_blocks < 6);
+  TrainerOptions more = o;
+  more.kept_blocks = static_cast<std::int64_t>(pc.buffers.kept_blocks) + 1;
+  const auto refused = plan::plan_memory<CpuBackend<float>>(model, more, plan::device_budget(capped), lots);
+  CHECK_FALSE(refused.fits);
+  CHECK(refused.refusal.find("--keep-activations") != std::string::npos);
+  // Exact clipping on a GPU with room for every unit's AdamW state or for kept activations, not
+  // both (a shape whose blocks' activations weigh about what their state does): a slow CPU (the
+  // AdamW pass the bound) gets the device units and keeps nothing for nothing; a slow GPU keeps
+  // activations and leaves units on the host.
+  auto j = nlohmann::json::parse(R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":1024,"intermediate_size":2816,
+    "num_attention_heads":8,"num_key_value_heads":2,"num_hidden_layers":4,"vocab_size":1000,"rope_theta":10000.0})");
+  DecoderModel<> mid(ModelConfig::from_json(j));
+  TrainerOptions exact = opts(4, 4096);
+  exact.clip_norm = 1.0;
+  TrainerOptions every_unit = exact;
+  every_unit.kept_blocks = 0;
+  every_unit.device_units = static_cast<std::int64_t>(mid.num_units());
+  plan::DeviceBudget units;
+  units.auto_device_units = true;
+  units.cap = plan::plan_memory<plan::CudaTypes>(mid, every_unit, units, lots).device_total() + (std::size_t{1} << 30) +
+              (std::size_t{1} << 26);
+  plan::MachineFigures slow_cpu;
+  slow_cpu.adamw_dma_gparams = slow_cpu.adamw_gparams = 1e-3;
+  const auto pe = plan::plan_memory<plan::CudaTypes>(mid, exact, units, lots, std::nullopt, slow_cpu);
+  REQUIRE(pe.fits);
+  CHECK(pe.buffers.kept_blocks == 0);
+  CHECK(pe.buffers.device_units == mid.num_units());
+  const auto pg = plan::plan_memory<plan::CudaTypes>(mid, exact, units, lots, std::nullopt, slow_gpu);
+  REQUIRE(pg.fits);
+  CHECK(pg.buffers.kept_blocks > 0);
+  CHECK(pg.buffers.device_units < mid.num_units());
+}
+
 TEST_CASE("the plan keeps checkpoints every k blocks only where every unit's do not fit") {
   const ModelConfig cfg = small(false, 9);
   DecoderModel<> model(cfg);

@@ -61,6 +61,23 @@ concept LayerOp = ParamOp<Op> && Backend<B> &&
   op.backward(be, chunk, w, in /* x */, in /* dy */, out /* dx */, grads, scratch);
 };
 
+/// A layer that can also keep its activations from forward to backward (in memory the caller
+/// provides) instead of recomputing them from the input: the trainer uses it where the plan
+/// has room (TrainerOptions::kept_blocks). The results are the same bits as forward() then
+/// backward(). The kept arena is carved chunk after chunk in the same order by forward_keep()
+/// and backward_kept(); reserve_kept() carves a chunk's share of a measuring (or real) arena.
+template <class Op, class B>
+concept KeepingLayerOp = LayerOp<Op, B> &&
+  requires(const Op& op, B& be, ChunkShape chunk, Arena& kept, Arena& scratch,
+           const typename Op::template Weights<const typename B::Weight>& w,
+           const typename Op::template Weights<typename B::Acc>& grads,
+           View<const typename B::Res> in, View<typename B::Res> out) {
+  op.template reserve_kept<B>(kept, chunk);
+  { op.template kept_scratch_bytes<B>(chunk) } -> std::convertible_to<std::size_t>;
+  op.forward_keep(be, chunk, w, in, out, kept, scratch);
+  op.backward_kept(be, chunk, w, in /* x */, in /* dy */, out /* dx */, grads, kept, scratch);
+};
+
 /// Token ids to [tokens, hidden].
 template <class Op, class B>
 concept EmbeddingOp = ParamOp<Op> && Backend<B> &&

@@ -3,7 +3,8 @@
 // faster than the largest, and the pipeline overlaps the rest with it.
 //
 //   GPU      matrix products: 8 x the blocks' parameters x tokens (forward, the recompute of the
-//            forward from the activation checkpoint, backward), 6 x the head's (no recompute);
+//            forward from the activation checkpoint, backward; 6 x for blocks that keep their
+//            activations), 6 x the head's (no recompute);
 //            causal attention: 2 T S q_dim per layer forward (twice: forward and recompute) and
 //            2.5 times that backward; the element-wise passes (norms, SwiGLU, rotary, residual
 //            adds, the loss over the logits) at device-memory bandwidth; AdamW of the device units
@@ -151,10 +152,13 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   // GPU
   // (a checkpoint every k blocks: the k - 1 outputs between are computed once more, before the backward)
   const double refill = b.checkpoint_every > 1 ? static_cast<double>(b.blocks - b.checkpoints) / L : 0.0;  // blocks run once more
-  const double gemm = (8 + 2 * refill) * blocks * T + 6 * embed * T;
+  // (kept activations: those blocks' forward is not recomputed)
+  const double kept = static_cast<double>(b.kept_blocks) / L;
+  const double gemm = (8 + 2 * refill - 2 * kept) * blocks * T + 6 * embed * T;
   const double att_fwd = 2 * T * S * qd * L;
   const double gemm_s = gemm / (m.gemm_tflops * 1e12);
-  const double att_s = (2 + refill) * att_fwd / (m.attention_fwd_tflops * 1e12) + 2.5 * att_fwd / (m.attention_bwd_tflops * 1e12);
+  const double att_s =
+      (2 + refill - kept) * att_fwd / (m.attention_fwd_tflops * 1e12) + 2.5 * att_fwd / (m.attention_bwd_tflops * 1e12);
   // element-wise passes: per token and layer about 120 bytes per hidden unit (the fp32 residual
   // stream through two norms, forward, recompute and backward) and 22 per intermediate unit
   // (SwiGLU forward twice and backward); the loss: 8 bytes per logit
@@ -164,7 +168,7 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   const double ckpt_moved = static_cast<double>(b.checkpoints_in_host()) * static_cast<double>(b.checkpoint_bytes());
   const double ckpt_s = ckpt_moved / (m.d2h_gbs * 1e9) + ckpt_moved / (m.h2d_gbs * 1e9);
   const double gpu_s = gemm_s + att_s + elem_s + adam_dev_s + ckpt_s;
-  t.executed_flops = gemm + (4.5 + refill) * att_fwd;
+  t.executed_flops = gemm + (4.5 + refill - kept) * att_fwd;
   t.model_flops = model_flops(cfg, T, S);
   t.terms.push_back({"GPU", gpu_s,
                      fmt::format("matrix products {:.3f} s ({:.1f} TFLOP at {:.0f} TFLOP/s), attention {:.3f} s, element-wise "
@@ -211,6 +215,57 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   }
   t.step_s = t.bound_s + t.exposed_s;
   return t;
+}
+
+/// The memory plan of `model` trained with `options` on a backend of element types B (anything
+/// with B::Weight, B::Act, B::Acc and B::Res: a backend, or plan::CudaTypes when planning without
+/// one), with `device` describing the backend's memory and `host` the host's (memory_plan.hpp).
+/// `store`: the footprint of the store the trainer will use (default: one built with
+/// store_options(options)). With TrainerOptions::checkpoint_every = 0 the plan keeps every
+/// unit's output where that fits, else a checkpoint every k blocks for the smallest k that fits
+/// (up to about the square root of the depth, beyond which more recompute buffers than
+/// checkpoints are saved); a configuration that fits with none is refused with the last k's reason.
+/// With TrainerOptions::kept_blocks = kAutoKeptBlocks (and a checkpoint at every block), the
+/// number of blocks that keep their activations is the one whose step `machine` predicts the
+/// fastest among those that fit (more only where it is faster by 0.1%: memory kept for nothing
+/// is memory device units could have).
+template <class B, class Block>
+MemoryPlan plan_memory(const DecoderModel<Block>& model, const TrainerOptions& options, const DeviceBudget& device,
+                       const HostBudget& host, const std::optional<StoreFootprint>& store_footprint = std::nullopt,
+                       const MachineFigures& machine = {}) {
+  const std::size_t L = model.num_blocks();
+  const auto with_every = [&](std::size_t every) {
+    const std::size_t asked = options.kept_blocks > 0 ? static_cast<std::size_t>(options.kept_blocks) : 0;
+    if (options.kept_blocks != TrainerOptions::kAutoKeptBlocks || every != 1 || !keeps_activations<B, Block>)
+      return detail::plan_memory_every<B>(model, options, every, every == 1 ? asked : 0, device, host, store_footprint);
+    MemoryPlan best = detail::plan_memory_every<B>(model, options, 1, 0, device, host, store_footprint);
+    if (!best.fits) return best;
+    double best_s = predict_step(model.config(), options, best, machine).step_s;
+    for (std::size_t n = 1; n <= L; ++n) {
+      MemoryPlan p = detail::plan_memory_every<B>(model, options, 1, n, device, host, store_footprint);
+      if (!p.fits) continue;  // (not monotonic: with every block kept, the scratch of recomputing goes)
+      const double s = predict_step(model.config(), options, p, machine).step_s;
+      if (s < best_s * (1 - 1e-3)) {
+        best_s = s;
+        best = std::move(p);
+      }
+    }
+    return best;
+  };
+  if (options.checkpoint_every > 0) return with_every(static_cast<std::size_t>(options.checkpoint_every));
+  if (options.kept_blocks > 0) return with_every(1);  // (kept activations need a checkpoint at every block)
+  MemoryPlan first = with_every(1);
+  if (first.fits || first.fixed_too_large || first.store_bytes > first.host_budget) return first;  // (fewer checkpoints cannot help)
+  std::size_t most = 2;
+  while ((most + 1) * (most + 1) <= L + 2) ++most;  // ~ sqrt(L) + 1
+  MemoryPlan last = std::move(first);
+  for (std::size_t k = 2; k <= std::min(most, L); ++k) {
+    MemoryPlan p = with_every(k);
+    if (p.fits) return p;
+    p.refusal = fmt::format("even with activation checkpoints every {} blocks, {}", k, p.refusal);
+    last = std::move(p);
+  }
+  return last;
 }
 
 }  // namespace megatrain::plan

@@ -16,11 +16,14 @@
 //      of them): on the device while they fit beside a reserve (1/32 of what is left, for what
 //      the backend's libraries allocate themselves), the rest in pinned host memory through two
 //      device staging buffers;
-//   3. device units (TrainerOptions::device_units): the first units in forward order keep their
+//   3. kept activations (TrainerOptions::kept_blocks): the last N blocks keep their activations
+//      from forward to backward instead of recomputing them; the count is given, or chosen by
+//      plan_memory() in cost_model.hpp (the fastest predicted step that fits);
+//   4. device units (TrainerOptions::device_units): the first units in forward order keep their
 //      AdamW state on the device; auto takes the longest prefix that fits beside a reserve (1/32,
 //      at least 1 GiB), and none while checkpoints are in host memory (a checkpoint on the GPU saves host
 //      memory and PCIe time on the compute stream; a device unit only CPU time);
-//   4. the embedding's fp32 rows for the lookup, where the embedding is a host unit.
+//   5. the embedding's fp32 rows for the lookup, where the embedding is a host unit.
 // Host memory: the store (14 bytes per parameter, plus resident gradients or a landing ring),
 // the trainer's pinned buffers, and the spilled checkpoints.
 #pragma once
@@ -134,6 +137,8 @@ struct TrainerBuffers {
   std::size_t checkpoints = 0;          ///< activation checkpoints kept: L + 1, or every k-th below L
   std::size_t checkpoints_on_device = 0;  ///< the rest in host memory, through two staging buffers
   std::size_t recompute_buffers = 0;    ///< k - 1 device buffers for the outputs between checkpoints
+  std::size_t kept_blocks = 0;           ///< the last N blocks keep their activations (no recompute)
+  std::vector<std::size_t> kept_bytes;  ///< by unit: bytes of a kept block's activations for a micro-batch (0: none)
   std::size_t device_units = 0;
   std::vector<std::size_t> device_unit_bytes;  ///< by unit, for each device unit: state, own weights and accumulator
   // host memory (pinned where a GPU is present)
@@ -149,7 +154,13 @@ struct TrainerBuffers {
   /// The recompute buffer of unit u's output when it is not kept and u < L.
   std::size_t recompute_buffer(std::size_t u) const { return u % checkpoint_every - 1; }
   std::size_t checkpoint_bytes() const { return act * sizes.res; }
+  /// Whether unit u is a block that keeps its activations from forward to backward.
+  bool keeps(std::size_t u) const { return u >= 1 && u <= blocks && u + kept_blocks > blocks; }
 };
+
+/// Whether a block op can keep its activations on a backend of element types B (KeepingLayerOp).
+template <class B, class Op>
+inline constexpr bool keeps_activations = requires(const Op& op, Arena& a, ChunkShape c) { op.template reserve_kept<B>(a, c); };
 
 /// One line of a plan's memory.
 struct MemoryLine {
@@ -204,9 +215,11 @@ inline std::size_t device_unit_bytes(const TrainerBuffers& b, std::size_t u, std
 
 namespace detail {
 /// plan_memory with checkpoints every `every` blocks.
+/// plan_memory with checkpoints every `every` blocks and the last `kept` blocks keeping their
+/// activations (0 unless every is 1 and the block op can).
 template <class B, class Block>
 MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOptions& options, std::size_t every,
-                             const DeviceBudget& device, const HostBudget& host,
+                             std::size_t kept, const DeviceBudget& device, const HostBudget& host,
                              const std::optional<StoreFootprint>& store_footprint) {
   const TrainerOptions opt = options.resolved();
   opt.validate();
@@ -254,8 +267,27 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   }
   b.head_acc = b.head_slot;
   b.act = b.micro_tokens * hidden;
+  b.blocks = L;
+  b.checkpoint_every = std::max<std::size_t>(every, 1);
+  if constexpr (keeps_activations<B, Block>)
+    b.kept_blocks = b.checkpoint_every == 1 ? std::min(kept, L) : 0;
+  b.kept_bytes.assign(b.units, 0);
   b.scratch_bytes = model.head().op().template scratch_bytes<B>(chunk);
-  for (std::size_t l = 0; l < L; ++l) b.scratch_bytes = std::max(b.scratch_bytes, model.block(l).op().template scratch_bytes<B>(chunk));
+  for (std::size_t l = 0; l < L; ++l) {
+    const auto& op = model.block(l).op();
+    std::size_t scratch = 0;
+    if constexpr (keeps_activations<B, Block>) {
+      if (b.keeps(l + 1)) {  // the chunks of a micro-batch one after another, as the trainer carves them
+        Arena measure;
+        for (std::int64_t r0 = 0; r0 < opt.micro_rows(); r0 += b.chunk_rows)
+          op.template reserve_kept<B>(measure, ChunkShape{std::min(b.chunk_rows, opt.micro_rows() - r0), opt.seq_len, {}, b.token_block});
+        b.kept_bytes[l + 1] = measure.peak();
+        scratch = op.template kept_scratch_bytes<B>(chunk);
+      }
+    }
+    if (!b.keeps(l + 1)) scratch = op.template scratch_bytes<B>(chunk);
+    b.scratch_bytes = std::max(b.scratch_bytes, scratch);
+  }
   b.packed = opt.packed;
   b.workspace.max_tokens = chunk.tokens();
   b.workspace.max_width = std::max({cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim()});
@@ -264,8 +296,6 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   for (std::int64_t r : {b.chunk_rows, opt.micro_rows() % b.chunk_rows})
     if (r > 0) b.workspace.attention.push_back({r, opt.seq_len, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim});
   b.prepare_bytes = device.prepare_bytes ? device.prepare_bytes(b.workspace) : 0;
-  b.blocks = L;
-  b.checkpoint_every = std::max<std::size_t>(every, 1);
   b.checkpoints = b.checkpoint_every == 1 ? L + 1 : (L - 1) / b.checkpoint_every + 1;
   b.recompute_buffers = b.checkpoint_every - 1;
 
@@ -337,7 +367,18 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   dev.push_back({fmt::format("activation checkpoints on the GPU ({} of {})", fit, b.checkpoints), fit * ckpt});
   if (fit < b.checkpoints) dev.push_back({"checkpoint staging buffers (2)", 2 * ckpt});
 
-  // 3. device units
+  // 3. kept activations
+  if (b.kept_blocks > 0) {
+    std::size_t need = 0;
+    for (std::size_t n : b.kept_bytes) need += n;
+    dev.push_back({fmt::format("activations kept for the backward ({} of {} blocks: no recompute)", b.kept_blocks, L), need});
+    if (device.cap && plan.fits && device.allocated + plan.device_total() > *device.cap)
+      refuse(fmt::format("the activations of {} blocks kept for the backward need {} of GPU memory, more than is left beside "
+                         "the step's other buffers; keep fewer (megatrain-train --keep-activations N, or auto)",
+                         b.kept_blocks, format_bytes(need)));
+  }
+
+  // 4. device units
   const std::size_t units = b.units;
   std::vector<std::size_t> unit_numel(units);
   unit_numel[0] = b.embed_slot;
@@ -373,7 +414,7 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
                    unit_state});
   }
 
-  // 4. a host embedding's fp32 rows, when not allocated first
+  // 5. a host embedding's fp32 rows, when not allocated first
   if (count == 0 && !b.embed_rows_first) {
     b.embed_rows = max_rows * hidden;
     dev.push_back({"embedding rows of the batch (fp32)", embed_rows_bytes()});
@@ -417,34 +458,5 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   return plan;
 }
 }  // namespace detail
-
-/// The memory plan of `model` trained with `options` on a backend of element types B (anything
-/// with B::Weight, B::Act, B::Acc and B::Res: a backend, or plan::CudaTypes when planning without
-/// one), with `device` describing the backend's memory and `host` the host's.
-/// `store`: the footprint of the store the trainer will use (default: one built with
-/// store_options(options)). With TrainerOptions::checkpoint_every = 0 the plan keeps every
-/// unit's output where that fits, else a checkpoint every k blocks for the smallest k that fits
-/// (up to about the square root of the depth, beyond which more recompute buffers than
-/// checkpoints are saved); a configuration that fits with none is refused with the last k's reason.
-template <class B, class Block>
-MemoryPlan plan_memory(const DecoderModel<Block>& model, const TrainerOptions& options, const DeviceBudget& device,
-                       const HostBudget& host, const std::optional<StoreFootprint>& store_footprint = std::nullopt) {
-  if (options.checkpoint_every > 0)
-    return detail::plan_memory_every<B>(model, options, static_cast<std::size_t>(options.checkpoint_every), device, host,
-                                        store_footprint);
-  MemoryPlan first = detail::plan_memory_every<B>(model, options, 1, device, host, store_footprint);
-  if (first.fits || first.fixed_too_large || first.store_bytes > first.host_budget) return first;  // (fewer checkpoints cannot help)
-  const std::size_t L = model.num_blocks();
-  std::size_t most = 2;
-  while ((most + 1) * (most + 1) <= L + 2) ++most;  // ~ sqrt(L) + 1
-  MemoryPlan last = std::move(first);
-  for (std::size_t k = 2; k <= std::min(most, L); ++k) {
-    MemoryPlan p = detail::plan_memory_every<B>(model, options, k, device, host, store_footprint);
-    if (p.fits) return p;
-    p.refusal = fmt::format("even with activation checkpoints every {} blocks, {}", k, p.refusal);
-    last = std::move(p);
-  }
-  return last;
-}
 
 }  // namespace megatrain::plan

@@ -6,7 +6,8 @@
 //                          keep its output (the next unit's input) as the activation checkpoint
 //   head      H            final norm + LM head + cross-entropy, fused with its backward, chunked
 //   backward  BL..B1, B0   prefetch again, recompute each chunk from its checkpoint, backpropagate,
-//                          accumulate the weight gradient over chunks, offload it
+//                          accumulate the weight gradient over chunks, offload it (blocks that
+//                          keep their activations, TrainerOptions::kept_blocks, recompute nothing)
 //   optimizer              AdamW on the unit as soon as its gradient has landed on the host
 // Each item flows through StreamPipeline<prefetch, compute, offload, [user stages], optimizer>,
 // so prefetching unit u+1 overlaps computing unit u, offloading u's gradient overlaps computing
@@ -131,7 +132,9 @@ struct TrainItem {
   Kind kind;
   std::size_t unit;
   std::int64_t micro = 0;
-  std::int64_t piece = 0;  ///< grad_piece: piece number (>= 1); embed_rest: which rows (0, 1, ...); optimize: piece (>= 0)
+  /// grad_piece: piece number (>= 1); embed_rest: which rows (0, 1, ...); optimize: piece (>= 0);
+  /// forward: 1 in an evaluation (no activations kept for a backward)
+  std::int64_t piece = 0;
   /// Set by the trainer: the item hands a host gradient to the stages after offload (an untied
   /// embedding's untouched rows: a zero one, which does not cross).
   bool host_gradient = false;
@@ -313,7 +316,7 @@ class Trainer {
       if (!devices_.holds(0)) find_touched_rows(std::span<const std::int32_t>(ids_host_).first(static_cast<std::size_t>(mt)));
       state_->micro_rows = opt_.micro_rows();
       std::vector<TrainItem> items;
-      for (std::size_t u = 0; u <= model_.num_blocks(); ++u) items.push_back({Kind::forward, u, 0});
+      for (std::size_t u = 0; u <= model_.num_blocks(); ++u) items.push_back({Kind::forward, u, 0, 1});  // (1: keeps nothing)
       items.push_back({Kind::head_eval, model_.head_unit(), 0});
       pipeline_->submit(items);
       pipeline_->drain();
@@ -611,10 +614,20 @@ class Trainer {
             const auto& tmpl = t.model_.block(it.unit - 1);
             const auto w = t.weights(tmpl, it.unit, s.in);
             const auto in = t.ckpt_out(it.unit - 1);  // the previous unit's output is still there
-            for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
-              tmpl.op().forward(t.be_, block_chunk(r0, n_rows), w, View<const Res>(rows_of(in, r0, n_rows)), rows_of(out, r0, n_rows),
-                                t.arena_);
-            });
+            if (it.piece == 0 && t.plan_.buffers.keeps(it.unit)) {  // its activations stay for the backward
+              if constexpr (plan::keeps_activations<B, Block>) {
+                Arena kept(t.kept_[it.unit].span());
+                for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
+                  tmpl.op().forward_keep(t.be_, block_chunk(r0, n_rows), w, View<const Res>(rows_of(in, r0, n_rows)),
+                                         rows_of(out, r0, n_rows), kept, t.arena_);
+                });
+              }
+            } else {
+              for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
+                tmpl.op().forward(t.be_, block_chunk(r0, n_rows), w, View<const Res>(rows_of(in, r0, n_rows)), rows_of(out, r0, n_rows),
+                                  t.arena_);
+              });
+            }
           }
           t.spill(exec, it.unit);
           break;
@@ -696,11 +709,22 @@ class Trainer {
             if (t.fresh(it, it.unit)) t.be_.zero(exec, acc);
             const auto g = tmpl.bind(acc);
             const auto x = t.ckpt_in(exec, it.unit - 1);
-            for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
-              tmpl.op().backward(t.be_, block_chunk(r0, n_rows), w, View<const Res>(rows_of(x, r0, n_rows)),
-                                 View<const Res>(rows_of(t.dbuf_[dy].span(), r0, n_rows)), rows_of(t.dbuf_[1 - dy].span(), r0, n_rows),
-                                 g, t.arena_);
-            });
+            if (t.plan_.buffers.keeps(it.unit)) {  // from the activations its forward kept
+              if constexpr (plan::keeps_activations<B, Block>) {
+                Arena kept(t.kept_[it.unit].span());
+                for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
+                  tmpl.op().backward_kept(t.be_, block_chunk(r0, n_rows), w, View<const Res>(rows_of(x, r0, n_rows)),
+                                          View<const Res>(rows_of(t.dbuf_[dy].span(), r0, n_rows)),
+                                          rows_of(t.dbuf_[1 - dy].span(), r0, n_rows), g, kept, t.arena_);
+                });
+              }
+            } else {
+              for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
+                tmpl.op().backward(t.be_, block_chunk(r0, n_rows), w, View<const Res>(rows_of(x, r0, n_rows)),
+                                   View<const Res>(rows_of(t.dbuf_[dy].span(), r0, n_rows)), rows_of(t.dbuf_[1 - dy].span(), r0, n_rows),
+                                   g, t.arena_);
+              });
+            }
             dy = 1 - dy;
           }
           break;
@@ -913,6 +937,10 @@ class Trainer {
     spilled_ = b.checkpoints_in_host();
     if (spilled_ > 0)
       for (int k = 0; k < 2; ++k) ckpt_staging_.push_back(alloc<Res>(b.act));
+    // Kept activations: the last blocks' (plan::TrainerBuffers::keeps)
+    kept_.resize(L + 2);
+    for (std::size_t u = 1; u <= L; ++u)
+      if (b.keeps(u)) kept_[u] = alloc<std::byte>(b.kept_bytes[u]);
     // Host: ids, labels, compact ids and touched rows (int32), then per-token losses; pinned with a GPU
     const std::size_t batch_tokens = b.batch_tokens;
     host_io_ = HostBuffer::allocate(batch_tokens * (4 * sizeof(std::int32_t) + sizeof(Acc)));
@@ -959,6 +987,7 @@ class Trainer {
     const std::size_t count = plan_.buffers.device_units;
     opt_.device_units = static_cast<std::int64_t>(count);
     opt_.checkpoint_every = static_cast<std::int64_t>(plan_.buffers.checkpoint_every);
+    opt_.kept_blocks = static_cast<std::int64_t>(plan_.buffers.kept_blocks);
     if (count == 0) return;
     devices_ = DeviceUnits<B>(be_, store_, count);
     dev_weights_.resize(model_.num_units());
@@ -1341,6 +1370,7 @@ class Trainer {
   std::vector<HostBuffer> ckpt_host_mem_;
   std::vector<Buf<Res>> ckpt_staging_;  // two device buffers for spilled checkpoints
   std::vector<Buf<Res>> recompute_;     // a checkpoint every k >= 2 blocks: the k - 1 outputs between
+  std::vector<Buf<std::byte>> kept_;    // kept_[u]: a block's activations from its forward to its backward (plan::TrainerBuffers::keeps)
   std::size_t spilled_ = 0;
   std::vector<Buf<Res>> dbuf_;  // gradients w.r.t. activations, ping-pong
   Buf<std::byte> scratch_mem_;

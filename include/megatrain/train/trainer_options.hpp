@@ -37,6 +37,8 @@ enum class GradientHome {
 struct TrainerOptions {
   /// device_units: as many units as the device has room for (see there).
   static constexpr std::int64_t kAutoDeviceUnits = -1;
+  /// kept_blocks: as many as make the step fastest (see there).
+  static constexpr std::int64_t kAutoKeptBlocks = -1;
 
   std::int64_t batch_rows = 8;     ///< sequences per optimizer step
   std::int64_t seq_len = 128;
@@ -56,6 +58,13 @@ struct TrainerOptions {
   /// those blocks; k - 1 more device buffers), for long sequences whose checkpoints do not fit.
   /// 0: 1 where the step fits, else the smallest k that makes it fit (the planner decides).
   std::int64_t checkpoint_every = 0;
+  /// The last N decoder blocks keep their activations in backend memory from forward to backward,
+  /// so that the backward runs none of their forward's matrix products again (layout only: the
+  /// same bits; a block op that is a KeepingLayerOp, and a checkpoint at every block). The memory
+  /// is about (6 + 2 x kv_dim / hidden) x hidden + 4 x intermediate bytes per token and block on
+  /// the CUDA backend. kAutoKeptBlocks: the plan's choice, the count whose predicted step is the
+  /// fastest among those that fit, beside the device units (plan/cost_model.hpp); 0: none.
+  std::int64_t kept_blocks = kAutoKeptBlocks;
   /// Rows may hold several sequences (packing, docs/data.md): step() and evaluate() then take
   /// each token's position within its sequence, and attention stays within each sequence.
   bool packed = false;
@@ -108,6 +117,10 @@ struct TrainerOptions {
     MT_CHECK(std::isfinite(clip_norm) && clip_norm >= 0, "clip_norm must be finite and >= 0 (got {})", clip_norm);
     MT_CHECK(jitter_us >= 0, "jitter_us must be >= 0");
     MT_CHECK(device_units >= kAutoDeviceUnits, "device_units must be >= 0, or kAutoDeviceUnits (got {})", device_units);
+    MT_CHECK(kept_blocks >= kAutoKeptBlocks, "kept_blocks must be >= 0, or kAutoKeptBlocks (got {})", kept_blocks);
+    MT_CHECK(kept_blocks <= 0 || checkpoint_every <= 1,
+             "kept activations (kept_blocks {}) need a checkpoint at every block, not every {} blocks", kept_blocks,
+             checkpoint_every);
     adamw.validate();
     schedule.validate();
   }
@@ -137,7 +150,8 @@ inline nlohmann::json to_json(const TrainerOptions& o) {
           {"weight_slots", o.weight_slots},
           {"grad_slots", o.grad_slots},
           {"gradient_home", o.gradient_home == GradientHome::device ? "device" : "host"},
-          {"device_units", o.device_units}};
+          {"device_units", o.device_units},
+          {"kept_blocks", o.kept_blocks}};
 }
 
 /// Reads what to_json wrote; throws megatrain::Error naming `what` and the field otherwise.
@@ -170,6 +184,7 @@ inline TrainerOptions trainer_options_from_json(const nlohmann::json& j, std::st
     MT_CHECK(home == "device" || home == "host", "{}: gradient_home '{}' is unknown", what, home);
     o.gradient_home = home == "device" ? GradientHome::device : GradientHome::host;
     o.device_units = j.value("device_units", std::int64_t{0});
+    o.kept_blocks = j.value("kept_blocks", std::int64_t{0});
   } catch (const nlohmann::json::exception& e) {
     MT_FAIL("{}: the trainer options are malformed: {}", what, e.what());
   }

@@ -8,6 +8,12 @@
 //
 // and CarvedOp turns them into scratch_bytes(), forward() and backward() (which recomputes from
 // x, then backpropagates): one carving serves both, so the scratch measured is the scratch used.
+//
+// An op whose carve also takes `Arena* kept` (carve<B>(Arena&, ChunkShape, bool, Arena* kept))
+// can keep its activations from forward to backward instead of recomputing them (KeepingLayerOp,
+// layer_op.hpp): it carves what backprop() reads of the forward from `kept` (the same views
+// whether or not with_backward), and the rest from the scratch arena; its run() and backprop()
+// must then produce the same bits as the recomputing pair.
 #pragma once
 
 #include <cstddef>
@@ -21,6 +27,9 @@ namespace megatrain {
 
 template <class Derived>
 class CarvedOp {
+  template <class B, class D>
+  static constexpr bool Keeps = requires(const D& d, Arena& a, ChunkShape c) { d.template carve<B>(a, c, true, &a); };
+
  public:
   template <class B>
   std::size_t scratch_bytes(ChunkShape c) const {
@@ -51,6 +60,40 @@ class CarvedOp {
     const auto a = self().template carve<B>(scratch, c, true);
     self().run_kept(be, c, w, x, a);  // recompute from the input (the activation checkpoint)
     self().backprop(be, c, w, x, a, dy, dx, g);
+  }
+
+  // Keeping activations (KeepingLayerOp): forward_keep() leaves the chunk's activations carved
+  // from `kept`; backward_kept() carves the same views from an arena over the same memory, in
+  // the same order of chunks, and backpropagates without recomputing.
+  template <class B, class D = Derived>
+    requires Keeps<B, D>
+  void reserve_kept(Arena& kept, ChunkShape c) const {
+    Arena measure;
+    (void)self().template carve<B>(measure, c, true, &kept);
+  }
+  template <class B, class D = Derived>
+    requires Keeps<B, D>
+  std::size_t kept_scratch_bytes(ChunkShape c) const {
+    Arena measure, kept;
+    (void)self().template carve<B>(measure, c, true, &kept);
+    return measure.peak();
+  }
+  template <class B, class D = Derived>
+    requires Keeps<B, D>
+  void forward_keep(B& be, ChunkShape c, const typename D::template Weights<const typename B::Weight>& w,
+                    View<const typename B::Res> x, View<typename B::Res> y, Arena& kept, Arena& scratch) const {
+    check_io<B, D>();
+    ArenaScope scope(scratch);
+    self().run(be, c, w, x, self().template carve<B>(scratch, c, false, &kept), y);
+  }
+  template <class B, class D = Derived>
+    requires Keeps<B, D>
+  void backward_kept(B& be, ChunkShape c, const typename D::template Weights<const typename B::Weight>& w,
+                     View<const typename B::Res> x, View<const typename B::Res> dy, View<typename B::Res> dx,
+                     const typename D::template Weights<typename B::Acc>& g, Arena& kept, Arena& scratch) const {
+    check_io<B, D>();
+    ArenaScope scope(scratch);
+    self().backprop(be, c, w, x, self().template carve<B>(scratch, c, true, &kept), dy, dx, g);
   }
 
  protected:

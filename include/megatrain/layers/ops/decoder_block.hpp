@@ -12,6 +12,11 @@
 // checkpoint), keeping its activations and h, then backpropagates through the parts in reverse,
 // recomputing the MLP's activations a token block at a time on the way.
 //
+// Kept activations (KeepingLayerOp, where the trainer has room): the forward keeps h, the
+// attention's q, k, v, output and log-sum-exp, and the MLP's gate and up projections of the
+// whole chunk; the backward then runs no matrix product of the forward again, only the norms
+// and SwiGLU's product (element-wise, the same bits).
+//
 // Token blocks (ChunkShape::token_block): the norms, the projections and the MLP run on blocks
 // of that many tokens, so that their buffers (the MLP's are the largest: 6 x intermediate_size
 // per token) are bounded by the block; only q, k, v, the attention output (and their
@@ -75,24 +80,27 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
     View<typename B::Res> x2;      // h, the whole chunk's
     View<typename B::Acc> rstd1, rstd2;
     typename SelfAttention::template Acts<B> attn;
-    typename SwiGluMlp::template Acts<B> mlp;  // a token block's
+    typename SwiGluMlp::template Acts<B> mlp;  // a token block's (kept: g and u the whole chunk's)
     View<typename B::Act> dn, dya;  // backward only: a norm's input gradient; dy, then dh, as activations
+    bool kept = false;              // h, the attention's and the MLP's g and u kept from the forward
   };
 
-  // The scratch of one chunk, carved in one place so scratch_bytes() and the real runs agree.
+  // The scratch of one chunk, carved in one place so scratch_bytes() and the real runs agree;
+  // with `kept`, what backprop() reads of the forward comes from there (CarvedOp).
   template <class B>
-  Acts<B> carve(Arena& ar, ChunkShape c, bool with_backward) const {
+  Acts<B> carve(Arena& ar, ChunkShape c, bool with_backward, Arena* kept = nullptr) const {
     using A = typename B::Act;
     using C = typename B::Acc;
     const std::int64_t M = c.tokens(), T = c.block_tokens(), d = cfg_.hidden_size;
     Acts<B> a;
+    a.kept = kept != nullptr;
     a.n1 = ar.alloc<A>({T, d});
-    a.x2 = ar.alloc<typename B::Res>({M, d});
+    a.x2 = (kept ? *kept : ar).template alloc<typename B::Res>({M, d});
     a.n2 = ar.alloc<A>({T, d});
     a.rstd1 = ar.alloc<C>({T});
     a.rstd2 = ar.alloc<C>({T});
-    a.attn = attn_.carve<B>(ar, c, with_backward);
-    a.mlp = mlp_.carve<B>(ar, ChunkShape{1, T}, with_backward);
+    a.attn = attn_.carve<B>(ar, c, with_backward, kept);
+    a.mlp = mlp_.carve<B>(ar, ChunkShape{1, T}, with_backward, kept, M);
     if (with_backward) {
       a.dn = ar.alloc<A>({T, d});
       a.dya = ar.alloc<A>({T, d});
@@ -110,7 +118,7 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
       const auto n2 = token_rows(a.n2, 0, n);
       const auto h = cview(token_rows(a.x2, t0, n));
       be.rmsnorm(h, w.post_norm, cfg_.rms_norm_eps, n2, token_rows(a.rstd2, 0, n));
-      const auto m = mlp_acts(a, n);
+      const auto m = mlp_acts(a, t0, n);
       mlp_.run_kept(be, ChunkShape{1, n}, w.mlp, cview(n2), m);
       be.linear_add(cview(m.m), w.mlp.down, w.mlp.down_bias, h, token_rows(y, t0, n));  // y = h + down(m)
     });
@@ -147,8 +155,8 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
       const auto rstd2 = token_rows(a.rstd2, 0, n);
       const auto h = cview(token_rows(a.x2, t0, n));
       be.rmsnorm(h, w.post_norm, cfg_.rms_norm_eps, n2, rstd2);
-      const auto m = mlp_acts(a, n);
-      mlp_.run_kept(be, ChunkShape{1, n}, w.mlp, cview(n2), m);
+      const auto m = mlp_acts(a, t0, n);
+      if (!a.kept) mlp_.run_kept(be, ChunkShape{1, n}, w.mlp, cview(n2), m);  // (kept: backprop makes m from g and u)
       be.convert(token_rows(dy, t0, n), dya);
       mlp_.backprop(be, ChunkShape{1, n}, w.mlp, cview(n2), m, cview(dya), dn, g.mlp);
       be.rmsnorm_backward(h, w.post_norm, cview(rstd2), cview(dn), token_rows(dy, t0, n), token_rows(dx, t0, n), dya,
@@ -161,7 +169,7 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
     c.for_each_block([&](std::int64_t t0, std::int64_t n) {
       const auto n1 = token_rows(a.n1, 0, n), dn = token_rows(a.dn, 0, n), rstd1 = token_rows(a.rstd1, 0, n);
       const auto xs = token_rows(x, t0, n);
-      if (c.block_tokens() < c.tokens())  // (one block: n1 and rstd1 are still the forward's)
+      if (a.kept || c.block_tokens() < c.tokens())  // (one block, recomputed: n1 and rstd1 are still the forward's)
         be.rmsnorm(xs, w.input_norm, cfg_.rms_norm_eps, n1, rstd1);
       attn_.project_backward(be, w.attn, cview(n1), a.attn, t0, dn, g.attn);
       const auto dxs = token_rows(dx, t0, n);
@@ -172,12 +180,15 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
 
  private:
   std::string name(const char* suffix) const { return prefix_ + suffix; }
-  /// The MLP's activations for a token block of n tokens (the first n rows of its buffers).
+  /// The MLP's activations for the token block [t0, t0 + n): the first n rows of its buffers
+  /// (kept: g and u span the chunk, their rows from t0).
   template <class B>
-  typename SwiGluMlp::template Acts<B> mlp_acts(const Acts<B>& a, std::int64_t n) const {
+  typename SwiGluMlp::template Acts<B> mlp_acts(const Acts<B>& a, std::int64_t t0, std::int64_t n) const {
     auto m = a.mlp;
-    for (auto* v : {&m.g, &m.u, &m.m, &m.dm, &m.dg, &m.du})
+    for (auto* v : {&m.m, &m.dm, &m.dg, &m.du})
       if (!v->is_null()) *v = token_rows(*v, 0, n);
+    for (auto* v : {&m.g, &m.u})
+      if (!v->is_null()) *v = token_rows(*v, a.kept ? t0 : 0, n);
     return m;
   }
 

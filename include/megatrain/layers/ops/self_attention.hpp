@@ -72,16 +72,19 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     View<typename B::Acc> lse;
     View<typename B::Act> datt, dq, dk, dv;  // with_backward only
   };
+  /// `kept`: where the activations backprop() reads (q, k, v, att, lse) are kept from forward to
+  /// backward (CarvedOp); none: the scratch arena.
   template <class B>
-  Acts<B> carve(Arena& ar, ChunkShape c, bool with_backward) const {
+  Acts<B> carve(Arena& ar, ChunkShape c, bool with_backward, Arena* kept = nullptr) const {
     using A = typename B::Act;
     const std::int64_t M = c.tokens(), qd = cfg_.q_dim(), kd = cfg_.kv_dim();
+    Arena& k = kept ? *kept : ar;
     Acts<B> a;
-    a.q = ar.alloc<A>({M, qd});
-    a.k = ar.alloc<A>({M, kd});
-    a.v = ar.alloc<A>({M, kd});
-    a.att = ar.alloc<A>({M, qd});
-    a.lse = ar.alloc<typename B::Acc>({c.rows, cfg_.num_attention_heads, c.seq});
+    a.q = k.alloc<A>({M, qd});
+    a.k = k.alloc<A>({M, kd});
+    a.v = k.alloc<A>({M, kd});
+    a.att = k.alloc<A>({M, qd});
+    a.lse = k.alloc<typename B::Acc>({c.rows, cfg_.num_attention_heads, c.seq});
     if (with_backward) {
       a.datt = ar.alloc<A>({M, qd});
       a.dq = ar.alloc<A>({M, qd});

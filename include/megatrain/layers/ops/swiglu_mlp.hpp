@@ -59,14 +59,21 @@ class SwiGluMlp : public CarvedOp<SwiGluMlp> {
   struct Acts {
     View<typename B::Act> g, u, m;
     View<typename B::Act> dm, dg, du;  // with_backward only
+    bool kept = false;  // g and u were kept from the forward: backprop() recomputes m from them
   };
+  /// `kept`: where g and u are kept from forward to backward (CarvedOp), for `kept_tokens`
+  /// tokens (0: the chunk's; a block keeps a whole chunk's and runs token blocks of c); none:
+  /// the scratch arena.
   template <class B>
-  Acts<B> carve(Arena& ar, ChunkShape c, bool with_backward) const {
+  Acts<B> carve(Arena& ar, ChunkShape c, bool with_backward, Arena* kept = nullptr, std::int64_t kept_tokens = 0) const {
     using A = typename B::Act;
     const std::int64_t M = c.tokens(), f = cfg_.intermediate_size;
+    Arena& k = kept ? *kept : ar;
+    const std::int64_t K = kept && kept_tokens > 0 ? kept_tokens : M;
     Acts<B> a;
-    a.g = ar.alloc<A>({M, f});
-    a.u = ar.alloc<A>({M, f});
+    a.g = k.alloc<A>({K, f});
+    a.u = k.alloc<A>({K, f});
+    a.kept = kept != nullptr;
     a.m = ar.alloc<A>({M, f});
     if (with_backward) {
       a.dm = ar.alloc<A>({M, f});
@@ -101,6 +108,7 @@ class SwiGluMlp : public CarvedOp<SwiGluMlp> {
   void backprop(B& be, ChunkShape, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
                 const Acts<B>& a, View<const typename B::Act> dy, View<typename B::Act> dx,
                 const Weights<typename B::Acc>& g) const {
+    if (a.kept) be.swiglu(cview(a.g), cview(a.u), a.m);  // (the forward's m, the same bits)
     be.linear_backward(cview(a.m), w.down, dy, a.dm, false, g.down, g.down_bias);
     be.swiglu_backward(cview(a.g), cview(a.u), cview(a.dm), a.dg, a.du);
     be.linear_backward(x, w.gate, cview(a.dg), dx, false, g.gate, g.gate_bias);
