@@ -17,8 +17,11 @@
 //            the copies do).
 // With exact clipping (resident gradients) the D2H and CPU terms belong to the AdamW pass, which
 // runs after the backward beside the next step's forward: what it takes beyond that forward is
-// added. The step is the largest term plus what cannot overlap: the first block's weights before
-// the first forward can start, and, when gradients stream, the last unit's gradient and update.
+// added; when gradients stream instead, the CPU steps each unit as its gradient lands during the
+// backward, and what it takes beyond the backward is added (the next forward needs the lowest
+// units first, the last to be stepped). The step is the largest term plus what cannot overlap:
+// the first block's weights before the first forward can start, and, when gradients stream, the
+// last unit's gradient and update.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -212,6 +215,17 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   if (pass && pass_s > fwd_s) {
     t.exposed_s += pass_s - fwd_s;
     t.exposed_detail = fmt::format("the AdamW pass takes {:.3f} s beside a {:.3f} s forward", pass_s, fwd_s);
+  }
+  // Streamed gradients are stepped as they land during the backward, the lowest host units (the
+  // first the next forward needs, after the device units') last: what the CPU's AdamW takes
+  // beyond the backward and the device units' forward delays the next step.
+  if (!pass) {
+    const double bwd_s = std::max(0.0, gpu_s - fwd_s);
+    const double slack = bwd_s + fwd_s * blocks_dev / L;
+    if (cpu_s > slack) {
+      t.exposed_s += cpu_s - slack;
+      t.exposed_detail = fmt::format("the CPU's AdamW takes {:.3f} s beside a {:.3f} s backward", cpu_s, bwd_s);
+    }
   }
   t.step_s = t.bound_s + t.exposed_s;
   return t;
