@@ -119,7 +119,7 @@ double measured_gemm_tflops(B& be) {
 template <class B>
 int run(B& be, const char* name, const Args& a) {
   const double gemm_measured = measured_gemm_tflops(be);  // (before the trainer takes the memory)
-  plan::MachineFigures machine;
+  plan::MachineFigures machine = plan::machine_figures();  // (a probe's, else the reference host's)
   if (!a.machine.empty()) {
     std::ifstream f(a.machine);
     MT_CHECK(f.good(), "--machine '{}': cannot open it", a.machine);

@@ -15,6 +15,8 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -25,6 +27,7 @@
 #include "megatrain/core/host_memory.hpp"
 #include "megatrain/layers/decoder_model.hpp"
 #include "megatrain/plan/planner.hpp"
+#include "megatrain/plan/probe.hpp"
 #if MEGATRAIN_HAS_CUDA
 #include "megatrain/backend/cuda/cuda_backend.hpp"
 #endif
@@ -38,6 +41,7 @@ struct PlanArgs {
   std::int64_t tokens_per_step = 0;
   std::string machine;  // --machine FILE
   bool json = false;
+  bool probe = false;   // --probe: measure the machine's rates, keep them
 };
 
 template <class B>
@@ -113,17 +117,41 @@ int run(const Settings& s, const CLI::App& app, const PlanArgs& a) {
   topt.clip_mode = s.clip_mode == "stale" ? ClipMode::stale : ClipMode::exact;
   topt.validate();
 
+  // The machine's rates: measured now (--probe, kept in --machine FILE or the default file), read
+  // from --machine FILE, from the default file a probe left, or the reference H200 host's.
   plan::MachineFigures machine;
-  if (!a.machine.empty()) {
-    std::ifstream f(a.machine);
-    MT_CHECK(f.good(), "--machine '{}': cannot open it", a.machine);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(f);
-    } catch (const nlohmann::json::parse_error& e) {
-      MT_FAIL("--machine '{}': malformed JSON: {}", a.machine, e.what());
+  const std::filesystem::path cached = plan::default_machine_file();
+  if (a.probe) {
+    const std::filesystem::path out = a.machine.empty() ? cached : std::filesystem::path(a.machine);
+    MT_CHECK(!out.empty(), "--probe: there is no default place for the figures (HOME is not set); pass --machine FILE");
+#if MEGATRAIN_HAS_CUDA
+    MT_CHECK(s.backend != "cpu" && cuda_device_present(), "--probe measures this machine's GPU, and there is none here{}",
+             s.backend == "cpu" ? " (--backend cpu)" : "");
+    {
+      CudaBackend pbe;  // (its own: the plan's backend below starts with nothing allocated)
+      cudaDeviceProp prop{};
+      MT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+      std::fprintf(stderr, "megatrain-plan: probing this machine (%s) at the shapes of this model, --seq %lld ...\n", prop.name,
+                   static_cast<long long>(s.seq));
+      machine = plan::probe_machine(pbe, cfg, s.seq, fmt::format("probed: {}, {} at --seq {}", prop.name, cfg.architecture_name(), s.seq));
     }
-    machine = plan::machine_figures_from_json(j, fmt::format("--machine '{}'", a.machine));
+#else
+    MT_FAIL("--probe measures this machine's GPU: this build of megatrain has no CUDA");
+#endif
+    if (out.has_parent_path()) std::filesystem::create_directories(out.parent_path());
+    const std::filesystem::path tmp = out.string() + ".tmp";
+    {
+      std::ofstream f(tmp);
+      f << plan::to_json(machine).dump(2) << "\n";
+      MT_CHECK(f.good(), "--probe: cannot write '{}'", tmp.string());
+    }
+    std::filesystem::rename(tmp, out);
+    std::fprintf(stderr, "megatrain-plan: the figures are kept in %s (used from now on; --machine FILE for others)\n%s\n",
+                 out.c_str(), plan::to_json(machine).dump(2).c_str());
+  } else if (!a.machine.empty()) {
+    machine = plan::read_machine_figures(a.machine, fmt::format("--machine '{}'", a.machine));
+  } else {
+    machine = plan::machine_figures();  // (a probe's, else the reference host's)
   }
   const plan::HostBudget host = host_budget(s);
   const DecoderModel<> model(cfg);
@@ -176,6 +204,10 @@ int main(int argc, char** argv) {
                   "JSON file of the machine's rates for the step time (h2d_gbs, d2h_gbs, duplex_gbs, gemm_tflops, "
                   "attention_fwd_tflops, attention_bwd_tflops, hbm_gbs, adamw_gparams, adamw_dma_gparams; default: the "
                   "reference H200 host)");
+  mem->add_flag("--probe", a.probe,
+                "Measure this machine's rates at this model's shapes (GPU matrix products and attention, device memory, "
+                "PCIe each way and both, the CPU's AdamW alone and under copies) and keep them in --machine FILE, or by "
+                "default in $MEGATRAIN_MACHINE, else ~/.cache/megatrain/machine.json, which later plans read");
   app.add_flag("--json", a.json, "Print the plan as JSON");
   try {
     app.parse(argc, argv);
@@ -186,6 +218,9 @@ int main(int argc, char** argv) {
     return run(s, app, a);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const megatrain::Error& e) {  // (the reason; MEGATRAIN_DEBUG adds where it was raised)
+    std::fprintf(stderr, "megatrain-plan: %s\n", std::getenv("MEGATRAIN_DEBUG") ? e.what() : e.reason().c_str());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "megatrain-plan: %s\n", e.what());
     return 1;

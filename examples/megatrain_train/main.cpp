@@ -637,7 +637,8 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   // fit when it cannot.
   FILE* const info = plan.eval_only ? stderr : stdout;
   {
-    const plan::StepPlan sp = plan::plan_step<B>(model, topt, plan::device_budget(be), host_budget(s));
+    const plan::StepPlan sp =
+        plan::plan_step<B>(model, topt, plan::device_budget(be), host_budget(s), B::kDevice ? plan::machine_figures() : plan::MachineFigures{});
     MT_CHECK(sp.memory.fits, "{}", sp.refusal());
     std::fprintf(info, "%s", plan::format_summary(sp).c_str());
   }

@@ -20,7 +20,10 @@ function(write_hex path hex)
   endif()
 endfunction()
 
-if(SETUP STREQUAL "empty")
+if(SETUP STREQUAL "machine")
+  # figures as megatrain-plan --probe keeps them: a machine whose CPU steps 100 Gparam/s
+  file(WRITE "${WORK}/machine.json" "{\"name\": \"probed: test machine\", \"adamw_gparams\": 100, \"adamw_dma_gparams\": 100}\n")
+elseif(SETUP STREQUAL "empty")
   file(WRITE "${WORK}/data.bin" "")
 elseif(SETUP STREQUAL "odd")
   write_hex("${WORK}/data.bin" "010203")
@@ -93,6 +96,9 @@ if(DEFINED CONFIG_JSON)
 endif()
 string(REPLACE "@WORK@" "${WORK}" ARGS "${ARGS}")
 
+# (hermetic: the machine figures a probe may have kept on this machine are not read, unless a
+# test gives its own in WORK/machine.json through SETUP machine)
+set(ENV{MEGATRAIN_MACHINE} "${WORK}/machine.json")
 set(command "${TRAIN}" ${ARGS})
 if(TTY)
   # script(1) gives the program a pseudo-terminal, as an interactive shell would.

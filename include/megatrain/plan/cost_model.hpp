@@ -30,6 +30,9 @@
 #include <cmath>
 #include <iterator>
 #include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -97,6 +100,40 @@ inline MachineFigures machine_figures_from_json(const nlohmann::json& j, std::st
     m.*f->value = value.get<double>();
   }
   return m;
+}
+
+/// Where `megatrain-plan --probe` keeps this machine's figures (plan/probe.hpp):
+/// $MEGATRAIN_MACHINE, else $XDG_CACHE_HOME/megatrain/machine.json, else
+/// ~/.cache/megatrain/machine.json (empty: no home).
+inline std::filesystem::path default_machine_file() {
+  if (const char* e = std::getenv("MEGATRAIN_MACHINE"); e != nullptr && *e != '\0') return e;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x != nullptr && *x != '\0')
+    return std::filesystem::path(x) / "megatrain" / "machine.json";
+  if (const char* h = std::getenv("HOME"); h != nullptr && *h != '\0')
+    return std::filesystem::path(h) / ".cache" / "megatrain" / "machine.json";
+  return {};
+}
+
+/// The figures of the file at `path` (machine_figures_from_json), `what` naming it in errors.
+inline MachineFigures read_machine_figures(const std::filesystem::path& path, std::string_view what) {
+  std::ifstream f(path);
+  MT_CHECK(f.good(), "{}: cannot open it", what);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const nlohmann::json::parse_error& e) {
+    MT_FAIL("{}: malformed JSON: {}", what, e.what());
+  }
+  return machine_figures_from_json(j, what);
+}
+
+/// This machine's figures as a probe kept them (default_machine_file()), else the reference
+/// H200 host's: what the trainer's plan decides with, and what megatrain-plan and megatrain-train
+/// predict with unless given --machine.
+inline MachineFigures machine_figures() {
+  const std::filesystem::path f = default_machine_file();
+  if (f.empty() || !std::filesystem::exists(f)) return {};
+  return read_machine_figures(f, fmt::format("the figures megatrain-plan --probe kept in '{}' (remove it, or probe again)", f.string()));
 }
 
 /// One term of the step time.

@@ -885,7 +885,9 @@ class Trainer {
     MT_NVTX_RANGE("Trainer::allocate");
     const plan::DeviceBudget budget = plan::device_budget(be_, sizeof...(UserStages) > 0);
     const plan::HostBudget host{store_.host_budget(), "the host memory budget the store was built with"};
-    plan_ = plan::plan_memory<B>(model_, opt_, budget, host, store_.footprint());
+    // (decided on this machine's figures where megatrain-plan --probe kept them: plan::machine_figures())
+    plan_ = plan::plan_memory<B>(model_, opt_, budget, host, store_.footprint(),
+                                 B::kDevice ? plan::machine_figures() : plan::MachineFigures{});
     if (!plan_.fits) MT_FAIL("{}", plan::refusal_message(plan_, plan::suggest<B>(model_, opt_, budget, host, store_.footprint())));
     const plan::TrainerBuffers& b = plan_.buffers;
     const std::size_t L = model_.num_blocks();
