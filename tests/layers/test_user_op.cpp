@@ -40,6 +40,8 @@ struct DeviceLikeBackend : CpuBackend<float> {
 
 static_assert(LayerOp<Gpt2Block, CpuBackend<double>>);
 static_assert(LayerOp<Gpt2Block, CpuBackend<float>>);
+// (its carve takes no kept arena: it recomputes in the backward, and the trainer keeps nothing of it)
+static_assert(!KeepingLayerOp<Gpt2Block, CpuBackend<float>>);
 static_assert(Backend<DeviceLikeBackend>);
 static_assert(!LayerOp<Gpt2Block, DeviceLikeBackend>);
 static_assert(std::is_same_v<DecoderModel<Gpt2Block>::BlockFactory::result_type, Gpt2Block>);

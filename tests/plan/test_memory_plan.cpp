@@ -393,6 +393,12 @@ TEST_CASE("checkpoints every k blocks: the same bits as every unit's, in every m
   CHECK(any_spilled);
 }
 
+// The shipped ops keep activations (CarvedOp with a kept arena); the concept is what the trainer
+// asks of a block.
+static_assert(KeepingLayerOp<DecoderBlock, CpuBackend<float>>);
+static_assert(plan::keeps_activations<CpuBackend<float>, DecoderBlock>);
+static_assert(plan::keeps_activations<plan::CudaTypes, DecoderBlock>);
+
 TEST_CASE("kept activations: the same bits as recomputing, in every mode, as planned") {
   // A block that keeps its activations runs no forward product again in the backward; what it
   // recomputes (norms, SwiGLU's product) is the same function of the same bits.

@@ -2,8 +2,11 @@
 // model's own shapes, once, and kept in a JSON file that megatrain-plan reads
 // (`megatrain-plan --probe`, docs/planner.md).
 //
-//   gemm_tflops           a block's forward matrix products (q, k, v, o, gate, up, down) over a
-//                         chunk of tokens, and the LM head's, weighted as a step runs them
+//   gemm_tflops           the matrix products' rate inside a step: a whole decoder block forward
+//                         and backward (activations kept, as the trainer runs it) over a chunk
+//                         of tokens, less what the cost model gives its attention and
+//                         element-wise passes, with the LM head's products (alone) weighted as
+//                         a step runs them; the products alone where the block cannot say
 //   attention_*_tflops    the backend's causal attention forward and backward at the model's
 //                         heads and sequence length, FLOPs counted as the cost model counts them
 //                         (2 T S q_dim forward, 2.5 times that backward)
@@ -30,6 +33,8 @@
 #include "megatrain/backend/backend.hpp"
 #include "megatrain/core/cpu_features.hpp"
 #include "megatrain/core/host_memory.hpp"
+#include "megatrain/layers/layer_template.hpp"
+#include "megatrain/layers/ops/decoder_block.hpp"
 #include "megatrain/model/config.hpp"
 #include "megatrain/optim/adamw.hpp"
 #include "megatrain/plan/cost_model.hpp"
@@ -83,36 +88,73 @@ MachineFigures probe_machine(B& be, const ModelConfig& cfg, std::int64_t seq, st
   m.name = std::move(name);
   const auto sync = [&] { be.synchronize(); };
   auto compute = be.make_executor(B::Role::compute);
+  // Random values in [-1, 1) (products of zeros run faster than a step's: the GPU's clocks rise),
+  // tiled from 4M host values
+  std::vector<float> noise(std::size_t{1} << 22);
+  {
+    std::uint64_t r = 0x9e3779b97f4a7c15ULL;
+    for (float& f : noise) {
+      r ^= r << 13;
+      r ^= r >> 7;
+      r ^= r << 17;
+      f = static_cast<float>(static_cast<double>(r >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+    }
+  }
+  const auto randomize = [&](auto& buf) {
+    using E = std::remove_reference_t<decltype(buf.span()[0])>;
+    std::vector<E> tile(noise.size());
+    for (std::size_t i = 0; i < tile.size(); ++i) tile[i] = static_cast<E>(noise[i] * 0.05f);
+    const auto dst = buf.span();
+    for (std::size_t at = 0; at < dst.size(); at += tile.size()) {
+      const std::size_t k = std::min(tile.size(), dst.size() - at);
+      be.upload(compute, std::span<const E>(tile).first(k), dst.subspan(at, k));
+      be.synchronize();  // (the tile is pageable and reused)
+    }
+  };
   const std::int64_t S = std::min(seq, o.tokens), T = std::max<std::int64_t>(1, o.tokens / S) * S;
   const std::int64_t d = cfg.hidden_size, I = cfg.intermediate_size, qd = cfg.q_dim(), kd = cfg.kv_dim();
   const std::int64_t V = cfg.vocab_size;
   const std::int64_t widest = std::max({d, I, qd, kd});
 
+  double block_gemm_flops = 0, head_gemm_s = 0, head_gemm_flops = 0;
   // Matrix products: a block's forward, and the head's
   {
     auto x = be.template alloc<A>(static_cast<std::size_t>(T * widest));
     auto y = be.template alloc<A>(static_cast<std::size_t>(T * std::max(widest, std::min<std::int64_t>(V, 32768))));
-    auto w = be.template alloc<W>(static_cast<std::size_t>(std::max(widest * widest, std::min<std::int64_t>(V, 32768) * d)));
-    const auto run = [&](std::int64_t in, std::int64_t out) {  // y[T, out] = x[T, in] W[out, in]^T
+    const std::size_t wn = static_cast<std::size_t>(std::max(widest * widest, std::min<std::int64_t>(V, 32768) * d));
+    auto w = be.template alloc<W>(wn);
+    auto dw = be.template alloc<typename B::Acc>(wn);
+    // forward y[T, out] = x[T, in] W[out, in]^T, then its backward (dx, and dW accumulated in
+    // fp32: twice the forward's FLOPs), as a step runs them
+    const auto run = [&](std::int64_t in, std::int64_t out) {
       const View<const A> xv(std::span<const A>(x.span()).first(static_cast<std::size_t>(T * in)), Shape{T, in});
+      const View<A> dxv(x.span().first(static_cast<std::size_t>(T * in)), Shape{T, in});
       const View<const W> wv(std::span<const W>(w.span()).first(static_cast<std::size_t>(out * in)), Shape{out, in});
       const View<A> yv(y.span().first(static_cast<std::size_t>(T * out)), Shape{T, out});
-      return detail::best_seconds(o.repeats, [&] { be.linear(xv, wv, View<const W>{}, yv); }, sync);
+      const View<typename B::Acc> dwv(dw.span().first(static_cast<std::size_t>(out * in)), Shape{out, in});
+      return detail::best_seconds(o.repeats, [&] { be.linear(xv, wv, View<const W>{}, yv); }, sync) +
+             detail::best_seconds(
+                 o.repeats,
+                 [&] { be.linear_backward(xv, wv, View<const A>(yv), dxv, false, dwv, View<typename B::Acc>{}); }, sync);
     };
-    be.zero(compute, x.span());  // (the contents do not matter to the rates)
-    be.zero(compute, w.span());
+    randomize(x);
+    randomize(w);
+    be.zero(compute, dw.span());
     double block_s = 0, block_flops = 0;
     for (const auto& [in, out] : {std::pair{d, qd}, std::pair{d, kd}, std::pair{d, kd}, std::pair{qd, d}, std::pair{d, I},
                                   std::pair{d, I}, std::pair{I, d}}) {
       block_s += run(in, out);
-      block_flops += 2.0 * static_cast<double>(T) * static_cast<double>(in) * static_cast<double>(out);
+      block_flops += 6.0 * static_cast<double>(T) * static_cast<double>(in) * static_cast<double>(out);
     }
     // the head: the vocabulary in slices of at most 32,768 rows, as a whole head's share
     const std::int64_t vs = std::min<std::int64_t>(V, 32768);
     const double head_s = run(d, vs) * static_cast<double>(V) / static_cast<double>(vs);
-    const double head_flops = 2.0 * static_cast<double>(T) * static_cast<double>(d) * static_cast<double>(V);
+    const double head_flops = 6.0 * static_cast<double>(T) * static_cast<double>(d) * static_cast<double>(V);
     const double L = static_cast<double>(cfg.num_hidden_layers);
     m.gemm_tflops = (L * block_flops + head_flops) / (L * block_s + head_s) / 1e12;
+    block_gemm_flops = block_flops;
+    head_gemm_s = head_s;
+    head_gemm_flops = head_flops;
   }
   // Attention at the model's heads and this sequence length
   {
@@ -130,7 +172,7 @@ MachineFigures probe_machine(B& be, const ModelConfig& cfg, std::int64_t seq, st
     auto k = be.template alloc<A>(static_cast<std::size_t>(T * kd)), v = be.template alloc<A>(static_cast<std::size_t>(T * kd));
     auto dk = be.template alloc<A>(static_cast<std::size_t>(T * kd)), dv = be.template alloc<A>(static_cast<std::size_t>(T * kd));
     auto lse = be.template alloc<typename B::Acc>(static_cast<std::size_t>(T * cfg.num_attention_heads));
-    for (auto* b : {&q, &k, &v, &dout}) be.zero(compute, b->span());
+    for (auto* b : {&q, &k, &v, &dout}) randomize(*b);
     const auto cv = [](auto& b, std::int64_t n, std::int64_t w) {
       using E = std::remove_reference_t<decltype(b.span()[0])>;
       return View<const E>(std::span<const E>(b.span()), Shape{n, w});
@@ -164,6 +206,55 @@ MachineFigures probe_machine(B& be, const ModelConfig& cfg, std::int64_t seq, st
     const double s = detail::best_seconds(
         o.repeats, [&] { be.add(View<const A>(std::span<const A>(a.span()), Shape{N}), View<A>(b.span(), Shape{N})); }, sync);
     m.hbm_gbs = 3.0 * static_cast<double>(n * sizeof(A)) / s / 1e9;
+  }
+  // A whole decoder block forward and backward, as the trainer runs it (activations kept): the
+  // matrix products alone run faster than inside a step, so their rate is the one that makes the
+  // cost model's block time (matrix products + attention + element-wise passes) the measured one
+  if constexpr (keeps_activations<B, DecoderBlock>) {
+    const LayerTemplate<DecoderBlock> blk(DecoderBlock(cfg, 0));
+    const auto n = static_cast<std::size_t>(blk.layout().numel()), nf = static_cast<std::size_t>(blk.full_layout().numel());
+    auto wb = be.template alloc<W>(n);
+    auto gb = be.template alloc<float>(std::max<std::size_t>(nf, 1));
+    auto acc = be.template alloc<typename B::Acc>(n);
+    using R = typename B::Res;
+    const auto tn = static_cast<std::size_t>(T * d);
+    auto x = be.template alloc<R>(tn), y = be.template alloc<R>(tn), dy = be.template alloc<R>(tn), dx = be.template alloc<R>(tn);
+    for (auto* b : {&x, &dy}) randomize(*b);
+    randomize(wb);
+    randomize(gb);
+    be.zero(compute, acc.span());
+    const ChunkShape c{T / S, S};
+    Arena measure;
+    blk.op().template reserve_kept<B>(measure, c);
+    auto kept_mem = be.template alloc<std::byte>(measure.peak());
+    auto scratch_mem = be.template alloc<std::byte>(blk.op().template kept_scratch_bytes<B>(c));
+    Arena scratch(scratch_mem.span());
+    const auto w = [&] {
+      const std::span<const W> ws(wb.span());
+      if constexpr (!std::is_same_v<full_t<W>, W>)
+        return blk.bind(ws, typename ParamBinder<const W>::FullSlab{&blk.full_layout(), std::span<const float>(gb.span())});
+      else
+        return blk.bind(ws);
+    }();
+    const auto g = blk.bind(acc.span());
+    const View<const R> xv(std::span<const R>(x.span()), Shape{T, d}), dyv(std::span<const R>(dy.span()), Shape{T, d});
+    const double block_s = detail::best_seconds(
+        o.repeats,
+        [&] {
+          Arena kept_fwd(kept_mem.span()), kept_bwd(kept_mem.span());
+          blk.op().forward_keep(be, c, w, xv, View<R>(y.span(), Shape{T, d}), kept_fwd, scratch);
+          blk.op().backward_kept(be, c, w, xv, dyv, View<R>(dx.span(), Shape{T, d}), g, kept_bwd, scratch);
+        },
+        sync);
+    // the cost model's other terms of one block (predict_step's element-wise bytes per token)
+    const double att_fwd = 2.0 * static_cast<double>(T) * static_cast<double>(S) * static_cast<double>(qd);
+    const double other_s = att_fwd / (m.attention_fwd_tflops * 1e12) + 2.5 * att_fwd / (m.attention_bwd_tflops * 1e12) +
+                           static_cast<double>(T) * (120.0 * static_cast<double>(d) + 22.0 * static_cast<double>(I)) / (m.hbm_gbs * 1e9);
+    const double gemm_s = block_s - other_s;
+    if (gemm_s > 0.25 * block_s) {  // (else the products are too small a part to say their rate)
+      const double L = static_cast<double>(cfg.num_hidden_layers);
+      m.gemm_tflops = (L * block_gemm_flops + head_gemm_flops) / (L * gemm_s + head_gemm_s) / 1e12;
+    }
   }
   // PCIe: pinned copies each way, then both at once
   const std::size_t cb = o.copy_bytes / 4 * 4;
