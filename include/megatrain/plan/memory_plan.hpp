@@ -214,7 +214,6 @@ inline std::size_t device_unit_bytes(const TrainerBuffers& b, std::size_t u, std
 }  // namespace detail
 
 namespace detail {
-/// plan_memory with checkpoints every `every` blocks.
 /// plan_memory with checkpoints every `every` blocks and the last `kept` blocks keeping their
 /// activations (0 unless every is 1 and the block op can).
 template <class B, class Block>
@@ -371,8 +370,11 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   if (b.kept_blocks > 0) {
     std::size_t need = 0;
     for (std::size_t n : b.kept_bytes) need += n;
+    // (chosen by the plan: beside the same reserve as the checkpoints, for the libraries' own)
+    const auto avail = left();
+    const bool chosen = options.kept_blocks == TrainerOptions::kAutoKeptBlocks;
     dev.push_back({fmt::format("activations kept for the backward ({} of {} blocks: no recompute)", b.kept_blocks, L), need});
-    if (device.cap && plan.fits && device.allocated + plan.device_total() > *device.cap)
+    if (device.cap && plan.fits && (need > *avail || (chosen && need > *avail - detail::checkpoint_reserve(*avail))))
       refuse(fmt::format("the activations of {} blocks kept for the backward need {} of GPU memory, more than is left beside "
                          "the step's other buffers; keep fewer (megatrain-train --keep-activations N, or auto)",
                          b.kept_blocks, format_bytes(need)));
