@@ -44,12 +44,14 @@ StoreOptions store_opts(const TrainerOptions& o) {
   return plan::store_options(o, s);
 }
 
+// The losses of `steps` steps, then one master weight of every unit (every_weight: all of them).
 std::vector<double> train(const ModelConfig& cfg, const TrainerOptions& o, CpuBackend<float>& be, int steps,
-                          std::size_t* spilled = nullptr) {
+                          std::size_t* spilled = nullptr, std::size_t* kept = nullptr, bool every_weight = false) {
   DecoderModel<> model(cfg);
   HostParamStore<float> store(model.units(), store_opts(o));
   Trainer<CpuBackend<float>> t(model, store, be, o);
   if (spilled) *spilled = t.spilled_checkpoints();
+  if (kept) *kept = t.memory_plan().buffers.kept_blocks;
   std::mt19937 rng(11);
   std::vector<double> losses;
   const auto n = static_cast<std::size_t>(o.batch_rows * o.seq_len);
@@ -62,8 +64,46 @@ std::vector<double> train(const ModelConfig& cfg, const TrainerOptions& o, CpuBa
     losses.push_back(t.step(ids, labels).loss);
   }
   t.finish_update();
-  for (const auto& u : store.units()) losses.push_back(static_cast<double>(u.master()[3]));
+  for (const auto& u : store.units()) {
+    if (every_weight) losses.insert(losses.end(), u.master().begin(), u.master().end());
+    else losses.push_back(static_cast<double>(u.master()[3]));
+  }
   return losses;
+}
+
+// Layouts of a step that must train the same bits (each with its number of blocks).
+struct LayoutCase {
+  const char* name;
+  std::int64_t layers;
+  std::function<void(TrainerOptions&)> set;
+};
+std::vector<LayoutCase> layout_cases() {
+  return {
+      {"no clipping, 4 blocks", 4, [](TrainerOptions& o) { o.clip_norm = 0; }},
+      {"exact clipping, 5 blocks", 5, [](TrainerOptions& o) { o.clip_norm = 0.5; }},
+      {"stale clipping, 3 blocks", 3,
+       [](TrainerOptions& o) {
+         o.clip_norm = 0.5;
+         o.clip_mode = ClipMode::stale;
+       }},
+      {"micro-batches in host memory, 5 blocks", 5,
+       [](TrainerOptions& o) {
+         o.micro_batches = 2;
+         o.gradient_home = GradientHome::host;
+       }},
+      {"chunks and token blocks, 3 blocks", 3,
+       [](TrainerOptions& o) {
+         o.chunk_rows = 1;
+         o.token_chunk = 8;
+       }},
+      {"chunks (one of them shorter) and token blocks, 3 blocks", 3,
+       [](TrainerOptions& o) {
+         o.batch_rows = 3;
+         o.chunk_rows = 2;
+         o.token_chunk = 8;
+       }},
+      {"device units (3), 4 blocks", 4, [](TrainerOptions& o) { o.device_units = 3; }},
+  };
 }
 
 // Builds a trainer for (cfg, o) on `be` and checks that its memory plan is what it allocated.
@@ -333,28 +373,8 @@ TEST_CASE("where exact clipping's waiting gradients are what does not fit, the r
 TEST_CASE("checkpoints every k blocks: the same bits as every unit's, in every mode, as planned") {
   // The outputs between checkpoints are recomputed before the backward from the checkpoint
   // below them: the same function of the same bits, so the run is the same to the bit.
-  struct Case {
-    const char* name;
-    std::int64_t layers;
-    std::function<void(TrainerOptions&)> set;
-  };
-  const std::vector<Case> cases{
-      {"no clipping, 4 blocks", 4, [](TrainerOptions& o) { o.clip_norm = 0; }},
-      {"exact clipping, 5 blocks", 5, [](TrainerOptions& o) { o.clip_norm = 0.5; }},
-      {"micro-batches in host memory, 5 blocks", 5,
-       [](TrainerOptions& o) {
-         o.micro_batches = 2;
-         o.gradient_home = GradientHome::host;
-       }},
-      {"chunks and token blocks, 3 blocks", 3,
-       [](TrainerOptions& o) {
-         o.chunk_rows = 1;
-         o.token_chunk = 8;
-       }},
-      {"device units (3), 4 blocks", 4, [](TrainerOptions& o) { o.device_units = 3; }},
-  };
   bool any_spilled = false;
-  for (const Case& c : cases) {
+  for (const LayoutCase& c : layout_cases()) {
     CAPTURE(c.name);
     const ModelConfig cfg = small(false, c.layers);
     TrainerOptions base = opts(2, 21);
@@ -402,54 +422,7 @@ static_assert(plan::keeps_activations<plan::CudaTypes, DecoderBlock>);
 TEST_CASE("kept activations: the same bits as recomputing, in every mode, as planned") {
   // A block that keeps its activations runs no forward product again in the backward; what it
   // recomputes (norms, SwiGLU's product) is the same function of the same bits.
-  struct Case {
-    const char* name;
-    std::int64_t layers;
-    std::function<void(TrainerOptions&)> set;
-  };
-  const std::vector<Case> cases{
-      {"no clipping, 4 blocks", 4, [](TrainerOptions& o) { o.clip_norm = 0; }},
-      {"exact clipping, 5 blocks", 5, [](TrainerOptions& o) { o.clip_norm = 0.5; }},
-      {"stale clipping, 3 blocks", 3,
-       [](TrainerOptions& o) {
-         o.clip_norm = 0.5;
-         o.clip_mode = ClipMode::stale;
-       }},
-      {"micro-batches in host memory, 5 blocks", 5,
-       [](TrainerOptions& o) {
-         o.micro_batches = 2;
-         o.gradient_home = GradientHome::host;
-       }},
-      {"chunks (one of them shorter) and token blocks, 3 blocks", 3,
-       [](TrainerOptions& o) {
-         o.batch_rows = 3;
-         o.chunk_rows = 2;
-         o.token_chunk = 8;
-       }},
-      {"device units (3), 4 blocks", 4, [](TrainerOptions& o) { o.device_units = 3; }},
-  };
-  // (every weight of every unit, bit for bit, and the losses)
-  const auto run = [](const ModelConfig& cfg, const TrainerOptions& o, CpuBackend<float>& be, std::size_t* kept) {
-    DecoderModel<> model(cfg);
-    HostParamStore<float> store(model.units(), store_opts(o));
-    Trainer<CpuBackend<float>> t(model, store, be, o);
-    *kept = t.memory_plan().buffers.kept_blocks;
-    std::mt19937 rng(5);
-    std::vector<float> out;
-    const auto n = static_cast<std::size_t>(o.batch_rows * o.seq_len);
-    for (int s = 0; s < 3; ++s) {
-      std::vector<std::int32_t> ids(n), labels(n);
-      for (std::size_t i = 0; i < n; ++i) {
-        ids[i] = static_cast<std::int32_t>(rng() % static_cast<unsigned>(cfg.vocab_size));
-        labels[i] = static_cast<std::int32_t>(rng() % static_cast<unsigned>(cfg.vocab_size));
-      }
-      out.push_back(static_cast<float>(t.step(ids, labels).loss));
-    }
-    t.finish_update();
-    for (const auto& u : store.units()) out.insert(out.end(), u.master().begin(), u.master().end());
-    return out;
-  };
-  for (const Case& c : cases) {
+  for (const LayoutCase& c : layout_cases()) {
     CAPTURE(c.name);
     const ModelConfig cfg = small(false, c.layers);
     TrainerOptions base = opts(2, 21);
@@ -457,7 +430,7 @@ TEST_CASE("kept activations: the same bits as recomputing, in every mode, as pla
     base.kept_blocks = 0;
     CpuBackend<float> ref_be;
     std::size_t kept = 0;
-    const auto ref = run(cfg, base, ref_be, &kept);
+    const auto ref = train(cfg, base, ref_be, 3, nullptr, &kept, true);
     REQUIRE(kept == 0);
     for (std::int64_t n : {std::int64_t{1}, c.layers, TrainerOptions::kAutoKeptBlocks}) {
       CAPTURE(n);
@@ -465,7 +438,7 @@ TEST_CASE("kept activations: the same bits as recomputing, in every mode, as pla
       o.kept_blocks = n;
       CpuBackend<float> be;
       check_plan_is_allocation(cfg, o, be);
-      CHECK(run(cfg, o, be, &kept) == ref);
+      CHECK(train(cfg, o, be, 3, nullptr, &kept, true) == ref);
       // (auto: the trainer's choice on the reference figures, whatever it is)
       if (n != TrainerOptions::kAutoKeptBlocks) CHECK(kept == static_cast<std::size_t>(n));
     }
