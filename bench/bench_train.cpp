@@ -15,6 +15,7 @@
 // disk) and loaded into the store, timed.
 //
 //   bench_train --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 10 --save-dir /tmp/ck --save-at 5
+#include <map>
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -51,6 +52,7 @@ struct Args {
   std::int64_t batch = 32, seq = 1024, steps = 8, skip = 3, chunk = 0, layers = 0, save_at = 0;
   std::int64_t device_units = TrainerOptions::kAutoDeviceUnits, checkpoint_every = 0, kept_blocks = TrainerOptions::kAutoKeptBlocks;
   bool overlap_update = true;
+  bool timeline = false;  // --timeline: the last step's compute items, summed by kind
   std::string machine;  // --machine FILE: the cost model's rates (default: the reference H200 host)
 };
 
@@ -58,6 +60,33 @@ double peak_rss_bytes() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   return static_cast<double>(u.ru_maxrss) * 1024.0;
+}
+
+/// The compute stream's items of one step summed by kind (embedding, blocks, head; forward,
+/// backward, updates of device units, recomputed outputs), and the idle time between them.
+void print_timeline(const StepStats::Profile& p, std::size_t blocks, double step_s) {
+  using K = TrainItem::Kind;
+  std::map<std::string, std::tuple<int, double, double>> by;
+  double gaps = 0, end = 0;
+  for (const auto& it : p.compute_items) {
+    const auto kind = static_cast<K>(it.kind);
+    const char* what = it.unit == 0 ? "embedding" : it.unit > blocks ? "head" : "block";
+    const char* how = kind == K::forward ? "forward" : kind == K::head ? "forward+backward" : kind == K::backward ? "backward"
+                    : kind == K::refill ? "recompute" : kind == K::optimize ? "AdamW (device unit)" : "other";
+    auto& e = by[fmt::format("{} {}", what, how)];
+    ++std::get<0>(e);
+    std::get<1>(e) += it.seconds;
+    std::get<2>(e) += it.host_s;
+    if (it.start_s > end) gaps += it.start_s - end;
+    end = std::max(end, it.start_s + it.seconds);
+  }
+  std::printf("\n| compute item (last step) | count | total | mean | host's time to enqueue (mean) |\n| --- | --- | --- | --- | --- |\n");
+  for (const auto& [k, v] : by) {
+    const auto& [count, gpu, host] = v;
+    std::printf("| %s | %d | %.1f ms | %.3f ms | %.3f ms |\n", k.c_str(), count, 1e3 * gpu, 1e3 * gpu / count, 1e3 * host / count);
+  }
+  std::printf("| idle between items | | %.1f ms | |\n| from the first item's start to the last's end; the step | | %.1f ms; %.1f ms | |\n",
+              1e3 * gaps, 1e3 * end, 1e3 * step_s);
 }
 
 /// GPU memory in use on the whole device now (total - free, what cudaMemGetInfo reports: every
@@ -219,6 +248,7 @@ int run(B& be, const char* name, const Args& a) {
     optim += p.optimizer_s;
   }
   t /= n;
+  if (a.timeline) print_timeline(*stats.back().profile, trainer.model().num_blocks(), stats.back().seconds);
   // The planner's prediction for this very plan (plan/cost_model.hpp: the one cost model).
   const plan::StepTime pred = plan::predict_step(cfg, trainer.options(), trainer.memory_plan(), machine);
   std::printf("\n| metric | value |\n| --- | --- |\n");
@@ -307,6 +337,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--save-dir", a.save_dir, "Save a train-state checkpoint here (overlapped) and time it, and its load");
   app.add_option("--save-at", a.save_at, "The step after which --save-dir saves")->capture_default_str();
+  app.add_flag("--timeline", a.timeline, "Print the last step's compute-stream items summed by kind, and the gaps between them");
   app.add_option("--machine", a.machine, "JSON file of the machine's rates for the plan's prediction (docs/planner.md)");
   CLI11_PARSE(app, argc, argv);
   try {

@@ -16,6 +16,7 @@
 #include "megatrain/backend/cuda/cuda_backend.hpp"
 #include "megatrain/data/token_dataset.hpp"
 #include "megatrain/train/trainer.hpp"
+#include "../train/timeline_check.hpp"
 
 using namespace megatrain;
 
@@ -102,6 +103,7 @@ TEST_CASE("the GPU trainer follows the CPU trainer's loss curve over 50 steps") 
   CHECK(p.compute_s > 0);
   CHECK(p.upload_bytes > 0);
   CHECK(p.download_bytes > 0);
+  test::check_timeline(got.back(), static_cast<std::size_t>(small().num_hidden_layers));
 }
 
 TEST_CASE("exact clipping and gradient accumulation on the GPU follow the CPU") {

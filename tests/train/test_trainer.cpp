@@ -14,6 +14,7 @@
 
 #include "megatrain/train/trainer.hpp"
 #include "reference_loop.hpp"
+#include "timeline_check.hpp"
 
 using namespace megatrain;
 
@@ -965,4 +966,16 @@ TEST_CASE("token blocks (TrainerOptions::token_chunk) change the step only by ro
   }
   o.token_chunk = -1;
   CHECK_THROWS_WITH_AS(run(cfg, o, 1), doctest::Contains("token_chunk must be >= 0"), Error);
+}
+
+TEST_CASE("TrainerOptions::profile gives each step's compute timeline (every unit's items, in order)") {
+  const auto cfg = tiny(true);
+  for (const ClipMode mode : {ClipMode::stale, ClipMode::exact}) {
+    CAPTURE(static_cast<int>(mode));
+    auto o = options(2, 8);
+    o.clip_mode = mode;
+    o.profile = true;
+    const auto st = run(cfg, o, 2);
+    for (const auto& s : st) test::check_timeline(s, static_cast<std::size_t>(cfg.num_hidden_layers));
+  }
 }

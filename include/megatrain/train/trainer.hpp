@@ -113,6 +113,15 @@ struct StepStats {
   struct Profile {
     double compute_s = 0, upload_s = 0, download_s = 0, optimizer_s = 0;
     std::size_t upload_bytes = 0, download_bytes = 0;
+    /// The compute stream's items in order: what (TrainItem::Kind as a number, unit) and when
+    /// (start relative to the step's first compute item, duration), for a timeline.
+    struct Item {
+      int kind = 0;
+      std::size_t unit = 0;
+      double start_s = 0, seconds = 0;
+      double host_s = 0;  ///< the host's time to enqueue it
+    };
+    std::vector<Item> compute_items;
   };
   std::optional<Profile> profile;
 };
@@ -543,6 +552,7 @@ class Trainer {
     Exec exec;
     std::size_t dy = 0;  // which of the two gradient buffers holds dL/d(current unit's output)
     Timings<Exec> timings{};
+    std::vector<StepStats::Profile::Item> timed_items{};  // what each span in `timings` was, and its host time
     Exec& executor() { return exec; }
     std::size_t ring_slots() const { return this->owner->opt_.grad_slots; }
     UnitAccess unit_access() const { return UnitAccess::none; }
@@ -566,6 +576,14 @@ class Trainer {
       Trainer& t = *this->owner;
       const State& st = *t.state_;
       Timed<Exec> timed(exec, t.opt_.profile ? &timings : nullptr);
+      if (t.opt_.profile) timed_items.push_back({static_cast<int>(it.kind), it.unit});
+      struct HostClock {  // the host's time to enqueue the item's work (a GPU span as long means launch-bound)
+        StepStats::Profile::Item* item;
+        std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+        ~HostClock() {
+          if (item) item->host_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        }
+      } host_clock{t.opt_.profile ? &timed_items.back() : nullptr};
       const std::size_t L = t.model_.num_blocks();
       const std::int64_t rows = st.micro_rows, seq = t.opt_.seq_len, d = t.model_.config().hidden_size;
       const std::int64_t chunk = t.opt_.chunk_rows > 0 ? std::min(t.opt_.chunk_rows, rows) : rows;
@@ -1249,6 +1267,13 @@ class Trainer {
     p.upload_s = pre.timings.seconds();
     p.upload_bytes = pre.timings.bytes;
     p.compute_s = cmp.timings.seconds();
+    for (std::size_t i = 0; i < cmp.timings.spans.size() && i < cmp.timed_items.size(); ++i) {
+      const auto& [a, b] = cmp.timings.spans[i];
+      p.compute_items.push_back(cmp.timed_items[i]);
+      p.compute_items.back().start_s = Exec::seconds(cmp.timings.spans[0].first, a);
+      p.compute_items.back().seconds = Exec::seconds(a, b);
+    }
+    cmp.timed_items.clear();
     p.download_s = off.timings.seconds();
     p.download_bytes = off.timings.bytes;
     p.optimizer_s = opt.timings.seconds();
