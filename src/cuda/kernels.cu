@@ -131,6 +131,11 @@ __device__ __forceinline__ void st8(float* p, const float (&f)[8]) {
 }
 __device__ __forceinline__ float ldf(const bf* p) { return __bfloat162float(*p); }
 __device__ __forceinline__ void stf(bf* p, float v) { *p = __float2bfloat16_rn(v); }
+// The same for either element type (fp32 residual stream, bf16 activations).
+__device__ __forceinline__ float ldf(const float* p) { return *p; }
+__device__ __forceinline__ void stf(float* p, float v) { *p = v; }
+__device__ __forceinline__ void ld8(const bf* p, float (&f)[8]) { unpack8(ld16(p), f); }
+__device__ __forceinline__ void st8(bf* p, const float (&f)[8]) { st16(p, pack8(f)); }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -441,16 +446,17 @@ __device__ __forceinline__ float group_sum(float v) {
   }
 }
 
-// x is the residual stream (fp32), w the gain (fp32), y the normalised activations (bf16).
-template <int kGroup, int kBlock>
+// x is the residual stream (fp32) or activations (bf16: q/k norms), w the gain (fp32), y the
+// normalised activations (bf16).
+template <int kGroup, int kBlock, class X>
 __global__ void __launch_bounds__(kBlock)
-    rmsnorm_forward_kernel(const float* __restrict__ x, const float* __restrict__ w, bf* __restrict__ y,
+    rmsnorm_forward_kernel(const X* __restrict__ x, const float* __restrict__ w, bf* __restrict__ y,
                            float* __restrict__ rstd, i64 M, int d, float eps, bool vec) {
   constexpr int kRows = kBlock / kGroup;
   const int t = threadIdx.x % kGroup;
   const i64 r = static_cast<i64>(blockIdx.x) * kRows + threadIdx.x / kGroup;
   const bool live = r < M;
-  const float* xr = x + (live ? r : 0) * d;
+  const X* xr = x + (live ? r : 0) * d;
   float ss = 0.0f;
   if (live) {
     if (vec) {
@@ -461,7 +467,7 @@ __global__ void __launch_bounds__(kBlock)
         for (int k = 0; k < 8; ++k) ss = fmaf(f[k], f[k], ss);
       }
     } else {
-      for (int c = t; c < d; c += kGroup) ss = fmaf(xr[c], xr[c], ss);
+      for (int c = t; c < d; c += kGroup) ss = fmaf(ldf(xr + c), ldf(xr + c), ss);
     }
   }
   ss = group_sum<kGroup, kBlock>(ss);
@@ -479,16 +485,17 @@ __global__ void __launch_bounds__(kBlock)
       st16(yr + c, pack8(f));
     }
   } else {
-    for (int c = t; c < d; c += kGroup) stf(yr + c, xr[c] * inv * w[c]);
+    for (int c = t; c < d; c += kGroup) stf(yr + c, ldf(xr + c) * inv * w[c]);
   }
 }
 
 // dx = residual (if any) + the norm's input gradient, in fp32, and dx_act = bf16(dx) (if asked
-// for); x, w fp32, dy (the gradient of the bf16 output) bf16. residual may be dx itself.
-template <int kGroup, int kBlock>
+// for); x fp32 (or bf16: q/k norms), w fp32, dy (the gradient of the bf16 output) bf16, dx fp32 (or
+// bf16, without residual and dx_act). residual may be dx itself.
+template <int kGroup, int kBlock, class X, class DX>
 __global__ void __launch_bounds__(kBlock)
-    rmsnorm_backward_dx_kernel(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ rstd,
-                               const bf* __restrict__ dy, const float* residual, float* dx, bf* __restrict__ dx_act, i64 M,
+    rmsnorm_backward_dx_kernel(const X* __restrict__ x, const float* __restrict__ w, const float* __restrict__ rstd,
+                               const bf* __restrict__ dy, const float* residual, DX* dx, bf* __restrict__ dx_act, i64 M,
                                int d, bool vec) {
   constexpr int kRows = kBlock / kGroup;
   const int t = threadIdx.x % kGroup;
@@ -508,7 +515,7 @@ __global__ void __launch_bounds__(kBlock)
         for (int k = 0; k < 8; ++k) dot = fmaf(b[k] * g[k], a[k] * inv, dot);
       }
     } else {
-      for (int c = t; c < d; c += kGroup) dot = fmaf(ldf(dy + off + c) * w[c], x[off + c] * inv, dot);
+      for (int c = t; c < d; c += kGroup) dot = fmaf(ldf(dy + off + c) * w[c], ldf(x + off + c) * inv, dot);
     }
   }
   dot = group_sum<kGroup, kBlock>(dot);
@@ -531,9 +538,9 @@ __global__ void __launch_bounds__(kBlock)
     }
   } else {
     for (int c = t; c < d; c += kGroup) {
-      const float v = inv * (ldf(dy + off + c) * w[c] - x[off + c] * inv * mean);
+      const float v = inv * (ldf(dy + off + c) * w[c] - ldf(x + off + c) * inv * mean);
       const float o = residual != nullptr ? residual[off + c] + v : v;
-      dx[off + c] = o;
+      stf(dx + off + c, o);
       if (dx_act != nullptr) stf(dx_act + off + c, o);
     }
   }
@@ -570,9 +577,10 @@ struct ColumnOfBf16 {
   __device__ float one(i64 r, i64 c) const { return ldf(x + r * N + c); }
 };
 
+template <class X>
 struct RmsNormDw {  // dy[r, c] * x[r, c] * rstd[r]
   const bf* dy;
-  const float* x;
+  const X* x;
   const float* rstd;
   i64 N;
   __device__ void add8(i64 r, i64 c, float (&acc)[8]) const {
@@ -583,7 +591,7 @@ struct RmsNormDw {  // dy[r, c] * x[r, c] * rstd[r]
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc[k] = fmaf(a[k] * b[k], s, acc[k]);
   }
-  __device__ float one(i64 r, i64 c) const { return ldf(dy + r * N + c) * x[r * N + c] * rstd[r]; }
+  __device__ float one(i64 r, i64 c) const { return ldf(dy + r * N + c) * ldf(x + r * N + c) * rstd[r]; }
 };
 
 template <class F>
@@ -1410,18 +1418,25 @@ void launch_embedding_backward(const std::int32_t* ids, const float* dy, float* 
   MT_CUDA_CHECK_LAUNCH("embedding_accumulate_kernel");
 }
 
-void launch_rmsnorm_forward(const float* x, const float* w, bf16* y, float* rstd, std::int64_t M, std::int64_t d, float eps,
-                            cudaStream_t stream) {
-  MT_NVTX_RANGE("launch_rmsnorm_forward");
-  MT_CHECK(M >= 0 && d > 0 && d <= INT_MAX / 8, "rmsnorm_forward: invalid sizes M {}, d {}", M, d);
+/// Both RMSNorm forwards: x the fp32 residual stream or bf16 activation rows (q/k norms).
+template <class X>
+void rmsnorm_forward(const char* name, const X* x, const float* w, bf16* y, float* rstd, std::int64_t M, std::int64_t d,
+                     float eps, cudaStream_t stream) {
+  MT_CHECK(M >= 0 && d > 0 && d <= INT_MAX / 8, "{}: invalid sizes M {}, d {}", name, M, d);
   if (M == 0) return;
   const bool vec = d % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(y);
   dispatch_row_group(vec ? d / 8 : d, [&](auto group, auto block) {
     constexpr int kGroup = decltype(group)::value, kBlock = decltype(block)::value, kRows = kBlock / kGroup;
-    rmsnorm_forward_kernel<kGroup, kBlock><<<static_cast<unsigned>((M + kRows - 1) / kRows), kBlock, 0, stream>>>(
+    rmsnorm_forward_kernel<kGroup, kBlock, X><<<static_cast<unsigned>((M + kRows - 1) / kRows), kBlock, 0, stream>>>(
         x, w, dev(y), rstd, M, static_cast<int>(d), eps, vec);
   });
-  MT_CUDA_CHECK_LAUNCH("rmsnorm_forward_kernel");
+  MT_CUDA_CHECK_LAUNCH(name);
+}
+
+void launch_rmsnorm_forward(const float* x, const float* w, bf16* y, float* rstd, std::int64_t M, std::int64_t d, float eps,
+                            cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_rmsnorm_forward");
+  rmsnorm_forward("rmsnorm_forward", x, w, y, rstd, M, d, eps, stream);
 }
 
 std::size_t rmsnorm_backward_workspace_bytes(std::int64_t M, std::int64_t d) {
@@ -1440,12 +1455,36 @@ void launch_rmsnorm_backward(const float* x, const float* w, const float* rstd, 
                    (residual == nullptr || aligned16(residual)) && (dx_act == nullptr || aligned16(dx_act));
   dispatch_row_group(vec ? d / 8 : d, [&](auto group, auto block) {
     constexpr int kGroup = decltype(group)::value, kBlock = decltype(block)::value, kRows = kBlock / kGroup;
-    rmsnorm_backward_dx_kernel<kGroup, kBlock><<<static_cast<unsigned>((M + kRows - 1) / kRows), kBlock, 0, stream>>>(
+    rmsnorm_backward_dx_kernel<kGroup, kBlock, float, float><<<static_cast<unsigned>((M + kRows - 1) / kRows), kBlock, 0, stream>>>(
         x, w, rstd, dev(dy), residual, dx, dx_act ? dev(dx_act) : nullptr, M, static_cast<int>(d), vec);
   });
   MT_CUDA_CHECK_LAUNCH("rmsnorm_backward_dx_kernel");
-  column_reduce("rmsnorm_dw_kernel", RmsNormDw{dev(dy), x, rstd, d}, M, d, aligned16(dy) && aligned16(x), dw, workspace,
+  column_reduce("rmsnorm_dw_kernel", RmsNormDw<float>{dev(dy), x, rstd, d}, M, d, aligned16(dy) && aligned16(x), dw, workspace,
                 workspace_bytes, stream);
+}
+
+void launch_head_rmsnorm_forward(const bf16* x, const float* w, bf16* y, float* rstd, std::int64_t M, std::int64_t d,
+                                 float eps, cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_head_rmsnorm_forward");
+  rmsnorm_forward("head_rmsnorm_forward", dev(x), w, y, rstd, M, d, eps, stream);
+}
+
+void launch_head_rmsnorm_backward(const bf16* x, const float* w, const float* rstd, const bf16* dy, bf16* dx, float* dw,
+                                  std::int64_t M, std::int64_t d, void* workspace, std::size_t workspace_bytes,
+                                  cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_head_rmsnorm_backward");
+  MT_CHECK(M >= 0 && d > 0 && d <= INT_MAX / 8, "head_rmsnorm_backward: invalid sizes M {}, d {}", M, d);
+  if (M == 0) return;
+  check_workspace(workspace, workspace_bytes, rmsnorm_backward_workspace_bytes(M, d), "head_rmsnorm_backward");
+  const bool vec = d % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(dy) && aligned16(dx);
+  dispatch_row_group(vec ? d / 8 : d, [&](auto group, auto block) {
+    constexpr int kGroup = decltype(group)::value, kBlock = decltype(block)::value, kRows = kBlock / kGroup;
+    rmsnorm_backward_dx_kernel<kGroup, kBlock, bf, bf><<<static_cast<unsigned>((M + kRows - 1) / kRows), kBlock, 0, stream>>>(
+        dev(x), w, rstd, dev(dy), nullptr, dev(dx), nullptr, M, static_cast<int>(d), vec);
+  });
+  MT_CUDA_CHECK_LAUNCH("rmsnorm_backward_dx_kernel (head)");
+  column_reduce("head_rmsnorm_dw_kernel", RmsNormDw<bf>{dev(dy), dev(x), rstd, d}, M, d, aligned16(dy) && aligned16(x), dw,
+                workspace, workspace_bytes, stream);
 }
 
 void launch_rope(bf16* x, const std::int32_t* positions, std::int64_t M, std::int64_t heads, std::int64_t head_dim,

@@ -8,6 +8,8 @@
 #include <numbers>
 #include <sstream>
 
+#include <fmt/format.h>
+
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/nvtx.hpp"
 
@@ -50,16 +52,31 @@ bool get_bool(const json& j, const char* key, std::string_view src, bool def) {
   return v.get<bool>();
 }
 
+// The families, one entry each: what transformers calls them, the context its config class
+// defaults to, and the parts that set one apart (biases are parsed per family in from_json).
 struct ArchInfo {
   Architecture arch;
   const char* class_name;
   const char* model_type;
+  std::int64_t default_max_position_embeddings;
+  bool qk_norm;  ///< q_norm and k_norm: RMSNorm of each head before the rotation
 };
 constexpr ArchInfo kArchs[] = {
-    {Architecture::llama, "LlamaForCausalLM", "llama"},
-    {Architecture::mistral, "MistralForCausalLM", "mistral"},
-    {Architecture::qwen2, "Qwen2ForCausalLM", "qwen2"},
+    {Architecture::llama, "LlamaForCausalLM", "llama", 2048, false},
+    {Architecture::mistral, "MistralForCausalLM", "mistral", 131072, false},
+    {Architecture::qwen2, "Qwen2ForCausalLM", "qwen2", 32768, false},
+    {Architecture::qwen3, "Qwen3ForCausalLM", "qwen3", 32768, true},
 };
+const ArchInfo& arch_info(Architecture a) {
+  for (const auto& info : kArchs)
+    if (info.arch == a) return info;
+  MT_FAIL("unknown architecture {}", static_cast<int>(a));
+}
+std::string supported_list(bool model_types) {
+  std::string s;
+  for (const auto& info : kArchs) s += fmt::format("{}{}", s.empty() ? "" : ", ", model_types ? info.model_type : info.class_name);
+  return s;
+}
 
 RopeScaling parse_rope_scaling(const json& r, std::string_view src) {
   RopeScaling s;
@@ -123,8 +140,8 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
     const ArchInfo* found = nullptr;
     for (const auto& info : kArchs)
       if (arch_name == info.class_name) found = &info;
-    MT_CHECK(found != nullptr, "{}: architecture '{}' is not supported (supported: LlamaForCausalLM, MistralForCausalLM, "
-             "Qwen2ForCausalLM)", src, arch_name);
+    MT_CHECK(found != nullptr, "{}: architecture '{}' is not supported (supported: {})", src, arch_name,
+             supported_list(false));
     c.architecture = found->arch;
     // transformers picks the config class by model_type and other loaders (vLLM, ...) pick the
     // model class by architectures: when both are given they must name the same model.
@@ -142,7 +159,7 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
     const ArchInfo* found = nullptr;
     for (const auto& info : kArchs)
       if (arch_name == info.model_type) found = &info;
-    MT_CHECK(found != nullptr, "{}: model_type '{}' is not supported (supported: llama, mistral, qwen2)", src, arch_name);
+    MT_CHECK(found != nullptr, "{}: model_type '{}' is not supported (supported: {})", src, arch_name, supported_list(true));
     c.architecture = found->arch;
   }
   if (j.contains("hidden_act") && !j.at("hidden_act").is_null()) {
@@ -166,9 +183,8 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
              c.hidden_size, c.num_attention_heads);
     c.head_dim = c.hidden_size / c.num_attention_heads;
   }
-  const std::int64_t default_max_pos = c.architecture == Architecture::qwen2 ? 32768
-                                       : c.architecture == Architecture::mistral ? 131072 : 2048;
-  c.max_position_embeddings = get_int(j, "max_position_embeddings", src, default_max_pos);
+  c.max_position_embeddings =
+      get_int(j, "max_position_embeddings", src, arch_info(c.architecture).default_max_position_embeddings);
   c.rms_norm_eps = get_double(j, "rms_norm_eps", src, 1e-6);
   c.initializer_range = get_double(j, "initializer_range", src, 0.02);
   c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", src, false);
@@ -208,6 +224,28 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
       c.qkv_bias = true;  // Qwen2's q/k/v projections always carry a bias; o_proj never does
       if (get_bool(j, "use_sliding_window", src, false)) c.sliding_window = get_int(j, "sliding_window", src);
       break;
+    case Architecture::qwen3: {
+      // Qwen3Config: one attention_bias for q, k, v and o (as Llama's); its MLP has no bias.
+      MT_CHECK(!get_bool(j, "mlp_bias", src, false),
+               "{}: 'mlp_bias' is true, but Qwen3ForCausalLM has no such option (transformers ignores it: its MLP "
+               "never has a bias); remove the field", src);
+      c.qkv_bias = c.o_bias = get_bool(j, "attention_bias", src, false);
+      // Sliding-window layers (use_sliding_window, or "sliding_attention" in layer_types): the
+      // window bounds the sequence length (check_sequence_length), where every layer is exact.
+      bool sliding = get_bool(j, "use_sliding_window", src, false);
+      if (j.contains("layer_types") && !j.at("layer_types").is_null()) {
+        const json& lt = j.at("layer_types");
+        MT_CHECK(lt.is_array() && static_cast<std::int64_t>(lt.size()) == c.num_hidden_layers,
+                 "{}: layer_types must list one type per layer ({}), not {}", src, c.num_hidden_layers, lt.dump());
+        for (const auto& t : lt) {
+          MT_CHECK(t.is_string() && (t == "full_attention" || t == "sliding_attention"),
+                   "{}: layer_types holds {}; each entry must be \"full_attention\" or \"sliding_attention\"", src, t.dump());
+          sliding = sliding || t == "sliding_attention";
+        }
+      }
+      if (sliding) c.sliding_window = get_int(j, "sliding_window", src);
+      break;
+    }
     case Architecture::mistral:
       refuse_bias_keys("it has no bias in attention or MLP");
       // transformers' MistralConfig defaults sliding_window to 4096 when the key is absent;
@@ -273,19 +311,16 @@ void ModelConfig::validate(std::string_view src) const {
       MT_CHECK(!qkv_bias && !o_bias && !mlp_bias, "{}: MistralForCausalLM has no biases (got qkv_bias {}, o_bias {}, "
                "mlp_bias {})", src, qkv_bias, o_bias, mlp_bias);
       break;
+    case Architecture::qwen3:
+      MT_CHECK(qkv_bias == o_bias && !mlp_bias, "{}: Qwen3ForCausalLM's one attention_bias sets q/k/v and o_proj biases "
+               "alike and its MLP has none (got qkv_bias {}, o_bias {}, mlp_bias {})", src, qkv_bias, o_bias, mlp_bias);
+      break;
   }
 }
 
-std::string_view ModelConfig::architecture_name() const {
-  for (const auto& a : kArchs)
-    if (a.arch == architecture) return a.class_name;
-  return "?";
-}
-std::string_view ModelConfig::model_type() const {
-  for (const auto& a : kArchs)
-    if (a.arch == architecture) return a.model_type;
-  return "?";
-}
+std::string_view ModelConfig::architecture_name() const { return arch_info(architecture).class_name; }
+std::string_view ModelConfig::model_type() const { return arch_info(architecture).model_type; }
+bool ModelConfig::qk_norm() const { return arch_info(architecture).qk_norm; }
 
 json ModelConfig::to_json() const {
   json j;
@@ -328,7 +363,8 @@ json ModelConfig::to_json() const {
     j["attention_bias"] = qkv_bias;
     j["mlp_bias"] = mlp_bias;
   }
-  if (architecture == Architecture::qwen2) {
+  if (architecture == Architecture::qwen3) j["attention_bias"] = qkv_bias;
+  if (architecture == Architecture::qwen2 || architecture == Architecture::qwen3) {
     j["use_sliding_window"] = sliding_window.has_value();
     j["sliding_window"] = sliding_window ? json(*sliding_window) : json(nullptr);
   }
@@ -420,6 +456,7 @@ std::int64_t ModelConfig::param_count() const {
   if (qkv_bias) block += q_dim() + 2 * kv_dim();
   if (o_bias) block += d;
   if (mlp_bias) block += 2 * intermediate_size + d;
+  if (qk_norm()) block += 2 * head_dim;
   std::int64_t n = vocab_size * d + num_hidden_layers * block + d;
   if (!tie_word_embeddings) n += vocab_size * d;
   return n;
@@ -455,6 +492,12 @@ constexpr Preset kPresets[] = {
     {"qwen2.5-72b", R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":8192,"intermediate_size":29568,
       "num_hidden_layers":80,"num_attention_heads":64,"num_key_value_heads":8,"vocab_size":152064,
       "max_position_embeddings":32768,"rms_norm_eps":1e-6,"rope_theta":1000000.0,"tie_word_embeddings":false})"},
+    {"qwen3-0.6b", R"({"architectures":["Qwen3ForCausalLM"],"hidden_size":1024,"intermediate_size":3072,
+      "num_hidden_layers":28,"num_attention_heads":16,"num_key_value_heads":8,"head_dim":128,"vocab_size":151936,
+      "max_position_embeddings":40960,"rms_norm_eps":1e-6,"rope_theta":1000000.0,"tie_word_embeddings":true})"},
+    {"qwen3-8b", R"({"architectures":["Qwen3ForCausalLM"],"hidden_size":4096,"intermediate_size":12288,
+      "num_hidden_layers":36,"num_attention_heads":32,"num_key_value_heads":8,"head_dim":128,"vocab_size":151936,
+      "max_position_embeddings":40960,"rms_norm_eps":1e-6,"rope_theta":1000000.0,"tie_word_embeddings":false})"},
     {"llama-3.2-1b", R"({"architectures":["LlamaForCausalLM"],"hidden_size":2048,"intermediate_size":8192,
       "num_hidden_layers":16,"num_attention_heads":32,"num_key_value_heads":8,"head_dim":64,"vocab_size":128256,
       "max_position_embeddings":131072,"rms_norm_eps":1e-5,"rope_theta":500000.0,"tie_word_embeddings":true,

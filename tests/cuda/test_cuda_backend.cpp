@@ -20,8 +20,9 @@ using namespace megatrain;
 
 namespace {
 
-ModelConfig config(int hidden, int heads, int kv_heads, int head_dim, int vocab, bool qkv_bias, bool tied) {
-  nlohmann::json j{{"architectures", {qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
+ModelConfig config(int hidden, int heads, int kv_heads, int head_dim, int vocab, bool qkv_bias, bool tied,
+                   const char* arch = nullptr) {  // (default: Qwen2 with q/k/v biases, else Llama)
+  nlohmann::json j{{"architectures", {arch ? arch : qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
                    {"hidden_size", hidden},
                    {"intermediate_size", hidden * 3 - 8},
                    {"num_hidden_layers", 1},
@@ -217,12 +218,16 @@ TEST_CASE("decoder block on the GPU matches the float64 reference (cuDNN attenti
   check_block(config(128, 4, 2, 64, 101, true, true), {2, 37}, true);
   check_block(config(256, 8, 8, 64, 101, false, true), {1, 128}, true);
   check_block(config(192, 6, 1, 128, 101, true, true), {3, 13}, true);
+  // Qwen3: q/k norms per head (head_rmsnorm), q wider than the hidden size
+  check_block(config(64, 4, 2, 32, 101, false, true, "Qwen3ForCausalLM"), {2, 37}, true);
+  check_block(config(256, 2, 1, 128, 101, false, true, "Qwen3ForCausalLM"), {1, 64}, true);
 }
 
 TEST_CASE("decoder block on the GPU matches the float64 reference (megatrain's attention kernel)") {
   check_block(config(72, 6, 2, 12, 101, true, true), {2, 13}, false);
   check_block(config(200, 7, 1, 40, 101, false, true), {1, 67}, false);
   check_block(config(128, 2, 2, 64, 101, false, true), {3, 1}, false);
+  check_block(config(72, 6, 2, 12, 101, false, true, "Qwen3ForCausalLM"), {2, 13}, false);
 }
 
 TEST_CASE("packed rows: a decoder block matches the float64 reference, attention within each sequence") {

@@ -390,6 +390,64 @@ TEST_CASE("rmsnorm of the fp32 residual stream with an fp32 gain, forward and ba
   }
 }
 
+TEST_CASE("head_rmsnorm of bf16 activation rows (Qwen3's q/k norms), forward and backward, against the double reference") {
+  std::mt19937 rng(15);
+  Ref ref;
+  const double eps = 1e-6;
+  // rows = tokens x heads; head_dim 128 (vector path, a warp per row), 64, 72, 256, and 30 (scalar).
+  for (std::int64_t M : {1, 37, 1000}) {
+    for (std::int64_t d : {30, 64, 72, 128, 256}) {
+      CAPTURE(M);
+      CAPTURE(d);
+      auto x = random_bf16(sz(M * d), rng);
+      std::vector<float> w = random_f32(sz(d), rng, 0.2f);
+      for (auto& g : w) g += 1.0f;
+      auto dy = random_bf16(sz(M * d), rng);
+      const auto dw0 = random_f32(sz(d), rng);
+      DeviceArray<bf16> d_x(sz(M * d)), d_y(sz(M * d)), d_dy(sz(M * d)), d_dx(sz(M * d));
+      DeviceArray<float> d_w(sz(d)), d_rstd(sz(M)), d_dw(sz(d));
+      d_x.upload(x);
+      d_w.upload(w);
+      d_dy.upload(dy);
+      d_y.poison();
+      d_rstd.poison();
+      mc::launch_head_rmsnorm_forward(d_x.get(), d_w.get(), d_y.get(), d_rstd.get(), M, d, static_cast<float>(eps), stream());
+      const auto y_got = d_y.download();
+      const auto rstd_got = d_rstd.download();
+      auto xd = widen(x), wd = widen(w), dyd = widen(dy);
+      std::vector<double> y(sz(M * d)), rstd(sz(M));
+      ref.rmsnorm(view<const double>(xd, Shape{M, d}), view<const double>(wd, Shape{d}), eps, view<double>(y, Shape{M, d}),
+                  view<double>(rstd, Shape{M}));
+      CHECK(rel_err(y_got, y) <= kTolReduced);
+      CHECK(rel_err(rstd_got, rstd) <= kTolF32);
+      // Backward from the reference's rstd as the GPU stores it (fp32); dx is bf16.
+      std::vector<float> rstd_f(sz(M));
+      for (std::size_t i = 0; i < sz(M); ++i) rstd_f[i] = static_cast<float>(rstd[i]);
+      d_rstd.upload(rstd_f);
+      auto rstd_d = widen(rstd_f);
+      Workspace ws(mc::rmsnorm_backward_workspace_bytes(M, d));
+      std::vector<std::vector<bf16>> dxs;
+      std::vector<std::vector<float>> dws;
+      for (int rep = 0; rep < 2; ++rep) {
+        d_dx.poison();
+        d_dw.upload(dw0);
+        mc::launch_head_rmsnorm_backward(d_x.get(), d_w.get(), d_rstd.get(), d_dy.get(), d_dx.get(), d_dw.get(), M, d, ws.get(),
+                                         ws.size(), stream());
+        dxs.push_back(d_dx.download());
+        dws.push_back(d_dw.download());
+      }
+      CHECK(same_bits(dxs[0], dxs[1]));
+      CHECK(same_bits(dws[0], dws[1]));
+      std::vector<double> dx(sz(M * d), 0.0), dw = widen(dw0);
+      ref.rmsnorm_backward(view<const double>(xd, Shape{M, d}), view<const double>(wd, Shape{d}),
+                           view<const double>(rstd_d, Shape{M}), view<const double>(dyd, Shape{M, d}), View<const double>{},
+                           view<double>(dx, Shape{M, d}), View<double>{}, view<double>(dw, Shape{d}));
+      CHECK(rel_err(dxs[0], dx) <= kTolReduced);  // (rounded to bf16)
+      CHECK(rel_err(dws[0], dw) <= kTolF32);
+    }
+  }
+}
+
 // ---- rotary --------------------------------------------------------------------------------------
 
 TEST_CASE("rope and its inverse against the double reference") {

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """megatrain <-> Hugging Face transformers interoperability check (CTest label hf_python).
 
-For a tiny random LlamaForCausalLM (untied embeddings) and a tiny Qwen2ForCausalLM (tied,
+For a tiny random LlamaForCausalLM (untied embeddings), a tiny Qwen3ForCausalLM (q/k norms, head_dim
+wider than hidden / heads, untied) and a tiny Qwen2ForCausalLM (tied,
 q/k/v biases), in float32 on the CPU:
 
   1. transformers saves the model with save_pretrained (safetensors);
@@ -101,13 +102,15 @@ def dtype_kwargs(dtype):
 
 
 def make_models():
-    """(name, model) for the two tiny architectures, float32, eval mode."""
+    """(name, model) for the tiny architectures, float32, eval mode."""
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   rms_norm_eps=1e-6)
     llama = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common))
     qwen = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, use_sliding_window=False, **common))
-    return [("llama", llama), ("qwen2", qwen)]
+    # Qwen3: q/k norms, head_dim 32 (q wider than the hidden size), untied
+    qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(tie_word_embeddings=False, head_dim=32, **common))
+    return [("llama", llama), ("qwen2", qwen), ("qwen3", qwen3)]
 
 
 def perturb(model, gen):

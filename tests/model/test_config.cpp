@@ -84,6 +84,7 @@ std::int64_t state_dict_count(const ModelConfig& c) {
     if (c.qkv_bias) tensors.insert(tensors.end(), {qd, kd, kd});
     if (c.o_bias) tensors.push_back(d);
     if (c.mlp_bias) tensors.insert(tensors.end(), {f, f, d});
+    if (c.architecture == Architecture::qwen3) tensors.insert(tensors.end(), {c.head_dim, c.head_dim});  // q_norm, k_norm
   }
   tensors.push_back(d);                                          // model.norm.weight
   if (!c.tie_word_embeddings) tensors.push_back(c.vocab_size * d);  // lm_head.weight
@@ -227,6 +228,69 @@ TEST_CASE("config: Llama 2 7B") {
   CHECK(c.param_count() == 6'738'415'616);  // Llama-2-7b-hf
   CHECK(c.param_count() == state_dict_count(c));
   check_round_trip(c);
+}
+
+TEST_CASE("config: Qwen3 8B as transformers 5 writes it (q/k norms, head_dim, rope_parameters, layer_types)") {
+  const auto c = ModelConfig::from_file(fixture("qwen3-8b-transformers5.json"));
+  CHECK(c.architecture == Architecture::qwen3);
+  CHECK(c.architecture_name() == "Qwen3ForCausalLM");
+  CHECK(c.model_type() == "qwen3");
+  CHECK(c.qk_norm());
+  CHECK(c.hidden_size == 4096);
+  CHECK(c.intermediate_size == 12288);
+  CHECK(c.num_hidden_layers == 36);
+  CHECK(c.num_attention_heads == 32);
+  CHECK(c.num_key_value_heads == 8);
+  CHECK(c.head_dim == 128);
+  CHECK(c.vocab_size == 151936);
+  CHECK(c.max_position_embeddings == 40960);
+  CHECK(c.rope_theta == 1000000.0);
+  CHECK_FALSE(c.tie_word_embeddings);
+  CHECK_FALSE(c.qkv_bias);
+  CHECK_FALSE(c.o_bias);
+  CHECK_FALSE(c.mlp_bias);
+  CHECK_FALSE(c.sliding_window.has_value());  // every layer full_attention
+  CHECK(c.param_count() == state_dict_count(c));
+  CHECK(c.param_count() == 8'190'735'360);
+  check_round_trip(c);
+  CHECK_FALSE(ModelConfig::preset("qwen2.5-7b").qk_norm());
+}
+
+TEST_CASE("config: Qwen3's attention_bias, sliding layers and refusals") {
+  json j = json::parse(R"({"architectures":["Qwen3ForCausalLM"],"model_type":"qwen3","hidden_size":64,
+    "intermediate_size":96,"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,
+    "vocab_size":100})");
+  const auto plain = ModelConfig::from_json(j);
+  CHECK(plain.max_position_embeddings == 32768);  // Qwen3Config's default
+  CHECK(plain.head_dim == 32);                    // wider q than hidden: 4 x 32 = 128
+  CHECK(plain.q_dim() == 128);
+  j["attention_bias"] = true;
+  const auto biased = ModelConfig::from_json(j);
+  CHECK(biased.qkv_bias);
+  CHECK(biased.o_bias);  // one attention_bias for q, k, v and o, as transformers builds Qwen3Attention
+  check_round_trip(biased);
+  j["layer_types"] = {"full_attention", "sliding_attention", "full_attention"};
+  j["sliding_window"] = 512;
+  const auto sliding = ModelConfig::from_json(j);
+  REQUIRE(sliding.sliding_window.has_value());
+  CHECK(*sliding.sliding_window == 512);
+  CHECK_NOTHROW(sliding.check_sequence_length(512));
+  CHECK(contains(error_of([&] { sliding.check_sequence_length(513); }), "sliding_window"));
+  check_round_trip(sliding);
+  j["layer_types"] = {"full_attention", "full_attention"};
+  CHECK(contains(error_of([&] { (void)ModelConfig::from_json(j, "q3.json"); }), "layer_types"));
+  j["layer_types"] = {"full_attention", "chunked_attention", "full_attention"};
+  CHECK(contains(error_of([&] { (void)ModelConfig::from_json(j, "q3.json"); }), "chunked_attention"));
+  j.erase("layer_types");
+  j["mlp_bias"] = true;
+  const auto msg = error_of([&] { (void)ModelConfig::from_json(j, "q3.json"); });
+  CHECK(contains(msg, "q3.json"));
+  CHECK(contains(msg, "mlp_bias"));
+  j.erase("mlp_bias");
+  j["architectures"] = {"Qwen3MoeForCausalLM"};
+  const auto unsupported = error_of([&] { (void)ModelConfig::from_json(j, "q3.json"); });
+  CHECK(contains(unsupported, "Qwen3MoeForCausalLM"));
+  CHECK(contains(unsupported, "Qwen3ForCausalLM"));  // the supported list names it
 }
 
 TEST_CASE("config: Llama 3.2 1B (llama3 rope scaling, explicit head_dim, tied embeddings)") {
@@ -460,7 +524,8 @@ TEST_CASE("config: from_file names the file in its errors") {
 TEST_CASE("config: every preset loads, validates, round-trips and agrees with the layer ops") {
   const auto names = ModelConfig::preset_names();
   CHECK(names == std::vector<std::string>{"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-72b",
-                                          "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "mistral-7b"});
+                                          "qwen3-0.6b", "qwen3-8b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b",
+                                          "mistral-7b"});
   for (const auto& name : names) {
     CAPTURE(name);
     const auto c = ModelConfig::preset(name);

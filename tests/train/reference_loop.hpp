@@ -33,13 +33,26 @@ struct ReferenceLoop {
 
   Result step(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels) {
     ++step_no;
+    std::vector<std::vector<float>> grads;
+    const Result r = gradients(ids, labels, grads);
+    const double coef = clip_coef ? *clip_coef : clip_norm > 0 ? clip_coefficient(r.grad_norm, clip_norm) : 1.0;
+    const double lr = schedule.at(step_no);
+    for (std::size_t u = 0; u < store.num_units(); ++u)
+      adamw_step<float>(store.unit(u), std::span<const float>(grads[u]), adamw, step_no, lr, coef);
+    return r;
+  }
+
+  /// The loss (mean over labelled tokens) and each unit's gradient (laid out as its slab), from
+  /// the store's master weights; nothing is updated.
+  Result gradients(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels,
+                   std::vector<std::vector<float>>& grads) {
     const std::int64_t M = rows * seq, d = model.config().hidden_size;
     const std::size_t L = model.num_blocks();
     const ChunkShape c{rows, seq};
     std::vector<std::byte> mem(64 << 20);
     Arena arena{std::span<std::byte>(mem)};
     std::vector<std::vector<float>> acts(L + 1, std::vector<float>(static_cast<std::size_t>(M * d)));
-    std::vector<std::vector<float>> grads;
+    grads.clear();
     for (const auto& u : store.units()) grads.emplace_back(static_cast<std::size_t>(u.numel()), 0.0f);
     auto view = [&](std::vector<float>& v) { return View<float>(std::span<float>(v), Shape{M, d}); };
     View<const std::int32_t> idv(ids, Shape{M}), lbv(labels, Shape{M});
@@ -68,10 +81,6 @@ struct ReferenceLoop {
     double sumsq = 0;
     for (auto& g : grads) sumsq += grad_sum_squares<float>(g);
     const double norm = std::sqrt(sumsq);
-    const double coef = clip_coef ? *clip_coef : clip_norm > 0 ? clip_coefficient(norm, clip_norm) : 1.0;
-    const double lr = schedule.at(step_no);
-    for (std::size_t u = 0; u < store.num_units(); ++u)
-      adamw_step<float>(store.unit(u), std::span<const float>(grads[u]), adamw, step_no, lr, coef);
     double total = 0;
     for (float x : loss) total += x;
     return {total / static_cast<double>(valid), norm};

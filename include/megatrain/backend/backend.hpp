@@ -133,6 +133,8 @@ concept Backend = requires(B& be, View<const typename B::Act> a, View<typename B
   be.linear_backward(a, w, a, ma, flag, acc, acc);                 // dx, dW +=, db +=
   be.rmsnorm(r, gain, x, ma, acc);                                 // y, rstd (of the residual stream)
   be.rmsnorm_backward(r, gain, cacc, a, r, mr, ma, acc);           // dx = residual + ..., its activation copy, dw +=
+  be.head_rmsnorm(a, gain, x, ma, acc);                            // y, rstd: RMSNorm of activation rows (q/k norms)
+  be.head_rmsnorm_backward(a, gain, cacc, a, ma, acc);             // dx, dw +=
   be.rope(ma, std::int64_t{}, std::int64_t{}, freqs, ids);         // rotate in place (ids: positions, or empty)
   be.rope_backward(ma, std::int64_t{}, std::int64_t{}, freqs, ids);  // inverse rotation in place
   be.attention(a, a, a, ma, acc, as);                              // out, lse

@@ -1,7 +1,10 @@
 // ModelConfig: the shape of a decoder-only model, read from a Hugging Face config.json.
 //
 // Supported architectures: LlamaForCausalLM (Llama 2 and 3.x, with "llama3" / "linear" rope
-// scaling), MistralForCausalLM and Qwen2ForCausalLM (q/k/v projections with bias). Anything else,
+// scaling), MistralForCausalLM, Qwen2ForCausalLM (q/k/v projections with bias) and
+// Qwen3ForCausalLM (RMSNorm of each query and key head before the rotation; attention_bias as
+// Llama's). What differs between them is declared once, in the family table of config.cpp
+// (class and model_type names, default context, biases, q/k norms). Anything else,
 // a missing required field, a field of the wrong type, or fields that contradict each other
 // (`architectures` and `model_type` naming different models, attention_bias or mlp_bias set on
 // Qwen2 or Mistral, which have no such option, without head_dim a head count that does not divide
@@ -21,7 +24,7 @@
 
 namespace megatrain {
 
-enum class Architecture { llama, mistral, qwen2 };
+enum class Architecture { llama, mistral, qwen2, qwen3 };
 
 /// How rotary frequencies are derived from rope_theta (Hugging Face's rope_scaling / rope_parameters).
 struct RopeScaling {
@@ -62,8 +65,9 @@ struct ModelConfig {
   static ModelConfig from_json(const nlohmann::json& j, std::string_view source = "config.json");
   /// Reads and parses a config.json file.
   static ModelConfig from_file(const std::filesystem::path& path);
-  /// A built-in shape by name: "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama-3.2-1b",
-  /// "llama-3.2-3b", "llama-3.1-8b", "mistral-7b". Throws for an unknown name (listing them).
+  /// A built-in shape by name: "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b",
+  /// "qwen2.5-72b", "qwen3-0.6b", "qwen3-8b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b",
+  /// "mistral-7b" (preset_names()). Throws for an unknown name (listing them).
   static ModelConfig preset(std::string_view name);
   static std::vector<std::string> preset_names();
 
@@ -75,7 +79,10 @@ struct ModelConfig {
   nlohmann::json to_json() const;
 
   std::string_view architecture_name() const;  ///< "LlamaForCausalLM", ...
-  std::string_view model_type() const;         ///< "llama", "mistral", "qwen2"
+  std::string_view model_type() const;         ///< "llama", "mistral", "qwen2", "qwen3"
+  /// Each query and key head is RMS-normalised over head_dim (its own gain, rms_norm_eps) before
+  /// the rotary embedding: q_norm and k_norm of Qwen3.
+  bool qk_norm() const;
   std::int64_t q_dim() const { return num_attention_heads * head_dim; }
   std::int64_t kv_dim() const { return num_key_value_heads * head_dim; }
   /// The rotary inverse frequencies (head_dim / 2 of them), rope scaling applied, in double.

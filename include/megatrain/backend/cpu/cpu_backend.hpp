@@ -264,6 +264,17 @@ class CpuBackend {
     column_sums_weighted(mat(dy, M, d), mat(x, M, d), rstd.data(), dw.span());
   }
 
+  /// RMSNorm of activations, row by row: y = x * rstd * w over rows of x[M, d] (Qwen3's q_norm
+  /// and k_norm, with x the projection viewed as [tokens * heads, head_dim]); rstd saved.
+  void head_rmsnorm(View<const Act> x, View<const Weight> w, double eps, View<Act> y, View<Acc> rstd) {
+    rmsnorm(x, w, eps, y, rstd);
+  }
+  /// Its backward: dx (overwritten) from dy, dw += the gain's gradient; from the saved rstd.
+  void head_rmsnorm_backward(View<const Act> x, View<const Weight> w, View<const Acc> rstd, View<const Act> dy, View<Act> dx,
+                             View<Acc> dw) {
+    rmsnorm_backward(x, w, rstd, dy, View<const Res>{}, dx, View<Act>{}, dw);
+  }
+
   /// y = x: residual-stream values as activations (a copy here; a rounding where they differ).
   void convert(View<const Res> x, View<Act> y) { copy(x, y); }
 

@@ -323,6 +323,28 @@ class CudaBackend {
                                   workspace_.size(), stream_);
   }
 
+  /// y (bf16) = RMSNorm of bf16 activation rows with the fp32 gain w (Qwen3's q/k norms); rstd saved.
+  void head_rmsnorm(View<const Act> x, View<const full_t<Weight>> w, double eps, View<Act> y, View<Acc> rstd) {
+    MT_NVTX_RANGE("cuda:head_rmsnorm");
+    same(x.shape(), y.shape(), "head_rmsnorm");
+    MT_CHECK(w.numel() == x.size(1) && rstd.numel() == x.size(0), "head_rmsnorm: weight {} / rstd {} do not match x {}",
+             w.shape().str(), rstd.shape().str(), x.shape().str());
+    cuda::launch_head_rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), x.size(0), x.size(1), static_cast<float>(eps),
+                                      stream_);
+  }
+  /// Its backward: dx (bf16, overwritten), dw += the gain's gradient.
+  void head_rmsnorm_backward(View<const Act> x, View<const full_t<Weight>> w, View<const Acc> rstd, View<const Act> dy,
+                             View<Act> dx, View<Acc> dw) {
+    MT_NVTX_RANGE("cuda:head_rmsnorm_backward");
+    same(x.shape(), dy.shape(), "head_rmsnorm_backward dy");
+    same(x.shape(), dx.shape(), "head_rmsnorm_backward dx");
+    MT_CHECK(w.numel() == x.size(1) && rstd.numel() == x.size(0) && dw.numel() == x.size(1),
+             "head_rmsnorm_backward: weight {} / rstd {} / dw {} do not match x {}", w.shape().str(), rstd.shape().str(),
+             dw.shape().str(), x.shape().str());
+    cuda::launch_head_rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx.data(), dw.data(), x.size(0), x.size(1),
+                                       ws(), workspace_.size(), stream_);
+  }
+
   void rope(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq,
             View<const std::int32_t> positions = {}, double scale = 1.0) {
     MT_NVTX_RANGE("cuda:rope");

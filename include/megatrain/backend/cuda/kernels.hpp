@@ -71,6 +71,13 @@ std::size_t rmsnorm_backward_workspace_bytes(std::int64_t M, std::int64_t d);
 void launch_rmsnorm_backward(const float* x, const float* w, const float* rstd, const bf16* dy, const float* residual,
                              float* dx, bf16* dx_act, float* dw, std::int64_t M, std::int64_t d, void* workspace,
                              std::size_t workspace_bytes, cudaStream_t stream);
+/// The same over bf16 activation rows (Qwen3's q/k norms: [tokens * heads, head_dim]): y bf16,
+/// and its backward with dx bf16 (no residual); workspace as rmsnorm_backward_workspace_bytes.
+void launch_head_rmsnorm_forward(const bf16* x, const float* w, bf16* y, float* rstd, std::int64_t M, std::int64_t d,
+                                 float eps, cudaStream_t stream);
+void launch_head_rmsnorm_backward(const bf16* x, const float* w, const float* rstd, const bf16* dy, bf16* dx, float* dw,
+                                  std::int64_t M, std::int64_t d, void* workspace, std::size_t workspace_bytes,
+                                  cudaStream_t stream);
 
 // ---- rotary ----------------------------------------------------------------------------------
 /// Rotates every head of x [M, heads*head_dim] in place (Hugging Face rotate-half), position of

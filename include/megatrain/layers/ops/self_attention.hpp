@@ -1,6 +1,11 @@
-// Causal self-attention of Llama, Mistral and Qwen2, as an op of its own:
+// Causal self-attention of Llama, Mistral, Qwen2 and Qwen3, as an op of its own:
 //
 //     y = o_proj(attention(rope(q_proj(x)), rope(k_proj(x)), v_proj(x)))
+//
+// and with Qwen3's q/k norms (ModelConfig::qk_norm), each head RMS-normalised over head_dim
+// with its own gain (q_norm.weight, k_norm.weight; fp32 like every norm gain) before the rotation:
+//
+//     y = o_proj(attention(rope(q_norm(q_proj(x))), rope(k_norm(k_proj(x))), v_proj(x)))
 //
 // grouped-query heads (num_key_value_heads divides num_attention_heads), head_dim from the
 // config, rotary embeddings rotating halves (Hugging Face's Llama convention), optional q/k/v
@@ -38,6 +43,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   template <class E>
   struct Weights {
     View<E> q, k, v, o, q_bias, k_bias, v_bias, o_bias;
+    View<full_t<E>> q_norm, k_norm;  // qk_norm only
   };
 
   std::vector<ParamSpec> params() const {
@@ -53,14 +59,26 @@ class SelfAttention : public CarvedOp<SelfAttention> {
       p.push_back(ParamSpec::bias(name("v_proj.bias"), cfg_.kv_dim()));
     }
     if (cfg_.o_bias) p.push_back(ParamSpec::bias(name("o_proj.bias"), d));
+    if (cfg_.qk_norm()) {
+      p.push_back(ParamSpec::norm(name("q_norm.weight"), cfg_.head_dim));
+      p.push_back(ParamSpec::norm(name("k_norm.weight"), cfg_.head_dim));
+    }
     return p;
   }
 
   template <class E>
   Weights<E> bind(const ParamBinder<E>& p) const {
-    return {p(name("q_proj.weight")),        p(name("k_proj.weight")),        p(name("v_proj.weight")),
-            p(name("o_proj.weight")),        p.optional(name("q_proj.bias")), p.optional(name("k_proj.bias")),
-            p.optional(name("v_proj.bias")), p.optional(name("o_proj.bias"))};
+    const bool qk = cfg_.qk_norm();
+    return {p(name("q_proj.weight")),
+            p(name("k_proj.weight")),
+            p(name("v_proj.weight")),
+            p(name("o_proj.weight")),
+            p.optional(name("q_proj.bias")),
+            p.optional(name("k_proj.bias")),
+            p.optional(name("v_proj.bias")),
+            p.optional(name("o_proj.bias")),
+            qk ? p.full(name("q_norm.weight")) : View<full_t<E>>{},
+            qk ? p.full(name("k_norm.weight")) : View<full_t<E>>{}};
   }
 
   std::int64_t hidden_size() const { return cfg_.hidden_size; }
@@ -71,6 +89,11 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     View<typename B::Act> q, k, v, att;
     View<typename B::Acc> lse;
     View<typename B::Act> datt, dq, dk, dv;  // with_backward only
+    // qk_norm only: the projections before their norm and the norms' rstd (kept like q and k),
+    // and the projections' gradients (with_backward)
+    View<typename B::Act> q_pre, k_pre;
+    View<typename B::Acc> rstd_q, rstd_k;
+    View<typename B::Act> dq_pre, dk_pre;
   };
   /// `kept`: where the activations backprop() reads (q, k, v, att, lse) are kept from forward to
   /// backward (CarvedOp); none: the scratch arena.
@@ -85,11 +108,21 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     a.v = k.alloc<A>({M, kd});
     a.att = k.alloc<A>({M, qd});
     a.lse = k.alloc<typename B::Acc>({c.rows, cfg_.num_attention_heads, c.seq});
+    if (cfg_.qk_norm()) {
+      a.q_pre = k.alloc<A>({M, qd});
+      a.k_pre = k.alloc<A>({M, kd});
+      a.rstd_q = k.alloc<typename B::Acc>({M * cfg_.num_attention_heads});
+      a.rstd_k = k.alloc<typename B::Acc>({M * cfg_.num_key_value_heads});
+    }
     if (with_backward) {
       a.datt = ar.alloc<A>({M, qd});
       a.dq = ar.alloc<A>({M, qd});
       a.dk = ar.alloc<A>({M, kd});
       a.dv = ar.alloc<A>({M, kd});
+      if (cfg_.qk_norm()) {
+        a.dq_pre = ar.alloc<A>({M, qd});
+        a.dk_pre = ar.alloc<A>({M, kd});
+      }
     }
     return a;
   }
@@ -125,13 +158,23 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   // The pieces of run_kept() and backprop(), for a block that runs the token-wise ones (the
   // projections) a block of tokens at a time, and the attention over whole rows.
 
-  /// q, k and v of tokens [first, first + x.size(0)) of the chunk, from their input x.
+  /// q, k and v of tokens [first, first + x.size(0)) of the chunk, from their input x (q and k
+  /// normalised per head where the family has q/k norms).
   template <class B>
   void project(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x, const Acts<B>& a,
                std::int64_t first) const {
-    const std::int64_t n = x.size(0);
-    be.linear(x, w.q, w.q_bias, token_rows(a.q, first, n));
-    be.linear(x, w.k, w.k_bias, token_rows(a.k, first, n));
+    const std::int64_t n = x.size(0), H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads;
+    if (cfg_.qk_norm()) {
+      be.linear(x, w.q, w.q_bias, token_rows(a.q_pre, first, n));
+      be.linear(x, w.k, w.k_bias, token_rows(a.k_pre, first, n));
+      be.head_rmsnorm(cview(heads(token_rows(a.q_pre, first, n))), w.q_norm, cfg_.rms_norm_eps,
+                      heads(token_rows(a.q, first, n)), token_rows(a.rstd_q, first * H, n * H));
+      be.head_rmsnorm(cview(heads(token_rows(a.k_pre, first, n))), w.k_norm, cfg_.rms_norm_eps,
+                      heads(token_rows(a.k, first, n)), token_rows(a.rstd_k, first * KV, n * KV));
+    } else {
+      be.linear(x, w.q, w.q_bias, token_rows(a.q, first, n));
+      be.linear(x, w.k, w.k_bias, token_rows(a.k, first, n));
+    }
     be.linear(x, w.v, w.v_bias, token_rows(a.v, first, n));
   }
   /// Rotary embeddings of q and k, then attention: a.att and a.lse of the whole chunk.
@@ -156,14 +199,30 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   void project_backward(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
                         const Acts<B>& a, std::int64_t first, View<typename B::Act> dx,
                         const Weights<typename B::Acc>& g) const {
-    const std::int64_t n = x.size(0);
-    be.linear_backward(x, w.q, cview(token_rows(a.dq, first, n)), dx, false, g.q, g.q_bias);
-    be.linear_backward(x, w.k, cview(token_rows(a.dk, first, n)), dx, true, g.k, g.k_bias);
+    const std::int64_t n = x.size(0), H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads;
+    auto dq = token_rows(a.dq, first, n), dk = token_rows(a.dk, first, n);
+    if (cfg_.qk_norm()) {  // through the norms first: the projections' own gradients
+      be.head_rmsnorm_backward(cview(heads(token_rows(a.q_pre, first, n))), w.q_norm,
+                               cview(token_rows(a.rstd_q, first * H, n * H)), cview(heads(dq)),
+                               heads(token_rows(a.dq_pre, first, n)), g.q_norm);
+      be.head_rmsnorm_backward(cview(heads(token_rows(a.k_pre, first, n))), w.k_norm,
+                               cview(token_rows(a.rstd_k, first * KV, n * KV)), cview(heads(dk)),
+                               heads(token_rows(a.dk_pre, first, n)), g.k_norm);
+      dq = token_rows(a.dq_pre, first, n);
+      dk = token_rows(a.dk_pre, first, n);
+    }
+    be.linear_backward(x, w.q, cview(dq), dx, false, g.q, g.q_bias);
+    be.linear_backward(x, w.k, cview(dk), dx, true, g.k, g.k_bias);
     be.linear_backward(x, w.v, cview(token_rows(a.dv, first, n)), dx, true, g.v, g.v_bias);
   }
 
  private:
   std::string name(const char* suffix) const { return prefix_ + suffix; }
+  /// [tokens, heads * head_dim] as [tokens * heads, head_dim]: one row per head (the q/k norms').
+  template <class E>
+  View<E> heads(View<E> v) const {
+    return View<E>(v.span(), Shape{v.numel() / cfg_.head_dim, cfg_.head_dim});
+  }
   AttentionShape shape(ChunkShape c) const {
     return {c.rows, c.seq, cfg_.num_attention_heads, cfg_.num_key_value_heads, cfg_.head_dim, c.packed};
   }

@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Writes the model-family fixtures of tests/fixtures/<family>/ from transformers itself.
+
+For each family, a tiny random model in float32 on the CPU (a fixed seed per family), saved with
+save_pretrained (config.json, model.safetensors as transformers writes them), and reference.safetensors
+beside it: the inputs (input_ids, labels with some -100), and transformers' outputs on them, the
+mean cross-entropy over the labelled tokens (loss), the logits, and the gradient of that loss
+with respect to every parameter ("grad." + the parameter's name). No label shift: labels[i] is
+the target of position i, as megatrain's trainer takes them.
+
+tests/model/test_families.cpp checks megatrain's CPU backend against these files in CI (where
+there is no PyTorch); run this script again (on a machine with torch and transformers, e.g. the
+GPU machine) only to change or add a family:
+
+    python3 tests/hf/make_fixtures.py --out tests/fixtures [--only qwen3]
+"""
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+ROWS, SEQ, VOCAB = 2, 11, 97
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, initializer_range=0.2)
+
+
+def families():
+    t = transformers
+    return {
+        "llama": (t.LlamaForCausalLM, t.LlamaConfig(tie_word_embeddings=False, **COMMON)),
+        "qwen2": (t.Qwen2ForCausalLM, t.Qwen2Config(tie_word_embeddings=True, use_sliding_window=False, **COMMON)),
+        # head_dim 16 with hidden 32 and 4 heads: q is wider than the hidden size, as in Qwen3-0.6B
+        "qwen3": (t.Qwen3ForCausalLM, t.Qwen3Config(tie_word_embeddings=False, head_dim=16, **COMMON)),
+        "qwen3_tied_bias": (t.Qwen3ForCausalLM, t.Qwen3Config(tie_word_embeddings=True, head_dim=8, attention_bias=True,
+                                                              **COMMON)),
+    }
+
+
+def make(name, cls, cfg, out):
+    seed = sum(map(ord, name))
+    torch.manual_seed(seed)
+    model = cls(cfg).float().eval()
+    # Random gains and biases too (they start at 1 and 0), so that their gradients are tested
+    # at general values.
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    d = os.path.join(out, name)
+    os.makedirs(d, exist_ok=True)
+    model.save_pretrained(d, safe_serialization=True)
+    gen = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
+    labels = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
+    labels[torch.rand((ROWS, SEQ), generator=gen) < 0.2] = -100
+    model.zero_grad()
+    logits = model(input_ids=ids).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+    loss.backward()
+    ref = {"input_ids": ids.to(torch.int32).contiguous(), "labels": labels.to(torch.int32).contiguous(),
+           "loss": loss.detach().reshape(1).contiguous(), "logits": logits.detach().contiguous()}
+    for pname, p in model.named_parameters():
+        ref["grad." + pname] = p.grad.detach().float().contiguous()
+    save_file(ref, os.path.join(d, "reference.safetensors"),
+              metadata={"transformers": transformers.__version__, "torch": torch.__version__})
+    print(f"{name}: {cls.__name__}, loss {loss.item():.6f}, {sum(p.numel() for p in model.parameters())} parameters -> {d}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", nargs="*")
+    a = ap.parse_args()
+    torch.use_deterministic_algorithms(True)
+    for name, (cls, cfg) in families().items():
+        if a.only and name not in a.only:
+            continue
+        make(name, cls, cfg, a.out)
+
+
+if __name__ == "__main__":
+    main()

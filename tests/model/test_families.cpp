@@ -1,0 +1,97 @@
+// Each model family against transformers itself: the fixtures of tests/fixtures/<family>/ hold a
+// tiny random model as transformers saved it (config.json, model.safetensors) and transformers'
+// loss and gradients on fixed inputs (reference.safetensors; written by tests/hf/make_fixtures.py).
+// megatrain loads the folder as a user's --model, and its CPU backend (fp32) must give the same
+// loss and the same gradient for every parameter, within fp32 rounding.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "../train/reference_loop.hpp"
+#include "megatrain/io/hf_checkpoint.hpp"
+#include "megatrain/io/safetensors.hpp"
+
+using namespace megatrain;
+using namespace megatrain::io;
+namespace fs = std::filesystem;
+
+namespace {
+
+template <class T>
+std::vector<T> read_tensor(const SafetensorsFile& f, const std::string& name, SafetensorsDType want) {
+  const auto& info = f.tensor(name);
+  REQUIRE(info.dtype == want);
+  const auto b = f.view(info).bytes;
+  std::vector<T> out(b.size() / sizeof(T));
+  std::memcpy(out.data(), b.data(), out.size() * sizeof(T));
+  return out;
+}
+
+/// ||a - b|| / ||b||
+double rel(std::span<const float> a, std::span<const float> b) {
+  REQUIRE(a.size() == b.size());
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+void check_family(const fs::path& dir) {
+  const auto ref = SafetensorsFile::open(dir / "reference.safetensors");
+  const auto ids = read_tensor<std::int32_t>(ref, "input_ids", SafetensorsDType::i32);
+  const auto labels = read_tensor<std::int32_t>(ref, "labels", SafetensorsDType::i32);
+  const auto shape = ref.tensor("input_ids").shape;
+  REQUIRE(shape.size() == 2);
+  const float want_loss = read_tensor<float>(ref, "loss", SafetensorsDType::f32).at(0);
+
+  HfModel m = load_hf_model(dir);
+  CHECK(m.ignored.empty());
+  DecoderModel<> model(m.config);
+  test::ReferenceLoop loop{model, m.store, AdamWConfig{}, LrSchedule{}, 0.0, shape[0], shape[1], {}};
+  std::vector<std::vector<float>> grads;
+  const auto r = loop.gradients(ids, labels, grads);
+  CHECK(r.loss == doctest::Approx(want_loss).epsilon(1e-5));
+
+  // Every parameter's gradient, by its Hugging Face name (a tied head's is the embedding's).
+  std::set<std::string> seen;
+  double worst = 0;
+  for (std::size_t u = 0; u < m.store.num_units(); ++u)
+    for (const auto& e : m.store.unit(u).layout().entries()) {
+      const std::string name = "grad." + e.spec.name;
+      CAPTURE(name);
+      REQUIRE(ref.find(name) != nullptr);
+      const auto want = read_tensor<float>(ref, name, SafetensorsDType::f32);
+      const auto got = std::span<const float>(grads[u]).subspan(static_cast<std::size_t>(e.offset),
+                                                               static_cast<std::size_t>(e.numel()));
+      const double err = rel(got, want);
+      CHECK(err <= 1e-5);
+      worst = std::max(worst, err);
+      seen.insert(name);
+    }
+  MESSAGE(dir.filename().string() << ": loss " << r.loss << " (transformers " << want_loss << "), " << seen.size()
+                                  << " gradients, largest relative difference " << worst);
+  std::size_t grads_in_ref = 0;
+  for (const auto& t : ref.tensors()) grads_in_ref += t.name.rfind("grad.", 0) == 0;
+  CHECK(seen.size() == grads_in_ref);  // no parameter of transformers' model left unchecked
+}
+
+}  // namespace
+
+TEST_CASE("every model family gives transformers' loss and gradients (fp32 CPU backend, rel 1e-5)") {
+  std::vector<fs::path> dirs;
+  for (const auto& e : fs::directory_iterator(MEGATRAIN_TEST_FIXTURES))
+    if (fs::exists(e.path() / "reference.safetensors")) dirs.push_back(e.path());
+  std::sort(dirs.begin(), dirs.end());
+  REQUIRE(dirs.size() >= 4);
+  for (const auto& d : dirs) {
+    CAPTURE(d.filename().string());
+    check_family(d);
+  }
+}
