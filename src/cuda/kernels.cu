@@ -362,13 +362,14 @@ __global__ void embedding_sort_init_kernel(const std::int32_t* __restrict__ ids,
 template <int W>  // columns per thread: 8 (16-byte accesses) or 1
 __global__ void __launch_bounds__(kEmbThreads)
     embedding_accumulate_kernel(const u32* __restrict__ keys, const std::int32_t* __restrict__ pos,
-                                const float* __restrict__ dy, float* __restrict__ dtable, i64 M, i64 d) {
+                                const float* __restrict__ dy, float* __restrict__ dtable, i64 M, i64 d, std::int32_t skip_id) {
   constexpr int kBatch = 8;
   const i64 col = (static_cast<i64>(blockIdx.y) * blockDim.x + threadIdx.x) * W;
   if (col >= d) return;
   for (i64 i = blockIdx.x; i < M; i += gridDim.x) {
     const u32 id = keys[i];
     if (i > 0 && keys[i - 1] == id) continue;  // not the head of its run
+    if (static_cast<std::int32_t>(id) == skip_id) continue;  // padding_idx: no gradient from the lookup
     float acc[W] = {};
     for (i64 j = i;; j += kBatch) {
       bool in[kBatch];
@@ -1382,7 +1383,8 @@ std::size_t embedding_backward_workspace_bytes(std::int64_t M) {
 }
 
 void launch_embedding_backward(const std::int32_t* ids, const float* dy, float* dtable, std::int64_t M, std::int64_t d,
-                               std::int64_t V, void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+                               std::int64_t V, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
+                               std::int32_t skip_id) {
   MT_NVTX_RANGE("launch_embedding_backward");
   MT_CHECK(M >= 0 && M <= INT_MAX && d > 0 && V > 0 && V <= INT_MAX, "embedding_backward: invalid sizes M {}, d {}, V {}",
            M, d, V);
@@ -1413,8 +1415,8 @@ void launch_embedding_backward(const std::int32_t* ids, const float* dy, float* 
   const i64 col_blocks = (d + per_block - 1) / per_block;
   MT_CHECK(col_blocks <= 65535, "embedding_backward: row length {} is too large", d);
   const dim3 grid(static_cast<unsigned>(std::min<i64>(M, 65536)), static_cast<unsigned>(col_blocks));
-  if (vec) embedding_accumulate_kernel<8><<<grid, kEmbThreads, 0, stream>>>(keys.Current(), pos.Current(), dy, dtable, M, d);
-  else embedding_accumulate_kernel<1><<<grid, kEmbThreads, 0, stream>>>(keys.Current(), pos.Current(), dy, dtable, M, d);
+  if (vec) embedding_accumulate_kernel<8><<<grid, kEmbThreads, 0, stream>>>(keys.Current(), pos.Current(), dy, dtable, M, d, skip_id);
+  else embedding_accumulate_kernel<1><<<grid, kEmbThreads, 0, stream>>>(keys.Current(), pos.Current(), dy, dtable, M, d, skip_id);
   MT_CUDA_CHECK_LAUNCH("embedding_accumulate_kernel");
 }
 

@@ -148,6 +148,27 @@ std::int64_t first_difference(const TensorRef& a, const TensorRef& b, float* va,
 /// Where a checkpoint tensor lives, for messages: "'model-00001-of-00002.safetensors'".
 std::string where(const TensorRef& r) { return fmt::format("'{}'", r.file->path().string()); }
 
+/// Where a parameter lies in a fused checkpoint tensor: that tensor and the parameter's first row.
+struct FusedPlace {
+  const FusedTensor* tensor;
+  std::int64_t first_row;
+};
+std::map<std::string, FusedPlace, std::less<>> fused_places(const std::vector<FusedTensor>& fused,
+                                                            const std::vector<UnitSpec>& units) {
+  std::map<std::string, std::int64_t, std::less<>> rows;
+  for (const auto& u : units)
+    for (const auto& p : u.params) rows[p.name] = p.shape.dims()[0];
+  std::map<std::string, FusedPlace, std::less<>> out;
+  for (const auto& f : fused) {
+    std::int64_t r = 0;
+    for (const auto& part : f.parts) {
+      out[part] = {&f, r};
+      r += rows.at(part);
+    }
+  }
+  return out;
+}
+
 /// Checks that `store` holds exactly the parameters of `units` (names and shapes).
 void check_store_matches(const HostParamStore<float>& store, const std::vector<UnitSpec>& units, std::string_view what) {
   std::int64_t expected = 0;
@@ -238,8 +259,43 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
   };
   std::set<std::string, std::less<>> used;
   const std::string table = Embedding::kTable, head = LmHead::kHead;
+  // Fused tensors (Phi-3): each holds several parameters' rows; checked whole, read by rows.
+  const auto fused = fused_tensors(cfg);
+  std::set<std::string, std::less<>> fused_parts;
+  std::map<std::string, std::int64_t, std::less<>> rows_of;
+  for (const auto& u : c.units_)
+    for (const auto& p : u.params) rows_of[p.name] = p.shape.dims()[0];
+  for (const auto& f : fused) {
+    std::int64_t rows = 0, cols = 0;
+    std::string parts;
+    for (const auto& part : f.parts) {
+      fused_parts.insert(part);
+      rows += rows_of.at(part);
+      parts += (parts.empty() ? "" : ", ") + part.substr(part.rfind('.', part.size() - 8) + 1);
+    }
+    for (const auto& u : c.units_)
+      for (const auto& p : u.params)
+        if (p.name == f.parts.front()) cols = p.shape.dims()[1];
+    const std::optional<TensorRef> ref = c.weights_.find(f.name);
+    if (!ref) {
+      problems.push_back(fmt::format("tensor '{}' is missing (the model needs [{}, {}]: the rows of {})", f.name, rows, cols,
+                                     parts));
+      continue;
+    }
+    used.insert(ref->name());
+    for (const auto& part : f.parts) c.source_.emplace(part, ref->name());
+    const auto& dims = ref->info->shape;
+    if (dims.size() != 2 || dims[0] != rows || dims[1] != cols)
+      problems.push_back(fmt::format("tensor '{}' in {} has shape {} but config.json needs [{}, {}] (the rows of {})",
+                                     ref->name(), where(*ref), ref->info->shape_str(), rows, cols, parts));
+    if (!is_float_dtype(ref->info->dtype))
+      problems.push_back(fmt::format("tensor '{}' in {} holds {} elements; only F32, BF16, F16 and F64 weights can be "
+                                     "loaded", ref->name(), where(*ref), safetensors_dtype_name(ref->info->dtype)));
+    check_declared_dtype(*ref);
+  }
   for (const auto& u : c.units_) {
     for (const auto& p : u.params) {
+      if (fused_parts.contains(p.name)) continue;
       std::optional<TensorRef> ref = c.weights_.find(p.name);
       if (!ref && cfg.tie_word_embeddings && p.name == table) ref = c.weights_.find(head);
       if (!ref) {
@@ -345,10 +401,42 @@ void HfCheckpoint::load_into(HostParamStore<float>& store) const {
   MT_NVTX_RANGE("io::HfCheckpoint::load_into");
   store.check_settled(fmt::format("loading '{}'", dir_.string()));
   check_store_matches(store, units_, fmt::format("loading '{}'", dir_.string()));
+  const auto fused = fused_tensors(config_);
+  const auto places = fused_places(fused, units_);
+  std::vector<float> whole;  // the fused tensor last read, whole (its parameters are next to each other)
+  std::string whole_name;
   for (auto& unit : store.units()) {
-    for (const auto& p : unit.params()) read_into(source(p.spec.name), store.master(p.spec.name));
+    for (const auto& p : unit.params()) {
+      const auto place = places.find(p.spec.name);
+      if (place == places.end()) {
+        read_into(source(p.spec.name), store.master(p.spec.name));
+        continue;
+      }
+      const TensorRef ref = source(p.spec.name);
+      if (whole_name != ref.name()) {
+        const auto& dims = ref.info->shape;
+        whole.assign(static_cast<std::size_t>(dims[0] * dims[1]), 0.0f);
+        read_into(ref, View<float>(std::span<float>(whole), Shape{dims[0], dims[1]}));
+        whole_name = ref.name();
+      }
+      const View<float> master = store.master(p.spec.name);
+      const auto cols = static_cast<std::size_t>(ref.info->shape[1]);
+      std::copy_n(whole.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(place->second.first_row) * cols),
+                  master.span().size(), master.span().begin());
+    }
     store.sync_compute(unit);
   }
+}
+
+std::vector<FusedTensor> fused_tensors(const ModelConfig& cfg) {
+  std::vector<FusedTensor> out;
+  if (!cfg.fused_projections()) return out;
+  for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+    const std::string a = fmt::format("model.layers.{}.self_attn.", l), m = fmt::format("model.layers.{}.mlp.", l);
+    out.push_back({a + "qkv_proj.weight", {a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"}});
+    out.push_back({m + "gate_up_proj.weight", {m + "gate_proj.weight", m + "up_proj.weight"}});
+  }
+  return out;
 }
 
 HfModel load_hf_model(const fs::path& dir, const StoreOptions& options, const HfOpenOptions& open_options) {
@@ -410,8 +498,40 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
   std::vector<TensorToWrite> tensors;
   tensors.reserve(count);
   const SafetensorsDType stored = to_safetensors_dtype(options.dtype);
+  // Fused tensors (Phi-3) are written where their first part is, from all their parts' masters.
+  const auto fused = fused_tensors(cfg);
+  const auto places = fused_places(fused, units);
   for (const auto& u : store.units()) {
     for (const auto& p : u.params()) {
+      if (const auto place = places.find(p.spec.name); place != places.end()) {
+        if (place->second.first_row != 0) continue;
+        const FusedTensor& f = *place->second.tensor;
+        std::vector<std::span<const float>> parts;
+        std::int64_t rows = 0;
+        for (const auto& part : f.parts) {
+          parts.push_back(store.master(part).span());
+          rows += store.master(part).size(0);
+        }
+        const std::size_t index = tensors.size();
+        tensors.emplace_back(f.name, std::vector<std::int64_t>{rows, p.spec.shape.dims()[1]}, stored,
+                             [parts, index, count, &f, &options](std::int64_t first, std::span<float> out) {
+                               if (first == 0 && options.progress) options.progress(f.name, index, count);
+                               auto at = static_cast<std::size_t>(first);  // element offset in the fused tensor
+                               std::size_t done = 0;
+                               for (const auto& part : parts) {
+                                 if (at >= part.size()) {
+                                   at -= part.size();
+                                   continue;
+                                 }
+                                 const std::size_t n = std::min(part.size() - at, out.size() - done);
+                                 std::copy_n(part.begin() + static_cast<std::ptrdiff_t>(at), n, out.begin() + static_cast<std::ptrdiff_t>(done));
+                                 done += n;
+                                 at = 0;
+                                 if (done == out.size()) break;
+                               }
+                             });
+        continue;
+      }
       const View<float> master = store.master(p.spec.name);
       const std::span<const float> values = master.span();
       const std::size_t index = tensors.size();

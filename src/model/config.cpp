@@ -59,13 +59,15 @@ struct ArchInfo {
   const char* class_name;
   const char* model_type;
   std::int64_t default_max_position_embeddings;
-  bool qk_norm;  ///< q_norm and k_norm: RMSNorm of each head before the rotation
+  bool qk_norm;            ///< q_norm and k_norm: RMSNorm of each head before the rotation
+  bool fused_projections;  ///< qkv_proj and gate_up_proj in the checkpoint
 };
 constexpr ArchInfo kArchs[] = {
-    {Architecture::llama, "LlamaForCausalLM", "llama", 2048, false},
-    {Architecture::mistral, "MistralForCausalLM", "mistral", 131072, false},
-    {Architecture::qwen2, "Qwen2ForCausalLM", "qwen2", 32768, false},
-    {Architecture::qwen3, "Qwen3ForCausalLM", "qwen3", 32768, true},
+    {Architecture::llama, "LlamaForCausalLM", "llama", 2048, false, false},
+    {Architecture::mistral, "MistralForCausalLM", "mistral", 131072, false, false},
+    {Architecture::qwen2, "Qwen2ForCausalLM", "qwen2", 32768, false, false},
+    {Architecture::qwen3, "Qwen3ForCausalLM", "qwen3", 32768, true, false},
+    {Architecture::phi3, "Phi3ForCausalLM", "phi3", 4096, false, true},
 };
 const ArchInfo& arch_info(Architecture a) {
   for (const auto& info : kArchs)
@@ -188,6 +190,11 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
   c.rms_norm_eps = get_double(j, "rms_norm_eps", src, 1e-6);
   c.initializer_range = get_double(j, "initializer_range", src, 0.02);
   c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", src, false);
+  if (j.contains("pad_token_id") && !j.at("pad_token_id").is_null()) {
+    c.pad_token_id = get_int(j, "pad_token_id", src);
+    // nn.Embedding counts a negative padding_idx from the end of the table (old Llama configs say -1)
+    if (*c.pad_token_id < 0 && *c.pad_token_id >= -c.vocab_size) *c.pad_token_id += c.vocab_size;
+  }
 
   // Rotary: transformers 4 keeps rope_theta and rope_scaling at the top level; transformers 5
   // may put both into rope_parameters.
@@ -246,6 +253,26 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
       if (sliding) c.sliding_window = get_int(j, "sliding_window", src);
       break;
     }
+    case Architecture::phi3: {
+      // Phi3Config: no bias anywhere; dropouts that megatrain does not apply must be 0 (every
+      // published Phi-3 and Phi-4 has them at 0); rotary over a whole head.
+      refuse_bias_keys("it has no bias in attention or MLP");
+      for (const char* key : {"resid_pdrop", "embd_pdrop", "attention_dropout"})
+        MT_CHECK(get_double(j, key, src, 0.0) == 0.0,
+                 "{}: '{}' is {}, but megatrain trains without dropout; set it to 0.0 to train this model", src, key,
+                 get_double(j, key, src, 0.0));
+      // (transformers 4 keeps it at the top level, transformers 5 in rope_parameters)
+      const bool in_rope = j.contains("rope_parameters") && j.at("rope_parameters").is_object() &&
+                           j.at("rope_parameters").contains("partial_rotary_factor");
+      const double partial = in_rope ? get_double(j.at("rope_parameters"), "partial_rotary_factor", src, 1.0)
+                                     : get_double(j, "partial_rotary_factor", src, 1.0);
+      MT_CHECK(partial == 1.0,
+               "{}: partial_rotary_factor {} (rotary embeddings on part of each head, as in Phi-4-mini) is not supported; "
+               "megatrain rotates whole heads (partial_rotary_factor 1.0)", src, partial);
+      if (j.contains("sliding_window") && !j.at("sliding_window").is_null())
+        c.sliding_window = get_int(j, "sliding_window", src);
+      break;
+    }
     case Architecture::mistral:
       refuse_bias_keys("it has no bias in attention or MLP");
       // transformers' MistralConfig defaults sliding_window to 4096 when the key is absent;
@@ -293,6 +320,9 @@ void ModelConfig::validate(std::string_view src) const {
   MT_CHECK(std::isfinite(rms_norm_eps) && rms_norm_eps > 0, "{}: rms_norm_eps must be > 0 (got {})", src, rms_norm_eps);
   MT_CHECK(std::isfinite(rope_theta) && rope_theta > 1, "{}: rope_theta must be > 1 (got {})", src, rope_theta);
   MT_CHECK(vocab_size <= (std::int64_t{1} << 31) - 1, "{}: vocab_size {} does not fit 32-bit token ids", src, vocab_size);
+  MT_CHECK(!pad_token_id || (*pad_token_id >= 0 && *pad_token_id < vocab_size),
+           "{}: pad_token_id {} is not a token of the vocabulary [0, {}) (transformers would not build this model's "
+           "embedding either)", src, pad_token_id.value_or(0), vocab_size);
   MT_CHECK(!sliding_window || *sliding_window > 0, "{}: sliding_window must be > 0 (got {})", src, *sliding_window);
   MT_CHECK(rope_scaling.type != RopeScaling::Type::llama3 || rope_scaling.high_freq_factor > rope_scaling.low_freq_factor,
            "{}: llama3 rope scaling needs high_freq_factor > low_freq_factor", src);
@@ -311,6 +341,10 @@ void ModelConfig::validate(std::string_view src) const {
       MT_CHECK(!qkv_bias && !o_bias && !mlp_bias, "{}: MistralForCausalLM has no biases (got qkv_bias {}, o_bias {}, "
                "mlp_bias {})", src, qkv_bias, o_bias, mlp_bias);
       break;
+    case Architecture::phi3:
+      MT_CHECK(!qkv_bias && !o_bias && !mlp_bias, "{}: Phi3ForCausalLM has no biases (got qkv_bias {}, o_bias {}, "
+               "mlp_bias {})", src, qkv_bias, o_bias, mlp_bias);
+      break;
     case Architecture::qwen3:
       MT_CHECK(qkv_bias == o_bias && !mlp_bias, "{}: Qwen3ForCausalLM's one attention_bias sets q/k/v and o_proj biases "
                "alike and its MLP has none (got qkv_bias {}, o_bias {}, mlp_bias {})", src, qkv_bias, o_bias, mlp_bias);
@@ -321,6 +355,7 @@ void ModelConfig::validate(std::string_view src) const {
 std::string_view ModelConfig::architecture_name() const { return arch_info(architecture).class_name; }
 std::string_view ModelConfig::model_type() const { return arch_info(architecture).model_type; }
 bool ModelConfig::qk_norm() const { return arch_info(architecture).qk_norm; }
+bool ModelConfig::fused_projections() const { return arch_info(architecture).fused_projections; }
 
 json ModelConfig::to_json() const {
   json j;
@@ -339,6 +374,7 @@ json ModelConfig::to_json() const {
   j["hidden_act"] = "silu";
   j["tie_word_embeddings"] = tie_word_embeddings;
   j["initializer_range"] = initializer_range;
+  j["pad_token_id"] = pad_token_id ? json(*pad_token_id) : json(nullptr);
   switch (rope_scaling.type) {
     case RopeScaling::Type::none: j["rope_scaling"] = nullptr; break;
     case RopeScaling::Type::linear: j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", rope_scaling.factor}}; break;
@@ -368,7 +404,8 @@ json ModelConfig::to_json() const {
     j["use_sliding_window"] = sliding_window.has_value();
     j["sliding_window"] = sliding_window ? json(*sliding_window) : json(nullptr);
   }
-  if (architecture == Architecture::mistral) j["sliding_window"] = sliding_window ? json(*sliding_window) : json(nullptr);
+  if (architecture == Architecture::mistral || architecture == Architecture::phi3)
+    j["sliding_window"] = sliding_window ? json(*sliding_window) : json(nullptr);
   return j;
 }
 

@@ -303,6 +303,20 @@ TEST_CASE("embedding backward sums repeated ids, deterministically") {
     ref.embedding_backward(view<const std::int32_t>(ids_copy, Shape{c.M}), view<const double>(dyd, Shape{c.M, c.d}),
                            view<double>(table, Shape{c.V, c.d}));
     CHECK(rel_err(runs[0], table) <= kTolF32);
+
+    // A padding id (PyTorch's padding_idx): its row gets nothing, every other row the same sums.
+    const std::int32_t skip = ids[0];
+    d_table.upload(table0);
+    mc::launch_embedding_backward(d_ids.get(), d_dy.get(), d_table.get(), c.M, c.d, c.V, ws.get(), ws.size(), stream(), skip);
+    const auto skipped = d_table.download();
+    auto table_skip = widen(table0);
+    ref.embedding_backward(view<const std::int32_t>(ids_copy, Shape{c.M}), view<const double>(dyd, Shape{c.M, c.d}),
+                           view<double>(table_skip, Shape{c.V, c.d}), skip);
+    CHECK(rel_err(skipped, table_skip) <= kTolF32);
+    bool untouched = true;
+    for (std::int64_t k = 0; k < c.d; ++k)
+      untouched = untouched && skipped[sz(skip * c.d + k)] == table0[sz(skip * c.d + k)];
+    CHECK(untouched);
   }
 }
 

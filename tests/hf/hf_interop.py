@@ -2,7 +2,8 @@
 """megatrain <-> Hugging Face transformers interoperability check (CTest label hf_python).
 
 For a tiny random LlamaForCausalLM (untied embeddings), a tiny Qwen3ForCausalLM (q/k norms, head_dim
-wider than hidden / heads, untied) and a tiny Qwen2ForCausalLM (tied,
+wider than hidden / heads, untied), a tiny Phi3ForCausalLM (fused qkv_proj and gate_up_proj, a
+pad_token_id) and a tiny Qwen2ForCausalLM (tied,
 q/k/v biases), in float32 on the CPU:
 
   1. transformers saves the model with save_pretrained (safetensors);
@@ -110,7 +111,11 @@ def make_models():
     qwen = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, use_sliding_window=False, **common))
     # Qwen3: q/k norms, head_dim 32 (q wider than the hidden size), untied
     qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(tie_word_embeddings=False, head_dim=32, **common))
-    return [("llama", llama), ("qwen2", qwen), ("qwen3", qwen3)]
+    # Phi-3: q/k/v and gate/up fused in the checkpoint; a padding row (pad_token_id 3)
+    phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(tie_word_embeddings=False, pad_token_id=3, bos_token_id=None,
+                                                                eos_token_id=None, original_max_position_embeddings=128,
+                                                                **common))
+    return [("llama", llama), ("qwen2", qwen), ("qwen3", qwen3), ("phi3", phi3)]
 
 
 def perturb(model, gen):

@@ -27,6 +27,7 @@ import transformers  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 ROWS, SEQ, VOCAB = 2, 11, 97
+PAD = 5  # the pad_token_id of the fixtures that set one
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, initializer_range=0.2)
 
@@ -40,6 +41,10 @@ def families():
         "qwen3": (t.Qwen3ForCausalLM, t.Qwen3Config(tie_word_embeddings=False, head_dim=16, **COMMON)),
         "qwen3_tied_bias": (t.Qwen3ForCausalLM, t.Qwen3Config(tie_word_embeddings=True, head_dim=8, attention_bias=True,
                                                               **COMMON)),
+        # Phi-3: q/k/v and gate/up fused in the checkpoint; pad_token_id set (the embedding's
+        # padding_idx: its row gets no gradient from the lookup), and the inputs hold that id
+        "phi3": (t.Phi3ForCausalLM, t.Phi3Config(tie_word_embeddings=False, pad_token_id=PAD, bos_token_id=None,
+                                                 eos_token_id=None, original_max_position_embeddings=64, **COMMON)),
     }
 
 
@@ -60,6 +65,8 @@ def make(name, cls, cfg, out):
     ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
     labels = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
     labels[torch.rand((ROWS, SEQ), generator=gen) < 0.2] = -100
+    if cfg.pad_token_id is not None:
+        ids[:, ::3] = cfg.pad_token_id  # the padding row is looked up, and must get no gradient from it
     model.zero_grad()
     logits = model(input_ids=ids).logits.float()
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)

@@ -64,6 +64,7 @@ void check_same(const ModelConfig& a, const ModelConfig& b) {
   CHECK(a.o_bias == b.o_bias);
   CHECK(a.mlp_bias == b.mlp_bias);
   CHECK(a.sliding_window == b.sliding_window);
+  CHECK(a.pad_token_id == b.pad_token_id);
   CHECK(a.initializer_range == b.initializer_range);
 }
 
@@ -254,6 +255,43 @@ TEST_CASE("config: Qwen3 8B as transformers 5 writes it (q/k norms, head_dim, ro
   CHECK(c.param_count() == 8'190'735'360);
   check_round_trip(c);
   CHECK_FALSE(ModelConfig::preset("qwen2.5-7b").qk_norm());
+}
+
+TEST_CASE("config: Phi-3 mini 4k (fused projections in the checkpoint, a window, pad_token_id)") {
+  const auto c = ModelConfig::from_file(fixture("phi-3-mini-4k.json"));
+  CHECK(c.architecture == Architecture::phi3);
+  CHECK(c.architecture_name() == "Phi3ForCausalLM");
+  CHECK(c.fused_projections());
+  CHECK_FALSE(c.qk_norm());
+  CHECK(c.hidden_size == 3072);
+  CHECK(c.num_key_value_heads == 32);
+  CHECK(c.head_dim == 96);
+  CHECK(c.vocab_size == 32064);
+  REQUIRE(c.sliding_window.has_value());
+  CHECK(*c.sliding_window == 2047);
+  REQUIRE(c.pad_token_id.has_value());
+  CHECK(*c.pad_token_id == 32000);
+  CHECK_FALSE(c.qkv_bias);
+  CHECK(c.param_count() == state_dict_count(c));
+  CHECK(c.param_count() == 3'821'079'552);  // Phi-3-mini: 3.8B
+  check_round_trip(c);
+  json j = json::parse(std::ifstream(fixture("phi-3-mini-4k.json")));
+  j["resid_pdrop"] = 0.1;
+  CHECK(contains(error_of(j, "phi.json"), "resid_pdrop"));
+  j["resid_pdrop"] = 0.0;
+  j["partial_rotary_factor"] = 0.75;  // Phi-4-mini
+  CHECK(contains(error_of(j, "phi.json"), "partial_rotary_factor"));
+  j.erase("partial_rotary_factor");
+  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.75}};
+  CHECK(contains(error_of(j, "phi.json"), "partial_rotary_factor"));  // where transformers 5 writes it
+  j.erase("rope_parameters");
+  j["rope_scaling"] = {{"rope_type", "longrope"}, {"short_factor", {1.0}}, {"long_factor", {1.0}}};
+  CHECK(contains(error_of(j, "phi.json"), "longrope"));
+  j["rope_scaling"] = nullptr;
+  j["pad_token_id"] = 40000;
+  CHECK(contains(error_of(j, "phi.json"), "pad_token_id"));
+  j["pad_token_id"] = -1;  // nn.Embedding counts a negative padding_idx from the end
+  CHECK(ModelConfig::from_json(j).pad_token_id == 32063);
 }
 
 TEST_CASE("config: Qwen3's attention_bias, sliding layers and refusals") {

@@ -83,7 +83,8 @@ class HfCheckpoint {
   const SafetensorsCheckpoint& weights() const { return weights_; }
   /// The model's units (DecoderModel<>(config()).units()): what a store for it must hold.
   const std::vector<UnitSpec>& units() const { return units_; }
-  /// The checkpoint tensor each parameter is read from (by parameter name).
+  /// The checkpoint tensor each parameter is read from (by parameter name); for a parameter
+  /// stored as rows of a fused tensor (Phi-3's qkv_proj, gate_up_proj), that tensor.
   TensorRef source(std::string_view param) const;
   /// Checkpoint tensors that are present but not loaded, each with the reason.
   const std::vector<std::string>& ignored() const { return ignored_; }
@@ -104,6 +105,16 @@ class HfCheckpoint {
   std::map<std::string, std::string, std::less<>> source_;  // parameter -> checkpoint tensor name
   std::vector<std::string> ignored_;
 };
+
+/// A checkpoint tensor that holds several parameters, their rows concatenated in order
+/// (ModelConfig::fused_projections: Phi-3's self_attn.qkv_proj.weight = q, k, v and
+/// mlp.gate_up_proj.weight = gate, up).
+struct FusedTensor {
+  std::string name;
+  std::vector<std::string> parts;  ///< parameter names, in row order
+};
+/// The fused tensors of `cfg`'s checkpoints (none for most families).
+std::vector<FusedTensor> fused_tensors(const ModelConfig& cfg);
 
 /// A model loaded from a Hugging Face directory.
 struct HfModel {

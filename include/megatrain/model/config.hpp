@@ -3,7 +3,8 @@
 // Supported architectures: LlamaForCausalLM (Llama 2 and 3.x, with "llama3" / "linear" rope
 // scaling), MistralForCausalLM, Qwen2ForCausalLM (q/k/v projections with bias) and
 // Qwen3ForCausalLM (RMSNorm of each query and key head before the rotation; attention_bias as
-// Llama's). What differs between them is declared once, in the family table of config.cpp
+// Llama's) and Phi3ForCausalLM (Phi-3, Phi-4: Llama's block with q/k/v and gate/up fused into
+// one tensor each in the checkpoint). What differs between them is declared once, in the family table of config.cpp
 // (class and model_type names, default context, biases, q/k norms). Anything else,
 // a missing required field, a field of the wrong type, or fields that contradict each other
 // (`architectures` and `model_type` naming different models, attention_bias or mlp_bias set on
@@ -24,7 +25,7 @@
 
 namespace megatrain {
 
-enum class Architecture { llama, mistral, qwen2, qwen3 };
+enum class Architecture { llama, mistral, qwen2, qwen3, phi3 };
 
 /// How rotary frequencies are derived from rope_theta (Hugging Face's rope_scaling / rope_parameters).
 struct RopeScaling {
@@ -59,6 +60,9 @@ struct ModelConfig {
   bool o_bias = false;     ///< bias on the output projection (Llama's attention_bias)
   bool mlp_bias = false;   ///< biases on gate/up/down (Llama's mlp_bias)
   std::optional<std::int64_t> sliding_window;  ///< Mistral/Qwen2: attention window, if any
+  /// pad_token_id: transformers builds the embedding with padding_idx = this id, whose row then
+  /// gets no gradient from the lookup (Embedding follows it); none when absent or null.
+  std::optional<std::int64_t> pad_token_id;
   double initializer_range = 0.02;
 
   /// Parses a config.json object; `source` names it in errors (a path, or "<flags>").
@@ -79,10 +83,13 @@ struct ModelConfig {
   nlohmann::json to_json() const;
 
   std::string_view architecture_name() const;  ///< "LlamaForCausalLM", ...
-  std::string_view model_type() const;         ///< "llama", "mistral", "qwen2", "qwen3"
+  std::string_view model_type() const;         ///< "llama", "mistral", "qwen2", "qwen3", "phi3"
   /// Each query and key head is RMS-normalised over head_dim (its own gain, rms_norm_eps) before
   /// the rotary embedding: q_norm and k_norm of Qwen3.
   bool qk_norm() const;
+  /// The checkpoint stores q/k/v as one self_attn.qkv_proj.weight and gate/up as one
+  /// mlp.gate_up_proj.weight (rows concatenated in that order): Phi-3.
+  bool fused_projections() const;
   std::int64_t q_dim() const { return num_attention_heads * head_dim; }
   std::int64_t kv_dim() const { return num_key_value_heads * head_dim; }
   /// The rotary inverse frequencies (head_dim / 2 of them), rope scaling applied, in double.

@@ -716,9 +716,11 @@ class Trainer {
               if (!tied && t.fresh(it, 0)) t.be_.zero(exec, t.embed_acc_.span());
               g = t.model_.embedding().bind(t.embed_acc_.span());
             }
+            // (the padding row, if any: by its index among the touched rows where ids are compact)
+            const std::int32_t skip = t.streamed_unit(0) ? t.compact_padding_ : t.model_.embedding().op().padding_id();
             for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
               t.model_.embedding().op().backward(t.be_, ChunkShape{n_rows, seq}, tok(ids, r0, n_rows),
-                                                 View<const Res>(rows_of(t.dbuf_[dy].span(), r0, n_rows)), g, t.arena_);
+                                                 View<const Res>(rows_of(t.dbuf_[dy].span(), r0, n_rows)), g, t.arena_, skip);
             });
           } else {
             const auto& tmpl = t.model_.block(it.unit - 1);
@@ -1185,6 +1187,9 @@ class Trainer {
     touched_count_ = static_cast<std::int64_t>(rows.size());
     for (std::size_t i = 0; i < ids.size(); ++i)
       compact_ids_host_[i] = static_cast<std::int32_t>(std::lower_bound(rows.begin(), rows.end(), ids[i]) - rows.begin());
+    const std::int32_t pad = model_.embedding().op().padding_id();
+    const auto at = std::lower_bound(rows.begin(), rows.end(), pad);
+    compact_padding_ = pad >= 0 && at != rows.end() && *at == pad ? static_cast<std::int32_t>(at - rows.begin()) : -1;
   }
   std::span<const std::int32_t> touched() const {
     return std::span<const std::int32_t>(touched_host_).first(static_cast<std::size_t>(touched_count_));
@@ -1413,6 +1418,7 @@ class Trainer {
   HostBuffer embed_rows_host_mem_;  // (gathered here from the masters, then uploaded)
   std::span<float> embed_rows_host_;
   std::span<std::int32_t> compact_ids_host_, touched_host_;
+  std::int32_t compact_padding_ = -1;  // the padding row's index among the touched rows, or -1
   std::int64_t touched_count_ = 0;
   Buf<Acc> loss_dev_;
   HostBuffer host_io_;  // the batch's ids and labels, and per-token losses (pinned with a GPU)

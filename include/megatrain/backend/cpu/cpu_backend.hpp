@@ -421,13 +421,15 @@ class CpuBackend {
         for (std::int64_t c = 0; c < d; ++c) y.data()[t * d + c] = static_cast<T>(table.data()[static_cast<std::int64_t>(ids.data()[t]) * d + c]);
     });
   }
-  /// dtable[ids[t]] += dy[t]
-  void embedding_backward(View<const std::int32_t> ids, View<const Act> dy, View<Acc> dtable) {
+  /// dtable[ids[t]] += dy[t], except for tokens whose id is `skip_id` (PyTorch's padding_idx: that
+  /// row gets no gradient from the lookup; -1: none)
+  void embedding_backward(View<const std::int32_t> ids, View<const Act> dy, View<Acc> dtable, std::int32_t skip_id = -1) {
     const std::int64_t M = ids.numel(), d = dtable.size(1);
     // Split the feature dimension: each task owns a column range, so repeated ids never race
     // and every element is summed in token order.
     parallel_rows(d, 64, [&](std::int64_t c0, std::int64_t c1) {
       for (std::int64_t t = 0; t < M; ++t) {
+        if (ids.data()[t] == skip_id) continue;
         T* row = dtable.data() + static_cast<std::int64_t>(ids.data()[t]) * d;
         const T* g = dy.data() + t * d;
         for (std::int64_t c = c0; c < c1; ++c) row[c] += g[c];

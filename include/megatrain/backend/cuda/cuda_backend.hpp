@@ -414,10 +414,11 @@ class CudaBackend {
              y.shape().str(), ids.numel(), table.size(1));
     cuda::launch_embedding_forward(ids.data(), table.data(), y.data(), ids.numel(), table.size(1), table.size(0), stream_);
   }
-  void embedding_backward(View<const std::int32_t> ids, View<const Res> dy, View<Acc> dtable) {
+  /// dtable[ids[t]] += dy[t], except where ids[t] == skip_id (padding_idx; -1: none).
+  void embedding_backward(View<const std::int32_t> ids, View<const Res> dy, View<Acc> dtable, std::int32_t skip_id = -1) {
     MT_NVTX_RANGE("cuda:embedding_backward");
     cuda::launch_embedding_backward(ids.data(), dy.data(), dtable.data(), ids.numel(), dtable.size(1), dtable.size(0), ws(),
-                                    workspace_.size(), stream_);
+                                    workspace_.size(), stream_, skip_id);
   }
 
   void take_rows(View<const std::int32_t> rows, View<Acc> table, View<Acc> out) {

@@ -54,7 +54,8 @@ void launch_embedding_forward(const std::int32_t* ids, const float* table, float
 std::size_t embedding_backward_workspace_bytes(std::int64_t M);
 /// dtable[ids[t]] += dy[t] for all t, deterministically (positions grouped by id, summed in order).
 void launch_embedding_backward(const std::int32_t* ids, const float* dy, float* dtable, std::int64_t M, std::int64_t d,
-                               std::int64_t V, void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+                               std::int64_t V, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
+                               std::int32_t skip_id = -1);
 /// out[i] = table[rows[i]] and table[rows[i]] = 0, out: [U, d] fp32. Rows must be distinct;
 /// rows outside [0, V) are a device-side error (trap).
 void launch_take_rows(const std::int32_t* rows, float* table, float* out, std::int64_t U, std::int64_t d, std::int64_t V,

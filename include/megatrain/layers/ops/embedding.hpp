@@ -1,4 +1,7 @@
 // Token embedding: ids -> rows of model.embed_tokens.weight, into the residual stream (B::Res).
+// With a pad_token_id in the config the row of that id gets no gradient from the lookup, as
+// PyTorch's nn.Embedding(padding_idx=pad_token_id) in transformers' models (a tied LM head still
+// adds its own gradient to it).
 #pragma once
 
 #include <string>
@@ -11,7 +14,11 @@ namespace megatrain {
 
 class Embedding {
  public:
-  explicit Embedding(const ModelConfig& cfg) : vocab_(cfg.vocab_size), hidden_(cfg.hidden_size), std_(cfg.initializer_range) {}
+  explicit Embedding(const ModelConfig& cfg)
+      : vocab_(cfg.vocab_size),
+        hidden_(cfg.hidden_size),
+        std_(cfg.initializer_range),
+        padding_(cfg.pad_token_id ? static_cast<std::int32_t>(*cfg.pad_token_id) : -1) {}
 
   static constexpr const char* kTable = "model.embed_tokens.weight";
 
@@ -29,6 +36,8 @@ class Embedding {
   }
   std::int64_t hidden_size() const { return hidden_; }
   std::int64_t vocab_size() const { return vocab_; }
+  /// The id whose row the lookup's backward leaves alone (padding_idx), or -1.
+  std::int32_t padding_id() const { return padding_; }
 
   template <class B>
   void forward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const std::int32_t> ids,
@@ -48,14 +57,22 @@ class Embedding {
   }
   template <class B>
   void backward(B& be, ChunkShape c, View<const std::int32_t> ids, View<const typename B::Res> dy,
-                const Weights<typename B::Acc>& grads, Arena&) const {
+                const Weights<typename B::Acc>& grads, Arena& arena) const {
+    backward(be, c, ids, dy, grads, arena, padding_);
+  }
+  /// The same where `ids` index another table (the batch's distinct rows: the trainer's compact
+  /// ids), `skip_id` being the padding row's index there (-1: none).
+  template <class B>
+  void backward(B& be, ChunkShape c, View<const std::int32_t> ids, View<const typename B::Res> dy,
+                const Weights<typename B::Acc>& grads, Arena&, std::int32_t skip_id) const {
     MT_CHECK(ids.numel() == c.tokens(), "embedding: {} ids for a chunk of {} tokens", ids.numel(), c.tokens());
-    be.embedding_backward(ids, dy, grads.table);
+    be.embedding_backward(ids, dy, grads.table, skip_id);
   }
 
  private:
   std::int64_t vocab_, hidden_;
   double std_;
+  std::int32_t padding_;
 };
 
 }  // namespace megatrain
