@@ -119,8 +119,30 @@ RopeScaling parse_rope_scaling(const json& r, std::string_view src) {
              src, s.original_max_position_embeddings);
     MT_CHECK(s.factor >= 0, "{}: rope scaling factor must be > 0 (got {})", src, s.factor);
     return s;
+  } else if (type == "longrope") {
+    s.type = RopeScaling::Type::longrope;
+    const auto factors = [&](const char* key) {
+      MT_CHECK(r.contains(key) && r.at(key).is_array() && !r.at(key).empty(),
+               "{}: longrope scaling needs '{}', a list of numbers", src, key);
+      std::vector<double> v;
+      for (const auto& x : r.at(key)) {
+        MT_CHECK(x.is_number() && x.get<double>() > 0, "{}: longrope's '{}' holds {}; each must be a number > 0", src, key,
+                 x.dump());
+        v.push_back(x.get<double>());
+      }
+      return v;
+    };
+    s.short_factor = factors("short_factor");
+    s.long_factor = factors("long_factor");
+    const auto given = [&](const char* key) { return r.contains(key) && !r.at(key).is_null(); };
+    s.factor = given("factor") ? get_double(r, "factor", src) : 0.0;
+    s.original_max_position_embeddings =
+        given("original_max_position_embeddings") ? get_int(r, "original_max_position_embeddings", src) : 0;
+    if (given("attention_factor")) s.attention_factor = get_double(r, "attention_factor", src);
+    MT_CHECK(s.factor >= 0, "{}: rope scaling factor must be > 0 (got {})", src, s.factor);
+    return s;
   } else {
-    MT_FAIL("{}: rope scaling type '{}' is not supported (supported: default, linear, llama3, yarn)", src, type);
+    MT_FAIL("{}: rope scaling type '{}' is not supported (supported: default, linear, llama3, yarn, longrope)", src, type);
   }
   MT_CHECK(s.factor > 0, "{}: rope scaling factor must be > 0 (got {})", src, s.factor);
   return s;
@@ -207,6 +229,12 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
   }
   if (j.contains("rope_scaling") && !j.at("rope_scaling").is_null())
     c.rope_scaling = parse_rope_scaling(j.at("rope_scaling"), src);
+  // longrope's original context: in its parameters, else the top-level field Phi3Config keeps
+  if (c.rope_scaling.type == RopeScaling::Type::longrope && c.rope_scaling.original_max_position_embeddings == 0) {
+    MT_CHECK(j.contains("original_max_position_embeddings"),
+             "{}: longrope scaling needs original_max_position_embeddings (in the rope parameters or at the top level)", src);
+    c.rope_scaling.original_max_position_embeddings = get_int(j, "original_max_position_embeddings", src);
+  }
 
   // Qwen2Config and MistralConfig have no attention_bias or mlp_bias: transformers keeps such a
   // key as an unused attribute and builds the projections from the architecture alone (Qwen2:
@@ -326,6 +354,15 @@ void ModelConfig::validate(std::string_view src) const {
   MT_CHECK(!sliding_window || *sliding_window > 0, "{}: sliding_window must be > 0 (got {})", src, *sliding_window);
   MT_CHECK(rope_scaling.type != RopeScaling::Type::llama3 || rope_scaling.high_freq_factor > rope_scaling.low_freq_factor,
            "{}: llama3 rope scaling needs high_freq_factor > low_freq_factor", src);
+  if (rope_scaling.type == RopeScaling::Type::longrope) {
+    const auto half = static_cast<std::size_t>(head_dim / 2);
+    MT_CHECK(rope_scaling.short_factor.size() == half && rope_scaling.long_factor.size() == half,
+             "{}: longrope's short_factor and long_factor must have head_dim / 2 = {} entries each (got {} and {})", src, half,
+             rope_scaling.short_factor.size(), rope_scaling.long_factor.size());
+    MT_CHECK(rope_scaling.original_max_position_embeddings > 0,
+             "{}: longrope's original_max_position_embeddings must be > 0 (got {})", src,
+             rope_scaling.original_max_position_embeddings);
+  }
   // The biases a config.json can describe (from_json above): anything else would not survive
   // to_json, nor load in transformers.
   switch (architecture) {
@@ -394,6 +431,17 @@ json ModelConfig::to_json() const {
       j["rope_scaling"] = y;
       break;
     }
+    case RopeScaling::Type::longrope: {
+      json y = {{"rope_type", "longrope"},
+                {"short_factor", rope_scaling.short_factor},
+                {"long_factor", rope_scaling.long_factor},
+                {"original_max_position_embeddings", rope_scaling.original_max_position_embeddings}};
+      if (rope_scaling.factor > 0) y["factor"] = rope_scaling.factor;
+      if (rope_scaling.attention_factor) y["attention_factor"] = *rope_scaling.attention_factor;
+      j["rope_scaling"] = y;
+      j["original_max_position_embeddings"] = rope_scaling.original_max_position_embeddings;
+      break;
+    }
   }
   if (architecture == Architecture::llama) {
     j["attention_bias"] = qkv_bias;
@@ -419,6 +467,12 @@ double ModelConfig::yarn_factor() const {
 }
 
 double ModelConfig::rope_attention_scaling() const {
+  if (rope_scaling.type == RopeScaling::Type::longrope) {  // as transformers' _compute_longrope_parameters
+    if (rope_scaling.attention_factor) return *rope_scaling.attention_factor;
+    const double orig = static_cast<double>(rope_scaling.original_max_position_embeddings);
+    const double factor = rope_scaling.factor > 0 ? rope_scaling.factor : static_cast<double>(max_position_embeddings) / orig;
+    return factor <= 1.0 ? 1.0 : std::sqrt(1 + std::log(factor) / std::log(orig));
+  }
   if (rope_scaling.type != RopeScaling::Type::yarn) return 1.0;
   if (rope_scaling.attention_factor) return *rope_scaling.attention_factor;
   const auto mscale = [](double scale, double m) { return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; };
@@ -428,7 +482,7 @@ double ModelConfig::rope_attention_scaling() const {
   return mscale(factor, 1.0);
 }
 
-std::vector<double> ModelConfig::rope_inv_freq() const {
+std::vector<double> ModelConfig::rope_inv_freq(std::int64_t seq_len) const {
   const std::int64_t half = head_dim / 2;
   std::vector<double> f(static_cast<std::size_t>(half));
   for (std::int64_t i = 0; i < half; ++i)
@@ -438,6 +492,12 @@ std::vector<double> ModelConfig::rope_inv_freq() const {
     case RopeScaling::Type::linear:
       for (auto& x : f) x /= rope_scaling.factor;
       break;
+    case RopeScaling::Type::longrope: {  // (transformers: long factors once a sequence exceeds the original context)
+      const auto& ext = seq_len > rope_scaling.original_max_position_embeddings ? rope_scaling.long_factor
+                                                                                : rope_scaling.short_factor;
+      for (std::size_t i = 0; i < f.size(); ++i) f[i] /= ext[i];
+      break;
+    }
     case RopeScaling::Type::yarn: {
       // Frequencies that turn fewer than beta_slow times over the original context are slowed
       // by `factor` (interpolated), those that turn more than beta_fast times are kept

@@ -45,6 +45,14 @@ def families():
         # padding_idx: its row gets no gradient from the lookup), and the inputs hold that id
         "phi3": (t.Phi3ForCausalLM, t.Phi3Config(tie_word_embeddings=False, pad_token_id=PAD, bos_token_id=None,
                                                  eos_token_id=None, original_max_position_embeddings=64, **COMMON)),
+        # Phi-3's long-context variants: longrope, the sequence (11) longer than the original context
+        # (8), so the long factors apply, and the attention factor sqrt(1 + ln 8 / ln 8)
+        "phi3_longrope": (t.Phi3ForCausalLM, t.Phi3Config(
+            tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+            original_max_position_embeddings=8,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.5, 2.0],
+                             "long_factor": [1.0, 1.9, 3.7, 9.5], "original_max_position_embeddings": 8},
+            **COMMON)),
     }
 
 

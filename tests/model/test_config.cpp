@@ -65,6 +65,8 @@ void check_same(const ModelConfig& a, const ModelConfig& b) {
   CHECK(a.mlp_bias == b.mlp_bias);
   CHECK(a.sliding_window == b.sliding_window);
   CHECK(a.pad_token_id == b.pad_token_id);
+  CHECK(a.rope_scaling.short_factor == b.rope_scaling.short_factor);
+  CHECK(a.rope_scaling.long_factor == b.rope_scaling.long_factor);
   CHECK(a.initializer_range == b.initializer_range);
 }
 
@@ -286,8 +288,28 @@ TEST_CASE("config: Phi-3 mini 4k (fused projections in the checkpoint, a window,
   CHECK(contains(error_of(j, "phi.json"), "partial_rotary_factor"));  // where transformers 5 writes it
   j.erase("rope_parameters");
   j["rope_scaling"] = {{"rope_type", "longrope"}, {"short_factor", {1.0}}, {"long_factor", {1.0}}};
-  CHECK(contains(error_of(j, "phi.json"), "longrope"));
+  CHECK(contains(error_of(j, "phi.json"), "head_dim / 2"));  // 48 factors each for head_dim 96
+  // Phi-3-mini-128k's kind: the factors, the original context at the top level
+  std::vector<double> short_f(48), long_f(48);
+  for (std::size_t i = 0; i < 48; ++i) {
+    short_f[i] = 1.0 + 0.01 * static_cast<double>(i);
+    long_f[i] = 1.0 + 0.5 * static_cast<double>(i);
+  }
+  j["rope_scaling"] = {{"type", "longrope"}, {"short_factor", short_f}, {"long_factor", long_f}};
+  j["max_position_embeddings"] = 131072;
+  const auto lr = ModelConfig::from_json(j);
+  CHECK(lr.rope_scaling.type == RopeScaling::Type::longrope);
+  CHECK(lr.rope_scaling.original_max_position_embeddings == 4096);
+  CHECK(lr.rope_attention_scaling() == doctest::Approx(std::sqrt(1 + std::log(32.0) / std::log(4096.0))));
+  const auto short_freq = lr.rope_inv_freq(4096), long_freq = lr.rope_inv_freq(4097);
+  for (std::size_t i = 0; i < 48; ++i) {
+    const double base = std::pow(10000.0, -static_cast<double>(2 * i) / 96.0);
+    CHECK(short_freq[i] == doctest::Approx(base / short_f[i]).epsilon(1e-12));
+    CHECK(long_freq[i] == doctest::Approx(base / long_f[i]).epsilon(1e-12));
+  }
+  check_round_trip(lr);
   j["rope_scaling"] = nullptr;
+  j["max_position_embeddings"] = 4096;
   j["pad_token_id"] = 40000;
   CHECK(contains(error_of(j, "phi.json"), "pad_token_id"));
   j["pad_token_id"] = -1;  // nn.Embedding counts a negative padding_idx from the end
@@ -649,7 +671,7 @@ TEST_CASE("config: rope_inv_freq matches an independent computation") {
     // and a type it does not take is named
     j["rope_scaling"] = {{"rope_type", "dynamic"}, {"factor", 2.0}};
     const auto msg = error_of([&] { (void)ModelConfig::from_json(j, "cfg.json"); });
-    CHECK(contains(msg, "'dynamic' is not supported (supported: default, linear, llama3, yarn)"));
+    CHECK(contains(msg, "'dynamic' is not supported (supported: default, linear, llama3, yarn, longrope)"));
   }
   SUBCASE("llama3: high frequencies kept, low ones divided by factor, the band between blended") {
     const auto c = ModelConfig::from_file(fixture("llama-3.2-1b.json"));
@@ -873,11 +895,11 @@ TEST_CASE("config errors: inconsistent head counts and sizes") {
 }
 
 TEST_CASE("config errors: unsupported rope scaling and activation are named") {
-  for (const char* type : {"dynamic", "longrope", "ntk"}) {
+  for (const char* type : {"dynamic", "ntk"}) {
     CAPTURE(type);
     const auto msg = error_of(with(base_config(), "rope_scaling", {{"rope_type", type}, {"factor", 4.0}}));
     CHECK(contains(msg, std::string("rope scaling type '") + type + "' is not supported"));
-    CHECK(contains(msg, "default, linear, llama3, yarn"));
+    CHECK(contains(msg, "default, linear, llama3, yarn, longrope"));
     CHECK(contains(error_of(with(base_config(), "rope_parameters", {{"rope_type", type}, {"factor", 4.0}})),
                    std::string("'") + type + "'"));
   }

@@ -29,7 +29,7 @@ enum class Architecture { llama, mistral, qwen2, qwen3, phi3 };
 
 /// How rotary frequencies are derived from rope_theta (Hugging Face's rope_scaling / rope_parameters).
 struct RopeScaling {
-  enum class Type { none, linear, llama3, yarn } type = Type::none;
+  enum class Type { none, linear, llama3, yarn, longrope } type = Type::none;
   double factor = 1.0;  ///< yarn: 0 when absent (then max_position_embeddings / original_max_position_embeddings)
   double low_freq_factor = 1.0;                       ///< llama3
   double high_freq_factor = 4.0;                      ///< llama3
@@ -40,6 +40,10 @@ struct RopeScaling {
   double beta_fast = 32, beta_slow = 1;
   bool truncate = true;
   std::optional<double> attention_factor, mscale, mscale_all_dim;
+  // longrope (Phi-3's long-context variants): per-frequency divisors, `long_factor` for sequences
+  // longer than original_max_position_embeddings, `short_factor` otherwise; factor 0 when absent
+  // (then max_position_embeddings / original_max_position_embeddings)
+  std::vector<double> short_factor, long_factor;
 };
 
 struct ModelConfig {
@@ -93,7 +97,9 @@ struct ModelConfig {
   std::int64_t q_dim() const { return num_attention_heads * head_dim; }
   std::int64_t kv_dim() const { return num_key_value_heads * head_dim; }
   /// The rotary inverse frequencies (head_dim / 2 of them), rope scaling applied, in double.
-  std::vector<double> rope_inv_freq() const;
+  /// longrope's depend on the length of the longest sequence (`seq_len`; 0: a short one), as
+  /// transformers picks them per forward.
+  std::vector<double> rope_inv_freq(std::int64_t seq_len = 0) const;
   /// The scale of the rotary cos and sin (yarn's attention factor; 1 for the other types), as
   /// transformers multiplies them: q and k both scaled by it.
   double rope_attention_scaling() const;

@@ -33,6 +33,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
       : cfg_(cfg),
         prefix_("model.layers." + std::to_string(layer) + ".self_attn."),
         inv_freq_(cfg.rope_inv_freq()),
+        inv_freq_long_(cfg.rope_inv_freq(cfg.rope_scaling.original_max_position_embeddings + 1)),
         rope_scale_(cfg.rope_attention_scaling()) {
     cfg.validate();
     MT_CHECK(layer >= 0 && layer < cfg.num_hidden_layers, "layer {} out of range [0, {})", layer, cfg.num_hidden_layers);
@@ -181,8 +182,9 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   template <class B>
   void attend(B& be, ChunkShape c, const Acts<B>& a) const {
     cfg_.check_sequence_length(c.seq);
-    be.rope(a.q, cfg_.num_attention_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions, rope_scale_);
-    be.rope(a.k, cfg_.num_key_value_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions, rope_scale_);
+    const auto f = freqs(c);
+    be.rope(a.q, cfg_.num_attention_heads, c.seq, f, c.packed.positions, rope_scale_);
+    be.rope(a.k, cfg_.num_key_value_heads, c.seq, f, c.packed.positions, rope_scale_);
     be.attention(cview(a.q), cview(a.k), cview(a.v), a.att, a.lse, shape(c));
   }
   /// From a.datt (the gradient of a.att): a.dq, a.dk, a.dv, the rotations undone.
@@ -190,8 +192,9 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   void attend_backward(B& be, ChunkShape c, const Acts<B>& a) const {
     be.attention_backward(cview(a.q), cview(a.k), cview(a.v), cview(a.att), cview(a.lse), cview(a.datt), a.dq, a.dk,
                           a.dv, shape(c));
-    be.rope_backward(a.dq, cfg_.num_attention_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions, rope_scale_);
-    be.rope_backward(a.dk, cfg_.num_key_value_heads, c.seq, std::span<const double>(inv_freq_), c.packed.positions, rope_scale_);
+    const auto f = freqs(c);
+    be.rope_backward(a.dq, cfg_.num_attention_heads, c.seq, f, c.packed.positions, rope_scale_);
+    be.rope_backward(a.dk, cfg_.num_key_value_heads, c.seq, f, c.packed.positions, rope_scale_);
   }
   /// dx (overwritten) of tokens [first, first + x.size(0)) from a.dq, a.dk, a.dv; the
   /// projections' weight gradients added to g.
@@ -223,13 +226,22 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   View<E> heads(View<E> v) const {
     return View<E>(v.span(), Shape{v.numel() / cfg_.head_dim, cfg_.head_dim});
   }
+  /// The rotary frequencies for this chunk: longrope's long ones where its sequences are longer
+  /// than the original context (transformers decides by the longest position of the forward:
+  /// with packed rows that is the batch's longest example, which a chunk does not see).
+  std::span<const double> freqs(ChunkShape c) const {
+    if (cfg_.rope_scaling.type != RopeScaling::Type::longrope) return inv_freq_;
+    MT_CHECK(c.packed.empty(), "longrope rotary scaling with packed rows is not supported: train this model without --pack");
+    return c.seq > cfg_.rope_scaling.original_max_position_embeddings ? std::span<const double>(inv_freq_long_)
+                                                                      : std::span<const double>(inv_freq_);
+  }
   AttentionShape shape(ChunkShape c) const {
     return {c.rows, c.seq, cfg_.num_attention_heads, cfg_.num_key_value_heads, cfg_.head_dim, c.packed};
   }
 
   ModelConfig cfg_;
   std::string prefix_;
-  std::vector<double> inv_freq_;
+  std::vector<double> inv_freq_, inv_freq_long_;  // (long: longrope's for long sequences; else the same)
   double rope_scale_;  // the rotary cos/sin scale (yarn's attention factor)
 };
 
