@@ -6,6 +6,7 @@
 // validated each file's framing, offsets and the index by the time we look at names and shapes.
 #include "megatrain/io/hf_checkpoint.hpp"
 
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -153,18 +154,23 @@ struct FusedPlace {
   const FusedTensor* tensor;
   std::int64_t first_row;
 };
-std::map<std::string, FusedPlace, std::less<>> fused_places(const std::vector<FusedTensor>& fused,
-                                                            const std::vector<UnitSpec>& units) {
-  std::map<std::string, std::int64_t, std::less<>> rows;
+/// The fused tensors' parts (by parameter name) and each fused tensor's shape [rows, cols].
+struct FusedLayout {
+  std::map<std::string, FusedPlace, std::less<>> places;
+  std::map<std::string, std::array<std::int64_t, 2>, std::less<>> shapes;
+};
+FusedLayout fused_layout(const std::vector<FusedTensor>& fused, const std::vector<UnitSpec>& units) {
+  std::map<std::string, const ParamSpec*, std::less<>> specs;
   for (const auto& u : units)
-    for (const auto& p : u.params) rows[p.name] = p.shape.dims()[0];
-  std::map<std::string, FusedPlace, std::less<>> out;
+    for (const auto& p : u.params) specs[p.name] = &p;
+  FusedLayout out;
   for (const auto& f : fused) {
     std::int64_t r = 0;
     for (const auto& part : f.parts) {
-      out[part] = {&f, r};
-      r += rows.at(part);
+      out.places[part] = {&f, r};
+      r += specs.at(part)->shape.dims()[0];
     }
+    out.shapes[f.name] = {r, specs.at(f.parts.front())->shape.dims()[1]};
   }
   return out;
 }
@@ -261,21 +267,10 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
   const std::string table = Embedding::kTable, head = LmHead::kHead;
   // Fused tensors (Phi-3): each holds several parameters' rows; checked whole, read by rows.
   const auto fused = fused_tensors(cfg);
-  std::set<std::string, std::less<>> fused_parts;
-  std::map<std::string, std::int64_t, std::less<>> rows_of;
-  for (const auto& u : c.units_)
-    for (const auto& p : u.params) rows_of[p.name] = p.shape.dims()[0];
+  const FusedLayout layout = fused_layout(fused, c.units_);
   for (const auto& f : fused) {
-    std::int64_t rows = 0, cols = 0;
-    std::string parts;
-    for (const auto& part : f.parts) {
-      fused_parts.insert(part);
-      rows += rows_of.at(part);
-      parts += (parts.empty() ? "" : ", ") + part.substr(part.rfind('.', part.size() - 8) + 1);
-    }
-    for (const auto& u : c.units_)
-      for (const auto& p : u.params)
-        if (p.name == f.parts.front()) cols = p.shape.dims()[1];
+    const auto [rows, cols] = layout.shapes.at(f.name);
+    const std::string parts = fmt::format("{}", fmt::join(f.parts, ", "));
     const std::optional<TensorRef> ref = c.weights_.find(f.name);
     if (!ref) {
       problems.push_back(fmt::format("tensor '{}' is missing (the model needs [{}, {}]: the rows of {})", f.name, rows, cols,
@@ -295,7 +290,7 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
   }
   for (const auto& u : c.units_) {
     for (const auto& p : u.params) {
-      if (fused_parts.contains(p.name)) continue;
+      if (layout.places.contains(p.name)) continue;
       std::optional<TensorRef> ref = c.weights_.find(p.name);
       if (!ref && cfg.tie_word_embeddings && p.name == table) ref = c.weights_.find(head);
       if (!ref) {
@@ -402,7 +397,7 @@ void HfCheckpoint::load_into(HostParamStore<float>& store) const {
   store.check_settled(fmt::format("loading '{}'", dir_.string()));
   check_store_matches(store, units_, fmt::format("loading '{}'", dir_.string()));
   const auto fused = fused_tensors(config_);
-  const auto places = fused_places(fused, units_);
+  const auto places = fused_layout(fused, units_).places;
   std::vector<float> whole;  // the fused tensor last read, whole (its parameters are next to each other)
   std::string whole_name;
   for (auto& unit : store.units()) {
@@ -500,20 +495,17 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
   const SafetensorsDType stored = to_safetensors_dtype(options.dtype);
   // Fused tensors (Phi-3) are written where their first part is, from all their parts' masters.
   const auto fused = fused_tensors(cfg);
-  const auto places = fused_places(fused, units);
+  const FusedLayout layout = fused_layout(fused, units);
   for (const auto& u : store.units()) {
     for (const auto& p : u.params()) {
-      if (const auto place = places.find(p.spec.name); place != places.end()) {
+      if (const auto place = layout.places.find(p.spec.name); place != layout.places.end()) {
         if (place->second.first_row != 0) continue;
         const FusedTensor& f = *place->second.tensor;
         std::vector<std::span<const float>> parts;
-        std::int64_t rows = 0;
-        for (const auto& part : f.parts) {
-          parts.push_back(store.master(part).span());
-          rows += store.master(part).size(0);
-        }
+        for (const auto& part : f.parts) parts.push_back(store.master(part).span());
+        const auto [rows, cols] = layout.shapes.at(f.name);
         const std::size_t index = tensors.size();
-        tensors.emplace_back(f.name, std::vector<std::int64_t>{rows, p.spec.shape.dims()[1]}, stored,
+        tensors.emplace_back(f.name, std::vector<std::int64_t>{rows, cols}, stored,
                              [parts, index, count, &f, &options](std::int64_t first, std::span<float> out) {
                                if (first == 0 && options.progress) options.progress(f.name, index, count);
                                auto at = static_cast<std::size_t>(first);  // element offset in the fused tensor

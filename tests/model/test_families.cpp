@@ -91,6 +91,22 @@ void check_family(const fs::path& dir) {
     }
   MESSAGE(dir.filename().string() << ": loss " << r.loss << " (transformers " << want_loss << "), " << seen.size()
                                   << " gradients, largest relative difference " << worst);
+  // An fp32 export loads back bit for bit, under the checkpoint's own names (fused ones too).
+  const fs::path out = fs::temp_directory_path() / ("megatrain_family_export_" + dir.filename().string());
+  fs::remove_all(out);
+  HfExportOptions eo;
+  eo.dtype = DType::f32;
+  export_hf_model(m.store, m.config, out, eo);
+  const auto names = SafetensorsCheckpoint::open(out).names();
+  const auto orig = SafetensorsCheckpoint::open(dir).names();
+  CHECK(std::set<std::string>(names.begin(), names.end()) == std::set<std::string>(orig.begin(), orig.end()));
+  HfModel back = load_hf_model(out);
+  for (std::size_t u = 0; u < m.store.num_units(); ++u) {
+    const auto a0 = m.store.unit(u).master(), b0 = back.store.unit(u).master();
+    CHECK(std::memcmp(a0.data(), b0.data(), a0.size() * sizeof(float)) == 0);
+  }
+  fs::remove_all(out);
+
   std::size_t grads_in_ref = 0;
   for (const auto& t : ref.tensors()) grads_in_ref += t.name.rfind("grad.", 0) == 0;
   CHECK(seen.size() == grads_in_ref);  // no parameter of transformers' model left unchecked
