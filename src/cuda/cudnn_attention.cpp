@@ -816,7 +816,8 @@ struct RaggedLayout {
 
 CudnnAttention::Plans& CudnnAttention::plans(const AttentionDims& d) {
   const auto [packed_b, packed_s] = packed_buckets(d);
-  const Key key{d.rows, d.seq, d.heads, d.kv_heads, d.head_dim, packed_b, packed_s};
+  // (the softmax scale is part of the key: it is a by-value scalar of the plan's variant pack)
+  const Key key{d.rows, d.seq, d.heads, d.kv_heads, d.head_dim, packed_b, packed_s, d.window, d.scale};
   if (auto it = plans_.find(key); it != plans_.end()) return *it->second;
   MT_NVTX_RANGE("cudnn_attention_build");  // once per shape
   MT_CHECK(d.rows > 0 && d.seq > 0 && d.heads > 0 && d.kv_heads > 0 && d.head_dim > 0,
@@ -845,12 +846,14 @@ CudnnAttention::Plans& CudnnAttention::plans(const AttentionDims& d) {
   } else if (d.head_dim % 8 != 0 || d.head_dim > max_head_dim) {
     p->reason = fmt::format("head_dim {}: cuDNN's fused attention needs a multiple of 8 up to {} on this GPU",
                             d.head_dim, max_head_dim);
+  } else if (d.window > 0) {
+    p->reason = fmt::format("a sliding window of {} tokens: megatrain's own kernel runs it", d.window);
   } else if (d.seq > std::numeric_limits<std::int32_t>::max() / 2) {
     p->reason = fmt::format("seq {} does not fit the int32 indices of the causal mask", d.seq);
   } else {
     p->deterministic_graph = deterministic_;
     p->padding_workaround = !x.ragged && version <= kLastPaddingWorkaroundVersion && d.seq % 128 != 0;
-    p->scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.head_dim)));
+    p->scale = static_cast<float>(d.scale > 0 ? d.scale : 1.0 / std::sqrt(static_cast<double>(d.head_dim)));
 
     p->forward_ops = std::make_unique<GraphBuilder>(fmt::format("SDPA forward [{}]", shape_name(d)));
     build_forward(*p->forward_ops, x);

@@ -249,11 +249,32 @@ struct CastToF32Op {
   __device__ void one(i64 i) const { out[i] = ldf(in + i); }
 };
 
-struct SwigluForwardOp {
+// The gate activations: silu (SwiGLU) and GELU's tanh approximation (GeGLU; PyTorch's
+// gelu(approximate="tanh"), in fp32), with their derivatives.
+constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluKappa = 0.044715f;
+template <bool kGelu>
+__device__ __forceinline__ float gate_act(float x) {
+  if constexpr (kGelu) return 0.5f * x * (1.0f + tanhf(kGeluBeta * (x + kGeluKappa * x * x * x)));
+  else return x * sigmoid(x);
+}
+template <bool kGelu>
+__device__ __forceinline__ float gate_act_grad(float x) {
+  if constexpr (kGelu) {
+    const float t = tanhf(kGeluBeta * (x + kGeluKappa * x * x * x));
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kGeluBeta * (1.0f + 3.0f * kGeluKappa * x * x);
+  } else {
+    const float sg = sigmoid(x);
+    return sg * (1.0f + x * (1.0f - sg));
+  }
+}
+
+template <bool kGelu>
+struct GatedForwardOp {
   const bf* g;
   const bf* u;
   bf* m;
-  __device__ static float f(float gv, float uv) { return gv * sigmoid(gv) * uv; }
+  __device__ static float f(float gv, float uv) { return gate_act<kGelu>(gv) * uv; }
   __device__ void vec8(i64 i) const {
     float a[8], b[8];
     unpack8(ld16(g + i), a);
@@ -265,17 +286,23 @@ struct SwigluForwardOp {
   __device__ void one(i64 i) const { stf(m + i, f(ldf(g + i), ldf(u + i))); }
 };
 
-struct SwigluBackwardOp {
+template <bool kGelu>
+struct GatedBackwardOp {
   const bf* g;
   const bf* u;
   const bf* dm;
   bf* dg;
   bf* du;
-  // du = dm * silu(g); dg = dm * u * sigmoid(g) * (1 + g * (1 - sigmoid(g)))
+  // du = dm * act(g); dg = dm * u * act'(g) (silu: act' = sigmoid(g) (1 + g (1 - sigmoid(g))))
   __device__ static void f(float gv, float uv, float dmv, float& dgv, float& duv) {
-    const float sg = sigmoid(gv);
-    duv = dmv * gv * sg;
-    dgv = dmv * uv * sg * (1.0f + gv * (1.0f - sg));
+    if constexpr (kGelu) {
+      duv = dmv * gate_act<true>(gv);
+      dgv = dmv * uv * gate_act_grad<true>(gv);
+    } else {  // (the same operations as before GeGLU existed: the same bits)
+      const float sg = sigmoid(gv);
+      duv = dmv * gv * sg;
+      dgv = dmv * uv * sg * (1.0f + gv * (1.0f - sg));
+    }
   }
   __device__ void vec8(i64 i) const {
     float a[8], b[8], c[8], rg[8], ru[8];
@@ -302,22 +329,24 @@ constexpr int kEmbThreads = 128;
 template <class T>  // bf (the streamed bf16 table) or float (fp32 master rows)
 __global__ void __launch_bounds__(kEmbThreads)
     embedding_forward_kernel(const std::int32_t* __restrict__ ids, const T* __restrict__ table, float* __restrict__ out,
-                             i64 M, i64 d, i64 V, bool vec) {
+                             i64 M, i64 d, i64 V, bool vec, float scale) {
   for (i64 t = blockIdx.x; t < M; t += gridDim.x) {
     const std::int32_t id = ids[t];
     if (id < 0 || id >= V) __trap();  // no row to read: stop (see the top of this file)
     const T* src = table + static_cast<i64>(id) * d;
     float* dst = out + t * d;
     if constexpr (std::is_same_v<T, float>) {
-      for (i64 c = threadIdx.x; c < d; c += blockDim.x) dst[c] = src[c];
+      for (i64 c = threadIdx.x; c < d; c += blockDim.x) dst[c] = src[c] * scale;
     } else if (vec) {
       for (i64 c = threadIdx.x; c < d / 8; c += blockDim.x) {
         float f[8];
         unpack8(ld16(src + 8 * c), f);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) f[k] *= scale;
         st8(dst + 8 * c, f);
       }
     } else {
-      for (i64 c = threadIdx.x; c < d; c += blockDim.x) dst[c] = ldf(src + c);
+      for (i64 c = threadIdx.x; c < d; c += blockDim.x) dst[c] = ldf(src + c) * scale;
     }
   }
 }
@@ -362,7 +391,8 @@ __global__ void embedding_sort_init_kernel(const std::int32_t* __restrict__ ids,
 template <int W>  // columns per thread: 8 (16-byte accesses) or 1
 __global__ void __launch_bounds__(kEmbThreads)
     embedding_accumulate_kernel(const u32* __restrict__ keys, const std::int32_t* __restrict__ pos,
-                                const float* __restrict__ dy, float* __restrict__ dtable, i64 M, i64 d, std::int32_t skip_id) {
+                                const float* __restrict__ dy, float* __restrict__ dtable, i64 M, i64 d, std::int32_t skip_id,
+                                float scale) {
   constexpr int kBatch = 8;
   const i64 col = (static_cast<i64>(blockIdx.y) * blockDim.x + threadIdx.x) * W;
   if (col >= d) return;
@@ -388,7 +418,7 @@ __global__ void __launch_bounds__(kEmbThreads)
         for (int b = 0; b < kBatch; ++b) {
           if (!in[b]) continue;
 #pragma unroll
-          for (int k = 0; k < 8; ++k) acc[k] += raw[b][k];
+          for (int k = 0; k < 8; ++k) acc[k] += raw[b][k] * scale;
         }
       } else {
         float v[kBatch];
@@ -396,7 +426,7 @@ __global__ void __launch_bounds__(kEmbThreads)
         for (int b = 0; b < kBatch; ++b) v[b] = in[b] ? dy[static_cast<i64>(p[b]) * d + col] : 0.0f;
 #pragma unroll
         for (int b = 0; b < kBatch; ++b)
-          if (in[b]) acc[0] += v[b];
+          if (in[b]) acc[0] += v[b] * scale;
       }
       if (!in[kBatch - 1]) break;
     }
@@ -452,7 +482,7 @@ __device__ __forceinline__ float group_sum(float v) {
 template <int kGroup, int kBlock, class X>
 __global__ void __launch_bounds__(kBlock)
     rmsnorm_forward_kernel(const X* __restrict__ x, const float* __restrict__ w, bf* __restrict__ y,
-                           float* __restrict__ rstd, i64 M, int d, float eps, bool vec) {
+                           float* __restrict__ rstd, i64 M, int d, float eps, bool vec, float offset) {
   constexpr int kRows = kBlock / kGroup;
   const int t = threadIdx.x % kGroup;
   const i64 r = static_cast<i64>(blockIdx.x) * kRows + threadIdx.x / kGroup;
@@ -482,11 +512,11 @@ __global__ void __launch_bounds__(kBlock)
       ld8(xr + c, f);
       ld8(w + c, g);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) f[k] = f[k] * inv * g[k];
+      for (int k = 0; k < 8; ++k) f[k] = f[k] * inv * (g[k] + offset);
       st16(yr + c, pack8(f));
     }
   } else {
-    for (int c = t; c < d; c += kGroup) stf(yr + c, ldf(xr + c) * inv * w[c]);
+    for (int c = t; c < d; c += kGroup) stf(yr + c, ldf(xr + c) * inv * (w[c] + offset));
   }
 }
 
@@ -497,7 +527,7 @@ template <int kGroup, int kBlock, class X, class DX>
 __global__ void __launch_bounds__(kBlock)
     rmsnorm_backward_dx_kernel(const X* __restrict__ x, const float* __restrict__ w, const float* __restrict__ rstd,
                                const bf* __restrict__ dy, const float* residual, DX* dx, bf* __restrict__ dx_act, i64 M,
-                               int d, bool vec) {
+                               int d, bool vec, float offset) {
   constexpr int kRows = kBlock / kGroup;
   const int t = threadIdx.x % kGroup;
   const i64 r = static_cast<i64>(blockIdx.x) * kRows + threadIdx.x / kGroup;
@@ -513,10 +543,10 @@ __global__ void __launch_bounds__(kBlock)
         unpack8(ld16(dy + off + c), b);
         ld8(w + c, g);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) dot = fmaf(b[k] * g[k], a[k] * inv, dot);
+        for (int k = 0; k < 8; ++k) dot = fmaf(b[k] * (g[k] + offset), a[k] * inv, dot);
       }
     } else {
-      for (int c = t; c < d; c += kGroup) dot = fmaf(ldf(dy + off + c) * w[c], ldf(x + off + c) * inv, dot);
+      for (int c = t; c < d; c += kGroup) dot = fmaf(ldf(dy + off + c) * (w[c] + offset), ldf(x + off + c) * inv, dot);
     }
   }
   dot = group_sum<kGroup, kBlock>(dot);
@@ -531,7 +561,7 @@ __global__ void __launch_bounds__(kBlock)
       if (residual != nullptr) ld8(residual + off + c, o);
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
-        const float v = inv * (b[k] * g[k] - a[k] * inv * mean);
+        const float v = inv * (b[k] * (g[k] + offset) - a[k] * inv * mean);
         o[k] = residual != nullptr ? o[k] + v : v;
       }
       st8(dx + off + c, o);
@@ -539,7 +569,7 @@ __global__ void __launch_bounds__(kBlock)
     }
   } else {
     for (int c = t; c < d; c += kGroup) {
-      const float v = inv * (ldf(dy + off + c) * w[c] - ldf(x + off + c) * inv * mean);
+      const float v = inv * (ldf(dy + off + c) * (w[c] + offset) - ldf(x + off + c) * inv * mean);
       const float o = residual != nullptr ? residual[off + c] + v : v;
       stf(dx + off + c, o);
       if (dx_act != nullptr) stf(dx_act + off + c, o);
@@ -833,15 +863,20 @@ struct AttnParams {
   int Dp;          ///< D rounded up to a multiple of 4
   int Dw;          ///< Dp / 2: bf16 pairs per padded row
   int ks;          ///< row stride of a pair tile, in words: Dw + 1 (odd)
-  float scale;     ///< 1 / sqrt(D)
+  float scale;     ///< the softmax scale: 1 / sqrt(D) unless the dims give one
   float scale_log2;  ///< scale * log2(e): scores go straight to exp2
+  int window;      ///< query i sees keys from i - window + 1 on; 0: no window
   /// Packed rows: each token's position within its sequence ([rows*S]), or null (a row is one
   /// sequence). Query i of a row sees keys i - pos[i] .. i; i - pos[i] never decreases along a row.
   const std::int32_t* pos;
 };
 
 /// The first key query i of the row at `base` sees.
-__device__ __forceinline__ int first_key(const AttnParams& p, i64 base, int i) { return p.pos ? i - p.pos[base + i] : 0; }
+/// (Its sequence's first token where rows are packed, and no earlier than the window allows.)
+__device__ __forceinline__ int first_key(const AttnParams& p, i64 base, int i) {
+  const int f = p.pos ? i - p.pos[base + i] : 0;
+  return p.window > 0 ? max(f, i - p.window + 1) : f;
+}
 
 /// Rows [tok0, tok0 + kTile) of head `hh` (of `nh`) of sequence `base`, as bf16 pairs.
 __device__ __forceinline__ void load_pair_tile(u32* __restrict__ dst, const bf* __restrict__ src, i64 base, int tok0, int hh,
@@ -1222,7 +1257,9 @@ AttnParams attention_params(const AttentionDims& d, const char* what) {
   p.Dp = (p.D + 3) / 4 * 4;
   p.Dw = p.Dp / 2;
   p.ks = p.Dw + 1;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d.head_dim));
+  MT_CHECK(d.window >= 0 && d.window <= INT_MAX && d.scale >= 0, "{}: invalid window {} or scale {}", what, d.window, d.scale);
+  p.window = static_cast<int>(d.window);
+  const double scale = d.scale > 0 ? d.scale : 1.0 / std::sqrt(static_cast<double>(d.head_dim));
   p.scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   return p;
@@ -1330,37 +1367,39 @@ void launch_cast(const bf16* in, float* out, std::int64_t n, cudaStream_t stream
   launch_map("cast_to_f32_kernel", CastToF32Op{dev(in), out}, n, aligned16(in) && aligned16(out), stream);
 }
 
-void launch_swiglu_forward(const bf16* g, const bf16* u, bf16* m, std::int64_t n, cudaStream_t stream) {
+void launch_swiglu_forward(const bf16* g, const bf16* u, bf16* m, std::int64_t n, cudaStream_t stream, bool gelu) {
   MT_NVTX_RANGE("launch_swiglu_forward");
-  launch_map("swiglu_forward_kernel", SwigluForwardOp{dev(g), dev(u), dev(m)}, n,
-             aligned16(g) && aligned16(u) && aligned16(m), stream);
+  const bool vec = aligned16(g) && aligned16(u) && aligned16(m);
+  if (gelu) launch_map("geglu_forward_kernel", GatedForwardOp<true>{dev(g), dev(u), dev(m)}, n, vec, stream);
+  else launch_map("swiglu_forward_kernel", GatedForwardOp<false>{dev(g), dev(u), dev(m)}, n, vec, stream);
 }
 
 void launch_swiglu_backward(const bf16* g, const bf16* u, const bf16* dm, bf16* dg, bf16* du, std::int64_t n,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, bool gelu) {
   MT_NVTX_RANGE("launch_swiglu_backward");
-  launch_map("swiglu_backward_kernel", SwigluBackwardOp{dev(g), dev(u), dev(dm), dev(dg), dev(du)}, n,
-             aligned16(g) && aligned16(u) && aligned16(dm) && aligned16(dg) && aligned16(du), stream);
+  const bool vec = aligned16(g) && aligned16(u) && aligned16(dm) && aligned16(dg) && aligned16(du);
+  if (gelu) launch_map("geglu_backward_kernel", GatedBackwardOp<true>{dev(g), dev(u), dev(dm), dev(dg), dev(du)}, n, vec, stream);
+  else launch_map("swiglu_backward_kernel", GatedBackwardOp<false>{dev(g), dev(u), dev(dm), dev(dg), dev(du)}, n, vec, stream);
 }
 
 void launch_embedding_forward(const std::int32_t* ids, const bf16* table, float* out, std::int64_t M, std::int64_t d,
-                              std::int64_t V, cudaStream_t stream) {
+                              std::int64_t V, cudaStream_t stream, float scale) {
   MT_NVTX_RANGE("launch_embedding_forward");
   MT_CHECK(M >= 0 && d > 0 && V > 0, "embedding_forward: invalid sizes M {}, d {}, V {}", M, d, V);
   if (M == 0) return;
   const bool vec = d % 8 == 0 && aligned16(table) && aligned16(out);
   embedding_forward_kernel<<<static_cast<unsigned>(std::min<i64>(M, 65536)), kEmbThreads, 0, stream>>>(
-      ids, dev(table), out, M, d, V, vec);
+      ids, dev(table), out, M, d, V, vec, scale);
   MT_CUDA_CHECK_LAUNCH("embedding_forward_kernel");
 }
 
 void launch_embedding_forward(const std::int32_t* ids, const float* table, float* out, std::int64_t M, std::int64_t d,
-                              std::int64_t V, cudaStream_t stream) {
+                              std::int64_t V, cudaStream_t stream, float scale) {
   MT_NVTX_RANGE("launch_embedding_forward");
   MT_CHECK(M >= 0 && d > 0 && V > 0, "embedding_forward: invalid sizes M {}, d {}, V {}", M, d, V);
   if (M == 0) return;
   embedding_forward_kernel<<<static_cast<unsigned>(std::min<i64>(M, 65536)), kEmbThreads, 0, stream>>>(
-      ids, table, out, M, d, V, false);
+      ids, table, out, M, d, V, false, scale);
   MT_CUDA_CHECK_LAUNCH("embedding_forward_kernel (fp32 rows)");
 }
 
@@ -1384,7 +1423,7 @@ std::size_t embedding_backward_workspace_bytes(std::int64_t M) {
 
 void launch_embedding_backward(const std::int32_t* ids, const float* dy, float* dtable, std::int64_t M, std::int64_t d,
                                std::int64_t V, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
-                               std::int32_t skip_id) {
+                               std::int32_t skip_id, float scale) {
   MT_NVTX_RANGE("launch_embedding_backward");
   MT_CHECK(M >= 0 && M <= INT_MAX && d > 0 && V > 0 && V <= INT_MAX, "embedding_backward: invalid sizes M {}, d {}, V {}",
            M, d, V);
@@ -1415,30 +1454,30 @@ void launch_embedding_backward(const std::int32_t* ids, const float* dy, float* 
   const i64 col_blocks = (d + per_block - 1) / per_block;
   MT_CHECK(col_blocks <= 65535, "embedding_backward: row length {} is too large", d);
   const dim3 grid(static_cast<unsigned>(std::min<i64>(M, 65536)), static_cast<unsigned>(col_blocks));
-  if (vec) embedding_accumulate_kernel<8><<<grid, kEmbThreads, 0, stream>>>(keys.Current(), pos.Current(), dy, dtable, M, d, skip_id);
-  else embedding_accumulate_kernel<1><<<grid, kEmbThreads, 0, stream>>>(keys.Current(), pos.Current(), dy, dtable, M, d, skip_id);
+  if (vec) embedding_accumulate_kernel<8><<<grid, kEmbThreads, 0, stream>>>(keys.Current(), pos.Current(), dy, dtable, M, d, skip_id, scale);
+  else embedding_accumulate_kernel<1><<<grid, kEmbThreads, 0, stream>>>(keys.Current(), pos.Current(), dy, dtable, M, d, skip_id, scale);
   MT_CUDA_CHECK_LAUNCH("embedding_accumulate_kernel");
 }
 
 /// Both RMSNorm forwards: x the fp32 residual stream or bf16 activation rows (q/k norms).
 template <class X>
 void rmsnorm_forward(const char* name, const X* x, const float* w, bf16* y, float* rstd, std::int64_t M, std::int64_t d,
-                     float eps, cudaStream_t stream) {
+                     float eps, cudaStream_t stream, float offset) {
   MT_CHECK(M >= 0 && d > 0 && d <= INT_MAX / 8, "{}: invalid sizes M {}, d {}", name, M, d);
   if (M == 0) return;
   const bool vec = d % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(y);
   dispatch_row_group(vec ? d / 8 : d, [&](auto group, auto block) {
     constexpr int kGroup = decltype(group)::value, kBlock = decltype(block)::value, kRows = kBlock / kGroup;
     rmsnorm_forward_kernel<kGroup, kBlock, X><<<static_cast<unsigned>((M + kRows - 1) / kRows), kBlock, 0, stream>>>(
-        x, w, dev(y), rstd, M, static_cast<int>(d), eps, vec);
+        x, w, dev(y), rstd, M, static_cast<int>(d), eps, vec, offset);
   });
   MT_CUDA_CHECK_LAUNCH(name);
 }
 
 void launch_rmsnorm_forward(const float* x, const float* w, bf16* y, float* rstd, std::int64_t M, std::int64_t d, float eps,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, float offset) {
   MT_NVTX_RANGE("launch_rmsnorm_forward");
-  rmsnorm_forward("rmsnorm_forward", x, w, y, rstd, M, d, eps, stream);
+  rmsnorm_forward("rmsnorm_forward", x, w, y, rstd, M, d, eps, stream, offset);
 }
 
 std::size_t rmsnorm_backward_workspace_bytes(std::int64_t M, std::int64_t d) {
@@ -1448,7 +1487,7 @@ std::size_t rmsnorm_backward_workspace_bytes(std::int64_t M, std::int64_t d) {
 
 void launch_rmsnorm_backward(const float* x, const float* w, const float* rstd, const bf16* dy, const float* residual,
                              float* dx, bf16* dx_act, float* dw, std::int64_t M, std::int64_t d, void* workspace,
-                             std::size_t workspace_bytes, cudaStream_t stream) {
+                             std::size_t workspace_bytes, cudaStream_t stream, float offset) {
   MT_NVTX_RANGE("launch_rmsnorm_backward");
   MT_CHECK(M >= 0 && d > 0 && d <= INT_MAX / 8, "rmsnorm_backward: invalid sizes M {}, d {}", M, d);
   if (M == 0) return;
@@ -1458,7 +1497,7 @@ void launch_rmsnorm_backward(const float* x, const float* w, const float* rstd, 
   dispatch_row_group(vec ? d / 8 : d, [&](auto group, auto block) {
     constexpr int kGroup = decltype(group)::value, kBlock = decltype(block)::value, kRows = kBlock / kGroup;
     rmsnorm_backward_dx_kernel<kGroup, kBlock, float, float><<<static_cast<unsigned>((M + kRows - 1) / kRows), kBlock, 0, stream>>>(
-        x, w, rstd, dev(dy), residual, dx, dx_act ? dev(dx_act) : nullptr, M, static_cast<int>(d), vec);
+        x, w, rstd, dev(dy), residual, dx, dx_act ? dev(dx_act) : nullptr, M, static_cast<int>(d), vec, offset);
   });
   MT_CUDA_CHECK_LAUNCH("rmsnorm_backward_dx_kernel");
   column_reduce("rmsnorm_dw_kernel", RmsNormDw<float>{dev(dy), x, rstd, d}, M, d, aligned16(dy) && aligned16(x), dw, workspace,
@@ -1466,14 +1505,14 @@ void launch_rmsnorm_backward(const float* x, const float* w, const float* rstd, 
 }
 
 void launch_head_rmsnorm_forward(const bf16* x, const float* w, bf16* y, float* rstd, std::int64_t M, std::int64_t d,
-                                 float eps, cudaStream_t stream) {
+                                 float eps, cudaStream_t stream, float offset) {
   MT_NVTX_RANGE("launch_head_rmsnorm_forward");
-  rmsnorm_forward("head_rmsnorm_forward", dev(x), w, y, rstd, M, d, eps, stream);
+  rmsnorm_forward("head_rmsnorm_forward", dev(x), w, y, rstd, M, d, eps, stream, offset);
 }
 
 void launch_head_rmsnorm_backward(const bf16* x, const float* w, const float* rstd, const bf16* dy, bf16* dx, float* dw,
                                   std::int64_t M, std::int64_t d, void* workspace, std::size_t workspace_bytes,
-                                  cudaStream_t stream) {
+                                  cudaStream_t stream, float offset) {
   MT_NVTX_RANGE("launch_head_rmsnorm_backward");
   MT_CHECK(M >= 0 && d > 0 && d <= INT_MAX / 8, "head_rmsnorm_backward: invalid sizes M {}, d {}", M, d);
   if (M == 0) return;
@@ -1482,7 +1521,7 @@ void launch_head_rmsnorm_backward(const bf16* x, const float* w, const float* rs
   dispatch_row_group(vec ? d / 8 : d, [&](auto group, auto block) {
     constexpr int kGroup = decltype(group)::value, kBlock = decltype(block)::value, kRows = kBlock / kGroup;
     rmsnorm_backward_dx_kernel<kGroup, kBlock, bf, bf><<<static_cast<unsigned>((M + kRows - 1) / kRows), kBlock, 0, stream>>>(
-        dev(x), w, rstd, dev(dy), nullptr, dev(dx), nullptr, M, static_cast<int>(d), vec);
+        dev(x), w, rstd, dev(dy), nullptr, dev(dx), nullptr, M, static_cast<int>(d), vec, offset);
   });
   MT_CUDA_CHECK_LAUNCH("rmsnorm_backward_dx_kernel (head)");
   column_reduce("head_rmsnorm_dw_kernel", RmsNormDw<bf>{dev(dy), dev(x), rstd, d}, M, d, aligned16(dy) && aligned16(x), dw,

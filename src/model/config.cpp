@@ -61,13 +61,17 @@ struct ArchInfo {
   std::int64_t default_max_position_embeddings;
   bool qk_norm;            ///< q_norm and k_norm: RMSNorm of each head before the rotation
   bool fused_projections;  ///< qkv_proj and gate_up_proj in the checkpoint
+  bool unit_offset_norms;  ///< every norm multiplies by (1 + w) (Gemma)
+  bool sandwich_norms;     ///< the attention's and the MLP's outputs normalised too (Gemma 3)
+  bool scaled_embedding;   ///< the embedding's output times sqrt(hidden_size) (Gemma)
 };
 constexpr ArchInfo kArchs[] = {
-    {Architecture::llama, "LlamaForCausalLM", "llama", 2048, false, false},
-    {Architecture::mistral, "MistralForCausalLM", "mistral", 131072, false, false},
-    {Architecture::qwen2, "Qwen2ForCausalLM", "qwen2", 32768, false, false},
-    {Architecture::qwen3, "Qwen3ForCausalLM", "qwen3", 32768, true, false},
-    {Architecture::phi3, "Phi3ForCausalLM", "phi3", 4096, false, true},
+    {Architecture::llama, "LlamaForCausalLM", "llama", 2048, false, false, false, false, false},
+    {Architecture::mistral, "MistralForCausalLM", "mistral", 131072, false, false, false, false, false},
+    {Architecture::qwen2, "Qwen2ForCausalLM", "qwen2", 32768, false, false, false, false, false},
+    {Architecture::qwen3, "Qwen3ForCausalLM", "qwen3", 32768, true, false, false, false, false},
+    {Architecture::phi3, "Phi3ForCausalLM", "phi3", 4096, false, true, false, false, false},
+    {Architecture::gemma3, "Gemma3ForCausalLM", "gemma3_text", 131072, true, false, true, true, true},
 };
 const ArchInfo& arch_info(Architecture a) {
   for (const auto& info : kArchs)
@@ -148,6 +152,113 @@ RopeScaling parse_rope_scaling(const json& r, std::string_view src) {
   return s;
 }
 
+/// Hugging Face's rope_scaling object for `r` (null for none); yarn's factor and original length
+/// as resolved by the config.
+json rope_scaling_json(const RopeScaling& r, double yarn_factor, std::int64_t yarn_original) {
+  switch (r.type) {
+    case RopeScaling::Type::none: return nullptr;
+    case RopeScaling::Type::linear: return {{"rope_type", "linear"}, {"factor", r.factor}};
+    case RopeScaling::Type::llama3:
+      return {{"rope_type", "llama3"},
+              {"factor", r.factor},
+              {"low_freq_factor", r.low_freq_factor},
+              {"high_freq_factor", r.high_freq_factor},
+              {"original_max_position_embeddings", r.original_max_position_embeddings}};
+    case RopeScaling::Type::yarn: {
+      json y = {{"rope_type", "yarn"}, {"factor", yarn_factor}, {"original_max_position_embeddings", yarn_original},
+                {"beta_fast", r.beta_fast}, {"beta_slow", r.beta_slow}, {"truncate", r.truncate}};
+      if (r.attention_factor) y["attention_factor"] = *r.attention_factor;
+      if (r.mscale) y["mscale"] = *r.mscale;
+      if (r.mscale_all_dim) y["mscale_all_dim"] = *r.mscale_all_dim;
+      return y;
+    }
+    case RopeScaling::Type::longrope: {
+      json y = {{"rope_type", "longrope"},
+                {"short_factor", r.short_factor},
+                {"long_factor", r.long_factor},
+                {"original_max_position_embeddings", r.original_max_position_embeddings}};
+      if (r.factor > 0) y["factor"] = r.factor;
+      if (r.attention_factor) y["attention_factor"] = *r.attention_factor;
+      return y;
+    }
+  }
+  return nullptr;
+}
+
+// Gemma3TextConfig's fields (transformers 5.17; the defaults are its defaults). Softcapping and
+// bidirectional attention (Gemma 2, the embedding variants) are refused by name rather than
+// trained differently.
+void parse_gemma3(const json& j, std::string_view src, ModelConfig& c) {
+  MT_CHECK(!get_bool(j, "mlp_bias", src, false),
+           "{}: 'mlp_bias' is true, but Gemma3ForCausalLM has no such option (transformers ignores it: its MLP never "
+           "has a bias); remove the field", src);
+  c.qkv_bias = c.o_bias = get_bool(j, "attention_bias", src, false);
+  MT_CHECK(get_double(j, "attention_dropout", src, 0.0) == 0.0,
+           "{}: 'attention_dropout' is {}, but megatrain trains without dropout; set it to 0.0 to train this model", src,
+           get_double(j, "attention_dropout", src, 0.0));
+  for (const char* key : {"final_logit_softcapping", "attn_logit_softcapping"})
+    MT_CHECK(!j.contains(key) || j.at(key).is_null(),
+             "{}: '{}' is {}; softcapping (Gemma 2) is not supported, and Gemma 3 has none (null)", src, key,
+             j.at(key).dump());
+  MT_CHECK(!get_bool(j, "use_bidirectional_attention", src, false),
+           "{}: 'use_bidirectional_attention' is true (an embedding model); megatrain trains causal decoders only", src);
+  std::string act = "gelu_pytorch_tanh";
+  if (j.contains("hidden_activation") && !j.at("hidden_activation").is_null()) {
+    const json& a = j.at("hidden_activation");
+    MT_CHECK(a.is_string(), "{}: field 'hidden_activation' must be a string, not {}", src, a.dump());
+    act = a.get<std::string>();
+  }
+  MT_CHECK(act == "gelu_pytorch_tanh", "{}: hidden_activation \"{}\" is not supported (Gemma 3 uses \"gelu_pytorch_tanh\")",
+           src, act);
+  c.hidden_act = Activation::gelu_tanh;
+  c.query_pre_attn_scalar = get_double(j, "query_pre_attn_scalar", src, 256.0);
+  MT_CHECK(std::isfinite(*c.query_pre_attn_scalar) && *c.query_pre_attn_scalar > 0,
+           "{}: query_pre_attn_scalar must be > 0 (got {})", src, *c.query_pre_attn_scalar);
+  c.sliding_window = get_int(j, "sliding_window", src, 4096);
+  // Which layers slide: layer_types, else every sliding_window_pattern-th layer is full
+  c.sliding_layers.assign(static_cast<std::size_t>(std::max<std::int64_t>(c.num_hidden_layers, 0)), false);
+  if (j.contains("layer_types") && !j.at("layer_types").is_null()) {
+    const json& lt = j.at("layer_types");
+    MT_CHECK(lt.is_array() && static_cast<std::int64_t>(lt.size()) == c.num_hidden_layers,
+             "{}: layer_types must list one type per layer ({}), not {}", src, c.num_hidden_layers, lt.dump());
+    for (std::size_t i = 0; i < lt.size(); ++i) {
+      MT_CHECK(lt[i].is_string() && (lt[i] == "full_attention" || lt[i] == "sliding_attention"),
+               "{}: layer_types holds {}; each entry must be \"full_attention\" or \"sliding_attention\"", src,
+               lt[i].dump());
+      c.sliding_layers[i] = lt[i] == "sliding_attention";
+    }
+  } else {
+    const std::int64_t pattern = get_int(j, "sliding_window_pattern", src, 6);
+    MT_CHECK(pattern > 0, "{}: sliding_window_pattern must be > 0 (got {})", src, pattern);
+    for (std::size_t i = 0; i < c.sliding_layers.size(); ++i)
+      c.sliding_layers[i] = (static_cast<std::int64_t>(i) + 1) % pattern != 0;
+  }
+  // Rotary: transformers 5 writes rope_parameters per layer type; transformers 4's configs (those
+  // on the Hub) keep rope_theta and rope_scaling for the full layers and rope_local_base_freq for
+  // the sliding ones (unscaled), which transformers 5 reads the same way.
+  const json* rp = j.contains("rope_parameters") && j.at("rope_parameters").is_object() ? &j.at("rope_parameters") : nullptr;
+  if (rp != nullptr && (rp->contains("full_attention") || rp->contains("sliding_attention"))) {
+    const auto one = [&](const char* type, double theta_default, double& theta, RopeScaling& scaling) {
+      theta = theta_default;
+      scaling = RopeScaling{};
+      if (!rp->contains(type) || rp->at(type).is_null()) return;
+      const json& r = rp->at(type);
+      const std::string where = fmt::format("{} (rope_parameters.{})", src, type);
+      MT_CHECK(r.is_object(), "{}: must be an object, not {}", where, r.dump());
+      theta = get_double(r, "rope_theta", where, theta_default);
+      scaling = parse_rope_scaling(r, where);
+    };
+    one("full_attention", 1000000.0, c.rope_theta, c.rope_scaling);
+    one("sliding_attention", 10000.0, c.local_rope_theta, c.local_rope_scaling);
+  } else {
+    c.rope_theta = get_double(j, "rope_theta", src, 1000000.0);
+    c.local_rope_theta = get_double(j, "rope_local_base_freq", src, 10000.0);
+    c.local_rope_scaling = RopeScaling{};
+  }
+  for (const RopeScaling* r : {&c.rope_scaling, &c.local_rope_scaling})
+    MT_CHECK(r->type != RopeScaling::Type::longrope, "{}: longrope rotary scaling on Gemma 3 is not supported", src);
+}
+
 }  // namespace
 
 ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
@@ -164,6 +275,9 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
     const ArchInfo* found = nullptr;
     for (const auto& info : kArchs)
       if (arch_name == info.class_name) found = &info;
+    MT_CHECK(arch_name != "Gemma3ForConditionalGeneration",
+             "{}: architecture 'Gemma3ForConditionalGeneration' (Gemma 3 with its vision tower, 4B and larger) is not "
+             "supported; megatrain trains Gemma 3's text models (Gemma3ForCausalLM, e.g. gemma-3-1b)", src);
     MT_CHECK(found != nullptr, "{}: architecture '{}' is not supported (supported: {})", src, arch_name,
              supported_list(false));
     c.architecture = found->arch;
@@ -186,7 +300,9 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
     MT_CHECK(found != nullptr, "{}: model_type '{}' is not supported (supported: {})", src, arch_name, supported_list(true));
     c.architecture = found->arch;
   }
-  if (j.contains("hidden_act") && !j.at("hidden_act").is_null()) {
+  // (Gemma 3 names its activation hidden_activation, parsed below; transformers ignores a
+  // hidden_act key there)
+  if (c.architecture != Architecture::gemma3 && j.contains("hidden_act") && !j.at("hidden_act").is_null()) {
     const json& act = j.at("hidden_act");
     MT_CHECK(act.is_string() && act.get<std::string>() == "silu",
              "{}: hidden_act {} is not supported (these architectures use \"silu\")", src, act.dump());
@@ -211,7 +327,10 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
       get_int(j, "max_position_embeddings", src, arch_info(c.architecture).default_max_position_embeddings);
   c.rms_norm_eps = get_double(j, "rms_norm_eps", src, 1e-6);
   c.initializer_range = get_double(j, "initializer_range", src, 0.02);
-  c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", src, false);
+  // (Gemma3TextConfig defaults to tied embeddings and pad_token_id 0)
+  const bool gemma3 = c.architecture == Architecture::gemma3;
+  c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", src, gemma3);
+  if (gemma3 && !j.contains("pad_token_id")) c.pad_token_id = 0;
   if (j.contains("pad_token_id") && !j.at("pad_token_id").is_null()) {
     c.pad_token_id = get_int(j, "pad_token_id", src);
     // nn.Embedding counts a negative padding_idx from the end of the table (old Llama configs say -1)
@@ -301,6 +420,9 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
         c.sliding_window = get_int(j, "sliding_window", src);
       break;
     }
+    case Architecture::gemma3:
+      parse_gemma3(j, src, c);
+      break;
     case Architecture::mistral:
       refuse_bias_keys("it has no bias in attention or MLP");
       // transformers' MistralConfig defaults sliding_window to 4096 when the key is absent;
@@ -363,6 +485,10 @@ void ModelConfig::validate(std::string_view src) const {
              "{}: longrope's original_max_position_embeddings must be > 0 (got {})", src,
              rope_scaling.original_max_position_embeddings);
   }
+  MT_CHECK(architecture == Architecture::gemma3 ||
+               (sliding_layers.empty() && hidden_act == Activation::silu && !query_pre_attn_scalar),
+           "{}: per-layer sliding windows, GeGLU and query_pre_attn_scalar are Gemma 3's; {} has none of them", src,
+           architecture_name());
   // The biases a config.json can describe (from_json above): anything else would not survive
   // to_json, nor load in transformers.
   switch (architecture) {
@@ -382,6 +508,17 @@ void ModelConfig::validate(std::string_view src) const {
       MT_CHECK(!qkv_bias && !o_bias && !mlp_bias, "{}: Phi3ForCausalLM has no biases (got qkv_bias {}, o_bias {}, "
                "mlp_bias {})", src, qkv_bias, o_bias, mlp_bias);
       break;
+    case Architecture::gemma3:
+      MT_CHECK(qkv_bias == o_bias && !mlp_bias, "{}: Gemma3ForCausalLM's one attention_bias sets q/k/v and o_proj "
+               "biases alike and its MLP has none (got qkv_bias {}, o_bias {}, mlp_bias {})", src, qkv_bias, o_bias, mlp_bias);
+      MT_CHECK(static_cast<std::int64_t>(sliding_layers.size()) == num_hidden_layers && sliding_window.has_value(),
+               "{}: Gemma3ForCausalLM needs sliding_window and one layer type per layer ({} for {} layers)", src,
+               sliding_layers.size(), num_hidden_layers);
+      MT_CHECK(std::isfinite(local_rope_theta) && local_rope_theta > 1,
+               "{}: the sliding layers' rope_theta must be > 1 (got {})", src, local_rope_theta);
+      MT_CHECK(query_pre_attn_scalar.has_value() && *query_pre_attn_scalar > 0,
+               "{}: Gemma3ForCausalLM needs query_pre_attn_scalar > 0", src);
+      break;
     case Architecture::qwen3:
       MT_CHECK(qkv_bias == o_bias && !mlp_bias, "{}: Qwen3ForCausalLM's one attention_bias sets q/k/v and o_proj biases "
                "alike and its MLP has none (got qkv_bias {}, o_bias {}, mlp_bias {})", src, qkv_bias, o_bias, mlp_bias);
@@ -393,6 +530,28 @@ std::string_view ModelConfig::architecture_name() const { return arch_info(archi
 std::string_view ModelConfig::model_type() const { return arch_info(architecture).model_type; }
 bool ModelConfig::qk_norm() const { return arch_info(architecture).qk_norm; }
 bool ModelConfig::fused_projections() const { return arch_info(architecture).fused_projections; }
+bool ModelConfig::norm_unit_offset() const { return arch_info(architecture).unit_offset_norms; }
+bool ModelConfig::sandwich_norms() const { return arch_info(architecture).sandwich_norms; }
+double ModelConfig::embed_scale() const {
+  // transformers: the Python float hidden_size ** 0.5 made a float32 tensor
+  return arch_info(architecture).scaled_embedding ? static_cast<double>(static_cast<float>(std::sqrt(static_cast<double>(hidden_size))))
+                                                  : 1.0;
+}
+double ModelConfig::attention_scale() const {
+  return 1.0 / std::sqrt(query_pre_attn_scalar ? *query_pre_attn_scalar : static_cast<double>(head_dim));
+}
+std::int64_t ModelConfig::attention_window(std::int64_t layer) const {
+  const auto l = static_cast<std::size_t>(layer);
+  return l < sliding_layers.size() && sliding_layers[l] ? sliding_window.value_or(0) : 0;
+}
+ModelConfig ModelConfig::rope_for_layer(std::int64_t layer) const {
+  ModelConfig c = *this;
+  if (attention_window(layer) > 0) {
+    c.rope_theta = local_rope_theta;
+    c.rope_scaling = local_rope_scaling;
+  }
+  return c;
+}
 
 json ModelConfig::to_json() const {
   json j;
@@ -412,37 +571,36 @@ json ModelConfig::to_json() const {
   j["tie_word_embeddings"] = tie_word_embeddings;
   j["initializer_range"] = initializer_range;
   j["pad_token_id"] = pad_token_id ? json(*pad_token_id) : json(nullptr);
-  switch (rope_scaling.type) {
-    case RopeScaling::Type::none: j["rope_scaling"] = nullptr; break;
-    case RopeScaling::Type::linear: j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", rope_scaling.factor}}; break;
-    case RopeScaling::Type::llama3:
-      j["rope_scaling"] = {{"rope_type", "llama3"},
-                           {"factor", rope_scaling.factor},
-                           {"low_freq_factor", rope_scaling.low_freq_factor},
-                           {"high_freq_factor", rope_scaling.high_freq_factor},
-                           {"original_max_position_embeddings", rope_scaling.original_max_position_embeddings}};
-      break;
-    case RopeScaling::Type::yarn: {
-      json y = {{"rope_type", "yarn"}, {"factor", yarn_factor()}, {"original_max_position_embeddings", yarn_original_length()},
-                {"beta_fast", rope_scaling.beta_fast}, {"beta_slow", rope_scaling.beta_slow}, {"truncate", rope_scaling.truncate}};
-      if (rope_scaling.attention_factor) y["attention_factor"] = *rope_scaling.attention_factor;
-      if (rope_scaling.mscale) y["mscale"] = *rope_scaling.mscale;
-      if (rope_scaling.mscale_all_dim) y["mscale_all_dim"] = *rope_scaling.mscale_all_dim;
-      j["rope_scaling"] = y;
-      break;
-    }
-    case RopeScaling::Type::longrope: {
-      json y = {{"rope_type", "longrope"},
-                {"short_factor", rope_scaling.short_factor},
-                {"long_factor", rope_scaling.long_factor},
-                {"original_max_position_embeddings", rope_scaling.original_max_position_embeddings}};
-      if (rope_scaling.factor > 0) y["factor"] = rope_scaling.factor;
-      if (rope_scaling.attention_factor) y["attention_factor"] = *rope_scaling.attention_factor;
-      j["rope_scaling"] = y;
-      j["original_max_position_embeddings"] = rope_scaling.original_max_position_embeddings;
-      break;
-    }
+  if (architecture == Architecture::gemma3) {
+    // as transformers 5 writes it: the rotary parameters per layer type, the activation by its
+    // own key, no top-level rope_theta
+    j.erase("rope_theta");
+    j.erase("hidden_act");
+    const auto params = [&](double theta, const RopeScaling& r) {
+      ModelConfig layer = *this;  // (yarn's factor and original length resolved for these parameters)
+      layer.rope_scaling = r;
+      json p = rope_scaling_json(r, layer.yarn_factor(), layer.yarn_original_length());
+      if (p.is_null()) p = {{"rope_type", "default"}};
+      p["rope_theta"] = theta;
+      return p;
+    };
+    j["rope_parameters"] = {{"full_attention", params(rope_theta, rope_scaling)},
+                            {"sliding_attention", params(local_rope_theta, local_rope_scaling)}};
+    j["hidden_activation"] = "gelu_pytorch_tanh";
+    j["query_pre_attn_scalar"] = *query_pre_attn_scalar;
+    j["sliding_window"] = *sliding_window;
+    json types = json::array();
+    for (const bool sl : sliding_layers) types.push_back(sl ? "sliding_attention" : "full_attention");
+    j["layer_types"] = types;
+    j["attention_bias"] = qkv_bias;
+    j["final_logit_softcapping"] = nullptr;
+    j["attn_logit_softcapping"] = nullptr;
+    j["use_bidirectional_attention"] = false;
+    return j;
   }
+  j["rope_scaling"] = rope_scaling_json(rope_scaling, yarn_factor(), yarn_original_length());
+  if (rope_scaling.type == RopeScaling::Type::longrope)
+    j["original_max_position_embeddings"] = rope_scaling.original_max_position_embeddings;
   if (architecture == Architecture::llama) {
     j["attention_bias"] = qkv_bias;
     j["mlp_bias"] = mlp_bias;
@@ -554,6 +712,7 @@ std::int64_t ModelConfig::param_count() const {
   if (o_bias) block += d;
   if (mlp_bias) block += 2 * intermediate_size + d;
   if (qk_norm()) block += 2 * head_dim;
+  if (sandwich_norms()) block += 2 * d;
   std::int64_t n = vocab_size * d + num_hidden_layers * block + d;
   if (!tie_word_embeddings) n += vocab_size * d;
   return n;
@@ -561,7 +720,7 @@ std::int64_t ModelConfig::param_count() const {
 
 void ModelConfig::check_sequence_length(std::int64_t seq_len) const {
   MT_CHECK(seq_len > 0, "sequence length must be > 0 (got {})", seq_len);
-  MT_CHECK(!sliding_window || seq_len <= *sliding_window,
+  MT_CHECK(!sliding_window || !sliding_layers.empty() || seq_len <= *sliding_window,
            "sequence length {} exceeds this {} model's sliding_window {}; sliding-window attention is not implemented, "
            "so train with sequences of at most {} tokens",
            seq_len, architecture_name(), *sliding_window, *sliding_window);
@@ -595,6 +754,27 @@ constexpr Preset kPresets[] = {
     {"qwen3-8b", R"({"architectures":["Qwen3ForCausalLM"],"hidden_size":4096,"intermediate_size":12288,
       "num_hidden_layers":36,"num_attention_heads":32,"num_key_value_heads":8,"head_dim":128,"vocab_size":151936,
       "max_position_embeddings":40960,"rms_norm_eps":1e-6,"rope_theta":1000000.0,"tie_word_embeddings":false})"},
+    // Gemma 3's text models (the 4B and larger are Gemma3ForConditionalGeneration on the Hub; these
+    // are their language models' shapes)
+    {"gemma-3-1b", R"({"architectures":["Gemma3ForCausalLM"],"hidden_size":1152,"intermediate_size":6912,
+      "num_hidden_layers":26,"num_attention_heads":4,"num_key_value_heads":1,"head_dim":256,"vocab_size":262144,
+      "max_position_embeddings":32768,"rms_norm_eps":1e-6,"rope_theta":1000000.0,"rope_local_base_freq":10000.0,
+      "query_pre_attn_scalar":256,"sliding_window":512,"sliding_window_pattern":6,"tie_word_embeddings":true})"},
+    {"gemma-3-4b", R"({"architectures":["Gemma3ForCausalLM"],"hidden_size":2560,"intermediate_size":10240,
+      "num_hidden_layers":34,"num_attention_heads":8,"num_key_value_heads":4,"head_dim":256,"vocab_size":262208,
+      "max_position_embeddings":131072,"rms_norm_eps":1e-6,"rope_theta":1000000.0,"rope_local_base_freq":10000.0,
+      "rope_scaling":{"rope_type":"linear","factor":8.0},"query_pre_attn_scalar":256,"sliding_window":1024,
+      "sliding_window_pattern":6,"tie_word_embeddings":true})"},
+    {"gemma-3-12b", R"({"architectures":["Gemma3ForCausalLM"],"hidden_size":3840,"intermediate_size":15360,
+      "num_hidden_layers":48,"num_attention_heads":16,"num_key_value_heads":8,"head_dim":256,"vocab_size":262208,
+      "max_position_embeddings":131072,"rms_norm_eps":1e-6,"rope_theta":1000000.0,"rope_local_base_freq":10000.0,
+      "rope_scaling":{"rope_type":"linear","factor":8.0},"query_pre_attn_scalar":256,"sliding_window":1024,
+      "sliding_window_pattern":6,"tie_word_embeddings":true})"},
+    {"gemma-3-27b", R"({"architectures":["Gemma3ForCausalLM"],"hidden_size":5376,"intermediate_size":21504,
+      "num_hidden_layers":62,"num_attention_heads":32,"num_key_value_heads":16,"head_dim":128,"vocab_size":262208,
+      "max_position_embeddings":131072,"rms_norm_eps":1e-6,"rope_theta":1000000.0,"rope_local_base_freq":10000.0,
+      "rope_scaling":{"rope_type":"linear","factor":8.0},"query_pre_attn_scalar":168,"sliding_window":1024,
+      "sliding_window_pattern":6,"tie_word_embeddings":true})"},
     {"llama-3.2-1b", R"({"architectures":["LlamaForCausalLM"],"hidden_size":2048,"intermediate_size":8192,
       "num_hidden_layers":16,"num_attention_heads":32,"num_key_value_heads":8,"head_dim":64,"vocab_size":128256,
       "max_position_embeddings":131072,"rms_norm_eps":1e-5,"rope_theta":500000.0,"tie_word_embeddings":true,

@@ -21,7 +21,8 @@ using namespace megatrain;
 namespace {
 
 ModelConfig config(int hidden, int heads, int kv_heads, int head_dim, int vocab, bool qkv_bias, bool tied,
-                   const char* arch = nullptr) {  // (default: Qwen2 with q/k/v biases, else Llama)
+                   const char* arch = nullptr,  // (default: Qwen2 with q/k/v biases, else Llama)
+                   const nlohmann::json& more = nlohmann::json::object()) {
   nlohmann::json j{{"architectures", {arch ? arch : qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
                    {"hidden_size", hidden},
                    {"intermediate_size", hidden * 3 - 8},
@@ -31,7 +32,18 @@ ModelConfig config(int hidden, int heads, int kv_heads, int head_dim, int vocab,
                    {"head_dim", head_dim},
                    {"vocab_size", vocab},
                    {"tie_word_embeddings", tied}};
+  j.update(more);
   return ModelConfig::from_json(j, "test");
+}
+
+/// A one-layer Gemma 3 block: (1 + w) norms, four of them, q/k norms, GeGLU, the softmax scale of
+/// query_pre_attn_scalar; `window` > 0: a sliding layer of that window (its own rotary base),
+/// else a full one.
+ModelConfig gemma3(int hidden, int heads, int kv_heads, int head_dim, double query_pre_attn_scalar, int window) {
+  return config(hidden, heads, kv_heads, head_dim, 101, false, true, "Gemma3ForCausalLM",
+                {{"query_pre_attn_scalar", query_pre_attn_scalar},
+                 {"sliding_window", window > 0 ? window : 4096},
+                 {"layer_types", {window > 0 ? "sliding_attention" : "full_attention"}}});
 }
 
 std::vector<bf16> random_bf16(std::size_t n, float scale, std::mt19937& rng) {
@@ -168,7 +180,8 @@ void check_block(const ModelConfig& cfg, ChunkShape c, bool use_cudnn, const std
   opt.use_cudnn = use_cudnn;
   CudaBackend be(opt);
   WorkspacePlan plan{M, std::max({cfg.hidden_size, cfg.intermediate_size, cfg.q_dim()}), cfg.vocab_size,
-                     {{c.rows, c.seq, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim}}};
+                     {{c.rows, c.seq, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, {},
+                       cfg.query_pre_attn_scalar ? cfg.attention_scale() : 0.0, cfg.attention_window(0)}}};
   plan.packed = pk.has_value();
   plan.packed_sequences_per_row = pk ? static_cast<std::int64_t>(lengths.size()) : 8;
   be.prepare(plan);
@@ -221,6 +234,10 @@ TEST_CASE("decoder block on the GPU matches the float64 reference (cuDNN attenti
   // Qwen3: q/k norms per head (head_rmsnorm), q wider than the hidden size
   check_block(config(64, 4, 2, 32, 101, false, true, "Qwen3ForCausalLM"), {2, 37}, true);
   check_block(config(256, 2, 1, 128, 101, false, true, "Qwen3ForCausalLM"), {1, 64}, true);
+  // Gemma 3: a full layer through cuDNN with query_pre_attn_scalar's scale; a sliding one (the
+  // own kernel runs windows) beside it
+  check_block(gemma3(128, 4, 2, 64, 48, 0), {2, 37}, true);
+  check_block(gemma3(256, 2, 1, 128, 256, 9), {1, 70}, true);
 }
 
 TEST_CASE("decoder block on the GPU matches the float64 reference (megatrain's attention kernel)") {
@@ -228,6 +245,9 @@ TEST_CASE("decoder block on the GPU matches the float64 reference (megatrain's a
   check_block(config(200, 7, 1, 40, 101, false, true), {1, 67}, false);
   check_block(config(128, 2, 2, 64, 101, false, true), {3, 1}, false);
   check_block(config(72, 6, 2, 12, 101, false, true, "Qwen3ForCausalLM"), {2, 13}, false);
+  check_block(gemma3(72, 6, 2, 12, 20, 4), {2, 13}, false);
+  check_block(gemma3(96, 3, 3, 32, 16, 0), {1, 45}, false);
+  check_block(gemma3(64, 2, 1, 32, 32, 40), {1, 100}, false);  // a window across tiles
 }
 
 TEST_CASE("packed rows: a decoder block matches the float64 reference, attention within each sequence") {
@@ -252,9 +272,14 @@ TEST_CASE("packed rows: a decoder block matches the float64 reference, attention
 }
 
 TEST_CASE("embedding and head on the GPU match the float64 reference") {
-  for (bool tied : {true, false}) {
-    CAPTURE(tied);
-    const auto cfg = config(96, 4, 2, 24, 1001, false, tied);
+  for (int variant : {0, 1, 2}) {  // untied, tied, and Gemma 3's (scaled embedding, (1 + w) final norm; tied)
+    const bool tied = variant != 0;
+    CAPTURE(variant);
+    auto cfg = config(96, 4, 2, 24, 1001, false, tied);
+    if (variant == 2) {
+      cfg = gemma3(96, 4, 2, 24, 24, 0);
+      cfg.vocab_size = 1001;
+    }
     DecoderModel<> model(cfg);
     std::mt19937 rng(7);
     const ChunkShape c{3, 29};

@@ -204,11 +204,14 @@ TEST_CASE("add and casts match host rounding bit for bit, on the vector and scal
   }
 }
 
-TEST_CASE("swiglu forward and backward against the double reference") {
+TEST_CASE("swiglu and geglu (tanh GELU) forward and backward against the double reference") {
   std::mt19937 rng(2);
   Ref ref;
+  for (const auto act : {megatrain::Activation::silu, megatrain::Activation::gelu_tanh})
   for (std::int64_t n : {1, 13, 1000, 4099}) {
     for (std::size_t offset : {0u, 1u}) {
+      const bool gelu = act == megatrain::Activation::gelu_tanh;
+      CAPTURE(gelu);
       CAPTURE(n);
       CAPTURE(offset);
       const auto g = random_bf16(sz(n), rng, 0.0f, 2.0f), u = random_bf16(sz(n), rng), dm = random_bf16(sz(n), rng);
@@ -220,15 +223,15 @@ TEST_CASE("swiglu forward and backward against the double reference") {
       d_m.poison();
       d_dg.poison();
       d_du.poison();
-      mc::launch_swiglu_forward(d_g.get(), d_u.get(), d_m.get(), n, stream());
-      mc::launch_swiglu_backward(d_g.get(), d_u.get(), d_dm.get(), d_dg.get(), d_du.get(), n, stream());
+      mc::launch_swiglu_forward(d_g.get(), d_u.get(), d_m.get(), n, stream(), gelu);
+      mc::launch_swiglu_backward(d_g.get(), d_u.get(), d_dm.get(), d_dg.get(), d_du.get(), n, stream(), gelu);
 
       auto gd = widen(g), ud = widen(u), dmd = widen(dm);
       std::vector<double> m(sz(n)), dg(sz(n)), du(sz(n));
       const Shape s{n};
-      ref.swiglu(view<const double>(gd, s), view<const double>(ud, s), view<double>(m, s));
+      ref.swiglu(view<const double>(gd, s), view<const double>(ud, s), view<double>(m, s), act);
       ref.swiglu_backward(view<const double>(gd, s), view<const double>(ud, s), view<const double>(dmd, s),
-                          view<double>(dg, s), view<double>(du, s));
+                          view<double>(dg, s), view<double>(du, s), act);
       CHECK(rel_err(d_m.download(), m) <= kTolElementwise);
       CHECK(rel_err(d_dg.download(), dg) <= kTolElementwise);
       CHECK(rel_err(d_du.download(), du) <= kTolElementwise);
@@ -261,6 +264,15 @@ TEST_CASE("embedding forward copies rows exactly, into the fp32 residual stream"
         for (std::int64_t t = 0; t < M; ++t)
           for (std::int64_t c = 0; c < d; ++c)
             exact = exact && out[sz(t * d + c)] == static_cast<float>(table[sz(ids[sz(t)] * d + c)]);
+        CHECK(exact);
+        // scaled (Gemma's sqrt(hidden)): the fp32 product, exactly
+        const float scale = static_cast<float>(std::sqrt(static_cast<double>(d)));
+        d_out.poison();
+        mc::launch_embedding_forward(d_ids.get(), d_table.get(), d_out.get(), M, d, V, stream(), scale);
+        const auto scaled = d_out.download();
+        for (std::int64_t t = 0; t < M; ++t)
+          for (std::int64_t c = 0; c < d; ++c)
+            exact = exact && scaled[sz(t * d + c)] == static_cast<float>(table[sz(ids[sz(t)] * d + c)]) * scale;
         CHECK(exact);
       }
     }
@@ -317,6 +329,17 @@ TEST_CASE("embedding backward sums repeated ids, deterministically") {
     for (std::int64_t k = 0; k < c.d; ++k)
       untouched = untouched && skipped[sz(skip * c.d + k)] == table0[sz(skip * c.d + k)];
     CHECK(untouched);
+
+    // Scaled (Gemma's sqrt(hidden)): each row's gradient times the scale, the padding row skipped.
+    const double scale = static_cast<float>(std::sqrt(1152.0));
+    d_table.upload(table0);
+    mc::launch_embedding_backward(d_ids.get(), d_dy.get(), d_table.get(), c.M, c.d, c.V, ws.get(), ws.size(), stream(), skip,
+                                  static_cast<float>(scale));
+    const auto scaled = d_table.download();
+    auto table_scaled = widen(table0);
+    ref.embedding_backward(view<const std::int32_t>(ids_copy, Shape{c.M}), view<const double>(dyd, Shape{c.M, c.d}),
+                           view<double>(table_scaled, Shape{c.V, c.d}), skip, scale);
+    CHECK(rel_err(scaled, table_scaled) <= kTolF32);
   }
 }
 
@@ -409,13 +432,16 @@ TEST_CASE("head_rmsnorm of bf16 activation rows (Qwen3's q/k norms), forward and
   Ref ref;
   const double eps = 1e-6;
   // rows = tokens x heads; head_dim 128 (vector path, a warp per row), 64, 72, 256, and 30 (scalar).
+  // offset 1: Gemma's (1 + w) norms, whose stored w is near 0
+  for (const double off : {0.0, 1.0})
   for (std::int64_t M : {1, 37, 1000}) {
     for (std::int64_t d : {30, 64, 72, 128, 256}) {
+      CAPTURE(off);
       CAPTURE(M);
       CAPTURE(d);
       auto x = random_bf16(sz(M * d), rng);
       std::vector<float> w = random_f32(sz(d), rng, 0.2f);
-      for (auto& g : w) g += 1.0f;
+      for (auto& g : w) g += static_cast<float>(1.0 - off);
       auto dy = random_bf16(sz(M * d), rng);
       const auto dw0 = random_f32(sz(d), rng);
       DeviceArray<bf16> d_x(sz(M * d)), d_y(sz(M * d)), d_dy(sz(M * d)), d_dx(sz(M * d));
@@ -425,13 +451,14 @@ TEST_CASE("head_rmsnorm of bf16 activation rows (Qwen3's q/k norms), forward and
       d_dy.upload(dy);
       d_y.poison();
       d_rstd.poison();
-      mc::launch_head_rmsnorm_forward(d_x.get(), d_w.get(), d_y.get(), d_rstd.get(), M, d, static_cast<float>(eps), stream());
+      mc::launch_head_rmsnorm_forward(d_x.get(), d_w.get(), d_y.get(), d_rstd.get(), M, d, static_cast<float>(eps), stream(),
+                                      static_cast<float>(off));
       const auto y_got = d_y.download();
       const auto rstd_got = d_rstd.download();
       auto xd = widen(x), wd = widen(w), dyd = widen(dy);
       std::vector<double> y(sz(M * d)), rstd(sz(M));
       ref.rmsnorm(view<const double>(xd, Shape{M, d}), view<const double>(wd, Shape{d}), eps, view<double>(y, Shape{M, d}),
-                  view<double>(rstd, Shape{M}));
+                  view<double>(rstd, Shape{M}), off);
       CHECK(rel_err(y_got, y) <= kTolReduced);
       CHECK(rel_err(rstd_got, rstd) <= kTolF32);
       // Backward from the reference's rstd as the GPU stores it (fp32); dx is bf16.
@@ -446,7 +473,7 @@ TEST_CASE("head_rmsnorm of bf16 activation rows (Qwen3's q/k norms), forward and
         d_dx.poison();
         d_dw.upload(dw0);
         mc::launch_head_rmsnorm_backward(d_x.get(), d_w.get(), d_rstd.get(), d_dy.get(), d_dx.get(), d_dw.get(), M, d, ws.get(),
-                                         ws.size(), stream());
+                                         ws.size(), stream(), static_cast<float>(off));
         dxs.push_back(d_dx.download());
         dws.push_back(d_dw.download());
       }
@@ -455,7 +482,7 @@ TEST_CASE("head_rmsnorm of bf16 activation rows (Qwen3's q/k norms), forward and
       std::vector<double> dx(sz(M * d), 0.0), dw = widen(dw0);
       ref.rmsnorm_backward(view<const double>(xd, Shape{M, d}), view<const double>(wd, Shape{d}),
                            view<const double>(rstd_d, Shape{M}), view<const double>(dyd, Shape{M, d}), View<const double>{},
-                           view<double>(dx, Shape{M, d}), View<double>{}, view<double>(dw, Shape{d}));
+                           view<double>(dx, Shape{M, d}), View<double>{}, view<double>(dw, Shape{d}), off);
       CHECK(rel_err(dxs[0], dx) <= kTolReduced);  // (rounded to bf16)
       CHECK(rel_err(dws[0], dw) <= kTolF32);
     }
@@ -641,8 +668,14 @@ TEST_CASE("attention forward and backward against the double reference") {
   // which pads to 36, and 256, the largest); sequences shorter than, equal to and spanning tiles.
   const megatrain::AttentionShape cases[] = {{1, 1, 1, 1, 64},  {2, 7, 2, 1, 64},   {1, 13, 7, 1, 80},
                                              {1, 67, 4, 2, 128}, {2, 33, 2, 2, 80},  {1, 40, 2, 1, 256},
-                                             {1, 29, 3, 3, 34},  {1, 100, 14, 2, 64}, {1, 32, 2, 2, 128}};
+                                             {1, 29, 3, 3, 34},  {1, 100, 14, 2, 64}, {1, 32, 2, 2, 128},
+                                             // Gemma 3: a sliding window (shorter than a tile, several tiles, the
+                                             // whole sequence) and a softmax scale of its own
+                                             {2, 70, 4, 2, 64, {}, 0.0, 5},   {1, 130, 2, 1, 128, {}, 0.1, 40},
+                                             {1, 37, 2, 2, 256, {}, 1.0 / 16, 37}, {1, 45, 3, 1, 80, {}, 0.07, 0}};
   for (const auto& s : cases) {
+    CAPTURE(s.window);
+    CAPTURE(s.scale);
     CAPTURE(s.rows);
     CAPTURE(s.seq);
     CAPTURE(s.heads);
@@ -650,7 +683,9 @@ TEST_CASE("attention forward and backward against the double reference") {
     CAPTURE(s.head_dim);
     const std::int64_t M = s.rows * s.seq, nq = M * s.heads * s.head_dim, nk = M * s.kv_heads * s.head_dim,
                        nl = s.rows * s.heads * s.seq;
-    const mc::AttentionDims dims{s.rows, s.seq, s.heads, s.kv_heads, s.head_dim};
+    mc::AttentionDims dims{s.rows, s.seq, s.heads, s.kv_heads, s.head_dim};
+    dims.scale = s.scale;
+    dims.window = s.window;
     const auto q = random_bf16(sz(nq), rng), k = random_bf16(sz(nk), rng), v = random_bf16(sz(nk), rng),
                dout = random_bf16(sz(nq), rng);
     DeviceArray<bf16> d_q(sz(nq)), d_k(sz(nk)), d_v(sz(nk)), d_out(sz(nq)), d_dout(sz(nq)), d_dq(sz(nq)), d_dk(sz(nk)),

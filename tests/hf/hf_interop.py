@@ -3,7 +3,8 @@
 
 For a tiny random LlamaForCausalLM (untied embeddings), a tiny Qwen3ForCausalLM (q/k norms, head_dim
 wider than hidden / heads, untied), a tiny Phi3ForCausalLM (fused qkv_proj and gate_up_proj, a
-pad_token_id) and a tiny Qwen2ForCausalLM (tied,
+pad_token_id), a tiny Gemma3ForCausalLM (sandwich (1 + w) norms, GeGLU, a sliding and a full
+layer) and a tiny Qwen2ForCausalLM (tied,
 q/k/v biases), in float32 on the CPU:
 
   1. transformers saves the model with save_pretrained (safetensors);
@@ -115,7 +116,15 @@ def make_models():
     phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(tie_word_embeddings=False, pad_token_id=3, bos_token_id=None,
                                                                 eos_token_id=None, original_max_position_embeddings=128,
                                                                 **common))
-    return [("llama", llama), ("qwen2", qwen), ("qwen3", qwen3), ("phi3", phi3)]
+    # Gemma 3: (1 + w) norms, four per block, GeGLU, scaled embeddings, query_pre_attn_scalar, a
+    # sliding layer (window 8, its own rotary base) and a full one (scaled rotary); tied, padding row 3
+    gemma3 = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        tie_word_embeddings=True, head_dim=32, query_pre_attn_scalar=24, sliding_window=8, pad_token_id=3,
+        bos_token_id=None, eos_token_id=None, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        **common))
+    return [("llama", llama), ("qwen2", qwen), ("qwen3", qwen3), ("phi3", phi3), ("gemma3", gemma3)]
 
 
 def perturb(model, gen):

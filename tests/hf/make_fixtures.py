@@ -53,6 +53,18 @@ def families():
             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.5, 2.0],
                              "long_factor": [1.0, 1.9, 3.7, 9.5], "original_max_position_embeddings": 8},
             **COMMON)),
+        # Gemma 3 (text): (1 + w) norms, four per block, q/k norms, GeGLU (tanh GELU), embeddings
+        # times sqrt(hidden), the softmax scale from query_pre_attn_scalar (not head_dim), and
+        # sliding-window layers (window 4 < the 11 tokens) beside a full one, each type with its
+        # own rotary parameters (the full layers' scaled, as Gemma 3 4B and larger); tied, with a
+        # padding id in the inputs
+        "gemma3": (t.Gemma3ForCausalLM, t.Gemma3TextConfig(
+            tie_word_embeddings=True, head_dim=16, query_pre_attn_scalar=12, sliding_window=4,
+            pad_token_id=PAD, bos_token_id=None, eos_token_id=None,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+            **{**COMMON, "num_hidden_layers": 3})),
     }
 
 

@@ -68,6 +68,12 @@ void check_same(const ModelConfig& a, const ModelConfig& b) {
   CHECK(a.rope_scaling.short_factor == b.rope_scaling.short_factor);
   CHECK(a.rope_scaling.long_factor == b.rope_scaling.long_factor);
   CHECK(a.initializer_range == b.initializer_range);
+  CHECK(a.sliding_layers == b.sliding_layers);
+  CHECK(a.local_rope_theta == b.local_rope_theta);
+  CHECK(a.local_rope_scaling.type == b.local_rope_scaling.type);
+  CHECK(a.local_rope_scaling.factor == b.local_rope_scaling.factor);
+  CHECK(a.hidden_act == b.hidden_act);
+  CHECK(a.query_pre_attn_scalar == b.query_pre_attn_scalar);
 }
 
 /// from_json(to_json(c)) == c, both directly and through the JSON text.
@@ -87,7 +93,9 @@ std::int64_t state_dict_count(const ModelConfig& c) {
     if (c.qkv_bias) tensors.insert(tensors.end(), {qd, kd, kd});
     if (c.o_bias) tensors.push_back(d);
     if (c.mlp_bias) tensors.insert(tensors.end(), {f, f, d});
-    if (c.architecture == Architecture::qwen3) tensors.insert(tensors.end(), {c.head_dim, c.head_dim});  // q_norm, k_norm
+    if (c.architecture == Architecture::qwen3 || c.architecture == Architecture::gemma3)
+      tensors.insert(tensors.end(), {c.head_dim, c.head_dim});  // q_norm, k_norm
+    if (c.architecture == Architecture::gemma3) tensors.insert(tensors.end(), {d, d});  // pre/post_feedforward_layernorm
   }
   tensors.push_back(d);                                          // model.norm.weight
   if (!c.tie_word_embeddings) tensors.push_back(c.vocab_size * d);  // lm_head.weight
@@ -257,6 +265,88 @@ TEST_CASE("config: Qwen3 8B as transformers 5 writes it (q/k norms, head_dim, ro
   CHECK(c.param_count() == 8'190'735'360);
   check_round_trip(c);
   CHECK_FALSE(ModelConfig::preset("qwen2.5-7b").qk_norm());
+}
+
+TEST_CASE("config: Gemma 3 1B as published (transformers 4 form: rope_local_base_freq, sliding_window_pattern)") {
+  const auto c = ModelConfig::from_file(fixture("gemma-3-1b-it.json"));
+  CHECK(c.architecture == Architecture::gemma3);
+  CHECK(c.architecture_name() == "Gemma3ForCausalLM");
+  CHECK(c.model_type() == "gemma3_text");
+  CHECK(c.qk_norm());
+  CHECK(c.norm_unit_offset());
+  CHECK(c.sandwich_norms());
+  CHECK(c.hidden_act == Activation::gelu_tanh);
+  CHECK(c.head_dim == 256);
+  CHECK(c.num_key_value_heads == 1);
+  CHECK(c.vocab_size == 262144);
+  CHECK(c.tie_word_embeddings);  // (Gemma3TextConfig's default; the file does not say)
+  CHECK(c.pad_token_id == 0);
+  CHECK(c.rope_theta == 1000000.0);
+  CHECK(c.rope_scaling.type == RopeScaling::Type::none);
+  CHECK(c.local_rope_theta == 10000.0);
+  CHECK(c.embed_scale() == static_cast<double>(static_cast<float>(std::sqrt(1152.0))));
+  CHECK(c.attention_scale() == 1.0 / 16);
+  REQUIRE(c.sliding_layers.size() == 26);
+  for (std::int64_t l = 0; l < 26; ++l) {
+    CAPTURE(l);
+    const bool full = (l + 1) % 6 == 0;  // layers 5, 11, 17, 23 attend over everything
+    CHECK(c.attention_window(l) == (full ? 0 : 512));
+    CHECK(c.rope_for_layer(l).rope_theta == (full ? 1000000.0 : 10000.0));
+  }
+  CHECK_NOTHROW(c.check_sequence_length(8192));  // longer than the window: the sliding layers slide
+  CHECK(c.param_count() == state_dict_count(c));
+  CHECK(c.param_count() == op_spec_count(c));
+  CHECK(c.param_count() == 999'885'952);
+  check_round_trip(c);
+  // transformers 5 writes the same model with rope_parameters per layer type and layer_types
+  const json j = c.to_json();
+  CHECK(j.at("rope_parameters").at("sliding_attention").at("rope_theta") == 10000.0);
+  CHECK(j.at("rope_parameters").at("full_attention").at("rope_type") == "default");
+  CHECK(j.at("layer_types").size() == 26);
+  CHECK_FALSE(j.contains("rope_theta"));
+}
+
+TEST_CASE("config: Gemma 3 as transformers 5 writes it (the family fixture: scaled full layers, per-type rope)") {
+  const auto c = ModelConfig::from_file(fs::path(MEGATRAIN_TEST_CONFIGS) / ".." / ".." / "fixtures" / "gemma3" / "config.json");
+  CHECK(c.architecture == Architecture::gemma3);
+  CHECK(c.sliding_layers == std::vector<bool>{true, false, true});
+  CHECK(c.sliding_window == 4);
+  CHECK(c.rope_theta == 1000000.0);
+  CHECK(c.rope_scaling.type == RopeScaling::Type::linear);
+  CHECK(c.rope_scaling.factor == 8.0);
+  CHECK(c.local_rope_theta == 10000.0);
+  CHECK(c.local_rope_scaling.type == RopeScaling::Type::none);
+  CHECK(c.rope_for_layer(0).rope_scaling.type == RopeScaling::Type::none);
+  CHECK(c.rope_for_layer(1).rope_scaling.type == RopeScaling::Type::linear);
+  CHECK(c.query_pre_attn_scalar == 12.0);
+  CHECK(c.pad_token_id == 5);
+  check_round_trip(c);
+  // the same model in transformers 4's form: rope_scaling for the full layers, rope_local_base_freq
+  json old = c.to_json();
+  old.erase("rope_parameters");
+  old.erase("layer_types");
+  old["rope_theta"] = 1000000.0;
+  old["rope_local_base_freq"] = 10000.0;
+  old["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 8.0}};
+  old["sliding_window_pattern"] = 2;  // sliding, full, sliding
+  check_same(ModelConfig::from_json(old, "gemma3 (transformers 4)"), c);
+}
+
+TEST_CASE("config: Gemma 3's refusals name the field") {
+  const json g = ModelConfig::preset("gemma-3-1b").to_json();
+  CHECK(contains(error_of(with(g, "final_logit_softcapping", 30.0)), "'final_logit_softcapping'"));
+  CHECK(contains(error_of(with(g, "attn_logit_softcapping", 50.0)), "'attn_logit_softcapping'"));
+  CHECK(contains(error_of(with(g, "hidden_activation", "gelu")), "hidden_activation \"gelu\""));
+  CHECK(contains(error_of(with(g, "use_bidirectional_attention", true)), "'use_bidirectional_attention'"));
+  CHECK(contains(error_of(with(g, "mlp_bias", true)), "'mlp_bias'"));
+  CHECK(contains(error_of(with(g, "attention_dropout", 0.1)), "'attention_dropout'"));
+  CHECK(contains(error_of(with(g, "layer_types", json::array({"full_attention"}))), "layer_types"));
+  CHECK(contains(error_of(with(g, "architectures", json::array({"Gemma3ForConditionalGeneration"}))),
+                 "Gemma3ForCausalLM"));
+  // Gemma's parts are refused on another family (a config assembled by hand)
+  auto c = ModelConfig::preset("qwen2.5-0.5b");
+  c.hidden_act = Activation::gelu_tanh;
+  CHECK(contains(error_of([&] { c.validate("hand-made"); }), "Gemma 3's"));
 }
 
 TEST_CASE("config: Phi-3 mini 4k (fused projections in the checkpoint, a window, pad_token_id)") {
@@ -584,8 +674,8 @@ TEST_CASE("config: from_file names the file in its errors") {
 TEST_CASE("config: every preset loads, validates, round-trips and agrees with the layer ops") {
   const auto names = ModelConfig::preset_names();
   CHECK(names == std::vector<std::string>{"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-72b",
-                                          "qwen3-0.6b", "qwen3-8b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b",
-                                          "mistral-7b"});
+                                          "qwen3-0.6b", "qwen3-8b", "gemma-3-1b", "gemma-3-4b", "gemma-3-12b",
+                                          "gemma-3-27b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "mistral-7b"});
   for (const auto& name : names) {
     CAPTURE(name);
     const auto c = ModelConfig::preset(name);
@@ -607,6 +697,7 @@ TEST_CASE("config: presets' parameter counts are the published ones") {
   CHECK(ModelConfig::preset("llama-3.2-3b").param_count() == 3'212'749'824);
   CHECK(ModelConfig::preset("llama-3.1-8b").param_count() == 8'030'261'248);
   CHECK(ModelConfig::preset("mistral-7b").param_count() == 7'248'023'552);
+  CHECK(ModelConfig::preset("gemma-3-1b").param_count() == 999'885'952);
 }
 
 TEST_CASE("config: an unknown preset is refused with the known names") {

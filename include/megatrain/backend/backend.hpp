@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <concepts>
 #include <cstdint>
 #include <span>
@@ -16,6 +17,7 @@
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/tensor.hpp"
 #include "megatrain/core/dtype.hpp"
+#include "megatrain/model/config.hpp"
 
 namespace megatrain {
 
@@ -86,6 +88,9 @@ struct AttentionShape {
   std::int64_t kv_heads = 0;  ///< key/value heads; divides heads
   std::int64_t head_dim = 0;
   PackedRows packed{};        ///< several sequences per row (attention within each), or empty
+  double scale = 0;           ///< the softmax scale; 0: 1 / sqrt(head_dim)
+  std::int64_t window = 0;    ///< query i sees keys i - window + 1 .. i (a sliding window); 0: all from 0
+  double softmax_scale() const { return scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(head_dim)); }
   void validate() const {
     MT_CHECK(rows > 0 && seq > 0 && heads > 0 && kv_heads > 0 && head_dim > 0 && heads % kv_heads == 0,
              "invalid attention shape: {} rows x {} tokens, {} heads, {} kv heads, head_dim {}", rows, seq, heads,
@@ -131,18 +136,19 @@ concept Backend = requires(B& be, View<const typename B::Act> a, View<typename B
   be.linear(a, w, w, ma);                                          // y = x W^T + b
   be.linear_add(a, w, w, r, mr);                                   // residual y = r + x W^T + b (y may be r)
   be.linear_backward(a, w, a, ma, flag, acc, acc);                 // dx, dW +=, db +=
-  be.rmsnorm(r, gain, x, ma, acc);                                 // y, rstd (of the residual stream)
-  be.rmsnorm_backward(r, gain, cacc, a, r, mr, ma, acc);           // dx = residual + ..., its activation copy, dw +=
-  be.head_rmsnorm(a, gain, x, ma, acc);                            // y, rstd: RMSNorm of activation rows (q/k norms)
-  be.head_rmsnorm_backward(a, gain, cacc, a, ma, acc);             // dx, dw +=
+  be.residual_add(r, a, mr);                                       // residual y = r + x
+  be.rmsnorm(r, gain, x, ma, acc, x);                              // y, rstd (of the residual stream); gain + offset
+  be.rmsnorm_backward(r, gain, cacc, a, r, mr, ma, acc, x);        // dx = residual + ..., its activation copy, dw +=
+  be.head_rmsnorm(a, gain, x, ma, acc, x);                         // y, rstd: RMSNorm of activation rows (q/k and post norms)
+  be.head_rmsnorm_backward(a, gain, cacc, a, ma, acc, x);          // dx, dw +=
   be.rope(ma, std::int64_t{}, std::int64_t{}, freqs, ids);         // rotate in place (ids: positions, or empty)
   be.rope_backward(ma, std::int64_t{}, std::int64_t{}, freqs, ids);  // inverse rotation in place
   be.attention(a, a, a, ma, acc, as);                              // out, lse
   be.attention_backward(a, a, a, a, cacc, a, ma, ma, ma, as);      // dq, dk, dv
-  be.swiglu(a, a, ma);                                             // silu(g) * u
-  be.swiglu_backward(a, a, a, ma, ma);                             // dg, du
-  be.embedding(ids, w, mr);                                        // gather rows into the residual stream
-  be.embedding_backward(ids, r, acc);                              // scatter-add rows
+  be.swiglu(a, a, ma, Activation::silu);                           // act(g) * u (SwiGLU, GeGLU)
+  be.swiglu_backward(a, a, a, ma, ma, Activation::silu);           // dg, du
+  be.embedding(ids, w, mr, x);                                     // gather rows (times a scale) into the residual stream
+  be.embedding_backward(ids, r, acc, std::int32_t{}, x);           // scatter-add rows (times the scale), one id skipped
   be.take_rows(ids, acc, acc);                                     // gather rows, zero them at the source
   be.lm_head_loss(a, w, ids, x, acc, ma, acc);                     // per-token loss, dh, dW +=
   be.sum_squares(cacc, sum);                                       // sum[0] = sum of x^2 (gradient norms)

@@ -4,7 +4,9 @@
 // scaling), MistralForCausalLM, Qwen2ForCausalLM (q/k/v projections with bias) and
 // Qwen3ForCausalLM (RMSNorm of each query and key head before the rotation; attention_bias as
 // Llama's) and Phi3ForCausalLM (Phi-3, Phi-4: Llama's block with q/k/v and gate/up fused into
-// one tensor each in the checkpoint). What differs between them is declared once, in the family table of config.cpp
+// one tensor each in the checkpoint) and Gemma3ForCausalLM (Gemma 3 text: (1 + w) norms, four
+// per block, q/k norms, GeGLU, scaled embeddings, sliding-window and full layers with their own
+// rotary parameters). What differs between them is declared once, in the family table of config.cpp
 // (class and model_type names, default context, biases, q/k norms). Anything else,
 // a missing required field, a field of the wrong type, or fields that contradict each other
 // (`architectures` and `model_type` naming different models, attention_bias or mlp_bias set on
@@ -25,7 +27,11 @@
 
 namespace megatrain {
 
-enum class Architecture { llama, mistral, qwen2, qwen3, phi3 };
+enum class Architecture { llama, mistral, qwen2, qwen3, phi3, gemma3 };
+
+/// The MLP's gate activation: silu (SwiGLU: Llama, Qwen, Mistral, Phi-3) or the tanh
+/// approximation of GELU (GeGLU: Gemma's "gelu_pytorch_tanh").
+enum class Activation { silu, gelu_tanh };
 
 /// How rotary frequencies are derived from rope_theta (Hugging Face's rope_scaling / rope_parameters).
 struct RopeScaling {
@@ -64,6 +70,18 @@ struct ModelConfig {
   bool o_bias = false;     ///< bias on the output projection (Llama's attention_bias)
   bool mlp_bias = false;   ///< biases on gate/up/down (Llama's mlp_bias)
   std::optional<std::int64_t> sliding_window;  ///< Mistral/Qwen2: attention window, if any
+  /// Gemma 3: which layers attend within `sliding_window` tokens ("sliding_attention" in
+  /// layer_types; the others attend over the whole sequence). Empty for the other families,
+  /// whose window, if any, bounds the sequence length instead (check_sequence_length).
+  std::vector<bool> sliding_layers;
+  /// Gemma 3: the sliding layers' own rotary base and scaling (rope_parameters'
+  /// "sliding_attention"; transformers 4's rope_local_base_freq); the full layers use rope_theta
+  /// and rope_scaling.
+  double local_rope_theta = 10000.0;
+  RopeScaling local_rope_scaling;
+  Activation hidden_act = Activation::silu;
+  /// Gemma 3: the softmax scale is query_pre_attn_scalar^-1/2 instead of head_dim^-1/2.
+  std::optional<double> query_pre_attn_scalar;
   /// pad_token_id: transformers builds the embedding with padding_idx = this id, whose row then
   /// gets no gradient from the lookup (Embedding follows it); none when absent or null.
   std::optional<std::int64_t> pad_token_id;
@@ -87,13 +105,30 @@ struct ModelConfig {
   nlohmann::json to_json() const;
 
   std::string_view architecture_name() const;  ///< "LlamaForCausalLM", ...
-  std::string_view model_type() const;         ///< "llama", "mistral", "qwen2", "qwen3", "phi3"
+  std::string_view model_type() const;  ///< "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"
   /// Each query and key head is RMS-normalised over head_dim (its own gain, rms_norm_eps) before
   /// the rotary embedding: q_norm and k_norm of Qwen3.
   bool qk_norm() const;
   /// The checkpoint stores q/k/v as one self_attn.qkv_proj.weight and gate/up as one
   /// mlp.gate_up_proj.weight (rows concatenated in that order): Phi-3.
   bool fused_projections() const;
+  /// Every RMSNorm multiplies by (1 + w) instead of w, its gain stored as w (Gemma's norms; a
+  /// model initialised from scratch starts them at 0).
+  bool norm_unit_offset() const;
+  /// Gemma 3's block: the attention's and the MLP's outputs are normalised before they join the
+  /// residual stream (post_attention_layernorm, post_feedforward_layernorm), and the MLP's input
+  /// norm is pre_feedforward_layernorm.
+  bool sandwich_norms() const;
+  /// The embedding's output is multiplied by this: sqrt(hidden_size) in fp32 for Gemma, else 1.
+  double embed_scale() const;
+  /// The softmax scale of attention: 1/sqrt(query_pre_attn_scalar) where given, else 1/sqrt(head_dim).
+  double attention_scale() const;
+  /// The keys a query of layer `layer` sees: the last `window` ones (itself included), or 0: all
+  /// before it. Nonzero only for Gemma 3's sliding layers.
+  std::int64_t attention_window(std::int64_t layer) const;
+  /// This config with layer `layer`'s rotary parameters in rope_theta / rope_scaling (Gemma 3's
+  /// sliding layers have their own); the config itself for every other layer and family.
+  ModelConfig rope_for_layer(std::int64_t layer) const;
   std::int64_t q_dim() const { return num_attention_heads * head_dim; }
   std::int64_t kv_dim() const { return num_key_value_heads * head_dim; }
   /// The rotary inverse frequencies (head_dim / 2 of them), rope scaling applied, in double.

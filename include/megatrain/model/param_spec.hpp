@@ -31,8 +31,9 @@ struct ParamSpec {
   static ParamSpec matrix(std::string name, Shape shape, float init_std = 0.02f) {
     return {std::move(name), shape, ParamInit::normal, init_std, true};
   }
-  static ParamSpec norm(std::string name, std::int64_t dim) {
-    return {std::move(name), Shape{dim}, ParamInit::ones, 0.0f, false, true};
+  /// A norm's gain; `unit_offset`: the norm multiplies by (1 + w) (Gemma), so w starts at 0.
+  static ParamSpec norm(std::string name, std::int64_t dim, bool unit_offset = false) {
+    return {std::move(name), Shape{dim}, unit_offset ? ParamInit::zeros : ParamInit::ones, 0.0f, false, true};
   }
   static ParamSpec bias(std::string name, std::int64_t dim) {
     return {std::move(name), Shape{dim}, ParamInit::zeros, 0.0f, false};

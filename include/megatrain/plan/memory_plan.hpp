@@ -293,7 +293,14 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   b.workspace.vocab = cfg.vocab_size;
   b.workspace.packed = opt.packed;
   for (std::int64_t r : {b.chunk_rows, opt.micro_rows() % b.chunk_rows})
-    if (r > 0) b.workspace.attention.push_back({r, opt.seq_len, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim});
+    if (r > 0) {  // (every layer's attention: full, and Gemma 3's sliding layers' window)
+      const double scale = cfg.query_pre_attn_scalar ? cfg.attention_scale() : 0.0;
+      b.workspace.attention.push_back(
+          {r, opt.seq_len, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, {}, scale, 0});
+      if (!cfg.sliding_layers.empty() && cfg.sliding_window)
+        b.workspace.attention.push_back(
+            {r, opt.seq_len, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, {}, scale, *cfg.sliding_window});
+    }
   b.prepare_bytes = device.prepare_bytes ? device.prepare_bytes(b.workspace) : 0;
   b.checkpoints = b.checkpoint_every == 1 ? L + 1 : (L - 1) / b.checkpoint_every + 1;
   b.recompute_buffers = b.checkpoint_every - 1;

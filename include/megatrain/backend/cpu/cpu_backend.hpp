@@ -148,6 +148,17 @@ class CpuBackend {
       for (std::int64_t i = b; i < e; ++i) ys[i] += xs[i];
     });
   }
+  /// y = r + x: the residual stream plus activations (y may be r).
+  void residual_add(View<const Res> r, View<const Act> x, View<Res> y) {
+    check_same(r.shape(), y.shape(), "residual_add");
+    check_same(x.shape(), y.shape(), "residual_add");
+    auto rs = r.span();
+    auto xs = x.span();
+    auto ys = y.span();
+    parallel_rows(static_cast<std::int64_t>(ys.size()), 1 << 14, [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t i = b; i < e; ++i) ys[i] = rs[i] + xs[i];
+    });
+  }
 
   // ---- linear --------------------------------------------------------------------------------
   /// y[M,N] = x[M,K] w[N,K]^T (+ bias[N] unless bias is null)
@@ -207,8 +218,9 @@ class CpuBackend {
   }
 
   // ---- RMSNorm -------------------------------------------------------------------------------
-  /// y = x / sqrt(mean(x^2) + eps) * w, row by row; rstd[M] keeps 1/sqrt(mean(x^2) + eps).
-  void rmsnorm(View<const Act> x, View<const Weight> w, double eps, View<Act> y, View<Acc> rstd) {
+  /// y = x / sqrt(mean(x^2) + eps) * (w + offset), row by row (offset 1: Gemma's (1 + w) norms);
+  /// rstd[M] keeps 1/sqrt(mean(x^2) + eps).
+  void rmsnorm(View<const Act> x, View<const Weight> w, double eps, View<Act> y, View<Acc> rstd, double offset = 0.0) {
     const std::int64_t M = x.size(0), d = x.size(1);
     check_same(x.shape(), y.shape(), "rmsnorm");
     MT_CHECK(w.numel() == d && rstd.numel() == M, "rmsnorm: weight {} / rstd {} do not match x {}", w.shape().str(),
@@ -217,6 +229,7 @@ class CpuBackend {
     const T* ws = w.data();
     T* ys = y.data();
     T* rs = rstd.data();
+    const T off = static_cast<T>(offset);
     parallel_rows(M, 16, [&](std::int64_t b, std::int64_t e) {
       for (std::int64_t r = b; r < e; ++r) {
         const T* xr = xs + r * d;
@@ -224,15 +237,16 @@ class CpuBackend {
         for (std::int64_t i = 0; i < d; ++i) ss += static_cast<double>(xr[i]) * static_cast<double>(xr[i]);
         const T inv = static_cast<T>(1.0 / std::sqrt(ss / static_cast<double>(d) + eps));
         rs[r] = inv;
-        for (std::int64_t i = 0; i < d; ++i) ys[r * d + i] = xr[i] * inv * ws[i];
+        for (std::int64_t i = 0; i < d; ++i) ys[r * d + i] = xr[i] * inv * (ws[i] + off);
       }
     });
   }
   /// dx = residual + (rmsnorm's input gradient) (no residual: null view; it may be dx itself),
   /// dx_act = dx as activations (unless null), dw += the gain's gradient; from the saved rstd.
   void rmsnorm_backward(View<const Res> x, View<const Weight> w, View<const Acc> rstd, View<const Act> dy,
-                        View<const Res> residual, View<Res> dx, View<Act> dx_act, View<Acc> dw) {
+                        View<const Res> residual, View<Res> dx, View<Act> dx_act, View<Acc> dw, double offset = 0.0) {
     const std::int64_t M = x.size(0), d = x.size(1);
+    const T off = static_cast<T>(offset);
     check_same(x.shape(), dy.shape(), "rmsnorm_backward dy");
     check_same(x.shape(), dx.shape(), "rmsnorm_backward dx");
     if (!residual.is_null()) check_same(x.shape(), residual.shape(), "rmsnorm_backward residual");
@@ -250,11 +264,11 @@ class CpuBackend {
         const T* xr = xs + r * d;
         const T* gr = dys + r * d;
         double dot = 0;  // sum_i (dy_i w_i) * xhat_i
-        for (std::int64_t i = 0; i < d; ++i) dot += static_cast<double>(gr[i] * ws[i]) * static_cast<double>(xr[i] * rs[r]);
+        for (std::int64_t i = 0; i < d; ++i) dot += static_cast<double>(gr[i] * (ws[i] + off)) * static_cast<double>(xr[i] * rs[r]);
         const T mean = static_cast<T>(dot / static_cast<double>(d));
         for (std::int64_t i = 0; i < d; ++i) {
           const T xhat = xr[i] * rs[r];
-          const T v = rs[r] * (gr[i] * ws[i] - xhat * mean);
+          const T v = rs[r] * (gr[i] * (ws[i] + off) - xhat * mean);
           dxs[r * d + i] = accumulate_dx ? res[r * d + i] + v : v;
           if (dxa != nullptr) dxa[r * d + i] = dxs[r * d + i];
         }
@@ -266,13 +280,13 @@ class CpuBackend {
 
   /// RMSNorm of activations, row by row: y = x * rstd * w over rows of x[M, d] (Qwen3's q_norm
   /// and k_norm, with x the projection viewed as [tokens * heads, head_dim]); rstd saved.
-  void head_rmsnorm(View<const Act> x, View<const Weight> w, double eps, View<Act> y, View<Acc> rstd) {
-    rmsnorm(x, w, eps, y, rstd);
+  void head_rmsnorm(View<const Act> x, View<const Weight> w, double eps, View<Act> y, View<Acc> rstd, double offset = 0.0) {
+    rmsnorm(x, w, eps, y, rstd, offset);
   }
   /// Its backward: dx (overwritten) from dy, dw += the gain's gradient; from the saved rstd.
   void head_rmsnorm_backward(View<const Act> x, View<const Weight> w, View<const Acc> rstd, View<const Act> dy, View<Act> dx,
-                             View<Acc> dw) {
-    rmsnorm_backward(x, w, rstd, dy, View<const Res>{}, dx, View<Act>{}, dw);
+                             View<Acc> dw, double offset = 0.0) {
+    rmsnorm_backward(x, w, rstd, dy, View<const Res>{}, dx, View<Act>{}, dw, offset);
   }
 
   /// y = x: residual-stream values as activations (a copy here; a rounding where they differ).
@@ -299,13 +313,14 @@ class CpuBackend {
   /// key/value head h / (H / Hkv). Scores and probabilities are formed for blocks of kQueryBlock
   /// queries against the keys they see ([block, keys] matrices), so memory grows linearly with
   /// the sequence: a reference, not a fast kernel. Packed rows (s.packed): query i sees keys
-  /// i - positions[i] .. i, those of its own sequence.
+  /// i - positions[i] .. i, those of its own sequence; a window (s.window) keeps the last
+  /// s.window of them. Scores are scaled by s.softmax_scale().
   void attention(View<const Act> q, View<const Act> k, View<const Act> v, View<Act> out, View<Acc> lse,
                  const AttentionShape& s) {
     check_attention(q, k, v, out, lse, s);
-    const std::int64_t D = s.head_dim, H = s.heads, G = s.heads / s.kv_heads, S = s.seq;
+    const std::int64_t H = s.heads, G = s.heads / s.kv_heads, S = s.seq;
     const std::int64_t blocks = (S + kQueryBlock - 1) / kQueryBlock;
-    const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(D)));
+    const T scale = static_cast<T>(s.softmax_scale());
     tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, s.rows * H * blocks), [&](const auto& r) {
       Matrix P;
       for (std::int64_t task = r.begin(); task != r.end(); ++task) {
@@ -340,8 +355,8 @@ class CpuBackend {
     check_same(dq.shape(), q.shape(), "attention_backward dq");
     check_same(dk.shape(), k.shape(), "attention_backward dk");
     check_same(dv.shape(), v.shape(), "attention_backward dv");
-    const std::int64_t D = s.head_dim, H = s.heads, G = s.heads / s.kv_heads, S = s.seq;
-    const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(D)));
+    const std::int64_t H = s.heads, G = s.heads / s.kv_heads, S = s.seq;
+    const T scale = static_cast<T>(s.softmax_scale());
     // One task per (sequence, kv head): it owns dk and dv of that head, so nothing races.
     tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, s.rows * s.kv_heads), [&](const auto& r) {
       Matrix P, dP;
@@ -379,27 +394,38 @@ class CpuBackend {
     });
   }
 
-  // ---- SwiGLU --------------------------------------------------------------------------------
-  /// m = silu(g) * u
-  void swiglu(View<const Act> g, View<const Act> u, View<Act> m) {
+  // ---- SwiGLU and GeGLU --------------------------------------------------------------------
+  /// m = act(g) * u: silu(g) (SwiGLU), or GELU's tanh approximation (GeGLU, Gemma's
+  /// gelu_pytorch_tanh: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))))
+  void swiglu(View<const Act> g, View<const Act> u, View<Act> m, Activation act = Activation::silu) {
     check_same(g.shape(), u.shape(), "swiglu");
     check_same(g.shape(), m.shape(), "swiglu");
     auto gs = g.span();
     auto us = u.span();
     auto ms = m.span();
     parallel_rows(static_cast<std::int64_t>(gs.size()), 1 << 14, [&](std::int64_t b, std::int64_t e) {
-      for (std::int64_t i = b; i < e; ++i) ms[i] = gs[i] * sigmoid(gs[i]) * us[i];
+      if (act == Activation::gelu_tanh)
+        for (std::int64_t i = b; i < e; ++i) ms[i] = gelu_tanh(gs[i]) * us[i];
+      else
+        for (std::int64_t i = b; i < e; ++i) ms[i] = gs[i] * sigmoid(gs[i]) * us[i];
     });
   }
-  void swiglu_backward(View<const Act> g, View<const Act> u, View<const Act> dm, View<Act> dg, View<Act> du) {
+  void swiglu_backward(View<const Act> g, View<const Act> u, View<const Act> dm, View<Act> dg, View<Act> du,
+                       Activation act = Activation::silu) {
     check_same(g.shape(), dm.shape(), "swiglu_backward");
     auto gs = g.span();
     auto us = u.span();
     auto dms = dm.span();
     auto dgs = dg.span();
     auto dus = du.span();
+    const bool gelu = act == Activation::gelu_tanh;
     parallel_rows(static_cast<std::int64_t>(gs.size()), 1 << 14, [&](std::int64_t b, std::int64_t e) {
       for (std::int64_t i = b; i < e; ++i) {
+        if (gelu) {  // du = dm act(g), dg = dm u act'(g)
+          dus[i] = dms[i] * gelu_tanh(gs[i]);
+          dgs[i] = dms[i] * us[i] * gelu_tanh_grad(gs[i]);
+          continue;
+        }
         const T sg = sigmoid(gs[i]);
         dus[i] = dms[i] * gs[i] * sg;
         dgs[i] = dms[i] * us[i] * sg * (T(1) + gs[i] * (T(1) - sg));
@@ -409,22 +435,27 @@ class CpuBackend {
 
   // ---- embedding -----------------------------------------------------------------------------
   /// y[t] = table[ids[t]]
+  /// y[t] = table[ids[t]] * scale (Gemma's sqrt(hidden); 1 elsewhere)
   template <class U>  // Weight, or float (fp32 master rows)
-  void embedding(View<const std::int32_t> ids, View<const U> table, View<Act> y) {
+  void embedding(View<const std::int32_t> ids, View<const U> table, View<Act> y, double scale = 1.0) {
     const std::int64_t M = ids.numel(), V = table.size(0), d = table.size(1);
     MT_CHECK(y.size(0) == M && y.size(1) == d, "embedding: output {} does not match {} tokens x {}", y.shape().str(), M, d);
     for (std::int64_t t = 0; t < M; ++t)
       MT_CHECK(ids.data()[t] >= 0 && ids.data()[t] < V, "token id {} at position {} is outside the vocabulary [0, {})",
                ids.data()[t], t, V);
+    const T s = static_cast<T>(scale);
     parallel_rows(M, 64, [&](std::int64_t b, std::int64_t e) {
       for (std::int64_t t = b; t < e; ++t)
-        for (std::int64_t c = 0; c < d; ++c) y.data()[t * d + c] = static_cast<T>(table.data()[static_cast<std::int64_t>(ids.data()[t]) * d + c]);
+        for (std::int64_t c = 0; c < d; ++c)
+          y.data()[t * d + c] = static_cast<T>(table.data()[static_cast<std::int64_t>(ids.data()[t]) * d + c]) * s;
     });
   }
-  /// dtable[ids[t]] += dy[t], except for tokens whose id is `skip_id` (PyTorch's padding_idx: that
-  /// row gets no gradient from the lookup; -1: none)
-  void embedding_backward(View<const std::int32_t> ids, View<const Act> dy, View<Acc> dtable, std::int32_t skip_id = -1) {
+  /// dtable[ids[t]] += dy[t] * scale, except for tokens whose id is `skip_id` (PyTorch's
+  /// padding_idx: that row gets no gradient from the lookup; -1: none)
+  void embedding_backward(View<const std::int32_t> ids, View<const Act> dy, View<Acc> dtable, std::int32_t skip_id = -1,
+                          double scale = 1.0) {
     const std::int64_t M = ids.numel(), d = dtable.size(1);
+    const T s = static_cast<T>(scale);
     // Split the feature dimension: each task owns a column range, so repeated ids never race
     // and every element is summed in token order.
     parallel_rows(d, 64, [&](std::int64_t c0, std::int64_t c1) {
@@ -432,7 +463,7 @@ class CpuBackend {
         if (ids.data()[t] == skip_id) continue;
         T* row = dtable.data() + static_cast<std::int64_t>(ids.data()[t]) * d;
         const T* g = dy.data() + t * d;
-        for (std::int64_t c = c0; c < c1; ++c) row[c] += g[c];
+        for (std::int64_t c = c0; c < c1; ++c) row[c] += g[c] * s;
       }
     });
   }
@@ -544,6 +575,16 @@ class CpuBackend {
   using MapCM = Eigen::Map<const Matrix>;
 
   static T sigmoid(T x) { return T(1) / (T(1) + std::exp(-x)); }
+  // GELU's tanh approximation (PyTorch's gelu(approximate="tanh")) and its derivative
+  static constexpr double kGeluBeta = 0.7978845608028654;  // sqrt(2 / pi)
+  static constexpr double kGeluKappa = 0.044715;
+  static T gelu_tanh(T x) {
+    return T(0.5) * x * (T(1) + std::tanh(T(kGeluBeta) * (x + T(kGeluKappa) * x * x * x)));
+  }
+  static T gelu_tanh_grad(T x) {
+    const T t = std::tanh(T(kGeluBeta) * (x + T(kGeluKappa) * x * x * x));
+    return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * T(kGeluBeta) * (T(1) + T(3 * kGeluKappa) * x * x);
+  }
 
   /// The [seq, D] block of head `h` of sequence `row` inside a [tokens, heads*D] activation.
   template <class E>
@@ -618,8 +659,10 @@ class CpuBackend {
   }
 
   /// The first key query i of row `row` sees: 0, or the start of its sequence in a packed row.
+  /// The first key query i sees: its sequence's first token, and no earlier than the window.
   static std::int64_t first_key(const AttentionShape& s, std::int64_t row, std::int64_t i) {
-    return s.packed.empty() ? 0 : i - s.packed.positions.data()[row * s.seq + i];
+    const std::int64_t f = s.packed.empty() ? 0 : i - s.packed.positions.data()[row * s.seq + i];
+    return s.window > 0 ? std::max(f, i - s.window + 1) : f;
   }
 
   void rotate(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq,

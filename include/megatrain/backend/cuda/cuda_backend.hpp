@@ -261,6 +261,16 @@ class CudaBackend {
     same(x.shape(), y.shape(), "add");
     cuda::launch_add(x.data(), y.data(), x.numel(), stream_);
   }
+  /// y = r + x: the residual stream r (fp32) plus activations (y may be r).
+  void residual_add(View<const Res> r, View<const Act> x, View<Res> y) {
+    MT_NVTX_RANGE("cuda:residual_add");
+    same(r.shape(), y.shape(), "residual_add");
+    same(x.shape(), y.shape(), "residual_add");
+    if (y.data() != r.data())
+      MT_CUDA_CHECK(cudaMemcpyAsync(y.data(), r.data(), static_cast<std::size_t>(y.numel()) * sizeof(Res),
+                                    cudaMemcpyDeviceToDevice, stream_));
+    cuda::launch_add(x.data(), y.data(), x.numel(), stream_);
+  }
   /// Residual-stream values as activations (rounded to bf16, nearest even).
   void convert(View<const Res> x, View<Act> y) {
     MT_NVTX_RANGE("cuda:convert");
@@ -299,18 +309,19 @@ class CudaBackend {
   }
 
   /// y (bf16) = rmsnorm of the residual stream x with the fp32 gain w; rstd saved.
-  void rmsnorm(View<const Res> x, View<const full_t<Weight>> w, double eps, View<Act> y, View<Acc> rstd) {
+  void rmsnorm(View<const Res> x, View<const full_t<Weight>> w, double eps, View<Act> y, View<Acc> rstd,
+               double offset = 0.0) {
     MT_NVTX_RANGE("cuda:rmsnorm");
     same(x.shape(), y.shape(), "rmsnorm");
     MT_CHECK(w.numel() == x.size(1) && rstd.numel() == x.size(0), "rmsnorm: weight {} / rstd {} do not match x {}",
              w.shape().str(), rstd.shape().str(), x.shape().str());
     cuda::launch_rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), x.size(0), x.size(1), static_cast<float>(eps),
-                                 stream_);
+                                 stream_, static_cast<float>(offset));
   }
   /// dx = residual (unless null; may be dx) + the input gradient, in fp32; dx_act = bf16(dx)
   /// unless null; dw += the gain's gradient.
   void rmsnorm_backward(View<const Res> x, View<const full_t<Weight>> w, View<const Acc> rstd, View<const Act> dy,
-                        View<const Res> residual, View<Res> dx, View<Act> dx_act, View<Acc> dw) {
+                        View<const Res> residual, View<Res> dx, View<Act> dx_act, View<Acc> dw, double offset = 0.0) {
     MT_NVTX_RANGE("cuda:rmsnorm_backward");
     same(x.shape(), dy.shape(), "rmsnorm_backward dy");
     same(x.shape(), dx.shape(), "rmsnorm_backward dx");
@@ -320,21 +331,22 @@ class CudaBackend {
              w.shape().str(), rstd.shape().str(), x.shape().str());
     cuda::launch_rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), residual.is_null() ? nullptr : residual.data(),
                                   dx.data(), dx_act.is_null() ? nullptr : dx_act.data(), dw.data(), x.size(0), x.size(1), ws(),
-                                  workspace_.size(), stream_);
+                                  workspace_.size(), stream_, static_cast<float>(offset));
   }
 
   /// y (bf16) = RMSNorm of bf16 activation rows with the fp32 gain w (Qwen3's q/k norms); rstd saved.
-  void head_rmsnorm(View<const Act> x, View<const full_t<Weight>> w, double eps, View<Act> y, View<Acc> rstd) {
+  void head_rmsnorm(View<const Act> x, View<const full_t<Weight>> w, double eps, View<Act> y, View<Acc> rstd,
+                    double offset = 0.0) {
     MT_NVTX_RANGE("cuda:head_rmsnorm");
     same(x.shape(), y.shape(), "head_rmsnorm");
     MT_CHECK(w.numel() == x.size(1) && rstd.numel() == x.size(0), "head_rmsnorm: weight {} / rstd {} do not match x {}",
              w.shape().str(), rstd.shape().str(), x.shape().str());
     cuda::launch_head_rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), x.size(0), x.size(1), static_cast<float>(eps),
-                                      stream_);
+                                      stream_, static_cast<float>(offset));
   }
   /// Its backward: dx (bf16, overwritten), dw += the gain's gradient.
   void head_rmsnorm_backward(View<const Act> x, View<const full_t<Weight>> w, View<const Acc> rstd, View<const Act> dy,
-                             View<Act> dx, View<Acc> dw) {
+                             View<Act> dx, View<Acc> dw, double offset = 0.0) {
     MT_NVTX_RANGE("cuda:head_rmsnorm_backward");
     same(x.shape(), dy.shape(), "head_rmsnorm_backward dy");
     same(x.shape(), dx.shape(), "head_rmsnorm_backward dx");
@@ -342,7 +354,7 @@ class CudaBackend {
              "head_rmsnorm_backward: weight {} / rstd {} / dw {} do not match x {}", w.shape().str(), rstd.shape().str(),
              dw.shape().str(), x.shape().str());
     cuda::launch_head_rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx.data(), dw.data(), x.size(0), x.size(1),
-                                       ws(), workspace_.size(), stream_);
+                                       ws(), workspace_.size(), stream_, static_cast<float>(offset));
   }
 
   void rope(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq,
@@ -389,36 +401,43 @@ class CudaBackend {
                                       dk.data(), dv.data(), d, ws(), workspace_.size(), stream_, positions(s));
   }
 
-  void swiglu(View<const Act> g, View<const Act> u, View<Act> m) {
+  /// m = act(g) * u (SwiGLU, or GeGLU with Activation::gelu_tanh).
+  void swiglu(View<const Act> g, View<const Act> u, View<Act> m, Activation act = Activation::silu) {
     MT_NVTX_RANGE("cuda:swiglu");
     same(g.shape(), u.shape(), "swiglu");
     same(g.shape(), m.shape(), "swiglu");
-    cuda::launch_swiglu_forward(g.data(), u.data(), m.data(), g.numel(), stream_);
+    cuda::launch_swiglu_forward(g.data(), u.data(), m.data(), g.numel(), stream_, act == Activation::gelu_tanh);
   }
-  void swiglu_backward(View<const Act> g, View<const Act> u, View<const Act> dm, View<Act> dg, View<Act> du) {
+  void swiglu_backward(View<const Act> g, View<const Act> u, View<const Act> dm, View<Act> dg, View<Act> du,
+                       Activation act = Activation::silu) {
     MT_NVTX_RANGE("cuda:swiglu_backward");
     same(g.shape(), dm.shape(), "swiglu_backward");
-    cuda::launch_swiglu_backward(g.data(), u.data(), dm.data(), dg.data(), du.data(), g.numel(), stream_);
+    cuda::launch_swiglu_backward(g.data(), u.data(), dm.data(), dg.data(), du.data(), g.numel(), stream_,
+                                 act == Activation::gelu_tanh);
   }
 
-  void embedding(View<const std::int32_t> ids, View<const Weight> table, View<Res> y) {
+  /// y[t] = table[ids[t]] * scale (Gemma's sqrt(hidden); 1 elsewhere).
+  void embedding(View<const std::int32_t> ids, View<const Weight> table, View<Res> y, double scale = 1.0) {
     MT_NVTX_RANGE("cuda:embedding");
     MT_CHECK(y.size(0) == ids.numel() && y.size(1) == table.size(1), "embedding: output {} does not match {} ids x {}",
              y.shape().str(), ids.numel(), table.size(1));
-    cuda::launch_embedding_forward(ids.data(), table.data(), y.data(), ids.numel(), table.size(1), table.size(0), stream_);
+    cuda::launch_embedding_forward(ids.data(), table.data(), y.data(), ids.numel(), table.size(1), table.size(0), stream_,
+                                   static_cast<float>(scale));
   }
   /// The same from an fp32 table (fp32 master rows: the lookup as PyTorch's autocast does it).
-  void embedding(View<const std::int32_t> ids, View<const float> table, View<Res> y) {
+  void embedding(View<const std::int32_t> ids, View<const float> table, View<Res> y, double scale = 1.0) {
     MT_NVTX_RANGE("cuda:embedding");
     MT_CHECK(y.size(0) == ids.numel() && y.size(1) == table.size(1), "embedding: output {} does not match {} ids x {}",
              y.shape().str(), ids.numel(), table.size(1));
-    cuda::launch_embedding_forward(ids.data(), table.data(), y.data(), ids.numel(), table.size(1), table.size(0), stream_);
+    cuda::launch_embedding_forward(ids.data(), table.data(), y.data(), ids.numel(), table.size(1), table.size(0), stream_,
+                                   static_cast<float>(scale));
   }
-  /// dtable[ids[t]] += dy[t], except where ids[t] == skip_id (padding_idx; -1: none).
-  void embedding_backward(View<const std::int32_t> ids, View<const Res> dy, View<Acc> dtable, std::int32_t skip_id = -1) {
+  /// dtable[ids[t]] += dy[t] * scale, except where ids[t] == skip_id (padding_idx; -1: none).
+  void embedding_backward(View<const std::int32_t> ids, View<const Res> dy, View<Acc> dtable, std::int32_t skip_id = -1,
+                          double scale = 1.0) {
     MT_NVTX_RANGE("cuda:embedding_backward");
     cuda::launch_embedding_backward(ids.data(), dy.data(), dtable.data(), ids.numel(), dtable.size(1), dtable.size(0), ws(),
-                                    workspace_.size(), stream_, skip_id);
+                                    workspace_.size(), stream_, skip_id, static_cast<float>(scale));
   }
 
   void take_rows(View<const std::int32_t> rows, View<Acc> table, View<Acc> out) {
@@ -518,7 +537,8 @@ class CudaBackend {
     return {M, K, N};
   }
   static cuda::AttentionDims dims(const AttentionShape& s) {
-    return {s.rows, s.seq, s.heads, s.kv_heads, s.head_dim, s.packed.count(), s.packed.empty() ? 0 : s.packed.longest()};
+    return {s.rows,   s.seq, s.heads, s.kv_heads, s.head_dim, s.packed.count(), s.packed.empty() ? 0 : s.packed.longest(),
+            s.scale, s.window};
   }
   bool runs_on_cudnn(const AttentionShape& s) {
     const auto d = dims(s);

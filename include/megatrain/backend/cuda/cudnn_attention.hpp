@@ -12,7 +12,9 @@
 // Layouts (row-major, "BSHD"): q, out, dout, dq are [rows*seq, heads*head_dim]; k, v, dk, dv are
 // [rows*seq, kv_heads*head_dim]; lse is [rows, heads, seq] fp32. Query head h reads kv head
 // h / (heads / kv_heads); dk and dv sum over each kv head's group of query heads. The softmax
-// scale is 1/sqrt(head_dim) and the mask is causal (query i attends to keys 0..i).
+// scale is AttentionDims::scale (1/sqrt(head_dim) when 0) and the mask is causal (query i attends
+// to keys 0..i). A sliding window (AttentionDims::window) is not built here: supports() says no
+// and megatrain's own kernel runs it.
 //
 // Packed rows (AttentionDims::sequences > 0): the rows hold that many sequences end to end (none
 // crossing a row), whose starts forward() and backward() take in device memory (`starts`:
@@ -86,7 +88,8 @@ class CudnnAttention {
 
  private:
   struct Plans;
-  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
+  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
+                         std::int64_t, double>;
   Plans& plans(const AttentionDims& d);
   Plans& supported_plans(const AttentionDims& d, const char* caller);
 

@@ -30,6 +30,8 @@ struct AttentionDims {
   /// Packed rows: how many sequences the rows hold end to end (none crosses a row), and the
   /// longest; 0 when each row is one sequence.
   std::int64_t sequences = 0, longest = 0;
+  double scale = 0;         ///< the softmax scale; 0: 1 / sqrt(head_dim)
+  std::int64_t window = 0;  ///< query i sees keys i - window + 1 .. i only (sliding window); 0: all from 0
 };
 
 // ---- elementwise ------------------------------------------------------------------------------
@@ -39,46 +41,49 @@ void launch_add(const bf16* x, float* y, std::int64_t n, cudaStream_t stream);  
 void launch_add_bias(const bf16* bias, float* y, std::int64_t M, std::int64_t N, cudaStream_t stream);
 void launch_cast(const float* in, bf16* out, std::int64_t n, cudaStream_t stream);  ///< round to nearest even
 void launch_cast(const bf16* in, float* out, std::int64_t n, cudaStream_t stream);
-void launch_swiglu_forward(const bf16* g, const bf16* u, bf16* m, std::int64_t n, cudaStream_t stream);
+/// m = act(g) * u with act silu (SwiGLU) or, `gelu`, GELU's tanh approximation (GeGLU); and its
+/// backward (dg, du from dm).
+void launch_swiglu_forward(const bf16* g, const bf16* u, bf16* m, std::int64_t n, cudaStream_t stream, bool gelu = false);
 void launch_swiglu_backward(const bf16* g, const bf16* u, const bf16* dm, bf16* dg, bf16* du, std::int64_t n,
-                            cudaStream_t stream);
+                            cudaStream_t stream, bool gelu = false);
 
 // ---- embedding ------------------------------------------------------------------------------
-/// out[t] = table[ids[t]] (into the fp32 residual stream), out: [M, d]. Ids outside [0, V) are
-/// a device-side error (trap).
+/// out[t] = table[ids[t]] * scale (into the fp32 residual stream), out: [M, d]. Ids outside
+/// [0, V) are a device-side error (trap).
 void launch_embedding_forward(const std::int32_t* ids, const bf16* table, float* out, std::int64_t M, std::int64_t d,
-                              std::int64_t V, cudaStream_t stream);
+                              std::int64_t V, cudaStream_t stream, float scale = 1.0f);
 /// The same from an fp32 table (the embedding's fp32 master rows).
 void launch_embedding_forward(const std::int32_t* ids, const float* table, float* out, std::int64_t M, std::int64_t d,
-                              std::int64_t V, cudaStream_t stream);
+                              std::int64_t V, cudaStream_t stream, float scale = 1.0f);
 std::size_t embedding_backward_workspace_bytes(std::int64_t M);
-/// dtable[ids[t]] += dy[t] for all t, deterministically (positions grouped by id, summed in order).
+/// dtable[ids[t]] += dy[t] * scale for all t except ids equal to skip_id, deterministically
+/// (positions grouped by id, summed in order).
 void launch_embedding_backward(const std::int32_t* ids, const float* dy, float* dtable, std::int64_t M, std::int64_t d,
                                std::int64_t V, void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
-                               std::int32_t skip_id = -1);
+                               std::int32_t skip_id = -1, float scale = 1.0f);
 /// out[i] = table[rows[i]] and table[rows[i]] = 0, out: [U, d] fp32. Rows must be distinct;
 /// rows outside [0, V) are a device-side error (trap).
 void launch_take_rows(const std::int32_t* rows, float* table, float* out, std::int64_t U, std::int64_t d, std::int64_t V,
                       cudaStream_t stream);
 
 // ---- RMSNorm ---------------------------------------------------------------------------------
-/// y = x * rstd * w per row of [M, d] (x the fp32 residual stream, w an fp32 gain, y bf16);
-/// rstd[M] = 1 / sqrt(mean(x^2) + eps).
+/// y = x * rstd * (w + offset) per row of [M, d] (x the fp32 residual stream, w an fp32 gain, y
+/// bf16; offset 1 for Gemma's (1 + w) norms, else 0); rstd[M] = 1 / sqrt(mean(x^2) + eps).
 void launch_rmsnorm_forward(const float* x, const float* w, bf16* y, float* rstd, std::int64_t M, std::int64_t d, float eps,
-                            cudaStream_t stream);
+                            cudaStream_t stream, float offset = 0.0f);
 std::size_t rmsnorm_backward_workspace_bytes(std::int64_t M, std::int64_t d);
-/// dx = residual + rstd * (dy*w - xhat * mean(dy*w*xhat)) in fp32 (residual null: none; it may
+/// dx = residual + rstd * (dy*g - xhat * mean(dy*g*xhat)) with g = w + offset, in fp32 (residual null: none; it may
 /// be dx), dx_act = bf16(dx) unless null; dw += sum_rows dy * xhat.
 void launch_rmsnorm_backward(const float* x, const float* w, const float* rstd, const bf16* dy, const float* residual,
                              float* dx, bf16* dx_act, float* dw, std::int64_t M, std::int64_t d, void* workspace,
-                             std::size_t workspace_bytes, cudaStream_t stream);
+                             std::size_t workspace_bytes, cudaStream_t stream, float offset = 0.0f);
 /// The same over bf16 activation rows (Qwen3's q/k norms: [tokens * heads, head_dim]): y bf16,
 /// and its backward with dx bf16 (no residual); workspace as rmsnorm_backward_workspace_bytes.
 void launch_head_rmsnorm_forward(const bf16* x, const float* w, bf16* y, float* rstd, std::int64_t M, std::int64_t d,
-                                 float eps, cudaStream_t stream);
+                                 float eps, cudaStream_t stream, float offset = 0.0f);
 void launch_head_rmsnorm_backward(const bf16* x, const float* w, const float* rstd, const bf16* dy, bf16* dx, float* dw,
                                   std::int64_t M, std::int64_t d, void* workspace, std::size_t workspace_bytes,
-                                  cudaStream_t stream);
+                                  cudaStream_t stream, float offset = 0.0f);
 
 // ---- rotary ----------------------------------------------------------------------------------
 /// Rotates every head of x [M, heads*head_dim] in place (Hugging Face rotate-half), position of

@@ -1,7 +1,16 @@
-// The pre-norm decoder block of Llama, Mistral and Qwen2:
+// The pre-norm decoder block of Llama, Mistral, Qwen and Phi-3:
 //
 //     h  = x + attention(rmsnorm(x))        SelfAttention (self_attention.hpp)
 //     y  = h + mlp(rmsnorm(h))              SwiGluMlp (swiglu_mlp.hpp)
+//
+// and Gemma 3's, with the parts' outputs normalised too (ModelConfig::sandwich_norms; every norm
+// (1 + w)):
+//
+//     h  = x + rmsnorm(attention(rmsnorm(x)))      input_layernorm, post_attention_layernorm
+//     y  = h + rmsnorm(mlp(rmsnorm(h)))            pre_feedforward_layernorm, post_feedforward_layernorm
+//
+// (The post-norms read the parts' bf16 outputs and write bf16, which joins the fp32 residual
+// stream, as transformers' Gemma3RMSNorm under autocast: output.type_as(input).)
 //
 // x, h and y are the residual stream (B::Res: fp32 on the CUDA backend): each part's output
 // projection adds into it in one step (Backend::linear_add), and the norms read it and their
@@ -25,6 +34,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "megatrain/layers/layer_op.hpp"
@@ -38,7 +48,12 @@ namespace megatrain {
 class DecoderBlock : public CarvedOp<DecoderBlock> {
  public:
   DecoderBlock(const ModelConfig& cfg, std::int64_t layer)
-      : cfg_(cfg), prefix_("model.layers." + std::to_string(layer) + "."), attn_(cfg, layer), mlp_(cfg, layer) {}
+      : cfg_(cfg),
+        prefix_("model.layers." + std::to_string(layer) + "."),
+        attn_(cfg, layer),
+        mlp_(cfg, layer),
+        sandwich_(cfg.sandwich_norms()),
+        offset_(cfg.norm_unit_offset() ? 1.0 : 0.0) {}
 
   static constexpr bool kResidualIO = true;  // (CarvedOp: x and y are the residual stream)
 
@@ -46,24 +61,34 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
   struct Weights {
     View<full_t<E>> input_norm;
     SelfAttention::Weights<E> attn;
-    View<full_t<E>> post_norm;
+    View<full_t<E>> post_norm;  ///< the MLP's input norm (Gemma 3: pre_feedforward_layernorm)
     SwiGluMlp::Weights<E> mlp;
+    View<full_t<E>> attn_out_norm, mlp_out_norm;  ///< sandwich norms only (Gemma 3)
   };
 
-  /// In slab order: input_layernorm, self_attn.*, post_attention_layernorm, mlp.*.
+  /// In slab order: input_layernorm, self_attn.*, post_attention_layernorm, mlp.*; Gemma 3:
+  /// input_layernorm, self_attn.*, post_attention_layernorm, pre_feedforward_layernorm, mlp.*,
+  /// post_feedforward_layernorm.
   std::vector<ParamSpec> params() const {
     const std::int64_t d = cfg_.hidden_size;
-    std::vector<ParamSpec> p{ParamSpec::norm(name("input_layernorm.weight"), d)};
+    const bool unit = offset_ != 0;
+    std::vector<ParamSpec> p{ParamSpec::norm(name("input_layernorm.weight"), d, unit)};
     for (auto& s : attn_.params()) p.push_back(std::move(s));
-    p.push_back(ParamSpec::norm(name("post_attention_layernorm.weight"), d));
+    p.push_back(ParamSpec::norm(name("post_attention_layernorm.weight"), d, unit));
+    if (sandwich_) p.push_back(ParamSpec::norm(name("pre_feedforward_layernorm.weight"), d, unit));
     for (auto& s : mlp_.params()) p.push_back(std::move(s));
+    if (sandwich_) p.push_back(ParamSpec::norm(name("post_feedforward_layernorm.weight"), d, unit));
     return p;
   }
 
   template <class E>
   Weights<E> bind(const ParamBinder<E>& p) const {
+    if (sandwich_)
+      return {p.full(name("input_layernorm.weight")), attn_.bind(p), p.full(name("pre_feedforward_layernorm.weight")),
+              mlp_.bind(p), p.full(name("post_attention_layernorm.weight")),
+              p.full(name("post_feedforward_layernorm.weight"))};
     return {p.full(name("input_layernorm.weight")), attn_.bind(p), p.full(name("post_attention_layernorm.weight")),
-            mlp_.bind(p)};
+            mlp_.bind(p), {}, {}};
   }
 
   std::int64_t hidden_size() const { return cfg_.hidden_size; }
@@ -82,6 +107,11 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
     typename SelfAttention::template Acts<B> attn;
     typename SwiGluMlp::template Acts<B> mlp;  // a token block's (kept: g and u the whole chunk's)
     View<typename B::Act> dn, dya;  // backward only: a norm's input gradient; dy, then dh, as activations
+    // sandwich norms: the attention's projected output o and its norm's rstd (the whole chunk's,
+    // with h), the MLP's output f and its rstd (a token block's; kept: the chunk's), a post-norm's
+    // output (a block's), and (backward) a post-norm's input gradient
+    View<typename B::Act> o, f, pn, dp;
+    View<typename B::Acc> rstd_o, rstd_f;
     bool kept = false;              // h, the attention's and the MLP's g and u kept from the forward
   };
 
@@ -105,6 +135,15 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
       a.dn = ar.alloc<A>({T, d});
       a.dya = ar.alloc<A>({T, d});
     }
+    if (sandwich_) {
+      Arena& chunk = kept ? *kept : ar;
+      a.o = chunk.alloc<A>({M, d});
+      a.rstd_o = chunk.alloc<C>({M});
+      a.f = kept ? kept->alloc<A>({M, d}) : ar.alloc<A>({T, d});
+      a.rstd_f = kept ? kept->alloc<C>({M}) : ar.alloc<C>({T});
+      a.pn = ar.alloc<A>({T, d});
+      if (with_backward) a.dp = ar.alloc<A>({T, d});
+    }
     return a;
   }
 
@@ -117,10 +156,17 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
     c.for_each_block([&](std::int64_t t0, std::int64_t n) {
       const auto n2 = token_rows(a.n2, 0, n);
       const auto h = cview(token_rows(a.x2, t0, n));
-      be.rmsnorm(h, w.post_norm, cfg_.rms_norm_eps, n2, token_rows(a.rstd2, 0, n));
+      be.rmsnorm(h, w.post_norm, cfg_.rms_norm_eps, n2, token_rows(a.rstd2, 0, n), offset_);
       const auto m = mlp_acts(a, t0, n);
       mlp_.run_kept(be, ChunkShape{1, n}, w.mlp, cview(n2), m);
-      be.linear_add(cview(m.m), w.mlp.down, w.mlp.down_bias, h, token_rows(y, t0, n));  // y = h + down(m)
+      if (!sandwich_) {
+        be.linear_add(cview(m.m), w.mlp.down, w.mlp.down_bias, h, token_rows(y, t0, n));  // y = h + down(m)
+        return;
+      }
+      const auto [f, rstd_f] = mlp_out(a, t0, n);  // y = h + norm(down(m))
+      be.linear(cview(m.m), w.mlp.down, w.mlp.down_bias, f);
+      be.head_rmsnorm(cview(f), w.mlp_out_norm, cfg_.rms_norm_eps, token_rows(a.pn, 0, n), rstd_f, offset_);
+      be.residual_add(h, cview(token_rows(a.pn, 0, n)), token_rows(y, t0, n));
     });
   }
 
@@ -132,13 +178,21 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
              "decoder block: input {} is not [{} tokens, {}]", x.shape().str(), c.tokens(), cfg_.hidden_size);
     c.for_each_block([&](std::int64_t t0, std::int64_t n) {
       const auto n1 = token_rows(a.n1, 0, n);
-      be.rmsnorm(token_rows(x, t0, n), w.input_norm, cfg_.rms_norm_eps, n1, token_rows(a.rstd1, 0, n));
+      be.rmsnorm(token_rows(x, t0, n), w.input_norm, cfg_.rms_norm_eps, n1, token_rows(a.rstd1, 0, n), offset_);
       attn_.project(be, w.attn, cview(n1), a.attn, t0);
     });
     attn_.attend(be, c, a.attn);
     c.for_each_block([&](std::int64_t t0, std::int64_t n) {  // h = x + o_proj(attention(n1))
-      be.linear_add(cview(token_rows(a.attn.att, t0, n)), w.attn.o, w.attn.o_bias, token_rows(x, t0, n),
-                    token_rows(a.x2, t0, n));
+      if (!sandwich_) {
+        be.linear_add(cview(token_rows(a.attn.att, t0, n)), w.attn.o, w.attn.o_bias, token_rows(x, t0, n),
+                      token_rows(a.x2, t0, n));
+        return;
+      }
+      const auto o = token_rows(a.o, t0, n);  // h = x + norm(o_proj(...))
+      be.linear(cview(token_rows(a.attn.att, t0, n)), w.attn.o, w.attn.o_bias, o);
+      be.head_rmsnorm(cview(o), w.attn_out_norm, cfg_.rms_norm_eps, token_rows(a.pn, 0, n), token_rows(a.rstd_o, t0, n),
+                      offset_);
+      be.residual_add(token_rows(x, t0, n), cview(token_rows(a.pn, 0, n)), token_rows(a.x2, t0, n));
     });
   }
 
@@ -154,15 +208,33 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
       const auto n2 = token_rows(a.n2, 0, n), dn = token_rows(a.dn, 0, n), dya = token_rows(a.dya, 0, n);
       const auto rstd2 = token_rows(a.rstd2, 0, n);
       const auto h = cview(token_rows(a.x2, t0, n));
-      be.rmsnorm(h, w.post_norm, cfg_.rms_norm_eps, n2, rstd2);
+      be.rmsnorm(h, w.post_norm, cfg_.rms_norm_eps, n2, rstd2, offset_);
       const auto m = mlp_acts(a, t0, n);
       if (!a.kept) mlp_.run_kept(be, ChunkShape{1, n}, w.mlp, cview(n2), m);  // (kept: backprop makes m from g and u)
       be.convert(token_rows(dy, t0, n), dya);
-      mlp_.backprop(be, ChunkShape{1, n}, w.mlp, cview(n2), m, cview(dya), dn, g.mlp);
+      View<const typename B::Act> dm = cview(dya);  // the gradient of the MLP's output
+      if (sandwich_) {  // through the MLP's output norm first (its input recomputed unless kept)
+        const auto [f, rstd_f] = mlp_out(a, t0, n);
+        const auto dp = token_rows(a.dp, 0, n);
+        if (!a.kept) {
+          be.linear(cview(m.m), w.mlp.down, w.mlp.down_bias, f);
+          be.head_rmsnorm(cview(f), w.mlp_out_norm, cfg_.rms_norm_eps, token_rows(a.pn, 0, n), rstd_f, offset_);
+        }
+        be.head_rmsnorm_backward(cview(f), w.mlp_out_norm, cview(rstd_f), cview(dya), dp, g.mlp_out_norm, offset_);
+        dm = cview(dp);
+      }
+      mlp_.backprop(be, ChunkShape{1, n}, w.mlp, cview(n2), m, dm, dn, g.mlp);
       be.rmsnorm_backward(h, w.post_norm, cview(rstd2), cview(dn), token_rows(dy, t0, n), token_rows(dx, t0, n), dya,
-                          g.post_norm);
-      be.linear_backward(cview(token_rows(a.attn.att, t0, n)), w.attn.o, cview(dya), token_rows(a.attn.datt, t0, n),
-                         false, g.attn.o, g.attn.o_bias);
+                          g.post_norm, offset_);
+      View<const typename B::Act> dout = cview(dya);  // the gradient of o_proj's output
+      if (sandwich_) {
+        const auto dp = token_rows(a.dp, 0, n);
+        be.head_rmsnorm_backward(cview(token_rows(a.o, t0, n)), w.attn_out_norm, cview(token_rows(a.rstd_o, t0, n)),
+                                 cview(dya), dp, g.attn_out_norm, offset_);
+        dout = cview(dp);
+      }
+      be.linear_backward(cview(token_rows(a.attn.att, t0, n)), w.attn.o, dout, token_rows(a.attn.datt, t0, n), false,
+                         g.attn.o, g.attn.o_bias);
     });
     // h = x + attention(n1): through the attention, then the projections and the norm, into dx
     attn_.attend_backward(be, c, a.attn);
@@ -170,11 +242,11 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
       const auto n1 = token_rows(a.n1, 0, n), dn = token_rows(a.dn, 0, n), rstd1 = token_rows(a.rstd1, 0, n);
       const auto xs = token_rows(x, t0, n);
       if (a.kept || c.block_tokens() < c.tokens())  // (one block, recomputed: n1 and rstd1 are still the forward's)
-        be.rmsnorm(xs, w.input_norm, cfg_.rms_norm_eps, n1, rstd1);
+        be.rmsnorm(xs, w.input_norm, cfg_.rms_norm_eps, n1, rstd1, offset_);
       attn_.project_backward(be, w.attn, cview(n1), a.attn, t0, dn, g.attn);
       const auto dxs = token_rows(dx, t0, n);
       be.rmsnorm_backward(xs, w.input_norm, cview(rstd1), cview(dn), View<const typename B::Res>(dxs), dxs,
-                          View<typename B::Act>{}, g.input_norm);
+                          View<typename B::Act>{}, g.input_norm, offset_);
     });
   }
 
@@ -192,10 +264,20 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
     return m;
   }
 
+  /// The MLP's output f and its norm's rstd for the token block [t0, t0 + n) (sandwich norms):
+  /// rows from t0 where kept for the chunk, else the block's buffers.
+  template <class B>
+  std::pair<View<typename B::Act>, View<typename B::Acc>> mlp_out(const Acts<B>& a, std::int64_t t0, std::int64_t n) const {
+    const std::int64_t first = a.kept ? t0 : 0;
+    return {token_rows(a.f, first, n), token_rows(a.rstd_f, first, n)};
+  }
+
   ModelConfig cfg_;
   std::string prefix_;
   SelfAttention attn_;
   SwiGluMlp mlp_;
+  bool sandwich_;  // Gemma 3's post-attention and post-feedforward norms
+  double offset_;  // every norm multiplies by (w + offset_): 1 for Gemma, else 0
 };
 
 }  // namespace megatrain

@@ -1,7 +1,8 @@
 // Token embedding: ids -> rows of model.embed_tokens.weight, into the residual stream (B::Res).
 // With a pad_token_id in the config the row of that id gets no gradient from the lookup, as
 // PyTorch's nn.Embedding(padding_idx=pad_token_id) in transformers' models (a tied LM head still
-// adds its own gradient to it).
+// adds its own gradient to it). Gemma multiplies the looked-up rows by sqrt(hidden_size)
+// (ModelConfig::embed_scale), and their gradient by the same.
 #pragma once
 
 #include <string>
@@ -18,7 +19,8 @@ class Embedding {
       : vocab_(cfg.vocab_size),
         hidden_(cfg.hidden_size),
         std_(cfg.initializer_range),
-        padding_(cfg.pad_token_id ? static_cast<std::int32_t>(*cfg.pad_token_id) : -1) {}
+        padding_(cfg.pad_token_id ? static_cast<std::int32_t>(*cfg.pad_token_id) : -1),
+        scale_(cfg.embed_scale()) {}
 
   static constexpr const char* kTable = "model.embed_tokens.weight";
 
@@ -38,12 +40,14 @@ class Embedding {
   std::int64_t vocab_size() const { return vocab_; }
   /// The id whose row the lookup's backward leaves alone (padding_idx), or -1.
   std::int32_t padding_id() const { return padding_; }
+  /// What the looked-up rows are multiplied by (1 but for Gemma).
+  double scale() const { return scale_; }
 
   template <class B>
   void forward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const std::int32_t> ids,
                View<typename B::Res> y, Arena&) const {
     MT_CHECK(ids.numel() == c.tokens(), "embedding: {} ids for a chunk of {} tokens", ids.numel(), c.tokens());
-    be.embedding(ids, w.table, y);
+    be.embedding(ids, w.table, y, scale_);
   }
   /// The forward from fp32 rows: `table` is the fp32 master table, or the rows the `ids` index
   /// (the batch's distinct tokens' rows). The lookup PyTorch's autocast does (it does not round
@@ -53,7 +57,7 @@ class Embedding {
                     Arena&) const {
     MT_CHECK(ids.numel() == c.tokens(), "embedding: {} ids for a chunk of {} tokens", ids.numel(), c.tokens());
     MT_CHECK(table.size(1) == hidden_, "embedding: fp32 rows of width {} for hidden size {}", table.size(1), hidden_);
-    be.embedding(ids, table, y);
+    be.embedding(ids, table, y, scale_);
   }
   template <class B>
   void backward(B& be, ChunkShape c, View<const std::int32_t> ids, View<const typename B::Res> dy,
@@ -66,13 +70,14 @@ class Embedding {
   void backward(B& be, ChunkShape c, View<const std::int32_t> ids, View<const typename B::Res> dy,
                 const Weights<typename B::Acc>& grads, Arena&, std::int32_t skip_id) const {
     MT_CHECK(ids.numel() == c.tokens(), "embedding: {} ids for a chunk of {} tokens", ids.numel(), c.tokens());
-    be.embedding_backward(ids, dy, grads.table, skip_id);
+    be.embedding_backward(ids, dy, grads.table, skip_id, scale_);
   }
 
  private:
   std::int64_t vocab_, hidden_;
   double std_;
   std::int32_t padding_;
+  double scale_;
 };
 
 }  // namespace megatrain

@@ -18,7 +18,7 @@ class LmHead {
  public:
   explicit LmHead(const ModelConfig& cfg)
       : vocab_(cfg.vocab_size), hidden_(cfg.hidden_size), eps_(cfg.rms_norm_eps), tied_(cfg.tie_word_embeddings),
-        std_(cfg.initializer_range) {}
+        std_(cfg.initializer_range), offset_(cfg.norm_unit_offset() ? 1.0 : 0.0) {}
 
   static constexpr const char* kNorm = "model.norm.weight";
   static constexpr const char* kHead = "lm_head.weight";
@@ -31,7 +31,7 @@ class LmHead {
 
   /// The head unit's own tensors (without the table when tied: that lives in the embedding unit).
   std::vector<ParamSpec> params() const {
-    std::vector<ParamSpec> p{ParamSpec::norm(kNorm, hidden_)};
+    std::vector<ParamSpec> p{ParamSpec::norm(kNorm, hidden_, offset_ != 0)};
     if (!tied_) p.push_back(ParamSpec::matrix(kHead, Shape{vocab_, hidden_}, static_cast<float>(std_)));
     return p;
   }
@@ -54,7 +54,7 @@ class LmHead {
                View<const std::int32_t> labels, View<typename B::Acc> loss, Arena& scratch) const {
     ArenaScope scope(scratch);
     const auto a = carve<B>(scratch, c);
-    be.rmsnorm(x, w.norm, eps_, a.n, a.rstd);
+    be.rmsnorm(x, w.norm, eps_, a.n, a.rstd, offset_);
     be.lm_head_loss(View<const typename B::Act>(a.n), w.lm_head, labels, 0.0, loss, View<typename B::Act>{},
                     View<typename B::Acc>{});
   }
@@ -65,10 +65,10 @@ class LmHead {
                         View<typename B::Res> dx, const Weights<typename B::Acc>& g, Arena& scratch) const {
     ArenaScope scope(scratch);
     const auto a = carve<B>(scratch, c);
-    be.rmsnorm(x, w.norm, eps_, a.n, a.rstd);
+    be.rmsnorm(x, w.norm, eps_, a.n, a.rstd, offset_);
     be.lm_head_loss(View<const typename B::Act>(a.n), w.lm_head, labels, loss_scale, loss, a.dn, g.lm_head);
     be.rmsnorm_backward(x, w.norm, View<const typename B::Acc>(a.rstd), View<const typename B::Act>(a.dn),
-                        View<const typename B::Res>{}, dx, View<typename B::Act>{}, g.norm);
+                        View<const typename B::Res>{}, dx, View<typename B::Act>{}, g.norm, offset_);
   }
 
  private:
@@ -90,6 +90,7 @@ class LmHead {
   double eps_;
   bool tied_;
   double std_;
+  double offset_;  // the final norm multiplies by (w + offset_): 1 for Gemma, else 0
 };
 
 }  // namespace megatrain

@@ -7,6 +7,10 @@
 //
 //     y = o_proj(attention(rope(q_norm(q_proj(x))), rope(k_norm(k_proj(x))), v_proj(x)))
 //
+// Gemma 3 adds (1 + w) q/k norms, its own softmax scale (query_pre_attn_scalar) and per-layer
+// attention: a sliding layer sees the last sliding_window keys and has its own rotary parameters
+// (ModelConfig::attention_window, rope_for_layer).
+//
 // grouped-query heads (num_key_value_heads divides num_attention_heads), head_dim from the
 // config, rotary embeddings rotating halves (Hugging Face's Llama convention), optional q/k/v
 // biases (Qwen2, Llama's attention_bias) and o bias (Llama's attention_bias). No norm and no
@@ -30,11 +34,14 @@ class SelfAttention : public CarvedOp<SelfAttention> {
  public:
   /// Layer `layer`'s attention: parameters model.layers.<layer>.self_attn.*.
   SelfAttention(const ModelConfig& cfg, std::int64_t layer)
-      : cfg_(cfg),
+      : cfg_(cfg.rope_for_layer(layer)),  // (this layer's rotary parameters in rope_theta / rope_scaling)
         prefix_("model.layers." + std::to_string(layer) + ".self_attn."),
-        inv_freq_(cfg.rope_inv_freq()),
-        inv_freq_long_(cfg.rope_inv_freq(cfg.rope_scaling.original_max_position_embeddings + 1)),
-        rope_scale_(cfg.rope_attention_scaling()) {
+        inv_freq_(cfg_.rope_inv_freq()),
+        inv_freq_long_(cfg_.rope_inv_freq(cfg_.rope_scaling.original_max_position_embeddings + 1)),
+        rope_scale_(cfg_.rope_attention_scaling()),
+        window_(cfg.attention_window(layer)),
+        softmax_scale_(cfg.query_pre_attn_scalar ? cfg.attention_scale() : 0.0),
+        norm_offset_(cfg.norm_unit_offset() ? 1.0 : 0.0) {
     cfg.validate();
     MT_CHECK(layer >= 0 && layer < cfg.num_hidden_layers, "layer {} out of range [0, {})", layer, cfg.num_hidden_layers);
   }
@@ -61,8 +68,8 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     }
     if (cfg_.o_bias) p.push_back(ParamSpec::bias(name("o_proj.bias"), d));
     if (cfg_.qk_norm()) {
-      p.push_back(ParamSpec::norm(name("q_norm.weight"), cfg_.head_dim));
-      p.push_back(ParamSpec::norm(name("k_norm.weight"), cfg_.head_dim));
+      p.push_back(ParamSpec::norm(name("q_norm.weight"), cfg_.head_dim, norm_offset_ != 0));
+      p.push_back(ParamSpec::norm(name("k_norm.weight"), cfg_.head_dim, norm_offset_ != 0));
     }
     return p;
   }
@@ -169,9 +176,9 @@ class SelfAttention : public CarvedOp<SelfAttention> {
       be.linear(x, w.q, w.q_bias, token_rows(a.q_pre, first, n));
       be.linear(x, w.k, w.k_bias, token_rows(a.k_pre, first, n));
       be.head_rmsnorm(cview(heads(token_rows(a.q_pre, first, n))), w.q_norm, cfg_.rms_norm_eps,
-                      heads(token_rows(a.q, first, n)), token_rows(a.rstd_q, first * H, n * H));
+                      heads(token_rows(a.q, first, n)), token_rows(a.rstd_q, first * H, n * H), norm_offset_);
       be.head_rmsnorm(cview(heads(token_rows(a.k_pre, first, n))), w.k_norm, cfg_.rms_norm_eps,
-                      heads(token_rows(a.k, first, n)), token_rows(a.rstd_k, first * KV, n * KV));
+                      heads(token_rows(a.k, first, n)), token_rows(a.rstd_k, first * KV, n * KV), norm_offset_);
     } else {
       be.linear(x, w.q, w.q_bias, token_rows(a.q, first, n));
       be.linear(x, w.k, w.k_bias, token_rows(a.k, first, n));
@@ -207,10 +214,10 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     if (cfg_.qk_norm()) {  // through the norms first: the projections' own gradients
       be.head_rmsnorm_backward(cview(heads(token_rows(a.q_pre, first, n))), w.q_norm,
                                cview(token_rows(a.rstd_q, first * H, n * H)), cview(heads(dq)),
-                               heads(token_rows(a.dq_pre, first, n)), g.q_norm);
+                               heads(token_rows(a.dq_pre, first, n)), g.q_norm, norm_offset_);
       be.head_rmsnorm_backward(cview(heads(token_rows(a.k_pre, first, n))), w.k_norm,
                                cview(token_rows(a.rstd_k, first * KV, n * KV)), cview(heads(dk)),
-                               heads(token_rows(a.dk_pre, first, n)), g.k_norm);
+                               heads(token_rows(a.dk_pre, first, n)), g.k_norm, norm_offset_);
       dq = token_rows(a.dq_pre, first, n);
       dk = token_rows(a.dk_pre, first, n);
     }
@@ -236,13 +243,17 @@ class SelfAttention : public CarvedOp<SelfAttention> {
                                                                       : std::span<const double>(inv_freq_);
   }
   AttentionShape shape(ChunkShape c) const {
-    return {c.rows, c.seq, cfg_.num_attention_heads, cfg_.num_key_value_heads, cfg_.head_dim, c.packed};
+    return {c.rows, c.seq, cfg_.num_attention_heads, cfg_.num_key_value_heads, cfg_.head_dim, c.packed, softmax_scale_,
+            window_};
   }
 
   ModelConfig cfg_;
   std::string prefix_;
   std::vector<double> inv_freq_, inv_freq_long_;  // (long: longrope's for long sequences; else the same)
   double rope_scale_;  // the rotary cos/sin scale (yarn's attention factor)
+  std::int64_t window_;   // keys a query sees (Gemma 3's sliding layers); 0: all before it
+  double softmax_scale_;  // 0: 1 / sqrt(head_dim)
+  double norm_offset_;    // the q/k norms multiply by (w + offset): 1 for Gemma, else 0
 };
 
 }  // namespace megatrain

@@ -1,6 +1,6 @@
-// The SwiGLU MLP of Llama, Mistral and Qwen2, as an op of its own:
+// The gated MLP of Llama, Mistral, Qwen and Phi-3 (SwiGLU) and Gemma 3 (GeGLU), as an op of its own:
 //
-//     y = down_proj(silu(gate_proj(x)) * up_proj(x))
+//     y = down_proj(act(gate_proj(x)) * up_proj(x))      act: silu, or GELU's tanh approximation
 //
 // with optional biases (Llama's mlp_bias). No norm and no residual: DecoderBlock adds those.
 // Like SelfAttention, run(), run_kept() and backprop() work on activations the caller keeps
@@ -99,7 +99,7 @@ class SwiGluMlp : public CarvedOp<SwiGluMlp> {
              x.shape().str(), c.tokens(), cfg_.hidden_size);
     be.linear(x, w.gate, w.gate_bias, a.g);
     be.linear(x, w.up, w.up_bias, a.u);
-    be.swiglu(cview(a.g), cview(a.u), a.m);
+    be.swiglu(cview(a.g), cview(a.u), a.m, cfg_.hidden_act);
   }
 
   /// After run() (or run_kept()) on the same x: dx = dL/dx (overwritten) from dy, weight
@@ -108,9 +108,9 @@ class SwiGluMlp : public CarvedOp<SwiGluMlp> {
   void backprop(B& be, ChunkShape, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
                 const Acts<B>& a, View<const typename B::Act> dy, View<typename B::Act> dx,
                 const Weights<typename B::Acc>& g) const {
-    if (a.kept) be.swiglu(cview(a.g), cview(a.u), a.m);  // (the forward's m, the same bits)
+    if (a.kept) be.swiglu(cview(a.g), cview(a.u), a.m, cfg_.hidden_act);  // (the forward's m, the same bits)
     be.linear_backward(cview(a.m), w.down, dy, a.dm, false, g.down, g.down_bias);
-    be.swiglu_backward(cview(a.g), cview(a.u), cview(a.dm), a.dg, a.du);
+    be.swiglu_backward(cview(a.g), cview(a.u), cview(a.dm), a.dg, a.du, cfg_.hidden_act);
     be.linear_backward(x, w.gate, cview(a.dg), dx, false, g.gate, g.gate_bias);
     be.linear_backward(x, w.up, cview(a.du), dx, true, g.up, g.up_bias);
   }
