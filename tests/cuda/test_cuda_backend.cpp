@@ -339,7 +339,8 @@ TEST_CASE("embedding and head on the GPU match the float64 reference") {
     model.embedding().op().backward(be, c, idg, View<const float>(std::span<const float>(x.span()), Shape{M, d}),
                                     model.embedding().bind(gE.span()), darena);
     be.synchronize();
-    CHECK(rel_err(from_device(emb), embd) == 0.0);  // a gather is exact
+    // a gather is exact; scaled (Gemma), within one fp32 rounding of the product
+    CHECK(rel_err(from_device(emb), embd) <= (variant == 2 ? 0x1p-24 : 0.0));
     CHECK(rel_err(from_device(loss), lossd) < 4 * 0x1p-9);
     CHECK(rel_err(from_device(dx), dxd) < kGradTol);
     CHECK(rel_err(from_device(gE), ge) < kGradTol);
