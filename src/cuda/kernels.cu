@@ -1533,10 +1533,11 @@ void launch_rope(bf16* x, const std::int32_t* positions, std::int64_t M, std::in
   MT_NVTX_RANGE("launch_rope");
   MT_CHECK(M >= 0 && heads > 0 && head_dim > 0 && head_dim % 2 == 0 && seq > 0 && M % seq == 0,
            "rope: {} tokens, {} heads of {}, sequences of {} do not fit", M, heads, head_dim, seq);
-  MT_CHECK(freqs.half == head_dim / 2 && freqs.half <= RopeFreqs::kMax && heads * head_dim <= INT_MAX,
+  // (fewer frequencies than head_dim / 2: partial rotary, the rest of each head untouched)
+  MT_CHECK(freqs.half > 0 && 2 * freqs.half <= head_dim && freqs.half <= RopeFreqs::kMax && heads * head_dim <= INT_MAX,
            "rope: {} frequencies for head_dim {} (at most {} supported)", freqs.half, head_dim, 2 * RopeFreqs::kMax);
   if (M == 0) return;
-  const bool vec = freqs.half % 8 == 0 && aligned16(x);
+  const bool vec = freqs.half % 8 == 0 && head_dim % 8 == 0 && aligned16(x);
   rope_kernel<<<static_cast<unsigned>(std::min<i64>(M, 65536)), kRopeThreads, 0, stream>>>(
       dev(x), positions, M, static_cast<int>(heads), static_cast<int>(head_dim), seq, freqs, inverse, vec);
   MT_CUDA_CHECK_LAUNCH("rope_kernel");

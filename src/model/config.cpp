@@ -348,6 +348,14 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
   }
   if (j.contains("rope_scaling") && !j.at("rope_scaling").is_null())
     c.rope_scaling = parse_rope_scaling(j.at("rope_scaling"), src);
+  // Rotary over part of each head (Phi-4-mini): transformers 4 keeps partial_rotary_factor at the
+  // top level, transformers 5 in rope_parameters too; its rope functions read it for every family
+  {
+    const bool in_rope = j.contains("rope_parameters") && j.at("rope_parameters").is_object() &&
+                         j.at("rope_parameters").contains("partial_rotary_factor");
+    c.partial_rotary_factor = in_rope ? get_double(j.at("rope_parameters"), "partial_rotary_factor", src, 1.0)
+                                      : get_double(j, "partial_rotary_factor", src, 1.0);
+  }
   // longrope's original context: in its parameters, else the top-level field Phi3Config keeps
   if (c.rope_scaling.type == RopeScaling::Type::longrope && c.rope_scaling.original_max_position_embeddings == 0) {
     MT_CHECK(j.contains("original_max_position_embeddings"),
@@ -408,14 +416,6 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
         MT_CHECK(get_double(j, key, src, 0.0) == 0.0,
                  "{}: '{}' is {}, but megatrain trains without dropout; set it to 0.0 to train this model", src, key,
                  get_double(j, key, src, 0.0));
-      // (transformers 4 keeps it at the top level, transformers 5 in rope_parameters)
-      const bool in_rope = j.contains("rope_parameters") && j.at("rope_parameters").is_object() &&
-                           j.at("rope_parameters").contains("partial_rotary_factor");
-      const double partial = in_rope ? get_double(j.at("rope_parameters"), "partial_rotary_factor", src, 1.0)
-                                     : get_double(j, "partial_rotary_factor", src, 1.0);
-      MT_CHECK(partial == 1.0,
-               "{}: partial_rotary_factor {} (rotary embeddings on part of each head, as in Phi-4-mini) is not supported; "
-               "megatrain rotates whole heads (partial_rotary_factor 1.0)", src, partial);
       if (j.contains("sliding_window") && !j.at("sliding_window").is_null())
         c.sliding_window = get_int(j, "sliding_window", src);
       break;
@@ -467,6 +467,12 @@ void ModelConfig::validate(std::string_view src) const {
            "{}: num_key_value_heads {} does not divide num_attention_heads {}", src, num_key_value_heads,
            num_attention_heads);
   MT_CHECK(head_dim % 2 == 0, "{}: head_dim must be even for rotary embeddings (got {})", src, head_dim);
+  MT_CHECK(std::isfinite(partial_rotary_factor) && partial_rotary_factor > 0 && partial_rotary_factor <= 1 &&
+               rotary_dim() >= 2 && rotary_dim() % 2 == 0,
+           "{}: partial_rotary_factor {} must be in (0, 1] and turn an even number of each head's {} dimensions (it "
+           "turns {})", src, partial_rotary_factor, head_dim, rotary_dim());
+  MT_CHECK(architecture != Architecture::gemma3 || partial_rotary_factor == 1.0,
+           "{}: partial_rotary_factor on Gemma 3 is not supported", src);
   MT_CHECK(std::isfinite(rms_norm_eps) && rms_norm_eps > 0, "{}: rms_norm_eps must be > 0 (got {})", src, rms_norm_eps);
   MT_CHECK(std::isfinite(rope_theta) && rope_theta > 1, "{}: rope_theta must be > 1 (got {})", src, rope_theta);
   MT_CHECK(vocab_size <= (std::int64_t{1} << 31) - 1, "{}: vocab_size {} does not fit 32-bit token ids", src, vocab_size);
@@ -477,9 +483,9 @@ void ModelConfig::validate(std::string_view src) const {
   MT_CHECK(rope_scaling.type != RopeScaling::Type::llama3 || rope_scaling.high_freq_factor > rope_scaling.low_freq_factor,
            "{}: llama3 rope scaling needs high_freq_factor > low_freq_factor", src);
   if (rope_scaling.type == RopeScaling::Type::longrope) {
-    const auto half = static_cast<std::size_t>(head_dim / 2);
+    const auto half = static_cast<std::size_t>(rotary_dim() / 2);
     MT_CHECK(rope_scaling.short_factor.size() == half && rope_scaling.long_factor.size() == half,
-             "{}: longrope's short_factor and long_factor must have head_dim / 2 = {} entries each (got {} and {})", src, half,
+             "{}: longrope's short_factor and long_factor must have rotary_dim / 2 = {} entries each (got {} and {})", src, half,
              rope_scaling.short_factor.size(), rope_scaling.long_factor.size());
     MT_CHECK(rope_scaling.original_max_position_embeddings > 0,
              "{}: longrope's original_max_position_embeddings must be > 0 (got {})", src,
@@ -599,6 +605,7 @@ json ModelConfig::to_json() const {
     return j;
   }
   j["rope_scaling"] = rope_scaling_json(rope_scaling, yarn_factor(), yarn_original_length());
+  if (partial_rotary_factor != 1.0) j["partial_rotary_factor"] = partial_rotary_factor;
   if (rope_scaling.type == RopeScaling::Type::longrope)
     j["original_max_position_embeddings"] = rope_scaling.original_max_position_embeddings;
   if (architecture == Architecture::llama) {
@@ -640,11 +647,15 @@ double ModelConfig::rope_attention_scaling() const {
   return mscale(factor, 1.0);
 }
 
+std::int64_t ModelConfig::rotary_dim() const {
+  return static_cast<std::int64_t>(static_cast<double>(head_dim) * partial_rotary_factor);  // (Python's int(): truncation)
+}
+
 std::vector<double> ModelConfig::rope_inv_freq(std::int64_t seq_len) const {
-  const std::int64_t half = head_dim / 2;
+  const std::int64_t dim = rotary_dim(), half = dim / 2;
   std::vector<double> f(static_cast<std::size_t>(half));
   for (std::int64_t i = 0; i < half; ++i)
-    f[static_cast<std::size_t>(i)] = 1.0 / std::pow(rope_theta, static_cast<double>(2 * i) / static_cast<double>(head_dim));
+    f[static_cast<std::size_t>(i)] = 1.0 / std::pow(rope_theta, static_cast<double>(2 * i) / static_cast<double>(dim));
   switch (rope_scaling.type) {
     case RopeScaling::Type::none: break;
     case RopeScaling::Type::linear:
@@ -660,11 +671,11 @@ std::vector<double> ModelConfig::rope_inv_freq(std::int64_t seq_len) const {
       // Frequencies that turn fewer than beta_slow times over the original context are slowed
       // by `factor` (interpolated), those that turn more than beta_fast times are kept
       // (extrapolated), and a linear ramp over the dimensions in between blends the two.
-      const double base = rope_theta, dim = static_cast<double>(head_dim);
+      const double base = rope_theta, rdim = static_cast<double>(dim);
       const double orig = static_cast<double>(yarn_original_length());
       const double factor = yarn_factor();
       const auto correction_dim = [&](double rotations) {
-        return dim * std::log(orig / (rotations * 2 * std::numbers::pi)) / (2 * std::log(base));
+        return rdim * std::log(orig / (rotations * 2 * std::numbers::pi)) / (2 * std::log(base));
       };
       double low = correction_dim(rope_scaling.beta_fast), high = correction_dim(rope_scaling.beta_slow);
       if (rope_scaling.truncate) {
@@ -672,7 +683,7 @@ std::vector<double> ModelConfig::rope_inv_freq(std::int64_t seq_len) const {
         high = std::ceil(high);
       }
       low = std::max(low, 0.0);
-      high = std::min(high, dim - 1);
+      high = std::min(high, rdim - 1);
       if (low == high) high += 0.001;
       for (std::int64_t i = 0; i < half; ++i) {
         const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);

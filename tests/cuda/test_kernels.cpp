@@ -497,20 +497,23 @@ TEST_CASE("rope and its inverse against the double reference") {
   struct Case {
     std::int64_t rows, seq, heads, D;
     std::size_t offset;
+    std::int64_t R = 0;  // rotated dimensions of a head (partial rotary, Phi-4-mini); 0: all D
   };
   for (const Case c : {Case{1, 1, 1, 64, 0}, Case{2, 7, 3, 80, 0}, Case{1, 13, 2, 128, 0}, Case{3, 5, 1, 6, 0},
-                       Case{1, 67, 2, 256, 0}, Case{2, 7, 3, 64, 1}}) {
+                       Case{1, 67, 2, 256, 0}, Case{2, 7, 3, 64, 1}, Case{2, 9, 3, 128, 0, 96}, Case{1, 11, 2, 8, 0, 6},
+                       Case{1, 5, 2, 64, 1, 48}}) {
     CAPTURE(c.rows);
     CAPTURE(c.seq);
     CAPTURE(c.heads);
     CAPTURE(c.D);
     CAPTURE(c.offset);
-    const std::int64_t M = c.rows * c.seq, n = M * c.heads * c.D;
+    CAPTURE(c.R);
+    const std::int64_t M = c.rows * c.seq, n = M * c.heads * c.D, R = c.R > 0 ? c.R : c.D;
     mc::RopeFreqs freqs{};
-    freqs.half = static_cast<int>(c.D / 2);
-    std::vector<double> inv_freq(sz(c.D / 2));
-    for (std::int64_t i = 0; i < c.D / 2; ++i) {
-      freqs.inv_freq[i] = static_cast<float>(std::pow(10000.0, -2.0 * static_cast<double>(i) / static_cast<double>(c.D)));
+    freqs.half = static_cast<int>(R / 2);
+    std::vector<double> inv_freq(sz(R / 2));
+    for (std::int64_t i = 0; i < R / 2; ++i) {
+      freqs.inv_freq[i] = static_cast<float>(std::pow(10000.0, -2.0 * static_cast<double>(i) / static_cast<double>(R)));
       inv_freq[sz(i)] = freqs.inv_freq[i];
     }
     const auto x = random_bf16(sz(n), rng);
@@ -523,7 +526,12 @@ TEST_CASE("rope and its inverse against the double reference") {
       const View<double> rv = view<double>(r, Shape{M, c.heads * c.D});
       if (inverse) ref.rope_backward(rv, c.heads, c.seq, inv_freq);
       else ref.rope(rv, c.heads, c.seq, inv_freq);
-      CHECK(rel_err(d_x.download(), r) <= kTolElementwise);
+      const auto got = d_x.download();
+      CHECK(rel_err(got, r) <= kTolElementwise);
+      bool passed = true;  // the unrotated dimensions are left exactly as they were
+      for (std::int64_t t = 0; t < M * c.heads; ++t)
+        for (std::int64_t e = R; e < c.D; ++e) passed = passed && got[sz(t * c.D + e)] == x[sz(t * c.D + e)];
+      CHECK(passed);
     }
   }
 }
@@ -803,10 +811,12 @@ TEST_CASE("launchers reject bad arguments on the host, before launching") {
   }
   // heads not a multiple of kv_heads
   CHECK_THROWS_AS(mc::attention_backward_workspace_bytes(mc::AttentionDims{1, 4, 3, 2, 64}), megatrain::Error);
-  // rotary frequencies that do not match head_dim
+  // more rotary frequencies than head_dim / 2, or none (fewer is partial rotary, valid)
   mc::RopeFreqs freqs{};
-  freqs.half = 16;
-  CHECK_THROWS_AS(mc::launch_rope(buf.get(), nullptr, 4, 1, 64, 4, freqs, false, stream()), megatrain::Error);
+  for (int n_freqs : {40, 0}) {
+    freqs.half = n_freqs;
+    CHECK_THROWS_AS(mc::launch_rope(buf.get(), nullptr, 4, 1, 64, 4, freqs, false, stream()), megatrain::Error);
+  }
   // a workspace smaller than asked for
   const std::size_t need = mc::column_sum_workspace_bytes(64, 64);
   DeviceArray<std::byte> small(need - 1);

@@ -53,6 +53,16 @@ def families():
             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.5, 2.0],
                              "long_factor": [1.0, 1.9, 3.7, 9.5], "original_max_position_embeddings": 8},
             **COMMON)),
+        # Phi-4-mini's rotary: on the first 3/4 of each head only (partial_rotary_factor 0.75: 6 of 8
+        # dimensions), with longrope (factors for those 3 frequency pairs; the sequence of 11 longer
+        # than the original context of 8); tied, as Phi-4-mini
+        "phi3_partial": (t.Phi3ForCausalLM, t.Phi3Config(
+            tie_word_embeddings=True, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+            original_max_position_embeddings=8, partial_rotary_factor=0.75,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.2, 1.7],
+                             "long_factor": [1.0, 2.3, 6.1], "original_max_position_embeddings": 8,
+                             "partial_rotary_factor": 0.75},
+            **COMMON)),
         # Gemma 3 (text): (1 + w) norms, four per block, q/k norms, GeGLU (tanh GELU), embeddings
         # times sqrt(hidden), the softmax scale from query_pre_attn_scalar (not head_dim), and
         # sliding-window layers (window 4 < the 11 tokens) beside a full one, each type with its

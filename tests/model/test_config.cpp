@@ -74,6 +74,7 @@ void check_same(const ModelConfig& a, const ModelConfig& b) {
   CHECK(a.local_rope_scaling.factor == b.local_rope_scaling.factor);
   CHECK(a.hidden_act == b.hidden_act);
   CHECK(a.query_pre_attn_scalar == b.query_pre_attn_scalar);
+  CHECK(a.partial_rotary_factor == b.partial_rotary_factor);
 }
 
 /// from_json(to_json(c)) == c, both directly and through the JSON text.
@@ -371,14 +372,20 @@ TEST_CASE("config: Phi-3 mini 4k (fused projections in the checkpoint, a window,
   j["resid_pdrop"] = 0.1;
   CHECK(contains(error_of(j, "phi.json"), "resid_pdrop"));
   j["resid_pdrop"] = 0.0;
-  j["partial_rotary_factor"] = 0.75;  // Phi-4-mini
-  CHECK(contains(error_of(j, "phi.json"), "partial_rotary_factor"));
+  j["partial_rotary_factor"] = 0.75;  // Phi-4-mini: 72 of the 96 dimensions turn
+  const auto partial = ModelConfig::from_json(j, "phi.json");
+  CHECK(partial.rotary_dim() == 72);
+  CHECK(partial.rope_inv_freq().size() == 36);
+  CHECK(partial.rope_inv_freq()[1] == std::pow(10000.0, -2.0 / 72));
+  check_round_trip(partial);
   j.erase("partial_rotary_factor");
   j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.75}};
-  CHECK(contains(error_of(j, "phi.json"), "partial_rotary_factor"));  // where transformers 5 writes it
+  CHECK(ModelConfig::from_json(j, "phi.json").rotary_dim() == 72);  // where transformers 5 writes it
+  j["rope_parameters"]["partial_rotary_factor"] = 0.01;  // (no dimension would turn)
+  CHECK(contains(error_of(j, "phi.json"), "partial_rotary_factor"));
   j.erase("rope_parameters");
   j["rope_scaling"] = {{"rope_type", "longrope"}, {"short_factor", {1.0}}, {"long_factor", {1.0}}};
-  CHECK(contains(error_of(j, "phi.json"), "head_dim / 2"));  // 48 factors each for head_dim 96
+  CHECK(contains(error_of(j, "phi.json"), "rotary_dim / 2"));  // 48 factors each for head_dim 96
   // Phi-3-mini-128k's kind: the factors, the original context at the top level
   std::vector<double> short_f(48), long_f(48);
   for (std::size_t i = 0; i < 48; ++i) {

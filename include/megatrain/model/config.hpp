@@ -80,6 +80,9 @@ struct ModelConfig {
   double local_rope_theta = 10000.0;
   RopeScaling local_rope_scaling;
   Activation hidden_act = Activation::silu;
+  /// The share of each head the rotary embedding turns (transformers' partial_rotary_factor:
+  /// Phi-4-mini's 0.75): the first rotary_dim() dimensions; the rest pass through unrotated.
+  double partial_rotary_factor = 1.0;
   /// Gemma 3: the softmax scale is query_pre_attn_scalar^-1/2 instead of head_dim^-1/2.
   std::optional<double> query_pre_attn_scalar;
   /// pad_token_id: transformers builds the embedding with padding_idx = this id, whose row then
@@ -130,8 +133,10 @@ struct ModelConfig {
   /// sliding layers have their own); the config itself for every other layer and family.
   ModelConfig rope_for_layer(std::int64_t layer) const;
   std::int64_t q_dim() const { return num_attention_heads * head_dim; }
+  /// The rotated dimensions of a head: int(head_dim * partial_rotary_factor), as transformers.
+  std::int64_t rotary_dim() const;
   std::int64_t kv_dim() const { return num_key_value_heads * head_dim; }
-  /// The rotary inverse frequencies (head_dim / 2 of them), rope scaling applied, in double.
+  /// The rotary inverse frequencies (rotary_dim() / 2 of them), rope scaling applied, in double.
   /// longrope's depend on the length of the longest sequence (`seq_len`; 0: a short one), as
   /// transformers picks them per forward.
   std::vector<double> rope_inv_freq(std::int64_t seq_len = 0) const;

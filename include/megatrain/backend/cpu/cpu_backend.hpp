@@ -293,7 +293,9 @@ class CpuBackend {
   void convert(View<const Res> x, View<Act> y) { copy(x, y); }
 
   // ---- rotary position embedding -----------------------------------------------------------
-  /// Rotates each head of x[M, heads*head_dim] in place, Hugging Face's rotate-half convention:
+  /// Rotates each head of x[M, heads*head_dim] in place, Hugging Face's rotate-half convention over
+  /// the first D = 2 * inv_freq.size() dimensions of a head (all of them unless the rotary is
+  /// partial; the others pass through):
   /// for i < D/2, (x_i, x_{i+D/2}) -> (x_i c - x_{i+D/2} s, x_{i+D/2} c + x_i s), angle p * inv_freq[i]
   /// at position p = token % seq, or p = positions[token] where positions are given (packed rows);
   /// cos and sin times `scale` (yarn's attention factor; 1 otherwise).
@@ -667,9 +669,12 @@ class CpuBackend {
 
   void rotate(View<Act> x, std::int64_t heads, std::int64_t seq, std::span<const double> inv_freq,
               View<const std::int32_t> positions, int sign, double scale) {
-    const std::int64_t M = x.size(0), half = static_cast<std::int64_t>(inv_freq.size()), D = 2 * half;
-    MT_CHECK(x.rank() == 2 && x.size(1) == heads * D && seq > 0 && M % seq == 0,
-             "rope: x {} is not [tokens, {} heads x {}] with tokens a multiple of seq {}", x.shape().str(), heads, D, seq);
+    // (a head's first 2 * half dimensions turn, the rest pass: partial rotary, Phi-4-mini)
+    const std::int64_t M = x.size(0), half = static_cast<std::int64_t>(inv_freq.size());
+    const std::int64_t D = heads > 0 && x.rank() == 2 ? x.size(1) / heads : 0;
+    MT_CHECK(x.rank() == 2 && heads > 0 && x.size(1) == heads * D && 2 * half <= D && seq > 0 && M % seq == 0,
+             "rope: x {} is not [tokens, {} heads x at least {}] with tokens a multiple of seq {}", x.shape().str(), heads,
+             2 * half, seq);
     MT_CHECK(positions.is_null() || positions.numel() == M, "rope: {} positions for {} tokens", positions.numel(), M);
     parallel_rows(M, 64, [&](std::int64_t b, std::int64_t e) {
       for (std::int64_t t = b; t < e; ++t) {

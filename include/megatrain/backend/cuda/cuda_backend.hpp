@@ -583,11 +583,14 @@ class CudaBackend {
              2 * inv_freq.size(), 2 * cuda::RopeFreqs::kMax);
     f.half = static_cast<int>(inv_freq.size());
     for (std::size_t i = 0; i < inv_freq.size(); ++i) f.inv_freq[i] = static_cast<float>(inv_freq[i]);
-    MT_CHECK(x.rank() == 2 && x.size(1) == heads * 2 * f.half && seq > 0 && x.size(0) % seq == 0,
-             "rope: x {} is not [tokens, {} heads x {}]", x.shape().str(), heads, 2 * f.half);
+    // (the first 2 * half dimensions of each head turn; fewer than head_dim: partial rotary)
+    const std::int64_t head_dim = heads > 0 && x.rank() == 2 ? x.size(1) / heads : 0;
+    MT_CHECK(x.rank() == 2 && heads > 0 && x.size(1) == heads * head_dim && 2 * f.half <= head_dim && seq > 0 &&
+                 x.size(0) % seq == 0,
+             "rope: x {} is not [tokens, {} heads x at least {}]", x.shape().str(), heads, 2 * f.half);
     MT_CHECK(positions.is_null() || positions.numel() == x.size(0), "rope: {} positions for {} tokens", positions.numel(),
              x.size(0));
-    cuda::launch_rope(x.data(), positions.is_null() ? nullptr : positions.data(), x.size(0), heads, 2 * f.half, seq, f,
+    cuda::launch_rope(x.data(), positions.is_null() ? nullptr : positions.data(), x.size(0), heads, head_dim, seq, f,
                       inverse, stream_);
   }
   void* ws() { return workspace_.size() ? workspace_.span().data() : nullptr; }

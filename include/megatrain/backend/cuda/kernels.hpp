@@ -86,7 +86,8 @@ void launch_head_rmsnorm_backward(const bf16* x, const float* w, const float* rs
                                   cudaStream_t stream, float offset = 0.0f);
 
 // ---- rotary ----------------------------------------------------------------------------------
-/// Rotates every head of x [M, heads*head_dim] in place (Hugging Face rotate-half), position of
+/// Rotates every head of x [M, heads*head_dim] in place (Hugging Face rotate-half over a head's
+/// first 2 * freqs.half dimensions: all, or fewer with partial rotary), position of
 /// token t = positions[t] (device memory), or t % seq where positions is null; `inverse` applies
 /// the transpose (for gradients).
 void launch_rope(bf16* x, const std::int32_t* positions, std::int64_t M, std::int64_t heads, std::int64_t head_dim,
