@@ -392,6 +392,21 @@ std::int64_t HfCheckpoint::param_count() const {
   return n;
 }
 
+namespace {
+/// Refuses a tensor that holds NaN or an infinity, naming it and its file: such a checkpoint
+/// comes from a run that diverged or from a corrupt file, and a model trained from it is
+/// poisoned from the first step.
+void check_finite(const TensorRef& ref, std::span<const float> v) {
+  std::size_t bad = 0, first = 0;
+  for (std::size_t i = 0; i < v.size(); ++i)
+    if (!std::isfinite(v[i])) first = bad++ == 0 ? i : first;
+  MT_CHECK(bad == 0,
+           "tensor '{}' in '{}' holds {} non-finite value(s) (NaN or infinity; the first at element {}): the checkpoint "
+           "is corrupt or was saved from a diverged run, and training from it would spread them to every weight; "
+           "load an earlier checkpoint", ref.name(), ref.file->path().string(), bad, first);
+}
+}  // namespace
+
 void HfCheckpoint::load_into(HostParamStore<float>& store) const {
   MT_NVTX_RANGE("io::HfCheckpoint::load_into");
   store.check_settled(fmt::format("loading '{}'", dir_.string()));
@@ -404,7 +419,9 @@ void HfCheckpoint::load_into(HostParamStore<float>& store) const {
     for (const auto& p : unit.params()) {
       const auto place = places.find(p.spec.name);
       if (place == places.end()) {
-        read_into(source(p.spec.name), store.master(p.spec.name));
+        const TensorRef ref = source(p.spec.name);
+        read_into(ref, store.master(p.spec.name));
+        check_finite(ref, store.master(p.spec.name).span());
         continue;
       }
       const TensorRef ref = source(p.spec.name);
@@ -412,6 +429,7 @@ void HfCheckpoint::load_into(HostParamStore<float>& store) const {
         const auto& dims = ref.info->shape;
         whole.assign(static_cast<std::size_t>(dims[0] * dims[1]), 0.0f);
         read_into(ref, View<float>(std::span<float>(whole), Shape{dims[0], dims[1]}));
+        check_finite(ref, whole);
         whole_name = ref.name();
       }
       const View<float> master = store.master(p.spec.name);

@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include "megatrain/core/checked.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/nvtx.hpp"
 
@@ -463,6 +464,16 @@ void ModelConfig::validate(std::string_view src) const {
   positive(head_dim, "head_dim");
   positive(vocab_size, "vocab_size");
   positive(max_position_embeddings, "max_position_embeddings");
+  // Every size the model derives must fit in 64 bits (a hostile config.json could say 2^62).
+  for (const auto& [v, name] : {std::pair{num_attention_heads, "num_attention_heads"}, {num_key_value_heads, "num_key_value_heads"}})
+    MT_CHECK(v <= (std::int64_t{1} << 24) && head_dim <= (std::int64_t{1} << 24),
+             "{}: {} {} with head_dim {} is beyond any model (at most 2^24 each)", src, name, v, head_dim);
+  try {
+    (void)param_count();
+  } catch (const Error& e) {
+    MT_FAIL("{}: hidden_size {}, intermediate_size {}, num_hidden_layers {} and vocab_size {} describe more parameters "
+            "than fit in 64 bits ({})", src, hidden_size, intermediate_size, num_hidden_layers, vocab_size, e.what());
+  }
   MT_CHECK(num_attention_heads % num_key_value_heads == 0,
            "{}: num_key_value_heads {} does not divide num_attention_heads {}", src, num_key_value_heads,
            num_attention_heads);
@@ -715,17 +726,19 @@ std::vector<double> ModelConfig::rope_inv_freq(std::int64_t seq_len) const {
 }
 
 std::int64_t ModelConfig::param_count() const {
+  // (checked: every factor comes from a file or a flag, and a product past 2^63 is an error)
+  const auto mul = [](std::int64_t a, std::int64_t b) { return checked_mul(a, b, "the model's parameter count"); };
+  const auto add = [](std::int64_t a, std::int64_t b) { return checked_add(a, b, "the model's parameter count"); };
   const std::int64_t d = hidden_size;
-  std::int64_t block = 2 * d                                   // two norms
-                       + d * q_dim() + 2 * d * kv_dim() + q_dim() * d  // q, k, v, o
-                       + 3 * d * intermediate_size;            // gate, up, down
-  if (qkv_bias) block += q_dim() + 2 * kv_dim();
-  if (o_bias) block += d;
-  if (mlp_bias) block += 2 * intermediate_size + d;
-  if (qk_norm()) block += 2 * head_dim;
-  if (sandwich_norms()) block += 2 * d;
-  std::int64_t n = vocab_size * d + num_hidden_layers * block + d;
-  if (!tie_word_embeddings) n += vocab_size * d;
+  std::int64_t block = add(add(add(mul(2, d), mul(d, q_dim())), mul(mul(2, d), kv_dim())), mul(q_dim(), d));  // norms, q, k, v, o
+  block = add(block, mul(mul(3, d), intermediate_size));  // gate, up, down
+  if (qkv_bias) block = add(block, add(q_dim(), mul(2, kv_dim())));
+  if (o_bias) block = add(block, d);
+  if (mlp_bias) block = add(block, add(mul(2, intermediate_size), d));
+  if (qk_norm()) block = add(block, mul(2, head_dim));
+  if (sandwich_norms()) block = add(block, mul(2, d));
+  std::int64_t n = add(add(mul(vocab_size, d), mul(num_hidden_layers, block)), d);
+  if (!tie_word_embeddings) n = add(n, mul(vocab_size, d));
   return n;
 }
 

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -886,6 +887,30 @@ TEST_CASE("bad input: corrupt safetensors files, through the HF loader") {
   }
   restore();
   CHECK_NOTHROW(HfCheckpoint::open(out));
+}
+
+TEST_CASE("bad input: a weight holding NaN or an infinity is refused at load, naming the tensor") {
+  const ModelConfig cfg = ModelConfig::from_json(llama_json(false));
+  const auto store = random_store(cfg);
+  TempDir dir;
+  const auto out = dir / "m";
+  export_hf_model(store, cfg, out, exporting(DType::f32));
+  const std::string good = read_file(out / "model.safetensors");
+  const auto ckpt = SafetensorsCheckpoint::open(out);
+  const std::string name = "model.layers.0.mlp.down_proj.weight";
+  const auto& info = ckpt.files()[0].tensor(name);
+  const std::uint64_t header = ckpt.files()[0].header().data_start;
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()}) {
+    CAPTURE(bad);
+    std::string b = good;
+    const std::size_t at = header + info.data_begin + 7 * sizeof(float);  // element 7
+    std::memcpy(b.data() + at, &bad, sizeof(float));
+    write_file(out / "model.safetensors", b);
+    CHECK_ERROR_MENTIONS(load_hf_model(out), "'" + name + "'", "non-finite", "element 7",
+                         (out / "model.safetensors").string());
+  }
+  write_file(out / "model.safetensors", good);
+  CHECK_NOTHROW(load_hf_model(out));
 }
 
 TEST_CASE("bad input: sharded checkpoints, through the HF loader") {

@@ -1014,3 +1014,19 @@ TEST_CASE("config errors: sequence lengths") {
   CHECK(contains(error_of([&] { c.check_sequence_length(0); }), "sequence length must be > 0"));
   CHECK(contains(error_of([&] { c.check_sequence_length(-1); }), "sequence length must be > 0"));
 }
+
+TEST_CASE("config errors: sizes whose products overflow 64 bits are refused, not wrapped") {
+  const json b = base_config();
+  const std::int64_t huge = std::int64_t{1} << 62;
+  for (const char* key : {"hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"}) {
+    CAPTURE(key);
+    json j = with(b, key, huge);
+    if (std::string_view(key) == "hidden_size") j["head_dim"] = 16;  // (so that only the products overflow)
+    const std::string e = error_of(j, "big.json");
+    CHECK(contains(e, "big.json"));
+    CHECK(contains(e, "64 bits"));
+  }
+  CHECK(contains(error_of(with(b, "num_attention_heads", huge)), "num_attention_heads"));
+  // and a shape that would overflow is an error wherever it is built
+  CHECK(contains(error_of([] { (void)Shape{std::int64_t{1} << 40, std::int64_t{1} << 40}; }), "64 bits"));
+}

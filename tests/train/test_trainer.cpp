@@ -1052,3 +1052,21 @@ TEST_CASE("Gemma 3 (sandwich norms, sliding windows, GeGLU) trains as the plain 
     CHECK(blocked[s].grad_norm == doctest::Approx(stats[s].grad_norm).epsilon(1e-4));
   }
 }
+
+TEST_CASE("a sequence longer than max_position_embeddings trains with a warning naming both numbers") {
+  auto j = nlohmann::json::parse(R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":32,"intermediate_size":72,
+    "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":53,"max_position_embeddings":8})");
+  const auto cfg = ModelConfig::from_json(j, "test");
+  std::vector<std::string> warnings;
+  const auto old = set_log_sink([&](LogLevel level, std::string_view m) {
+    if (level == LogLevel::warning) warnings.emplace_back(m);
+  });
+  (void)run(cfg, options(2, 8), 1);
+  const auto at_limit = warnings.size();
+  (void)run(cfg, options(2, 11), 1);
+  set_log_sink(old);
+  CHECK(at_limit == 0);
+  REQUIRE(warnings.size() == 1);
+  CHECK(warnings[0].find("sequence length 11") != std::string::npos);
+  CHECK(warnings[0].find("max_position_embeddings 8") != std::string::npos);
+}

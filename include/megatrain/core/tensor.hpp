@@ -17,6 +17,7 @@
 
 #include <fmt/format.h>
 
+#include "megatrain/core/checked.hpp"
 #include "megatrain/core/dtype.hpp"
 #include "megatrain/core/error.hpp"
 
@@ -32,9 +33,11 @@ class Shape {
   explicit Shape(std::span<const std::int64_t> dims) {
     MT_CHECK(dims.size() <= static_cast<std::size_t>(kMaxRank), "rank {} exceeds the maximum {}", dims.size(), kMaxRank);
     rank_ = static_cast<int>(dims.size());
+    std::int64_t n = 1;
     for (int i = 0; i < rank_; ++i) {
       MT_CHECK(dims[i] >= 0, "dimension {} is negative ({})", i, dims[i]);
       dims_[i] = dims[i];
+      n = checked_mul(n, dims[i], "shape size");  // (so that numel() never overflows)
     }
   }
 

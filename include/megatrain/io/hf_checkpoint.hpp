@@ -93,7 +93,9 @@ class HfCheckpoint {
 
   /// Reads every parameter into `store`'s fp32 masters and refreshes each unit's bf16 copy.
   /// The store must hold exactly this model's parameters (names and shapes; checked before
-  /// anything is written). Adam moments are left as they are (zero in a fresh store).
+  /// anything is written). Adam moments are left as they are (zero in a fresh store). A tensor
+  /// holding NaN or an infinity is refused, naming it and its file (the store is then partly
+  /// loaded: load into a fresh one, as load_hf_model does).
   void load_into(HostParamStore<float>& store) const;
 
  private:

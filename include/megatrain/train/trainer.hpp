@@ -210,6 +210,12 @@ class Trainer {
              "{}-block model takes at most {}", opt_.grad_slots, model_.num_blocks() + 2, model_.num_blocks(),
              model_.num_blocks() + 2);
     model_.config().check_sequence_length(opt_.seq_len);
+    if (opt_.seq_len > model_.config().max_position_embeddings)
+      log_warning("the sequence length {} is longer than this model's max_position_embeddings {}: positions past {} "
+                  "are ones the model was not trained on; extend its context with rope scaling in config.json "
+                  "(rope_scaling: yarn, linear, ...) and a larger max_position_embeddings, or train on at most {} tokens "
+                  "per sequence", opt_.seq_len, model_.config().max_position_embeddings,
+                  model_.config().max_position_embeddings, model_.config().max_position_embeddings);
     allocate();
     pipeline_ = std::make_unique<Pipeline>(Prefetch{{this}, be_.make_executor(B::Role::upload)},
                                            Compute{{this}, be_.make_executor(B::Role::compute)},
