@@ -37,6 +37,11 @@ PRESETS = {
     "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096, intermediate_size=12288,
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False),
+    "gemma-3-4b": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=2560, intermediate_size=10240,
+                       num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=262208,
+                       max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                       rope_scaling={"rope_type": "linear", "factor": 8.0}, query_pre_attn_scalar=256, sliding_window=1024,
+                       sliding_window_pattern=6, tie_word_embeddings=True),
 }
 
 

@@ -243,8 +243,9 @@ class SelfAttention : public CarvedOp<SelfAttention> {
                                                                       : std::span<const double>(inv_freq_);
   }
   AttentionShape shape(ChunkShape c) const {
+    // (a window as long as the rows changes nothing: full attention, which cuDNN runs)
     return {c.rows, c.seq, cfg_.num_attention_heads, cfg_.num_key_value_heads, cfg_.head_dim, c.packed, softmax_scale_,
-            window_};
+            window_ < c.seq ? window_ : 0};
   }
 
   ModelConfig cfg_;
