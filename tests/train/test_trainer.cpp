@@ -7,6 +7,8 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <map>
 #include <thread>
 #include <mutex>
@@ -1069,4 +1071,40 @@ TEST_CASE("a sequence longer than max_position_embeddings trains with a warning 
   REQUIRE(warnings.size() == 1);
   CHECK(warnings[0].find("sequence length 11") != std::string::npos);
   CHECK(warnings[0].find("max_position_embeddings 8") != std::string::npos);
+}
+
+TEST_CASE("exact clipping: a non-finite gradient stops the step before any weight or AdamW state changes") {
+  const auto cfg = tiny(true);
+  auto o = options(4, 11);
+  o.clip_mode = ClipMode::exact;
+  o.clip_norm = 1.0;
+  o.device_units = 0;  // (every unit's state in the store, where the test reads it)
+  DecoderModel<> model(cfg);
+  HostParamStore<float> store(model.units(), store_opts(o));
+  CpuBackend<float> be;
+  Trainer<CpuBackend<float>> trainer(model, store, be, o);
+  REQUIRE(o.resident_gradients());
+  std::mt19937 rng(5);
+  auto b = random_batch(rng, 4, 11, static_cast<std::int32_t>(cfg.vocab_size));
+  (void)trainer.step(b.ids, b.labels);
+  trainer.finish_update();
+  // A NaN in layer 1's MLP (its master and the copy the ops read): the forward carries it to the loss.
+  auto& unit = store.unit(2);
+  const auto w = store.master("model.layers.1.mlp.down_proj.weight");
+  w.data()[3] = std::numeric_limits<float>::quiet_NaN();
+  store.sync_compute(unit);
+  std::vector<std::vector<float>> before;
+  for (const auto& u : store.units())
+    for (auto s : {u.master(), u.adam_m(), u.adam_v()}) before.emplace_back(s.begin(), s.end());
+  b = random_batch(rng, 4, 11, static_cast<std::int32_t>(cfg.vocab_size));
+  CHECK_THROWS_WITH_AS(trainer.step(b.ids, b.labels), doctest::Contains("step 2: the gradient is not finite"), Error);
+  std::size_t i = 0;
+  bool same = true;
+  for (const auto& u : store.units())
+    for (auto s : {u.master(), u.adam_m(), u.adam_v()}) {
+      same = same && s.size() == before[i].size() && std::memcmp(s.data(), before[i].data(), s.size() * sizeof(float)) == 0;
+      ++i;
+    }
+  CHECK(same);  // bit for bit, the injected NaN included: nothing was updated
+  CHECK_THROWS_WITH_AS(trainer.step(b.ids, b.labels), doctest::Contains("takes no further step"), Error);
 }

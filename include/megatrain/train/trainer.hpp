@@ -246,12 +246,15 @@ class Trainer {
   /// (labels: the next token, or kIgnoreIndex). With TrainerOptions::packed, `positions` (as many)
   /// gives each token's position within its sequence (0 where one starts, and at every row's
   /// first token; empty: each row is one sequence). Throws before changing anything if the batch
-  /// is malformed or has no labelled token.
+  /// is malformed or has no labelled token. With the gradients held for the whole step (exact
+  /// clipping), a non-finite gradient throws before any update, naming the step and the unit
+  /// nearest the loss that went non-finite; the trainer then takes no further step.
   StepStats step(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels,
                  std::span<const std::int32_t> positions = {}) {
     MT_NVTX_RANGE("Trainer::step");
     const auto t0 = std::chrono::steady_clock::now();
     const std::int64_t valid = check_batch(ids, labels, opt_.batch_rows);
+    MT_CHECK(failed_.empty(), "this trainer stopped at a non-finite step and takes no further step ({})", failed_);
     MT_CHECK(valid > 0, "the batch has no token with a label (all labels are {})", kIgnoreIndex);
     check_positions(positions, opt_.batch_rows);
     std::copy(ids.begin(), ids.end(), ids_host_.begin());
@@ -278,9 +281,23 @@ class Trainer {
     double grad_norm;
     if (opt_.resident_gradients()) {
       double sumsq = 0;
-      for (std::size_t u = 0; u < model_.num_units(); ++u)  // in unit order, whatever the placement
-        sumsq += summed_on_device(u) ? sumsq_host_[u] : grad_sum_squares<float>(store_.unit(u).grad());
+      std::size_t bad = model_.num_units();  // the non-finite unit nearest the loss (the backward's first)
+      for (std::size_t u = 0; u < model_.num_units(); ++u) {  // in unit order, whatever the placement
+        const double s = summed_on_device(u) ? sumsq_host_[u] : grad_sum_squares<float>(store_.unit(u).grad());
+        if (!std::isfinite(s)) bad = u;
+        sumsq += s;
+      }
       grad_norm = std::sqrt(sumsq);
+      // The whole gradient is known before any update (exact clipping's order): a non-finite one
+      // stops the run here, the weights and AdamW states still those of the last good step.
+      if (!std::isfinite(grad_norm)) {
+        failed_ = fmt::format(
+            "step {}: the gradient is not finite ({}; unit '{}' is the first to go non-finite in the backward); the "
+            "model and the optimizer state were not updated: they are those of step {}. Look for a NaN or an infinity "
+            "in the data or the weights, or lower the learning rate",
+            st.step, grad_norm, bad < model_.num_units() ? model_.units()[bad].name : std::string("?"), step_);
+        MT_FAIL("{}; this trainer takes no further step", failed_);
+      }
       if (opt_.clip_norm > 0) st.clip_coef = clip_coefficient(grad_norm, opt_.clip_norm);
       pass_ = {st.step, st.lr, st.clip_coef};
       pipeline_->submit(pass_items());
@@ -1384,6 +1401,7 @@ class Trainer {
   std::shared_ptr<State> state_;
   std::int64_t step_ = 0;
   std::optional<double> last_grad_norm_;
+  std::string failed_;  // why a step stopped (a non-finite gradient): no further step is taken
   std::atomic<std::shared_ptr<const std::function<void(std::size_t)>>> update_gate_;
   Pass pass_;
   bool update_pending_ = false;
