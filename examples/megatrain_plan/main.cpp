@@ -154,6 +154,12 @@ int run(const Settings& s, const CLI::App& app, const PlanArgs& a) {
     machine = plan::machine_figures();  // (a probe's, else the reference host's)
   }
   const plan::HostBudget host = host_budget(s);
+  // (from the config alone, before its blocks are built: a config of 10^9 layers is refused here)
+  plan::check_state_fits_host(cfg, host,
+                              !s.model_dir.empty()      ? (std::filesystem::path(s.model_dir) / "config.json").string()
+                              : !s.model_config.empty() ? s.model_config
+                              : !s.preset.empty()       ? "--preset " + s.preset
+                                                        : std::string("the command-line shape"));
   const DecoderModel<> model(cfg);
   const bool want_cuda = s.backend != "cpu";
 #if MEGATRAIN_HAS_CUDA

@@ -79,6 +79,9 @@ struct Settings {
   std::string schedule = "cosine", clip_mode = "exact";
   // where gradients wait for the norm, and how many units keep their AdamW state on the GPU
   std::string gradients = "device", device_units = "auto";
+  // a step whose loss or gradient is not finite: stop (keeping the last good state) or skip it
+  std::string on_nonfinite = "stop";
+  std::int64_t max_nonfinite_skips = 10;
   // blocks that keep their activations for the backward (auto: the plan's choice)
   std::string keep_activations = "auto";
   // run
@@ -356,6 +359,13 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
   train->add_option("--beta2", s.beta2, "AdamW beta2")->capture_default_str();
   train->add_option("--eps", s.eps, "AdamW epsilon")->capture_default_str();
   add_clip_options(*train, s);
+  train->add_option("--on-nonfinite", s.on_nonfinite,
+                    "A step whose loss or gradient is NaN or infinite changes nothing; then: stop (save the last good "
+                    "step's train state and exit) or skip (count it and go on, as loss scalers do; needs exact clipping)")
+      ->capture_default_str();
+  train->add_option("--max-nonfinite-skips", s.max_nonfinite_skips,
+                    "With --on-nonfinite skip: stop after this many non-finite steps in a row")
+      ->capture_default_str();
 
   auto* runo = app->add_option_group("run", "Run");
   runo->add_option("--seed", s.seed, "Seed for initialisation and data order")->check(CLI::NonNegativeNumber)->capture_default_str();
@@ -393,7 +403,7 @@ inline std::vector<std::string> config_args(const std::string& path, const CLI::
   json j;
   try {
     j = json::parse(f);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // (parse_error, or out_of_range for a number beyond a double's range)
     MT_FAIL("config file '{}': malformed JSON: {}", path, e.what());
   }
   MT_CHECK(j.is_object(), "config file '{}' must hold a JSON object of option names and values", path);

@@ -104,10 +104,10 @@ class Progress {
                    val ? fmt::format(" | val {:.4f}", *val).c_str() : "");
       if (s.step == steps_ || val) std::fputc('\n', stdout);
       std::fflush(stdout);
-    } else if (s.step % log_every == 0 || s.step == steps_ || val) {
-      std::fprintf(stdout, "step %lld/%lld loss %.4f lr %.3g grad_norm %.3f tok/s %.0f%s\n", static_cast<long long>(s.step),
+    } else if (s.step % log_every == 0 || s.step == steps_ || val || s.skipped) {
+      std::fprintf(stdout, "step %lld/%lld loss %.4f lr %.3g grad_norm %.3f tok/s %.0f%s%s\n", static_cast<long long>(s.step),
                    static_cast<long long>(steps_), s.loss, s.lr, s.grad_norm, tok_per_s,
-                   val ? fmt::format(" val_loss {:.4f}", *val).c_str() : "");
+                   val ? fmt::format(" val_loss {:.4f}", *val).c_str() : "", s.skipped ? " (skipped: not finite)" : "");
       std::fflush(stdout);
     }
   }
@@ -248,6 +248,9 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
   MT_CHECK(!s.origins.given("--warmup") || s.warmup >= 0, "--warmup must be >= 0 (got {})", s.warmup);
   MT_CHECK(s.clip_mode == "exact" || s.clip_mode == "stale", "--clip-mode must be exact or stale (got '{}')", s.clip_mode);
   MT_CHECK(s.gradients == "device" || s.gradients == "host", "--gradients must be device or host (got '{}')", s.gradients);
+  MT_CHECK(s.on_nonfinite == "stop" || s.on_nonfinite == "skip", "--on-nonfinite must be stop or skip (got '{}')",
+           s.on_nonfinite);
+  MT_CHECK(s.max_nonfinite_skips >= 1, "--max-nonfinite-skips must be >= 1 (got {})", s.max_nonfinite_skips);
   for (const auto& [flag, v] : {std::pair{"--device-units", &s.device_units}, std::pair{"--keep-activations", &s.keep_activations}})
     MT_CHECK(parse_auto_all_count(*v).has_value(), "{} must be auto, all or a count >= 0 (got '{}')", flag, *v);
   MT_CHECK(!(s.clip == 0 && s.origins.conflicts("--clip-mode", "--clip")), "--clip-mode given but clipping is off (--clip 0)");
@@ -524,6 +527,12 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
               before ? " (the first run's: the schedule's length)" : "");
     topt.clip_norm = s.clip;
     topt.clip_mode = s.clip_mode == "stale" ? ClipMode::stale : ClipMode::exact;
+    topt.on_nonfinite = s.on_nonfinite == "skip" ? NonFinite::skip : NonFinite::stop;
+    topt.max_nonfinite_skips = s.max_nonfinite_skips;
+    MT_CHECK(topt.on_nonfinite == NonFinite::stop || topt.resolved().resident_gradients(),
+             "--on-nonfinite skip needs the whole gradient before any update, which exact clipping gives (--clip > 0 "
+             "with --clip-mode exact, the default); with {} each unit is updated during the backward",
+             s.clip == 0 ? "--clip 0" : "--clip-mode stale");
   }
   topt.validate();
   MT_CHECK(!s.origins.conflicts("--micro-batches", "--max-micro-batch") || topt.resolved().micro_batches == topt.micro_batches,
@@ -632,6 +641,13 @@ template <class B>
 int train(B& be, const char* backend_name, const Settings& s, const CLI::App& app, const ModelConfig& cfg,
           const std::optional<TokenDataset>& data, const TrainerOptions& topt, RunPlan& plan) {
   // ---- build ----------------------------------------------------------------------------------
+  const std::string model_label = plan.resume              ? plan.resume->ckpt.dir().string()
+                                  : !s.model_dir.empty()   ? s.model_dir
+                                  : !s.model_config.empty() ? s.model_config
+                                  : !s.preset.empty()       ? "--preset " + s.preset
+                                                            : std::string("the command-line shape");
+  // (from the config alone, before its blocks are built: a config of 10^9 layers is refused here)
+  plan::check_state_fits_host(cfg, host_budget(s), model_label);
   DecoderModel<> model(cfg);
   // The plan (docs/planner.md), before anything is allocated: printed, and refused with what would
   // fit when it cannot.
@@ -647,11 +663,6 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   HostParamStore<float> store(model.units(), Trainer<B>::store_options(topt, so));
   Trainer<B> trainer(model, store, be, topt);
   // (Evaluating only, everything but the JSON result goes to stderr.)
-  const std::string model_label = plan.resume              ? plan.resume->ckpt.dir().string()
-                                  : !s.model_dir.empty()   ? s.model_dir
-                                  : !s.model_config.empty() ? s.model_config
-                                  : !s.preset.empty()       ? s.preset
-                                                            : std::string("command-line shape");
   std::int64_t first_step = 1;
   if (plan.resume) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -836,18 +847,55 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
       progress.note(fmt::format("megatrain-train: warning: report.html not written: {}", e.reason()), stderr);
     }
   };
+  // A non-finite step stopped the trainer: with the last good state kept (exact clipping), that
+  // state is saved as a checkpoint (unless it is already); else the newest checkpoint is named.
+  const auto stop_nonfinite = [&](const megatrain::Error& e, std::int64_t good) {
+    trainer.finish_update();
+    report(checkpoints.wait());
+    write_report();
+    std::string what;
+    if (trainer.stopped_with_last_good_state()) {
+      if (good > 0 && saved_step != good) {
+        checkpoints.save(trainer, store, data->position(good * s.batch), user);
+        report(checkpoints.wait());
+      }
+      if (good == 0) what = "No step had finished: there is nothing to save.";
+      else if (saved_step == good)
+        what = fmt::format("The train state of step {} (the last good one) is in {}: resume with `megatrain-train --resume "
+                           "--out {}` (add --on-nonfinite skip to skip the step that failed).",
+                           good, checkpoints.folder().path_for(good).string(), out.string());
+      else
+        what = fmt::format("The train state of step {} could not be saved (see above){}.", good,
+                           saved_step > 0 ? fmt::format("; the newest complete checkpoint is step {}", saved_step) : std::string());
+    } else {
+      what = saved_step > 0 ? fmt::format("The newest checkpoint from before it is step {} ({}).", saved_step,
+                                          checkpoints.folder().path_for(saved_step).string())
+                            : std::string("There is no checkpoint from before it.");
+    }
+    std::fprintf(stderr, "megatrain-train: error: %s\n%s\n", e.reason().c_str(), what.c_str());
+    return 1;
+  };
   install_stop_handlers();
   std::int64_t step = first_step;
   for (; step <= s.steps && g_stop_signal == 0; ++step) {
     data->train_batch((step - 1) * s.batch, s.batch, ids, labels, positions);
     io::detail::delay_point("train:step");  // (tests: MEGATRAIN_TEST_DELAY_AT=train:step:MICROSECONDS)
-    const StepStats st = trainer.step(ids, labels, positions);
+    StepStats st;
+    try {
+      st = trainer.step(ids, labels, positions);
+    } catch (const megatrain::Error& e) {
+      if (trainer.stopped_because().empty()) throw;
+      return stop_nonfinite(e, step - 1);
+    }
     const double tok_s = static_cast<double>(st.tokens) / st.seconds;
     std::optional<double> val;
     if ((s.eval_every > 0 && step % s.eval_every == 0) || step == s.steps) val = validation();
+    // (a skipped step's loss or norm is not finite: null in JSON)
     json m{{"step", st.step},           {"loss", st.loss},         {"lr", st.lr},
            {"grad_norm", st.grad_norm}, {"clip_coef", st.clip_coef}, {"tokens", st.tokens},
            {"tokens_per_s", tok_s},     {"step_time_s", st.seconds}};
+    if (st.skipped) m["skipped"] = true;
+    if (trainer.skipped_steps() > 0) m["skipped_steps"] = trainer.skipped_steps();
     if (val) m["val_loss"] = *val;
     metrics << m.dump() << '\n' << std::flush;
     if (val) write_report();

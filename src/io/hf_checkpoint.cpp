@@ -247,6 +247,13 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
              dir.string());
   }
   c.weights_ = SafetensorsCheckpoint::open(dir);
+  // Each decoder layer has tensors of its own: a config describing more layers than the files
+  // hold tensors does not describe them, and is refused here, before the model's units (as many
+  // as its layers) are built.
+  MT_CHECK(static_cast<std::uint64_t>(c.config_.num_hidden_layers) <= c.weights_.size(),
+           "{}: num_hidden_layers is {} but the checkpoint {} holds {} tensors in all, fewer than one a layer: "
+           "config.json does not describe these weights (fix the config, or give the folder these weights came with)",
+           config_path.string(), c.config_.num_hidden_layers, c.weights_.path().string(), c.weights_.size());
   c.units_ = DecoderModel<>(c.config_).units();
 
   // ---- names, shapes and dtypes against the model -------------------------------------------
@@ -392,20 +399,6 @@ std::int64_t HfCheckpoint::param_count() const {
   return n;
 }
 
-namespace {
-/// Refuses a tensor that holds NaN or an infinity, naming it and its file: such a checkpoint
-/// comes from a run that diverged or from a corrupt file, and a model trained from it is
-/// poisoned from the first step.
-void check_finite(const TensorRef& ref, std::span<const float> v) {
-  std::size_t bad = 0, first = 0;
-  for (std::size_t i = 0; i < v.size(); ++i)
-    if (!std::isfinite(v[i])) first = bad++ == 0 ? i : first;
-  MT_CHECK(bad == 0,
-           "tensor '{}' in '{}' holds {} non-finite value(s) (NaN or infinity; the first at element {}): the checkpoint "
-           "is corrupt or was saved from a diverged run, and training from it would spread them to every weight; "
-           "load an earlier checkpoint", ref.name(), ref.file->path().string(), bad, first);
-}
-}  // namespace
 
 void HfCheckpoint::load_into(HostParamStore<float>& store) const {
   MT_NVTX_RANGE("io::HfCheckpoint::load_into");

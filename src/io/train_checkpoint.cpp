@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <charconv>
+#include <cstring>
 #include <fstream>
 #include <mutex>
 #include <set>
@@ -182,7 +183,7 @@ TrainCheckpoint TrainCheckpoint::open(const fs::path& dir, bool verify) {
            kTrainStateFile);
   try {
     c.state_ = json::parse(detail::read_file(dir / kTrainStateFile));
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // (parse_error, or out_of_range for a number beyond a double's range)
     MT_FAIL("checkpoint '{}': {} is malformed JSON: {}", dir.string(), kTrainStateFile, e.what());
   }
   MT_CHECK(c.state_.is_object(), "checkpoint '{}': {} is not a JSON object", dir.string(), kTrainStateFile);
@@ -219,6 +220,7 @@ void TrainCheckpoint::load_into(HostParamStore<float>& store) const {
   const std::string label = fmt::format("loading checkpoint '{}'", dir_.string());
   // Everything is checked before anything is written.
   std::size_t expected = 0;
+  std::vector<TensorRef> refs;
   for (const auto& unit : store.units())
     for (const auto& p : unit.params()) {
       for (const std::string_view kind : {std::string_view{}, kExpAvg, kExpAvgSq}) {
@@ -230,11 +232,28 @@ void TrainCheckpoint::load_into(HostParamStore<float>& store) const {
                  safetensors_dtype_name(info.dtype));
         MT_CHECK(std::equal(info.shape.begin(), info.shape.end(), p.spec.shape.dims().begin(), p.spec.shape.dims().end()),
                  "{}: tensor '{}' has shape {} but the model's is {}", label, name, info.shape_str(), p.spec.shape.str());
+        refs.push_back(*ref);
         ++expected;
       }
     }
   MT_CHECK(tensors.size() == expected, "{}: it holds {} tensors, the model needs {} (it was saved from another model)",
            label, tensors.size(), expected);
+  // A NaN or an infinity in a weight or a moment (a corrupt file, or a state saved from a run that
+  // diverged) is refused before anything is written, naming the tensor.
+  std::vector<std::pair<std::size_t, std::size_t>> bad(refs.size());  // (count, first element)
+  tbb::parallel_for(std::size_t{0}, refs.size(), [&](std::size_t i) {
+    const auto bytes = refs[i].bytes().bytes;
+    for (std::size_t k = 0; k * 4 < bytes.size(); ++k) {
+      std::uint32_t bits = 0;
+      std::memcpy(&bits, bytes.data() + 4 * k, 4);
+      if ((bits & 0x7f800000u) == 0x7f800000u && bad[i].first++ == 0) bad[i].second = k;
+    }
+  });
+  for (std::size_t i = 0; i < refs.size(); ++i)
+    MT_CHECK(bad[i].first == 0,
+             "{}: tensor '{}' in '{}' holds {} non-finite value(s) (NaN or infinity; the first at element {}): the "
+             "checkpoint is corrupt or was saved from a diverged run; resume from an earlier checkpoint",
+             label, refs[i].name(), refs[i].file->path().string(), bad[i].first, bad[i].second);
   for (auto& unit : store.units()) {
     for (const auto& p : unit.params()) {
       read_into(tensors.tensor(p.spec.name), store.master(p.spec.name));

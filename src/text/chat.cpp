@@ -150,6 +150,8 @@ std::string text_of(const json& j, std::string_view field, std::string_view what
 
 std::vector<ChatMessage> messages_of(const json& r) {
   std::vector<ChatMessage> ms;
+  MT_CHECK(r.contains("messages") || r.contains("conversations"),
+           "no field 'messages' (or sharegpt's 'conversations'): not a conversation");
   const bool sharegpt = !r.contains("messages");
   const json& list = sharegpt ? r["conversations"] : r["messages"];
   const char* key = sharegpt ? "conversations" : "messages";

@@ -255,7 +255,7 @@ class Encoder {
       tbb::parallel_for(std::size_t{0}, n, [&](std::size_t i) {
         try {
           parsed[i] = json::parse(batch[i].text);
-        } catch (const json::parse_error& e) {
+        } catch (const json::exception& e) {  // (parse_error, or out_of_range for a number beyond a double's range)
           error[i] = fmt::format("not JSON ({})", e.what());
         }
       });
@@ -293,7 +293,9 @@ class Encoder {
               enc[i].ids.push_back(*r_.eos);  // (a completion's end token is trained)
               enc[i].trained.push_back(1);
             }
-            if (std::none_of(enc[i].trained.begin() + 1, enc[i].trained.end(), [](std::uint8_t t) { return t != 0; }))
+            // (the first token is no label; a tokenizer may also drop every character it lacks)
+            if (enc[i].trained.size() < 2 ||
+                std::none_of(enc[i].trained.begin() + 1, enc[i].trained.end(), [](std::uint8_t t) { return t != 0; }))
               error[i] = "no token to train on";
           }
         } catch (const megatrain::Error& e) {
@@ -401,7 +403,7 @@ std::int64_t config_vocab_size(const fs::path& folder) {
   json c;
   try {
     c = json::parse(detail::read_file(config));
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // (parse_error, or out_of_range for a number beyond a double's range)
     MT_FAIL("'{}': malformed JSON: {}", config.string(), e.what());
   }
   const json* t = c.contains("text_config") ? &c["text_config"] : &c;

@@ -419,6 +419,29 @@ class AddedMatcher {
   std::vector<const AddedToken*> tokens_;
 };
 
+// Unused ids a tokenizer.json may leave beyond the tokens it defines (ids number the tokens from
+// 0; added tokens may follow the model's vocabulary after a gap). An id beyond that is a broken
+// file, and would size the id table (id_to_token) far beyond the file.
+constexpr std::int64_t kMaxUnusedIds = 65536;
+
+/// A token id read from the file: an integer in [0, limit), or an Error naming `what`.
+std::int32_t id_of(const json& v, std::int64_t limit, const std::string& where, std::string_view what) {
+  MT_CHECK(v.is_number_integer(), "{}: {} has the id {}, which is not an integer", where, what, v.dump());
+  const auto id = v.is_number_unsigned() && v.get<std::uint64_t>() > std::uint64_t{INT64_MAX} ? std::int64_t{-1}
+                                                                                               : v.get<std::int64_t>();
+  MT_CHECK(id >= 0 && id < limit,
+           "{}: {} has the id {}; the file defines {} tokens, so ids must lie in [0, {}) (they number the tokens from 0)",
+           where, what, v.dump(), limit - kMaxUnusedIds, limit);
+  return static_cast<std::int32_t>(id);
+}
+
+/// A count read from the file (Strip's start and stop): an integer >= 0, or an Error naming `what`.
+std::size_t count_of(const json& v, const std::string& where, std::string_view what) {
+  MT_CHECK(v.is_number_unsigned() || (v.is_number_integer() && v.get<std::int64_t>() >= 0),
+           "{}: {} must be a whole number >= 0, not {}", where, what, v.dump());
+  return static_cast<std::size_t>(v.get<std::uint64_t>());
+}
+
 struct StringHash {
   using is_transparent = void;
   std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
@@ -455,6 +478,8 @@ struct Tokenizer::Impl {
   // a cache of words (thread-local; cleared when large)
   mutable tbb::enumerable_thread_specific<std::unordered_map<std::string, std::vector<std::int32_t>>> cache;
 
+  std::int64_t id_limit = 0;  // ids must be below this (the tokens the file defines + kMaxUnusedIds)
+
   std::string where() const { return path.string(); }
 
   // ---- loading --------------------------------------------------------------------------------
@@ -474,10 +499,9 @@ struct Tokenizer::Impl {
     MT_CHECK(v.is_object(), "{}: model.vocab must be an object of token -> id", where());
     vocab.reserve(v.size());
     for (const auto& [tok, id] : v.items()) {
-      const auto i = id.get<std::int64_t>();
-      MT_CHECK(i >= 0 && i < (std::int64_t{1} << 31), "{}: token '{}' has id {}, outside [0, 2^31)", where(), tok, i);
-      vocab.emplace(tok, static_cast<std::int32_t>(i));
-      set_token(static_cast<std::int32_t>(i), tok);
+      const std::int32_t i = id_of(id, id_limit, where(), fmt::format("token '{}'", tok));
+      vocab.emplace(tok, i);
+      set_token(i, tok);
     }
     if (m.contains("unk_token") && m["unk_token"].is_string()) {
       const auto it = vocab.find(m["unk_token"].get<std::string>());
@@ -615,7 +639,10 @@ struct Tokenizer::Impl {
         } else {
           const std::string name = item.at("SpecialToken").at("id").get<std::string>();
           MT_CHECK(specials.contains(name), "{}: the post-processor names '{}' without its ids", where(), name);
-          template_single.push_back(specials[name].at("ids").get<std::vector<std::int32_t>>());
+          std::vector<std::int32_t> ids;
+          for (const auto& id : specials[name].at("ids"))
+            ids.push_back(id_of(id, id_limit, where(), fmt::format("the post-processor's token '{}'", name)));
+          template_single.push_back(std::move(ids));
         }
       }
     } else {
@@ -646,8 +673,8 @@ struct Tokenizer::Impl {
       decoders.push_back(DecoderStep::of(DecoderStep::Kind::fuse));
     } else if (type == "Strip") {
       DecoderStep s = DecoderStep::of(DecoderStep::Kind::strip, d.at("content").get<std::string>());
-      s.start = d.at("start").get<std::size_t>();
-      s.stop = d.at("stop").get<std::size_t>();
+      s.start = count_of(d.at("start"), where(), "the Strip decoder's start");
+      s.stop = count_of(d.at("stop"), where(), "the Strip decoder's stop");
       decoders.push_back(std::move(s));
     } else {
       MT_FAIL("{}: the decoder '{}' is not supported (supported: ByteLevel, Metaspace, Replace, ByteFallback, Fuse, Strip, "
@@ -662,8 +689,10 @@ struct Tokenizer::Impl {
     for (const auto& t : a) {
       MT_CHECK(!t.value("single_word", false), "{}: the added token '{}' is single_word, which is not supported", where(),
                t.at("content").get<std::string>());
-      added.push_back({t.at("content").get<std::string>(), t.at("id").get<std::int32_t>(), t.value("special", false),
-                       t.value("normalized", false), t.value("lstrip", false), t.value("rstrip", false)});
+      const std::string content = t.at("content").get<std::string>();
+      added.push_back({content, id_of(t.at("id"), id_limit, where(), fmt::format("the added token '{}'", content)),
+                       t.value("special", false), t.value("normalized", false), t.value("lstrip", false),
+                       t.value("rstrip", false)});
     }
     for (const auto& t : added) {
       added_by_id[t.id] = &t;
@@ -693,7 +722,7 @@ struct Tokenizer::Impl {
     json c;
     try {
       c = json::parse(io::detail::read_file(cfg_path));
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {  // (parse_error, or out_of_range for a number beyond a double's range)
       MT_FAIL("{}: malformed JSON: {}", cfg_path.string(), e.what());
     }
     const auto token_of = [&](const char* key) -> std::optional<std::int32_t> {
@@ -924,17 +953,25 @@ Tokenizer Tokenizer::from_file(const fs::path& file) {
   json j;
   try {
     j = json::parse(io::detail::read_file(file));
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // (parse_error, or out_of_range for a number beyond a double's range)
     MT_FAIL("{}: malformed JSON: {}", file.string(), e.what());
   }
   MT_CHECK(j.is_object() && j.contains("model"), "{}: not a Hugging Face tokenizer.json (no \"model\")", file.string());
   try {
+    const auto count = [&](const json& x) { return x.is_object() || x.is_array() ? static_cast<std::int64_t>(x.size()) : 0; };
+    impl->id_limit = count(j["model"].value("vocab", json())) + count(j.value("added_tokens", json())) + kMaxUnusedIds;
     impl->load_model(j["model"]);
     impl->load_normalizer(j.value("normalizer", json()));
     impl->load_pre_tokenizer(j.value("pre_tokenizer", json()));
     impl->load_post_processor(j.value("post_processor", json()));
     impl->load_decoder(j.value("decoder", json()));
     impl->load_added(j.value("added_tokens", json()));
+    for (const auto& ids : impl->template_single)
+      for (const std::int32_t id : ids)
+        MT_CHECK(static_cast<std::size_t>(id) < impl->id_to_token.size() &&
+                     (!impl->id_to_token[static_cast<std::size_t>(id)].empty() || impl->added_by_id.contains(id)),
+                 "{}: the post-processor adds the token id {}, which is neither in the vocabulary nor an added token",
+                 file.string(), id);
     impl->describe_family();
     impl->load_config(file.parent_path() / "tokenizer_config.json");
   } catch (const json::exception& e) {

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "megatrain/data/token_dataset.hpp"
 #include "megatrain/train/trainer.hpp"
 #include "../train/timeline_check.hpp"
+#include "../train/trainer_test_util.hpp"
 
 using namespace megatrain;
 
@@ -521,4 +523,81 @@ TEST_CASE("Gemma 3 on the GPU: sliding and full layers, kept activations the sam
   const auto got = train(gpu, 6, nullptr, false, o, &w, nullptr, gemma);
   CHECK(w == ref_w);
   for (std::size_t s = 0; s < ref.size(); ++s) CHECK(got[s].loss == ref[s].loss);
+}
+
+namespace {
+/// The GPU backend with a NaN planted in the embedding's gradient while `armed` (a gradient gone
+/// non-finite in the backward while the loss is finite).
+struct NanGradientCuda : CudaBackend {
+  bool armed = false;
+  void embedding_backward(View<const std::int32_t> ids, View<const Res> dy, View<Acc> dtable, std::int32_t skip_id = -1,
+                          double scale = 1.0) {
+    CudaBackend::embedding_backward(ids, dy, dtable, skip_id, scale);
+    static const float nan = std::numeric_limits<float>::quiet_NaN();
+    if (armed)
+      MT_CUDA_CHECK(cudaMemcpyAsync(dtable.data() + dtable.numel() / 2, &nan, sizeof nan, cudaMemcpyHostToDevice, stream()));
+  }
+};
+}  // namespace
+
+TEST_CASE("a non-finite gradient on the GPU changes no weight and no AdamW state: stop, or skip as if the batch were left out") {
+  const auto cfg = small();
+  DatasetOptions dopt;
+  dopt.vocab_size = 256;
+  dopt.seq_len = options().seq_len;
+  dopt.seed = 5;
+  TokenDataset data(TokenSource::from_text(builtin_text(1 << 18, 1), "built-in"), dopt);
+  const auto batch = [&](int i) {
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(options().batch_rows * options().seq_len)), labels(ids.size());
+    data.train_batch(i * options().batch_rows, options().batch_rows, ids, labels);
+    return std::pair{ids, labels};
+  };
+  for (const std::int64_t units : {std::int64_t{0}, TrainerOptions::kAutoDeviceUnits}) {
+    CAPTURE(units);
+    auto o = options();
+    o.clip_mode = ClipMode::exact;
+    o.device_units = units;
+    o.schedule = {LrSchedule::Kind::constant, 2e-3, 0, 0, 0.0};
+    DecoderModel<> model(cfg);
+    StoreOptions so;
+    so.seed = 3;
+    // stop: the state after step 2 stays, bit for bit
+    {
+      HostParamStore<float> store(model.units(), Trainer<NanGradientCuda>::store_options(o, so));
+      NanGradientCuda gpu;
+      Trainer<NanGradientCuda> trainer(model, store, gpu, o);
+      for (int i = 0; i < 2; ++i) {
+        const auto [ids, labels] = batch(i);
+        (void)trainer.step(ids, labels);
+      }
+      trainer.finish_update();
+      const auto good = megatrain::test::state_of(store);
+      gpu.armed = true;
+      const auto [ids, labels] = batch(2);
+      CHECK_THROWS_WITH_AS(trainer.step(ids, labels), doctest::Contains("step 3: the gradient is not finite"), Error);
+      CHECK(trainer.stopped_with_last_good_state());
+      trainer.finish_update();
+      CHECK(megatrain::test::state_of(store) == good);
+    }
+    // skip: steps 1, 2, (3 skipped), 4, 5 are bit for bit steps 1, 2, 4, 5 without batch 3
+    std::vector<std::vector<float>> finals;
+    for (const bool with_skip : {true, false}) {
+      auto q = o;
+      q.on_nonfinite = NonFinite::skip;
+      HostParamStore<float> store(model.units(), Trainer<NanGradientCuda>::store_options(q, so));
+      NanGradientCuda gpu;
+      Trainer<NanGradientCuda> trainer(model, store, gpu, q);
+      for (int i = 0; i < 5; ++i) {
+        if (!with_skip && i == 2) continue;
+        gpu.armed = with_skip && i == 2;
+        const auto [ids, labels] = batch(i);
+        const StepStats st = trainer.step(ids, labels);
+        CHECK(st.skipped == gpu.armed);
+      }
+      trainer.finish_update();
+      CHECK(trainer.skipped_steps() == (with_skip ? 1 : 0));
+      finals.push_back(megatrain::test::state_of(store));
+    }
+    CHECK(finals[0] == finals[1]);
+  }
 }

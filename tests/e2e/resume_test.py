@@ -20,6 +20,9 @@ Scenarios (each a CTest test):
                  export of a checkpoint without training.
   full_disk      a file-size limit makes saves fail: a warning, training goes on exactly as
                  without the limit, the previous checkpoint stays complete, exit status 1.
+  nonfinite      a learning rate that makes step 2's loss overflow: the run stops there, saving
+                 step 1's train state; resumed with --on-nonfinite skip, steps are skipped (in the
+                 metrics) until the limit, and the state saved then is step 1's, bit for bit.
 """
 import json
 import os
@@ -364,7 +367,40 @@ def full_disk():
     same_state("free", "limited", 8, "resumed after failed saves vs saves succeeding")
 
 
-SCENARIOS = {f.__name__: f for f in (signals, second_signal, kill9, crash_points, refusals, full_disk)}
+def nonfinite():
+    # (lr 1e30: step 1's update makes the weights ~1e30, and step 2's forward overflows)
+    base = SHAPE + ["--steps", "6", "--schedule", "constant", "--lr", "1e30", "--out", "run"]
+    rc, out, err = run(base, expect_rc=1, what="the diverging run")
+    check(re.search(r"error: step 2: the loss (and the gradient are|is) not finite", err), f"the stop is not named:\n{err}")
+    check("the model and the optimizer state were not updated: they are those of step 1" in err, f"stop text:\n{err}")
+    check("The train state of step 1 (the last good one) is in" in err and "--on-nonfinite skip" in err,
+          f"the saved state is not named:\n{err}")
+    check(no_debris("run") == ["latest", "step-00000001"], f"checkpoints after the stop: {checkpoints('run')}")
+    check([m["step"] for m in metrics("run")] == [1], f"metrics after the stop: {metrics('run')}")
+    # Skipping: steps 2 and 3 are skipped, step 4 is the third in a row and stops the run.
+    rc, out, err = run(["--resume", "--out", "run", "--on-nonfinite", "skip", "--max-nonfinite-skips", "2"], expect_rc=1,
+                       what="the resumed run, skipping")
+    check("(3 non-finite steps in a row, more than max_nonfinite_skips 2)" in err, f"the limit is not named:\n{err}")
+    check("they are those of step 3" in err, f"stop text:\n{err}")
+    lines = [json.loads(line) for line in open(path("run", "metrics.jsonl"))]
+    check([m["step"] for m in lines] == [1, 2, 3], f"metrics steps: {[m['step'] for m in lines]}")
+    check([m.get("skipped", False) for m in lines] == [False, True, True], f"skipped flags: {lines}")
+    check([m.get("skipped_steps", 0) for m in lines] == [0, 1, 2], f"skipped counts: {lines}")
+    check(no_debris("run") == ["latest", "step-00000001", "step-00000003"], f"checkpoints: {checkpoints('run')}")
+    one = tensor_digests(path("run", "checkpoints", "step-00000001"))
+    three = tensor_digests(path("run", "checkpoints", "step-00000003"))
+    check(one == three, f"the skipped steps changed the state:\n  step 1: {one}\n  step 3: {three}")
+    st = json.load(open(path("run", "checkpoints", "step-00000003", "train_state.json")))
+    check(st["step"] == 3 and st["skipped_steps"] == 2 and st["skipped_in_a_row"] == 2, f"train_state.json: {st}")
+    # Skipping needs the whole gradient before any update.
+    rc, out, err = run(SHAPE + ["--clip", "0", "--on-nonfinite", "skip", "--out", "noclip"], expect_rc=1,
+                       what="--on-nonfinite skip without clipping")
+    check("--on-nonfinite skip needs the whole gradient before any update" in err and "--clip 0" in err,
+          f"refusal text:\n{err}")
+    check(not os.path.exists(path("noclip", "metrics.jsonl")), "the refused run trained")
+
+
+SCENARIOS = {f.__name__: f for f in (signals, second_signal, kill9, crash_points, refusals, full_disk, nonfinite)}
 if SCENARIO not in SCENARIOS:
     fail(f"unknown scenario '{SCENARIO}' (one of {', '.join(SCENARIOS)})")
 fresh()

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <optional>
 #include <random>
@@ -478,6 +479,14 @@ TEST_CASE("train checkpoint: damage is refused at open, naming the file") {
     write_text(d / "checksums.xxh128", "zz" + sums.substr(2));
     CHECK_ERROR_MENTIONS(TrainCheckpoint::open(d), "checksums.xxh128", "line 1");
   }
+  SUBCASE("train_state.json holding a number beyond a double's range (found by fuzzing)") {
+    // (nlohmann reports it as out_of_range, not as a parse error: it once escaped as that)
+    const fs::path d = fresh();
+    std::string text = read_file(d / "train_state.json");
+    text.replace(text.find('7'), 1, "1e400");
+    write_text(d / "train_state.json", text);
+    CHECK_ERROR_MENTIONS(TrainCheckpoint::open(d, /*verify=*/false), "train_state.json", "malformed JSON", "1e400");
+  }
 }
 
 TEST_CASE("train checkpoint: a store of another model is refused before anything changes") {
@@ -496,6 +505,39 @@ TEST_CASE("train checkpoint: a store of another model is refused before anything
     randomize(other);
     const Snapshot before = snapshot(other);
     CHECK_ERROR_MENTIONS(ck.load_into(other), mention, (tmp / "ck").string());
+    CHECK(snapshot(other) == before);
+  }
+}
+
+TEST_CASE("train checkpoint: a NaN or an infinity in a weight or a moment is refused before anything changes, naming it") {
+  TempDir tmp;
+  struct Plant {
+    const char* tensor;  // where the value goes (a master, or a moment)
+    float value;
+    std::string mention;
+  };
+  const Plant plants[] = {
+      {"model.layers.1.mlp.gate_proj.weight", std::numeric_limits<float>::quiet_NaN(), "model.layers.1.mlp.gate_proj.weight'"},
+      {"model.embed_tokens.weight.exp_avg", std::numeric_limits<float>::infinity(), "model.embed_tokens.weight.exp_avg'"},
+      {"model.norm.weight.exp_avg_sq", -std::numeric_limits<float>::infinity(), "model.norm.weight.exp_avg_sq'"}};
+  int k = 0;
+  for (const Plant& p : plants) {
+    CAPTURE(p.tensor);
+    auto store = make_store(7);
+    randomize(store);
+    const std::string name(p.tensor);
+    const auto strip = [&](std::string_view suffix) { return name.substr(0, name.size() - suffix.size()); };
+    auto view = name.ends_with(".exp_avg_sq") ? store.adam_v(strip(".exp_avg_sq"))
+                : name.ends_with(".exp_avg")  ? store.adam_m(strip(".exp_avg"))
+                                              : store.master(name);
+    view.data()[view.numel() - 1] = p.value;
+    // (a diverged run's state: written with valid checksums)
+    const auto dir = tmp / fmt::format("ck{}", k++);
+    write_train_checkpoint(dir, store, {});
+    auto other = make_store(8);
+    randomize(other);
+    const Snapshot before = snapshot(other);
+    CHECK_ERROR_MENTIONS(TrainCheckpoint::open(dir).load_into(other), p.mention, "non-finite", dir.string());
     CHECK(snapshot(other) == before);
   }
 }

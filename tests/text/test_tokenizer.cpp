@@ -1,5 +1,6 @@
 // The tokenizer on hand-made tokenizer.json files, with results worked out by hand; agreement
-// with Hugging Face tokenizers on real files is tokenizer_agreement's job.
+// with Hugging Face tokenizers on real files is tokenizer_agreement's job. Also what the fuzz
+// targets (tests/fuzz) found in tokenizer.json, tokenizer_config.json and JSONL records.
 #include <doctest/doctest.h>
 
 #include <nlohmann/json.hpp>
@@ -9,6 +10,8 @@
 
 #include "../io/io_test_util.hpp"
 #include "megatrain/core/error.hpp"
+#include "megatrain/text/chat.hpp"
+#include "megatrain/text/prepare.hpp"
 #include "megatrain/text/tokenizer.hpp"
 
 using namespace megatrain;
@@ -250,4 +253,70 @@ TEST_CASE("tokenizer_config.json: the end-of-sequence and beginning tokens, and 
   CHECK(!t.bos_id().has_value());
   REQUIRE(t.chat_template().has_value());
   CHECK(*t.chat_template() == "{{ messages }}");
+}
+
+TEST_CASE("ids that are not whole numbers in range, and numbers beyond a double's range, are refused (found by fuzzing)") {
+  test::TempDir dir("megatrain-text");
+  const std::string file = (dir / "tokenizer.json").string();
+  const auto added = [](json id) {
+    return json::array({{{"id", id}, {"content", "<|end|>"}, {"special", true}, {"normalized", false}}});
+  };
+  // (a negative id once sized the id table to nothing and wrote past it; a float one was converted
+  // to int out of range; 2^31 - 1 made a table of 2^31 strings)
+  CHECK_ERROR_MENTIONS(load(dir, byte_level({}, added(-1))), file, "the added token '<|end|>' has the id -1",
+                       "must lie in [0, ");
+  CHECK_ERROR_MENTIONS(load(dir, byte_level({}, added(1e10))), "the added token '<|end|>'", "not an integer");
+  CHECK_ERROR_MENTIONS(load(dir, byte_level({}, added(2147483647))), "has the id 2147483647", "the file defines 257 tokens");
+  CHECK_NOTHROW(load(dir, byte_level({}, added(256 + 1000))));  // (a gap after the vocabulary is fine)
+  json j = byte_level({});
+  j["model"]["vocab"]["a"] = 1e300;
+  CHECK_ERROR_MENTIONS(load(dir, j), "token 'a' has the id", "not an integer");
+  j["model"]["vocab"]["a"] = std::int64_t{1} << 30;
+  CHECK_ERROR_MENTIONS(load(dir, j), "token 'a' has the id 1073741824");
+  j = byte_level({});
+  j["decoder"] = {{"type", "Strip"}, {"content", " "}, {"start", -1.5}, {"stop", 0}};
+  CHECK_ERROR_MENTIONS(load(dir, j), "the Strip decoder's start must be a whole number >= 0, not -1.5");
+  j = byte_level({});
+  j["post_processor"] = {{"type", "TemplateProcessing"},
+                         {"single", json::array({{{"SpecialToken", {{"id", "<s>"}}}}, {{"Sequence", {{"id", "A"}}}}})},
+                         {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {7777}}}}}}};
+  CHECK_ERROR_MENTIONS(load(dir, j), "the post-processor adds the token id 7777");
+  // nlohmann reports a number beyond a double's range as out_of_range, not as a parse error
+  std::string text = byte_level({}).dump();
+  text.insert(1, "\"x\": 1e400, ");
+  test::write_file(dir / "tokenizer.json", text);
+  CHECK_ERROR_MENTIONS(Tokenizer::from_file(dir / "tokenizer.json"), file, "malformed JSON", "1e400");
+  test::write_file(dir / "tokenizer_config.json", "{\"model_max_length\": 1e400}");
+  CHECK_ERROR_MENTIONS(load(dir, byte_level({})), "tokenizer_config.json", "malformed JSON");
+}
+
+TEST_CASE("records: a conversation without messages, a number beyond a double's range, an example of no tokens") {
+  using namespace megatrain::text;
+  test::TempDir dir("megatrain-text");
+  // record_pieces as a conversation, of a record that holds none: refused (it once read a missing key)
+  RecordOptions ro;
+  ro.chat = ChatFormat::chatml;
+  CHECK_ERROR_MENTIONS(record_pieces(json{{"prompt", "a"}, {"completion", "b"}}, RecordFormat::messages, ro),
+                       "no field 'messages'");
+  json added = json::array({{{"id", 256}, {"content", "<|endoftext|>"}, {"special", true}, {"normalized", false}}});
+  const auto t = load(dir, byte_level({}, added));
+  test::write_file(dir / "in.jsonl", "{\"text\": \"a\"}\n{\"text\": \"b\", \"n\": 1e400}\n");
+  PrepareOptions o;
+  o.input = dir / "in.jsonl";
+  o.output = dir / "out.bin";
+  CHECK_ERROR_MENTIONS(prepare_token_files(t, o), (dir / "in.jsonl").string() + ":2", "not JSON", "1e400");
+  o.skip_bad_lines = true;
+  const PrepareResult r = prepare_token_files(t, o);
+  CHECK(r.count == 1);
+  CHECK(r.bad_lines == 1);
+  // A tokenizer without an unknown token drops the characters it lacks: a completion of them alone
+  // is an example with no token to train on (it once read before the start of an empty vector)
+  test::TempDir small("megatrain-text");
+  const auto a_only = load(small, json{{"model", {{"type", "BPE"}, {"vocab", {{"a", 0}}}, {"merges", json::array()}}}});
+  test::write_file(small / "pc.jsonl", "{\"prompt\": \"\", \"completion\": \"zz\"}\n");
+  PrepareOptions pc;
+  pc.input = small / "pc.jsonl";
+  pc.output = small / "pc.bin";
+  pc.eos = "none";
+  CHECK_ERROR_MENTIONS(prepare_token_files(a_only, pc), "pc.jsonl:1", "no token to train on");
 }

@@ -17,20 +17,17 @@
 #include "megatrain/train/checkpointer.hpp"
 #include "megatrain/train/trainer.hpp"
 
+#include "trainer_test_util.hpp"
+
 using namespace megatrain;
 namespace fs = std::filesystem;
 
 namespace {
 
 using CpuTrainer = Trainer<CpuBackend<float>>;
-
-ModelConfig tiny(bool tied, std::int64_t vocab) {
-  auto j = nlohmann::json::parse(R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":32,"intermediate_size":72,
-    "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"rope_theta":10000.0})");
-  j["tie_word_embeddings"] = tied;
-  j["vocab_size"] = vocab;
-  return ModelConfig::from_json(j);
-}
+using megatrain::test::same_bits;
+using megatrain::test::state_of;
+using megatrain::test::tiny;
 
 struct Batch {
   std::vector<std::int32_t> ids, labels;
@@ -44,19 +41,6 @@ std::vector<Batch> batches(std::uint64_t seed, int steps, std::int64_t tokens, s
       b.labels.push_back(rng() % 7 == 0 ? kIgnoreIndex : static_cast<std::int32_t>(rng() % vocab));
     }
   return out;
-}
-
-/// master, m and v of every unit, concatenated.
-std::vector<float> state_of(const HostParamStore<float>& store) {
-  store.check_settled("reading the store in a test");
-  std::vector<float> out;
-  for (const auto& u : store.units())
-    for (auto s : {u.master(), u.adam_m(), u.adam_v()}) out.insert(out.end(), s.begin(), s.end());
-  return out;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 struct Run {

@@ -17,6 +17,7 @@
 // docs/safetensors.md.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -204,6 +205,19 @@ class SafetensorsCheckpoint {
 /// from the mapping in cache-sized chunks (in parallel for large tensors): no intermediate copy.
 void read_into(const TensorRef& src, View<float> dst);
 void read_into(const TensorRef& src, View<double> dst);
+
+/// Refuses values read from `ref` that hold NaN or an infinity, naming the tensor, its file, the
+/// count and the first: such a checkpoint comes from a run that diverged or from a corrupt file,
+/// and a model trained from it is poisoned from the first step.
+inline void check_finite(const TensorRef& ref, std::span<const float> v) {
+  std::size_t bad = 0, first = 0;
+  for (std::size_t i = 0; i < v.size(); ++i)
+    if (!std::isfinite(v[i])) first = bad++ == 0 ? i : first;
+  MT_CHECK(bad == 0,
+           "tensor '{}' in '{}' holds {} non-finite value(s) (NaN or infinity; the first at element {}): the checkpoint "
+           "is corrupt or was saved from a diverged run, and training from it would spread them to every weight; "
+           "load an earlier checkpoint", ref.name(), ref.file->path().string(), bad, first);
+}
 
 // ---- writing ----------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "megatrain/core/checked.hpp"
 #include "megatrain/core/dtype.hpp"
 #include "megatrain/core/host_memory.hpp"
 #include "megatrain/layers/decoder_model.hpp"
@@ -162,6 +163,28 @@ Suggestions suggest(const DecoderModel<Block>& model, const TrainerOptions& opti
                                         return fits(o);
                                       });
   return s;
+}
+
+/// Host memory a model's state needs at the least, from its config alone: the fp32 master
+/// weights, AdamW's m and v and the bf16 copy, 14 bytes a parameter (HostParamStore's footprint
+/// adds alignment, gradients and rings to it).
+inline std::size_t min_state_bytes(const ModelConfig& cfg) {
+  return static_cast<std::size_t>(checked_mul(cfg.param_count(), 14, "the model's state in bytes"));
+}
+
+/// Refuses a model whose state alone cannot fit the host budget, from the config alone: called
+/// before anything the config sizes is built (the model's units and blocks, the store), so that a
+/// config of 10^9 layers is an error and not an attempt to allocate them. `source` names where the
+/// config came from (its file, --preset NAME, ...).
+inline void check_state_fits_host(const ModelConfig& cfg, const HostBudget& host, std::string_view source) {
+  const std::size_t need = min_state_bytes(cfg);
+  MT_CHECK(need <= host.bytes,
+           "this configuration does not fit: {} describes a model of {} parameters (num_hidden_layers {}, hidden_size {}, "
+           "intermediate_size {}, vocab_size {}), whose state alone (fp32 master weights, AdamW m and v, the bf16 copy: "
+           "14 bytes a parameter) needs {} of host memory, and {} is available ({}): use a machine with more memory, a "
+           "smaller model, or check the config",
+           source, cfg.param_count(), cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
+           format_bytes(need), format_bytes(host.bytes), host.source);
 }
 
 /// The refusal of a plan that does not fit, with what would (the same words from the trainer,

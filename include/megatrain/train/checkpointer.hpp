@@ -48,6 +48,9 @@ namespace megatrain {
 struct TrainState {
   std::int64_t step = 0;                 ///< optimizer steps done
   std::optional<double> last_grad_norm;  ///< global gradient norm of step `step` (what stale clipping uses next)
+  /// Steps skipped as non-finite (NonFinite::skip): in all (AdamW's count is step - skipped_steps),
+  /// and in a row up to `step`.
+  std::int64_t skipped_steps = 0, skipped_in_a_row = 0;
   TrainerOptions options;                ///< the trainer's options, resolved
   std::optional<DataPosition> data;      ///< where the data order stands: the next step reads from here
   nlohmann::json model;                  ///< ModelConfig::to_json() of the model
@@ -61,6 +64,8 @@ inline nlohmann::json to_json(const TrainState& s) {
                    {"megatrain_version", s.megatrain_version},
                    {"step", s.step},
                    {"last_grad_norm", s.last_grad_norm ? nlohmann::json(*s.last_grad_norm) : nlohmann::json(nullptr)},
+                   {"skipped_steps", s.skipped_steps},
+                   {"skipped_in_a_row", s.skipped_in_a_row},
                    {"trainer", to_json(s.options)},
                    {"model", s.model},
                    {"tensors",
@@ -96,6 +101,13 @@ inline TrainState train_state_from_json(const nlohmann::json& j, std::string_vie
     s.step = j.at("step").get<std::int64_t>();
     MT_CHECK(s.step >= 0, "{}: step {} is negative", what, s.step);
     if (!j.at("last_grad_norm").is_null()) s.last_grad_norm = j.at("last_grad_norm").get<double>();
+    // (absent from train states written before skipping existed: none skipped)
+    s.skipped_steps = j.value("skipped_steps", std::int64_t{0});
+    s.skipped_in_a_row = j.value("skipped_in_a_row", std::int64_t{0});
+    MT_CHECK(s.skipped_steps >= 0 && s.skipped_steps <= s.step && s.skipped_in_a_row >= 0 &&
+                 s.skipped_in_a_row <= s.skipped_steps,
+             "{}: skipped_steps {} and skipped_in_a_row {} do not fit step {} (0 <= in a row <= skipped <= step)", what,
+             s.skipped_steps, s.skipped_in_a_row, s.step);
     s.options = trainer_options_from_json(j.at("trainer"), what);
     s.model = j.at("model");
     s.user = j.at("user");
@@ -174,6 +186,8 @@ class Checkpointer {
     TrainState st;
     st.step = trainer.steps_done();
     st.last_grad_norm = trainer.last_grad_norm();
+    st.skipped_steps = trainer.skipped_steps();
+    st.skipped_in_a_row = trainer.skipped_in_a_row();
     st.options = trainer.options();
     st.data = data;
     st.model = trainer.model().config().to_json();
@@ -307,7 +321,7 @@ TrainState load_train_state(const io::TrainCheckpoint& ckpt, T& trainer, HostPar
   MT_CHECK(diff.empty(), "checkpoint '{}' was trained with other options (checkpoint vs this trainer: {}); resuming would "
            "change the update", dir, fmt::join(diff, "; "));
   ckpt.load_into(store);
-  trainer.restore(st.step, st.last_grad_norm);
+  trainer.restore(st.step, st.last_grad_norm, st.skipped_steps, st.skipped_in_a_row);
   return st;
 }
 

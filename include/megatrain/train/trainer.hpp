@@ -102,6 +102,9 @@ namespace megatrain {
 /// What one step did.
 struct StepStats {
   std::int64_t step = 0;
+  /// The loss or the gradient was not finite and the step was skipped (NonFinite::skip): no
+  /// weight and no AdamW state changed.
+  bool skipped = false;
   double loss = 0;          ///< mean over tokens with a label
   double lr = 0;
   double grad_norm = 0;     ///< global norm of this step's gradient (before clipping)
@@ -247,8 +250,12 @@ class Trainer {
   /// gives each token's position within its sequence (0 where one starts, and at every row's
   /// first token; empty: each row is one sequence). Throws before changing anything if the batch
   /// is malformed or has no labelled token. With the gradients held for the whole step (exact
-  /// clipping), a non-finite gradient throws before any update, naming the step and the unit
-  /// nearest the loss that went non-finite; the trainer then takes no further step.
+  /// clipping), a non-finite loss or gradient is found before any update: it throws (NonFinite::stop)
+  /// naming the step, the unit nearest the loss that went non-finite and any weight that holds a
+  /// NaN or an infinity, the trainer then taking no further step (stopped_because()); or the step is
+  /// skipped (NonFinite::skip; StepStats::skipped). Either way no weight or AdamW state changes.
+  /// Without clipping or with stale clipping the updates stream during the backward: a non-finite
+  /// step throws after it (the model was updated with it).
   StepStats step(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels,
                  std::span<const std::int32_t> positions = {}) {
     MT_NVTX_RANGE("Trainer::step");
@@ -263,6 +270,7 @@ class Trainer {
 
     State& st = *state_;
     st.step = step_ + 1;
+    st.adam_step = st.step - skipped_;
     st.lr = opt_.schedule.at(st.step);
     st.loss_scale = 1.0 / static_cast<double>(valid);
     st.clip_coef = 1.0;
@@ -279,6 +287,8 @@ class Trainer {
     pipeline_->drain();
     settle();
     double grad_norm;
+    const double loss = sum_loss() * st.loss_scale;
+    bool skipped = false;
     if (opt_.resident_gradients()) {
       double sumsq = 0;
       std::size_t bad = model_.num_units();  // the non-finite unit nearest the loss (the backward's first)
@@ -288,21 +298,48 @@ class Trainer {
         sumsq += s;
       }
       grad_norm = std::sqrt(sumsq);
-      // The whole gradient is known before any update (exact clipping's order): a non-finite one
-      // stops the run here, the weights and AdamW states still those of the last good step.
-      if (!std::isfinite(grad_norm)) {
-        failed_ = fmt::format(
-            "step {}: the gradient is not finite ({}; unit '{}' is the first to go non-finite in the backward); the "
-            "model and the optimizer state were not updated: they are those of step {}. Look for a NaN or an infinity "
-            "in the data or the weights, or lower the learning rate",
-            st.step, grad_norm, bad < model_.num_units() ? model_.units()[bad].name : std::string("?"), step_);
-        MT_FAIL("{}; this trainer takes no further step", failed_);
+      // The whole gradient is known before any update (exact clipping's order): a non-finite loss
+      // or gradient changes nothing; the run stops there, or skips the step.
+      if (!std::isfinite(grad_norm) || !std::isfinite(loss)) {
+        // (a non-finite loss: the weights the forward read are looked at, and named)
+        const std::string weights = std::isfinite(loss) ? std::string() : nonfinite_weights();
+        const std::string what = fmt::format(
+            "step {}: the {} not finite (loss {}, gradient norm {}{}{})", st.step,
+            std::isfinite(loss) ? "gradient is" : std::isfinite(grad_norm) ? "loss is" : "loss and the gradient are", loss,
+            grad_norm,
+            bad < model_.num_units() ? fmt::format("; unit '{}' is the first to go non-finite in the backward",
+                                                   model_.units()[bad].name)
+                                     : std::string(),
+            weights.empty() ? std::string() : "; the weights are not finite: " + weights);
+        ++skipped_in_a_row_;
+        // (skipping cannot help where the weights themselves are not finite)
+        if (opt_.on_nonfinite == NonFinite::skip && weights.empty() && skipped_in_a_row_ <= opt_.max_nonfinite_skips) {
+          log_warning("{}: the step is skipped (the model and the optimizer state are unchanged; {} skipped in a row, "
+                      "the run stops after {})", what, skipped_in_a_row_, opt_.max_nonfinite_skips);
+          ++skipped_;
+          skipped = true;
+        } else {
+          failed_ = fmt::format(
+              "{}{}; the model and the optimizer state were not updated: they are those of step {}. Look for a NaN or "
+              "an infinity in the data or the weights, or lower the learning rate",
+              what,
+              opt_.on_nonfinite == NonFinite::skip && weights.empty()
+                  ? fmt::format(" ({} non-finite steps in a row, more than max_nonfinite_skips {})", skipped_in_a_row_,
+                                opt_.max_nonfinite_skips)
+                  : std::string(),
+              step_);
+          --skipped_in_a_row_;  // (this step was not taken: the count stays that of the state kept)
+          failed_kept_state_ = true;
+          MT_FAIL("{}; this trainer takes no further step", failed_);
+        }
+      } else {
+        skipped_in_a_row_ = 0;
+        if (opt_.clip_norm > 0) st.clip_coef = clip_coefficient(grad_norm, opt_.clip_norm);
+        pass_ = {st.adam_step, st.lr, st.clip_coef};
+        pipeline_->submit(pass_items());
+        if (opt_.overlap_update) update_pending_ = true;
+        else pipeline_->drain();
       }
-      if (opt_.clip_norm > 0) st.clip_coef = clip_coefficient(grad_norm, opt_.clip_norm);
-      pass_ = {st.step, st.lr, st.clip_coef};
-      pipeline_->submit(pass_items());
-      if (opt_.overlap_update) update_pending_ = true;
-      else pipeline_->drain();
     } else {  // the host units' sums came with their updates, the device units' from the device
       double sumsq = st.sumsq;
       for (std::size_t u = 0; u < devices_.count(); ++u) sumsq += sumsq_host_[u];
@@ -310,14 +347,23 @@ class Trainer {
     }
     device_newer_ = devices_.count() > 0;
     publish_store_state();
-    MT_CHECK(std::isfinite(grad_norm), "step {}: the gradient norm is not finite ({}); the model was updated with it",
-             st.step, grad_norm);
-    last_grad_norm_ = grad_norm;
+    if (!std::isfinite(grad_norm) || !std::isfinite(loss)) {  // (streamed updates: each unit was updated in the backward)
+      if (!skipped) {
+        failed_ = fmt::format("step {}: the {} not finite (loss {}, gradient norm {}) and the model was updated with it: "
+                              "without clipping or with stale clipping each unit is updated during the backward, before "
+                              "the whole gradient is known (exact clipping, the default, stops before any update)",
+                              st.step, std::isfinite(loss) ? "gradient is" : "loss is", loss, grad_norm);
+        MT_FAIL("{}; this trainer takes no further step", failed_);
+      }
+    } else {
+      last_grad_norm_ = grad_norm;
+    }
     step_ = st.step;
 
     StepStats s;
     s.step = st.step;
-    s.loss = sum_loss() * st.loss_scale;
+    s.skipped = skipped;
+    s.loss = loss;
     s.lr = st.lr;
     s.grad_norm = grad_norm;
     s.clip_coef = st.clip_coef;
@@ -377,6 +423,16 @@ class Trainer {
   bool update_pending() const { return update_pending_; }
 
   std::int64_t steps_done() const { return step_; }
+  /// Steps skipped as non-finite (TrainerOptions::on_nonfinite skip): in all, and in a row up to
+  /// the last step. AdamW's bias correction counts steps_done() - skipped_steps() updates.
+  std::int64_t skipped_steps() const { return skipped_; }
+  std::int64_t skipped_in_a_row() const { return skipped_in_a_row_; }
+  /// Why the trainer stopped (a non-finite step: it takes no further step); empty while it has not.
+  const std::string& stopped_because() const { return failed_; }
+  /// Whether, stopped, its weights and AdamW states are still those of the last good step (with
+  /// the whole gradient known first: exact clipping), which a checkpoint may then keep; false
+  /// where the failing step's updates streamed during its backward (no or stale clipping).
+  bool stopped_with_last_good_state() const { return !failed_.empty() && failed_kept_state_; }
   const DecoderModel<Block>& model() const { return model_; }
   /// The options in effect (resolved(): micro_batches as max_micro_rows made it).
   const TrainerOptions& options() const { return opt_; }
@@ -385,13 +441,18 @@ class Trainer {
   /// Restores the step counter and the last norm (resuming from a checkpoint whose tensors
   /// were loaded into the store after finish_update()); the next step takes the device units'
   /// state from the store.
-  void restore(std::int64_t steps_done, std::optional<double> last_grad_norm) {
+  void restore(std::int64_t steps_done, std::optional<double> last_grad_norm, std::int64_t skipped_steps = 0,
+               std::int64_t skipped_in_a_row = 0) {
     MT_CHECK(steps_done >= 0, "steps_done must be >= 0");
+    MT_CHECK(skipped_steps >= 0 && skipped_steps <= steps_done && skipped_in_a_row >= 0 && skipped_in_a_row <= skipped_steps,
+             "restore: {} skipped steps ({} in a row) do not fit {} steps done", skipped_steps, skipped_in_a_row, steps_done);
     MT_CHECK(!update_pending_ && !device_newer_, "restore: the trainer holds a newer state than the store; call "
              "finish_update() before loading the store and restoring");
     device_owns_ = false;
     step_ = steps_done;
     last_grad_norm_ = last_grad_norm;
+    skipped_ = skipped_steps;
+    skipped_in_a_row_ = skipped_in_a_row;
   }
 
   /// A function the optimizer stage calls, on its own thread, before it changes unit u's master
@@ -432,6 +493,7 @@ class Trainer {
  private:
   struct State {
     std::int64_t step = 0;
+    std::int64_t adam_step = 0;  // AdamW's count (bias correction): the steps not skipped
     double lr = 0, loss_scale = 0, clip_coef = 1;
     double sumsq = 0;  // written by the optimizer stage only
     std::int64_t micro_rows = 0;
@@ -470,6 +532,44 @@ class Trainer {
       if (gate) (*gate)(u);
       devices_.save(be_, xfer_, store_, u, std::span<const W>(weight_slot(u, 0)));
     }
+  }
+
+  // Which weights hold a NaN or an infinity (after a non-finite loss): the first such tensor in
+  // unit order as "'name' holds N non-finite values (the first, element i, is v)", and how many
+  // more; empty where every master weight is finite. Device units are brought back to the store
+  // first (they stay the device's too, unchanged).
+  std::string nonfinite_weights() {
+    if (device_newer_) {
+      save_device_units();
+      device_newer_ = false;
+    }
+    struct Found {
+      std::size_t unit = 0, param = 0;
+      std::int64_t count = 0, first = -1;
+      float value = 0;
+    };
+    std::vector<Found> all;
+    for (std::size_t u = 0; u < store_.num_units(); ++u)
+      for (std::size_t p = 0; p < store_.unit(u).params().size(); ++p) all.push_back({u, p});
+    tbb::parallel_for(std::size_t{0}, all.size(), [&](std::size_t i) {
+      Found& f = all[i];
+      const auto& unit = store_.unit(f.unit);
+      const auto& param = unit.params()[f.param];
+      const auto w = unit.master().subspan(static_cast<std::size_t>(param.offset), static_cast<std::size_t>(param.numel()));
+      for (std::size_t k = 0; k < w.size(); ++k)
+        if (!std::isfinite(w[k])) {
+          if (f.count++ == 0) {
+            f.first = static_cast<std::int64_t>(k);
+            f.value = w[k];
+          }
+        }
+    });
+    std::erase_if(all, [](const Found& f) { return f.count == 0; });
+    if (all.empty()) return {};
+    const Found& f = all.front();
+    return fmt::format("'{}' holds {} non-finite value(s) (the first, element {}, is {}){}",
+                       store_.unit(f.unit).params()[f.param].spec.name, f.count, f.first, f.value,
+                       all.size() > 1 ? fmt::format(", and {} more tensor(s) do", all.size() - 1) : std::string());
   }
 
   // ---- stages --------------------------------------------------------------------------------
@@ -775,7 +875,7 @@ class Trainer {
         case Kind::optimize: {  // a device unit's update, with this step's or the AdamW pass's scalars
           const bool pass = t.opt_.resident_gradients();
           t.devices_.step(t.be_, t.store_.unit(it.unit), t.grad_acc(it.unit, s.out), t.weight_slot(it.unit, 0), t.opt_.adamw,
-                          pass ? t.pass_.step : st.step, pass ? t.pass_.lr : st.lr, pass ? t.pass_.clip_coef : st.clip_coef);
+                          pass ? t.pass_.step : st.adam_step, pass ? t.pass_.lr : st.lr, pass ? t.pass_.clip_coef : st.clip_coef);
           break;
         }
         case Kind::grad_piece:
@@ -879,7 +979,7 @@ class Trainer {
         }
         // One pass over the landed gradient: AdamW sums its squares (for the norm) as it goes.
         // Elements outside the segments (touched rows inside an embed_rest piece) read zero.
-        st.sumsq += adamw_segments<float>(unit, t.segments(it, grad), t.opt_.adamw, st.step, st.lr, st.clip_coef);
+        st.sumsq += adamw_segments<float>(unit, t.segments(it, grad), t.opt_.adamw, st.adam_step, st.lr, st.clip_coef);
       });
     }
   };
@@ -1401,7 +1501,10 @@ class Trainer {
   std::shared_ptr<State> state_;
   std::int64_t step_ = 0;
   std::optional<double> last_grad_norm_;
-  std::string failed_;  // why a step stopped (a non-finite gradient): no further step is taken
+  std::int64_t skipped_ = 0;           // steps skipped as non-finite (NonFinite::skip), in all
+  std::int64_t skipped_in_a_row_ = 0;  // ... and since the last step taken
+  std::string failed_;
+  bool failed_kept_state_ = false;  // the weights and AdamW states are those of the last good step  // why a step stopped (a non-finite gradient): no further step is taken
   std::atomic<std::shared_ptr<const std::function<void(std::size_t)>>> update_gate_;
   Pass pass_;
   bool update_pending_ = false;

@@ -34,6 +34,14 @@ enum class GradientHome {
   host,    ///< in the store's resident gradient slabs (4 more bytes per parameter of host memory)
 };
 
+/// What a step whose loss or gradient is not finite (NaN or an infinity) does. Either way the
+/// weights and AdamW states are not changed by it: the whole gradient's norm is known before any
+/// update (this needs TrainerOptions::resident_gradients(): exact clipping, the default).
+enum class NonFinite {
+  stop,  ///< Trainer::step throws, naming the step and the unit; the trainer takes no further step
+  skip,  ///< the step is skipped (counted: StepStats::skipped), as mixed-precision loss scalers skip
+};
+
 struct TrainerOptions {
   /// device_units: as many units as the device has room for (see there).
   static constexpr std::int64_t kAutoDeviceUnits = -1;
@@ -72,6 +80,13 @@ struct TrainerOptions {
   LrSchedule schedule;
   double clip_norm = 0.0;  ///< max global gradient norm; 0 disables clipping
   ClipMode clip_mode = ClipMode::exact;
+  /// A non-finite step: stop (the default) or skip it. A skipped step consumes its batch and
+  /// counts as a step for the schedule and the data order, but changes no weight and no AdamW
+  /// state, and AdamW's bias correction counts only the updates applied (PyTorch's GradScaler
+  /// skipping optimizer.step() while the scheduler steps). After max_nonfinite_skips skipped
+  /// steps in a row the trainer stops as with NonFinite::stop.
+  NonFinite on_nonfinite = NonFinite::stop;
+  std::int64_t max_nonfinite_skips = 10;
   std::size_t weight_slots = 2;  ///< ring of block weight slots (>= 2: double buffering)
   std::size_t grad_slots = 2;    ///< ring of block gradient accumulators on the device
   /// With resident gradients (exact clipping, micro-batches): step() returns once the global
@@ -121,6 +136,11 @@ struct TrainerOptions {
     MT_CHECK(kept_blocks <= 0 || checkpoint_every <= 1,
              "kept activations (kept_blocks {}) need a checkpoint at every block, not every {} blocks", kept_blocks,
              checkpoint_every);
+    MT_CHECK(max_nonfinite_skips >= 1, "max_nonfinite_skips must be >= 1 (got {})", max_nonfinite_skips);
+    MT_CHECK(on_nonfinite == NonFinite::stop || resolved().resident_gradients(),
+             "skipping non-finite steps (on_nonfinite skip) needs the whole gradient before any update: exact clipping "
+             "(ClipMode::exact, the default) or micro-batches; without clipping or with stale clipping each unit is "
+             "updated during the backward");
     adamw.validate();
     schedule.validate();
   }
@@ -151,7 +171,9 @@ inline nlohmann::json to_json(const TrainerOptions& o) {
           {"grad_slots", o.grad_slots},
           {"gradient_home", o.gradient_home == GradientHome::device ? "device" : "host"},
           {"device_units", o.device_units},
-          {"kept_blocks", o.kept_blocks}};
+          {"kept_blocks", o.kept_blocks},
+          {"on_nonfinite", o.on_nonfinite == NonFinite::stop ? "stop" : "skip"},
+          {"max_nonfinite_skips", o.max_nonfinite_skips}};
 }
 
 /// Reads what to_json wrote; throws megatrain::Error naming `what` and the field otherwise.
@@ -185,6 +207,10 @@ inline TrainerOptions trainer_options_from_json(const nlohmann::json& j, std::st
     o.gradient_home = home == "device" ? GradientHome::device : GradientHome::host;
     o.device_units = j.value("device_units", std::int64_t{0});
     o.kept_blocks = j.value("kept_blocks", std::int64_t{0});
+    const std::string nonfinite = j.value("on_nonfinite", "stop");
+    MT_CHECK(nonfinite == "stop" || nonfinite == "skip", "{}: on_nonfinite '{}' is unknown", what, nonfinite);
+    o.on_nonfinite = nonfinite == "stop" ? NonFinite::stop : NonFinite::skip;
+    o.max_nonfinite_skips = j.value("max_nonfinite_skips", std::int64_t{10});
   } catch (const nlohmann::json::exception& e) {
     MT_FAIL("{}: the trainer options are malformed: {}", what, e.what());
   }
