@@ -20,6 +20,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "megatrain/core/error.hpp"
@@ -424,6 +425,25 @@ inline std::vector<std::string> config_args(const std::string& path, const CLI::
   return args;
 }
 
+/// Throws megatrain::Error for an empty argument of `args` (in command-line order) that is no
+/// option's value. CLI11 2.1.2 takes such an argument for the name of an option group (groups have
+/// none) and then never returns: `megatrain-train "" --config x` and {"help": ""} in a --config
+/// file hung. A program without positional arguments refuses it anyway.
+inline void refuse_empty_positionals(const CLI::App& app, const std::vector<std::string>& args, std::string_view program) {
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    if (!args[i].empty()) continue;
+    bool value = false;
+    if (i > 0 && args[i - 1].rfind("--", 0) == 0 && args[i - 1].find('=') == std::string::npos) {
+      try {
+        value = app.get_option(args[i - 1])->get_items_expected_max() > 0;
+      } catch (const CLI::OptionNotFound&) {
+      }
+    }
+    MT_CHECK(value, "an empty argument (\"\"){} is no option's value, and {} takes no positional argument",
+             i > 0 ? " after " + args[i - 1] : std::string(), program);
+  }
+}
+
 /// What was parsed: the settings and the parser that holds their option records.
 struct Parsed {
   std::unique_ptr<Settings> settings = std::make_unique<Settings>();
@@ -457,6 +477,7 @@ inline void parse(Parsed& p, const std::vector<std::string>& args, const std::ve
   for (const auto& a : all)
     if (a.rfind("--", 0) == 0) s.origins.file.insert(a);
   all.insert(all.end(), args.begin(), args.end());
+  refuse_empty_positionals(*p.app, all, "megatrain-train");
   std::reverse(all.begin(), all.end());  // CLI11 parses a vector given in reverse order
   p.app->parse(all);
   s.resume_given = p.app->get_option("--resume")->count() > 0;
