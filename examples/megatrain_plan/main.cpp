@@ -216,6 +216,7 @@ int main(int argc, char** argv) {
                 "default in $MEGATRAIN_MACHINE, else ~/.cache/megatrain/machine.json, which later plans read");
   app.add_flag("--json", a.json, "Print the plan as JSON");
   try {
+    refuse_empty_positionals(app, std::vector<std::string>(argv + 1, argv + argc), "megatrain-plan");
     app.parse(argc, argv);
     for (int i = 1; i < argc; ++i) {
       const std::string arg = argv[i];

@@ -198,7 +198,7 @@ void truncate_metrics(const fs::path& path, std::int64_t step) {
     json j;
     try {
       j = json::parse(line);
-    } catch (const json::parse_error&) {
+    } catch (const json::exception&) {
       continue;  // a line torn by the crash
     }
     if (j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<std::int64_t>() <= step)

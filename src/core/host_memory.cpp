@@ -114,7 +114,12 @@ std::size_t parse_byte_size(const char* text) {
   else if (suffix == "G" || suffix == "Gi") scale = 1024.0 * 1024 * 1024;
   else if (suffix == "T" || suffix == "Ti") scale = 1024.0 * 1024 * 1024 * 1024;
   else MT_CHECK(suffix.empty(), "'{}' is not a byte size (suffixes: K, M, G, T)", text);
-  return static_cast<std::size_t>(v * scale);
+  // 2^63 bytes (8 EiB) is beyond any machine, and a double that large no longer converts to a
+  // size without undefined behaviour.
+  const double bytes = v * scale;
+  MT_CHECK(bytes < 0x1p63, "'{}' is {:.3g} bytes, beyond any machine (at most 2^63); give a size such as 120G", text,
+           bytes);
+  return static_cast<std::size_t>(bytes);
 }
 
 std::size_t host_page_size() { return page_size(); }

@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/host_memory.hpp"
 #include "megatrain/io/detail/atomic_files.hpp"
 #include "megatrain/core/nvtx.hpp"
 #include "megatrain/layers/decoder_model.hpp"
@@ -227,7 +228,7 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
   json j;
   try {
     j = json::parse(c.config_text_);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
     MT_FAIL("{}: malformed JSON: {}", config_path.string(), e.what());
   }
   c.config_ = ModelConfig::from_json(j, config_path.string());
@@ -254,6 +255,19 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
            "{}: num_hidden_layers is {} but the checkpoint {} holds {} tensors in all, fewer than one a layer: "
            "config.json does not describe these weights (fix the config, or give the folder these weights came with)",
            config_path.string(), c.config_.num_hidden_layers, c.weights_.path().string(), c.weights_.size());
+  // Likewise for the model's size: what the units hold per layer (names, rotary tables of
+  // head_dim / 2) is bounded by the parameters they describe, and those must be in the files, at
+  // half a byte each at the least (4-bit blocks): a config describing more is refused before the
+  // units are built, not after (a 300-byte config.json with head_dim 2^14 would otherwise build
+  // tables for parameters nobody stored).
+  std::uint64_t file_bytes = 0;
+  for (const auto& f : c.weights_.files()) file_bytes += f.file_size();
+  MT_CHECK(static_cast<std::uint64_t>(c.config_.param_count()) / 2 <= file_bytes,
+           "{}: config.json describes a model of {} parameters ({}), but the checkpoint {} holds {} in all, too little "
+           "for them at any dtype: config.json does not describe these weights (fix the config, or give the folder "
+           "these weights came with)",
+           config_path.string(), c.config_.param_count(), describe(c.config_), c.weights_.path().string(),
+           format_bytes(file_bytes));
   c.units_ = DecoderModel<>(c.config_).units();
 
   // ---- names, shapes and dtypes against the model -------------------------------------------
@@ -480,7 +494,7 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
   } else {
     try {
       j = json::parse(options.config_json);
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {
       MT_FAIL("{}: the config.json text given is malformed JSON: {}", label, e.what());
     }
     const ModelConfig given = ModelConfig::from_json(j, "the config.json text given for the export");

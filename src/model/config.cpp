@@ -312,6 +312,10 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
   c.hidden_size = get_int(j, "hidden_size", src);
   c.intermediate_size = get_int(j, "intermediate_size", src);
   c.num_hidden_layers = get_int(j, "num_hidden_layers", src);
+  // (bounded first: the per-layer tables below are sized by it)
+  MT_CHECK(c.num_hidden_layers > 0, "{}: num_hidden_layers must be > 0 (got {})", src, c.num_hidden_layers);
+  MT_CHECK(c.num_hidden_layers <= kMaxLayers, "{}: num_hidden_layers {} is beyond any model (at most {})", src,
+           c.num_hidden_layers, kMaxLayers);
   c.num_attention_heads = get_int(j, "num_attention_heads", src);
   c.num_key_value_heads = get_int(j, "num_key_value_heads", src, c.num_attention_heads);
   c.vocab_size = get_int(j, "vocab_size", src);
@@ -448,7 +452,7 @@ ModelConfig ModelConfig::from_file(const std::filesystem::path& path) {
   json j;
   try {
     j = json::parse(ss.str());
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
     MT_FAIL("{}: malformed JSON: {}", path.string(), e.what());
   }
   return from_json(j, path.string());
@@ -459,6 +463,9 @@ void ModelConfig::validate(std::string_view src) const {
   positive(hidden_size, "hidden_size");
   positive(intermediate_size, "intermediate_size");
   positive(num_hidden_layers, "num_hidden_layers");
+  MT_CHECK(num_hidden_layers <= kMaxLayers, "{}: num_hidden_layers {} is beyond any model (at most {})", src,
+           num_hidden_layers, kMaxLayers);
+  MT_CHECK(head_dim <= kMaxHeadDim, "{}: head_dim {} is beyond any model (at most {})", src, head_dim, kMaxHeadDim);
   positive(num_attention_heads, "num_attention_heads");
   positive(num_key_value_heads, "num_key_value_heads");
   positive(head_dim, "head_dim");

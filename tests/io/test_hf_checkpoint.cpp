@@ -603,12 +603,25 @@ TEST_CASE("bad input: tensors that disagree with config.json") {
     CHECK_ERROR_MENTIONS(HfCheckpoint::open(out), file, "'model.layers.1.mlp.up_proj.weight' is missing", "[72, 64]",
                          "does not match the model its config.json describes", "LlamaForCausalLM, 2 layers");
   }
-  SUBCASE("a config of 10^9 layers beside these weights: refused before the layers are built") {
+  SUBCASE("a config of 60,000 layers beside these weights: refused before the layers are built") {
     auto j = llama_json(false);
-    j["num_hidden_layers"] = 1000000000;
+    j["num_hidden_layers"] = 60000;
     write_model(out, t, j);
-    CHECK_ERROR_MENTIONS(HfCheckpoint::open(out), "num_hidden_layers is 1000000000", file, "fewer than one a layer",
+    CHECK_ERROR_MENTIONS(HfCheckpoint::open(out), "num_hidden_layers is 60000", file, "fewer than one a layer",
                          "config.json does not describe these weights");
+    j["num_hidden_layers"] = 1000000000;  // (beyond any model: refused as the config is read)
+    write_model(out, t, j);
+    CHECK_ERROR_MENTIONS(HfCheckpoint::open(out), (out / "config.json").string(), "num_hidden_layers 1000000000 is beyond any model (at most 65536)");
+  }
+  SUBCASE("a config far larger than these weights: refused before its units are built") {
+    for (const auto& [key, value] : {std::pair{"intermediate_size", std::int64_t{10000000}}, {"head_dim", std::int64_t{16384}}}) {
+      CAPTURE(key);
+      auto j = llama_json(false);
+      j[key] = value;
+      write_model(out, t, j);
+      CHECK_ERROR_MENTIONS(HfCheckpoint::open(out), file, "describes a model of", "too little for them at any dtype",
+                           "config.json does not describe these weights");
+    }
   }
   SUBCASE("an untied model without lm_head.weight: the hint says tie_word_embeddings") {
     write_model(out, without("lm_head.weight"), llama_json(false));

@@ -1018,7 +1018,7 @@ TEST_CASE("config errors: sequence lengths") {
 TEST_CASE("config errors: sizes whose products overflow 64 bits are refused, not wrapped") {
   const json b = base_config();
   const std::int64_t huge = std::int64_t{1} << 62;
-  for (const char* key : {"hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"}) {
+  for (const char* key : {"hidden_size", "intermediate_size", "vocab_size"}) {
     CAPTURE(key);
     json j = with(b, key, huge);
     if (std::string_view(key) == "hidden_size") j["head_dim"] = 16;  // (so that only the products overflow)
@@ -1027,6 +1027,22 @@ TEST_CASE("config errors: sizes whose products overflow 64 bits are refused, not
     CHECK(contains(e, "64 bits"));
   }
   CHECK(contains(error_of(with(b, "num_attention_heads", huge)), "num_attention_heads"));
+  // Layers and head widths are bounded before anything sized by them is built (a per-layer table,
+  // rotary frequencies): far beyond any model, and refused at once
+  for (const std::int64_t layers : {huge, std::int64_t{1000000000}, ModelConfig::kMaxLayers + 1}) {
+    const std::string e = error_of(with(b, "num_hidden_layers", layers), "deep.json");
+    CHECK(contains(e, "deep.json"));
+    CHECK(contains(e, fmt::format("num_hidden_layers {} is beyond any model (at most {})", layers, ModelConfig::kMaxLayers)));
+  }
+  json gemma = b;
+  gemma["architectures"] = json::array({"Gemma3ForCausalLM"});
+  gemma["model_type"] = "gemma3_text";
+  gemma["num_hidden_layers"] = 1000000000;  // (Gemma 3 keeps a table per layer: bounded first)
+  CHECK(contains(error_of(gemma), "num_hidden_layers 1000000000 is beyond any model (at most 65536)"));
+  json wide = with(b, "head_dim", ModelConfig::kMaxHeadDim * 2);
+  CHECK(contains(error_of(wide), fmt::format("head_dim {} is beyond any model (at most {})", ModelConfig::kMaxHeadDim * 2,
+                                             ModelConfig::kMaxHeadDim)));
+  CHECK_NOTHROW(ModelConfig::from_json(with(b, "num_hidden_layers", 300)));
   // and a shape that would overflow is an error wherever it is built
   CHECK(contains(error_of([] { (void)Shape{std::int64_t{1} << 40, std::int64_t{1} << 40}; }), "64 bits"));
 }

@@ -244,3 +244,34 @@ TEST_CASE("saves asked for while one is still written: every result is reported,
   CHECK(ckpt.poll().empty());
   CHECK(io::CheckpointFolder(dir.path()).list().size() == 3);
 }
+
+TEST_CASE("train_state.json: whole-number fields as floats or out of their range are refused (found by fuzzing)") {
+  // (nlohmann's get<int64_t>() of 1e300, or get<size_t>() of -1.0, is undefined behaviour)
+  TrainState s;
+  s.step = 7;
+  s.options = megatrain::test::options(2, 8);
+  s.data = DataPosition{42, 1, 3, 10};
+  s.model = tiny(false).to_json();
+  const nlohmann::json good = to_json(s);
+  REQUIRE(train_state_from_json(good, "train_state.json").step == 7);
+  const std::pair<std::vector<std::string>, nlohmann::json> cases[] = {
+      {{"step"}, 1e300},          {{"trainer", "weight_slots"}, -1.0}, {{"trainer", "batch_rows"}, 2.5},
+      {{"skipped_steps"}, -1e19}, {{"trainer", "grad_slots"}, -2},    {{"data", "seed"}, -1},
+      {{"format_version"}, 1e10}, {{"trainer", "schedule", "warmup_steps"}, 1.0}};
+  for (const auto& [path, value] : cases) {
+    CAPTURE(path.back());
+    nlohmann::json j = good;
+    nlohmann::json* at = &j;
+    for (const auto& k : path) at = &(*at)[k];
+    *at = value;
+    std::string e;
+    try {
+      (void)train_state_from_json(j, "run/step-7/train_state.json");
+    } catch (const Error& err) {
+      e = err.what();
+    }
+    CHECK(e.find("run/step-7/train_state.json") != std::string::npos);
+    CHECK(e.find(path.back() + "' must be a whole number") != std::string::npos);
+    CHECK(e.find(value.dump()) != std::string::npos);
+  }
+}

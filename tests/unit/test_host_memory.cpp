@@ -158,6 +158,19 @@ TEST_CASE("parse_byte_size and format_bytes") {
   CHECK_THROWS_AS(parse_byte_size("12Q"), Error);
   CHECK_THROWS_AS(parse_byte_size("lots"), Error);
   CHECK_THROWS_AS(parse_byte_size("-1G"), Error);
+  // beyond 2^63 bytes: refused (the conversion to a size would be undefined)
+  for (const char* big : {"1e300", "20000000000T", "9223372036854775808"}) {
+    CAPTURE(big);
+    std::string e;
+    try {
+      (void)parse_byte_size(big);
+    } catch (const Error& err) {
+      e = err.what();
+    }
+    CHECK(e.find(big) != std::string::npos);
+    CHECK(e.find("beyond any machine") != std::string::npos);
+  }
+  CHECK(parse_byte_size("8388607T") == (8388607ull << 40));
   CHECK(format_bytes(10) == "10 B");
   CHECK(format_bytes(3ull << 30) == "3.00 GiB");
 }

@@ -53,6 +53,11 @@ struct RopeScaling {
 };
 
 struct ModelConfig {
+  /// Bounds far beyond any published model (the deepest have ~128 layers, the widest heads 512
+  /// dimensions), checked as soon as a config is read, before anything sized by them is built.
+  static constexpr std::int64_t kMaxLayers = std::int64_t{1} << 16;
+  static constexpr std::int64_t kMaxHeadDim = std::int64_t{1} << 14;
+
   Architecture architecture = Architecture::llama;
   std::int64_t hidden_size = 0;
   std::int64_t intermediate_size = 0;

@@ -121,7 +121,7 @@ inline MachineFigures read_machine_figures(const std::filesystem::path& path, st
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(f);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {
     MT_FAIL("{}: malformed JSON: {}", what, e.what());
   }
   return machine_figures_from_json(j, what);

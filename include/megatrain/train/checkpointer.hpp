@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/json_number.hpp"
 #include "megatrain/core/nvtx.hpp"
 #include "megatrain/core/version.hpp"
 #include "megatrain/data/token_dataset.hpp"
@@ -94,16 +95,16 @@ inline TrainState train_state_from_json(const nlohmann::json& j, std::string_vie
   try {
     MT_CHECK(j.value("format", "") == "megatrain-train-state", "{}: not a megatrain train state (format '{}')", what,
              j.value("format", ""));
-    const int version = j.at("format_version").get<int>();
+    const int version = json_whole<int>(j.at("format_version"), what, "format_version");
     MT_CHECK(version == 1, "{}: train-state format version {} is not supported by megatrain {} (it reads version 1)", what,
              version, megatrain::version());
     s.megatrain_version = j.at("megatrain_version").get<std::string>();
-    s.step = j.at("step").get<std::int64_t>();
+    s.step = json_whole<std::int64_t>(j.at("step"), what, "step");
     MT_CHECK(s.step >= 0, "{}: step {} is negative", what, s.step);
     if (!j.at("last_grad_norm").is_null()) s.last_grad_norm = j.at("last_grad_norm").get<double>();
     // (absent from train states written before skipping existed: none skipped)
-    s.skipped_steps = j.value("skipped_steps", std::int64_t{0});
-    s.skipped_in_a_row = j.value("skipped_in_a_row", std::int64_t{0});
+    s.skipped_steps = json_whole_or(j, "skipped_steps", std::int64_t{0}, what);
+    s.skipped_in_a_row = json_whole_or(j, "skipped_in_a_row", std::int64_t{0}, what);
     MT_CHECK(s.skipped_steps >= 0 && s.skipped_steps <= s.step && s.skipped_in_a_row >= 0 &&
                  s.skipped_in_a_row <= s.skipped_steps,
              "{}: skipped_steps {} and skipped_in_a_row {} do not fit step {} (0 <= in a row <= skipped <= step)", what,
@@ -113,8 +114,10 @@ inline TrainState train_state_from_json(const nlohmann::json& j, std::string_vie
     s.user = j.at("user");
     if (!j.at("data").is_null()) {
       const auto& d = j.at("data");
-      s.data = DataPosition{d.at("seed").get<std::uint64_t>(), d.at("epoch").get<std::int64_t>(), d.at("slot").get<std::int64_t>(),
-                            d.at("windows_per_epoch").get<std::int64_t>()};
+      s.data = DataPosition{json_whole<std::uint64_t>(d.at("seed"), what, "data.seed"),
+                            json_whole<std::int64_t>(d.at("epoch"), what, "data.epoch"),
+                            json_whole<std::int64_t>(d.at("slot"), what, "data.slot"),
+                            json_whole<std::int64_t>(d.at("windows_per_epoch"), what, "data.windows_per_epoch")};
     }
   } catch (const nlohmann::json::exception& e) {
     MT_FAIL("{}: the train state is malformed: {}", what, e.what());

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/json_number.hpp"
 #include "megatrain/optim/adamw.hpp"
 #include "megatrain/optim/lr_schedule.hpp"
 
@@ -180,37 +181,38 @@ inline nlohmann::json to_json(const TrainerOptions& o) {
 inline TrainerOptions trainer_options_from_json(const nlohmann::json& j, std::string_view what) {
   TrainerOptions o;
   try {
-    o.batch_rows = j.at("batch_rows").get<std::int64_t>();
-    o.seq_len = j.at("seq_len").get<std::int64_t>();
-    o.micro_batches = j.at("micro_batches").get<std::int64_t>();
-    o.max_micro_rows = j.at("max_micro_rows").get<std::int64_t>();
-    o.chunk_rows = j.at("chunk_rows").get<std::int64_t>();
+    o.batch_rows = json_whole<std::int64_t>(j.at("batch_rows"), what, "batch_rows");
+    o.seq_len = json_whole<std::int64_t>(j.at("seq_len"), what, "seq_len");
+    o.micro_batches = json_whole<std::int64_t>(j.at("micro_batches"), what, "micro_batches");
+    o.max_micro_rows = json_whole<std::int64_t>(j.at("max_micro_rows"), what, "max_micro_rows");
+    o.chunk_rows = json_whole<std::int64_t>(j.at("chunk_rows"), what, "chunk_rows");
     o.packed = j.value("packed", false);  // (absent from train states written before packing)
-    o.token_chunk = j.value("token_chunk", std::int64_t{0});
-    o.checkpoint_every = j.value("checkpoint_every", std::int64_t{1});  // (absent: written before it existed)
+    o.token_chunk = json_whole_or(j, "token_chunk", std::int64_t{0}, what);
+    o.checkpoint_every = json_whole_or(j, "checkpoint_every", std::int64_t{1}, what);  // (absent: written before it existed)
     const auto& a = j.at("adamw");
     o.adamw = {a.at("lr").get<double>(), a.at("beta1").get<double>(), a.at("beta2").get<double>(), a.at("eps").get<double>(),
                a.at("weight_decay").get<double>()};
     const auto& s = j.at("schedule");
     o.schedule = {LrSchedule::kind_named(s.at("kind").get<std::string>(), what), s.at("lr").get<double>(),
-                  s.at("warmup_steps").get<std::int64_t>(), s.at("total_steps").get<std::int64_t>(),
+                  json_whole<std::int64_t>(s.at("warmup_steps"), what, "schedule.warmup_steps"),
+                  json_whole<std::int64_t>(s.at("total_steps"), what, "schedule.total_steps"),
                   s.at("min_lr").get<double>()};
     o.clip_norm = j.at("clip_norm").get<double>();
     const std::string mode = j.at("clip_mode").get<std::string>();
     MT_CHECK(mode == "exact" || mode == "stale", "{}: clip_mode '{}' is unknown", what, mode);
     o.clip_mode = mode == "exact" ? ClipMode::exact : ClipMode::stale;
-    o.weight_slots = j.at("weight_slots").get<std::size_t>();
-    o.grad_slots = j.at("grad_slots").get<std::size_t>();
+    o.weight_slots = json_whole<std::size_t>(j.at("weight_slots"), what, "weight_slots");
+    o.grad_slots = json_whole<std::size_t>(j.at("grad_slots"), what, "grad_slots");
     // (layout only, and absent from train states written before they existed)
     const std::string home = j.value("gradient_home", "host");
     MT_CHECK(home == "device" || home == "host", "{}: gradient_home '{}' is unknown", what, home);
     o.gradient_home = home == "device" ? GradientHome::device : GradientHome::host;
-    o.device_units = j.value("device_units", std::int64_t{0});
-    o.kept_blocks = j.value("kept_blocks", std::int64_t{0});
+    o.device_units = json_whole_or(j, "device_units", std::int64_t{0}, what);
+    o.kept_blocks = json_whole_or(j, "kept_blocks", std::int64_t{0}, what);
     const std::string nonfinite = j.value("on_nonfinite", "stop");
     MT_CHECK(nonfinite == "stop" || nonfinite == "skip", "{}: on_nonfinite '{}' is unknown", what, nonfinite);
     o.on_nonfinite = nonfinite == "stop" ? NonFinite::stop : NonFinite::skip;
-    o.max_nonfinite_skips = j.value("max_nonfinite_skips", std::int64_t{10});
+    o.max_nonfinite_skips = json_whole_or(j, "max_nonfinite_skips", std::int64_t{10}, what);
   } catch (const nlohmann::json::exception& e) {
     MT_FAIL("{}: the trainer options are malformed: {}", what, e.what());
   }
