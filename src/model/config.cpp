@@ -65,14 +65,19 @@ struct ArchInfo {
   bool unit_offset_norms;  ///< every norm multiplies by (1 + w) (Gemma)
   bool sandwich_norms;     ///< the attention's and the MLP's outputs normalised too (Gemma 3)
   bool scaled_embedding;   ///< the embedding's output times sqrt(hidden_size) (Gemma)
+  bool qk_norm_full;       ///< q_norm and k_norm over the whole projection, not per head (OLMoE)
+  bool moe;                ///< sparse mixture-of-experts MLPs (MoeConfig)
 };
 constexpr ArchInfo kArchs[] = {
-    {Architecture::llama, "LlamaForCausalLM", "llama", 2048, false, false, false, false, false},
-    {Architecture::mistral, "MistralForCausalLM", "mistral", 131072, false, false, false, false, false},
-    {Architecture::qwen2, "Qwen2ForCausalLM", "qwen2", 32768, false, false, false, false, false},
-    {Architecture::qwen3, "Qwen3ForCausalLM", "qwen3", 32768, true, false, false, false, false},
-    {Architecture::phi3, "Phi3ForCausalLM", "phi3", 4096, false, true, false, false, false},
-    {Architecture::gemma3, "Gemma3ForCausalLM", "gemma3_text", 131072, true, false, true, true, true},
+    {Architecture::llama, "LlamaForCausalLM", "llama", 2048, false, false, false, false, false, false, false},
+    {Architecture::mistral, "MistralForCausalLM", "mistral", 131072, false, false, false, false, false, false, false},
+    {Architecture::qwen2, "Qwen2ForCausalLM", "qwen2", 32768, false, false, false, false, false, false, false},
+    {Architecture::qwen3, "Qwen3ForCausalLM", "qwen3", 32768, true, false, false, false, false, false, false},
+    {Architecture::phi3, "Phi3ForCausalLM", "phi3", 4096, false, true, false, false, false, false, false},
+    {Architecture::gemma3, "Gemma3ForCausalLM", "gemma3_text", 131072, true, false, true, true, true, false, false},
+    {Architecture::qwen3_moe, "Qwen3MoeForCausalLM", "qwen3_moe", 32768, true, false, false, false, false, false, true},
+    {Architecture::mixtral, "MixtralForCausalLM", "mixtral", 131072, false, false, false, false, false, false, true},
+    {Architecture::olmoe, "OlmoeForCausalLM", "olmoe", 4096, true, false, false, false, false, true, true},
 };
 const ArchInfo& arch_info(Architecture a) {
   for (const auto& info : kArchs)
@@ -184,6 +189,78 @@ json rope_scaling_json(const RopeScaling& r, double yarn_factor, std::int64_t ya
     }
   }
   return nullptr;
+}
+
+// The mixture-of-experts families' fields (Qwen3MoeConfig, MixtralConfig, OlmoeConfig of
+// transformers 5.17; the defaults are theirs). Their attention is Qwen3's (per-head q/k norms,
+// attention_bias), Mistral's (no bias, a window where sliding_window is set) and OLMoE's (q/k
+// norms over the whole projections, attention_bias). What megatrain does not train the way
+// transformers does is refused by name: the auxiliary load-balancing loss (output_router_logits),
+// Mixtral's router jitter (random), OLMoE's clip_qkv.
+void parse_moe(const json& j, std::string_view src, ModelConfig& c) {
+  MoeConfig& m = c.moe;
+  const bool mixtral = c.architecture == Architecture::mixtral, qwen = c.architecture == Architecture::qwen3_moe;
+  MT_CHECK(!get_bool(j, "mlp_bias", src, false), "{}: 'mlp_bias' is true, but {} has no such option (its experts have no "
+           "bias); remove the field", src, c.architecture_name());
+  if (mixtral) {
+    MT_CHECK(!get_bool(j, "attention_bias", src, false), "{}: 'attention_bias' is true, but MixtralForCausalLM has no "
+             "such option (its attention has no bias); remove the field", src);
+    // (MixtralConfig's sliding_window defaults to None, unlike Mistral's)
+    if (j.contains("sliding_window") && !j.at("sliding_window").is_null()) c.sliding_window = get_int(j, "sliding_window", src);
+  } else {
+    c.qkv_bias = c.o_bias = get_bool(j, "attention_bias", src, false);
+  }
+  if (qwen && get_bool(j, "use_sliding_window", src, false)) c.sliding_window = get_int(j, "sliding_window", src, 4096);
+  MT_CHECK(get_double(j, "attention_dropout", src, 0.0) == 0.0,
+           "{}: 'attention_dropout' is {}, but megatrain trains without dropout; set it to 0.0 to train this model", src,
+           get_double(j, "attention_dropout", src, 0.0));
+  // (transformers 5 writes the count as num_local_experts for Qwen3-MoE and Mixtral and as
+  // num_experts for OLMoE, and reads either name for each; the Hub's Qwen3-MoE configs say num_experts)
+  const auto given = [&](const char* key) { return j.contains(key) && !j.at(key).is_null(); };
+  m.num_experts = given("num_local_experts") ? get_int(j, "num_local_experts", src)
+                  : given("num_experts")     ? get_int(j, "num_experts", src)
+                                             : (mixtral ? 8 : qwen ? 128 : 64);
+  if (given("num_local_experts") && given("num_experts"))
+    MT_CHECK(get_int(j, "num_experts", src) == m.num_experts,
+             "{}: num_experts ({}) and num_local_experts ({}) name the same count and disagree", src,
+             get_int(j, "num_experts", src), m.num_experts);
+  m.experts_per_token = get_int(j, "num_experts_per_tok", src, mixtral ? 2 : 8);
+  m.intermediate_size = qwen ? get_int(j, "moe_intermediate_size", src, 768) : c.intermediate_size;
+  m.norm_topk_prob = mixtral || get_bool(j, "norm_topk_prob", src, false);
+  m.router_aux_loss_coef = get_double(j, "router_aux_loss_coef", src, mixtral || qwen ? 0.001 : 0.01);
+  MT_CHECK(m.num_experts > 0 && m.num_experts <= (1 << 16),
+           "{}: num_experts must be in [1, 65536] (got {})", src, m.num_experts);
+  MT_CHECK(m.experts_per_token > 0 && m.experts_per_token <= m.num_experts,
+           "{}: num_experts_per_tok must be in [1, {}] (the experts there are; got {})", src, m.num_experts,
+           m.experts_per_token);
+  MT_CHECK(!get_bool(j, "output_router_logits", src, false),
+           "{}: output_router_logits is true: transformers then adds the auxiliary load-balancing loss (times "
+           "router_aux_loss_coef) to the training loss, which megatrain does not compute yet; set it to false to train "
+           "on the language-model loss alone", src);
+  if (mixtral)
+    MT_CHECK(get_double(j, "router_jitter_noise", src, 0.0) == 0.0,
+             "{}: router_jitter_noise is {}: Mixtral's router then multiplies its input by random noise while training, "
+             "which megatrain does not; set it to 0.0", src, get_double(j, "router_jitter_noise", src, 0.0));
+  if (c.architecture == Architecture::olmoe)
+    MT_CHECK(!j.contains("clip_qkv") || j.at("clip_qkv").is_null(),
+             "{}: clip_qkv is {}: clamping the q, k and v projections is not supported; OLMoE's published models have "
+             "it null", src, j.contains("clip_qkv") ? j.at("clip_qkv").dump() : "");
+  if (qwen) {
+    m.decoder_sparse_step = get_int(j, "decoder_sparse_step", src, 1);
+    MT_CHECK(m.decoder_sparse_step >= 1, "{}: decoder_sparse_step must be >= 1 (got {})", src, m.decoder_sparse_step);
+    if (j.contains("mlp_only_layers") && !j.at("mlp_only_layers").is_null()) {
+      const json& ml = j.at("mlp_only_layers");
+      MT_CHECK(ml.is_array(), "{}: mlp_only_layers must be a list of layer indices, not {}", src, ml.dump());
+      for (const auto& v : ml) {
+        MT_CHECK(v.is_number_integer() && v.get<std::int64_t>() >= 0 && v.get<std::int64_t>() < c.num_hidden_layers,
+                 "{}: mlp_only_layers holds {}; each entry must be a layer index in [0, {})", src, v.dump(),
+                 c.num_hidden_layers);
+        m.dense_layers.push_back(v.get<std::int64_t>());
+      }
+      std::sort(m.dense_layers.begin(), m.dense_layers.end());
+      m.dense_layers.erase(std::unique(m.dense_layers.begin(), m.dense_layers.end()), m.dense_layers.end());
+    }
+  }
 }
 
 // Gemma3TextConfig's fields (transformers 5.17; the defaults are its defaults). Softcapping and
@@ -336,6 +413,7 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
   const bool gemma3 = c.architecture == Architecture::gemma3;
   c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", src, gemma3);
   if (gemma3 && !j.contains("pad_token_id")) c.pad_token_id = 0;
+  if (c.architecture == Architecture::olmoe && !j.contains("pad_token_id")) c.pad_token_id = 1;  // (OlmoeConfig's default)
   if (j.contains("pad_token_id") && !j.at("pad_token_id").is_null()) {
     c.pad_token_id = get_int(j, "pad_token_id", src);
     // nn.Embedding counts a negative padding_idx from the end of the table (old Llama configs say -1)
@@ -428,6 +506,11 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
     case Architecture::gemma3:
       parse_gemma3(j, src, c);
       break;
+    case Architecture::qwen3_moe:
+    case Architecture::mixtral:
+    case Architecture::olmoe:
+      parse_moe(j, src, c);
+      break;
     case Architecture::mistral:
       refuse_bias_keys("it has no bias in attention or MLP");
       // transformers' MistralConfig defaults sliding_window to 4096 when the key is absent;
@@ -509,6 +592,9 @@ void ModelConfig::validate(std::string_view src) const {
              "{}: longrope's original_max_position_embeddings must be > 0 (got {})", src,
              rope_scaling.original_max_position_embeddings);
   }
+  MT_CHECK(!qk_norm_full() || q_dim() == hidden_size,
+           "{}: OLMoE's q_norm spans hidden_size ({}), so num_attention_heads x head_dim must equal it (got {})", src,
+           hidden_size, q_dim());
   MT_CHECK(architecture == Architecture::gemma3 ||
                (sliding_layers.empty() && hidden_act == Activation::silu && !query_pre_attn_scalar),
            "{}: per-layer sliding windows, GeGLU and query_pre_attn_scalar are Gemma 3's; {} has none of them", src,
@@ -544,15 +630,45 @@ void ModelConfig::validate(std::string_view src) const {
                "{}: Gemma3ForCausalLM needs query_pre_attn_scalar > 0", src);
       break;
     case Architecture::qwen3:
-      MT_CHECK(qkv_bias == o_bias && !mlp_bias, "{}: Qwen3ForCausalLM's one attention_bias sets q/k/v and o_proj biases "
-               "alike and its MLP has none (got qkv_bias {}, o_bias {}, mlp_bias {})", src, qkv_bias, o_bias, mlp_bias);
+    case Architecture::qwen3_moe:
+    case Architecture::olmoe:
+      MT_CHECK(qkv_bias == o_bias && !mlp_bias, "{}: {}'s one attention_bias sets q/k/v and o_proj biases alike and its "
+               "MLP has none (got qkv_bias {}, o_bias {}, mlp_bias {})", src, architecture_name(), qkv_bias, o_bias, mlp_bias);
       break;
+    case Architecture::mixtral:
+      MT_CHECK(!qkv_bias && !o_bias && !mlp_bias, "{}: MixtralForCausalLM has no biases (got qkv_bias {}, o_bias {}, "
+               "mlp_bias {})", src, qkv_bias, o_bias, mlp_bias);
+      break;
+  }
+  if (arch_info(architecture).moe) {
+    MT_CHECK(moe.num_experts > 0 && moe.num_experts <= (1 << 16) && moe.experts_per_token > 0 &&
+                 moe.experts_per_token <= moe.num_experts && moe.intermediate_size > 0 && moe.decoder_sparse_step >= 1,
+             "{}: {} needs 1 <= num_experts_per_tok ({}) <= num_experts ({}) <= 65536, an expert intermediate size > 0 "
+             "({}) and decoder_sparse_step >= 1 ({})", src, architecture_name(), moe.experts_per_token, moe.num_experts,
+             moe.intermediate_size, moe.decoder_sparse_step);
+    for (const auto l : moe.dense_layers)
+      MT_CHECK(l >= 0 && l < num_hidden_layers, "{}: dense layer {} is not a layer [0, {})", src, l, num_hidden_layers);
+    MT_CHECK(architecture == Architecture::qwen3_moe || (moe.dense_layers.empty() && moe.decoder_sparse_step == 1),
+             "{}: only Qwen3-MoE has dense layers (mlp_only_layers, decoder_sparse_step)", src);
+    MT_CHECK(architecture == Architecture::qwen3_moe || architecture == Architecture::olmoe || moe.norm_topk_prob,
+             "{}: Mixtral always renormalises its top-k weights", src);
+  } else {
+    MT_CHECK(moe.num_experts == 0, "{}: {} has no experts (num_experts {})", src, architecture_name(), moe.num_experts);
   }
 }
 
 std::string_view ModelConfig::architecture_name() const { return arch_info(architecture).class_name; }
 std::string_view ModelConfig::model_type() const { return arch_info(architecture).model_type; }
 bool ModelConfig::qk_norm() const { return arch_info(architecture).qk_norm; }
+bool ModelConfig::qk_norm_full() const { return arch_info(architecture).qk_norm_full; }
+bool ModelConfig::is_moe_layer(std::int64_t layer) const {
+  if (moe.num_experts == 0) return false;
+  if (std::binary_search(moe.dense_layers.begin(), moe.dense_layers.end(), layer)) return false;
+  return (layer + 1) % moe.decoder_sparse_step == 0;
+}
+std::string_view ModelConfig::moe_module() const {
+  return architecture == Architecture::mixtral ? "block_sparse_moe" : "mlp";
+}
 bool ModelConfig::fused_projections() const { return arch_info(architecture).fused_projections; }
 bool ModelConfig::norm_unit_offset() const { return arch_info(architecture).unit_offset_norms; }
 bool ModelConfig::sandwich_norms() const { return arch_info(architecture).sandwich_norms; }
@@ -630,12 +746,31 @@ json ModelConfig::to_json() const {
     j["attention_bias"] = qkv_bias;
     j["mlp_bias"] = mlp_bias;
   }
-  if (architecture == Architecture::qwen3) j["attention_bias"] = qkv_bias;
-  if (architecture == Architecture::qwen2 || architecture == Architecture::qwen3) {
+  if (architecture == Architecture::qwen3 || architecture == Architecture::qwen3_moe || architecture == Architecture::olmoe)
+    j["attention_bias"] = qkv_bias;
+  if (arch_info(architecture).moe) {
+    j["num_experts"] = moe.num_experts;  // (both names: transformers 5 reads either, 4 only its family's)
+    j["num_local_experts"] = moe.num_experts;
+    j["num_experts_per_tok"] = moe.experts_per_token;
+    j["output_router_logits"] = false;
+    j["router_aux_loss_coef"] = moe.router_aux_loss_coef;
+    if (architecture == Architecture::mixtral) {
+      j["router_jitter_noise"] = 0.0;
+    } else {
+      j["norm_topk_prob"] = moe.norm_topk_prob;
+    }
+    if (architecture == Architecture::qwen3_moe) {
+      j["moe_intermediate_size"] = moe.intermediate_size;
+      j["decoder_sparse_step"] = moe.decoder_sparse_step;
+      j["mlp_only_layers"] = moe.dense_layers;
+    }
+    if (architecture == Architecture::olmoe) j["clip_qkv"] = nullptr;
+  }
+  if (architecture == Architecture::qwen2 || architecture == Architecture::qwen3 || architecture == Architecture::qwen3_moe) {
     j["use_sliding_window"] = sliding_window.has_value();
     j["sliding_window"] = sliding_window ? json(*sliding_window) : json(nullptr);
   }
-  if (architecture == Architecture::mistral || architecture == Architecture::phi3)
+  if (architecture == Architecture::mistral || architecture == Architecture::phi3 || architecture == Architecture::mixtral)
     j["sliding_window"] = sliding_window ? json(*sliding_window) : json(nullptr);
   return j;
 }
@@ -738,15 +873,28 @@ std::int64_t ModelConfig::param_count() const {
   const auto add = [](std::int64_t a, std::int64_t b) { return checked_add(a, b, "the model's parameter count"); };
   const std::int64_t d = hidden_size;
   std::int64_t block = add(add(add(mul(2, d), mul(d, q_dim())), mul(mul(2, d), kv_dim())), mul(q_dim(), d));  // norms, q, k, v, o
-  block = add(block, mul(mul(3, d), intermediate_size));  // gate, up, down
   if (qkv_bias) block = add(block, add(q_dim(), mul(2, kv_dim())));
   if (o_bias) block = add(block, d);
   if (mlp_bias) block = add(block, add(mul(2, intermediate_size), d));
-  if (qk_norm()) block = add(block, mul(2, head_dim));
+  if (qk_norm()) block = add(block, qk_norm_full() ? add(q_dim(), kv_dim()) : mul(2, head_dim));
   if (sandwich_norms()) block = add(block, mul(2, d));
+  // the MLPs: dense gate, up, down; or the router and each expert's three
+  std::int64_t sparse = 0;
+  for (std::int64_t l = 0; l < num_hidden_layers && moe.num_experts > 0; ++l) sparse += is_moe_layer(l) ? 1 : 0;
+  const std::int64_t dense_mlp = mul(mul(3, d), intermediate_size);
+  const std::int64_t moe_mlp = moe.num_experts > 0 ? add(mul(moe.num_experts, d), mul(moe.num_experts, mul(mul(3, d), moe.intermediate_size))) : 0;
   std::int64_t n = add(add(mul(vocab_size, d), mul(num_hidden_layers, block)), d);
+  n = add(n, add(mul(num_hidden_layers - sparse, dense_mlp), mul(sparse, moe_mlp)));
   if (!tie_word_embeddings) n = add(n, mul(vocab_size, d));
   return n;
+}
+
+std::int64_t ModelConfig::active_param_count() const {
+  std::int64_t sparse = 0;
+  for (std::int64_t l = 0; l < num_hidden_layers && moe.num_experts > 0; ++l) sparse += is_moe_layer(l) ? 1 : 0;
+  const std::int64_t idle = moe.num_experts - moe.experts_per_token;
+  return param_count() -
+         checked_mul(checked_mul(sparse, idle, "active parameters"), checked_mul(3 * hidden_size, moe.intermediate_size, "active parameters"), "active parameters");
 }
 
 void ModelConfig::check_sequence_length(std::int64_t seq_len) const {
@@ -825,6 +973,19 @@ constexpr Preset kPresets[] = {
       "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":32768,
       "max_position_embeddings":32768,"rms_norm_eps":1e-5,"rope_theta":1000000.0,"sliding_window":null,
       "tie_word_embeddings":false})"},
+    // Mixtures of experts (their published config.json; the CPU backend trains them for now)
+    {"qwen3-30b-a3b", R"({"architectures":["Qwen3MoeForCausalLM"],"hidden_size":2048,"intermediate_size":6144,
+      "moe_intermediate_size":768,"num_hidden_layers":48,"num_attention_heads":32,"num_key_value_heads":4,"head_dim":128,
+      "vocab_size":151936,"num_experts":128,"num_experts_per_tok":8,"norm_topk_prob":true,"max_position_embeddings":40960,
+      "rms_norm_eps":1e-6,"rope_theta":1000000.0,"tie_word_embeddings":false})"},
+    {"mixtral-8x7b", R"({"architectures":["MixtralForCausalLM"],"hidden_size":4096,"intermediate_size":14336,
+      "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":32000,"num_local_experts":8,
+      "num_experts_per_tok":2,"max_position_embeddings":32768,"rms_norm_eps":1e-5,"rope_theta":1000000.0,
+      "sliding_window":null,"tie_word_embeddings":false})"},
+    {"olmoe-1b-7b", R"({"architectures":["OlmoeForCausalLM"],"hidden_size":2048,"intermediate_size":1024,
+      "num_hidden_layers":16,"num_attention_heads":16,"num_key_value_heads":16,"vocab_size":50304,"num_experts":64,
+      "num_experts_per_tok":8,"norm_topk_prob":false,"max_position_embeddings":4096,"rms_norm_eps":1e-5,
+      "rope_theta":10000.0,"pad_token_id":1,"tie_word_embeddings":false})"},
 };
 }  // namespace
 

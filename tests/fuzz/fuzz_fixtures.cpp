@@ -88,6 +88,25 @@ std::vector<HfFixture> hf_fixtures() {
                                {"final_logit_softcapping", nullptr},
                                {"attn_logit_softcapping", nullptr}}),
                DType::f32});
+  // the mixtures of experts: 3 experts of 6, top 2 (Qwen3-MoE with a dense layer, Mixtral), top 2
+  // not renormalised (OLMoE)
+  f.push_back({"qwen3_moe", with({{"architectures", {"Qwen3MoeForCausalLM"}},
+                                  {"model_type", "qwen3_moe"},
+                                  {"head_dim", 4},
+                                  {"tie_word_embeddings", false},
+                                  {"num_experts", 3},
+                                  {"num_experts_per_tok", 2},
+                                  {"moe_intermediate_size", 6},
+                                  {"norm_topk_prob", true},
+                                  {"mlp_only_layers", {1}}}),
+               DType::bf16});
+  f.push_back({"mixtral", with({{"architectures", {"MixtralForCausalLM"}}, {"model_type", "mixtral"},
+                                {"tie_word_embeddings", false}, {"num_local_experts", 3}, {"num_experts_per_tok", 2}}),
+               DType::bf16});
+  f.push_back({"olmoe", with({{"architectures", {"OlmoeForCausalLM"}}, {"model_type", "olmoe"},
+                              {"num_key_value_heads", 2}, {"tie_word_embeddings", false}, {"num_experts", 3},
+                              {"num_experts_per_tok", 2}, {"pad_token_id", 1}}),
+               DType::f32});
   return f;
 }
 
@@ -101,6 +120,9 @@ std::string hf_fixture_for(const ModelConfig& c) {
     case Architecture::qwen3: return "qwen3";
     case Architecture::phi3: return "phi3";
     case Architecture::gemma3: return "gemma3";
+    case Architecture::qwen3_moe: return "qwen3_moe";
+    case Architecture::mixtral: return "mixtral";
+    case Architecture::olmoe: return "olmoe";
   }
   return "llama";
 }

@@ -18,6 +18,7 @@ GPU machine) only to change or add a family:
 import argparse
 import json
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -75,7 +76,51 @@ def families():
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
             **{**COMMON, "num_hidden_layers": 3})),
+        # Mixtures of experts (dropless top-k routing; each layer's experts are saved per expert,
+        # as on the Hub, and their gradients written under those names). Qwen3-MoE: per-head q/k
+        # norms, the top-k weights renormalised, a dense layer among the sparse ones (mlp_only_layers)
+        "qwen3_moe": (t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(
+            tie_word_embeddings=False, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+            norm_topk_prob=True, mlp_only_layers=[1], **{**COMMON, "num_hidden_layers": 3})),
+        # Mixtral: Mistral's attention, experts named w1/w3/w2 under block_sparse_moe, always renormalised
+        "mixtral": (t.MixtralForCausalLM, t.MixtralConfig(
+            tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, sliding_window=None, **COMMON)),
+        # OLMoE: q/k norms over the whole projections, top-k weights not renormalised, a padding id
+        "olmoe": (t.OlmoeForCausalLM, t.OlmoeConfig(
+            tie_word_embeddings=False, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, pad_token_id=PAD,
+            bos_token_id=None, eos_token_id=None, **COMMON)),
     }
+
+
+def saved_grads(model, saved):
+    """Every parameter's gradient under the name the saved checkpoint gives it: transformers 5 keeps
+    a layer's experts as stacked tensors (experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I]) and saves them per expert, as the Hub's checkpoints hold them (Mixtral: w1, w3, w2
+    under block_sparse_moe)."""
+    out = {}
+    mixtral = any(".block_sparse_moe." in k for k in saved)
+    names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {"gate": "gate_proj", "up": "up_proj",
+                                                                       "down": "down_proj"}
+    for pname, p in model.named_parameters():
+        g = p.grad.detach().float()
+        if pname in saved:
+            out[pname] = g
+            continue
+        if mixtral and pname.replace(".mlp.", ".block_sparse_moe.") in saved:
+            out[pname.replace(".mlp.", ".block_sparse_moe.")] = g
+            continue
+        m = re.fullmatch(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", pname)
+        assert m, f"{pname} is neither saved nor a stacked expert tensor"
+        prefix = m.group(1) + (".block_sparse_moe" if mixtral else ".mlp") + ".experts"
+        for e in range(g.shape[0]):
+            if m.group(2) == "gate_up_proj":
+                inter = g.shape[1] // 2
+                out[f"{prefix}.{e}.{names['gate']}.weight"] = g[e, :inter].contiguous()
+                out[f"{prefix}.{e}.{names['up']}.weight"] = g[e, inter:].contiguous()
+            else:
+                out[f"{prefix}.{e}.{names['down']}.weight"] = g[e].contiguous()
+    assert set(out) == set(saved) - {"lm_head.weight"} or set(out) == set(saved), sorted(set(saved) ^ set(out))
+    return out
 
 
 def make(name, cls, cfg, out):
@@ -88,6 +133,8 @@ def make(name, cls, cfg, out):
         for pname, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.3 * torch.randn_like(p))
+            if pname.endswith("gate.weight") and p.dim() == 2:  # a router: choices spread, not too sharp (a
+                p.copy_(0.3 * torch.randn_like(p))       # sharp softmax makes its backward ill-conditioned)
     d = os.path.join(out, name)
     os.makedirs(d, exist_ok=True)
     model.save_pretrained(d, safe_serialization=True)
@@ -103,8 +150,11 @@ def make(name, cls, cfg, out):
     loss.backward()
     ref = {"input_ids": ids.to(torch.int32).contiguous(), "labels": labels.to(torch.int32).contiguous(),
            "loss": loss.detach().reshape(1).contiguous(), "logits": logits.detach().contiguous()}
-    for pname, p in model.named_parameters():
-        ref["grad." + pname] = p.grad.detach().float().contiguous()
+    from safetensors import safe_open
+    with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
+        saved = set(f.keys())
+    for pname, g in saved_grads(model, saved).items():
+        ref["grad." + pname] = g.contiguous()
     save_file(ref, os.path.join(d, "reference.safetensors"),
               metadata={"transformers": transformers.__version__, "torch": torch.__version__})
     print(f"{name}: {cls.__name__}, loss {loss.item():.6f}, {sum(p.numel() for p in model.parameters())} parameters -> {d}")

@@ -90,12 +90,21 @@ std::int64_t state_dict_count(const ModelConfig& c) {
                      kd = c.num_key_value_heads * c.head_dim;
   std::vector<std::int64_t> tensors{c.vocab_size * d};  // model.embed_tokens.weight
   for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    tensors.insert(tensors.end(), {d, qd * d, kd * d, kd * d, d * qd, d, f * d, f * d, d * f});
+    tensors.insert(tensors.end(), {d, qd * d, kd * d, kd * d, d * qd, d});
+    if (c.is_moe_layer(l)) {  // mlp.gate.weight, then each expert's gate_proj, up_proj, down_proj
+      const std::int64_t e = c.moe.num_experts, fe = c.moe.intermediate_size;
+      tensors.push_back(e * d);
+      for (std::int64_t x = 0; x < e; ++x) tensors.insert(tensors.end(), {fe * d, fe * d, d * fe});
+    } else {
+      tensors.insert(tensors.end(), {f * d, f * d, d * f});
+    }
     if (c.qkv_bias) tensors.insert(tensors.end(), {qd, kd, kd});
     if (c.o_bias) tensors.push_back(d);
     if (c.mlp_bias) tensors.insert(tensors.end(), {f, f, d});
-    if (c.architecture == Architecture::qwen3 || c.architecture == Architecture::gemma3)
+    if (c.architecture == Architecture::qwen3 || c.architecture == Architecture::gemma3 ||
+        c.architecture == Architecture::qwen3_moe)
       tensors.insert(tensors.end(), {c.head_dim, c.head_dim});  // q_norm, k_norm
+    if (c.architecture == Architecture::olmoe) tensors.insert(tensors.end(), {qd, kd});  // over the whole projections
     if (c.architecture == Architecture::gemma3) tensors.insert(tensors.end(), {d, d});  // pre/post_feedforward_layernorm
   }
   tensors.push_back(d);                                          // model.norm.weight
@@ -444,9 +453,10 @@ TEST_CASE("config: Qwen3's attention_bias, sliding layers and refusals") {
   CHECK(contains(msg, "q3.json"));
   CHECK(contains(msg, "mlp_bias"));
   j.erase("mlp_bias");
-  j["architectures"] = {"Qwen3MoeForCausalLM"};
+  j["architectures"] = {"DeepseekV3ForCausalLM"};
+  j.erase("model_type");
   const auto unsupported = error_of([&] { (void)ModelConfig::from_json(j, "q3.json"); });
-  CHECK(contains(unsupported, "Qwen3MoeForCausalLM"));
+  CHECK(contains(unsupported, "DeepseekV3ForCausalLM"));
   CHECK(contains(unsupported, "Qwen3ForCausalLM"));  // the supported list names it
 }
 
@@ -682,7 +692,8 @@ TEST_CASE("config: every preset loads, validates, round-trips and agrees with th
   const auto names = ModelConfig::preset_names();
   CHECK(names == std::vector<std::string>{"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-72b",
                                           "qwen3-0.6b", "qwen3-8b", "gemma-3-1b", "gemma-3-4b", "gemma-3-12b",
-                                          "gemma-3-27b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "mistral-7b"});
+                                          "gemma-3-27b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "mistral-7b", "qwen3-30b-a3b",
+                                          "mixtral-8x7b", "olmoe-1b-7b"});
   for (const auto& name : names) {
     CAPTURE(name);
     const auto c = ModelConfig::preset(name);
@@ -1045,4 +1056,85 @@ TEST_CASE("config errors: sizes whose products overflow 64 bits are refused, not
   CHECK_NOTHROW(ModelConfig::from_json(with(b, "num_hidden_layers", 300)));
   // and a shape that would overflow is an error wherever it is built
   CHECK(contains(error_of([] { (void)Shape{std::int64_t{1} << 40, std::int64_t{1} << 40}; }), "64 bits"));
+}
+
+TEST_CASE("config: the mixtures of experts (Qwen3-MoE, Mixtral, OLMoE), their counts and their refusals") {
+  // Qwen3-30B-A3B's config.json (as on the Hub: num_experts, not num_local_experts)
+  const auto q = ModelConfig::from_json(json::parse(R"({"architectures":["Qwen3MoeForCausalLM"],"model_type":"qwen3_moe",
+    "hidden_size":2048,"intermediate_size":6144,"moe_intermediate_size":768,"num_hidden_layers":48,
+    "num_attention_heads":32,"num_key_value_heads":4,"head_dim":128,"vocab_size":151936,"num_experts":128,
+    "num_experts_per_tok":8,"norm_topk_prob":true,"decoder_sparse_step":1,"mlp_only_layers":[],
+    "output_router_logits":false,"router_aux_loss_coef":0.001,"tie_word_embeddings":false,"rope_theta":1000000.0,
+    "max_position_embeddings":40960,"rms_norm_eps":1e-6,"hidden_act":"silu"})"), "qwen3-30b-a3b.json");
+  CHECK(q.architecture == Architecture::qwen3_moe);
+  CHECK(q.qk_norm());
+  CHECK(!q.qk_norm_full());
+  CHECK(q.moe.num_experts == 128);
+  CHECK(q.moe.experts_per_token == 8);
+  CHECK(q.moe.intermediate_size == 768);
+  CHECK(q.moe.norm_topk_prob);
+  CHECK(q.is_moe_layer(0));
+  CHECK(q.is_moe_layer(47));
+  CHECK(q.param_count() == 30'532'122'624);  // the published 30.5B
+  CHECK(q.active_param_count() == 3'353'032'704);  // and 3.3B active
+  CHECK(q.moe_module() == "mlp");
+  {
+    const auto back = ModelConfig::from_json(q.to_json(), "round trip");
+    CHECK(back.to_json() == q.to_json());
+    CHECK(back.moe.num_experts == 128);
+  }
+  // dense layers: mlp_only_layers and decoder_sparse_step, as transformers picks them
+  json j = q.to_json();
+  j["num_hidden_layers"] = 6;
+  j["mlp_only_layers"] = {0, 4};
+  j["decoder_sparse_step"] = 2;
+  const auto qs = ModelConfig::from_json(j, "q.json");
+  std::vector<bool> sparse;
+  for (std::int64_t l = 0; l < 6; ++l) sparse.push_back(qs.is_moe_layer(l));
+  CHECK(sparse == std::vector<bool>{false, true, false, true, false, true});
+  CHECK(ModelConfig::from_json(qs.to_json()).to_json() == qs.to_json());
+
+  // Mixtral 8x7B: always renormalised, experts under block_sparse_moe, no window unless given
+  const auto m = ModelConfig::from_json(json::parse(R"({"architectures":["MixtralForCausalLM"],"hidden_size":4096,
+    "intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,
+    "vocab_size":32000,"num_local_experts":8,"num_experts_per_tok":2,"rope_theta":1000000.0,
+    "max_position_embeddings":32768,"rms_norm_eps":1e-5,"sliding_window":null,"tie_word_embeddings":false})"), "mixtral.json");
+  CHECK(m.architecture == Architecture::mixtral);
+  CHECK(m.moe.norm_topk_prob);
+  CHECK(!m.sliding_window);
+  CHECK(m.moe.intermediate_size == 14336);
+  CHECK(m.param_count() == 46'702'792'704);  // Mixtral-8x7B's published count
+  CHECK(m.moe_module() == "block_sparse_moe");
+  CHECK(ModelConfig::from_json(m.to_json()).to_json() == m.to_json());
+
+  // OLMoE-1B-7B: q/k norms over the whole projections, not renormalised, padding id 1 by default
+  const auto o = ModelConfig::from_json(json::parse(R"({"architectures":["OlmoeForCausalLM"],"hidden_size":2048,
+    "intermediate_size":1024,"num_hidden_layers":16,"num_attention_heads":16,"num_key_value_heads":16,
+    "vocab_size":50304,"num_experts":64,"num_experts_per_tok":8,"norm_topk_prob":false,"clip_qkv":null,
+    "rope_theta":10000.0,"max_position_embeddings":4096,"rms_norm_eps":1e-5,"tie_word_embeddings":false})"), "olmoe.json");
+  CHECK(o.qk_norm_full());
+  CHECK(!o.moe.norm_topk_prob);
+  CHECK(o.pad_token_id == 1);
+  CHECK(o.param_count() == 6'919'161'856);  // OLMoE-1B-7B: 6.9B
+  CHECK(ModelConfig::from_json(o.to_json()).to_json() == o.to_json());
+
+  // What megatrain would not train as transformers does is refused, by name
+  const auto refused = [&](json cfg, const char* key, json value, std::initializer_list<const char*> words) {
+    cfg[key] = std::move(value);
+    const std::string e = error_of(cfg, "moe.json");
+    CAPTURE(e);
+    CHECK(contains(e, "moe.json"));
+    for (const char* w : words) CHECK(contains(e, w));
+  };
+  refused(q.to_json(), "output_router_logits", true, {"output_router_logits", "auxiliary load-balancing loss"});
+  refused(q.to_json(), "num_experts_per_tok", 129, {"num_experts_per_tok must be in [1, 128]"});
+  refused(q.to_json(), "mlp_only_layers", json::array({48}), {"mlp_only_layers holds 48", "[0, 48)"});
+  refused(q.to_json(), "decoder_sparse_step", 0, {"decoder_sparse_step must be >= 1"});
+  refused(m.to_json(), "router_jitter_noise", 0.01, {"router_jitter_noise", "random"});
+  refused(m.to_json(), "num_experts", 4, {"num_experts (4) and num_local_experts (8)"});
+  refused(o.to_json(), "clip_qkv", 8.0, {"clip_qkv"});
+  refused(o.to_json(), "head_dim", 64, {"q_norm spans hidden_size"});
+  json none = o.to_json();
+  none.erase("num_local_experts");
+  refused(none, "num_experts", 0, {"num_experts must be in [1, 65536]"});
 }

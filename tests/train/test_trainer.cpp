@@ -981,6 +981,40 @@ TEST_CASE("a padding row (pad_token_id) gets no gradient from the lookup, the em
   }
 }
 
+/// A family's model trained for `steps` steps with exact clipping: equal to the plain loop in one
+/// chunk; in chunks of 3 rows, kept activations (each count of `kept`) give the same bits as
+/// recomputing, and token blocks of 7 the same step up to rounding.
+static void check_family_trains(const ModelConfig& cfg, int steps, std::initializer_list<std::int64_t> kept_counts) {
+  auto o = options(4, 11);
+  o.clip_norm = 0.05;
+  o.clip_mode = ClipMode::exact;
+  {  // one chunk: the plain loop's order of sums, so its weights (measured: bit for bit)
+    std::vector<float> w;
+    const auto stats = run(cfg, o, steps, &w);
+    CHECK(against_plain_loop(cfg, o, stats, w) <= 1e-6);
+  }
+  o.chunk_rows = 3;  // (chunks add weight gradients in another order: rounding, which Adam magnifies on tiny ones)
+  std::vector<float> w;
+  const auto stats = run(cfg, o, steps, &w);
+  for (const std::int64_t kept : kept_counts) {
+    CAPTURE(kept);
+    auto k = o;
+    k.kept_blocks = kept;
+    std::vector<float> wk;
+    const auto sk = run(cfg, k, steps, &wk);
+    CHECK(wk == w);
+    for (std::size_t s = 0; s < stats.size(); ++s) CHECK(sk[s].loss == stats[s].loss);
+  }
+  auto b = o;
+  b.token_chunk = 7;
+  const auto blocked = run(cfg, b, steps);
+  for (std::size_t s = 0; s < stats.size(); ++s) {
+    CAPTURE(s);
+    CHECK(blocked[s].loss == doctest::Approx(stats[s].loss).epsilon(1e-5));
+    CHECK(blocked[s].grad_norm == doctest::Approx(stats[s].grad_norm).epsilon(1e-4));
+  }
+}
+
 TEST_CASE("Gemma 3 (sandwich norms, sliding windows, GeGLU) trains as the plain loop, its kept activations the same bits") {
   // Three layers, the middle one full, the others sliding over 5 of the 11 tokens; tied; a
   // padding id. Kept activations (the post-norms' inputs kept too) must give the bits of
@@ -990,33 +1024,27 @@ TEST_CASE("Gemma 3 (sandwich norms, sliding windows, GeGLU) trains as the plain 
     "query_pre_attn_scalar":12,"sliding_window":5,"pad_token_id":4,
     "layer_types":["sliding_attention","full_attention","sliding_attention"]})");
   const auto cfg = ModelConfig::from_json(j, "gemma3 test");
-  auto o = options(4, 11);
-  o.clip_norm = 0.05;
-  o.clip_mode = ClipMode::exact;
-  {  // one chunk: the plain loop's order of sums, so its weights (measured: bit for bit)
-    std::vector<float> w;
-    const auto stats = run(cfg, o, 5, &w);
-    CHECK(against_plain_loop(cfg, o, stats, w) <= 1e-6);
-  }
-  o.chunk_rows = 3;  // (chunks add weight gradients in another order: rounding, which Adam magnifies on tiny ones)
-  std::vector<float> w;
-  const auto stats = run(cfg, o, 5, &w);
-  for (const std::int64_t kept : {1, 3}) {
-    CAPTURE(kept);
-    auto k = o;
-    k.kept_blocks = kept;
-    std::vector<float> wk;
-    const auto sk = run(cfg, k, 5, &wk);
-    CHECK(wk == w);
-    for (std::size_t s = 0; s < stats.size(); ++s) CHECK(sk[s].loss == stats[s].loss);
-  }
-  auto b = o;
-  b.token_chunk = 7;
-  const auto blocked = run(cfg, b, 5);
-  for (std::size_t s = 0; s < stats.size(); ++s) {
-    CAPTURE(s);
-    CHECK(blocked[s].loss == doctest::Approx(stats[s].loss).epsilon(1e-5));
-    CHECK(blocked[s].grad_norm == doctest::Approx(stats[s].grad_norm).epsilon(1e-4));
+  check_family_trains(cfg, 5, {1, 3});
+}
+
+TEST_CASE("mixtures of experts (Qwen3-MoE, Mixtral, OLMoE) train as the plain loop, kept activations and chunks alike") {
+  static_assert(MoeBackend<CpuBackend<float>>, "the CPU backend runs MoeMlp");
+  const char* configs[] = {
+      // Qwen3-MoE: a dense layer (mlp_only_layers) between two sparse ones, renormalised top 2 of 5
+      R"({"architectures":["Qwen3MoeForCausalLM"],"hidden_size":32,"intermediate_size":40,"moe_intermediate_size":24,
+          "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":53,
+          "num_experts":5,"num_experts_per_tok":2,"norm_topk_prob":true,"mlp_only_layers":[1]})",
+      // Mixtral: top 2 of 3, always renormalised
+      R"({"architectures":["MixtralForCausalLM"],"hidden_size":32,"intermediate_size":24,"num_hidden_layers":2,
+          "num_attention_heads":4,"num_key_value_heads":2,"vocab_size":53,"num_local_experts":3,"num_experts_per_tok":2})",
+      // OLMoE: top 3 of 7, not renormalised, whole-projection q/k norms, a padding id
+      R"({"architectures":["OlmoeForCausalLM"],"hidden_size":32,"intermediate_size":24,"num_hidden_layers":2,
+          "num_attention_heads":4,"num_key_value_heads":4,"vocab_size":53,"num_experts":7,"num_experts_per_tok":3,
+          "pad_token_id":4})"};
+  for (const char* text : configs) {
+    const auto cfg = ModelConfig::from_json(nlohmann::json::parse(text), "moe test");
+    CAPTURE(cfg.architecture_name());
+    check_family_trains(cfg, 4, {1, 2});  // (the experts' activations are recomputed: the same bits)
   }
 }
 

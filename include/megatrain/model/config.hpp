@@ -27,7 +27,7 @@
 
 namespace megatrain {
 
-enum class Architecture { llama, mistral, qwen2, qwen3, phi3, gemma3 };
+enum class Architecture { llama, mistral, qwen2, qwen3, phi3, gemma3, qwen3_moe, mixtral, olmoe };
 
 /// The MLP's gate activation: silu (SwiGLU: Llama, Qwen, Mistral, Phi-3) or the tanh
 /// approximation of GELU (GeGLU: Gemma's "gelu_pytorch_tanh").
@@ -50,6 +50,21 @@ struct RopeScaling {
   // longer than original_max_position_embeddings, `short_factor` otherwise; factor 0 when absent
   // (then max_position_embeddings / original_max_position_embeddings)
   std::vector<double> short_factor, long_factor;
+};
+
+/// A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, OLMoE): a router picks each token's
+/// experts_per_token experts of num_experts (softmax, top-k, renormalised where norm_topk_prob),
+/// each a gated MLP of its own intermediate_size. Dropless: no token is dropped.
+struct MoeConfig {
+  std::int64_t num_experts = 0;        ///< 0: a dense model
+  std::int64_t experts_per_token = 0;  ///< num_experts_per_tok
+  std::int64_t intermediate_size = 0;  ///< each expert's (Qwen3-MoE: moe_intermediate_size)
+  bool norm_topk_prob = false;         ///< the chosen experts' weights divided by their sum (Mixtral: always)
+  /// Qwen3-MoE: the layers whose MLP is dense (mlp_only_layers, and those decoder_sparse_step
+  /// skips), as listed in config.json; every other layer is sparse.
+  std::vector<std::int64_t> dense_layers;
+  std::int64_t decoder_sparse_step = 1;
+  double router_aux_loss_coef = 0.0;   ///< kept for the export (the auxiliary loss is not trained: see config.cpp)
 };
 
 struct ModelConfig {
@@ -94,6 +109,8 @@ struct ModelConfig {
   /// gets no gradient from the lookup (Embedding follows it); none when absent or null.
   std::optional<std::int64_t> pad_token_id;
   double initializer_range = 0.02;
+  /// The experts of Qwen3-MoE, Mixtral and OLMoE (num_experts 0 for the dense families).
+  MoeConfig moe;
 
   /// Parses a config.json object; `source` names it in errors (a path, or "<flags>").
   static ModelConfig from_json(const nlohmann::json& j, std::string_view source = "config.json");
@@ -117,6 +134,13 @@ struct ModelConfig {
   /// Each query and key head is RMS-normalised over head_dim (its own gain, rms_norm_eps) before
   /// the rotary embedding: q_norm and k_norm of Qwen3.
   bool qk_norm() const;
+  /// OLMoE: q_norm and k_norm normalise the whole q and k projections of a token (widths q_dim
+  /// and kv_dim), not each head.
+  bool qk_norm_full() const;
+  /// Layer `layer`'s MLP is a mixture of experts (MoeMlp) rather than a dense gated MLP.
+  bool is_moe_layer(std::int64_t layer) const;
+  /// The module holding a sparse layer's router and experts: "mlp", or Mixtral's "block_sparse_moe".
+  std::string_view moe_module() const;
   /// The checkpoint stores q/k/v as one self_attn.qkv_proj.weight and gate/up as one
   /// mlp.gate_up_proj.weight (rows concatenated in that order): Phi-3.
   bool fused_projections() const;
@@ -153,6 +177,9 @@ struct ModelConfig {
   double yarn_factor() const;
   /// Parameters in the whole model (embedding, blocks, final norm, LM head unless tied).
   std::int64_t param_count() const;
+  /// The parameters one token's forward uses: param_count() less the experts a token is not routed
+  /// to (num_experts - experts_per_token per sparse layer); param_count() for a dense model.
+  std::int64_t active_param_count() const;
   /// Throws if a sequence of `seq_len` tokens is beyond what this model can attend over exactly.
   void check_sequence_length(std::int64_t seq_len) const;
 };

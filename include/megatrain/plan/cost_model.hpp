@@ -179,6 +179,8 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   const double head = embed + d;  // the LM head's product (tied or not) and the final norm
   const double blocks = static_cast<double>(cfg.param_count()) - embed - d - (cfg.tie_word_embeddings ? 0.0 : embed);
   const double block = blocks / L;
+  // (the products a token runs: a mixture of experts' tokens see their k experts only)
+  const double active_blocks = static_cast<double>(cfg.active_param_count()) - embed - d - (cfg.tie_word_embeddings ? 0.0 : embed);
   // Which parameters are stepped where.
   const std::size_t units = b.units, dev_units = b.device_units;
   const bool embed_dev = dev_units >= 1, head_dev = dev_units >= units;
@@ -194,7 +196,7 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   const double refill = b.checkpoint_every > 1 ? static_cast<double>(b.blocks - b.checkpoints) / L : 0.0;  // blocks run once more
   // (kept activations: those blocks' forward is not recomputed)
   const double kept = static_cast<double>(b.kept_blocks) / L;
-  const double gemm = (8 + 2 * refill - 2 * kept) * blocks * T + 6 * embed * T;
+  const double gemm = (8 + 2 * refill - 2 * kept) * active_blocks * T + 6 * embed * T;
   const double att_fwd = 2 * T * S * qd * L;
   const double gemm_s = gemm / (m.gemm_tflops * 1e12);
   const double att_s =

@@ -203,6 +203,13 @@ class Trainer {
     MT_NVTX_RANGE("Trainer::Trainer");
     opt.validate();
     check_store();
+    if constexpr (!MoeBackend<B>) {  // (before anything is allocated)
+      for (std::int64_t l = 0; l < model_.config().num_hidden_layers; ++l)
+        MT_CHECK(!model_.config().is_moe_layer(l),
+                 "{}'s mixture-of-experts layers (layer {} is one) run on the CPU backend only for now "
+                 "(megatrain-train --backend cpu): this backend has no grouped kernels for the experts yet",
+                 model_.config().architecture_name(), l);
+    }
     // Micro-batches added up in host memory: what orders a micro-batch's head (which zeroes the
     // head's and a tied embedding's accumulators) after the offload of the previous micro-batch's
     // embedding gradient is the reuse of the compute stage's ring (Compute::takes_slot,

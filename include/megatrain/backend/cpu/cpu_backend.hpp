@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <numeric>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -435,6 +436,180 @@ class CpuBackend {
     });
   }
 
+  // ---- mixture of experts (MoeMlp) -----------------------------------------------------------
+  /// The routing of M tokens over E experts: probs = softmax(logits) by row (in Acc); experts[t]
+  /// the k most probable, in descending order (the lower index first among equals, as a stable
+  /// top-k), weights[t] their probabilities, divided by their sum where `renormalize`. The M * k
+  /// assignments (a = t * k + j) grouped by expert, stably: order[r] is row r's assignment and
+  /// slot[a] its row; expert e's rows are [offsets[e], offsets[e + 1]).
+  void moe_route(View<const Act> logits, std::int64_t k, bool renormalize, View<Acc> probs, View<std::int32_t> experts,
+                 View<Acc> weights, View<std::int32_t> order, View<std::int32_t> slot, View<std::int64_t> offsets) {
+    MT_CHECK(logits.rank() == 2, "moe_route: logits {} must be [tokens, experts]", logits.shape().str());
+    const std::int64_t M = logits.size(0), E = logits.size(1), N = M * k;
+    MT_CHECK(k >= 1 && k <= E && probs.shape() == logits.shape() && experts.numel() == N && weights.numel() == N &&
+                 order.numel() == N && slot.numel() == N && offsets.numel() == E + 1,
+             "moe_route: {} tokens over {} experts, top {}: buffers probs {}, experts {}, weights {}, order {}, slot {}, "
+             "offsets {}", M, E, k, probs.shape().str(), experts.shape().str(), weights.shape().str(),
+             order.shape().str(), slot.shape().str(), offsets.shape().str());
+    const Act* lg = logits.data();
+    Acc* p = probs.data();
+    std::int32_t* ex = experts.data();
+    Acc* w = weights.data();
+    parallel_rows(M, 64, [&](std::int64_t b, std::int64_t e) {
+      std::vector<std::int32_t> idx(static_cast<std::size_t>(E));
+      for (std::int64_t t = b; t < e; ++t) {
+        const Act* l = lg + t * E;
+        Acc* pt = p + t * E;
+        Acc mx = static_cast<Acc>(l[0]);
+        for (std::int64_t i = 1; i < E; ++i) mx = std::max(mx, static_cast<Acc>(l[i]));
+        Acc sum = 0;
+        for (std::int64_t i = 0; i < E; ++i) sum += (pt[i] = std::exp(static_cast<Acc>(l[i]) - mx));
+        for (std::int64_t i = 0; i < E; ++i) pt[i] /= sum;
+        std::iota(idx.begin(), idx.end(), 0);
+        std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                          [&](std::int32_t x, std::int32_t y) { return pt[x] > pt[y] || (pt[x] == pt[y] && x < y); });
+        Acc chosen = 0;
+        for (std::int64_t j = 0; j < k; ++j) chosen += pt[idx[static_cast<std::size_t>(j)]];
+        for (std::int64_t j = 0; j < k; ++j) {
+          const std::int32_t x = idx[static_cast<std::size_t>(j)];
+          ex[t * k + j] = x;
+          w[t * k + j] = renormalize ? pt[x] / chosen : pt[x];
+        }
+      }
+    });
+    std::int64_t* off = offsets.data();
+    std::fill(off, off + E + 1, std::int64_t{0});
+    for (std::int64_t a = 0; a < N; ++a) ++off[ex[a] + 1];
+    for (std::int64_t i = 0; i < E; ++i) off[i + 1] += off[i];
+    std::vector<std::int64_t> next(off, off + E);
+    for (std::int64_t a = 0; a < N; ++a) {
+      const std::int64_t r = next[static_cast<std::size_t>(ex[a])]++;
+      order.data()[r] = static_cast<std::int32_t>(a);
+      slot.data()[a] = static_cast<std::int32_t>(r);
+    }
+  }
+  /// xs[r] = x[order[r] / k]: each expert's rows, grouped.
+  void moe_gather(View<const Act> x, View<const std::int32_t> order, std::int64_t k, View<Act> xs) {
+    const std::int64_t N = order.numel(), d = x.size(1);
+    MT_CHECK(xs.rank() == 2 && xs.size(0) == N && xs.size(1) == d && N == x.size(0) * k, "moe_gather: {} rows of {} into {}",
+             N, x.shape().str(), xs.shape().str());
+    parallel_rows(N, 64, [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t r = b; r < e; ++r)
+        std::copy_n(x.data() + order.data()[r] / k * d, d, xs.data() + r * d);
+    });
+  }
+  /// y[rows of e] = x[rows of e] w[e]^T for each expert e (offsets as moe_route's).
+  void grouped_linear(View<const Act> x, std::span<const View<const Weight>> w, View<const std::int64_t> offsets,
+                      View<Act> y) {
+    check_groups(x, w.size(), offsets, "grouped_linear");
+    for (std::size_t e = 0; e < w.size(); ++e) {
+      const std::int64_t r0 = offsets.data()[e], n = offsets.data()[e + 1] - r0;
+      if (n > 0) linear(token_rows(x, r0, n), w[e], {}, token_rows(y, r0, n));
+    }
+  }
+  /// linear_backward for each expert's rows: dx (or dx += where accumulate_dx), dw[e] += dy^T x.
+  void grouped_linear_backward(View<const Act> x, std::span<const View<const Weight>> w, View<const Act> dy, View<Act> dx,
+                               bool accumulate_dx, std::span<const View<Acc>> dw, View<const std::int64_t> offsets) {
+    check_groups(x, w.size(), offsets, "grouped_linear_backward");
+    MT_CHECK(dw.size() == w.size(), "grouped_linear_backward: {} gradients for {} experts", dw.size(), w.size());
+    for (std::size_t e = 0; e < w.size(); ++e) {
+      const std::int64_t r0 = offsets.data()[e], n = offsets.data()[e + 1] - r0;
+      if (n > 0) linear_backward(token_rows(x, r0, n), w[e], token_rows(dy, r0, n), token_rows(dx, r0, n), accumulate_dx, dw[e], {});
+    }
+  }
+  /// y[t] = h[t] + sum of weights[t, j] * out[slot[t, j]], the experts taken in increasing index
+  /// (as transformers adds them); y may be h.
+  void moe_combine(View<const Act> out, View<const std::int32_t> slot, View<const Acc> weights, std::int64_t k,
+                   View<const Res> h, View<Res> y) {
+    const std::int64_t M = h.size(0), d = h.size(1);
+    MT_CHECK(slot.numel() == M * k && weights.numel() == M * k && out.size(1) == d && y.shape() == h.shape(),
+             "moe_combine: {} tokens, top {}: out {}, y {}", M, k, out.shape().str(), y.shape().str());
+    parallel_rows(M, 16, [&](std::int64_t b, std::int64_t e) {
+      std::vector<std::int64_t> js(static_cast<std::size_t>(k));
+      std::vector<Res> s(static_cast<std::size_t>(d));
+      for (std::int64_t t = b; t < e; ++t) {
+        by_row(slot, t, k, js);
+        std::fill(s.begin(), s.end(), Res(0));
+        for (const std::int64_t j : js) {
+          const Act* o = out.data() + slot.data()[t * k + j] * d;
+          const Acc wj = weights.data()[t * k + j];
+          for (std::int64_t c = 0; c < d; ++c) s[static_cast<std::size_t>(c)] += static_cast<Res>(o[c] * wj);
+        }
+        for (std::int64_t c = 0; c < d; ++c) y.data()[t * d + c] = h.data()[t * d + c] + s[static_cast<std::size_t>(c)];
+      }
+    });
+  }
+  /// The backward of moe_combine's sum: dout[slot[t, j]] = weights[t, j] * dy[t] and
+  /// dweights[t, j] = <dy[t], out[slot[t, j]]>.
+  void moe_combine_backward(View<const Act> dy, View<const Act> out, View<const std::int32_t> slot, View<const Acc> weights,
+                            std::int64_t k, View<Act> dout, View<Acc> dweights) {
+    const std::int64_t M = dy.size(0), d = dy.size(1);
+    MT_CHECK(slot.numel() == M * k && dweights.numel() == M * k && dout.shape() == out.shape(),
+             "moe_combine_backward: {} tokens, top {}: out {}, dout {}", M, k, out.shape().str(), dout.shape().str());
+    parallel_rows(M, 16, [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t t = b; t < e; ++t)
+        for (std::int64_t j = 0; j < k; ++j) {
+          const std::int64_t r = slot.data()[t * k + j];
+          const Act* g = dy.data() + t * d;
+          const Act* o = out.data() + r * d;
+          const Acc wj = weights.data()[t * k + j];
+          Acc dot = 0;
+          for (std::int64_t c = 0; c < d; ++c) {
+            dout.data()[r * d + c] = static_cast<Act>(g[c] * wj);
+            dot += static_cast<Acc>(g[c]) * static_cast<Acc>(o[c]);
+          }
+          dweights.data()[t * k + j] = dot;
+        }
+    });
+  }
+  /// dlogits from the routing weights' gradient: through the renormalisation (where the family
+  /// has it) and the softmax; the experts not chosen get only the softmax's share.
+  void moe_route_backward(View<const Acc> probs, View<const std::int32_t> experts, View<const Acc> weights,
+                          View<const Acc> dweights, std::int64_t k, bool renormalize, View<Act> dlogits) {
+    const std::int64_t M = probs.size(0), E = probs.size(1);
+    MT_CHECK(dlogits.shape() == probs.shape() && experts.numel() == M * k && dweights.numel() == M * k,
+             "moe_route_backward: probs {}, dlogits {}, top {}", probs.shape().str(), dlogits.shape().str(), k);
+    parallel_rows(M, 64, [&](std::int64_t b, std::int64_t e) {
+      std::vector<Acc> dp(static_cast<std::size_t>(E));
+      for (std::int64_t t = b; t < e; ++t) {
+        const Acc* p = probs.data() + t * E;
+        const std::int32_t* ex = experts.data() + t * k;
+        const Acc* w = weights.data() + t * k;
+        const Acc* dw = dweights.data() + t * k;
+        std::fill(dp.begin(), dp.end(), Acc(0));
+        if (renormalize) {  // w_j = p_j / S: dp_j = (dw_j - sum_i dw_i w_i) / S
+          Acc chosen = 0, dot = 0;
+          for (std::int64_t j = 0; j < k; ++j) {
+            chosen += p[ex[j]];
+            dot += dw[j] * w[j];
+          }
+          for (std::int64_t j = 0; j < k; ++j) dp[static_cast<std::size_t>(ex[j])] = (dw[j] - dot) / chosen;
+        } else {
+          for (std::int64_t j = 0; j < k; ++j) dp[static_cast<std::size_t>(ex[j])] = dw[j];
+        }
+        Acc dot = 0;  // softmax: dlogit_i = p_i (dp_i - sum_j p_j dp_j)
+        for (std::int64_t i = 0; i < E; ++i) dot += p[i] * dp[static_cast<std::size_t>(i)];
+        for (std::int64_t i = 0; i < E; ++i) dlogits.data()[t * E + i] = static_cast<Act>(p[i] * (dp[static_cast<std::size_t>(i)] - dot));
+      }
+    });
+  }
+  /// dx[t] += the sum of dxs[slot[t, j]] over its k experts.
+  void moe_scatter_add(View<const Act> dxs, View<const std::int32_t> slot, std::int64_t k, View<Act> dx) {
+    const std::int64_t M = dx.size(0), d = dx.size(1);
+    MT_CHECK(slot.numel() == M * k && dxs.size(0) == M * k && dxs.size(1) == d, "moe_scatter_add: {} rows into {}",
+             dxs.shape().str(), dx.shape().str());
+    parallel_rows(M, 16, [&](std::int64_t b, std::int64_t e) {
+      std::vector<std::int64_t> js(static_cast<std::size_t>(k));
+      for (std::int64_t t = b; t < e; ++t) {
+        by_row(slot, t, k, js);
+        for (const std::int64_t j : js) {
+          const Act* s = dxs.data() + slot.data()[t * k + j] * d;
+          for (std::int64_t c = 0; c < d; ++c) dx.data()[t * d + c] += s[c];
+        }
+      }
+    });
+  }
+
   // ---- embedding -----------------------------------------------------------------------------
   /// y[t] = table[ids[t]]
   /// y[t] = table[ids[t]] * scale (Gemma's sqrt(hidden); 1 elsewhere)
@@ -597,6 +772,17 @@ class CpuBackend {
                                                     s.head_dim, Stride(heads * s.head_dim));
   }
 
+  /// Token t's choices j in the order of their rows (that is, of their experts' indices).
+  static void by_row(View<const std::int32_t> slot, std::int64_t t, std::int64_t k, std::vector<std::int64_t>& js) {
+    std::iota(js.begin(), js.end(), std::int64_t{0});
+    const std::int32_t* s = slot.data() + t * k;
+    std::sort(js.begin(), js.end(), [&](std::int64_t a, std::int64_t b) { return s[a] < s[b]; });
+  }
+  static void check_groups(View<const Act> x, std::size_t experts, View<const std::int64_t> offsets, const char* what) {
+    MT_CHECK(offsets.numel() == static_cast<std::int64_t>(experts) + 1 && offsets.data()[0] == 0 &&
+                 offsets.data()[experts] == x.size(0),
+             "{}: offsets for {} experts do not cover the {} rows of {}", what, experts, x.size(0), x.shape().str());
+  }
   static void check_same(const Shape& a, const Shape& b, const char* what) {
     MT_CHECK(a == b, "{}: shapes {} and {} differ", what, a.str(), b.str());
   }

@@ -26,6 +26,11 @@
 // whole chunk; the backward then runs no matrix product of the forward again, only the norms
 // and SwiGLU's product (element-wise, the same bits).
 //
+// Mixture of experts (Qwen3-MoE, Mixtral, OLMoE; ModelConfig::is_moe_layer): the MLP part is
+// MoeMlp (router and experts) instead of SwiGluMlp, run a token block at a time like it; its
+// activations are never kept (the backward recomputes them from h). It runs on backends that
+// provide MoeMlp's primitives (MoeBackend: the CPU backend); elsewhere such a block is refused.
+//
 // Token blocks (ChunkShape::token_block): the norms, the projections and the MLP run on blocks
 // of that many tokens, so that their buffers (the MLP's are the largest: 6 x intermediate_size
 // per token) are bounded by the block; only q, k, v, the attention output (and their
@@ -33,12 +38,14 @@
 // default) is the whole chunk.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "megatrain/layers/layer_op.hpp"
 #include "megatrain/layers/ops/carved_op.hpp"
+#include "megatrain/layers/ops/moe_mlp.hpp"
 #include "megatrain/layers/ops/self_attention.hpp"
 #include "megatrain/layers/ops/swiglu_mlp.hpp"
 #include "megatrain/model/config.hpp"
@@ -52,6 +59,7 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
         prefix_("model.layers." + std::to_string(layer) + "."),
         attn_(cfg, layer),
         mlp_(cfg, layer),
+        moe_(cfg.is_moe_layer(layer) ? std::optional<MoeMlp>(MoeMlp(cfg, layer)) : std::nullopt),
         sandwich_(cfg.sandwich_norms()),
         offset_(cfg.norm_unit_offset() ? 1.0 : 0.0) {}
 
@@ -62,8 +70,9 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
     View<full_t<E>> input_norm;
     SelfAttention::Weights<E> attn;
     View<full_t<E>> post_norm;  ///< the MLP's input norm (Gemma 3: pre_feedforward_layernorm)
-    SwiGluMlp::Weights<E> mlp;
+    SwiGluMlp::Weights<E> mlp;                    ///< a dense layer's
     View<full_t<E>> attn_out_norm, mlp_out_norm;  ///< sandwich norms only (Gemma 3)
+    MoeMlp::Weights<E> moe;                       ///< a mixture-of-experts layer's
   };
 
   /// In slab order: input_layernorm, self_attn.*, post_attention_layernorm, mlp.*; Gemma 3:
@@ -76,25 +85,32 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
     for (auto& s : attn_.params()) p.push_back(std::move(s));
     p.push_back(ParamSpec::norm(name("post_attention_layernorm.weight"), d, unit));
     if (sandwich_) p.push_back(ParamSpec::norm(name("pre_feedforward_layernorm.weight"), d, unit));
-    for (auto& s : mlp_.params()) p.push_back(std::move(s));
+    for (auto& s : moe_ ? moe_->params() : mlp_.params()) p.push_back(std::move(s));
     if (sandwich_) p.push_back(ParamSpec::norm(name("post_feedforward_layernorm.weight"), d, unit));
     return p;
   }
 
   template <class E>
   Weights<E> bind(const ParamBinder<E>& p) const {
+    if (moe_) {
+      Weights<E> w{p.full(name("input_layernorm.weight")), attn_.bind(p), p.full(name("post_attention_layernorm.weight")),
+                   {}, {}, {}, moe_->bind(p)};
+      return w;
+    }
     if (sandwich_)
       return {p.full(name("input_layernorm.weight")), attn_.bind(p), p.full(name("pre_feedforward_layernorm.weight")),
               mlp_.bind(p), p.full(name("post_attention_layernorm.weight")),
-              p.full(name("post_feedforward_layernorm.weight"))};
+              p.full(name("post_feedforward_layernorm.weight")), {}};
     return {p.full(name("input_layernorm.weight")), attn_.bind(p), p.full(name("post_attention_layernorm.weight")),
-            mlp_.bind(p), {}, {}};
+            mlp_.bind(p), {}, {}, {}};
   }
 
   std::int64_t hidden_size() const { return cfg_.hidden_size; }
   const std::string& prefix() const { return prefix_; }
   const SelfAttention& attention() const { return attn_; }
   const SwiGluMlp& mlp() const { return mlp_; }
+  /// The experts of a mixture-of-experts layer (none for a dense one).
+  const std::optional<MoeMlp>& moe() const { return moe_; }
 
   /// The activations of one chunk: the attention's over the whole chunk and h (x2), and the
   /// token-wise parts' for one block of ChunkShape::block_tokens() tokens (forward and, with
@@ -106,6 +122,7 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
     View<typename B::Acc> rstd1, rstd2;
     typename SelfAttention::template Acts<B> attn;
     typename SwiGluMlp::template Acts<B> mlp;  // a token block's (kept: g and u the whole chunk's)
+    typename MoeMlp::template Acts<B> moe;     // a mixture-of-experts layer's, a token block's (never kept)
     View<typename B::Act> dn, dya;  // backward only: a norm's input gradient; dy, then dh, as activations
     // sandwich norms: the attention's projected output o and its norm's rstd (the whole chunk's,
     // with h), the MLP's output f and its rstd (a token block's; kept: the chunk's), a post-norm's
@@ -130,7 +147,8 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
     a.rstd1 = ar.alloc<C>({T});
     a.rstd2 = ar.alloc<C>({T});
     a.attn = attn_.carve<B>(ar, c, with_backward, kept);
-    a.mlp = mlp_.carve<B>(ar, ChunkShape{1, T}, with_backward, kept, M);
+    if (moe_) a.moe = moe_->carve<B>(ar, T, with_backward);
+    else a.mlp = mlp_.carve<B>(ar, ChunkShape{1, T}, with_backward, kept, M);
     if (with_backward) {
       a.dn = ar.alloc<A>({T, d});
       a.dya = ar.alloc<A>({T, d});
@@ -157,6 +175,10 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
       const auto n2 = token_rows(a.n2, 0, n);
       const auto h = cview(token_rows(a.x2, t0, n));
       be.rmsnorm(h, w.post_norm, cfg_.rms_norm_eps, n2, token_rows(a.rstd2, 0, n), offset_);
+      if (moe_) {  // y = h + moe(n2)
+        moe_run(be, w, cview(n2), moe_acts(a, n), h, token_rows(y, t0, n));
+        return;
+      }
       const auto m = mlp_acts(a, t0, n);
       mlp_.run_kept(be, ChunkShape{1, n}, w.mlp, cview(n2), m);
       if (!sandwich_) {
@@ -209,9 +231,12 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
       const auto rstd2 = token_rows(a.rstd2, 0, n);
       const auto h = cview(token_rows(a.x2, t0, n));
       be.rmsnorm(h, w.post_norm, cfg_.rms_norm_eps, n2, rstd2, offset_);
+      be.convert(token_rows(dy, t0, n), dya);
+      if (moe_) {
+        moe_backprop(be, w, cview(n2), moe_acts(a, n), cview(dya), dn, g);  // (recomputed from n2)
+      } else {
       const auto m = mlp_acts(a, t0, n);
       if (!a.kept) mlp_.run_kept(be, ChunkShape{1, n}, w.mlp, cview(n2), m);  // (kept: backprop makes m from g and u)
-      be.convert(token_rows(dy, t0, n), dya);
       View<const typename B::Act> dm = cview(dya);  // the gradient of the MLP's output
       if (sandwich_) {  // through the MLP's output norm first (its input recomputed unless kept)
         const auto [f, rstd_f] = mlp_out(a, t0, n);
@@ -224,6 +249,7 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
         dm = cview(dp);
       }
       mlp_.backprop(be, ChunkShape{1, n}, w.mlp, cview(n2), m, dm, dn, g.mlp);
+      }
       be.rmsnorm_backward(h, w.post_norm, cview(rstd2), cview(dn), token_rows(dy, t0, n), token_rows(dx, t0, n), dya,
                           g.post_norm, offset_);
       View<const typename B::Act> dout = cview(dya);  // the gradient of o_proj's output
@@ -252,6 +278,33 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
 
  private:
   std::string name(const char* suffix) const { return prefix_ + suffix; }
+
+  /// The experts' activations for a token block of n tokens (the first rows of the block's buffers).
+  template <class B>
+  typename MoeMlp::template Acts<B> moe_acts(const Acts<B>& a, std::int64_t n) const {
+    return moe_->carve_rows<B>(a.moe, n);
+  }
+  template <class B>
+  void moe_run(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+               const typename MoeMlp::template Acts<B>& m, View<const typename B::Res> h, View<typename B::Res> y) const {
+    if constexpr (MoeBackend<B>) moe_->run(be, w.moe, x, m, h, y);
+    else refuse_moe();
+  }
+  template <class B>
+  void moe_backprop(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+                    const typename MoeMlp::template Acts<B>& m, View<const typename B::Act> dy, View<typename B::Act> dx,
+                    const Weights<typename B::Acc>& g) const {
+    if constexpr (MoeBackend<B>) {
+      moe_->run_kept(be, w.moe, x, m);
+      moe_->backprop(be, w.moe, x, m, dy, dx, g.moe);
+    } else {
+      refuse_moe();
+    }
+  }
+  [[noreturn]] void refuse_moe() const {
+    MT_FAIL("{}: {}'s mixture-of-experts layers run on the CPU backend only for now (--backend cpu); the CUDA backend "
+            "has no grouped expert kernels yet", prefix_, cfg_.architecture_name());
+  }
   /// The MLP's activations for the token block [t0, t0 + n): the first n rows of its buffers
   /// (kept: g and u span the chunk, their rows from t0).
   template <class B>
@@ -276,6 +329,7 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
   std::string prefix_;
   SelfAttention attn_;
   SwiGluMlp mlp_;
+  std::optional<MoeMlp> moe_;  // the experts, on a mixture-of-experts layer (then mlp_ is unused)
   bool sandwich_;  // Gemma 3's post-attention and post-feedforward norms
   double offset_;  // every norm multiplies by (w + offset_): 1 for Gemma, else 0
 };

@@ -68,8 +68,9 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     }
     if (cfg_.o_bias) p.push_back(ParamSpec::bias(name("o_proj.bias"), d));
     if (cfg_.qk_norm()) {
-      p.push_back(ParamSpec::norm(name("q_norm.weight"), cfg_.head_dim, norm_offset_ != 0));
-      p.push_back(ParamSpec::norm(name("k_norm.weight"), cfg_.head_dim, norm_offset_ != 0));
+      const bool full = cfg_.qk_norm_full();  // (OLMoE: over the whole projection)
+      p.push_back(ParamSpec::norm(name("q_norm.weight"), full ? cfg_.q_dim() : cfg_.head_dim, norm_offset_ != 0));
+      p.push_back(ParamSpec::norm(name("k_norm.weight"), full ? cfg_.kv_dim() : cfg_.head_dim, norm_offset_ != 0));
     }
     return p;
   }
@@ -119,8 +120,8 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     if (cfg_.qk_norm()) {
       a.q_pre = k.alloc<A>({M, qd});
       a.k_pre = k.alloc<A>({M, kd});
-      a.rstd_q = k.alloc<typename B::Acc>({M * cfg_.num_attention_heads});
-      a.rstd_k = k.alloc<typename B::Acc>({M * cfg_.num_key_value_heads});
+      a.rstd_q = k.alloc<typename B::Acc>({M * norm_rows(cfg_.num_attention_heads)});
+      a.rstd_k = k.alloc<typename B::Acc>({M * norm_rows(cfg_.num_key_value_heads)});
     }
     if (with_backward) {
       a.datt = ar.alloc<A>({M, qd});
@@ -171,7 +172,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   template <class B>
   void project(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x, const Acts<B>& a,
                std::int64_t first) const {
-    const std::int64_t n = x.size(0), H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads;
+    const std::int64_t n = x.size(0), H = norm_rows(cfg_.num_attention_heads), KV = norm_rows(cfg_.num_key_value_heads);
     if (cfg_.qk_norm()) {
       be.linear(x, w.q, w.q_bias, token_rows(a.q_pre, first, n));
       be.linear(x, w.k, w.k_bias, token_rows(a.k_pre, first, n));
@@ -209,7 +210,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   void project_backward(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
                         const Acts<B>& a, std::int64_t first, View<typename B::Act> dx,
                         const Weights<typename B::Acc>& g) const {
-    const std::int64_t n = x.size(0), H = cfg_.num_attention_heads, KV = cfg_.num_key_value_heads;
+    const std::int64_t n = x.size(0), H = norm_rows(cfg_.num_attention_heads), KV = norm_rows(cfg_.num_key_value_heads);
     auto dq = token_rows(a.dq, first, n), dk = token_rows(a.dk, first, n);
     if (cfg_.qk_norm()) {  // through the norms first: the projections' own gradients
       be.head_rmsnorm_backward(cview(heads(token_rows(a.q_pre, first, n))), w.q_norm,
@@ -228,11 +229,15 @@ class SelfAttention : public CarvedOp<SelfAttention> {
 
  private:
   std::string name(const char* suffix) const { return prefix_ + suffix; }
-  /// [tokens, heads * head_dim] as [tokens * heads, head_dim]: one row per head (the q/k norms').
+  /// [tokens, heads * head_dim] as [tokens * heads, head_dim]: one row per head (the q/k norms';
+  /// OLMoE's norm the whole projection: one row per token).
   template <class E>
   View<E> heads(View<E> v) const {
+    if (cfg_.qk_norm_full()) return v;
     return View<E>(v.span(), Shape{v.numel() / cfg_.head_dim, cfg_.head_dim});
   }
+  /// The q/k norms' rows per token for `heads` heads.
+  std::int64_t norm_rows(std::int64_t heads) const { return cfg_.qk_norm_full() ? 1 : heads; }
   /// The rotary frequencies for this chunk: longrope's long ones where its sequences are longer
   /// than the original context (transformers decides by the longest position of the forward:
   /// with packed rows that is the batch's longest example, which a chunk does not see).

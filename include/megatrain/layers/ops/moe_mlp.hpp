@@ -1,0 +1,225 @@
+// The sparse mixture-of-experts MLP of Qwen3-MoE, Mixtral and OLMoE, as transformers computes it:
+//
+//     p       = softmax(router(x))                     in fp32, over the experts
+//     S, w    = the top-k of p (and w / sum(w) where the family renormalises them)
+//     y       = h + sum over j in S of  w_j * down_j(act(gate_j(x)) * up_j(x))
+//
+// Dropless: every token goes to its k experts (none dropped, no capacity). The assignments are
+// grouped by expert (stable: token order within an expert), each expert's projections run on its
+// rows (Backend::grouped_linear), and the weighted outputs are summed per token in the order of
+// the token's choices. The backward runs through the experts, through the routing weights
+// (dw_j = <dy, expert_j's output>), the renormalisation and the softmax, and the router.
+//
+// Parameters, as the checkpoints on the Hub name them (transformers reads and writes these):
+//   Qwen3-MoE, OLMoE: mlp.gate.weight [E, hidden], mlp.experts.<e>.{gate,up,down}_proj.weight
+//   Mixtral:          block_sparse_moe.gate.weight, block_sparse_moe.experts.<e>.{w1,w3,w2}.weight
+// in slab order router, every expert's gate, every expert's up, every expert's down (so that
+// each kind is one contiguous stack).
+//
+// No norm and no residual of its own: DecoderBlock runs it in place of the dense MLP on the
+// layers ModelConfig::is_moe_layer names. Its activations depend on the routing, so they are
+// never kept: the backward recomputes them from the block's h.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "megatrain/backend/arena.hpp"
+#include "megatrain/backend/backend.hpp"
+#include "megatrain/layers/param_binder.hpp"
+#include "megatrain/model/config.hpp"
+#include "megatrain/model/param_spec.hpp"
+
+namespace megatrain {
+
+/// What a backend provides to run MoeMlp (the CPU backend; see cpu_backend.hpp for the contracts).
+template <class B>
+concept MoeBackend = requires(B& be, View<const typename B::Act> x, View<typename B::Act> y,
+                              View<typename B::Acc> acc, View<const typename B::Acc> cacc, View<std::int32_t> i32,
+                              View<const std::int32_t> ci32, View<std::int64_t> i64, View<const std::int64_t> ci64,
+                              std::span<const View<const typename B::Weight>> ws, std::span<const View<typename B::Acc>> gs,
+                              View<const typename B::Res> r, View<typename B::Res> ry) {
+  be.moe_route(x, std::int64_t{}, bool{}, acc, i32, acc, i32, i32, i64);
+  be.moe_gather(x, ci32, std::int64_t{}, y);
+  be.grouped_linear(x, ws, ci64, y);
+  be.grouped_linear_backward(x, ws, x, y, bool{}, gs, ci64);
+  be.moe_combine(x, ci32, cacc, std::int64_t{}, r, ry);
+  be.moe_combine_backward(x, x, ci32, cacc, std::int64_t{}, y, acc);
+  be.moe_route_backward(cacc, ci32, cacc, cacc, std::int64_t{}, bool{}, y);
+  be.moe_scatter_add(x, ci32, std::int64_t{}, y);
+};
+
+class MoeMlp {
+ public:
+  /// Layer `layer`'s experts and router (the layer must be one of ModelConfig::is_moe_layer's).
+  MoeMlp(const ModelConfig& cfg, std::int64_t layer)
+      : cfg_(cfg),
+        prefix_("model.layers." + std::to_string(layer) + "." + std::string(cfg.moe_module()) + "."),
+        experts_(cfg.moe.num_experts),
+        k_(cfg.moe.experts_per_token),
+        inter_(cfg.moe.intermediate_size) {
+    MT_CHECK(cfg.is_moe_layer(layer), "layer {} of this {} model is a dense layer, not a mixture of experts", layer,
+             cfg.architecture_name());
+  }
+
+  template <class E>
+  struct Weights {
+    View<E> router;
+    std::vector<View<E>> gate, up, down;  // one per expert
+  };
+
+  std::vector<ParamSpec> params() const {
+    const std::int64_t d = cfg_.hidden_size;
+    const auto sd = static_cast<float>(cfg_.initializer_range);
+    std::vector<ParamSpec> p{ParamSpec::matrix(prefix_ + "gate.weight", Shape{experts_, d}, sd)};
+    p.reserve(static_cast<std::size_t>(1 + 3 * experts_));
+    for (int part = 0; part < 3; ++part)
+      for (std::int64_t e = 0; e < experts_; ++e)
+        p.push_back(ParamSpec::matrix(expert_name(e, part), part == 2 ? Shape{d, inter_} : Shape{inter_, d}, sd));
+    return p;
+  }
+
+  template <class E>
+  Weights<E> bind(const ParamBinder<E>& p) const {
+    Weights<E> w;
+    w.router = p(prefix_ + "gate.weight");
+    for (auto* v : {&w.gate, &w.up, &w.down}) v->reserve(static_cast<std::size_t>(experts_));
+    for (std::int64_t e = 0; e < experts_; ++e) {
+      w.gate.push_back(p(expert_name(e, 0)));
+      w.up.push_back(p(expert_name(e, 1)));
+      w.down.push_back(p(expert_name(e, 2)));
+    }
+    return w;
+  }
+
+  /// The activations of `T` tokens: the routing, and the experts' rows (T * k of them, grouped
+  /// by expert), with backward buffers when asked.
+  template <class B>
+  struct Acts {
+    using A = typename B::Act;
+    using C = typename B::Acc;
+    View<A> logits;                      // [T, E] the router's output
+    View<C> probs, weights;              // [T, E] softmax; [T, k] the chosen experts' weights
+    View<std::int32_t> experts;          // [T, k] the chosen experts, in top-k order
+    View<std::int32_t> order, slot;      // [T * k]: row -> assignment (t * k + j), and back
+    View<std::int64_t> offsets;          // [E + 1]: expert e's rows are [offsets[e], offsets[e + 1])
+    View<A> xs, g, u, m, out;            // [T * k, hidden | inter]: the rows each expert reads and writes
+    View<A> dout, dm, dg, du, dxs, dlogits;  // backward only
+    View<C> dweights;                    // backward only: [T, k]
+  };
+
+  template <class B>
+  Acts<B> carve(Arena& ar, std::int64_t T, bool with_backward) const {
+    using A = typename B::Act;
+    using C = typename B::Acc;
+    const std::int64_t d = cfg_.hidden_size, N = T * k_;
+    Acts<B> a;
+    a.logits = ar.alloc<A>({T, experts_});
+    a.probs = ar.alloc<C>({T, experts_});
+    a.weights = ar.alloc<C>({T, k_});
+    a.experts = ar.alloc<std::int32_t>({T, k_});
+    a.order = ar.alloc<std::int32_t>({N});
+    a.slot = ar.alloc<std::int32_t>({N});
+    a.offsets = ar.alloc<std::int64_t>({experts_ + 1});
+    a.xs = ar.alloc<A>({N, d});
+    a.g = ar.alloc<A>({N, inter_});
+    a.u = ar.alloc<A>({N, inter_});
+    a.m = ar.alloc<A>({N, inter_});
+    a.out = ar.alloc<A>({N, d});
+    if (with_backward) {
+      a.dout = ar.alloc<A>({N, d});
+      a.dm = ar.alloc<A>({N, inter_});
+      a.dg = ar.alloc<A>({N, inter_});
+      a.du = ar.alloc<A>({N, inter_});
+      a.dxs = ar.alloc<A>({N, d});
+      a.dlogits = ar.alloc<A>({T, experts_});
+      a.dweights = ar.alloc<C>({T, k_});
+    }
+    return a;
+  }
+
+  /// The views of a for its first n tokens (a carved for a token block of at least n).
+  template <class B>
+  Acts<B> carve_rows(const Acts<B>& a, std::int64_t n) const {
+    Acts<B> r = a;
+    const auto rows = [](auto& v, std::int64_t count) {
+      if (!v.is_null()) v = token_rows(v, 0, count);
+    };
+    for (auto* v : {&r.logits, &r.dlogits}) rows(*v, n);
+    for (auto* v : {&r.probs, &r.weights, &r.dweights}) rows(*v, n);
+    rows(r.experts, n);
+    for (auto* v : {&r.order, &r.slot}) rows(*v, n * k_);
+    for (auto* v : {&r.xs, &r.g, &r.u, &r.m, &r.out, &r.dout, &r.dm, &r.dg, &r.du, &r.dxs}) rows(*v, n * k_);
+    return r;
+  }
+
+  /// Routing and the experts' outputs for the tokens x ([T, hidden]), kept in a (what backprop()
+  /// reads), without summing them into the residual stream.
+  template <class B>
+  void run_kept(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x, const Acts<B>& a) const {
+    be.linear(x, w.router, {}, a.logits);
+    be.moe_route(cv(a.logits), k_, cfg_.moe.norm_topk_prob, a.probs, a.experts, a.weights, a.order, a.slot, a.offsets);
+    be.moe_gather(x, cv(a.order), k_, a.xs);
+    be.grouped_linear(cv(a.xs), cspan(w.gate), cv(a.offsets), a.g);
+    be.grouped_linear(cv(a.xs), cspan(w.up), cv(a.offsets), a.u);
+    be.swiglu(cv(a.g), cv(a.u), a.m, cfg_.hidden_act);
+    be.grouped_linear(cv(a.m), cspan(w.down), cv(a.offsets), a.out);
+  }
+
+  /// y = h + the weighted sum of the token's experts' outputs.
+  template <class B>
+  void run(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x, const Acts<B>& a,
+           View<const typename B::Res> h, View<typename B::Res> y) const {
+    run_kept(be, w, x, a);
+    be.moe_combine(cv(a.out), cv(a.slot), cv(a.weights), k_, h, y);
+  }
+
+  /// After run_kept() on the same x: dx (overwritten) from dy, the gradient of the MoE's output;
+  /// the router's and the experts' gradients added to g.
+  template <class B>
+  void backprop(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x, const Acts<B>& a,
+                View<const typename B::Act> dy, View<typename B::Act> dx, const Weights<typename B::Acc>& g) const {
+    be.moe_combine_backward(dy, cv(a.out), cv(a.slot), cv(a.weights), k_, a.dout, a.dweights);
+    be.grouped_linear_backward(cv(a.m), cspan(w.down), cv(a.dout), a.dm, false, span(g.down), cv(a.offsets));
+    be.swiglu_backward(cv(a.g), cv(a.u), cv(a.dm), a.dg, a.du, cfg_.hidden_act);
+    be.grouped_linear_backward(cv(a.xs), cspan(w.gate), cv(a.dg), a.dxs, false, span(g.gate), cv(a.offsets));
+    be.grouped_linear_backward(cv(a.xs), cspan(w.up), cv(a.du), a.dxs, true, span(g.up), cv(a.offsets));
+    be.moe_route_backward(cv(a.probs), cv(a.experts), cv(a.weights), cv(a.dweights), k_, cfg_.moe.norm_topk_prob,
+                          a.dlogits);
+    be.linear_backward(x, w.router, cv(a.dlogits), dx, false, g.router, {});
+    be.moe_scatter_add(cv(a.dxs), cv(a.slot), k_, dx);
+  }
+
+  std::int64_t experts() const { return experts_; }
+  std::int64_t experts_per_token() const { return k_; }
+
+ private:
+  /// part 0: gate, 1: up, 2: down, under the family's names.
+  std::string expert_name(std::int64_t e, int part) const {
+    static constexpr const char* kHf[] = {"gate_proj", "up_proj", "down_proj"};
+    static constexpr const char* kMixtral[] = {"w1", "w3", "w2"};
+    const bool mixtral = cfg_.architecture == Architecture::mixtral;
+    return prefix_ + "experts." + std::to_string(e) + "." + (mixtral ? kMixtral : kHf)[part] + ".weight";
+  }
+  template <class E>
+  static View<const E> cv(View<E> v) {
+    return v;
+  }
+  template <class E>
+  static std::span<const View<const E>> cspan(const std::vector<View<E>>& v)
+    requires std::is_const_v<E>
+  {
+    return {v.data(), v.size()};
+  }
+  template <class E>
+  static std::span<const View<E>> span(const std::vector<View<E>>& v) {
+    return {v.data(), v.size()};
+  }
+
+  ModelConfig cfg_;
+  std::string prefix_;
+  std::int64_t experts_, k_, inter_;
+};
+
+}  // namespace megatrain
