@@ -11,6 +11,7 @@
 #include <mutex>
 #include <set>
 
+#include "megatrain/core/finite.hpp"
 #include "megatrain/core/digest.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/nvtx.hpp"
@@ -240,20 +241,13 @@ void TrainCheckpoint::load_into(HostParamStore<float>& store) const {
            label, tensors.size(), expected);
   // A NaN or an infinity in a weight or a moment (a corrupt file, or a state saved from a run that
   // diverged) is refused before anything is written, naming the tensor.
-  std::vector<std::pair<std::size_t, std::size_t>> bad(refs.size());  // (count, first element)
-  tbb::parallel_for(std::size_t{0}, refs.size(), [&](std::size_t i) {
-    const auto bytes = refs[i].bytes().bytes;
-    for (std::size_t k = 0; k * 4 < bytes.size(); ++k) {
-      std::uint32_t bits = 0;
-      std::memcpy(&bits, bytes.data() + 4 * k, 4);
-      if ((bits & 0x7f800000u) == 0x7f800000u && bad[i].first++ == 0) bad[i].second = k;
-    }
-  });
+  std::vector<FiniteScan> bad(refs.size());
+  tbb::parallel_for(std::size_t{0}, refs.size(), [&](std::size_t i) { bad[i] = scan_finite(refs[i].bytes().bytes); });
   for (std::size_t i = 0; i < refs.size(); ++i)
-    MT_CHECK(bad[i].first == 0,
+    MT_CHECK(bad[i].ok(),
              "{}: tensor '{}' in '{}' holds {} non-finite value(s) (NaN or infinity; the first at element {}): the "
              "checkpoint is corrupt or was saved from a diverged run; resume from an earlier checkpoint",
-             label, refs[i].name(), refs[i].file->path().string(), bad[i].first, bad[i].second);
+             label, refs[i].name(), refs[i].file->path().string(), bad[i].count, bad[i].first);
   for (auto& unit : store.units()) {
     for (const auto& p : unit.params()) {
       read_into(tensors.tensor(p.spec.name), store.master(p.spec.name));

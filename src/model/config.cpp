@@ -663,8 +663,13 @@ bool ModelConfig::qk_norm() const { return arch_info(architecture).qk_norm; }
 bool ModelConfig::qk_norm_full() const { return arch_info(architecture).qk_norm_full; }
 bool ModelConfig::is_moe_layer(std::int64_t layer) const {
   if (moe.num_experts == 0) return false;
-  if (std::binary_search(moe.dense_layers.begin(), moe.dense_layers.end(), layer)) return false;
+  if (std::find(moe.dense_layers.begin(), moe.dense_layers.end(), layer) != moe.dense_layers.end()) return false;
   return (layer + 1) % moe.decoder_sparse_step == 0;
+}
+std::int64_t ModelConfig::moe_layer_count() const {
+  std::int64_t n = 0;
+  for (std::int64_t l = 0; l < num_hidden_layers && moe.num_experts > 0; ++l) n += is_moe_layer(l) ? 1 : 0;
+  return n;
 }
 std::string_view ModelConfig::moe_module() const {
   return architecture == Architecture::mixtral ? "block_sparse_moe" : "mlp";
@@ -879,8 +884,7 @@ std::int64_t ModelConfig::param_count() const {
   if (qk_norm()) block = add(block, qk_norm_full() ? add(q_dim(), kv_dim()) : mul(2, head_dim));
   if (sandwich_norms()) block = add(block, mul(2, d));
   // the MLPs: dense gate, up, down; or the router and each expert's three
-  std::int64_t sparse = 0;
-  for (std::int64_t l = 0; l < num_hidden_layers && moe.num_experts > 0; ++l) sparse += is_moe_layer(l) ? 1 : 0;
+  const std::int64_t sparse = moe_layer_count();
   const std::int64_t dense_mlp = mul(mul(3, d), intermediate_size);
   const std::int64_t moe_mlp = moe.num_experts > 0 ? add(mul(moe.num_experts, d), mul(moe.num_experts, mul(mul(3, d), moe.intermediate_size))) : 0;
   std::int64_t n = add(add(mul(vocab_size, d), mul(num_hidden_layers, block)), d);
@@ -890,11 +894,10 @@ std::int64_t ModelConfig::param_count() const {
 }
 
 std::int64_t ModelConfig::active_param_count() const {
-  std::int64_t sparse = 0;
-  for (std::int64_t l = 0; l < num_hidden_layers && moe.num_experts > 0; ++l) sparse += is_moe_layer(l) ? 1 : 0;
-  const std::int64_t idle = moe.num_experts - moe.experts_per_token;
-  return param_count() -
-         checked_mul(checked_mul(sparse, idle, "active parameters"), checked_mul(3 * hidden_size, moe.intermediate_size, "active parameters"), "active parameters");
+  // (each sparse layer's experts a token is not routed to: every factor bounded by param_count's)
+  const auto mul = [](std::int64_t x, std::int64_t y) { return checked_mul(x, y, "the model's active parameters"); };
+  const std::int64_t idle_experts = mul(moe_layer_count(), moe.num_experts - moe.experts_per_token);
+  return param_count() - mul(idle_experts, mul(mul(3, hidden_size), moe.intermediate_size));
 }
 
 void ModelConfig::check_sequence_length(std::int64_t seq_len) const {

@@ -30,6 +30,7 @@
 #include <variant>
 #include <vector>
 
+#include "megatrain/core/finite.hpp"
 #include "megatrain/core/digest.hpp"
 #include "megatrain/core/dtype.hpp"
 #include "megatrain/core/tensor.hpp"
@@ -210,13 +211,11 @@ void read_into(const TensorRef& src, View<double> dst);
 /// count and the first: such a checkpoint comes from a run that diverged or from a corrupt file,
 /// and a model trained from it is poisoned from the first step.
 inline void check_finite(const TensorRef& ref, std::span<const float> v) {
-  std::size_t bad = 0, first = 0;
-  for (std::size_t i = 0; i < v.size(); ++i)
-    if (!std::isfinite(v[i])) first = bad++ == 0 ? i : first;
-  MT_CHECK(bad == 0,
+  const FiniteScan s = scan_finite(v);
+  MT_CHECK(s.ok(),
            "tensor '{}' in '{}' holds {} non-finite value(s) (NaN or infinity; the first at element {}): the checkpoint "
            "is corrupt or was saved from a diverged run, and training from it would spread them to every weight; "
-           "load an earlier checkpoint", ref.name(), ref.file->path().string(), bad, first);
+           "load an earlier checkpoint", ref.name(), ref.file->path().string(), s.count, s.first);
 }
 
 // ---- writing ----------------------------------------------------------------------------------

@@ -139,6 +139,8 @@ struct ModelConfig {
   bool qk_norm_full() const;
   /// Layer `layer`'s MLP is a mixture of experts (MoeMlp) rather than a dense gated MLP.
   bool is_moe_layer(std::int64_t layer) const;
+  /// How many layers are mixtures of experts (0 for a dense model).
+  std::int64_t moe_layer_count() const;
   /// The module holding a sparse layer's router and experts: "mlp", or Mixtral's "block_sparse_moe".
   std::string_view moe_module() const;
   /// The checkpoint stores q/k/v as one self_attn.qkv_proj.weight and gate/up as one

@@ -86,6 +86,7 @@
 
 #include "megatrain/backend/arena.hpp"
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/finite.hpp"
 #include "megatrain/core/log.hpp"
 #include "megatrain/core/nvtx.hpp"
 #include "megatrain/layers/decoder_model.hpp"
@@ -205,10 +206,7 @@ class Trainer {
     check_store();
     if constexpr (!MoeBackend<B>) {  // (before anything is allocated)
       for (std::int64_t l = 0; l < model_.config().num_hidden_layers; ++l)
-        MT_CHECK(!model_.config().is_moe_layer(l),
-                 "{}'s mixture-of-experts layers (layer {} is one) run on the CPU backend only for now "
-                 "(megatrain-train --backend cpu): this backend has no grouped kernels for the experts yet",
-                 model_.config().architecture_name(), l);
+        if (model_.config().is_moe_layer(l)) MoeMlp::refuse_backend(model_.config(), l);
     }
     // Micro-batches added up in host memory: what orders a micro-batch's head (which zeroes the
     // head's and a tied embedding's accumulators) after the offload of the previous micro-batch's
@@ -552,30 +550,23 @@ class Trainer {
     }
     struct Found {
       std::size_t unit = 0, param = 0;
-      std::int64_t count = 0, first = -1;
-      float value = 0;
+      FiniteScan scan;
     };
     std::vector<Found> all;
     for (std::size_t u = 0; u < store_.num_units(); ++u)
-      for (std::size_t p = 0; p < store_.unit(u).params().size(); ++p) all.push_back({u, p});
+      for (std::size_t p = 0; p < store_.unit(u).params().size(); ++p) all.push_back({u, p, {}});
     tbb::parallel_for(std::size_t{0}, all.size(), [&](std::size_t i) {
       Found& f = all[i];
       const auto& unit = store_.unit(f.unit);
       const auto& param = unit.params()[f.param];
-      const auto w = unit.master().subspan(static_cast<std::size_t>(param.offset), static_cast<std::size_t>(param.numel()));
-      for (std::size_t k = 0; k < w.size(); ++k)
-        if (!std::isfinite(w[k])) {
-          if (f.count++ == 0) {
-            f.first = static_cast<std::int64_t>(k);
-            f.value = w[k];
-          }
-        }
+      f.scan = scan_finite(
+          unit.master().subspan(static_cast<std::size_t>(param.offset), static_cast<std::size_t>(param.numel())));
     });
-    std::erase_if(all, [](const Found& f) { return f.count == 0; });
+    std::erase_if(all, [](const Found& f) { return f.scan.ok(); });
     if (all.empty()) return {};
     const Found& f = all.front();
     return fmt::format("'{}' holds {} non-finite value(s) (the first, element {}, is {}){}",
-                       store_.unit(f.unit).params()[f.param].spec.name, f.count, f.first, f.value,
+                       store_.unit(f.unit).params()[f.param].spec.name, f.scan.count, f.scan.first, f.scan.value,
                        all.size() > 1 ? fmt::format(", and {} more tensor(s) do", all.size() - 1) : std::string());
   }
 
@@ -1510,8 +1501,8 @@ class Trainer {
   std::optional<double> last_grad_norm_;
   std::int64_t skipped_ = 0;           // steps skipped as non-finite (NonFinite::skip), in all
   std::int64_t skipped_in_a_row_ = 0;  // ... and since the last step taken
-  std::string failed_;
-  bool failed_kept_state_ = false;  // the weights and AdamW states are those of the last good step  // why a step stopped (a non-finite gradient): no further step is taken
+  std::string failed_;              // why a step stopped (a non-finite step): no further step is taken
+  bool failed_kept_state_ = false;  // the weights and AdamW states are those of the last good step
   std::atomic<std::shared_ptr<const std::function<void(std::size_t)>>> update_gate_;
   Pass pass_;
   bool update_pending_ = false;

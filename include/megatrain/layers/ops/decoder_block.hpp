@@ -232,24 +232,8 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
       const auto h = cview(token_rows(a.x2, t0, n));
       be.rmsnorm(h, w.post_norm, cfg_.rms_norm_eps, n2, rstd2, offset_);
       be.convert(token_rows(dy, t0, n), dya);
-      if (moe_) {
-        moe_backprop(be, w, cview(n2), moe_acts(a, n), cview(dya), dn, g);  // (recomputed from n2)
-      } else {
-      const auto m = mlp_acts(a, t0, n);
-      if (!a.kept) mlp_.run_kept(be, ChunkShape{1, n}, w.mlp, cview(n2), m);  // (kept: backprop makes m from g and u)
-      View<const typename B::Act> dm = cview(dya);  // the gradient of the MLP's output
-      if (sandwich_) {  // through the MLP's output norm first (its input recomputed unless kept)
-        const auto [f, rstd_f] = mlp_out(a, t0, n);
-        const auto dp = token_rows(a.dp, 0, n);
-        if (!a.kept) {
-          be.linear(cview(m.m), w.mlp.down, w.mlp.down_bias, f);
-          be.head_rmsnorm(cview(f), w.mlp_out_norm, cfg_.rms_norm_eps, token_rows(a.pn, 0, n), rstd_f, offset_);
-        }
-        be.head_rmsnorm_backward(cview(f), w.mlp_out_norm, cview(rstd_f), cview(dya), dp, g.mlp_out_norm, offset_);
-        dm = cview(dp);
-      }
-      mlp_.backprop(be, ChunkShape{1, n}, w.mlp, cview(n2), m, dm, dn, g.mlp);
-      }
+      if (moe_) moe_backprop(be, w, cview(n2), moe_acts(a, n), cview(dya), dn, g);  // (recomputed from n2)
+      else mlp_backprop(be, w, a, t0, n, cview(n2), cview(dya), dn, g);
       be.rmsnorm_backward(h, w.post_norm, cview(rstd2), cview(dn), token_rows(dy, t0, n), token_rows(dx, t0, n), dya,
                           g.post_norm, offset_);
       View<const typename B::Act> dout = cview(dya);  // the gradient of o_proj's output
@@ -279,6 +263,29 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
  private:
   std::string name(const char* suffix) const { return prefix_ + suffix; }
 
+  /// The dense MLP's part of backprop() for the token block [t0, t0 + n): dn (the gradient of its
+  /// input n2) from dya (the gradient of the block's output), through the output norm first where
+  /// the block has one; its activations recomputed from n2 unless kept.
+  template <class B>
+  void mlp_backprop(B& be, const Weights<const typename B::Weight>& w, const Acts<B>& a, std::int64_t t0, std::int64_t n,
+                    View<const typename B::Act> n2, View<const typename B::Act> dya, View<typename B::Act> dn,
+                    const Weights<typename B::Acc>& g) const {
+    const auto m = mlp_acts(a, t0, n);
+    if (!a.kept) mlp_.run_kept(be, ChunkShape{1, n}, w.mlp, n2, m);  // (kept: backprop makes m from g and u)
+    View<const typename B::Act> dm = dya;  // the gradient of the MLP's output
+    if (sandwich_) {  // through the MLP's output norm first (its input recomputed unless kept)
+      const auto [f, rstd_f] = mlp_out(a, t0, n);
+      const auto dp = token_rows(a.dp, 0, n);
+      if (!a.kept) {
+        be.linear(cview(m.m), w.mlp.down, w.mlp.down_bias, f);
+        be.head_rmsnorm(cview(f), w.mlp_out_norm, cfg_.rms_norm_eps, token_rows(a.pn, 0, n), rstd_f, offset_);
+      }
+      be.head_rmsnorm_backward(cview(f), w.mlp_out_norm, cview(rstd_f), dya, dp, g.mlp_out_norm, offset_);
+      dm = cview(dp);
+    }
+    mlp_.backprop(be, ChunkShape{1, n}, w.mlp, n2, m, dm, dn, g.mlp);
+  }
+
   /// The experts' activations for a token block of n tokens (the first rows of the block's buffers).
   template <class B>
   typename MoeMlp::template Acts<B> moe_acts(const Acts<B>& a, std::int64_t n) const {
@@ -288,7 +295,7 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
   void moe_run(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
                const typename MoeMlp::template Acts<B>& m, View<const typename B::Res> h, View<typename B::Res> y) const {
     if constexpr (MoeBackend<B>) moe_->run(be, w.moe, x, m, h, y);
-    else refuse_moe();
+    else MoeMlp::refuse_backend(cfg_, moe_->layer());
   }
   template <class B>
   void moe_backprop(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
@@ -298,12 +305,8 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
       moe_->run_kept(be, w.moe, x, m);
       moe_->backprop(be, w.moe, x, m, dy, dx, g.moe);
     } else {
-      refuse_moe();
+      MoeMlp::refuse_backend(cfg_, moe_->layer());
     }
-  }
-  [[noreturn]] void refuse_moe() const {
-    MT_FAIL("{}: {}'s mixture-of-experts layers run on the CPU backend only for now (--backend cpu); the CUDA backend "
-            "has no grouped expert kernels yet", prefix_, cfg_.architecture_name());
   }
   /// The MLP's activations for the token block [t0, t0 + n): the first n rows of its buffers
   /// (kept: g and u span the chunk, their rows from t0).

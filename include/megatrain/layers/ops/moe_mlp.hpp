@@ -56,6 +56,7 @@ class MoeMlp {
   MoeMlp(const ModelConfig& cfg, std::int64_t layer)
       : cfg_(cfg),
         prefix_("model.layers." + std::to_string(layer) + "." + std::string(cfg.moe_module()) + "."),
+        layer_(layer),
         experts_(cfg.moe.num_experts),
         k_(cfg.moe.experts_per_token),
         inter_(cfg.moe.intermediate_size) {
@@ -191,7 +192,14 @@ class MoeMlp {
     be.moe_scatter_add(cv(a.dxs), cv(a.slot), k_, dx);
   }
 
+  std::int64_t layer() const { return layer_; }
   std::int64_t experts() const { return experts_; }
+
+  /// Refuses `cfg`'s mixture-of-experts layer `layer` on a backend without MoeBackend's primitives.
+  [[noreturn]] static void refuse_backend(const ModelConfig& cfg, std::int64_t layer) {
+    MT_FAIL("{}'s mixture-of-experts layers (layer {} is one) run on the CPU backend only for now (megatrain-train "
+            "--backend cpu): this backend has no grouped kernels for the experts yet", cfg.architecture_name(), layer);
+  }
   std::int64_t experts_per_token() const { return k_; }
 
  private:
@@ -219,7 +227,7 @@ class MoeMlp {
 
   ModelConfig cfg_;
   std::string prefix_;
-  std::int64_t experts_, k_, inter_;
+  std::int64_t layer_, experts_, k_, inter_;
 };
 
 }  // namespace megatrain
