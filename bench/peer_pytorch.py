@@ -42,6 +42,12 @@ PRESETS = {
                        max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
                        rope_scaling={"rope_type": "linear", "factor": 8.0}, query_pre_attn_scalar=256, sliding_window=1024,
                        sliding_window_pattern=6, tie_word_embeddings=True),
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                          output_router_logits=False, tie_word_embeddings=False),
 }
 
 
@@ -58,6 +64,10 @@ def main():
     ap.add_argument("--loss-chunk", type=int, default=-1,
                     help="tokens per chunk of a chunked, checkpointed loss (0: transformers' full logits; -1: full logits "
                          "unless not even one sequence per pass fits, then 8192)")
+    ap.add_argument("--layers", type=int, default=0, help="cut the preset to this many layers (0: all)")
+    ap.add_argument("--experts", default="grouped_mm",
+                    help="transformers' experts implementation for a mixture of experts (grouped_mm: one grouped GEMM "
+                         "per projection, its fastest on large batches)")
     ap.add_argument("--attention", choices=["flash", "cudnn", "efficient"], default=None,
                     help="the SDPA kernel to use (default: the fastest of the three on a trial step)")
     a = ap.parse_args()
@@ -65,10 +75,15 @@ def main():
     import torch
     import transformers
 
-    cfg = transformers.AutoConfig.for_model(**PRESETS[a.preset])
+    fields = dict(PRESETS[a.preset])
+    if a.layers > 0:
+        fields["num_hidden_layers"] = a.layers
+    cfg = transformers.AutoConfig.for_model(**fields)
     cfg.use_cache = False
+    moe = "num_experts" in fields
+    extra = {"experts_implementation": a.experts} if moe else {}
     with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa", **extra)
     model.gradient_checkpointing_enable()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -151,7 +166,8 @@ def main():
         if t is not None:
             split_times[m] = t
     micro = min(split_times, key=split_times.get)
-    print(f"peer: PyTorch {torch.__version__}, transformers {transformers.__version__}, {a.preset}, {n / 1e9:.3f}B "
+    print(f"peer: PyTorch {torch.__version__}, transformers {transformers.__version__}, {a.preset}"
+          f"{f' cut to {a.layers} layers' if a.layers else ''}{f', experts {a.experts}' if moe else ''}, {n / 1e9:.3f}B "
           f"parameters, {tokens} tokens per step ({a.batch} x {a.seq}, {a.batch // micro} pass(es) of {micro}), attention "
           f"{backend.name} (trial steps: {', '.join(f'{b.name} {t:.3f} s' for b, t in trial.items())}; passes of "
           f"{', '.join(f'{m}: {t:.3f} s' for m, t in split_times.items())}), "

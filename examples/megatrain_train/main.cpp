@@ -105,11 +105,19 @@ class Progress {
       if (s.step == steps_ || val) std::fputc('\n', stdout);
       std::fflush(stdout);
     } else if (s.step % log_every == 0 || s.step == steps_ || val || s.skipped) {
-      std::fprintf(stdout, "step %lld/%lld loss %.4f lr %.3g grad_norm %.3f tok/s %.0f%s%s\n", static_cast<long long>(s.step),
+      std::fprintf(stdout, "step %lld/%lld loss %.4f lr %.3g grad_norm %.3f tok/s %.0f%s%s%s\n", static_cast<long long>(s.step),
                    static_cast<long long>(steps_), s.loss, s.lr, s.grad_norm, tok_per_s,
-                   val ? fmt::format(" val_loss {:.4f}", *val).c_str() : "", s.skipped ? " (skipped: not finite)" : "");
+                   val ? fmt::format(" val_loss {:.4f}", *val).c_str() : "", experts(s).c_str(),
+                   s.skipped ? " (skipped: not finite)" : "");
       std::fflush(stdout);
     }
+  }
+  /// A mixture of experts: the auxiliary loss and the least and most loaded expert of any layer.
+  static std::string experts(const StepStats& s) {
+    if (s.expert_load.empty()) return {};
+    std::int64_t lo = s.expert_load[0].min, hi = s.expert_load[0].max;
+    for (const auto& l : s.expert_load) lo = std::min(lo, l.min), hi = std::max(hi, l.max);
+    return fmt::format(" aux_loss {:.4f} tokens/expert {}..{}", s.aux_loss, lo, hi);
   }
   /// A line of its own (a save, a warning), not overwritten by the next update.
   void note(const std::string& line, FILE* to = stdout) {
@@ -467,6 +475,12 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
     MT_CHECK(train_src->has_examples() || !s.pack,
              "--pack applies to fine-tuning examples (prompt/completion, alpaca, conversations); --data '{}' is documents, "
              "which fill every sequence already", s.data.empty() ? "built-in text" : s.data);
+    // (transformers leaves padding out of the auxiliary loss through the attention mask)
+    MT_CHECK(!train_src->has_examples() || !cfg->moe.output_router_logits,
+             "--data '{}' holds fine-tuning examples, whose sequences end in padding, and the model's config.json sets "
+             "output_router_logits: transformers leaves padding out of the auxiliary load-balancing loss (through the "
+             "attention mask), which megatrain does not yet; train on documents, or set output_router_logits to false in "
+             "config.json to train on the language-model loss alone", s.data);
     data.emplace(std::move(*train_src), dopt, std::move(val_src));
     plan.data_identity = {{"train_digest", data->train_source().digest()},
                           {"train_tokens", data->train_source().size()},
@@ -896,6 +910,12 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
            {"tokens_per_s", tok_s},     {"step_time_s", st.seconds}};
     if (st.skipped) m["skipped"] = true;
     if (trainer.skipped_steps() > 0) m["skipped_steps"] = trainer.skipped_steps();
+    if (!st.expert_load.empty()) {  // a mixture of experts: what users of MoE training watch
+      m["aux_loss"] = st.aux_loss;
+      json load = json::array();
+      for (const auto& l : st.expert_load) load.push_back({l.layer, l.min, l.max});
+      m["expert_tokens"] = load;  // [layer, fewest, most] tokens routed to one expert over the step
+    }
     if (val) m["val_loss"] = *val;
     metrics << m.dump() << '\n' << std::flush;
     if (val) write_report();

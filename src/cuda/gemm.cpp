@@ -6,7 +6,12 @@
 //   dW += dy^T x    ->  dW^T (K x N) = x^T . dy           A = x (K x M, op N),  B = dy (N x M, op T)
 #include "megatrain/backend/cuda/gemm.hpp"
 
+#include <cublas_v2.h>
+
 #include <initializer_list>
+#include <string>
+
+#include <fmt/format.h>
 
 #include "megatrain/core/cuda_check.hpp"
 #include "megatrain/core/error.hpp"
@@ -156,6 +161,140 @@ void Gemm::weight_grad(const bf16* dy, const bf16* x, float* dw, std::int64_t M,
                        cudaStream_t stream) {
   const bool al = aligned16({dy, x, dw}, {2 * K, 2 * N, 4 * K});
   run(plan(Kind::weight_grad, M, N, K, al), x, dy, dw, nullptr, 1.0f, stream);
+}
+
+// ---- GroupedGemm ----------------------------------------------------------------------------
+// Per group, the same column-major transposition as Gemm's (see the top of this file); the groups
+// differ in their row counts and pointers only.
+
+struct GroupedGemm::Call {
+  cublasOperation_t ta, tb;
+  std::vector<std::int64_t> m, n, k, lda, ldb, ldc;
+  std::vector<const void*> a, b;
+  std::vector<void*> c;
+  cudaDataType_t ctype = CUDA_R_16BF;
+  float beta = 0.0f;
+  explicit Call(std::size_t g) : m(g), n(g), k(g), lda(g), ldb(g), ldc(g), a(g), b(g), c(g) {}
+};
+
+GroupedGemm::GroupedGemm(void* pointers, std::size_t max_groups, void* workspace, std::size_t workspace_bytes)
+    : pointers_(static_cast<void**>(pointers)),
+      max_groups_(max_groups),
+      workspace_(workspace),
+      workspace_bytes_(workspace_bytes) {
+  cublasHandle_t h = nullptr;
+  MT_CUDA_CHECK(cublasCreate(&h));
+  handle_ = h;
+  MT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_offsets_), (max_groups + 1) * sizeof(std::int64_t)));
+  MT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_pointers_), kPointerSlots * max_groups * sizeof(void*)));
+}
+
+GroupedGemm::~GroupedGemm() {
+  if (host_pointers_) (void)cudaFreeHost(host_pointers_);
+  if (host_offsets_) (void)cudaFreeHost(host_offsets_);
+  if (handle_) (void)cublasDestroy(static_cast<cublasHandle_t>(handle_));
+}
+
+GroupedGemm::Groups GroupedGemm::read(const std::int64_t* offsets, std::size_t experts, cudaStream_t stream) {
+  MT_NVTX_RANGE("grouped_gemm_read_offsets");
+  MT_CHECK(experts >= 1 && experts <= max_groups_, "grouped products of {} experts: at most {} are supported", experts,
+           max_groups_);
+  MT_CUDA_CHECK(cudaMemcpyAsync(host_offsets_, offsets, (experts + 1) * sizeof(std::int64_t), cudaMemcpyDeviceToHost, stream));
+  MT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  Groups g;
+  MT_CHECK(host_offsets_[0] == 0, "grouped products: the first expert's rows start at {}, not 0", host_offsets_[0]);
+  for (std::size_t e = 0; e < experts; ++e) {
+    const std::int64_t n = host_offsets_[e + 1] - host_offsets_[e];
+    MT_CHECK(n >= 0, "grouped products: expert {}'s rows end at {} before they start at {}", e, host_offsets_[e + 1],
+             host_offsets_[e]);
+    if (n == 0) continue;
+    g.expert.push_back(e);
+    g.first.push_back(host_offsets_[e]);
+    g.rows.push_back(n);
+  }
+  g.total = host_offsets_[experts];
+  return g;
+}
+
+void GroupedGemm::launch(int slot, const Call& c, cudaStream_t stream) {
+  const std::size_t G = c.m.size();
+  if (G == 0) return;
+  auto h = static_cast<cublasHandle_t>(handle_);
+  MT_CUDA_CHECK(cublasSetStream(h, stream));  // (resets the workspace: set it after)
+  MT_CUDA_CHECK(cublasSetWorkspace(h, workspace_, workspace_bytes_));
+  const float one = 1.0f;
+  if (grouped_[slot]) {
+    void** host = host_pointers_ + static_cast<std::size_t>(slot) * 3 * max_groups_;
+    void** device = pointers_ + static_cast<std::size_t>(slot) * 3 * max_groups_;
+    for (std::size_t i = 0; i < G; ++i) {
+      host[i] = const_cast<void*>(c.a[i]);
+      host[G + i] = const_cast<void*>(c.b[i]);
+      host[2 * G + i] = c.c[i];
+    }
+    // (pinned, so asynchronous; this slot's host array is rewritten only after the next read(),
+    // whose synchronisation finds the copy done)
+    MT_CUDA_CHECK(cudaMemcpyAsync(device, host, 3 * G * sizeof(void*), cudaMemcpyHostToDevice, stream));
+    const std::vector<cublasOperation_t> ta(G, c.ta), tb(G, c.tb);
+    const std::vector<float> alpha(G, 1.0f), beta(G, c.beta);
+    const std::vector<std::int64_t> size(G, 1);
+    const cublasStatus_t st = cublasGemmGroupedBatchedEx_64(
+        h, ta.data(), tb.data(), c.m.data(), c.n.data(), c.k.data(), alpha.data(), device, CUDA_R_16BF, c.lda.data(),
+        device + G, CUDA_R_16BF, c.ldb.data(), beta.data(), device + 2 * G, c.ctype, c.ldc.data(),
+        static_cast<std::int64_t>(G), size.data(), CUBLAS_COMPUTE_32F);
+    if (st == CUBLAS_STATUS_SUCCESS) return;
+    if (st != CUBLAS_STATUS_NOT_SUPPORTED) MT_CUDA_CHECK(st);
+    // This cuBLAS has no grouped kernel for these types (cuBLAS 13.1 takes no bf16): from here
+    // on, one product per expert with rows (still no synchronisation between them).
+    grouped_[slot] = false;
+  }
+  for (std::size_t i = 0; i < G; ++i)
+    MT_CUDA_CHECK(cublasGemmEx_64(h, c.ta, c.tb, c.m[i], c.n[i], c.k[i], &one, c.a[i], CUDA_R_16BF, c.lda[i], c.b[i],
+                                  CUDA_R_16BF, c.ldb[i], &c.beta, c.c[i], c.ctype, c.ldc[i], CUBLAS_COMPUTE_32F,
+                                  CUBLAS_GEMM_DEFAULT));
+}
+
+std::string GroupedGemm::paths() const {
+  static constexpr const char* kNames[] = {"forward", "input gradient", "weight gradient"};
+  std::string s;
+  for (int k = 0; k < 3; ++k)
+    s += fmt::format("{}{}: {}", k ? ", " : "", kNames[k], grouped_[k] ? "one grouped GEMM" : "one GEMM per expert");
+  return s;
+}
+
+void GroupedGemm::forward(const Groups& g, const bf16* x, std::span<const bf16* const> w, bf16* y, std::int64_t N,
+                          std::int64_t K, cudaStream_t stream) {
+  MT_NVTX_RANGE("grouped_gemm_forward");
+  Call c(g.expert.size());
+  c.ta = CUBLAS_OP_T, c.tb = CUBLAS_OP_N;
+  for (std::size_t i = 0; i < g.expert.size(); ++i) {
+    c.m[i] = N, c.n[i] = g.rows[i], c.k[i] = K, c.lda[i] = K, c.ldb[i] = K, c.ldc[i] = N;
+    c.a[i] = w[g.expert[i]], c.b[i] = x + g.first[i] * K, c.c[i] = y + g.first[i] * N;
+  }
+  launch(0, c, stream);
+}
+
+void GroupedGemm::input_grad(const Groups& g, const bf16* dy, std::span<const bf16* const> w, bf16* dx, bool accumulate,
+                             std::int64_t N, std::int64_t K, cudaStream_t stream) {
+  MT_NVTX_RANGE("grouped_gemm_input_grad");
+  Call c(g.expert.size());
+  c.ta = CUBLAS_OP_N, c.tb = CUBLAS_OP_N, c.beta = accumulate ? 1.0f : 0.0f;
+  for (std::size_t i = 0; i < g.expert.size(); ++i) {
+    c.m[i] = K, c.n[i] = g.rows[i], c.k[i] = N, c.lda[i] = K, c.ldb[i] = N, c.ldc[i] = K;
+    c.a[i] = w[g.expert[i]], c.b[i] = dy + g.first[i] * N, c.c[i] = dx + g.first[i] * K;
+  }
+  launch(1, c, stream);
+}
+
+void GroupedGemm::weight_grad(const Groups& g, const bf16* dy, const bf16* x, std::span<float* const> dw, std::int64_t N,
+                              std::int64_t K, cudaStream_t stream) {
+  MT_NVTX_RANGE("grouped_gemm_weight_grad");
+  Call c(g.expert.size());
+  c.ta = CUBLAS_OP_N, c.tb = CUBLAS_OP_T, c.beta = 1.0f, c.ctype = CUDA_R_32F;
+  for (std::size_t i = 0; i < g.expert.size(); ++i) {
+    c.m[i] = K, c.n[i] = N, c.k[i] = g.rows[i], c.lda[i] = K, c.ldb[i] = N, c.ldc[i] = K;
+    c.a[i] = x + g.first[i] * K, c.b[i] = dy + g.first[i] * N, c.c[i] = dw[g.expert[i]];
+  }
+  launch(2, c, stream);
 }
 
 }  // namespace megatrain::cuda

@@ -37,6 +37,7 @@
 
 #include "megatrain/backend/backend.hpp"  // kIgnoreIndex
 #include "megatrain/backend/cuda/kernels.hpp"
+#include "common.cuh"
 #include "megatrain/core/cuda_check.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/nvtx.hpp"
@@ -44,14 +45,10 @@
 namespace megatrain::cuda {
 namespace {
 
-using bf = __nv_bfloat16;
+using namespace common;
 using u32 = std::uint32_t;
-using i64 = std::int64_t;
 
 // ---- host helpers ------------------------------------------------------------------------------
-
-const bf* dev(const bf16* p) { return reinterpret_cast<const bf*>(p); }
-bf* dev(bf16* p) { return reinterpret_cast<bf*>(p); }
 
 bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 bool aligned4(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 4 == 0; }
@@ -91,16 +88,10 @@ void check_workspace(const void* ws, std::size_t have, std::size_t need, const c
   MT_CHECK(need == 0 || ws != nullptr, "{}: workspace is null", what);
 }
 
-/// Blocks for a grid-stride loop over `work` items: enough to fill any current GPU, no more.
-unsigned grid_for(i64 work, int threads, i64 cap = 4096) {
-  return static_cast<unsigned>(std::clamp<i64>((work + threads - 1) / threads, 1, cap));
-}
-
 // ---- device helpers ----------------------------------------------------------------------------
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr unsigned kFull = 0xffffffffu;
 
 __device__ __forceinline__ float bf_lo(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
@@ -137,21 +128,6 @@ __device__ __forceinline__ void stf(float* p, float v) { *p = v; }
 __device__ __forceinline__ void ld8(const bf* p, float (&f)[8]) { unpack8(ld16(p), f); }
 __device__ __forceinline__ void st8(bf* p, const float (&f)[8]) { st16(p, pack8(f)); }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  return v;
-}
-__device__ __forceinline__ double warp_sum(double v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
-  return v;
-}
 __device__ __forceinline__ i64 min64(i64 a, i64 b) { return a < b ? a : b; }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 

@@ -194,9 +194,10 @@ json rope_scaling_json(const RopeScaling& r, double yarn_factor, std::int64_t ya
 // The mixture-of-experts families' fields (Qwen3MoeConfig, MixtralConfig, OlmoeConfig of
 // transformers 5.17; the defaults are theirs). Their attention is Qwen3's (per-head q/k norms,
 // attention_bias), Mistral's (no bias, a window where sliding_window is set) and OLMoE's (q/k
-// norms over the whole projections, attention_bias). What megatrain does not train the way
-// transformers does is refused by name: the auxiliary load-balancing loss (output_router_logits),
-// Mixtral's router jitter (random), OLMoE's clip_qkv.
+// norms over the whole projections, attention_bias). output_router_logits: the auxiliary
+// load-balancing loss, times router_aux_loss_coef, is added to the training loss as transformers
+// adds it. What megatrain does not train the way transformers does is refused by name: Mixtral's
+// router jitter (random), OLMoE's clip_qkv.
 void parse_moe(const json& j, std::string_view src, ModelConfig& c) {
   MoeConfig& m = c.moe;
   const bool mixtral = c.architecture == Architecture::mixtral, qwen = c.architecture == Architecture::qwen3_moe;
@@ -233,10 +234,9 @@ void parse_moe(const json& j, std::string_view src, ModelConfig& c) {
   MT_CHECK(m.experts_per_token > 0 && m.experts_per_token <= m.num_experts,
            "{}: num_experts_per_tok must be in [1, {}] (the experts there are; got {})", src, m.num_experts,
            m.experts_per_token);
-  MT_CHECK(!get_bool(j, "output_router_logits", src, false),
-           "{}: output_router_logits is true: transformers then adds the auxiliary load-balancing loss (times "
-           "router_aux_loss_coef) to the training loss, which megatrain does not compute yet; set it to false to train "
-           "on the language-model loss alone", src);
+  m.output_router_logits = get_bool(j, "output_router_logits", src, false);
+  MT_CHECK(std::isfinite(m.router_aux_loss_coef) && m.router_aux_loss_coef >= 0,
+           "{}: router_aux_loss_coef must be a finite number >= 0 (got {})", src, m.router_aux_loss_coef);
   if (mixtral)
     MT_CHECK(get_double(j, "router_jitter_noise", src, 0.0) == 0.0,
              "{}: router_jitter_noise is {}: Mixtral's router then multiplies its input by random noise while training, "
@@ -757,7 +757,7 @@ json ModelConfig::to_json() const {
     j["num_experts"] = moe.num_experts;  // (both names: transformers 5 reads either, 4 only its family's)
     j["num_local_experts"] = moe.num_experts;
     j["num_experts_per_tok"] = moe.experts_per_token;
-    j["output_router_logits"] = false;
+    j["output_router_logits"] = moe.output_router_logits;
     j["router_aux_loss_coef"] = moe.router_aux_loss_coef;
     if (architecture == Architecture::mixtral) {
       j["router_jitter_noise"] = 0.0;

@@ -141,7 +141,10 @@ struct Packing {
   }
 };
 
-void check_block(const ModelConfig& cfg, ChunkShape c, bool use_cudnn, const std::vector<int>& lengths = {}) {
+/// `zero_router`: a mixture of experts' router weights set to zero (every logit 0: a uniform
+/// softmax, so the top k are the first k experts for every token, on both sides).
+void check_block(const ModelConfig& cfg, ChunkShape c, bool use_cudnn, const std::vector<int>& lengths = {},
+                 bool zero_router = false) {
   CAPTURE(cfg.hidden_size);
   CAPTURE(lengths.size());
   CAPTURE(cfg.head_dim);
@@ -154,6 +157,10 @@ void check_block(const ModelConfig& cfg, ChunkShape c, bool use_cudnn, const std
   const auto& tmpl = model.block(0);
   const auto n = static_cast<std::size_t>(tmpl.layout().numel());
   auto w16 = random_bf16(n, 0.08f, rng);
+  if (zero_router)
+    for (const auto& e : tmpl.layout().entries())
+      if (e.spec.name.ends_with(".gate.weight"))
+        std::fill_n(w16.begin() + e.offset, e.numel(), bf16(0.0f));
   auto wd = to_double(w16);
   const auto gains = random_gains(tmpl, wd, rng);  // fp32 gains near 1, read at full precision
   const std::int64_t M = c.tokens(), d = cfg.hidden_size;
@@ -238,6 +245,25 @@ TEST_CASE("decoder block on the GPU matches the float64 reference (cuDNN attenti
   // own kernel runs windows) beside it
   check_block(gemma3(128, 4, 2, 64, 48, 0), {2, 37}, true);
   check_block(gemma3(256, 2, 1, 128, 256, 9), {1, 70}, true);
+}
+
+TEST_CASE("a mixture-of-experts block on the GPU matches the float64 reference") {
+  // Every expert chosen by every token (top k = E): the routing cannot differ between bf16 and
+  // float64, so the whole path is compared (router, softmax, renormalisation, grouped products,
+  // weighted sums and their backward).
+  const auto moe = [](const char* arch, int experts, int k, bool norm, int inter) {
+    return config(96, 4, 2, 24, 101, false, true, arch,
+                  {{"num_experts", experts}, {"num_local_experts", experts}, {"num_experts_per_tok", k},
+                   {"moe_intermediate_size", inter}, {"norm_topk_prob", norm}, {"intermediate_size", inter}});
+  };
+  check_block(moe("Qwen3MoeForCausalLM", 4, 4, true, 40), {2, 37}, true);
+  check_block(moe("Qwen3MoeForCausalLM", 3, 3, false, 72), {1, 50}, true);
+  check_block(moe("MixtralForCausalLM", 5, 5, true, 56), {3, 13}, true);
+  check_block(moe("OlmoeForCausalLM", 4, 4, false, 24), {2, 21}, true);
+  // A router that sends every token to one expert (zero weights: the first of equals), the other
+  // experts without a token: top 1 of 6, and top 2 of 8.
+  check_block(moe("Qwen3MoeForCausalLM", 6, 1, false, 40), {2, 37}, true, {}, true);
+  check_block(moe("OlmoeForCausalLM", 8, 2, false, 32), {1, 29}, true, {}, true);
 }
 
 TEST_CASE("decoder block on the GPU matches the float64 reference (megatrain's attention kernel)") {
@@ -561,6 +587,250 @@ TEST_CASE("linear and linear_backward on the GPU match CpuBackend<float> at awkw
           }
 }
 
+namespace {
+template <class E>
+std::vector<E> raw_from_device(const CudaBackend::Buffer<E>& b) {
+  std::vector<E> h(b.size());
+  MT_CUDA_CHECK(cudaMemcpy(h.data(), b.span().data(), b.size() * sizeof(E), cudaMemcpyDeviceToHost));
+  return h;
+}
+/// Views of E consecutive [rows, cols] matrices of a buffer (an expert's weights or gradients).
+template <class E, class Storage>
+std::vector<View<E>> per_expert(Storage& s, std::int64_t experts, std::int64_t rows, std::int64_t cols) {
+  std::vector<View<E>> v;
+  for (std::int64_t e = 0; e < experts; ++e)
+    v.push_back(View<E>(std::span<E>(s.data() + e * rows * cols, static_cast<std::size_t>(rows * cols)), Shape{rows, cols}));
+  return v;
+}
+}  // namespace
+
+TEST_CASE("mixture-of-experts primitives on the GPU match CpuBackend<float>: routing, grouped products, sums, backward") {
+  // The CPU backend in fp32 on the same (bf16-exact) values. Routing is compared exactly (the
+  // chosen experts, the grouping and its order), the rest within bounds tied to bf16's and fp32's
+  // epsilon. Cases: awkward sizes; most experts without a token (5 tokens x top 2 of 64); every
+  // token's first choice one expert (skewed logits), with top 1 and top 2; 128 experts, top 8.
+  struct Case {
+    std::int64_t M, E, k, d, inter;
+    bool skew;
+  };
+  const Case cases[] = {{37, 12, 3, 40, 24, false}, {5, 64, 2, 16, 8, false}, {50, 8, 1, 24, 16, true},
+                        {33, 8, 2, 8, 40, true},    {130, 128, 8, 64, 32, false}};
+  CudaBackend be;
+  CpuBackend<float> cpu;
+  std::mt19937 rng(4242);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (const Case& c : cases)
+    for (const bool renorm : {false, true}) {
+      CAPTURE(c.M);
+      CAPTURE(c.E);
+      CAPTURE(c.k);
+      CAPTURE(renorm);
+      const std::int64_t M = c.M, E = c.E, k = c.k, d = c.d, I = c.inter, N = M * k;
+      const auto sz = [](std::int64_t n) { return static_cast<std::size_t>(n); };
+      auto lg16 = random_bf16(sz(M * E), 1.0f, rng);
+      if (c.skew)
+        for (std::int64_t t = 0; t < M; ++t) lg16[sz(t * E + 3)] = bf16(8.0f);
+      const auto lg = to_float(lg16);
+      // ---- routing
+      std::vector<float> probs(sz(M * E)), weights(sz(N));
+      std::vector<std::int32_t> experts(sz(N)), order(sz(N)), slot(sz(N));
+      std::vector<std::int64_t> offsets(sz(E + 1));
+      cpu.moe_route(cview(lg, {M, E}), k, renorm, mview(probs, {M, E}), View<std::int32_t>(std::span(experts), {M, k}),
+                    mview(weights, {M, k}), View<std::int32_t>(std::span(order), {N}), View<std::int32_t>(std::span(slot), {N}),
+                    View<std::int64_t>(std::span(offsets), {E + 1}));
+      auto glg = to_device(be, lg16);
+      auto gprobs = be.alloc<float>(sz(M * E)), gweights = be.alloc<float>(sz(N));
+      auto gexperts = be.alloc<std::int32_t>(sz(N)), gorder = be.alloc<std::int32_t>(sz(N)), gslot = be.alloc<std::int32_t>(sz(N));
+      auto goffsets = be.alloc<std::int64_t>(sz(E + 1));
+      be.moe_route(cview(glg, {M, E}), k, renorm, mview(gprobs, {M, E}), mview(gexperts, {M, k}), mview(gweights, {M, k}),
+                   mview(gorder, {N}), mview(gslot, {N}), mview(goffsets, {E + 1}));
+      be.synchronize();
+      CHECK(raw_from_device(gexperts) == experts);
+      CHECK(raw_from_device(goffsets) == offsets);
+      CHECK(raw_from_device(gorder) == order);
+      CHECK(raw_from_device(gslot) == slot);
+      {
+        std::vector<double> bp(probs.size()), bw(weights.size());
+        for (std::size_t i = 0; i < bp.size(); ++i) bp[i] = 8 * kF32Eps * std::abs(probs[i]) + 1e-37;
+        for (std::size_t i = 0; i < bw.size(); ++i) bw[i] = 16 * kF32Eps * std::abs(weights[i]) + 1e-37;
+        check_within(from_device(gprobs), probs, bp, "probs");
+        check_within(from_device(gweights), weights, bw, "weights");
+      }
+      std::int64_t empty = 0;
+      for (std::int64_t e = 0; e < E; ++e) empty += offsets[sz(e + 1)] == offsets[sz(e)];
+      if (M * k < E) CHECK(empty > 0);
+      if (c.skew) CHECK(offsets[4] - offsets[3] == M);  // every token chose expert 3
+      // ---- gather (copies: exact)
+      const auto x16 = random_bf16(sz(M * d), 1.0f, rng);
+      auto gx = to_device(be, x16);
+      auto gxs = be.alloc<bf16>(sz(N * d));
+      be.moe_gather(cview(gx, {M, d}), cview(gorder, {N}), k, mview(gxs, {N, d}));
+      const auto x = to_float(x16);
+      std::vector<float> xs(sz(N * d));
+      cpu.moe_gather(cview(x, {M, d}), View<const std::int32_t>(std::span<const std::int32_t>(order), {N}), k, mview(xs, {N, d}));
+      be.synchronize();
+      CHECK(to_float(raw_from_device(gxs)) == xs);
+      // ---- grouped products, forward and backward
+      const auto w16 = random_bf16(sz(E * I * d), 0.5f, rng), dy16 = random_bf16(sz(N * I), 1.0f, rng),
+                 dx16 = random_bf16(sz(N * d), 1.0f, rng);
+      std::vector<float> dw0(sz(E * I * d));
+      for (auto& v : dw0) v = nd(rng);
+      const auto w = to_float(w16), dy = to_float(dy16), dx0 = to_float(dx16);
+      const View<const std::int64_t> coff(std::span<const std::int64_t>(offsets), {E + 1});
+      for (const bool accumulate : {false, true}) {
+        CAPTURE(accumulate);
+        std::vector<float> y(sz(N * I)), dx = dx0, dw = dw0;
+        auto cw = per_expert<const float>(w, E, I, d);
+        auto cdw = per_expert<float>(dw, E, I, d);
+        cpu.grouped_linear(cview(xs, {N, d}), std::span<const View<const float>>(cw), coff, mview(y, {N, I}));
+        cpu.grouped_linear_backward(cview(xs, {N, d}), std::span<const View<const float>>(cw), cview(dy, {N, I}),
+                                    mview(dx, {N, d}), accumulate, std::span<const View<float>>(cdw), coff);
+        auto gw = to_device(be, w16), gdy = to_device(be, dy16), gdx = to_device(be, dx16);
+        auto gdw = to_device(be, dw0);
+        auto gy = be.alloc<bf16>(sz(N * I));
+        auto ws = gw.span();
+        auto dws = gdw.span();
+        auto gcw = per_expert<const bf16>(ws, E, I, d);
+        auto gcdw = per_expert<float>(dws, E, I, d);
+        be.grouped_linear(cview(gxs, {N, d}), std::span<const View<const bf16>>(gcw), cview(goffsets, {E + 1}),
+                          mview(gy, {N, I}));
+        be.grouped_linear_backward(cview(gxs, {N, d}), std::span<const View<const bf16>>(gcw), cview(gdy, {N, I}),
+                                   mview(gdx, {N, d}), accumulate, std::span<const View<float>>(gcdw), cview(goffsets, {E + 1}));
+        be.synchronize();
+        // bounds as for linear: one bf16 rounding of bf16 results, fp32 accumulation of |terms|
+        std::vector<double> by(y.size()), bdx(dx.size()), bdw(dw.size());
+        for (std::int64_t e = 0; e < E; ++e)
+          for (std::int64_t r = offsets[sz(e)]; r < offsets[sz(e + 1)]; ++r) {
+            for (std::int64_t j = 0; j < I; ++j) {
+              double sum = 0;
+              for (std::int64_t q = 0; q < d; ++q) sum += std::abs(xs[sz(r * d + q)] * w[sz((e * I + j) * d + q)]);
+              by[sz(r * I + j)] = kBf16Eps * std::abs(y[sz(r * I + j)]) + 4.0 * static_cast<double>(d + 2) * kF32Eps * sum + 1e-30;
+            }
+            for (std::int64_t q = 0; q < d; ++q) {
+              double sum = accumulate ? std::abs(dx0[sz(r * d + q)]) : 0.0;
+              for (std::int64_t j = 0; j < I; ++j) sum += std::abs(dy[sz(r * I + j)] * w[sz((e * I + j) * d + q)]);
+              bdx[sz(r * d + q)] = kBf16Eps * std::abs(dx[sz(r * d + q)]) + 4.0 * static_cast<double>(I + 2) * kF32Eps * sum + 1e-30;
+            }
+          }
+        for (std::int64_t e = 0; e < E; ++e)
+          for (std::int64_t j = 0; j < I; ++j)
+            for (std::int64_t q = 0; q < d; ++q) {
+              double sum = std::abs(dw0[sz((e * I + j) * d + q)]);
+              for (std::int64_t r = offsets[sz(e)]; r < offsets[sz(e + 1)]; ++r)
+                sum += std::abs(dy[sz(r * I + j)] * xs[sz(r * d + q)]);
+              bdw[sz((e * I + j) * d + q)] = 4.0 * static_cast<double>(N + 2) * kF32Eps * sum + 1e-30;
+            }
+        check_within(from_device(gy), y, by, "grouped y");
+        check_within(from_device(gdx), dx, bdx, "grouped dx");
+        check_within(from_device(gdw), dw, bdw, "grouped dW");  // (an expert without rows: untouched)
+        if (c.M == 37 && !accumulate) MESSAGE("grouped products: " << be.grouped_gemm_paths());
+      }
+      // ---- the weighted sum per token, and its backward
+      const auto out16 = random_bf16(sz(N * d), 1.0f, rng), dyt16 = random_bf16(sz(M * d), 1.0f, rng);
+      const auto h = random_f32(sz(M * d), 1.0f, rng);
+      const auto out = to_float(out16), dyt = to_float(dyt16);
+      const View<const std::int32_t> cslot(std::span<const std::int32_t>(slot), {N});
+      const View<const float> cweights(std::span<const float>(weights), {M, k});
+      std::vector<float> yc(sz(M * d)), dout(sz(N * d)), dweights(sz(N));
+      cpu.moe_combine(cview(out, {N, d}), cslot, cweights, k, cview(h, {M, d}), mview(yc, {M, d}));
+      cpu.moe_combine_backward(cview(dyt, {M, d}), cview(out, {N, d}), cslot, cweights, k, mview(dout, {N, d}),
+                               mview(dweights, {M, k}));
+      auto gout = to_device(be, out16), gdyt = to_device(be, dyt16);
+      auto gh = to_device(be, h);
+      auto gyc = be.alloc<float>(sz(M * d)), gdweights = be.alloc<float>(sz(N));
+      auto gdout = be.alloc<bf16>(sz(N * d));
+      be.moe_combine(cview(gout, {N, d}), cview(gslot, {N}), cview(gweights, {M, k}), k, cview(gh, {M, d}), mview(gyc, {M, d}));
+      be.moe_combine_backward(cview(gdyt, {M, d}), cview(gout, {N, d}), cview(gslot, {N}), cview(gweights, {M, k}), k,
+                              mview(gdout, {N, d}), mview(gdweights, {M, k}));
+      be.synchronize();
+      {
+        std::vector<double> byc(yc.size()), bdout(dout.size()), bdw(dweights.size());
+        for (std::int64_t t = 0; t < M; ++t)
+          for (std::int64_t q = 0; q < d; ++q) {
+            double sum = std::abs(h[sz(t * d + q)]);
+            for (std::int64_t j = 0; j < k; ++j)
+              sum += std::abs(weights[sz(t * k + j)] * out[sz(slot[sz(t * k + j)] * d + q)]);
+            byc[sz(t * d + q)] = 4.0 * static_cast<double>(k + 2) * kF32Eps * sum + 1e-30;
+          }
+        for (std::size_t i = 0; i < dout.size(); ++i) bdout[i] = kBf16Eps * std::abs(dout[i]) + 1e-30;
+        for (std::int64_t a = 0; a < N; ++a) {
+          double sum = 0;
+          for (std::int64_t q = 0; q < d; ++q) sum += std::abs(dyt[sz(a / k * d + q)] * out[sz(slot[sz(a)] * d + q)]);
+          bdw[sz(a)] = 4.0 * static_cast<double>(d + 2) * kF32Eps * sum + 1e-30;
+        }
+        check_within(from_device(gyc), yc, byc, "combine y");
+        check_within(from_device(gdout), dout, bdout, "combine dout");
+        check_within(from_device(gdweights), dweights, bdw, "combine dweights");
+      }
+      // ---- the routing's statistics (exact counts; the probabilities summed in double)
+      std::vector<std::int64_t> counts(sz(E));
+      std::vector<double> psums(sz(E));
+      for (std::int64_t e = 0; e < E; ++e) counts[sz(e)] = e % 3, psums[sz(e)] = 0.25 * static_cast<double>(e);
+      auto gcounts = to_device(be, counts);
+      auto gpsums = to_device(be, psums);
+      cpu.moe_record(cview(probs, {M, E}), coff, View<std::int64_t>(std::span(counts), {E}), View<double>(std::span(psums), {E}));
+      be.moe_record(cview(gprobs, {M, E}), cview(goffsets, {E + 1}), mview(gcounts, {E}), mview(gpsums, {E}));
+      be.synchronize();
+      CHECK(raw_from_device(gcounts) == counts);
+      {
+        const auto got = raw_from_device(gpsums);
+        for (std::size_t e = 0; e < psums.size(); ++e) CHECK(got[e] == doctest::Approx(psums[e]).epsilon(1e-6));
+      }
+      // ---- through the routing: dlogits (with the auxiliary loss's share where renormalised, so
+      // both ways are seen); and the rows' input gradients summed per token
+      std::vector<float> dwr(sz(N));
+      for (auto& v : dwr) v = nd(rng);
+      std::vector<std::int64_t> aux(sz(2 * E));
+      for (auto& n : aux) n = static_cast<std::int64_t>(rng() % 50);
+      const double aux_scale = renorm ? 1e-3 : 0.0;
+      auto gaux = to_device(be, aux);
+      const View<const std::int64_t> caux =
+          renorm ? View<const std::int64_t>(std::span<const std::int64_t>(aux), {2, E}) : View<const std::int64_t>{};
+      std::vector<float> dlogits(sz(M * E));
+      cpu.moe_route_backward(cview(probs, {M, E}), View<const std::int32_t>(std::span<const std::int32_t>(experts), {M, k}),
+                             cweights, cview(dwr, {M, k}), k, renorm, caux, aux_scale, mview(dlogits, {M, E}));
+      auto gdwr = to_device(be, dwr);
+      auto gdlogits = be.alloc<bf16>(sz(M * E));
+      be.moe_route_backward(cview(gprobs, {M, E}), cview(gexperts, {M, k}), cview(gweights, {M, k}), cview(gdwr, {M, k}), k,
+                            renorm, renorm ? cview(gaux, {2, E}) : View<const std::int64_t>{}, aux_scale, mview(gdlogits, {M, E}));
+      const auto dxs16 = random_bf16(sz(N * d), 1.0f, rng), dxt16 = random_bf16(sz(M * d), 1.0f, rng);
+      const auto dxs = to_float(dxs16);
+      auto dxt = to_float(dxt16);
+      const auto dxt0 = dxt;
+      cpu.moe_scatter_add(cview(dxs, {N, d}), cslot, k, mview(dxt, {M, d}));
+      auto gdxs = to_device(be, dxs16), gdxt = to_device(be, dxt16);
+      be.moe_scatter_add(cview(gdxs, {N, d}), cview(gslot, {N}), k, mview(gdxt, {M, d}));
+      be.synchronize();
+      {
+        // dlogit_i = p_i (dp_i - sum_j p_j dp_j) with |dp| <= 2 sum |dw| / (the chosen mass)
+        // where renormalised (+ the auxiliary share): the sum's fp32 roundings over E terms of that
+        // size, then one rounding to bf16.
+        std::vector<double> bdl(dlogits.size()), bsa(dxt.size());
+        for (std::int64_t t = 0; t < M; ++t) {
+          double mass = 0, sdw = 0;
+          for (std::int64_t j = 0; j < k; ++j) {
+            mass += probs[sz(t * E + experts[sz(t * k + j)])];
+            sdw += std::abs(dwr[sz(t * k + j)]);
+          }
+          double aux_max = 0;  // the auxiliary loss's dp: the same at every token
+          for (std::int64_t i = 0; renorm && i < E; ++i)
+            aux_max = std::max(aux_max, aux_scale * static_cast<double>(aux[sz(i)] + aux[sz(E + i)]));
+          const double scale = (renorm ? 2 * sdw / mass : sdw) + 2 * aux_max;
+          for (std::int64_t i = 0; i < E; ++i)
+            bdl[sz(t * E + i)] = kBf16Eps * std::abs(dlogits[sz(t * E + i)]) +
+                                 4.0 * static_cast<double>(E + k + 8) * kF32Eps * std::abs(probs[sz(t * E + i)]) * scale + 1e-37;
+          for (std::int64_t q = 0; q < d; ++q) {
+            double sum = std::abs(dxt0[sz(t * d + q)]);
+            for (std::int64_t j = 0; j < k; ++j) sum += std::abs(dxs[sz(slot[sz(t * k + j)] * d + q)]);
+            bsa[sz(t * d + q)] = kBf16Eps * std::abs(dxt[sz(t * d + q)]) + 4.0 * static_cast<double>(k + 2) * kF32Eps * sum + 1e-30;
+          }
+        }
+        check_within(from_device(gdlogits), dlogits, bdl, "route dlogits");
+        check_within(from_device(gdxt), dxt, bsa, "scatter_add dx");
+      }
+    }
+}
+
 TEST_CASE("a shape cuDNN refuses (head_dim 12) falls back to megatrain's kernel with default options") {
   // use_cudnn left at its default (true): the backend must pick its own kernel by itself, since
   // cuDNN's fused attention needs head_dim to be a multiple of 8.
@@ -602,7 +872,8 @@ TEST_CASE("a shape cuDNN refuses (head_dim 12) falls back to megatrain's kernel 
 
 TEST_CASE("alloc counts against the cap exactly the bytes it allocates") {
   CudaBackendOptions opt;
-  opt.memory_limit = (std::size_t{32} << 20) + 4096;  // the cuBLASLt workspace and 4 KiB more
+  // the cuBLASLt workspace, the experts' routing workspace, and 4 KiB more
+  opt.memory_limit = (std::size_t{32} << 20) + CudaBackend::kMoeWorkspaceBytes + 4096;
   CudaBackend be(opt);
   const std::size_t base = be.allocated_bytes();
   {

@@ -11,6 +11,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "megatrain/backend/cpu/cpu_backend.hpp"
@@ -523,6 +524,51 @@ TEST_CASE("Gemma 3 on the GPU: sliding and full layers, kept activations the sam
   const auto got = train(gpu, 6, nullptr, false, o, &w, nullptr, gemma);
   CHECK(w == ref_w);
   for (std::size_t s = 0; s < ref.size(); ++s) CHECK(got[s].loss == ref[s].loss);
+}
+
+TEST_CASE("mixtures of experts on the GPU: losses near the CPU's, the same bits on every run") {
+  // Qwen3-MoE (a dense layer among sparse ones, renormalised top 2 of 8) and Mixtral (top 2 of 6),
+  // 4 layers. The routing of a few tokens may differ between bf16 and fp32, so the losses are
+  // compared within 2%; two GPU runs (and kept activations) must give the same bits.
+  // The third: Qwen3-MoE with the auxiliary load-balancing loss (output_router_logits).
+  const auto moe = [](const std::string& arch, bool aux) {
+    nlohmann::json j{{"architectures", {arch}}, {"hidden_size", 128}, {"intermediate_size", 200},
+                     {"num_hidden_layers", 4}, {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"head_dim", 32},
+                     {"vocab_size", 256}, {"num_experts_per_tok", 2}};
+    if (arch == "Qwen3MoeForCausalLM")
+      j.update({{"num_experts", 8}, {"moe_intermediate_size", 72}, {"norm_topk_prob", true}, {"mlp_only_layers", {2}}});
+    else
+      j.update({{"num_local_experts", 6}, {"intermediate_size", 88}});
+    if (aux) j.update({{"output_router_logits", true}, {"router_aux_loss_coef", 0.1}});
+    return ModelConfig::from_json(j, "moe test");
+  };
+  for (const auto& [arch, aux] : {std::pair{"Qwen3MoeForCausalLM", false}, std::pair{"MixtralForCausalLM", false},
+                                  std::pair{"Qwen3MoeForCausalLM", true}}) {
+    CAPTURE(arch);
+    CAPTURE(aux);
+    const auto cfg = moe(arch, aux);
+    auto opt = options();
+    opt.clip_mode = ClipMode::exact;
+    CpuBackend<float> cpu;
+    const auto want = train(cpu, 6, nullptr, false, opt, nullptr, nullptr, cfg);
+    CudaBackend gpu;
+    std::vector<float> w1, w2;
+    const auto got = train(gpu, 6, nullptr, false, opt, &w1, nullptr, cfg);
+    for (std::size_t s = 0; s < want.size(); ++s) {
+      CAPTURE(s);
+      CHECK(std::isfinite(got[s].loss));
+      CHECK(got[s].loss == doctest::Approx(want[s].loss).epsilon(0.02));
+      CHECK(got[s].aux_loss == doctest::Approx(want[s].aux_loss).epsilon(0.02));
+      REQUIRE(got[s].expert_load.size() == want[s].expert_load.size());
+    }
+    CHECK(got.back().loss < got.front().loss);
+    auto o = opt;
+    o.kept_blocks = 2;
+    CudaBackend again;
+    const auto rerun = train(again, 6, nullptr, false, o, &w2, nullptr, cfg);
+    CHECK(w2 == w1);
+    for (std::size_t s = 0; s < got.size(); ++s) CHECK(rerun[s].loss == got[s].loss);
+  }
 }
 
 namespace {

@@ -89,6 +89,22 @@ def families():
         "olmoe": (t.OlmoeForCausalLM, t.OlmoeConfig(
             tie_word_embeddings=False, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, pad_token_id=PAD,
             bos_token_id=None, eos_token_id=None, **COMMON)),
+        # The auxiliary load-balancing loss (output_router_logits): the loss is transformers' cross-
+        # entropy plus router_aux_loss_coef times load_balancing_loss_func over all sparse layers'
+        # router logits (a large coefficient, so that its gradient weighs in the comparison)
+        "qwen3_moe_aux": (t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(
+            tie_word_embeddings=False, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+            norm_topk_prob=True, mlp_only_layers=[1], output_router_logits=True, router_aux_loss_coef=0.5,
+            **{**COMMON, "num_hidden_layers": 3})),
+        "mixtral_aux": (t.MixtralForCausalLM, t.MixtralConfig(
+            tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+            output_router_logits=True, router_aux_loss_coef=0.3, **COMMON)),
+        # (no padding id: its zero embedding row at a sequence's start makes every router logit 0
+        # there, and torch.topk breaks exact ties in an unspecified order, which the counts would see)
+        "olmoe_aux": (t.OlmoeForCausalLM, t.OlmoeConfig(
+            tie_word_embeddings=False, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
+            output_router_logits=True, router_aux_loss_coef=0.2, pad_token_id=None, bos_token_id=None,
+            eos_token_id=None, **COMMON)),
     }
 
 
@@ -145,11 +161,21 @@ def make(name, cls, cfg, out):
     if cfg.pad_token_id is not None:
         ids[:, ::3] = cfg.pad_token_id  # the padding row is looked up, and must get no gradient from it
     model.zero_grad()
-    logits = model(input_ids=ids).logits.float()
+    aux_on = bool(getattr(cfg, "output_router_logits", False))
+    out = model(input_ids=ids, output_router_logits=True) if aux_on else model(input_ids=ids)
+    logits = out.logits.float()
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+    extra = {}
+    if aux_on:  # as the family's forward adds it when given labels (no attention mask: every token)
+        module = __import__(type(model).__module__, fromlist=["load_balancing_loss_func"])
+        k = cfg.num_experts_per_tok
+        experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+        aux = module.load_balancing_loss_func(out.router_logits, experts, k, None)
+        loss = loss + cfg.router_aux_loss_coef * aux.to(loss.device)
+        extra["aux_loss"] = aux.detach().float().reshape(1).contiguous()
     loss.backward()
     ref = {"input_ids": ids.to(torch.int32).contiguous(), "labels": labels.to(torch.int32).contiguous(),
-           "loss": loss.detach().reshape(1).contiguous(), "logits": logits.detach().contiguous()}
+           "loss": loss.detach().reshape(1).contiguous(), "logits": logits.detach().contiguous(), **extra}
     from safetensors import safe_open
     with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
         saved = set(f.keys())

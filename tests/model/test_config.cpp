@@ -1118,6 +1118,16 @@ TEST_CASE("config: the mixtures of experts (Qwen3-MoE, Mixtral, OLMoE), their co
   CHECK(o.param_count() == 6'919'161'856);  // OLMoE-1B-7B: 6.9B
   CHECK(ModelConfig::from_json(o.to_json()).to_json() == o.to_json());
 
+  // The auxiliary load-balancing loss: read, and written back
+  json aux = q.to_json();
+  aux["output_router_logits"] = true;
+  aux["router_aux_loss_coef"] = 0.02;
+  const auto qa = ModelConfig::from_json(aux);
+  CHECK(qa.moe.output_router_logits);
+  CHECK(qa.moe.router_aux_loss_coef == 0.02);
+  CHECK(qa.to_json().at("output_router_logits") == true);
+  CHECK(!q.moe.output_router_logits);
+
   // What megatrain would not train as transformers does is refused, by name
   const auto refused = [&](json cfg, const char* key, json value, std::initializer_list<const char*> words) {
     cfg[key] = std::move(value);
@@ -1126,7 +1136,7 @@ TEST_CASE("config: the mixtures of experts (Qwen3-MoE, Mixtral, OLMoE), their co
     CHECK(contains(e, "moe.json"));
     for (const char* w : words) CHECK(contains(e, w));
   };
-  refused(q.to_json(), "output_router_logits", true, {"output_router_logits", "auxiliary load-balancing loss"});
+  refused(q.to_json(), "router_aux_loss_coef", -0.5, {"router_aux_loss_coef must be a finite number >= 0"});
   refused(q.to_json(), "num_experts_per_tok", 129, {"num_experts_per_tok must be in [1, 128]"});
   refused(q.to_json(), "mlp_only_layers", json::array({48}), {"mlp_only_layers holds 48", "[0, 48)"});
   refused(q.to_json(), "decoder_sparse_step", 0, {"decoder_sparse_step must be >= 1"});

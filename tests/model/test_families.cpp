@@ -58,7 +58,16 @@ void check_family(const fs::path& dir) {
   test::ReferenceLoop loop{model, m.store, AdamWConfig{}, LrSchedule{}, 0.0, shape[0], shape[1], {}};
   std::vector<std::vector<float>> grads;
   const auto r = loop.gradients(ids, labels, grads);
-  CHECK(r.loss == doctest::Approx(want_loss).epsilon(1e-5));
+  if (ref.find("aux_loss") != nullptr) {  // transformers' loss is the cross-entropy plus coef x the auxiliary loss
+    REQUIRE(m.config.moe.output_router_logits);
+    const float want_aux = read_tensor<float>(ref, "aux_loss", SafetensorsDType::f32).at(0);
+    CHECK(r.aux_loss == doctest::Approx(want_aux).epsilon(1e-5));
+    CHECK(r.loss + m.config.moe.router_aux_loss_coef * r.aux_loss == doctest::Approx(want_loss).epsilon(1e-5));
+    MESSAGE(dir.filename().string() << ": auxiliary loss " << r.aux_loss << " (transformers " << want_aux << ")");
+  } else {
+    CHECK(!m.config.moe.output_router_logits);
+    CHECK(r.loss == doctest::Approx(want_loss).epsilon(1e-5));
+  }
 
   // Every parameter's gradient, by its Hugging Face name (a tied head's is the embedding's; a
   // parameter stored as rows of a fused tensor, Phi-3's, is those rows of the fused gradient).
@@ -89,7 +98,8 @@ void check_family(const fs::path& dir) {
       worst = std::max(worst, err);
       seen.insert(name);
     }
-  MESSAGE(dir.filename().string() << ": loss " << r.loss << " (transformers " << want_loss << "), " << seen.size()
+  const double total = r.loss + (m.config.moe.output_router_logits ? m.config.moe.router_aux_loss_coef * r.aux_loss : 0.0);
+  MESSAGE(dir.filename().string() << ": loss " << total << " (transformers " << want_loss << "), " << seen.size()
                                   << " gradients, largest relative difference " << worst);
   // An fp32 export loads back bit for bit, under the checkpoint's own names (fused ones too).
   const fs::path out = fs::temp_directory_path() / ("megatrain_family_export_" + dir.filename().string());

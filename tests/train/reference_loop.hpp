@@ -29,6 +29,7 @@ struct ReferenceLoop {
 
   struct Result {
     double loss, grad_norm;
+    double aux_loss = 0;  ///< a mixture of experts' load-balancing loss (moe_aux_loss), whether trained or not
   };
 
   Result step(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels) {
@@ -57,11 +58,33 @@ struct ReferenceLoop {
     auto view = [&](std::vector<float>& v) { return View<float>(std::span<float>(v), Shape{M, d}); };
     View<const std::int32_t> idv(ids, Shape{M}), lbv(labels, Shape{M});
     auto master = [&](std::size_t u) { return std::span<const float>(store.unit(u).master()); };
+    // A mixture of experts: each sparse layer's routing statistics of this forward, and the
+    // auxiliary loss's gradient from them in the backward where the config asks for that loss.
+    const ModelConfig& cfg = model.config();
+    const std::int64_t Lm = cfg.moe_layer_count(), E = cfg.moe.num_experts;
+    std::vector<std::int64_t> counts(static_cast<std::size_t>(Lm * E), 0);
+    std::vector<double> probs(counts.size(), 0.0);
+    std::vector<std::int64_t> sparse(L, -1);
+    for (std::size_t l = 0, n = 0; l < L; ++l)
+      if (cfg.is_moe_layer(static_cast<std::int64_t>(l))) sparse[l] = static_cast<std::int64_t>(n++);
+    auto chunk = [&](std::size_t l, bool backward) {
+      ChunkShape cl = c;
+      if (sparse[l] < 0) return cl;
+      const auto at = static_cast<std::size_t>(sparse[l] * E);
+      if (!backward) {
+        cl.router.counts = View<std::int64_t>(std::span<std::int64_t>(counts).subspan(at, static_cast<std::size_t>(E)), Shape{E});
+        cl.router.probs = View<double>(std::span<double>(probs).subspan(at, static_cast<std::size_t>(E)), Shape{E});
+      } else if (cfg.moe.output_router_logits) {
+        cl.router.aux_counts = View<const std::int64_t>(std::span<const std::int64_t>(counts), Shape{Lm, E});
+        cl.router.aux_scale = moe_aux_scale(cfg.moe.router_aux_loss_coef, 1.0, Lm, E, M);
+      }
+      return cl;
+    };
     const auto& emb = model.embedding();
     const auto embed_w = emb.bind(master(0));
     emb.op().forward(be, c, embed_w, idv, view(acts[0]), arena);
     for (std::size_t l = 0; l < L; ++l)
-      model.block(l).op().forward(be, c, model.block(l).bind(master(l + 1)), View<const float>(view(acts[l])),
+      model.block(l).op().forward(be, chunk(l, false), model.block(l).bind(master(l + 1)), View<const float>(view(acts[l])),
                                   view(acts[l + 1]), arena);
     std::int64_t valid = 0;
     for (auto y : labels) valid += y != kIgnoreIndex;
@@ -72,7 +95,7 @@ struct ReferenceLoop {
     model.head().op().forward_backward(be, c, head_w, View<const float>(view(acts[L])), lbv, 1.0 / static_cast<double>(valid),
                                        View<float>(std::span<float>(loss), Shape{M}), view(dy), head_g, arena);
     for (std::size_t l = L; l-- > 0;) {
-      model.block(l).op().backward(be, c, model.block(l).bind(master(l + 1)), View<const float>(view(acts[l])),
+      model.block(l).op().backward(be, chunk(l, true), model.block(l).bind(master(l + 1)), View<const float>(view(acts[l])),
                                    View<const float>(view(dy)), view(dx), model.block(l).bind(std::span<float>(grads[l + 1])),
                                    arena);
       std::swap(dy, dx);
@@ -83,7 +106,7 @@ struct ReferenceLoop {
     const double norm = std::sqrt(sumsq);
     double total = 0;
     for (float x : loss) total += x;
-    return {total / static_cast<double>(valid), norm};
+    return {total / static_cast<double>(valid), norm, Lm > 0 ? moe_aux_loss(counts, probs, Lm, E, M) : 0.0};
   }
 };
 

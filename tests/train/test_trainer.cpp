@@ -1046,6 +1046,29 @@ TEST_CASE("mixtures of experts (Qwen3-MoE, Mixtral, OLMoE) train as the plain lo
     CAPTURE(cfg.architecture_name());
     check_family_trains(cfg, 4, {1, 2});  // (the experts' activations are recomputed: the same bits)
   }
+  // The auxiliary load-balancing loss (output_router_logits), trained as the plain loop trains it;
+  // StepStats's routing statistics: the loss, and each sparse layer's fewest and most tokens per
+  // expert (44 tokens x top 2 = 88 assignments over 5 experts).
+  const auto aux = ModelConfig::from_json(nlohmann::json::parse(
+      R"({"architectures":["Qwen3MoeForCausalLM"],"hidden_size":32,"intermediate_size":40,"moe_intermediate_size":24,
+          "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":53,
+          "num_experts":5,"num_experts_per_tok":2,"norm_topk_prob":true,"mlp_only_layers":[1],
+          "output_router_logits":true,"router_aux_loss_coef":0.3})"), "moe aux test");
+  check_family_trains(aux, 4, {1, 2});
+  for (const auto& s : run(aux, options(4, 11), 2)) {
+    CHECK(std::isfinite(s.aux_loss));
+    CHECK(s.aux_loss > 0);  // (k = 2 where the routing is perfectly balanced)
+    REQUIRE(s.expert_load.size() == 2);
+    CHECK(s.expert_load[0].layer == 0);
+    CHECK(s.expert_load[1].layer == 2);
+    for (const auto& l : s.expert_load) {
+      CHECK(l.min <= l.max);
+      CHECK(l.max <= 44);
+      CHECK(l.min * 5 <= 88);
+      CHECK(l.max * 5 >= 88);
+    }
+  }
+  CHECK(run(ModelConfig::from_json(nlohmann::json::parse(configs[0]), "moe test"), options(4, 11), 1)[0].aux_loss > 0);
 }
 
 TEST_CASE("a sequence longer than max_position_embeddings trains with a warning naming both numbers") {

@@ -50,6 +50,16 @@ struct PackedRows {
   }
 };
 
+/// A mixture-of-experts layer's routing statistics (MoeMlp), in the backend's memory: where the
+/// layer's forward adds what it routed (for the metrics and the auxiliary load-balancing loss),
+/// and what the backward of that loss reads. All null: nothing recorded, no auxiliary loss.
+struct RouterStats {
+  View<std::int64_t> counts;            ///< [E]: the layer's assignments per expert, added to (null: not recorded)
+  View<double> probs;                   ///< [E]: its router probabilities summed over the tokens, added to
+  View<const std::int64_t> aux_counts;  ///< [sparse layers, E]: every sparse layer's counts of this forward (null: no auxiliary loss)
+  double aux_scale = 0;                 ///< d loss / d probs[t, e] = aux_scale x the counts of e summed over the layers
+};
+
 /// One chunk of a batch: `rows` whole rows of `seq` tokens, each one sequence or, packed, several
 /// (`packed`). Attention never crosses a row, so a unit can run a batch chunk by chunk.
 struct ChunkShape {
@@ -60,6 +70,8 @@ struct ChunkShape {
   /// projections and MLP), so that its transient buffers are bounded by the block and not by a
   /// long sequence; 0: the whole chunk at once. Attention always sees whole rows.
   std::int64_t token_block = 0;
+  /// A mixture-of-experts block's routing statistics (the trainer's; see RouterStats).
+  RouterStats router{};
   std::int64_t tokens() const { return rows * seq; }
   /// The token-wise blocks of the chunk: [first, first + count) for each, in order.
   std::int64_t block_tokens() const { return token_block > 0 && token_block < tokens() ? token_block : tokens(); }

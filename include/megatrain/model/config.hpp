@@ -64,7 +64,10 @@ struct MoeConfig {
   /// skips), as listed in config.json; every other layer is sparse.
   std::vector<std::int64_t> dense_layers;
   std::int64_t decoder_sparse_step = 1;
-  double router_aux_loss_coef = 0.0;   ///< kept for the export (the auxiliary loss is not trained: see config.cpp)
+  /// The auxiliary load-balancing loss, router_aux_loss_coef x transformers' load_balancing_loss_func,
+  /// added to the training loss (output_router_logits: true).
+  bool output_router_logits = false;
+  double router_aux_loss_coef = 0.0;
 };
 
 struct ModelConfig {

@@ -159,10 +159,11 @@ struct StepTime {
 
 /// Model FLOPs of a step of `tokens` tokens in sequences of `seq` (the MFU convention: no
 /// recompute; 6 x the matmul parameters per token, the embedding lookup none, a tied head's
-/// product counted; causal attention 6 x seq x q_dim per token and layer).
+/// product counted; a mixture of experts' active parameters only (a token's k experts); causal
+/// attention 6 x seq x q_dim per token and layer).
 inline double model_flops(const ModelConfig& cfg, double tokens, double seq) {
   const double V = static_cast<double>(cfg.vocab_size), d = static_cast<double>(cfg.hidden_size);
-  const double matmul = static_cast<double>(cfg.param_count()) - (cfg.tie_word_embeddings ? 0.0 : V * d);
+  const double matmul = static_cast<double>(cfg.active_param_count()) - (cfg.tie_word_embeddings ? 0.0 : V * d);
   return 6 * matmul * tokens + 6.0 * tokens * seq * static_cast<double>(cfg.q_dim()) * static_cast<double>(cfg.num_hidden_layers);
 }
 

@@ -117,6 +117,9 @@ struct TrainerBuffers {
   std::int64_t token_block = 0;         ///< ChunkShape::token_block of a chunk
   std::size_t micro_tokens = 0;         ///< tokens of a micro-batch
   std::size_t batch_tokens = 0;         ///< tokens of a step's batch
+  /// A mixture of experts' routing statistics (RouterStats): micro-batches x sparse layers x
+  /// experts, each a count (int64) and a sum of probabilities (double), in backend and host memory.
+  std::size_t router = 0;
   // backend memory
   std::size_t weight_slots = 0, block_slot = 0;  ///< ring of block weight slots (Weight), each the largest block
   std::vector<std::size_t> block_acc;   ///< by unit: a block's own gradient accumulator (Acc; 0: none)
@@ -237,6 +240,7 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
 
   b.micro_tokens = static_cast<std::size_t>(opt.micro_rows() * opt.seq_len);
   b.batch_tokens = static_cast<std::size_t>(opt.batch_rows * opt.seq_len);
+  b.router = static_cast<std::size_t>(opt.micro_batches * cfg.moe_layer_count() * cfg.moe.num_experts);
   b.chunk_rows = chunk_rows(opt);
   b.token_block = token_block(opt, b.chunk_rows * opt.seq_len);
   const ChunkShape chunk{b.chunk_rows, opt.seq_len, {}, b.token_block};
@@ -323,6 +327,7 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
                  b.scratch_bytes});
   dev.push_back({"token ids, labels, losses", b.micro_tokens * (2 * 4 + sz.acc) + (opt.packed ? (2 * b.micro_tokens + 1) * 4 : 0) +
                                                   b.units * sizeof(double)});
+  if (b.router > 0) dev.push_back({"routing statistics (tokens per expert)", b.router * 16});
   if (b.prepare_bytes > 0) dev.push_back({"backend workspaces (attention, logits of a block)", b.prepare_bytes});
   if (b.recompute_buffers > 0)
     dev.push_back({fmt::format("outputs recomputed between checkpoints ({} buffers: a checkpoint every {} blocks)",
@@ -445,6 +450,7 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   if (opt.micro_batches > 1 && grads_on_host) b.staging = static_cast<std::size_t>(store.largest_unit);
   std::size_t io = host_pages(b.batch_tokens * (4 * 4 + sz.acc)) + host_pages(b.units * sizeof(double));
   if (opt.packed) io += host_pages((2 * b.batch_tokens + 1) * 4);
+  if (b.router > 0) io += host_pages(b.router * 16);
   if (b.embed_rows > 0) io += host_pages(b.embed_rows * sizeof(float));
   if (b.staging > 0) io += host_pages(2 * b.staging * sizeof(float));
   hl.push_back({"batch buffers (pinned)", io});

@@ -112,6 +112,16 @@ struct StepStats {
   double clip_coef = 1;     ///< what the gradients were multiplied by
   std::int64_t tokens = 0;  ///< tokens in the batch
   double seconds = 0;
+  /// A mixture of experts: the step's auxiliary load-balancing loss (transformers'
+  /// load_balancing_loss_func over each micro-batch, their mean; not part of `loss`: where the
+  /// config sets output_router_logits, the step trains on loss + router_aux_loss_coef x aux_loss),
+  /// and each sparse layer's tokens per expert over the step (the fewest and the most routed to
+  /// one expert: a collapsing router shows as min 0 and a growing max).
+  double aux_loss = 0;
+  struct ExpertLoad {
+    std::int64_t layer = 0, min = 0, max = 0;
+  };
+  std::vector<ExpertLoad> expert_load;
   /// With TrainerOptions::profile: time each stage spent working in this step (the compute
   /// executor's busy time, the copy engines' transfer times) and the bytes copied.
   struct Profile {
@@ -373,6 +383,7 @@ class Trainer {
     s.grad_norm = grad_norm;
     s.clip_coef = st.clip_coef;
     s.tokens = opt_.batch_rows * opt_.seq_len;
+    router_stats(s);
     s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (opt_.profile) s.profile = collect_profile();
     return s;
@@ -509,6 +520,63 @@ class Trainer {
     std::int64_t step = 0;
     double lr = 0, clip_coef = 1;
   };
+
+  // The step's routing statistics (StepStats::aux_loss, expert_load) from what the head items
+  // downloaded: each micro-batch's [sparse layer, expert] counts and probability sums.
+  void router_stats(StepStats& s) const {
+    if (router_counts_host_.empty()) return;
+    const ModelConfig& cfg = model_.config();
+    const std::int64_t Lm = cfg.moe_layer_count(), E = cfg.moe.num_experts;
+    const auto per = static_cast<std::size_t>(Lm * E);
+    for (std::int64_t m = 0; m < opt_.micro_batches; ++m)
+      s.aux_loss += moe_aux_loss(router_counts_host_.subspan(static_cast<std::size_t>(m) * per, per),
+                                 router_probs_host_.subspan(static_cast<std::size_t>(m) * per, per), Lm, E,
+                                 opt_.micro_rows() * opt_.seq_len);
+    s.aux_loss /= static_cast<double>(opt_.micro_batches);
+    for (std::int64_t l = 0, idx = 0; l < cfg.num_hidden_layers; ++l) {
+      if (!cfg.is_moe_layer(l)) continue;
+      StepStats::ExpertLoad load{l, std::numeric_limits<std::int64_t>::max(), 0};
+      for (std::int64_t e = 0; e < E; ++e) {
+        std::int64_t n = 0;
+        for (std::int64_t m = 0; m < opt_.micro_batches; ++m)
+          n += router_counts_host_[static_cast<std::size_t>(m) * per + static_cast<std::size_t>(idx * E + e)];
+        load.min = std::min(load.min, n);
+        load.max = std::max(load.max, n);
+      }
+      s.expert_load.push_back(load);
+      ++idx;
+    }
+  }
+  // A sparse block's routing statistics for micro-batch m (RouterStats): `record` (a training
+  // step's forward) where its counts and probabilities go, `aux` (the backward) what the
+  // auxiliary loss's gradient reads, when the config asks for that loss. Empty for a dense block.
+  RouterStats router_of(std::size_t unit, std::int64_t m, bool record, bool aux) {
+    RouterStats r;
+    if (router_counts_dev_.size() == 0 || unit < 1 || unit > model_.num_blocks()) return r;
+    const std::int64_t l = moe_index_[unit - 1];
+    if (l < 0) return r;
+    const ModelConfig& cfg = model_.config();
+    const std::int64_t Lm = cfg.moe_layer_count(), E = cfg.moe.num_experts;
+    const auto micro = static_cast<std::size_t>(m * Lm * E);
+    if (record) {
+      const auto at = micro + static_cast<std::size_t>(l * E);
+      r.counts = View<std::int64_t>(router_counts_dev_.span().subspan(at, static_cast<std::size_t>(E)), Shape{E});
+      r.probs = View<double>(router_probs_dev_.span().subspan(at, static_cast<std::size_t>(E)), Shape{E});
+    }
+    if (aux && cfg.moe.output_router_logits) {
+      r.aux_counts = View<const std::int64_t>(
+          std::span<const std::int64_t>(router_counts_dev_.span()).subspan(micro, static_cast<std::size_t>(Lm * E)), Shape{Lm, E});
+      r.aux_scale = moe_aux_scale(cfg.moe.router_aux_loss_coef, 1.0 / static_cast<double>(opt_.micro_batches), Lm, E,
+                                  opt_.micro_rows() * opt_.seq_len);
+    }
+    return r;
+  }
+
+  static std::vector<std::int64_t> sparse_indices(const ModelConfig& cfg) {
+    std::vector<std::int64_t> idx;
+    for (std::int64_t l = 0, n = 0; l < cfg.num_hidden_layers; ++l) idx.push_back(cfg.is_moe_layer(l) ? n++ : -1);
+    return idx;
+  }
 
   // After a drain: nothing is in flight.
   void settle() {
@@ -721,8 +789,8 @@ class Trainer {
       auto for_chunks = [&](auto&& f) {
         for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) f(r0, std::min(chunk, rows - r0));
       };
-      auto block_chunk = [&](std::int64_t r0, std::int64_t n_rows) {  // a block's chunk: rows, packing, token blocks
-        return ChunkShape{n_rows, seq, t.packed_rows(it.micro, rows, r0, n_rows), t.token_block(chunk * seq)};
+      auto block_chunk = [&](std::int64_t r0, std::int64_t n_rows, RouterStats router = {}) {  // a block's chunk: rows, packing, token blocks
+        return ChunkShape{n_rows, seq, t.packed_rows(it.micro, rows, r0, n_rows), t.token_block(chunk * seq), router};
       };
       switch (it.kind) {
         case Kind::forward: {
@@ -730,6 +798,11 @@ class Trainer {
           if (it.unit == 0) {
             const auto off = static_cast<std::size_t>(it.micro * rows * seq);
             const auto n = static_cast<std::size_t>(rows * seq);
+            if (it.piece == 0 && t.router_counts_dev_.size() > 0) {  // (a step's forward: its routing recorded from zero)
+              const auto per = t.router_counts_dev_.size() / static_cast<std::size_t>(t.opt_.micro_batches);
+              t.be_.zero(exec, t.router_counts_dev_.span().subspan(static_cast<std::size_t>(it.micro) * per, per));
+              t.be_.zero(exec, t.router_probs_dev_.span().subspan(static_cast<std::size_t>(it.micro) * per, per));
+            }
             t.be_.upload(exec, std::span<const std::int32_t>(t.ids_host_).subspan(off, n), t.ids_dev_.span());
             t.be_.upload(exec, std::span<const std::int32_t>(t.labels_host_).subspan(off, n), t.labels_dev_.span());
             if (t.opt_.packed) t.upload_positions(exec, it.micro, rows);
@@ -753,18 +826,19 @@ class Trainer {
             const auto& tmpl = t.model_.block(it.unit - 1);
             const auto w = t.weights(tmpl, it.unit, s.in);
             const auto in = t.ckpt_out(it.unit - 1);  // the previous unit's output is still there
+            const RouterStats router = t.router_of(it.unit, it.micro, it.piece == 0, false);  // (a step's: recorded)
             if (it.piece == 0 && t.plan_.buffers.keeps(it.unit)) {  // its activations stay for the backward
               if constexpr (plan::keeps_activations<B, Block>) {
                 Arena kept(t.kept_[it.unit].span());
                 for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
-                  tmpl.op().forward_keep(t.be_, block_chunk(r0, n_rows), w, View<const Res>(rows_of(in, r0, n_rows)),
+                  tmpl.op().forward_keep(t.be_, block_chunk(r0, n_rows, router), w, View<const Res>(rows_of(in, r0, n_rows)),
                                          rows_of(out, r0, n_rows), kept, t.arena_);
                 });
               }
             } else {
               for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
-                tmpl.op().forward(t.be_, block_chunk(r0, n_rows), w, View<const Res>(rows_of(in, r0, n_rows)), rows_of(out, r0, n_rows),
-                                  t.arena_);
+                tmpl.op().forward(t.be_, block_chunk(r0, n_rows, router), w, View<const Res>(rows_of(in, r0, n_rows)),
+                                  rows_of(out, r0, n_rows), t.arena_);
               });
             }
           }
@@ -819,6 +893,14 @@ class Trainer {
           t.be_.download(exec, std::span<const Acc>(t.loss_dev_.span()),
                          t.loss_host_.subspan(it.kind == Kind::head ? static_cast<std::size_t>(it.micro * rows * seq) : 0,
                                               static_cast<std::size_t>(rows * seq)));
+          if (it.kind == Kind::head && t.router_counts_dev_.size() > 0) {  // the micro-batch's routing, for StepStats
+            const auto per = t.router_counts_dev_.size() / static_cast<std::size_t>(t.opt_.micro_batches);
+            const auto at = static_cast<std::size_t>(it.micro) * per;
+            t.be_.download(exec, std::span<const std::int64_t>(t.router_counts_dev_.span()).subspan(at, per),
+                           t.router_counts_host_.subspan(at, per));
+            t.be_.download(exec, std::span<const double>(t.router_probs_dev_.span()).subspan(at, per),
+                           t.router_probs_host_.subspan(at, per));
+          }
           break;
         }
         case Kind::backward: {
@@ -850,18 +932,19 @@ class Trainer {
             if (t.fresh(it, it.unit)) t.be_.zero(exec, acc);
             const auto g = tmpl.bind(acc);
             const auto x = t.ckpt_in(exec, it.unit - 1);
+            const RouterStats router = t.router_of(it.unit, it.micro, false, true);  // (the auxiliary loss's gradient)
             if (t.plan_.buffers.keeps(it.unit)) {  // from the activations its forward kept
               if constexpr (plan::keeps_activations<B, Block>) {
                 Arena kept(t.kept_[it.unit].span());
                 for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
-                  tmpl.op().backward_kept(t.be_, block_chunk(r0, n_rows), w, View<const Res>(rows_of(x, r0, n_rows)),
+                  tmpl.op().backward_kept(t.be_, block_chunk(r0, n_rows, router), w, View<const Res>(rows_of(x, r0, n_rows)),
                                           View<const Res>(rows_of(t.dbuf_[dy].span(), r0, n_rows)),
                                           rows_of(t.dbuf_[1 - dy].span(), r0, n_rows), g, kept, t.arena_);
                 });
               }
             } else {
               for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
-                tmpl.op().backward(t.be_, block_chunk(r0, n_rows), w, View<const Res>(rows_of(x, r0, n_rows)),
+                tmpl.op().backward(t.be_, block_chunk(r0, n_rows, router), w, View<const Res>(rows_of(x, r0, n_rows)),
                                    View<const Res>(rows_of(t.dbuf_[dy].span(), r0, n_rows)), rows_of(t.dbuf_[1 - dy].span(), r0, n_rows),
                                    g, t.arena_);
               });
@@ -1058,6 +1141,10 @@ class Trainer {
     }
     loss_dev_ = alloc<Acc>(b.micro_tokens);
     sumsq_dev_ = alloc<double>(b.units);
+    if (b.router > 0) {  // (a mixture of experts)
+      router_counts_dev_ = alloc<std::int64_t>(b.router);
+      router_probs_dev_ = alloc<double>(b.router);
+    }
     if constexpr (requires { typename B::WorkspacePlan; }) be_.prepare(b.workspace);  // backends that allocate workspaces up front
     // The embedding's fp32 rows for the lookup (a host embedding): first when no unit will be on
     // the device, else after the placement (from the reserve it leaves).
@@ -1100,6 +1187,11 @@ class Trainer {
     loss_host_ = std::span<Acc>(reinterpret_cast<Acc*>(touched_host_.data() + batch_tokens), batch_tokens);
     sumsq_host_mem_ = HostBuffer::allocate(b.units * sizeof(double));
     sumsq_host_ = sumsq_host_mem_.template as<double>(0, b.units);
+    if (b.router > 0) {
+      router_host_mem_ = HostBuffer::allocate(b.router * 16);
+      router_counts_host_ = router_host_mem_.template as<std::int64_t>(0, b.router);
+      router_probs_host_ = router_host_mem_.template as<double>(b.router, b.router);
+    }
     if (b.staging > 0) {
       staging_mem_ = HostBuffer::allocate(2 * b.staging * sizeof(float));
       for (std::size_t k = 0; k < 2; ++k) staging_.push_back(staging_mem_.template as<float>(k * b.staging, b.staging));
@@ -1550,6 +1642,13 @@ class Trainer {
   std::span<std::int32_t> ids_host_, labels_host_;
   std::span<Acc> loss_host_;
   Buf<double> sumsq_dev_;  // each unit's sum of squared gradient elements, where summed on the device
+  // A mixture of experts' routing statistics, [micro-batch, sparse layer, expert] (RouterStats)
+  Buf<std::int64_t> router_counts_dev_;
+  Buf<double> router_probs_dev_;
+  HostBuffer router_host_mem_;
+  std::span<std::int64_t> router_counts_host_;
+  std::span<double> router_probs_host_;
+  std::vector<std::int64_t> moe_index_ = sparse_indices(model_.config());  // by block: its index among the sparse layers, or -1
   HostBuffer sumsq_host_mem_;
   std::span<double> sumsq_host_;
   HostBuffer staging_mem_;

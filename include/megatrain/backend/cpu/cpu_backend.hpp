@@ -562,13 +562,39 @@ class CpuBackend {
         }
     });
   }
+  /// A layer's routing statistics (RouterStats): counts[e] += expert e's rows (offsets as
+  /// moe_route's), prob_sums[e] += the sum over tokens of probs[t, e] (in token order, double).
+  void moe_record(View<const Acc> probs, View<const std::int64_t> offsets, View<std::int64_t> counts, View<double> prob_sums) {
+    const std::int64_t M = probs.size(0), E = probs.size(1);
+    MT_CHECK(offsets.numel() == E + 1 && counts.numel() == E && prob_sums.numel() == E,
+             "moe_record: probs {}, offsets {}, counts {}, sums {}", probs.shape().str(), offsets.shape().str(),
+             counts.shape().str(), prob_sums.shape().str());
+    for (std::int64_t e = 0; e < E; ++e) {
+      double s = 0;
+      for (std::int64_t t = 0; t < M; ++t) s += static_cast<double>(probs.data()[t * E + e]);
+      prob_sums.data()[e] += s;
+      counts.data()[e] += offsets.data()[e + 1] - offsets.data()[e];
+    }
+  }
   /// dlogits from the routing weights' gradient: through the renormalisation (where the family
-  /// has it) and the softmax; the experts not chosen get only the softmax's share.
+  /// has it) and the softmax; the experts not chosen get only the softmax's share. `aux_counts`
+  /// [layers, E] (not null): the auxiliary load-balancing loss adds aux_scale x the counts of
+  /// expert i summed over the layers to every token's dp_i.
   void moe_route_backward(View<const Acc> probs, View<const std::int32_t> experts, View<const Acc> weights,
-                          View<const Acc> dweights, std::int64_t k, bool renormalize, View<Act> dlogits) {
+                          View<const Acc> dweights, std::int64_t k, bool renormalize, View<const std::int64_t> aux_counts,
+                          double aux_scale, View<Act> dlogits) {
     const std::int64_t M = probs.size(0), E = probs.size(1);
     MT_CHECK(dlogits.shape() == probs.shape() && experts.numel() == M * k && dweights.numel() == M * k,
              "moe_route_backward: probs {}, dlogits {}, top {}", probs.shape().str(), dlogits.shape().str(), k);
+    MT_CHECK(aux_counts.is_null() || (aux_counts.numel() > 0 && aux_counts.numel() % E == 0),
+             "moe_route_backward: auxiliary counts {} for {} experts", aux_counts.shape().str(), E);
+    std::vector<Acc> aux(static_cast<std::size_t>(E), Acc(0));  // the auxiliary loss's dp, the same for every token
+    if (!aux_counts.is_null())
+      for (std::int64_t i = 0; i < E; ++i) {
+        std::int64_t c = 0;
+        for (std::int64_t l = 0; l < aux_counts.numel() / E; ++l) c += aux_counts.data()[l * E + i];
+        aux[static_cast<std::size_t>(i)] = static_cast<Acc>(aux_scale * static_cast<double>(c));
+      }
     parallel_rows(M, 64, [&](std::int64_t b, std::int64_t e) {
       std::vector<Acc> dp(static_cast<std::size_t>(E));
       for (std::int64_t t = b; t < e; ++t) {
@@ -576,16 +602,16 @@ class CpuBackend {
         const std::int32_t* ex = experts.data() + t * k;
         const Acc* w = weights.data() + t * k;
         const Acc* dw = dweights.data() + t * k;
-        std::fill(dp.begin(), dp.end(), Acc(0));
+        std::copy(aux.begin(), aux.end(), dp.begin());
         if (renormalize) {  // w_j = p_j / S: dp_j = (dw_j - sum_i dw_i w_i) / S
           Acc chosen = 0, dot = 0;
           for (std::int64_t j = 0; j < k; ++j) {
             chosen += p[ex[j]];
             dot += dw[j] * w[j];
           }
-          for (std::int64_t j = 0; j < k; ++j) dp[static_cast<std::size_t>(ex[j])] = (dw[j] - dot) / chosen;
+          for (std::int64_t j = 0; j < k; ++j) dp[static_cast<std::size_t>(ex[j])] += (dw[j] - dot) / chosen;
         } else {
-          for (std::int64_t j = 0; j < k; ++j) dp[static_cast<std::size_t>(ex[j])] = dw[j];
+          for (std::int64_t j = 0; j < k; ++j) dp[static_cast<std::size_t>(ex[j])] += dw[j];
         }
         Acc dot = 0;  // softmax: dlogit_i = p_i (dp_i - sum_j p_j dp_j)
         for (std::int64_t i = 0; i < E; ++i) dot += p[i] * dp[static_cast<std::size_t>(i)];

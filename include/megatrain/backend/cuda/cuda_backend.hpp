@@ -60,6 +60,10 @@ struct CudaBackendOptions {
 
 class CudaBackend {
  public:
+  /// Device bytes a backend allocates at construction beside cuBLASLt's workspace (gemm_workspace):
+  /// a mixture of experts' routing counts and grouped products' pointer arrays.
+  static constexpr std::size_t kMoePointerBytes = cuda::GroupedGemm::kPointerSlots * cuda::kMoeMaxExperts * sizeof(void*);
+  static constexpr std::size_t kMoeWorkspaceBytes = cuda::kMoeRouteWorkspace + kMoePointerBytes;
   using Act = bf16;
   using Weight = bf16;
   using Acc = float;
@@ -120,6 +124,7 @@ class CudaBackend {
     MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     gemm_ws_ = alloc<std::byte>(opt.gemm_workspace);
     gemm_ = std::make_unique<cuda::Gemm>(gemm_ws_.span().data(), gemm_ws_.size());
+    moe_ws_ = alloc<std::byte>(kMoeWorkspaceBytes);
 #if MEGATRAIN_HAS_CUDNN
     if (opt.use_cudnn) {
       const cudnnStatus_t st = cudnnCreate(&cudnn_);
@@ -141,6 +146,7 @@ class CudaBackend {
     attention_.reset();
     if (cudnn_ != nullptr) (void)cudnnDestroy(cudnn_);
 #endif
+    grouped_.reset();
     gemm_.reset();
     if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
   }
@@ -186,6 +192,8 @@ class CudaBackend {
   std::size_t memory_limit() const { return limit_; }
   /// Bytes alloc() can still hand out.
   std::optional<std::size_t> memory_available() const { return limit_ > *allocated_ ? limit_ - *allocated_ : 0; }
+  /// How a mixture of experts' grouped products run on this GPU (GroupedGemm::paths).
+  std::string grouped_gemm_paths() const { return grouped_ ? grouped_->paths() : "no grouped product has run"; }
   /// Whether attention of this shape runs on cuDNN (after prepare()).
   bool cudnn_attention(const AttentionShape& s) {
     MT_NVTX_RANGE("CudaBackend::cudnn_attention");  // may build the shape's cuDNN graphs
@@ -466,6 +474,113 @@ class CudaBackend {
     cuda::launch_adamw(a, p.data(), m.data(), v.data(), g.data(), w.data(), static_cast<std::int64_t>(n), stream_);
   }
 
+  // ---- mixture of experts (MoeMlp; CpuBackend's moe_* primitives are the reference) ------------
+  /// The routing of M tokens over E experts, grouped by expert (CpuBackend::moe_route).
+  void moe_route(View<const Act> logits, std::int64_t k, bool renormalize, View<Acc> probs, View<std::int32_t> experts,
+                 View<Acc> weights, View<std::int32_t> order, View<std::int32_t> slot, View<std::int64_t> offsets) {
+    MT_NVTX_RANGE("cuda:moe_route");
+    MT_CHECK(logits.rank() == 2, "moe_route: logits {} must be [tokens, experts]", logits.shape().str());
+    const std::int64_t M = logits.size(0), E = logits.size(1), N = M * k;
+    MT_CHECK(probs.shape() == logits.shape() && experts.numel() == N && weights.numel() == N && order.numel() == N &&
+                 slot.numel() == N && offsets.numel() == E + 1,
+             "moe_route: {} tokens over {} experts, top {}: buffers probs {}, experts {}, weights {}, order {}, slot {}, "
+             "offsets {}", M, E, k, probs.shape().str(), experts.shape().str(), weights.shape().str(),
+             order.shape().str(), slot.shape().str(), offsets.shape().str());
+    cuda::launch_moe_route(logits.data(), M, E, k, renormalize, probs.data(), experts.data(), weights.data(), order.data(),
+                           slot.data(), offsets.data(), moe_ws_.span().data(), cuda::kMoeRouteWorkspace, stream_);
+  }
+  /// xs[r] = x[order[r] / k].
+  void moe_gather(View<const Act> x, View<const std::int32_t> order, std::int64_t k, View<Act> xs) {
+    MT_NVTX_RANGE("cuda:moe_gather");
+    const std::int64_t N = order.numel(), d = x.size(1);
+    MT_CHECK(xs.rank() == 2 && xs.size(0) == N && xs.size(1) == d && N == x.size(0) * k, "moe_gather: {} rows of {} into {}",
+             N, x.shape().str(), xs.shape().str());
+    cuda::launch_moe_gather(x.data(), order.data(), k, N, d, xs.data(), stream_);
+  }
+  /// y[rows of e] = x[rows of e] w[e]^T for every expert, one grouped GEMM (reads the offsets:
+  /// waits for the stream's work before it).
+  void grouped_linear(View<const Act> x, std::span<const View<const Weight>> w, View<const std::int64_t> offsets,
+                      View<Act> y) {
+    MT_NVTX_RANGE("cuda:grouped_linear");
+    const auto [N, K] = grouped_dims(x, w, offsets, y.shape(), "grouped_linear");
+    const auto g = grouped().read(offsets.data(), w.size(), stream_);
+    check_rows(g, x.size(0), "grouped_linear");
+    grouped_->forward(g, x.data(), weight_pointers(w), y.data(), N, K, stream_);
+  }
+  /// dx (or dx += where accumulate_dx) and dw[e] += dy^T x over each expert's rows.
+  void grouped_linear_backward(View<const Act> x, std::span<const View<const Weight>> w, View<const Act> dy, View<Act> dx,
+                               bool accumulate_dx, std::span<const View<Acc>> dw, View<const std::int64_t> offsets) {
+    MT_NVTX_RANGE("cuda:grouped_linear_backward");
+    const auto [N, K] = grouped_dims(x, w, offsets, dy.shape(), "grouped_linear_backward");
+    MT_CHECK(dw.size() == w.size(), "grouped_linear_backward: {} gradients for {} experts", dw.size(), w.size());
+    std::vector<float*> gp(dw.size());
+    for (std::size_t e = 0; e < dw.size(); ++e) {
+      same(dw[e].shape(), w[e].shape(), "grouped_linear_backward dw");
+      gp[e] = dw[e].data();
+    }
+    const auto g = grouped().read(offsets.data(), w.size(), stream_);
+    check_rows(g, x.size(0), "grouped_linear_backward");
+    if (!dx.is_null()) {
+      same(dx.shape(), x.shape(), "grouped_linear_backward dx");
+      grouped_->input_grad(g, dy.data(), weight_pointers(w), dx.data(), accumulate_dx, N, K, stream_);
+    }
+    grouped_->weight_grad(g, dy.data(), x.data(), gp, N, K, stream_);
+  }
+  /// y[t] = h[t] + the weighted sum of the token's experts' outputs, in increasing expert index
+  /// (y may be h).
+  void moe_combine(View<const Act> out, View<const std::int32_t> slot, View<const Acc> weights, std::int64_t k,
+                   View<const Res> h, View<Res> y) {
+    MT_NVTX_RANGE("cuda:moe_combine");
+    const std::int64_t M = h.size(0), d = h.size(1);
+    MT_CHECK(slot.numel() == M * k && weights.numel() == M * k && out.size(0) == M * k && out.size(1) == d &&
+                 y.shape() == h.shape(),
+             "moe_combine: {} tokens, top {}: out {}, y {}", M, k, out.shape().str(), y.shape().str());
+    cuda::launch_moe_combine(out.data(), slot.data(), weights.data(), k, h.data(), y.data(), M, d, stream_);
+  }
+  /// dout[slot[t, j]] = weights[t, j] * dy[t], dweights[t, j] = <dy[t], out[slot[t, j]]>.
+  void moe_combine_backward(View<const Act> dy, View<const Act> out, View<const std::int32_t> slot, View<const Acc> weights,
+                            std::int64_t k, View<Act> dout, View<Acc> dweights) {
+    MT_NVTX_RANGE("cuda:moe_combine_backward");
+    const std::int64_t M = dy.size(0), d = dy.size(1);
+    MT_CHECK(slot.numel() == M * k && dweights.numel() == M * k && weights.numel() == M * k && out.size(0) == M * k &&
+                 out.size(1) == d && dout.shape() == out.shape(),
+             "moe_combine_backward: {} tokens, top {}: out {}, dout {}", M, k, out.shape().str(), dout.shape().str());
+    cuda::launch_moe_combine_backward(dy.data(), out.data(), slot.data(), weights.data(), k, M, d, dout.data(),
+                                      dweights.data(), stream_);
+  }
+  /// dlogits through the renormalisation (where the family has it) and the softmax.
+  void moe_route_backward(View<const Acc> probs, View<const std::int32_t> experts, View<const Acc> weights,
+                          View<const Acc> dweights, std::int64_t k, bool renormalize, View<const std::int64_t> aux_counts,
+                          double aux_scale, View<Act> dlogits) {
+    MT_NVTX_RANGE("cuda:moe_route_backward");
+    const std::int64_t M = probs.size(0), E = probs.size(1);
+    MT_CHECK(dlogits.shape() == probs.shape() && experts.numel() == M * k && weights.numel() == M * k &&
+                 dweights.numel() == M * k,
+             "moe_route_backward: probs {}, dlogits {}, top {}", probs.shape().str(), dlogits.shape().str(), k);
+    MT_CHECK(aux_counts.is_null() || (aux_counts.numel() > 0 && aux_counts.numel() % E == 0),
+             "moe_route_backward: auxiliary counts {} for {} experts", aux_counts.shape().str(), E);
+    cuda::launch_moe_route_backward(probs.data(), experts.data(), weights.data(), dweights.data(), k, renormalize,
+                                    aux_counts.is_null() ? nullptr : aux_counts.data(),
+                                    aux_counts.is_null() ? 0 : aux_counts.numel() / E, aux_scale, M, E, dlogits.data(), stream_);
+  }
+  /// A layer's routing statistics (CpuBackend::moe_record).
+  void moe_record(View<const Acc> probs, View<const std::int64_t> offsets, View<std::int64_t> counts, View<double> prob_sums) {
+    MT_NVTX_RANGE("cuda:moe_record");
+    const std::int64_t M = probs.size(0), E = probs.size(1);
+    MT_CHECK(offsets.numel() == E + 1 && counts.numel() == E && prob_sums.numel() == E,
+             "moe_record: probs {}, offsets {}, counts {}, sums {}", probs.shape().str(), offsets.shape().str(),
+             counts.shape().str(), prob_sums.shape().str());
+    cuda::launch_moe_record(probs.data(), offsets.data(), M, E, counts.data(), prob_sums.data(), stream_);
+  }
+  /// dx[t] += the sum of dxs[slot[t, j]] over its k experts.
+  void moe_scatter_add(View<const Act> dxs, View<const std::int32_t> slot, std::int64_t k, View<Act> dx) {
+    MT_NVTX_RANGE("cuda:moe_scatter_add");
+    const std::int64_t M = dx.size(0), d = dx.size(1);
+    MT_CHECK(slot.numel() == M * k && dxs.size(0) == M * k && dxs.size(1) == d, "moe_scatter_add: {} rows into {}",
+             dxs.shape().str(), dx.shape().str());
+    cuda::launch_moe_scatter_add(dxs.data(), slot.data(), k, dx.data(), M, d, stream_);
+  }
+
   /// Per-token cross-entropy of h w^T, in blocks of logits_block tokens: fp32 logits from
   /// cuBLASLt, then one kernel for loss and scale * (softmax - onehot) in bf16, then the two
   /// products of the backward (dh rows of the block; dW += in fp32).
@@ -519,6 +634,37 @@ class CudaBackend {
     }
     const auto lb = static_cast<std::size_t>(std::min(opt_.logits_block, std::max<std::int64_t>(M, 1)));
     return {ws, lb * static_cast<std::size_t>(plan.vocab)};
+  }
+
+  cuda::GroupedGemm& grouped() {
+    if (!grouped_)
+      grouped_ = std::make_unique<cuda::GroupedGemm>(moe_ws_.span().data() + cuda::kMoeRouteWorkspace,
+                                                     static_cast<std::size_t>(cuda::kMoeMaxExperts), gemm_ws_.span().data(),
+                                                     gemm_ws_.size());
+    return *grouped_;
+  }
+  struct GroupedDims {
+    std::int64_t N, K;
+  };
+  /// x [rows, K], each w[e] [N, K], y [rows, N], offsets [E + 1].
+  static GroupedDims grouped_dims(View<const Act> x, std::span<const View<const Weight>> w, View<const std::int64_t> offsets,
+                                  const Shape& y, const char* what) {
+    MT_CHECK(!w.empty() && x.rank() == 2 && y.rank() == 2 && offsets.numel() == static_cast<std::int64_t>(w.size()) + 1,
+             "{}: x {}, y {}, {} experts, offsets {}", what, x.shape().str(), y.str(), w.size(), offsets.shape().str());
+    const std::int64_t N = w[0].size(0), K = x.size(1);
+    for (const auto& we : w)
+      MT_CHECK(we.rank() == 2 && we.size(0) == N && we.size(1) == K, "{}: an expert's weight {} is not [{}, {}]", what,
+               we.shape().str(), N, K);
+    MT_CHECK(y[0] == x.size(0) && y[1] == N, "{}: x {} . w^T does not give {}", what, x.shape().str(), y.str());
+    return {N, K};
+  }
+  static void check_rows(const cuda::GroupedGemm::Groups& g, std::int64_t rows, const char* what) {
+    MT_CHECK(g.total == rows, "{}: the experts' offsets cover {} rows of {}", what, g.total, rows);
+  }
+  static std::vector<const bf16*> weight_pointers(std::span<const View<const Weight>> w) {
+    std::vector<const bf16*> p(w.size());
+    for (std::size_t e = 0; e < w.size(); ++e) p[e] = w[e].data();
+    return p;
   }
 
   static void same(const Shape& a, const Shape& b, const char* what) {
@@ -615,6 +761,10 @@ class CudaBackend {
   Buffer<std::byte> workspace_;
   Buffer<float> logits_;
   Buffer<bf16> dlogits_;
+  // Mixture of experts: the routing's counts, then the grouped products' pointer arrays (allocated
+  // with the backend, so counted before any plan); cuBLAS's grouped GEMM made at first use.
+  Buffer<std::byte> moe_ws_;
+  std::unique_ptr<cuda::GroupedGemm> grouped_;
 };
 
 }  // namespace megatrain

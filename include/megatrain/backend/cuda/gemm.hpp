@@ -14,7 +14,10 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "megatrain/core/dtype.hpp"
 
@@ -62,6 +65,60 @@ class Gemm {
   void* workspace_;
   std::size_t workspace_bytes_;
   std::map<Key, std::unique_ptr<Plan>> plans_;
+};
+
+/// The products of a mixture-of-experts layer: each expert's rows (a contiguous range of the rows
+/// grouped by expert, given by device offsets [E + 1]) times that expert's own weight, all
+/// experts in one cuBLAS grouped GEMM (cublasGemmGroupedBatchedEx) where cuBLAS has one for the
+/// types, else one cublasGemmEx per expert; same conventions as Gemm.
+/// cuBLAS takes the groups' sizes on the host: each call reads the offsets from the device,
+/// which waits for the stream's work before it (one synchronisation per product, none per
+/// expert); experts without rows are left out of the group list.
+class GroupedGemm {
+ public:
+  /// `pointers`: device memory for kPointerSlots x max_groups pointers; `workspace`: cuBLAS's
+  /// (both owned by the caller, used only on the stream of the calls).
+  GroupedGemm(void* pointers, std::size_t max_groups, void* workspace, std::size_t workspace_bytes);
+  ~GroupedGemm();
+  GroupedGemm(const GroupedGemm&) = delete;
+  GroupedGemm& operator=(const GroupedGemm&) = delete;
+  static constexpr std::size_t kPointerSlots = 9;  ///< A, B and C arrays for each of the three products
+
+  /// The experts with rows: expert[i]'s rows are [first[i], first[i] + rows[i]).
+  struct Groups {
+    std::vector<std::size_t> expert;
+    std::vector<std::int64_t> first, rows;
+    std::int64_t total = 0;  ///< rows of all experts (offsets[E])
+  };
+  /// Reads offsets [experts + 1] from the device, after the stream's work before it (synchronises
+  /// the stream). Each product below may then run once with these groups.
+  Groups read(const std::int64_t* offsets, std::size_t experts, cudaStream_t stream);
+
+  /// y[rows of e] = x[rows of e] w[e]^T: x [rows, K], w[e] [N, K], y [rows, N].
+  void forward(const Groups& g, const bf16* x, std::span<const bf16* const> w, bf16* y, std::int64_t N, std::int64_t K,
+               cudaStream_t stream);
+  /// dx[rows of e] = dy[rows of e] w[e] (or += where accumulate).
+  void input_grad(const Groups& g, const bf16* dy, std::span<const bf16* const> w, bf16* dx, bool accumulate, std::int64_t N,
+                  std::int64_t K, cudaStream_t stream);
+  /// dw[e] += dy[rows of e]^T x[rows of e] in fp32.
+  void weight_grad(const Groups& g, const bf16* dy, const bf16* x, std::span<float* const> dw, std::int64_t N, std::int64_t K,
+                   cudaStream_t stream);
+  /// How each product runs: one grouped GEMM, or (where this cuBLAS has no grouped kernel for
+  /// its types, found at the first call) one cublasGemmEx per expert with rows, back to back.
+  std::string paths() const;
+
+ private:
+  struct Call;
+  void launch(int slot, const Call& c, cudaStream_t stream);
+
+  void* handle_ = nullptr;  // cublasHandle_t
+  void** pointers_;
+  std::size_t max_groups_;
+  void* workspace_;
+  std::size_t workspace_bytes_;
+  bool grouped_[3] = {true, true, true};  // by product: cuBLAS's grouped GEMM takes its types
+  std::int64_t* host_offsets_ = nullptr;  // pinned: max_groups + 1
+  void** host_pointers_ = nullptr;        // pinned: kPointerSlots x max_groups
 };
 
 }  // namespace megatrain::cuda

@@ -121,6 +121,43 @@ void launch_adamw(const AdamWArgs& s, float* p, float* m, float* v, const float*
 void launch_cross_entropy(const float* logits, const std::int32_t* labels, float* loss, bf16* dlogits, float scale,
                           std::int64_t n, std::int64_t V, cudaStream_t stream);
 
+// ---- mixture of experts (src/cuda/moe.cu; the CPU backend's moe_* primitives are the reference) --
+inline constexpr std::int64_t kMoeMaxExperts = 1024;  ///< experts a layer may have on the GPU
+inline constexpr std::int64_t kMoeMaxTopK = 32;       ///< experts a token may choose on the GPU
+/// Device bytes the routing's grouping needs (per-chunk counts; any number of assignments).
+inline constexpr std::size_t kMoeRouteWorkspace = std::size_t{1} << 20;
+/// The routing of M tokens over E experts (CpuBackend::moe_route): probs = softmax of the bf16
+/// logits [M, E] in fp32; experts/weights [M, k] the top k (the lower index first among equals),
+/// renormalised where asked; the M * k assignments grouped by expert, stably: order[r] is row
+/// r's assignment, slot[a] its row, offsets [E + 1] each expert's first row. `workspace`: at least
+/// kMoeRouteWorkspace bytes. E <= kMoeMaxExperts, k <= kMoeMaxTopK.
+void launch_moe_route(const bf16* logits, std::int64_t M, std::int64_t E, std::int64_t k, bool renormalize, float* probs,
+                      std::int32_t* experts, float* weights, std::int32_t* order, std::int32_t* slot, std::int64_t* offsets,
+                      void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+/// xs[r] = x[order[r] / k] for the N = M * k rows, d wide.
+void launch_moe_gather(const bf16* x, const std::int32_t* order, std::int64_t k, std::int64_t N, std::int64_t d, bf16* xs,
+                       cudaStream_t stream);
+/// y[t] = h[t] + sum of weights[t, j] * out[slot[t, j]] over j, the experts in increasing index,
+/// in fp32 (y may be h).
+void launch_moe_combine(const bf16* out, const std::int32_t* slot, const float* weights, std::int64_t k, const float* h,
+                        float* y, std::int64_t M, std::int64_t d, cudaStream_t stream);
+/// dout[slot[t, j]] = bf16(weights[t, j] * dy[t]); dweights[t, j] = <dy[t], out[slot[t, j]]>.
+void launch_moe_combine_backward(const bf16* dy, const bf16* out, const std::int32_t* slot, const float* weights,
+                                 std::int64_t k, std::int64_t M, std::int64_t d, bf16* dout, float* dweights,
+                                 cudaStream_t stream);
+/// dlogits [M, E] from the routing weights' gradient, through the renormalisation and the softmax;
+/// aux_counts [aux_layers, E] (device; null: none): the auxiliary load-balancing loss's
+/// aux_scale x the counts of expert i over the layers added to every token's dp_i.
+void launch_moe_route_backward(const float* probs, const std::int32_t* experts, const float* weights, const float* dweights,
+                               std::int64_t k, bool renormalize, const std::int64_t* aux_counts, std::int64_t aux_layers,
+                               double aux_scale, std::int64_t M, std::int64_t E, bf16* dlogits, cudaStream_t stream);
+/// counts[e] += offsets[e + 1] - offsets[e]; prob_sums[e] += the sum over the M tokens of probs[t, e] (double).
+void launch_moe_record(const float* probs, const std::int64_t* offsets, std::int64_t M, std::int64_t E, std::int64_t* counts,
+                       double* prob_sums, cudaStream_t stream);
+/// dx[t] = bf16(dx[t] + the sum of dxs[slot[t, j]] over j, in increasing row).
+void launch_moe_scatter_add(const bf16* dxs, const std::int32_t* slot, std::int64_t k, bf16* dx, std::int64_t M,
+                            std::int64_t d, cudaStream_t stream);
+
 // ---- attention (the fallback when cuDNN is missing or refuses a shape) ------------------------
 /// For cuDNN's packed (ragged) attention: from `count` + 1 sequence starts (device, token offsets
 /// relative to starts[0], the last one the end), element offsets qo[i] = qo_mul * start_i,

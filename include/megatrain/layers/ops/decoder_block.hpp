@@ -176,7 +176,7 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
       const auto h = cview(token_rows(a.x2, t0, n));
       be.rmsnorm(h, w.post_norm, cfg_.rms_norm_eps, n2, token_rows(a.rstd2, 0, n), offset_);
       if (moe_) {  // y = h + moe(n2)
-        moe_run(be, w, cview(n2), moe_acts(a, n), h, token_rows(y, t0, n));
+        moe_run(be, w, cview(n2), moe_acts(a, n), h, token_rows(y, t0, n), c.router);
         return;
       }
       const auto m = mlp_acts(a, t0, n);
@@ -232,7 +232,7 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
       const auto h = cview(token_rows(a.x2, t0, n));
       be.rmsnorm(h, w.post_norm, cfg_.rms_norm_eps, n2, rstd2, offset_);
       be.convert(token_rows(dy, t0, n), dya);
-      if (moe_) moe_backprop(be, w, cview(n2), moe_acts(a, n), cview(dya), dn, g);  // (recomputed from n2)
+      if (moe_) moe_backprop(be, w, cview(n2), moe_acts(a, n), cview(dya), dn, g, c.router);  // (recomputed from n2)
       else mlp_backprop(be, w, a, t0, n, cview(n2), cview(dya), dn, g);
       be.rmsnorm_backward(h, w.post_norm, cview(rstd2), cview(dn), token_rows(dy, t0, n), token_rows(dx, t0, n), dya,
                           g.post_norm, offset_);
@@ -293,17 +293,18 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
   }
   template <class B>
   void moe_run(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
-               const typename MoeMlp::template Acts<B>& m, View<const typename B::Res> h, View<typename B::Res> y) const {
-    if constexpr (MoeBackend<B>) moe_->run(be, w.moe, x, m, h, y);
+               const typename MoeMlp::template Acts<B>& m, View<const typename B::Res> h, View<typename B::Res> y,
+               const RouterStats& stats) const {
+    if constexpr (MoeBackend<B>) moe_->run(be, w.moe, x, m, h, y, stats);
     else MoeMlp::refuse_backend(cfg_, moe_->layer());
   }
   template <class B>
   void moe_backprop(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
                     const typename MoeMlp::template Acts<B>& m, View<const typename B::Act> dy, View<typename B::Act> dx,
-                    const Weights<typename B::Acc>& g) const {
+                    const Weights<typename B::Acc>& g, const RouterStats& stats) const {
     if constexpr (MoeBackend<B>) {
       moe_->run_kept(be, w.moe, x, m);
-      moe_->backprop(be, w.moe, x, m, dy, dx, g.moe);
+      moe_->backprop(be, w.moe, x, m, dy, dx, g.moe, stats);
     } else {
       MoeMlp::refuse_backend(cfg_, moe_->layer());
     }

@@ -33,7 +33,8 @@
 
 namespace megatrain {
 
-/// What a backend provides to run MoeMlp (the CPU backend; see cpu_backend.hpp for the contracts).
+/// What a backend provides to run MoeMlp (the CPU and CUDA backends; cpu_backend.hpp states the
+/// contracts).
 template <class B>
 concept MoeBackend = requires(B& be, View<const typename B::Act> x, View<typename B::Act> y,
                               View<typename B::Acc> acc, View<const typename B::Acc> cacc, View<std::int32_t> i32,
@@ -46,7 +47,8 @@ concept MoeBackend = requires(B& be, View<const typename B::Act> x, View<typenam
   be.grouped_linear_backward(x, ws, x, y, bool{}, gs, ci64);
   be.moe_combine(x, ci32, cacc, std::int64_t{}, r, ry);
   be.moe_combine_backward(x, x, ci32, cacc, std::int64_t{}, y, acc);
-  be.moe_route_backward(cacc, ci32, cacc, cacc, std::int64_t{}, bool{}, y);
+  be.moe_route_backward(cacc, ci32, cacc, cacc, std::int64_t{}, bool{}, ci64, double{}, y);
+  be.moe_record(cacc, ci64, i64, View<double>{});
   be.moe_scatter_add(x, ci32, std::int64_t{}, y);
 };
 
@@ -168,26 +170,30 @@ class MoeMlp {
     be.grouped_linear(cv(a.m), cspan(w.down), cv(a.offsets), a.out);
   }
 
-  /// y = h + the weighted sum of the token's experts' outputs.
+  /// y = h + the weighted sum of the token's experts' outputs; the routing added to `stats`
+  /// where its counts are given (a forward the trainer records: not a recompute).
   template <class B>
   void run(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x, const Acts<B>& a,
-           View<const typename B::Res> h, View<typename B::Res> y) const {
+           View<const typename B::Res> h, View<typename B::Res> y, const RouterStats& stats = {}) const {
     run_kept(be, w, x, a);
+    if (!stats.counts.is_null()) be.moe_record(cv(a.probs), cv(a.offsets), stats.counts, stats.probs);
     be.moe_combine(cv(a.out), cv(a.slot), cv(a.weights), k_, h, y);
   }
 
   /// After run_kept() on the same x: dx (overwritten) from dy, the gradient of the MoE's output;
-  /// the router's and the experts' gradients added to g.
+  /// the router's and the experts' gradients added to g; with `stats.aux_counts`, the gradient
+  /// of the auxiliary load-balancing loss too.
   template <class B>
   void backprop(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x, const Acts<B>& a,
-                View<const typename B::Act> dy, View<typename B::Act> dx, const Weights<typename B::Acc>& g) const {
+                View<const typename B::Act> dy, View<typename B::Act> dx, const Weights<typename B::Acc>& g,
+                const RouterStats& stats = {}) const {
     be.moe_combine_backward(dy, cv(a.out), cv(a.slot), cv(a.weights), k_, a.dout, a.dweights);
     be.grouped_linear_backward(cv(a.m), cspan(w.down), cv(a.dout), a.dm, false, span(g.down), cv(a.offsets));
     be.swiglu_backward(cv(a.g), cv(a.u), cv(a.dm), a.dg, a.du, cfg_.hidden_act);
     be.grouped_linear_backward(cv(a.xs), cspan(w.gate), cv(a.dg), a.dxs, false, span(g.gate), cv(a.offsets));
     be.grouped_linear_backward(cv(a.xs), cspan(w.up), cv(a.du), a.dxs, true, span(g.up), cv(a.offsets));
     be.moe_route_backward(cv(a.probs), cv(a.experts), cv(a.weights), cv(a.dweights), k_, cfg_.moe.norm_topk_prob,
-                          a.dlogits);
+                          stats.aux_counts, stats.aux_scale, a.dlogits);
     be.linear_backward(x, w.router, cv(a.dlogits), dx, false, g.router, {});
     be.moe_scatter_add(cv(a.dxs), cv(a.slot), k_, dx);
   }
@@ -197,8 +203,8 @@ class MoeMlp {
 
   /// Refuses `cfg`'s mixture-of-experts layer `layer` on a backend without MoeBackend's primitives.
   [[noreturn]] static void refuse_backend(const ModelConfig& cfg, std::int64_t layer) {
-    MT_FAIL("{}'s mixture-of-experts layers (layer {} is one) run on the CPU backend only for now (megatrain-train "
-            "--backend cpu): this backend has no grouped kernels for the experts yet", cfg.architecture_name(), layer);
+    MT_FAIL("{}'s mixture-of-experts layers (layer {} is one) need a backend with the experts' routing and grouped "
+            "products (MoeBackend: the CPU and CUDA backends have them); this one has not", cfg.architecture_name(), layer);
   }
   std::int64_t experts_per_token() const { return k_; }
 
@@ -229,5 +235,32 @@ class MoeMlp {
   std::string prefix_;
   std::int64_t layer_, experts_, k_, inter_;
 };
+
+/// The auxiliary load-balancing loss as transformers' load_balancing_loss_func computes it over
+/// one forward of `tokens` tokens (no attention mask: every token), from the recorded statistics
+/// of its `layers` sparse layers (RouterStats, [layers, E] each): with C_e the assignments to
+/// expert e and P_e its probabilities summed over the layers and tokens, and R = layers x tokens
+/// rows, E x sum_e (C_e / R) (P_e / R).
+inline double moe_aux_loss(std::span<const std::int64_t> counts, std::span<const double> probs, std::int64_t layers,
+                           std::int64_t experts, std::int64_t tokens) {
+  const double rows = static_cast<double>(layers) * static_cast<double>(tokens);
+  double s = 0;
+  for (std::int64_t e = 0; e < experts; ++e) {
+    std::int64_t c = 0;
+    double p = 0;
+    for (std::int64_t l = 0; l < layers; ++l) {
+      c += counts[static_cast<std::size_t>(l * experts + e)];
+      p += probs[static_cast<std::size_t>(l * experts + e)];
+    }
+    s += static_cast<double>(c) / rows * (p / rows);
+  }
+  return static_cast<double>(experts) * s;
+}
+/// RouterStats::aux_scale for `weight` x router_aux_loss_coef x that loss in the step's objective:
+/// its gradient at a token's probability of expert e is weight x coef x E x C_e / R^2.
+inline double moe_aux_scale(double coef, double weight, std::int64_t layers, std::int64_t experts, std::int64_t tokens) {
+  const double rows = static_cast<double>(layers) * static_cast<double>(tokens);
+  return weight * coef * static_cast<double>(experts) / (rows * rows);
+}
 
 }  // namespace megatrain
