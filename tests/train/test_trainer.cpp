@@ -1069,6 +1069,51 @@ TEST_CASE("mixtures of experts (Qwen3-MoE, Mixtral, OLMoE) train as the plain lo
     }
   }
   CHECK(run(ModelConfig::from_json(nlohmann::json::parse(configs[0]), "moe test"), options(4, 11), 1)[0].aux_loss > 0);
+
+  // Micro-batches: the auxiliary loss per micro-batch (transformers' per forward), the step's their
+  // mean. A batch of two identical halves in two micro-batches is then the step of one half alone:
+  // the same losses and weights up to the rounding of sums taken in another order (which Adam
+  // magnifies on tiny gradients).
+  const auto train_on = [&](const TrainerOptions& o, bool doubled, std::vector<float>& w) {
+    DecoderModel<> model(aux);
+    HostParamStore<float> store(model.units(), store_opts(o));
+    CpuBackend<float> be;
+    Trainer<CpuBackend<float>> trainer(model, store, be, o);
+    std::mt19937 rng(9);
+    std::vector<StepStats> out;
+    for (int s = 0; s < 3; ++s) {
+      auto b = random_batch(rng, 2, 11, 53);
+      if (doubled) {
+        const auto ids = b.ids, labels = b.labels;
+        b.ids.insert(b.ids.end(), ids.begin(), ids.end());
+        b.labels.insert(b.labels.end(), labels.begin(), labels.end());
+      }
+      out.push_back(trainer.step(b.ids, b.labels));
+    }
+    trainer.finish_update();
+    for (const auto& u : store.units()) w.insert(w.end(), u.master().begin(), u.master().end());
+    return out;
+  };
+  auto twice = options(4, 11);
+  twice.max_micro_rows = 2;
+  std::vector<float> w_half, w_twice;
+  const auto half_stats = train_on(options(2, 11), false, w_half);
+  const auto twice_stats = train_on(twice, true, w_twice);
+  REQUIRE(twice_stats.size() == half_stats.size());
+  for (std::size_t s = 0; s < half_stats.size(); ++s) {
+    CAPTURE(s);
+    CHECK(twice_stats[s].aux_loss == doctest::Approx(half_stats[s].aux_loss).epsilon(1e-6));
+    CHECK(twice_stats[s].loss == doctest::Approx(half_stats[s].loss).epsilon(1e-6));
+    REQUIRE(twice_stats[s].expert_load.size() == half_stats[s].expert_load.size());
+    for (std::size_t l = 0; l < half_stats[s].expert_load.size(); ++l) {  // (counted over both micro-batches)
+      CHECK(twice_stats[s].expert_load[l].min == 2 * half_stats[s].expert_load[l].min);
+      CHECK(twice_stats[s].expert_load[l].max == 2 * half_stats[s].expert_load[l].max);
+    }
+  }
+  double worst = 0;
+  for (std::size_t i = 0; i < w_half.size(); ++i)
+    worst = std::max(worst, std::abs(static_cast<double>(w_twice[i]) - w_half[i]) / std::max(1e-3, std::abs(static_cast<double>(w_half[i]))));
+  CHECK(worst <= 1e-4);
 }
 
 TEST_CASE("a sequence longer than max_position_embeddings trains with a warning naming both numbers") {
