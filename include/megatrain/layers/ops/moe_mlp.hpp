@@ -19,6 +19,12 @@
 // No norm and no residual of its own: DecoderBlock runs it in place of the dense MLP on the
 // layers ModelConfig::is_moe_layer names. Its activations depend on the routing, so they are
 // never kept: the backward recomputes them from the block's h.
+//
+// The auxiliary load-balancing loss (output_router_logits): a training step's forward adds each
+// layer's assignments per expert and summed probabilities to the trainer's RouterStats
+// (Backend::moe_record); the loss of a forward is moe_aux_loss() of those over all sparse layers,
+// and its gradient, the same at every token of a layer (moe_aux_scale() x the counts), joins the
+// routing weights' in moe_route_backward before the softmax's backward.
 #pragma once
 
 #include <cstdint>
