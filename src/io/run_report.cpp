@@ -51,6 +51,9 @@ struct Metrics {
   std::size_t rows = 0;
   double first_step = 0, last_step = 0;
   Series loss, val_loss, lr, grad_norm, clip_coef, tokens_per_s;
+  // A mixture of experts: the auxiliary loss, and over all sparse layers the fewest and the most
+  // tokens routed to one expert (expert_tokens: [layer, fewest, most] per layer).
+  Series aux_loss, expert_min, expert_max;
   double tokens = 0, step_time = 0, timed_tokens = 0;  // sums over finite values (timed: where both are)
   bool have_tokens = false, have_time = false;
   std::optional<std::size_t> torn_line;  // the last line, left out because it does not parse
@@ -156,6 +159,18 @@ Metrics read_metrics(const fs::path& file) {
     take("grad_norm", m.grad_norm);
     take("clip_coef", m.clip_coef);
     take("tokens_per_s", m.tokens_per_s);
+    take("aux_loss", m.aux_loss);
+    if (const auto it = j.find("expert_tokens"); it != j.end() && it->is_array() && !it->empty()) {
+      double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+      for (const json& l : *it) {
+        MT_CHECK(l.is_array() && l.size() == 3 && l[1].is_number() && l[2].is_number(),
+                 "'{}' line {}: \"expert_tokens\" holds {}, not [layer, fewest, most]", file.string(), line_no, l.dump());
+        lo = std::min(lo, l[1].get<double>());
+        hi = std::max(hi, l[2].get<double>());
+      }
+      m.expert_min.x.push_back(x), m.expert_min.y.push_back(lo);
+      m.expert_max.x.push_back(x), m.expert_max.y.push_back(hi);
+    }
     const std::optional<double> tokens = value("tokens"), time = value("step_time_s");
     if (tokens && std::isfinite(*tokens)) m.tokens += *tokens, m.have_tokens = true;
     if (time && std::isfinite(*time)) m.step_time += *time, m.have_time = true;
@@ -164,7 +179,8 @@ Metrics read_metrics(const fs::path& file) {
   MT_CHECK(!in.bad(), "cannot read '{}'", file.string());
   if (bad) m.torn_line = bad->first;
   if (!sorted) {  // (steps out of order: written by hand or by another tool) order each series by step
-    for (Series* s : {&m.loss, &m.val_loss, &m.lr, &m.grad_norm, &m.clip_coef, &m.tokens_per_s}) {
+    for (Series* s : {&m.loss, &m.val_loss, &m.lr, &m.grad_norm, &m.clip_coef, &m.tokens_per_s, &m.aux_loss, &m.expert_min,
+                      &m.expert_max}) {
       std::vector<std::size_t> order(s->x.size());
       for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
       std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return s->x[a] < s->x[b]; });
@@ -174,7 +190,7 @@ Metrics read_metrics(const fs::path& file) {
       *s = std::move(t);
     }
   }
-  for (Series* s : {&m.loss, &m.val_loss, &m.lr, &m.grad_norm, &m.clip_coef, &m.tokens_per_s})
+  for (Series* s : {&m.loss, &m.val_loss, &m.lr, &m.grad_norm, &m.clip_coef, &m.tokens_per_s, &m.aux_loss})
     std::sort(s->nonfinite.begin(), s->nonfinite.end());
   return m;
 }
@@ -619,13 +635,13 @@ std::string render_run_report(const fs::path& run_dir, const RunReportInfo& info
     }
   }
   std::size_t nonfinite = 0;
-  for (const Series* s : {&m.loss, &m.val_loss, &m.lr, &m.grad_norm, &m.clip_coef, &m.tokens_per_s})
+  for (const Series* s : {&m.loss, &m.val_loss, &m.lr, &m.grad_norm, &m.clip_coef, &m.tokens_per_s, &m.aux_loss})
     nonfinite += s->nonfinite.size();
   if (nonfinite > 0) {
     std::string where;
     const std::pair<const char*, const Series*> named[] = {{"loss", &m.loss}, {"val_loss", &m.val_loss}, {"lr", &m.lr},
                                                            {"grad_norm", &m.grad_norm}, {"clip_coef", &m.clip_coef},
-                                                           {"tokens_per_s", &m.tokens_per_s}};
+                                                           {"tokens_per_s", &m.tokens_per_s}, {"aux_loss", &m.aux_loss}};
     for (const auto& [name, s] : named)
       if (!s->nonfinite.empty()) where += fmt::format("{}{} {}", where.empty() ? "" : ", ", name, s->nonfinite.size());
     row("non-finite values", fmt::format("{} left out of the charts ({})", nonfinite, where));
@@ -648,6 +664,13 @@ std::string render_run_report(const fs::path& run_dir, const RunReportInfo& info
                m.first_step, m.last_step);
   h += chart("tokens_per_s", "Throughput", "tokens/s", {{"tokens/s", "#8c564b", &m.tokens_per_s, false}}, m.first_step,
              m.last_step);
+  if (m.aux_loss.present())  // a mixture of experts
+    h += chart("aux_loss", "Auxiliary load-balancing loss", "aux loss", {{"aux loss", "#17becf", &m.aux_loss, false}},
+               m.first_step, m.last_step);
+  if (m.expert_max.present())
+    h += chart("expert_tokens", "Tokens per expert (any sparse layer)", "tokens",
+               {{"most", "#e377c2", &m.expert_max, false}, {"fewest", "#7f7f7f", &m.expert_min, true}}, m.first_step,
+               m.last_step);
   h += "</div>\n</section>\n";
 
   // Tables.

@@ -171,6 +171,39 @@ TEST_CASE("run report: the charts, the tables and the summary of known metrics, 
   CHECK(has(read(other), "data-chart=\"loss\""));
 }
 
+TEST_CASE("run report: a mixture of experts' auxiliary loss and tokens per expert, charted where present") {
+  TempDir tmp;
+  const fs::path dir = tmp.path();
+  std::string lines;
+  for (int s = 1; s <= 3; ++s) {
+    json m = json::parse(metrics_line(s, 4.0 - s, 0.001, 1.0, 1.0, 1000));
+    m["aux_loss"] = 2.5 - 0.1 * s;
+    m["expert_tokens"] = json::array({json::array({0, 10 + s, 90 - s}), json::array({2, 5 * s, 70})});
+    lines += m.dump() + "\n";
+  }
+  write(dir / "metrics.jsonl", lines);
+  const std::string h = render_run_report(dir);
+  CHECK(has(h, "data-chart=\"aux_loss\""));
+  CHECK(has(h, "data-chart=\"expert_tokens\""));
+  CHECK(series_points(h, "aux loss") == 3);
+  CHECK(series_points(h, "most") == 3);
+  CHECK(series_points(h, "fewest") == 3);
+  // a dense model's run has neither chart
+  five_steps(dir);
+  const std::string dense = render_run_report(dir);
+  CHECK_FALSE(has(dense, "data-chart=\"aux_loss\""));
+  CHECK_FALSE(has(dense, "data-chart=\"expert_tokens\""));
+  // a malformed entry is refused, naming the file and the line
+  write(dir / "metrics.jsonl", json{{"step", 1}, {"loss", 1.0}, {"expert_tokens", json::array({1, 2})}}.dump() + "\n");
+  try {
+    (void)render_run_report(dir);
+    FAIL("a malformed expert_tokens was accepted");
+  } catch (const megatrain::Error& e) {
+    CHECK(has(e.what(), "line 1"));
+    CHECK(has(e.what(), "expert_tokens"));
+  }
+}
+
 TEST_CASE("run report: a torn last line is left out and said; blank lines are skipped") {
   TempDir tmp;
   const fs::path dir = tmp.path();
