@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -24,7 +25,9 @@ using namespace megatrain::test;
 
 namespace {
 
-std::vector<StepStats> run(const ModelConfig& cfg, const TrainerOptions& o, int steps, std::vector<float>* weights = nullptr) {
+/// `batch` (when given) makes each step's batch from the generator instead of random_batch.
+std::vector<StepStats> run(const ModelConfig& cfg, const TrainerOptions& o, int steps, std::vector<float>* weights = nullptr,
+                           const std::function<Batch(std::mt19937&)>& batch = {}) {
   DecoderModel<> model(cfg);
   HostParamStore<float> store(model.units(), store_opts(o));
   CpuBackend<float> be;
@@ -33,7 +36,7 @@ std::vector<StepStats> run(const ModelConfig& cfg, const TrainerOptions& o, int 
   std::mt19937 rng(5);
   std::vector<StepStats> out;
   for (int s = 0; s < steps; ++s) {
-    auto b = random_batch(rng, o.batch_rows, o.seq_len, static_cast<std::int32_t>(cfg.vocab_size));
+    auto b = batch ? batch(rng) : random_batch(rng, o.batch_rows, o.seq_len, static_cast<std::int32_t>(cfg.vocab_size));
     out.push_back(trainer.step(b.ids, b.labels));
   }
   trainer.finish_update();  // (with resident gradients the last update may still be in flight)
@@ -1074,31 +1077,18 @@ TEST_CASE("mixtures of experts (Qwen3-MoE, Mixtral, OLMoE) train as the plain lo
   // mean. A batch of two identical halves in two micro-batches is then the step of one half alone:
   // the same losses and weights up to the rounding of sums taken in another order (which Adam
   // magnifies on tiny gradients).
-  const auto train_on = [&](const TrainerOptions& o, bool doubled, std::vector<float>& w) {
-    DecoderModel<> model(aux);
-    HostParamStore<float> store(model.units(), store_opts(o));
-    CpuBackend<float> be;
-    Trainer<CpuBackend<float>> trainer(model, store, be, o);
-    std::mt19937 rng(9);
-    std::vector<StepStats> out;
-    for (int s = 0; s < 3; ++s) {
-      auto b = random_batch(rng, 2, 11, 53);
-      if (doubled) {
-        const auto ids = b.ids, labels = b.labels;
-        b.ids.insert(b.ids.end(), ids.begin(), ids.end());
-        b.labels.insert(b.labels.end(), labels.begin(), labels.end());
-      }
-      out.push_back(trainer.step(b.ids, b.labels));
-    }
-    trainer.finish_update();
-    for (const auto& u : store.units()) w.insert(w.end(), u.master().begin(), u.master().end());
-    return out;
+  const auto doubled = [](std::mt19937& rng) {  // two rows, then the same two again
+    auto b = random_batch(rng, 2, 11, 53);
+    const auto ids = b.ids, labels = b.labels;
+    b.ids.insert(b.ids.end(), ids.begin(), ids.end());
+    b.labels.insert(b.labels.end(), labels.begin(), labels.end());
+    return b;
   };
   auto twice = options(4, 11);
   twice.max_micro_rows = 2;
   std::vector<float> w_half, w_twice;
-  const auto half_stats = train_on(options(2, 11), false, w_half);
-  const auto twice_stats = train_on(twice, true, w_twice);
+  const auto half_stats = run(aux, options(2, 11), 3, &w_half);
+  const auto twice_stats = run(aux, twice, 3, &w_twice, doubled);
   REQUIRE(twice_stats.size() == half_stats.size());
   for (std::size_t s = 0; s < half_stats.size(); ++s) {
     CAPTURE(s);
