@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the GPU measurements on a machine with an NVIDIA GPU, from binaries
 # built elsewhere and copied to BIN (with libtbb/libfmt in BIN/../lib). Logs go to OUT.
-#   scripts/gpu_check.sh BIN OUT [tests|hf|numerics|train|bench|bench7b|checkpoint|checkpoint7b|kernels|packing|plan|longctx|moe|all]...
+#   scripts/gpu_check.sh BIN OUT [tests|hf|numerics|train|bench|bench7b|checkpoint|checkpoint7b|kernels|packing|plan|probe|longctx|moe|all]...
 set -uo pipefail
 BIN=$(cd "$1" && pwd); OUT=$(mkdir -p "$2" && cd "$2" && pwd); shift 2
 what=${*:-all}
@@ -62,6 +62,20 @@ bench_shape() {  # preset tag steps skip peer_steps
 }
 has bench && bench_shape qwen2.5-1.5b 1p5b 8 3 6
 has bench7b && bench_shape qwen2.5-7b 7b 5 2 5
+# The probe against the step (docs/planner.md): for each of PROBE_PRESETS, megatrain-plan --probe
+# keeps this GPU's rates in a file of its own, then bench_train (exact clipping) plans and predicts
+# with them and prints measured / predicted.
+if [[ " $what " == *" probe "* ]]; then
+  for preset in ${PROBE_PRESETS:-qwen2.5-0.5b qwen2.5-1.5b}; do
+    export MEGATRAIN_MACHINE=$OUT/machine_$preset.json
+    timeout 300 "$BIN/megatrain-plan" --preset "$preset" --batch 32 --seq 1024 --probe > "$OUT/probe_$preset.log" 2>&1
+    summary+=("probe $preset rc=$?: $(tr -d '\n' < "$MEGATRAIN_MACHINE" 2>/dev/null | cut -c1-400)")
+    MEGATRAIN_HOST_MEMORY=120G timeout 400 "$BIN/bench_train" --preset "$preset" --batch 32 --seq 1024 --steps 8 --skip 3 \
+      --clip-mode exact --timeline > "$OUT/bench_probe_$preset.log" 2>&1
+    summary+=("bench_train $preset exact (probed figures) rc=$?: $(tps "$OUT/bench_probe_$preset.log") tok/s; $(grep -oP '^\| plan: [^|]*\| \Kpredicted.*measured / predicted [0-9.]+' "$OUT/bench_probe_$preset.log" || echo '?')")
+    unset MEGATRAIN_MACHINE
+  done
+fi
 # The planner on this GPU (docs/planner.md): megatrain-plan for the shapes measured here, then its
 # prediction against bench_train (which prints both) at long context: the 7B shape at LONG_SEQ
 # (default 262144; no clipping: exact clipping's waiting gradients do not fit beside the

@@ -262,13 +262,14 @@ struct GatedForwardOp {
   __device__ void one(i64 i) const { stf(m + i, f(ldf(g + i), ldf(u + i))); }
 };
 
-template <bool kGelu>
+template <bool kGelu, bool kWithM>
 struct GatedBackwardOp {
   const bf* g;
   const bf* u;
   const bf* dm;
   bf* dg;
   bf* du;
+  bf* m;  // kWithM: the forward's m = act(g) * u as well (GatedForwardOp's expression: the same bits)
   // du = dm * act(g); dg = dm * u * act'(g) (silu: act' = sigmoid(g) (1 + g (1 - sigmoid(g))))
   __device__ static void f(float gv, float uv, float dmv, float& dgv, float& duv) {
     if constexpr (kGelu) {
@@ -289,12 +290,19 @@ struct GatedBackwardOp {
     for (int k = 0; k < 8; ++k) f(a[k], b[k], c[k], rg[k], ru[k]);
     st16(dg + i, pack8(rg));
     st16(du + i, pack8(ru));
+    if constexpr (kWithM) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) a[k] = GatedForwardOp<kGelu>::f(a[k], b[k]);
+      st16(m + i, pack8(a));
+    }
   }
   __device__ void one(i64 i) const {
     float rg, ru;
-    f(ldf(g + i), ldf(u + i), ldf(dm + i), rg, ru);
+    const float gv = ldf(g + i), uv = ldf(u + i);
+    f(gv, uv, ldf(dm + i), rg, ru);
     stf(dg + i, rg);
     stf(du + i, ru);
+    if constexpr (kWithM) stf(m + i, GatedForwardOp<kGelu>::f(gv, uv));
   }
 };
 
@@ -564,13 +572,22 @@ void dispatch_row_group(i64 items, F&& f) {
 // ---- column reductions (bias gradients, RMSNorm's dw) ------------------------------------------
 // out[c] += sum_r f(r, c): a block of threads takes a slice of columns (8 per thread where rows
 // allow 16-byte accesses) and a chunk of rows, and writes its column sums to partial[chunk];
-// a second kernel adds the chunks' partials in chunk order. The chunking depends on M only.
+// a second kernel adds the chunks' partials in chunk order. The chunking depends on M and N only
+// (not on alignment): enough chunks that about kColThreadsWanted threads stream the rows (a
+// narrow matrix, such as a key projection's bias of 256 columns, gets more chunks), at least
+// kColMinRows rows each.
 
 constexpr int kColThreads = 128;
-constexpr i64 kColMaxChunks = 128;
+constexpr i64 kColMinChunks = 128;
+constexpr i64 kColMaxChunks = 1024;
 constexpr i64 kColMinRows = 32;
+constexpr i64 kColThreadsWanted = i64{1} << 17;
 
-i64 column_chunks(i64 M) { return std::clamp<i64>((M + kColMinRows - 1) / kColMinRows, 1, kColMaxChunks); }
+i64 column_chunks(i64 M, i64 N) {
+  const i64 threads_per_chunk = std::max<i64>(1, (N + 7) / 8);
+  const i64 most = std::clamp<i64>(kColThreadsWanted / threads_per_chunk, kColMinChunks, kColMaxChunks);
+  return std::clamp<i64>((M + kColMinRows - 1) / kColMinRows, 1, most);
+}
 
 struct ColumnOfBf16 {
   const bf* x;
@@ -621,18 +638,31 @@ __global__ void __launch_bounds__(kColThreads)
   }
 }
 
-__global__ void __launch_bounds__(256)
+// out[c] += the chunks' partials of column c: a block takes 32 columns; its 8 rows of threads each
+// add every 8th chunk (in chunk order), then thread row 0 adds the 8 sums in order.
+constexpr int kColFinalRows = 8;
+__global__ void __launch_bounds__(32 * kColFinalRows)
     column_finalize_kernel(const float* __restrict__ partial, int chunks, i64 N, float* __restrict__ out) {
-  const i64 stride = static_cast<i64>(gridDim.x) * blockDim.x;
-  for (i64 c = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; c < N; c += stride) {
-    float s = 0.0f;
-    for (int k = 0; k < chunks; ++k) s += partial[k * N + c];
-    out[c] += s;
+  __shared__ float sums[kColFinalRows][32];
+  const i64 c = static_cast<i64>(blockIdx.x) * 32 + threadIdx.x;
+  float s = 0.0f;
+  if (c < N)
+    for (int k = static_cast<int>(threadIdx.y); k < chunks; k += kColFinalRows) s += partial[k * N + c];
+  sums[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < N) {
+    float t = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kColFinalRows; ++j) t += sums[j][threadIdx.x];
+    out[c] += t;
   }
 }
 
+/// Workspace for a reduction of [M, n] for every n <= N (a narrower matrix may take more chunks:
+/// chunks x n is at most kColThreadsWanted x 8, or kColMinChunks x n).
 std::size_t column_reduce_bytes(i64 M, i64 N) {
-  return kWorkspaceAlign + align_up(static_cast<std::size_t>(column_chunks(M) * N) * sizeof(float));
+  const i64 most = std::min((M + kColMinRows - 1) / kColMinRows * N, std::max(kColThreadsWanted * 8, kColMinChunks * N));
+  return kWorkspaceAlign + align_up(static_cast<std::size_t>(std::max<i64>(most, column_chunks(M, N) * N)) * sizeof(float));
 }
 
 /// Both passes of out[c] += sum_r f(r, c) over [M, N]; `vec` when f's rows allow 16-byte loads.
@@ -641,7 +671,7 @@ void column_reduce(const char* name, const F& f, i64 M, i64 N, bool vec, float* 
                    cudaStream_t stream) {
   if (M == 0 || N == 0) return;
   vec = vec && N % 8 == 0;
-  const i64 chunks = column_chunks(M), rows_per_chunk = (M + chunks - 1) / chunks;
+  const i64 chunks = column_chunks(M, N), rows_per_chunk = (M + chunks - 1) / chunks;
   Carver carve(workspace, bytes);
   float* partial = carve.take<float>(static_cast<std::size_t>(chunks * N));
   const i64 per_block = kColThreads * (vec ? 8 : 1);
@@ -650,7 +680,9 @@ void column_reduce(const char* name, const F& f, i64 M, i64 N, bool vec, float* 
   column_partial_kernel<<<dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>(chunks)), kColThreads, 0,
                           stream>>>(f, M, N, rows_per_chunk, partial, vec);
   MT_CUDA_CHECK_LAUNCH(name);
-  column_finalize_kernel<<<grid_for(N, 256), 256, 0, stream>>>(partial, static_cast<int>(chunks), N, out);
+  MT_CHECK((N + 31) / 32 <= INT_MAX, "{}: {} columns are too many", name, N);
+  column_finalize_kernel<<<static_cast<unsigned>((N + 31) / 32), dim3(32, kColFinalRows), 0, stream>>>(
+      partial, static_cast<int>(chunks), N, out);
   MT_CUDA_CHECK_LAUNCH(name);
 }
 
@@ -1351,11 +1383,22 @@ void launch_swiglu_forward(const bf16* g, const bf16* u, bf16* m, std::int64_t n
 }
 
 void launch_swiglu_backward(const bf16* g, const bf16* u, const bf16* dm, bf16* dg, bf16* du, std::int64_t n,
-                            cudaStream_t stream, bool gelu) {
+                            cudaStream_t stream, bool gelu, bf16* m) {
   MT_NVTX_RANGE("launch_swiglu_backward");
-  const bool vec = aligned16(g) && aligned16(u) && aligned16(dm) && aligned16(dg) && aligned16(du);
-  if (gelu) launch_map("geglu_backward_kernel", GatedBackwardOp<true>{dev(g), dev(u), dev(dm), dev(dg), dev(du)}, n, vec, stream);
-  else launch_map("swiglu_backward_kernel", GatedBackwardOp<false>{dev(g), dev(u), dev(dm), dev(dg), dev(du)}, n, vec, stream);
+  const bool vec = aligned16(g) && aligned16(u) && aligned16(dm) && aligned16(dg) && aligned16(du) && aligned16(m);
+  const auto op = [&](auto gelu_t, auto with_m_t) {
+    return GatedBackwardOp<decltype(gelu_t)::value, decltype(with_m_t)::value>{dev(g),  dev(u),  dev(dm),
+                                                                               dev(dg), dev(du), dev(m)};
+  };
+  using yes = std::true_type;
+  using no = std::false_type;
+  if (m == nullptr) {
+    if (gelu) launch_map("geglu_backward_kernel", op(yes{}, no{}), n, vec, stream);
+    else launch_map("swiglu_backward_kernel", op(no{}, no{}), n, vec, stream);
+  } else {
+    if (gelu) launch_map("geglu_backward_kernel (with m)", op(yes{}, yes{}), n, vec, stream);
+    else launch_map("swiglu_backward_kernel (with m)", op(no{}, yes{}), n, vec, stream);
+  }
 }
 
 void launch_embedding_forward(const std::int32_t* ids, const bf16* table, float* out, std::int64_t M, std::int64_t d,

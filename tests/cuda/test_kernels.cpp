@@ -232,9 +232,19 @@ TEST_CASE("swiglu and geglu (tanh GELU) forward and backward against the double 
       ref.swiglu(view<const double>(gd, s), view<const double>(ud, s), view<double>(m, s), act);
       ref.swiglu_backward(view<const double>(gd, s), view<const double>(ud, s), view<const double>(dmd, s),
                           view<double>(dg, s), view<double>(du, s), act);
-      CHECK(rel_err(d_m.download(), m) <= kTolElementwise);
-      CHECK(rel_err(d_dg.download(), dg) <= kTolElementwise);
-      CHECK(rel_err(d_du.download(), du) <= kTolElementwise);
+      const auto m_fwd = d_m.download(), dg_alone = d_dg.download(), du_alone = d_du.download();
+      CHECK(rel_err(m_fwd, m) <= kTolElementwise);
+      CHECK(rel_err(dg_alone, dg) <= kTolElementwise);
+      CHECK(rel_err(du_alone, du) <= kTolElementwise);
+      // the backward that makes m as well: m the forward's bits, dg and du unchanged
+      d_m.poison();
+      d_dg.poison();
+      d_du.poison();
+      mc::launch_swiglu_backward(d_g.get(), d_u.get(), d_dm.get(), d_dg.get(), d_du.get(), n, stream(), gelu, d_m.get());
+      const auto m_bwd = d_m.download(), dg_with = d_dg.download(), du_with = d_du.download();
+      CHECK(same_bits(m_bwd, m_fwd));
+      CHECK(same_bits(dg_with, dg_alone));
+      CHECK(same_bits(du_with, du_alone));
     }
   }
 }

@@ -139,6 +139,16 @@ void check_linear(std::int64_t M, std::int64_t K, std::int64_t N, bool bias, boo
                      bias ? view(db2, {N}) : View<double>{});
   CHECK(dw2 == dw);
   CHECK(db2 == db);
+
+  // Without dw (and db): the input gradient alone, the same; x is not read
+  Vec dx3 = dx0;
+  const Vec x_nan = nans(M * K);
+  be.linear_backward(cview(x_nan, {M, K}), cview(w, {N, K}), cview(r, {M, N}), view(dx3, {M, K}), accumulate_dx,
+                     View<double>{}, View<double>{});
+  CHECK(dx3 == dx);
+  if (bias)  // (a bias gradient without the weight's is refused)
+    CHECK_THROWS(be.linear_backward(cview(x, {M, K}), cview(w, {N, K}), cview(r, {M, N}), view(dx3, {M, K}), true,
+                                    View<double>{}, view(db2, {N})));
 }
 
 void check_rmsnorm(std::int64_t M, std::int64_t d, double eps, double x_amp, bool accumulate_dx, std::uint64_t seed) {
@@ -371,6 +381,18 @@ TEST_CASE("gradcheck: swiglu") {
   check_close("swiglu forward", m, want, kFwdRtol, kFwdAtol);
   Vec dg = nans(M * F), du = nans(M * F);
   be.swiglu_backward(cview(g, {M, F}), cview(u, {M, F}), cview(r, {M, F}), view(dg, {M, F}), view(du, {M, F}));
+  // the backward that makes m as well: the forward's m bit for bit, the same dg and du
+  for (const auto act : {Activation::silu, Activation::gelu_tanh}) {
+    CAPTURE(act == Activation::gelu_tanh);
+    Vec m_fwd(g.size()), m_bwd = nans(M * F), dg1 = nans(M * F), du1 = nans(M * F), dg2 = nans(M * F), du2 = nans(M * F);
+    be.swiglu(cview(g, {M, F}), cview(u, {M, F}), view(m_fwd, {M, F}), act);
+    be.swiglu_backward(cview(g, {M, F}), cview(u, {M, F}), cview(r, {M, F}), view(dg1, {M, F}), view(du1, {M, F}), act);
+    be.swiglu_backward(cview(g, {M, F}), cview(u, {M, F}), cview(r, {M, F}), view(dg2, {M, F}), view(du2, {M, F}), act,
+                       view(m_bwd, {M, F}));
+    CHECK(m_bwd == m_fwd);
+    CHECK(dg2 == dg1);
+    CHECK(du2 == du1);
+  }
   report("swiglu", gradcheck(objective, {{"g", g, dg}, {"u", u, du}}, rng));
 }
 

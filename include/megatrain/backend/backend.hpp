@@ -147,7 +147,7 @@ concept Backend = requires(B& be, View<const typename B::Act> a, View<typename B
   be.convert(r, ma);                                               // residual values as activations
   be.linear(a, w, w, ma);                                          // y = x W^T + b
   be.linear_add(a, w, w, r, mr);                                   // residual y = r + x W^T + b (y may be r)
-  be.linear_backward(a, w, a, ma, flag, acc, acc);                 // dx, dW +=, db +=
+  be.linear_backward(a, w, a, ma, flag, acc, acc);                 // dx, dW +=, db += (each may be null: not made)
   be.residual_add(r, a, mr);                                       // residual y = r + x
   be.rmsnorm(r, gain, x, ma, acc, x);                              // y, rstd (of the residual stream); gain + offset
   be.rmsnorm_backward(r, gain, cacc, a, r, mr, ma, acc, x);        // dx = residual + ..., its activation copy, dw +=
@@ -158,7 +158,7 @@ concept Backend = requires(B& be, View<const typename B::Act> a, View<typename B
   be.attention(a, a, a, ma, acc, as);                              // out, lse
   be.attention_backward(a, a, a, a, cacc, a, ma, ma, ma, as);      // dq, dk, dv
   be.swiglu(a, a, ma, Activation::silu);                           // act(g) * u (SwiGLU, GeGLU)
-  be.swiglu_backward(a, a, a, ma, ma, Activation::silu);           // dg, du
+  be.swiglu_backward(a, a, a, ma, ma, Activation::silu, ma);       // dg, du, and act(g) * u again (unless null)
   be.embedding(ids, w, mr, x);                                     // gather rows (times a scale) into the residual stream
   be.embedding_backward(ids, r, acc, std::int32_t{}, x);           // scatter-add rows (times the scale), one id skipped
   be.take_rows(ids, acc, acc);                                     // gather rows, zero them at the source

@@ -136,6 +136,18 @@ inline MachineFigures machine_figures() {
   return read_machine_figures(f, fmt::format("the figures megatrain-plan --probe kept in '{}' (remove it, or probe again)", f.string()));
 }
 
+/// Bytes the loss over the logits moves per logit: the fp32 logits read twice (the softmax's
+/// maximum and sum, then the gradient) and the bf16 gradient written.
+inline constexpr double kLossBytesPerLogit = 10;
+
+/// Bytes of element-wise passes per token of one decoder block (forward, backward and what the
+/// backward makes again): about 120 per hidden unit (the fp32 residual stream through two norms,
+/// forward, again and backward) and 18 per intermediate unit (SwiGLU forward, then its backward,
+/// which makes the product again in the same pass).
+inline double block_elementwise_bytes(const ModelConfig& cfg) {
+  return 120.0 * static_cast<double>(cfg.hidden_size) + 18.0 * static_cast<double>(cfg.intermediate_size);
+}
+
 /// One term of the step time.
 struct TimeTerm {
   std::string what;    ///< "GPU", "PCIe H2D", ...
@@ -174,7 +186,7 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   const TrainerBuffers& b = plan.buffers;
   const double T = static_cast<double>(b.batch_tokens), S = static_cast<double>(opt.seq_len);
   const double L = static_cast<double>(cfg.num_hidden_layers), d = static_cast<double>(cfg.hidden_size);
-  const double V = static_cast<double>(cfg.vocab_size), I = static_cast<double>(cfg.intermediate_size);
+  const double V = static_cast<double>(cfg.vocab_size);
   const double qd = static_cast<double>(cfg.q_dim());
   const double embed = V * d;
   const double head = embed + d;  // the LM head's product (tied or not) and the final norm
@@ -202,10 +214,8 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   const double gemm_s = gemm / (m.gemm_tflops * 1e12);
   const double att_s =
       (2 + refill - kept) * att_fwd / (m.attention_fwd_tflops * 1e12) + 2.5 * att_fwd / (m.attention_bwd_tflops * 1e12);
-  // element-wise passes: per token and layer about 120 bytes per hidden unit (the fp32 residual
-  // stream through two norms, forward, recompute and backward) and 22 per intermediate unit
-  // (SwiGLU forward twice and backward); the loss: 8 bytes per logit
-  const double elem_bytes = T * L * (120 * d + 22 * I) + 8 * T * V;
+  // element-wise passes: block_elementwise_bytes per token and layer; the loss over the logits
+  const double elem_bytes = T * L * block_elementwise_bytes(cfg) + kLossBytesPerLogit * T * V;
   const double elem_s = elem_bytes / (m.hbm_gbs * 1e9);
   const double adam_dev_s = 30 * n_dev / (m.hbm_gbs * 1e9);
   const double ckpt_moved = static_cast<double>(b.checkpoints_in_host()) * static_cast<double>(b.checkpoint_bytes());

@@ -5,8 +5,9 @@
 //   gemm_tflops           the matrix products' rate inside a step: a whole decoder block forward
 //                         and backward (activations kept, as the trainer runs it) over a chunk
 //                         of tokens, less what the cost model gives its attention and
-//                         element-wise passes, with the LM head's products (alone) weighted as
-//                         a step runs them; the products alone where the block cannot say
+//                         element-wise passes, with the LM head's products (the head as the
+//                         trainer runs it, less the cost model's loss pass) weighted as a step
+//                         runs them; the products alone where the block cannot say
 //   attention_*_tflops    the backend's causal attention forward and backward at the model's
 //                         heads and sequence length, FLOPs counted as the cost model counts them
 //                         (2 T S q_dim forward, 2.5 times that backward)
@@ -15,13 +16,16 @@
 //   adamw_gparams         the host optimizer's AdamW (all cores, the widest vector path) over
 //                         ProbeOptions::adamw_params; adamw_dma_gparams the same while copies run
 //                         both ways
-// Each figure is the best of ProbeOptions::repeats timed runs after one warm-up.
+// Each figure is the best of ProbeOptions::repeats timed runs after one warm-up, but the block's
+// and the head's: those run back to back for a while (sustained_seconds), as a step runs them
+// (the GPU's clocks drop under a long load).
 #pragma once
 
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -61,6 +65,20 @@ inline double best_seconds(int repeats, const std::function<void()>& f, const st
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   return best;
+}
+
+/// Seconds per run of f, run back to back for at least `min_s` after one warm-up (the GPU's
+/// clocks as a whole step holds them, not a short burst's); `sync` ends the runs.
+inline double sustained_seconds(double min_s, const std::function<void()>& f, const std::function<void()>& sync) {
+  auto t0 = std::chrono::steady_clock::now();
+  f();
+  sync();
+  const double once = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const int n = std::clamp(static_cast<int>(std::ceil(min_s / std::max(once, 1e-6))), 3, 1000);
+  t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < n; ++i) f();
+  sync();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / n;
 }
 
 /// The host AdamW over n parameters (fp32 master, m, v, gradient; bf16 copy out), all cores.
@@ -207,6 +225,32 @@ MachineFigures probe_machine(B& be, const ModelConfig& cfg, std::int64_t seq, st
         o.repeats, [&] { be.add(View<const A>(std::span<const A>(a.span()), Shape{N}), View<A>(b.span(), Shape{N})); }, sync);
     m.hbm_gbs = 3.0 * static_cast<double>(n * sizeof(A)) / s / 1e9;
   }
+  // The head as a step runs it (Backend::lm_head_loss: the logits in blocks, fp32, the loss and
+  // both products back), sustained: its products' time is what remains after the cost model's
+  // loss pass over the logits (kLossBytesPerLogit at hbm_gbs)
+  {
+    auto h = be.template alloc<A>(static_cast<std::size_t>(T * d)), dh = be.template alloc<A>(static_cast<std::size_t>(T * d));
+    auto wh = be.template alloc<W>(static_cast<std::size_t>(V * d));
+    auto dwh = be.template alloc<typename B::Acc>(static_cast<std::size_t>(V * d));
+    auto labels = be.template alloc<std::int32_t>(static_cast<std::size_t>(T));
+    auto loss = be.template alloc<typename B::Acc>(static_cast<std::size_t>(T));
+    randomize(h);
+    randomize(wh);
+    be.zero(compute, labels.span());
+    be.zero(compute, dwh.span());
+    const double head_s = detail::sustained_seconds(
+        0.3,
+        [&] {
+          be.lm_head_loss(View<const A>(std::span<const A>(h.span()), Shape{T, d}),
+                          View<const W>(std::span<const W>(wh.span()), Shape{V, d}),
+                          View<const std::int32_t>(std::span<const std::int32_t>(labels.span()), Shape{T}),
+                          1.0 / static_cast<double>(T), View<typename B::Acc>(loss.span(), Shape{T}),
+                          View<A>(dh.span(), Shape{T, d}), View<typename B::Acc>(dwh.span(), Shape{V, d}));
+        },
+        sync);
+    const double loss_s = kLossBytesPerLogit * static_cast<double>(T) * static_cast<double>(V) / (m.hbm_gbs * 1e9);
+    if (head_s - loss_s > 0.5 * head_s) head_gemm_s = head_s - loss_s;
+  }
   // A whole decoder block forward and backward, as the trainer runs it (activations kept): the
   // matrix products alone run faster than inside a step, so their rate is the one that makes the
   // cost model's block time (matrix products + attention + element-wise passes) the measured one
@@ -238,8 +282,8 @@ MachineFigures probe_machine(B& be, const ModelConfig& cfg, std::int64_t seq, st
     }();
     const auto g = blk.bind(acc.span());
     const View<const R> xv(std::span<const R>(x.span()), Shape{T, d}), dyv(std::span<const R>(dy.span()), Shape{T, d});
-    const double block_s = detail::best_seconds(
-        o.repeats,
+    const double block_s = detail::sustained_seconds(
+        0.5,
         [&] {
           Arena kept_fwd(kept_mem.span()), kept_bwd(kept_mem.span());
           blk.op().forward_keep(be, c, w, xv, View<R>(y.span(), Shape{T, d}), kept_fwd, scratch);
@@ -249,7 +293,7 @@ MachineFigures probe_machine(B& be, const ModelConfig& cfg, std::int64_t seq, st
     // the cost model's other terms of one block (predict_step's element-wise bytes per token)
     const double att_fwd = 2.0 * static_cast<double>(T) * static_cast<double>(S) * static_cast<double>(qd);
     const double other_s = att_fwd / (m.attention_fwd_tflops * 1e12) + 2.5 * att_fwd / (m.attention_bwd_tflops * 1e12) +
-                           static_cast<double>(T) * (120.0 * static_cast<double>(d) + 22.0 * static_cast<double>(I)) / (m.hbm_gbs * 1e9);
+                           static_cast<double>(T) * block_elementwise_bytes(cfg) / (m.hbm_gbs * 1e9);
     const double gemm_s = block_s - other_s;
     if (gemm_s > 0.25 * block_s) {  // (else the products are too small a part to say their rate)
       const double L = static_cast<double>(cfg.num_hidden_layers);

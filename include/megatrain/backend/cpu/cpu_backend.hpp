@@ -190,8 +190,9 @@ class CpuBackend {
       Y.middleRows(b, e - b) = R.middleRows(b, e - b) + P;
     });
   }
-  /// dx = dy w (or dx += ... if accumulate_dx; skipped if dx is null); dw += dy^T x;
-  /// db += column sums of dy (unless db is null). Null views (View{}) stand for absent tensors.
+  /// dx = dy w (or dx += ... if accumulate_dx; skipped if dx is null); dw += dy^T x (skipped if
+  /// dw is null: then db must be too, and x is read for its shape only); db += column sums of dy
+  /// (unless db is null). Null views (View{}) stand for absent tensors.
   void linear_backward(View<const Act> x, View<const Weight> w, View<const Act> dy, View<Act> dx, bool accumulate_dx,
                        View<Acc> dw, View<Acc> db) {
     const LinearDims dims = linear_dims(x, w, dy, View<const Weight>{});
@@ -206,6 +207,10 @@ class CpuBackend {
         if (accumulate_dx) DX.middleRows(b, e - b).noalias() += DY.middleRows(b, e - b) * W;
         else DX.middleRows(b, e - b).noalias() = DY.middleRows(b, e - b) * W;
       });
+    }
+    if (dw.is_null()) {  // (the input gradient alone)
+      MT_CHECK(db.is_null(), "linear_backward: a bias gradient without the weight's");
+      return;
     }
     check_same(dw.shape(), w.shape(), "linear_backward dw");
     auto DW = mat(dw, N, K);
@@ -413,23 +418,30 @@ class CpuBackend {
         for (std::int64_t i = b; i < e; ++i) ms[i] = gs[i] * sigmoid(gs[i]) * us[i];
     });
   }
+  /// dg and du from dm; with `m` (else null), also the forward's m = act(g) * u, the same bits as
+  /// swiglu() (the backward of a kept or recomputed MLP makes it here instead of in a pass of its own).
   void swiglu_backward(View<const Act> g, View<const Act> u, View<const Act> dm, View<Act> dg, View<Act> du,
-                       Activation act = Activation::silu) {
+                       Activation act = Activation::silu, View<Act> m = {}) {
     check_same(g.shape(), dm.shape(), "swiglu_backward");
+    if (!m.is_null()) check_same(g.shape(), m.shape(), "swiglu_backward m");
     auto gs = g.span();
     auto us = u.span();
     auto dms = dm.span();
     auto dgs = dg.span();
     auto dus = du.span();
+    T* ms = m.is_null() ? nullptr : m.data();
     const bool gelu = act == Activation::gelu_tanh;
     parallel_rows(static_cast<std::int64_t>(gs.size()), 1 << 14, [&](std::int64_t b, std::int64_t e) {
       for (std::int64_t i = b; i < e; ++i) {
         if (gelu) {  // du = dm act(g), dg = dm u act'(g)
-          dus[i] = dms[i] * gelu_tanh(gs[i]);
+          const T a = gelu_tanh(gs[i]);
+          if (ms) ms[i] = a * us[i];
+          dus[i] = dms[i] * a;
           dgs[i] = dms[i] * us[i] * gelu_tanh_grad(gs[i]);
           continue;
         }
         const T sg = sigmoid(gs[i]);
+        if (ms) ms[i] = gs[i] * sg * us[i];
         dus[i] = dms[i] * gs[i] * sg;
         dgs[i] = dms[i] * us[i] * sg * (T(1) + gs[i] * (T(1) - sg));
       }

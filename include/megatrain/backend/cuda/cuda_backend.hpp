@@ -308,6 +308,10 @@ class CudaBackend {
       same(dx.shape(), x.shape(), "linear_backward dx");
       gemm_->input_grad(dy.data(), w.data(), dx.data(), accumulate_dx, M, N, K, stream_);
     }
+    if (dw.is_null()) {  // (the input gradient alone)
+      MT_CHECK(db.is_null(), "linear_backward: a bias gradient without the weight's");
+      return;
+    }
     same(dw.shape(), w.shape(), "linear_backward dw");
     gemm_->weight_grad(dy.data(), x.data(), dw.data(), M, N, K, stream_);
     if (!db.is_null()) {
@@ -416,12 +420,14 @@ class CudaBackend {
     same(g.shape(), m.shape(), "swiglu");
     cuda::launch_swiglu_forward(g.data(), u.data(), m.data(), g.numel(), stream_, act == Activation::gelu_tanh);
   }
+  /// dg, du; with `m` (else null) also the forward's m, the same bits as swiglu() (CpuBackend).
   void swiglu_backward(View<const Act> g, View<const Act> u, View<const Act> dm, View<Act> dg, View<Act> du,
-                       Activation act = Activation::silu) {
+                       Activation act = Activation::silu, View<Act> m = {}) {
     MT_NVTX_RANGE("cuda:swiglu_backward");
     same(g.shape(), dm.shape(), "swiglu_backward");
+    if (!m.is_null()) same(g.shape(), m.shape(), "swiglu_backward m");
     cuda::launch_swiglu_backward(g.data(), u.data(), dm.data(), dg.data(), du.data(), g.numel(), stream_,
-                                 act == Activation::gelu_tanh);
+                                 act == Activation::gelu_tanh, m.is_null() ? nullptr : m.data());
   }
 
   /// y[t] = table[ids[t]] * scale (Gemma's sqrt(hidden); 1 elsewhere).

@@ -42,10 +42,10 @@ void launch_add_bias(const bf16* bias, float* y, std::int64_t M, std::int64_t N,
 void launch_cast(const float* in, bf16* out, std::int64_t n, cudaStream_t stream);  ///< round to nearest even
 void launch_cast(const bf16* in, float* out, std::int64_t n, cudaStream_t stream);
 /// m = act(g) * u with act silu (SwiGLU) or, `gelu`, GELU's tanh approximation (GeGLU); and its
-/// backward (dg, du from dm).
+/// backward (dg, du from dm; with `m` not null, m as the forward writes it, in the same pass).
 void launch_swiglu_forward(const bf16* g, const bf16* u, bf16* m, std::int64_t n, cudaStream_t stream, bool gelu = false);
 void launch_swiglu_backward(const bf16* g, const bf16* u, const bf16* dm, bf16* dg, bf16* du, std::int64_t n,
-                            cudaStream_t stream, bool gelu = false);
+                            cudaStream_t stream, bool gelu = false, bf16* m = nullptr);
 
 // ---- embedding ------------------------------------------------------------------------------
 /// out[t] = table[ids[t]] * scale (into the fp32 residual stream), out: [M, d]. Ids outside

@@ -24,7 +24,7 @@
 // Kept activations (KeepingLayerOp, where the trainer has room): the forward keeps h, the
 // attention's q, k, v, output and log-sum-exp, and the MLP's gate and up projections of the
 // whole chunk; the backward then runs no matrix product of the forward again, only the norms
-// and SwiGLU's product (element-wise, the same bits).
+// (SwiGLU's product m is made by its backward's pass, the same bits as the forward's).
 //
 // Mixture of experts (Qwen3-MoE, Mixtral, OLMoE; ModelConfig::is_moe_layer): the MLP part is
 // MoeMlp (router and experts) instead of SwiGluMlp, run a token block at a time like it; its
@@ -180,7 +180,7 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
         return;
       }
       const auto m = mlp_acts(a, t0, n);
-      mlp_.run_kept(be, ChunkShape{1, n}, w.mlp, cview(n2), m);
+      mlp_.run_gated(be, ChunkShape{1, n}, w.mlp, cview(n2), m);
       if (!sandwich_) {
         be.linear_add(cview(m.m), w.mlp.down, w.mlp.down_bias, h, token_rows(y, t0, n));  // y = h + down(m)
         return;
@@ -271,7 +271,9 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
                     View<const typename B::Act> n2, View<const typename B::Act> dya, View<typename B::Act> dn,
                     const Weights<typename B::Acc>& g) const {
     const auto m = mlp_acts(a, t0, n);
-    if (!a.kept) mlp_.run_kept(be, ChunkShape{1, n}, w.mlp, n2, m);  // (kept: backprop makes m from g and u)
+    // (the backprop makes m from g and u; recomputed, the output norm needs m and f first)
+    if (!a.kept && sandwich_) mlp_.run_gated(be, ChunkShape{1, n}, w.mlp, n2, m);
+    else if (!a.kept) mlp_.run_kept(be, ChunkShape{1, n}, w.mlp, n2, m);
     View<const typename B::Act> dm = dya;  // the gradient of the MLP's output
     if (sandwich_) {  // through the MLP's output norm first (its input recomputed unless kept)
       const auto [f, rstd_f] = mlp_out(a, t0, n);

@@ -59,7 +59,7 @@ class SwiGluMlp : public CarvedOp<SwiGluMlp> {
   struct Acts {
     View<typename B::Act> g, u, m;
     View<typename B::Act> dm, dg, du;  // with_backward only
-    bool kept = false;  // g and u were kept from the forward: backprop() recomputes m from them
+    bool kept = false;  // g and u were kept from the forward (backprop() makes m from them)
   };
   /// `kept`: where g and u are kept from forward to backward (CarvedOp), for `kept_tokens`
   /// tokens (0: the chunk's; a block keeps a whole chunk's and runs token blocks of c); none:
@@ -87,11 +87,20 @@ class SwiGluMlp : public CarvedOp<SwiGluMlp> {
   template <class B>
   void run(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
            const Acts<B>& a, View<typename B::Act> y) const {
-    run_kept(be, c, w, x, a);
+    run_gated(be, c, w, x, a);
     be.linear(cview(a.m), w.down, w.down_bias, y);
   }
 
-  /// run() up to the gated product a.m (what backprop() needs), without the down projection.
+  /// run() up to the gated product a.m, without the down projection.
+  template <class B>
+  void run_gated(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
+                 const Acts<B>& a) const {
+    run_kept(be, c, w, x, a);
+    be.swiglu(cview(a.g), cview(a.u), a.m, cfg_.hidden_act);
+  }
+
+  /// What backprop() needs of the forward: the gate and up projections a.g and a.u of x
+  /// (backprop() makes m from them).
   template <class B>
   void run_kept(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
                 const Acts<B>& a) const {
@@ -99,18 +108,19 @@ class SwiGluMlp : public CarvedOp<SwiGluMlp> {
              x.shape().str(), c.tokens(), cfg_.hidden_size);
     be.linear(x, w.gate, w.gate_bias, a.g);
     be.linear(x, w.up, w.up_bias, a.u);
-    be.swiglu(cview(a.g), cview(a.u), a.m, cfg_.hidden_act);
   }
 
-  /// After run() (or run_kept()) on the same x: dx = dL/dx (overwritten) from dy, weight
-  /// gradients added to g.
+  /// After run(), run_gated() or run_kept() on the same x: dx = dL/dx (overwritten) from dy, weight
+  /// gradients added to g. The down projection's input gradient first, then one pass makes the
+  /// gate's and up's gradients and m (the forward's bits, for the down projection's weight
+  /// gradient: m is not read, so a kept or recomputed MLP needs no pass of its own for it).
   template <class B>
   void backprop(B& be, ChunkShape, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
                 const Acts<B>& a, View<const typename B::Act> dy, View<typename B::Act> dx,
                 const Weights<typename B::Acc>& g) const {
-    if (a.kept) be.swiglu(cview(a.g), cview(a.u), a.m, cfg_.hidden_act);  // (the forward's m, the same bits)
-    be.linear_backward(cview(a.m), w.down, dy, a.dm, false, g.down, g.down_bias);
-    be.swiglu_backward(cview(a.g), cview(a.u), cview(a.dm), a.dg, a.du, cfg_.hidden_act);
+    be.linear_backward(cview(a.m), w.down, dy, a.dm, false, View<typename B::Acc>{}, View<typename B::Acc>{});
+    be.swiglu_backward(cview(a.g), cview(a.u), cview(a.dm), a.dg, a.du, cfg_.hidden_act, a.m);
+    be.linear_backward(cview(a.m), w.down, dy, View<typename B::Act>{}, false, g.down, g.down_bias);
     be.linear_backward(x, w.gate, cview(a.dg), dx, false, g.gate, g.gate_bias);
     be.linear_backward(x, w.up, cview(a.du), dx, true, g.up, g.up_bias);
   }
