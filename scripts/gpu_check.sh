@@ -122,22 +122,24 @@ if [[ " $what " == *" checkpoint7b "* ]]; then
   summary+=("checkpoint qwen2.5-7b, 8 of 28 layers rc=$?" "$(grep -E '^(qwen|host store)|^\| (tokens/s|checkpoint|steps while|load)' "$OUT/checkpoint_7b_8layers.log")")
   rm -rf "$CK/7b"
 fi
-# Mixtures of experts (docs/models.md): the Qwen3-30B-A3B shape cut to MOE_LAYERS layers (default
-# 6) at 64k tokens per step with exact clipping, and the PyTorch peer (the model on the GPU,
-# transformers' grouped_mm experts, fused AdamW, the fewest passes that fit) in the same call.
+# Mixtures of experts (docs/models.md): the Qwen3-30B-A3B shape cut to each of MOE_LAYERS layers
+# (default 6; e.g. "6 12") at 64k tokens per step with exact clipping, and for the first of them
+# the PyTorch peer (the model on the GPU, transformers' grouped_mm experts, fused AdamW, the fewest
+# passes that fit) in the same call.
 if [[ " $what " == *" moe "* ]]; then
-  ml=${MOE_LAYERS:-6}
+  for ml in ${MOE_LAYERS:-6}; do
   MEGATRAIN_HOST_MEMORY=120G timeout 500 "$BIN/bench_train" --preset qwen3-30b-a3b --layers "$ml" --batch 64 --seq 1024 \
     --steps 6 --skip 2 --clip-mode exact > "$OUT/bench_moe_${ml}layers.log" 2>&1
   summary+=("bench_train qwen3-30b-a3b, $ml layers, 64k tokens, exact rc=$?: $(grep -E '^\| tokens/s' "$OUT/bench_moe_${ml}layers.log")")
   summary+=("  $(grep -oP '^\| plan: [^|]*\| \Kpredicted.*measured / predicted [0-9.]+' "$OUT/bench_moe_${ml}layers.log" || echo 'plan ?')")
-  if [[ -z ${NO_PEER:-} ]]; then
+  if [[ -z ${NO_PEER:-} && $ml == "${MOE_LAYERS%% *}" ]]; then
     timeout 500 python3 bench/peer_pytorch.py --preset qwen3-30b-a3b --layers "$ml" --batch 64 --seq 1024 --steps 5 --skip 2 \
       --clip 1.0 > "$OUT/peer_moe_${ml}layers.log" 2>&1
     mt=$(tps "$OUT/bench_moe_${ml}layers.log"); pe=$(peer_tps "$OUT/peer_moe_${ml}layers.log")
     summary+=("qwen3-30b-a3b $ml layers 64k exact: megatrain ${mt:-?} tok/s, PyTorch peer ${pe:-?} tok/s, ratio $(ratio "$mt" "$pe")")
     summary+=("peer: $(grep -E '^peer: PyTorch' "$OUT/peer_moe_${ml}layers.log" | head -1)")
   fi
+  done
 fi
 # Packing (docs/data.md): examples/s with one example per sequence and with --pack true, the
 # 1.5B shape on synthetic instruction data of mixed lengths.

@@ -62,6 +62,7 @@ int report(const DecoderModel<>& model, const TrainerOptions& topt, const plan::
                      {"step_s", p.time.step_s},
                      {"tokens_per_s", p.time.tokens_per_s()},
                      {"bottleneck", p.time.bottleneck},
+                     {"gpu_bound_from_tokens", p.time.busy_tokens},
                      {"model_flops", p.time.model_flops},
                      {"executed_flops", p.time.executed_flops},
                      {"longest_seq", lim.seq ? nlohmann::json(*lim.seq) : nlohmann::json()},

@@ -536,3 +536,89 @@ TEST_CASE("the plan keeps checkpoints every k blocks only where every unit's do 
   CHECK(t2.executed_flops > t1.executed_flops);
   CHECK(t2.model_flops == t1.model_flops);
 }
+
+TEST_CASE("the cost model prices a mixture of experts' active experts at their own rate, recomputed") {
+  auto j = nlohmann::json::parse(R"({"architectures":["Qwen3MoeForCausalLM"],"hidden_size":64,"intermediate_size":96,
+    "moe_intermediate_size":24,"num_experts":16,"num_experts_per_tok":4,"num_attention_heads":4,"num_key_value_heads":2,
+    "head_dim":16,"num_hidden_layers":3,"mlp_only_layers":[1],"vocab_size":211,"rope_theta":10000.0})");
+  const ModelConfig cfg = ModelConfig::from_json(j);
+  REQUIRE(cfg.moe_layer_count() == 2);
+  DecoderModel<> model(cfg);
+  const plan::HostBudget lots{std::size_t{1} << 34, "test"};
+  plan::DeviceBudget gpu;
+  gpu.cap = std::size_t{1} << 36;
+  for (const std::int64_t kept : {std::int64_t{0}, std::int64_t{3}}) {
+    CAPTURE(kept);
+    TrainerOptions o = opts(2, 32);
+    o.kept_blocks = kept;
+    const auto p = plan::plan_memory<plan::CudaTypes>(model, o, gpu, lots);
+    REQUIRE(p.fits);
+    REQUIRE(p.buffers.kept_blocks == static_cast<std::size_t>(kept));
+    // the experts a token runs (k of E on each sparse layer) 8 x: recomputed even in a kept block
+    const double T = 64, d = 64, V = 211, L = 3, S = 32;
+    const double experts = 2 * 4 * 3 * d * 24;
+    const double active = static_cast<double>(cfg.active_param_count()) - 2 * V * d - d;  // (untied)
+    const double k = static_cast<double>(kept) / L;
+    const double att_fwd = 2 * T * S * static_cast<double>(cfg.q_dim()) * L;
+    const double want = (8 - 2 * k) * (active - experts) * T + 8 * experts * T + 6 * V * d * T + (4.5 - k) * att_fwd;
+    plan::MachineFigures m;
+    const auto t = plan::predict_step(cfg, o, p, m);
+    CHECK(t.executed_flops == doctest::Approx(want).epsilon(1e-12));
+    // the model FLOPs count active parameters (a token's k experts), no recompute
+    CHECK(t.model_flops == doctest::Approx(6 * (active + V * d + d) * T + 6 * T * S * static_cast<double>(cfg.q_dim()) * L));
+    // the experts' rate moves the GPU term by their FLOPs alone
+    plan::MachineFigures fast = m;
+    fast.moe_gemm_tflops = 2 * m.moe_gemm_tflops;
+    const auto tf = plan::predict_step(cfg, o, p, fast);
+    const double expert_s = 8 * experts * T / (m.moe_gemm_tflops * 1e12);
+    CHECK(t.terms[0].seconds - tf.terms[0].seconds == doctest::Approx(expert_s / 2).epsilon(1e-9));
+  }
+  // a dense model does not read the experts' rate
+  const ModelConfig dense = small(false, 3);
+  DecoderModel<> dm(dense);
+  const auto pd = plan::plan_memory<plan::CudaTypes>(dm, opts(2, 32), gpu, lots);
+  plan::MachineFigures slow;
+  slow.moe_gemm_tflops = 1e-9;
+  CHECK(plan::predict_step(dense, opts(2, 32), pd, slow).step_s == plan::predict_step(dense, opts(2, 32), pd, {}).step_s);
+}
+
+TEST_CASE("the plan says from how many tokens per step the GPU is the bound") {
+  auto j = nlohmann::json::parse(R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":256,"intermediate_size":704,
+    "num_attention_heads":4,"num_key_value_heads":2,"num_hidden_layers":4,"vocab_size":1000,"rope_theta":10000.0})");
+  const ModelConfig cfg = ModelConfig::from_json(j);
+  DecoderModel<> model(cfg);
+  const plan::HostBudget lots{std::size_t{1} << 34, "test"};
+  plan::DeviceBudget gpu;
+  gpu.cap = std::size_t{1} << 40;
+  plan::MachineFigures slow_cpu;  // (the CPU's AdamW of the host units is what a small step waits on)
+  slow_cpu.adamw_dma_gparams = slow_cpu.adamw_gparams = 0.05;
+  slow_cpu.gemm_tflops = slow_cpu.moe_gemm_tflops = 0.5;
+  slow_cpu.attention_fwd_tflops = slow_cpu.attention_bwd_tflops = 0.5;
+  for (const double clip : {0.0, 1.0}) {
+    CAPTURE(clip);
+    const auto at = [&](std::int64_t rows) {
+      TrainerOptions o = opts(rows, 64);
+      o.clip_norm = clip;
+      o.device_units = 0;
+      o.kept_blocks = 0;
+      const auto p = plan::plan_memory<plan::CudaTypes>(model, o, gpu, lots, std::nullopt, slow_cpu);
+      REQUIRE(p.fits);
+      return plan::predict_step(cfg, o, p, slow_cpu);
+    };
+    const auto small_step = at(2);
+    REQUIRE(small_step.busy_tokens > small_step.tokens);  // (this step waits on the CPU)
+    CHECK(small_step.bottleneck == "CPU AdamW");
+    CHECK(small_step.exposed_s > 0);
+    CHECK_FALSE(small_step.exposed_detail.empty());
+    // at that many tokens (whole sequences, rounded up) the GPU is the bound and the CPU's AdamW
+    // hides behind it (what stays exposed is fixed: the first weights, the last unit's update);
+    // at half of them the step still waits on it
+    const auto rows = static_cast<std::int64_t>(std::ceil(small_step.busy_tokens / 64 * 1.001));
+    const auto busy = at(rows);
+    CHECK(busy.bottleneck == "GPU");
+    CHECK(busy.exposed_detail.empty());
+    CHECK(busy.busy_tokens == doctest::Approx(small_step.busy_tokens).epsilon(0.02));
+    const auto half = at(std::max<std::int64_t>(3, rows / 2));
+    CHECK_FALSE(half.exposed_detail.empty());
+  }
+}

@@ -4,7 +4,9 @@
 //
 //   GPU      matrix products: 8 x the blocks' parameters x tokens (forward, the recompute of the
 //            forward from the activation checkpoint, backward; 6 x for blocks that keep their
-//            activations), 6 x the head's (no recompute);
+//            activations), 6 x the head's (no recompute); a mixture of experts' active experts
+//            (a token's k) 8 x at their own rate (grouped products; recomputed even in a block
+//            that keeps its other activations);
 //            causal attention: 2 T S q_dim per layer forward (twice: forward and recompute) and
 //            2.5 times that backward; the element-wise passes (norms, SwiGLU, rotary, residual
 //            adds, the loss over the logits) at device-memory bandwidth; AdamW of the device units
@@ -51,6 +53,10 @@ struct MachineFigures {
   double d2h_gbs = 55.3;      ///< pinned device-to-host copy, GB/s
   double duplex_gbs = 97.0;   ///< both directions at once, GB/s in total
   double gemm_tflops = 700;   ///< bf16 matrix products at layer shapes
+  /// A mixture of experts' grouped products (every expert's rows, the weight gradients per
+  /// expert), in active FLOPs. Reference: the probe's on an H100 at the Qwen3-30B-A3B shape
+  /// (2026-11-27, docs/planner.md; no H200 figure yet); a probe of an MoE model measures it.
+  double moe_gemm_tflops = 255;
   double attention_fwd_tflops = 600;  ///< causal flash attention forward (cuDNN SDPA)
   double attention_bwd_tflops = 500;  ///< ... backward
   double hbm_gbs = 4000;      ///< device memory, bytes read plus written per second (GB/s)
@@ -66,6 +72,7 @@ struct FigureField {
 inline constexpr FigureField kFigureFields[] = {
     {"h2d_gbs", &MachineFigures::h2d_gbs},           {"d2h_gbs", &MachineFigures::d2h_gbs},
     {"duplex_gbs", &MachineFigures::duplex_gbs},     {"gemm_tflops", &MachineFigures::gemm_tflops},
+    {"moe_gemm_tflops", &MachineFigures::moe_gemm_tflops},
     {"attention_fwd_tflops", &MachineFigures::attention_fwd_tflops},
     {"attention_bwd_tflops", &MachineFigures::attention_bwd_tflops},
     {"hbm_gbs", &MachineFigures::hbm_gbs},           {"adamw_gparams", &MachineFigures::adamw_gparams},
@@ -140,12 +147,24 @@ inline MachineFigures machine_figures() {
 /// maximum and sum, then the gradient) and the bf16 gradient written.
 inline constexpr double kLossBytesPerLogit = 10;
 
-/// Bytes of element-wise passes per token of one decoder block (forward, backward and what the
+/// Bytes of element-wise passes per token of decoder block `layer` (forward, backward and what the
 /// backward makes again): about 120 per hidden unit (the fp32 residual stream through two norms,
 /// forward, again and backward) and 18 per intermediate unit (SwiGLU forward, then its backward,
 /// which makes the product again in the same pass).
-inline double block_elementwise_bytes(const ModelConfig& cfg) {
-  return 120.0 * static_cast<double>(cfg.hidden_size) + 18.0 * static_cast<double>(cfg.intermediate_size);
+/// A mixture-of-experts layer's MLP instead: 18 per intermediate unit of each of a token's k
+/// experts, and about 18 per hidden unit and expert (its rows gathered, its output weighted and
+/// summed, forward and again, and their backward).
+inline double block_elementwise_bytes(const ModelConfig& cfg, std::int64_t layer) {
+  const double d = static_cast<double>(cfg.hidden_size);
+  if (!cfg.is_moe_layer(layer)) return 120.0 * d + 18.0 * static_cast<double>(cfg.intermediate_size);
+  const double k = static_cast<double>(cfg.moe.experts_per_token);
+  return 120.0 * d + k * (18.0 * static_cast<double>(cfg.moe.intermediate_size) + 18.0 * d);
+}
+
+/// The experts' parameters one token's forward runs through, over every layer (0 for a dense model).
+inline double active_expert_params(const ModelConfig& cfg) {
+  return static_cast<double>(cfg.moe_layer_count()) * static_cast<double>(cfg.moe.experts_per_token) * 3.0 *
+         static_cast<double>(cfg.hidden_size) * static_cast<double>(cfg.moe.intermediate_size);
 }
 
 /// One term of the step time.
@@ -158,11 +177,15 @@ struct TimeTerm {
 /// The predicted step.
 struct StepTime {
   std::vector<TimeTerm> terms;  ///< GPU, PCIe H2D, PCIe D2H, PCIe both ways, CPU AdamW
-  std::string bottleneck;       ///< the largest term's name
+  std::string bottleneck;       ///< what the step waits on: the largest term's name, or the CPU's AdamW beyond it
+  std::string bound_term;       ///< the largest term that overlaps the whole step (bound_s)
   double bound_s = 0;           ///< the largest term
   double exposed_s = 0;         ///< what cannot overlap it
   std::string exposed_detail;   ///< the largest part of it, where it matters
   double step_s = 0;            ///< bound + exposed
+  /// The tokens per step from which the GPU is the bound (the placement kept): fewer leave it
+  /// waiting on the copies or the CPU's AdamW. 0: unknown.
+  double busy_tokens = 0;
   double tokens = 0;
   double model_flops = 0;       ///< 6 x matmul parameters x tokens + causal attention (fwd + bwd): the MFU convention
   double executed_flops = 0;    ///< what the GPU runs (recompute included)
@@ -209,13 +232,20 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   const double refill = b.checkpoint_every > 1 ? static_cast<double>(b.blocks - b.checkpoints) / L : 0.0;  // blocks run once more
   // (kept activations: those blocks' forward is not recomputed)
   const double kept = static_cast<double>(b.kept_blocks) / L;
-  const double gemm = (8 + 2 * refill - 2 * kept) * active_blocks * T + 6 * embed * T;
+  // (a mixture of experts: the active experts' products run grouped, at their own rate, and are
+  // recomputed in the backward even where the block keeps its other activations)
+  const double experts = active_expert_params(cfg);
+  const double dense_gemm = (8 + 2 * refill - 2 * kept) * (active_blocks - experts) * T + 6 * embed * T;
+  const double expert_gemm = (8 + 2 * refill) * experts * T;
+  const double gemm = dense_gemm + expert_gemm;
   const double att_fwd = 2 * T * S * qd * L;
-  const double gemm_s = gemm / (m.gemm_tflops * 1e12);
+  const double expert_s = expert_gemm / (m.moe_gemm_tflops * 1e12);
+  const double gemm_s = dense_gemm / (m.gemm_tflops * 1e12) + expert_s;
   const double att_s =
       (2 + refill - kept) * att_fwd / (m.attention_fwd_tflops * 1e12) + 2.5 * att_fwd / (m.attention_bwd_tflops * 1e12);
   // element-wise passes: block_elementwise_bytes per token and layer; the loss over the logits
-  const double elem_bytes = T * L * block_elementwise_bytes(cfg) + kLossBytesPerLogit * T * V;
+  double elem_bytes = kLossBytesPerLogit * T * V;
+  for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l) elem_bytes += T * block_elementwise_bytes(cfg, l);
   const double elem_s = elem_bytes / (m.hbm_gbs * 1e9);
   const double adam_dev_s = 30 * n_dev / (m.hbm_gbs * 1e9);
   const double ckpt_moved = static_cast<double>(b.checkpoints_in_host()) * static_cast<double>(b.checkpoint_bytes());
@@ -224,9 +254,13 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   t.executed_flops = gemm + (4.5 + refill - kept) * att_fwd;
   t.model_flops = model_flops(cfg, T, S);
   t.terms.push_back({"GPU", gpu_s,
-                     fmt::format("matrix products {:.3f} s ({:.1f} TFLOP at {:.0f} TFLOP/s), attention {:.3f} s, element-wise "
-                                 "{:.3f} s, AdamW {:.3f} s{}",
-                                 gemm_s, gemm / 1e12, m.gemm_tflops, att_s, elem_s, adam_dev_s,
+                     fmt::format("matrix products {:.3f} s ({:.1f} TFLOP at {:.0f} TFLOP/s{}), attention {:.3f} s, "
+                                 "element-wise {:.3f} s, AdamW {:.3f} s{}",
+                                 gemm_s, gemm / 1e12, m.gemm_tflops,
+                                 experts > 0 ? fmt::format("; of them the experts' {:.1f} TFLOP at {:.0f}: {:.3f} s",
+                                                           expert_gemm / 1e12, m.moe_gemm_tflops, expert_s)
+                                             : std::string(),
+                                 att_s, elem_s, adam_dev_s,
                                  ckpt_s > 0 ? fmt::format(", checkpoints through host memory {:.3f} s", ckpt_s) : "")});
   // PCIe
   const double rows = std::min(V, T);
@@ -246,14 +280,15 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   t.terms.push_back({"CPU AdamW", cpu_s, fmt::format("{:.3f}B parameters at {:.2f} Gparam/s{}", n_host / 1e9, m.adamw_dma_gparams, when)});
   // The bound: the largest term that overlaps the whole step (the pass's terms overlap only the
   // forward: what they take beyond it is exposed).
-  const double fwd_s = 2 * blocks * T / (m.gemm_tflops * 1e12) + att_fwd / (m.attention_fwd_tflops * 1e12) + elem_s / 4;
+  const double fwd_s = 2 * (active_blocks - experts) * T / (m.gemm_tflops * 1e12) + 2 * experts * T / (m.moe_gemm_tflops * 1e12) +
+                      att_fwd / (m.attention_fwd_tflops * 1e12) + elem_s / 4;
   const double pass_s = pass ? std::max(cpu_s, d2h / (m.d2h_gbs * 1e9)) : 0.0;
   t.bottleneck.clear();
   for (const TimeTerm& term : t.terms) {
     if (pass && (term.what == "CPU AdamW" || term.what == "PCIe D2H")) continue;
     if (term.seconds > t.bound_s || t.bottleneck.empty()) {
       t.bound_s = term.seconds;
-      t.bottleneck = term.what;
+      t.bottleneck = t.bound_term = term.what;
     }
   }
   // Not overlapped: the first block's weights before the first forward; with gradients streamed
@@ -269,13 +304,27 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   // Streamed gradients are stepped as they land during the backward, the lowest host units (the
   // first the next forward needs, after the device units') last: what the CPU's AdamW takes
   // beyond the backward and the device units' forward delays the next step.
-  if (!pass) {
-    const double bwd_s = std::max(0.0, gpu_s - fwd_s);
-    const double slack = bwd_s + fwd_s * blocks_dev / L;
-    if (cpu_s > slack) {
-      t.exposed_s += cpu_s - slack;
-      t.exposed_detail = fmt::format("the CPU's AdamW takes {:.3f} s beside a {:.3f} s backward", cpu_s, bwd_s);
-    }
+  const double bwd_s = std::max(0.0, gpu_s - fwd_s);
+  const double slack = bwd_s + fwd_s * blocks_dev / L;
+  if (!pass && cpu_s > slack) {
+    t.exposed_s += cpu_s - slack;
+    t.exposed_detail = fmt::format("the CPU's AdamW takes {:.3f} s beside a {:.3f} s backward", cpu_s, bwd_s);
+  }
+  // The CPU's AdamW is the bottleneck where it takes longer than the GPU and is what the step
+  // waits on beyond it
+  const double cpu_wait = pass ? pass_s : cpu_s;
+  if (!t.exposed_detail.empty() && cpu_wait > t.bound_s) t.bottleneck = "CPU AdamW";
+  // The tokens per step from which the GPU is the bound, this placement kept: the GPU's terms
+  // grow with the tokens (not the device units' AdamW), the copies' and the CPU's do not
+  const double grows = gpu_s - adam_dev_s;
+  if (grows > 0) {
+    double r = 0;
+    for (const TimeTerm& term : t.terms)
+      if (term.what != "GPU" && !(pass && (term.what == "CPU AdamW" || term.what == "PCIe D2H")))
+        r = std::max(r, (term.seconds - adam_dev_s) / grows);
+    if (pass && fwd_s > 0) r = std::max(r, pass_s / fwd_s);
+    if (!pass && slack > 0) r = std::max(r, cpu_s / slack);
+    t.busy_tokens = r * T;
   }
   t.step_s = t.bound_s + t.exposed_s;
   return t;

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -292,11 +293,18 @@ inline std::string format_plan(const StepPlan& p) {
                    b.kept_blocks, b.blocks, b.device_units, b.units, b.token_block > 0 ? fmt::format("{}", b.token_block) : "the whole chunk");
   s += fmt::format("\n| step time ({}) | seconds | |\n| --- | --- | --- |\n", p.machine.name);
   for (const auto& t : p.time.terms) s += fmt::format("| {} | {:.3f} | {} |\n", t.what, t.seconds, t.detail);
-  s += fmt::format("| **predicted step** | **{:.3f}** | {}-bound ({:.3f} s) + {:.3f} s not overlapped{}: {:.0f} tokens/s, {:.1f} "
+  s += fmt::format("| **predicted step** | **{:.3f}** | {}-bound ({} {:.3f} s + {:.3f} s not overlapped{}): {:.0f} tokens/s, {:.1f} "
                    "model TFLOP/s ({:.1f} executed) |\n",
-                   p.time.step_s, p.time.bottleneck, p.time.bound_s, p.time.exposed_s,
+                   p.time.step_s, p.time.bottleneck, p.time.bound_term, p.time.bound_s, p.time.exposed_s,
                    p.time.exposed_detail.empty() ? std::string() : " (" + p.time.exposed_detail + ")", p.time.tokens_per_s(),
                    p.time.model_flops / p.time.step_s / 1e12, p.time.executed_flops / p.time.step_s / 1e12);
+  if (p.time.busy_tokens > 0)
+    s += fmt::format("\nthe GPU is the bound from about {:.0f} tokens per step (this placement; fewer wait on the copies or "
+                     "the CPU's AdamW){}\n",
+                     std::ceil(p.time.busy_tokens),
+                     p.time.busy_tokens > p.time.tokens ? fmt::format(": this step's {:.0f} leave the GPU {:.0f}% busy", p.time.tokens,
+                                                                      100.0 * p.time.terms[0].seconds / p.time.step_s)
+                                                        : std::string());
   s += p.memory.fits ? "\nfits: yes\n" : fmt::format("\nfits: no: {}\n", p.refusal());
   return s;
 }

@@ -8,6 +8,9 @@
 //                         element-wise passes, with the LM head's products (the head as the
 //                         trainer runs it, less the cost model's loss pass) weighted as a step
 //                         runs them; the products alone where the block cannot say
+//   moe_gemm_tflops       a mixture of experts' grouped products: a sparse block forward and
+//                         backward, less the cost model's other terms of it, over the active
+//                         experts' FLOPs (8 x: they are recomputed); only for a model with experts
 //   attention_*_tflops    the backend's causal attention forward and backward at the model's
 //                         heads and sequence length, FLOPs counted as the cost model counts them
 //                         (2 T S q_dim forward, 2.5 times that backward)
@@ -255,49 +258,72 @@ MachineFigures probe_machine(B& be, const ModelConfig& cfg, std::int64_t seq, st
   // matrix products alone run faster than inside a step, so their rate is the one that makes the
   // cost model's block time (matrix products + attention + element-wise passes) the measured one
   if constexpr (keeps_activations<B, DecoderBlock>) {
-    const LayerTemplate<DecoderBlock> blk(DecoderBlock(cfg, 0));
-    const auto n = static_cast<std::size_t>(blk.layout().numel()), nf = static_cast<std::size_t>(blk.full_layout().numel());
-    auto wb = be.template alloc<W>(n);
-    auto gb = be.template alloc<float>(std::max<std::size_t>(nf, 1));
-    auto acc = be.template alloc<typename B::Acc>(n);
     using R = typename B::Res;
+    const ChunkShape c{T / S, S};
     const auto tn = static_cast<std::size_t>(T * d);
     auto x = be.template alloc<R>(tn), y = be.template alloc<R>(tn), dy = be.template alloc<R>(tn), dx = be.template alloc<R>(tn);
     for (auto* b : {&x, &dy}) randomize(*b);
-    randomize(wb);
-    randomize(gb);
-    be.zero(compute, acc.span());
-    const ChunkShape c{T / S, S};
-    Arena measure;
-    blk.op().template reserve_kept<B>(measure, c);
-    auto kept_mem = be.template alloc<std::byte>(measure.peak());
-    auto scratch_mem = be.template alloc<std::byte>(blk.op().template kept_scratch_bytes<B>(c));
-    Arena scratch(scratch_mem.span());
-    const auto w = [&] {
-      const std::span<const W> ws(wb.span());
-      if constexpr (!std::is_same_v<full_t<W>, W>)
-        return blk.bind(ws, typename ParamBinder<const W>::FullSlab{&blk.full_layout(), std::span<const float>(gb.span())});
-      else
-        return blk.bind(ws);
-    }();
-    const auto g = blk.bind(acc.span());
     const View<const R> xv(std::span<const R>(x.span()), Shape{T, d}), dyv(std::span<const R>(dy.span()), Shape{T, d});
-    const double block_s = detail::sustained_seconds(
-        0.5,
-        [&] {
-          Arena kept_fwd(kept_mem.span()), kept_bwd(kept_mem.span());
-          blk.op().forward_keep(be, c, w, xv, View<R>(y.span(), Shape{T, d}), kept_fwd, scratch);
-          blk.op().backward_kept(be, c, w, xv, dyv, View<R>(dx.span(), Shape{T, d}), g, kept_bwd, scratch);
-        },
-        sync);
-    // the cost model's other terms of one block (predict_step's element-wise bytes per token)
+    // block `layer`'s forward and backward, sustained; and its parameters
+    const auto time_block = [&](std::int64_t layer, double& params) {
+      const LayerTemplate<DecoderBlock> blk(DecoderBlock(cfg, layer));
+      const auto n = static_cast<std::size_t>(blk.layout().numel()), nf = static_cast<std::size_t>(blk.full_layout().numel());
+      params = static_cast<double>(n + nf);
+      auto wb = be.template alloc<W>(n);
+      auto gb = be.template alloc<float>(std::max<std::size_t>(nf, 1));
+      auto acc = be.template alloc<typename B::Acc>(n);
+      randomize(wb);
+      randomize(gb);
+      be.zero(compute, acc.span());
+      Arena measure;
+      blk.op().template reserve_kept<B>(measure, c);
+      auto kept_mem = be.template alloc<std::byte>(measure.peak());
+      auto scratch_mem = be.template alloc<std::byte>(blk.op().template kept_scratch_bytes<B>(c));
+      Arena scratch(scratch_mem.span());
+      const auto w = [&] {
+        const std::span<const W> ws(wb.span());
+        if constexpr (!std::is_same_v<full_t<W>, W>)
+          return blk.bind(ws, typename ParamBinder<const W>::FullSlab{&blk.full_layout(), std::span<const float>(gb.span())});
+        else
+          return blk.bind(ws);
+      }();
+      const auto g = blk.bind(acc.span());
+      return detail::sustained_seconds(
+          0.5,
+          [&] {
+            Arena kept_fwd(kept_mem.span()), kept_bwd(kept_mem.span());
+            blk.op().forward_keep(be, c, w, xv, View<R>(y.span(), Shape{T, d}), kept_fwd, scratch);
+            blk.op().backward_kept(be, c, w, xv, dyv, View<R>(dx.span(), Shape{T, d}), g, kept_bwd, scratch);
+          },
+          sync);
+    };
+    // the cost model's other terms of block `layer` (predict_step's attention and element-wise bytes)
     const double att_fwd = 2.0 * static_cast<double>(T) * static_cast<double>(S) * static_cast<double>(qd);
-    const double other_s = att_fwd / (m.attention_fwd_tflops * 1e12) + 2.5 * att_fwd / (m.attention_bwd_tflops * 1e12) +
-                           static_cast<double>(T) * block_elementwise_bytes(cfg) / (m.hbm_gbs * 1e9);
-    const double gemm_s = block_s - other_s;
-    if (gemm_s > 0.25 * block_s) {  // (else the products are too small a part to say their rate)
-      const double L = static_cast<double>(cfg.num_hidden_layers);
-      m.gemm_tflops = (L * block_gemm_flops + head_gemm_flops) / (L * gemm_s + head_gemm_s) / 1e12;
+    const auto other_s = [&](std::int64_t layer) {
+      return att_fwd / (m.attention_fwd_tflops * 1e12) + 2.5 * att_fwd / (m.attention_bwd_tflops * 1e12) +
+             static_cast<double>(T) * block_elementwise_bytes(cfg, layer) / (m.hbm_gbs * 1e9);
+    };
+    std::int64_t dense = -1, sparse = -1;
+    for (std::int64_t l = cfg.num_hidden_layers - 1; l >= 0; --l) (cfg.is_moe_layer(l) ? sparse : dense) = l;
+    if (dense >= 0) {  // the matrix products' rate that makes the cost model's dense block the measured one
+      double params = 0;
+      const double block_s = time_block(dense, params);
+      const double gemm_s = block_s - other_s(dense);
+      if (gemm_s > 0.25 * block_s) {  // (else the products are too small a part to say their rate)
+        const double L = static_cast<double>(cfg.num_hidden_layers);
+        m.gemm_tflops = (L * block_gemm_flops + head_gemm_flops) / (L * gemm_s + head_gemm_s) / 1e12;
+      }
+    }
+    if (sparse >= 0) {  // the experts' rate that makes the cost model's sparse block the measured one
+      double params = 0;
+      const double block_s = time_block(sparse, params);
+      const double k = static_cast<double>(cfg.moe.experts_per_token), E = static_cast<double>(cfg.moe.num_experts);
+      const double expert = 3.0 * static_cast<double>(d) * static_cast<double>(cfg.moe.intermediate_size);
+      const double Tt = static_cast<double>(T);
+      // (kept: the attention's products 6 x, the experts' 8 x, as predict_step counts them)
+      const double dense_s = 6.0 * (params - E * expert) * Tt / (m.gemm_tflops * 1e12);
+      const double expert_s = block_s - other_s(sparse) - dense_s;
+      if (expert_s > 0.25 * block_s) m.moe_gemm_tflops = 8.0 * k * expert * Tt / expert_s / 1e12;
     }
   }
   // PCIe: pinned copies each way, then both at once
