@@ -279,13 +279,14 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   const double cpu_s = n_host / (m.adamw_dma_gparams * 1e9);
   t.terms.push_back({"CPU AdamW", cpu_s, fmt::format("{:.3f}B parameters at {:.2f} Gparam/s{}", n_host / 1e9, m.adamw_dma_gparams, when)});
   // The bound: the largest term that overlaps the whole step (the pass's terms overlap only the
-  // forward: what they take beyond it is exposed).
+  // forward: what they take beyond it is exposed; the CPU's AdamW of streamed gradients runs
+  // beside the backward and the device units' forward: what it takes beyond them is exposed).
   const double fwd_s = 2 * (active_blocks - experts) * T / (m.gemm_tflops * 1e12) + 2 * experts * T / (m.moe_gemm_tflops * 1e12) +
                       att_fwd / (m.attention_fwd_tflops * 1e12) + elem_s / 4;
   const double pass_s = pass ? std::max(cpu_s, d2h / (m.d2h_gbs * 1e9)) : 0.0;
   t.bottleneck.clear();
   for (const TimeTerm& term : t.terms) {
-    if (pass && (term.what == "CPU AdamW" || term.what == "PCIe D2H")) continue;
+    if (term.what == "CPU AdamW" || (pass && term.what == "PCIe D2H")) continue;
     if (term.seconds > t.bound_s || t.bottleneck.empty()) {
       t.bound_s = term.seconds;
       t.bottleneck = t.bound_term = term.what;
@@ -320,7 +321,7 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   if (grows > 0) {
     double r = 0;
     for (const TimeTerm& term : t.terms)
-      if (term.what != "GPU" && !(pass && (term.what == "CPU AdamW" || term.what == "PCIe D2H")))
+      if (term.what != "GPU" && term.what != "CPU AdamW" && !(pass && term.what == "PCIe D2H"))
         r = std::max(r, (term.seconds - adam_dev_s) / grows);
     if (pass && fwd_s > 0) r = std::max(r, pass_s / fwd_s);
     if (!pass && slack > 0) r = std::max(r, cpu_s / slack);
