@@ -155,12 +155,18 @@ int run(const Settings& s, const CLI::App& app, const PlanArgs& a) {
     machine = plan::machine_figures();  // (a probe's, else the reference host's)
   }
   const plan::HostBudget host = host_budget(s);
-  // (from the config alone, before its blocks are built: a config of 10^9 layers is refused here)
-  plan::check_state_fits_host(cfg, host,
-                              !s.model_dir.empty()      ? (std::filesystem::path(s.model_dir) / "config.json").string()
-                              : !s.model_config.empty() ? s.model_config
-                              : !s.preset.empty()       ? "--preset " + s.preset
-                                                        : std::string("the command-line shape"));
+  // (from the config alone, before its blocks are built: a config of 10^9 layers is refused here;
+  // a model too large for the host does not fit: exit 2, as any plan that does not)
+  try {
+    plan::check_state_fits_host(cfg, host,
+                                !s.model_dir.empty()      ? (std::filesystem::path(s.model_dir) / "config.json").string()
+                                : !s.model_config.empty() ? s.model_config
+                                : !s.preset.empty()       ? "--preset " + s.preset
+                                                          : std::string("the command-line shape"));
+  } catch (const megatrain::Error& e) {
+    std::fprintf(stderr, "megatrain-plan: %s\n", std::getenv("MEGATRAIN_DEBUG") ? e.what() : e.reason().c_str());
+    return 2;
+  }
   const DecoderModel<> model(cfg);
   const bool want_cuda = s.backend != "cpu";
 #if MEGATRAIN_HAS_CUDA
@@ -209,8 +215,8 @@ int main(int argc, char** argv) {
   add_memory_options(*mem, s);
   mem->add_option("--machine", a.machine,
                   "JSON file of the machine's rates for the step time (h2d_gbs, d2h_gbs, duplex_gbs, gemm_tflops, "
-                  "attention_fwd_tflops, attention_bwd_tflops, hbm_gbs, adamw_gparams, adamw_dma_gparams; default: the "
-                  "reference H200 host)");
+                  "moe_gemm_tflops, attention_fwd_tflops, attention_bwd_tflops, hbm_gbs, adamw_gparams, adamw_dma_gparams; "
+                  "default: the reference H200 host)");
   mem->add_flag("--probe", a.probe,
                 "Measure this machine's rates at this model's shapes (GPU matrix products and attention, device memory, "
                 "PCIe each way and both, the CPU's AdamW alone and under copies) and keep them in --machine FILE, or by "

@@ -5,7 +5,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -36,6 +39,7 @@ class UnitLayout {
       n += entries_.back().numel();
     }
     numel_ = align(n);
+    for (std::size_t i = 0; i < entries_.size(); ++i) index_.emplace(entries_[i].spec.name, i);  // (the first of a name)
   }
 
   std::span<const Entry> entries() const { return entries_; }
@@ -43,13 +47,13 @@ class UnitLayout {
   std::int64_t numel() const { return numel_; }
   /// The entry called `name`, or nullptr.
   const Entry* find(std::string_view name) const {
-    for (const auto& e : entries_)
-      if (e.spec.name == name) return &e;
-    return nullptr;
+    const auto it = index_.find(name);
+    return it == index_.end() ? nullptr : &entries_[it->second];
   }
 
  private:
   std::vector<Entry> entries_;
+  std::map<std::string, std::size_t, std::less<>> index_;  // name -> entry (a 128-expert layer has 385 tensors)
   std::int64_t numel_ = 0;
 };
 
