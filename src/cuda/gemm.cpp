@@ -186,10 +186,19 @@ GroupedGemm::GroupedGemm(void* pointers, std::size_t max_groups, void* workspace
   MT_CUDA_CHECK(cublasCreate(&h));
   handle_ = h;
   MT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_offsets_), (max_groups + 1) * sizeof(std::int64_t)));
-  MT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_pointers_), kPointerSlots * max_groups * sizeof(void*)));
+  MT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_pointers_), kRing * kPointerSlots * max_groups * sizeof(void*)));
+  for (auto& slot : ring_events_)
+    for (auto& e : slot) {
+      cudaEvent_t ev = nullptr;
+      MT_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+      e = ev;
+    }
 }
 
 GroupedGemm::~GroupedGemm() {
+  for (auto& slot : ring_events_)
+    for (auto& e : slot)
+      if (e) (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
   if (host_pointers_) (void)cudaFreeHost(host_pointers_);
   if (host_offsets_) (void)cudaFreeHost(host_offsets_);
   if (handle_) (void)cublasDestroy(static_cast<cublasHandle_t>(handle_));
@@ -224,16 +233,21 @@ void GroupedGemm::launch(int slot, const Call& c, cudaStream_t stream) {
   MT_CUDA_CHECK(cublasSetWorkspace(h, workspace_, workspace_bytes_));
   const float one = 1.0f;
   if (grouped_[slot]) {
-    void** host = host_pointers_ + static_cast<std::size_t>(slot) * 3 * max_groups_;
+    // (the next of this product's host arrays, once the copy from it last time is done: the
+    // copy is asynchronous from pinned memory; the device array is rewritten in stream order,
+    // after the product that read it)
+    const std::size_t r = ring_next_[slot]++ % kRing;
+    const auto done = static_cast<cudaEvent_t>(ring_events_[slot][r]);
+    MT_CUDA_CHECK(cudaEventSynchronize(done));
+    void** host = host_pointers_ + (r * kPointerSlots + static_cast<std::size_t>(slot) * 3) * max_groups_;
     void** device = pointers_ + static_cast<std::size_t>(slot) * 3 * max_groups_;
     for (std::size_t i = 0; i < G; ++i) {
       host[i] = const_cast<void*>(c.a[i]);
       host[G + i] = const_cast<void*>(c.b[i]);
       host[2 * G + i] = c.c[i];
     }
-    // (pinned, so asynchronous; this slot's host array is rewritten only after the next read(),
-    // whose synchronisation finds the copy done)
     MT_CUDA_CHECK(cudaMemcpyAsync(device, host, 3 * G * sizeof(void*), cudaMemcpyHostToDevice, stream));
+    MT_CUDA_CHECK(cudaEventRecord(done, stream));
     const std::vector<cublasOperation_t> ta(G, c.ta), tb(G, c.tb);
     const std::vector<float> alpha(G, 1.0f), beta(G, c.beta);
     const std::vector<std::int64_t> size(G, 1);

@@ -511,8 +511,12 @@ class CpuBackend {
     });
   }
   /// y[rows of e] = x[rows of e] w[e]^T for each expert e (offsets as moe_route's).
+  /// `same_routing`: the offsets are those of the previous grouped product's call, unchanged since
+  /// (no moe_route between, nothing else wrote them): a backend that reads them to the host may
+  /// keep what it read (the CUDA backend: one synchronisation per routing, not per product).
   void grouped_linear(View<const Act> x, std::span<const View<const Weight>> w, View<const std::int64_t> offsets,
-                      View<Act> y) {
+                      View<Act> y, bool same_routing = false) {
+    (void)same_routing;
     check_groups(x, w.size(), offsets, "grouped_linear");
     for (std::size_t e = 0; e < w.size(); ++e) {
       const std::int64_t r0 = offsets.data()[e], n = offsets.data()[e + 1] - r0;
@@ -521,7 +525,9 @@ class CpuBackend {
   }
   /// linear_backward for each expert's rows: dx (or dx += where accumulate_dx), dw[e] += dy^T x.
   void grouped_linear_backward(View<const Act> x, std::span<const View<const Weight>> w, View<const Act> dy, View<Act> dx,
-                               bool accumulate_dx, std::span<const View<Acc>> dw, View<const std::int64_t> offsets) {
+                               bool accumulate_dx, std::span<const View<Acc>> dw, View<const std::int64_t> offsets,
+                               bool same_routing = false) {
+    (void)same_routing;
     check_groups(x, w.size(), offsets, "grouped_linear_backward");
     MT_CHECK(dw.size() == w.size(), "grouped_linear_backward: {} gradients for {} experts", dw.size(), w.size());
     for (std::size_t e = 0; e < w.size(); ++e) {

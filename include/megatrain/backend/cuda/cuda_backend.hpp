@@ -492,6 +492,7 @@ class CudaBackend {
              "moe_route: {} tokens over {} experts, top {}: buffers probs {}, experts {}, weights {}, order {}, slot {}, "
              "offsets {}", M, E, k, probs.shape().str(), experts.shape().str(), weights.shape().str(),
              order.shape().str(), slot.shape().str(), offsets.shape().str());
+    groups_at_ = nullptr;  // (new offsets: the next grouped product reads them)
     cuda::launch_moe_route(logits.data(), M, E, k, renormalize, probs.data(), experts.data(), weights.data(), order.data(),
                            slot.data(), offsets.data(), moe_ws_.span().data(), cuda::kMoeRouteWorkspace, stream_);
   }
@@ -506,16 +507,17 @@ class CudaBackend {
   /// y[rows of e] = x[rows of e] w[e]^T for every expert, one grouped GEMM (reads the offsets:
   /// waits for the stream's work before it).
   void grouped_linear(View<const Act> x, std::span<const View<const Weight>> w, View<const std::int64_t> offsets,
-                      View<Act> y) {
+                      View<Act> y, bool same_routing = false) {
     MT_NVTX_RANGE("cuda:grouped_linear");
     const auto [N, K] = grouped_dims(x, w, offsets, y.shape(), "grouped_linear");
-    const auto g = grouped().read(offsets.data(), w.size(), stream_);
+    const auto& g = groups(offsets, w.size(), same_routing);
     check_rows(g, x.size(0), "grouped_linear");
     grouped_->forward(g, x.data(), weight_pointers(w), y.data(), N, K, stream_);
   }
   /// dx (or dx += where accumulate_dx) and dw[e] += dy^T x over each expert's rows.
   void grouped_linear_backward(View<const Act> x, std::span<const View<const Weight>> w, View<const Act> dy, View<Act> dx,
-                               bool accumulate_dx, std::span<const View<Acc>> dw, View<const std::int64_t> offsets) {
+                               bool accumulate_dx, std::span<const View<Acc>> dw, View<const std::int64_t> offsets,
+                               bool same_routing = false) {
     MT_NVTX_RANGE("cuda:grouped_linear_backward");
     const auto [N, K] = grouped_dims(x, w, offsets, dy.shape(), "grouped_linear_backward");
     MT_CHECK(dw.size() == w.size(), "grouped_linear_backward: {} gradients for {} experts", dw.size(), w.size());
@@ -524,7 +526,7 @@ class CudaBackend {
       same(dw[e].shape(), w[e].shape(), "grouped_linear_backward dw");
       gp[e] = dw[e].data();
     }
-    const auto g = grouped().read(offsets.data(), w.size(), stream_);
+    const auto& g = groups(offsets, w.size(), same_routing);
     check_rows(g, x.size(0), "grouped_linear_backward");
     if (!dx.is_null()) {
       same(dx.shape(), x.shape(), "grouped_linear_backward dx");
@@ -642,6 +644,17 @@ class CudaBackend {
     return {ws, lb * static_cast<std::size_t>(plan.vocab)};
   }
 
+  /// The experts' row groups of `offsets`: read from the device (a synchronisation), or, with
+  /// `same_routing` and the same offsets as the last read since the last moe_route, kept from it.
+  const cuda::GroupedGemm::Groups& groups(View<const std::int64_t> offsets, std::size_t experts, bool same_routing) {
+    if (!same_routing || groups_at_ != offsets.data() || groups_experts_ != experts) {
+      groups_at_ = nullptr;
+      groups_ = grouped().read(offsets.data(), experts, stream_);
+      groups_at_ = offsets.data();
+      groups_experts_ = experts;
+    }
+    return groups_;
+  }
   cuda::GroupedGemm& grouped() {
     if (!grouped_)
       grouped_ = std::make_unique<cuda::GroupedGemm>(moe_ws_.span().data() + cuda::kMoeRouteWorkspace,
@@ -771,6 +784,9 @@ class CudaBackend {
   // with the backend, so counted before any plan); cuBLAS's grouped GEMM made at first use.
   Buffer<std::byte> moe_ws_;
   std::unique_ptr<cuda::GroupedGemm> grouped_;
+  cuda::GroupedGemm::Groups groups_;               // the last offsets read (groups())
+  const std::int64_t* groups_at_ = nullptr;        // where they were read; null after a moe_route
+  std::size_t groups_experts_ = 0;
 };
 
 }  // namespace megatrain

@@ -71,9 +71,10 @@ class Gemm {
 /// grouped by expert, given by device offsets [E + 1]) times that expert's own weight, all
 /// experts in one cuBLAS grouped GEMM (cublasGemmGroupedBatchedEx) where cuBLAS has one for the
 /// types, else one cublasGemmEx per expert; same conventions as Gemm.
-/// cuBLAS takes the groups' sizes on the host: each call reads the offsets from the device,
-/// which waits for the stream's work before it (one synchronisation per product, none per
-/// expert); experts without rows are left out of the group list.
+/// cuBLAS takes the groups' sizes on the host: read() copies the offsets from the device, which
+/// waits for the stream's work before it (one synchronisation per routing: the products of one
+/// routing may share its groups; none per expert); experts without rows are left out of the
+/// group list.
 class GroupedGemm {
  public:
   /// `pointers`: device memory for kPointerSlots x max_groups pointers; `workspace`: cuBLAS's
@@ -91,7 +92,7 @@ class GroupedGemm {
     std::int64_t total = 0;  ///< rows of all experts (offsets[E])
   };
   /// Reads offsets [experts + 1] from the device, after the stream's work before it (synchronises
-  /// the stream). Each product below may then run once with these groups.
+  /// the stream). The products below may then run with these groups while the offsets stay unchanged.
   Groups read(const std::int64_t* offsets, std::size_t experts, cudaStream_t stream);
 
   /// y[rows of e] = x[rows of e] w[e]^T: x [rows, K], w[e] [N, K], y [rows, N].
@@ -118,7 +119,13 @@ class GroupedGemm {
   std::size_t workspace_bytes_;
   bool grouped_[3] = {true, true, true};  // by product: cuBLAS's grouped GEMM takes its types
   std::int64_t* host_offsets_ = nullptr;  // pinned: max_groups + 1
-  void** host_pointers_ = nullptr;        // pinned: kPointerSlots x max_groups
+  // The pointer arrays a grouped product copies to the device (asynchronously, from pinned
+  // memory): kRing of them per product, each reused only after its copy's event (products run
+  // back to back without a synchronisation between them)
+  static constexpr std::size_t kRing = 4;
+  void** host_pointers_ = nullptr;  // pinned: kRing x kPointerSlots x max_groups
+  void* ring_events_[3][kRing] = {};  // cudaEvent_t
+  std::size_t ring_next_[3] = {};
 };
 
 }  // namespace megatrain::cuda

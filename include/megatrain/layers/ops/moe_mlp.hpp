@@ -49,8 +49,8 @@ concept MoeBackend = requires(B& be, View<const typename B::Act> x, View<typenam
                               View<const typename B::Res> r, View<typename B::Res> ry) {
   be.moe_route(x, std::int64_t{}, bool{}, acc, i32, acc, i32, i32, i64);
   be.moe_gather(x, ci32, std::int64_t{}, y);
-  be.grouped_linear(x, ws, ci64, y);
-  be.grouped_linear_backward(x, ws, x, y, bool{}, gs, ci64);
+  be.grouped_linear(x, ws, ci64, y, bool{});                   // (the flag: the same routing as the last product's)
+  be.grouped_linear_backward(x, ws, x, y, bool{}, gs, ci64, bool{});
   be.moe_combine(x, ci32, cacc, std::int64_t{}, r, ry);
   be.moe_combine_backward(x, x, ci32, cacc, std::int64_t{}, y, acc);
   be.moe_route_backward(cacc, ci32, cacc, cacc, std::int64_t{}, bool{}, ci64, double{}, y);
@@ -170,10 +170,12 @@ class MoeMlp {
     be.linear(x, w.router, {}, a.logits);
     be.moe_route(cv(a.logits), k_, cfg_.moe.norm_topk_prob, a.probs, a.experts, a.weights, a.order, a.slot, a.offsets);
     be.moe_gather(x, cv(a.order), k_, a.xs);
+    // (one routing: the products after the first say so, and a backend that reads the offsets
+    // to the host reads them once)
     be.grouped_linear(cv(a.xs), cspan(w.gate), cv(a.offsets), a.g);
-    be.grouped_linear(cv(a.xs), cspan(w.up), cv(a.offsets), a.u);
+    be.grouped_linear(cv(a.xs), cspan(w.up), cv(a.offsets), a.u, true);
     be.swiglu(cv(a.g), cv(a.u), a.m, cfg_.hidden_act);
-    be.grouped_linear(cv(a.m), cspan(w.down), cv(a.offsets), a.out);
+    be.grouped_linear(cv(a.m), cspan(w.down), cv(a.offsets), a.out, true);
   }
 
   /// y = h + the weighted sum of the token's experts' outputs; the routing added to `stats`
@@ -194,10 +196,11 @@ class MoeMlp {
                 View<const typename B::Act> dy, View<typename B::Act> dx, const Weights<typename B::Acc>& g,
                 const RouterStats& stats = {}) const {
     be.moe_combine_backward(dy, cv(a.out), cv(a.slot), cv(a.weights), k_, a.dout, a.dweights);
-    be.grouped_linear_backward(cv(a.m), cspan(w.down), cv(a.dout), a.dm, false, span(g.down), cv(a.offsets));
+    // (the routing of run_kept(): its products' offsets, unchanged)
+    be.grouped_linear_backward(cv(a.m), cspan(w.down), cv(a.dout), a.dm, false, span(g.down), cv(a.offsets), true);
     be.swiglu_backward(cv(a.g), cv(a.u), cv(a.dm), a.dg, a.du, cfg_.hidden_act);
-    be.grouped_linear_backward(cv(a.xs), cspan(w.gate), cv(a.dg), a.dxs, false, span(g.gate), cv(a.offsets));
-    be.grouped_linear_backward(cv(a.xs), cspan(w.up), cv(a.du), a.dxs, true, span(g.up), cv(a.offsets));
+    be.grouped_linear_backward(cv(a.xs), cspan(w.gate), cv(a.dg), a.dxs, false, span(g.gate), cv(a.offsets), true);
+    be.grouped_linear_backward(cv(a.xs), cspan(w.up), cv(a.du), a.dxs, true, span(g.up), cv(a.offsets), true);
     be.moe_route_backward(cv(a.probs), cv(a.experts), cv(a.weights), cv(a.dweights), k_, cfg_.moe.norm_topk_prob,
                           stats.aux_counts, stats.aux_scale, a.dlogits);
     be.linear_backward(x, w.router, cv(a.dlogits), dx, false, g.router, {});
