@@ -505,7 +505,8 @@ class CudaBackend {
     cuda::launch_moe_gather(x.data(), order.data(), k, N, d, xs.data(), stream_);
   }
   /// y[rows of e] = x[rows of e] w[e]^T for every expert, one grouped GEMM (reads the offsets:
-  /// waits for the stream's work before it).
+  /// waits for the stream's work before it; with `same_routing`, the groups the last read of
+  /// these offsets found, unless a moe_route came since: CpuBackend::grouped_linear).
   void grouped_linear(View<const Act> x, std::span<const View<const Weight>> w, View<const std::int64_t> offsets,
                       View<Act> y, bool same_routing = false) {
     MT_NVTX_RANGE("cuda:grouped_linear");
