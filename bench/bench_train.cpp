@@ -155,7 +155,7 @@ int run(B& be, const char* name, const Args& a) {
     machine = plan::machine_figures_from_json(nlohmann::json::parse(f), a.machine);
   }
   ModelConfig cfg = ModelConfig::preset(a.preset);
-  if (a.layers > 0) cfg.num_hidden_layers = a.layers;
+  if (a.layers > 0) cfg = cfg.with_layers(a.layers);
   TrainerOptions opt;
   opt.batch_rows = a.batch;
   opt.seq_len = a.seq;

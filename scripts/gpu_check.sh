@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the GPU measurements on a machine with an NVIDIA GPU, from binaries
 # built elsewhere and copied to BIN (with libtbb/libfmt in BIN/../lib). Logs go to OUT.
-#   scripts/gpu_check.sh BIN OUT [tests|hf|numerics|train|bench|bench7b|checkpoint|checkpoint7b|kernels|packing|plan|probe|longctx|moe|all]...
+#   scripts/gpu_check.sh BIN OUT [tests|hf|numerics|train|bench|bench7b|checkpoint|checkpoint7b|kernels|packing|plan|probe|longctx|moe|gptoss|all]...
 set -uo pipefail
 BIN=$(cd "$1" && pwd); OUT=$(mkdir -p "$2" && cd "$2" && pwd); shift 2
 what=${*:-all}
@@ -140,6 +140,15 @@ if [[ " $what " == *" moe "* ]]; then
     summary+=("peer: $(grep -E '^peer: PyTorch' "$OUT/peer_moe_${ml}layers.log" | head -1)")
   fi
   done
+fi
+# GPT-OSS (docs/models.md): the gpt-oss-20b shape cut to GPTOSS_LAYERS layers (default 4; half of
+# them sliding, every attention with sinks) at 64k tokens per step, exact clipping, against its plan.
+if [[ " $what " == *" gptoss "* ]]; then
+  gl=${GPTOSS_LAYERS:-4}
+  MEGATRAIN_HOST_MEMORY=120G timeout 500 "$BIN/bench_train" --preset gpt-oss-20b --layers "$gl" --batch 64 --seq 1024 \
+    --steps 6 --skip 2 --clip-mode exact > "$OUT/bench_gptoss_${gl}layers.log" 2>&1
+  summary+=("bench_train gpt-oss-20b, $gl layers, 64k tokens, exact rc=$?: $(grep -E '^\| tokens/s' "$OUT/bench_gptoss_${gl}layers.log")")
+  summary+=("  $(grep -oP '^\| plan: [^|]*\| \Kpredicted.*measured / predicted [0-9.]+' "$OUT/bench_gptoss_${gl}layers.log" || echo 'plan ?')")
 fi
 # Packing (docs/data.md): examples/s with one example per sequence and with --pack true, the
 # 1.5B shape on synthetic instruction data of mixed lengths.

@@ -245,12 +245,24 @@ __device__ __forceinline__ float gate_act_grad(float x) {
   }
 }
 
-template <bool kGelu>
+// GPT-OSS's clamped SwiGLU of its experts (act 2): g' = min(g, 7), u' = clamp(u, -7, 7),
+// m = (u' + 1) g' sigmoid(1.702 g'); the gradient passes where a clamp is inactive (bounds included).
+constexpr float kClampLimit = 7.0f, kClampAlpha = 1.702f;
+
+/// kAct: 0 silu (SwiGLU), 1 tanh GELU (GeGLU), 2 GPT-OSS's clamped SwiGLU.
+template <int kAct>
 struct GatedForwardOp {
   const bf* g;
   const bf* u;
   bf* m;
-  __device__ static float f(float gv, float uv) { return gate_act<kGelu>(gv) * uv; }
+  __device__ static float f(float gv, float uv) {
+    if constexpr (kAct == 2) {
+      const float gc = fminf(gv, kClampLimit), uc = fminf(fmaxf(uv, -kClampLimit), kClampLimit);
+      return (uc + 1.0f) * (gc * sigmoid(gc * kClampAlpha));
+    } else {
+      return gate_act<kAct == 1>(gv) * uv;
+    }
+  }
   __device__ void vec8(i64 i) const {
     float a[8], b[8];
     unpack8(ld16(g + i), a);
@@ -262,7 +274,7 @@ struct GatedForwardOp {
   __device__ void one(i64 i) const { stf(m + i, f(ldf(g + i), ldf(u + i))); }
 };
 
-template <bool kGelu, bool kWithM>
+template <int kAct, bool kWithM>
 struct GatedBackwardOp {
   const bf* g;
   const bf* u;
@@ -272,7 +284,12 @@ struct GatedBackwardOp {
   bf* m;  // kWithM: the forward's m = act(g) * u as well (GatedForwardOp's expression: the same bits)
   // du = dm * act(g); dg = dm * u * act'(g) (silu: act' = sigmoid(g) (1 + g (1 - sigmoid(g))))
   __device__ static void f(float gv, float uv, float dmv, float& dgv, float& duv) {
-    if constexpr (kGelu) {
+    if constexpr (kAct == 2) {
+      const float gc = fminf(gv, kClampLimit), uc = fminf(fmaxf(uv, -kClampLimit), kClampLimit);
+      const float sg = sigmoid(gc * kClampAlpha), glu = gc * sg;
+      duv = uv >= -kClampLimit && uv <= kClampLimit ? dmv * glu : 0.0f;
+      dgv = gv <= kClampLimit ? dmv * (uc + 1.0f) * sg * (1.0f + kClampAlpha * gc * (1.0f - sg)) : 0.0f;
+    } else if constexpr (kAct == 1) {
       duv = dmv * gate_act<true>(gv);
       dgv = dmv * uv * gate_act_grad<true>(gv);
     } else {  // (the same operations as before GeGLU existed: the same bits)
@@ -292,7 +309,7 @@ struct GatedBackwardOp {
     st16(du + i, pack8(ru));
     if constexpr (kWithM) {
 #pragma unroll
-      for (int k = 0; k < 8; ++k) a[k] = GatedForwardOp<kGelu>::f(a[k], b[k]);
+      for (int k = 0; k < 8; ++k) a[k] = GatedForwardOp<kAct>::f(a[k], b[k]);
       st16(m + i, pack8(a));
     }
   }
@@ -302,7 +319,7 @@ struct GatedBackwardOp {
     f(gv, uv, ldf(dm + i), rg, ru);
     stf(dg + i, rg);
     stf(du + i, ru);
-    if constexpr (kWithM) stf(m + i, GatedForwardOp<kGelu>::f(gv, uv));
+    if constexpr (kWithM) stf(m + i, GatedForwardOp<kAct>::f(gv, uv));
   }
 };
 
@@ -877,6 +894,9 @@ struct AttnParams {
   /// Packed rows: each token's position within its sequence ([rows*S]), or null (a row is one
   /// sequence). Query i of a row sees keys i - pos[i] .. i; i - pos[i] never decreases along a row.
   const std::int32_t* pos;
+  /// GPT-OSS's sink logit per query head ([H], unscaled; joins every query's softmax, carries no
+  /// value), or null.
+  const float* sinks;
 };
 
 /// The first key query i of the row at `base` sees.
@@ -937,10 +957,13 @@ __global__ void __launch_bounds__(kQWarps * 32)
 
   float m[kQRows], l[kQRows], o[kQRows][2 * kPairs];
   int k_first[kQRows];
+  // (a sink starts each query's running max at its logit and the sum at its exp2(0) = 1, on lane 0:
+  // the lanes' partial sums are added at the end)
+  const float sink2 = p.sinks ? p.sinks[h] * kLog2e : -INFINITY;
 #pragma unroll
   for (int r = 0; r < kQRows; ++r) {
-    m[r] = -INFINITY;
-    l[r] = 0.0f;
+    m[r] = sink2;
+    l[r] = p.sinks && lane == 0 ? 1.0f : 0.0f;
     k_first[r] = q0 + r < p.S ? first_key(p, base, q0 + r) : 0;
 #pragma unroll
     for (int e = 0; e < 2 * kPairs; ++e) o[r][e] = 0.0f;
@@ -1036,6 +1059,48 @@ __global__ void __launch_bounds__(256)
     acc = warp_sum(acc);
     const i64 row = t / p.S, i = t - row * p.S;
     if (lane == 0) delta[(row * p.H + h) * p.S + i] = acc;
+  }
+}
+
+/// dsinks[h] += -sum over the rows and queries of exp(sink_h - lse) * delta (the sink's probability
+/// times the gradient of its logit, 0 - delta: it carries no value). A block per head, each thread
+/// its strided queries in order, then the block's fixed-order sum: deterministic.
+__global__ void __launch_bounds__(kSsThreads)
+    attention_sinks_grad_kernel(const float* __restrict__ lse, const float* __restrict__ delta, i64 rows,
+                                float* __restrict__ dsinks, const AttnParams p) {
+  const int h = blockIdx.x;
+  const float sink = p.sinks[h];
+  double acc = 0.0;
+  for (i64 row = 0; row < rows; ++row) {
+    const i64 at = (row * p.H + h) * p.S;
+    for (int i = threadIdx.x; i < p.S; i += blockDim.x)
+      acc -= static_cast<double>(expf(sink - lse[at + i])) * static_cast<double>(delta[at + i]);
+  }
+  const double s = block_sum(acc);
+  if (threadIdx.x == 0) dsinks[h] += static_cast<float>(s);
+}
+
+/// Sinks added after an attention without them (cuDNN's): with l the query's log-sum-exp and s its
+/// head's sink, l' = log(exp(l) + exp(s)); the output times exp(l - l') (the probabilities the sink
+/// takes), lse = l'. A warp per (token, head).
+__global__ void __launch_bounds__(256)
+    attention_add_sinks_kernel(bf* __restrict__ out, float* __restrict__ lse, i64 tokens, const AttnParams p) {
+  const i64 warps = static_cast<i64>(gridDim.x) * (blockDim.x / 32);
+  const int lane = threadIdx.x % 32;
+  for (i64 gw = static_cast<i64>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; gw < tokens * p.H; gw += warps) {
+    const i64 t = gw / p.H;
+    const int h = static_cast<int>(gw - t * p.H);
+    const i64 row = t / p.S, i = t - row * p.S;
+    float* l = lse + (row * p.H + h) * p.S + i;
+    const float lv = *l, sv = p.sinks[h], mx = fmaxf(lv, sv);
+    const float l2 = mx + logf(expf(lv - mx) + expf(sv - mx)), f = expf(lv - l2);
+    bf* o = out + gw * p.D;
+    for (int w = lane; 2 * w < p.D; w += 32) {
+      const u32 a = *reinterpret_cast<const u32*>(o + 2 * w);
+      *reinterpret_cast<u32*>(o + 2 * w) = pack_bf2(bf_lo(a) * f, bf_hi(a) * f);
+    }
+    __syncwarp();
+    if (lane == 0) *l = l2;
   }
 }
 
@@ -1375,29 +1440,37 @@ void launch_cast(const bf16* in, float* out, std::int64_t n, cudaStream_t stream
   launch_map("cast_to_f32_kernel", CastToF32Op{dev(in), out}, n, aligned16(in) && aligned16(out), stream);
 }
 
-void launch_swiglu_forward(const bf16* g, const bf16* u, bf16* m, std::int64_t n, cudaStream_t stream, bool gelu) {
+void launch_swiglu_forward(const bf16* g, const bf16* u, bf16* m, std::int64_t n, cudaStream_t stream, int act) {
   MT_NVTX_RANGE("launch_swiglu_forward");
+  MT_CHECK(act >= 0 && act <= 2, "swiglu_forward: unknown activation {}", act);
   const bool vec = aligned16(g) && aligned16(u) && aligned16(m);
-  if (gelu) launch_map("geglu_forward_kernel", GatedForwardOp<true>{dev(g), dev(u), dev(m)}, n, vec, stream);
-  else launch_map("swiglu_forward_kernel", GatedForwardOp<false>{dev(g), dev(u), dev(m)}, n, vec, stream);
+  if (act == 1) launch_map("geglu_forward_kernel", GatedForwardOp<1>{dev(g), dev(u), dev(m)}, n, vec, stream);
+  else if (act == 2) launch_map("clamped_swiglu_forward_kernel", GatedForwardOp<2>{dev(g), dev(u), dev(m)}, n, vec, stream);
+  else launch_map("swiglu_forward_kernel", GatedForwardOp<0>{dev(g), dev(u), dev(m)}, n, vec, stream);
 }
 
 void launch_swiglu_backward(const bf16* g, const bf16* u, const bf16* dm, bf16* dg, bf16* du, std::int64_t n,
-                            cudaStream_t stream, bool gelu, bf16* m) {
+                            cudaStream_t stream, int act, bf16* m) {
   MT_NVTX_RANGE("launch_swiglu_backward");
+  MT_CHECK(act >= 0 && act <= 2, "swiglu_backward: unknown activation {}", act);
   const bool vec = aligned16(g) && aligned16(u) && aligned16(dm) && aligned16(dg) && aligned16(du) && aligned16(m);
-  const auto op = [&](auto gelu_t, auto with_m_t) {
-    return GatedBackwardOp<decltype(gelu_t)::value, decltype(with_m_t)::value>{dev(g),  dev(u),  dev(dm),
-                                                                               dev(dg), dev(du), dev(m)};
+  const auto op = [&](auto act_t, auto with_m_t) {
+    return GatedBackwardOp<decltype(act_t)::value, decltype(with_m_t)::value>{dev(g),  dev(u),  dev(dm),
+                                                                              dev(dg), dev(du), dev(m)};
   };
   using yes = std::true_type;
   using no = std::false_type;
+  using silu = std::integral_constant<int, 0>;
+  using gelu = std::integral_constant<int, 1>;
+  using clamped = std::integral_constant<int, 2>;
   if (m == nullptr) {
-    if (gelu) launch_map("geglu_backward_kernel", op(yes{}, no{}), n, vec, stream);
-    else launch_map("swiglu_backward_kernel", op(no{}, no{}), n, vec, stream);
+    if (act == 1) launch_map("geglu_backward_kernel", op(gelu{}, no{}), n, vec, stream);
+    else if (act == 2) launch_map("clamped_swiglu_backward_kernel", op(clamped{}, no{}), n, vec, stream);
+    else launch_map("swiglu_backward_kernel", op(silu{}, no{}), n, vec, stream);
   } else {
-    if (gelu) launch_map("geglu_backward_kernel (with m)", op(yes{}, yes{}), n, vec, stream);
-    else launch_map("swiglu_backward_kernel (with m)", op(no{}, yes{}), n, vec, stream);
+    if (act == 1) launch_map("geglu_backward_kernel (with m)", op(gelu{}, yes{}), n, vec, stream);
+    else if (act == 2) launch_map("clamped_swiglu_backward_kernel (with m)", op(clamped{}, yes{}), n, vec, stream);
+    else launch_map("swiglu_backward_kernel (with m)", op(silu{}, yes{}), n, vec, stream);
   }
 }
 
@@ -1634,10 +1707,11 @@ void launch_packed_offsets(const std::int32_t* starts, std::int64_t count, std::
 }
 
 void launch_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, const AttentionDims& dims,
-                              cudaStream_t stream, const std::int32_t* positions) {
+                              cudaStream_t stream, const std::int32_t* positions, const float* sinks) {
   MT_NVTX_RANGE("launch_attention_forward");
   AttnParams p = attention_params(dims, "attention_forward");
   p.pos = positions;
+  p.sinks = sinks;
   check_aligned4(q, "q", "attention_forward");
   check_aligned4(k, "k", "attention_forward");
   check_aligned4(v, "v", "attention_forward");
@@ -1661,10 +1735,13 @@ std::size_t attention_backward_workspace_bytes(const AttentionDims& dims) {
 
 void launch_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
                                const bf16* dout, bf16* dq, bf16* dk, bf16* dv, const AttentionDims& dims, void* workspace,
-                               std::size_t workspace_bytes, cudaStream_t stream, const std::int32_t* positions) {
+                               std::size_t workspace_bytes, cudaStream_t stream, const std::int32_t* positions,
+                               const float* sinks, float* dsinks) {
   MT_NVTX_RANGE("launch_attention_backward");
   AttnParams p = attention_params(dims, "attention_backward");
   p.pos = positions;
+  p.sinks = sinks;
+  MT_CHECK((sinks == nullptr) == (dsinks == nullptr), "attention_backward: sinks and their gradient come together");
   const std::pair<const void*, const char*> tensors[] = {{q, "q"},       {k, "k"},   {v, "v"},   {out, "out"},
                                                          {dout, "dout"}, {dq, "dq"}, {dk, "dk"}, {dv, "dv"}};
   for (const auto& [ptr, name] : tensors) check_aligned4(ptr, name, "attention_backward");
@@ -1676,6 +1753,10 @@ void launch_attention_backward(const bf16* q, const bf16* k, const bf16* v, cons
 
   attention_delta_kernel<<<grid_for(tokens * p.H, 8, 65536), 256, 0, stream>>>(dev(out), dev(dout), delta, tokens, p);
   MT_CUDA_CHECK_LAUNCH("attention_delta_kernel");
+  if (sinks != nullptr) {
+    attention_sinks_grad_kernel<<<static_cast<unsigned>(p.H), kSsThreads, 0, stream>>>(lse, delta, dims.rows, dsinks, p);
+    MT_CUDA_CHECK_LAUNCH("attention_sinks_grad_kernel");
+  }
 
   const unsigned tiles = static_cast<unsigned>((p.S + kTile - 1) / kTile);
   const std::size_t smem_dq = sizeof(float) * (kQWarps * kQRows * 32 + 2 * kTile * p.Dp) + sizeof(u32) * 2 * kTile * p.ks;
@@ -1691,6 +1772,38 @@ void launch_attention_backward(const bf16* q, const bf16* k, const bf16* v, cons
                                 smem_kv, stream>>>(dev(q), dev(k), dev(v), dev(dout), lse, delta, dev(dk), dev(dv), p);
     MT_CUDA_CHECK_LAUNCH("attention_dkdv_kernel");
   });
+}
+
+void launch_attention_add_sinks(bf16* out, float* lse, const float* sinks, const AttentionDims& dims, cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_attention_add_sinks");
+  AttnParams p = attention_params(dims, "attention_add_sinks");
+  MT_CHECK(dims.sequences == 0, "attention_add_sinks: packed rows are not supported (their lse is laid out by sequence)");
+  MT_CHECK(out && lse && sinks, "attention_add_sinks: null out, lse or sinks");
+  check_aligned4(out, "out", "attention_add_sinks");
+  p.sinks = sinks;
+  const i64 tokens = dims.rows * dims.seq;
+  attention_add_sinks_kernel<<<grid_for(tokens * p.H, 8, 65536), 256, 0, stream>>>(dev(out), lse, tokens, p);
+  MT_CUDA_CHECK_LAUNCH("attention_add_sinks_kernel");
+}
+
+void launch_attention_sinks_grad(const bf16* out, const bf16* dout, const float* lse, const float* sinks, float* dsinks,
+                                 const AttentionDims& dims, void* workspace, std::size_t workspace_bytes,
+                                 cudaStream_t stream) {
+  MT_NVTX_RANGE("launch_attention_sinks_grad");
+  AttnParams p = attention_params(dims, "attention_sinks_grad");
+  MT_CHECK(dims.sequences == 0, "attention_sinks_grad: packed rows are not supported (their lse is laid out by sequence)");
+  MT_CHECK(out && dout && lse && sinks && dsinks, "attention_sinks_grad: a null argument");
+  check_aligned4(out, "out", "attention_sinks_grad");
+  check_aligned4(dout, "dout", "attention_sinks_grad");
+  check_workspace(workspace, workspace_bytes, attention_backward_workspace_bytes(dims), "attention_sinks_grad");
+  p.sinks = sinks;
+  Carver carve(workspace, workspace_bytes);
+  const i64 tokens = dims.rows * dims.seq;
+  float* delta = carve.take<float>(static_cast<std::size_t>(tokens * dims.heads));
+  attention_delta_kernel<<<grid_for(tokens * p.H, 8, 65536), 256, 0, stream>>>(dev(out), dev(dout), delta, tokens, p);
+  MT_CUDA_CHECK_LAUNCH("attention_delta_kernel");
+  attention_sinks_grad_kernel<<<static_cast<unsigned>(p.H), kSsThreads, 0, stream>>>(lse, delta, dims.rows, dsinks, p);
+  MT_CUDA_CHECK_LAUNCH("attention_sinks_grad_kernel");
 }
 
 void launch_adamw(const AdamWArgs& s, float* p, float* m, float* v, const float* g, bf16* w, std::int64_t n,

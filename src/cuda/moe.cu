@@ -329,7 +329,62 @@ __global__ void __launch_bounds__(256) moe_route_backward_kernel(const float* __
   }
 }
 
+// ---- the experts' biases (GPT-OSS) ------------------------------------------------------------
+/// The expert whose rows hold row r: the last e with offsets[e] <= r (offsets [E + 1], increasing).
+__device__ __forceinline__ int expert_of(const std::int64_t* __restrict__ offsets, int E, i64 r) {
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (offsets[mid] <= r) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+/// y[r] = bf16(y[r] + bias_e) for the rows [offsets[0], offsets[E]), bias_e = bias0 + e * stride:
+/// a block per row at a time.
+__global__ void __launch_bounds__(256) moe_bias_add_kernel(bf* __restrict__ y, int N, const std::int64_t* __restrict__ offsets,
+                                                           int E, const bf* __restrict__ bias0, i64 stride) {
+  const i64 r0 = offsets[0], r1 = offsets[E];
+  for (i64 r = r0 + blockIdx.x; r < r1; r += gridDim.x) {
+    const bf* b = bias0 + static_cast<i64>(expert_of(offsets, E, r)) * stride;
+    bf* row = y + r * N;
+    for (int c = threadIdx.x; c < N; c += blockDim.x)
+      row[c] = __float2bfloat16(__bfloat162float(row[c]) + __bfloat162float(b[c]));
+  }
+}
+
+/// dbias_e += the column sums of dy's rows of expert e (blockIdx.y), each column summed by one
+/// thread in row order (in double, then rounded once): deterministic.
+__global__ void __launch_bounds__(256) moe_bias_grad_kernel(const bf* __restrict__ dy, int N,
+                                                            const std::int64_t* __restrict__ offsets,
+                                                            float* __restrict__ dbias0, i64 stride) {
+  const int e = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= N) return;
+  double acc = 0.0;
+  for (i64 r = offsets[e]; r < offsets[e + 1]; ++r) acc += static_cast<double>(__bfloat162float(dy[r * N + c]));
+  dbias0[static_cast<i64>(e) * stride + c] += static_cast<float>(acc);
+}
+
 }  // namespace
+
+void launch_moe_bias_add(bf16* y, std::int64_t rows, std::int64_t N, const std::int64_t* offsets, std::int64_t E,
+                         const bf16* bias0, std::int64_t stride, cudaStream_t stream) {
+  MT_CHECK(N > 0 && N <= INT_MAX && E > 0 && E <= kMoeMaxExperts && rows >= 0, "moe_bias_add: {} columns, {} experts", N, E);
+  if (rows == 0) return;
+  const auto blocks = static_cast<unsigned>(std::min<std::int64_t>(rows, 8192));
+  moe_bias_add_kernel<<<blocks, 256, 0, stream>>>(dev(y), static_cast<int>(N), offsets, static_cast<int>(E), dev(bias0),
+                                                  stride);
+  MT_CUDA_CHECK_LAUNCH("moe_bias_add_kernel");
+}
+
+void launch_moe_bias_grad(const bf16* dy, std::int64_t N, const std::int64_t* offsets, std::int64_t E, float* dbias0,
+                          std::int64_t stride, cudaStream_t stream) {
+  MT_CHECK(N > 0 && N <= INT_MAX && E > 0 && E <= 65535, "moe_bias_grad: {} columns, {} experts", N, E);
+  const dim3 grid(static_cast<unsigned>((N + 255) / 256), static_cast<unsigned>(E));
+  moe_bias_grad_kernel<<<grid, 256, 0, stream>>>(dev(dy), static_cast<int>(N), offsets, dbias0, stride);
+  MT_CUDA_CHECK_LAUNCH("moe_bias_grad_kernel");
+}
 
 void launch_moe_route(const bf16* logits, std::int64_t M, std::int64_t E, std::int64_t k, bool renormalize, float* probs,
                       std::int32_t* experts, float* weights, std::int32_t* order, std::int32_t* slot, std::int64_t* offsets,

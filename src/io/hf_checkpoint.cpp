@@ -150,30 +150,64 @@ std::int64_t first_difference(const TensorRef& a, const TensorRef& b, float* va,
 /// Where a checkpoint tensor lives, for messages: "'model-00001-of-00002.safetensors'".
 std::string where(const TensorRef& r) { return fmt::format("'{}'", r.file->path().string()); }
 
-/// Where a parameter lies in a fused checkpoint tensor: that tensor and the parameter's first row.
+/// Where a parameter lies in a fused checkpoint tensor: that tensor and its part.
 struct FusedPlace {
   const FusedTensor* tensor;
-  std::int64_t first_row;
+  const FusedPart* part;
 };
-/// The fused tensors' parts (by parameter name) and each fused tensor's shape [rows, cols].
-struct FusedLayout {
-  std::map<std::string, FusedPlace, std::less<>> places;
-  std::map<std::string, std::array<std::int64_t, 2>, std::less<>> shapes;
-};
-FusedLayout fused_layout(const std::vector<FusedTensor>& fused, const std::vector<UnitSpec>& units) {
+/// The fused tensors' parts by parameter name; each part's shape checked against the model's.
+std::map<std::string, FusedPlace, std::less<>> fused_places(const std::vector<FusedTensor>& fused,
+                                                            const std::vector<UnitSpec>& units) {
   std::map<std::string, const ParamSpec*, std::less<>> specs;
   for (const auto& u : units)
     for (const auto& p : u.params) specs[p.name] = &p;
-  FusedLayout out;
-  for (const auto& f : fused) {
-    std::int64_t r = 0;
+  std::map<std::string, FusedPlace, std::less<>> out;
+  for (const auto& f : fused)
     for (const auto& part : f.parts) {
-      out.places[part] = {&f, r};
-      r += specs.at(part)->shape.dims()[0];
+      const auto it = specs.find(part.param);
+      MT_CHECK(it != specs.end() && std::ranges::equal(it->second->shape.dims(), part.dims),
+               "the fused tensor '{}' holds a parameter '{}' the model does not have in that shape", f.name, part.param);
+      out[part.param] = {&f, &part};
     }
-    out.shapes[f.name] = {r, specs.at(f.parts.front())->shape.dims()[1]};
-  }
   return out;
+}
+
+std::string shape_text(const std::vector<std::int64_t>& dims) { return fmt::format("[{}]", fmt::join(dims, ", ")); }
+
+/// The checkpoint tensors a fused tensor is read from: itself, or (GPT-OSS's MXFP4 experts) its
+/// blocks and scales; none when absent.
+struct FusedSource {
+  std::optional<TensorRef> whole, blocks, scales;
+};
+FusedSource find_fused(const SafetensorsCheckpoint& w, const FusedTensor& f) {
+  FusedSource s{w.find(f.name), {}, {}};
+  if (!s.whole && f.mxfp4) {
+    s.blocks = w.find(f.name + "_blocks");
+    s.scales = w.find(f.name + "_scales");
+  }
+  return s;
+}
+
+/// The whole fused tensor in fp32 (row-major, f.shape), read or dequantized; values that are not
+/// finite refused, naming the tensor.
+std::vector<float> read_fused(const SafetensorsCheckpoint& w, const FusedTensor& f) {
+  std::int64_t n = 1;
+  for (const auto d : f.shape) n *= d;
+  std::vector<float> whole(static_cast<std::size_t>(n));
+  const FusedSource src = find_fused(w, f);
+  if (src.whole) {
+    read_into(*src.whole, View<float>(std::span<float>(whole), Shape(f.shape)));
+    check_finite(*src.whole, whole);
+    return whole;
+  }
+  const auto bytes = [](const TensorRef& r) {
+    const auto b = r.bytes().bytes;
+    return std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(b.data()), b.size());
+  };
+  const auto& bd = src.blocks->info->shape;  // [E, R, G, 16]
+  dequantize_mxfp4(bytes(*src.blocks), bytes(*src.scales), bd[0], bd[1], bd[2], whole);
+  check_finite(*src.blocks, whole);
+  return whole;
 }
 
 /// Checks that `store` holds exactly the parameters of `units` (names and shapes).
@@ -286,32 +320,59 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
   };
   std::set<std::string, std::less<>> used;
   const std::string table = Embedding::kTable, head = LmHead::kHead;
-  // Fused tensors (Phi-3): each holds several parameters' rows; checked whole, read by rows.
+  // Fused tensors (Phi-3's projections, GPT-OSS's experts): each holds several parameters;
+  // checked whole, each parameter read from its place.
   const auto fused = fused_tensors(cfg);
-  const FusedLayout layout = fused_layout(fused, c.units_);
+  const auto places = fused_places(fused, c.units_);
   for (const auto& f : fused) {
-    const auto [rows, cols] = layout.shapes.at(f.name);
-    const std::string parts = fmt::format("{}", fmt::join(f.parts, ", "));
-    const std::optional<TensorRef> ref = c.weights_.find(f.name);
-    if (!ref) {
-      problems.push_back(fmt::format("tensor '{}' is missing (the model needs [{}, {}]: the rows of {})", f.name, rows, cols,
-                                     parts));
+    const std::string what = fmt::format("{} parameters such as {}", f.parts.size(), f.parts.front().param);
+    const FusedSource src = find_fused(c.weights_, f);
+    if (src.whole) {
+      const TensorRef& ref = *src.whole;
+      used.insert(ref.name());
+      for (const auto& part : f.parts) c.source_.emplace(part.param, ref.name());
+      if (ref.info->shape != f.shape)
+        problems.push_back(fmt::format("tensor '{}' in {} has shape {} but config.json needs {} (it holds {})", ref.name(),
+                                       where(ref), ref.info->shape_str(), shape_text(f.shape), what));
+      if (!is_float_dtype(ref.info->dtype))
+        problems.push_back(fmt::format("tensor '{}' in {} holds {} elements; only F32, BF16, F16 and F64 weights can be "
+                                       "loaded", ref.name(), where(ref), safetensors_dtype_name(ref.info->dtype)));
+      check_declared_dtype(ref);
       continue;
     }
-    used.insert(ref->name());
-    for (const auto& part : f.parts) c.source_.emplace(part, ref->name());
-    const auto& dims = ref->info->shape;
-    if (dims.size() != 2 || dims[0] != rows || dims[1] != cols)
-      problems.push_back(fmt::format("tensor '{}' in {} has shape {} but config.json needs [{}, {}] (the rows of {})",
-                                     ref->name(), where(*ref), ref->info->shape_str(), rows, cols, parts));
-    if (!is_float_dtype(ref->info->dtype))
-      problems.push_back(fmt::format("tensor '{}' in {} holds {} elements; only F32, BF16, F16 and F64 weights can be "
-                                     "loaded", ref->name(), where(*ref), safetensors_dtype_name(ref->info->dtype)));
-    check_declared_dtype(*ref);
+    if (src.blocks && src.scales) {  // MXFP4 (GPT-OSS): [E, R, G, 16] blocks and [E, R, G] scales of [E, G * 32, R]
+      for (const auto* r : {&*src.blocks, &*src.scales}) {
+        used.insert(r->name());
+        if (r->info->dtype != SafetensorsDType::u8)
+          problems.push_back(fmt::format("tensor '{}' in {} holds {} elements; MXFP4 blocks and scales are U8", r->name(),
+                                         where(*r), safetensors_dtype_name(r->info->dtype)));
+      }
+      for (const auto& part : f.parts) c.source_.emplace(part.param, src.blocks->name());
+      const auto& b = src.blocks->info->shape;
+      const auto& sc = src.scales->info->shape;
+      const bool ok = f.shape.size() == 3 && b.size() == 4 && sc.size() == 3 && b[0] == f.shape[0] && b[1] == f.shape[2] &&
+                      b[2] * 32 == f.shape[1] && b[3] == 16 && std::equal(sc.begin(), sc.end(), b.begin());
+      if (!ok)
+        problems.push_back(fmt::format("MXFP4 tensors '{}' {} and '{}' {} in {} do not hold {} (config.json needs blocks "
+                                       "[{}, {}, {}, 16] and scales [{}, {}, {}])", src.blocks->name(),
+                                       src.blocks->info->shape_str(), src.scales->name(), src.scales->info->shape_str(),
+                                       where(*src.blocks), shape_text(f.shape), f.shape[0], f.shape[2], f.shape[1] / 32,
+                                       f.shape[0], f.shape[2], f.shape[1] / 32));
+      continue;
+    }
+    if (src.blocks || src.scales) {
+      const TensorRef& r = src.blocks ? *src.blocks : *src.scales;
+      used.insert(r.name());
+      problems.push_back(fmt::format("tensor '{}' in {} has no {} beside it: an MXFP4 tensor needs both its _blocks and "
+                                     "its _scales", r.name(), where(r), src.blocks ? f.name + "_scales" : f.name + "_blocks"));
+      continue;
+    }
+    problems.push_back(fmt::format("tensor '{}' is missing (the model needs {}: it holds {}){}", f.name, shape_text(f.shape),
+                                   what, f.mxfp4 ? fmt::format(" (or, MXFP4, {0}_blocks and {0}_scales)", f.name) : ""));
   }
   for (const auto& u : c.units_) {
     for (const auto& p : u.params) {
-      if (layout.places.contains(p.name)) continue;
+      if (places.contains(p.name)) continue;
       std::optional<TensorRef> ref = c.weights_.find(p.name);
       if (!ref && cfg.tie_word_embeddings && p.name == table) ref = c.weights_.find(head);
       if (!ref) {
@@ -419,9 +480,11 @@ void HfCheckpoint::load_into(HostParamStore<float>& store) const {
   store.check_settled(fmt::format("loading '{}'", dir_.string()));
   check_store_matches(store, units_, fmt::format("loading '{}'", dir_.string()));
   const auto fused = fused_tensors(config_);
-  const auto places = fused_layout(fused, units_).places;
-  std::vector<float> whole;  // the fused tensor last read, whole (its parameters are next to each other)
-  std::string whole_name;
+  const auto places = fused_places(fused, units_);
+  // The fused tensor last read, whole (its parameters come one after another in slab order, so
+  // each is read once).
+  std::vector<float> whole;
+  const FusedTensor* whole_of = nullptr;
   for (auto& unit : store.units()) {
     for (const auto& p : unit.params()) {
       const auto place = places.find(p.spec.name);
@@ -431,30 +494,107 @@ void HfCheckpoint::load_into(HostParamStore<float>& store) const {
         check_finite(ref, store.master(p.spec.name).span());
         continue;
       }
-      const TensorRef ref = source(p.spec.name);
-      if (whole_name != ref.name()) {
-        const auto& dims = ref.info->shape;
-        whole.assign(static_cast<std::size_t>(dims[0] * dims[1]), 0.0f);
-        read_into(ref, View<float>(std::span<float>(whole), Shape{dims[0], dims[1]}));
-        check_finite(ref, whole);
-        whole_name = ref.name();
+      if (whole_of != place->second.tensor) {
+        whole.clear();
+        whole.shrink_to_fit();
+        whole = read_fused(weights_, *place->second.tensor);
+        whole_of = place->second.tensor;
       }
-      const View<float> master = store.master(p.spec.name);
-      const auto cols = static_cast<std::size_t>(ref.info->shape[1]);
-      std::copy_n(whole.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(place->second.first_row) * cols),
-                  master.span().size(), master.span().begin());
+      gather_part(*place->second.part, whole, store.master(p.spec.name).span());
     }
     store.sync_compute(unit);
   }
 }
 
+namespace {
+/// Calls f(i, at) for each element i of part p, in the parameter's row-major order, with `at` its
+/// flat index in the fused tensor (the last dimension innermost; any rank).
+template <class F>
+void for_each_place(const FusedPart& p, std::size_t count, F f) {
+  const std::size_t rank = p.dims.size();
+  std::vector<std::int64_t> idx(rank, 0);
+  std::int64_t at = p.offset;
+  for (std::size_t i = 0; i < count; ++i) {
+    f(i, static_cast<std::size_t>(at));
+    for (std::size_t k = rank; k-- > 0;) {
+      at += p.strides[k];
+      if (++idx[k] < p.dims[k]) break;
+      at -= p.strides[k] * p.dims[k];
+      idx[k] = 0;
+    }
+  }
+}
+}  // namespace
+
+void gather_part(const FusedPart& p, std::span<const float> fused, std::span<float> out) {
+  for_each_place(p, out.size(), [&](std::size_t i, std::size_t at) { out[i] = fused[at]; });
+}
+
+void scatter_part(const FusedPart& p, std::span<const float> in, std::span<float> fused) {
+  for_each_place(p, in.size(), [&](std::size_t i, std::size_t at) { fused[at] = in[i]; });
+}
+
+void dequantize_mxfp4(std::span<const std::uint8_t> blocks, std::span<const std::uint8_t> scales, std::int64_t P,
+                      std::int64_t R, std::int64_t G, std::span<float> out) {
+  static constexpr float kFp4[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  MT_CHECK(blocks.size() == static_cast<std::size_t>(P * R * G * 16) && scales.size() == static_cast<std::size_t>(P * R * G) &&
+               out.size() == static_cast<std::size_t>(P * R * G * 32),
+           "MXFP4: {} block bytes and {} scales for [{}, {}, {}] groups into {} values", blocks.size(), scales.size(), P, R,
+           G, out.size());
+  const std::int64_t C = G * 32;  // out[p, c, r]: column c = g * 32 + 2 b (+ 1 for the high nibble) of row r
+  for (std::int64_t p = 0; p < P; ++p)
+    for (std::int64_t r = 0; r < R; ++r)
+      for (std::int64_t g = 0; g < G; ++g) {
+        const std::size_t grp = static_cast<std::size_t>((p * R + r) * G + g);
+        const int e = static_cast<int>(scales[grp]) - 127;
+        const std::uint8_t* b = blocks.data() + grp * 16;
+        float* o = out.data() + p * C * R + g * 32 * R + r;
+        for (int i = 0; i < 16; ++i) {
+          o[(2 * i) * R] = std::ldexp(kFp4[b[i] & 0x0F], e);
+          o[(2 * i + 1) * R] = std::ldexp(kFp4[b[i] >> 4], e);
+        }
+      }
+}
+
 std::vector<FusedTensor> fused_tensors(const ModelConfig& cfg) {
   std::vector<FusedTensor> out;
-  if (!cfg.fused_projections()) return out;
-  for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-    const std::string a = fmt::format("model.layers.{}.self_attn.", l), m = fmt::format("model.layers.{}.mlp.", l);
-    out.push_back({a + "qkv_proj.weight", {a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"}});
-    out.push_back({m + "gate_up_proj.weight", {m + "gate_proj.weight", m + "up_proj.weight"}});
+  const std::int64_t d = cfg.hidden_size;
+  if (cfg.fused_projections()) {  // Phi-3: the parameters' rows one after another
+    const auto rows = [d](std::string name, std::vector<std::pair<std::string, std::int64_t>> parts) {
+      FusedTensor f{std::move(name), {0, d}, {}, false};
+      for (auto& [param, n] : parts) {
+        f.parts.push_back({std::move(param), {n, d}, f.shape[0] * d, {d, 1}});
+        f.shape[0] += n;
+      }
+      return f;
+    };
+    for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+      const std::string a = fmt::format("model.layers.{}.self_attn.", l), m = fmt::format("model.layers.{}.mlp.", l);
+      out.push_back(rows(a + "qkv_proj.weight",
+                         {{a + "q_proj.weight", cfg.q_dim()}, {a + "k_proj.weight", cfg.kv_dim()}, {a + "v_proj.weight", cfg.kv_dim()}}));
+      out.push_back(rows(m + "gate_up_proj.weight",
+                         {{m + "gate_proj.weight", cfg.intermediate_size}, {m + "up_proj.weight", cfg.intermediate_size}}));
+    }
+  }
+  if (cfg.architecture == Architecture::gpt_oss) {  // the experts, stacked; gate and up interleaved
+    const std::int64_t E = cfg.moe.num_experts, I = cfg.moe.intermediate_size;
+    for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+      if (!cfg.is_moe_layer(l)) continue;
+      const std::string x = fmt::format("model.layers.{}.mlp.experts.", l);
+      const auto param = [&](std::int64_t e, const char* what) { return fmt::format("{}{}.{}", x, e, what); };
+      FusedTensor gu{x + "gate_up_proj", {E, d, 2 * I}, {}, true}, gub{x + "gate_up_proj_bias", {E, 2 * I}, {}, false};
+      FusedTensor dn{x + "down_proj", {E, I, d}, {}, true}, dnb{x + "down_proj_bias", {E, d}, {}, false};
+      for (std::int64_t e = 0; e < E; ++e) {
+        gu.parts.push_back({param(e, "gate_proj.weight"), {I, d}, e * d * 2 * I, {2, 2 * I}});
+        gu.parts.push_back({param(e, "up_proj.weight"), {I, d}, e * d * 2 * I + 1, {2, 2 * I}});
+        gub.parts.push_back({param(e, "gate_proj.bias"), {I}, e * 2 * I, {2}});
+        gub.parts.push_back({param(e, "up_proj.bias"), {I}, e * 2 * I + 1, {2}});
+        dn.parts.push_back({param(e, "down_proj.weight"), {d, I}, e * I * d, {1, d}});
+        dnb.parts.push_back({param(e, "down_proj.bias"), {d}, e * d, {1}});
+      }
+      for (auto* f : {&gu, &gub, &dn, &dnb}) out.push_back(std::move(*f));
+    }
   }
   return out;
 }
@@ -500,6 +640,7 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
     const ModelConfig given = ModelConfig::from_json(j, "the config.json text given for the export");
     MT_CHECK(given.to_json() == cfg.to_json(), "{}: the config.json text given describes another model ({}) than the "
              "store holds ({})", label, describe(given), describe(cfg));
+    j.erase("quantization_config");  // (the weights are written unquantized: GPT-OSS's MXFP4 experts too)
   }
   j["torch_dtype"] = dtype_text;  // transformers 4 reads this spelling,
   j["dtype"] = dtype_text;        // transformers 5 this one
@@ -518,33 +659,31 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
   std::vector<TensorToWrite> tensors;
   tensors.reserve(count);
   const SafetensorsDType stored = to_safetensors_dtype(options.dtype);
-  // Fused tensors (Phi-3) are written where their first part is, from all their parts' masters.
+  // Fused tensors (Phi-3's projections, GPT-OSS's experts) are written where their first part
+  // is, assembled whole from all their parts' masters when their first chunk is asked for and
+  // released after their last (an MXFP4 one unquantized, under its own name).
   const auto fused = fused_tensors(cfg);
-  const FusedLayout layout = fused_layout(fused, units);
+  const auto places = fused_places(fused, units);
   for (const auto& u : store.units()) {
     for (const auto& p : u.params()) {
-      if (const auto place = layout.places.find(p.spec.name); place != layout.places.end()) {
-        if (place->second.first_row != 0) continue;
+      if (const auto place = places.find(p.spec.name); place != places.end()) {
         const FusedTensor& f = *place->second.tensor;
-        std::vector<std::span<const float>> parts;
-        for (const auto& part : f.parts) parts.push_back(store.master(part).span());
-        const auto [rows, cols] = layout.shapes.at(f.name);
+        if (place->second.part != &f.parts.front()) continue;
         const std::size_t index = tensors.size();
-        tensors.emplace_back(f.name, std::vector<std::int64_t>{rows, cols}, stored,
-                             [parts, index, count, &f, &options](std::int64_t first, std::span<float> out) {
+        auto whole = std::make_shared<std::vector<float>>();
+        tensors.emplace_back(f.name, f.shape, stored,
+                             [whole, index, count, &f, &store, &options](std::int64_t first, std::span<float> out) {
                                if (first == 0 && options.progress) options.progress(f.name, index, count);
-                               auto at = static_cast<std::size_t>(first);  // element offset in the fused tensor
-                               std::size_t done = 0;
-                               for (const auto& part : parts) {
-                                 if (at >= part.size()) {
-                                   at -= part.size();
-                                   continue;
-                                 }
-                                 const std::size_t n = std::min(part.size() - at, out.size() - done);
-                                 std::copy_n(part.begin() + static_cast<std::ptrdiff_t>(at), n, out.begin() + static_cast<std::ptrdiff_t>(done));
-                                 done += n;
-                                 at = 0;
-                                 if (done == out.size()) break;
+                               if (whole->empty()) {
+                                 std::int64_t n = 1;
+                                 for (const auto dim : f.shape) n *= dim;
+                                 whole->assign(static_cast<std::size_t>(n), 0.0f);
+                                 for (const auto& part : f.parts) scatter_part(part, store.master(part.param).span(), *whole);
+                               }
+                               std::copy_n(whole->begin() + first, out.size(), out.begin());
+                               if (static_cast<std::size_t>(first) + out.size() == whole->size()) {
+                                 whole->clear();
+                                 whole->shrink_to_fit();
                                }
                              });
         continue;

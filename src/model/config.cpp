@@ -67,17 +67,20 @@ struct ArchInfo {
   bool scaled_embedding;   ///< the embedding's output times sqrt(hidden_size) (Gemma)
   bool qk_norm_full;       ///< q_norm and k_norm over the whole projection, not per head (OLMoE)
   bool moe;                ///< sparse mixture-of-experts MLPs (MoeConfig)
+  bool attention_sinks;    ///< a learned sink logit per attention head (GPT-OSS)
 };
 constexpr ArchInfo kArchs[] = {
-    {Architecture::llama, "LlamaForCausalLM", "llama", 2048, false, false, false, false, false, false, false},
-    {Architecture::mistral, "MistralForCausalLM", "mistral", 131072, false, false, false, false, false, false, false},
-    {Architecture::qwen2, "Qwen2ForCausalLM", "qwen2", 32768, false, false, false, false, false, false, false},
-    {Architecture::qwen3, "Qwen3ForCausalLM", "qwen3", 32768, true, false, false, false, false, false, false},
-    {Architecture::phi3, "Phi3ForCausalLM", "phi3", 4096, false, true, false, false, false, false, false},
-    {Architecture::gemma3, "Gemma3ForCausalLM", "gemma3_text", 131072, true, false, true, true, true, false, false},
-    {Architecture::qwen3_moe, "Qwen3MoeForCausalLM", "qwen3_moe", 32768, true, false, false, false, false, false, true},
-    {Architecture::mixtral, "MixtralForCausalLM", "mixtral", 131072, false, false, false, false, false, false, true},
-    {Architecture::olmoe, "OlmoeForCausalLM", "olmoe", 4096, true, false, false, false, false, true, true},
+    {Architecture::llama, "LlamaForCausalLM", "llama", 2048, false, false, false, false, false, false, false, false},
+    {Architecture::mistral, "MistralForCausalLM", "mistral", 131072, false, false, false, false, false, false, false, false},
+    {Architecture::qwen2, "Qwen2ForCausalLM", "qwen2", 32768, false, false, false, false, false, false, false, false},
+    {Architecture::qwen3, "Qwen3ForCausalLM", "qwen3", 32768, true, false, false, false, false, false, false, false},
+    {Architecture::phi3, "Phi3ForCausalLM", "phi3", 4096, false, true, false, false, false, false, false, false},
+    {Architecture::gemma3, "Gemma3ForCausalLM", "gemma3_text", 131072, true, false, true, true, true, false, false, false},
+    {Architecture::qwen3_moe, "Qwen3MoeForCausalLM", "qwen3_moe", 32768, true, false, false, false, false, false, true, false},
+    {Architecture::mixtral, "MixtralForCausalLM", "mixtral", 131072, false, false, false, false, false, false, true, false},
+    {Architecture::olmoe, "OlmoeForCausalLM", "olmoe", 4096, true, false, false, false, false, true, true, false},
+    // (GPT-OSS: its experts' tensors are stacked and fused in the checkpoint, io::fused_tensors)
+    {Architecture::gpt_oss, "GptOssForCausalLM", "gpt_oss", 131072, false, false, false, false, false, false, true, true},
 };
 const ArchInfo& arch_info(Architecture a) {
   for (const auto& info : kArchs)
@@ -191,6 +194,63 @@ json rope_scaling_json(const RopeScaling& r, double yarn_factor, std::int64_t ya
   return nullptr;
 }
 
+// layer_types (Gemma 3, GPT-OSS): which layers attend within sliding_window ("sliding_attention")
+// and which over the whole sequence ("full_attention"); `sliding_default(i)` where it is absent.
+template <class F>
+void parse_layer_types(const json& j, std::string_view src, ModelConfig& c, F sliding_default) {
+  c.sliding_layers.assign(static_cast<std::size_t>(std::max<std::int64_t>(c.num_hidden_layers, 0)), false);
+  if (j.contains("layer_types") && !j.at("layer_types").is_null()) {
+    const json& lt = j.at("layer_types");
+    MT_CHECK(lt.is_array() && static_cast<std::int64_t>(lt.size()) == c.num_hidden_layers,
+             "{}: layer_types must list one type per layer ({}), not {}", src, c.num_hidden_layers, lt.dump());
+    for (std::size_t i = 0; i < lt.size(); ++i) {
+      MT_CHECK(lt[i].is_string() && (lt[i] == "full_attention" || lt[i] == "sliding_attention"),
+               "{}: layer_types holds {}; each entry must be \"full_attention\" or \"sliding_attention\"", src,
+               lt[i].dump());
+      c.sliding_layers[i] = lt[i] == "sliding_attention";
+    }
+  } else {
+    for (std::size_t i = 0; i < c.sliding_layers.size(); ++i) c.sliding_layers[i] = sliding_default(static_cast<std::int64_t>(i));
+  }
+}
+
+// GptOssConfig's own fields (transformers 5.17; the defaults are its defaults): sliding and full
+// layers (layer_types, else every other layer slides, the first included), a window of 128, yarn
+// rotary scaling by default (factor 32 over 4096 positions, untruncated ramp) with rope_theta
+// 150000, the experts' clamped SwiGLU. The published checkpoints' quantization_config (MXFP4
+// experts) is read by io::HfCheckpoint, which dequantizes them; another method is refused.
+void parse_gpt_oss(const json& j, std::string_view src, ModelConfig& c) {
+  c.hidden_act = Activation::silu;  // (the attention-free parts; the experts' own is expert_act())
+  if (j.contains("sliding_window") && !j.at("sliding_window").is_null()) {
+    c.sliding_window = get_int(j, "sliding_window", src);
+  } else if (!j.contains("sliding_window")) {
+    c.sliding_window = 128;
+  }
+  parse_layer_types(j, src, c, [](std::int64_t i) { return (i + 1) % 2 != 0; });
+  if (!c.sliding_window) std::fill(c.sliding_layers.begin(), c.sliding_layers.end(), false);  // (null: no window)
+  const auto given = [&](const json& o, const char* key) { return o.contains(key) && !o.at(key).is_null(); };
+  const bool rope_params = given(j, "rope_parameters") && j.at("rope_parameters").is_object();
+  if (!given(j, "rope_theta") && !(rope_params && given(j.at("rope_parameters"), "rope_theta"))) c.rope_theta = 150000.0;
+  if (!given(j, "rope_scaling") && !(rope_params && given(j.at("rope_parameters"), "rope_type"))) {
+    c.rope_scaling = RopeScaling{};
+    c.rope_scaling.type = RopeScaling::Type::yarn;
+    c.rope_scaling.factor = 32.0;
+    c.rope_scaling.original_max_position_embeddings = 4096;
+    c.rope_scaling.truncate = false;
+  }
+  if (given(j, "swiglu_limit"))
+    MT_CHECK(get_double(j, "swiglu_limit", src) == kClampedSwigluLimit,
+             "{}: swiglu_limit is {}, but transformers' GptOssExperts clamps at {} whatever the config says; megatrain "
+             "trains the model transformers runs, so set it to {}", src, get_double(j, "swiglu_limit", src),
+             kClampedSwigluLimit, kClampedSwigluLimit);
+  if (given(j, "quantization_config")) {
+    const json& q = j.at("quantization_config");
+    const bool mxfp4 = q.is_object() && q.contains("quant_method") && q.at("quant_method") == "mxfp4";
+    MT_CHECK(mxfp4, "{}: quantization_config {} is not supported; megatrain reads GPT-OSS's MXFP4 experts (quant_method "
+             "\"mxfp4\", dequantized at load) or unquantized weights", src, q.dump());
+  }
+}
+
 // The mixture-of-experts families' fields (Qwen3MoeConfig, MixtralConfig, OlmoeConfig of
 // transformers 5.17; the defaults are theirs). Their attention is Qwen3's (per-head q/k norms,
 // attention_bias), Mistral's (no bias, a window where sliding_window is set) and OLMoE's (q/k
@@ -201,6 +261,7 @@ json rope_scaling_json(const RopeScaling& r, double yarn_factor, std::int64_t ya
 void parse_moe(const json& j, std::string_view src, ModelConfig& c) {
   MoeConfig& m = c.moe;
   const bool mixtral = c.architecture == Architecture::mixtral, qwen = c.architecture == Architecture::qwen3_moe;
+  const bool gpt = c.architecture == Architecture::gpt_oss;
   MT_CHECK(!get_bool(j, "mlp_bias", src, false), "{}: 'mlp_bias' is true, but {} has no such option (its experts have no "
            "bias); remove the field", src, c.architecture_name());
   if (mixtral) {
@@ -209,8 +270,9 @@ void parse_moe(const json& j, std::string_view src, ModelConfig& c) {
     // (MixtralConfig's sliding_window defaults to None, unlike Mistral's)
     if (j.contains("sliding_window") && !j.at("sliding_window").is_null()) c.sliding_window = get_int(j, "sliding_window", src);
   } else {
-    c.qkv_bias = c.o_bias = get_bool(j, "attention_bias", src, false);
+    c.qkv_bias = c.o_bias = get_bool(j, "attention_bias", src, gpt);  // (GptOssConfig defaults it to true)
   }
+  if (gpt) parse_gpt_oss(j, src, c);
   if (qwen && get_bool(j, "use_sliding_window", src, false)) c.sliding_window = get_int(j, "sliding_window", src, 4096);
   MT_CHECK(get_double(j, "attention_dropout", src, 0.0) == 0.0,
            "{}: 'attention_dropout' is {}, but megatrain trains without dropout; set it to 0.0 to train this model", src,
@@ -220,15 +282,17 @@ void parse_moe(const json& j, std::string_view src, ModelConfig& c) {
   const auto given = [&](const char* key) { return j.contains(key) && !j.at(key).is_null(); };
   m.num_experts = given("num_local_experts") ? get_int(j, "num_local_experts", src)
                   : given("num_experts")     ? get_int(j, "num_experts", src)
-                                             : (mixtral ? 8 : qwen ? 128 : 64);
+                                             : (mixtral ? 8 : qwen || gpt ? 128 : 64);
   if (given("num_local_experts") && given("num_experts"))
     MT_CHECK(get_int(j, "num_experts", src) == m.num_experts,
              "{}: num_experts ({}) and num_local_experts ({}) name the same count and disagree", src,
              get_int(j, "num_experts", src), m.num_experts);
-  m.experts_per_token = get_int(j, "num_experts_per_tok", src, mixtral ? 2 : 8);
+  m.experts_per_token = get_int(j, "num_experts_per_tok", src, mixtral ? 2 : gpt ? 4 : 8);
   m.intermediate_size = qwen ? get_int(j, "moe_intermediate_size", src, 768) : c.intermediate_size;
-  m.norm_topk_prob = mixtral || get_bool(j, "norm_topk_prob", src, false);
-  m.router_aux_loss_coef = get_double(j, "router_aux_loss_coef", src, mixtral || qwen ? 0.001 : 0.01);
+  // (GPT-OSS: the softmax of the top-k logits, which is the renormalised top-k of the softmax)
+  m.norm_topk_prob = mixtral || gpt || get_bool(j, "norm_topk_prob", src, false);
+  m.router_aux_loss_coef = get_double(j, "router_aux_loss_coef", src, mixtral || qwen || gpt ? 0.001 : 0.01);
+  m.biases = gpt;
   MT_CHECK(m.num_experts > 0 && m.num_experts <= (1 << 16),
            "{}: num_experts must be in [1, 65536] (got {})", src, m.num_experts);
   MT_CHECK(m.experts_per_token > 0 && m.experts_per_token <= m.num_experts,
@@ -294,23 +358,9 @@ void parse_gemma3(const json& j, std::string_view src, ModelConfig& c) {
            "{}: query_pre_attn_scalar must be > 0 (got {})", src, *c.query_pre_attn_scalar);
   c.sliding_window = get_int(j, "sliding_window", src, 4096);
   // Which layers slide: layer_types, else every sliding_window_pattern-th layer is full
-  c.sliding_layers.assign(static_cast<std::size_t>(std::max<std::int64_t>(c.num_hidden_layers, 0)), false);
-  if (j.contains("layer_types") && !j.at("layer_types").is_null()) {
-    const json& lt = j.at("layer_types");
-    MT_CHECK(lt.is_array() && static_cast<std::int64_t>(lt.size()) == c.num_hidden_layers,
-             "{}: layer_types must list one type per layer ({}), not {}", src, c.num_hidden_layers, lt.dump());
-    for (std::size_t i = 0; i < lt.size(); ++i) {
-      MT_CHECK(lt[i].is_string() && (lt[i] == "full_attention" || lt[i] == "sliding_attention"),
-               "{}: layer_types holds {}; each entry must be \"full_attention\" or \"sliding_attention\"", src,
-               lt[i].dump());
-      c.sliding_layers[i] = lt[i] == "sliding_attention";
-    }
-  } else {
-    const std::int64_t pattern = get_int(j, "sliding_window_pattern", src, 6);
-    MT_CHECK(pattern > 0, "{}: sliding_window_pattern must be > 0 (got {})", src, pattern);
-    for (std::size_t i = 0; i < c.sliding_layers.size(); ++i)
-      c.sliding_layers[i] = (static_cast<std::int64_t>(i) + 1) % pattern != 0;
-  }
+  const std::int64_t pattern = get_int(j, "sliding_window_pattern", src, 6);
+  MT_CHECK(pattern > 0, "{}: sliding_window_pattern must be > 0 (got {})", src, pattern);
+  parse_layer_types(j, src, c, [&](std::int64_t i) { return (i + 1) % pattern != 0; });
   // Rotary: transformers 5 writes rope_parameters per layer type; transformers 4's configs (those
   // on the Hub) keep rope_theta and rope_scaling for the full layers and rope_local_base_freq for
   // the sliding ones (unscaled), which transformers 5 reads the same way.
@@ -509,6 +559,7 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
     case Architecture::qwen3_moe:
     case Architecture::mixtral:
     case Architecture::olmoe:
+    case Architecture::gpt_oss:
       parse_moe(j, src, c);
       break;
     case Architecture::mistral:
@@ -596,9 +647,14 @@ void ModelConfig::validate(std::string_view src) const {
            "{}: OLMoE's q_norm spans hidden_size ({}), so num_attention_heads x head_dim must equal it (got {})", src,
            hidden_size, q_dim());
   MT_CHECK(architecture == Architecture::gemma3 ||
-               (sliding_layers.empty() && hidden_act == Activation::silu && !query_pre_attn_scalar),
-           "{}: per-layer sliding windows, GeGLU and query_pre_attn_scalar are Gemma 3's; {} has none of them", src,
-           architecture_name());
+               ((sliding_layers.empty() || architecture == Architecture::gpt_oss) && hidden_act == Activation::silu &&
+                !query_pre_attn_scalar),
+           "{}: per-layer sliding windows (but GPT-OSS's), GeGLU and query_pre_attn_scalar are Gemma 3's; {} has none of "
+           "them", src, architecture_name());
+  MT_CHECK(sliding_layers.empty() || static_cast<std::int64_t>(sliding_layers.size()) == num_hidden_layers,
+           "{}: {} layer types for {} layers", src, sliding_layers.size(), num_hidden_layers);
+  MT_CHECK(moe.biases == (architecture == Architecture::gpt_oss), "{}: biased routers and experts are GPT-OSS's; {} has "
+           "{}", src, architecture_name(), moe.biases ? "none" : "them");
   // The biases a config.json can describe (from_json above): anything else would not survive
   // to_json, nor load in transformers.
   switch (architecture) {
@@ -632,6 +688,7 @@ void ModelConfig::validate(std::string_view src) const {
     case Architecture::qwen3:
     case Architecture::qwen3_moe:
     case Architecture::olmoe:
+    case Architecture::gpt_oss:
       MT_CHECK(qkv_bias == o_bias && !mlp_bias, "{}: {}'s one attention_bias sets q/k/v and o_proj biases alike and its "
                "MLP has none (got qkv_bias {}, o_bias {}, mlp_bias {})", src, architecture_name(), qkv_bias, o_bias, mlp_bias);
       break;
@@ -651,7 +708,7 @@ void ModelConfig::validate(std::string_view src) const {
     MT_CHECK(architecture == Architecture::qwen3_moe || (moe.dense_layers.empty() && moe.decoder_sparse_step == 1),
              "{}: only Qwen3-MoE has dense layers (mlp_only_layers, decoder_sparse_step)", src);
     MT_CHECK(architecture == Architecture::qwen3_moe || architecture == Architecture::olmoe || moe.norm_topk_prob,
-             "{}: Mixtral always renormalises its top-k weights", src);
+             "{}: {} always renormalises its top-k weights", src, architecture_name());
   } else {
     MT_CHECK(moe.num_experts == 0, "{}: {} has no experts (num_experts {})", src, architecture_name(), moe.num_experts);
   }
@@ -661,6 +718,10 @@ std::string_view ModelConfig::architecture_name() const { return arch_info(archi
 std::string_view ModelConfig::model_type() const { return arch_info(architecture).model_type; }
 bool ModelConfig::qk_norm() const { return arch_info(architecture).qk_norm; }
 bool ModelConfig::qk_norm_full() const { return arch_info(architecture).qk_norm_full; }
+bool ModelConfig::attention_sinks() const { return arch_info(architecture).attention_sinks; }
+Activation ModelConfig::expert_act() const {
+  return architecture == Architecture::gpt_oss ? Activation::clamped_swiglu : hidden_act;
+}
 bool ModelConfig::is_moe_layer(std::int64_t layer) const {
   if (moe.num_experts == 0) return false;
   if (std::find(moe.dense_layers.begin(), moe.dense_layers.end(), layer) != moe.dense_layers.end()) return false;
@@ -691,7 +752,7 @@ std::int64_t ModelConfig::attention_window(std::int64_t layer) const {
 }
 ModelConfig ModelConfig::rope_for_layer(std::int64_t layer) const {
   ModelConfig c = *this;
-  if (attention_window(layer) > 0) {
+  if (architecture == Architecture::gemma3 && attention_window(layer) > 0) {  // (GPT-OSS's layers share theirs)
     c.rope_theta = local_rope_theta;
     c.rope_scaling = local_rope_scaling;
   }
@@ -751,8 +812,23 @@ json ModelConfig::to_json() const {
     j["attention_bias"] = qkv_bias;
     j["mlp_bias"] = mlp_bias;
   }
-  if (architecture == Architecture::qwen3 || architecture == Architecture::qwen3_moe || architecture == Architecture::olmoe)
+  if (architecture == Architecture::qwen3 || architecture == Architecture::qwen3_moe || architecture == Architecture::olmoe ||
+      architecture == Architecture::gpt_oss)
     j["attention_bias"] = qkv_bias;
+  if (architecture == Architecture::gpt_oss) {
+    // as transformers 5 writes it: the rotary parameters in rope_parameters, the layer types
+    j.erase("rope_theta");
+    j.erase("rope_scaling");
+    json p = rope_scaling_json(rope_scaling, yarn_factor(), yarn_original_length());
+    if (p.is_null()) p = {{"rope_type", "default"}};
+    p["rope_theta"] = rope_theta;
+    j["rope_parameters"] = p;
+    j["sliding_window"] = sliding_window ? json(*sliding_window) : json(nullptr);
+    json types = json::array();
+    for (const bool sl : sliding_layers) types.push_back(sl ? "sliding_attention" : "full_attention");
+    j["layer_types"] = types;
+    j["attention_dropout"] = 0.0;
+  }
   if (arch_info(architecture).moe) {
     j["num_experts"] = moe.num_experts;  // (both names: transformers 5 reads either, 4 only its family's)
     j["num_local_experts"] = moe.num_experts;
@@ -761,6 +837,8 @@ json ModelConfig::to_json() const {
     j["router_aux_loss_coef"] = moe.router_aux_loss_coef;
     if (architecture == Architecture::mixtral) {
       j["router_jitter_noise"] = 0.0;
+    } else if (architecture == Architecture::gpt_oss) {
+      j.erase("num_experts");  // (GptOssConfig maps num_experts onto num_local_experts; one name suffices)
     } else {
       j["norm_topk_prob"] = moe.norm_topk_prob;
     }
@@ -883,21 +961,43 @@ std::int64_t ModelConfig::param_count() const {
   if (mlp_bias) block = add(block, add(mul(2, intermediate_size), d));
   if (qk_norm()) block = add(block, qk_norm_full() ? add(q_dim(), kv_dim()) : mul(2, head_dim));
   if (sandwich_norms()) block = add(block, mul(2, d));
+  if (attention_sinks()) block = add(block, num_attention_heads);
   // the MLPs: dense gate, up, down; or the router and each expert's three
   const std::int64_t sparse = moe_layer_count();
   const std::int64_t dense_mlp = mul(mul(3, d), intermediate_size);
-  const std::int64_t moe_mlp = moe.num_experts > 0 ? add(mul(moe.num_experts, d), mul(moe.num_experts, mul(mul(3, d), moe.intermediate_size))) : 0;
+  const std::int64_t moe_mlp = moe.num_experts > 0 ? add(mul(moe.num_experts, add(d, moe.biases ? 1 : 0)),
+                                                         mul(moe.num_experts, expert_params())) : 0;
   std::int64_t n = add(add(mul(vocab_size, d), mul(num_hidden_layers, block)), d);
   n = add(n, add(mul(num_hidden_layers - sparse, dense_mlp), mul(sparse, moe_mlp)));
   if (!tie_word_embeddings) n = add(n, mul(vocab_size, d));
   return n;
 }
 
+std::int64_t ModelConfig::expert_params() const {
+  const auto mul = [](std::int64_t a, std::int64_t b) { return checked_mul(a, b, "the model's parameter count"); };
+  const std::int64_t w = mul(mul(3, hidden_size), moe.intermediate_size);
+  return moe.biases ? checked_add(w, 2 * moe.intermediate_size + hidden_size, "the model's parameter count") : w;
+}
+
 std::int64_t ModelConfig::active_param_count() const {
   // (each sparse layer's experts a token is not routed to: every factor bounded by param_count's)
   const auto mul = [](std::int64_t x, std::int64_t y) { return checked_mul(x, y, "the model's active parameters"); };
   const std::int64_t idle_experts = mul(moe_layer_count(), moe.num_experts - moe.experts_per_token);
-  return param_count() - mul(idle_experts, mul(mul(3, hidden_size), moe.intermediate_size));
+  return param_count() - mul(idle_experts, expert_params());
+}
+
+ModelConfig ModelConfig::with_layers(std::int64_t layers) const {
+  MT_CHECK(layers > 0 && layers <= kMaxLayers, "a model of {} layers: the count must be in [1, {}]", layers, kMaxLayers);
+  ModelConfig c = *this;
+  c.num_hidden_layers = layers;
+  if (!sliding_layers.empty()) {
+    c.sliding_layers.resize(static_cast<std::size_t>(layers));
+    for (std::size_t l = sliding_layers.size(); l < c.sliding_layers.size(); ++l)
+      c.sliding_layers[l] = sliding_layers[l % sliding_layers.size()];
+  }
+  std::erase_if(c.moe.dense_layers, [&](std::int64_t l) { return l >= layers; });
+  c.validate(fmt::format("{} cut to {} layers", architecture_name(), layers));
+  return c;
 }
 
 void ModelConfig::check_sequence_length(std::int64_t seq_len) const {
@@ -989,6 +1089,18 @@ constexpr Preset kPresets[] = {
       "num_hidden_layers":16,"num_attention_heads":16,"num_key_value_heads":16,"vocab_size":50304,"num_experts":64,
       "num_experts_per_tok":8,"norm_topk_prob":false,"max_position_embeddings":4096,"rms_norm_eps":1e-5,
       "rope_theta":10000.0,"pad_token_id":1,"tie_word_embeddings":false})"},
+    {"gpt-oss-20b", R"({"architectures":["GptOssForCausalLM"],"hidden_size":2880,"intermediate_size":2880,
+      "num_hidden_layers":24,"num_attention_heads":64,"num_key_value_heads":8,"head_dim":64,"vocab_size":201088,
+      "num_local_experts":32,"num_experts_per_tok":4,"sliding_window":128,"max_position_embeddings":131072,
+      "rms_norm_eps":1e-5,"rope_theta":150000.0,"rope_scaling":{"rope_type":"yarn","factor":32.0,"beta_fast":32.0,
+      "beta_slow":1.0,"truncate":false,"original_max_position_embeddings":4096},"pad_token_id":199999,
+      "tie_word_embeddings":false})"},
+    {"gpt-oss-120b", R"({"architectures":["GptOssForCausalLM"],"hidden_size":2880,"intermediate_size":2880,
+      "num_hidden_layers":36,"num_attention_heads":64,"num_key_value_heads":8,"head_dim":64,"vocab_size":201088,
+      "num_local_experts":128,"num_experts_per_tok":4,"sliding_window":128,"max_position_embeddings":131072,
+      "rms_norm_eps":1e-5,"rope_theta":150000.0,"rope_scaling":{"rope_type":"yarn","factor":32.0,"beta_fast":32.0,
+      "beta_slow":1.0,"truncate":false,"original_max_position_embeddings":4096},"pad_token_id":199999,
+      "tie_word_embeddings":false})"},
 };
 }  // namespace
 

@@ -159,7 +159,8 @@ void check_block(const ModelConfig& cfg, ChunkShape c, bool use_cudnn, const std
   auto w16 = random_bf16(n, 0.08f, rng);
   if (zero_router)
     for (const auto& e : tmpl.layout().entries())
-      if (e.spec.name.ends_with(".gate.weight"))
+      if (e.spec.name.ends_with(".gate.weight") || e.spec.name.ends_with(".router.weight") ||
+          e.spec.name.ends_with(".router.bias"))
         std::fill_n(w16.begin() + e.offset, e.numel(), bf16(0.0f));
   auto wd = to_double(w16);
   const auto gains = random_gains(tmpl, wd, rng);  // fp32 gains near 1, read at full precision
@@ -264,6 +265,21 @@ TEST_CASE("a mixture-of-experts block on the GPU matches the float64 reference")
   // experts without a token: top 1 of 6, and top 2 of 8.
   check_block(moe("Qwen3MoeForCausalLM", 6, 1, false, 40), {2, 37}, true, {}, true);
   check_block(moe("OlmoeForCausalLM", 8, 2, false, 32), {1, 29}, true, {}, true);
+}
+
+TEST_CASE("a GPT-OSS block on the GPU matches the float64 reference (sinks, biased experts, clamped SwiGLU)") {
+  // Layer 0 of GPT-OSS slides (window `window`; 0: a full layer); every expert chosen, as above,
+  // and a router (weights and bias zero) sending every token to expert 0 with the others idle.
+  const auto gpt = [](int experts, int k, int inter, int window) {
+    return config(96, 4, 2, 24, 101, false, true, "GptOssForCausalLM",
+                  {{"num_local_experts", experts}, {"num_experts_per_tok", k}, {"intermediate_size", inter},
+                   {"sliding_window", window > 0 ? window : 4096},
+                   {"layer_types", {window > 0 ? "sliding_attention" : "full_attention"}}});
+  };
+  check_block(gpt(4, 4, 40, 9), {2, 37}, true);   // sliding: the own kernel, with sinks
+  check_block(gpt(3, 3, 72, 0), {1, 50}, true);   // full: the own kernel too (cuDNN has no sinks)
+  check_block(gpt(5, 5, 56, 4), {3, 13}, false);
+  check_block(gpt(6, 1, 40, 0), {2, 37}, true, {}, true);
 }
 
 TEST_CASE("decoder block on the GPU matches the float64 reference (megatrain's attention kernel)") {

@@ -526,24 +526,28 @@ TEST_CASE("Gemma 3 on the GPU: sliding and full layers, kept activations the sam
   for (std::size_t s = 0; s < ref.size(); ++s) CHECK(got[s].loss == ref[s].loss);
 }
 
-TEST_CASE("mixtures of experts on the GPU: losses near the CPU's, the same bits on every run") {
+TEST_CASE("mixtures of experts (GPT-OSS too) on the GPU: losses near the CPU's, the same bits on every run") {
   // Qwen3-MoE (a dense layer among sparse ones, renormalised top 2 of 8) and Mixtral (top 2 of 6),
   // 4 layers. The routing of a few tokens may differ between bf16 and fp32, so the losses are
   // compared within 2%; two GPU runs (and kept activations) must give the same bits.
-  // The third: Qwen3-MoE with the auxiliary load-balancing loss (output_router_logits).
+  // The third: Qwen3-MoE with the auxiliary load-balancing loss (output_router_logits). The
+  // fourth: GPT-OSS (attention sinks, sliding and full layers, biased router and experts, the
+  // clamped SwiGLU; top 2 of 6).
   const auto moe = [](const std::string& arch, bool aux) {
     nlohmann::json j{{"architectures", {arch}}, {"hidden_size", 128}, {"intermediate_size", 200},
                      {"num_hidden_layers", 4}, {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"head_dim", 32},
                      {"vocab_size", 256}, {"num_experts_per_tok", 2}};
     if (arch == "Qwen3MoeForCausalLM")
       j.update({{"num_experts", 8}, {"moe_intermediate_size", 72}, {"norm_topk_prob", true}, {"mlp_only_layers", {2}}});
+    else if (arch == "GptOssForCausalLM")
+      j.update({{"num_local_experts", 6}, {"intermediate_size", 88}, {"sliding_window", 12}});
     else
       j.update({{"num_local_experts", 6}, {"intermediate_size", 88}});
     if (aux) j.update({{"output_router_logits", true}, {"router_aux_loss_coef", 0.1}});
     return ModelConfig::from_json(j, "moe test");
   };
   for (const auto& [arch, aux] : {std::pair{"Qwen3MoeForCausalLM", false}, std::pair{"MixtralForCausalLM", false},
-                                  std::pair{"Qwen3MoeForCausalLM", true}}) {
+                                  std::pair{"Qwen3MoeForCausalLM", true}, std::pair{"GptOssForCausalLM", false}}) {
     CAPTURE(arch);
     CAPTURE(aux);
     const auto cfg = moe(arch, aux);

@@ -204,17 +204,20 @@ TEST_CASE("add and casts match host rounding bit for bit, on the vector and scal
   }
 }
 
-TEST_CASE("swiglu and geglu (tanh GELU) forward and backward against the double reference") {
+TEST_CASE("swiglu, geglu (tanh GELU) and GPT-OSS's clamped swiglu forward and backward against the double reference") {
   std::mt19937 rng(2);
   Ref ref;
-  for (const auto act : {megatrain::Activation::silu, megatrain::Activation::gelu_tanh})
+  for (const auto act : {megatrain::Activation::silu, megatrain::Activation::gelu_tanh, megatrain::Activation::clamped_swiglu})
   for (std::int64_t n : {1, 13, 1000, 4099}) {
     for (std::size_t offset : {0u, 1u}) {
-      const bool gelu = act == megatrain::Activation::gelu_tanh;
+      const int gelu = static_cast<int>(act);  // (the launchers' numbering of the activations)
       CAPTURE(gelu);
       CAPTURE(n);
       CAPTURE(offset);
-      const auto g = random_bf16(sz(n), rng, 0.0f, 2.0f), u = random_bf16(sz(n), rng), dm = random_bf16(sz(n), rng);
+      // (the clamped one's inputs spread past its clamps at +-7)
+      const float spread = act == megatrain::Activation::clamped_swiglu ? 6.0f : 1.0f;
+      const auto g = random_bf16(sz(n), rng, 0.0f, 2.0f * spread), u = random_bf16(sz(n), rng, 0.0f, spread),
+                 dm = random_bf16(sz(n), rng);
       DeviceArray<bf16> d_g(sz(n), offset), d_u(sz(n), offset), d_dm(sz(n), offset), d_m(sz(n), offset),
           d_dg(sz(n), offset), d_du(sz(n), offset);
       d_g.upload(g);
@@ -691,7 +694,9 @@ TEST_CASE("attention forward and backward against the double reference") {
                                              // whole sequence) and a softmax scale of its own
                                              {2, 70, 4, 2, 64, {}, 0.0, 5},   {1, 130, 2, 1, 128, {}, 0.1, 40},
                                              {1, 37, 2, 2, 256, {}, 1.0 / 16, 37}, {1, 45, 3, 1, 80, {}, 0.07, 0}};
+  for (const bool with_sinks : {false, true})  // (GPT-OSS's sinks: a logit per head in every softmax)
   for (const auto& s : cases) {
+    CAPTURE(with_sinks);
     CAPTURE(s.window);
     CAPTURE(s.scale);
     CAPTURE(s.rows);
@@ -713,6 +718,12 @@ TEST_CASE("attention forward and backward against the double reference") {
     d_k.upload(k);
     d_v.upload(v);
     d_dout.upload(dout);
+    std::vector<float> sinks(sz(s.heads)), dsinks0(sz(s.heads));
+    for (auto& x : sinks) x = std::normal_distribution<float>(0.0f, 1.5f)(rng);
+    for (auto& x : dsinks0) x = std::normal_distribution<float>(0.0f, 1.0f)(rng);
+    DeviceArray<float> d_sinks(sz(s.heads)), d_dsinks(sz(s.heads));
+    d_sinks.upload(sinks);
+    const float* sk_ptr = with_sinks ? d_sinks.get() : nullptr;
 
     // Forward, twice.
     std::vector<std::vector<bf16>> outs;
@@ -720,7 +731,7 @@ TEST_CASE("attention forward and backward against the double reference") {
     for (int rep = 0; rep < 2; ++rep) {
       d_out.poison();
       d_lse.poison();
-      mc::launch_attention_forward(d_q.get(), d_k.get(), d_v.get(), d_out.get(), d_lse.get(), dims, stream());
+      mc::launch_attention_forward(d_q.get(), d_k.get(), d_v.get(), d_out.get(), d_lse.get(), dims, stream(), nullptr, sk_ptr);
       outs.push_back(d_out.download());
       lses.push_back(d_lse.download());
     }
@@ -728,33 +739,46 @@ TEST_CASE("attention forward and backward against the double reference") {
     CHECK(same_bits(lses[0], lses[1]));
     auto qd = widen(q), kd = widen(k), vd = widen(v), dod = widen(dout);
     std::vector<double> out(sz(nq)), lse(sz(nl));
-    const Shape sq{M, s.heads * s.head_dim}, sk{M, s.kv_heads * s.head_dim}, sl{s.rows, s.heads, s.seq};
+    const Shape sq{M, s.heads * s.head_dim}, sk{M, s.kv_heads * s.head_dim}, sl{s.rows, s.heads, s.seq}, sh{s.heads};
+    auto sinksd = widen(sinks);
+    const auto ref_sinks = with_sinks ? view<const double>(sinksd, sh) : megatrain::View<const double>{};
     ref.attention(view<const double>(qd, sq), view<const double>(kd, sk), view<const double>(vd, sk), view<double>(out, sq),
-                  view<double>(lse, sl), s);
+                  view<double>(lse, sl), s, ref_sinks);
     CHECK(rel_err(outs[0], out) <= kTolReduced);
     CHECK(rel_err(lses[0], lse) <= kTolF32);
 
     // Backward from the GPU's own out and lse (the reference gets the same values), twice.
     Workspace ws(mc::attention_backward_workspace_bytes(dims));
     std::vector<std::vector<bf16>> dqs, dks, dvs;
+    std::vector<std::vector<float>> dsinkss;
     for (int rep = 0; rep < 2; ++rep) {
       d_dq.poison();
       d_dk.poison();
       d_dv.poison();
+      d_dsinks.upload(dsinks0);
       mc::launch_attention_backward(d_q.get(), d_k.get(), d_v.get(), d_out.get(), d_lse.get(), d_dout.get(), d_dq.get(),
-                                    d_dk.get(), d_dv.get(), dims, ws.get(), ws.size(), stream());
+                                    d_dk.get(), d_dv.get(), dims, ws.get(), ws.size(), stream(), nullptr, sk_ptr,
+                                    with_sinks ? d_dsinks.get() : nullptr);
       dqs.push_back(d_dq.download());
       dks.push_back(d_dk.download());
       dvs.push_back(d_dv.download());
+      dsinkss.push_back(d_dsinks.download());
     }
+    CHECK(same_bits(dsinkss[0], dsinkss[1]));
     CHECK(same_bits(dqs[0], dqs[1]));
     CHECK(same_bits(dks[0], dks[1]));
     CHECK(same_bits(dvs[0], dvs[1]));
     auto outd = widen(outs[0]), lsed = widen(lses[0]);
-    std::vector<double> dq(sz(nq)), dk(sz(nk)), dv(sz(nk));
+    std::vector<double> dq(sz(nq)), dk(sz(nk)), dv(sz(nk)), dsd(sz(s.heads), 0.0);
     ref.attention_backward(view<const double>(qd, sq), view<const double>(kd, sk), view<const double>(vd, sk),
                            view<const double>(outd, sq), view<const double>(lsed, sl), view<const double>(dod, sq),
-                           view<double>(dq, sq), view<double>(dk, sk), view<double>(dv, sk), s);
+                           view<double>(dq, sq), view<double>(dk, sk), view<double>(dv, sk), s, ref_sinks,
+                           with_sinks ? view<double>(dsd, sh) : megatrain::View<double>{});
+    if (with_sinks) {  // the increment of dsinks, against the reference's (it started at 0)
+      std::vector<double> inc(sz(s.heads));
+      for (std::size_t h = 0; h < inc.size(); ++h) inc[h] = static_cast<double>(dsinkss[0][h]) - dsinks0[h];
+      CHECK(rel_err(inc, dsd) <= kTolReduced);
+    }
     CHECK(rel_err(dqs[0], dq) <= kTolReduced);
     CHECK(rel_err(dks[0], dk) <= kTolReduced);
     CHECK(rel_err(dvs[0], dv) <= kTolReduced);

@@ -107,6 +107,11 @@ std::vector<HfFixture> hf_fixtures() {
                               {"num_key_value_heads", 2}, {"tie_word_embeddings", false}, {"num_experts", 3},
                               {"num_experts_per_tok", 2}, {"pad_token_id", 1}}),
                DType::f32});
+  // GPT-OSS: sinks, biased router and experts (stacked and fused in the checkpoint), sliding layers
+  f.push_back({"gpt_oss", with({{"architectures", {"GptOssForCausalLM"}}, {"model_type", "gpt_oss"}, {"head_dim", 4},
+                                {"tie_word_embeddings", false}, {"num_local_experts", 3}, {"num_experts_per_tok", 2},
+                                {"sliding_window", 4}}),
+               DType::bf16});
   return f;
 }
 
@@ -123,6 +128,7 @@ std::string hf_fixture_for(const ModelConfig& c) {
     case Architecture::qwen3_moe: return "qwen3_moe";
     case Architecture::mixtral: return "mixtral";
     case Architecture::olmoe: return "olmoe";
+    case Architecture::gpt_oss: return "gpt_oss";
   }
   return "llama";
 }

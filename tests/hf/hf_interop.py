@@ -4,7 +4,8 @@
 For a tiny random LlamaForCausalLM (untied embeddings), a tiny Qwen3ForCausalLM (q/k norms, head_dim
 wider than hidden / heads, untied), a tiny Phi3ForCausalLM (fused qkv_proj and gate_up_proj, a
 pad_token_id), a tiny Gemma3ForCausalLM (sandwich (1 + w) norms, GeGLU, a sliding and a full
-layer) and a tiny Qwen2ForCausalLM (tied,
+layer), a tiny GptOssForCausalLM (attention sinks, biased router and experts fused in the
+checkpoint, clamped SwiGLU) and a tiny Qwen2ForCausalLM (tied,
 q/k/v biases), in float32 on the CPU:
 
   1. transformers saves the model with save_pretrained (safetensors);
@@ -124,7 +125,15 @@ def make_models():
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
         **common))
-    return [("llama", llama), ("qwen2", qwen), ("qwen3", qwen3), ("phi3", phi3), ("gemma3", gemma3)]
+    # GPT-OSS: attention sinks, q/k/v/o biases, a sliding layer (window 8) and a full one, yarn; a
+    # biased router over 4 experts (top 2), biased experts stacked and fused in the checkpoint,
+    # the clamped SwiGLU
+    gpt_oss = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        tie_word_embeddings=False, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=None, bos_token_id=None,
+        eos_token_id=None, **common))
+    return [("llama", llama), ("qwen2", qwen), ("qwen3", qwen3), ("phi3", phi3), ("gemma3", gemma3),
+            ("gpt_oss", gpt_oss)]
 
 
 def perturb(model, gen):

@@ -105,6 +105,22 @@ def families():
             tie_word_embeddings=False, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
             output_router_logits=True, router_aux_loss_coef=0.2, pad_token_id=None, bos_token_id=None,
             eos_token_id=None, **COMMON)),
+        # GPT-OSS: a sink logit per head, attention biases, sliding (window 4) and full layers, yarn
+        # rotary (untruncated ramp) over all of them, a biased router whose top-k logits are
+        # softmaxed, biased experts stacked and fused in the checkpoint (gate and up interleaved),
+        # the clamped SwiGLU (gate_up_proj scaled up so that some values pass the clamps at +-7)
+        "gpt_oss": (t.GptOssForCausalLM, t.GptOssConfig(
+            tie_word_embeddings=False, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": 16, "rope_theta": 150000.0},
+            pad_token_id=None, bos_token_id=None, eos_token_id=None, **{**COMMON, "num_hidden_layers": 3})),
+        # GPT-OSS as published: the experts' projections in MXFP4 blocks and scales (the reference
+        # model holds transformers' dequantization of them), with the auxiliary loss
+        "gpt_oss_mxfp4": (t.GptOssForCausalLM, t.GptOssConfig(
+            tie_word_embeddings=False, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+            output_router_logits=True, router_aux_loss_coef=0.2,
+            pad_token_id=None, bos_token_id=None, eos_token_id=None, **{**COMMON, "intermediate_size": 32})),
     }
 
 
@@ -139,6 +155,45 @@ def saved_grads(model, saved):
     return out
 
 
+def mxfp4_experts(model, seed):
+    """GPT-OSS's published layout: random MXFP4 blocks and scales for every layer's experts
+    (gate_up_proj, down_proj), and the model's experts set to transformers' own dequantization of
+    them (in float32). Returns {checkpoint name: uint8 tensor} for store_mxfp4."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    gen = torch.Generator().manual_seed(seed + 7)
+    out = {}
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if not (pname.endswith("experts.gate_up_proj") or pname.endswith("experts.down_proj")):
+                continue
+            E, rows, cols = p.shape  # [E, in, out]: blocks [E, out, in / 32, 16], scales [E, out, in / 32]
+            blocks = torch.randint(0, 256, (E, cols, rows // 32, 16), generator=gen, dtype=torch.int32).to(torch.uint8)
+            scales = torch.randint(121, 126, (E, cols, rows // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+            p.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+            out[pname + "_blocks"] = blocks.contiguous()
+            out[pname + "_scales"] = scales.contiguous()
+    return out
+
+
+def store_mxfp4(d, blocks):
+    """Rewrites the saved model.safetensors and config.json as the published GPT-OSS checkpoints
+    hold them: the experts' projections as MXFP4 blocks and scales, quantization_config mxfp4."""
+    from safetensors.torch import load_file
+    path = os.path.join(d, "model.safetensors")
+    tensors = load_file(path)
+    for k in blocks:
+        if k.endswith("_blocks"):
+            del tensors[k[: -len("_blocks")]]
+    tensors.update(blocks)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(d, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
 def make(name, cls, cfg, out):
     seed = sum(map(ord, name))
     torch.manual_seed(seed)
@@ -149,11 +204,20 @@ def make(name, cls, cfg, out):
         for pname, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.3 * torch.randn_like(p))
-            if pname.endswith("gate.weight") and p.dim() == 2:  # a router: choices spread, not too sharp (a
-                p.copy_(0.3 * torch.randn_like(p))       # sharp softmax makes its backward ill-conditioned)
+            if (pname.endswith("gate.weight") or pname.endswith("router.weight")) and p.dim() == 2:
+                p.copy_(0.3 * torch.randn_like(p))  # a router: choices spread, not too sharp (a sharp softmax
+                                                    # makes its backward ill-conditioned)
+            if pname.endswith("experts.gate_up_proj_bias") or pname.endswith("experts.down_proj_bias"):
+                p.add_(0.3 * torch.randn_like(p))  # (GPT-OSS's stacked expert biases start at 0 too)
+            if pname.endswith("experts.gate_up_proj") and "mxfp4" not in name:
+                p.mul_(4.0)  # GPT-OSS: gate and up values beyond its clamps at +-7
+        if "mxfp4" in name:
+            mxfp4_blocks = mxfp4_experts(model, seed)
     d = os.path.join(out, name)
     os.makedirs(d, exist_ok=True)
     model.save_pretrained(d, safe_serialization=True)
+    if "mxfp4" in name:
+        store_mxfp4(d, mxfp4_blocks)
     gen = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
     labels = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
@@ -179,6 +243,9 @@ def make(name, cls, cfg, out):
     from safetensors import safe_open
     with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
         saved = set(f.keys())
+    if "mxfp4" in name:  # (the gradients under the unquantized names, which the blocks stand for)
+        saved = {k[: -len("_blocks")] for k in saved if k.endswith("_blocks")} | {
+            k for k in saved if not k.endswith("_blocks") and not k.endswith("_scales")}
     for pname, g in saved_grads(model, saved).items():
         ref["grad." + pname] = g.contiguous()
     save_file(ref, os.path.join(d, "reference.safetensors"),

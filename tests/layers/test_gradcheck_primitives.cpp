@@ -36,7 +36,10 @@ View<const double> none() { return {}; }
 
 /// softmax(Q K^T / sqrt(D) + causal mask) V, head h reading key/value head h / (H / Hkv);
 /// also the log-sum-exp of each query's masked, scaled scores.
-void naive_attention(const Vec& q, const Vec& k, const Vec& v, const AttentionShape& s, Vec& out, Vec& lse) {
+/// With `sinks` (one logit per query head, GPT-OSS's): each joins its head's softmaxes, unscaled,
+/// and carries no value.
+void naive_attention(const Vec& q, const Vec& k, const Vec& v, const AttentionShape& s, Vec& out, Vec& lse,
+                     const Vec* sinks = nullptr) {
   const std::int64_t H = s.heads, Hkv = s.kv_heads, D = s.head_dim, S = s.seq;
   out.assign(static_cast<std::size_t>(s.rows * S * H * D), 0.0);
   lse.assign(static_cast<std::size_t>(s.rows * H * S), 0.0);
@@ -57,7 +60,8 @@ void naive_attention(const Vec& q, const Vec& k, const Vec& v, const AttentionSh
           score[j] = dot / std::sqrt(static_cast<double>(D)) + mask;
           mx = std::max(mx, score[j]);
         }
-        double z = 0;
+        if (sinks) mx = std::max(mx, (*sinks)[h]);
+        double z = sinks ? std::exp((*sinks)[h] - mx) : 0.0;
         for (double sc : score) z += std::exp(sc - mx);
         lse[(r * H + h) * S + i] = mx + std::log(z);
         for (std::int64_t c = 0; c < D; ++c) {
@@ -218,7 +222,7 @@ void check_rope(std::int64_t rows, std::int64_t seq, std::int64_t heads, std::in
   report("rope", gradcheck(objective, {{"x", x, g}}, rng));
 }
 
-void check_attention(AttentionShape s, std::uint64_t seed, const std::vector<int>& lengths = {}) {
+void check_attention(AttentionShape s, std::uint64_t seed, const std::vector<int>& lengths = {}, bool with_sinks = false) {
   // Packed rows: sequences of `lengths` laid end to end (each row's add up to seq).
   std::vector<std::int32_t> positions, starts;
   for (const int n : lengths) {
@@ -244,25 +248,37 @@ void check_attention(AttentionShape s, std::uint64_t seed, const std::vector<int
   // Entries of +-1.5 give scaled scores of spread ~0.75: attention far from uniform.
   Vec q = rng.vector(M * QW, -1.5, 1.5), k = rng.vector(M * KW, -1.5, 1.5), v = rng.vector(M * KW, -1, 1);
   const Vec r = rng.vector(M * QW, -1, 1);
+  // GPT-OSS's sinks: logits about as large as the scores, so that they take a fair share
+  Vec sinks = with_sinks ? rng.vector(s.heads, -1.5, 1.5) : Vec{};
+  const auto sv = [&] { return with_sinks ? cview(sinks, {s.heads}) : View<const double>{}; };
   Vec out(q.size()), lse(static_cast<std::size_t>(s.rows * s.heads * s.seq));
   auto objective = [&] {
     be.attention(cview(q, {M, QW}), cview(k, {M, KW}), cview(v, {M, KW}), view(out, {M, QW}),
-                 view(lse, {s.rows, s.heads, s.seq}), s);
+                 view(lse, {s.rows, s.heads, s.seq}), s, sv());
     return contract(out, r);
   };
   objective();
   Vec want, want_lse;
-  naive_attention(q, k, v, s, want, want_lse);
+  naive_attention(q, k, v, s, want, want_lse, with_sinks ? &sinks : nullptr);
   check_close("attention forward", out, want, kFwdRtol, kFwdAtol);
   check_close("attention lse", lse, want_lse, kFwdRtol, kFwdAtol);
 
   Vec dq = nans(M * QW), dk = nans(M * KW), dv = nans(M * KW);
+  const Vec dsinks0 = with_sinks ? rng.vector(s.heads, -1, 1) : Vec{};  // (added to: starts anywhere)
+  Vec dsinks = dsinks0;
   be.attention_backward(cview(q, {M, QW}), cview(k, {M, KW}), cview(v, {M, KW}), cview(out, {M, QW}),
                         cview(lse, {s.rows, s.heads, s.seq}), cview(r, {M, QW}), view(dq, {M, QW}), view(dk, {M, KW}),
-                        view(dv, {M, KW}), s);
-  // With one token per sequence a query sees one key: the output is v whatever q and k are.
-  const bool trivial = s.seq == 1;
-  report("attention", gradcheck(objective, {{"q", q, dq, trivial}, {"k", k, dk, trivial}, {"v", v, dv}}, rng));
+                        view(dv, {M, KW}), s, sv(), with_sinks ? view(dsinks, {s.heads}) : View<double>{});
+  // With one token per sequence a query sees one key: the output is v whatever q and k are (and
+  // without sinks, whatever q and k are).
+  const bool trivial = s.seq == 1 && !with_sinks;
+  if (!with_sinks) {
+    report("attention", gradcheck(objective, {{"q", q, dq, trivial}, {"k", k, dk, trivial}, {"v", v, dv}}, rng));
+    return;
+  }
+  const Vec gsinks = minus(dsinks, dsinks0);
+  report("attention with sinks",
+         gradcheck(objective, {{"q", q, dq, trivial}, {"k", k, dk, trivial}, {"v", v, dv}, {"sinks", sinks, gsinks}}, rng));
 }
 
 void check_lm_head(std::int64_t M, std::int64_t d, std::int64_t V, std::int64_t block, double h_amp,
@@ -362,6 +378,52 @@ TEST_CASE("gradcheck: causal grouped-query attention") {
   // packed rows: sequences across the blocks' edges, one of one token, one the whole row
   check_attention({2, 150, 4, 2, 8}, 408, {40, 30, 1, 79, 150});
   check_attention({3, 9, 4, 1, 6}, 409, {2, 7, 9, 1, 1, 1, 6});
+}
+
+TEST_CASE("gradcheck: attention with sinks (GPT-OSS)") {
+  check_attention({2, 7, 2, 2, 6}, 420, {}, true);
+  check_attention({2, 13, 4, 2, 10}, 421, {}, true);   // grouped: ratio 2
+  check_attention({3, 1, 2, 1, 24}, 422, {}, true);    // one token: the sink still takes its share
+  check_attention({2, 150, 4, 2, 8}, 423, {}, true);   // three blocks of queries
+  check_attention({2, 150, 4, 2, 8}, 424, {40, 30, 1, 79, 150}, true);  // packed rows
+}
+
+TEST_CASE("gradcheck: GPT-OSS's clamped swiglu") {
+  Random rng(test_seed(510));
+  Be be;
+  const std::int64_t M = 9, F = 13;
+  // values on both sides of the clamps at +-7, none within the finite differences' reach of them
+  const auto away = [](Vec v) {
+    for (auto& x : v)
+      if (std::abs(std::abs(x) - 7.0) < 0.05) x += 0.1;
+    return v;
+  };
+  Vec g = away(rng.vector(M * F, -10, 10)), u = away(rng.vector(M * F, -10, 10));
+  const Vec r = rng.vector(M * F, -1, 1);
+  Vec m(g.size());
+  auto objective = [&] {
+    be.swiglu(cview(g, {M, F}), cview(u, {M, F}), view(m, {M, F}), Activation::clamped_swiglu);
+    return contract(m, r);
+  };
+  objective();
+  Vec want(m.size());
+  int clamped = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    const double gc = std::min(g[i], 7.0), uc = std::clamp(u[i], -7.0, 7.0);
+    clamped += (g[i] > 7.0) + (std::abs(u[i]) > 7.0);
+    want[i] = (uc + 1) * gc / (1 + std::exp(-1.702 * gc));
+  }
+  CHECK(clamped > 10);  // (the clamps are exercised)
+  check_close("clamped swiglu forward", m, want, kFwdRtol, kFwdAtol);
+  Vec dg = nans(M * F), du = nans(M * F), m_bwd = nans(M * F);
+  be.swiglu_backward(cview(g, {M, F}), cview(u, {M, F}), cview(r, {M, F}), view(dg, {M, F}), view(du, {M, F}),
+                     Activation::clamped_swiglu, view(m_bwd, {M, F}));
+  CHECK(m_bwd == m);  // the backward's m: the forward's bits
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    if (g[i] > 7.0) CHECK(dg[i] == 0.0);
+    if (std::abs(u[i]) > 7.0) CHECK(du[i] == 0.0);
+  }
+  report("clamped swiglu", gradcheck(objective, {{"g", g, dg}, {"u", u, du}}, rng));
 }
 
 TEST_CASE("gradcheck: swiglu") {

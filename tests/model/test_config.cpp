@@ -91,7 +91,10 @@ std::int64_t state_dict_count(const ModelConfig& c) {
   std::vector<std::int64_t> tensors{c.vocab_size * d};  // model.embed_tokens.weight
   for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
     tensors.insert(tensors.end(), {d, qd * d, kd * d, kd * d, d * qd, d});
-    if (c.is_moe_layer(l)) {  // mlp.gate.weight, then each expert's gate_proj, up_proj, down_proj
+    if (c.architecture == Architecture::gpt_oss) {  // mlp.router.{weight,bias}, the stacked experts, sinks
+      const std::int64_t e = c.moe.num_experts, fe = c.moe.intermediate_size;
+      tensors.insert(tensors.end(), {e * d, e, e * d * 2 * fe, e * 2 * fe, e * fe * d, e * d, c.num_attention_heads});
+    } else if (c.is_moe_layer(l)) {  // mlp.gate.weight, then each expert's gate_proj, up_proj, down_proj
       const std::int64_t e = c.moe.num_experts, fe = c.moe.intermediate_size;
       tensors.push_back(e * d);
       for (std::int64_t x = 0; x < e; ++x) tensors.insert(tensors.end(), {fe * d, fe * d, d * fe});
@@ -693,7 +696,7 @@ TEST_CASE("config: every preset loads, validates, round-trips and agrees with th
   CHECK(names == std::vector<std::string>{"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-72b",
                                           "qwen3-0.6b", "qwen3-8b", "gemma-3-1b", "gemma-3-4b", "gemma-3-12b",
                                           "gemma-3-27b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "mistral-7b", "qwen3-30b-a3b",
-                                          "mixtral-8x7b", "olmoe-1b-7b"});
+                                          "mixtral-8x7b", "olmoe-1b-7b", "gpt-oss-20b", "gpt-oss-120b"});
   for (const auto& name : names) {
     CAPTURE(name);
     const auto c = ModelConfig::preset(name);
@@ -716,6 +719,9 @@ TEST_CASE("config: presets' parameter counts are the published ones") {
   CHECK(ModelConfig::preset("llama-3.1-8b").param_count() == 8'030'261'248);
   CHECK(ModelConfig::preset("mistral-7b").param_count() == 7'248'023'552);
   CHECK(ModelConfig::preset("gemma-3-1b").param_count() == 999'885'952);
+  // (OpenAI's model card: 20.91B and 116.83B in all, 3.61B and 5.13B active)
+  CHECK(ModelConfig::preset("gpt-oss-20b").param_count() == 20'914'757'184);
+  CHECK(ModelConfig::preset("gpt-oss-120b").param_count() == 116'829'156'672);
 }
 
 TEST_CASE("config: an unknown preset is refused with the known names") {
@@ -1147,4 +1153,97 @@ TEST_CASE("config: the mixtures of experts (Qwen3-MoE, Mixtral, OLMoE), their co
   json none = o.to_json();
   none.erase("num_local_experts");
   refused(none, "num_experts", 0, {"num_experts must be in [1, 65536]"});
+}
+
+TEST_CASE("config: GPT-OSS, as published and as transformers 5 writes it") {
+  // gpt-oss-20b's config.json as published (MXFP4 experts; fields transformers does not read kept)
+  json layer_types = json::array();
+  for (int l = 0; l < 24; ++l) layer_types.push_back(l % 2 == 0 ? "sliding_attention" : "full_attention");
+  json pub = json::parse(R"({"architectures":["GptOssForCausalLM"],"attention_bias":true,"attention_dropout":0.0,
+    "eos_token_id":200002,"experts_per_token":4,"head_dim":64,"hidden_act":"silu","hidden_size":2880,
+    "initial_context_length":4096,"initializer_range":0.02,"intermediate_size":2880,"max_position_embeddings":131072,
+    "model_type":"gpt_oss","num_attention_heads":64,"num_experts_per_tok":4,"num_hidden_layers":24,
+    "num_key_value_heads":8,"num_local_experts":32,"output_router_logits":false,"pad_token_id":199999,
+    "quantization_config":{"modules_to_not_convert":["model.layers.*.self_attn","model.layers.*.mlp.router",
+    "model.embed_tokens","lm_head"],"quant_method":"mxfp4"},"rms_norm_eps":1e-05,
+    "rope_scaling":{"beta_fast":32.0,"beta_slow":1.0,"factor":32.0,"original_max_position_embeddings":4096,
+    "rope_type":"yarn","truncate":false},"rope_theta":150000,"router_aux_loss_coef":0.9,"sliding_window":128,
+    "swiglu_limit":7.0,"tie_word_embeddings":false,"use_cache":true,"vocab_size":201088})");
+  pub["layer_types"] = layer_types;
+  const auto g = ModelConfig::from_json(pub, "gpt-oss-20b/config.json");
+  CHECK(g.architecture == Architecture::gpt_oss);
+  CHECK(g.attention_sinks());
+  CHECK(g.qkv_bias);
+  CHECK(g.o_bias);
+  CHECK(!g.qk_norm());
+  CHECK(g.moe.biases);
+  CHECK(g.moe.norm_topk_prob);
+  CHECK(g.moe.num_experts == 32);
+  CHECK(g.moe.experts_per_token == 4);
+  CHECK(g.moe.intermediate_size == 2880);
+  CHECK(g.moe.router_aux_loss_coef == 0.9);
+  CHECK(g.expert_act() == Activation::clamped_swiglu);
+  CHECK(g.hidden_act == Activation::silu);
+  CHECK(g.moe_layer_count() == 24);
+  CHECK(g.attention_window(0) == 128);
+  CHECK(g.attention_window(1) == 0);
+  CHECK(g.rope_scaling.type == RopeScaling::Type::yarn);
+  CHECK(!g.rope_scaling.truncate);
+  CHECK(g.rope_theta == 150000.0);
+  // one rotary table for the sliding and the full layers (not Gemma's local one)
+  CHECK(g.rope_for_layer(0).rope_inv_freq() == g.rope_for_layer(1).rope_inv_freq());
+  CHECK(g.rope_attention_scaling() == doctest::Approx(0.1 * std::log(32.0) + 1.0));
+  CHECK(g.param_count() == ModelConfig::preset("gpt-oss-20b").param_count());
+  // active: 3.61B on OpenAI's model card, which counts the unembedding but not the embedding
+  CHECK((g.active_param_count() - g.vocab_size * g.hidden_size + 5'000'000) / 10'000'000 == 361);
+  // written as transformers 5 writes it, read back the same (the same model as the preset)
+  CHECK(ModelConfig::from_json(g.to_json()).to_json() == g.to_json());
+  CHECK(g.to_json().contains("rope_parameters"));
+  CHECK(!g.to_json().contains("rope_scaling"));
+  CHECK(g.to_json().at("layer_types") == layer_types);
+
+  // GptOssConfig's defaults: every other layer slides (the first included), window 128, yarn x32
+  // over 4096 positions with rope_theta 150000, attention biases, 128 experts, top 4
+  const auto d = ModelConfig::from_json(json::parse(R"({"model_type":"gpt_oss","hidden_size":64,"intermediate_size":32,
+    "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":100})"), "d.json");
+  CHECK(d.sliding_layers == std::vector<bool>{true, false, true});
+  CHECK(d.sliding_window == 128);
+  CHECK(d.rope_theta == 150000.0);
+  CHECK(d.rope_scaling.type == RopeScaling::Type::yarn);
+  CHECK(d.yarn_factor() == 32.0);
+  CHECK(d.yarn_original_length() == 4096);
+  CHECK(d.qkv_bias);
+  CHECK(d.moe.num_experts == 128);
+  CHECK(d.moe.experts_per_token == 4);
+  CHECK(ModelConfig::from_json(d.to_json()).to_json() == d.to_json());
+
+  // refused by name: another clamp than transformers' 7, another quantization than MXFP4
+  json bad = pub;
+  bad["swiglu_limit"] = 5.0;
+  std::string e = error_of(bad, "gpt.json");
+  CHECK(contains(e, "gpt.json"));
+  CHECK(contains(e, "swiglu_limit"));
+  bad = pub;
+  bad["quantization_config"] = json{{"quant_method", "bitsandbytes"}};
+  e = error_of(bad, "gpt.json");
+  CHECK(contains(e, "quantization_config"));
+  CHECK(contains(e, "mxfp4"));
+  bad = pub;
+  bad["attention_dropout"] = 0.1;
+  CHECK(contains(error_of(bad, "gpt.json"), "attention_dropout"));
+}
+
+TEST_CASE("config: with_layers cuts a model and its per-layer tables") {
+  const auto g = ModelConfig::preset("gpt-oss-20b").with_layers(3);
+  CHECK(g.num_hidden_layers == 3);
+  CHECK(g.sliding_layers == std::vector<bool>{true, false, true});
+  const auto gemma = ModelConfig::preset("gemma-3-1b").with_layers(8);  // five sliding, one full, ...
+  CHECK(gemma.sliding_layers == std::vector<bool>{true, true, true, true, true, false, true, true});
+  auto q = ModelConfig::preset("qwen3-30b-a3b");
+  q.moe.dense_layers = {1, 5};
+  const auto qc = q.with_layers(4);
+  CHECK(qc.moe.dense_layers == std::vector<std::int64_t>{1});
+  CHECK(qc.moe_layer_count() == 3);
+  CHECK(ModelConfig::preset("qwen2.5-0.5b").with_layers(30).num_hidden_layers == 30);
+  CHECK(contains(error_of([] { (void)ModelConfig::preset("qwen2.5-0.5b").with_layers(0); }), "layers"));
 }

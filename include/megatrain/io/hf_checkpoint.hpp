@@ -84,7 +84,8 @@ class HfCheckpoint {
   /// The model's units (DecoderModel<>(config()).units()): what a store for it must hold.
   const std::vector<UnitSpec>& units() const { return units_; }
   /// The checkpoint tensor each parameter is read from (by parameter name); for a parameter
-  /// stored as rows of a fused tensor (Phi-3's qkv_proj, gate_up_proj), that tensor.
+  /// stored in a fused tensor (Phi-3's qkv_proj, gate_up_proj; GPT-OSS's experts), that tensor
+  /// (an MXFP4 one: its _blocks).
   TensorRef source(std::string_view param) const;
   /// Checkpoint tensors that are present but not loaded, each with the reason.
   const std::vector<std::string>& ignored() const { return ignored_; }
@@ -108,15 +109,43 @@ class HfCheckpoint {
   std::vector<std::string> ignored_;
 };
 
-/// A checkpoint tensor that holds several parameters, their rows concatenated in order
-/// (ModelConfig::fused_projections: Phi-3's self_attn.qkv_proj.weight = q, k, v and
-/// mlp.gate_up_proj.weight = gate, up).
+/// A parameter held inside a fused checkpoint tensor: its element (i_0, i_1, ...) is the fused
+/// tensor's element `offset + sum_k i_k strides[k]` (row-major, flat).
+struct FusedPart {
+  std::string param;                  ///< the parameter's name
+  std::vector<std::int64_t> dims;     ///< the parameter's shape
+  std::int64_t offset = 0;
+  std::vector<std::int64_t> strides;  ///< one per dimension of the parameter
+};
+/// A checkpoint tensor that holds several parameters: Phi-3's self_attn.qkv_proj.weight (the rows
+/// of q, k, v) and mlp.gate_up_proj.weight (gate, up); GPT-OSS's stacked experts,
+/// mlp.experts.gate_up_proj [E, hidden, 2 inter] (expert e's gate transposed in the even
+/// columns, its up in the odd ones), gate_up_proj_bias [E, 2 inter] (likewise), down_proj
+/// [E, inter, hidden] (transposed) and down_proj_bias [E, hidden]. Every element of the tensor
+/// belongs to exactly one part.
 struct FusedTensor {
   std::string name;
-  std::vector<std::string> parts;  ///< parameter names, in row order
+  std::vector<std::int64_t> shape;
+  std::vector<FusedPart> parts;  ///< parts[0] starts at element 0
+  /// The published GPT-OSS checkpoints store this tensor as MXFP4: `name`_blocks (U8
+  /// [E, cols, rows / 32, 16], two 4-bit values a byte, the low nibble first) and `name`_scales
+  /// (U8 [E, cols, rows / 32], a power of two biased by 127 per 32 values), of the transposed
+  /// [E, cols, rows] layout; read dequantized (dequantize_mxfp4), written unquantized.
+  bool mxfp4 = false;
 };
 /// The fused tensors of `cfg`'s checkpoints (none for most families).
 std::vector<FusedTensor> fused_tensors(const ModelConfig& cfg);
+/// Part `p` of a fused tensor whose elements are `fused` (row-major): the parameter's elements in
+/// its own row-major order, into `out`.
+void gather_part(const FusedPart& p, std::span<const float> fused, std::span<float> out);
+/// The inverse: the parameter's elements `in` into their places in `fused`.
+void scatter_part(const FusedPart& p, std::span<const float> in, std::span<float> fused);
+/// MXFP4 to fp32 as transformers' GPT-OSS integration dequantizes it: blocks [P, R, G, 16] and
+/// scales [P, R, G] (P the leading dimensions' product) give out [P, G * 32, R], each value an
+/// FP4 (E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) times 2^(scale - 127), the last two
+/// dimensions transposed. Exact.
+void dequantize_mxfp4(std::span<const std::uint8_t> blocks, std::span<const std::uint8_t> scales, std::int64_t P,
+                      std::int64_t R, std::int64_t G, std::span<float> out);
 
 /// A model loaded from a Hugging Face directory.
 struct HfModel {

@@ -27,11 +27,16 @@
 
 namespace megatrain {
 
-enum class Architecture { llama, mistral, qwen2, qwen3, phi3, gemma3, qwen3_moe, mixtral, olmoe };
+enum class Architecture { llama, mistral, qwen2, qwen3, phi3, gemma3, qwen3_moe, mixtral, olmoe, gpt_oss };
 
-/// The MLP's gate activation: silu (SwiGLU: Llama, Qwen, Mistral, Phi-3) or the tanh
-/// approximation of GELU (GeGLU: Gemma's "gelu_pytorch_tanh").
-enum class Activation { silu, gelu_tanh };
+/// The MLP's gate activation: silu (SwiGLU: Llama, Qwen, Mistral, Phi-3), the tanh
+/// approximation of GELU (GeGLU: Gemma's "gelu_pytorch_tanh"), or GPT-OSS's clamped SwiGLU of its
+/// experts: with g' = min(g, 7) and u' = clamp(u, -7, 7), m = (u' + 1) g' sigmoid(1.702 g')
+/// (transformers' GptOssExperts; the gradient passes where the clamp is inactive, bounds included).
+enum class Activation { silu, gelu_tanh, clamped_swiglu };
+/// GPT-OSS's clamped SwiGLU constants (transformers hard-codes them: its config's swiglu_limit is
+/// not read).
+inline constexpr double kClampedSwigluAlpha = 1.702, kClampedSwigluLimit = 7.0;
 
 /// How rotary frequencies are derived from rope_theta (Hugging Face's rope_scaling / rope_parameters).
 struct RopeScaling {
@@ -52,9 +57,10 @@ struct RopeScaling {
   std::vector<double> short_factor, long_factor;
 };
 
-/// A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, OLMoE): a router picks each token's
-/// experts_per_token experts of num_experts (softmax, top-k, renormalised where norm_topk_prob),
-/// each a gated MLP of its own intermediate_size. Dropless: no token is dropped.
+/// A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, OLMoE, GPT-OSS): a router picks each
+/// token's experts_per_token experts of num_experts (softmax, top-k, renormalised where
+/// norm_topk_prob; GPT-OSS's softmax over the top-k logits is the same), each a gated MLP of its
+/// own intermediate_size. Dropless: no token is dropped.
 struct MoeConfig {
   std::int64_t num_experts = 0;        ///< 0: a dense model
   std::int64_t experts_per_token = 0;  ///< num_experts_per_tok
@@ -68,6 +74,8 @@ struct MoeConfig {
   /// added to the training loss (output_router_logits: true).
   bool output_router_logits = false;
   double router_aux_loss_coef = 0.0;
+  /// GPT-OSS: the router has a bias, and every expert's gate, up and down projections too.
+  bool biases = false;
 };
 
 struct ModelConfig {
@@ -93,7 +101,7 @@ struct ModelConfig {
   bool o_bias = false;     ///< bias on the output projection (Llama's attention_bias)
   bool mlp_bias = false;   ///< biases on gate/up/down (Llama's mlp_bias)
   std::optional<std::int64_t> sliding_window;  ///< Mistral/Qwen2: attention window, if any
-  /// Gemma 3: which layers attend within `sliding_window` tokens ("sliding_attention" in
+  /// Gemma 3, GPT-OSS: which layers attend within `sliding_window` tokens ("sliding_attention" in
   /// layer_types; the others attend over the whole sequence). Empty for the other families,
   /// whose window, if any, bounds the sequence length instead (check_sequence_length).
   std::vector<bool> sliding_layers;
@@ -112,8 +120,10 @@ struct ModelConfig {
   /// gets no gradient from the lookup (Embedding follows it); none when absent or null.
   std::optional<std::int64_t> pad_token_id;
   double initializer_range = 0.02;
-  /// The experts of Qwen3-MoE, Mixtral and OLMoE (num_experts 0 for the dense families).
+  /// The experts of Qwen3-MoE, Mixtral, OLMoE and GPT-OSS (num_experts 0 for the dense families).
   MoeConfig moe;
+  /// The activation of the experts' gated MLPs (GPT-OSS: clamped_swiglu); hidden_act elsewhere.
+  Activation expert_act() const;
 
   /// Parses a config.json object; `source` names it in errors (a path, or "<flags>").
   static ModelConfig from_json(const nlohmann::json& j, std::string_view source = "config.json");
@@ -160,8 +170,11 @@ struct ModelConfig {
   double embed_scale() const;
   /// The softmax scale of attention: 1/sqrt(query_pre_attn_scalar) where given, else 1/sqrt(head_dim).
   double attention_scale() const;
+  /// GPT-OSS: each attention head has a learned sink (self_attn.sinks, [heads]), a logit added to
+  /// every query's softmax that takes probability and carries no value.
+  bool attention_sinks() const;
   /// The keys a query of layer `layer` sees: the last `window` ones (itself included), or 0: all
-  /// before it. Nonzero only for Gemma 3's sliding layers.
+  /// before it. Nonzero only for the sliding layers of Gemma 3 and GPT-OSS.
   std::int64_t attention_window(std::int64_t layer) const;
   /// This config with layer `layer`'s rotary parameters in rope_theta / rope_scaling (Gemma 3's
   /// sliding layers have their own); the config itself for every other layer and family.
@@ -182,9 +195,15 @@ struct ModelConfig {
   double yarn_factor() const;
   /// Parameters in the whole model (embedding, blocks, final norm, LM head unless tied).
   std::int64_t param_count() const;
+  /// One expert's parameters: gate, up and down (and their biases where the family has them).
+  std::int64_t expert_params() const;
   /// The parameters one token's forward uses: param_count() less the experts a token is not routed
   /// to (num_experts - experts_per_token per sparse layer); param_count() for a dense model.
   std::int64_t active_param_count() const;
+  /// This config with `layers` decoder layers and its per-layer tables (layer types, dense
+  /// layers) cut with it: the model's first layers (benchmarks' cuts of a preset); layers beyond
+  /// the original ones repeat its layer types from the first. Validated.
+  ModelConfig with_layers(std::int64_t layers) const;
   /// Throws if a sequence of `seq_len` tokens is beyond what this model can attend over exactly.
   void check_sequence_length(std::int64_t seq_len) const;
 };

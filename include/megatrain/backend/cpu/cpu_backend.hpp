@@ -322,10 +322,13 @@ class CpuBackend {
   /// queries against the keys they see ([block, keys] matrices), so memory grows linearly with
   /// the sequence: a reference, not a fast kernel. Packed rows (s.packed): query i sees keys
   /// i - positions[i] .. i, those of its own sequence; a window (s.window) keeps the last
-  /// s.window of them. Scores are scaled by s.softmax_scale().
+  /// s.window of them. Scores are scaled by s.softmax_scale(). `sinks` (GPT-OSS; else null): one
+  /// logit per query head, unscaled, that joins every query's softmax and carries no value (its
+  /// probability is left out of the output; lse counts it).
   void attention(View<const Act> q, View<const Act> k, View<const Act> v, View<Act> out, View<Acc> lse,
-                 const AttentionShape& s) {
+                 const AttentionShape& s, View<const Acc> sinks = {}) {
     check_attention(q, k, v, out, lse, s);
+    check_sinks(sinks, s, "attention");
     const std::int64_t H = s.heads, G = s.heads / s.kv_heads, S = s.seq;
     const std::int64_t blocks = (S + kQueryBlock - 1) / kQueryBlock;
     const T scale = static_cast<T>(s.softmax_scale());
@@ -342,8 +345,9 @@ class CpuBackend {
         T* l = lse.data() + (row * H + h) * S;
         for (std::int64_t qi = 0; qi < n; ++qi) {
           const std::int64_t i = i0 + qi, lo = first_key(s, row, i) - j0, hi = i - j0;  // [lo, hi] of P's columns
-          const T mx = P.row(qi).segment(lo, hi + 1 - lo).maxCoeff();
-          double sum = 0;
+          T mx = P.row(qi).segment(lo, hi + 1 - lo).maxCoeff();
+          if (!sinks.is_null()) mx = std::max(mx, sinks.data()[h]);
+          double sum = sinks.is_null() ? 0.0 : static_cast<double>(std::exp(sinks.data()[h] - mx));
           for (std::int64_t j = lo; j <= hi; ++j) sum += (P(qi, j) = std::exp(P(qi, j) - mx));
           for (std::int64_t j = lo; j <= hi; ++j) P(qi, j) = static_cast<T>(P(qi, j) / sum);
           P.row(qi).head(lo).setZero();                // another sequence of the row
@@ -355,11 +359,18 @@ class CpuBackend {
     });
   }
   /// Gradients of attention: dq (overwritten), dk and dv (overwritten; each key/value head
-  /// sums over its group of query heads, in head order, and over query blocks in order).
+  /// sums over its group of query heads, in head order, and over query blocks in order). With
+  /// sinks, their gradient is added to dsinks: -sum over queries of p_sink * rowsum(dout * out),
+  /// summed per sequence, then over sequences in order.
   void attention_backward(View<const Act> q, View<const Act> k, View<const Act> v, View<const Act> out,
                           View<const Acc> lse, View<const Act> dout, View<Act> dq, View<Act> dk, View<Act> dv,
-                          const AttentionShape& s) {
+                          const AttentionShape& s, View<const Acc> sinks = {}, View<Acc> dsinks = {}) {
     check_attention(q, k, v, out, lse, s);
+    check_sinks(sinks, s, "attention_backward");
+    MT_CHECK(sinks.is_null() == dsinks.is_null() && (dsinks.is_null() || dsinks.numel() == s.heads),
+             "attention_backward: sinks and their gradient come together ([{}] each)", s.heads);
+    // (each sequence's and head's share of the sinks' gradient, summed in order afterwards)
+    std::vector<double> dsink_parts(sinks.is_null() ? 0 : static_cast<std::size_t>(s.rows * s.heads), 0.0);
     check_same(dq.shape(), q.shape(), "attention_backward dq");
     check_same(dk.shape(), k.shape(), "attention_backward dk");
     check_same(dv.shape(), v.shape(), "attention_backward dv");
@@ -391,6 +402,11 @@ class CpuBackend {
               P.row(qi).tail(keys - hi - 1).setZero();
             }
             delta.noalias() = (dO.cwiseProduct(O)).rowwise().sum();  // rowsum(dO * O)
+            if (!sinks.is_null()) {  // d sink = sum_i p_sink(i) * (0 - delta_i): it carries no value
+              double& part = dsink_parts[static_cast<std::size_t>(row * H + h)];
+              for (std::int64_t qi = 0; qi < n; ++qi)
+                part -= static_cast<double>(std::exp(sinks.data()[h] - l[i0 + qi])) * static_cast<double>(delta(qi));
+            }
             dV.middleRows(j0, keys).noalias() += P.transpose() * dO;
             dP.noalias() = dO * Vb.transpose();
             dP = (P.array() * (dP.colwise() - delta).array()).matrix() * scale;  // dS, scaled
@@ -400,6 +416,11 @@ class CpuBackend {
         }
       }
     });
+    for (std::int64_t h = 0; h < s.heads && !sinks.is_null(); ++h) {
+      double sum = 0;
+      for (std::int64_t row = 0; row < s.rows; ++row) sum += dsink_parts[static_cast<std::size_t>(row * H + h)];
+      dsinks.data()[h] += static_cast<Acc>(sum);
+    }
   }
 
   // ---- SwiGLU and GeGLU --------------------------------------------------------------------
@@ -414,6 +435,8 @@ class CpuBackend {
     parallel_rows(static_cast<std::int64_t>(gs.size()), 1 << 14, [&](std::int64_t b, std::int64_t e) {
       if (act == Activation::gelu_tanh)
         for (std::int64_t i = b; i < e; ++i) ms[i] = gelu_tanh(gs[i]) * us[i];
+      else if (act == Activation::clamped_swiglu)
+        for (std::int64_t i = b; i < e; ++i) ms[i] = clamped_swiglu(gs[i], us[i]);
       else
         for (std::int64_t i = b; i < e; ++i) ms[i] = gs[i] * sigmoid(gs[i]) * us[i];
     });
@@ -433,6 +456,15 @@ class CpuBackend {
     const bool gelu = act == Activation::gelu_tanh;
     parallel_rows(static_cast<std::int64_t>(gs.size()), 1 << 14, [&](std::int64_t b, std::int64_t e) {
       for (std::int64_t i = b; i < e; ++i) {
+        if (act == Activation::clamped_swiglu) {  // m = (u' + 1) g' sigmoid(alpha g'), clamps as transformers'
+          const T lim = static_cast<T>(kClampedSwigluLimit), alpha = static_cast<T>(kClampedSwigluAlpha);
+          const T gc = std::min(gs[i], lim), uc = std::clamp(us[i], -lim, lim);
+          const T sg = sigmoid(alpha * gc), glu = gc * sg;
+          if (ms) ms[i] = (uc + T(1)) * glu;
+          dus[i] = us[i] >= -lim && us[i] <= lim ? dms[i] * glu : T(0);
+          dgs[i] = gs[i] <= lim ? dms[i] * (uc + T(1)) * sg * (T(1) + alpha * gc * (T(1) - sg)) : T(0);
+          continue;
+        }
         if (gelu) {  // du = dm act(g), dg = dm u act'(g)
           const T a = gelu_tanh(gs[i]);
           if (ms) ms[i] = a * us[i];
@@ -514,25 +546,32 @@ class CpuBackend {
   /// `same_routing`: the offsets are those of the previous grouped product's call, unchanged since
   /// (no moe_route between, nothing else wrote them): a backend that reads them to the host may
   /// keep what it read (the CUDA backend: one synchronisation per routing, not per product).
+  /// `bias` (GPT-OSS; else empty): each expert's bias, added to its rows.
   void grouped_linear(View<const Act> x, std::span<const View<const Weight>> w, View<const std::int64_t> offsets,
-                      View<Act> y, bool same_routing = false) {
+                      View<Act> y, bool same_routing = false, std::span<const View<const Weight>> bias = {}) {
     (void)same_routing;
     check_groups(x, w.size(), offsets, "grouped_linear");
+    MT_CHECK(bias.empty() || bias.size() == w.size(), "grouped_linear: {} biases for {} experts", bias.size(), w.size());
     for (std::size_t e = 0; e < w.size(); ++e) {
       const std::int64_t r0 = offsets.data()[e], n = offsets.data()[e + 1] - r0;
-      if (n > 0) linear(token_rows(x, r0, n), w[e], {}, token_rows(y, r0, n));
+      if (n > 0) linear(token_rows(x, r0, n), w[e], bias.empty() ? View<const Weight>{} : bias[e], token_rows(y, r0, n));
     }
   }
-  /// linear_backward for each expert's rows: dx (or dx += where accumulate_dx), dw[e] += dy^T x.
+  /// linear_backward for each expert's rows: dx (or dx += where accumulate_dx), dw[e] += dy^T x,
+  /// and with `dbias`, dbias[e] += the column sums of its rows of dy.
   void grouped_linear_backward(View<const Act> x, std::span<const View<const Weight>> w, View<const Act> dy, View<Act> dx,
                                bool accumulate_dx, std::span<const View<Acc>> dw, View<const std::int64_t> offsets,
-                               bool same_routing = false) {
+                               bool same_routing = false, std::span<const View<Acc>> dbias = {}) {
     (void)same_routing;
     check_groups(x, w.size(), offsets, "grouped_linear_backward");
     MT_CHECK(dw.size() == w.size(), "grouped_linear_backward: {} gradients for {} experts", dw.size(), w.size());
+    MT_CHECK(dbias.empty() || dbias.size() == w.size(), "grouped_linear_backward: {} bias gradients for {} experts",
+             dbias.size(), w.size());
     for (std::size_t e = 0; e < w.size(); ++e) {
       const std::int64_t r0 = offsets.data()[e], n = offsets.data()[e + 1] - r0;
-      if (n > 0) linear_backward(token_rows(x, r0, n), w[e], token_rows(dy, r0, n), token_rows(dx, r0, n), accumulate_dx, dw[e], {});
+      if (n > 0)
+        linear_backward(token_rows(x, r0, n), w[e], token_rows(dy, r0, n), token_rows(dx, r0, n), accumulate_dx, dw[e],
+                        dbias.empty() ? View<Acc>{} : dbias[e]);
     }
   }
   /// y[t] = h[t] + sum of weights[t, j] * out[slot[t, j]], the experts taken in increasing index
@@ -796,6 +835,12 @@ class CpuBackend {
   using MapCM = Eigen::Map<const Matrix>;
 
   static T sigmoid(T x) { return T(1) / (T(1) + std::exp(-x)); }
+  /// GPT-OSS's clamped SwiGLU (Activation::clamped_swiglu), in transformers' order of operations.
+  static T clamped_swiglu(T g, T u) {
+    const T lim = static_cast<T>(kClampedSwigluLimit);
+    const T gc = std::min(g, lim), uc = std::clamp(u, -lim, lim);
+    return (uc + T(1)) * (gc * sigmoid(gc * static_cast<T>(kClampedSwigluAlpha)));
+  }
   // GELU's tanh approximation (PyTorch's gelu(approximate="tanh")) and its derivative
   static constexpr double kGeluBeta = 0.7978845608028654;  // sqrt(2 / pi)
   static constexpr double kGeluKappa = 0.044715;
@@ -923,6 +968,9 @@ class CpuBackend {
     });
   }
 
+  static void check_sinks(View<const Acc> sinks, const AttentionShape& s, const char* what) {
+    MT_CHECK(sinks.is_null() || sinks.numel() == s.heads, "{}: {} sinks for {} query heads", what, sinks.numel(), s.heads);
+  }
   static void check_attention(View<const Act> q, View<const Act> k, View<const Act> v, View<const Act> out,
                               View<const Acc> lse, const AttentionShape& s) {
     s.validate();

@@ -383,34 +383,52 @@ class CudaBackend {
   /// Packed rows (s.packed) run as cuDNN's ragged attention where it takes them and the
   /// workspace holds what its plan needs, else on megatrain's own kernel (said once).
   void attention(View<const Act> q, View<const Act> k, View<const Act> v, View<Act> out, View<Acc> lse,
-                 const AttentionShape& s) {
+                 const AttentionShape& s, View<const Acc> sinks = {}) {
     MT_NVTX_RANGE("cuda:attention");
     check_attention(q, k, v, out, s);
+    check_sinks(sinks, s);
     const auto d = dims(s);
 #if MEGATRAIN_HAS_CUDNN
-    if (runs_on_cudnn(s)) {
+    if (runs_on_cudnn(s) && (sinks.is_null() || s.packed.empty())) {
       attention_->forward(q.data(), k.data(), v.data(), out.data(), lse.data(), d, ws(), workspace_.size(), stream_,
                           starts(s));
+      // (GPT-OSS's sinks around cuDNN's attention, which has none: out rescaled, lse with the sink)
+      if (!sinks.is_null()) cuda::launch_attention_add_sinks(out.data(), lse.data(), sinks.data(), d, stream_);
       return;
     }
 #endif
-    cuda::launch_attention_forward(q.data(), k.data(), v.data(), out.data(), lse.data(), d, stream_, positions(s));
+    cuda::launch_attention_forward(q.data(), k.data(), v.data(), out.data(), lse.data(), d, stream_, positions(s),
+                                   sinks.is_null() ? nullptr : sinks.data());
   }
   void attention_backward(View<const Act> q, View<const Act> k, View<const Act> v, View<const Act> out,
                           View<const Acc> lse, View<const Act> dout, View<Act> dq, View<Act> dk, View<Act> dv,
-                          const AttentionShape& s) {
+                          const AttentionShape& s, View<const Acc> sinks = {}, View<Acc> dsinks = {}) {
     MT_NVTX_RANGE("cuda:attention_backward");
     check_attention(q, k, v, out, s);
+    check_sinks(sinks, s);
+    MT_CHECK(sinks.is_null() == dsinks.is_null() && (dsinks.is_null() || dsinks.numel() == s.heads),
+             "attention_backward: sinks and their gradient come together ([{}] each)", s.heads);
     const auto d = dims(s);
 #if MEGATRAIN_HAS_CUDNN
-    if (runs_on_cudnn(s)) {  // (the same choice as the forward's: lse is laid out for the one that wrote it)
+    if (runs_on_cudnn(s) && (sinks.is_null() || s.packed.empty())) {  // (the forward's choice: lse is laid out for it)
       attention_->backward(q.data(), k.data(), v.data(), out.data(), lse.data(), dout.data(), dq.data(), dk.data(),
                            dv.data(), d, ws(), workspace_.size(), stream_, starts(s));
+      if (!sinks.is_null())
+        cuda::launch_attention_sinks_grad(out.data(), dout.data(), lse.data(), sinks.data(), dsinks.data(), d, ws(),
+                                          workspace_.size(), stream_);
       return;
     }
 #endif
     cuda::launch_attention_backward(q.data(), k.data(), v.data(), out.data(), lse.data(), dout.data(), dq.data(),
-                                      dk.data(), dv.data(), d, ws(), workspace_.size(), stream_, positions(s));
+                                      dk.data(), dv.data(), d, ws(), workspace_.size(), stream_, positions(s),
+                                      sinks.is_null() ? nullptr : sinks.data(), dsinks.is_null() ? nullptr : dsinks.data());
+  }
+
+  static_assert(static_cast<int>(Activation::silu) == 0 && static_cast<int>(Activation::gelu_tanh) == 1 &&
+                    static_cast<int>(Activation::clamped_swiglu) == 2,
+                "launch_swiglu_* number the activations as megatrain::Activation does");
+  static void check_sinks(View<const Acc> sinks, const AttentionShape& s) {
+    MT_CHECK(sinks.is_null() || sinks.numel() == s.heads, "attention: {} sinks for {} query heads", sinks.numel(), s.heads);
   }
 
   /// m = act(g) * u (SwiGLU, or GeGLU with Activation::gelu_tanh).
@@ -418,7 +436,7 @@ class CudaBackend {
     MT_NVTX_RANGE("cuda:swiglu");
     same(g.shape(), u.shape(), "swiglu");
     same(g.shape(), m.shape(), "swiglu");
-    cuda::launch_swiglu_forward(g.data(), u.data(), m.data(), g.numel(), stream_, act == Activation::gelu_tanh);
+    cuda::launch_swiglu_forward(g.data(), u.data(), m.data(), g.numel(), stream_, static_cast<int>(act));
   }
   /// dg, du; with `m` (else null) also the forward's m, the same bits as swiglu() (CpuBackend).
   void swiglu_backward(View<const Act> g, View<const Act> u, View<const Act> dm, View<Act> dg, View<Act> du,
@@ -427,7 +445,7 @@ class CudaBackend {
     same(g.shape(), dm.shape(), "swiglu_backward");
     if (!m.is_null()) same(g.shape(), m.shape(), "swiglu_backward m");
     cuda::launch_swiglu_backward(g.data(), u.data(), dm.data(), dg.data(), du.data(), g.numel(), stream_,
-                                 act == Activation::gelu_tanh, m.is_null() ? nullptr : m.data());
+                                 static_cast<int>(act), m.is_null() ? nullptr : m.data());
   }
 
   /// y[t] = table[ids[t]] * scale (Gemma's sqrt(hidden); 1 elsewhere).
@@ -508,17 +526,29 @@ class CudaBackend {
   /// waits for the stream's work before it; with `same_routing`, the groups the last read of
   /// these offsets found, unless a moe_route came since: CpuBackend::grouped_linear).
   void grouped_linear(View<const Act> x, std::span<const View<const Weight>> w, View<const std::int64_t> offsets,
-                      View<Act> y, bool same_routing = false) {
+                      View<Act> y, bool same_routing = false, std::span<const View<const Weight>> bias = {}) {
     MT_NVTX_RANGE("cuda:grouped_linear");
     const auto [N, K] = grouped_dims(x, w, offsets, y.shape(), "grouped_linear");
     const auto& g = groups(offsets, w.size(), same_routing);
     check_rows(g, x.size(0), "grouped_linear");
     grouped_->forward(g, x.data(), weight_pointers(w), y.data(), N, K, stream_);
+    if (bias.empty()) return;
+    MT_CHECK(bias.size() == w.size(), "grouped_linear: {} biases for {} experts", bias.size(), w.size());
+    for (const auto& b : bias) MT_CHECK(b.numel() == N, "grouped_linear: a bias of {} for {} outputs", b.numel(), N);
+    // (one launch where the experts' biases lie at equal distances, as in a unit's slab; else one per expert)
+    const auto E = static_cast<std::int64_t>(w.size());
+    if (const auto stride = even_stride(bias)) {
+      cuda::launch_moe_bias_add(y.data(), y.size(0), N, offsets.data(), E, bias[0].data(), *stride, stream_);
+      return;
+    }
+    for (std::int64_t e = 0; e < E; ++e)
+      cuda::launch_moe_bias_add(y.data(), y.size(0), N, offsets.data() + e, 1, bias[static_cast<std::size_t>(e)].data(), 0,
+                                stream_);
   }
   /// dx (or dx += where accumulate_dx) and dw[e] += dy^T x over each expert's rows.
   void grouped_linear_backward(View<const Act> x, std::span<const View<const Weight>> w, View<const Act> dy, View<Act> dx,
                                bool accumulate_dx, std::span<const View<Acc>> dw, View<const std::int64_t> offsets,
-                               bool same_routing = false) {
+                               bool same_routing = false, std::span<const View<Acc>> dbias = {}) {
     MT_NVTX_RANGE("cuda:grouped_linear_backward");
     const auto [N, K] = grouped_dims(x, w, offsets, dy.shape(), "grouped_linear_backward");
     MT_CHECK(dw.size() == w.size(), "grouped_linear_backward: {} gradients for {} experts", dw.size(), w.size());
@@ -534,6 +564,29 @@ class CudaBackend {
       grouped_->input_grad(g, dy.data(), weight_pointers(w), dx.data(), accumulate_dx, N, K, stream_);
     }
     grouped_->weight_grad(g, dy.data(), x.data(), gp, N, K, stream_);
+    if (dbias.empty()) return;
+    MT_CHECK(dbias.size() == w.size(), "grouped_linear_backward: {} bias gradients for {} experts", dbias.size(), w.size());
+    for (const auto& b : dbias) MT_CHECK(b.numel() == N, "grouped_linear_backward: a bias gradient of {} for {} outputs",
+                                         b.numel(), N);
+    const auto E = static_cast<std::int64_t>(w.size());
+    if (const auto stride = even_stride(dbias)) {
+      cuda::launch_moe_bias_grad(dy.data(), N, offsets.data(), E, dbias[0].data(), *stride, stream_);
+      return;
+    }
+    for (std::int64_t e = 0; e < E; ++e)
+      cuda::launch_moe_bias_grad(dy.data(), N, offsets.data() + e, 1, dbias[static_cast<std::size_t>(e)].data(), 0, stream_);
+  }
+  /// The distance in elements between consecutive views that lie at equal distances (the experts'
+  /// biases in a unit's slab), or none.
+  template <class E>
+  static std::optional<std::int64_t> even_stride(std::span<const View<E>> v) {
+    if (v.size() < 2) return std::int64_t{0};
+    const auto at = [&](std::size_t i) { return reinterpret_cast<std::uintptr_t>(v[i].data()); };
+    if (at(1) < at(0) || (at(1) - at(0)) % sizeof(E) != 0) return std::nullopt;
+    const std::uintptr_t step = at(1) - at(0);
+    for (std::size_t i = 2; i < v.size(); ++i)
+      if (at(i) != at(0) + i * step) return std::nullopt;
+    return static_cast<std::int64_t>(step / sizeof(E));
   }
   /// y[t] = h[t] + the weighted sum of the token's experts' outputs, in increasing expert index
   /// (y may be h).

@@ -41,11 +41,13 @@ void launch_add(const bf16* x, float* y, std::int64_t n, cudaStream_t stream);  
 void launch_add_bias(const bf16* bias, float* y, std::int64_t M, std::int64_t N, cudaStream_t stream);
 void launch_cast(const float* in, bf16* out, std::int64_t n, cudaStream_t stream);  ///< round to nearest even
 void launch_cast(const bf16* in, float* out, std::int64_t n, cudaStream_t stream);
-/// m = act(g) * u with act silu (SwiGLU) or, `gelu`, GELU's tanh approximation (GeGLU); and its
-/// backward (dg, du from dm; with `m` not null, m as the forward writes it, in the same pass).
-void launch_swiglu_forward(const bf16* g, const bf16* u, bf16* m, std::int64_t n, cudaStream_t stream, bool gelu = false);
+/// m = act(g) * u with `act` 0: silu (SwiGLU), 1: GELU's tanh approximation (GeGLU), or 2: GPT-OSS's
+/// clamped SwiGLU, (clamp(u, -7, 7) + 1) g' sigmoid(1.702 g') with g' = min(g, 7) (the values of
+/// megatrain::Activation); and its backward (dg, du from dm; with `m` not null, m as the forward
+/// writes it, in the same pass).
+void launch_swiglu_forward(const bf16* g, const bf16* u, bf16* m, std::int64_t n, cudaStream_t stream, int act = 0);
 void launch_swiglu_backward(const bf16* g, const bf16* u, const bf16* dm, bf16* dg, bf16* du, std::int64_t n,
-                            cudaStream_t stream, bool gelu = false, bf16* m = nullptr);
+                            cudaStream_t stream, int act = 0, bf16* m = nullptr);
 
 // ---- embedding ------------------------------------------------------------------------------
 /// out[t] = table[ids[t]] * scale (into the fp32 residual stream), out: [M, d]. Ids outside
@@ -154,6 +156,15 @@ void launch_moe_route_backward(const float* probs, const std::int32_t* experts, 
 /// counts[e] += offsets[e + 1] - offsets[e]; prob_sums[e] += the sum over the M tokens of probs[t, e] (double).
 void launch_moe_record(const float* probs, const std::int64_t* offsets, std::int64_t M, std::int64_t E, std::int64_t* counts,
                        double* prob_sums, cudaStream_t stream);
+/// GPT-OSS's experts' biases: y[r] = bf16(y[r] + bias_e) for every row r of expert e, over the rows
+/// [offsets[0], offsets[E]) (offsets: [E + 1] device, increasing; `rows` bounds their count), with
+/// bias_e = bias0 + e * stride (bf16).
+void launch_moe_bias_add(bf16* y, std::int64_t rows, std::int64_t N, const std::int64_t* offsets, std::int64_t E,
+                         const bf16* bias0, std::int64_t stride, cudaStream_t stream);
+/// dbias_e += the column sums of dy's rows of expert e (dy [rows, N]; dbias_e = dbias0 + e * stride,
+/// fp32); deterministic.
+void launch_moe_bias_grad(const bf16* dy, std::int64_t N, const std::int64_t* offsets, std::int64_t E, float* dbias0,
+                          std::int64_t stride, cudaStream_t stream);
 /// dx[t] = bf16(dx[t] + the sum of dxs[slot[t, j]] over j, in increasing row).
 void launch_moe_scatter_add(const bf16* dxs, const std::int32_t* slot, std::int64_t k, bf16* dx, std::int64_t M,
                             std::int64_t d, cudaStream_t stream);
@@ -169,13 +180,25 @@ void launch_packed_offsets(const std::int32_t* starts, std::int64_t count, std::
 /// Causal grouped-query attention; lse: [rows, heads, seq] fp32 (natural log-sum-exp of the
 /// scaled scores, the same statistic cuDNN's SDPA returns). Packed rows: `positions` (device,
 /// [rows*seq]) holds each token's position within its sequence, and query i sees keys
-/// i - positions[i] .. i of its row; null: a row is one sequence.
+/// i - positions[i] .. i of its row; null: a row is one sequence. `sinks` (device, [heads] fp32;
+/// GPT-OSS's): a logit per query head that joins every query's softmax (and lse) and carries no
+/// value; null: none.
 void launch_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, const AttentionDims& dims,
-                              cudaStream_t stream, const std::int32_t* positions = nullptr);
+                              cudaStream_t stream, const std::int32_t* positions = nullptr, const float* sinks = nullptr);
 std::size_t attention_backward_workspace_bytes(const AttentionDims& dims);
-/// dq, dk, dv overwritten; dk, dv sum over each kv head's group of query heads.
+/// dq, dk, dv overwritten; dk, dv sum over each kv head's group of query heads. With sinks, their
+/// gradient is added to dsinks ([heads] fp32; deterministic).
 void launch_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
                                const bf16* dout, bf16* dq, bf16* dk, bf16* dv, const AttentionDims& dims, void* workspace,
-                               std::size_t workspace_bytes, cudaStream_t stream, const std::int32_t* positions = nullptr);
+                               std::size_t workspace_bytes, cudaStream_t stream, const std::int32_t* positions = nullptr,
+                               const float* sinks = nullptr, float* dsinks = nullptr);
+/// Sinks around an attention that has none (cuDNN's; rows not packed): each query's output times
+/// exp(lse - lse') and lse replaced by lse' = log(exp(lse) + exp(sink)), which is the attention
+/// with sinks; its backward is then the usual one given these out and lse, and the sinks' gradient
+/// launch_attention_sinks_grad's (adds to dsinks; the workspace of attention_backward_workspace_bytes).
+void launch_attention_add_sinks(bf16* out, float* lse, const float* sinks, const AttentionDims& dims, cudaStream_t stream);
+void launch_attention_sinks_grad(const bf16* out, const bf16* dout, const float* lse, const float* sinks, float* dsinks,
+                                 const AttentionDims& dims, void* workspace, std::size_t workspace_bytes,
+                                 cudaStream_t stream);
 
 }  // namespace megatrain::cuda

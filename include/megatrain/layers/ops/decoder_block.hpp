@@ -26,10 +26,11 @@
 // whole chunk; the backward then runs no matrix product of the forward again, only the norms
 // (SwiGLU's product m is made by its backward's pass, the same bits as the forward's).
 //
-// Mixture of experts (Qwen3-MoE, Mixtral, OLMoE; ModelConfig::is_moe_layer): the MLP part is
-// MoeMlp (router and experts) instead of SwiGluMlp, run a token block at a time like it; its
-// activations are never kept (the backward recomputes them from h). It runs on backends that
-// provide MoeMlp's primitives (MoeBackend: the CPU backend); elsewhere such a block is refused.
+// Mixture of experts (Qwen3-MoE, Mixtral, OLMoE, GPT-OSS; ModelConfig::is_moe_layer): the MLP
+// part is MoeMlp (router and experts) instead of SwiGluMlp, run a token block at a time like it;
+// its activations are never kept (the backward recomputes them from h). It runs on backends that
+// provide MoeMlp's primitives (MoeBackend: the CPU and CUDA backends); elsewhere such a block is
+// refused.
 //
 // Token blocks (ChunkShape::token_block): the norms, the projections and the MLP run on blocks
 // of that many tokens, so that their buffers (the MLP's are the largest: 6 x intermediate_size
@@ -203,7 +204,7 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
       be.rmsnorm(token_rows(x, t0, n), w.input_norm, cfg_.rms_norm_eps, n1, token_rows(a.rstd1, 0, n), offset_);
       attn_.project(be, w.attn, cview(n1), a.attn, t0);
     });
-    attn_.attend(be, c, a.attn);
+    attn_.attend(be, c, a.attn, w.attn.sinks);
     c.for_each_block([&](std::int64_t t0, std::int64_t n) {  // h = x + o_proj(attention(n1))
       if (!sandwich_) {
         be.linear_add(cview(token_rows(a.attn.att, t0, n)), w.attn.o, w.attn.o_bias, token_rows(x, t0, n),
@@ -247,7 +248,7 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
                          g.attn.o, g.attn.o_bias);
     });
     // h = x + attention(n1): through the attention, then the projections and the norm, into dx
-    attn_.attend_backward(be, c, a.attn);
+    attn_.attend_backward(be, c, a.attn, w.attn.sinks, g.attn.sinks);
     c.for_each_block([&](std::int64_t t0, std::int64_t n) {
       const auto n1 = token_rows(a.n1, 0, n), dn = token_rows(a.dn, 0, n), rstd1 = token_rows(a.rstd1, 0, n);
       const auto xs = token_rows(x, t0, n);

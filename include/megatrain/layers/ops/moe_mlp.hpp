@@ -1,4 +1,5 @@
-// The sparse mixture-of-experts MLP of Qwen3-MoE, Mixtral and OLMoE, as transformers computes it:
+// The sparse mixture-of-experts MLP of Qwen3-MoE, Mixtral, OLMoE and GPT-OSS, as transformers
+// computes it:
 //
 //     p       = softmax(router(x))                     in fp32, over the experts
 //     S, w    = the top-k of p (and w / sum(w) where the family renormalises them)
@@ -13,8 +14,14 @@
 // Parameters, as the checkpoints on the Hub name them (transformers reads and writes these):
 //   Qwen3-MoE, OLMoE: mlp.gate.weight [E, hidden], mlp.experts.<e>.{gate,up,down}_proj.weight
 //   Mixtral:          block_sparse_moe.gate.weight, block_sparse_moe.experts.<e>.{w1,w3,w2}.weight
+//   GPT-OSS:          mlp.router.{weight,bias}, mlp.experts.<e>.{gate,up,down}_proj.{weight,bias}
 // in slab order router, every expert's gate, every expert's up, every expert's down (so that
-// each kind is one contiguous stack).
+// each kind is one contiguous stack), then GPT-OSS's biases likewise. GPT-OSS's checkpoints stack
+// and fuse its experts (experts.gate_up_proj [E, hidden, 2 inter], gate and up interleaved;
+// experts.down_proj [E, inter, hidden]; their biases): io::fused_tensors maps them onto these.
+// GPT-OSS: the router's logits have a bias, its top-k weights are the softmax of the top-k
+// logits (the renormalised top-k of the softmax), each expert's projections a bias, and its
+// activation is the clamped SwiGLU (ModelConfig::expert_act).
 //
 // No norm and no residual of its own: DecoderBlock runs it in place of the dense MLP on the
 // layers ModelConfig::is_moe_layer names. Its activations depend on the routing, so they are
@@ -49,8 +56,8 @@ concept MoeBackend = requires(B& be, View<const typename B::Act> x, View<typenam
                               View<const typename B::Res> r, View<typename B::Res> ry) {
   be.moe_route(x, std::int64_t{}, bool{}, acc, i32, acc, i32, i32, i64);
   be.moe_gather(x, ci32, std::int64_t{}, y);
-  be.grouped_linear(x, ws, ci64, y, bool{});                   // (the flag: the same routing as the last product's)
-  be.grouped_linear_backward(x, ws, x, y, bool{}, gs, ci64, bool{});
+  be.grouped_linear(x, ws, ci64, y, bool{}, ws);               // (the flag: the same routing as the last product's;
+  be.grouped_linear_backward(x, ws, x, y, bool{}, gs, ci64, bool{}, gs);  //  then the experts' biases, if any)
   be.moe_combine(x, ci32, cacc, std::int64_t{}, r, ry);
   be.moe_combine_backward(x, x, ci32, cacc, std::int64_t{}, y, acc);
   be.moe_route_backward(cacc, ci32, cacc, cacc, std::int64_t{}, bool{}, ci64, double{}, y);
@@ -67,37 +74,54 @@ class MoeMlp {
         layer_(layer),
         experts_(cfg.moe.num_experts),
         k_(cfg.moe.experts_per_token),
-        inter_(cfg.moe.intermediate_size) {
+        inter_(cfg.moe.intermediate_size),
+        biases_(cfg.moe.biases) {
     MT_CHECK(cfg.is_moe_layer(layer), "layer {} of this {} model is a dense layer, not a mixture of experts", layer,
              cfg.architecture_name());
   }
 
   template <class E>
   struct Weights {
-    View<E> router;
-    std::vector<View<E>> gate, up, down;  // one per expert
+    View<E> router, router_bias;                          // (the bias: GPT-OSS's, else null)
+    std::vector<View<E>> gate, up, down;                  // one per expert
+    std::vector<View<E>> gate_bias, up_bias, down_bias;   // GPT-OSS: one per expert; else empty
   };
 
   std::vector<ParamSpec> params() const {
     const std::int64_t d = cfg_.hidden_size;
     const auto sd = static_cast<float>(cfg_.initializer_range);
-    std::vector<ParamSpec> p{ParamSpec::matrix(prefix_ + "gate.weight", Shape{experts_, d}, sd)};
-    p.reserve(static_cast<std::size_t>(1 + 3 * experts_));
+    std::vector<ParamSpec> p{ParamSpec::matrix(router_name("weight"), Shape{experts_, d}, sd)};
+    p.reserve(static_cast<std::size_t>(2 + 6 * experts_));
+    if (biases_) {  // (transformers initialises the router's bias like its weight)
+      ParamSpec b = ParamSpec::bias(router_name("bias"), experts_);
+      b.init = ParamInit::normal;
+      b.init_std = sd;
+      p.push_back(std::move(b));
+    }
     for (int part = 0; part < 3; ++part)
       for (std::int64_t e = 0; e < experts_; ++e)
         p.push_back(ParamSpec::matrix(expert_name(e, part), part == 2 ? Shape{d, inter_} : Shape{inter_, d}, sd));
+    if (biases_)
+      for (int part = 0; part < 3; ++part)
+        for (std::int64_t e = 0; e < experts_; ++e)
+          p.push_back(ParamSpec::bias(expert_name(e, part, "bias"), part == 2 ? d : inter_));
     return p;
   }
 
   template <class E>
   Weights<E> bind(const ParamBinder<E>& p) const {
     Weights<E> w;
-    w.router = p(prefix_ + "gate.weight");
+    w.router = p(router_name("weight"));
+    if (biases_) w.router_bias = p(router_name("bias"));
     for (auto* v : {&w.gate, &w.up, &w.down}) v->reserve(static_cast<std::size_t>(experts_));
     for (std::int64_t e = 0; e < experts_; ++e) {
       w.gate.push_back(p(expert_name(e, 0)));
       w.up.push_back(p(expert_name(e, 1)));
       w.down.push_back(p(expert_name(e, 2)));
+      if (!biases_) continue;
+      w.gate_bias.push_back(p(expert_name(e, 0, "bias")));
+      w.up_bias.push_back(p(expert_name(e, 1, "bias")));
+      w.down_bias.push_back(p(expert_name(e, 2, "bias")));
     }
     return w;
   }
@@ -167,15 +191,15 @@ class MoeMlp {
   /// reads), without summing them into the residual stream.
   template <class B>
   void run_kept(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x, const Acts<B>& a) const {
-    be.linear(x, w.router, {}, a.logits);
+    be.linear(x, w.router, w.router_bias, a.logits);
     be.moe_route(cv(a.logits), k_, cfg_.moe.norm_topk_prob, a.probs, a.experts, a.weights, a.order, a.slot, a.offsets);
     be.moe_gather(x, cv(a.order), k_, a.xs);
     // (one routing: the products after the first say so, and a backend that reads the offsets
     // to the host reads them once)
-    be.grouped_linear(cv(a.xs), cspan(w.gate), cv(a.offsets), a.g);
-    be.grouped_linear(cv(a.xs), cspan(w.up), cv(a.offsets), a.u, true);
-    be.swiglu(cv(a.g), cv(a.u), a.m, cfg_.hidden_act);
-    be.grouped_linear(cv(a.m), cspan(w.down), cv(a.offsets), a.out, true);
+    be.grouped_linear(cv(a.xs), cspan(w.gate), cv(a.offsets), a.g, false, cspan(w.gate_bias));
+    be.grouped_linear(cv(a.xs), cspan(w.up), cv(a.offsets), a.u, true, cspan(w.up_bias));
+    be.swiglu(cv(a.g), cv(a.u), a.m, cfg_.expert_act());
+    be.grouped_linear(cv(a.m), cspan(w.down), cv(a.offsets), a.out, true, cspan(w.down_bias));
   }
 
   /// y = h + the weighted sum of the token's experts' outputs; the routing added to `stats`
@@ -197,13 +221,16 @@ class MoeMlp {
                 const RouterStats& stats = {}) const {
     be.moe_combine_backward(dy, cv(a.out), cv(a.slot), cv(a.weights), k_, a.dout, a.dweights);
     // (the routing of run_kept(): its products' offsets, unchanged)
-    be.grouped_linear_backward(cv(a.m), cspan(w.down), cv(a.dout), a.dm, false, span(g.down), cv(a.offsets), true);
-    be.swiglu_backward(cv(a.g), cv(a.u), cv(a.dm), a.dg, a.du, cfg_.hidden_act);
-    be.grouped_linear_backward(cv(a.xs), cspan(w.gate), cv(a.dg), a.dxs, false, span(g.gate), cv(a.offsets), true);
-    be.grouped_linear_backward(cv(a.xs), cspan(w.up), cv(a.du), a.dxs, true, span(g.up), cv(a.offsets), true);
+    be.grouped_linear_backward(cv(a.m), cspan(w.down), cv(a.dout), a.dm, false, span(g.down), cv(a.offsets), true,
+                               span(g.down_bias));
+    be.swiglu_backward(cv(a.g), cv(a.u), cv(a.dm), a.dg, a.du, cfg_.expert_act());
+    be.grouped_linear_backward(cv(a.xs), cspan(w.gate), cv(a.dg), a.dxs, false, span(g.gate), cv(a.offsets), true,
+                               span(g.gate_bias));
+    be.grouped_linear_backward(cv(a.xs), cspan(w.up), cv(a.du), a.dxs, true, span(g.up), cv(a.offsets), true,
+                               span(g.up_bias));
     be.moe_route_backward(cv(a.probs), cv(a.experts), cv(a.weights), cv(a.dweights), k_, cfg_.moe.norm_topk_prob,
                           stats.aux_counts, stats.aux_scale, a.dlogits);
-    be.linear_backward(x, w.router, cv(a.dlogits), dx, false, g.router, {});
+    be.linear_backward(x, w.router, cv(a.dlogits), dx, false, g.router, g.router_bias);
     be.moe_scatter_add(cv(a.dxs), cv(a.slot), k_, dx);
   }
 
@@ -219,11 +246,15 @@ class MoeMlp {
 
  private:
   /// part 0: gate, 1: up, 2: down, under the family's names.
-  std::string expert_name(std::int64_t e, int part) const {
+  std::string expert_name(std::int64_t e, int part, const char* what = "weight") const {
     static constexpr const char* kHf[] = {"gate_proj", "up_proj", "down_proj"};
     static constexpr const char* kMixtral[] = {"w1", "w3", "w2"};
     const bool mixtral = cfg_.architecture == Architecture::mixtral;
-    return prefix_ + "experts." + std::to_string(e) + "." + (mixtral ? kMixtral : kHf)[part] + ".weight";
+    return prefix_ + "experts." + std::to_string(e) + "." + (mixtral ? kMixtral : kHf)[part] + "." + what;
+  }
+  /// The router's parameter: mlp.gate.<what>, GPT-OSS's mlp.router.<what>.
+  std::string router_name(const char* what) const {
+    return prefix_ + (cfg_.architecture == Architecture::gpt_oss ? "router." : "gate.") + what;
   }
   template <class E>
   static View<const E> cv(View<E> v) {
@@ -243,6 +274,7 @@ class MoeMlp {
   ModelConfig cfg_;
   std::string prefix_;
   std::int64_t layer_, experts_, k_, inter_;
+  bool biases_;  // GPT-OSS: the router and every expert projection have a bias
 };
 
 /// The auxiliary load-balancing loss as transformers' load_balancing_loss_func computes it over

@@ -11,6 +11,10 @@
 // attention: a sliding layer sees the last sliding_window keys and has its own rotary parameters
 // (ModelConfig::attention_window, rope_for_layer).
 //
+// GPT-OSS adds a learned sink per head (self_attn.sinks, ModelConfig::attention_sinks): a logit
+// in every query's softmax that takes probability and carries no value; its sliding and full
+// layers share one rotary table.
+//
 // grouped-query heads (num_key_value_heads divides num_attention_heads), head_dim from the
 // config, rotary embeddings rotating halves (Hugging Face's Llama convention), optional q/k/v
 // biases (Qwen2, Llama's attention_bias) and o bias (Llama's attention_bias). No norm and no
@@ -52,6 +56,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   struct Weights {
     View<E> q, k, v, o, q_bias, k_bias, v_bias, o_bias;
     View<full_t<E>> q_norm, k_norm;  // qk_norm only
+    View<full_t<E>> sinks;           // attention_sinks only: [heads]
   };
 
   std::vector<ParamSpec> params() const {
@@ -72,6 +77,11 @@ class SelfAttention : public CarvedOp<SelfAttention> {
       p.push_back(ParamSpec::norm(name("q_norm.weight"), full ? cfg_.q_dim() : cfg_.head_dim, norm_offset_ != 0));
       p.push_back(ParamSpec::norm(name("k_norm.weight"), full ? cfg_.kv_dim() : cfg_.head_dim, norm_offset_ != 0));
     }
+    if (cfg_.attention_sinks()) {  // (decayed, as transformers' Trainer decays it; read in fp32 like a gain)
+      ParamSpec sinks = ParamSpec::matrix(name("sinks"), Shape{cfg_.num_attention_heads}, sd);
+      sinks.full_precision = true;
+      p.push_back(std::move(sinks));
+    }
     return p;
   }
 
@@ -87,7 +97,8 @@ class SelfAttention : public CarvedOp<SelfAttention> {
             p.optional(name("v_proj.bias")),
             p.optional(name("o_proj.bias")),
             qk ? p.full(name("q_norm.weight")) : View<full_t<E>>{},
-            qk ? p.full(name("k_norm.weight")) : View<full_t<E>>{}};
+            qk ? p.full(name("k_norm.weight")) : View<full_t<E>>{},
+            cfg_.attention_sinks() ? p.full(name("sinks")) : View<full_t<E>>{}};
   }
 
   std::int64_t hidden_size() const { return cfg_.hidden_size; }
@@ -151,7 +162,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     MT_CHECK(x.rank() == 2 && x.size(0) == c.tokens() && x.size(1) == cfg_.hidden_size,
              "self-attention: input {} is not [{} tokens, {}]", x.shape().str(), c.tokens(), cfg_.hidden_size);
     project(be, w, x, a, 0);
-    attend(be, c, a);
+    attend(be, c, a, w.sinks);
   }
 
   /// After run() on the same x: dx = dL/dx (overwritten) from dy, weight gradients added to g.
@@ -160,7 +171,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
                 const Acts<B>& a, View<const typename B::Act> dy, View<typename B::Act> dx,
                 const Weights<typename B::Acc>& g) const {
     be.linear_backward(cview(a.att), w.o, dy, a.datt, false, g.o, g.o_bias);
-    attend_backward(be, c, a);
+    attend_backward(be, c, a, w.sinks, g.sinks);
     project_backward(be, w, x, a, 0, dx, g);
   }
 
@@ -186,20 +197,23 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     }
     be.linear(x, w.v, w.v_bias, token_rows(a.v, first, n));
   }
-  /// Rotary embeddings of q and k, then attention: a.att and a.lse of the whole chunk.
+  /// Rotary embeddings of q and k, then attention: a.att and a.lse of the whole chunk (`sinks`:
+  /// the heads' sink logits, GPT-OSS's; null for the other families).
   template <class B>
-  void attend(B& be, ChunkShape c, const Acts<B>& a) const {
+  void attend(B& be, ChunkShape c, const Acts<B>& a, View<const typename B::Acc> sinks) const {
     cfg_.check_sequence_length(c.seq);
     const auto f = freqs(c);
     be.rope(a.q, cfg_.num_attention_heads, c.seq, f, c.packed.positions, rope_scale_);
     be.rope(a.k, cfg_.num_key_value_heads, c.seq, f, c.packed.positions, rope_scale_);
-    be.attention(cview(a.q), cview(a.k), cview(a.v), a.att, a.lse, shape(c));
+    be.attention(cview(a.q), cview(a.k), cview(a.v), a.att, a.lse, shape(c), sinks);
   }
-  /// From a.datt (the gradient of a.att): a.dq, a.dk, a.dv, the rotations undone.
+  /// From a.datt (the gradient of a.att): a.dq, a.dk, a.dv, the rotations undone; the sinks'
+  /// gradient added to dsinks (where the family has sinks).
   template <class B>
-  void attend_backward(B& be, ChunkShape c, const Acts<B>& a) const {
+  void attend_backward(B& be, ChunkShape c, const Acts<B>& a, View<const typename B::Acc> sinks,
+                       View<typename B::Acc> dsinks) const {
     be.attention_backward(cview(a.q), cview(a.k), cview(a.v), cview(a.att), cview(a.lse), cview(a.datt), a.dq, a.dk,
-                          a.dv, shape(c));
+                          a.dv, shape(c), sinks, dsinks);
     const auto f = freqs(c);
     be.rope_backward(a.dq, cfg_.num_attention_heads, c.seq, f, c.packed.positions, rope_scale_);
     be.rope_backward(a.dk, cfg_.num_key_value_heads, c.seq, f, c.packed.positions, rope_scale_);
