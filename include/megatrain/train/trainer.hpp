@@ -304,6 +304,10 @@ class Trainer {
     double grad_norm;
     const double loss = sum_loss() * st.loss_scale;
     bool skipped = false;
+    // The stages' timings are read while nothing runs: before an AdamW pass that overlaps the next
+    // step is submitted (its timings then come with the next step's, as its work runs beside that
+    // step's forward), else at the end.
+    std::optional<StepStats::Profile> profile;
     if (opt_.resident_gradients()) {
       double sumsq = 0;
       std::size_t bad = model_.num_units();  // the non-finite unit nearest the loss (the backward's first)
@@ -351,6 +355,7 @@ class Trainer {
         skipped_in_a_row_ = 0;
         if (opt_.clip_norm > 0) st.clip_coef = clip_coefficient(grad_norm, opt_.clip_norm);
         pass_ = {st.adam_step, st.lr, st.clip_coef};
+        if (opt_.profile && opt_.overlap_update) profile = collect_profile();
         pipeline_->submit(pass_items());
         if (opt_.overlap_update) update_pending_ = true;
         else pipeline_->drain();
@@ -385,7 +390,7 @@ class Trainer {
     s.tokens = opt_.batch_rows * opt_.seq_len;
     router_stats(s);
     s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (opt_.profile) s.profile = collect_profile();
+    if (opt_.profile) s.profile = profile ? std::move(*profile) : collect_profile();
     return s;
   }
 

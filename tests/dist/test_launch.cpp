@@ -1,0 +1,198 @@
+// The launcher's environment (torchrun, Open MPI, Slurm) and the TCP rendezvous: ranks as threads
+// of this process on 127.0.0.1 (the protocol is the same between processes and hosts).
+#include <doctest/doctest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <future>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "megatrain/core/error.hpp"
+#include "megatrain/dist/launch.hpp"
+
+using namespace megatrain;
+using namespace megatrain::dist;
+using namespace std::chrono_literals;
+
+namespace {
+
+/// A getenv over a fixed map.
+std::function<const char*(const char*)> env_of(const std::map<std::string, std::string>& m) {
+  return [m](const char* name) -> const char* {
+    const auto it = m.find(name);
+    return it == m.end() ? nullptr : it->second.c_str();
+  };
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+/// A port nobody listens on now (the kernel's choice for port 0, released).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  socklen_t len = sizeof a;
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+LaunchInfo rank_of(int rank, int world, int port) {
+  LaunchInfo li;
+  li.rank = rank;
+  li.world = world;
+  li.master_addr = "127.0.0.1";
+  li.master_port = port;
+  li.launcher = "torchrun";
+  return li;
+}
+
+/// Runs `ranks` of a world of `world` as threads; each returns its blobs or its error.
+struct Outcome {
+  std::vector<std::string> blobs;
+  std::string error;
+};
+std::vector<Outcome> run_ranks(const std::vector<int>& ranks, int world, std::chrono::milliseconds timeout,
+                               const std::function<LaunchInfo(int)>& info_of = {}) {
+  const int port = free_port();
+  std::vector<std::future<Outcome>> f;
+  for (const int r : ranks)
+    f.push_back(std::async(std::launch::async, [=] {
+      Outcome o;
+      try {
+        const LaunchInfo li = info_of ? info_of(r) : rank_of(r, world, port);
+        LaunchInfo with_port = li;
+        with_port.master_port = port;
+        o.blobs = tcp_all_gather(with_port, "blob of rank " + std::to_string(r) + std::string(static_cast<std::size_t>(r) * 1000, 'x'),
+                                 timeout);
+      } catch (const Error& e) {
+        o.error = e.what();
+      }
+      return o;
+    }));
+  std::vector<Outcome> out;
+  for (auto& x : f) out.push_back(x.get());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("launch_from_env: torchrun, Open MPI, Slurm, and one process") {
+  const auto t = launch_from_env(env_of({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
+                                         {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "29400"}}));
+  CHECK(t.launcher == "torchrun");
+  CHECK(t.rank == 3);
+  CHECK(t.world == 8);
+  CHECK(t.local_rank == 1);
+  CHECK(t.local_world == 2);
+  CHECK(t.master_addr == "node0");
+  CHECK(t.master_port == 29400);
+
+  const auto m = launch_from_env(env_of({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "3"},
+                                         {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "3"},
+                                         {"MASTER_ADDR", "10.0.0.1"}}));
+  CHECK(m.launcher == "openmpi");
+  CHECK(m.rank == 1);
+  CHECK(m.world == 3);
+  CHECK(m.master_port == 29500);  // the default port
+
+  const auto s = launch_from_env(env_of({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "16"}, {"SLURM_LOCALID", "1"},
+                                         {"SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"}}));
+  CHECK(s.launcher == "slurm");
+  CHECK(s.rank == 5);
+  CHECK(s.world == 16);
+  CHECK(s.local_rank == 1);
+  CHECK(s.master_addr == "10.1.2.3");
+
+  // torchrun's explicit RANK wins over the others (srun or mpirun launching torchrun)
+  const auto both = launch_from_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"SLURM_PROCID", "7"},
+                                            {"SLURM_NTASKS", "9"}, {"MASTER_ADDR", "a"}}));
+  CHECK(both.launcher == "torchrun");
+  CHECK(both.world == 2);
+
+  const auto one = launch_from_env(env_of({}));
+  CHECK(one.launcher == "single");
+  CHECK(one.world == 1);
+  CHECK(one.rank == 0);
+}
+
+TEST_CASE("launch_from_env refuses what a launcher would not set, by name") {
+  CHECK(contains(error_of([] { (void)launch_from_env(env_of({{"RANK", "x1"}, {"WORLD_SIZE", "2"}})); }), "RANK"));
+  CHECK(contains(error_of([] { (void)launch_from_env(env_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}})); }),
+                 "[0, 2)"));
+  CHECK(contains(error_of([] { (void)launch_from_env(env_of({{"RANK", "1"}})); }), "WORLD_SIZE"));
+  const auto no_addr = error_of([] { (void)launch_from_env(env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}})); });
+  CHECK(contains(no_addr, "MASTER_ADDR"));
+  CHECK(contains(error_of([] {
+          (void)launch_from_env(env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "70000"}}));
+        }),
+        "MASTER_PORT"));
+}
+
+TEST_CASE("rendezvous_timeout: the option, else MEGATRAIN_RENDEZVOUS_TIMEOUT, else 300 s") {
+  CHECK(rendezvous_timeout(2.5, env_of({{"MEGATRAIN_RENDEZVOUS_TIMEOUT", "9"}})) == 2500ms);
+  CHECK(rendezvous_timeout({}, env_of({{"MEGATRAIN_RENDEZVOUS_TIMEOUT", "9"}})) == 9000ms);
+  CHECK(rendezvous_timeout({}, env_of({})) == 300000ms);
+  CHECK(contains(error_of([] { (void)rendezvous_timeout({}, env_of({{"MEGATRAIN_RENDEZVOUS_TIMEOUT", "soon"}})); }),
+                 "MEGATRAIN_RENDEZVOUS_TIMEOUT"));
+  CHECK(contains(error_of([] { (void)rendezvous_timeout(-1.0, env_of({})); }), "positive"));
+}
+
+TEST_CASE("tcp_all_gather: every rank gets every rank's blob, in rank order") {
+  for (const int world : {1, 2, 5}) {
+    CAPTURE(world);
+    std::vector<int> ranks;
+    for (int r = world - 1; r >= 0; --r) ranks.push_back(r);  // (rank 0 last: the others wait for it to listen)
+    const auto out = run_ranks(ranks, world, 20s);
+    for (const auto& o : out) {
+      CHECK(o.error.empty());
+      REQUIRE(static_cast<int>(o.blobs.size()) == world);
+      for (int r = 0; r < world; ++r)
+        CHECK(o.blobs[static_cast<std::size_t>(r)] ==
+              "blob of rank " + std::to_string(r) + std::string(static_cast<std::size_t>(r) * 1000, 'x'));
+    }
+  }
+}
+
+TEST_CASE("tcp_all_gather never hangs: missing ranks are named, and the ranks that came hear why") {
+  // ranks 0 and 1 of 4: rank 0 gives up naming 2 and 3 and the address; rank 1 gets its words
+  const auto start = std::chrono::steady_clock::now();
+  const auto out = run_ranks({0, 1}, 4, 1500ms);
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+  CHECK(contains(out[0].error, "ranks 2, 3 of the 4 did not arrive"));
+  CHECK(contains(out[0].error, "127.0.0.1:"));
+  CHECK(contains(out[0].error, "MEGATRAIN_RENDEZVOUS_TIMEOUT"));
+  CHECK(contains(out[1].error, "rank 0 gave up"));
+  CHECK(contains(out[1].error, "ranks 2, 3"));
+
+  // no rank 0: rank 2 cannot reach it, and says where it looked
+  const auto alone = run_ranks({2}, 3, 1000ms);
+  CHECK(contains(alone[0].error, "rank 2 of 3 could not reach rank 0 at 127.0.0.1:"));
+}
+
+TEST_CASE("tcp_all_gather refuses ranks launched inconsistently") {
+  // rank 1 thinks the world has 3 processes, rank 0 has 2
+  const auto out = run_ranks({0, 1}, 2, 5000ms, [](int r) { return rank_of(r, r == 1 ? 3 : 2, 0); });
+  CHECK(contains(out[0].error, "WORLD_SIZE"));
+  CHECK(contains(out[1].error, "WORLD_SIZE"));
+  // two processes say they are rank 1
+  const auto dup = run_ranks({0, 1, 1}, 3, 5000ms);
+  CHECK(contains(dup[0].error, "rank 1 arrived twice"));
+}
