@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the GPU measurements on a machine with an NVIDIA GPU, from binaries
 # built elsewhere and copied to BIN (with libtbb/libfmt in BIN/../lib). Logs go to OUT.
-#   scripts/gpu_check.sh BIN OUT [tests|hf|numerics|train|bench|bench7b|checkpoint|checkpoint7b|kernels|packing|plan|probe|longctx|moe|gptoss|all]...
+#   scripts/gpu_check.sh BIN OUT [tests|hf|numerics|train|bench|bench7b|checkpoint|checkpoint7b|kernels|packing|plan|probe|longctx|moe|gptoss|nccl|all]...
 set -uo pipefail
 BIN=$(cd "$1" && pwd); OUT=$(mkdir -p "$2" && cd "$2" && pwd); shift 2
 what=${*:-all}
@@ -149,6 +149,12 @@ if [[ " $what " == *" gptoss "* ]]; then
     --steps 6 --skip 2 --clip-mode exact > "$OUT/bench_gptoss_${gl}layers.log" 2>&1
   summary+=("bench_train gpt-oss-20b, $gl layers, 64k tokens, exact rc=$?: $(grep -E '^\| tokens/s' "$OUT/bench_gptoss_${gl}layers.log")")
   summary+=("  $(grep -oP '^\| plan: [^|]*\| \Kpredicted.*measured / predicted [0-9.]+' "$OUT/bench_gptoss_${gl}layers.log" || echo 'plan ?')")
+fi
+# Several GPUs (docs/distributed.md): NCCL across NCCL_RANKS processes (default 2), the unique id
+# through the rendezvous; needs as many GPUs (kind nvidia-h100-x2 / nvidia-h200-x2).
+if [[ " $what " == *" nccl "* ]]; then
+  NCCL_NVLS_ENABLE=0 timeout 300 bash tests/cuda/run_ranks.sh "${NCCL_RANKS:-2}" "$BIN/test_dist_nccl" > "$OUT/nccl.log" 2>&1
+  summary+=("test_dist_nccl ${NCCL_RANKS:-2} ranks rc=$?: $(grep -c 'exact' "$OUT/nccl.log") ranks exact")
 fi
 # Packing (docs/data.md): examples/s with one example per sequence and with --pack true, the
 # 1.5B shape on synthetic instruction data of mixed lengths.

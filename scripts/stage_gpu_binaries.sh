@@ -16,7 +16,7 @@ BUILD=$1
 DEST=$2
 binaries=(tests/cuda/test_cuda_kernels tests/cuda/test_cudnn_attention tests/cuda/test_cuda_backend
           tests/cuda/test_cuda_trainer tests/cuda/test_cuda_resume bench/bench_train bench/bench_adamw examples/megatrain-train examples/megatrain-plan
-          tests/unit/test_core)
+          tests/unit/test_core tests/cuda/test_dist_nccl)
 for b in "${binaries[@]}"; do
   if [[ ! -x $BUILD/$b ]]; then
     echo "$BUILD/$b is missing: build a CUDA configuration with cuDNN (cmake --preset release on a machine" \
@@ -25,7 +25,7 @@ for b in "${binaries[@]}"; do
   fi
 done
 # Loaded from the system or the GPU machine's CUDA / PyTorch installation: not copied.
-provided='^(linux-vdso|ld-linux[-a-z0-9_]*|libc|libm|libdl|libpthread|librt|libgcc_s|libstdc\+\+|libcudart|libcublas|libcublasLt|libcudnn[a-z_]*|libcuda|libnvrtc|libnvJitLink)\.so'
+provided='^(linux-vdso|ld-linux[-a-z0-9_]*|libc|libm|libdl|libpthread|librt|libgcc_s|libstdc\+\+|libcudart|libcublas|libcublasLt|libcudnn[a-z_]*|libcuda|libnvrtc|libnvJitLink|libnccl)\.so'
 rm -rf "${DEST:?}/bin" "${DEST:?}/lib"
 mkdir -p "$DEST/bin" "$DEST/lib"
 declare -A libs=()
