@@ -325,6 +325,15 @@ TEST_CASE("the cost model's model FLOPs are bench_train's (docs/performance.md)"
   const ModelConfig cfg = ModelConfig::preset("qwen2.5-7b");
   const double per_token = plan::model_flops(cfg, 1, 32768);
   CHECK(per_token * 7150 / 1e12 == doctest::Approx(444.4).epsilon(1e-3));
+  // A sliding layer's attention over its window only: GPT-OSS's every other layer sees 128 keys
+  // (w (w + 1) / 2 + (S - w) w keys in all over S queries), the others the whole causal row.
+  const ModelConfig g = ModelConfig::preset("gpt-oss-20b").with_layers(2);
+  const double S = 1024, w = 128, span = S + 2 * (w * (w + 1) / 2 + (S - w) * w) / S;
+  CHECK(plan::attention_span(g, S) == doctest::Approx(span));
+  const double matmul = static_cast<double>(g.active_param_count() - g.vocab_size * g.hidden_size);
+  CHECK(plan::model_flops(g, 1, S) == doctest::Approx(6 * matmul + 6 * static_cast<double>(g.q_dim()) * span));
+  CHECK(plan::attention_span(g, 100) == doctest::Approx(200.0));  // (a window as long as the rows: full)
+  CHECK(plan::attention_span(cfg, 32768) == doctest::Approx(32768.0 * 28));
   // A step with every unit on the device moves no weights over PCIe but the batch's rows.
   DecoderModel<> model(small(false, 2));
   TrainerOptions o = opts(2, 32);

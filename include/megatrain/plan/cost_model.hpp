@@ -7,7 +7,8 @@
 //            activations), 6 x the head's (no recompute); a mixture of experts' active experts
 //            (a token's k) 8 x at their own rate (grouped products; recomputed even in a block
 //            that keeps its other activations);
-//            causal attention: 2 T S q_dim per layer forward (twice: forward and recompute) and
+//            causal attention: 2 T S q_dim per layer forward (a sliding layer's S its window's
+//            span: attention_span) (twice: forward and recompute) and
 //            2.5 times that backward; the element-wise passes (norms, SwiGLU, rotary, residual
 //            adds, the loss over the logits) at device-memory bandwidth; AdamW of the device units
 //            (30 bytes per parameter through device memory); activation checkpoints that live in
@@ -192,14 +193,28 @@ struct StepTime {
   double tokens_per_s() const { return step_s > 0 ? tokens / step_s : 0; }
 };
 
+/// The attention's span over the layers for sequences of `seq` tokens: the sum over the layers of
+/// twice the keys a query sees on average, which is `seq` for causal attention over the whole
+/// sequence (the FLOPs convention's S) and less for a sliding window of w < seq keys (Gemma 3's
+/// and GPT-OSS's sliding layers): 2 (w (w + 1) / 2 + (seq - w) w) / seq.
+inline double attention_span(const ModelConfig& cfg, double seq) {
+  double span = 0;
+  for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+    const double w = static_cast<double>(cfg.attention_window(l));
+    span += w <= 0 || w >= seq ? seq : 2 * (w * (w + 1) / 2 + (seq - w) * w) / seq;
+  }
+  return span;
+}
+
 /// Model FLOPs of a step of `tokens` tokens in sequences of `seq` (the MFU convention: no
 /// recompute; 6 x the matmul parameters per token, the embedding lookup none, a tied head's
 /// product counted; a mixture of experts' active parameters only (a token's k experts); causal
-/// attention 6 x seq x q_dim per token and layer).
+/// attention 6 x seq x q_dim per token and layer, a sliding layer's over its window:
+/// attention_span).
 inline double model_flops(const ModelConfig& cfg, double tokens, double seq) {
   const double V = static_cast<double>(cfg.vocab_size), d = static_cast<double>(cfg.hidden_size);
   const double matmul = static_cast<double>(cfg.active_param_count()) - (cfg.tie_word_embeddings ? 0.0 : V * d);
-  return 6 * matmul * tokens + 6.0 * tokens * seq * static_cast<double>(cfg.q_dim()) * static_cast<double>(cfg.num_hidden_layers);
+  return 6 * matmul * tokens + 6.0 * tokens * static_cast<double>(cfg.q_dim()) * attention_span(cfg, seq);
 }
 
 /// The step time of `plan` (its decisions: device units, spilled checkpoints) on `m`.
@@ -238,7 +253,7 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   const double dense_gemm = (8 + 2 * refill - 2 * kept) * (active_blocks - experts) * T + 6 * embed * T;
   const double expert_gemm = (8 + 2 * refill) * experts * T;
   const double gemm = dense_gemm + expert_gemm;
-  const double att_fwd = 2 * T * S * qd * L;
+  const double att_fwd = 2 * T * qd * attention_span(cfg, S);  // (S x L without sliding layers)
   const double expert_s = expert_gemm / (m.moe_gemm_tflops * 1e12);
   const double gemm_s = dense_gemm / (m.gemm_tflops * 1e12) + expert_s;
   const double att_s =
