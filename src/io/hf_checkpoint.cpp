@@ -8,6 +8,8 @@
 
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
 
 #include <algorithm>
 #include <array>
@@ -507,22 +509,31 @@ void HfCheckpoint::load_into(HostParamStore<float>& store) const {
 }
 
 namespace {
-/// Calls f(i, at) for each element i of part p, in the parameter's row-major order, with `at` its
-/// flat index in the fused tensor (the last dimension innermost; any rank).
+/// Calls f(i, at) for each element i of part p (`count` of them: the product of its dims), with
+/// `at` its flat index in the fused tensor (the last dimension innermost; any rank); the rows of
+/// the first dimension in parallel (a GPT-OSS-120B layer's experts hold 3.2 billion elements).
 template <class F>
 void for_each_place(const FusedPart& p, std::size_t count, F f) {
   const std::size_t rank = p.dims.size();
-  std::vector<std::int64_t> idx(rank, 0);
-  std::int64_t at = p.offset;
-  for (std::size_t i = 0; i < count; ++i) {
-    f(i, static_cast<std::size_t>(at));
-    for (std::size_t k = rank; k-- > 0;) {
-      at += p.strides[k];
-      if (++idx[k] < p.dims[k]) break;
-      at -= p.strides[k] * p.dims[k];
-      idx[k] = 0;
+  if (rank == 0 || count == 0) return;
+  const auto rows = static_cast<std::size_t>(p.dims[0]), per_row = count / rows;
+  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, rows, std::max<std::size_t>(1, (std::size_t{1} << 16) / std::max<std::size_t>(per_row, 1))),
+                    [&](const tbb::blocked_range<std::size_t>& range) {
+    std::vector<std::int64_t> idx(rank, 0);
+    for (std::size_t row = range.begin(); row != range.end(); ++row) {
+      std::fill(idx.begin(), idx.end(), 0);
+      std::int64_t at = p.offset + static_cast<std::int64_t>(row) * p.strides[0];
+      for (std::size_t j = 0; j < per_row; ++j) {
+        f(row * per_row + j, static_cast<std::size_t>(at));
+        for (std::size_t k = rank; k-- > 1;) {
+          at += p.strides[k];
+          if (++idx[k] < p.dims[k]) break;
+          at -= p.strides[k] * p.dims[k];
+          idx[k] = 0;
+        }
+      }
     }
-  }
+  });
 }
 }  // namespace
 
@@ -543,9 +554,10 @@ void dequantize_mxfp4(std::span<const std::uint8_t> blocks, std::span<const std:
            "MXFP4: {} block bytes and {} scales for [{}, {}, {}] groups into {} values", blocks.size(), scales.size(), P, R,
            G, out.size());
   const std::int64_t C = G * 32;  // out[p, c, r]: column c = g * 32 + 2 b (+ 1 for the high nibble) of row r
-  for (std::int64_t p = 0; p < P; ++p)
-    for (std::int64_t r = 0; r < R; ++r)
-      for (std::int64_t g = 0; g < G; ++g) {
+  // (each (p, g) writes 32 rows of out, r running along them: in parallel, each row in order)
+  tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, P * G), [&](const tbb::blocked_range<std::int64_t>& range) {
+    for (std::int64_t pg = range.begin(); pg != range.end(); ++pg)
+      for (std::int64_t p = pg / G, g = pg % G, r = 0; r < R; ++r) {
         const std::size_t grp = static_cast<std::size_t>((p * R + r) * G + g);
         const int e = static_cast<int>(scales[grp]) - 127;
         const std::uint8_t* b = blocks.data() + grp * 16;
@@ -555,6 +567,7 @@ void dequantize_mxfp4(std::span<const std::uint8_t> blocks, std::span<const std:
           o[(2 * i + 1) * R] = std::ldexp(kFp4[b[i] >> 4], e);
         }
       }
+  });
 }
 
 std::vector<FusedTensor> fused_tensors(const ModelConfig& cfg) {

@@ -984,3 +984,50 @@ TEST_CASE("bad input: sharded checkpoints, through the HF loader") {
     CHECK_ERROR_MENTIONS(HfCheckpoint::open(out), idx, "not valid JSON");
   }
 }
+
+TEST_CASE("MXFP4 dequantization: E2M1 values times 2^(scale - 127), transposed, at sizes that split across threads") {
+  // (the format's definition, written out: the low nibble first, value = sign x {0, .5, 1, 1.5,
+  // 2, 3, 4, 6}[magnitude] x 2^(scale - 127), out[p, g * 32 + 2 b (+ 1), r] from blocks[p, r, g, b])
+  std::mt19937 rng(77);
+  const std::int64_t P = 3, R = 67, G = 5;
+  std::vector<std::uint8_t> blocks(static_cast<std::size_t>(P * R * G * 16)), scales(static_cast<std::size_t>(P * R * G));
+  for (auto& b : blocks) b = static_cast<std::uint8_t>(rng() & 0xFF);
+  for (auto& s : scales) s = static_cast<std::uint8_t>(100 + rng() % 50);
+  std::vector<float> out(static_cast<std::size_t>(P * R * G * 32), std::numeric_limits<float>::quiet_NaN());
+  megatrain::io::dequantize_mxfp4(blocks, scales, P, R, G, out);
+  const float magnitude[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  std::size_t mismatches = 0;
+  for (std::int64_t p = 0; p < P; ++p)
+    for (std::int64_t r = 0; r < R; ++r)
+      for (std::int64_t g = 0; g < G; ++g)
+        for (int b = 0; b < 16; ++b)
+          for (int half = 0; half < 2; ++half) {
+            const std::size_t grp = static_cast<std::size_t>((p * R + r) * G + g);
+            const int nibble = half == 0 ? blocks[grp * 16 + b] & 0x0F : blocks[grp * 16 + b] >> 4;
+            const double want = (nibble & 8 ? -1.0 : 1.0) * magnitude[nibble & 7] * std::pow(2.0, scales[grp] - 127);
+            const float got = out[static_cast<std::size_t>((p * G * 32 + g * 32 + 2 * b + half) * R + r)];
+            mismatches += static_cast<double>(got) != want;
+          }
+  CHECK(mismatches == 0);
+}
+
+TEST_CASE("fused parts: gather and scatter are each other's inverse over strided places") {
+  // GPT-OSS's layout: expert e's gate in the even columns of gate_up_proj [E, H, 2I], transposed
+  const std::int64_t E = 3, H = 37, I = 53;
+  std::vector<megatrain::io::FusedPart> parts;
+  for (std::int64_t e = 0; e < E; ++e)
+    for (std::int64_t half = 0; half < 2; ++half)
+      parts.push_back({"p" + std::to_string(e * 2 + half), {I, H}, e * H * 2 * I + half, {2, 2 * I}});
+  std::vector<float> fused(static_cast<std::size_t>(E * H * 2 * I));
+  for (std::size_t i = 0; i < fused.size(); ++i) fused[i] = static_cast<float>(i);
+  std::vector<float> back(fused.size(), -1.0f);
+  for (const auto& part : parts) {
+    std::vector<float> v(static_cast<std::size_t>(I * H));
+    megatrain::io::gather_part(part, fused, v);
+    for (std::int64_t o = 0; o < I; ++o)  // element (o, i) of the part: fused[e, i, 2 o + half]
+      for (std::int64_t i = 0; i < H; ++i)
+        REQUIRE(v[static_cast<std::size_t>(o * H + i)] == fused[static_cast<std::size_t>(part.offset + i * 2 * I + 2 * o)]);
+    megatrain::io::scatter_part(part, v, back);
+  }
+  CHECK(back == fused);  // every element placed once, where it came from
+}
