@@ -220,7 +220,6 @@ void parse_layer_types(const json& j, std::string_view src, ModelConfig& c, F sl
 // 150000, the experts' clamped SwiGLU. The published checkpoints' quantization_config (MXFP4
 // experts) is read by io::HfCheckpoint, which dequantizes them; another method is refused.
 void parse_gpt_oss(const json& j, std::string_view src, ModelConfig& c) {
-  c.hidden_act = Activation::silu;  // (the attention-free parts; the experts' own is expert_act())
   if (j.contains("sliding_window") && !j.at("sliding_window").is_null()) {
     c.sliding_window = get_int(j, "sliding_window", src);
   } else if (!j.contains("sliding_window")) {
@@ -1089,18 +1088,14 @@ constexpr Preset kPresets[] = {
       "num_hidden_layers":16,"num_attention_heads":16,"num_key_value_heads":16,"vocab_size":50304,"num_experts":64,
       "num_experts_per_tok":8,"norm_topk_prob":false,"max_position_embeddings":4096,"rms_norm_eps":1e-5,
       "rope_theta":10000.0,"pad_token_id":1,"tie_word_embeddings":false})"},
+    // (GptOssConfig's defaults, which from_json applies, give the rest: top 4 experts, windows of 128
+    // on every other layer, yarn x32 over 4,096 positions, rope_theta 150,000, untied)
     {"gpt-oss-20b", R"({"architectures":["GptOssForCausalLM"],"hidden_size":2880,"intermediate_size":2880,
       "num_hidden_layers":24,"num_attention_heads":64,"num_key_value_heads":8,"head_dim":64,"vocab_size":201088,
-      "num_local_experts":32,"num_experts_per_tok":4,"sliding_window":128,"max_position_embeddings":131072,
-      "rms_norm_eps":1e-5,"rope_theta":150000.0,"rope_scaling":{"rope_type":"yarn","factor":32.0,"beta_fast":32.0,
-      "beta_slow":1.0,"truncate":false,"original_max_position_embeddings":4096},"pad_token_id":199999,
-      "tie_word_embeddings":false})"},
+      "num_local_experts":32,"rms_norm_eps":1e-5,"pad_token_id":199999})"},
     {"gpt-oss-120b", R"({"architectures":["GptOssForCausalLM"],"hidden_size":2880,"intermediate_size":2880,
       "num_hidden_layers":36,"num_attention_heads":64,"num_key_value_heads":8,"head_dim":64,"vocab_size":201088,
-      "num_local_experts":128,"num_experts_per_tok":4,"sliding_window":128,"max_position_embeddings":131072,
-      "rms_norm_eps":1e-5,"rope_theta":150000.0,"rope_scaling":{"rope_type":"yarn","factor":32.0,"beta_fast":32.0,
-      "beta_slow":1.0,"truncate":false,"original_max_position_embeddings":4096},"pad_token_id":199999,
-      "tie_word_embeddings":false})"},
+      "num_local_experts":128,"rms_norm_eps":1e-5,"pad_token_id":199999})"},
 };
 }  // namespace
 
