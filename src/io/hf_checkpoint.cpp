@@ -5,6 +5,7 @@
 // config by hand should not have to rerun once per tensor. The safetensors layer has already
 // validated each file's framing, offsets and the index by the time we look at names and shapes.
 #include "megatrain/io/hf_checkpoint.hpp"
+#include "megatrain/model/family.hpp"
 
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
@@ -590,7 +591,7 @@ std::vector<FusedTensor> fused_tensors(const ModelConfig& cfg) {
                          {{m + "gate_proj.weight", cfg.intermediate_size}, {m + "up_proj.weight", cfg.intermediate_size}}));
     }
   }
-  if (cfg.architecture == Architecture::gpt_oss) {  // the experts, stacked; gate and up interleaved
+  if (cfg.block().fused_experts) {  // (GPT-OSS) the experts, stacked; gate and up interleaved
     const std::int64_t E = cfg.moe.num_experts, I = cfg.moe.intermediate_size;
     for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
       if (!cfg.is_moe_layer(l)) continue;

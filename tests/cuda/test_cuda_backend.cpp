@@ -246,6 +246,11 @@ TEST_CASE("decoder block on the GPU matches the float64 reference (cuDNN attenti
   // own kernel runs windows) beside it
   check_block(gemma3(128, 4, 2, 64, 48, 0), {2, 37}, true);
   check_block(gemma3(256, 2, 1, 128, 256, 9), {1, 70}, true);
+  // SmolLM3: a NoPE layer (no rotary). (Without biases: a key bias's gradient is zero in exact
+  // arithmetic there, the same logit added to every key, and bf16 leaves only noise to compare.)
+  check_block(config(128, 4, 2, 32, 101, false, true, "SmolLM3ForCausalLM",
+                     {{"no_rope_layers", {0}}, {"pad_token_id", nullptr}}),
+              {2, 37}, true);
 }
 
 TEST_CASE("a mixture-of-experts block on the GPU matches the float64 reference") {
@@ -290,6 +295,8 @@ TEST_CASE("decoder block on the GPU matches the float64 reference (megatrain's a
   check_block(gemma3(72, 6, 2, 12, 20, 4), {2, 13}, false);
   check_block(gemma3(96, 3, 3, 32, 16, 0), {1, 45}, false);
   check_block(gemma3(64, 2, 1, 32, 32, 40), {1, 100}, false);  // a window across tiles
+  check_block(config(72, 6, 2, 12, 101, false, true, "SmolLM3ForCausalLM", {{"no_rope_layers", {0}}, {"pad_token_id", nullptr}}),
+              {2, 13}, false);
 }
 
 TEST_CASE("packed rows: a decoder block matches the float64 reference, attention within each sequence") {

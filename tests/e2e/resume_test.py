@@ -233,6 +233,17 @@ def kill9():
         args = ["--resume", "--out", "run"] if have else base + ["--out", "run", "--overwrite", "true"]
         fresh_starts += 0 if have else 1
         p = start(args, slow)
+        if kills % 4 == 3:
+            # Every fourth kill waits for a new complete checkpoint first, so that the run makes
+            # progress however slowly the machine starts it (a loaded CI machine can take longer
+            # than the random delays below to reach the first save).
+            done = sorted(n for n in checkpoints("run") if re.fullmatch(r"step-\d{8}", n))
+            deadline = time.time() + 60
+            while time.time() < deadline and p.poll() is None:
+                now = sorted(n for n in checkpoints("run") if re.fullmatch(r"step-\d{8}", n))
+                if now and (not done or now[-1] > done[-1]):
+                    break
+                time.sleep(0.01)
         time.sleep(rnd.uniform(0.02, 0.7))
         if p.poll() is not None:
             out, err = p.communicate()

@@ -112,6 +112,10 @@ std::vector<HfFixture> hf_fixtures() {
                                 {"tie_word_embeddings", false}, {"num_local_experts", 3}, {"num_experts_per_tok", 2},
                                 {"sliding_window", 4}}),
                DType::bf16});
+  // SmolLM3: a NoPE layer beside rotary ones
+  f.push_back({"smollm3", with({{"architectures", {"SmolLM3ForCausalLM"}}, {"model_type", "smollm3"},
+                                {"no_rope_layers", {1, 0}}, {"pad_token_id", nullptr}}),
+               DType::bf16});
   return f;
 }
 
@@ -129,6 +133,7 @@ std::string hf_fixture_for(const ModelConfig& c) {
     case Architecture::mixtral: return "mixtral";
     case Architecture::olmoe: return "olmoe";
     case Architecture::gpt_oss: return "gpt_oss";
+    case Architecture::smollm3: return "smollm3";
   }
   return "llama";
 }

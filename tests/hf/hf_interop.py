@@ -132,8 +132,12 @@ def make_models():
         tie_word_embeddings=False, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"], pad_token_id=None, bos_token_id=None,
         eos_token_id=None, **common))
+    # SmolLM3: every second layer without rotary (NoPE), tied
+    smollm3 = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(
+        tie_word_embeddings=True, no_rope_layer_interval=2, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        **common))
     return [("llama", llama), ("qwen2", qwen), ("qwen3", qwen3), ("phi3", phi3), ("gemma3", gemma3),
-            ("gpt_oss", gpt_oss)]
+            ("gpt_oss", gpt_oss), ("smollm3", smollm3)]
 
 
 def perturb(model, gen):

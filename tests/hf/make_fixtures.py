@@ -76,6 +76,11 @@ def families():
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
             **{**COMMON, "num_hidden_layers": 3})),
+        # SmolLM3: Llama's block and biases (attention_bias, mlp_bias), the middle layer without
+        # rotary (NoPE: no_rope_layers 0), rope_theta at SmolLM3Config's 2,000,000; tied, a padding id
+        "smollm3": (t.SmolLM3ForCausalLM, t.SmolLM3Config(
+            tie_word_embeddings=True, attention_bias=True, mlp_bias=True, no_rope_layers=[1, 0, 1],
+            pad_token_id=PAD, bos_token_id=None, eos_token_id=None, **{**COMMON, "num_hidden_layers": 3})),
         # Mixtures of experts (dropless top-k routing; each layer's experts are saved per expert,
         # as on the Hub, and their gradients written under those names). Qwen3-MoE: per-head q/k
         # norms, the top-k weights renormalised, a dense layer among the sparse ones (mlp_only_layers)

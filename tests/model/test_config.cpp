@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <numbers>
 #include <random>
+#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -20,6 +21,7 @@
 #include "megatrain/core/error.hpp"
 #include "megatrain/layers/decoder_model.hpp"
 #include "megatrain/model/config.hpp"
+#include "megatrain/model/family.hpp"
 
 using namespace megatrain;
 using json = nlohmann::json;
@@ -75,6 +77,7 @@ void check_same(const ModelConfig& a, const ModelConfig& b) {
   CHECK(a.hidden_act == b.hidden_act);
   CHECK(a.query_pre_attn_scalar == b.query_pre_attn_scalar);
   CHECK(a.partial_rotary_factor == b.partial_rotary_factor);
+  CHECK(a.nope_layers == b.nope_layers);
 }
 
 /// from_json(to_json(c)) == c, both directly and through the JSON text.
@@ -359,7 +362,7 @@ TEST_CASE("config: Gemma 3's refusals name the field") {
   // Gemma's parts are refused on another family (a config assembled by hand)
   auto c = ModelConfig::preset("qwen2.5-0.5b");
   c.hidden_act = Activation::gelu_tanh;
-  CHECK(contains(error_of([&] { c.validate("hand-made"); }), "Gemma 3's"));
+  CHECK(contains(error_of([&] { c.validate("hand-made"); }), "MLP activation is silu, not gelu_pytorch_tanh"));
 }
 
 TEST_CASE("config: Phi-3 mini 4k (fused projections in the checkpoint, a window, pad_token_id)") {
@@ -695,7 +698,7 @@ TEST_CASE("config: every preset loads, validates, round-trips and agrees with th
   const auto names = ModelConfig::preset_names();
   CHECK(names == std::vector<std::string>{"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-72b",
                                           "qwen3-0.6b", "qwen3-8b", "gemma-3-1b", "gemma-3-4b", "gemma-3-12b",
-                                          "gemma-3-27b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "mistral-7b", "qwen3-30b-a3b",
+                                          "gemma-3-27b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "mistral-7b", "smollm3-3b", "qwen3-30b-a3b",
                                           "mixtral-8x7b", "olmoe-1b-7b", "gpt-oss-20b", "gpt-oss-120b"});
   for (const auto& name : names) {
     CAPTURE(name);
@@ -1246,4 +1249,110 @@ TEST_CASE("config: with_layers cuts a model and its per-layer tables") {
   CHECK(qc.moe_layer_count() == 3);
   CHECK(ModelConfig::preset("qwen2.5-0.5b").with_layers(30).num_hidden_layers == 30);
   CHECK(contains(error_of([] { (void)ModelConfig::preset("qwen2.5-0.5b").with_layers(0); }), "layers"));
+}
+
+TEST_CASE("config: SmolLM3 (NoPE layers), as published and by SmolLM3Config's defaults") {
+  json no_rope = json::array();
+  for (int l = 0; l < 36; ++l) no_rope.push_back((l + 1) % 4 == 0 ? 0 : 1);
+  json pub = json::parse(R"({"architectures":["SmolLM3ForCausalLM"],"model_type":"smollm3","attention_bias":false,
+    "attention_dropout":0.0,"bos_token_id":128000,"eos_token_id":128012,"hidden_act":"silu","hidden_size":2048,
+    "initializer_range":0.02,"intermediate_size":11008,"max_position_embeddings":65536,"mlp_bias":false,
+    "num_attention_heads":16,"num_hidden_layers":36,"num_key_value_heads":4,"pad_token_id":128004,
+    "rms_norm_eps":1e-06,"rope_scaling":null,"rope_theta":5000000.0,"sliding_window":null,"use_sliding_window":false,
+    "tie_word_embeddings":true,"vocab_size":128256})");
+  pub["no_rope_layers"] = no_rope;
+  const auto s = ModelConfig::from_json(pub, "SmolLM3-3B/config.json");
+  CHECK(s.architecture == Architecture::smollm3);
+  CHECK(s.architecture_name() == "SmolLM3ForCausalLM");
+  CHECK(s.rope_theta == 5000000.0);
+  CHECK(s.tie_word_embeddings);
+  CHECK(s.pad_token_id == 128004);
+  CHECK(!s.qkv_bias);
+  CHECK(!s.sliding_window);
+  std::int64_t nope = 0;
+  for (std::int64_t l = 0; l < 36; ++l) {
+    CAPTURE(l);
+    CHECK(s.rotary_layer(l) == ((l + 1) % 4 != 0));
+    nope += s.rotary_layer(l) ? 0 : 1;
+  }
+  CHECK(nope == 9);
+  CHECK(s.param_count() == state_dict_count(s));
+  CHECK((s.param_count() + 5'000'000) / 10'000'000 == 308);  // 3.08B, as published
+  check_same(s, ModelConfig::preset("smollm3-3b"));
+  check_round_trip(s);
+  CHECK(s.to_json().at("no_rope_layers") == no_rope);
+  CHECK(ModelConfig::from_json(s.to_json()).to_json() == s.to_json());
+
+  // SmolLM3Config's defaults: a NoPE layer every no_rope_layer_interval (4), rope_theta 2,000,000,
+  // tied, pad_token_id 128004; Llama's biases
+  json d = json::parse(R"({"model_type":"smollm3","hidden_size":64,"intermediate_size":96,"num_hidden_layers":6,
+    "num_attention_heads":4,"vocab_size":130000,"attention_bias":true,"mlp_bias":true})");
+  const auto c = ModelConfig::from_json(d, "d.json");
+  CHECK(c.nope_layers == std::vector<bool>{false, false, false, true, false, false});
+  CHECK(c.rope_theta == 2000000.0);
+  CHECK(c.tie_word_embeddings);
+  CHECK(c.pad_token_id == 128004);
+  CHECK(c.qkv_bias);
+  CHECK(c.o_bias);
+  CHECK(c.mlp_bias);
+  CHECK(c.param_count() == state_dict_count(c));
+  check_round_trip(c);
+  d["no_rope_layer_interval"] = 2;
+  CHECK(ModelConfig::from_json(d).nope_layers == std::vector<bool>{false, true, false, true, false, true});
+  CHECK(ModelConfig::from_json(d).with_layers(3).nope_layers == std::vector<bool>{false, true, false});
+  // a list longer than the layers is read as transformers reads it: its first entries
+  d["no_rope_layers"] = {1, 0, 0, 1, 1, 1, 0, 0};
+  CHECK(ModelConfig::from_json(d).nope_layers == std::vector<bool>{false, true, true, false, false, false});
+
+  // refused by name: sliding windows, a short or malformed no_rope_layers, dropout, an interval of 0
+  const auto with = [&](const char* key, json v) {
+    json j = d;
+    j.erase("no_rope_layers");
+    j[key] = std::move(v);
+    return error_of(j, "smol.json");
+  };
+  std::string e = with("use_sliding_window", true);
+  CHECK(contains(e, "smol.json"));
+  CHECK(contains(e, "use_sliding_window"));
+  CHECK(contains(with("layer_types", {"full_attention", "sliding_attention", "full_attention", "full_attention",
+                                      "full_attention", "full_attention"}), "sliding_attention"));
+  CHECK(contains(with("no_rope_layers", {1, 1}), "no_rope_layers"));
+  CHECK(contains(with("no_rope_layers", {1, 1, 2, 1, 1, 1}), "no_rope_layers holds 2"));
+  CHECK(contains(with("attention_dropout", 0.1), "attention_dropout"));
+  CHECK(contains(with("no_rope_layer_interval", 0), "no_rope_layer_interval"));
+  CHECK(contains(with("pad_token_id", 200000), "pad_token_id"));
+  // a NoPE table is SmolLM3's alone (a config assembled by hand)
+  auto q = ModelConfig::preset("qwen2.5-0.5b");
+  q.nope_layers.assign(static_cast<std::size_t>(q.num_hidden_layers), false);
+  CHECK(contains(error_of([&] { q.validate("hand-made"); }), "no_rope_layers"));
+}
+
+TEST_CASE("families: each family's entry reads, checks and writes its own config") {
+  std::set<std::string> names, types;
+  for (const Family* f : families()) {
+    CAPTURE(f->class_name);
+    CHECK(names.insert(f->class_name).second);
+    CHECK(types.insert(f->model_type).second);
+    CHECK(&family(f->arch) == f);
+    // the smallest config.json of the family: its model_type and the sizes; every other field
+    // is the family's default
+    json j{{"model_type", f->model_type}, {"hidden_size", 64},    {"intermediate_size", 96}, {"num_hidden_layers", 3},
+           {"num_attention_heads", 4},    {"head_dim", 16},       {"vocab_size", 130000}};
+    const auto c = ModelConfig::from_json(j, "minimal.json");
+    CHECK(c.architecture == f->arch);
+    CHECK(&c.block() == &f->block);
+    CHECK(c.max_position_embeddings == f->default_max_position_embeddings);
+    CHECK(c.tie_word_embeddings == f->default_tied);
+    CHECK(c.pad_token_id == f->default_pad_token_id);
+    CHECK(c.hidden_act == f->block.activation);
+    CHECK(c.qk_norm() == (f->block.qk_norm != BlockRecipe::QkNorm::none));
+    CHECK((c.moe.num_experts > 0) == f->block.moe);
+    CHECK(c.param_count() == state_dict_count(c));
+    check_round_trip(c);
+    CHECK(ModelConfig::from_json(c.to_json()).to_json() == c.to_json());
+    // written under the family's names, read back by them alone
+    CHECK(c.to_json().at("architectures") == json::array({f->class_name}));
+    CHECK(c.to_json().at(f->block.activation_key).is_string());
+  }
+  CHECK(families().size() == 11);
 }

@@ -5,6 +5,7 @@
 // loss and the same gradient for every parameter, within fp32 rounding.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -36,14 +37,15 @@ std::vector<T> read_tensor(const SafetensorsFile& f, const std::string& name, Sa
 }
 
 /// ||a - b|| / ||b||
-double rel(std::span<const float> a, std::span<const float> b) {
+/// ||a - b|| / max(||b||, floor).
+double rel(std::span<const float> a, std::span<const float> b, double floor = 0) {
   REQUIRE(a.size() == b.size());
   double num = 0, den = 0;
   for (std::size_t i = 0; i < a.size(); ++i) {
     num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
     den += static_cast<double>(b[i]) * b[i];
   }
-  return std::sqrt(num / std::max(den, 1e-300));
+  return std::sqrt(num) / std::max({std::sqrt(den), floor, 1e-150});
 }
 
 void check_family(const fs::path& dir) {
@@ -78,6 +80,17 @@ void check_family(const fs::path& dir) {
   const auto fused = fused_tensors(m.config);
   for (const auto& f : fused)
     for (const auto& part : f.parts) fused_parts[part.param] = {f.name, &part};
+  // Some gradients are zero in exact arithmetic, and both sides give rounding noise: the key bias
+  // of a layer without rotary (SmolLM3's NoPE layers: the same logit added to every key leaves
+  // the softmax unchanged). A gradient is measured against its own size or, where that is below
+  // 1e-3 of the largest gradient's (across the model), against that.
+  double largest = 0;
+  for (const auto& t : ref.tensors())
+    if (t.name.rfind("grad.", 0) == 0) {
+      double sq = 0;
+      for (const float v : read_tensor<float>(ref, t.name, SafetensorsDType::f32)) sq += static_cast<double>(v) * v;
+      largest = std::max(largest, std::sqrt(sq));
+    }
   std::set<std::string> seen;
   double worst = 0;
   for (std::size_t u = 0; u < m.store.num_units(); ++u)
@@ -95,7 +108,7 @@ void check_family(const fs::path& dir) {
       }
       const auto got = std::span<const float>(grads[u]).subspan(static_cast<std::size_t>(e.offset),
                                                                static_cast<std::size_t>(e.numel()));
-      const double err = rel(got, want);
+      const double err = rel(got, want, 1e-3 * largest);
       CHECK(err <= 1e-5);
       worst = std::max(worst, err);
       seen.insert(name);

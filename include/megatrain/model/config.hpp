@@ -1,19 +1,13 @@
 // ModelConfig: the shape of a decoder-only model, read from a Hugging Face config.json.
 //
-// Supported architectures: LlamaForCausalLM (Llama 2 and 3.x, with "llama3" / "linear" rope
-// scaling), MistralForCausalLM, Qwen2ForCausalLM (q/k/v projections with bias) and
-// Qwen3ForCausalLM (RMSNorm of each query and key head before the rotation; attention_bias as
-// Llama's) and Phi3ForCausalLM (Phi-3, Phi-4: Llama's block with q/k/v and gate/up fused into
-// one tensor each in the checkpoint) and Gemma3ForCausalLM (Gemma 3 text: (1 + w) norms, four
-// per block, q/k norms, GeGLU, scaled embeddings, sliding-window and full layers with their own
-// rotary parameters). What differs between them is declared once, in the family table of config.cpp
-// (class and model_type names, default context, biases, q/k norms). Anything else,
-// a missing required field, a field of the wrong type, or fields that contradict each other
-// (`architectures` and `model_type` naming different models, attention_bias or mlp_bias set on
-// Qwen2 or Mistral, which have no such option, without head_dim a head count that does not divide
-// the hidden size,
-// key/value heads that do not divide the query heads, an odd head_dim, ...) is an error naming
-// the file and the field.
+// The families megatrain trains (Llama, Mistral, Qwen2, Qwen3, Phi-3/4, Gemma 3 text, SmolLM3,
+// and the mixtures of experts Qwen3-MoE, Mixtral, OLMoE, GPT-OSS) share this one description of a
+// decoder's shape; what sets each family apart (its ops, names and config.json fields) is declared
+// in its own file, src/model/families/<family>.cpp (family.hpp). A missing required field, a
+// field of the wrong type, or fields that contradict each other (`architectures` and
+// `model_type` naming different models, a bias the family has no option for, without head_dim a
+// head count that does not divide the hidden size, key/value heads that do not divide the query
+// heads, an odd head_dim, ...) is an error naming the file and the field.
 #pragma once
 
 #include <nlohmann/json_fwd.hpp>
@@ -27,7 +21,9 @@
 
 namespace megatrain {
 
-enum class Architecture { llama, mistral, qwen2, qwen3, phi3, gemma3, qwen3_moe, mixtral, olmoe, gpt_oss };
+/// The supported families (family.hpp declares what each is made of).
+enum class Architecture { llama, mistral, qwen2, qwen3, phi3, gemma3, qwen3_moe, mixtral, olmoe, gpt_oss, smollm3 };
+struct BlockRecipe;
 
 /// The MLP's gate activation: silu (SwiGLU: Llama, Qwen, Mistral, Phi-3), the tanh
 /// approximation of GELU (GeGLU: Gemma's "gelu_pytorch_tanh"), or GPT-OSS's clamped SwiGLU of its
@@ -110,6 +106,9 @@ struct ModelConfig {
   /// and rope_scaling.
   double local_rope_theta = 10000.0;
   RopeScaling local_rope_scaling;
+  /// SmolLM3: the layers that apply no rotary embedding (no_rope_layers' zeros: NoPE layers).
+  /// Empty for the other families.
+  std::vector<bool> nope_layers;
   Activation hidden_act = Activation::silu;
   /// The share of each head the rotary embedding turns (transformers' partial_rotary_factor:
   /// Phi-4-mini's 0.75): the first rotary_dim() dimensions; the rest pass through unrotated.
@@ -129,9 +128,9 @@ struct ModelConfig {
   static ModelConfig from_json(const nlohmann::json& j, std::string_view source = "config.json");
   /// Reads and parses a config.json file.
   static ModelConfig from_file(const std::filesystem::path& path);
-  /// A built-in shape by name: "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b",
-  /// "qwen2.5-72b", "qwen3-0.6b", "qwen3-8b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b",
-  /// "mistral-7b" (preset_names()). Throws for an unknown name (listing them).
+  /// A built-in shape of a public model by name: "qwen2.5-1.5b", "qwen3-8b", "gemma-3-1b",
+  /// "smollm3-3b", "qwen3-30b-a3b", "gpt-oss-20b", ... (preset_names() lists them all). Throws for
+  /// an unknown name (listing them).
   static ModelConfig preset(std::string_view name);
   static std::vector<std::string> preset_names();
 
@@ -143,6 +142,8 @@ struct ModelConfig {
   nlohmann::json to_json() const;
 
   std::string_view architecture_name() const;  ///< "LlamaForCausalLM", ...
+  /// What this family's blocks are made of (family.hpp): the ops DecoderBlock composes.
+  const BlockRecipe& block() const;
   std::string_view model_type() const;  ///< "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text"
   /// Each query and key head is RMS-normalised over head_dim (its own gain, rms_norm_eps) before
   /// the rotary embedding: q_norm and k_norm of Qwen3.
@@ -176,6 +177,8 @@ struct ModelConfig {
   /// The keys a query of layer `layer` sees: the last `window` ones (itself included), or 0: all
   /// before it. Nonzero only for the sliding layers of Gemma 3 and GPT-OSS.
   std::int64_t attention_window(std::int64_t layer) const;
+  /// Layer `layer` applies the rotary embedding to q and k (all but SmolLM3's NoPE layers).
+  bool rotary_layer(std::int64_t layer) const;
   /// This config with layer `layer`'s rotary parameters in rope_theta / rope_scaling (Gemma 3's
   /// sliding layers have their own); the config itself for every other layer and family.
   ModelConfig rope_for_layer(std::int64_t layer) const;

@@ -42,6 +42,7 @@
 #include "megatrain/backend/backend.hpp"
 #include "megatrain/layers/param_binder.hpp"
 #include "megatrain/model/config.hpp"
+#include "megatrain/model/family.hpp"
 #include "megatrain/model/param_spec.hpp"
 
 namespace megatrain {
@@ -247,14 +248,12 @@ class MoeMlp {
  private:
   /// part 0: gate, 1: up, 2: down, under the family's names.
   std::string expert_name(std::int64_t e, int part, const char* what = "weight") const {
-    static constexpr const char* kHf[] = {"gate_proj", "up_proj", "down_proj"};
-    static constexpr const char* kMixtral[] = {"w1", "w3", "w2"};
-    const bool mixtral = cfg_.architecture == Architecture::mixtral;
-    return prefix_ + "experts." + std::to_string(e) + "." + (mixtral ? kMixtral : kHf)[part] + "." + what;
+    const char* projection = cfg_.block().expert_projections[static_cast<std::size_t>(part)];
+    return prefix_ + "experts." + std::to_string(e) + "." + projection + "." + what;
   }
-  /// The router's parameter: mlp.gate.<what>, GPT-OSS's mlp.router.<what>.
+  /// The router's parameter: mlp.gate.<what> (the family's names: GPT-OSS's mlp.router.<what>).
   std::string router_name(const char* what) const {
-    return prefix_ + (cfg_.architecture == Architecture::gpt_oss ? "router." : "gate.") + what;
+    return prefix_ + cfg_.block().router + "." + what;
   }
   template <class E>
   static View<const E> cv(View<E> v) {

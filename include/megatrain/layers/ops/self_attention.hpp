@@ -11,6 +11,8 @@
 // attention: a sliding layer sees the last sliding_window keys and has its own rotary parameters
 // (ModelConfig::attention_window, rope_for_layer).
 //
+// SmolLM3's NoPE layers (ModelConfig::rotary_layer) rotate neither q nor k.
+//
 // GPT-OSS adds a learned sink per head (self_attn.sinks, ModelConfig::attention_sinks): a logit
 // in every query's softmax that takes probability and carries no value; its sliding and full
 // layers share one rotary table.
@@ -44,6 +46,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
         inv_freq_long_(cfg_.rope_inv_freq(cfg_.rope_scaling.original_max_position_embeddings + 1)),
         rope_scale_(cfg_.rope_attention_scaling()),
         window_(cfg.attention_window(layer)),
+        rotary_(cfg.rotary_layer(layer)),
         softmax_scale_(cfg.query_pre_attn_scalar ? cfg.attention_scale() : 0.0),
         norm_offset_(cfg.norm_unit_offset() ? 1.0 : 0.0) {
     cfg.validate();
@@ -202,9 +205,11 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   template <class B>
   void attend(B& be, ChunkShape c, const Acts<B>& a, View<const typename B::Acc> sinks) const {
     cfg_.check_sequence_length(c.seq);
-    const auto f = freqs(c);
-    be.rope(a.q, cfg_.num_attention_heads, c.seq, f, c.packed.positions, rope_scale_);
-    be.rope(a.k, cfg_.num_key_value_heads, c.seq, f, c.packed.positions, rope_scale_);
+    if (rotary_) {
+      const auto f = freqs(c);
+      be.rope(a.q, cfg_.num_attention_heads, c.seq, f, c.packed.positions, rope_scale_);
+      be.rope(a.k, cfg_.num_key_value_heads, c.seq, f, c.packed.positions, rope_scale_);
+    }
     be.attention(cview(a.q), cview(a.k), cview(a.v), a.att, a.lse, shape(c), sinks);
   }
   /// From a.datt (the gradient of a.att): a.dq, a.dk, a.dv, the rotations undone; the sinks'
@@ -214,6 +219,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
                        View<typename B::Acc> dsinks) const {
     be.attention_backward(cview(a.q), cview(a.k), cview(a.v), cview(a.att), cview(a.lse), cview(a.datt), a.dq, a.dk,
                           a.dv, shape(c), sinks, dsinks);
+    if (!rotary_) return;
     const auto f = freqs(c);
     be.rope_backward(a.dq, cfg_.num_attention_heads, c.seq, f, c.packed.positions, rope_scale_);
     be.rope_backward(a.dk, cfg_.num_key_value_heads, c.seq, f, c.packed.positions, rope_scale_);
@@ -272,6 +278,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   std::vector<double> inv_freq_, inv_freq_long_;  // (long: longrope's for long sequences; else the same)
   double rope_scale_;  // the rotary cos/sin scale (yarn's attention factor)
   std::int64_t window_;   // keys a query sees (Gemma 3's sliding layers); 0: all before it
+  bool rotary_;           // q and k rotated (all but SmolLM3's NoPE layers)
   double softmax_scale_;  // 0: 1 / sqrt(head_dim)
   double norm_offset_;    // the q/k norms multiply by (w + offset): 1 for Gemma, else 0
 };

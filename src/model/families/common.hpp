@@ -1,0 +1,92 @@
+// What the families' files share: reading config.json fields with errors that name the file and
+// the field, the rotary and layer-type tables, the bias and dropout refusals, and the mixture of
+// experts' fields. Private to src/model.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include "megatrain/core/error.hpp"
+#include "megatrain/model/config.hpp"
+#include "megatrain/model/family.hpp"
+
+namespace megatrain::model_families {
+
+using json = nlohmann::json;
+
+/// The field is there and not null.
+inline bool given(const json& j, const char* key) { return j.contains(key) && !j.at(key).is_null(); }
+
+std::int64_t get_int(const json& j, const char* key, std::string_view src, std::optional<std::int64_t> def = {});
+double get_double(const json& j, const char* key, std::string_view src, std::optional<double> def = {});
+bool get_bool(const json& j, const char* key, std::string_view src, bool def);
+
+RopeScaling parse_rope_scaling(const json& r, std::string_view src);
+/// Hugging Face's rope_scaling object for `r` (null for none); yarn's factor and original length
+/// as resolved by the config.
+json rope_scaling_json(const RopeScaling& r, double yarn_factor, std::int64_t yarn_original);
+/// transformers 5's rope_parameters object of `c`'s rotary (theta and scaling).
+json rope_parameters_json(const ModelConfig& c);
+
+/// layer_types: which layers attend within sliding_window ("sliding_attention") and which over
+/// the whole sequence ("full_attention"), into c.sliding_layers; `sliding_default(i)` where it is absent.
+template <class F>
+void parse_layer_types(const json& j, std::string_view src, ModelConfig& c, F sliding_default) {
+  c.sliding_layers.assign(static_cast<std::size_t>(std::max<std::int64_t>(c.num_hidden_layers, 0)), false);
+  if (given(j, "layer_types")) {
+    const json& lt = j.at("layer_types");
+    MT_CHECK(lt.is_array() && static_cast<std::int64_t>(lt.size()) == c.num_hidden_layers,
+             "{}: layer_types must list one type per layer ({}), not {}", src, c.num_hidden_layers, lt.dump());
+    for (std::size_t i = 0; i < lt.size(); ++i) {
+      MT_CHECK(lt[i].is_string() && (lt[i] == "full_attention" || lt[i] == "sliding_attention"),
+               "{}: layer_types holds {}; each entry must be \"full_attention\" or \"sliding_attention\"", src,
+               lt[i].dump());
+      c.sliding_layers[i] = lt[i] == "sliding_attention";
+    }
+  } else {
+    for (std::size_t i = 0; i < c.sliding_layers.size(); ++i) c.sliding_layers[i] = sliding_default(static_cast<std::int64_t>(i));
+  }
+}
+/// sliding_window as config.json holds it (null: none).
+inline json window_json(const ModelConfig& c) { return c.sliding_window ? json(*c.sliding_window) : json(nullptr); }
+/// c.sliding_layers as layer_types.
+json layer_types_json(const ModelConfig& c);
+
+/// Refuses each of `keys` that is nonzero: megatrain trains without dropout.
+void refuse_dropout(const json& j, std::string_view src, std::initializer_list<const char*> keys);
+/// Refuses attention_bias and mlp_bias set true on a family whose config class has no such
+/// option (transformers ignores the key and builds `what_it_has`).
+void refuse_bias_keys(const json& j, std::string_view src, std::string_view family, std::string_view what_it_has);
+/// Refuses mlp_bias set true on a family whose MLP never has a bias.
+void refuse_mlp_bias(const json& j, std::string_view src, std::string_view family);
+
+/// The biases a family can describe: one attention_bias for q/k/v and o_proj, none in the MLP
+/// (Qwen3, Gemma 3, Qwen3-MoE, OLMoE, GPT-OSS); or none at all (Mistral, Phi-3, Mixtral).
+void check_attention_bias_only(const ModelConfig& c, std::string_view src);
+void check_no_bias(const ModelConfig& c, std::string_view src);
+/// Llama's: one attention_bias for q/k/v and o_proj (qkv_bias == o_bias), mlp_bias free.
+void check_llama_biases(const ModelConfig& c, std::string_view src);
+
+/// A mixture-of-experts family's defaults (those of its config class in transformers 5.17).
+struct MoeDefaults {
+  std::int64_t num_experts, experts_per_token;
+  double router_aux_loss_coef;
+  /// The expert's own intermediate size is read from this key (Qwen3-MoE's moe_intermediate_size);
+  /// null: intermediate_size.
+  const char* expert_size_key = nullptr;
+  std::int64_t expert_size = 0;
+  /// Whether norm_topk_prob is read (false: the top-k weights are always renormalised).
+  bool reads_norm_topk_prob = true;
+};
+/// The experts' fields common to the mixture-of-experts families: their count (num_experts or
+/// num_local_experts), top k, renormalisation, the auxiliary loss; bounds checked.
+void parse_moe(const json& j, std::string_view src, ModelConfig& c, const MoeDefaults& d);
+/// The experts' fields as parse_moe reads them back.
+void write_moe(const ModelConfig& c, json& j, bool writes_norm_topk_prob);
+/// The experts' bounds; `dense_layers`: whether the family may have dense layers among sparse ones.
+void check_moe(const ModelConfig& c, std::string_view src, bool dense_layers);
+
+}  // namespace megatrain::model_families
