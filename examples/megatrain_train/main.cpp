@@ -42,6 +42,7 @@
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/host_memory.hpp"
 #include "megatrain/data/token_dataset.hpp"
+#include "megatrain/dist/launch.hpp"
 #include "megatrain/io/detail/atomic_files.hpp"
 #include "megatrain/io/hf_checkpoint.hpp"
 #include "megatrain/io/run_report.hpp"
@@ -966,6 +967,24 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
 
 }  // namespace
 
+// Launched as several processes (torchrun, mpirun, srun), each copy would train alone and write the
+// same run folder: refused, before anything is read or written (data parallel training is in the
+// library for now: TrainerOptions::comm, docs/distributed.md). An environment that does not
+// describe a launch of several processes is not this program's concern.
+void refuse_several_processes() {
+  dist::LaunchInfo me;
+  try {
+    me = dist::launch_from_env();
+  } catch (const megatrain::Error&) {
+    return;
+  }
+  MT_CHECK(me.world <= 1,
+           "this is process {} of {} ({} launched them): megatrain-train trains in one process, and {} copies would each "
+           "train alone and write the same --out. Run it once (one GPU); data-parallel training over several processes "
+           "is in the library for now (TrainerOptions::comm; docs/distributed.md)",
+           me.rank, me.world, me.launcher, me.world);
+}
+
 int main(int argc, char** argv) {
   // A file-size limit (ulimit -f) must fail a write with a message, not kill the process.
   signal(SIGXFSZ, SIG_IGN);
@@ -1000,6 +1019,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
+    refuse_several_processes();
     plan.given = recorded_options(p);
     return run(*p.settings, *p.app, std::move(plan));
   } catch (const megatrain::Error& e) {

@@ -3,6 +3,7 @@
 
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -49,6 +50,40 @@ void NcclComm::all_gather(const float* in, float* out, std::size_t n, cudaStream
 
 void NcclComm::all_gather(const bf16* in, bf16* out, std::size_t n, cudaStream_t stream) {
   MT_CUDA_CHECK(ncclAllGather(in, out, n, ncclBfloat16, static_cast<ncclComm_t>(comm_), stream));
+}
+
+namespace {
+constexpr std::size_t kStagingBytes = std::size_t{64} << 20;
+}  // namespace
+
+NcclHostComm::NcclHostComm(const LaunchInfo& info, int device, std::chrono::milliseconds timeout)
+    : comm_(info, device, timeout), device_(device) {
+  MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  MT_CUDA_CHECK(cudaMalloc(&staging_, kStagingBytes));
+}
+
+NcclHostComm::~NcclHostComm() {
+  if (staging_ != nullptr) cudaFree(staging_);
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+void NcclHostComm::sum(void* data, std::size_t bytes, std::size_t elem, int type) {
+  MT_CUDA_CHECK(cudaSetDevice(device_));
+  auto* p = static_cast<char*>(data);
+  for (std::size_t o = 0; o < bytes; o += kStagingBytes) {
+    const std::size_t n = std::min(kStagingBytes, bytes - o);
+    MT_CUDA_CHECK(cudaMemcpyAsync(staging_, p + o, n, cudaMemcpyHostToDevice, stream_));
+    MT_CUDA_CHECK(ncclAllReduce(staging_, staging_, n / elem, static_cast<ncclDataType_t>(type), ncclSum,
+                                static_cast<ncclComm_t>(comm_.comm_), stream_));
+    MT_CUDA_CHECK(cudaMemcpyAsync(p + o, staging_, n, cudaMemcpyDeviceToHost, stream_));
+    MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+}
+
+void NcclHostComm::all_reduce_sum(std::span<float> data) { sum(data.data(), data.size_bytes(), sizeof(float), ncclFloat32); }
+void NcclHostComm::all_reduce_sum(std::span<double> data) { sum(data.data(), data.size_bytes(), sizeof(double), ncclFloat64); }
+void NcclHostComm::all_reduce_sum(std::span<std::int64_t> data) {
+  sum(data.data(), data.size_bytes(), sizeof(std::int64_t), ncclInt64);
 }
 
 }  // namespace megatrain::dist

@@ -11,6 +11,8 @@
 #include "megatrain/core/cuda_check.hpp"
 #include "megatrain/dist/launch.hpp"
 #include "megatrain/dist/nccl.hpp"
+#include "../dist/rank_checks.hpp"
+#include "gpu_per_rank.hpp"
 
 using namespace megatrain;
 
@@ -27,23 +29,12 @@ struct Device {
     return h;
   }
 };
-int failures = 0;
-void check(bool ok, const char* what, int rank) {
-  if (!ok) {
-    std::fprintf(stderr, "rank %d: FAILED: %s\n", rank, what);
-    ++failures;
-  }
-}
 }  // namespace
 
 int main() {
   try {
     const dist::LaunchInfo me = dist::launch_from_env();
-    int gpus = 0;
-    if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < me.world) {
-      std::printf("rank %d: %d GPU(s) here, %d ranks: skipped\n", me.rank, gpus, me.world);
-      return 77;
-    }
+    if (!test::gpu_per_rank(me)) return test::kSkipped;
     dist::NcclComm comm(me, me.local_rank, dist::rendezvous_timeout(60.0));
     const int W = comm.world(), r = comm.rank();
     cudaStream_t stream = nullptr;
@@ -60,7 +51,7 @@ int main() {
     auto got = da.get(n);
     bool ok = true;
     for (std::size_t i = 0; i < n; ++i) ok = ok && got[i] == tri * static_cast<float>(i % 97);
-    check(ok, "all_reduce_sum", r);
+    test::rank_check(ok, "all_reduce_sum", r);
 
     std::vector<float> s(n * static_cast<std::size_t>(W));
     for (std::size_t j = 0; j < s.size(); ++j) s[j] = static_cast<float>((r + 1) * static_cast<int>(j % 89));
@@ -71,7 +62,7 @@ int main() {
     got = dshare.get(n);
     ok = true;
     for (std::size_t i = 0; i < n; ++i) ok = ok && got[i] == tri * static_cast<float>((static_cast<std::size_t>(r) * n + i) % 89);
-    check(ok, "reduce_scatter_sum: this rank's share", r);
+    test::rank_check(ok, "reduce_scatter_sum: this rank's share", r);
 
     std::vector<float> g(n);
     for (std::size_t i = 0; i < n; ++i) g[i] = static_cast<float>(r * 1000 + static_cast<int>(i % 13));
@@ -84,7 +75,7 @@ int main() {
     for (int q = 0; q < W; ++q)
       for (std::size_t i = 0; i < n; ++i)
         ok = ok && got[static_cast<std::size_t>(q) * n + i] == static_cast<float>(q * 1000 + static_cast<int>(i % 13));
-    check(ok, "all_gather (fp32), in rank order", r);
+    test::rank_check(ok, "all_gather (fp32), in rank order", r);
 
     std::vector<bf16> wb(n);
     for (std::size_t i = 0; i < n; ++i) wb[i] = bf16(static_cast<float>(r * 16 + static_cast<int>(i % 7)));
@@ -97,11 +88,11 @@ int main() {
     for (int q = 0; q < W; ++q)
       for (std::size_t i = 0; i < n; ++i)
         ok = ok && static_cast<float>(wall[static_cast<std::size_t>(q) * n + i]) == static_cast<float>(q * 16 + static_cast<int>(i % 7));
-    check(ok, "all_gather (bf16), in rank order", r);
+    test::rank_check(ok, "all_gather (bf16), in rank order", r);
     MT_CUDA_CHECK(cudaStreamDestroy(stream));
     std::printf("rank %d of %d (%s, GPU %d): all_reduce, reduce_scatter, all_gather of %zu elements: %s\n", r, W,
-                me.launcher.c_str(), me.local_rank, n, failures == 0 ? "exact" : "FAILED");
-    return failures == 0 ? 0 : 1;
+                me.launcher.c_str(), me.local_rank, n, test::rank_failures() == 0 ? "exact" : "FAILED");
+    return test::rank_failures() == 0 ? 0 : 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "test_dist_nccl: %s\n", e.what());
     return 1;

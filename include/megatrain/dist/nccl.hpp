@@ -12,6 +12,7 @@
 #include <cstddef>
 
 #include "megatrain/core/dtype.hpp"
+#include "megatrain/dist/comm.hpp"
 #include "megatrain/dist/launch.hpp"
 
 namespace megatrain::dist {
@@ -38,8 +39,34 @@ class NcclComm {
   void all_gather(const bf16* in, bf16* out, std::size_t n, cudaStream_t stream);
 
  private:
+  friend class NcclHostComm;
   void* comm_ = nullptr;  // ncclComm_t
   int rank_ = 0, world_ = 1;
+};
+
+/// dist::HostComm over NCCL, for processes on GPU machines without MPI: host buffers pass through
+/// a staging buffer on the GPU (64 MiB at a time: up, summed by NCCL, down), on a stream of its
+/// own. NCCL's ring gives every rank the same bits.
+class NcclHostComm final : public HostComm {
+ public:
+  /// Joins the run `info` describes on CUDA device `device` (NcclComm's rendezvous).
+  NcclHostComm(const LaunchInfo& info, int device, std::chrono::milliseconds timeout);
+  ~NcclHostComm() override;
+  NcclHostComm(const NcclHostComm&) = delete;
+  NcclHostComm& operator=(const NcclHostComm&) = delete;
+
+  int rank() const override { return comm_.rank(); }
+  int world() const override { return comm_.world(); }
+  void all_reduce_sum(std::span<float> data) override;
+  void all_reduce_sum(std::span<double> data) override;
+  void all_reduce_sum(std::span<std::int64_t> data) override;
+
+ private:
+  void sum(void* data, std::size_t bytes, std::size_t elem, int type);
+  NcclComm comm_;
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  void* staging_ = nullptr;
 };
 
 }  // namespace megatrain::dist

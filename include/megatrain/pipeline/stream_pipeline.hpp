@@ -281,6 +281,8 @@ class StreamPipeline {
     auto& stage = std::get<J>(stages_);
     auto& exec = stage.executor();
     try {
+      // (an executor whose work belongs to one GPU makes it current on this thread first)
+      if constexpr (requires { exec.bind_thread(); }) exec.bind_thread();
       for (std::uint64_t seq = 0;; ++seq) {
         std::vector<Completion> deps;
         Item item;

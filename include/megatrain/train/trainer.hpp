@@ -228,6 +228,10 @@ class Trainer {
              "{}-block model takes at most {}", opt_.grad_slots, model_.num_blocks() + 2, model_.num_blocks(),
              model_.num_blocks() + 2);
     model_.config().check_sequence_length(opt_.seq_len);
+    MT_CHECK(!opt_.distributed() || !model_.config().moe.output_router_logits,
+             "data parallel over {} processes: the auxiliary load-balancing loss (output_router_logits) is not "
+             "supported there yet; set output_router_logits to false, or train in one process",
+             opt_.distributed() ? opt_.comm->world() : 1);
     if (opt_.seq_len > model_.config().max_position_embeddings)
       log_warning("the sequence length {} is longer than this model's max_position_embeddings {}: positions past {} "
                   "are ones the model was not trained on; extend its context with rope scaling in config.json "
@@ -275,8 +279,13 @@ class Trainer {
                  std::span<const std::int32_t> positions = {}) {
     MT_NVTX_RANGE("Trainer::step");
     const auto t0 = std::chrono::steady_clock::now();
-    const std::int64_t valid = check_batch(ids, labels, opt_.batch_rows);
+    std::int64_t valid = check_batch(ids, labels, opt_.batch_rows);
     MT_CHECK(failed_.empty(), "this trainer stopped at a non-finite step and takes no further step ({})", failed_);
+    if (opt_.distributed()) {  // (the loss is the mean over the labelled tokens of the global batch)
+      std::int64_t v[1] = {valid};
+      opt_.comm->all_reduce_sum(v);
+      valid = v[0];
+    }
     MT_CHECK(valid > 0, "the batch has no token with a label (all labels are {})", kIgnoreIndex);
     check_positions(positions, opt_.batch_rows);
     std::copy(ids.begin(), ids.end(), ids_host_.begin());
@@ -302,7 +311,13 @@ class Trainer {
     pipeline_->drain();
     settle();
     double grad_norm;
-    const double loss = sum_loss() * st.loss_scale;
+    double loss = sum_loss() * st.loss_scale;
+    if (opt_.distributed()) {  // every process's share summed: the global batch's loss and gradient
+      double l[1] = {loss};
+      opt_.comm->all_reduce_sum(l);
+      loss = l[0];
+      for (std::size_t u = 0; u < model_.num_units(); ++u) opt_.comm->all_reduce_sum(store_.unit(u).grad());
+    }
     bool skipped = false;
     // The stages' timings are read while nothing runs: before an AdamW pass that overlaps the next
     // step is submitted (its timings then come with the next step's, as its work runs beside that
@@ -312,7 +327,8 @@ class Trainer {
       double sumsq = 0;
       std::size_t bad = model_.num_units();  // the non-finite unit nearest the loss (the backward's first)
       for (std::size_t u = 0; u < model_.num_units(); ++u) {  // in unit order, whatever the placement
-        const double s = summed_on_device(u) ? sumsq_host_[u] : grad_sum_squares<float>(store_.unit(u).grad());
+        const double s = summed_on_device(u) && !opt_.distributed() ? sumsq_host_[u]
+                                                                    : grad_sum_squares<float>(store_.unit(u).grad());
         if (!std::isfinite(s)) bad = u;
         sumsq += s;
       }
@@ -387,7 +403,7 @@ class Trainer {
     s.lr = st.lr;
     s.grad_norm = grad_norm;
     s.clip_coef = st.clip_coef;
-    s.tokens = opt_.batch_rows * opt_.seq_len;
+    s.tokens = opt_.batch_rows * opt_.seq_len * (opt_.distributed() ? opt_.comm->world() : 1);  // (the global batch's)
     router_stats(s);
     s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (opt_.profile) s.profile = profile ? std::move(*profile) : collect_profile();

@@ -18,6 +18,7 @@
 
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/json_number.hpp"
+#include "megatrain/dist/comm.hpp"
 #include "megatrain/optim/adamw.hpp"
 #include "megatrain/optim/lr_schedule.hpp"
 
@@ -104,6 +105,15 @@ struct TrainerOptions {
   /// kAutoDeviceUnits: as many as fit in device memory after everything else (none on a backend
   /// whose memory is host memory, or when user stages read the landed gradients).
   std::int64_t device_units = kAutoDeviceUnits;
+  /// Data parallel over several processes (dist/comm.hpp; docs/distributed.md): this process is
+  /// rank comm->rank() of comm->world(), batch_rows and micro_batches are its share of the global
+  /// batch, each step's gradients (and its labelled-token count and loss) are summed over the
+  /// processes before the norm and the update, and every process steps its replica of the train
+  /// state the same way. Needs resident gradients in host memory (exact clipping or
+  /// micro-batches, with GradientHome::host) and no device units (kAutoDeviceUnits: none). Null,
+  /// or a world of 1: this process alone.
+  dist::HostComm* comm = nullptr;
+  bool distributed() const { return comm != nullptr && comm->world() > 1; }
   /// Testing aid: each built-in stage sleeps a random 0..jitter_us microseconds per item.
   int jitter_us = 0;
   /// Time every stage's work (events on GPU streams) and report it in StepStats::profile.
@@ -113,6 +123,7 @@ struct TrainerOptions {
   /// These options with micro_batches raised as max_micro_rows requires (see there).
   TrainerOptions resolved() const {
     TrainerOptions o = *this;
+    if (o.distributed() && o.device_units == kAutoDeviceUnits) o.device_units = 0;
     if (o.max_micro_rows > 0 && o.batch_rows > 0 && o.micro_batches >= 1)
       while (o.micro_batches < o.batch_rows &&
              (o.batch_rows % o.micro_batches != 0 || o.batch_rows / o.micro_batches > o.max_micro_rows))
@@ -137,6 +148,13 @@ struct TrainerOptions {
     MT_CHECK(kept_blocks <= 0 || checkpoint_every <= 1,
              "kept activations (kept_blocks {}) need a checkpoint at every block, not every {} blocks", kept_blocks,
              checkpoint_every);
+    MT_CHECK(!distributed() || (resident_gradients() && gradient_home == GradientHome::host),
+             "data parallel over {} processes sums each step's whole gradient before the update: it needs the gradients "
+             "held in host memory for the step (gradients: host, with exact clipping or micro-batches)",
+             distributed() ? comm->world() : 1);
+    MT_CHECK(!distributed() || device_units <= 0,
+             "data parallel over {} processes: device units ({}) are not supported yet; use 0", comm->world(),
+             device_units);
     MT_CHECK(max_nonfinite_skips >= 1, "max_nonfinite_skips must be >= 1 (got {})", max_nonfinite_skips);
     MT_CHECK(on_nonfinite == NonFinite::stop || resolved().resident_gradients(),
              "skipping non-finite steps (on_nonfinite skip) needs the whole gradient before any update: exact clipping "
@@ -147,7 +165,8 @@ struct TrainerOptions {
   }
 };
 
-/// The options as JSON (every field; what a train state records).
+/// The options as JSON (every field; what a train state records). Not `comm`, this process's link
+/// to the others, and so not the world size: batch_rows and micro_batches are this process's share.
 inline nlohmann::json to_json(const TrainerOptions& o) {
   return {{"batch_rows", o.batch_rows},
           {"seq_len", o.seq_len},

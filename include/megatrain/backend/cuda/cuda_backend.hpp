@@ -156,7 +156,7 @@ class CudaBackend {
   cudaStream_t stream() const { return stream_; }
   Executor make_executor(Role role) {
     MT_NVTX_RANGE("CudaBackend::make_executor");
-    return role == Role::compute ? Executor(stream_) : Executor(nullptr);
+    return role == Role::compute ? Executor(stream_, opt_.device) : Executor(nullptr, opt_.device);
   }
   void synchronize() {
     MT_NVTX_RANGE("CudaBackend::synchronize");

@@ -20,8 +20,11 @@ class StreamExecutor {
   static constexpr int kEvents = 64;
 
   StreamExecutor() = default;
-  /// Uses `stream`; creates (and later destroys) one of its own when `stream` is null.
-  explicit StreamExecutor(cudaStream_t stream) : stream_(stream) {
+  /// Uses `stream`; creates (and later destroys) one of its own when `stream` is null. `device`
+  /// (>= 0): the GPU the stream is on, made current on the thread that runs the stage
+  /// (bind_thread()): a thread starts on GPU 0, and a stage's kernels must go to its stream's GPU.
+  explicit StreamExecutor(cudaStream_t stream, int device = -1) : stream_(stream), device_(device) {
+    bind_thread();
     if (stream_ == nullptr) {
       MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
       owns_ = true;
@@ -44,6 +47,11 @@ class StreamExecutor {
   }
 
   cudaStream_t stream() const { return stream_; }
+  /// Makes this executor's GPU current on the calling thread (StreamPipeline calls it as each
+  /// stage's thread starts).
+  void bind_thread() const {
+    if (device_ >= 0) MT_CUDA_CHECK(cudaSetDevice(device_));
+  }
 
   void wait(const Completion& c) {
     if (c.is_device()) MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(c.device_event), 0));
@@ -81,6 +89,7 @@ class StreamExecutor {
  private:
   void swap(StreamExecutor& o) noexcept {
     std::swap(stream_, o.stream_);
+    std::swap(device_, o.device_);
     std::swap(owns_, o.owns_);
     std::swap(events_, o.events_);
     std::swap(next_, o.next_);
@@ -88,6 +97,7 @@ class StreamExecutor {
     std::swap(next_mark_, o.next_mark_);
   }
   cudaStream_t stream_ = nullptr;
+  int device_ = -1;
   bool owns_ = false;
   std::vector<cudaEvent_t> events_;
   long long next_ = 0;

@@ -1,0 +1,127 @@
+// Data parallel over processes on GPUs (issue 19; docs/distributed.md): each process a rank with
+// torchrun's variables (run_ranks.sh), one GPU each, the gradients summed over NCCL
+// (dist::NcclHostComm). Each rank trains its share of every global batch and must follow one
+// process training the whole batch on its GPU (run in the same process afterwards) within bf16
+// rounding, every rank's replica the same bits. Exit 77 (skipped) where the host has fewer GPUs
+// than ranks.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "megatrain/backend/cuda/cuda_backend.hpp"
+#include "megatrain/dist/launch.hpp"
+#include "megatrain/dist/nccl.hpp"
+#include "megatrain/train/trainer.hpp"
+#include "../dist/rank_checks.hpp"
+#include "gpu_per_rank.hpp"
+
+using namespace megatrain;
+
+namespace {
+
+ModelConfig tiny() {
+  return ModelConfig::from_json(nlohmann::json::parse(R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":128,
+    "intermediate_size":344,"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":1001,
+    "rope_theta":10000.0,"tie_word_embeddings":false})"));
+}
+
+struct Run {
+  std::vector<float> initial, state;
+  std::vector<double> losses, norms;
+};
+
+Run train(dist::HostComm* comm, int device, std::int64_t rows, std::int64_t micro, int steps) {
+  const int world = comm ? comm->world() : 1, rank = comm ? comm->rank() : 0;
+  const std::int64_t seq = 64, share = rows / world;
+  const auto cfg = tiny();
+  TrainerOptions o;
+  o.batch_rows = share;
+  o.seq_len = seq;
+  o.micro_batches = micro;
+  o.clip_norm = 1.0;
+  o.gradient_home = GradientHome::host;
+  o.adamw.lr = 1e-3;
+  o.comm = comm;
+  DecoderModel<> model(cfg);
+  StoreOptions so;
+  so.seed = 5;
+  HostParamStore<float> store(model.units(), Trainer<CudaBackend>::store_options(o, so));
+  CudaBackendOptions copt;
+  copt.device = device;
+  CudaBackend be(copt);
+  Trainer<CudaBackend> t(model, store, be, o);
+  std::mt19937 rng(99);
+  Run r;
+  for (const auto& u : store.units()) r.initial.insert(r.initial.end(), u.master().begin(), u.master().end());
+  for (int s = 0; s < steps; ++s) {
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(rows * seq)), labels(ids.size());
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      ids[i] = static_cast<std::int32_t>(rng() % 1001);
+      labels[i] = rng() % 5 == 0 ? kIgnoreIndex : static_cast<std::int32_t>(rng() % 1001);
+    }
+    const auto first = static_cast<std::ptrdiff_t>(rank * share * seq), n = static_cast<std::ptrdiff_t>(share * seq);
+    const std::vector<std::int32_t> mine(ids.begin() + first, ids.begin() + first + n),
+        my_labels(labels.begin() + first, labels.begin() + first + n);
+    const StepStats st = t.step(mine, my_labels);
+    r.losses.push_back(st.loss);
+    r.norms.push_back(st.grad_norm);
+  }
+  t.finish_update();
+  for (const auto& u : store.units()) r.state.insert(r.state.end(), u.master().begin(), u.master().end());
+  return r;
+}
+
+}  // namespace
+
+int main() {
+  try {
+    const dist::LaunchInfo me = dist::launch_from_env();
+    if (!test::gpu_per_rank(me)) return test::kSkipped;
+    std::setvbuf(stdout, nullptr, _IONBF, 0);
+    dist::NcclHostComm comm(me, me.local_rank, dist::rendezvous_timeout(60.0));
+    const int W = comm.world(), r = comm.rank();
+    std::fprintf(stderr, "rank %d of %d: joined on GPU %d\n", r, W, me.local_rank);
+    {  // the collectives alone first (a failure here is the transport's, not the trainer's)
+      std::int64_t one[1] = {r + 1};
+      std::vector<float> f(3000017, static_cast<float>(r + 1));
+      comm.all_reduce_sum(one);
+      comm.all_reduce_sum(f);
+      test::rank_check(one[0] == W * (W + 1) / 2 && f.back() == static_cast<float>(W * (W + 1) / 2), "the collectives' sums", r);
+      std::fprintf(stderr, "rank %d: collectives ok\n", r);
+    }
+    const int steps = 4;
+    for (const std::int64_t micro : {1, 2}) {
+      const std::int64_t rows = 4 * W;
+      const Run d = train(&comm, me.local_rank, rows, micro, steps);
+      const Run one = train(nullptr, me.local_rank, rows, micro * W, steps);
+      for (int s = 0; s < steps; ++s) {
+        const auto i = static_cast<std::size_t>(s);
+        test::rank_check(std::abs(d.losses[i] - one.losses[i]) <= 2e-3 * std::abs(one.losses[i]),
+              "loss " + std::to_string(d.losses[i]) + " vs one process " + std::to_string(one.losses[i]), r);
+        test::rank_check(std::abs(d.norms[i] - one.norms[i]) <= 2e-2 * std::abs(one.norms[i]),
+              "gradient norm " + std::to_string(d.norms[i]) + " vs one process " + std::to_string(one.norms[i]), r);
+      }
+      double diff = 0, size = 0;
+      for (std::size_t i = 0; i < d.state.size(); ++i) {
+        diff += (static_cast<double>(d.state[i]) - one.state[i]) * (static_cast<double>(d.state[i]) - one.state[i]);
+        size += (static_cast<double>(one.state[i]) - one.initial[i]) * (static_cast<double>(one.state[i]) - one.initial[i]);
+      }
+      std::printf("rank %d of %d, %lld micro-batch(es) each: losses %.6f .. %.6f (one process %.6f .. %.6f), weights "
+                  "within %.3g of what training changed from one process's\n", r, W, static_cast<long long>(micro), d.losses.front(), d.losses.back(),
+                  one.losses.front(), one.losses.back(), std::sqrt(diff / size));
+      // (bf16 products, the same rows per micro-batch: only the fp32 sums' order differs, which
+      // AdamW's first steps amplify where a gradient is near zero)
+      test::rank_check(std::sqrt(diff / size) < 3e-2, "the weights differ from one process's", r);
+      std::int64_t sum[1] = {test::checksum(d.state)};
+      const std::int64_t mine = sum[0];
+      comm.all_reduce_sum(sum);
+      test::rank_check(sum[0] == mine * W, "the ranks' replicas differ", r);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return test::rank_failures() == 0 ? 0 : 1;
+}
