@@ -1,10 +1,23 @@
 # Install rules: headers, the library, a config-file package `megatrain` with a version file,
-# exporting megatrain::megatrain and megatrain::text (the tokenizer), and the megatrain-train, megatrain-plan, megatrain-tokenize and megatrain-report programs where they are built.
+# exporting megatrain::megatrain and megatrain::text (the tokenizer), megatrain::mpi and megatrain::nccl
+# (the collectives of several processes, where MPI and NCCL were found), and the megatrain-train,
+# megatrain-plan, megatrain-tokenize and megatrain-report programs where they are built.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/megatrain" DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}")
-install(TARGETS megatrain megatrain_text EXPORT megatrainTargets
+set(_megatrain_libraries megatrain megatrain_text)
+foreach(_optional megatrain_mpi megatrain_nccl)
+  if(TARGET ${_optional})
+    list(APPEND _megatrain_libraries ${_optional})
+  endif()
+endforeach()
+if(TARGET megatrain_mpi)
+  set(MEGATRAIN_MPI ON)
+else()
+  set(MEGATRAIN_MPI OFF)
+endif()
+install(TARGETS ${_megatrain_libraries} EXPORT megatrainTargets
         ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}"
         LIBRARY DESTINATION "${CMAKE_INSTALL_LIBDIR}"
         RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}"

@@ -5,7 +5,7 @@
 set -uo pipefail
 log=$(mktemp)
 start=$(date +%s)
-MEGATRAIN_TEST_KILL_RANK=1 timeout 60 "$1" --oversubscribe -np 2 "$2" -tc='*killed*' > "$log" 2>&1
+MEGATRAIN_TEST_KILL_RANK=1 timeout 60 "$1" --oversubscribe --bind-to none -np 2 "$2" -tc='*killed*' > "$log" 2>&1
 rc=$?
 elapsed=$(( $(date +%s) - start ))
 cat "$log"
