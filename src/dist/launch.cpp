@@ -327,19 +327,31 @@ LaunchInfo launch_from_env(const GetEnv& getenv) {
   return li;
 }
 
-std::chrono::milliseconds rendezvous_timeout(std::optional<double> option_seconds, const GetEnv& getenv) {
-  double s = 300;
+namespace {
+// A timeout in seconds: the option where given, else the environment variable, else `fallback`.
+std::chrono::milliseconds timeout_seconds(std::optional<double> option_seconds, const GetEnv& getenv, const char* variable,
+                                          const char* what, double fallback) {
+  double s = fallback;
   if (option_seconds) {
-    MT_CHECK(std::isfinite(*option_seconds) && *option_seconds > 0, "the rendezvous timeout must be a positive number of "
-             "seconds (got {})", *option_seconds);
+    MT_CHECK(std::isfinite(*option_seconds) && *option_seconds > 0, "the {} timeout must be a positive number of "
+             "seconds (got {})", what, *option_seconds);
     s = *option_seconds;
-  } else if (const char* v = env(getenv, "MEGATRAIN_RENDEZVOUS_TIMEOUT")) {
+  } else if (const char* v = env(getenv, variable)) {
     char* end = nullptr;
     s = std::strtod(v, &end);
     MT_CHECK(end != v && *end == '\0' && std::isfinite(s) && s > 0 && s < 1e7,
-             "environment variable MEGATRAIN_RENDEZVOUS_TIMEOUT is '{}': it must be a positive number of seconds", v);
+             "environment variable {} is '{}': it must be a positive number of seconds", variable, v);
   }
   return std::chrono::milliseconds(static_cast<long long>(std::ceil(s * 1000)));
+}
+}  // namespace
+
+std::chrono::milliseconds rendezvous_timeout(std::optional<double> option_seconds, const GetEnv& getenv) {
+  return timeout_seconds(option_seconds, getenv, "MEGATRAIN_RENDEZVOUS_TIMEOUT", "rendezvous", 300);
+}
+
+std::chrono::milliseconds collective_timeout(std::optional<double> option_seconds, const GetEnv& getenv) {
+  return timeout_seconds(option_seconds, getenv, "MEGATRAIN_COLLECTIVE_TIMEOUT", "collective", 600);
 }
 
 std::vector<std::string> tcp_all_gather(const LaunchInfo& info, std::string_view blob, std::chrono::milliseconds timeout) {

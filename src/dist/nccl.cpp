@@ -4,7 +4,9 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <string>
 
 #include "megatrain/core/cuda_check.hpp"
@@ -56,27 +58,58 @@ namespace {
 constexpr std::size_t kStagingBytes = std::size_t{64} << 20;
 }  // namespace
 
-NcclHostComm::NcclHostComm(const LaunchInfo& info, int device, std::chrono::milliseconds timeout)
-    : comm_(info, device, timeout), device_(device) {
+NcclHostComm::NcclHostComm(const LaunchInfo& info, int device, std::chrono::milliseconds timeout,
+                           std::chrono::milliseconds collective_timeout)
+    : comm_(info, device, timeout), device_(device), collective_timeout_(collective_timeout) {
   MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   MT_CUDA_CHECK(cudaMalloc(&staging_, kStagingBytes));
+  MT_CUDA_CHECK(cudaMallocHost(&pinned_, kStagingBytes));
 }
 
 NcclHostComm::~NcclHostComm() {
   if (staging_ != nullptr) cudaFree(staging_);
+  if (pinned_ != nullptr) cudaFreeHost(pinned_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
+void NcclHostComm::wait() {
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t q = cudaStreamQuery(stream_);
+    if (q == cudaSuccess) return;
+    if (q != cudaErrorNotReady) MT_CUDA_CHECK(q);
+    ncclResult_t async = ncclSuccess;
+    MT_CUDA_CHECK(ncclCommGetAsyncError(static_cast<ncclComm_t>(comm_.comm_), &async));
+    const bool late = std::chrono::steady_clock::now() - start > collective_timeout_;
+    if ((async != ncclSuccess && async != ncclInProgress) || late) {
+      // (abort: the collective's kernel ends, and the communicator may not be used again)
+      ncclCommAbort(static_cast<ncclComm_t>(comm_.comm_));
+      comm_.comm_ = nullptr;
+      MT_CHECK(late, "rank {} of {}: a collective failed in NCCL ({}); this rank stops", rank(), world(),
+               ncclGetErrorString(async));
+      MT_FAIL("rank {} of {}: a collective did not complete within {} s: another rank stopped (killed, failed) or is "
+              "stuck; this rank stops too (the collective timeout: MEGATRAIN_COLLECTIVE_TIMEOUT, in seconds)", rank(),
+              world(), std::chrono::duration<double>(collective_timeout_).count());
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
 void NcclHostComm::sum(void* data, std::size_t bytes, std::size_t elem, int type) {
+  MT_CHECK(comm_.comm_ != nullptr, "rank {} of {}: an earlier collective failed; the communicator is gone", rank(), world());
   MT_CUDA_CHECK(cudaSetDevice(device_));
+  // Through pinned memory both ways: a copy into pageable memory would block until the collective
+  // ends, where wait() could not see a peer that never comes.
   auto* p = static_cast<char*>(data);
   for (std::size_t o = 0; o < bytes; o += kStagingBytes) {
     const std::size_t n = std::min(kStagingBytes, bytes - o);
-    MT_CUDA_CHECK(cudaMemcpyAsync(staging_, p + o, n, cudaMemcpyHostToDevice, stream_));
+    std::memcpy(pinned_, p + o, n);
+    MT_CUDA_CHECK(cudaMemcpyAsync(staging_, pinned_, n, cudaMemcpyHostToDevice, stream_));
     MT_CUDA_CHECK(ncclAllReduce(staging_, staging_, n / elem, static_cast<ncclDataType_t>(type), ncclSum,
                                 static_cast<ncclComm_t>(comm_.comm_), stream_));
-    MT_CUDA_CHECK(cudaMemcpyAsync(p + o, staging_, n, cudaMemcpyDeviceToHost, stream_));
-    MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    MT_CUDA_CHECK(cudaMemcpyAsync(pinned_, staging_, n, cudaMemcpyDeviceToHost, stream_));
+    wait();
+    std::memcpy(p + o, pinned_, n);
   }
 }
 

@@ -5,6 +5,8 @@
 // rounding, every rank's replica the same bits. Exit 77 (skipped) where the host has fewer GPUs
 // than ranks.
 #include <cmath>
+#include <csignal>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -90,6 +92,19 @@ int main() {
       comm.all_reduce_sum(f);
       test::rank_check(one[0] == W * (W + 1) / 2 && f.back() == static_cast<float>(W * (W + 1) / 2), "the collectives' sums", r);
       std::fprintf(stderr, "rank %d: collectives ok\n", r);
+    }
+    // killed_rank_nccl.sh: one rank dies by SIGKILL; the other must stop within the collective
+    // timeout with a message saying so, instead of waiting forever.
+    if (const char* victim = std::getenv("MEGATRAIN_TEST_KILL_RANK")) {
+      if (r == std::atoi(victim)) std::raise(SIGKILL);
+      try {
+        std::vector<float> g(1000, 1.0f);
+        comm.all_reduce_sum(g);
+        test::rank_check(false, "a collective completed without the killed rank", r);
+      } catch (const Error& e) {
+        std::printf("rank %d: stopped as it should: %s\n", r, e.reason().c_str());
+      }
+      return test::rank_failures() == 0 ? 0 : 1;
     }
     const int steps = 4;
     for (const std::int64_t micro : {1, 2}) {

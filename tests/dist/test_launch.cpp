@@ -155,6 +155,15 @@ TEST_CASE("rendezvous_timeout: the option, else MEGATRAIN_RENDEZVOUS_TIMEOUT, el
   CHECK(contains(error_of([] { (void)rendezvous_timeout(-1.0, env_of({})); }), "positive"));
 }
 
+TEST_CASE("collective_timeout: the option, else MEGATRAIN_COLLECTIVE_TIMEOUT, else 600 s") {
+  CHECK(collective_timeout(1.5, env_of({{"MEGATRAIN_COLLECTIVE_TIMEOUT", "9"}})) == 1500ms);
+  CHECK(collective_timeout({}, env_of({{"MEGATRAIN_COLLECTIVE_TIMEOUT", "30"}})) == 30000ms);
+  CHECK(collective_timeout({}, env_of({{"MEGATRAIN_RENDEZVOUS_TIMEOUT", "30"}})) == 600000ms);
+  CHECK(contains(error_of([] { (void)collective_timeout({}, env_of({{"MEGATRAIN_COLLECTIVE_TIMEOUT", "0"}})); }),
+                 "MEGATRAIN_COLLECTIVE_TIMEOUT"));
+  CHECK(contains(error_of([] { (void)collective_timeout(0.0, env_of({})); }), "collective timeout"));
+}
+
 TEST_CASE("tcp_all_gather: every rank gets every rank's blob, in rank order") {
   for (const int world : {1, 2, 5}) {
     CAPTURE(world);

@@ -48,6 +48,11 @@ LaunchInfo launch_from_env(const std::function<const char*(const char*)>& getenv
 /// a positive number; anything else is an error naming the variable), else 300 s.
 std::chrono::milliseconds rendezvous_timeout(std::optional<double> option_seconds = {},
                                              const std::function<const char*(const char*)>& getenv = {});
+/// How long a rank waits for one collective to complete before it concludes that a peer stopped
+/// (killed, failed, stuck) and stops too: `option` where given (> 0), else
+/// MEGATRAIN_COLLECTIVE_TIMEOUT (seconds), else 600 s.
+std::chrono::milliseconds collective_timeout(std::optional<double> option_seconds = {},
+                                             const std::function<const char*(const char*)>& getenv = {});
 
 /// Every rank's blob, in rank order, on every rank: rank 0 listens on info.master_addr:master_port
 /// and the others connect (retrying until rank 0 listens), send their rank, world size and blob,

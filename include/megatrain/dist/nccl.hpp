@@ -45,12 +45,16 @@ class NcclComm {
 };
 
 /// dist::HostComm over NCCL, for processes on GPU machines without MPI: host buffers pass through
-/// a staging buffer on the GPU (64 MiB at a time: up, summed by NCCL, down), on a stream of its
-/// own. NCCL's ring gives every rank the same bits.
+/// staging buffers, pinned on the host and on the GPU (64 MiB at a time: up, summed by NCCL,
+/// down), on a stream of its own. NCCL's ring gives every rank the same bits. A collective that does not complete within
+/// `collective_timeout` (a peer killed, failed or stuck), or that NCCL reports failed, aborts the
+/// communicator and throws naming this rank and what happened: a rank never waits forever.
 class NcclHostComm final : public HostComm {
  public:
-  /// Joins the run `info` describes on CUDA device `device` (NcclComm's rendezvous).
-  NcclHostComm(const LaunchInfo& info, int device, std::chrono::milliseconds timeout);
+  /// Joins the run `info` describes on CUDA device `device` (NcclComm's rendezvous, within
+  /// `timeout`).
+  NcclHostComm(const LaunchInfo& info, int device, std::chrono::milliseconds timeout,
+               std::chrono::milliseconds collective_timeout = dist::collective_timeout());
   ~NcclHostComm() override;
   NcclHostComm(const NcclHostComm&) = delete;
   NcclHostComm& operator=(const NcclHostComm&) = delete;
@@ -63,10 +67,13 @@ class NcclHostComm final : public HostComm {
 
  private:
   void sum(void* data, std::size_t bytes, std::size_t elem, int type);
+  void wait();  // for the stream, within the collective timeout
   NcclComm comm_;
   int device_;
+  std::chrono::milliseconds collective_timeout_;
   cudaStream_t stream_ = nullptr;
   void* staging_ = nullptr;
+  void* pinned_ = nullptr;  // (host side of the staging: pinned, so that wait() sees the copies)
 };
 
 }  // namespace megatrain::dist
