@@ -85,8 +85,8 @@ void NcclHostComm::wait() {
       // (abort: the collective's kernel ends, and the communicator may not be used again)
       ncclCommAbort(static_cast<ncclComm_t>(comm_.comm_));
       comm_.comm_ = nullptr;
-      MT_CHECK(late, "rank {} of {}: a collective failed in NCCL ({}); this rank stops", rank(), world(),
-               ncclGetErrorString(async));
+      if (!late) MT_FAIL("rank {} of {}: a collective failed in NCCL ({}); this rank stops", rank(), world(),
+                         ncclGetErrorString(async));
       MT_FAIL("rank {} of {}: a collective did not complete within {} s: another rank stopped (killed, failed) or is "
               "stuck; this rank stops too (the collective timeout: MEGATRAIN_COLLECTIVE_TIMEOUT, in seconds)", rank(),
               world(), std::chrono::duration<double>(collective_timeout_).count());

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "megatrain/core/error.hpp"
 #include "megatrain/model/config.hpp"
@@ -31,24 +32,25 @@ json rope_scaling_json(const RopeScaling& r, double yarn_factor, std::int64_t ya
 /// transformers 5's rope_parameters object of `c`'s rotary (theta and scaling).
 json rope_parameters_json(const ModelConfig& c);
 
-/// layer_types: which layers attend within sliding_window ("sliding_attention") and which over
-/// the whole sequence ("full_attention"), into c.sliding_layers; `sliding_default(i)` where it is absent.
+/// layer_types: which of the `layers` layers attend within sliding_window ("sliding_attention",
+/// true) and which over the whole sequence ("full_attention"); `sliding_default(i)` where it is absent.
 template <class F>
-void parse_layer_types(const json& j, std::string_view src, ModelConfig& c, F sliding_default) {
-  c.sliding_layers.assign(static_cast<std::size_t>(std::max<std::int64_t>(c.num_hidden_layers, 0)), false);
+std::vector<bool> read_layer_types(const json& j, std::string_view src, std::int64_t layers, F sliding_default) {
+  std::vector<bool> sliding(static_cast<std::size_t>(std::max<std::int64_t>(layers, 0)), false);
   if (given(j, "layer_types")) {
     const json& lt = j.at("layer_types");
-    MT_CHECK(lt.is_array() && static_cast<std::int64_t>(lt.size()) == c.num_hidden_layers,
-             "{}: layer_types must list one type per layer ({}), not {}", src, c.num_hidden_layers, lt.dump());
+    MT_CHECK(lt.is_array() && static_cast<std::int64_t>(lt.size()) == layers,
+             "{}: layer_types must list one type per layer ({}), not {}", src, layers, lt.dump());
     for (std::size_t i = 0; i < lt.size(); ++i) {
       MT_CHECK(lt[i].is_string() && (lt[i] == "full_attention" || lt[i] == "sliding_attention"),
                "{}: layer_types holds {}; each entry must be \"full_attention\" or \"sliding_attention\"", src,
                lt[i].dump());
-      c.sliding_layers[i] = lt[i] == "sliding_attention";
+      sliding[i] = lt[i] == "sliding_attention";
     }
   } else {
-    for (std::size_t i = 0; i < c.sliding_layers.size(); ++i) c.sliding_layers[i] = sliding_default(static_cast<std::int64_t>(i));
+    for (std::size_t i = 0; i < sliding.size(); ++i) sliding[i] = sliding_default(static_cast<std::int64_t>(i));
   }
+  return sliding;
 }
 /// sliding_window as config.json holds it (null: none).
 inline json window_json(const ModelConfig& c) { return c.sliding_window ? json(*c.sliding_window) : json(nullptr); }

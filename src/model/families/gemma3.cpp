@@ -12,9 +12,7 @@ namespace megatrain::model_families {
 namespace {
 
 void parse(const json& j, std::string_view src, ModelConfig& c) {
-  MT_CHECK(!get_bool(j, "mlp_bias", src, false),
-           "{}: 'mlp_bias' is true, but Gemma3ForCausalLM has no such option (transformers ignores it: its MLP never "
-           "has a bias); remove the field", src);
+  refuse_mlp_bias(j, src, c.architecture_name());
   c.qkv_bias = c.o_bias = get_bool(j, "attention_bias", src, false);
   refuse_dropout(j, src, {"attention_dropout"});
   for (const char* key : {"final_logit_softcapping", "attn_logit_softcapping"})
@@ -29,7 +27,7 @@ void parse(const json& j, std::string_view src, ModelConfig& c) {
   // Which layers slide: layer_types, else every sliding_window_pattern-th layer is full
   const std::int64_t pattern = get_int(j, "sliding_window_pattern", src, 6);
   MT_CHECK(pattern > 0, "{}: sliding_window_pattern must be > 0 (got {})", src, pattern);
-  parse_layer_types(j, src, c, [&](std::int64_t i) { return (i + 1) % pattern != 0; });
+  c.sliding_layers = read_layer_types(j, src, c.num_hidden_layers, [&](std::int64_t i) { return (i + 1) % pattern != 0; });
   // Rotary: transformers 5 writes rope_parameters per layer type; transformers 4's configs (those
   // on the Hub) keep rope_theta and rope_scaling for the full layers and rope_local_base_freq for
   // the sliding ones (unscaled), which transformers 5 reads the same way.

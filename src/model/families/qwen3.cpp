@@ -10,9 +10,8 @@ void parse(const json& j, std::string_view src, ModelConfig& c) {
   c.qkv_bias = c.o_bias = get_bool(j, "attention_bias", src, false);
   // Sliding-window layers (use_sliding_window, or "sliding_attention" in layer_types): the window
   // bounds the sequence length (check_sequence_length), where every layer is exact.
-  ModelConfig types = c;
-  parse_layer_types(j, src, types, [](std::int64_t) { return false; });
-  const bool any = std::find(types.sliding_layers.begin(), types.sliding_layers.end(), true) != types.sliding_layers.end();
+  const auto types = read_layer_types(j, src, c.num_hidden_layers, [](std::int64_t) { return false; });
+  const bool any = std::find(types.begin(), types.end(), true) != types.end();
   if (get_bool(j, "use_sliding_window", src, false) || any) c.sliding_window = get_int(j, "sliding_window", src);
 }
 

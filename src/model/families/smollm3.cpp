@@ -14,10 +14,9 @@ void parse(const json& j, std::string_view src, ModelConfig& c) {
   MT_CHECK(!get_bool(j, "use_sliding_window", src, false),
            "{}: use_sliding_window is true; SmolLM3's sliding-window layers are not supported (the published SmolLM3 "
            "models have none): set it to false", src);
-  ModelConfig types = c;
-  parse_layer_types(j, src, types, [](std::int64_t) { return false; });
-  for (std::size_t l = 0; l < types.sliding_layers.size(); ++l)
-    MT_CHECK(!types.sliding_layers[l], "{}: layer_types makes layer {} a sliding_attention layer; SmolLM3's sliding "
+  const auto types = read_layer_types(j, src, c.num_hidden_layers, [](std::int64_t) { return false; });
+  for (std::size_t l = 0; l < types.size(); ++l)
+    MT_CHECK(!types[l], "{}: layer_types makes layer {} a sliding_attention layer; SmolLM3's sliding "
              "windows are not supported: list every layer as \"full_attention\" (or leave layer_types out)", src, l);
   c.nope_layers.assign(static_cast<std::size_t>(c.num_hidden_layers), false);
   if (given(j, "no_rope_layers")) {
