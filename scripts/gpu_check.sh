@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the GPU measurements on a machine with an NVIDIA GPU, from binaries
 # built elsewhere and copied to BIN (with libtbb/libfmt in BIN/../lib). Logs go to OUT.
-#   scripts/gpu_check.sh BIN OUT [tests|hf|numerics|train|bench|bench7b|checkpoint|checkpoint7b|kernels|packing|plan|probe|longctx|moe|gptoss|nccl|all]...
+#   scripts/gpu_check.sh BIN OUT [tests|hf|numerics|train|bench|bench7b|checkpoint|checkpoint7b|kernels|packing|plan|probe|longctx|moe|gptoss|nccl|dp|all]...
 set -uo pipefail
 BIN=$(cd "$1" && pwd); OUT=$(mkdir -p "$2" && cd "$2" && pwd); shift 2
 what=${*:-all}
@@ -155,6 +155,17 @@ fi
 if [[ " $what " == *" nccl "* ]]; then
   NCCL_NVLS_ENABLE=0 timeout 300 bash tests/cuda/run_ranks.sh "${NCCL_RANKS:-2}" "$BIN/test_dist_nccl" > "$OUT/nccl.log" 2>&1
   summary+=("test_dist_nccl ${NCCL_RANKS:-2} ranks rc=$?: $(grep -c 'exact' "$OUT/nccl.log") ranks exact")
+fi
+# megatrain-train as 2 processes on 2 GPUs (docs/distributed.md): the trainer's test over NCCL
+# (replicated and ZeRO-1), then the program on one GPU and two: the same run, and the speed.
+if [[ " $what " == *" dp "* ]]; then
+  NCCL_NVLS_ENABLE=0 timeout 300 bash tests/cuda/run_ranks.sh 2 "$BIN/test_dist_train_cuda" > "$OUT/dist_train_cuda.log" 2>&1
+  summary+=("test_dist_train_cuda 2 ranks rc=$?: $(grep -c 'within' "$OUT/dist_train_cuda.log") runs compared")
+  timeout 120 bash tests/cuda/killed_rank_nccl.sh "$BIN/test_dist_train_cuda" > "$OUT/killed_rank_nccl.log" 2>&1
+  summary+=("killed_rank_nccl rc=$?: $(tail -1 "$OUT/killed_rank_nccl.log")")
+  timeout 560 python3 bench/data_parallel.py --megatrain "$BIN/megatrain-train" --work /tmp/mt-dp ${DP_ARGS:-} \
+    > "$OUT/data_parallel.log" 2>&1
+  summary+=("data_parallel rc=$? $(tail -1 "$OUT/data_parallel.log")")
 fi
 # Packing (docs/data.md): examples/s with one example per sequence and with --pack true, the
 # 1.5B shape on synthetic instruction data of mixed lengths.

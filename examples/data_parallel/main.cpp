@@ -5,7 +5,8 @@
 // Every process builds the same model (the same seed), takes its share of each global batch (here
 // a repeating pattern of tokens, which a small model learns in a few dozen steps), and trains with
 // TrainerOptions::comm: the gradients are summed over the processes before exact clipping and
-// AdamW, so every process holds the same weights after every step. Rank 0 prints the global
+// AdamW, so every process holds the same weights after every step; with shard_optimizer (ZeRO-1)
+// each process keeps AdamW's moments of its part of the model only. Rank 0 prints the global
 // batch's loss; the program fails if the loss did not fall by half. On GPUs, use
 // dist::NcclHostComm and a CudaBackend on the process's GPU instead (distributed.md).
 #include <cstdio>
@@ -35,6 +36,7 @@ int main() {
     o.gradient_home = GradientHome::host;       // ... in host memory, where it is summed
     o.adamw.lr = 3e-3;
     o.comm = &comm;
+    o.shard_optimizer = true;                   // ZeRO-1: each process keeps and steps 1/N of AdamW's state
     DecoderModel<> model(cfg);
     StoreOptions so;
     so.seed = 1;  // the same initial weights on every process

@@ -90,6 +90,11 @@ struct Settings {
   std::string out, backend = "auto", host_memory, gpu_memory;
   std::int64_t eval_every = 20, eval_batches = 4, log_every = 1;
   bool overwrite = false;
+  // several processes (torchrun, mpirun, srun): how long a rank waits for its peers at start (0:
+  // MEGATRAIN_RENDEZVOUS_TIMEOUT, else 300 s)
+  double rendezvous_timeout = 0;
+  // several processes: each keeps and steps 1/N of AdamW's state (ZeRO-1), or all of it
+  bool shard_optimizer = true;
   // checkpoints
   std::int64_t save_every = 0, keep = 2;
   std::string resume;  // "latest" (or empty) or a folder; see resume_given
@@ -118,7 +123,8 @@ inline bool path_option(const std::string& name) {
 }
 /// Options a resumed run takes over from its checkpoint (when not given again): all but these.
 inline bool replayed_option(const std::string& name) {
-  static const std::set<std::string> never{"--config", "--out", "--resume", "--overwrite", "--help"};
+  static const std::set<std::string> never{"--config", "--out", "--resume", "--overwrite", "--help",
+                                           "--rendezvous-timeout"};
   return !never.contains(name) &&
          std::find(model_source_options().begin(), model_source_options().end(), name) == model_source_options().end();
 }
@@ -372,6 +378,15 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
   runo->add_option("--seed", s.seed, "Seed for initialisation and data order")->check(CLI::NonNegativeNumber)->capture_default_str();
   runo->add_option("--out", s.out, "Output directory (default: runs/<date-time>)");
   runo->add_option("--overwrite", s.overwrite, "Replace a previous run in --out (true/false)")->capture_default_str();
+  runo->add_option("--rendezvous-timeout", s.rendezvous_timeout,
+                   "Launched as several processes (torchrun, mpirun, srun): seconds a process waits for the others "
+                   "at start before it gives up naming the missing ones (default: MEGATRAIN_RENDEZVOUS_TIMEOUT, else 300)")
+      ->check(CLI::NonNegativeNumber);
+  runo->add_option("--shard-optimizer", s.shard_optimizer,
+                   "Launched as several processes: each keeps and steps 1/N of AdamW's moments (ZeRO-1: less host "
+                   "memory; the masters gathered after each update, which the next step waits for); false: every "
+                   "process all of it (more memory, the update beside the next step)")
+      ->capture_default_str();
   runo->add_option("--eval-every", s.eval_every, "Validation loss every N steps (0: only at the end)")->capture_default_str();
   runo->add_option("--eval-batches", s.eval_batches, "Batches per validation (with --steps 0: 0 skips the evaluation)")->capture_default_str();
   runo->add_option("--log-every", s.log_every, "Print every N steps when not on a terminal")->capture_default_str();

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "cli.hpp"
+#include "ranks.hpp"
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/host_memory.hpp"
@@ -233,9 +234,9 @@ struct RunPlan {
 
 template <class B>
 int train(B& be, const char* backend_name, const Settings& s, const CLI::App& app, const ModelConfig& cfg,
-          const std::optional<TokenDataset>& data, const TrainerOptions& topt, RunPlan& plan);
+          const std::optional<TokenDataset>& data, const TrainerOptions& topt, RunPlan& plan, Ranks& ranks);
 
-int run(const Settings& s, const CLI::App& app, RunPlan plan) {
+int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
   // ---- validate everything before touching anything ------------------------------------------
   MT_CHECK(s.backend == "auto" || s.backend == "cpu" || s.backend == "cuda", "--backend must be auto, cpu or cuda (got '{}')",
            s.backend);
@@ -269,6 +270,23 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
            "--val-fraction contradicts --val-data: validation comes from that file; drop one");
   MT_CHECK(s.steps >= 0, "--steps must be >= 0 (got {}; 0 evaluates only)", s.steps);
   const bool eval_only = s.steps == 0;
+  MT_CHECK(ranks.several() || !s.origins.given_now("--shard-optimizer"),
+           "--shard-optimizer applies to several processes (launched by torchrun, mpirun or srun); drop it");
+  // Several processes (docs/distributed.md): --batch and --micro-batches are the global batch's.
+  if (ranks.several()) {
+    MT_CHECK(!eval_only, "--steps 0 (evaluate or export) runs in one process, and this is process {} of {} ({} launched "
+             "them): run it once", ranks.rank(), ranks.world(), ranks.info().launcher);
+    MT_CHECK(s.batch % ranks.world() == 0, "--batch {} (the global batch) must be a multiple of the {} processes: each "
+             "trains --batch / {} of its sequences", s.batch, ranks.world(), ranks.world());
+    MT_CHECK(s.micro_batches == 1 || s.micro_batches % ranks.world() == 0,
+             "--micro-batches {} (the passes of the global batch) must be 1 or a multiple of the {} processes: each runs "
+             "--micro-batches / {} of them", s.micro_batches, ranks.world(), ranks.world());
+    MT_CHECK(!s.origins.given_now("--gradients") || s.gradients == "host",
+             "--gradients device: {} processes sum each step's gradients in host memory; drop --gradients", ranks.world());
+    MT_CHECK(!s.origins.given_now("--device-units") || s.device_units == "auto" || s.device_units == "0",
+             "--device-units {}: with {} processes every unit's AdamW runs on the host (0); drop --device-units",
+             s.device_units, ranks.world());
+  }
   MT_CHECK(s.eval_every >= 0 && s.log_every > 0, "--eval-every >= 0, --log-every > 0");
   MT_CHECK(s.eval_batches > 0 || (eval_only && s.eval_batches == 0),
            "--eval-batches must be > 0 (0, no evaluation, only with --steps 0)");
@@ -366,10 +384,12 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
       const auto tok = fs::is_directory(tp, ec) ? text::Tokenizer::from_folder(tp) : text::Tokenizer::from_file(tp);
       // (evaluating only: a temporary folder; resuming: RUN/data/incoming, moved over RUN/data's
       // files once the resume is accepted, so a refused resume leaves the run's data as it was)
-      const fs::path dir = eval_only     ? fs::temp_directory_path() / fmt::format("megatrain-data-{}", getpid())
+      // (a process of several other than the first: a folder of its own, as the first writes the run folder's)
+      const bool temp = eval_only || !ranks.lead();
+      const fs::path dir = temp          ? fs::temp_directory_path() / fmt::format("megatrain-data-{}", getpid())
                            : plan.resume ? plan.out / "data" / "incoming"
                                          : plan.out / "data";
-      if (eval_only || plan.resume) {
+      if (temp || plan.resume) {
         std::error_code ignored;
         fs::remove_all(dir, ignored);
         plan.temp_data = std::shared_ptr<const fs::path>(new fs::path(dir), [](const fs::path* p) {
@@ -509,6 +529,14 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
   }
 
   TrainerOptions topt = step_layout(s, cfg->num_hidden_layers);
+  if (ranks.several()) {  // (this process's share of the global batch)
+    topt.batch_rows = s.batch / ranks.world();
+    topt.micro_batches = std::max<std::int64_t>(1, s.micro_batches / ranks.world());
+    topt.gradient_home = GradientHome::host;
+    topt.device_units = 0;
+    topt.comm = ranks.comm();
+    topt.shard_optimizer = s.shard_optimizer;  // (ZeRO-1: each process keeps and steps 1/N of AdamW's state)
+  }
   topt.packed = data && data->packed();
   topt.adamw = {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
   if (eval_only) {
@@ -548,6 +576,10 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
              "--on-nonfinite skip needs the whole gradient before any update, which exact clipping gives (--clip > 0 "
              "with --clip-mode exact, the default); with {} each unit is updated during the backward",
              s.clip == 0 ? "--clip 0" : "--clip-mode stale");
+    MT_CHECK(!ranks.several() || topt.resolved().resident_gradients(),
+             "{} processes sum the whole gradient of each step before the update, which needs it held for the step: "
+             "exact clipping (--clip > 0 with --clip-mode exact, the default) or --micro-batches > 1; {} updates each "
+             "unit during the backward", ranks.world(), s.clip == 0 ? "--clip 0" : "--clip-mode stale");
   }
   topt.validate();
   MT_CHECK(!s.origins.conflicts("--micro-batches", "--max-micro-batch") || topt.resolved().micro_batches == topt.micro_batches,
@@ -618,12 +650,13 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan) {
 #if MEGATRAIN_HAS_CUDA
     CudaBackendOptions copt;
     if (!s.gpu_memory.empty()) copt.memory_limit = parse_byte_size(s.gpu_memory.c_str());
+    copt.device = ranks.info().local_rank;  // (one GPU a process: the launcher's local rank)
     CudaBackend be(copt);
-    return train(be, "cuda", s, app, *cfg, data, topt, plan);
+    return train(be, "cuda", s, app, *cfg, data, topt, plan, ranks);
 #endif
   }
   CpuBackend<float> be;
-  return train(be, "cpu", s, app, *cfg, data, topt, plan);
+  return train(be, "cpu", s, app, *cfg, data, topt, plan, ranks);
 }
 
 // The validation loss over plan.eval_rows windows, in batches of the trainer's batch size (a
@@ -654,27 +687,43 @@ std::pair<double, std::int64_t> evaluate_all(T& trainer, const TokenDataset& dat
 
 template <class B>
 int train(B& be, const char* backend_name, const Settings& s, const CLI::App& app, const ModelConfig& cfg,
-          const std::optional<TokenDataset>& data, const TrainerOptions& topt, RunPlan& plan) {
+          const std::optional<TokenDataset>& data, const TrainerOptions& topt, RunPlan& plan, Ranks& ranks) {
   // ---- build ----------------------------------------------------------------------------------
+  // (Several processes on one host share its memory: each plans for its part unless --host-memory
+  // gives each its own.)
+  plan::HostBudget budget = host_budget(s);
+  if (ranks.several() && ranks.info().local_world > 1 && s.host_memory.empty() && budget.source == "available host memory") {
+    budget.bytes /= static_cast<std::size_t>(ranks.info().local_world);
+    budget.source = fmt::format("available host memory / {} processes on this host", ranks.info().local_world);
+  }
   const std::string model_label = plan.resume              ? plan.resume->ckpt.dir().string()
                                   : !s.model_dir.empty()   ? s.model_dir
                                   : !s.model_config.empty() ? s.model_config
                                   : !s.preset.empty()       ? "--preset " + s.preset
                                                             : std::string("the command-line shape");
   // (from the config alone, before its blocks are built: a config of 10^9 layers is refused here)
-  plan::check_state_fits_host(cfg, host_budget(s), model_label);
+  plan::check_state_fits_host(cfg, budget, model_label);
   DecoderModel<> model(cfg);
   // The plan (docs/planner.md), before anything is allocated: printed, and refused with what would
   // fit when it cannot.
   FILE* const info = plan.eval_only ? stderr : stdout;
   {
     const plan::StepPlan sp =
-        plan::plan_step<B>(model, topt, plan::device_budget(be), host_budget(s), B::kDevice ? plan::machine_figures() : plan::MachineFigures{});
+        plan::plan_step<B>(model, topt, plan::device_budget(be), budget, B::kDevice ? plan::machine_figures() : plan::MachineFigures{});
     MT_CHECK(sp.memory.fits, "{}", sp.refusal());
     std::fprintf(info, "%s", plan::format_summary(sp).c_str());
+    if (ranks.several())
+      std::fprintf(info, "data parallel: %d processes (%s), %d on this host; each trains %lld of the global batch's %lld "
+                   "sequences, holds the fp32 masters and %s of AdamW's moments%s: the plan above is one "
+                   "process's (one GPU's), this host holds %d times its host memory\n", ranks.world(), ranks.info().launcher.c_str(),
+                   std::max(1, ranks.info().local_world), static_cast<long long>(topt.batch_rows),
+                   static_cast<long long>(s.batch),
+                   topt.shard_optimizer ? fmt::format("1/{}", ranks.world()).c_str() : "all",
+                   topt.shard_optimizer ? " (ZeRO-1; --shard-optimizer)" : "", std::max(1, ranks.info().local_world));
   }
   StoreOptions so;
   so.seed = s.seed;
+  so.host_memory_budget = budget.bytes;
   HostParamStore<float> store(model.units(), Trainer<B>::store_options(topt, so));
   Trainer<B> trainer(model, store, be, topt);
   // (Evaluating only, everything but the JSON result goes to stderr.)
@@ -701,8 +750,13 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
       if (!was_backend.empty() && was_backend != backend_name)
         layout.push_back(fmt::format("backend {} (checkpoint: {})", backend_name, was_backend));
       const TrainerOptions now = trainer.options();
-      if (now.micro_batches != st.options.micro_batches)
-        layout.push_back(fmt::format("{} micro-batches (checkpoint: {})", now.micro_batches, st.options.micro_batches));
+      const std::int64_t was_processes = st.user.value("processes", std::int64_t{1});
+      if (was_processes != ranks.world())
+        layout.push_back(fmt::format("{} process(es) (checkpoint: {})", ranks.world(), was_processes));
+      // (the global batch's passes: each process's times the processes, as the train state records them)
+      if (now.micro_batches * ranks.world() != st.options.micro_batches)
+        layout.push_back(fmt::format("{} micro-batches (checkpoint: {})", now.micro_batches * ranks.world(),
+                                     st.options.micro_batches));
       if (now.chunk_rows != st.options.chunk_rows)
         layout.push_back(fmt::format("--chunk {} (checkpoint: {})", now.chunk_rows, st.options.chunk_rows));
       // (placement changes no bit, except the order of a sum: stale clipping's norm, and
@@ -762,9 +816,13 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     return 0;
   }
 
+  // Every process got here (or every process stops now, naming those that did not): from here the
+  // first process alone writes the run folder (the train state is the same on every process).
+  ranks.agree_started();
+  const bool lead = ranks.lead();
   const fs::path& out = plan.out;
-  fs::create_directories(out);
-  {
+  if (lead) {
+    fs::create_directories(out);
     std::ofstream(out / "config.json") << cfg.to_json().dump(2) << '\n';
     json o;
     std::vector<const CLI::Option*> opts = app.get_options();
@@ -774,11 +832,14 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
       if (!opt->get_lnames().empty() && opt->get_lnames().front() != "help" && opt->get_lnames().front() != "config")
         o[opt->get_lnames().front()] = opt->count() > 0 ? opt->as<std::string>() : opt->get_default_str();
     std::ofstream(out / "options.json") << o.dump(2) << '\n';
+    // A resumed run continues the metrics where its checkpoint was taken.
+    if (first_step > 1) truncate_metrics(out / "metrics.jsonl", first_step - 1);
   }
-  // A resumed run continues the metrics where its checkpoint was taken.
-  if (first_step > 1) truncate_metrics(out / "metrics.jsonl", first_step - 1);
-  std::ofstream metrics(out / "metrics.jsonl", first_step > 1 ? std::ios::app : std::ios::trunc);
-  MT_CHECK(metrics.good(), "cannot write '{}'", (out / "metrics.jsonl").string());
+  std::ofstream metrics;
+  if (lead) {
+    metrics.open(out / "metrics.jsonl", first_step > 1 ? std::ios::app : std::ios::trunc);
+    MT_CHECK(metrics.good(), "cannot write '{}'", (out / "metrics.jsonl").string());
+  }
 
   std::printf("megatrain-train: %s, %lld parameters (%lld layers, hidden %lld, vocab %lld), backend %s, data %s "
               "(%lld training tokens, %lld validation)\n",
@@ -808,16 +869,20 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   copt.keep = static_cast<std::size_t>(s.keep);
   copt.extra_files = plan.side_files;
   copt.extra_files["config.json"] = plan.config_text;
-  Checkpointer checkpoints(out / "checkpoints", copt);
+  // (the first process's only: the others' train state is the same)
+  std::optional<Checkpointer> checkpointer;
+  if (lead) checkpointer.emplace(out / "checkpoints", copt);
   json side_names = json::array();
   for (const auto& [name, text] : plan.side_files) side_names.push_back(name);
   const json user{{"program", "megatrain-train"}, {"given", plan.given}, {"data", plan.data_identity}, {"backend", backend_name},
-                  {"side_files", side_names}, {"run_dir", fs::absolute(out).lexically_normal().string()}};
+                  {"side_files", side_names}, {"run_dir", fs::absolute(out).lexically_normal().string()},
+                  {"processes", ranks.world()}};
   Progress progress(first_step, s.steps, isatty(STDOUT_FILENO) != 0);
   std::int64_t saved_step = first_step - 1;  // the newest complete checkpoint (or the one resumed from)
   bool last_save_failed = false;
   // Reports a finished save (a failure is a warning: the previous checkpoint is still there).
   const auto report_one = [&](const SaveResult* r) {
+    store.release_unowned_moments();  // (ZeRO-1: what the save gathered, written or not)
     if (r->ok) {
       saved_step = r->step;
       last_save_failed = false;
@@ -836,68 +901,107 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   const auto report = [&](const std::vector<SaveResult>& results) {
     for (const SaveResult& r : results) report_one(&r);
   };
+  const auto poll_saves = [&] {
+    if (checkpointer) report(checkpointer->poll());
+  };
+  const auto wait_saves = [&] {
+    if (checkpointer) report(checkpointer->wait());
+  };
+  const auto checkpoint_path = [&](std::int64_t step) { return checkpointer->folder().path_for(step).string(); };
+  // (Every process calls it at the same step. ZeRO-1: every process's part of AdamW's moments is
+  // brought to the first, which writes the whole state and then gives that memory back.)
   const auto save = [&](std::int64_t step) {
-    checkpoints.save(trainer, store, data->position(step * s.batch), user);
+    if (trainer.options().sharded()) {
+      wait_saves();  // (the previous checkpoint written: it read the moments gathered for it)
+      trainer.finish_update();
+      store.gather_moments(*ranks.comm(), 0);
+    }
+    if (checkpointer) checkpointer->save(trainer, store, data->position(step * s.batch), user);
   };
 
   // ---- train ----------------------------------------------------------------------------------
+  // Every process reads the global batch and trains its share of the rows (docs/distributed.md).
   const auto n = static_cast<std::size_t>(s.batch * s.seq);
+  const auto share = static_cast<std::size_t>(topt.batch_rows * s.seq);
   std::vector<std::int32_t> ids(n), labels(n), positions(data->packed() ? n : 0);
+  const auto mine = [&](const std::vector<std::int32_t>& v, std::size_t per_process) {
+    return v.empty() ? std::span<const std::int32_t>() : std::span<const std::int32_t>(v).subspan(
+                                                              static_cast<std::size_t>(ranks.rank()) * per_process, per_process);
+  };
   const auto t0 = std::chrono::steady_clock::now();
+  // The mean loss over the labelled tokens of --eval-batches x --batch validation sequences (each
+  // process evaluates its share; the sums over the processes give the same mean to rounding).
   auto validation = [&] {
-    const std::int64_t rows = s.eval_batches * s.batch;
+    const std::int64_t rows = s.eval_batches * s.batch, my_rows = rows / ranks.world();
     std::vector<std::int32_t> vi(static_cast<std::size_t>(rows * s.seq)), vl(vi.size()), vp(data->packed() ? vi.size() : 0);
     data->val_batch(0, rows, vi, vl, vp);
-    return trainer.evaluate(vi, vl, rows, vp);
+    const auto part = static_cast<std::size_t>(my_rows * s.seq);
+    const auto my_labels = mine(vl, part);
+    const double loss = trainer.evaluate(mine(vi, part), my_labels, my_rows, mine(vp, part));
+    if (!ranks.several()) return loss;
+    const auto valid = std::count_if(my_labels.begin(), my_labels.end(), [](std::int32_t l) { return l != kIgnoreIndex; });
+    double sums[2] = {loss * static_cast<double>(valid), static_cast<double>(valid)};
+    ranks.comm()->all_reduce_sum(sums);
+    return sums[0] / sums[1];
   };
   // report.html in the run folder: at each evaluation and at the end (a failure only warns).
   io::RunReportInfo report_info;
-  report_info.machine = io::describe_machine(B::kDevice ? 0 : -1);
+  report_info.machine = io::describe_machine(B::kDevice ? ranks.info().local_rank : -1);
   report_info.machine["backend"] = backend_name;
   report_info.machine["compute_dtype"] = compute_dtype;
+  if (ranks.several()) report_info.machine["processes"] = ranks.world();
   const auto write_report = [&] {
+    if (!lead) return;
     try {
       io::write_run_report(out, report_info);
     } catch (const megatrain::Error& e) {
       progress.note(fmt::format("megatrain-train: warning: report.html not written: {}", e.reason()), stderr);
     }
   };
-  // A non-finite step stopped the trainer: with the last good state kept (exact clipping), that
-  // state is saved as a checkpoint (unless it is already); else the newest checkpoint is named.
+  // A non-finite step stopped the trainer (every process alike: they stepped the same sums): with
+  // the last good state kept (exact clipping), that state is saved as a checkpoint (unless it is
+  // already); else the newest checkpoint is named.
   const auto stop_nonfinite = [&](const megatrain::Error& e, std::int64_t good) {
     trainer.finish_update();
-    report(checkpoints.wait());
+    wait_saves();
     write_report();
+    // (the first process knows what it saved; every process takes part in a save)
+    if (trainer.stopped_with_last_good_state() && ranks.lead_says(good > 0 && saved_step != good)) {
+      save(good);
+      wait_saves();
+    }
+    if (!lead) {
+      ranks.barrier();  // (while the first process finishes)
+      return 1;
+    }
     std::string what;
     if (trainer.stopped_with_last_good_state()) {
-      if (good > 0 && saved_step != good) {
-        checkpoints.save(trainer, store, data->position(good * s.batch), user);
-        report(checkpoints.wait());
-      }
       if (good == 0) what = "No step had finished: there is nothing to save.";
       else if (saved_step == good)
         what = fmt::format("The train state of step {} (the last good one) is in {}: resume with `megatrain-train --resume "
                            "--out {}` (add --on-nonfinite skip to skip the step that failed).",
-                           good, checkpoints.folder().path_for(good).string(), out.string());
+                           good, checkpoint_path(good), out.string());
       else
         what = fmt::format("The train state of step {} could not be saved (see above){}.", good,
                            saved_step > 0 ? fmt::format("; the newest complete checkpoint is step {}", saved_step) : std::string());
     } else {
       what = saved_step > 0 ? fmt::format("The newest checkpoint from before it is step {} ({}).", saved_step,
-                                          checkpoints.folder().path_for(saved_step).string())
+                                          checkpoint_path(saved_step))
                             : std::string("There is no checkpoint from before it.");
     }
     std::fprintf(stderr, "megatrain-train: error: %s\n%s\n", e.reason().c_str(), what.c_str());
+    ranks.barrier();
     return 1;
   };
   install_stop_handlers();
   std::int64_t step = first_step;
-  for (; step <= s.steps && g_stop_signal == 0; ++step) {
+  int stop_signal = 0;  // (a signal any process got: every process stops after the same step)
+  for (; step <= s.steps && (stop_signal = ranks.stop_signal(g_stop_signal.load())) == 0; ++step) {
     data->train_batch((step - 1) * s.batch, s.batch, ids, labels, positions);
     io::detail::delay_point("train:step");  // (tests: MEGATRAIN_TEST_DELAY_AT=train:step:MICROSECONDS)
     StepStats st;
     try {
-      st = trainer.step(ids, labels, positions);
+      st = trainer.step(mine(ids, share), mine(labels, share), mine(positions, share));
     } catch (const megatrain::Error& e) {
       if (trainer.stopped_because().empty()) throw;
       return stop_nonfinite(e, step - 1);
@@ -918,33 +1022,36 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
       m["expert_tokens"] = load;  // [layer, fewest, most] tokens routed to one expert over the step
     }
     if (val) m["val_loss"] = *val;
-    metrics << m.dump() << '\n' << std::flush;
+    if (lead) metrics << m.dump() << '\n' << std::flush;
     if (val) write_report();
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     progress.update(st, tok_s, elapsed, val, s.log_every);
-    report(checkpoints.poll());
+    poll_saves();
     if (s.save_every > 0 && (step % s.save_every == 0 || step == s.steps)) save(step);
-    if (plan.export_options && (step == s.steps || (s.export_every > 0 && step % s.export_every == 0)))
+    if (lead && plan.export_options && (step == s.steps || (s.export_every > 0 && step % s.export_every == 0)))
       progress.note(export_model(step));
   }
   const std::int64_t done = step - 1;
+  // (a signal during the last step: every process hears of it, and the run is saved as promised)
+  if (stop_signal == 0) stop_signal = ranks.stop_signal(g_stop_signal.load());
   trainer.finish_update();
-  report(checkpoints.wait());
+  wait_saves();
   write_report();
-  if (const int sig = g_stop_signal.load(); sig != 0) {
+  if (const int sig = stop_signal; sig != 0) {
     // A signal asked for a checkpoint: the state after the last finished step is saved (also when
     // that step was the last one), unless it is already, or no step ran.
-    if (saved_step != done && done > 0) {
-      checkpoints.save(trainer, store, data->position(done * s.batch), user);
-      report(checkpoints.wait());
+    if (ranks.lead_says(saved_step != done && done > 0)) {
+      save(done);
+      wait_saves();
     }
+    ranks.barrier();  // (no process leaves while the first still saves)
     const char* name = sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "a signal";
     if (done < s.steps) {
+      if (!lead) return 128 + sig;
       std::string what;
       if (done == 0) what = "no step had finished: nothing to save";
       else if (saved_step == done)
-        what = fmt::format("checkpoint {}. Resume with: megatrain-train --resume --out {}",
-                           checkpoints.folder().path_for(done).string(), out.string());
+        what = fmt::format("checkpoint {}. Resume with: megatrain-train --resume --out {}", checkpoint_path(done), out.string());
       else
         what = fmt::format("its checkpoint could not be written (see above){}",
                            saved_step > 0 ? fmt::format("; the newest complete one is step {}", saved_step) : std::string());
@@ -954,6 +1061,8 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     }
     // (The signal came during the last step: the run is complete, and saved as promised.)
   }
+  // (At a normal end the others need not wait for the first's export and last save: a process that
+  // ends with status 0 stops nothing.)
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("done: %lld steps in %.1f s; metrics in %s\n", static_cast<long long>(s.steps - first_step + 1), total,
               (out / "metrics.jsonl").string().c_str());
@@ -964,26 +1073,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   }
   return 0;
 }
-
 }  // namespace
-
-// Launched as several processes (torchrun, mpirun, srun), each copy would train alone and write the
-// same run folder: refused, before anything is read or written (data parallel training is in the
-// library for now: TrainerOptions::comm, docs/distributed.md). An environment that does not
-// describe a launch of several processes is not this program's concern.
-void refuse_several_processes() {
-  dist::LaunchInfo me;
-  try {
-    me = dist::launch_from_env();
-  } catch (const megatrain::Error&) {
-    return;
-  }
-  MT_CHECK(me.world <= 1,
-           "this is process {} of {} ({} launched them): megatrain-train trains in one process, and {} copies would each "
-           "train alone and write the same --out. Run it once (one GPU); data-parallel training over several processes "
-           "is in the library for now (TrainerOptions::comm; docs/distributed.md)",
-           me.rank, me.world, me.launcher, me.world);
-}
 
 int main(int argc, char** argv) {
   // A file-size limit (ulimit -f) must fail a write with a message, not kill the process.
@@ -1018,17 +1108,27 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "megatrain-train: %s\n", e.reason().c_str());
     return 2;
   }
+  // Launched as several processes (torchrun, mpirun, srun): data parallel, one process per GPU
+  // (docs/distributed.md); the first process alone prints and writes the run folder.
+  Ranks ranks;
+  const auto fail = [&](const char* what) {
+    const std::string who = ranks.several() ? fmt::format(" (process {} of {})", ranks.rank(), ranks.world()) : "";
+    std::fprintf(stderr, "megatrain-train%s: error: %s\n", who.c_str(), what);
+    std::fflush(stderr);
+    ranks.fail(1);  // (the others are told: every process stops)
+    return 1;
+  };
   try {
-    refuse_several_processes();
+    const Settings& s = *p.settings;
+    ranks = Ranks::join(s.backend == "cuda" || (s.backend == "auto" && cuda_device_present()), s.rendezvous_timeout);
+    if (!ranks.lead()) (void)!std::freopen("/dev/null", "w", stdout);
     plan.given = recorded_options(p);
-    return run(*p.settings, *p.app, std::move(plan));
+    return run(s, *p.app, std::move(plan), ranks);
   } catch (const megatrain::Error& e) {
     // What went wrong and what to do, in the user's terms (the library's function and source line
     // are in e.what(), for a bug report: MEGATRAIN_DEBUG=1 prints them).
-    std::fprintf(stderr, "megatrain-train: error: %s\n", std::getenv("MEGATRAIN_DEBUG") ? e.what() : e.reason().c_str());
-    return 1;
+    return fail(std::getenv("MEGATRAIN_DEBUG") ? e.what() : e.reason().c_str());
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "megatrain-train: error: %s\n", e.what());
-    return 1;
+    return fail(e.what());
   }
 }

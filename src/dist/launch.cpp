@@ -320,10 +320,8 @@ LaunchInfo launch_from_env(const GetEnv& getenv) {
   li.master_port = static_cast<int>(whole(getenv, "MASTER_PORT").value_or(29500));
   MT_CHECK(li.master_port > 0 && li.master_port < 65536, "environment variable MASTER_PORT is {}: a TCP port is 1 .. 65535",
            li.master_port);
-  MT_CHECK(li.world == 1 || !li.master_addr.empty(),
-           "{} launched {} processes but MASTER_ADDR is not set: the ranks meet at MASTER_ADDR:MASTER_PORT (rank 0's "
-           "host and a free port; torchrun sets them, with Slurm or mpirun export them, e.g. MASTER_ADDR=$(hostname))",
-           li.launcher, li.world);
+  // (All processes on this host, as mpirun -np N or srun on one node starts them: rank 0 is here.)
+  if (li.master_addr.empty() && li.local_world == li.world) li.master_addr = "127.0.0.1";
   return li;
 }
 
@@ -359,8 +357,10 @@ std::vector<std::string> tcp_all_gather(const LaunchInfo& info, std::string_view
            info.world);
   MT_CHECK(blob.size() <= kMaxBlob, "rendezvous: a blob of {} bytes (at most {})", blob.size(), kMaxBlob);
   if (info.world == 1) return {std::string(blob)};
-  MT_CHECK(!info.master_addr.empty() && info.master_port > 0, "rendezvous of {} processes: no MASTER_ADDR:MASTER_PORT",
-           info.world);
+  MT_CHECK(!info.master_addr.empty() && info.master_port > 0,
+           "{} launched {} processes on several hosts but MASTER_ADDR is not set: the ranks meet at "
+           "MASTER_ADDR:MASTER_PORT (rank 0's host and a free port; torchrun sets them, with Slurm or mpirun export them, "
+           "e.g. MASTER_ADDR=$(hostname) on the first host)", info.launcher, info.world);
   return info.rank == 0 ? serve(info, blob, timeout) : join(info, blob, timeout);
 }
 

@@ -42,6 +42,13 @@ void sum_everywhere(std::span<T> data, MPI_Datatype type) {
   }
 }
 
+// `fn(pointer, count)` over `p` in pieces whose counts fit an int.
+template <class Fn>
+void in_chunks(std::span<float> p, Fn&& fn) {
+  constexpr std::size_t kChunk = std::size_t{1} << 26;
+  for (std::size_t o = 0; o < p.size(); o += kChunk) fn(p.data() + o, static_cast<int>(std::min(kChunk, p.size() - o)));
+}
+
 }  // namespace
 
 MpiComm::MpiComm() {
@@ -49,11 +56,14 @@ MpiComm::MpiComm() {
   check(MPI_Initialized(&initialised), "MPI_Initialized");
   if (!initialised) {
     int provided = 0;
-    check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
+    check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
     std::atexit(finalise_at_exit);  // (after every MpiComm: MPI cannot be initialised twice)
   }
   check(MPI_Comm_rank(MPI_COMM_WORLD, &rank_), "MPI_Comm_rank");
   check(MPI_Comm_size(MPI_COMM_WORLD, &world_), "MPI_Comm_size");
+  int level = MPI_THREAD_SINGLE;
+  check(MPI_Query_thread(&level), "MPI_Query_thread");
+  serialized_ = level >= MPI_THREAD_SERIALIZED;
 }
 
 MpiComm::~MpiComm() = default;
@@ -61,5 +71,37 @@ MpiComm::~MpiComm() = default;
 void MpiComm::all_reduce_sum(std::span<float> data) { sum_everywhere(data, MPI_FLOAT); }
 void MpiComm::all_reduce_sum(std::span<double> data) { sum_everywhere(data, MPI_DOUBLE); }
 void MpiComm::all_reduce_sum(std::span<std::int64_t> data) { sum_everywhere(data, MPI_INT64_T); }
+void MpiComm::abort(int status) noexcept { MPI_Abort(MPI_COMM_WORLD, status); }
+
+void MpiComm::sum_backend_memory(float* data, std::size_t n, void* stream) {
+  MT_CHECK(stream == nullptr && serialized_, "MpiComm sums host memory only, with MPI initialised for threads "
+           "(MPI_THREAD_SERIALIZED)");
+  all_reduce_sum(std::span<float>(data, n));
+}
+
+void MpiComm::reduce_scatter_sum(std::span<float> data, std::span<const std::int64_t> bounds) {
+  for (int r = 0; r < world_; ++r)  // (each part reduced to its owner)
+    in_chunks(shard_part(data, bounds, world_, r), [&](float* p, int n) {
+      check(MPI_Reduce(rank_ == r ? MPI_IN_PLACE : p, rank_ == r ? p : nullptr, n, MPI_FLOAT, MPI_SUM, r, MPI_COMM_WORLD),
+            "MPI_Reduce");
+    });
+}
+
+void MpiComm::all_gather(std::span<float> data, std::span<const std::int64_t> bounds) {
+  for (int r = 0; r < world_; ++r)
+    in_chunks(shard_part(data, bounds, world_, r),
+              [&](float* p, int n) { check(MPI_Bcast(p, n, MPI_FLOAT, r, MPI_COMM_WORLD), "MPI_Bcast"); });
+}
+
+void MpiComm::gather(std::span<float> data, std::span<const std::int64_t> bounds, int root) {
+  MT_CHECK(root >= 0 && root < world_, "gather to rank {} of {}", root, world_);
+  for (int r = 0; r < world_; ++r) {
+    if (r == root) continue;
+    in_chunks(shard_part(data, bounds, world_, r), [&](float* p, int n) {
+      if (rank_ == r) check(MPI_Send(p, n, MPI_FLOAT, root, 0, MPI_COMM_WORLD), "MPI_Send");
+      else if (rank_ == root) check(MPI_Recv(p, n, MPI_FLOAT, r, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE), "MPI_Recv");
+    });
+  }
+}
 
 }  // namespace megatrain::dist

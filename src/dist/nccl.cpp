@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 #include <string>
@@ -67,9 +68,89 @@ NcclHostComm::NcclHostComm(const LaunchInfo& info, int device, std::chrono::mill
 }
 
 NcclHostComm::~NcclHostComm() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  for (const auto& p : pending_) cudaEventDestroy(p.done);
+  for (const auto e : free_events_) cudaEventDestroy(e);
   if (staging_ != nullptr) cudaFree(staging_);
   if (pinned_ != nullptr) cudaFreeHost(pinned_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+void* NcclHostComm::live_comm() {
+  std::lock_guard lock(mutex_);
+  MT_CHECK(comm_.comm_ != nullptr, "rank {} of {}: an earlier collective failed or did not complete (another rank "
+           "stopped); the communicator is gone", rank(), world());
+  return comm_.comm_;
+}
+
+void NcclHostComm::abort_comm() noexcept {
+  std::lock_guard lock(mutex_);
+  if (comm_.comm_ == nullptr) return;
+  ncclCommAbort(static_cast<ncclComm_t>(comm_.comm_));  // (a collective's kernel ends; the comm is gone)
+  comm_.comm_ = nullptr;
+}
+
+void NcclHostComm::sum_backend_memory(float* data, std::size_t n, void* stream) {
+  MT_CHECK(stream != nullptr, "NcclHostComm::sum_backend_memory sums a GPU's memory (host memory: all_reduce_sum)");
+  const auto s = static_cast<cudaStream_t>(stream);
+  MT_CUDA_CHECK(ncclAllReduce(data, data, n, ncclFloat32, ncclSum, static_cast<ncclComm_t>(live_comm()), s));
+  cudaEvent_t done = nullptr;
+  {
+    std::lock_guard lock(mutex_);
+    if (!free_events_.empty()) {
+      done = free_events_.back();
+      free_events_.pop_back();
+    }
+  }
+  if (done == nullptr) MT_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  MT_CUDA_CHECK(cudaEventRecord(done, s));
+  {
+    std::lock_guard lock(mutex_);
+    pending_.push_back({done, std::chrono::steady_clock::now()});
+    if (!watchdog_.joinable()) watchdog_ = std::thread([this] { watch(); });
+  }
+  wake_.notify_all();
+}
+
+void NcclHostComm::watch() {
+  (void)cudaSetDevice(device_);
+  std::unique_lock lock(mutex_);
+  while (!stopping_) {
+    if (pending_.empty() || comm_.comm_ == nullptr) {
+      wake_.wait(lock);
+      continue;
+    }
+    const Pending p = pending_.front();
+    void* const c = comm_.comm_;
+    lock.unlock();
+    const cudaError_t q = cudaEventQuery(p.done);
+    ncclResult_t async = ncclSuccess;
+    (void)ncclCommGetAsyncError(static_cast<ncclComm_t>(c), &async);
+    const bool late = std::chrono::steady_clock::now() - p.since > collective_timeout_;
+    if (q == cudaSuccess) {
+      lock.lock();
+      pending_.pop_front();
+      free_events_.push_back(p.done);
+      continue;
+    }
+    if (q != cudaErrorNotReady || (async != ncclSuccess && async != ncclInProgress) || late) {
+      std::fprintf(stderr, "megatrain: rank %d of %d: a gradient's sum over the GPUs %s; another rank stopped (killed, "
+                   "failed) or is stuck: this rank's communicator is aborted and its next collective fails (the collective "
+                   "timeout: MEGATRAIN_COLLECTIVE_TIMEOUT, in seconds)\n", rank(), world(),
+                   late ? fmt::format("did not complete within {} s", std::chrono::duration<double>(collective_timeout_).count()).c_str()
+                        : fmt::format("failed ({})", ncclGetErrorString(async)).c_str());
+      abort_comm();
+      lock.lock();
+      continue;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    lock.lock();
+  }
 }
 
 void NcclHostComm::wait() {
@@ -79,12 +160,10 @@ void NcclHostComm::wait() {
     if (q == cudaSuccess) return;
     if (q != cudaErrorNotReady) MT_CUDA_CHECK(q);
     ncclResult_t async = ncclSuccess;
-    MT_CUDA_CHECK(ncclCommGetAsyncError(static_cast<ncclComm_t>(comm_.comm_), &async));
+    MT_CUDA_CHECK(ncclCommGetAsyncError(static_cast<ncclComm_t>(live_comm()), &async));
     const bool late = std::chrono::steady_clock::now() - start > collective_timeout_;
     if ((async != ncclSuccess && async != ncclInProgress) || late) {
-      // (abort: the collective's kernel ends, and the communicator may not be used again)
-      ncclCommAbort(static_cast<ncclComm_t>(comm_.comm_));
-      comm_.comm_ = nullptr;
+      abort_comm();  // (the collective's kernel ends, and the communicator may not be used again)
       if (!late) MT_FAIL("rank {} of {}: a collective failed in NCCL ({}); this rank stops", rank(), world(),
                          ncclGetErrorString(async));
       MT_FAIL("rank {} of {}: a collective did not complete within {} s: another rank stopped (killed, failed) or is "
@@ -96,7 +175,7 @@ void NcclHostComm::wait() {
 }
 
 void NcclHostComm::sum(void* data, std::size_t bytes, std::size_t elem, int type) {
-  MT_CHECK(comm_.comm_ != nullptr, "rank {} of {}: an earlier collective failed; the communicator is gone", rank(), world());
+  void* const comm = live_comm();
   MT_CUDA_CHECK(cudaSetDevice(device_));
   // Through pinned memory both ways: a copy into pageable memory would block until the collective
   // ends, where wait() could not see a peer that never comes.
@@ -106,15 +185,56 @@ void NcclHostComm::sum(void* data, std::size_t bytes, std::size_t elem, int type
     std::memcpy(pinned_, p + o, n);
     MT_CUDA_CHECK(cudaMemcpyAsync(staging_, pinned_, n, cudaMemcpyHostToDevice, stream_));
     MT_CUDA_CHECK(ncclAllReduce(staging_, staging_, n / elem, static_cast<ncclDataType_t>(type), ncclSum,
-                                static_cast<ncclComm_t>(comm_.comm_), stream_));
+                                static_cast<ncclComm_t>(comm), stream_));
     MT_CUDA_CHECK(cudaMemcpyAsync(pinned_, staging_, n, cudaMemcpyDeviceToHost, stream_));
     wait();
     std::memcpy(p + o, pinned_, n);
   }
 }
 
+void NcclHostComm::broadcast(void* data, std::size_t bytes, int root, bool keep) {
+  void* const comm = live_comm();
+  MT_CUDA_CHECK(cudaSetDevice(device_));
+  auto* p = static_cast<char*>(data);
+  for (std::size_t o = 0; o < bytes; o += kStagingBytes) {
+    const std::size_t n = std::min(kStagingBytes, bytes - o);
+    if (rank() == root) {
+      std::memcpy(pinned_, p + o, n);
+      MT_CUDA_CHECK(cudaMemcpyAsync(staging_, pinned_, n, cudaMemcpyHostToDevice, stream_));
+    }
+    MT_CUDA_CHECK(ncclBroadcast(staging_, staging_, n, ncclUint8, root, static_cast<ncclComm_t>(comm), stream_));
+    if (keep && rank() != root) MT_CUDA_CHECK(cudaMemcpyAsync(pinned_, staging_, n, cudaMemcpyDeviceToHost, stream_));
+    wait();
+    if (keep && rank() != root) std::memcpy(p + o, pinned_, n);
+  }
+}
+
+// (NCCL's reduce-scatter takes equal parts: the whole is summed instead, which gives every rank its part)
+void NcclHostComm::reduce_scatter_sum(std::span<float> data, std::span<const std::int64_t> bounds) {
+  (void)shard_part(data, bounds, world(), rank());  // (checks the bounds)
+  all_reduce_sum(data);
+}
+
+void NcclHostComm::all_gather(std::span<float> data, std::span<const std::int64_t> bounds) {
+  for (int r = 0; r < world(); ++r) {
+    const auto p = shard_part(data, bounds, world(), r);
+    broadcast(p.data(), p.size_bytes(), r, true);
+  }
+}
+
+void NcclHostComm::gather(std::span<float> data, std::span<const std::int64_t> bounds, int root) {
+  for (int r = 0; r < world(); ++r) {
+    const auto p = shard_part(data, bounds, world(), r);
+    if (r != root) broadcast(p.data(), p.size_bytes(), r, rank() == root);
+  }
+}
+
 void NcclHostComm::all_reduce_sum(std::span<float> data) { sum(data.data(), data.size_bytes(), sizeof(float), ncclFloat32); }
 void NcclHostComm::all_reduce_sum(std::span<double> data) { sum(data.data(), data.size_bytes(), sizeof(double), ncclFloat64); }
+void NcclHostComm::abort(int /*status*/) noexcept {
+  abort_comm();
+}
+
 void NcclHostComm::all_reduce_sum(std::span<std::int64_t> data) {
   sum(data.data(), data.size_bytes(), sizeof(std::int64_t), ncclInt64);
 }

@@ -70,6 +70,9 @@ std::vector<WrittenFile> write_train_checkpoint(const fs::path& dir, const HostP
   MT_CHECK(options.state.is_object(), "writing '{}': the train state must be a JSON object", dir.string());
   // (With unit_done the caller orders the writes with the updates unit by unit: the Checkpointer.)
   if (!options.unit_done) store.check_settled(fmt::format("writing '{}'", dir.string()));
+  MT_CHECK(store.moments_whole(), "writing '{}': the store keeps part {} of {} of AdamW's moments (ZeRO-1): gather them "
+           "first (HostParamStore::gather_moments on every process) and write on the root", dir.string(),
+           store.shard().index, store.shard().count);
   std::vector<std::size_t> order = options.unit_order;
   if (order.empty())
     for (std::size_t u = 0; u < store.num_units(); ++u) order.push_back(u);
@@ -249,10 +252,23 @@ void TrainCheckpoint::load_into(HostParamStore<float>& store) const {
              "checkpoint is corrupt or was saved from a diverged run; resume from an earlier checkpoint",
              label, refs[i].name(), refs[i].file->path().string(), bad[i].count, bad[i].first);
   for (auto& unit : store.units()) {
+    const auto [lo, hi] = unit.owned();
     for (const auto& p : unit.params()) {
       read_into(tensors.tensor(p.spec.name), store.master(p.spec.name));
-      read_into(tensors.tensor(p.spec.name + std::string(kExpAvg)), store.adam_m(p.spec.name));
-      read_into(tensors.tensor(p.spec.name + std::string(kExpAvgSq)), store.adam_v(p.spec.name));
+      if (!store.sharded()) {
+        read_into(tensors.tensor(p.spec.name + std::string(kExpAvg)), store.adam_m(p.spec.name));
+        read_into(tensors.tensor(p.spec.name + std::string(kExpAvgSq)), store.adam_v(p.spec.name));
+        continue;
+      }
+      // A sharded store (ZeRO-1): the moments of its part only (the checkpoint may come from any
+      // number of processes: it holds them whole). F32, checked above.
+      const std::int64_t a = std::max(lo, p.offset), b = std::min(hi, p.offset + p.numel());
+      if (a >= b) continue;
+      for (const auto& [kind, slab] : {std::pair{kExpAvg, unit.adam_m()}, std::pair{kExpAvgSq, unit.adam_v()}}) {
+        const TensorBytes bytes = tensors.tensor(p.spec.name + std::string(kind)).bytes();
+        std::memcpy(slab.data() + a, bytes.bytes.data() + static_cast<std::size_t>(a - p.offset) * sizeof(float),
+                    static_cast<std::size_t>(b - a) * sizeof(float));
+      }
     }
     store.sync_compute(unit);
   }

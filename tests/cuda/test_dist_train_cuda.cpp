@@ -4,6 +4,7 @@
 // process training the whole batch on its GPU (run in the same process afterwards) within bf16
 // rounding, every rank's replica the same bits. Exit 77 (skipped) where the host has fewer GPUs
 // than ranks.
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
@@ -34,7 +35,8 @@ struct Run {
   std::vector<double> losses, norms;
 };
 
-Run train(dist::HostComm* comm, int device, std::int64_t rows, std::int64_t micro, int steps) {
+Run train(dist::HostComm* comm, int device, std::int64_t rows, std::int64_t micro, int steps, bool shard = false,
+          bool during_backward = true) {
   const int world = comm ? comm->world() : 1, rank = comm ? comm->rank() : 0;
   const std::int64_t seq = 64, share = rows / world;
   const auto cfg = tiny();
@@ -46,6 +48,8 @@ Run train(dist::HostComm* comm, int device, std::int64_t rows, std::int64_t micr
   o.gradient_home = GradientHome::host;
   o.adamw.lr = 1e-3;
   o.comm = comm;
+  o.shard_optimizer = shard;  // (ZeRO-1: AdamW's moments and update in parts, the masters gathered)
+  o.sum_during_backward = during_backward;  // (false: summed in host memory after the backward)
   DecoderModel<> model(cfg);
   StoreOptions so;
   so.seed = 5;
@@ -94,9 +98,22 @@ int main() {
       std::fprintf(stderr, "rank %d: collectives ok\n", r);
     }
     // killed_rank_nccl.sh: one rank dies by SIGKILL; the other must stop within the collective
-    // timeout with a message saying so, instead of waiting forever.
+    // timeout with a message saying so, instead of waiting forever: a gradient's sum on the GPU
+    // (the watchdog aborts the communicator), then a collective of host memory.
     if (const char* victim = std::getenv("MEGATRAIN_TEST_KILL_RANK")) {
       if (r == std::atoi(victim)) std::raise(SIGKILL);
+      {
+        float* d = nullptr;
+        cudaStream_t st = nullptr;
+        (void)cudaMalloc(&d, 1000 * sizeof(float));
+        (void)cudaStreamCreate(&st);
+        const auto t0 = std::chrono::steady_clock::now();
+        comm.sum_backend_memory(d, 1000, st);
+        const cudaError_t e = cudaStreamSynchronize(st);
+        const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::printf("rank %d: the gradient's sum on the GPU ended after %.1f s (%s)\n", r, waited, cudaGetErrorString(e));
+        test::rank_check(waited < 30, "the gradient's sum on the GPU was not aborted", r);
+      }
       try {
         std::vector<float> g(1000, 1.0f);
         comm.all_reduce_sum(g);
@@ -107,9 +124,15 @@ int main() {
       return test::rank_failures() == 0 ? 0 : 1;
     }
     const int steps = 4;
-    for (const std::int64_t micro : {1, 2}) {
+    struct Case {
+      std::int64_t micro;
+      bool shard, during_backward;
+    };
+    for (const Case& c : {Case{1, false, true}, Case{2, false, true}, Case{1, true, true}, Case{2, true, true},
+                          Case{1, false, false}, Case{2, true, false}}) {
+      const auto [micro, shard, during_backward] = c;
       const std::int64_t rows = 4 * W;
-      const Run d = train(&comm, me.local_rank, rows, micro, steps);
+      const Run d = train(&comm, me.local_rank, rows, micro, steps, shard, during_backward);
       const Run one = train(nullptr, me.local_rank, rows, micro * W, steps);
       for (int s = 0; s < steps; ++s) {
         const auto i = static_cast<std::size_t>(s);
@@ -123,8 +146,10 @@ int main() {
         diff += (static_cast<double>(d.state[i]) - one.state[i]) * (static_cast<double>(d.state[i]) - one.state[i]);
         size += (static_cast<double>(one.state[i]) - one.initial[i]) * (static_cast<double>(one.state[i]) - one.initial[i]);
       }
-      std::printf("rank %d of %d, %lld micro-batch(es) each: losses %.6f .. %.6f (one process %.6f .. %.6f), weights "
-                  "within %.3g of what training changed from one process's\n", r, W, static_cast<long long>(micro), d.losses.front(), d.losses.back(),
+      std::printf("rank %d of %d%s%s, %lld micro-batch(es) each: losses %.6f .. %.6f (one process %.6f .. %.6f), weights "
+                  "within %.3g of what training changed from one process's\n", r, W, shard ? " (ZeRO-1)" : "",
+                  during_backward ? "" : " (summed after the backward)",
+                  static_cast<long long>(micro), d.losses.front(), d.losses.back(),
                   one.losses.front(), one.losses.back(), std::sqrt(diff / size));
       // (bf16 products, the same rows per micro-batch: only the fp32 sums' order differs, which
       // AdamW's first steps amplify where a gradient is near zero)

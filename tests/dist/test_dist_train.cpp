@@ -6,7 +6,12 @@
 // the global batch's labelled tokens however they fall on the ranks.
 #include <doctest/doctest.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <csignal>
+#include <filesystem>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -16,6 +21,7 @@
 
 #include "../train/trainer_test_util.hpp"
 #include "megatrain/dist/mpi.hpp"
+#include "megatrain/io/train_checkpoint.hpp"
 #include "rank_checks.hpp"
 
 using namespace megatrain;
@@ -39,13 +45,21 @@ double rel_to_change(const std::vector<float>& a, const std::vector<float>& b, c
 }
 
 struct Run {
-  std::vector<float> state;
+  std::vector<float> state;    // masters and moments (sharded: whole on rank 0 only, gathered there)
+  std::vector<float> masters;  // every rank's
   std::vector<double> losses, norms;
 };
 
+std::vector<float> masters_of(const HostParamStore<float>& store) {
+  std::vector<float> out;
+  for (const auto& u : store.units()) out.insert(out.end(), u.master().begin(), u.master().end());
+  return out;
+}
+
 /// `steps` steps of a tiny model on global batches of `rows` rows; this rank's share where
 /// `distributed`, else the whole batch in one process.
-Run train(bool distributed, bool tied, std::int64_t rows, std::int64_t micro, double clip, int steps) {
+Run train(bool distributed, bool tied, std::int64_t rows, std::int64_t micro, double clip, int steps, bool shard = false,
+          bool during_backward = true) {
   const int world = distributed ? comm().world() : 1, rank = distributed ? comm().rank() : 0;
   const std::int64_t seq = 13, share = rows / world;
   const auto cfg = tiny(tied);
@@ -54,6 +68,8 @@ Run train(bool distributed, bool tied, std::int64_t rows, std::int64_t micro, do
   o.clip_norm = clip;
   o.gradient_home = GradientHome::host;
   o.comm = distributed ? &comm() : nullptr;
+  o.shard_optimizer = shard;
+  o.sum_during_backward = during_backward;
   DecoderModel<> model(cfg);
   HostParamStore<float> store(model.units(), store_opts(o));
   CpuBackend<float> be;
@@ -71,6 +87,8 @@ Run train(bool distributed, bool tied, std::int64_t rows, std::int64_t micro, do
     r.norms.push_back(st.grad_norm);
   }
   t.finish_update();
+  r.masters = masters_of(store);
+  if (shard) store.gather_moments(comm(), 0);
   r.state = state_of(store);
   return r;
 }
@@ -84,15 +102,18 @@ std::vector<float> initial_state(bool tied) {
   return state_of(store);
 }
 
-void check_same_run(bool tied, std::int64_t rows, std::int64_t micro_per_rank, double clip) {
+void check_same_run(bool tied, std::int64_t rows, std::int64_t micro_per_rank, double clip, bool shard = false,
+                    bool during_backward = true) {
   const int world = comm().world();
+  CAPTURE(shard);
+  CAPTURE(during_backward);
   CAPTURE(world);
   CAPTURE(tied);
   CAPTURE(rows);
   CAPTURE(micro_per_rank);
   CAPTURE(clip);
   const int steps = 4;
-  const Run dist = train(true, tied, rows, micro_per_rank, clip, steps);
+  const Run dist = train(true, tied, rows, micro_per_rank, clip, steps, shard, during_backward);
   // one process, the whole global batch, as many micro-batches in all
   const Run one = train(false, tied, rows, micro_per_rank * world, clip, steps);
   for (int s = 0; s < steps; ++s) {
@@ -100,11 +121,15 @@ void check_same_run(bool tied, std::int64_t rows, std::int64_t micro_per_rank, d
     CHECK(dist.losses[static_cast<std::size_t>(s)] == doctest::Approx(one.losses[static_cast<std::size_t>(s)]).epsilon(1e-5));
     CHECK(dist.norms[static_cast<std::size_t>(s)] == doctest::Approx(one.norms[static_cast<std::size_t>(s)]).epsilon(1e-5));
   }
-  const double rel = rel_to_change(dist.state, one.state, initial_state(tied));
-  MESSAGE("world " << world << ": the state differs from one process's by " << rel << " of what training changed");
-  CHECK(rel < 1e-4);
-  // every rank's replica the same bits
-  std::int64_t sum[1] = {checksum(dist.state)};
+  // (sharded: the moments gathered on rank 0)
+  if (!shard || comm().rank() == 0) {
+    const double rel = rel_to_change(dist.state, one.state, initial_state(tied));
+    MESSAGE("world " << world << std::string(shard ? " sharded" : "") << ": the state differs from one process's by " << rel
+                     << " of what training changed");
+    CHECK(rel < 1e-4);
+  }
+  // every rank's masters the same bits (and, not sharded, its whole replica)
+  std::int64_t sum[1] = {checksum(shard ? dist.masters : dist.state)};
   const std::int64_t mine = sum[0];
   comm().all_reduce_sum(sum);
   CHECK(sum[0] == mine * world);
@@ -119,6 +144,136 @@ TEST_CASE("data parallel over MPI processes equals one process training the glob
   check_same_run(true, 4 * w, 2, 1.0);         // tied, two micro-batches per rank
   check_same_run(false, 2 * w, 2, 0.0);        // no clipping: micro-batches keep the gradient resident
   check_same_run(true, 3 * w, 1, 0.05);        // clipping that binds
+}
+
+TEST_CASE("data parallel: the gradients summed after the backward instead (sum_during_backward false), the same run") {
+  const std::int64_t w = comm().world();
+  check_same_run(false, 2 * w, 1, 1.0, false, false);
+  check_same_run(true, 4 * w, 2, 1.0, false, false);
+  check_same_run(false, 2 * w, 1, 1.0, true, false);
+  check_same_run(true, 4 * w, 2, 0.05, true, false);
+}
+
+TEST_CASE("ZeRO-1: each process keeps and steps its part of the optimizer state, equal to one process") {
+  const std::int64_t w = comm().world();
+  check_same_run(false, 2 * w, 1, 1.0, true);
+  check_same_run(true, 4 * w, 2, 1.0, true);
+  check_same_run(false, 2 * w, 2, 0.0, true);
+  check_same_run(true, 3 * w, 1, 0.05, true);
+}
+
+namespace {
+/// Pages of [data, data + bytes) that hold memory (mincore), counting whole pages inside only.
+std::size_t resident_pages(const void* data, std::size_t bytes) {
+  const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = (reinterpret_cast<std::uintptr_t>(data) + page - 1) & ~(page - 1);
+  const auto end = (reinterpret_cast<std::uintptr_t>(data) + bytes) & ~(page - 1);
+  if (end <= begin) return 0;
+  std::vector<unsigned char> in((end - begin) / page);
+  REQUIRE(::mincore(reinterpret_cast<void*>(begin), end - begin, in.data()) == 0);
+  return static_cast<std::size_t>(std::count_if(in.begin(), in.end(), [](unsigned char c) { return (c & 1) != 0; }));
+}
+/// Resident pages of the moments outside each unit's part, and the whole pages there.
+std::pair<std::size_t, std::size_t> unowned_moment_pages(const HostParamStore<float>& store) {
+  std::size_t resident = 0, pages = 0;
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  for (const auto& u : store.units()) {
+    const auto [lo, hi] = u.owned();
+    for (const std::span<float> slab : {u.adam_m(), u.adam_v()}) {
+      for (const auto& [a, b] : {std::pair{std::int64_t{0}, lo}, std::pair{hi, u.numel()}}) {
+        const auto bytes = static_cast<std::size_t>(b - a) * sizeof(float);
+        resident += resident_pages(slab.data() + a, bytes);
+        pages += bytes / page > 0 ? bytes / page - 1 : 0;
+      }
+    }
+  }
+  return {resident, pages};
+}
+}  // namespace
+
+TEST_CASE("ZeRO-1: the moments outside a process's part take no memory; a checkpoint gathers them and resumes on any number") {
+  const int w = comm().world(), r = comm().rank();
+  // (units of several pages each, so that the parts other processes own span whole pages)
+  auto j = nlohmann::json::parse(R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":128,"intermediate_size":352,
+    "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":300,"tie_word_embeddings":false})");
+  const ModelConfig cfg = ModelConfig::from_json(j);
+  const std::int64_t seq = 16, share = 2;
+  TrainerOptions o = options(share, seq);
+  o.clip_norm = 1.0;
+  o.gradient_home = GradientHome::host;
+  o.comm = &comm();
+  o.shard_optimizer = true;
+  DecoderModel<> model(cfg);
+  const StoreOptions so = store_opts(o);
+  REQUIRE(so.shard.count == w);
+  REQUIRE(so.shard.index == r);
+  HostParamStore<float> store(model.units(), so);
+  CHECK(store.footprint().adam_bytes < HostParamStore<float>::footprint(model.units(), store_opts(options(share, seq))).adam_bytes);
+  CpuBackend<float> be;
+  Trainer<CpuBackend<float>> t(model, store, be, o);
+  std::mt19937 rng(99);
+  for (int s = 0; s < 3; ++s) {
+    const Batch b = random_batch(rng, share * w, seq, static_cast<std::int32_t>(cfg.vocab_size));
+    const auto first = static_cast<std::size_t>(r * share * seq), n = static_cast<std::size_t>(share * seq);
+    (void)t.step(std::span(b.ids).subspan(first, n), std::span(b.labels).subspan(first, n));
+  }
+  t.finish_update();
+  const auto [resident, pages] = unowned_moment_pages(store);
+  MESSAGE("rank " << r << ": " << resident << " of " << pages << " pages of the other processes' moments hold memory");
+  CHECK(pages > 16);
+  CHECK(resident == 0);
+
+  // A checkpoint: refused before the moments are gathered; then written whole by rank 0.
+  std::int64_t pid[1] = {r == 0 ? static_cast<std::int64_t>(::getpid()) : 0};  // (rank 0's: the folder's name)
+  comm().all_reduce_sum(pid);
+  const auto root = std::filesystem::temp_directory_path() / fmt::format("megatrain-zero1-{}", pid[0]);
+  const auto dir = root / "ckpt";
+  if (r == 0) {
+    std::filesystem::remove_all(root);
+    std::filesystem::create_directories(root);
+    std::string what;
+    try {
+      (void)io::write_train_checkpoint(dir, store, {});
+    } catch (const Error& e) {
+      what = e.what();
+    }
+    CHECK(what.find("gather_moments") != std::string::npos);
+  }
+  store.gather_moments(comm(), 0);
+  CHECK(store.moments_whole() == (r == 0));
+  if (r == 0) {
+    io::TrainCheckpointWriteOptions wo;
+    wo.state = {{"what", "zero1"}};
+    (void)io::write_train_checkpoint(dir, store, wo);
+  }
+  const std::vector<float> whole = state_of(store);  // (rank 0: everything)
+  if (r == 0) {
+    CHECK(unowned_moment_pages(store).first > 0);  // (what was gathered holds memory until released)
+    store.release_unowned_moments();
+    CHECK(unowned_moment_pages(store).first == 0);
+    CHECK(!store.moments_whole());
+  }
+  std::int64_t barrier[1] = {0};
+  comm().all_reduce_sum(barrier);
+
+  // Loaded by one process (a store that is not sharded): the whole state, bit for bit.
+  const auto ckpt = io::TrainCheckpoint::open(dir);
+  HostParamStore<float> one(model.units(), store_opts(options(share, seq)));
+  ckpt.load_into(one);
+  if (r == 0) CHECK(same_bits(state_of(one), whole));
+  // Loaded by this run's processes again: the masters whole, each process's moments of its part.
+  HostParamStore<float> again(model.units(), so);
+  ckpt.load_into(again);
+  CHECK(same_bits(masters_of(again), masters_of(one)));
+  for (std::size_t u = 0; u < again.num_units(); ++u) {
+    const auto [lo, hi] = again.unit(u).owned();
+    for (const auto& [a, b] : {std::pair{again.unit(u).adam_m(), one.unit(u).adam_m()},
+                               std::pair{again.unit(u).adam_v(), one.unit(u).adam_v()}})
+      CHECK(std::equal(a.begin() + lo, a.begin() + hi, b.begin() + lo));
+  }
+  CHECK(unowned_moment_pages(again).first == 0);
+  comm().all_reduce_sum(barrier);
+  if (r == 0) std::filesystem::remove_all(root);
 }
 
 TEST_CASE("data parallel: the collectives sum over the ranks and give every rank the same bits") {

@@ -66,6 +66,10 @@ class HostBuffer {
 /// K/M/G/T suffix in powers of 1024) overrides it, for machines whose memory grows on demand.
 std::size_t available_host_memory();
 
+/// Gives the whole pages inside [data, data + bytes) back to the system (they read as zeros
+/// afterwards, and hold no memory until written again). For anonymous memory, e.g. a HostBuffer.
+void release_host_pages(void* data, std::size_t bytes) noexcept;
+
 /// The host's page size: a HostBuffer maps whole pages.
 std::size_t host_page_size();
 /// Bytes mapped by the HostBuffers alive in this process (what tests compare memory plans with).

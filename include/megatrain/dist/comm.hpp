@@ -11,8 +11,12 @@
 // GPU machines, which have no MPI; host buffers pass through the GPU).
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <span>
+
+#include "megatrain/core/error.hpp"
 
 namespace megatrain::dist {
 
@@ -25,6 +29,49 @@ class HostComm {
   virtual void all_reduce_sum(std::span<float> data) = 0;
   virtual void all_reduce_sum(std::span<double> data) = 0;
   virtual void all_reduce_sum(std::span<std::int64_t> data) = 0;
+
+  // Sharded data (the optimizer state sharded over the processes, ZeRO-1): `bounds` has world() + 1
+  // increasing offsets into `data`, from 0 to data.size(); rank r owns [bounds[r], bounds[r + 1]).
+  // Every rank passes the same bounds.
+
+  /// In place: data over rank r's part becomes, on rank r, the sum over the ranks of that part;
+  /// the rest of data is left unspecified.
+  virtual void reduce_scatter_sum(std::span<float> data, std::span<const std::int64_t> bounds) = 0;
+  /// In place: every rank's part of data sent to every rank (data whole and the same on every rank).
+  virtual void all_gather(std::span<float> data, std::span<const std::int64_t> bounds) = 0;
+  /// In place: every rank's part of data sent to `root` (data whole there); the others' data unchanged.
+  virtual void gather(std::span<float> data, std::span<const std::int64_t> bounds, int root) = 0;
+  /// Whether sum_backend_memory can sum a backend's gradient buffers: a GPU's (`device`), or host
+  /// memory (the CPU backend's) from the trainer's offload thread. Default: neither.
+  virtual bool can_sum_backend_memory(bool device) const {
+    (void)device;
+    return false;
+  }
+  /// In place, as the trainer's offload stage lands each unit's gradient (TrainerOptions::
+  /// sum_during_backward): n floats at `data` summed over the ranks, ordered on `stream` (a
+  /// cudaStream_t of the GPU they are on; null for host memory, summed before it returns). Only
+  /// where can_sum_backend_memory says so; no other collective of this communicator runs meanwhile.
+  virtual void sum_backend_memory(float* data, std::size_t n, void* stream) {
+    (void)data;
+    (void)n;
+    (void)stream;
+    MT_FAIL("this communicator cannot sum a backend's memory (can_sum_backend_memory is false)");
+  }
+  /// This rank failed and will take part in no further collective: MPI ends every process of the
+  /// run at once (MPI_Abort, exit status `status`); NCCL aborts the communicator, and the other
+  /// ranks stop at their next collective within its timeout. Called on the way out (never throws).
+  virtual void abort(int status) noexcept = 0;
 };
+
+/// Rank r's part of `data` under `bounds` (see HostComm), the bounds checked first.
+inline std::span<float> shard_part(std::span<float> data, std::span<const std::int64_t> bounds, int world, int r) {
+  MT_CHECK(static_cast<int>(bounds.size()) == world + 1 && bounds.front() == 0 &&
+               bounds.back() == static_cast<std::int64_t>(data.size()) && std::is_sorted(bounds.begin(), bounds.end()),
+           "sharded collective: {} bounds for {} ranks over {} elements (want {} increasing offsets from 0 to {})",
+           bounds.size(), world, data.size(), world + 1, data.size());
+  MT_CHECK(r >= 0 && r < world, "rank {} of {}", r, world);
+  const auto r0 = static_cast<std::size_t>(bounds[static_cast<std::size_t>(r)]);
+  return data.subspan(r0, static_cast<std::size_t>(bounds[static_cast<std::size_t>(r) + 1]) - r0);
+}
 
 }  // namespace megatrain::dist

@@ -39,7 +39,9 @@ struct LaunchInfo {
 /// Reads the launcher's environment: torchrun's RANK and WORLD_SIZE first (they are explicit),
 /// then Open MPI's OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK / _LOCAL_SIZE, then Slurm's
 /// SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID. MASTER_ADDR and MASTER_PORT give the rendezvous
-/// (Slurm: SLURM_LAUNCH_NODE_IPADDR where MASTER_ADDR is absent; the port defaults to 29500). A
+/// (Slurm: SLURM_LAUNCH_NODE_IPADDR where MASTER_ADDR is absent; 127.0.0.1 where every process is on
+/// this host, as `mpirun -np N` starts them; else empty, which tcp_all_gather refuses, naming
+/// MASTER_ADDR: a run over MPI alone needs none; the port defaults to 29500). A
 /// variable that is not a whole number, or a rank outside [0, world), is an error naming it.
 /// `getenv` is std::getenv unless a test gives its own.
 LaunchInfo launch_from_env(const std::function<const char*(const char*)>& getenv = {});

@@ -8,8 +8,14 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <vector>
 
 #include "megatrain/core/dtype.hpp"
 #include "megatrain/dist/comm.hpp"
@@ -64,16 +70,41 @@ class NcclHostComm final : public HostComm {
   void all_reduce_sum(std::span<float> data) override;
   void all_reduce_sum(std::span<double> data) override;
   void all_reduce_sum(std::span<std::int64_t> data) override;
+  void abort(int status) noexcept override;
+  /// A GPU's memory (this communicator's GPU), summed on the given stream as the trainer's offload
+  /// stage lands each gradient. A watchdog thread aborts the communicator where such a sum does not
+  /// complete within the collective timeout (a peer gone) or NCCL reports an error, saying so: the
+  /// stream then goes on, and this rank's next collective throws instead of waiting forever.
+  bool can_sum_backend_memory(bool device) const override { return device; }
+  void sum_backend_memory(float* data, std::size_t n, void* stream) override;
+  void reduce_scatter_sum(std::span<float> data, std::span<const std::int64_t> bounds) override;
+  void all_gather(std::span<float> data, std::span<const std::int64_t> bounds) override;
+  void gather(std::span<float> data, std::span<const std::int64_t> bounds, int root) override;
 
  private:
   void sum(void* data, std::size_t bytes, std::size_t elem, int type);
+  // Root's bytes to every rank through the staging buffers; `keep`: this rank takes them.
+  void broadcast(void* data, std::size_t bytes, int root, bool keep);
   void wait();  // for the stream, within the collective timeout
+  void* live_comm();  // the communicator, or a throw where it was aborted
+  void abort_comm() noexcept;
+  void watch();  // the watchdog of the sums on the trainer's streams
+  struct Pending {
+    cudaEvent_t done;
+    std::chrono::steady_clock::time_point since;
+  };
   NcclComm comm_;
   int device_;
   std::chrono::milliseconds collective_timeout_;
   cudaStream_t stream_ = nullptr;
   void* staging_ = nullptr;
   void* pinned_ = nullptr;  // (host side of the staging: pinned, so that wait() sees the copies)
+  std::mutex mutex_;           // guards comm_.comm_'s abort, pending_, free_events_, stopping_
+  std::condition_variable wake_;
+  std::deque<Pending> pending_;
+  std::vector<cudaEvent_t> free_events_;
+  bool stopping_ = false;
+  std::thread watchdog_;  // (started by the first sum_backend_memory)
 };
 
 }  // namespace megatrain::dist

@@ -81,6 +81,7 @@ inline StoreOptions store_options(const TrainerOptions& options, StoreOptions ba
   base.resident_gradients = opt.resident_gradients() && opt.gradient_home == GradientHome::host;
   base.grad_ring_slots = base.resident_gradients ? 0 : std::max<std::size_t>(base.grad_ring_slots, 2);
   base.grad_slot_size = GradSlotSize::largest_inner_unit;
+  if (opt.shard_optimizer && opt.distributed()) base.shard = {opt.comm->rank(), opt.comm->world()};
   return base;
 }
 

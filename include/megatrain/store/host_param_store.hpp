@@ -11,7 +11,9 @@
 // the head's gradients in pieces (the streaming trainer does).
 //
 // Memory: (3 sizeof(T) + 2) bytes per parameter plus the ring; the gaps between tensors are a
-// few bytes each. Only what the GPU's copy engines touch (the bf16 copy and the ring) is pinned;
+// few bytes each. A store sharded over N processes (StoreOptions::shard, ZeRO-1: each process
+// steps its part of every unit) holds AdamW's m and v for its part only: (sizeof(T) (1 + 2 / N) + 2)
+// bytes per parameter. Only what the GPU's copy engines touch (the bf16 copy and the ring) is pinned;
 // master, m and v are read only by the CPU optimizer and stay pageable (with huge pages).
 // The total is computed and checked against the host's available memory before anything is
 // allocated: a store that cannot fit is refused with the numbers.
@@ -38,6 +40,7 @@
 #include "megatrain/core/host_memory.hpp"
 #include "megatrain/core/nvtx.hpp"
 #include "megatrain/core/tensor.hpp"
+#include "megatrain/dist/comm.hpp"
 #include "megatrain/model/param_spec.hpp"
 #include "megatrain/model/unit_layout.hpp"
 
@@ -47,6 +50,16 @@ namespace megatrain {
 enum class GradSlotSize {
   largest_unit,        ///< any unit's whole gradient fits one slot
   largest_inner_unit,  ///< the largest unit other than the first and the last (the decoder blocks)
+};
+
+/// This process's part of the optimizer state of a run sharded over `count` processes (ZeRO-1;
+/// docs/distributed.md): each unit's elements are cut into `count` consecutive parts
+/// (HostParamStore::shard_bounds) and this process, `index`, keeps AdamW's m and v of its part
+/// only and steps only those elements; the masters and the bf16 copy stay whole (every process
+/// streams every unit) and are made whole again after each update (the processes' parts gathered).
+struct StoreShard {
+  int index = 0;
+  int count = 1;
 };
 
 struct StoreOptions {
@@ -60,6 +73,8 @@ struct StoreOptions {
   Pinning pinning = Pinning::automatic;
   /// Host memory the store may use; default: available_host_memory().
   std::optional<std::size_t> host_memory_budget;
+  /// The optimizer state's part this store keeps (default: all of it).
+  StoreShard shard;
 };
 
 /// Byte counts of a store, computed from the specs alone.
@@ -124,10 +139,18 @@ class HostParamStore {
       for (const auto& p : params()) n += p.numel();
       return n;
     }
-    /// Bytes of this unit's four slabs.
-    std::size_t bytes() const { return static_cast<std::size_t>(numel()) * (3 * sizeof(T) + sizeof(bf16)); }
+    /// Bytes of this unit's slabs (of m and v its part only).
+    std::size_t bytes() const {
+      return static_cast<std::size_t>(numel()) * (sizeof(T) + sizeof(bf16)) +
+             static_cast<std::size_t>(owned_end_ - owned_begin_) * 2 * sizeof(T);
+    }
+    /// The elements [first, second) whose AdamW state this store keeps and steps (all of them
+    /// unless the store is sharded: StoreOptions::shard).
+    std::pair<std::int64_t, std::int64_t> owned() const { return {owned_begin_, owned_end_}; }
 
     std::span<T> master() const { return master_; }
+    /// AdamW's moments, as long as the unit; in a sharded store only owned() is this process's
+    /// (the rest holds no memory and reads as zeros, or as what gather_optimizer_state brought).
     std::span<T> adam_m() const { return m_; }
     std::span<T> adam_v() const { return v_; }
     std::span<bf16> compute() const { return compute_; }
@@ -156,14 +179,34 @@ class HostParamStore {
     std::span<T> master_, m_, v_;
     std::span<bf16> compute_;
     std::span<T> grad_;
+    std::int64_t owned_begin_ = 0, owned_end_ = 0;
   };
+
+  /// Where `count` processes cut a unit of `numel` elements: count + 1 offsets, from 0 to numel,
+  /// part r = [bounds[r], bounds[r + 1]); parts of equal length (a multiple of 16 elements, the
+  /// last shorter), so that each process steps about 1/count of every unit.
+  static std::vector<std::int64_t> shard_bounds(std::int64_t numel, int count) {
+    MT_CHECK(count >= 1 && numel >= 0, "shard_bounds: {} elements over {} parts", numel, count);
+    const std::int64_t part = (numel + count - 1) / count;
+    const std::int64_t step = (part + 15) / 16 * 16;
+    std::vector<std::int64_t> b(static_cast<std::size_t>(count) + 1);
+    for (int r = 0; r <= count; ++r) b[static_cast<std::size_t>(r)] = std::min(numel, step * r);
+    return b;
+  }
+  /// The cut of `u` over this store's processes (shard_bounds of its length).
+  std::vector<std::int64_t> shard_bounds(const Unit& u) const { return shard_bounds(u.numel(), options_.shard.count); }
+  const StoreShard& shard() const { return options_.shard; }
+  bool sharded() const { return options_.shard.count > 1; }
 
   /// Computes the store's layout and byte counts without allocating; validates the specs.
   static StoreFootprint footprint(const std::vector<UnitSpec>& units, const StoreOptions& opt = {}) {
     MT_CHECK(!units.empty(), "a store needs at least one unit");
     MT_CHECK(opt.grad_ring_slots >= 1 || opt.resident_gradients,
              "the gradient ring needs at least one slot (got {}) unless gradients are resident", opt.grad_ring_slots);
+    MT_CHECK(opt.shard.count >= 1 && opt.shard.index >= 0 && opt.shard.index < opt.shard.count,
+             "store shard {} of {}: want 0 <= index < count", opt.shard.index, opt.shard.count);
     StoreFootprint f;
+    std::int64_t owned = 0;
     std::unordered_map<std::string_view, std::string_view> seen;  // parameter -> unit
     std::int64_t largest_inner = 0;
     for (std::size_t k = 0; k < units.size(); ++k) {
@@ -179,14 +222,18 @@ class HostParamStore {
         f.param_count += p.numel();
       }
       const std::int64_t n = UnitLayout(u.params).numel();
+      const auto b = shard_bounds(n, opt.shard.count);
+      const std::int64_t mine = b[static_cast<std::size_t>(opt.shard.index) + 1] - b[static_cast<std::size_t>(opt.shard.index)];
+      owned += mine;
       f.slab_elements += n;
       f.largest_unit = std::max(f.largest_unit, n);
       if (k > 0 && k + 1 < units.size()) largest_inner = std::max(largest_inner, n);
-      f.unit_bytes.push_back(static_cast<std::size_t>(n) * (3 * sizeof(T) + sizeof(bf16)));
+      f.unit_bytes.push_back(static_cast<std::size_t>(n) * (sizeof(T) + sizeof(bf16)) +
+                             static_cast<std::size_t>(mine) * 2 * sizeof(T));
     }
     const auto elems = static_cast<std::size_t>(f.slab_elements);
     f.master_bytes = elems * sizeof(T);
-    f.adam_bytes = 2 * elems * sizeof(T);
+    f.adam_bytes = 2 * static_cast<std::size_t>(owned) * sizeof(T);  // (a sharded store: its part)
     f.compute_bytes = elems * sizeof(bf16);
     // With fewer than three units there is no inner unit: the slot then holds the largest one.
     f.grad_slot_numel = opt.grad_slot_size == GradSlotSize::largest_inner_unit && units.size() > 2 ? largest_inner
@@ -213,6 +260,7 @@ class HostParamStore {
 
     const auto elems = static_cast<std::size_t>(footprint_.slab_elements);
     master_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
+    // (whole, as addresses: a sharded store touches its parts only, and the rest takes no memory)
     m_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
     v_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
     compute_buf_ = HostBuffer::allocate(elems * sizeof(bf16), opt.pinning);
@@ -231,6 +279,9 @@ class HostParamStore {
       u.v_ = v_buf_.template as<T>(b, len);
       u.compute_ = compute_buf_.template as<bf16>(b, len);
       if (opt.resident_gradients) u.grad_ = grad_buf_.template as<T>(b, len);
+      const auto cut = shard_bounds(u.numel(), opt.shard.count);
+      u.owned_begin_ = cut[static_cast<std::size_t>(opt.shard.index)];
+      u.owned_end_ = cut[static_cast<std::size_t>(opt.shard.index) + 1];
       base += u.numel();
       units_.push_back(std::move(u));
     }
@@ -262,9 +313,48 @@ class HostParamStore {
                                                : (init == ParamInit::ones ? T(1) : T(0));
         });
       }
-      std::fill(u.m_.begin(), u.m_.end(), T(0));
-      std::fill(u.v_.begin(), u.v_.end(), T(0));
+      const auto [lo, hi] = u.owned();
+      std::fill(u.m_.begin() + lo, u.m_.begin() + hi, T(0));
+      std::fill(u.v_.begin() + lo, u.v_.begin() + hi, T(0));
       sync_compute(u);
+    }
+  }
+
+  /// A sharded store: every process's part of AdamW's moments brought to process `root` (every
+  /// process calls it, at the same point, with the store settled), whose store then holds them
+  /// whole until the next update (moments_whole()): what a checkpoint written there needs. That
+  /// costs the root the whole moments' memory until release_unowned_moments(). A store that is not
+  /// sharded holds them whole already.
+  void gather_moments(dist::HostComm& comm, int root) {
+    if (!sharded()) return;
+    MT_CHECK(comm.world() == options_.shard.count && comm.rank() == options_.shard.index,
+             "gather_moments: the store keeps part {} of {}, but this is process {} of {}", options_.shard.index,
+             options_.shard.count, comm.rank(), comm.world());
+    check_settled("gather_moments");
+    for (auto& u : units_) {
+      const auto b = shard_bounds(u);
+      comm.gather(u.m_, b, root);
+      comm.gather(u.v_, b, root);
+    }
+    whole_moments_ = comm.rank() == root;
+  }
+  /// Whether this store holds all of AdamW's moments as of its last update: not sharded, or the
+  /// root of a gather_moments since.
+  bool moments_whole() const { return !sharded() || whole_moments_; }
+  /// The trainer's update made the gathered moments stale (a sharded store).
+  void moments_updated() { whole_moments_ = false; }
+
+  /// A sharded store: gives back the memory of the moments outside this process's parts (what
+  /// gather_moments brought in), which then read as zeros again.
+  void release_unowned_moments() {
+    if (!sharded()) return;
+    whole_moments_ = false;
+    for (auto& u : units_) {
+      const auto [lo, hi] = u.owned();
+      for (const std::span<T>& slab : {u.m_, u.v_}) {
+        release_host_pages(slab.data(), static_cast<std::size_t>(lo) * sizeof(T));
+        release_host_pages(slab.data() + hi, (slab.size() - static_cast<std::size_t>(hi)) * sizeof(T));
+      }
     }
   }
 
@@ -344,6 +434,7 @@ class HostParamStore {
 
  private:
   std::unique_ptr<std::atomic<bool>> in_flight_ = std::make_unique<std::atomic<bool>>(false);
+  bool whole_moments_ = false;  // (sharded: gather_moments made this the root, no update since)
   StoreOptions options_;
   StoreFootprint footprint_;
   std::size_t host_budget_ = 0;

@@ -186,6 +186,9 @@ class Checkpointer {
     MT_NVTX_RANGE("Checkpointer::save");
     join();
     trainer.finish_update();  // the checkpoint holds the state after the last step, its update applied
+    MT_CHECK(store.moments_whole(), "this store keeps part {} of {} of AdamW's moments (a run sharded over processes, "
+             "ZeRO-1): call store.gather_moments(comm, root) on every process after the step, then save on the root",
+             store.shard().index, store.shard().count);
     TrainState st;
     st.step = trainer.steps_done();
     st.last_grad_norm = trainer.last_grad_norm();

@@ -228,6 +228,11 @@ class Trainer {
              "{}-block model takes at most {}", opt_.grad_slots, model_.num_blocks() + 2, model_.num_blocks(),
              model_.num_blocks() + 2);
     model_.config().check_sequence_length(opt_.seq_len);
+    MT_CHECK(opt_.sharded() ? store_.shard().count == opt_.comm->world() && store_.shard().index == opt_.comm->rank()
+                            : !store_.sharded(),
+             "the store keeps part {} of {} of the optimizer state, but the trainer's options say {}: build the store "
+             "with Trainer::store_options(options)", store_.shard().index, store_.shard().count,
+             opt_.sharded() ? fmt::format("part {} of {}", opt_.comm->rank(), opt_.comm->world()) : std::string("all of it"));
     MT_CHECK(!opt_.distributed() || !model_.config().moe.output_router_logits,
              "data parallel over {} processes: the auxiliary load-balancing loss (output_router_logits) is not "
              "supported there yet; set output_router_logits to false, or train in one process",
@@ -316,7 +321,12 @@ class Trainer {
       double l[1] = {loss};
       opt_.comm->all_reduce_sum(l);
       loss = l[0];
-      for (std::size_t u = 0; u < model_.num_units(); ++u) opt_.comm->all_reduce_sum(store_.unit(u).grad());
+      for (std::size_t u = 0; u < model_.num_units() && !sums_in_offload_; ++u) {
+        if (opt_.sharded())  // (each process its part's sum: it steps that part)
+          opt_.comm->reduce_scatter_sum(store_.unit(u).grad(), store_.shard_bounds(store_.unit(u)));
+        else
+          opt_.comm->all_reduce_sum(store_.unit(u).grad());
+      }
     }
     bool skipped = false;
     // The stages' timings are read while nothing runs: before an AdamW pass that overlaps the next
@@ -324,13 +334,21 @@ class Trainer {
     // step's forward), else at the end.
     std::optional<StepStats::Profile> profile;
     if (opt_.resident_gradients()) {
+      std::vector<double> unit_sumsq(model_.num_units());
+      for (std::size_t u = 0; u < model_.num_units(); ++u) {
+        const auto& unit = store_.unit(u);
+        const auto [lo, hi] = unit.owned();  // (sharded: this process's part, the parts' sums summed below)
+        unit_sumsq[u] = summed_on_device(u) && !opt_.distributed()
+                            ? sumsq_host_[u]
+                            : grad_sum_squares<float>(std::span<const float>(unit.grad()).subspan(
+                                  static_cast<std::size_t>(lo), static_cast<std::size_t>(hi - lo)));
+      }
+      if (opt_.sharded()) opt_.comm->all_reduce_sum(unit_sumsq);
       double sumsq = 0;
       std::size_t bad = model_.num_units();  // the non-finite unit nearest the loss (the backward's first)
       for (std::size_t u = 0; u < model_.num_units(); ++u) {  // in unit order, whatever the placement
-        const double s = summed_on_device(u) && !opt_.distributed() ? sumsq_host_[u]
-                                                                    : grad_sum_squares<float>(store_.unit(u).grad());
-        if (!std::isfinite(s)) bad = u;
-        sumsq += s;
+        if (!std::isfinite(unit_sumsq[u])) bad = u;
+        sumsq += unit_sumsq[u];
       }
       grad_norm = std::sqrt(sumsq);
       // The whole gradient is known before any update (exact clipping's order): a non-finite loss
@@ -375,6 +393,10 @@ class Trainer {
         pipeline_->submit(pass_items());
         if (opt_.overlap_update) update_pending_ = true;
         else pipeline_->drain();
+        if (opt_.sharded()) {
+          store_.moments_updated();
+          gather_masters();
+        }
       }
     } else {  // the host units' sums came with their updates, the device units' from the device
       double sumsq = st.sumsq;
@@ -625,6 +647,18 @@ class Trainer {
     for (std::size_t u = 0; u < devices_.count(); ++u) {
       if (gate) (*gate)(u);
       devices_.save(be_, xfer_, store_, u, std::span<const W>(weight_slot(u, 0)));
+    }
+  }
+
+  // ZeRO-1 (TrainerOptions::shard_optimizer): every process stepped its part of each unit; the
+  // masters are made whole again from the parts, and the bf16 copies from them (the same bits on
+  // every process).
+  void gather_masters() {
+    MT_NVTX_RANGE("Trainer::gather_masters");
+    for (std::size_t u = 0; u < store_.num_units(); ++u) {
+      auto& unit = store_.unit(u);
+      opt_.comm->all_gather(unit.master(), store_.shard_bounds(unit));
+      store_.sync_compute(unit);
     }
   }
 
@@ -1038,6 +1072,13 @@ class Trainer {
       Timed<Exec> timed(exec, t.opt_.profile ? &timings : nullptr);
       timings.bytes += n * sizeof(Acc);
       std::span<const Acc> src = t.grad_acc(it.unit, s.in);
+      // Several processes: summed over them first, in the backend's memory (TrainerOptions::sum_during_backward).
+      if constexpr (std::is_same_v<Acc, float>)
+        if (t.sums_in_offload_) {
+          void* stream = nullptr;
+          if constexpr (B::kDevice) stream = exec.stream();
+          t.opt_.comm->sum_backend_memory(const_cast<float*>(src.data()), src.size(), stream);
+        }
       // The first micro-batch lands in place; later ones in a staging slot (see Optimize).
       t.be_.download(exec, src, it.micro == 0 ? unit.grad() : t.staging_[s.out].first(n));
     }
@@ -1073,10 +1114,14 @@ class Trainer {
       const auto grad = t.landed_gradient(it, s);
       exec.run([&] {
         if (it.kind == Kind::optimize) {  // the AdamW pass, possibly while the next step begins: its own scalars
-          if (t.grads_on_host())
-            adamw_step<float>(unit, grad, t.opt_.adamw, t.pass_.step, t.pass_.lr, t.pass_.clip_coef);
-          else
+          if (t.grads_on_host()) {  // (a sharded store: its part of the unit)
+            const auto [lo, hi] = unit.owned();
+            const AdamWSegment<float> part{static_cast<std::size_t>(lo), static_cast<std::size_t>(hi - lo),
+                                           grad.data() + lo};
+            adamw_segments<float>(unit, std::span(&part, 1), t.opt_.adamw, t.pass_.step, t.pass_.lr, t.pass_.clip_coef);
+          } else {
             adamw_segments<float>(unit, t.segments(it, grad), t.opt_.adamw, t.pass_.step, t.pass_.lr, t.pass_.clip_coef);
+          }
           return;
         }
         // One pass over the landed gradient: AdamW sums its squares (for the norm) as it goes.
@@ -1619,6 +1664,9 @@ class Trainer {
   std::atomic<std::shared_ptr<const std::function<void(std::size_t)>>> update_gate_;
   Pass pass_;
   bool update_pending_ = false;
+  // The offload stage sums each gradient over the processes (TrainerOptions::sum_during_backward).
+  bool sums_in_offload_ = opt_.distributed() && opt_.sum_during_backward && std::is_same_v<Acc, float> &&
+                          opt_.comm->can_sum_backend_memory(B::kDevice);
   std::size_t device_bytes_ = 0;
   plan::MemoryPlan plan_;
 

@@ -114,6 +114,19 @@ struct TrainerOptions {
   /// or a world of 1: this process alone.
   dist::HostComm* comm = nullptr;
   bool distributed() const { return comm != nullptr && comm->world() > 1; }
+  /// With `comm`: ZeRO-1. Each process keeps AdamW's m and v of its part of every unit only
+  /// (1/world of them: StoreOptions::shard, which store_options() sets) and steps only those
+  /// elements; each step's gradients are reduce-scattered (each process gets the sum of its part),
+  /// the norm summed from the parts, and after the update the masters gathered whole on every
+  /// process. The update runs before the next step begins (overlap_update is off). A checkpoint
+  /// gathers the moments first (gather_optimizer_state, train/checkpointer.hpp).
+  bool shard_optimizer = false;
+  bool sharded() const { return shard_optimizer && distributed(); }
+  /// With `comm`: each unit's gradient is summed over the processes by the offload stage as it is
+  /// made, in the backend's memory before it is downloaded (on GPUs through NCCL, beside the rest
+  /// of the backward; dist::HostComm::can_sum_backend_memory), instead of in host memory after the
+  /// backward. The same sums. Where the communicator cannot, or false: after the backward.
+  bool sum_during_backward = true;
   /// Testing aid: each built-in stage sleeps a random 0..jitter_us microseconds per item.
   int jitter_us = 0;
   /// Time every stage's work (events on GPU streams) and report it in StepStats::profile.
@@ -124,6 +137,7 @@ struct TrainerOptions {
   TrainerOptions resolved() const {
     TrainerOptions o = *this;
     if (o.distributed() && o.device_units == kAutoDeviceUnits) o.device_units = 0;
+    if (o.sharded()) o.overlap_update = false;  // (the masters are gathered on the caller's thread after the update)
     if (o.max_micro_rows > 0 && o.batch_rows > 0 && o.micro_batches >= 1)
       while (o.micro_batches < o.batch_rows &&
              (o.batch_rows % o.micro_batches != 0 || o.batch_rows / o.micro_batches > o.max_micro_rows))
@@ -165,12 +179,17 @@ struct TrainerOptions {
   }
 };
 
-/// The options as JSON (every field; what a train state records). Not `comm`, this process's link
-/// to the others, and so not the world size: batch_rows and micro_batches are this process's share.
+/// The options as JSON (every field; what a train state records). The batch is the global batch:
+/// in a run of several processes (`comm`) batch_rows and micro_batches are the sums over the
+/// processes (each ran its share), and `processes` says how many there were; so a run may resume
+/// on another number of processes with the same meaning (trainer_options_from_json reads them back
+/// as one process's).
 inline nlohmann::json to_json(const TrainerOptions& o) {
-  return {{"batch_rows", o.batch_rows},
+  const std::int64_t world = o.distributed() ? o.comm->world() : 1;
+  return {{"batch_rows", o.batch_rows * world},
           {"seq_len", o.seq_len},
-          {"micro_batches", o.micro_batches},
+          {"micro_batches", o.micro_batches * world},
+          {"processes", world},
           {"max_micro_rows", o.max_micro_rows},
           {"chunk_rows", o.chunk_rows},
           {"token_chunk", o.token_chunk},

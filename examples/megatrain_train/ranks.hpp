@@ -1,0 +1,146 @@
+// megatrain-train launched as several processes (torchrun, mpirun, srun): data parallel training,
+// one process per GPU (docs/distributed.md). Ranks holds this process's place in the run and the
+// communicator the trainer sums its gradients over (TrainerOptions::comm), and the few agreements
+// the program itself needs: that every rank got through its checks before rank 0 writes anything,
+// that a stop signal seen by one rank stops all of them after the same step, and that no rank
+// leaves while rank 0 still writes the last checkpoint.
+//
+// The communicator: NCCL for the cuda backend (the ranks meet on MASTER_ADDR:MASTER_PORT; no MPI
+// needed), MPI for the cpu backend (launched by mpirun or srun; built where MPI was found).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "megatrain/core/error.hpp"
+#include "megatrain/dist/comm.hpp"
+#include "megatrain/dist/launch.hpp"
+#if MEGATRAIN_PROGRAM_MPI
+#include "megatrain/dist/mpi.hpp"
+#endif
+#if MEGATRAIN_PROGRAM_NCCL
+#include "megatrain/dist/nccl.hpp"
+#endif
+
+namespace megatrain_train {
+
+class Ranks {
+ public:
+  /// One process (no launcher, or a launch of one): no communicator.
+  Ranks() = default;
+
+  /// Joins the run the launcher's environment describes (a malformed one is an error naming the
+  /// variable): on the cuda backend over NCCL on GPU LOCAL_RANK, meeting the others within the
+  /// rendezvous timeout; on the cpu backend over MPI.
+  static Ranks join(bool use_cuda, double rendezvous_timeout_s) {
+    Ranks r;
+    r.me_ = megatrain::dist::launch_from_env();
+    if (r.me_.world <= 1) return r;
+    if (use_cuda) {
+#if MEGATRAIN_PROGRAM_NCCL
+      r.comm_ = std::make_unique<megatrain::dist::NcclHostComm>(
+          r.me_, r.me_.local_rank,
+          megatrain::dist::rendezvous_timeout(rendezvous_timeout_s > 0 ? std::optional(rendezvous_timeout_s) : std::nullopt),
+          megatrain::dist::collective_timeout());
+#else
+      MT_FAIL("this is process {} of {} ({} launched them), but megatrain-train was built without NCCL, which several "
+              "processes on GPUs train over: build it where NCCL is found (the CUDA toolkit's), or run one process",
+              r.me_.rank, r.me_.world, r.me_.launcher);
+#endif
+    } else {
+#if MEGATRAIN_PROGRAM_MPI
+      MT_CHECK(r.me_.launcher == "openmpi" || r.me_.launcher == "slurm",
+               "this is process {} of {} ({} launched them) on the cpu backend, which trains several processes over MPI: "
+               "launch them with mpirun (or srun), or train on GPUs (over NCCL)", r.me_.rank, r.me_.world, r.me_.launcher);
+      auto mpi = std::make_unique<megatrain::dist::MpiComm>();
+      MT_CHECK(mpi->world() == r.me_.world && mpi->rank() == r.me_.rank,
+               "{} says this is process {} of {}, but MPI says {} of {}: launch megatrain-train with mpirun directly",
+               r.me_.launcher, r.me_.rank, r.me_.world, mpi->rank(), mpi->world());
+      r.comm_ = std::move(mpi);
+#else
+      MT_FAIL("this is process {} of {} ({} launched them) on the cpu backend, which trains several processes over MPI, "
+              "but megatrain-train was built without MPI: install Open MPI (libopenmpi-dev) and build again, or train on "
+              "GPUs (over NCCL)", r.me_.rank, r.me_.world, r.me_.launcher);
+#endif
+    }
+    return r;
+  }
+
+  int rank() const { return me_.rank; }
+  int world() const { return me_.world; }
+  bool several() const { return me_.world > 1; }
+  bool lead() const { return me_.rank == 0; }
+  const megatrain::dist::LaunchInfo& info() const { return me_; }
+  megatrain::dist::HostComm* comm() const { return comm_.get(); }
+
+  /// Every rank got through its checks and built its trainer: from here rank 0 writes the run
+  /// folder. Throws on every rank, naming those that failed (they said why), when one did not.
+  void agree_started() {
+    if (!several()) return;
+    const auto failed = flags(0);
+    phase_ = failed.empty() ? Phase::started : Phase::agreed_to_stop;
+    MT_CHECK(failed.empty(), "process(es) {} of {} stopped before training (their message says why): every process stops",
+             fmt::join(failed, ", "), world());
+  }
+  /// The first stop signal any rank has seen (its number), else 0: every rank stops after the same step.
+  int stop_signal(int mine) {
+    if (!several()) return mine;
+    std::vector<std::int64_t> v(static_cast<std::size_t>(world()), 0);
+    v[static_cast<std::size_t>(rank())] = mine;
+    comm_->all_reduce_sum(v);
+    for (const auto s : v)
+      if (s != 0) return static_cast<int>(s);
+    return 0;
+  }
+  /// What the first rank says (every rank calls it; the others' `v` is not read).
+  bool lead_says(bool v) {
+    if (!several()) return v;
+    std::int64_t x[1] = {lead() && v ? 1 : 0};
+    comm_->all_reduce_sum(x);
+    return x[0] != 0;
+  }
+  /// Waits for every rank (rank 0 finishing its last save before any process exits: a launcher
+  /// ends the run when one process leaves with an error status).
+  void barrier() {
+    if (!several()) return;
+    std::int64_t v[1] = {0};
+    comm_->all_reduce_sum(v);
+  }
+  /// This rank fails. Before agree_started, the others are told there (so that every rank stops
+  /// instead of waiting for this one); after, MPI ends every process now and NCCL's communicator
+  /// is aborted (the others stop at their collective timeout). Never throws.
+  void fail(int status) noexcept {
+    if (!several() || !comm_) return;
+    if (phase_ == Phase::started) {
+      comm_->abort(status);
+    } else if (phase_ == Phase::starting) {
+      phase_ = Phase::agreed_to_stop;
+      try {
+        (void)flags(1);
+      } catch (...) {
+      }
+    }
+  }
+
+ private:
+  // Each rank's flag; the ranks whose flag is not 0.
+  std::vector<int> flags(std::int64_t mine) {
+    std::vector<std::int64_t> v(static_cast<std::size_t>(world()), 0);
+    v[static_cast<std::size_t>(rank())] = mine;
+    comm_->all_reduce_sum(v);
+    std::vector<int> out;
+    for (std::size_t i = 0; i < v.size(); ++i)
+      if (v[i] != 0) out.push_back(static_cast<int>(i));
+    return out;
+  }
+
+  megatrain::dist::LaunchInfo me_;
+  std::unique_ptr<megatrain::dist::HostComm> comm_;
+  enum class Phase { starting, agreed_to_stop, started } phase_ = Phase::starting;
+};
+
+}  // namespace megatrain_train

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""megatrain-train launched as several processes by mpirun, on the CPU backend (issue 19;
+docs/distributed.md).
+
+    cli_data_parallel.py MPIRUN TRAIN_BINARY WORK_DIR SCENARIO
+
+Scenarios (each a CTest test):
+  same_run    one process, 2 and 3 processes (and 2 with micro-batches, and 2 without ZeRO-1) train
+              the same global batch: every loss, gradient norm and validation loss equal to
+              rounding (rel 1e-5);
+              the first process alone writes the run folder (one metrics line a step).
+  other_n     a checkpoint saved by 2 processes resumed by 1, and one saved by 1 resumed by 3: the
+              steps after it equal the uninterrupted run's to rounding.
+  signal      SIGTERM to mpirun mid-run: every process stops after the same step and the first
+              saves it; resumed by 2 processes, the run ends with the metrics of an uninterrupted
+              2-process run, bit for bit.
+  refusals    a global batch the processes do not divide, no whole gradient to sum (--clip 0),
+              evaluation only, --gradients device; one process failing its checks stops the
+              others, which name it; torchrun's variables on the CPU backend (no MPI there).
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+MPIRUN, TRAIN, WORK, SCENARIO = sys.argv[1:5]
+SHAPE = ["--backend", "cpu", "--hidden", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1",
+         "--intermediate", "64", "--seq", "16", "--batch", "6", "--eval-every", "2", "--eval-batches", "1",
+         "--lr", "3e-3"]
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+           OMPI_MCA_rmaps_base_oversubscribe="1")
+for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    ENV.pop(k, None)
+
+
+def fail(msg):
+    print("FAILED: " + msg)
+    sys.exit(1)
+
+
+def launch(n, args, env=None, check=True):
+    cmd = ([TRAIN] if n == 1 else [MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", str(n), TRAIN]) + args
+    r = subprocess.run(cmd, env=env or ENV, capture_output=True, text=True, timeout=300)
+    if check and r.returncode != 0:
+        fail(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def metrics(run):
+    with open(os.path.join(WORK, run, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def same(a, b, rel, what):
+    """Every step's loss, gradient norm and validation loss of metrics a and b, within rel."""
+    if [m["step"] for m in a] != [m["step"] for m in b]:
+        fail(f"{what}: steps {[m['step'] for m in a]} vs {[m['step'] for m in b]}")
+    worst = 0.0
+    for x, y in zip(a, b):
+        for k in ("loss", "grad_norm", "val_loss", "tokens"):
+            if (k in x) != (k in y):
+                fail(f"{what}: step {x['step']} has {k} in one run only")
+            if k in x:
+                d = abs(x[k] - y[k]) / abs(y[k])
+                worst = max(worst, d)
+                if d > rel:
+                    fail(f"{what}: step {x['step']} {k} {x[k]!r} vs {y[k]!r} (rel {d:.2e} > {rel})")
+    print(f"{what}: {len(a)} steps, largest relative difference {worst:.2e}")
+
+
+def without(option):
+    """SHAPE less `option` and its value (an option may be given once)."""
+    i = SHAPE.index(option)
+    return SHAPE[:i] + SHAPE[i + 2:]
+
+
+def run_dir(name):
+    p = os.path.join(WORK, name)
+    shutil.rmtree(p, ignore_errors=True)
+    return p
+
+
+os.makedirs(WORK, exist_ok=True)
+
+if SCENARIO == "same_run":
+    launch(1, SHAPE + ["--steps", "4", "--out", run_dir("one")])
+    one = metrics("one")
+    for n, extra in ((2, []), (3, []), (2, ["--micro-batches", "2"]), (2, ["--micro-batches", "6"]),
+                     (2, ["--shard-optimizer", "false"])):
+        name = f"n{n}" + "".join(extra).replace("--micro-batches", "_m")
+        r = launch(n, SHAPE + ["--steps", "4", "--out", run_dir(name)] + extra)
+        if f"data parallel: {n} processes (openmpi)" not in r.stdout:
+            fail(f"{name}: the plan does not say how the processes share the batch:\n{r.stdout}")
+        m = metrics(name)
+        if len(m) != 4:
+            fail(f"{name}: {len(m)} metrics lines for 4 steps (only the first process writes them)")
+        same(m, one, 1e-5, f"{n} processes {' '.join(extra)} vs one")
+elif SCENARIO == "other_n":
+    launch(1, SHAPE + ["--steps", "4", "--save-every", "2", "--out", run_dir("one")])
+    one = metrics("one")
+    launch(2, SHAPE + ["--steps", "4", "--save-every", "2", "--out", run_dir("two")])
+    ckpt = os.path.join(WORK, "two", "checkpoints", "step-00000002")
+    r = launch(1, ["--resume", ckpt, "--out", run_dir("two_then_one"), "--steps", "4"])
+    if "1 process(es) (checkpoint: 2)" not in r.stdout:
+        fail(f"the resume does not say that the number of processes changed:\n{r.stdout}")
+    same([m for m in metrics("two_then_one") if m["step"] > 2], one[2:], 1e-5, "saved by 2, resumed by 1")
+    ckpt = os.path.join(WORK, "one", "checkpoints", "step-00000002")
+    launch(3, ["--resume", ckpt, "--out", run_dir("one_then_three"), "--steps", "4"])
+    same([m for m in metrics("one_then_three") if m["step"] > 2], one[2:], 1e-5, "saved by 1, resumed by 3")
+elif SCENARIO == "signal":
+    args = without("--eval-every") + ["--steps", "40", "--eval-every", "0"]
+    launch(2, args + ["--out", run_dir("whole")])
+    env = dict(ENV, MEGATRAIN_TEST_DELAY_AT="train:step:100000")
+    cmd = [MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", "2", TRAIN] + args + ["--out", run_dir("cut")]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    saved = sorted(d for d in os.listdir(os.path.join(WORK, "cut", "checkpoints")) if d.startswith("step-"))
+    if len(saved) != 1:
+        fail(f"expected the one checkpoint the signal asked for, found {saved}:\n{out}\n{err}")
+    step = int(saved[0][5:])
+    if not 0 < step < 40 or "stopped by SIGTERM after step %d of 40" % step not in err:
+        fail(f"the run did not stop after step {step} saying so:\n{out}\n{err}")
+    if len(metrics("cut")) != step:
+        fail(f"metrics.jsonl has {len(metrics('cut'))} lines, the checkpoint is step {step}")
+    launch(2, ["--resume", "--out", os.path.join(WORK, "cut")] + ["--steps", "40"])
+    same(metrics("cut"), metrics("whole"), 0.0, f"stopped after step {step} by SIGTERM and resumed")
+elif SCENARIO == "refusals":
+    def refused(n, args, expect, env=None):
+        r = launch(n, args, env=env, check=False)
+        if r.returncode == 0 or expect not in r.stderr:
+            fail(f"expected a refusal saying '{expect}', got status {r.returncode}:\n{r.stdout}\n{r.stderr}")
+        print(f"refused: {expect}")
+        return r
+    refused(2, without("--batch") + ["--batch", "5", "--out", run_dir("r")],
+            "--batch 5 (the global batch) must be a multiple of the 2 processes")
+    refused(2, SHAPE + ["--clip", "0", "--out", run_dir("r")], "2 processes sum the whole gradient of each step")
+    refused(2, SHAPE + ["--micro-batches", "3", "--out", run_dir("r")], "--micro-batches 3 (the passes of the global batch)")
+    refused(2, SHAPE + ["--gradients", "device", "--out", run_dir("r")], "--gradients device: 2 processes sum")
+    refused(2, SHAPE + ["--steps", "0"], "--steps 0 (evaluate or export) runs in one process")
+    refused(1, SHAPE + ["--shard-optimizer", "false", "--out", run_dir("r")], "--shard-optimizer applies to several processes")
+    # One process fails its checks (too little host memory for it alone): the other stops too, naming it.
+    cmd = [MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", "1", TRAIN] + SHAPE + ["--out", run_dir("r"), ":",
+           "-np", "1", "-x", "MEGATRAIN_HOST_MEMORY=100K", TRAIN] + SHAPE + ["--out", run_dir("r")]
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    if r.returncode == 0 or "(process 1 of 2): error: this configuration does not fit" not in r.stderr or \
+            "(process 0 of 2): error: process(es) 1 of 2 stopped before training" not in r.stderr:
+        fail(f"a process failing its checks did not stop the run, named:\n{r.stdout}\n{r.stderr}")
+    if os.path.exists(os.path.join(WORK, "r", "metrics.jsonl")):
+        fail("the run folder was written although a process had failed")
+    print("refused: a process that failed its checks stops every process, named")
+    # torchrun's variables on the CPU backend: no MPI to train over.
+    env = dict(ENV, RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+    refused(1, SHAPE + ["--out", run_dir("r")], "on the cpu backend, which trains several processes over MPI", env=env)
+    env = dict(ENV, RANK="one", WORLD_SIZE="2")
+    refused(1, SHAPE + ["--out", run_dir("r")], "environment variable RANK is 'one'", env=env)
+else:
+    fail(f"unknown scenario {SCENARIO}")
+print("passed")
