@@ -578,8 +578,9 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
              s.clip == 0 ? "--clip 0" : "--clip-mode stale");
     MT_CHECK(!ranks.several() || topt.resolved().resident_gradients(),
              "{} processes sum the whole gradient of each step before the update, which needs it held for the step: "
-             "exact clipping (--clip > 0 with --clip-mode exact, the default) or --micro-batches > 1; {} updates each "
-             "unit during the backward", ranks.world(), s.clip == 0 ? "--clip 0" : "--clip-mode stale");
+             "exact clipping (--clip > 0 with --clip-mode exact, the default) or more than one pass a process "
+             "(--micro-batches {} or more); {} updates each unit during the backward", ranks.world(), 2 * ranks.world(),
+             s.clip == 0 ? "--clip 0" : "--clip-mode stale");
   }
   topt.validate();
   MT_CHECK(!s.origins.conflicts("--micro-batches", "--max-micro-batch") || topt.resolved().micro_batches == topt.micro_batches,
@@ -711,6 +712,17 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     const plan::StepPlan sp =
         plan::plan_step<B>(model, topt, plan::device_budget(be), budget, B::kDevice ? plan::machine_figures() : plan::MachineFigures{});
     MT_CHECK(sp.memory.fits, "{}", sp.refusal());
+    if (topt.sharded() && ranks.lead()) {
+      // (ZeRO-1: the first process holds all of AdamW's moments while it writes a checkpoint)
+      TrainerOptions whole = topt;
+      whole.shard_optimizer = false;
+      const auto all = HostParamStore<float>::footprint(model.units(), Trainer<B>::store_options(whole)).adam_bytes;
+      const auto need = sp.memory.host_total() + all - HostParamStore<float>::footprint(model.units(),
+                                                                                          Trainer<B>::store_options(topt)).adam_bytes;
+      MT_CHECK(need <= budget.bytes, "process 0 writes the checkpoints, for which it gathers all of AdamW's moments: "
+               "{} of host memory then, more than its {} ({}); give it more (--host-memory, or fewer processes on its "
+               "host)", format_bytes(need), format_bytes(budget.bytes), budget.source);
+    }
     std::fprintf(info, "%s", plan::format_summary(sp).c_str());
     if (ranks.several())
       std::fprintf(info, "data parallel: %d processes (%s), %d on this host; each trains %lld of the global batch's %lld "
@@ -818,6 +830,13 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
 
   // Every process got here (or every process stops now, naming those that did not): from here the
   // first process alone writes the run folder (the train state is the same on every process).
+  // (first, the first process's run folder must be writable: found now, every process is told)
+  if (ranks.several() && ranks.lead()) {
+    fs::create_directories(plan.out);
+    const fs::path probe = plan.out / fmt::format(".megatrain-write-test-{}", getpid());
+    MT_CHECK(std::ofstream(probe).good(), "cannot write in --out '{}'", plan.out.string());
+    fs::remove(probe);
+  }
   ranks.agree_started();
   const bool lead = ranks.lead();
   const fs::path& out = plan.out;
@@ -847,7 +866,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
               static_cast<long long>(cfg.num_hidden_layers), static_cast<long long>(cfg.hidden_size),
               static_cast<long long>(cfg.vocab_size), backend_name, s.data.empty() ? "built-in text" : s.data.c_str(),
               static_cast<long long>(data->train_tokens()), static_cast<long long>(data->val_tokens()));
-  const std::int64_t micro = trainer.options().micro_batches;
+  const std::int64_t micro = trainer.options().micro_batches * ranks.world();  // (the global batch's passes)
   std::printf("batch %lld x %lld tokens%s, %s %lld, host memory %s, writing %s\n", static_cast<long long>(s.batch),
               static_cast<long long>(s.seq),
               micro > 1 ? fmt::format(" in {} micro-batches of {}", micro, s.batch / micro).c_str() : "",
@@ -937,11 +956,13 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     data->val_batch(0, rows, vi, vl, vp);
     const auto part = static_cast<std::size_t>(my_rows * s.seq);
     const auto my_labels = mine(vl, part);
-    const double loss = trainer.evaluate(mine(vi, part), my_labels, my_rows, mine(vp, part));
-    if (!ranks.several()) return loss;
+    if (!ranks.several()) return trainer.evaluate(mine(vi, part), my_labels, my_rows, mine(vp, part));
+    // (a process whose rows hold no trained token adds nothing: fine-tuning examples may do that)
     const auto valid = std::count_if(my_labels.begin(), my_labels.end(), [](std::int32_t l) { return l != kIgnoreIndex; });
+    const double loss = valid > 0 ? trainer.evaluate(mine(vi, part), my_labels, my_rows, mine(vp, part)) : 0.0;
     double sums[2] = {loss * static_cast<double>(valid), static_cast<double>(valid)};
     ranks.comm()->all_reduce_sum(sums);
+    MT_CHECK(sums[1] > 0, "the validation sequences hold no trained token (every label is ignored)");
     return sums[0] / sums[1];
   };
   // report.html in the run folder: at each evaluation and at the end (a failure only warns).

@@ -9,7 +9,9 @@
 // needed), MPI for the cpu backend (launched by mpirun or srun; built where MPI was found).
 #pragma once
 
+#include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,7 +47,11 @@ class Ranks {
       r.comm_ = std::make_unique<megatrain::dist::NcclHostComm>(
           r.me_, r.me_.local_rank,
           megatrain::dist::rendezvous_timeout(rendezvous_timeout_s > 0 ? std::optional(rendezvous_timeout_s) : std::nullopt),
-          megatrain::dist::collective_timeout());
+          // (an hour unless MEGATRAIN_COLLECTIVE_TIMEOUT says otherwise: the others wait in a
+          // collective while the first writes a checkpoint or an export, which for a large model
+          // takes minutes; a launcher ends the run at once where a process dies)
+          megatrain::dist::collective_timeout(std::getenv("MEGATRAIN_COLLECTIVE_TIMEOUT") ? std::nullopt
+                                                                                          : std::optional(3600.0)));
 #else
       MT_FAIL("this is process {} of {} ({} launched them), but megatrain-train was built without NCCL, which several "
               "processes on GPUs train over: build it where NCCL is found (the CUDA toolkit's), or run one process",

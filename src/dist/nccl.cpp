@@ -81,11 +81,13 @@ NcclHostComm::~NcclHostComm() {
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
-void* NcclHostComm::live_comm() {
+// Under the lock: the watchdog (or another thread's abort) cannot abort the communicator while a
+// call enqueues on it.
+void NcclHostComm::with_comm(const std::function<void(void*)>& call) {
   std::lock_guard lock(mutex_);
   MT_CHECK(comm_.comm_ != nullptr, "rank {} of {}: an earlier collective failed or did not complete (another rank "
            "stopped); the communicator is gone", rank(), world());
-  return comm_.comm_;
+  call(comm_.comm_);
 }
 
 void NcclHostComm::abort_comm() noexcept {
@@ -98,7 +100,9 @@ void NcclHostComm::abort_comm() noexcept {
 void NcclHostComm::sum_backend_memory(float* data, std::size_t n, void* stream) {
   MT_CHECK(stream != nullptr, "NcclHostComm::sum_backend_memory sums a GPU's memory (host memory: all_reduce_sum)");
   const auto s = static_cast<cudaStream_t>(stream);
-  MT_CUDA_CHECK(ncclAllReduce(data, data, n, ncclFloat32, ncclSum, static_cast<ncclComm_t>(live_comm()), s));
+  with_comm([&](void* c) {
+    MT_CUDA_CHECK(ncclAllReduce(data, data, n, ncclFloat32, ncclSum, static_cast<ncclComm_t>(c), s));
+  });
   cudaEvent_t done = nullptr;
   {
     std::lock_guard lock(mutex_);
@@ -108,7 +112,10 @@ void NcclHostComm::sum_backend_memory(float* data, std::size_t n, void* stream) 
     }
   }
   if (done == nullptr) MT_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-  MT_CUDA_CHECK(cudaEventRecord(done, s));
+  if (const cudaError_t e = cudaEventRecord(done, s); e != cudaSuccess) {
+    cudaEventDestroy(done);
+    MT_CUDA_CHECK(e);
+  }
   {
     std::lock_guard lock(mutex_);
     pending_.push_back({done, std::chrono::steady_clock::now()});
@@ -126,11 +133,10 @@ void NcclHostComm::watch() {
       continue;
     }
     const Pending p = pending_.front();
-    void* const c = comm_.comm_;
+    ncclResult_t async = ncclSuccess;
+    (void)ncclCommGetAsyncError(static_cast<ncclComm_t>(comm_.comm_), &async);
     lock.unlock();
     const cudaError_t q = cudaEventQuery(p.done);
-    ncclResult_t async = ncclSuccess;
-    (void)ncclCommGetAsyncError(static_cast<ncclComm_t>(c), &async);
     const bool late = std::chrono::steady_clock::now() - p.since > collective_timeout_;
     if (q == cudaSuccess) {
       lock.lock();
@@ -160,7 +166,7 @@ void NcclHostComm::wait() {
     if (q == cudaSuccess) return;
     if (q != cudaErrorNotReady) MT_CUDA_CHECK(q);
     ncclResult_t async = ncclSuccess;
-    MT_CUDA_CHECK(ncclCommGetAsyncError(static_cast<ncclComm_t>(live_comm()), &async));
+    with_comm([&](void* c) { MT_CUDA_CHECK(ncclCommGetAsyncError(static_cast<ncclComm_t>(c), &async)); });
     const bool late = std::chrono::steady_clock::now() - start > collective_timeout_;
     if ((async != ncclSuccess && async != ncclInProgress) || late) {
       abort_comm();  // (the collective's kernel ends, and the communicator may not be used again)
@@ -175,7 +181,6 @@ void NcclHostComm::wait() {
 }
 
 void NcclHostComm::sum(void* data, std::size_t bytes, std::size_t elem, int type) {
-  void* const comm = live_comm();
   MT_CUDA_CHECK(cudaSetDevice(device_));
   // Through pinned memory both ways: a copy into pageable memory would block until the collective
   // ends, where wait() could not see a peer that never comes.
@@ -184,8 +189,10 @@ void NcclHostComm::sum(void* data, std::size_t bytes, std::size_t elem, int type
     const std::size_t n = std::min(kStagingBytes, bytes - o);
     std::memcpy(pinned_, p + o, n);
     MT_CUDA_CHECK(cudaMemcpyAsync(staging_, pinned_, n, cudaMemcpyHostToDevice, stream_));
-    MT_CUDA_CHECK(ncclAllReduce(staging_, staging_, n / elem, static_cast<ncclDataType_t>(type), ncclSum,
-                                static_cast<ncclComm_t>(comm), stream_));
+    with_comm([&](void* c) {
+      MT_CUDA_CHECK(ncclAllReduce(staging_, staging_, n / elem, static_cast<ncclDataType_t>(type), ncclSum,
+                                  static_cast<ncclComm_t>(c), stream_));
+    });
     MT_CUDA_CHECK(cudaMemcpyAsync(pinned_, staging_, n, cudaMemcpyDeviceToHost, stream_));
     wait();
     std::memcpy(p + o, pinned_, n);
@@ -193,7 +200,6 @@ void NcclHostComm::sum(void* data, std::size_t bytes, std::size_t elem, int type
 }
 
 void NcclHostComm::broadcast(void* data, std::size_t bytes, int root, bool keep) {
-  void* const comm = live_comm();
   MT_CUDA_CHECK(cudaSetDevice(device_));
   auto* p = static_cast<char*>(data);
   for (std::size_t o = 0; o < bytes; o += kStagingBytes) {
@@ -202,7 +208,9 @@ void NcclHostComm::broadcast(void* data, std::size_t bytes, int root, bool keep)
       std::memcpy(pinned_, p + o, n);
       MT_CUDA_CHECK(cudaMemcpyAsync(staging_, pinned_, n, cudaMemcpyHostToDevice, stream_));
     }
-    MT_CUDA_CHECK(ncclBroadcast(staging_, staging_, n, ncclUint8, root, static_cast<ncclComm_t>(comm), stream_));
+    with_comm([&](void* c) {
+      MT_CUDA_CHECK(ncclBroadcast(staging_, staging_, n, ncclUint8, root, static_cast<ncclComm_t>(c), stream_));
+    });
     if (keep && rank() != root) MT_CUDA_CHECK(cudaMemcpyAsync(pinned_, staging_, n, cudaMemcpyDeviceToHost, stream_));
     wait();
     if (keep && rank() != root) std::memcpy(p + o, pinned_, n);

@@ -13,6 +13,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -86,7 +87,7 @@ class NcclHostComm final : public HostComm {
   // Root's bytes to every rank through the staging buffers; `keep`: this rank takes them.
   void broadcast(void* data, std::size_t bytes, int root, bool keep);
   void wait();  // for the stream, within the collective timeout
-  void* live_comm();  // the communicator, or a throw where it was aborted
+  void with_comm(const std::function<void(void*)>& call);  // call(communicator) under the lock; throws where it was aborted
   void abort_comm() noexcept;
   void watch();  // the watchdog of the sums on the trainer's streams
   struct Pending {

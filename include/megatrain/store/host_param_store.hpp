@@ -150,7 +150,7 @@ class HostParamStore {
 
     std::span<T> master() const { return master_; }
     /// AdamW's moments, as long as the unit; in a sharded store only owned() is this process's
-    /// (the rest holds no memory and reads as zeros, or as what gather_optimizer_state brought).
+    /// (the rest holds no memory and reads as zeros, or as what gather_moments brought).
     std::span<T> adam_m() const { return m_; }
     std::span<T> adam_v() const { return v_; }
     std::span<bf16> compute() const { return compute_; }

@@ -119,7 +119,7 @@ struct TrainerOptions {
   /// elements; each step's gradients are reduce-scattered (each process gets the sum of its part),
   /// the norm summed from the parts, and after the update the masters gathered whole on every
   /// process. The update runs before the next step begins (overlap_update is off). A checkpoint
-  /// gathers the moments first (gather_optimizer_state, train/checkpointer.hpp).
+  /// gathers the moments first (HostParamStore::gather_moments).
   bool shard_optimizer = false;
   bool sharded() const { return shard_optimizer && distributed(); }
   /// With `comm`: each unit's gradient is summed over the processes by the offload stage as it is
