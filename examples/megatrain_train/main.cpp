@@ -693,7 +693,8 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   // (Several processes on one host share its memory: each plans for its part unless --host-memory
   // gives each its own.)
   plan::HostBudget budget = host_budget(s);
-  if (ranks.several() && ranks.info().local_world > 1 && s.host_memory.empty() && budget.source == "available host memory") {
+  // (--host-memory reaches here as MEGATRAIN_HOST_MEMORY, set in run())
+  if (ranks.several() && ranks.info().local_world > 1 && std::getenv("MEGATRAIN_HOST_MEMORY") == nullptr) {
     budget.bytes /= static_cast<std::size_t>(ranks.info().local_world);
     budget.source = fmt::format("available host memory / {} processes on this host", ranks.info().local_world);
   }

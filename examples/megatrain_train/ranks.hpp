@@ -95,11 +95,8 @@ class Ranks {
   /// The first stop signal any rank has seen (its number), else 0: every rank stops after the same step.
   int stop_signal(int mine) {
     if (!several()) return mine;
-    std::vector<std::int64_t> v(static_cast<std::size_t>(world()), 0);
-    v[static_cast<std::size_t>(rank())] = mine;
-    comm_->all_reduce_sum(v);
-    for (const auto s : v)
-      if (s != 0) return static_cast<int>(s);
+    for (const auto v : each_rank(mine))
+      if (v != 0) return static_cast<int>(v);
     return 0;
   }
   /// What the first rank says (every rank calls it; the others' `v` is not read).
@@ -133,11 +130,16 @@ class Ranks {
   }
 
  private:
-  // Each rank's flag; the ranks whose flag is not 0.
-  std::vector<int> flags(std::int64_t mine) {
+  // Every rank's `mine`, in rank order.
+  std::vector<std::int64_t> each_rank(std::int64_t mine) {
     std::vector<std::int64_t> v(static_cast<std::size_t>(world()), 0);
     v[static_cast<std::size_t>(rank())] = mine;
     comm_->all_reduce_sum(v);
+    return v;
+  }
+  // The ranks whose flag is not 0.
+  std::vector<int> flags(std::int64_t mine) {
+    const auto v = each_rank(mine);
     std::vector<int> out;
     for (std::size_t i = 0; i < v.size(); ++i)
       if (v[i] != 0) out.push_back(static_cast<int>(i));

@@ -321,12 +321,13 @@ class Trainer {
       double l[1] = {loss};
       opt_.comm->all_reduce_sum(l);
       loss = l[0];
-      for (std::size_t u = 0; u < model_.num_units() && !sums_in_offload_; ++u) {
-        if (opt_.sharded())  // (each process its part's sum: it steps that part)
-          opt_.comm->reduce_scatter_sum(store_.unit(u).grad(), store_.shard_bounds(store_.unit(u)));
-        else
-          opt_.comm->all_reduce_sum(store_.unit(u).grad());
-      }
+      if (!sums_in_offload_)  // (else the offload stage summed each gradient as it landed)
+        for (std::size_t u = 0; u < model_.num_units(); ++u) {
+          if (opt_.sharded())  // (each process its part's sum: it steps that part)
+            opt_.comm->reduce_scatter_sum(store_.unit(u).grad(), store_.shard_bounds(store_.unit(u)));
+          else
+            opt_.comm->all_reduce_sum(store_.unit(u).grad());
+        }
     }
     bool skipped = false;
     // The stages' timings are read while nothing runs: before an AdamW pass that overlaps the next
