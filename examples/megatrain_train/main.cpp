@@ -281,8 +281,6 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
     MT_CHECK(s.micro_batches == 1 || s.micro_batches % ranks.world() == 0,
              "--micro-batches {} (the passes of the global batch) must be 1 or a multiple of the {} processes: each runs "
              "--micro-batches / {} of them", s.micro_batches, ranks.world(), ranks.world());
-    MT_CHECK(!s.origins.given_now("--gradients") || s.gradients == "host",
-             "--gradients device: {} processes sum each step's gradients in host memory; drop --gradients", ranks.world());
     MT_CHECK(!s.origins.given_now("--device-units") || s.device_units == "auto" || s.device_units == "0",
              "--device-units {}: with {} processes every unit's AdamW runs on the host (0); drop --device-units",
              s.device_units, ranks.world());
@@ -532,7 +530,6 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
   if (ranks.several()) {  // (this process's share of the global batch)
     topt.batch_rows = s.batch / ranks.world();
     topt.micro_batches = std::max<std::int64_t>(1, s.micro_batches / ranks.world());
-    topt.gradient_home = GradientHome::host;
     topt.device_units = 0;
     topt.comm = ranks.comm();
     topt.shard_optimizer = s.shard_optimizer;  // (ZeRO-1: each process keeps and steps 1/N of AdamW's state)

@@ -114,6 +114,31 @@ void NcclHostComm::sum_backend_memory(float* data, std::size_t n, void* stream) 
   with_comm([&](void* c) {
     MT_CUDA_CHECK(ncclAllReduce(data, data, n, ncclFloat32, ncclSum, static_cast<ncclComm_t>(c), s));
   });
+  watch_stream(s);
+}
+
+// (NCCL's reduce-scatter takes equal parts, and the bounds need not be: one reduce to each part's
+// owner, in one group)
+void NcclHostComm::reduce_scatter_backend_memory(float* data, std::span<const std::int64_t> bounds, void* stream) {
+  MT_CHECK(stream != nullptr, "NcclHostComm::reduce_scatter_backend_memory reduces a GPU's memory (host memory: "
+           "reduce_scatter_sum)");
+  MT_CHECK(!bounds.empty(), "reduce_scatter_backend_memory: no bounds");
+  const std::span<float> all(data, static_cast<std::size_t>(bounds.back()));
+  for (int r = 0; r < world(); ++r) (void)shard_part(all, bounds, world(), r);  // (checks the bounds)
+  const auto s = static_cast<cudaStream_t>(stream);
+  with_comm([&](void* c) {
+    MT_CUDA_CHECK(ncclGroupStart());
+    for (int r = 0; r < world(); ++r) {
+      const auto part = shard_part(all, bounds, world(), r);
+      if (part.empty()) continue;
+      MT_CUDA_CHECK(ncclReduce(part.data(), part.data(), part.size(), ncclFloat32, ncclSum, r, static_cast<ncclComm_t>(c), s));
+    }
+    MT_CUDA_CHECK(ncclGroupEnd());
+  });
+  watch_stream(s);
+}
+
+void NcclHostComm::watch_stream(cudaStream_t s) {
   cudaEvent_t done = nullptr;
   {
     std::lock_guard lock(mutex_);

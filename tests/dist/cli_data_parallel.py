@@ -15,7 +15,7 @@ Scenarios (each a CTest test):
               saves it; resumed by 2 processes, the run ends with the metrics of an uninterrupted
               2-process run, bit for bit.
   refusals    a global batch the processes do not divide, no whole gradient to sum (--clip 0),
-              evaluation only, --gradients device; one process failing its checks stops the
+              evaluation only; one process failing its checks stops the
               others, which name it; torchrun's variables on the CPU backend (no MPI there).
 """
 import json
@@ -89,8 +89,9 @@ if SCENARIO == "same_run":
     launch(1, SHAPE + ["--steps", "4", "--out", run_dir("one")])
     one = metrics("one")
     for n, extra in ((2, []), (3, []), (2, ["--micro-batches", "2"]), (2, ["--micro-batches", "6"]),
-                     (2, ["--shard-optimizer", "false"])):
-        name = f"n{n}" + "".join(extra).replace("--micro-batches", "_m")
+                     (2, ["--shard-optimizer", "false"]), (2, ["--gradients", "host"]),
+                     (3, ["--micro-batches", "3", "--gradients", "host"])):
+        name = f"n{n}" + "".join(extra).replace("--micro-batches", "_m").replace("--", "_")
         r = launch(n, SHAPE + ["--steps", "4", "--out", run_dir(name)] + extra)
         if f"data parallel: {n} processes (openmpi)" not in r.stdout:
             fail(f"{name}: the plan does not say how the processes share the batch:\n{r.stdout}")
@@ -140,7 +141,6 @@ elif SCENARIO == "refusals":
             "--batch 5 (the global batch) must be a multiple of the 2 processes")
     refused(2, SHAPE + ["--clip", "0", "--out", run_dir("r")], "2 processes sum the whole gradient of each step")
     refused(2, SHAPE + ["--micro-batches", "3", "--out", run_dir("r")], "--micro-batches 3 (the passes of the global batch)")
-    refused(2, SHAPE + ["--gradients", "device", "--out", run_dir("r")], "--gradients device: 2 processes sum")
     refused(2, SHAPE + ["--steps", "0"], "--steps 0 (evaluate or export) runs in one process")
     refused(1, SHAPE + ["--shard-optimizer", "false", "--out", run_dir("r")], "--shard-optimizer applies to several processes")
     # One process fails its checks (too little host memory for it alone): the other stops too, naming it.

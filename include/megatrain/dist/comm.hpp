@@ -57,6 +57,15 @@ class HostComm {
     (void)stream;
     MT_FAIL("this communicator cannot sum a backend's memory (can_sum_backend_memory is false)");
   }
+  /// As sum_backend_memory, but each rank gets only its part's sum (`bounds` as above, over the
+  /// bounds.back() floats at `data`; the rest of them left unspecified): the gradients of a sharded
+  /// optimizer as they are completed in the backend's memory. Default: host memory (a null
+  /// stream) through reduce_scatter_sum, where can_sum_backend_memory(false) says so.
+  virtual void reduce_scatter_backend_memory(float* data, std::span<const std::int64_t> bounds, void* stream) {
+    MT_CHECK(stream == nullptr && can_sum_backend_memory(false) && !bounds.empty(),
+             "this communicator cannot sum a backend's memory (can_sum_backend_memory is false)");
+    reduce_scatter_sum(std::span<float>(data, static_cast<std::size_t>(bounds.back())), bounds);
+  }
   /// This rank failed and will take part in no further collective: MPI ends every process of the
   /// run at once (MPI_Abort, exit status `status`); NCCL aborts the communicator, and the other
   /// ranks stop at their next collective within its timeout. Called on the way out (never throws).

@@ -78,6 +78,7 @@ class NcclHostComm final : public HostComm {
   /// stream then goes on, and this rank's next collective throws instead of waiting forever.
   bool can_sum_backend_memory(bool device) const override { return device; }
   void sum_backend_memory(float* data, std::size_t n, void* stream) override;
+  void reduce_scatter_backend_memory(float* data, std::span<const std::int64_t> bounds, void* stream) override;
   void reduce_scatter_sum(std::span<float> data, std::span<const std::int64_t> bounds) override;
   void all_gather(std::span<float> data, std::span<const std::int64_t> bounds) override;
   void gather(std::span<float> data, std::span<const std::int64_t> bounds, int root) override;
@@ -90,6 +91,7 @@ class NcclHostComm final : public HostComm {
   void with_comm(const std::function<void(void*)>& call);  // call(communicator) under the lock; throws where it was aborted
   void abort_comm() noexcept;
   void watch();  // the watchdog of the sums on the trainer's streams
+  void watch_stream(cudaStream_t s);  // what was just enqueued on s, given to the watchdog
   struct Pending {
     cudaEvent_t done;
     std::chrono::steady_clock::time_point since;

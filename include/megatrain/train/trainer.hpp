@@ -233,6 +233,11 @@ class Trainer {
              "the store keeps part {} of {} of the optimizer state, but the trainer's options say {}: build the store "
              "with Trainer::store_options(options)", store_.shard().index, store_.shard().count,
              opt_.sharded() ? fmt::format("part {} of {}", opt_.comm->rank(), opt_.comm->world()) : std::string("all of it"));
+    MT_CHECK(!reduces_on_device_ || (std::is_same_v<Acc, float> && opt_.comm->can_sum_backend_memory(B::kDevice)),
+             "data parallel over {} processes with the gradients waiting in {} memory (GradientHome::device): this "
+             "communicator cannot sum that memory; use a communicator that can (NCCL on GPUs, MPI initialised for "
+             "threads on the CPU backend), or GradientHome::host", opt_.distributed() ? opt_.comm->world() : 1,
+             B::kDevice ? "GPU" : "backend");
     MT_CHECK(!opt_.distributed() || !model_.config().moe.output_router_logits,
              "data parallel over {} processes: the auxiliary load-balancing loss (output_router_logits) is not "
              "supported there yet; set output_router_logits to false, or train in one process",
@@ -321,7 +326,7 @@ class Trainer {
       double l[1] = {loss};
       opt_.comm->all_reduce_sum(l);
       loss = l[0];
-      if (!sums_in_offload_)  // (else the offload stage summed each gradient as it landed)
+      if (!sums_in_offload_ && !reduces_on_device_)  // (else summed in the backward, as each was completed)
         for (std::size_t u = 0; u < model_.num_units(); ++u) {
           if (opt_.sharded())  // (each process its part's sum: it steps that part)
             opt_.comm->reduce_scatter_sum(store_.unit(u).grad(), store_.shard_bounds(store_.unit(u)));
@@ -339,7 +344,7 @@ class Trainer {
       for (std::size_t u = 0; u < model_.num_units(); ++u) {
         const auto& unit = store_.unit(u);
         const auto [lo, hi] = unit.owned();  // (sharded: this process's part, the parts' sums summed below)
-        unit_sumsq[u] = summed_on_device(u) && !opt_.distributed()
+        unit_sumsq[u] = summed_on_device(u) && (!opt_.distributed() || reduces_on_device_)
                             ? sumsq_host_[u]
                             : grad_sum_squares<float>(std::span<const float>(unit.grad()).subspan(
                                   static_cast<std::size_t>(lo), static_cast<std::size_t>(hi - lo)));
@@ -1020,9 +1025,24 @@ class Trainer {
       }
       // The unit's share of the global norm, summed on the device once its gradient is complete
       // (the embedding's only after its backward: a tied head adds to it first).
+      // Several processes: the complete gradient first summed over them there (each its part's
+      // sum where the optimizer is sharded), and only this process's part counted.
       const bool completes = it.kind == Kind::head || it.kind == Kind::backward;
       if (completes && it.micro + 1 == t.opt_.micro_batches && t.summed_on_device(it.unit)) {
-        const auto g = t.grad_acc(it.unit, s.out);
+        std::span<Acc> g = t.grad_acc(it.unit, s.out);
+        if constexpr (std::is_same_v<Acc, float>)
+          if (t.reduces_on_device_) {
+            void* stream = nullptr;
+            if constexpr (B::kDevice) stream = exec.stream();
+            const auto& unit = t.store_.unit(it.unit);
+            if (t.opt_.sharded()) {
+              t.opt_.comm->reduce_scatter_backend_memory(g.data(), t.store_.shard_bounds(unit), stream);
+              const auto [lo, hi] = unit.owned();
+              g = g.subspan(static_cast<std::size_t>(lo), static_cast<std::size_t>(hi - lo));
+            } else {
+              t.opt_.comm->sum_backend_memory(g.data(), g.size(), stream);
+            }
+          }
         const auto sum = t.sumsq_dev_.span().subspan(it.unit, 1);
         t.be_.sum_squares(View<const Acc>(std::span<const Acc>(g), Shape{static_cast<std::int64_t>(g.size())}),
                           View<double>(sum, Shape{1}));
@@ -1430,8 +1450,8 @@ class Trainer {
         items.push_back({Kind::optimize, u, 0});
         continue;
       }
-      for (std::int64_t j = 0; j < pieces(store_.unit(u).numel(), slot_numel()); ++j)
-        items.push_back({Kind::optimize, u, 0, j, true});
+      const auto [lo, hi] = store_.unit(u).owned();  // (a sharded store: this process's part)
+      for (std::int64_t j = 0; j < pieces(hi - lo, slot_numel()); ++j) items.push_back({Kind::optimize, u, 0, j, true});
     }
     return items;
   }
@@ -1490,8 +1510,10 @@ class Trainer {
     const auto R = static_cast<std::size_t>(piece_rows());
     Piece p;
     if (it.kind == Kind::optimize) {  // elements [o, o + slot) of a gradient that waited on the device
-      const auto S = static_cast<std::size_t>(slot_numel()), n = static_cast<std::size_t>(store_.unit(it.unit).numel());
-      const auto o = static_cast<std::size_t>(it.piece) * S;
+      // (a sharded store: of this process's part [lo, n))
+      const auto [lo, hi] = store_.unit(it.unit).owned();
+      const auto S = static_cast<std::size_t>(slot_numel()), n = static_cast<std::size_t>(hi);
+      const auto o = static_cast<std::size_t>(lo) + static_cast<std::size_t>(it.piece) * S;
       p.device = std::span<const Acc>(grad_acc(it.unit, device_slot)).subspan(o, std::min(S, n - o));
       p.where.offset = o;
     } else if (it.kind == Kind::embed_rest) {  // table rows [r0, r1)
@@ -1667,7 +1689,12 @@ class Trainer {
   bool update_pending_ = false;
   // The offload stage sums each gradient over the processes (TrainerOptions::sum_during_backward).
   bool sums_in_offload_ = opt_.distributed() && opt_.sum_during_backward && std::is_same_v<Acc, float> &&
+                          opt_.resident_gradients() && opt_.gradient_home == GradientHome::host &&
                           opt_.comm->can_sum_backend_memory(B::kDevice);
+  // Gradients waiting on the device with several processes: the compute stage sums each one over
+  // them as it is completed (a reduce-scatter where the optimizer is sharded: each process then
+  // downloads and steps only its part).
+  bool reduces_on_device_ = opt_.distributed() && opt_.resident_gradients() && opt_.gradient_home == GradientHome::device;
   std::size_t device_bytes_ = 0;
   plan::MemoryPlan plan_;
 

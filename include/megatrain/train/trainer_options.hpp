@@ -109,9 +109,12 @@ struct TrainerOptions {
   /// rank comm->rank() of comm->world(), batch_rows and micro_batches are its share of the global
   /// batch, each step's gradients (and its labelled-token count and loss) are summed over the
   /// processes before the norm and the update, and every process steps its replica of the train
-  /// state the same way. Needs resident gradients in host memory (exact clipping or
-  /// micro-batches, with GradientHome::host) and no device units (kAutoDeviceUnits: none). Null,
-  /// or a world of 1: this process alone.
+  /// state the same way. Needs resident gradients (exact clipping or micro-batches) and no device
+  /// units (kAutoDeviceUnits: none). With GradientHome::device (the default) each unit's gradient
+  /// is summed over the processes in backend memory as the backward completes it (on GPUs through
+  /// NCCL; dist::HostComm::can_sum_backend_memory must say so), and with shard_optimizer each
+  /// process gets, downloads and steps only its part's sum. Null, or a world of 1: this process
+  /// alone.
   dist::HostComm* comm = nullptr;
   bool distributed() const { return comm != nullptr && comm->world() > 1; }
   /// With `comm`: ZeRO-1. Each process keeps AdamW's m and v of its part of every unit only
@@ -122,10 +125,11 @@ struct TrainerOptions {
   /// gathers the moments first (HostParamStore::gather_moments).
   bool shard_optimizer = false;
   bool sharded() const { return shard_optimizer && distributed(); }
-  /// With `comm`: each unit's gradient is summed over the processes by the offload stage as it is
-  /// made, in the backend's memory before it is downloaded (on GPUs through NCCL, beside the rest
-  /// of the backward; dist::HostComm::can_sum_backend_memory), instead of in host memory after the
-  /// backward. The same sums. Where the communicator cannot, or false: after the backward.
+  /// With `comm` and GradientHome::host: each unit's gradient is summed over the processes by the
+  /// offload stage as it is made, in the backend's memory before it is downloaded (on GPUs through
+  /// NCCL, beside the rest of the backward; dist::HostComm::can_sum_backend_memory), instead of in
+  /// host memory after the backward. The same sums. Where the communicator cannot, or false: after
+  /// the backward. (GradientHome::device always sums in the backend's memory.)
   bool sum_during_backward = true;
   /// Testing aid: each built-in stage sleeps a random 0..jitter_us microseconds per item.
   int jitter_us = 0;
@@ -162,9 +166,9 @@ struct TrainerOptions {
     MT_CHECK(kept_blocks <= 0 || checkpoint_every <= 1,
              "kept activations (kept_blocks {}) need a checkpoint at every block, not every {} blocks", kept_blocks,
              checkpoint_every);
-    MT_CHECK(!distributed() || (resident_gradients() && gradient_home == GradientHome::host),
+    MT_CHECK(!distributed() || resident_gradients(),
              "data parallel over {} processes sums each step's whole gradient before the update: it needs the gradients "
-             "held in host memory for the step (gradients: host, with exact clipping or micro-batches)",
+             "held for the step (exact clipping or micro-batches)",
              distributed() ? comm->world() : 1);
     MT_CHECK(!distributed() || device_units <= 0,
              "data parallel over {} processes: device units ({}) are not supported yet; use 0", comm->world(),
