@@ -281,9 +281,6 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
     MT_CHECK(s.micro_batches == 1 || s.micro_batches % ranks.world() == 0,
              "--micro-batches {} (the passes of the global batch) must be 1 or a multiple of the {} processes: each runs "
              "--micro-batches / {} of them", s.micro_batches, ranks.world(), ranks.world());
-    MT_CHECK(!s.origins.given_now("--device-units") || s.device_units == "auto" || s.device_units == "0",
-             "--device-units {}: with {} processes every unit's AdamW runs on the host (0); drop --device-units",
-             s.device_units, ranks.world());
   }
   MT_CHECK(s.eval_every >= 0 && s.log_every > 0, "--eval-every >= 0, --log-every > 0");
   MT_CHECK(s.eval_batches > 0 || (eval_only && s.eval_batches == 0),
@@ -530,7 +527,6 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
   if (ranks.several()) {  // (this process's share of the global batch)
     topt.batch_rows = s.batch / ranks.world();
     topt.micro_batches = std::max<std::int64_t>(1, s.micro_batches / ranks.world());
-    topt.device_units = 0;
     topt.comm = ranks.comm();
     topt.shard_optimizer = s.shard_optimizer;  // (ZeRO-1: each process keeps and steps 1/N of AdamW's state)
   }
@@ -710,25 +706,28 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     const plan::StepPlan sp =
         plan::plan_step<B>(model, topt, plan::device_budget(be), budget, B::kDevice ? plan::machine_figures() : plan::MachineFigures{});
     MT_CHECK(sp.memory.fits, "{}", sp.refusal());
-    if (topt.sharded() && ranks.lead()) {
-      // (ZeRO-1: the first process holds all of AdamW's moments while it writes a checkpoint)
+    if (topt.sharded() && ranks.lead() && (s.save_every > 0 || plan.export_options)) {
+      // (ZeRO-1: the first process holds the whole train state while it writes a checkpoint or an export)
       TrainerOptions whole = topt;
       whole.shard_optimizer = false;
-      const auto all = HostParamStore<float>::footprint(model.units(), Trainer<B>::store_options(whole)).adam_bytes;
+      const auto all = HostParamStore<float>::footprint(model.units(), Trainer<B>::store_options(whole)).total_bytes();
       const auto need = sp.memory.host_total() + all - HostParamStore<float>::footprint(model.units(),
-                                                                                          Trainer<B>::store_options(topt)).adam_bytes;
-      MT_CHECK(need <= budget.bytes, "process 0 writes the checkpoints, for which it gathers all of AdamW's moments: "
-               "{} of host memory then, more than its {} ({}); give it more (--host-memory, or fewer processes on its "
-               "host)", format_bytes(need), format_bytes(budget.bytes), budget.source);
+                                                                                          Trainer<B>::store_options(topt)).total_bytes();
+      MT_CHECK(need <= budget.bytes, "process 0 writes the checkpoints and exports, for which it gathers the whole train "
+               "state: {} of host memory then, more than its {} ({}); give it more (--host-memory, or fewer processes "
+               "on its host)", format_bytes(need), format_bytes(budget.bytes), budget.source);
     }
     std::fprintf(info, "%s", plan::format_summary(sp).c_str());
     if (ranks.several())
       std::fprintf(info, "data parallel: %d processes (%s), %d on this host; each trains %lld of the global batch's %lld "
-                   "sequences, holds the fp32 masters and %s of AdamW's moments%s: the plan above is one "
+                   "sequences, holds %s%s: the plan above is one "
                    "process's (one GPU's), this host holds %d times its host memory\n", ranks.world(), ranks.info().launcher.c_str(),
                    std::max(1, ranks.info().local_world), static_cast<long long>(topt.batch_rows),
                    static_cast<long long>(s.batch),
-                   topt.shard_optimizer ? fmt::format("1/{}", ranks.world()).c_str() : "all",
+                   !topt.shard_optimizer ? "the whole train state"
+                   : std::is_same_v<typename B::Weight, bf16>
+                       ? fmt::format("the bf16 weights and 1/{} of the fp32 masters and AdamW's moments", ranks.world()).c_str()
+                       : fmt::format("the fp32 masters and 1/{} of AdamW's moments", ranks.world()).c_str(),
                    topt.shard_optimizer ? " (ZeRO-1; --shard-optimizer)" : "", std::max(1, ranks.info().local_world));
   }
   StoreOptions so;
@@ -899,7 +898,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   bool last_save_failed = false;
   // Reports a finished save (a failure is a warning: the previous checkpoint is still there).
   const auto report_one = [&](const SaveResult* r) {
-    store.release_unowned_moments();  // (ZeRO-1: what the save gathered, written or not)
+    store.release_unowned_state();  // (ZeRO-1: what the save gathered, written or not)
     if (r->ok) {
       saved_step = r->step;
       last_save_failed = false;
@@ -931,7 +930,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     if (trainer.options().sharded()) {
       wait_saves();  // (the previous checkpoint written: it read the moments gathered for it)
       trainer.finish_update();
-      store.gather_moments(*ranks.comm(), 0);
+      store.gather_state(*ranks.comm(), 0);
     }
     if (checkpointer) checkpointer->save(trainer, store, data->position(step * s.batch), user);
   };
@@ -1047,8 +1046,15 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     progress.update(st, tok_s, elapsed, val, s.log_every);
     poll_saves();
     if (s.save_every > 0 && (step % s.save_every == 0 || step == s.steps)) save(step);
-    if (lead && plan.export_options && (step == s.steps || (s.export_every > 0 && step % s.export_every == 0)))
-      progress.note(export_model(step));
+    if (plan.export_options && (step == s.steps || (s.export_every > 0 && step % s.export_every == 0))) {
+      if (trainer.options().sharded()) {  // (ZeRO-1: the whole state brought to the first process, which exports it)
+        wait_saves();  // (a checkpoint still being written read the state gathered for it)
+        trainer.finish_update();
+        store.gather_state(*ranks.comm(), 0);
+      }
+      if (lead) progress.note(export_model(step));
+      store.release_unowned_state();
+    }
   }
   const std::int64_t done = step - 1;
   // (a signal during the last step: every process hears of it, and the run is saved as promised)

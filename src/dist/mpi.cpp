@@ -43,8 +43,8 @@ void sum_everywhere(std::span<T> data, MPI_Datatype type) {
 }
 
 // `fn(pointer, count)` over `p` in pieces whose counts fit an int.
-template <class Fn>
-void in_chunks(std::span<float> p, Fn&& fn) {
+template <class E, class Fn>
+void in_chunks(std::span<E> p, Fn&& fn) {
   constexpr std::size_t kChunk = std::size_t{1} << 26;
   for (std::size_t o = 0; o < p.size(); o += kChunk) fn(p.data() + o, static_cast<int>(std::min(kChunk, p.size() - o)));
 }
@@ -91,6 +91,12 @@ void MpiComm::all_gather(std::span<float> data, std::span<const std::int64_t> bo
   for (int r = 0; r < world_; ++r)
     in_chunks(shard_part(data, bounds, world_, r),
               [&](float* p, int n) { check(MPI_Bcast(p, n, MPI_FLOAT, r, MPI_COMM_WORLD), "MPI_Bcast"); });
+}
+
+void MpiComm::all_gather(std::span<bf16> data, std::span<const std::int64_t> bounds) {
+  for (int r = 0; r < world_; ++r)
+    in_chunks(shard_part(data, bounds, world_, r),
+              [&](bf16* p, int n) { check(MPI_Bcast(p, n, MPI_UINT16_T, r, MPI_COMM_WORLD), "MPI_Bcast"); });
 }
 
 void MpiComm::gather(std::span<float> data, std::span<const std::int64_t> bounds, int root) {

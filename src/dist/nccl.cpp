@@ -117,25 +117,51 @@ void NcclHostComm::sum_backend_memory(float* data, std::size_t n, void* stream) 
   watch_stream(s);
 }
 
-// (NCCL's reduce-scatter takes equal parts, and the bounds need not be: one reduce to each part's
-// owner, in one group)
-void NcclHostComm::reduce_scatter_backend_memory(float* data, std::span<const std::int64_t> bounds, void* stream) {
-  MT_CHECK(stream != nullptr, "NcclHostComm::reduce_scatter_backend_memory reduces a GPU's memory (host memory: "
-           "reduce_scatter_sum)");
-  MT_CHECK(!bounds.empty(), "reduce_scatter_backend_memory: no bounds");
-  const std::span<float> all(data, static_cast<std::size_t>(bounds.back()));
-  for (int r = 0; r < world(); ++r) (void)shard_part(all, bounds, world(), r);  // (checks the bounds)
+// One collective for each rank's part of the n elements of `elem` bytes at `data` (in a GPU's
+// memory), in one group on `stream`, watched: op(part, count, rank, communicator, stream).
+void NcclHostComm::each_part(void* data, std::size_t elem, std::size_t n, std::span<const std::int64_t> bounds, void* stream,
+                             const char* what, const PartOp& op) {
+  MT_CHECK(stream != nullptr, "NcclHostComm::{} works on a GPU's memory (host memory: the collectives of host memory)", what);
+  const std::span<std::byte> all(static_cast<std::byte*>(data), n * elem);
+  std::vector<std::int64_t> b(bounds.begin(), bounds.end());
+  for (auto& x : b) x *= static_cast<std::int64_t>(elem);  // (in bytes)
+  for (int r = 0; r < world(); ++r) (void)shard_part(all, b, world(), r);  // (checks the bounds)
   const auto s = static_cast<cudaStream_t>(stream);
   with_comm([&](void* c) {
     MT_CUDA_CHECK(ncclGroupStart());
     for (int r = 0; r < world(); ++r) {
-      const auto part = shard_part(all, bounds, world(), r);
-      if (part.empty()) continue;
-      MT_CUDA_CHECK(ncclReduce(part.data(), part.data(), part.size(), ncclFloat32, ncclSum, r, static_cast<ncclComm_t>(c), s));
+      const auto part = shard_part(all, b, world(), r);
+      if (!part.empty()) op(part.data(), part.size() / elem, r, c, s);
     }
     MT_CUDA_CHECK(ncclGroupEnd());
   });
   watch_stream(s);
+}
+
+// (NCCL's reduce-scatter and all-gather take equal parts, and the bounds need not be: one reduce
+// to each part's owner, one broadcast from it)
+void NcclHostComm::reduce_scatter_backend_memory(float* data, std::span<const std::int64_t> bounds, void* stream) {
+  MT_CHECK(!bounds.empty(), "reduce_scatter_backend_memory: no bounds");
+  each_part(data, sizeof(float), static_cast<std::size_t>(bounds.back()), bounds, stream, "reduce_scatter_backend_memory",
+            [](std::byte* p, std::size_t count, int root, void* c, cudaStream_t st) {
+              MT_CUDA_CHECK(ncclReduce(p, p, count, ncclFloat32, ncclSum, root, static_cast<ncclComm_t>(c), st));
+            });
+}
+
+void NcclHostComm::gather_parts(void* data, std::size_t elem, std::size_t n, std::span<const std::int64_t> bounds,
+                                void* stream) {
+  each_part(data, elem, n, bounds, stream, "all_gather_backend_memory",
+            [elem](std::byte* p, std::size_t count, int root, void* c, cudaStream_t st) {
+              MT_CUDA_CHECK(ncclBroadcast(p, p, count * elem, ncclUint8, root, static_cast<ncclComm_t>(c), st));
+            });
+}
+
+void NcclHostComm::all_gather_backend_memory(std::span<float> data, std::span<const std::int64_t> bounds, void* stream) {
+  gather_parts(data.data(), sizeof(float), data.size(), bounds, stream);
+}
+
+void NcclHostComm::all_gather_backend_memory(std::span<bf16> data, std::span<const std::int64_t> bounds, void* stream) {
+  gather_parts(data.data(), sizeof(bf16), data.size(), bounds, stream);
 }
 
 void NcclHostComm::watch_stream(cudaStream_t s) {
@@ -260,6 +286,13 @@ void NcclHostComm::reduce_scatter_sum(std::span<float> data, std::span<const std
 }
 
 void NcclHostComm::all_gather(std::span<float> data, std::span<const std::int64_t> bounds) {
+  for (int r = 0; r < world(); ++r) {
+    const auto p = shard_part(data, bounds, world(), r);
+    broadcast(p.data(), p.size_bytes(), r, true);
+  }
+}
+
+void NcclHostComm::all_gather(std::span<bf16> data, std::span<const std::int64_t> bounds) {
   for (int r = 0; r < world(); ++r) {
     const auto p = shard_part(data, bounds, world(), r);
     broadcast(p.data(), p.size_bytes(), r, true);

@@ -635,6 +635,9 @@ std::string_view torch_dtype_name(DType dtype) {
 void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg, const fs::path& dir,
                      const HfExportOptions& options) {
   MT_NVTX_RANGE("io::export_hf_model");
+  MT_CHECK(store.state_whole(), "exporting to '{}': the store keeps part {} of {} of the master weights (ZeRO-1): gather "
+           "them first (HostParamStore::gather_state on every process) and export on the root", dir.string(),
+           store.shard().index, store.shard().count);
   const std::string label = fmt::format("exporting to '{}'", dir.string());
   store.check_settled(label);
   const std::string_view dtype_text = torch_dtype_name(options.dtype);

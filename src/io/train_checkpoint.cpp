@@ -70,8 +70,8 @@ std::vector<WrittenFile> write_train_checkpoint(const fs::path& dir, const HostP
   MT_CHECK(options.state.is_object(), "writing '{}': the train state must be a JSON object", dir.string());
   // (With unit_done the caller orders the writes with the updates unit by unit: the Checkpointer.)
   if (!options.unit_done) store.check_settled(fmt::format("writing '{}'", dir.string()));
-  MT_CHECK(store.moments_whole(), "writing '{}': the store keeps part {} of {} of AdamW's moments (ZeRO-1): gather them "
-           "first (HostParamStore::gather_moments on every process) and write on the root", dir.string(),
+  MT_CHECK(store.state_whole(), "writing '{}': the store keeps part {} of {} of the optimizer state (ZeRO-1): gather it "
+           "first (HostParamStore::gather_state on every process) and write on the root", dir.string(),
            store.shard().index, store.shard().count);
   std::vector<std::size_t> order = options.unit_order;
   if (order.empty())

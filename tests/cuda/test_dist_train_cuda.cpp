@@ -31,12 +31,14 @@ ModelConfig tiny() {
 }
 
 struct Run {
-  std::vector<float> initial, state;
+  std::vector<float> initial, state;  // the masters (ZeRO-1: gathered on rank 0, whole there only)
+  std::int64_t weights = 0;           // a checksum of the bf16 weights every rank streams
   std::vector<double> losses, norms;
 };
 
 Run train(dist::HostComm* comm, int device, std::int64_t rows, std::int64_t micro, int steps, bool shard = false,
-          bool during_backward = true) {
+          bool during_backward = true, GradientHome home = GradientHome::host,
+          std::int64_t device_units = TrainerOptions::kAutoDeviceUnits) {
   const int world = comm ? comm->world() : 1, rank = comm ? comm->rank() : 0;
   const std::int64_t seq = 64, share = rows / world;
   const auto cfg = tiny();
@@ -45,7 +47,8 @@ Run train(dist::HostComm* comm, int device, std::int64_t rows, std::int64_t micr
   o.seq_len = seq;
   o.micro_batches = micro;
   o.clip_norm = 1.0;
-  o.gradient_home = GradientHome::host;
+  o.gradient_home = home;  // (device: summed on the GPUs as completed, reduce-scattered where sharded)
+  o.device_units = device_units;  // (auto: as many units' AdamW on the GPU as fit; with GradientHome::host none)
   o.adamw.lr = 1e-3;
   o.comm = comm;
   o.shard_optimizer = shard;  // (ZeRO-1: AdamW's moments and update in parts, the masters gathered)
@@ -75,7 +78,12 @@ Run train(dist::HostComm* comm, int device, std::int64_t rows, std::int64_t micr
     r.norms.push_back(st.grad_norm);
   }
   t.finish_update();
+  if (shard) store.gather_state(*comm, 0);  // (the masters too: each process keeps its part of them)
   for (const auto& u : store.units()) r.state.insert(r.state.end(), u.master().begin(), u.master().end());
+  std::vector<float> w;
+  for (const auto& u : store.units())
+    for (const bf16 x : u.compute()) w.push_back(static_cast<float>(x));
+  r.weights = test::checksum(w);
   return r;
 }
 
@@ -127,12 +135,18 @@ int main() {
     struct Case {
       std::int64_t micro;
       bool shard, during_backward;
+      GradientHome home;
+      std::int64_t device_units = TrainerOptions::kAutoDeviceUnits;
     };
-    for (const Case& c : {Case{1, false, true}, Case{2, false, true}, Case{1, true, true}, Case{2, true, true},
-                          Case{1, false, false}, Case{2, true, false}}) {
-      const auto [micro, shard, during_backward] = c;
+    constexpr auto host = GradientHome::host, device = GradientHome::device;
+    // (device homes: auto places every unit of this small model on the GPU; 0 none, 2 some)
+    for (const Case& c : {Case{1, false, true, host}, Case{2, false, true, host}, Case{1, true, true, host},
+                          Case{2, true, true, host}, Case{1, false, false, host}, Case{2, true, false, host},
+                          Case{1, false, true, device, 0}, Case{1, true, true, device, 0}, Case{2, true, true, device, 2},
+                          Case{1, false, true, device}, Case{1, true, true, device}, Case{2, true, true, device}}) {
+      const auto [micro, shard, during_backward, home, device_units] = c;
       const std::int64_t rows = 4 * W;
-      const Run d = train(&comm, me.local_rank, rows, micro, steps, shard, during_backward);
+      const Run d = train(&comm, me.local_rank, rows, micro, steps, shard, during_backward, home, device_units);
       const Run one = train(nullptr, me.local_rank, rows, micro * W, steps);
       for (int s = 0; s < steps; ++s) {
         const auto i = static_cast<std::size_t>(s);
@@ -146,15 +160,17 @@ int main() {
         diff += (static_cast<double>(d.state[i]) - one.state[i]) * (static_cast<double>(d.state[i]) - one.state[i]);
         size += (static_cast<double>(one.state[i]) - one.initial[i]) * (static_cast<double>(one.state[i]) - one.initial[i]);
       }
-      std::printf("rank %d of %d%s%s, %lld micro-batch(es) each: losses %.6f .. %.6f (one process %.6f .. %.6f), weights "
+      if (!shard || r == 0)  // (ZeRO-1: the masters whole on rank 0 only)
+        std::printf("rank %d of %d%s%s%s (device units %lld), %lld micro-batch(es) each: losses %.6f .. %.6f (one process %.6f .. %.6f), weights "
                   "within %.3g of what training changed from one process's\n", r, W, shard ? " (ZeRO-1)" : "",
                   during_backward ? "" : " (summed after the backward)",
+                  home == device ? " (gradients on the GPUs)" : "", static_cast<long long>(device_units),
                   static_cast<long long>(micro), d.losses.front(), d.losses.back(),
                   one.losses.front(), one.losses.back(), std::sqrt(diff / size));
       // (bf16 products, the same rows per micro-batch: only the fp32 sums' order differs, which
       // AdamW's first steps amplify where a gradient is near zero)
-      test::rank_check(std::sqrt(diff / size) < 3e-2, "the weights differ from one process's", r);
-      std::int64_t sum[1] = {test::checksum(d.state)};
+      if (!shard || r == 0) test::rank_check(std::sqrt(diff / size) < 3e-2, "the weights differ from one process's", r);
+      std::int64_t sum[1] = {d.weights};
       const std::int64_t mine = sum[0];
       comm.all_reduce_sum(sum);
       test::rank_check(sum[0] == mine * W, "the ranks' replicas differ", r);

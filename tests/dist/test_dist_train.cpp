@@ -59,7 +59,7 @@ std::vector<float> masters_of(const HostParamStore<float>& store) {
 /// `steps` steps of a tiny model on global batches of `rows` rows; this rank's share where
 /// `distributed`, else the whole batch in one process.
 Run train(bool distributed, bool tied, std::int64_t rows, std::int64_t micro, double clip, int steps, bool shard = false,
-          bool during_backward = true, GradientHome home = GradientHome::host) {
+          bool during_backward = true, GradientHome home = GradientHome::host, std::int64_t device_units = 0) {
   const int world = distributed ? comm().world() : 1, rank = distributed ? comm().rank() : 0;
   const std::int64_t seq = 13, share = rows / world;
   const auto cfg = tiny(tied);
@@ -67,6 +67,7 @@ Run train(bool distributed, bool tied, std::int64_t rows, std::int64_t micro, do
   o.micro_batches = micro;
   o.clip_norm = clip;
   o.gradient_home = home;
+  o.device_units = device_units;  // (the first units' AdamW in backend memory: each process its part)
   o.comm = distributed ? &comm() : nullptr;
   o.shard_optimizer = shard;
   o.sum_during_backward = during_backward;
@@ -88,7 +89,7 @@ Run train(bool distributed, bool tied, std::int64_t rows, std::int64_t micro, do
   }
   t.finish_update();
   r.masters = masters_of(store);
-  if (shard) store.gather_moments(comm(), 0);
+  if (shard) store.gather_state(comm(), 0);
   r.state = state_of(store);
   return r;
 }
@@ -103,8 +104,10 @@ std::vector<float> initial_state(bool tied) {
 }
 
 void check_same_run(bool tied, std::int64_t rows, std::int64_t micro_per_rank, double clip, bool shard = false,
-                    bool during_backward = true, GradientHome home = GradientHome::host) {
+                    bool during_backward = true, GradientHome home = GradientHome::host,
+                    std::int64_t device_units = 0) {
   const int world = comm().world();
+  CAPTURE(device_units);
   CAPTURE(shard);
   CAPTURE(home == GradientHome::device);
   CAPTURE(during_backward);
@@ -114,7 +117,7 @@ void check_same_run(bool tied, std::int64_t rows, std::int64_t micro_per_rank, d
   CAPTURE(micro_per_rank);
   CAPTURE(clip);
   const int steps = 4;
-  const Run dist = train(true, tied, rows, micro_per_rank, clip, steps, shard, during_backward, home);
+  const Run dist = train(true, tied, rows, micro_per_rank, clip, steps, shard, during_backward, home, device_units);
   // one process, the whole global batch, as many micro-batches in all
   const Run one = train(false, tied, rows, micro_per_rank * world, clip, steps);
   for (int s = 0; s < steps; ++s) {
@@ -171,6 +174,16 @@ TEST_CASE("data parallel with the gradients waiting in backend memory (GradientH
     check_same_run(true, 4 * w, 2, 1.0, shard, true, GradientHome::device);
     check_same_run(false, 2 * w, 2, 0.0, shard, true, GradientHome::device);
     check_same_run(true, 3 * w, 1, 0.05, shard, true, GradientHome::device);
+  }
+}
+
+TEST_CASE("data parallel with device units (AdamW in backend memory for the first units): each process steps its "
+          "part there and the parts are gathered there, equal to one process") {
+  const std::int64_t w = comm().world();
+  for (const bool shard : {false, true}) {
+    check_same_run(false, 2 * w, 1, 1.0, shard, true, GradientHome::device, 2);
+    check_same_run(true, 4 * w, 2, 1.0, shard, true, GradientHome::device, 3);
+    check_same_run(false, 3 * w, 1, 0.05, shard, true, GradientHome::device, 5);  // (every unit: the head too)
   }
 }
 
@@ -249,10 +262,10 @@ TEST_CASE("ZeRO-1: the moments outside a process's part take no memory; a checkp
     } catch (const Error& e) {
       what = e.what();
     }
-    CHECK(what.find("gather_moments") != std::string::npos);
+    CHECK(what.find("gather_state") != std::string::npos);
   }
-  store.gather_moments(comm(), 0);
-  CHECK(store.moments_whole() == (r == 0));
+  store.gather_state(comm(), 0);
+  CHECK(store.state_whole() == (r == 0));
   if (r == 0) {
     io::TrainCheckpointWriteOptions wo;
     wo.state = {{"what", "zero1"}};
@@ -261,9 +274,9 @@ TEST_CASE("ZeRO-1: the moments outside a process's part take no memory; a checkp
   const std::vector<float> whole = state_of(store);  // (rank 0: everything)
   if (r == 0) {
     CHECK(unowned_moment_pages(store).first > 0);  // (what was gathered holds memory until released)
-    store.release_unowned_moments();
+    store.release_unowned_state();
     CHECK(unowned_moment_pages(store).first == 0);
-    CHECK(!store.moments_whole());
+    CHECK(!store.state_whole());
   }
   std::int64_t barrier[1] = {0};
   comm().all_reduce_sum(barrier);
@@ -286,6 +299,119 @@ TEST_CASE("ZeRO-1: the moments outside a process's part take no memory; a checkp
   CHECK(unowned_moment_pages(again).first == 0);
   comm().all_reduce_sum(barrier);
   if (r == 0) std::filesystem::remove_all(root);
+}
+
+namespace {
+/// Resident pages of each unit's masters outside what this process keeps (its part and the
+/// ranges kept whole), and the whole pages there.
+std::pair<std::size_t, std::size_t> unheld_master_pages(const HostParamStore<float>& store) {
+  std::size_t resident = 0, pages = 0;
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  for (const auto& u : store.units()) {
+    std::vector<std::pair<std::int64_t, std::int64_t>> keep(u.whole_masters().begin(), u.whole_masters().end());
+    keep.push_back(u.owned());
+    std::sort(keep.begin(), keep.end());
+    std::int64_t at = 0;
+    const auto count = [&](std::int64_t a, std::int64_t b) {
+      if (b <= a) return;
+      const auto bytes = static_cast<std::size_t>(b - a) * sizeof(float);
+      resident += resident_pages(u.master().data() + a, bytes);
+      pages += bytes / page > 0 ? bytes / page - 1 : 0;
+    };
+    for (const auto& [a, b] : keep) {
+      count(at, a);
+      at = std::max(at, b);
+    }
+    count(at, u.numel());
+  }
+  return {resident, pages};
+}
+}  // namespace
+
+// The store of a trainer whose weights are bf16 (GPUs; the CPU backend streams the fp32 masters
+// themselves, so its trainer keeps them whole): each process keeps the masters of its part only,
+// beside the embedding's and the norm gains' (read at fp32), and the bf16 copy whole.
+TEST_CASE("ZeRO-1 with the masters sharded too: only this process's part holds memory; the update gathered as bf16; a "
+          "checkpoint gathers the masters") {
+  const int w = comm().world(), r = comm().rank();
+  auto j = nlohmann::json::parse(R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":128,"intermediate_size":352,
+    "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":300,"tie_word_embeddings":false})");
+  const ModelConfig cfg = ModelConfig::from_json(j);
+  DecoderModel<> model(cfg);
+  TrainerOptions o = options(2, 16);
+  o.clip_norm = 1.0;
+  o.comm = &comm();
+  o.shard_optimizer = true;
+  const StoreOptions so = plan::store_options(o, {}, true);
+  REQUIRE(so.shard.masters);
+  HostParamStore<float> store(model.units(), so);
+  HostParamStore<float> one(model.units(), plan::store_options(options(2, 16), {}, true));  // (the same seed: whole)
+  CHECK(store.masters_sharded());
+  CHECK(store.footprint().master_bytes < one.footprint().master_bytes);
+  CHECK(store.footprint().master_bytes > one.footprint().master_bytes / static_cast<std::size_t>(w));  // (+ kept whole)
+  // Built (and initialised): the other processes' masters take no memory; the bf16 copy is whole.
+  auto [resident, pages] = unheld_master_pages(store);
+  MESSAGE("rank " << r << ": " << resident << " of " << pages << " pages of the other processes' masters hold memory");
+  CHECK(pages > 16);
+  CHECK(resident == 0);
+  const auto bits = [](std::span<const bf16> a, std::span<const bf16> b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size_bytes()) == 0;
+  };
+  for (std::size_t u = 0; u < store.num_units(); ++u) CHECK(bits(store.unit(u).compute(), one.unit(u).compute()));
+  CHECK(store.unit(0).whole_masters().size() == 1);  // (the embedding: kept whole)
+  CHECK(!store.unit(1).whole_masters().empty());      // (a block: its norm gains)
+
+  // An update: each process changes its part (masters, moments, bf16 copy), as AdamW does;
+  // `one` all of it. Then the parts gathered: the same bf16 copy and kept masters everywhere.
+  const auto changed = [](std::size_t u, std::int64_t i) { return 0.001f * static_cast<float>((i * 7 + static_cast<std::int64_t>(u)) % 101) - 0.05f; };
+  for (std::size_t u = 0; u < store.num_units(); ++u) {
+    const auto& a = store.unit(u);
+    const auto& b = one.unit(u);
+    for (std::int64_t i = 0; i < a.numel(); ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      b.master()[k] += changed(u, i);
+      b.adam_m()[k] = changed(u, i);
+      b.compute()[k] = bf16(b.master()[k]);
+      if (i >= a.owned().first && i < a.owned().second) {
+        a.master()[k] += changed(u, i);
+        a.adam_m()[k] = changed(u, i);
+        a.compute()[k] = bf16(a.master()[k]);
+      }
+    }
+  }
+  store.gather_updated(comm());
+  for (std::size_t u = 0; u < store.num_units(); ++u) {
+    CAPTURE(u);
+    const auto& a = store.unit(u);
+    const auto& b = one.unit(u);
+    CHECK(bits(a.compute(), b.compute()));
+    for (const auto& [lo, hi] : a.whole_masters())
+      CHECK(std::equal(a.master().begin() + lo, a.master().begin() + hi, b.master().begin() + lo));
+    CHECK(std::equal(a.master().begin() + a.owned().first, a.master().begin() + a.owned().second,
+                     b.master().begin() + a.owned().first));
+  }
+  CHECK(unheld_master_pages(store).first == 0);
+  // What a checkpoint needs: the whole state on rank 0, and the memory given back after.
+  store.gather_state(comm(), 0);
+  CHECK(store.state_whole() == (r == 0));
+  if (r == 0) {
+    CHECK(same_bits(masters_of(store), masters_of(one)));
+    for (std::size_t u = 0; u < store.num_units(); ++u)
+      CHECK(std::equal(store.unit(u).adam_m().begin(), store.unit(u).adam_m().end(), one.unit(u).adam_m().begin()));
+    CHECK(unheld_master_pages(store).first > 0);
+  }
+  store.release_unowned_state();
+  CHECK(unheld_master_pages(store).first == 0);
+  CHECK(!store.state_whole());
+  // A trainer whose weights are fp32 (the CPU backend's) refuses a store whose masters are sharded.
+  std::string what;
+  try {
+    CpuBackend<float> be;
+    Trainer<CpuBackend<float>> t(model, store, be, o);
+  } catch (const Error& e) {
+    what = e.what();
+  }
+  CHECK_MESSAGE(what.find("Trainer::store_options") != std::string::npos, what);
 }
 
 TEST_CASE("data parallel: the collectives sum over the ranks and give every rank the same bits") {

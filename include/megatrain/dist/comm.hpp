@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <span>
 
+#include "megatrain/core/dtype.hpp"
 #include "megatrain/core/error.hpp"
 
 namespace megatrain::dist {
@@ -39,6 +40,8 @@ class HostComm {
   virtual void reduce_scatter_sum(std::span<float> data, std::span<const std::int64_t> bounds) = 0;
   /// In place: every rank's part of data sent to every rank (data whole and the same on every rank).
   virtual void all_gather(std::span<float> data, std::span<const std::int64_t> bounds) = 0;
+  /// The same for bf16 (the weights a process streams, where each steps its part of the masters).
+  virtual void all_gather(std::span<bf16> data, std::span<const std::int64_t> bounds) = 0;
   /// In place: every rank's part of data sent to `root` (data whole there); the others' data unchanged.
   virtual void gather(std::span<float> data, std::span<const std::int64_t> bounds, int root) = 0;
   /// Whether sum_backend_memory can sum a backend's gradient buffers: a GPU's (`device`), or host
@@ -66,6 +69,20 @@ class HostComm {
              "this communicator cannot sum a backend's memory (can_sum_backend_memory is false)");
     reduce_scatter_sum(std::span<float>(data, static_cast<std::size_t>(bounds.back())), bounds);
   }
+  /// In place, in the backend's memory (a GPU's, ordered on `stream`; host memory where stream is
+  /// null): every rank's part of `data` under `bounds` sent to every rank, as all_gather does: the
+  /// weights of units a sharded optimizer steps on the GPUs (device units), each process its part.
+  /// Default: host memory, through all_gather, where can_sum_backend_memory(false) says so.
+  virtual void all_gather_backend_memory(std::span<float> data, std::span<const std::int64_t> bounds, void* stream) {
+    MT_CHECK(stream == nullptr && can_sum_backend_memory(false), "this communicator cannot gather a backend's memory "
+             "(can_sum_backend_memory is false)");
+    all_gather(data, bounds);
+  }
+  virtual void all_gather_backend_memory(std::span<bf16> data, std::span<const std::int64_t> bounds, void* stream) {
+    MT_CHECK(stream == nullptr && can_sum_backend_memory(false), "this communicator cannot gather a backend's memory "
+             "(can_sum_backend_memory is false)");
+    all_gather(data, bounds);
+  }
   /// This rank failed and will take part in no further collective: MPI ends every process of the
   /// run at once (MPI_Abort, exit status `status`); NCCL aborts the communicator, and the other
   /// ranks stop at their next collective within its timeout. Called on the way out (never throws).
@@ -73,7 +90,8 @@ class HostComm {
 };
 
 /// Rank r's part of `data` under `bounds` (see HostComm), the bounds checked first.
-inline std::span<float> shard_part(std::span<float> data, std::span<const std::int64_t> bounds, int world, int r) {
+template <class E>
+std::span<E> shard_part(std::span<E> data, std::span<const std::int64_t> bounds, int world, int r) {
   MT_CHECK(static_cast<int>(bounds.size()) == world + 1 && bounds.front() == 0 &&
                bounds.back() == static_cast<std::int64_t>(data.size()) && std::is_sorted(bounds.begin(), bounds.end()),
            "sharded collective: {} bounds for {} ranks over {} elements (want {} increasing offsets from 0 to {})",

@@ -28,6 +28,7 @@ class MpiComm final : public HostComm {
   void sum_backend_memory(float* data, std::size_t n, void* stream) override;
   void reduce_scatter_sum(std::span<float> data, std::span<const std::int64_t> bounds) override;
   void all_gather(std::span<float> data, std::span<const std::int64_t> bounds) override;
+  void all_gather(std::span<bf16> data, std::span<const std::int64_t> bounds) override;
   void gather(std::span<float> data, std::span<const std::int64_t> bounds, int root) override;
 
  private:

@@ -79,8 +79,11 @@ class NcclHostComm final : public HostComm {
   bool can_sum_backend_memory(bool device) const override { return device; }
   void sum_backend_memory(float* data, std::size_t n, void* stream) override;
   void reduce_scatter_backend_memory(float* data, std::span<const std::int64_t> bounds, void* stream) override;
+  void all_gather_backend_memory(std::span<float> data, std::span<const std::int64_t> bounds, void* stream) override;
+  void all_gather_backend_memory(std::span<bf16> data, std::span<const std::int64_t> bounds, void* stream) override;
   void reduce_scatter_sum(std::span<float> data, std::span<const std::int64_t> bounds) override;
   void all_gather(std::span<float> data, std::span<const std::int64_t> bounds) override;
+  void all_gather(std::span<bf16> data, std::span<const std::int64_t> bounds) override;
   void gather(std::span<float> data, std::span<const std::int64_t> bounds, int root) override;
 
  private:
@@ -92,6 +95,11 @@ class NcclHostComm final : public HostComm {
   void abort_comm() noexcept;
   void watch();  // the watchdog of the sums on the trainer's streams
   void watch_stream(cudaStream_t s);  // what was just enqueued on s, given to the watchdog
+  // Each rank's part broadcast from it, in one group, on `stream` (a GPU's memory).
+  void gather_parts(void* data, std::size_t elem, std::size_t n, std::span<const std::int64_t> bounds, void* stream);
+  using PartOp = std::function<void(std::byte* part, std::size_t count, int rank, void* comm, cudaStream_t stream)>;
+  void each_part(void* data, std::size_t elem, std::size_t n, std::span<const std::int64_t> bounds, void* stream,
+                 const char* what, const PartOp& op);
   struct Pending {
     cudaEvent_t done;
     std::chrono::steady_clock::time_point since;

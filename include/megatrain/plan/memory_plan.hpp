@@ -75,13 +75,16 @@ inline std::size_t host_pages(std::size_t bytes) {
 }
 
 /// What the store must provide for `options`: resident gradients or a ring of host landing slots
-/// (the embedding's and the head's gradients land in pieces, so a slot holds a decoder block).
-inline StoreOptions store_options(const TrainerOptions& options, StoreOptions base = {}) {
+/// (the embedding's and the head's gradients land in pieces, so a slot holds a decoder block);
+/// sharded (TrainerOptions::sharded()), the part this process keeps, with the masters too where
+/// the trainer streams bf16 weights (`bf16_weights`: it then never reads the masters of another
+/// process's part, but for the embedding's, kept whole for its fp32 lookup).
+inline StoreOptions store_options(const TrainerOptions& options, StoreOptions base = {}, bool bf16_weights = false) {
   const TrainerOptions opt = options.resolved();
   base.resident_gradients = opt.resident_gradients() && opt.gradient_home == GradientHome::host;
   base.grad_ring_slots = base.resident_gradients ? 0 : std::max<std::size_t>(base.grad_ring_slots, 2);
   base.grad_slot_size = GradSlotSize::largest_inner_unit;
-  if (opt.shard_optimizer && opt.distributed()) base.shard = {opt.comm->rank(), opt.comm->world()};
+  if (opt.shard_optimizer && opt.distributed()) base.shard = {opt.comm->rank(), opt.comm->world(), bf16_weights, {0}};
   return base;
 }
 
@@ -440,7 +443,9 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
 
   // Host memory: the store, then the trainer's buffers.
   const StoreFootprint store =
-      store_footprint ? *store_footprint : HostParamStore<float>::footprint(model.units(), store_options(opt));
+      store_footprint ? *store_footprint
+                      : HostParamStore<float>::footprint(model.units(),
+                                                         store_options(opt, {}, std::is_same_v<typename B::Weight, bf16>));
   std::vector<MemoryLine>& hl = plan.host;
   hl.push_back({"fp32 master weights", store.master_bytes});
   hl.push_back({"AdamW m and v (fp32)", store.adam_bytes});

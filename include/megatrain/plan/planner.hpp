@@ -119,7 +119,9 @@ Suggestions suggest(const DecoderModel<Block>& model, const TrainerOptions& opti
                     const HostBudget& host, const std::optional<StoreFootprint>& store = std::nullopt) {
   const TrainerOptions opt = options.resolved();
   Suggestions s;
-  const StoreFootprint fp = store ? *store : HostParamStore<float>::footprint(model.units(), store_options(opt));
+  const StoreFootprint fp =
+      store ? *store
+            : HostParamStore<float>::footprint(model.units(), store_options(opt, {}, std::is_same_v<typename B::Weight, bf16>));
   s.store_bytes = fp.total_bytes();
   s.host_budget = host.bytes;
   if (s.store_bytes > host.bytes) {

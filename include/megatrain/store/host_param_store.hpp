@@ -13,7 +13,8 @@
 // Memory: (3 sizeof(T) + 2) bytes per parameter plus the ring; the gaps between tensors are a
 // few bytes each. A store sharded over N processes (StoreOptions::shard, ZeRO-1: each process
 // steps its part of every unit) holds AdamW's m and v for its part only: (sizeof(T) (1 + 2 / N) + 2)
-// bytes per parameter. Only what the GPU's copy engines touch (the bf16 copy and the ring) is pinned;
+// bytes per parameter; with StoreShard::masters the master weights too (2 + 3 sizeof(T) / N, and
+// the ranges kept whole). Only what the GPU's copy engines touch (the bf16 copy and the ring) is pinned;
 // master, m and v are read only by the CPU optimizer and stay pageable (with huge pages).
 // The total is computed and checked against the host's available memory before anything is
 // allocated: a store that cannot fit is refused with the numbers.
@@ -21,6 +22,7 @@
 
 #include <oneapi/tbb/parallel_for.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -55,11 +57,17 @@ enum class GradSlotSize {
 /// This process's part of the optimizer state of a run sharded over `count` processes (ZeRO-1;
 /// docs/distributed.md): each unit's elements are cut into `count` consecutive parts
 /// (HostParamStore::shard_bounds) and this process, `index`, keeps AdamW's m and v of its part
-/// only and steps only those elements; the masters and the bf16 copy stay whole (every process
-/// streams every unit) and are made whole again after each update (the processes' parts gathered).
+/// only and steps only those elements; the bf16 copy stays whole (every process streams every
+/// unit) and is made whole again after each update (HostParamStore::gather_updated).
 struct StoreShard {
   int index = 0;
   int count = 1;
+  /// The fp32 master weights sharded too (what a trainer whose weights are bf16 asks for): this
+  /// process keeps the masters of its part, of the full-precision parameters (norm gains, which
+  /// the ops read at master precision) and of `whole_master_units` (the embedding, whose lookup
+  /// reads fp32 rows); the rest of the masters holds no memory. false: the masters stay whole.
+  bool masters = false;
+  std::vector<std::size_t> whole_master_units;
 };
 
 struct StoreOptions {
@@ -139,18 +147,24 @@ class HostParamStore {
       for (const auto& p : params()) n += p.numel();
       return n;
     }
-    /// Bytes of this unit's slabs (of m and v its part only).
+    /// Bytes of this unit's slabs (of m and v its part only; of the masters what is kept).
     std::size_t bytes() const {
-      return static_cast<std::size_t>(numel()) * (sizeof(T) + sizeof(bf16)) +
+      return static_cast<std::size_t>(master_kept_) * sizeof(T) + static_cast<std::size_t>(numel()) * sizeof(bf16) +
              static_cast<std::size_t>(owned_end_ - owned_begin_) * 2 * sizeof(T);
     }
     /// The elements [first, second) whose AdamW state this store keeps and steps (all of them
     /// unless the store is sharded: StoreOptions::shard).
     std::pair<std::int64_t, std::int64_t> owned() const { return {owned_begin_, owned_end_}; }
 
+    /// The master weights, as long as the unit; in a store whose masters are sharded
+    /// (StoreShard::masters) only owned() and whole_masters() are this process's (the rest holds
+    /// no memory and reads as zeros, or as what gather_state brought).
     std::span<T> master() const { return master_; }
+    /// The ranges [first, second) of master() that a store with sharded masters keeps whole on
+    /// every process (sorted; empty where the masters are not sharded).
+    std::span<const std::pair<std::int64_t, std::int64_t>> whole_masters() const { return whole_masters_; }
     /// AdamW's moments, as long as the unit; in a sharded store only owned() is this process's
-    /// (the rest holds no memory and reads as zeros, or as what gather_moments brought).
+    /// (the rest holds no memory and reads as zeros, or as what gather_state brought).
     std::span<T> adam_m() const { return m_; }
     std::span<T> adam_v() const { return v_; }
     std::span<bf16> compute() const { return compute_; }
@@ -180,7 +194,32 @@ class HostParamStore {
     std::span<bf16> compute_;
     std::span<T> grad_;
     std::int64_t owned_begin_ = 0, owned_end_ = 0;
+    std::vector<std::pair<std::int64_t, std::int64_t>> whole_masters_;
+    std::int64_t master_kept_ = 0;  // elements of master() this process keeps
   };
+
+  /// The ranges of unit `k`'s masters (laid out as `layout`) that every process keeps whole under
+  /// `s` (see StoreShard::masters).
+  static std::vector<std::pair<std::int64_t, std::int64_t>> whole_master_ranges(const UnitLayout& layout, std::size_t k,
+                                                                               const StoreShard& s) {
+    std::vector<std::pair<std::int64_t, std::int64_t>> out;
+    if (!s.masters || s.count <= 1) return out;
+    if (std::find(s.whole_master_units.begin(), s.whole_master_units.end(), k) != s.whole_master_units.end())
+      return {{0, layout.numel()}};
+    for (const auto& e : layout.entries())
+      if (e.spec.full_precision) out.emplace_back(e.offset, e.offset + e.numel());
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+  /// Elements of a unit's masters kept by the process owning [lo, hi) of it (all but the rest of
+  /// the unit where the masters are sharded; `whole`: whole_master_ranges).
+  static std::int64_t kept_master_elements(std::int64_t numel, std::int64_t lo, std::int64_t hi, const StoreShard& s,
+                                           std::span<const std::pair<std::int64_t, std::int64_t>> whole) {
+    if (!s.masters || s.count <= 1) return numel;
+    std::int64_t n = hi - lo;
+    for (const auto& [a, b] : whole) n += (b - a) - std::max<std::int64_t>(0, std::min(b, hi) - std::max(a, lo));
+    return n;
+  }
 
   /// Where `count` processes cut a unit of `numel` elements: count + 1 offsets, from 0 to numel,
   /// part r = [bounds[r], bounds[r + 1]); parts of equal length (a multiple of 16 elements, the
@@ -197,6 +236,8 @@ class HostParamStore {
   std::vector<std::int64_t> shard_bounds(const Unit& u) const { return shard_bounds(u.numel(), options_.shard.count); }
   const StoreShard& shard() const { return options_.shard; }
   bool sharded() const { return options_.shard.count > 1; }
+  /// Whether this process keeps only its part of the master weights (StoreShard::masters).
+  bool masters_sharded() const { return sharded() && options_.shard.masters; }
 
   /// Computes the store's layout and byte counts without allocating; validates the specs.
   static StoreFootprint footprint(const std::vector<UnitSpec>& units, const StoreOptions& opt = {}) {
@@ -206,7 +247,7 @@ class HostParamStore {
     MT_CHECK(opt.shard.count >= 1 && opt.shard.index >= 0 && opt.shard.index < opt.shard.count,
              "store shard {} of {}: want 0 <= index < count", opt.shard.index, opt.shard.count);
     StoreFootprint f;
-    std::int64_t owned = 0;
+    std::int64_t owned = 0, masters = 0;
     std::unordered_map<std::string_view, std::string_view> seen;  // parameter -> unit
     std::int64_t largest_inner = 0;
     for (std::size_t k = 0; k < units.size(); ++k) {
@@ -221,18 +262,22 @@ class HostParamStore {
         MT_CHECK(fresh, "parameter '{}' appears twice (units '{}' and '{}')", p.name, it->second, u.name);
         f.param_count += p.numel();
       }
-      const std::int64_t n = UnitLayout(u.params).numel();
+      const UnitLayout layout(u.params);
+      const std::int64_t n = layout.numel();
       const auto b = shard_bounds(n, opt.shard.count);
-      const std::int64_t mine = b[static_cast<std::size_t>(opt.shard.index) + 1] - b[static_cast<std::size_t>(opt.shard.index)];
+      const auto lo = b[static_cast<std::size_t>(opt.shard.index)], hi = b[static_cast<std::size_t>(opt.shard.index) + 1];
+      const std::int64_t mine = hi - lo;
+      const std::int64_t kept = kept_master_elements(n, lo, hi, opt.shard, whole_master_ranges(layout, k, opt.shard));
       owned += mine;
+      masters += kept;
       f.slab_elements += n;
       f.largest_unit = std::max(f.largest_unit, n);
       if (k > 0 && k + 1 < units.size()) largest_inner = std::max(largest_inner, n);
-      f.unit_bytes.push_back(static_cast<std::size_t>(n) * (sizeof(T) + sizeof(bf16)) +
+      f.unit_bytes.push_back(static_cast<std::size_t>(kept) * sizeof(T) + static_cast<std::size_t>(n) * sizeof(bf16) +
                              static_cast<std::size_t>(mine) * 2 * sizeof(T));
     }
     const auto elems = static_cast<std::size_t>(f.slab_elements);
-    f.master_bytes = elems * sizeof(T);
+    f.master_bytes = static_cast<std::size_t>(masters) * sizeof(T);  // (sharded masters: what is kept)
     f.adam_bytes = 2 * static_cast<std::size_t>(owned) * sizeof(T);  // (a sharded store: its part)
     f.compute_bytes = elems * sizeof(bf16);
     // With fewer than three units there is no inner unit: the slot then holds the largest one.
@@ -259,8 +304,8 @@ class HostParamStore {
                                     : " (set MEGATRAIN_HOST_MEMORY if this machine's memory grows on demand)");
 
     const auto elems = static_cast<std::size_t>(footprint_.slab_elements);
-    master_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
     // (whole, as addresses: a sharded store touches its parts only, and the rest takes no memory)
+    master_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
     m_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
     v_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
     compute_buf_ = HostBuffer::allocate(elems * sizeof(bf16), opt.pinning);
@@ -282,6 +327,8 @@ class HostParamStore {
       const auto cut = shard_bounds(u.numel(), opt.shard.count);
       u.owned_begin_ = cut[static_cast<std::size_t>(opt.shard.index)];
       u.owned_end_ = cut[static_cast<std::size_t>(opt.shard.index) + 1];
+      u.whole_masters_ = whole_master_ranges(u.layout_, ui, opt.shard);
+      u.master_kept_ = kept_master_elements(u.numel(), u.owned_begin_, u.owned_end_, opt.shard, u.whole_masters_);
       base += u.numel();
       units_.push_back(std::move(u));
     }
@@ -320,45 +367,105 @@ class HostParamStore {
     }
   }
 
-  /// A sharded store: every process's part of AdamW's moments brought to process `root` (every
-  /// process calls it, at the same point, with the store settled), whose store then holds them
-  /// whole until the next update (moments_whole()): what a checkpoint written there needs. That
-  /// costs the root the whole moments' memory until release_unowned_moments(). A store that is not
-  /// sharded holds them whole already.
-  void gather_moments(dist::HostComm& comm, int root) {
+  /// A sharded store: every process's part of AdamW's moments, and of the masters where they are
+  /// sharded, brought to process `root` (every process calls it, at the same point, with the store
+  /// settled), whose store then holds the whole train state until the next update (state_whole()):
+  /// what a checkpoint or an export written there needs. That costs the root the memory of the
+  /// whole state until release_unowned_state(). A store that is not sharded holds it whole already.
+  void gather_state(dist::HostComm& comm, int root) {
     if (!sharded()) return;
-    MT_CHECK(comm.world() == options_.shard.count && comm.rank() == options_.shard.index,
-             "gather_moments: the store keeps part {} of {}, but this is process {} of {}", options_.shard.index,
-             options_.shard.count, comm.rank(), comm.world());
-    check_settled("gather_moments");
+    check_comm(comm, "gather_state");
+    check_settled("gather_state");
     for (auto& u : units_) {
       const auto b = shard_bounds(u);
       comm.gather(u.m_, b, root);
       comm.gather(u.v_, b, root);
+      if (masters_sharded()) comm.gather(u.master_, b, root);
     }
-    whole_moments_ = comm.rank() == root;
+    whole_state_ = comm.rank() == root;
   }
-  /// Whether this store holds all of AdamW's moments as of its last update: not sharded, or the
-  /// root of a gather_moments since.
-  bool moments_whole() const { return !sharded() || whole_moments_; }
-  /// The trainer's update made the gathered moments stale (a sharded store).
-  void moments_updated() { whole_moments_ = false; }
+  /// Whether this store holds the whole train state (masters, AdamW's moments) as of its last
+  /// update: not sharded, or the root of a gather_state since.
+  bool state_whole() const { return !sharded() || whole_state_; }
+  /// The trainer's update made the gathered state stale (a sharded store).
+  void state_updated() { whole_state_ = false; }
 
-  /// A sharded store: gives back the memory of the moments outside this process's parts (what
-  /// gather_moments brought in), which then read as zeros again.
-  void release_unowned_moments() {
+  /// A sharded store: gives back the memory of the state outside this process's parts (what
+  /// gather_state brought in), which then reads as zeros again.
+  void release_unowned_state() {
     if (!sharded()) return;
-    whole_moments_ = false;
+    whole_state_ = false;
     for (auto& u : units_) {
       const auto [lo, hi] = u.owned();
       for (const std::span<T>& slab : {u.m_, u.v_}) {
         release_host_pages(slab.data(), static_cast<std::size_t>(lo) * sizeof(T));
         release_host_pages(slab.data() + hi, (slab.size() - static_cast<std::size_t>(hi)) * sizeof(T));
       }
+      release_unowned_masters(u);
     }
   }
 
-  /// Rewrites a unit's bf16 copy from its master weights (after loading or editing masters).
+  /// After every process stepped its part of every unit (a sharded store; every process calls it
+  /// at the same point): each process's updated part sent to every process, so that each holds
+  /// the same whole weights it streams. Masters sharded: the bf16 copy, and the masters of the
+  /// ranges kept whole; else the masters, and the bf16 copy from them. The same bits everywhere.
+  /// Units before `first` are left alone (a trainer's device units, gathered on the GPUs).
+  void gather_updated(dist::HostComm& comm, std::size_t first = 0) {
+    if (!sharded()) return;
+    check_comm(comm, "gather_updated");
+    if (!masters_sharded()) {
+      for (std::size_t k = first; k < units_.size(); ++k) {
+        comm.all_gather(units_[k].master_, shard_bounds(units_[k]));
+        sync_compute(units_[k]);
+      }
+      return;
+    }
+    // The masters kept whole: a unit kept whole in place; the full-precision ranges of the others
+    // (a few small tensors a unit) packed into one buffer, rank by rank, and gathered at once.
+    struct Piece {
+      T* at;
+      std::size_t n;
+    };
+    std::vector<Piece> pieces;
+    std::vector<std::int64_t> bounds{0};
+    std::size_t total = 0;
+    for (int r = 0; r < options_.shard.count; ++r) {
+      for (std::size_t k = first; k < units_.size(); ++k) {
+        auto& u = units_[k];
+        const auto b = shard_bounds(u);
+        if (u.whole_masters_.size() == 1 && u.whole_masters_[0] == std::pair<std::int64_t, std::int64_t>{0, u.numel()}) {
+          if (r == 0) comm.all_gather(u.master_, b);
+          continue;
+        }
+        for (const auto& [a, e] : u.whole_masters_) {
+          const auto lo = std::max(a, b[static_cast<std::size_t>(r)]), hi = std::min(e, b[static_cast<std::size_t>(r) + 1]);
+          if (hi <= lo) continue;
+          pieces.push_back({u.master_.data() + lo, static_cast<std::size_t>(hi - lo)});
+          total += pieces.back().n;
+        }
+      }
+      bounds.push_back(static_cast<std::int64_t>(total));
+    }
+    std::vector<T> packed(total);
+    const auto mine = static_cast<std::size_t>(options_.shard.index);
+    std::size_t at = 0, k = 0;
+    for (int r = 0; r < options_.shard.count; ++r)
+      for (; at < static_cast<std::size_t>(bounds[static_cast<std::size_t>(r) + 1]); ++k) {
+        if (static_cast<std::size_t>(r) == mine) std::copy_n(pieces[k].at, pieces[k].n, packed.begin() + static_cast<std::ptrdiff_t>(at));
+        at += pieces[k].n;
+      }
+    comm.all_gather(std::span<T>(packed), bounds);
+    at = 0;
+    for (const Piece& p : pieces) {
+      std::copy_n(packed.begin() + static_cast<std::ptrdiff_t>(at), p.n, p.at);
+      at += p.n;
+    }
+    for (std::size_t u = first; u < units_.size(); ++u) comm.all_gather(units_[u].compute_, shard_bounds(units_[u]));
+  }
+
+  /// Rewrites a unit's bf16 copy from its master weights (after loading or editing masters). A
+  /// store whose masters are sharded takes them as just written whole (a load), and gives back the
+  /// memory of those outside this process's parts afterwards.
   void sync_compute(const Unit& u) {
     MT_NVTX_RANGE("HostParamStore::sync_compute");
     if constexpr (std::is_same_v<T, float>) {
@@ -368,6 +475,7 @@ class HostParamStore {
     } else {
       for (std::size_t i = 0; i < u.master_.size(); ++i) u.compute_[i] = bf16(static_cast<float>(u.master_[i]));
     }
+    if (masters_sharded() && !whole_state_) release_unowned_masters(u);
   }
 
   std::size_t num_units() const { return units_.size(); }
@@ -433,8 +541,30 @@ class HostParamStore {
   }
 
  private:
+  void check_comm(const dist::HostComm& comm, std::string_view what) const {
+    MT_CHECK(comm.world() == options_.shard.count && comm.rank() == options_.shard.index,
+             "{}: the store keeps part {} of {}, but this is process {} of {}", what, options_.shard.index,
+             options_.shard.count, comm.rank(), comm.world());
+  }
+  // The pages of u's masters outside its part and its ranges kept whole, given back.
+  void release_unowned_masters(const Unit& u) {
+    if (!masters_sharded()) return;
+    std::vector<std::pair<std::int64_t, std::int64_t>> keep(u.whole_masters_.begin(), u.whole_masters_.end());
+    keep.push_back(u.owned());
+    std::sort(keep.begin(), keep.end());
+    std::int64_t at = 0;
+    const auto release = [&](std::int64_t a, std::int64_t b) {
+      if (b > a) release_host_pages(u.master_.data() + a, static_cast<std::size_t>(b - a) * sizeof(T));
+    };
+    for (const auto& [a, b] : keep) {
+      release(at, a);
+      at = std::max(at, b);
+    }
+    release(at, u.numel());
+  }
+
   std::unique_ptr<std::atomic<bool>> in_flight_ = std::make_unique<std::atomic<bool>>(false);
-  bool whole_moments_ = false;  // (sharded: gather_moments made this the root, no update since)
+  bool whole_state_ = false;  // (sharded: gather_state made this the root, no update since)
   StoreOptions options_;
   StoreFootprint footprint_;
   std::size_t host_budget_ = 0;

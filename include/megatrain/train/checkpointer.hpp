@@ -186,8 +186,8 @@ class Checkpointer {
     MT_NVTX_RANGE("Checkpointer::save");
     join();
     trainer.finish_update();  // the checkpoint holds the state after the last step, its update applied
-    MT_CHECK(store.moments_whole(), "this store keeps part {} of {} of AdamW's moments (a run sharded over processes, "
-             "ZeRO-1): call store.gather_moments(comm, root) on every process after the step, then save on the root",
+    MT_CHECK(store.state_whole(), "this store keeps part {} of {} of the optimizer state (a run sharded over processes, "
+             "ZeRO-1): call store.gather_state(comm, root) on every process after the step, then save on the root",
              store.shard().index, store.shard().count);
     TrainState st;
     st.step = trainer.steps_done();

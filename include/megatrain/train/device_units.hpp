@@ -11,6 +11,7 @@
 // of these units are stale until save() writes them back (Trainer::finish_update does both).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -37,6 +38,7 @@ class DeviceUnits {
   /// Allocates backend memory for the state of store units [0, count) (contents undefined until load()).
   DeviceUnits(B& be, const HostParamStore<float>& store, std::size_t count) {
     MT_CHECK(count <= store.num_units(), "{} device units, but the store has {} units", count, store.num_units());
+    masters_sharded_ = store.masters_sharded();
     for (std::size_t u = 0; u < count; ++u) {
       const auto n = static_cast<std::size_t>(store.unit(u).numel());
       units_.push_back({be.template alloc<float>(n), be.template alloc<float>(n), be.template alloc<float>(n)});
@@ -51,17 +53,24 @@ class DeviceUnits {
     return units_[u].master.span();
   }
 
+  std::span<float> master_data(std::size_t u) { return at(u).master.span(); }
+
   /// One AdamW step of unit u (enqueued on the backend's compute stream): `g` is its gradient in
   /// backend memory, laid out like its slabs; `w` receives the weights the ops read. Tensors
-  /// whose spec says weight_decay = false get none, as on the host; the gaps are left alone.
+  /// whose spec says weight_decay = false get none, as on the host; the gaps are left alone. Only
+  /// the elements of unit.owned() (a sharded store: this process's part; the caller then gathers
+  /// the others' parts of the weights and masters).
   void step(B& be, const typename HostParamStore<float>::Unit& unit, std::span<const Acc> g, std::span<W> w,
             const AdamWConfig& cfg, std::int64_t step, double lr, double grad_scale) {
     MT_NVTX_RANGE("DeviceUnits::step");
     auto& d = at(unit.index());
     const auto with_wd = AdamWScalars<float>::make(cfg, step, lr, cfg.weight_decay, grad_scale);
     const auto no_wd = AdamWScalars<float>::make(cfg, step, lr, 0.0, grad_scale);
+    const auto [lo, hi] = unit.owned();
     for (const auto& p : unit.params()) {
-      const auto o = static_cast<std::size_t>(p.offset), n = static_cast<std::size_t>(p.numel());
+      const auto a = std::max(p.offset, lo), b = std::min(p.offset + p.numel(), hi);
+      if (b <= a) continue;
+      const auto o = static_cast<std::size_t>(a), n = static_cast<std::size_t>(b - a);
       be.adamw(p.spec.weight_decay ? with_wd : no_wd, d.master.span().subspan(o, n), d.m.span().subspan(o, n),
                d.v.span().subspan(o, n), g.subspan(o, n), w.subspan(o, n));
     }
@@ -70,11 +79,16 @@ class DeviceUnits {
   /// Copies unit u's master weights and moments from the store into backend memory, and its
   /// weights into `w` (the bf16 compute copy, or the masters where the ops read fp32). Enqueued
   /// on `e`; the caller synchronises.
+  /// A sharded store: what this process holds of them (the moments of its part, the masters of its
+  /// part and of the ranges kept whole; the rest of the device's copies is not read before the
+  /// first step gathers it).
   void load(B& be, Exec& e, const typename HostParamStore<float>::Unit& unit, std::span<W> w) {
     auto& d = at(unit.index());
-    be.upload(e, std::span<const float>(unit.master()), d.master.span());
-    be.upload(e, std::span<const float>(unit.adam_m()), d.m.span());
-    be.upload(e, std::span<const float>(unit.adam_v()), d.v.span());
+    held(unit, [&](std::int64_t a, std::int64_t b) { be.upload(e, in(unit.master(), a, b), part(d.master.span(), a, b)); },
+         [&](std::int64_t a, std::int64_t b) {
+           be.upload(e, in(unit.adam_m(), a, b), part(d.m.span(), a, b));
+           be.upload(e, in(unit.adam_v(), a, b), part(d.v.span(), a, b));
+         });
     if constexpr (std::is_same_v<W, bf16>)
       be.upload(e, std::span<const bf16>(unit.compute()), w);
     else
@@ -86,15 +100,41 @@ class DeviceUnits {
   void save(B& be, Exec& e, HostParamStore<float>& store, std::size_t u, std::span<const W> w) {
     auto& d = at(u);
     const auto& unit = store.unit(u);
-    be.download(e, std::span<const float>(d.master.span()), unit.master());
-    be.download(e, std::span<const float>(d.m.span()), unit.adam_m());
-    be.download(e, std::span<const float>(d.v.span()), unit.adam_v());
+    held(unit, [&](std::int64_t a, std::int64_t b) { be.download(e, in(d.master.span(), a, b), part(unit.master(), a, b)); },
+         [&](std::int64_t a, std::int64_t b) {
+           be.download(e, in(d.m.span(), a, b), part(unit.adam_m(), a, b));
+           be.download(e, in(d.v.span(), a, b), part(unit.adam_v(), a, b));
+         });
     if constexpr (std::is_same_v<W, bf16>) be.download(e, w, unit.compute());
     e.synchronize();
     if constexpr (!std::is_same_v<W, bf16>) store.sync_compute(unit);
   }
 
  private:
+  template <class E>
+  static std::span<E> part(std::span<E> s, std::int64_t a, std::int64_t b) {
+    return s.subspan(static_cast<std::size_t>(a), static_cast<std::size_t>(b - a));
+  }
+  template <class E>
+  static std::span<const E> in(std::span<E> s, std::int64_t a, std::int64_t b) {
+    return part(s, a, b);
+  }
+  // The ranges of `unit` this process's store holds: masters(a, b) for the masters, moments(a, b)
+  // for m and v (all of the unit where the store is not sharded).
+  template <class M, class V>
+  void held(const typename HostParamStore<float>::Unit& unit, M&& masters, V&& moments) const {
+    const auto [lo, hi] = unit.owned();
+    moments(lo, hi);
+    if (!masters_sharded_) {
+      masters(0, unit.numel());
+      return;
+    }
+    masters(lo, hi);
+    for (const auto& [a, b] : unit.whole_masters()) {  // (their parts outside [lo, hi))
+      if (a < lo) masters(a, std::min(b, lo));
+      if (b > hi) masters(std::max(a, hi), b);
+    }
+  }
   struct Unit {
     Buf<float> master, m, v;
   };
@@ -103,6 +143,7 @@ class DeviceUnits {
     return units_[u];
   }
   std::vector<Unit> units_;
+  bool masters_sharded_ = false;
 };
 
 }  // namespace megatrain

@@ -204,7 +204,7 @@ class Trainer {
  public:
   /// What the store must provide for `opt`: resident gradients or a ring of host landing slots.
   static StoreOptions store_options(const TrainerOptions& options, StoreOptions base = {}) {
-    return plan::store_options(options, base);
+    return plan::store_options(options, base, std::is_same_v<W, bf16>);
   }
 
   /// `model`, `store` and `backend` must outlive the trainer. The store's units must be the
@@ -228,7 +228,8 @@ class Trainer {
              "{}-block model takes at most {}", opt_.grad_slots, model_.num_blocks() + 2, model_.num_blocks(),
              model_.num_blocks() + 2);
     model_.config().check_sequence_length(opt_.seq_len);
-    MT_CHECK(opt_.sharded() ? store_.shard().count == opt_.comm->world() && store_.shard().index == opt_.comm->rank()
+    MT_CHECK(opt_.sharded() ? store_.shard().count == opt_.comm->world() && store_.shard().index == opt_.comm->rank() &&
+                                  store_.shard().masters == (std::is_same_v<W, bf16>)
                             : !store_.sharded(),
              "the store keeps part {} of {} of the optimizer state, but the trainer's options say {}: build the store "
              "with Trainer::store_options(options)", store_.shard().index, store_.shard().count,
@@ -238,6 +239,10 @@ class Trainer {
              "communicator cannot sum that memory; use a communicator that can (NCCL on GPUs, MPI initialised for "
              "threads on the CPU backend), or GradientHome::host", opt_.distributed() ? opt_.comm->world() : 1,
              B::kDevice ? "GPU" : "backend");
+    MT_CHECK(!opt_.distributed() || opt_.device_units <= 0 || reduces_on_device_,
+             "data parallel over {} processes with {} device units: their gradients are summed in GPU memory, which "
+             "needs the gradients waiting there (GradientHome::device, the default)", opt_.distributed() ? opt_.comm->world() : 1,
+             opt_.device_units);
     MT_CHECK(!opt_.distributed() || !model_.config().moe.output_router_logits,
              "data parallel over {} processes: the auxiliary load-balancing loss (output_router_logits) is not "
              "supported there yet; set output_router_logits to false, or train in one process",
@@ -400,8 +405,8 @@ class Trainer {
         if (opt_.overlap_update) update_pending_ = true;
         else pipeline_->drain();
         if (opt_.sharded()) {
-          store_.moments_updated();
-          gather_masters();
+          store_.state_updated();
+          gather_updated();
         }
       }
     } else {  // the host units' sums came with their updates, the device units' from the device
@@ -657,15 +662,10 @@ class Trainer {
   }
 
   // ZeRO-1 (TrainerOptions::shard_optimizer): every process stepped its part of each unit; the
-  // masters are made whole again from the parts, and the bf16 copies from them (the same bits on
-  // every process).
-  void gather_masters() {
-    MT_NVTX_RANGE("Trainer::gather_masters");
-    for (std::size_t u = 0; u < store_.num_units(); ++u) {
-      auto& unit = store_.unit(u);
-      opt_.comm->all_gather(unit.master(), store_.shard_bounds(unit));
-      store_.sync_compute(unit);
-    }
+  // weights it streams are made whole again from the parts (the same bits on every process).
+  void gather_updated() {
+    MT_NVTX_RANGE("Trainer::gather_updated");
+    store_.gather_updated(*opt_.comm, devices_.count());  // (device units: gathered on the device, Compute)
   }
 
   // Which weights hold a NaN or an infinity (after a non-finite loss): the first such tensor in
@@ -681,17 +681,44 @@ class Trainer {
       std::size_t unit = 0, param = 0;
       FiniteScan scan;
     };
+    // (sharded masters: the parts this process holds, each scanned from its start in the tensor)
+    struct Range {
+      std::int64_t begin, end;
+    };
+    const auto held = [&](const auto& unit) {
+      std::vector<Range> r;
+      if (!store_.masters_sharded()) return std::vector<Range>{{0, unit.numel()}};
+      for (const auto& [a, b] : unit.whole_masters()) r.push_back({a, b});
+      r.push_back({unit.owned().first, unit.owned().second});
+      return r;
+    };
     std::vector<Found> all;
-    for (std::size_t u = 0; u < store_.num_units(); ++u)
-      for (std::size_t p = 0; p < store_.unit(u).params().size(); ++p) all.push_back({u, p, {}});
+    std::vector<Range> where;
+    for (std::size_t u = 0; u < store_.num_units(); ++u) {
+      const auto& unit = store_.unit(u);
+      for (const Range& h : held(unit))
+        for (std::size_t p = 0; p < unit.params().size(); ++p) {
+          const auto& param = unit.params()[p];
+          const Range r{std::max(h.begin, param.offset), std::min(h.end, param.offset + param.numel())};
+          if (r.end <= r.begin) continue;
+          all.push_back({u, p, {}});
+          where.push_back(r);
+        }
+    }
     tbb::parallel_for(std::size_t{0}, all.size(), [&](std::size_t i) {
       Found& f = all[i];
-      const auto& unit = store_.unit(f.unit);
-      const auto& param = unit.params()[f.param];
-      f.scan = scan_finite(
-          unit.master().subspan(static_cast<std::size_t>(param.offset), static_cast<std::size_t>(param.numel())));
+      const auto& param = store_.unit(f.unit).params()[f.param];
+      f.scan = scan_finite(store_.unit(f.unit).master().subspan(static_cast<std::size_t>(where[i].begin),
+                                                                static_cast<std::size_t>(where[i].end - where[i].begin)));
+      f.scan.first += static_cast<std::size_t>(where[i].begin - param.offset);
     });
     std::erase_if(all, [](const Found& f) { return f.scan.ok(); });
+    if (store_.masters_sharded()) {  // (every process decides alike: what the others hold counts too)
+      std::int64_t found[1] = {static_cast<std::int64_t>(all.size())};
+      opt_.comm->all_reduce_sum(found);
+      if (all.empty() && found[0] > 0)
+        return "weights of another process's part of the model (ZeRO-1; that process's message names them)";
+    }
     if (all.empty()) return {};
     const Found& f = all.front();
     return fmt::format("'{}' holds {} non-finite value(s) (the first, element {}, is {}){}",
@@ -1016,8 +1043,17 @@ class Trainer {
         }
         case Kind::optimize: {  // a device unit's update, with this step's or the AdamW pass's scalars
           const bool pass = t.opt_.resident_gradients();
-          t.devices_.step(t.be_, t.store_.unit(it.unit), t.grad_acc(it.unit, s.out), t.weight_slot(it.unit, 0), t.opt_.adamw,
+          const auto& unit = t.store_.unit(it.unit);
+          t.devices_.step(t.be_, unit, t.grad_acc(it.unit, s.out), t.weight_slot(it.unit, 0), t.opt_.adamw,
                           pass ? t.pass_.step : st.adam_step, pass ? t.pass_.lr : st.lr, pass ? t.pass_.clip_coef : st.clip_coef);
+          if (t.opt_.sharded()) {  // (each process stepped its part: the others' parts of its weights and masters)
+            void* stream = nullptr;
+            if constexpr (B::kDevice) stream = exec.stream();
+            const auto n = static_cast<std::size_t>(unit.numel());
+            const auto bounds = t.store_.shard_bounds(unit);
+            t.opt_.comm->all_gather_backend_memory(t.weight_slot(it.unit, 0).first(n), bounds, stream);
+            t.opt_.comm->all_gather_backend_memory(t.devices_.master_data(it.unit).first(n), bounds, stream);
+          }
           break;
         }
         case Kind::grad_piece:

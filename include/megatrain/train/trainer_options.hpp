@@ -118,11 +118,13 @@ struct TrainerOptions {
   dist::HostComm* comm = nullptr;
   bool distributed() const { return comm != nullptr && comm->world() > 1; }
   /// With `comm`: ZeRO-1. Each process keeps AdamW's m and v of its part of every unit only
-  /// (1/world of them: StoreOptions::shard, which store_options() sets) and steps only those
-  /// elements; each step's gradients are reduce-scattered (each process gets the sum of its part),
-  /// the norm summed from the parts, and after the update the masters gathered whole on every
-  /// process. The update runs before the next step begins (overlap_update is off). A checkpoint
-  /// gathers the moments first (HostParamStore::gather_moments).
+  /// (1/world of them: StoreOptions::shard, which store_options() sets), and where the weights
+  /// are bf16 (GPUs) the fp32 masters of its part too, and steps only those elements; each step's
+  /// gradients are reduce-scattered (each process gets the sum of its part), the norm summed from
+  /// the parts, and after the update the weights each process streams gathered whole on every
+  /// process (HostParamStore::gather_updated). The update runs before the next step begins
+  /// (overlap_update is off). A checkpoint or an export gathers the state first
+  /// (HostParamStore::gather_state).
   bool shard_optimizer = false;
   bool sharded() const { return shard_optimizer && distributed(); }
   /// With `comm` and GradientHome::host: each unit's gradient is summed over the processes by the
@@ -140,7 +142,7 @@ struct TrainerOptions {
   /// These options with micro_batches raised as max_micro_rows requires (see there).
   TrainerOptions resolved() const {
     TrainerOptions o = *this;
-    if (o.distributed() && o.device_units == kAutoDeviceUnits) o.device_units = 0;
+    if (o.distributed() && o.gradient_home == GradientHome::host && o.device_units == kAutoDeviceUnits) o.device_units = 0;
     if (o.sharded()) o.overlap_update = false;  // (the masters are gathered on the caller's thread after the update)
     if (o.max_micro_rows > 0 && o.batch_rows > 0 && o.micro_batches >= 1)
       while (o.micro_batches < o.batch_rows &&
@@ -170,9 +172,6 @@ struct TrainerOptions {
              "data parallel over {} processes sums each step's whole gradient before the update: it needs the gradients "
              "held for the step (exact clipping or micro-batches)",
              distributed() ? comm->world() : 1);
-    MT_CHECK(!distributed() || device_units <= 0,
-             "data parallel over {} processes: device units ({}) are not supported yet; use 0", comm->world(),
-             device_units);
     MT_CHECK(max_nonfinite_skips >= 1, "max_nonfinite_skips must be >= 1 (got {})", max_nonfinite_skips);
     MT_CHECK(on_nonfinite == NonFinite::stop || resolved().resident_gradients(),
              "skipping non-finite steps (on_nonfinite skip) needs the whole gradient before any update: exact clipping "
