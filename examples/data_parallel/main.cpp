@@ -33,7 +33,7 @@ int main() {
     o.batch_rows = global_rows / comm.world();  // this process's share
     o.seq_len = seq;
     o.clip_norm = 1.0;                          // exact clipping: the whole gradient held for the step
-    o.gradient_home = GradientHome::host;       // ... in host memory, where it is summed
+                                                // (in backend memory, summed there as it is completed)
     o.adamw.lr = 3e-3;
     o.comm = &comm;
     o.shard_optimizer = true;                   // ZeRO-1: each process keeps and steps 1/N of AdamW's state

@@ -10,7 +10,8 @@ Scenarios (each a CTest test):
               rounding (rel 1e-5);
               the first process alone writes the run folder (one metrics line a step).
   other_n     a checkpoint saved by 2 processes resumed by 1, and one saved by 1 resumed by 3: the
-              steps after it equal the uninterrupted run's to rounding.
+              steps after it equal the uninterrupted run's to rounding; the --export of 2
+              processes equals one process's to rounding.
   signal      SIGTERM to mpirun mid-run: every process stops after the same step and the first
               saves it; resumed by 2 processes, the run ends with the metrics of an uninterrupted
               2-process run, bit for bit.
@@ -71,6 +72,24 @@ def same(a, b, rel, what):
     print(f"{what}: {len(a)} steps, largest relative difference {worst:.2e}")
 
 
+def tensors(folder):
+    """The float32 tensors of an exported folder's model.safetensors, as {name: [values]}."""
+    import struct
+    with open(os.path.join(folder, "model.safetensors"), "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        if t["dtype"] != "F32":
+            fail(f"exported tensor {name} is {t['dtype']}, not F32")
+        a, b = t["data_offsets"]
+        out[name] = struct.unpack(f"<{(b - a) // 4}f", data[a:b])
+    return out
+
+
 def without(option):
     """SHAPE less `option` and its value (an option may be given once)."""
     i = SHAPE.index(option)
@@ -100,9 +119,18 @@ if SCENARIO == "same_run":
             fail(f"{name}: {len(m)} metrics lines for 4 steps (only the first process writes them)")
         same(m, one, 1e-5, f"{n} processes {' '.join(extra)} vs one")
 elif SCENARIO == "other_n":
-    launch(1, SHAPE + ["--steps", "4", "--save-every", "2", "--out", run_dir("one")])
+    export = ["--export-dtype", "f32"]
+    launch(1, SHAPE + ["--steps", "4", "--save-every", "2", "--out", run_dir("one"), "--export", run_dir("one_hf")] + export)
     one = metrics("one")
-    launch(2, SHAPE + ["--steps", "4", "--save-every", "2", "--out", run_dir("two")])
+    launch(2, SHAPE + ["--steps", "4", "--save-every", "2", "--out", run_dir("two"), "--export", run_dir("two_hf")] + export)
+    # (ZeRO-1: the whole state gathered on the first process, which exports it)
+    a, b = tensors(os.path.join(WORK, "two_hf")), tensors(os.path.join(WORK, "one_hf"))
+    if a.keys() != b.keys():
+        fail(f"the two exports hold other tensors: {sorted(a)} vs {sorted(b)}")
+    worst = max(max(abs(x - y) for x, y in zip(a[k], b[k])) / max(1e-30, max(abs(y) for y in b[k])) for k in a)
+    if worst > 1e-4:
+        fail(f"exported by 2 processes and by 1: the weights differ by {worst:.2e} of their largest")
+    print(f"exported by 2 processes and by 1: {len(a)} tensors within {worst:.2e} of their largest")
     ckpt = os.path.join(WORK, "two", "checkpoints", "step-00000002")
     r = launch(1, ["--resume", ckpt, "--out", run_dir("two_then_one"), "--steps", "4"])
     if "1 process(es) (checkpoint: 2)" not in r.stdout:

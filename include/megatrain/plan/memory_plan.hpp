@@ -208,10 +208,13 @@ namespace detail {
 /// same, at least 1 GiB: the host embedding's rows come after them).
 inline std::size_t checkpoint_reserve(std::size_t avail) { return avail / 32; }
 inline std::size_t units_reserve(std::size_t avail) { return std::max<std::size_t>(std::size_t{1} << 30, avail / 32); }
-/// Device unit u's backend bytes: fp32 master, m and v; a block's own weights; an accumulator
-/// of its own where it would otherwise share a ring or land in pieces.
-inline std::size_t device_unit_bytes(const TrainerBuffers& b, std::size_t u, std::size_t numel, bool grads_on_device) {
-  std::size_t n = 3 * numel * sizeof(float);
+/// Device unit u's backend bytes: fp32 master, m and v (of this process's part where the optimizer
+/// is sharded over `shards` processes); a block's own weights; an accumulator of its own where it
+/// would otherwise share a ring or land in pieces.
+inline std::size_t device_unit_bytes(const TrainerBuffers& b, std::size_t u, std::size_t numel, bool grads_on_device,
+                                     int shards = 1) {
+  const auto cut = HostParamStore<float>::shard_bounds(static_cast<std::int64_t>(numel), shards);
+  std::size_t n = (numel + 2 * static_cast<std::size_t>(cut[1] - cut[0])) * sizeof(float);  // (part 0: the largest)
   const bool block = u != 0 && u + 1 != b.units;
   if (block) n += numel * b.sizes.weight;
   if (block && !grads_on_device) n += numel * b.sizes.acc;
@@ -402,7 +405,10 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   unit_numel[0] = b.embed_slot;
   for (std::size_t l = 0; l < L; ++l) unit_numel[l + 1] = static_cast<std::size_t>(model.block(l).layout().numel());
   unit_numel[L + 1] = b.head_slot;
-  const auto unit_bytes = [&](std::size_t u) { return detail::device_unit_bytes(b, u, unit_numel[u], grads_on_device); };
+  const int shards = opt.sharded() ? opt.comm->world() : 1;
+  const auto unit_bytes = [&](std::size_t u) {
+    return detail::device_unit_bytes(b, u, unit_numel[u], grads_on_device, shards);
+  };
   std::size_t count = 0;
   if (opt.device_units != TrainerOptions::kAutoDeviceUnits) {
     count = static_cast<std::size_t>(opt.device_units);

@@ -39,9 +39,11 @@ class DeviceUnits {
   DeviceUnits(B& be, const HostParamStore<float>& store, std::size_t count) {
     MT_CHECK(count <= store.num_units(), "{} device units, but the store has {} units", count, store.num_units());
     masters_sharded_ = store.masters_sharded();
-    for (std::size_t u = 0; u < count; ++u) {
+    for (std::size_t u = 0; u < count; ++u) {  // (a sharded store: the moments of this process's part only)
       const auto n = static_cast<std::size_t>(store.unit(u).numel());
-      units_.push_back({be.template alloc<float>(n), be.template alloc<float>(n), be.template alloc<float>(n)});
+      const auto [lo, hi] = store.unit(u).owned();
+      const auto mine = static_cast<std::size_t>(hi - lo);
+      units_.push_back({be.template alloc<float>(n), be.template alloc<float>(mine), be.template alloc<float>(mine)});
     }
   }
 
@@ -70,9 +72,9 @@ class DeviceUnits {
     for (const auto& p : unit.params()) {
       const auto a = std::max(p.offset, lo), b = std::min(p.offset + p.numel(), hi);
       if (b <= a) continue;
-      const auto o = static_cast<std::size_t>(a), n = static_cast<std::size_t>(b - a);
-      be.adamw(p.spec.weight_decay ? with_wd : no_wd, d.master.span().subspan(o, n), d.m.span().subspan(o, n),
-               d.v.span().subspan(o, n), g.subspan(o, n), w.subspan(o, n));
+      const auto o = static_cast<std::size_t>(a), n = static_cast<std::size_t>(b - a), om = static_cast<std::size_t>(a - lo);
+      be.adamw(p.spec.weight_decay ? with_wd : no_wd, d.master.span().subspan(o, n), d.m.span().subspan(om, n),
+               d.v.span().subspan(om, n), g.subspan(o, n), w.subspan(o, n));
     }
   }
 
@@ -86,8 +88,8 @@ class DeviceUnits {
     auto& d = at(unit.index());
     held(unit, [&](std::int64_t a, std::int64_t b) { be.upload(e, in(unit.master(), a, b), part(d.master.span(), a, b)); },
          [&](std::int64_t a, std::int64_t b) {
-           be.upload(e, in(unit.adam_m(), a, b), part(d.m.span(), a, b));
-           be.upload(e, in(unit.adam_v(), a, b), part(d.v.span(), a, b));
+           be.upload(e, in(unit.adam_m(), a, b), part(d.m.span(), 0, b - a));  // (the moments of [a, b) only)
+           be.upload(e, in(unit.adam_v(), a, b), part(d.v.span(), 0, b - a));
          });
     if constexpr (std::is_same_v<W, bf16>)
       be.upload(e, std::span<const bf16>(unit.compute()), w);
@@ -102,8 +104,8 @@ class DeviceUnits {
     const auto& unit = store.unit(u);
     held(unit, [&](std::int64_t a, std::int64_t b) { be.download(e, in(d.master.span(), a, b), part(unit.master(), a, b)); },
          [&](std::int64_t a, std::int64_t b) {
-           be.download(e, in(d.m.span(), a, b), part(unit.adam_m(), a, b));
-           be.download(e, in(d.v.span(), a, b), part(unit.adam_v(), a, b));
+           be.download(e, in(d.m.span(), 0, b - a), part(unit.adam_m(), a, b));
+           be.download(e, in(d.v.span(), 0, b - a), part(unit.adam_v(), a, b));
          });
     if constexpr (std::is_same_v<W, bf16>) be.download(e, w, unit.compute());
     e.synchronize();
