@@ -6,7 +6,8 @@
 
 1. The same run, one process and two (ranks launched as torchrun would, through
    tests/cuda/run_ranks.sh: NCCL, ZeRO-1): a small model on the built-in text; every step's loss
-   must agree within 2e-3 (bf16 products, fp32 sums in another order).
+   must agree within 2e-3 (bf16 products, fp32 sums in another order); the two processes started
+   by megatrain-train --gpus 2 itself must give the same bits as those torchrun's way.
 2. Speed: --preset at --batch-per-gpu x --seq tokens per GPU on random tokens, exact clipping: one
    GPU, then two GPUs with twice the global batch, with ZeRO-1 (the default), without
    (--shard-optimizer false), and with ZeRO-1 but every unit's AdamW on the host (--device-units 0). Prints the tokens/s of each (the mean of the steps after the first
@@ -57,6 +58,12 @@ worst = max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(two, one
 print(f"same run: losses {[round(m['loss'], 5) for m in two]} on two GPUs, {[round(m['loss'], 5) for m in one]} on one; "
       f"largest relative difference {worst:.2e}", flush=True)
 ok = len(one) == len(two) == 6 and worst <= 2e-3
+# ... and the same two processes started by megatrain-train itself (--gpus 2): the same bits
+gpus = run(1, small + ["--gpus", "2"], "small-gpus")
+same_bits = [m["loss"] for m in gpus] == [m["loss"] for m in two]
+print(f"--gpus 2: losses {[round(m['loss'], 5) for m in gpus]}, {'the same bits as' if same_bits else 'NOT the same as'} "
+      f"the two processes torchrun's way", flush=True)
+ok = ok and same_bits
 
 # 2. speed
 data = os.path.join(a.work, "tokens.bin")

@@ -95,6 +95,7 @@ struct Settings {
   double rendezvous_timeout = 0;
   // several processes: each keeps and steps 1/N of AdamW's state (ZeRO-1), or all of it
   bool shard_optimizer = true;
+  std::string gpus = "1";  // --gpus: 1, N or all
   // checkpoints
   std::int64_t save_every = 0, keep = 2;
   std::string resume;  // "latest" (or empty) or a folder; see resume_given
@@ -382,10 +383,15 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
                    "Launched as several processes (torchrun, mpirun, srun): seconds a process waits for the others "
                    "at start before it gives up naming the missing ones (default: MEGATRAIN_RENDEZVOUS_TIMEOUT, else 300)")
       ->check(CLI::NonNegativeNumber);
+  runo->add_option("--gpus", s.gpus,
+                   "GPUs of this host to train on, one process each, started by this program as torchrun would "
+                   "(N, or all; default 1); not with a launcher (torchrun, mpirun, srun), which starts the processes "
+                   "itself")
+      ->capture_default_str();
   runo->add_option("--shard-optimizer", s.shard_optimizer,
-                   "Launched as several processes: each keeps and steps 1/N of AdamW's moments (ZeRO-1: less host "
-                   "memory; the masters gathered after each update, which the next step waits for); false: every "
-                   "process all of it (more memory, the update beside the next step)")
+                   "Launched as several processes: each keeps and steps 1/N of the fp32 masters and AdamW's moments "
+                   "(ZeRO-1: less host memory; the updated weights gathered after each update); false: every process "
+                   "all of it (more memory, the host units' update beside the next step)")
       ->capture_default_str();
   runo->add_option("--eval-every", s.eval_every, "Validation loss every N steps (0: only at the end)")->capture_default_str();
   runo->add_option("--eval-batches", s.eval_batches, "Batches per validation (with --steps 0: 0 skips the evaluation)")->capture_default_str();
@@ -538,6 +544,7 @@ inline json given_options(const Parsed& p) {
 /// by a later megatrain with other defaults still continues the same run.
 inline json recorded_options(const Parsed& p) {
   json j = given_options(p);
+  j.erase("--gpus");  // (how many GPUs a resumed run uses is the resuming command's choice)
   const Settings& s = *p.settings;
   const auto record = [&](const char* name, const std::string& value) {
     if (!j.contains(name)) j[name] = value;

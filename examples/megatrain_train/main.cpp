@@ -39,6 +39,7 @@
 
 #include "cli.hpp"
 #include "ranks.hpp"
+#include "gpus.hpp"
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/host_memory.hpp"
@@ -1145,6 +1146,14 @@ int main(int argc, char** argv) {
   };
   try {
     const Settings& s = *p.settings;
+    // --gpus N: one process per GPU, started here as torchrun would (examples/megatrain_train/gpus.hpp).
+    if (const int gpus = gpus_wanted(s.gpus, s.backend); gpus > 1) {
+      const auto env = megatrain::dist::launch_from_env();
+      if (env.world <= 1) return launch_gpus(gpus, argv);
+      MT_CHECK(std::getenv("MEGATRAIN_GPUS_LAUNCHED") != nullptr && env.world == gpus,
+               "--gpus {}: this is process {} of {} that {} launched, one GPU each: drop --gpus (the launcher says how "
+               "many)", s.gpus, env.rank, env.world, env.launcher);
+    }
     ranks = Ranks::join(s.backend == "cuda" || (s.backend == "auto" && cuda_device_present()), s.rendezvous_timeout);
     if (!ranks.lead()) (void)!std::freopen("/dev/null", "w", stdout);
     plan.given = recorded_options(p);

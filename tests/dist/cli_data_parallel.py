@@ -171,6 +171,7 @@ elif SCENARIO == "refusals":
     refused(2, SHAPE + ["--micro-batches", "3", "--out", run_dir("r")], "--micro-batches 3 (the passes of the global batch)")
     refused(2, SHAPE + ["--steps", "0"], "--steps 0 (evaluate or export) runs in one process")
     refused(1, SHAPE + ["--shard-optimizer", "false", "--out", run_dir("r")], "--shard-optimizer applies to several processes")
+    refused(1, SHAPE + ["--gpus", "2", "--out", run_dir("r")], "--gpus 2: the cpu backend trains several processes over MPI")
     # One process fails its checks (too little host memory for it alone): the other stops too, naming it.
     cmd = [MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", "1", TRAIN] + SHAPE + ["--out", run_dir("r"), ":",
            "-np", "1", "-x", "MEGATRAIN_HOST_MEMORY=100K", TRAIN] + SHAPE + ["--out", run_dir("r")]
