@@ -10,7 +10,9 @@
    by megatrain-train --gpus 2 itself must give the same bits as those torchrun's way.
 2. Speed: --preset at --batch-per-gpu x --seq tokens per GPU on random tokens, exact clipping: one
    GPU, then two GPUs with twice the global batch, with ZeRO-1 (the default), without
-   (--shard-optimizer false), and with ZeRO-1 but every unit's AdamW on the host (--device-units 0). Prints the tokens/s of each (the mean of the steps after the first
+   (--shard-optimizer false), and with ZeRO-1 but every unit's AdamW on the host (--device-units 0);
+   then the peer, PyTorch FSDP2 with CPUOffloadPolicy on the same two GPUs and tokens per GPU
+   (bench/peer_fsdp2.py; --no-peer skips it). Prints the tokens/s of each (the mean of the steps after the first
    two) and the ratios to one GPU (the issue's goal: 1.9x on two H200s).
 Needs two GPUs.
 """
@@ -28,6 +30,7 @@ ap.add_argument("--preset", default="qwen2.5-1.5b")
 ap.add_argument("--seq", type=int, default=1024)
 ap.add_argument("--batch-per-gpu", type=int, default=32)
 ap.add_argument("--steps", type=int, default=5)
+ap.add_argument("--no-peer", action="store_true", help="skip the FSDP2 + CPU offload peer (bench/peer_fsdp2.py)")
 a = ap.parse_args()
 os.makedirs(a.work, exist_ok=True)
 ranks = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "cuda", "run_ranks.sh")
@@ -80,8 +83,20 @@ for name, n, extra in (("one GPU", 1, []), ("two GPUs, ZeRO-1", 2, []), ("two GP
     kept = m[2:] if len(m) > 2 else m
     rates[name] = sum(x["tokens"] for x in kept) / sum(x["step_time_s"] for x in kept)
     print(f"{name}: {rates[name]:.0f} tok/s (steps 3..{len(m)}: {[round(x['step_time_s'], 3) for x in kept]} s)", flush=True)
+if not a.no_peer:  # the several-GPU peer, the same tokens per GPU on the same two GPUs
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+           os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_fsdp2.py"), "--preset", a.preset,
+           "--batch-per-gpu", str(a.batch_per_gpu), "--seq", str(a.seq), "--steps", str(a.steps), "--clip", "1.0"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    print(f"$ {' '.join(cmd)}\n  exit {r.returncode}", flush=True)
+    lines = [l for l in r.stdout.splitlines() if l.startswith(("peer:", "{"))]
+    print("\n".join("  " + l[:400] for l in lines) if lines else (r.stdout[-3000:] + r.stderr[-3000:]), flush=True)
+    if r.returncode == 0 and lines and lines[-1].startswith("{"):
+        rates["FSDP2 + CPU offload, two GPUs"] = json.loads(lines[-1])["peer_tokens_per_s"]
 base = rates["one GPU"]
 print(f"| {a.preset}, {a.batch_per_gpu} x {a.seq} tokens per GPU, exact clipping | " +
       " | ".join(f"{k} {v:.0f} tok/s ({v / base:.2f}x)" for k, v in rates.items()) +
-      f" | goal 1.9x | same run on 1 and 2: {'ok' if ok else 'FAILED'} |")
+      f" | goal 1.9x | same run on 1 and 2: {'ok' if ok else 'FAILED'} |" +
+      (f" megatrain ZeRO-1 / FSDP2 offload: {rates['two GPUs, ZeRO-1'] / peer:.2f}x |"
+       if (peer := rates.get("FSDP2 + CPU offload, two GPUs")) else ""))
 sys.exit(0 if ok else 1)

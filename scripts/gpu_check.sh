@@ -163,7 +163,7 @@ if [[ " $what " == *" dp "* ]]; then
   summary+=("test_dist_train_cuda 2 ranks rc=$?: $(grep -c 'within' "$OUT/dist_train_cuda.log") runs compared")
   timeout 120 bash tests/cuda/killed_rank_nccl.sh "$BIN/test_dist_train_cuda" > "$OUT/killed_rank_nccl.log" 2>&1
   summary+=("killed_rank_nccl rc=$?: $(tail -1 "$OUT/killed_rank_nccl.log")")
-  timeout 560 python3 bench/data_parallel.py --megatrain "$BIN/megatrain-train" --work /tmp/mt-dp ${DP_ARGS:-} \
+  timeout 900 python3 bench/data_parallel.py --megatrain "$BIN/megatrain-train" --work /tmp/mt-dp ${DP_ARGS:-} \
     > "$OUT/data_parallel.log" 2>&1
   summary+=("data_parallel rc=$? $(tail -1 "$OUT/data_parallel.log")")
 fi
