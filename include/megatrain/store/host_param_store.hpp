@@ -163,6 +163,9 @@ class HostParamStore {
     /// The ranges [first, second) of master() that a store with sharded masters keeps whole on
     /// every process (sorted; empty where the masters are not sharded).
     std::span<const std::pair<std::int64_t, std::int64_t>> whole_masters() const { return whole_masters_; }
+    /// The ranges of master() this process holds (sorted, disjoint): all of it, or where the
+    /// masters are sharded its part and the ranges kept whole.
+    std::span<const std::pair<std::int64_t, std::int64_t>> held_masters() const { return held_masters_; }
     /// AdamW's moments, as long as the unit; in a sharded store only owned() is this process's
     /// (the rest holds no memory and reads as zeros, or as what gather_state brought).
     std::span<T> adam_m() const { return m_; }
@@ -194,7 +197,7 @@ class HostParamStore {
     std::span<bf16> compute_;
     std::span<T> grad_;
     std::int64_t owned_begin_ = 0, owned_end_ = 0;
-    std::vector<std::pair<std::int64_t, std::int64_t>> whole_masters_;
+    std::vector<std::pair<std::int64_t, std::int64_t>> whole_masters_, held_masters_;
     std::int64_t master_kept_ = 0;  // elements of master() this process keeps
   };
 
@@ -329,6 +332,19 @@ class HostParamStore {
       u.owned_end_ = cut[static_cast<std::size_t>(opt.shard.index) + 1];
       u.whole_masters_ = whole_master_ranges(u.layout_, ui, opt.shard);
       u.master_kept_ = kept_master_elements(u.numel(), u.owned_begin_, u.owned_end_, opt.shard, u.whole_masters_);
+      u.held_masters_ = {{0, u.numel()}};
+      if (opt.shard.masters && opt.shard.count > 1) {  // (its part and the ranges kept whole, merged)
+        auto r = u.whole_masters_;
+        r.push_back(u.owned());
+        std::sort(r.begin(), r.end());
+        u.held_masters_.clear();
+        for (const auto& [from, to] : r) {
+          if (!u.held_masters_.empty() && from <= u.held_masters_.back().second)
+            u.held_masters_.back().second = std::max(u.held_masters_.back().second, to);
+          else if (to > from)
+            u.held_masters_.emplace_back(from, to);
+        }
+      }
       base += u.numel();
       units_.push_back(std::move(u));
     }
@@ -396,11 +412,8 @@ class HostParamStore {
     if (!sharded()) return;
     whole_state_ = false;
     for (auto& u : units_) {
-      const auto [lo, hi] = u.owned();
-      for (const std::span<T>& slab : {u.m_, u.v_}) {
-        release_host_pages(slab.data(), static_cast<std::size_t>(lo) * sizeof(T));
-        release_host_pages(slab.data() + hi, (slab.size() - static_cast<std::size_t>(hi)) * sizeof(T));
-      }
+      release_outside(u.m_, {u.owned()});
+      release_outside(u.v_, {u.owned()});
       release_unowned_masters(u);
     }
   }
@@ -420,47 +433,46 @@ class HostParamStore {
       }
       return;
     }
-    // The masters kept whole: a unit kept whole in place; the full-precision ranges of the others
+    // The masters kept whole: a unit kept whole, in place; the full-precision ranges of the others
     // (a few small tensors a unit) packed into one buffer, rank by rank, and gathered at once.
     struct Piece {
       T* at;
       std::size_t n;
+      int rank;
     };
     std::vector<Piece> pieces;
     std::vector<std::int64_t> bounds{0};
-    std::size_t total = 0;
     for (int r = 0; r < options_.shard.count; ++r) {
       for (std::size_t k = first; k < units_.size(); ++k) {
         auto& u = units_[k];
+        if (whole_master_unit(u)) continue;
         const auto b = shard_bounds(u);
-        if (u.whole_masters_.size() == 1 && u.whole_masters_[0] == std::pair<std::int64_t, std::int64_t>{0, u.numel()}) {
-          if (r == 0) comm.all_gather(u.master_, b);
-          continue;
-        }
         for (const auto& [a, e] : u.whole_masters_) {
           const auto lo = std::max(a, b[static_cast<std::size_t>(r)]), hi = std::min(e, b[static_cast<std::size_t>(r) + 1]);
-          if (hi <= lo) continue;
-          pieces.push_back({u.master_.data() + lo, static_cast<std::size_t>(hi - lo)});
-          total += pieces.back().n;
+          if (hi > lo) pieces.push_back({u.master_.data() + lo, static_cast<std::size_t>(hi - lo), r});
         }
       }
-      bounds.push_back(static_cast<std::int64_t>(total));
+      std::int64_t total = bounds.back();
+      for (const Piece& p : pieces) total += p.rank == r ? static_cast<std::int64_t>(p.n) : 0;
+      bounds.push_back(total);
     }
-    std::vector<T> packed(total);
-    const auto mine = static_cast<std::size_t>(options_.shard.index);
-    std::size_t at = 0, k = 0;
-    for (int r = 0; r < options_.shard.count; ++r)
-      for (; at < static_cast<std::size_t>(bounds[static_cast<std::size_t>(r) + 1]); ++k) {
-        if (static_cast<std::size_t>(r) == mine) std::copy_n(pieces[k].at, pieces[k].n, packed.begin() + static_cast<std::ptrdiff_t>(at));
-        at += pieces[k].n;
+    std::vector<T> packed(static_cast<std::size_t>(bounds.back()));
+    const auto each_piece = [&](auto&& fn) {  // fn(piece, its place in `packed`)
+      auto at = packed.begin();
+      for (const Piece& p : pieces) {
+        fn(p, at);
+        at += static_cast<std::ptrdiff_t>(p.n);
       }
+    };
+    each_piece([&](const Piece& p, auto at) {
+      if (p.rank == options_.shard.index) std::copy_n(p.at, p.n, at);
+    });
     comm.all_gather(std::span<T>(packed), bounds);
-    at = 0;
-    for (const Piece& p : pieces) {
-      std::copy_n(packed.begin() + static_cast<std::ptrdiff_t>(at), p.n, p.at);
-      at += p.n;
+    each_piece([](const Piece& p, auto at) { std::copy_n(at, p.n, p.at); });
+    for (std::size_t k = first; k < units_.size(); ++k) {
+      if (whole_master_unit(units_[k])) comm.all_gather(units_[k].master_, shard_bounds(units_[k]));
+      comm.all_gather(units_[k].compute_, shard_bounds(units_[k]));
     }
-    for (std::size_t u = first; u < units_.size(); ++u) comm.all_gather(units_[u].compute_, shard_bounds(units_[u]));
   }
 
   /// Rewrites a unit's bf16 copy from its master weights (after loading or editing masters). A
@@ -546,21 +558,25 @@ class HostParamStore {
              "{}: the store keeps part {} of {}, but this is process {} of {}", what, options_.shard.index,
              options_.shard.count, comm.rank(), comm.world());
   }
-  // The pages of u's masters outside its part and its ranges kept whole, given back.
-  void release_unowned_masters(const Unit& u) {
-    if (!masters_sharded()) return;
-    std::vector<std::pair<std::int64_t, std::int64_t>> keep(u.whole_masters_.begin(), u.whole_masters_.end());
-    keep.push_back(u.owned());
+  static bool whole_master_unit(const Unit& u) {
+    return u.whole_masters_.size() == 1 && u.whole_masters_[0] == std::pair<std::int64_t, std::int64_t>{0, u.numel()};
+  }
+  // The pages of `slab` outside the ranges `keep` given back.
+  static void release_outside(std::span<T> slab, std::vector<std::pair<std::int64_t, std::int64_t>> keep) {
     std::sort(keep.begin(), keep.end());
     std::int64_t at = 0;
     const auto release = [&](std::int64_t a, std::int64_t b) {
-      if (b > a) release_host_pages(u.master_.data() + a, static_cast<std::size_t>(b - a) * sizeof(T));
+      if (b > a) release_host_pages(slab.data() + a, static_cast<std::size_t>(b - a) * sizeof(T));
     };
     for (const auto& [a, b] : keep) {
       release(at, a);
       at = std::max(at, b);
     }
-    release(at, u.numel());
+    release(at, static_cast<std::int64_t>(slab.size()));
+  }
+  // The pages of u's masters outside its part and its ranges kept whole, given back.
+  void release_unowned_masters(const Unit& u) {
+    if (masters_sharded()) release_outside(u.master_, u.held_masters_);
   }
 
   std::unique_ptr<std::atomic<bool>> in_flight_ = std::make_unique<std::atomic<bool>>(false);

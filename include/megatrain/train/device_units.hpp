@@ -38,7 +38,6 @@ class DeviceUnits {
   /// Allocates backend memory for the state of store units [0, count) (contents undefined until load()).
   DeviceUnits(B& be, const HostParamStore<float>& store, std::size_t count) {
     MT_CHECK(count <= store.num_units(), "{} device units, but the store has {} units", count, store.num_units());
-    masters_sharded_ = store.masters_sharded();
     for (std::size_t u = 0; u < count; ++u) {  // (a sharded store: the moments of this process's part only)
       const auto n = static_cast<std::size_t>(store.unit(u).numel());
       const auto [lo, hi] = store.unit(u).owned();
@@ -124,18 +123,9 @@ class DeviceUnits {
   // The ranges of `unit` this process's store holds: masters(a, b) for the masters, moments(a, b)
   // for m and v (all of the unit where the store is not sharded).
   template <class M, class V>
-  void held(const typename HostParamStore<float>::Unit& unit, M&& masters, V&& moments) const {
-    const auto [lo, hi] = unit.owned();
-    moments(lo, hi);
-    if (!masters_sharded_) {
-      masters(0, unit.numel());
-      return;
-    }
-    masters(lo, hi);
-    for (const auto& [a, b] : unit.whole_masters()) {  // (their parts outside [lo, hi))
-      if (a < lo) masters(a, std::min(b, lo));
-      if (b > hi) masters(std::max(a, hi), b);
-    }
+  static void held(const typename HostParamStore<float>::Unit& unit, M&& masters, V&& moments) {
+    moments(unit.owned().first, unit.owned().second);
+    for (const auto& [a, b] : unit.held_masters()) masters(a, b);
   }
   struct Unit {
     Buf<float> master, m, v;
@@ -145,7 +135,6 @@ class DeviceUnits {
     return units_[u];
   }
   std::vector<Unit> units_;
-  bool masters_sharded_ = false;
 };
 
 }  // namespace megatrain

@@ -685,21 +685,14 @@ class Trainer {
     struct Range {
       std::int64_t begin, end;
     };
-    const auto held = [&](const auto& unit) {
-      std::vector<Range> r;
-      if (!store_.masters_sharded()) return std::vector<Range>{{0, unit.numel()}};
-      for (const auto& [a, b] : unit.whole_masters()) r.push_back({a, b});
-      r.push_back({unit.owned().first, unit.owned().second});
-      return r;
-    };
     std::vector<Found> all;
     std::vector<Range> where;
     for (std::size_t u = 0; u < store_.num_units(); ++u) {
       const auto& unit = store_.unit(u);
-      for (const Range& h : held(unit))
+      for (const auto& [a, b] : unit.held_masters())
         for (std::size_t p = 0; p < unit.params().size(); ++p) {
           const auto& param = unit.params()[p];
-          const Range r{std::max(h.begin, param.offset), std::min(h.end, param.offset + param.numel())};
+          const Range r{std::max(a, param.offset), std::min(b, param.offset + param.numel())};
           if (r.end <= r.begin) continue;
           all.push_back({u, p, {}});
           where.push_back(r);
