@@ -49,7 +49,12 @@ def main():
     cfg = transformers.AutoConfig.for_model(**fields)
     cfg.use_cache = False
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    # Built on the meta device and sharded before any memory is taken, so that each rank
+    # materialises only its shard in host memory (a whole fp32 model a rank would not fit the
+    # host at 14B), then initialised in place as transformers would (normal(0, 0.02) matrices,
+    # unit norm gains, zero biases).
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
     model.gradient_checkpointing_enable()
     model.train()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -57,6 +62,20 @@ def main():
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp, offload_policy=off)
     fully_shard(model, mp_policy=mp, offload_policy=off)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if name.endswith("bias"):
+                local.zero_()
+            elif p.dim() == 1:
+                local.fill_(1.0)
+            else:
+                local.normal_(0.0, cfg.initializer_range)
+        # (the rotary inverse frequencies, buffers left empty by to_empty: from a fresh module)
+        fresh = type(model.model.rotary_emb)(config=cfg, device="cpu")
+        for name, b in fresh.named_buffers():
+            getattr(model.model.rotary_emb, name).copy_(b)
     try:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
         fused = True
@@ -108,7 +127,7 @@ def main():
               f"{a.batch_per_gpu} x {a.seq} tokens a GPU in passes of {micro}, AdamW on the CPU "
               f"({'fused' if fused else 'foreach'}), clip {a.clip}: steps {[round(t, 3) for t in times]} s, "
               f"{tps:.0f} tok/s, peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
-        print(json.dumps({"peer_tokens_per_s": tps, "gpus": world, "micro": micro, "steps_s": times}), flush=True)
+        print(json.dumps({"peer_tokens_per_s": tps, "parameters": n, "gpus": world, "micro": micro, "steps_s": times}), flush=True)
     dist.destroy_process_group()
 
 

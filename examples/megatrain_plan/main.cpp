@@ -6,6 +6,7 @@
 //
 //   megatrain-plan --preset qwen2.5-7b --batch 1 --seq 262144 --host-memory 120G
 //   megatrain-plan --model-config config.json --tokens-per-step 32768 --seq 1024 --gpu-memory 139G
+//   megatrain-plan --preset qwen2.5-14b --tokens-per-step 65536 --seq 1024 --gpus 2   (data parallel: per GPU, per host)
 //
 // The options are megatrain-train's (model, step shape, clipping, memory). On a machine with a
 // GPU (megatrain built with CUDA) the plan is that GPU's (its free memory, cuDNN's workspaces);
@@ -25,6 +26,7 @@
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/host_memory.hpp"
+#include "megatrain/dist/comm.hpp"
 #include "megatrain/layers/decoder_model.hpp"
 #include "megatrain/plan/planner.hpp"
 #include "megatrain/plan/probe.hpp"
@@ -37,8 +39,32 @@ using namespace megatrain_train;
 
 namespace {
 
+// The processes of a data-parallel run, planned and not run: the planner reads only how many there
+// are and which this is (the first, which writes the checkpoints); it calls no collective.
+class PlannedProcesses final : public dist::HostComm {
+ public:
+  explicit PlannedProcesses(int world) : world_(world) {}
+  int rank() const override { return 0; }
+  int world() const override { return world_; }
+  void all_reduce_sum(std::span<float>) override { none(); }
+  void all_reduce_sum(std::span<double>) override { none(); }
+  void all_reduce_sum(std::span<std::int64_t>) override { none(); }
+  void reduce_scatter_sum(std::span<float>, std::span<const std::int64_t>) override { none(); }
+  void all_gather(std::span<float>, std::span<const std::int64_t>) override { none(); }
+  void all_gather(std::span<bf16>, std::span<const std::int64_t>) override { none(); }
+  void gather(std::span<float>, std::span<const std::int64_t>, int) override { none(); }
+  bool can_sum_backend_memory(bool) const override { return true; }  // (as NCCL on GPUs, MPI on CPUs)
+  void abort(int) noexcept override {}
+
+ private:
+  [[noreturn]] static void none() { MT_FAIL("megatrain-plan plans processes and runs no collective"); }
+  int world_;
+};
+
 struct PlanArgs {
   std::int64_t tokens_per_step = 0;
+  int gpus = 1;   // --gpus: processes, one a GPU
+  int hosts = 1;  // --hosts: the --gpus processes spread over this many hosts
   std::string machine;  // --machine FILE
   bool json = false;
   bool probe = false;   // --probe: measure the machine's rates, keep them
@@ -78,6 +104,20 @@ int report(const DecoderModel<>& model, const TrainerOptions& topt, const plan::
   }
   std::printf("%s\n", where.c_str());
   std::printf("%s", plan::format_plan(p).c_str());
+  if (topt.distributed()) {  // (the plan above is one process's: one GPU's; its host holds `per_host` of them)
+    const int per_host = topt.comm->world() / a.hosts;
+    const double params = static_cast<double>(model.config().param_count());
+    std::printf("data parallel: %d processes, one a GPU, %d a host on %d host(s); each trains %lld sequences of the "
+                "global batch%s. Per GPU: the plan above. Per host: %s of host memory (%.2f bytes a parameter)%s\n",
+                topt.comm->world(), per_host, a.hosts, static_cast<long long>(topt.batch_rows),
+                topt.sharded() ? fmt::format(", holds 1/{} of the optimizer state (ZeRO-1{})", topt.comm->world(),
+                                             topt.share_host_weights ? "; the bf16 weights one copy the host's processes map"
+                                                                     : "").c_str()
+                               : " and the whole optimizer state",
+                format_bytes(p.memory.host_total() * static_cast<std::size_t>(per_host)).c_str(),
+                static_cast<double>(p.memory.host_total()) * per_host / params,
+                p.memory.fits ? "" : " (does not fit: see above)");
+  }
   if (p.memory.fits) {
     std::printf("largest that fit: --seq %s at this batch; %s sequences per micro-batch at --seq %lld (%s tokens; more per "
                 "step through --micro-batches)\n",
@@ -116,6 +156,24 @@ int run(const Settings& s, const CLI::App& app, const PlanArgs& a) {
   }
   topt.clip_norm = s.clip;
   topt.clip_mode = s.clip_mode == "stale" ? ClipMode::stale : ClipMode::exact;
+  // Data parallel (--gpus N over --hosts H): one process's plan, for its share of the global batch
+  // and of its host's memory, as megatrain-train would run it.
+  static std::optional<PlannedProcesses> processes;
+  const int gpus = a.gpus;
+  MT_CHECK(a.hosts >= 1 && gpus % a.hosts == 0, "--hosts {}: the {} processes (--gpus) must spread evenly over the hosts",
+           a.hosts, gpus);
+  if (gpus > 1) {
+    MT_CHECK(topt.batch_rows % gpus == 0, "--batch {} (the global batch) must be a multiple of the {} processes (--gpus)",
+             topt.batch_rows, gpus);
+    processes.emplace(gpus);
+    topt.batch_rows /= gpus;
+    topt.micro_batches = std::max<std::int64_t>(1, topt.micro_batches / gpus);
+    topt.comm = &*processes;
+    topt.shard_optimizer = s.shard_optimizer;
+    topt.share_host_weights = s.shard_optimizer && (s.share_weights == "true" || (s.share_weights == "auto" && a.hosts == 1));
+  } else {
+    MT_CHECK(a.hosts == 1, "--hosts {} plans several processes: give --gpus too", a.hosts);
+  }
   topt.validate();
 
   // The machine's rates: measured now (--probe, kept in --machine FILE or the default file), read
@@ -154,7 +212,13 @@ int run(const Settings& s, const CLI::App& app, const PlanArgs& a) {
   } else {
     machine = plan::machine_figures();  // (a probe's, else the reference host's)
   }
-  const plan::HostBudget host = host_budget(s);
+  plan::HostBudget host = host_budget(s);
+  // (several processes on a host share its memory, as in megatrain-train: each plans with its part
+  // unless --host-memory gives each its own)
+  if (const int per_host = a.gpus / a.hosts; per_host > 1 && s.host_memory.empty() && std::getenv("MEGATRAIN_HOST_MEMORY") == nullptr) {
+    host.bytes /= static_cast<std::size_t>(per_host);
+    host.source = fmt::format("available host memory / {} processes on a host", per_host);
+  }
   // (from the config alone, before its blocks are built: a config of 10^9 layers is refused here;
   // a model too large for the host does not fit: exit 2, as any plan that does not)
   try {
@@ -162,7 +226,8 @@ int run(const Settings& s, const CLI::App& app, const PlanArgs& a) {
                                 !s.model_dir.empty()      ? (std::filesystem::path(s.model_dir) / "config.json").string()
                                 : !s.model_config.empty() ? s.model_config
                                 : !s.preset.empty()       ? "--preset " + s.preset
-                                                          : std::string("the command-line shape"));
+                                                          : std::string("the command-line shape"),
+                                plan::store_options(topt, {}, s.backend != "cpu").shard);
   } catch (const megatrain::Error& e) {
     std::fprintf(stderr, "megatrain-plan: %s\n", std::getenv("MEGATRAIN_DEBUG") ? e.what() : e.reason().c_str());
     return 2;
@@ -221,6 +286,18 @@ int main(int argc, char** argv) {
                 "Measure this machine's rates at this model's shapes (GPU matrix products and attention, device memory, "
                 "PCIe each way and both, the CPU's AdamW alone and under copies) and keep them in --machine FILE, or by "
                 "default in $MEGATRAIN_MACHINE, else ~/.cache/megatrain/machine.json, which later plans read");
+  auto* procs = app.add_option_group("processes", "Data parallel (megatrain-train's options; docs/distributed.md)");
+  procs->add_option("--gpus", a.gpus, "GPUs, one process each (default 1): the plan of one of them, and what a host holds")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  procs->add_option("--hosts", a.hosts, "Hosts the --gpus processes spread over, evenly (default 1)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  procs->add_option("--shard-optimizer", s.shard_optimizer, "ZeRO-1, as megatrain-train (default true)")->capture_default_str();
+  procs->add_option("--share-weights", s.share_weights,
+                    "The bf16 weights one copy a host's processes map (auto: where every process runs on one host)")
+      ->check(CLI::IsMember({"auto", "true", "false"}))
+      ->capture_default_str();
   app.add_flag("--json", a.json, "Print the plan as JSON");
   try {
     refuse_empty_positionals(app, std::vector<std::string>(argv + 1, argv + argc), "megatrain-plan");

@@ -95,6 +95,9 @@ struct Settings {
   double rendezvous_timeout = 0;
   // several processes: each keeps and steps 1/N of AdamW's state (ZeRO-1), or all of it
   bool shard_optimizer = true;
+  // several processes with ZeRO-1 on GPUs: the bf16 weights mapped by the processes of the host
+  // together (auto: where every process runs on this host, as the launcher says)
+  std::string share_weights = "auto";
   std::string gpus = "1";  // --gpus: 1, N or all
   // checkpoints
   std::int64_t save_every = 0, keep = 2;
@@ -392,6 +395,12 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
                    "Launched as several processes: each keeps and steps 1/N of the fp32 masters and AdamW's moments "
                    "(ZeRO-1: less host memory; the updated weights gathered after each update); false: every process "
                    "all of it (more memory, the host units' update beside the next step)")
+      ->capture_default_str();
+  runo->add_option("--share-weights", s.share_weights,
+                   "Several processes with --shard-optimizer on GPUs, all on one host: the bf16 weights they stream "
+                   "held once in host memory and mapped by every process (2 bytes a parameter for the host, not 2 a "
+                   "process); auto: where the launcher says every process runs on this host; true, false")
+      ->check(CLI::IsMember({"auto", "true", "false"}))
       ->capture_default_str();
   runo->add_option("--eval-every", s.eval_every, "Validation loss every N steps (0: only at the end)")->capture_default_str();
   runo->add_option("--eval-batches", s.eval_batches, "Batches per validation (with --steps 0: 0 skips the evaluation)")->capture_default_str();

@@ -271,8 +271,12 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
            "--val-fraction contradicts --val-data: validation comes from that file; drop one");
   MT_CHECK(s.steps >= 0, "--steps must be >= 0 (got {}; 0 evaluates only)", s.steps);
   const bool eval_only = s.steps == 0;
-  MT_CHECK(ranks.several() || !s.origins.given_now("--shard-optimizer"),
-           "--shard-optimizer applies to several processes (launched by torchrun, mpirun or srun); drop it");
+  for (const char* flag : {"--shard-optimizer", "--share-weights"})
+    MT_CHECK(ranks.several() || !s.origins.given_now(flag),
+             "{} applies to several processes (launched by torchrun, mpirun or srun, or --gpus); drop it", flag);
+  MT_CHECK(s.share_weights != "true" || s.shard_optimizer,
+           "--share-weights true shares the weights of processes that each step 1/N of them: it needs --shard-optimizer "
+           "true");
   // Several processes (docs/distributed.md): --batch and --micro-batches are the global batch's.
   if (ranks.several()) {
     MT_CHECK(!eval_only, "--steps 0 (evaluate or export) runs in one process, and this is process {} of {} ({} launched "
@@ -530,6 +534,10 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
     topt.micro_batches = std::max<std::int64_t>(1, s.micro_batches / ranks.world());
     topt.comm = ranks.comm();
     topt.shard_optimizer = s.shard_optimizer;  // (ZeRO-1: each process keeps and steps 1/N of AdamW's state)
+    // (one bf16 copy for the host's processes: where each runs here, as the launcher says, unless
+    // told; the store checks that they do)
+    topt.share_host_weights = s.shard_optimizer && (s.share_weights == "true" ||
+                                                    (s.share_weights == "auto" && ranks.info().local_world == ranks.world()));
   }
   topt.packed = data && data->packed();
   topt.adamw = {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
@@ -697,8 +705,10 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
                                   : !s.model_config.empty() ? s.model_config
                                   : !s.preset.empty()       ? "--preset " + s.preset
                                                             : std::string("the command-line shape");
+  MT_CHECK(s.share_weights != "true" || (std::is_same_v<typename B::Weight, bf16>),
+           "--share-weights true shares the bf16 weights of GPU processes; the {} backend streams none: drop it", backend_name);
   // (from the config alone, before its blocks are built: a config of 10^9 layers is refused here)
-  plan::check_state_fits_host(cfg, budget, model_label);
+  plan::check_state_fits_host(cfg, budget, model_label, Trainer<B>::store_options(topt).shard);
   DecoderModel<> model(cfg);
   // The plan (docs/planner.md), before anything is allocated: printed, and refused with what would
   // fit when it cannot.
@@ -711,9 +721,12 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
       // (ZeRO-1: the first process holds the whole train state while it writes a checkpoint or an export)
       TrainerOptions whole = topt;
       whole.shard_optimizer = false;
-      const auto all = HostParamStore<float>::footprint(model.units(), Trainer<B>::store_options(whole)).total_bytes();
-      const auto need = sp.memory.host_total() + all - HostParamStore<float>::footprint(model.units(),
-                                                                                          Trainer<B>::store_options(topt)).total_bytes();
+      // (the masters and the moments it gathers; the bf16 weights stay as they are)
+      const auto state = [&](const TrainerOptions& o) {
+        const auto f = HostParamStore<float>::footprint(model.units(), Trainer<B>::store_options(o));
+        return f.master_bytes + f.adam_bytes;
+      };
+      const auto need = sp.memory.host_total() + state(whole) - state(topt);
       MT_CHECK(need <= budget.bytes, "process 0 writes the checkpoints and exports, for which it gathers the whole train "
                "state: {} of host memory then, more than its {} ({}); give it more (--host-memory, or fewer processes "
                "on its host)", format_bytes(need), format_bytes(budget.bytes), budget.source);
@@ -727,7 +740,12 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
                    static_cast<long long>(s.batch),
                    !topt.shard_optimizer ? "the whole train state"
                    : std::is_same_v<typename B::Weight, bf16>
-                       ? fmt::format("the bf16 weights and 1/{} of the fp32 masters and AdamW's moments", ranks.world()).c_str()
+                       ? fmt::format("{} and 1/{} of the fp32 masters and AdamW's moments",
+                                     topt.share_host_weights
+                                         ? fmt::format("1/{} of the bf16 weights (one copy, which this host's processes "
+                                                       "map together: --share-weights)", ranks.world())
+                                         : std::string("the bf16 weights"),
+                                     ranks.world()).c_str()
                        : fmt::format("the fp32 masters and 1/{} of AdamW's moments", ranks.world()).c_str(),
                    topt.shard_optimizer ? " (ZeRO-1; --shard-optimizer)" : "", std::max(1, ranks.info().local_world));
   }

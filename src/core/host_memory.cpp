@@ -1,5 +1,6 @@
 #include "megatrain/core/host_memory.hpp"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -82,10 +83,54 @@ HostBuffer HostBuffer::allocate(std::size_t bytes, Pinning pinning) {
   if (mapped >= (std::size_t{32} << 20)) (void)madvise(p, mapped, MADV_HUGEPAGE);
   b.data_ = p;
   b.size_ = bytes;
-  b.mapped_ = mapped;
+  b.mapped_ = b.charged_ = mapped;
   g_mapped += mapped;
   if (pinning == Pinning::automatic) b.pinned_ = try_pin(p, mapped);
   return b;
+}
+
+HostBuffer HostBuffer::allocate_shared(std::size_t bytes, int sharers, const SharedHostHandle* open, Pinning pinning) {
+  MT_CHECK(sharers >= 1, "a shared host buffer needs at least one process (got {})", sharers);
+  HostBuffer b;
+  if (bytes == 0) return b;
+  const std::size_t mapped = (bytes + page_size() - 1) / page_size() * page_size();
+  int fd = -1;
+  if (open == nullptr) {
+    fd = memfd_create("megatrain-shared-weights", MFD_CLOEXEC);
+    MT_CHECK(fd >= 0, "cannot create {} of host memory to share between processes: {}", format_bytes(bytes),
+             std::strerror(errno));
+    if (ftruncate(fd, static_cast<off_t>(mapped)) != 0) {
+      const int err = errno;
+      ::close(fd);
+      MT_FAIL("cannot size {} of host memory to share between processes: {}", format_bytes(bytes), std::strerror(err));
+    }
+  } else {
+    const std::string path = fmt::format("/proc/{}/fd/{}", open->pid, open->fd);
+    fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    MT_CHECK(fd >= 0, "cannot open the host memory that process {} shares ({}): {}; the processes sharing it must run "
+             "on one host as one user", open->pid, path, std::strerror(errno));
+  }
+  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    ::close(fd);
+    MT_FAIL("cannot map {} of shared host memory: {}", format_bytes(bytes), std::strerror(err));
+  }
+  if (mapped >= (std::size_t{32} << 20)) (void)madvise(p, mapped, MADV_HUGEPAGE);  // (where shmem allows it)
+  b.data_ = p;
+  b.size_ = bytes;
+  b.mapped_ = mapped;
+  b.charged_ = (mapped + static_cast<std::size_t>(sharers) - 1) / static_cast<std::size_t>(sharers);
+  b.fd_ = fd;
+  b.created_ = open == nullptr;
+  g_mapped += b.charged_;
+  if (pinning == Pinning::automatic) b.pinned_ = try_pin(p, mapped);
+  return b;
+}
+
+SharedHostHandle HostBuffer::shared_handle() const {
+  MT_CHECK(created_ && fd_ >= 0, "only the process that created a shared host buffer can hand it on");
+  return {static_cast<std::int64_t>(::getpid()), fd_};
 }
 
 void HostBuffer::release() noexcept {
@@ -94,10 +139,28 @@ void HostBuffer::release() noexcept {
   if (pinned_) (void)cudaHostUnregister(data_);
 #endif
   munmap(data_, mapped_);
-  g_mapped -= mapped_;
+  if (fd_ >= 0) ::close(fd_);
+  g_mapped -= charged_;
   data_ = nullptr;
-  size_ = mapped_ = 0;
+  size_ = mapped_ = charged_ = 0;
   pinned_ = false;
+  fd_ = -1;
+  created_ = false;
+}
+
+std::uint64_t host_identity() {
+  char name[256] = {};
+  (void)gethostname(name, sizeof name - 1);
+  std::string id = name;
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string b;
+  if (boot >> b) id += "/" + b;
+  // Test hook: MEGATRAIN_TEST_HOST=NAME makes this process claim another host (NAME), so that the
+  // refusal of sharing across hosts can be tested on one.
+  if (const char* t = std::getenv("MEGATRAIN_TEST_HOST"); t != nullptr && *t != '\0') id += std::string("/test:") + t;
+  std::uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
+  for (char c : id) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ull;
+  return h;
 }
 
 std::size_t parse_byte_size(const char* text) {

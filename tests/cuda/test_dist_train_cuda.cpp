@@ -38,7 +38,7 @@ struct Run {
 
 Run train(dist::HostComm* comm, int device, std::int64_t rows, std::int64_t micro, int steps, bool shard = false,
           bool during_backward = true, GradientHome home = GradientHome::host,
-          std::int64_t device_units = TrainerOptions::kAutoDeviceUnits) {
+          std::int64_t device_units = TrainerOptions::kAutoDeviceUnits, bool share_weights = false) {
   const int world = comm ? comm->world() : 1, rank = comm ? comm->rank() : 0;
   const std::int64_t seq = 64, share = rows / world;
   const auto cfg = tiny();
@@ -53,10 +53,13 @@ Run train(dist::HostComm* comm, int device, std::int64_t rows, std::int64_t micr
   o.comm = comm;
   o.shard_optimizer = shard;  // (ZeRO-1: AdamW's moments and update in parts, the masters gathered)
   o.sum_during_backward = during_backward;  // (false: summed in host memory after the backward)
+  o.share_host_weights = share_weights;  // (the bf16 weights one copy that the processes map together)
   DecoderModel<> model(cfg);
   StoreOptions so;
   so.seed = 5;
   HostParamStore<float> store(model.units(), Trainer<CudaBackend>::store_options(o, so));
+  test::rank_check(store.weights_shared() == (share_weights && shard && comm != nullptr && comm->world() > 1),
+                   "the store shares the bf16 weights as asked", rank);
   CudaBackendOptions copt;
   copt.device = device;
   CudaBackend be(copt);
@@ -137,16 +140,24 @@ int main() {
       bool shard, during_backward;
       GradientHome home;
       std::int64_t device_units = TrainerOptions::kAutoDeviceUnits;
+      bool share = false;  // (the bf16 weights mapped by the processes together: the same bits as without)
     };
     constexpr auto host = GradientHome::host, device = GradientHome::device;
     // (device homes: auto places every unit of this small model on the GPU; 0 none, 2 some)
     for (const Case& c : {Case{1, false, true, host}, Case{2, false, true, host}, Case{1, true, true, host},
                           Case{2, true, true, host}, Case{1, false, false, host}, Case{2, true, false, host},
                           Case{1, false, true, device, 0}, Case{1, true, true, device, 0}, Case{2, true, true, device, 2},
-                          Case{1, false, true, device}, Case{1, true, true, device}, Case{2, true, true, device}}) {
-      const auto [micro, shard, during_backward, home, device_units] = c;
+                          Case{1, false, true, device}, Case{1, true, true, device}, Case{2, true, true, device},
+                          Case{1, true, true, device, 0, true}, Case{2, true, true, device, 2, true}}) {
+      const auto [micro, shard, during_backward, home, device_units, share] = c;
       const std::int64_t rows = 4 * W;
-      const Run d = train(&comm, me.local_rank, rows, micro, steps, shard, during_backward, home, device_units);
+      const Run d = train(&comm, me.local_rank, rows, micro, steps, shard, during_backward, home, device_units, share);
+      if (share) {  // the same bits as each process with its own copy
+        const Run own = train(&comm, me.local_rank, rows, micro, steps, shard, during_backward, home, device_units);
+        test::rank_check(d.losses == own.losses && d.norms == own.norms && d.weights == own.weights &&
+                             (r != 0 || d.state == own.state),
+                         "shared bf16 weights: not the same bits as a copy a process", r);
+      }
       const Run one = train(nullptr, me.local_rank, rows, micro * W, steps);
       for (int s = 0; s < steps; ++s) {
         const auto i = static_cast<std::size_t>(s);
@@ -161,10 +172,11 @@ int main() {
         size += (static_cast<double>(one.state[i]) - one.initial[i]) * (static_cast<double>(one.state[i]) - one.initial[i]);
       }
       if (!shard || r == 0)  // (ZeRO-1: the masters whole on rank 0 only)
-        std::printf("rank %d of %d%s%s%s (device units %lld), %lld micro-batch(es) each: losses %.6f .. %.6f (one process %.6f .. %.6f), weights "
+        std::printf("rank %d of %d%s%s%s%s (device units %lld), %lld micro-batch(es) each: losses %.6f .. %.6f (one process %.6f .. %.6f), weights "
                   "within %.3g of what training changed from one process's\n", r, W, shard ? " (ZeRO-1)" : "",
                   during_backward ? "" : " (summed after the backward)",
-                  home == device ? " (gradients on the GPUs)" : "", static_cast<long long>(device_units),
+                  home == device ? " (gradients on the GPUs)" : "", share ? " (bf16 weights shared)" : "",
+                  static_cast<long long>(device_units),
                   static_cast<long long>(micro), d.losses.front(), d.losses.back(),
                   one.losses.front(), one.losses.back(), std::sqrt(diff / size));
       // (bf16 products, the same rows per micro-batch: only the fp32 sums' order differs, which

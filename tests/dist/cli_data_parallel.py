@@ -16,6 +16,7 @@ Scenarios (each a CTest test):
               saves it; resumed by 2 processes, the run ends with the metrics of an uninterrupted
               2-process run, bit for bit.
   refusals    a global batch the processes do not divide, no whole gradient to sum (--clip 0),
+              --share-weights where nothing can be shared,
               evaluation only; one process failing its checks stops the
               others, which name it; torchrun's variables on the CPU backend (no MPI there).
 """
@@ -172,6 +173,11 @@ elif SCENARIO == "refusals":
     refused(2, SHAPE + ["--steps", "0"], "--steps 0 (evaluate or export) runs in one process")
     refused(1, SHAPE + ["--shard-optimizer", "false", "--out", run_dir("r")], "--shard-optimizer applies to several processes")
     refused(1, SHAPE + ["--gpus", "2", "--out", run_dir("r")], "--gpus 2: the cpu backend trains several processes over MPI")
+    refused(1, SHAPE + ["--share-weights", "true", "--out", run_dir("r")], "--share-weights applies to several processes")
+    refused(2, SHAPE + ["--share-weights", "true", "--out", run_dir("r")],
+            "--share-weights true shares the bf16 weights of GPU processes; the cpu backend streams none")
+    refused(2, SHAPE + ["--share-weights", "true", "--shard-optimizer", "false", "--out", run_dir("r")],
+            "--share-weights true shares the weights of processes that each step 1/N of them: it needs --shard-optimizer")
     # One process fails its checks (too little host memory for it alone): the other stops too, naming it.
     cmd = [MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", "1", TRAIN] + SHAPE + ["--out", run_dir("r"), ":",
            "-np", "1", "-x", "MEGATRAIN_HOST_MEMORY=100K", TRAIN] + SHAPE + ["--out", run_dir("r")]

@@ -331,22 +331,50 @@ std::pair<std::size_t, std::size_t> unheld_master_pages(const HostParamStore<flo
 // The store of a trainer whose weights are bf16 (GPUs; the CPU backend streams the fp32 masters
 // themselves, so its trainer keeps them whole): each process keeps the masters of its part only,
 // beside the embedding's and the norm gains' (read at fp32), and the bf16 copy whole.
-TEST_CASE("ZeRO-1 with the masters sharded too: only this process's part holds memory; the update gathered as bf16; a "
-          "checkpoint gathers the masters") {
+namespace {
+// ZeRO-1 over this run's processes with exact clipping; `share`: the bf16 copy mapped by the
+// processes together (StoreShard::shared_weights).
+TrainerOptions zero1_options(bool share) {
+  TrainerOptions o = options(2, 16);
+  o.clip_norm = 1.0;
+  o.comm = &comm();
+  o.shard_optimizer = true;
+  o.share_host_weights = share;
+  return o;
+}
+
+void sharded_masters_case(bool share) {
   const int w = comm().world(), r = comm().rank();
   auto j = nlohmann::json::parse(R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":128,"intermediate_size":352,
     "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":300,"tie_word_embeddings":false})");
   const ModelConfig cfg = ModelConfig::from_json(j);
   DecoderModel<> model(cfg);
-  TrainerOptions o = options(2, 16);
-  o.clip_norm = 1.0;
-  o.comm = &comm();
-  o.shard_optimizer = true;
+  const TrainerOptions o = zero1_options(share);
   const StoreOptions so = plan::store_options(o, {}, true);
   REQUIRE(so.shard.masters);
+  REQUIRE(so.shard.shares_weights() == share);
+  const std::size_t mapped_before = host_buffer_bytes();
   HostParamStore<float> store(model.units(), so);
+  const std::size_t mapped = host_buffer_bytes() - mapped_before;
   HostParamStore<float> one(model.units(), plan::store_options(options(2, 16), {}, true));  // (the same seed: whole)
+  const std::size_t mapped_one = host_buffer_bytes() - mapped_before - mapped;
   CHECK(store.masters_sharded());
+  CHECK(store.weights_shared() == share);
+  // (the bf16 copy: this process's share of the one the host's processes map, or a whole copy)
+  const std::size_t whole_copy = one.footprint().compute_bytes;
+  if (share) {
+    CHECK(store.footprint().compute_bytes == (whole_copy + static_cast<std::size_t>(w) - 1) / static_cast<std::size_t>(w));
+    CHECK(store.footprint().compute_bytes * static_cast<std::size_t>(w) < whole_copy + static_cast<std::size_t>(w));
+  } else {
+    CHECK(store.footprint().compute_bytes == whole_copy);
+  }
+  // (what the allocator counts for this store beyond a whole one's: the footprint's difference, within
+  // the rounding to pages; the masters' and moments' address ranges are whole in both)
+  const auto counted = [](const HostParamStore<float>& x) {
+    return static_cast<long long>(x.footprint().compute_bytes + x.footprint().resident_grad_bytes);
+  };
+  CHECK(std::llabs(static_cast<long long>(mapped) - static_cast<long long>(mapped_one) - (counted(store) - counted(one))) <=
+        4 * static_cast<long long>(host_page_size()));
   CHECK(store.footprint().master_bytes < one.footprint().master_bytes);
   CHECK(store.footprint().master_bytes > one.footprint().master_bytes / static_cast<std::size_t>(w));  // (+ kept whole)
   // Built (and initialised): the other processes' masters take no memory; the bf16 copy is whole.
@@ -361,6 +389,10 @@ TEST_CASE("ZeRO-1 with the masters sharded too: only this process's part holds m
   CHECK(store.unit(0).whole_masters().size() == 1);  // (the embedding: kept whole)
   CHECK(!store.unit(1).whole_masters().empty());      // (a block: its norm gains)
 
+  if (share) {  // (every process has compared the copy before any changes its part of the pages they map)
+    std::int64_t one_each = 1;
+    comm().all_reduce_sum(std::span<std::int64_t>(&one_each, 1));
+  }
   // An update: each process changes its part (masters, moments, bf16 copy), as AdamW does;
   // `one` all of it. Then the parts gathered: the same bf16 copy and kept masters everywhere.
   const auto changed = [](std::size_t u, std::int64_t i) { return 0.001f * static_cast<float>((i * 7 + static_cast<std::int64_t>(u)) % 101) - 0.05f; };
@@ -379,6 +411,8 @@ TEST_CASE("ZeRO-1 with the masters sharded too: only this process's part holds m
       }
     }
   }
+  // (shared: the other processes' parts reach this one through the pages they map together, for
+  // nothing is gathered; gather_updated waits for every process to have written its part)
   store.gather_updated(comm());
   for (std::size_t u = 0; u < store.num_units(); ++u) {
     CAPTURE(u);
@@ -412,6 +446,39 @@ TEST_CASE("ZeRO-1 with the masters sharded too: only this process's part holds m
     what = e.what();
   }
   CHECK_MESSAGE(what.find("Trainer::store_options") != std::string::npos, what);
+}
+}  // namespace
+
+TEST_CASE("ZeRO-1 with the masters sharded too: only this process's part holds memory; the update gathered as bf16; a "
+          "checkpoint gathers the masters") {
+  sharded_masters_case(false);
+}
+
+TEST_CASE("ZeRO-1 with the bf16 weights shared by the processes of the host: one copy, each process's part of the "
+          "update seen by every other without a gather") {
+  sharded_masters_case(true);
+}
+
+TEST_CASE("shared bf16 weights are refused, by every process alike, where a process runs on another host") {
+  const int w = comm().world(), r = comm().rank();
+  const ModelConfig cfg = ModelConfig::from_json(nlohmann::json::parse(R"({"architectures":["Qwen2ForCausalLM"],
+    "hidden_size":64,"intermediate_size":96,"num_hidden_layers":1,"num_attention_heads":2,"num_key_value_heads":1,
+    "vocab_size":100})"));
+  DecoderModel<> model(cfg);
+  const TrainerOptions o = zero1_options(true);
+  if (r == w - 1) setenv("MEGATRAIN_TEST_HOST", "elsewhere", 1);  // (the last process claims another host)
+  const std::size_t mapped_before = host_buffer_bytes();
+  std::string what;
+  try {
+    HostParamStore<float> store(model.units(), plan::store_options(o, {}, true));
+  } catch (const Error& e) {
+    what = e.what();
+  }
+  unsetenv("MEGATRAIN_TEST_HOST");
+  CHECK_MESSAGE(what.find(fmt::format("process(es) {} of {} run on another host than process 0", w - 1, w)) !=
+                    std::string::npos, what);
+  CHECK(what.find("--share-weights") != std::string::npos);
+  CHECK(host_buffer_bytes() == mapped_before);  // (nothing kept of what the store had allocated)
 }
 
 TEST_CASE("data parallel: the collectives sum over the ranks and give every rank the same bits") {

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <string>
 #include <utility>
@@ -21,12 +22,26 @@ enum class Pinning {
   never,      ///< always pageable
 };
 
+/// Where the other processes of a host find a shared HostBuffer (HostBuffer::allocate_shared):
+/// the process that created it and its descriptor of the memory.
+struct SharedHostHandle {
+  std::int64_t pid = 0, fd = -1;
+};
+
 class HostBuffer {
  public:
   HostBuffer() = default;
   /// Allocates `bytes` (rounded up to whole pages), page-aligned. Contents start zeroed.
   /// Throws megatrain::Error if the memory cannot be mapped at all.
   static HostBuffer allocate(std::size_t bytes, Pinning pinning = Pinning::automatic);
+  /// `bytes` that `sharers` processes of one host map together (the same pages; zeroed when
+  /// created): the first creates it (`open` null), the others open it with the creator's
+  /// shared_handle() while the creator's buffer is alive. Each process counts 1/sharers of it
+  /// in host_buffer_bytes(). Linux only (an anonymous memory file, opened through /proc).
+  static HostBuffer allocate_shared(std::size_t bytes, int sharers, const SharedHostHandle* open,
+                                    Pinning pinning = Pinning::automatic);
+  /// The handle of a buffer this process created with allocate_shared (throws for any other).
+  SharedHostHandle shared_handle() const;
 
   HostBuffer(HostBuffer&& o) noexcept { swap(o); }
   HostBuffer& operator=(HostBuffer&& o) noexcept {
@@ -54,12 +69,22 @@ class HostBuffer {
     std::swap(size_, o.size_);
     std::swap(mapped_, o.mapped_);
     std::swap(pinned_, o.pinned_);
+    std::swap(charged_, o.charged_);
+    std::swap(fd_, o.fd_);
+    std::swap(created_, o.created_);
   }
   void* data_ = nullptr;
   std::size_t size_ = 0;    // bytes asked for
   std::size_t mapped_ = 0;  // bytes mapped (whole pages)
+  std::size_t charged_ = 0;  // bytes counted in host_buffer_bytes (a shared buffer: this process's share)
   bool pinned_ = false;
+  int fd_ = -1;           // a shared buffer's memory file
+  bool created_ = false;  // ... created by this process
 };
+
+/// An identity of this host, the same for every process on it and different on another machine
+/// (its name and boot id, hashed): what tells processes whether they can share host memory.
+std::uint64_t host_identity();
 
 /// Bytes of host memory a new allocation can use: MemAvailable from /proc/meminfo, capped by
 /// the cgroup's memory limit. The environment variable MEGATRAIN_HOST_MEMORY (bytes, or with a

@@ -84,8 +84,22 @@ inline StoreOptions store_options(const TrainerOptions& options, StoreOptions ba
   base.resident_gradients = opt.resident_gradients() && opt.gradient_home == GradientHome::host;
   base.grad_ring_slots = base.resident_gradients ? 0 : std::max<std::size_t>(base.grad_ring_slots, 2);
   base.grad_slot_size = GradSlotSize::largest_inner_unit;
-  if (opt.shard_optimizer && opt.distributed()) base.shard = {opt.comm->rank(), opt.comm->world(), bf16_weights, {0}};
+  // (ZeRO-1 with the gradients waiting on the GPUs: only this process's part of each lands)
+  if (opt.sharded() && opt.resident_gradients() && opt.gradient_home == GradientHome::device)
+    base.grad_slot_size = GradSlotSize::largest_inner_part;
+  if (opt.shard_optimizer && opt.distributed())
+    base.shard = {opt.comm->rank(), opt.comm->world(), bf16_weights, {0},
+                  opt.share_host_weights && bf16_weights ? opt.comm : nullptr};
   return base;
+}
+
+/// Whether each process keeps on its GPU only its part of a block's gradient once it is summed over
+/// the processes (ZeRO-1 with the gradients waiting on the device and one pass a step): the
+/// block's whole gradient is made in one buffer shared by the blocks, reduce-scattered, and this
+/// process's part of the sum kept, so that the gradients waiting for the norm take 1/N of the
+/// GPU memory. With micro-batches each block's whole gradient adds up over them (kept whole).
+inline bool keeps_gradient_parts(const TrainerOptions& o) {
+  return o.sharded() && o.resident_gradients() && o.gradient_home == GradientHome::device && o.micro_batches == 1;
 }
 
 /// Tokens per block of a decoder block's token-wise work for a chunk of `chunk_tokens` tokens
@@ -127,6 +141,9 @@ struct TrainerBuffers {
   // backend memory
   std::size_t weight_slots = 0, block_slot = 0;  ///< ring of block weight slots (Weight), each the largest block
   std::vector<std::size_t> block_acc;   ///< by unit: a block's own gradient accumulator (Acc; 0: none)
+  /// Elements of the one buffer where a block's whole gradient is made before its sum's part is
+  /// kept (keeps_gradient_parts; 0: none).
+  std::size_t grad_whole = 0;
   std::size_t grad_slots = 0;           ///< ring of block_slot accumulators (Acc), when blocks have none of their own
   std::vector<std::size_t> gains;       ///< by unit: full-precision norm gains (fp32), where split_gains
   std::size_t embed_slot = 0, head_slot = 0;  ///< Weight
@@ -256,10 +273,19 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   for (std::size_t l = 0; l < L; ++l) b.block_slot = std::max(b.block_slot, static_cast<std::size_t>(model.block(l).layout().numel()));
   b.weight_slots = opt.weight_slots;
   b.block_acc.assign(b.units, 0);
-  if (grads_on_device)
-    for (std::size_t l = 0; l < L; ++l) b.block_acc[l + 1] = static_cast<std::size_t>(model.block(l).layout().numel());
-  else
+  const bool parts = keeps_gradient_parts(opt);
+  if (grads_on_device) {
+    for (std::size_t l = 0; l < L; ++l) {
+      const std::int64_t n = model.block(l).layout().numel();
+      // (parts: this process's part of the sum, as the store cuts the unit)
+      const auto cut = HostParamStore<float>::shard_bounds(n, parts ? opt.comm->world() : 1);
+      const auto r = static_cast<std::size_t>(parts ? opt.comm->rank() : 0);
+      b.block_acc[l + 1] = static_cast<std::size_t>(cut[r + 1] - cut[r]);
+    }
+    if (parts) b.grad_whole = b.block_slot;
+  } else {
     b.grad_slots = opt.grad_slots;
+  }
   b.gains.assign(b.units, 0);
   if (b.sizes.split_gains) {
     b.gains[0] = static_cast<std::size_t>(model.embedding().full_layout().numel());
@@ -318,12 +344,15 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
 
   const auto& sz = b.sizes;
   std::vector<MemoryLine>& dev = plan.device;
-  std::size_t block_accs = b.grad_slots * b.block_slot;
+  std::size_t block_accs = b.grad_slots * b.block_slot + b.grad_whole;
   for (std::size_t n : b.block_acc) block_accs += n;
   std::size_t gains = 0;
   for (std::size_t n : b.gains) gains += n * sizeof(float);
   dev.push_back({fmt::format("block weights ({} slots)", b.weight_slots), b.weight_slots * b.block_slot * sz.weight});
-  dev.push_back({grads_on_device ? "block gradients (waiting for the norm)" : fmt::format("block gradients ({} slots)", b.grad_slots),
+  dev.push_back({!grads_on_device ? fmt::format("block gradients ({} slots)", b.grad_slots)
+                 : parts ? fmt::format("block gradients (this process's 1/{} of each, waiting for the norm; one whole as it "
+                                       "is made)", opt.comm->world())
+                         : std::string("block gradients (waiting for the norm)"),
                  block_accs * sz.acc});
   if (gains > 0) dev.push_back({"norm gains (fp32)", gains});
   dev.push_back({"embedding and head weights", (b.embed_slot + b.head_slot) * sz.weight});
@@ -455,7 +484,11 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   std::vector<MemoryLine>& hl = plan.host;
   hl.push_back({"fp32 master weights", store.master_bytes});
   hl.push_back({"AdamW m and v (fp32)", store.adam_bytes});
-  hl.push_back({"bf16 weights (what crosses PCIe)", store.compute_bytes});
+  const StoreShard shard = store_options(opt, {}, std::is_same_v<typename B::Weight, bf16>).shard;
+  hl.push_back({shard.shares_weights()
+                    ? fmt::format("bf16 weights (what crosses PCIe; 1/{} of the copy this host's processes share)", shard.count)
+                    : std::string("bf16 weights (what crosses PCIe)"),
+                store.compute_bytes});
   if (store.resident_grad_bytes > 0) hl.push_back({"gradients waiting for the norm (fp32)", store.resident_grad_bytes});
   if (store.grad_ring_bytes > 0) hl.push_back({"gradient landing slots", store.grad_ring_bytes});
   plan.store_bytes = store.total_bytes();

@@ -170,23 +170,34 @@ Suggestions suggest(const DecoderModel<Block>& model, const TrainerOptions& opti
 
 /// Host memory a model's state needs at the least, from its config alone: the fp32 master
 /// weights, AdamW's m and v and the bf16 copy, 14 bytes a parameter (HostParamStore's footprint
-/// adds alignment, gradients and rings to it).
-inline std::size_t min_state_bytes(const ModelConfig& cfg) {
-  return static_cast<std::size_t>(checked_mul(cfg.param_count(), 14, "the model's state in bytes"));
+/// adds alignment, gradients and rings to it); of one process of a store sharded over N (`shard`,
+/// ZeRO-1) 2 + 12 / N with its masters sharded (14 / N where the host's processes share the bf16
+/// copy), else 6 + 8 / N.
+inline double min_state_bytes_per_param(const StoreShard& shard = {}) {
+  if (shard.count <= 1) return 14;
+  if (!shard.masters) return 6.0 + 8.0 / shard.count;
+  return (shard.shares_weights() ? 2.0 / shard.count : 2.0) + 12.0 / shard.count;
+}
+inline std::size_t min_state_bytes(const ModelConfig& cfg, const StoreShard& shard = {}) {
+  return static_cast<std::size_t>(static_cast<double>(checked_mul(cfg.param_count(), 14, "the model's state in bytes")) *
+                                  (min_state_bytes_per_param(shard) / 14));
 }
 
 /// Refuses a model whose state alone cannot fit the host budget, from the config alone: called
 /// before anything the config sizes is built (the model's units and blocks, the store), so that a
 /// config of 10^9 layers is an error and not an attempt to allocate them. `source` names where the
-/// config came from (its file, --preset NAME, ...).
-inline void check_state_fits_host(const ModelConfig& cfg, const HostBudget& host, std::string_view source) {
-  const std::size_t need = min_state_bytes(cfg);
+/// config came from (its file, --preset NAME, ...); `shard`: this process's part of a sharded store.
+inline void check_state_fits_host(const ModelConfig& cfg, const HostBudget& host, std::string_view source,
+                                  const StoreShard& shard = {}) {
+  const std::size_t need = min_state_bytes(cfg, shard);
   MT_CHECK(need <= host.bytes,
            "this configuration does not fit: {} describes a model of {} parameters (num_hidden_layers {}, hidden_size {}, "
            "intermediate_size {}, vocab_size {}), whose state alone (fp32 master weights, AdamW m and v, the bf16 copy: "
-           "14 bytes a parameter) needs {} of host memory, and {} is available ({}): use a machine with more memory, a "
+           "{:.4g} bytes a parameter{}) needs {} of host memory, and {} is available ({}): use a machine with more memory, a "
            "smaller model, or check the config",
            source, cfg.param_count(), cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
+           min_state_bytes_per_param(shard),
+           shard.count > 1 ? fmt::format(", this process's part of a state sharded over {}", shard.count) : std::string(),
            format_bytes(need), format_bytes(host.bytes), host.source);
 }
 

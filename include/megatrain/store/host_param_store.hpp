@@ -52,6 +52,9 @@ namespace megatrain {
 enum class GradSlotSize {
   largest_unit,        ///< any unit's whole gradient fits one slot
   largest_inner_unit,  ///< the largest unit other than the first and the last (the decoder blocks)
+  /// This process's part (StoreOptions::shard) of the largest inner unit: what lands of a gradient
+  /// summed over the processes where each steps its part (a trainer whose gradients wait on the GPU)
+  largest_inner_part,
 };
 
 /// This process's part of the optimizer state of a run sharded over `count` processes (ZeRO-1;
@@ -68,6 +71,14 @@ struct StoreShard {
   /// reads fp32 rows); the rest of the masters holds no memory. false: the masters stay whole.
   bool masters = false;
   std::vector<std::size_t> whole_master_units;
+  /// With `masters`: the bf16 copy mapped by all `count` processes together (the processes of
+  /// this communicator, which must all run on one host; the store checks it): the same pages for
+  /// every process, each writing its part when it steps, so that the host holds one copy (2 bytes
+  /// a parameter in all, not 2 a process) and gather_updated only waits for every part. Null: each
+  /// process keeps its own copy, made whole again by gathering.
+  dist::HostComm* shared_weights = nullptr;
+  /// Whether the bf16 copy is shared (shared_weights, with sharded masters over several processes).
+  bool shares_weights() const { return shared_weights != nullptr && masters && count > 1; }
 };
 
 struct StoreOptions {
@@ -147,9 +158,10 @@ class HostParamStore {
       for (const auto& p : params()) n += p.numel();
       return n;
     }
-    /// Bytes of this unit's slabs (of m and v its part only; of the masters what is kept).
+    /// Bytes of this unit's slabs (of m and v its part only; of the masters what is kept; of a
+    /// bf16 copy shared by the processes of a host its share).
     std::size_t bytes() const {
-      return static_cast<std::size_t>(master_kept_) * sizeof(T) + static_cast<std::size_t>(numel()) * sizeof(bf16) +
+      return static_cast<std::size_t>(master_kept_) * sizeof(T) + compute_bytes(numel(), sharers_) +
              static_cast<std::size_t>(owned_end_ - owned_begin_) * 2 * sizeof(T);
     }
     /// The elements [first, second) whose AdamW state this store keeps and steps (all of them
@@ -199,7 +211,14 @@ class HostParamStore {
     std::int64_t owned_begin_ = 0, owned_end_ = 0;
     std::vector<std::pair<std::int64_t, std::int64_t>> whole_masters_, held_masters_;
     std::int64_t master_kept_ = 0;  // elements of master() this process keeps
+    int sharers_ = 1;               // processes mapping the bf16 copy together
   };
+
+  /// A process's bytes of a bf16 copy of `numel` elements mapped by `sharers` processes together.
+  static std::size_t compute_bytes(std::int64_t numel, int sharers) {
+    const auto b = static_cast<std::size_t>(numel) * sizeof(bf16), n = static_cast<std::size_t>(sharers);
+    return (b + n - 1) / n;
+  }
 
   /// The ranges of unit `k`'s masters (laid out as `layout`) that every process keeps whole under
   /// `s` (see StoreShard::masters).
@@ -241,6 +260,8 @@ class HostParamStore {
   bool sharded() const { return options_.shard.count > 1; }
   /// Whether this process keeps only its part of the master weights (StoreShard::masters).
   bool masters_sharded() const { return sharded() && options_.shard.masters; }
+  /// Whether the processes map one bf16 copy together (StoreShard::shared_weights).
+  bool weights_shared() const { return options_.shard.shares_weights(); }
 
   /// Computes the store's layout and byte counts without allocating; validates the specs.
   static StoreFootprint footprint(const std::vector<UnitSpec>& units, const StoreOptions& opt = {}) {
@@ -252,7 +273,7 @@ class HostParamStore {
     StoreFootprint f;
     std::int64_t owned = 0, masters = 0;
     std::unordered_map<std::string_view, std::string_view> seen;  // parameter -> unit
-    std::int64_t largest_inner = 0;
+    std::int64_t largest_inner = 0, largest_inner_part = 0;
     for (std::size_t k = 0; k < units.size(); ++k) {
       const auto& u = units[k];
       MT_CHECK(!u.params.empty(), "unit '{}' has no parameters", u.name);
@@ -275,17 +296,23 @@ class HostParamStore {
       masters += kept;
       f.slab_elements += n;
       f.largest_unit = std::max(f.largest_unit, n);
-      if (k > 0 && k + 1 < units.size()) largest_inner = std::max(largest_inner, n);
-      f.unit_bytes.push_back(static_cast<std::size_t>(kept) * sizeof(T) + static_cast<std::size_t>(n) * sizeof(bf16) +
+      if (k > 0 && k + 1 < units.size()) {
+        largest_inner = std::max(largest_inner, n);
+        largest_inner_part = std::max(largest_inner_part, mine);
+      }
+      f.unit_bytes.push_back(static_cast<std::size_t>(kept) * sizeof(T) + compute_bytes(n, sharers(opt.shard)) +
                              static_cast<std::size_t>(mine) * 2 * sizeof(T));
     }
     const auto elems = static_cast<std::size_t>(f.slab_elements);
     f.master_bytes = static_cast<std::size_t>(masters) * sizeof(T);  // (sharded masters: what is kept)
     f.adam_bytes = 2 * static_cast<std::size_t>(owned) * sizeof(T);  // (a sharded store: its part)
-    f.compute_bytes = elems * sizeof(bf16);
+    // (shared by the processes of a host: this process's share of the pages they map)
+    f.compute_bytes = compute_bytes(f.slab_elements, sharers(opt.shard));
     // With fewer than three units there is no inner unit: the slot then holds the largest one.
-    f.grad_slot_numel = opt.grad_slot_size == GradSlotSize::largest_inner_unit && units.size() > 2 ? largest_inner
-                                                                                                     : f.largest_unit;
+    f.grad_slot_numel = units.size() <= 2                                     ? f.largest_unit
+                        : opt.grad_slot_size == GradSlotSize::largest_inner_unit ? largest_inner
+                        : opt.grad_slot_size == GradSlotSize::largest_inner_part ? std::max<std::int64_t>(largest_inner_part, 1)
+                                                                                 : f.largest_unit;
     f.grad_ring_bytes = opt.grad_ring_slots * static_cast<std::size_t>(f.grad_slot_numel) * sizeof(T);
     f.resident_grad_bytes = opt.resident_gradients ? elems * sizeof(T) : 0;
     return f;
@@ -311,7 +338,8 @@ class HostParamStore {
     master_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
     m_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
     v_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
-    compute_buf_ = HostBuffer::allocate(elems * sizeof(bf16), opt.pinning);
+    compute_buf_ = opt.shard.shares_weights() ? allocate_shared_weights(elems * sizeof(bf16))
+                                              : HostBuffer::allocate(elems * sizeof(bf16), opt.pinning);
     grad_buf_ = HostBuffer::allocate(footprint_.resident_grad_bytes, opt.pinning);
 
     std::int64_t base = 0;
@@ -332,6 +360,7 @@ class HostParamStore {
       u.owned_end_ = cut[static_cast<std::size_t>(opt.shard.index) + 1];
       u.whole_masters_ = whole_master_ranges(u.layout_, ui, opt.shard);
       u.master_kept_ = kept_master_elements(u.numel(), u.owned_begin_, u.owned_end_, opt.shard, u.whole_masters_);
+      u.sharers_ = sharers(opt.shard);
       u.held_masters_ = {{0, u.numel()}};
       if (opt.shard.masters && opt.shard.count > 1) {  // (its part and the ranges kept whole, merged)
         auto r = u.whole_masters_;
@@ -471,8 +500,11 @@ class HostParamStore {
     each_piece([](const Piece& p, auto at) { std::copy_n(at, p.n, p.at); });
     for (std::size_t k = first; k < units_.size(); ++k) {
       if (whole_master_unit(units_[k])) comm.all_gather(units_[k].master_, shard_bounds(units_[k]));
-      comm.all_gather(units_[k].compute_, shard_bounds(units_[k]));
+      if (!weights_shared()) comm.all_gather(units_[k].compute_, shard_bounds(units_[k]));
     }
+    // A shared bf16 copy: every process wrote its parts into the same pages as it stepped; once
+    // each has come this far (after its update), the copy is whole for all of them.
+    if (weights_shared()) barrier(comm);
   }
 
   /// Rewrites a unit's bf16 copy from its master weights (after loading or editing masters). A
@@ -557,6 +589,40 @@ class HostParamStore {
     MT_CHECK(comm.world() == options_.shard.count && comm.rank() == options_.shard.index,
              "{}: the store keeps part {} of {}, but this is process {} of {}", what, options_.shard.index,
              options_.shard.count, comm.rank(), comm.world());
+  }
+  static int sharers(const StoreShard& s) { return s.shares_weights() ? s.count : 1; }
+  static void barrier(dist::HostComm& comm) {
+    std::int64_t one = 1;
+    comm.all_reduce_sum(std::span<std::int64_t>(&one, 1));
+  }
+  // The bf16 copy that the processes map together (StoreShard::shared_weights): process 0 creates
+  // it and hands it to the others, once every process has shown that it runs on the same host.
+  HostBuffer allocate_shared_weights(std::size_t bytes) {
+    dist::HostComm& comm = *options_.shard.shared_weights;
+    check_comm(comm, "StoreShard::shared_weights");
+    const auto n = static_cast<std::size_t>(comm.world());
+    std::vector<std::int64_t> hosts(n, 0);
+    hosts[static_cast<std::size_t>(comm.rank())] = static_cast<std::int64_t>(host_identity());
+    comm.all_reduce_sum(hosts);  // (one value a slot: every process gets every identity)
+    std::vector<int> elsewhere;
+    for (std::size_t r = 0; r < n; ++r)
+      if (hosts[r] != hosts[0]) elsewhere.push_back(static_cast<int>(r));
+    MT_CHECK(elsewhere.empty(), "the bf16 weights can be shared only by processes on one host (StoreShard::shared_weights"
+             ", --share-weights), but process(es) {} of {} run on another host than process 0; share them only where "
+             "every process runs on one host", fmt::join(elsewhere, ", "), n);
+    HostBuffer b;
+    std::vector<std::int64_t> handle(2, 0);
+    if (comm.rank() == 0) {
+      b = HostBuffer::allocate_shared(bytes, comm.world(), nullptr, options_.pinning);
+      handle = {b.shared_handle().pid, b.shared_handle().fd};
+    }
+    comm.all_reduce_sum(handle);
+    if (comm.rank() != 0) {
+      const SharedHostHandle h{handle[0], handle[1]};
+      b = HostBuffer::allocate_shared(bytes, comm.world(), &h, options_.pinning);
+    }
+    barrier(comm);  // (every process has mapped it: process 0's descriptor may close from now on)
+    return b;
   }
   static bool whole_master_unit(const Unit& u) {
     return u.whole_masters_.size() == 1 && u.whole_masters_[0] == std::pair<std::int64_t, std::int64_t>{0, u.numel()};

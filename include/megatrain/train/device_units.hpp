@@ -56,8 +56,9 @@ class DeviceUnits {
 
   std::span<float> master_data(std::size_t u) { return at(u).master.span(); }
 
-  /// One AdamW step of unit u (enqueued on the backend's compute stream): `g` is its gradient in
-  /// backend memory, laid out like its slabs; `w` receives the weights the ops read. Tensors
+  /// One AdamW step of unit u (enqueued on the backend's compute stream): `g` is the part
+  /// unit.owned() of its gradient in backend memory (all of it unless the store is sharded), laid
+  /// out like that part of its slabs; `w` receives the weights the ops read. Tensors
   /// whose spec says weight_decay = false get none, as on the host; the gaps are left alone. Only
   /// the elements of unit.owned() (a sharded store: this process's part; the caller then gathers
   /// the others' parts of the weights and masters).
@@ -73,7 +74,7 @@ class DeviceUnits {
       if (b <= a) continue;
       const auto o = static_cast<std::size_t>(a), n = static_cast<std::size_t>(b - a), om = static_cast<std::size_t>(a - lo);
       be.adamw(p.spec.weight_decay ? with_wd : no_wd, d.master.span().subspan(o, n), d.m.span().subspan(om, n),
-               d.v.span().subspan(om, n), g.subspan(o, n), w.subspan(o, n));
+               d.v.span().subspan(om, n), g.subspan(om, n), w.subspan(o, n));
     }
   }
 

@@ -1009,7 +1009,7 @@ class Trainer {
           } else {
             const auto& tmpl = t.model_.block(it.unit - 1);
             const auto w = t.weights(tmpl, it.unit, s.in);
-            auto acc = t.grad_acc(it.unit, s.out);
+            auto acc = t.grad_target(it.unit, s.out);
             if (t.fresh(it, it.unit)) t.be_.zero(exec, acc);
             const auto g = tmpl.bind(acc);
             const auto x = t.ckpt_in(exec, it.unit - 1);
@@ -1037,7 +1037,7 @@ class Trainer {
         case Kind::optimize: {  // a device unit's update, with this step's or the AdamW pass's scalars
           const bool pass = t.opt_.resident_gradients();
           const auto& unit = t.store_.unit(it.unit);
-          t.devices_.step(t.be_, unit, t.grad_acc(it.unit, s.out), t.weight_slot(it.unit, 0), t.opt_.adamw,
+          t.devices_.step(t.be_, unit, t.owned_gradient(it.unit, s.out), t.weight_slot(it.unit, 0), t.opt_.adamw,
                           pass ? t.pass_.step : st.adam_step, pass ? t.pass_.lr : st.lr, pass ? t.pass_.clip_coef : st.clip_coef);
           if (t.opt_.sharded()) {  // (each process stepped its part: the others' parts of its weights and masters)
             void* stream = nullptr;
@@ -1058,7 +1058,7 @@ class Trainer {
       // sum where the optimizer is sharded), and only this process's part counted.
       const bool completes = it.kind == Kind::head || it.kind == Kind::backward;
       if (completes && it.micro + 1 == t.opt_.micro_batches && t.summed_on_device(it.unit)) {
-        std::span<Acc> g = t.grad_acc(it.unit, s.out);
+        std::span<Acc> g = t.grad_target(it.unit, s.out);
         if constexpr (std::is_same_v<Acc, float>)
           if (t.reduces_on_device_) {
             void* stream = nullptr;
@@ -1068,6 +1068,12 @@ class Trainer {
               t.opt_.comm->reduce_scatter_backend_memory(g.data(), t.store_.shard_bounds(unit), stream);
               const auto [lo, hi] = unit.owned();
               g = g.subspan(static_cast<std::size_t>(lo), static_cast<std::size_t>(hi - lo));
+              if (const auto part = t.grad_acc(it.unit, s.out); part.data() != t.grad_target(it.unit, s.out).data()) {
+                // (a block whose part alone waits: kept, and the whole buffer free for the next block)
+                const Shape shape{static_cast<std::int64_t>(g.size())};
+                t.be_.copy(View<const Acc>(std::span<const Acc>(g), shape), View<Acc>(part, shape));
+                g = part;
+              }
             } else {
               t.opt_.comm->sum_backend_memory(g.data(), g.size(), stream);
             }
@@ -1207,10 +1213,11 @@ class Trainer {
     MT_CHECK(store_.grad_ring_slots() >= 2,
              "the store's gradient ring has {} slots, the trainer needs at least 2: build it with Trainer::store_options()",
              store_.grad_ring_slots());
-    // Blocks land whole; the embedding lands in whole rows; its table is the unit's only tensor.
+    // Blocks land whole (gradients waiting on the device: in pieces, any size will do); the
+    // embedding lands in whole rows; its table is the unit's only tensor.
     std::int64_t block_numel = 0;
     for (std::size_t l = 0; l < model_.num_blocks(); ++l) block_numel = std::max(block_numel, store_.unit(l + 1).numel());
-    MT_CHECK(slot_numel() >= std::max(block_numel, model_.config().hidden_size),
+    MT_CHECK(grads_on_device() || slot_numel() >= std::max(block_numel, model_.config().hidden_size),
              "the store's gradient landing slots hold {} elements, less than a decoder block ({}): build it with "
              "Trainer::store_options()",
              slot_numel(), block_numel);
@@ -1234,6 +1241,7 @@ class Trainer {
     for (std::size_t k = 0; k < b.weight_slots; ++k) weight_ring_.push_back(alloc<W>(b.block_slot));
     block_acc_.resize(L + 2);
     for (std::size_t u = 0; u < b.block_acc.size(); ++u) block_acc_[u] = alloc<Acc>(b.block_acc[u]);
+    grad_whole_ = alloc<Acc>(b.grad_whole);  // (blocks keeping their part of the sum: where a whole one is made)
     for (std::size_t k = 0; k < b.grad_slots; ++k) grad_ring_.push_back(alloc<Acc>(b.block_slot));
     if constexpr (kSplitGains)
       for (std::size_t u = 0; u < b.units; ++u) gains_.push_back(alloc<full_t<W>>(b.gains[u]));
@@ -1403,12 +1411,28 @@ class Trainer {
     if (unit == model_.head_unit()) return model_.head().full_layout();
     return model_.block(unit - 1).full_layout();
   }
-  // A unit's gradient accumulator: its own, or a slot of the blocks' ring.
+  // A unit's gradient accumulator: its own, or a slot of the blocks' ring; where blocks keep only
+  // their part of the sum (plan::keeps_gradient_parts) a block's is that part.
   std::span<Acc> grad_acc(std::size_t unit, std::size_t slot) {
     if (unit == 0) return embed_acc_.span();
     if (unit == model_.head_unit()) return head_acc_.span();
     if (block_acc_[unit].size() > 0) return block_acc_[unit].span();
     return grad_ring_[slot].span().first(static_cast<std::size_t>(model_.block(unit - 1).layout().numel()));
+  }
+  // Where a unit's whole gradient is made: its accumulator, or where blocks keep only their part,
+  // the one buffer of a whole block.
+  std::span<Acc> grad_target(std::size_t unit, std::size_t slot) {
+    if (grad_whole_.size() > 0 && unit != 0 && unit != model_.head_unit())
+      return grad_whole_.span().first(static_cast<std::size_t>(model_.block(unit - 1).layout().numel()));
+    return grad_acc(unit, slot);
+  }
+  // This process's part (StoreShard) of a unit's complete gradient: of its accumulator, or the
+  // part a block keeps. All of it where the optimizer is not sharded.
+  std::span<const Acc> owned_gradient(std::size_t unit, std::size_t slot) {
+    const std::span<const Acc> g = grad_acc(unit, slot);
+    const auto [lo, hi] = store_.unit(unit).owned();
+    if (g.data() != grad_target(unit, slot).data()) return g;  // (the part alone)
+    return g.subspan(static_cast<std::size_t>(lo), static_cast<std::size_t>(hi - lo));
   }
   /// Where the gradient of `it` sits on the host once offloaded.
   std::span<const float> landed_gradient(const TrainItem& it, const StageSlots& s) {
@@ -1543,7 +1567,7 @@ class Trainer {
       const auto [lo, hi] = store_.unit(it.unit).owned();
       const auto S = static_cast<std::size_t>(slot_numel()), n = static_cast<std::size_t>(hi);
       const auto o = static_cast<std::size_t>(lo) + static_cast<std::size_t>(it.piece) * S;
-      p.device = std::span<const Acc>(grad_acc(it.unit, device_slot)).subspan(o, std::min(S, n - o));
+      p.device = owned_gradient(it.unit, device_slot).subspan(o - static_cast<std::size_t>(lo), std::min(S, n - o));
       p.where.offset = o;
     } else if (it.kind == Kind::embed_rest) {  // table rows [r0, r1)
       const auto r0 = static_cast<std::size_t>(it.piece) * R, r1 = std::min(static_cast<std::size_t>(vocab()), r0 + R);
@@ -1736,6 +1760,7 @@ class Trainer {
   bool device_newer_ = false;  // ... and has changed it since: the store's copies are stale
   std::vector<Buf<W>> dev_weights_;  // a device block's own weights
   std::vector<Buf<Acc>> block_acc_;  // a block's own gradient accumulator (gradients waiting on the device; device blocks)
+  Buf<Acc> grad_whole_;              // a block's whole gradient, made before its part of the sum is kept (keeps_gradient_parts)
   std::vector<Buf<W>> weight_ring_;
   std::vector<Buf<Acc>> grad_ring_;
   Buf<W> embed_slot_, head_slot_;

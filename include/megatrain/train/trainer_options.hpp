@@ -127,6 +127,12 @@ struct TrainerOptions {
   /// (HostParamStore::gather_state).
   bool shard_optimizer = false;
   bool sharded() const { return shard_optimizer && distributed(); }
+  /// With shard_optimizer and bf16 weights (GPUs), every process of `comm` on one host: the bf16
+  /// weights the processes stream mapped by all of them together (StoreShard::shared_weights),
+  /// one copy for the host instead of one a process (2 bytes a parameter in all), each process
+  /// writing its part as it steps; the store refuses where a process runs on another host. The
+  /// same bits as without. Ignored otherwise.
+  bool share_host_weights = false;
   /// With `comm` and GradientHome::host: each unit's gradient is summed over the processes by the
   /// offload stage as it is made, in the backend's memory before it is downloaded (on GPUs through
   /// NCCL, beside the rest of the backward; dist::HostComm::can_sum_backend_memory), instead of in
