@@ -162,9 +162,14 @@ int run(const Settings& s, const CLI::App& app, const PlanArgs& a) {
   const int gpus = a.gpus;
   MT_CHECK(a.hosts >= 1 && gpus % a.hosts == 0, "--hosts {}: the {} processes (--gpus) must spread evenly over the hosts",
            a.hosts, gpus);
+  MT_CHECK(s.share_weights != "true" || a.hosts == 1, "--share-weights true: the processes of several hosts (--hosts {}) "
+           "cannot map one copy; drop it", a.hosts);
   if (gpus > 1) {
     MT_CHECK(topt.batch_rows % gpus == 0, "--batch {} (the global batch) must be a multiple of the {} processes (--gpus)",
              topt.batch_rows, gpus);
+    MT_CHECK(topt.micro_batches == 1 || topt.micro_batches % gpus == 0,
+             "--micro-batches {} (the passes of the global batch) must be 1 or a multiple of the {} processes (--gpus)",
+             topt.micro_batches, gpus);
     processes.emplace(gpus);
     topt.batch_rows /= gpus;
     topt.micro_batches = std::max<std::int64_t>(1, topt.micro_batches / gpus);

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -109,6 +110,15 @@ HostBuffer HostBuffer::allocate_shared(std::size_t bytes, int sharers, const Sha
     fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
     MT_CHECK(fd >= 0, "cannot open the host memory that process {} shares ({}): {}; the processes sharing it must run "
              "on one host as one user", open->pid, path, std::strerror(errno));
+    // (the very file the creator made, and as long: else not it, e.g. another pid namespace's process)
+    struct stat st {};
+    const bool same = ::fstat(fd, &st) == 0 && static_cast<std::int64_t>(st.st_dev) == open->dev &&
+                      static_cast<std::int64_t>(st.st_ino) == open->ino && static_cast<std::size_t>(st.st_size) >= mapped;
+    if (!same) {
+      ::close(fd);
+      MT_FAIL("{} is not the host memory that process {} shares (another file, or shorter than {}): the processes "
+              "sharing it must run on one host in one pid namespace", path, open->pid, format_bytes(mapped));
+    }
   }
   void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
@@ -130,7 +140,10 @@ HostBuffer HostBuffer::allocate_shared(std::size_t bytes, int sharers, const Sha
 
 SharedHostHandle HostBuffer::shared_handle() const {
   MT_CHECK(created_ && fd_ >= 0, "only the process that created a shared host buffer can hand it on");
-  return {static_cast<std::int64_t>(::getpid()), fd_};
+  struct stat st {};
+  MT_CHECK(::fstat(fd_, &st) == 0, "cannot read the shared host memory's file: {}", std::strerror(errno));
+  return {static_cast<std::int64_t>(::getpid()), fd_, static_cast<std::int64_t>(st.st_dev),
+          static_cast<std::int64_t>(st.st_ino)};
 }
 
 void HostBuffer::release() noexcept {
@@ -154,7 +167,15 @@ std::uint64_t host_identity() {
   std::string id = name;
   std::ifstream boot("/proc/sys/kernel/random/boot_id");
   std::string b;
-  if (boot >> b) id += "/" + b;
+  if (boot >> b) {
+    id += '/';
+    id += b;
+  }
+  char ns[128] = {};  // (e.g. "pid:[4026531836]": processes of other containers are not of this host's)
+  if (const ssize_t n = ::readlink("/proc/self/ns/pid", ns, sizeof ns - 1); n > 0) {
+    id += '/';
+    id.append(ns, static_cast<std::size_t>(n));
+  }
   // Test hook: MEGATRAIN_TEST_HOST=NAME makes this process claim another host (NAME), so that the
   // refusal of sharing across hosts can be tested on one.
   if (const char* t = std::getenv("MEGATRAIN_TEST_HOST"); t != nullptr && *t != '\0') id += std::string("/test:") + t;

@@ -57,6 +57,8 @@ bool fully_usable(const HostBuffer& b) {
   return true;
 }
 
+std::size_t host_pages_of(std::size_t bytes) { return (bytes + host_page_size() - 1) / host_page_size() * host_page_size(); }
+
 std::vector<UnitSpec> small_units() {
   return {{"a", {ParamSpec::matrix("a.w", Shape{37, 29}), ParamSpec::norm("a.norm", 29)}},
           {"b", {ParamSpec::matrix("b.w", Shape{101, 13})}}};
@@ -86,6 +88,39 @@ TEST_CASE("HostBuffer: page-aligned, zeroed, movable, both pinning modes") {
     CHECK_THROWS_AS(moved.as<std::uint32_t>(2499, 2), Error);
   }
   CHECK(!HostBuffer::allocate(0));
+}
+
+TEST_CASE("HostBuffer::allocate_shared: one memory for every opener, counted in shares, and only the creator's file opens") {
+  const std::size_t before = host_buffer_bytes();
+  {
+    HostBuffer made = HostBuffer::allocate_shared(10000, 3, nullptr, Pinning::never);
+    REQUIRE(made);
+    const SharedHostHandle h = made.shared_handle();
+    HostBuffer opened = HostBuffer::allocate_shared(10000, 3, &h, Pinning::never);  // (as another process would)
+    REQUIRE(opened);
+    CHECK(opened.data() != made.data());  // (two mappings of the same pages)
+    CHECK_THROWS_AS((void)opened.shared_handle(), Error);  // (the creator alone hands it on)
+    auto a = made.as<std::uint32_t>(0, 2500), b = opened.as<std::uint32_t>(0, 2500);
+    for (auto x : b) REQUIRE(x == 0);
+    a[17] = 0xdeadbeef;
+    b[2499] = 42;
+    CHECK(b[17] == 0xdeadbeef);
+    CHECK(a[2499] == 42);
+    // Each counts a third of the whole pages: 12288 bytes mapped, 4096 each.
+    CHECK(host_buffer_bytes() - before == 2 * ((host_pages_of(10000) + 2) / 3));
+    // A handle whose file is not the creator's (another pid namespace's process at that pid, say)
+    // is refused, as is one whose file is shorter than asked.
+    SharedHostHandle other = h;
+    other.ino += 1;
+    try {
+      (void)HostBuffer::allocate_shared(10000, 3, &other, Pinning::never);
+      FAIL("a handle naming another file was accepted");
+    } catch (const Error& e) {
+      CHECK_MESSAGE(e.reason().find("is not the host memory that process") != std::string::npos, e.reason());
+    }
+    CHECK_THROWS_AS((void)HostBuffer::allocate_shared(10 * 4096, 3, &h, Pinning::never), Error);
+  }
+  CHECK(host_buffer_bytes() == before);  // (released: mappings, shares and descriptors)
 }
 
 TEST_CASE("HostBuffer: a failed pin falls back to a working pageable buffer with one warning") {

@@ -23,9 +23,10 @@ enum class Pinning {
 };
 
 /// Where the other processes of a host find a shared HostBuffer (HostBuffer::allocate_shared):
-/// the process that created it and its descriptor of the memory.
+/// the process that created it and its descriptor of the memory, and the memory file's device and
+/// inode, which the opener checks (a pid of another pid namespace names another process).
 struct SharedHostHandle {
-  std::int64_t pid = 0, fd = -1;
+  std::int64_t pid = 0, fd = -1, dev = 0, ino = 0;
 };
 
 class HostBuffer {
@@ -83,7 +84,8 @@ class HostBuffer {
 };
 
 /// An identity of this host, the same for every process on it and different on another machine
-/// (its name and boot id, hashed): what tells processes whether they can share host memory.
+/// (its name, boot id and pid namespace, hashed): what tells processes whether they can share host
+/// memory (processes in containers of their own do not, though they share a kernel).
 std::uint64_t host_identity();
 
 /// Bytes of host memory a new allocation can use: MemAvailable from /proc/meminfo, capped by

@@ -74,8 +74,11 @@ struct StoreShard {
   /// With `masters`: the bf16 copy mapped by all `count` processes together (the processes of
   /// this communicator, which must all run on one host; the store checks it): the same pages for
   /// every process, each writing its part when it steps, so that the host holds one copy (2 bytes
-  /// a parameter in all, not 2 a process) and gather_updated only waits for every part. Null: each
-  /// process keeps its own copy, made whole again by gathering.
+  /// a parameter in all, not 2 a process) and gather_updated only waits for every part. Building
+  /// the store is then collective (every process, at the same point), and so are loads into it
+  /// (every process writes the same bytes, whole, as sync_compute does); a process's own writes to
+  /// compute() must stay within its part. Null: each process keeps its own copy, made whole again
+  /// by gathering.
   dist::HostComm* shared_weights = nullptr;
   /// Whether the bf16 copy is shared (shared_weights, with sharded masters over several processes).
   bool shares_weights() const { return shared_weights != nullptr && masters && count > 1; }
@@ -381,6 +384,9 @@ class HostParamStore {
       for (std::size_t pi = 0; pi < units_[ui].params().size(); ++pi)
         index_.emplace(units_[ui].params()[pi].spec.name, std::pair{ui, pi});
     initialize(opt.seed);
+    // (a shared bf16 copy: no process goes on, to load into it or read it, while another still
+    // writes its initial values; loads then write the same bytes in every process)
+    if (weights_shared()) barrier(*opt.shard.shared_weights);
   }
 
   HostParamStore(const HostParamStore&) = delete;
@@ -610,18 +616,39 @@ class HostParamStore {
     MT_CHECK(elsewhere.empty(), "the bf16 weights can be shared only by processes on one host (StoreShard::shared_weights"
              ", --share-weights), but process(es) {} of {} run on another host than process 0; share them only where "
              "every process runs on one host", fmt::join(elsewhere, ", "), n);
+    // (every process learns of a failure anywhere and throws, instead of waiting for the others)
     HostBuffer b;
-    std::vector<std::int64_t> handle(2, 0);
+    std::vector<std::int64_t> handle(5, 0);  // pid, fd, dev, ino, failed
+    std::string why;
     if (comm.rank() == 0) {
-      b = HostBuffer::allocate_shared(bytes, comm.world(), nullptr, options_.pinning);
-      handle = {b.shared_handle().pid, b.shared_handle().fd};
+      try {
+        b = HostBuffer::allocate_shared(bytes, comm.world(), nullptr, options_.pinning);
+        const SharedHostHandle h = b.shared_handle();
+        handle = {h.pid, h.fd, h.dev, h.ino, 0};
+      } catch (const Error& e) {
+        why = e.reason();
+        handle[4] = 1;
+      }
     }
     comm.all_reduce_sum(handle);
+    MT_CHECK(handle[4] == 0, "{}", comm.rank() == 0 ? why : std::string("process 0 could not create the bf16 weights "
+             "that the processes of this host share (its message says why)"));
+    std::vector<std::int64_t> failed(n, 0);
     if (comm.rank() != 0) {
-      const SharedHostHandle h{handle[0], handle[1]};
-      b = HostBuffer::allocate_shared(bytes, comm.world(), &h, options_.pinning);
+      try {
+        const SharedHostHandle h{handle[0], handle[1], handle[2], handle[3]};
+        b = HostBuffer::allocate_shared(bytes, comm.world(), &h, options_.pinning);
+      } catch (const Error& e) {
+        why = e.reason();
+        failed[static_cast<std::size_t>(comm.rank())] = 1;
+      }
     }
-    barrier(comm);  // (every process has mapped it: process 0's descriptor may close from now on)
+    comm.all_reduce_sum(failed);  // (and every process has mapped it: process 0's descriptor may close from now on)
+    std::vector<int> which;
+    for (std::size_t r = 0; r < n; ++r)
+      if (failed[r] != 0) which.push_back(static_cast<int>(r));
+    MT_CHECK(which.empty(), "{}", !why.empty() ? why : fmt::format("process(es) {} of {} could not map the bf16 weights "
+             "that the processes of this host share (their messages say why)", fmt::join(which, ", "), n));
     return b;
   }
   static bool whole_master_unit(const Unit& u) {

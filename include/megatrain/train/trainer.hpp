@@ -1416,7 +1416,8 @@ class Trainer {
   std::span<Acc> grad_acc(std::size_t unit, std::size_t slot) {
     if (unit == 0) return embed_acc_.span();
     if (unit == model_.head_unit()) return head_acc_.span();
-    if (block_acc_[unit].size() > 0) return block_acc_[unit].span();
+    // (gradients waiting on the device, or a device block: its own, which may be an empty part)
+    if (grads_on_device() || block_acc_[unit].size() > 0) return block_acc_[unit].span();
     return grad_ring_[slot].span().first(static_cast<std::size_t>(model_.block(unit - 1).layout().numel()));
   }
   // Where a unit's whole gradient is made: its accumulator, or where blocks keep only their part,
