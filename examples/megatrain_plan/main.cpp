@@ -175,7 +175,7 @@ int run(const Settings& s, const CLI::App& app, const PlanArgs& a) {
     topt.micro_batches = std::max<std::int64_t>(1, topt.micro_batches / gpus);
     topt.comm = &*processes;
     topt.shard_optimizer = s.shard_optimizer;
-    topt.share_host_weights = s.shard_optimizer && (s.share_weights == "true" || (s.share_weights == "auto" && a.hosts == 1));
+    topt.share_host_weights = share_weights(s, a.hosts == 1);
   } else {
     MT_CHECK(a.hosts == 1, "--hosts {} plans several processes: give --gpus too", a.hosts);
   }

@@ -306,6 +306,12 @@ inline megatrain::TrainerOptions step_layout(const Settings& s, std::int64_t lay
 
 /// The host memory a run may use, and where that figure comes from: --host-memory, the
 /// environment's MEGATRAIN_HOST_MEMORY, or what is available now.
+/// Whether the processes share one bf16 copy of the weights (--share-weights; ZeRO-1 only):
+/// `one_host` says whether every process runs on one host, which `auto` asks for.
+inline bool share_weights(const Settings& s, bool one_host) {
+  return s.shard_optimizer && (s.share_weights == "true" || (s.share_weights == "auto" && one_host));
+}
+
 inline megatrain::plan::HostBudget host_budget(const Settings& s) {
   const bool env = std::getenv("MEGATRAIN_HOST_MEMORY") != nullptr && *std::getenv("MEGATRAIN_HOST_MEMORY") != '\0';
   return {megatrain::available_host_memory(),

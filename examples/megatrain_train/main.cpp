@@ -536,8 +536,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
     topt.shard_optimizer = s.shard_optimizer;  // (ZeRO-1: each process keeps and steps 1/N of AdamW's state)
     // (one bf16 copy for the host's processes: where each runs here, as the launcher says, unless
     // told; the store checks that they do)
-    topt.share_host_weights = s.shard_optimizer && (s.share_weights == "true" ||
-                                                    (s.share_weights == "auto" && ranks.info().local_world == ranks.world()));
+    topt.share_host_weights = share_weights(s, ranks.info().local_world == ranks.world());
   }
   topt.packed = data && data->packed();
   topt.adamw = {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};

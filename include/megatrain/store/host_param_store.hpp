@@ -607,12 +607,18 @@ class HostParamStore {
     dist::HostComm& comm = *options_.shard.shared_weights;
     check_comm(comm, "StoreShard::shared_weights");
     const auto n = static_cast<std::size_t>(comm.world());
-    std::vector<std::int64_t> hosts(n, 0);
-    hosts[static_cast<std::size_t>(comm.rank())] = static_cast<std::int64_t>(host_identity());
-    comm.all_reduce_sum(hosts);  // (one value a slot: every process gets every identity)
-    std::vector<int> elsewhere;
-    for (std::size_t r = 0; r < n; ++r)
-      if (hosts[r] != hosts[0]) elsewhere.push_back(static_cast<int>(r));
+    // Every process's value (one a slot, summed: every process gets them all), and the ranks
+    // whose value is not the first's.
+    const auto differing = [&](std::int64_t mine) {
+      std::vector<std::int64_t> all(n, 0);
+      all[static_cast<std::size_t>(comm.rank())] = mine;
+      comm.all_reduce_sum(all);
+      std::vector<int> out;
+      for (std::size_t r = 0; r < n; ++r)
+        if (all[r] != all[0]) out.push_back(static_cast<int>(r));
+      return out;
+    };
+    const std::vector<int> elsewhere = differing(static_cast<std::int64_t>(host_identity()));
     MT_CHECK(elsewhere.empty(), "the bf16 weights can be shared only by processes on one host (StoreShard::shared_weights"
              ", --share-weights), but process(es) {} of {} run on another host than process 0; share them only where "
              "every process runs on one host", fmt::join(elsewhere, ", "), n);
@@ -633,20 +639,18 @@ class HostParamStore {
     comm.all_reduce_sum(handle);
     MT_CHECK(handle[4] == 0, "{}", comm.rank() == 0 ? why : std::string("process 0 could not create the bf16 weights "
              "that the processes of this host share (its message says why)"));
-    std::vector<std::int64_t> failed(n, 0);
+    std::int64_t failed = 0;
     if (comm.rank() != 0) {
       try {
         const SharedHostHandle h{handle[0], handle[1], handle[2], handle[3]};
         b = HostBuffer::allocate_shared(bytes, comm.world(), &h, options_.pinning);
       } catch (const Error& e) {
         why = e.reason();
-        failed[static_cast<std::size_t>(comm.rank())] = 1;
+        failed = 1;
       }
     }
-    comm.all_reduce_sum(failed);  // (and every process has mapped it: process 0's descriptor may close from now on)
-    std::vector<int> which;
-    for (std::size_t r = 0; r < n; ++r)
-      if (failed[r] != 0) which.push_back(static_cast<int>(r));
+    // (and every process has mapped it: process 0's descriptor may close from now on)
+    const std::vector<int> which = differing(failed);  // (process 0 did not fail: those that did)
     MT_CHECK(which.empty(), "{}", !why.empty() ? why : fmt::format("process(es) {} of {} could not map the bf16 weights "
              "that the processes of this host share (their messages say why)", fmt::join(which, ", "), n));
     return b;

@@ -1068,8 +1068,8 @@ class Trainer {
               t.opt_.comm->reduce_scatter_backend_memory(g.data(), t.store_.shard_bounds(unit), stream);
               const auto [lo, hi] = unit.owned();
               g = g.subspan(static_cast<std::size_t>(lo), static_cast<std::size_t>(hi - lo));
-              if (const auto part = t.grad_acc(it.unit, s.out); part.data() != t.grad_target(it.unit, s.out).data()) {
-                // (a block whose part alone waits: kept, and the whole buffer free for the next block)
+              if (t.keeps_part(it.unit)) {  // (its part alone waits: the whole buffer free for the next block)
+                const std::span<Acc> part = t.grad_acc(it.unit, s.out);
                 const Shape shape{static_cast<std::int64_t>(g.size())};
                 t.be_.copy(View<const Acc>(std::span<const Acc>(g), shape), View<Acc>(part, shape));
                 g = part;
@@ -1420,19 +1420,21 @@ class Trainer {
     if (grads_on_device() || block_acc_[unit].size() > 0) return block_acc_[unit].span();
     return grad_ring_[slot].span().first(static_cast<std::size_t>(model_.block(unit - 1).layout().numel()));
   }
+  // Whether unit u is a block whose accumulator holds only this process's part of its summed
+  // gradient (plan::keeps_gradient_parts: the trainer then has the one whole block's buffer).
+  bool keeps_part(std::size_t unit) const { return grad_whole_.size() > 0 && unit != 0 && unit != model_.head_unit(); }
   // Where a unit's whole gradient is made: its accumulator, or where blocks keep only their part,
   // the one buffer of a whole block.
   std::span<Acc> grad_target(std::size_t unit, std::size_t slot) {
-    if (grad_whole_.size() > 0 && unit != 0 && unit != model_.head_unit())
-      return grad_whole_.span().first(static_cast<std::size_t>(model_.block(unit - 1).layout().numel()));
+    if (keeps_part(unit)) return grad_whole_.span().first(static_cast<std::size_t>(model_.block(unit - 1).layout().numel()));
     return grad_acc(unit, slot);
   }
   // This process's part (StoreShard) of a unit's complete gradient: of its accumulator, or the
   // part a block keeps. All of it where the optimizer is not sharded.
   std::span<const Acc> owned_gradient(std::size_t unit, std::size_t slot) {
     const std::span<const Acc> g = grad_acc(unit, slot);
+    if (keeps_part(unit)) return g;
     const auto [lo, hi] = store_.unit(unit).owned();
-    if (g.data() != grad_target(unit, slot).data()) return g;  // (the part alone)
     return g.subspan(static_cast<std::size_t>(lo), static_cast<std::size_t>(hi - lo));
   }
   /// Where the gradient of `it` sits on the host once offloaded.
