@@ -716,8 +716,8 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     const plan::StepPlan sp =
         plan::plan_step<B>(model, topt, plan::device_budget(be), budget, B::kDevice ? plan::machine_figures() : plan::MachineFigures{});
     MT_CHECK(sp.memory.fits, "{}", sp.refusal());
-    if (topt.sharded() && ranks.lead() && (s.save_every > 0 || plan.export_options)) {
-      // (ZeRO-1: the first process holds the whole train state while it writes a checkpoint or an export)
+    if (topt.sharded() && ranks.lead() && plan.export_options) {
+      // (ZeRO-1: the first process holds the whole train state while it writes an export)
       TrainerOptions whole = topt;
       whole.shard_optimizer = false;
       // (the masters and the moments it gathers; the bf16 weights stay as they are)
@@ -726,8 +726,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
         return f.master_bytes + f.adam_bytes;
       };
       const auto need = sp.memory.host_total() + state(whole) - state(topt);
-      MT_CHECK(need <= budget.bytes, "process 0 writes the checkpoints and exports, for which it gathers the whole train "
-               "state: {} of host memory then, more than its {} ({}); give it more (--host-memory, or fewer processes "
+      MT_CHECK(need <= budget.bytes, "process 0 writes the --export, for which it gathers the whole train state: {} of host memory then, more than its {} ({}); give it more (--host-memory, or fewer processes "
                "on its host)", format_bytes(need), format_bytes(budget.bytes), budget.source);
     }
     std::fprintf(info, "%s", plan::format_summary(sp).c_str());
@@ -903,9 +902,11 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   copt.keep = static_cast<std::size_t>(s.keep);
   copt.extra_files = plan.side_files;
   copt.extra_files["config.json"] = plan.config_text;
-  // (the first process's only: the others' train state is the same)
+  // (the first process's only, where every process holds the same train state; ZeRO-1: every
+  // process writes its part of each checkpoint, the first puts it in place)
+  if (trainer.options().sharded()) copt.comm = ranks.comm();
   std::optional<Checkpointer> checkpointer;
-  if (lead) checkpointer.emplace(out / "checkpoints", copt);
+  if (lead || copt.comm) checkpointer.emplace(out / "checkpoints", copt);
   json side_names = json::array();
   for (const auto& [name, text] : plan.side_files) side_names.push_back(name);
   const json user{{"program", "megatrain-train"}, {"given", plan.given}, {"data", plan.data_identity}, {"backend", backend_name},
@@ -916,15 +917,16 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   bool last_save_failed = false;
   // Reports a finished save (a failure is a warning: the previous checkpoint is still there).
   const auto report_one = [&](const SaveResult* r) {
-    store.release_unowned_state();  // (ZeRO-1: what the save gathered, written or not)
     if (r->ok) {
       saved_step = r->step;
       last_save_failed = false;
-      progress.note(fmt::format("saved step {} to {} ({} in {:.1f} s; training waited {:.1f} s for it)", r->step,
+      if (lead)
+        progress.note(fmt::format("saved step {} to {} ({} in {:.1f} s; training waited {:.1f} s for it)", r->step,
                                 r->dir.string(), format_bytes(r->bytes), r->seconds, r->stall_seconds));
     } else {
       last_save_failed = true;
-      progress.note(fmt::format("megatrain-train: warning: the checkpoint of step {} could not be written: {}. {}; "
+      if (lead)
+        progress.note(fmt::format("megatrain-train: warning: the checkpoint of step {} could not be written: {}. {}; "
                                 "training goes on",
                                 r->step, r->error,
                                 saved_step > 0 ? fmt::format("The newest complete checkpoint is step {}", saved_step)
@@ -942,14 +944,8 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     if (checkpointer) report(checkpointer->wait());
   };
   const auto checkpoint_path = [&](std::int64_t step) { return checkpointer->folder().path_for(step).string(); };
-  // (Every process calls it at the same step. ZeRO-1: every process's part of AdamW's moments is
-  // brought to the first, which writes the whole state and then gives that memory back.)
+  // (Every process calls it at the same step. ZeRO-1: every process writes its part.)
   const auto save = [&](std::int64_t step) {
-    if (trainer.options().sharded()) {
-      wait_saves();  // (the previous checkpoint written: it read the moments gathered for it)
-      trainer.finish_update();
-      store.gather_state(*ranks.comm(), 0);
-    }
     if (checkpointer) checkpointer->save(trainer, store, data->position(step * s.batch), user);
   };
 
@@ -1066,7 +1062,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     if (s.save_every > 0 && (step % s.save_every == 0 || step == s.steps)) save(step);
     if (plan.export_options && (step == s.steps || (s.export_every > 0 && step % s.export_every == 0))) {
       if (trainer.options().sharded()) {  // (ZeRO-1: the whole state brought to the first process, which exports it)
-        wait_saves();  // (a checkpoint still being written read the state gathered for it)
+        wait_saves();  // (a checkpoint in flight completed first: its writers read the store)
         trainer.finish_update();
         store.gather_state(*ranks.comm(), 0);
       }

@@ -30,6 +30,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <random>
 #include <set>
 #include <system_error>
@@ -1013,97 +1014,183 @@ void carry_file(const fs::path& from, const fs::path& to, bool symlink) {
 
 }  // namespace
 
-std::vector<WrittenFile> write_safetensors_sharded(const fs::path& dir, std::span<const TensorToWrite> tensors,
-                                                   const ShardedWriteOptions& options) {
-  MT_NVTX_RANGE("io::write_safetensors_sharded");
-  const fs::path target = normalized_target(dir);
-  const std::string label = target.string();
-
-  // Everything that can fail without I/O, first.
-  MT_CHECK(plain_file_name(options.base_name) && !is_weight_file(options.base_name),
-           "cannot write '{}': shard base name '{}' is not a plain file name", label, options.base_name);
-  const auto nbytes = check_all_for_write(tensors, options.metadata, label);
-  const auto plan = plan_safetensors_shards(tensors, options.max_shard_bytes);
-  const std::size_t n = plan.size();
-  const std::string index_name = options.base_name + ".safetensors.index.json";
+struct ShardedWrite::Impl {
+  fs::path target;
+  std::string label;
+  std::span<const TensorToWrite> tensors;
+  ShardedWriteOptions options;
+  std::vector<std::uint64_t> nbytes;
+  std::vector<std::vector<std::size_t>> plan;  // per shard: indices into tensors
+  std::vector<int> writer;                     // per shard
   std::vector<std::string> shard_names;
+  std::vector<FileLayout> layouts;
+  std::string index_name, index_text;
+  std::set<std::string> written;               // every name the new set holds
+  std::vector<std::pair<std::string, bool>> carry;
+  std::optional<detail::StagingDirectory> staging;  // (the first writer's)
+  fs::path staging_path;
+};
+
+ShardedWrite::ShardedWrite(const fs::path& dir, std::span<const TensorToWrite> tensors, ShardedWriteOptions options,
+                           std::vector<int> writer_of)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.target = normalized_target(dir);
+  m.label = m.target.string();
+  m.tensors = tensors;
+  m.options = std::move(options);
+  // Everything that can fail without I/O, first.
+  MT_CHECK(plain_file_name(m.options.base_name) && !is_weight_file(m.options.base_name),
+           "cannot write '{}': shard base name '{}' is not a plain file name", m.label, m.options.base_name);
+  if (writer_of.empty()) writer_of.assign(tensors.size(), 0);
+  MT_CHECK(writer_of.size() == tensors.size() && (tensors.empty() || writer_of.front() >= 0) &&
+               std::is_sorted(writer_of.begin(), writer_of.end()),
+           "cannot write '{}': {} writers named for {} tensors (want one per tensor, non-decreasing from 0)", m.label,
+           writer_of.size(), tensors.size());
+  m.nbytes = check_all_for_write(tensors, m.options.metadata, m.label);
+  // Each writer's tensors packed into shards of their own, writer by writer.
+  for (std::size_t first = 0; first < tensors.size();) {
+    std::size_t last = first;
+    while (last < tensors.size() && writer_of[last] == writer_of[first]) ++last;
+    for (auto& members : plan_safetensors_shards(tensors.subspan(first, last - first), m.options.max_shard_bytes)) {
+      for (auto& i : members) i += first;
+      m.plan.push_back(std::move(members));
+      m.writer.push_back(writer_of[first]);
+    }
+    first = last;
+  }
+  if (m.plan.empty()) {  // (no tensor at all: one empty file, as before)
+    m.plan.emplace_back();
+    m.writer.push_back(0);
+  }
+  const std::size_t n = m.plan.size();
+  m.index_name = m.options.base_name + ".safetensors.index.json";
   if (n == 1) {
-    shard_names.push_back(options.base_name + ".safetensors");
+    m.shard_names.push_back(m.options.base_name + ".safetensors");
   } else {
     for (std::size_t s = 0; s < n; ++s)
-      shard_names.push_back(fmt::format("{}-{:05d}-of-{:05d}.safetensors", options.base_name, s + 1, n));
+      m.shard_names.push_back(fmt::format("{}-{:05d}-of-{:05d}.safetensors", m.options.base_name, s + 1, n));
   }
-  std::vector<FileLayout> layouts;
-  layouts.reserve(n);
-  for (const auto& members : plan) layouts.push_back(layout_file(tensors, nbytes, members, options.metadata));
+  m.layouts.reserve(n);
+  for (const auto& members : m.plan) m.layouts.push_back(layout_file(tensors, m.nbytes, members, m.options.metadata));
 
-  std::set<std::string> written(shard_names.begin(), shard_names.end());
-  std::string index_text;
+  m.written.insert(m.shard_names.begin(), m.shard_names.end());
   if (n > 1) {
-    written.emplace(index_name);
+    m.written.emplace(m.index_name);
     json weight_map = json::object();
     std::uint64_t total = 0;
     for (std::size_t s = 0; s < n; ++s)
-      for (const std::size_t i : plan[s]) {
-        weight_map[tensors[i].name] = shard_names[s];
-        total += nbytes[i];
+      for (const std::size_t i : m.plan[s]) {
+        weight_map[tensors[i].name] = m.shard_names[s];
+        total += m.nbytes[i];
       }
-    index_text = json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2) + "\n";
+    m.index_text = json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2) + "\n";
   }
-  for (const auto& [name, contents] : options.extra_files) {
-    MT_CHECK(plain_file_name(name), "cannot write '{}': extra file name '{}' is not a plain file name", label, name);
-    MT_CHECK(!written.contains(name) && !is_weight_file(name),
-             "cannot write '{}': extra file '{}' would clash with the safetensors files", label, name);
-    written.insert(name);
+  for (const auto& [name, contents] : m.options.extra_files) {
+    MT_CHECK(plain_file_name(name), "cannot write '{}': extra file name '{}' is not a plain file name", m.label, name);
+    MT_CHECK(!m.written.contains(name) && !is_weight_file(name),
+             "cannot write '{}': extra file '{}' would clash with the safetensors files", m.label, name);
+    m.written.insert(name);
   }
-  const fs::path parent = target.parent_path();
+}
+
+ShardedWrite::~ShardedWrite() = default;
+
+std::size_t ShardedWrite::num_shards() const { return impl_->plan.size(); }
+int ShardedWrite::shard_writer(std::size_t s) const { return impl_->writer.at(s); }
+const std::string& ShardedWrite::shard_name(std::size_t s) const { return impl_->shard_names.at(s); }
+
+void ShardedWrite::stage() {
+  Impl& m = *impl_;
+  const fs::path parent = m.target.parent_path();
   std::error_code ec;
-  MT_CHECK(fs::is_directory(parent, ec), "cannot write '{}': directory '{}' does not exist", label, parent.string());
+  MT_CHECK(fs::is_directory(parent, ec), "cannot write '{}': directory '{}' does not exist", m.label, parent.string());
   // Dead writers' leftovers go first: a crash between the two renames of a replace leaves the
   // previous folder as `.old-*`, restored here, and its other files must still be carried.
-  detail::remove_debris(target);
-  const auto carry = options.carry_other_files ? files_to_carry(target, written, label)
-                                               : std::vector<std::pair<std::string, bool>>{};
-  if (!options.carry_other_files) (void)files_to_carry(target, {}, label);  // (the same checks of what is there)
+  detail::remove_debris(m.target);
+  m.carry = m.options.carry_other_files ? files_to_carry(m.target, m.written, m.label)
+                                        : std::vector<std::pair<std::string, bool>>{};
+  if (!m.options.carry_other_files) (void)files_to_carry(m.target, {}, m.label);  // (the same checks of what is there)
+  m.staging.emplace(m.target);
+  m.staging_path = m.staging->path();
+}
 
-  // Stage the complete set beside the target.
-  detail::StagingDirectory staging(target);
+std::uint32_t ShardedWrite::staging_key() const {
+  const std::string name = impl_->staging_path.filename().string();
+  const auto dash = name.rfind('-');
+  MT_CHECK(impl_->staging && dash != std::string::npos, "writing '{}': the set is not staged", impl_->label);
+  return static_cast<std::uint32_t>(std::stoul(name.substr(dash + 1), nullptr, 16));
+}
+
+void ShardedWrite::attach(std::uint32_t key) {
+  Impl& m = *impl_;
+  fs::path p = m.target;
+  p += fmt::format(".partial-{:08x}", key);
+  std::error_code ec;
+  MT_CHECK(fs::is_directory(p, ec), "cannot write into '{}', which the first writer of '{}' created: this process does "
+           "not see it (the writers must share one file system)", p.string(), m.label);
+  m.staging_path = std::move(p);
+}
+
+std::vector<WrittenFile> ShardedWrite::write_shards(int w) const {
+  const Impl& m = *impl_;
+  MT_CHECK(!m.staging_path.empty(), "writing '{}': the set is not staged", m.label);
   std::vector<WrittenFile> files;
-  for (std::size_t s = 0; s < n; ++s) {
+  for (std::size_t s = 0; s < m.plan.size(); ++s) {
+    if (m.writer[s] != w) continue;
     Hasher h;
-    OutputFile out(staging.path() / shard_names[s], &h);
-    write_file(out, tensors, layouts[s]);
+    OutputFile out(m.staging_path / m.shard_names[s], &h);
+    write_file(out, m.tensors, m.layouts[s]);
     out.keep();
-    files.push_back({shard_names[s], h.size(), h.digest()});
+    files.push_back({m.shard_names[s], h.size(), h.digest()});
   }
+  return files;
+}
+
+std::vector<WrittenFile> ShardedWrite::commit(std::vector<WrittenFile> files) {
+  Impl& m = *impl_;
+  MT_CHECK(m.staging.has_value(), "writing '{}': only the writer that staged the set commits it", m.label);
+  MT_CHECK(files.size() == m.plan.size(), "writing '{}': {} shards written of {}", m.label, files.size(), m.plan.size());
+  for (std::size_t s = 0; s < files.size(); ++s)
+    MT_CHECK(files[s].name == m.shard_names[s], "writing '{}': shard {} is '{}', not '{}'", m.label, s, files[s].name,
+             m.shard_names[s]);
+  const fs::path& staged = m.staging->path();
   detail::crash_point("write:files");
   const auto write_text = [&](const std::string& name, std::string_view text) {
     Hasher h;
-    OutputFile out(staging.path() / name, &h);
+    OutputFile out(staged / name, &h);
     out.write(text);
     out.finish();
     out.keep();
     files.push_back({name, h.size(), h.digest()});
   };
-  if (n > 1) write_text(index_name, index_text);
-  for (const auto& [name, contents] : options.extra_files) write_text(name, contents);
-  if (options.finalize) {
-    for (const auto& [name, contents] : options.finalize(files)) {
-      MT_CHECK(plain_file_name(name) && !written.contains(name) && !is_weight_file(name),
-               "cannot write '{}': final file '{}' is not a plain file name or clashes with another file", label, name);
-      written.insert(name);
+  if (m.plan.size() > 1) write_text(m.index_name, m.index_text);
+  for (const auto& [name, contents] : m.options.extra_files) write_text(name, contents);
+  if (m.options.finalize) {
+    for (const auto& [name, contents] : m.options.finalize(files)) {
+      MT_CHECK(plain_file_name(name) && !m.written.contains(name) && !is_weight_file(name),
+               "cannot write '{}': final file '{}' is not a plain file name or clashes with another file", m.label, name);
+      m.written.insert(name);
       write_text(name, contents);
     }
   }
-  for (const auto& [name, symlink] : carry) carry_file(target / name, staging.path() / name, symlink);
-  fsync_directory(staging.path());
+  for (const auto& [name, symlink] : m.carry) carry_file(m.target / name, staged / name, symlink);
+  fsync_directory(staged);
 
   detail::crash_point("write:before-rename");
-  const fs::path old = detail::replace_directory(staging.path(), target, /*allow_exchange=*/true);
-  staging.release();
+  const fs::path old = detail::replace_directory(staged, m.target, /*allow_exchange=*/true);
+  m.staging->release();
   detail::crash_point("write:after-rename");
   if (!old.empty()) detail::remove_flat_directory(old);
   return files;
+}
+
+std::vector<WrittenFile> write_safetensors_sharded(const fs::path& dir, std::span<const TensorToWrite> tensors,
+                                                   const ShardedWriteOptions& options) {
+  MT_NVTX_RANGE("io::write_safetensors_sharded");
+  ShardedWrite w(dir, tensors, options);
+  w.stage();
+  return w.commit(w.write_shards(0));
 }
 
 }  // namespace megatrain::io

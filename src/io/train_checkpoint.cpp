@@ -9,6 +9,9 @@
 #include <cstring>
 #include <fstream>
 #include <mutex>
+#include <numeric>
+#include <optional>
+#include <array>
 #include <set>
 
 #include "megatrain/core/finite.hpp"
@@ -64,72 +67,110 @@ std::vector<Listed> parse_checksums(std::string_view text, const std::string& la
 
 // ---- writing ------------------------------------------------------------------------------------
 
-std::vector<WrittenFile> write_train_checkpoint(const fs::path& dir, const HostParamStore<float>& store,
-                                                const TrainCheckpointWriteOptions& options) {
-  MT_NVTX_RANGE("io::write_train_checkpoint");
+namespace {
+
+// Announces every unit not yet announced, once (on success as on failure: the destructor).
+struct Announcer {
+  Announcer(std::function<void(std::size_t)> f, std::size_t units) : fn(std::move(f)), done(units, 0) {}
+  Announcer(const Announcer&) = delete;
+  Announcer& operator=(const Announcer&) = delete;
+  void operator()(std::size_t u) {
+    {
+      std::lock_guard lock(m);
+      if (done[u]) return;
+      done[u] = 1;
+    }
+    if (fn) fn(u);
+  }
+  void all() {
+    for (std::size_t u = 0; u < done.size(); ++u) (*this)(u);
+  }
+  ~Announcer() { all(); }
+  std::function<void(std::size_t)> fn;
+  std::vector<char> done;
+  std::mutex m;
+};
+
+/// The caller's unit order, checked (empty: the store's).
+std::vector<std::size_t> unit_order(const fs::path& dir, const HostParamStore<float>& store,
+                                    const TrainCheckpointWriteOptions& options) {
   MT_CHECK(options.state.is_object(), "writing '{}': the train state must be a JSON object", dir.string());
-  // (With unit_done the caller orders the writes with the updates unit by unit: the Checkpointer.)
-  if (!options.unit_done) store.check_settled(fmt::format("writing '{}'", dir.string()));
-  MT_CHECK(store.state_whole(), "writing '{}': the store keeps part {} of {} of the optimizer state (ZeRO-1): gather it "
-           "first (HostParamStore::gather_state on every process) and write on the root", dir.string(),
-           store.shard().index, store.shard().count);
   std::vector<std::size_t> order = options.unit_order;
   if (order.empty())
     for (std::size_t u = 0; u < store.num_units(); ++u) order.push_back(u);
-  {
-    std::vector<std::size_t> sorted = order;
-    std::sort(sorted.begin(), sorted.end());
-    bool each_once = sorted.size() == store.num_units();
-    for (std::size_t i = 0; each_once && i < sorted.size(); ++i) each_once = sorted[i] == i;
-    MT_CHECK(each_once, "writing '{}': the unit order must name each of the store's {} units once", dir.string(),
-             store.num_units());
-  }
+  std::vector<std::size_t> sorted = order;
+  std::sort(sorted.begin(), sorted.end());
+  bool each_once = sorted.size() == store.num_units();
+  for (std::size_t i = 0; each_once && i < sorted.size(); ++i) each_once = sorted[i] == i;
+  MT_CHECK(each_once, "writing '{}': the unit order must name each of the store's {} units once", dir.string(),
+           store.num_units());
+  return order;
+}
 
-  // Announces every unit not yet announced, once (on success as on failure).
-  struct Announcer {
-    const std::function<void(std::size_t)>& fn;
-    std::vector<char> done;
-    std::mutex m;
-    void operator()(std::size_t u) {
-      {
-        std::lock_guard lock(m);
-        if (done[u]) return;
-        done[u] = 1;
-      }
-      if (fn) fn(u);
-    }
-    ~Announcer() {
-      for (std::size_t u = 0; u < done.size(); ++u) (*this)(u);
-    }
-  } announce{options.unit_done, std::vector<char>(store.num_units(), 0), {}};
-
-  // Unit by unit in the given order: each parameter's master, exp_avg, exp_avg_sq. The last
-  // tensor's producer announces the unit once it has copied its last chunk.
+/// The tensor files of a checkpoint: for each of `writers` processes in turn (one: the whole
+/// state), unit by unit in `order`, each parameter's master, exp_avg and exp_avg_sq over that
+/// process's part of the unit: the whole tensor under its name where the part holds all of it, a
+/// piece "<name>@<first>" where it holds some. Only process `me`'s values are read (from `store`);
+/// its last tensor of a unit announces the unit once copied; units it holds nothing of are
+/// announced at once.
+struct StateTensors {
   std::vector<TensorToWrite> tensors;
-  for (const std::size_t u : order) {
-    const auto& unit = store.unit(u);
-    const auto params = unit.params();
-    for (std::size_t p = 0; p < params.size(); ++p) {
-      const auto& param = params[p];
-      const std::vector<std::int64_t> shape(param.spec.shape.dims().begin(), param.spec.shape.dims().end());
-      const auto offset = static_cast<std::size_t>(param.offset), n = static_cast<std::size_t>(param.numel());
-      const std::pair<std::string, std::span<const float>> kinds[] = {
-          {param.spec.name, std::span<const float>(unit.master()).subspan(offset, n)},
-          {param.spec.name + std::string(kExpAvg), std::span<const float>(unit.adam_m()).subspan(offset, n)},
-          {param.spec.name + std::string(kExpAvgSq), std::span<const float>(unit.adam_v()).subspan(offset, n)}};
-      for (std::size_t k = 0; k < 3; ++k) {
-        const bool last = p + 1 == params.size() && k == 2;
-        const std::span<const float> values = kinds[k].second;
-        tensors.emplace_back(kinds[k].first, shape, SafetensorsDType::f32,
-                             [values, last, u, &announce](std::int64_t first, std::span<float> out) {
-                               std::copy_n(values.begin() + first, out.size(), out.begin());
-                               if (last && static_cast<std::size_t>(first) + out.size() == values.size()) announce(u);
-                             });
-      }
-    }
-  }
+  std::vector<int> writer_of;
+};
 
-  json state = options.state;
+StateTensors state_tensors(const HostParamStore<float>& store, std::span<const std::size_t> order, int writers, int me,
+                           Announcer& announce) {
+  StateTensors out;
+  std::vector<char> has_mine(store.num_units(), 0);
+  for (int w = 0; w < writers; ++w)
+    for (const std::size_t u : order) {
+      const auto& unit = store.unit(u);
+      const auto bounds = HostParamStore<float>::shard_bounds(unit.numel(), writers);
+      const std::int64_t lo = bounds[static_cast<std::size_t>(w)], hi = bounds[static_cast<std::size_t>(w) + 1];
+      const std::size_t first_of_unit = out.tensors.size();
+      for (const auto& param : unit.params()) {
+        const std::int64_t a = std::max(lo, param.offset), b = std::min(hi, param.offset + param.numel());
+        if (a >= b) continue;
+        const bool whole = a == param.offset && b == param.offset + param.numel();
+        const std::vector<std::int64_t> shape =
+            whole ? std::vector<std::int64_t>(param.spec.shape.dims().begin(), param.spec.shape.dims().end())
+                  : std::vector<std::int64_t>{b - a};
+        const std::pair<std::string_view, std::span<const float>> kinds[] = {
+            {"", unit.master()}, {kExpAvg, unit.adam_m()}, {kExpAvgSq, unit.adam_v()}};
+        for (const auto& [kind, slab] : kinds) {
+          std::string name = param.spec.name;
+          name += kind;
+          if (!whole) name += fmt::format("{}{}", kPieceSeparator, a - param.offset);
+          if (w != me) {  // (another process writes it: only its name, shape and dtype count here)
+            out.tensors.emplace_back(std::move(name), shape, SafetensorsDType::f32, [](std::int64_t, std::span<float>) {
+              MT_FAIL("unreachable: another process's tensor");
+            });
+          } else {
+            const std::span<const float> values = slab.subspan(static_cast<std::size_t>(a), static_cast<std::size_t>(b - a));
+            out.tensors.emplace_back(std::move(name), shape, SafetensorsDType::f32, [values](std::int64_t f, std::span<float> o) {
+              std::copy_n(values.begin() + f, o.size(), o.begin());
+            });
+          }
+          out.writer_of.push_back(w);
+        }
+      }
+      if (w != me || out.tensors.size() == first_of_unit) continue;
+      has_mine[u] = 1;
+      // (the unit's last tensor announces it once its last chunk is copied)
+      auto& last = std::get<TensorProducer>(out.tensors.back().source);
+      const auto n = static_cast<std::size_t>(
+          std::accumulate(out.tensors.back().shape.begin(), out.tensors.back().shape.end(), std::int64_t{1}, std::multiplies<>()));
+      last = [copy = std::move(last), n, u, &announce](std::int64_t f, std::span<float> o) {
+        copy(f, o);
+        if (static_cast<std::size_t>(f) + o.size() == n) announce(u);
+      };
+    }
+  for (std::size_t u = 0; u < store.num_units(); ++u)
+    if (!has_mine[u]) announce(u);
+  return out;
+}
+
+ShardedWriteOptions set_options(const fs::path& dir, const TrainCheckpointWriteOptions& options) {
   ShardedWriteOptions w;
   w.max_shard_bytes = options.max_shard_bytes;
   w.base_name = std::string(kTrainStateShards);
@@ -138,12 +179,191 @@ std::vector<WrittenFile> write_train_checkpoint(const fs::path& dir, const HostP
   w.extra_files = options.extra_files;
   MT_CHECK(!w.extra_files.contains(std::string(kTrainStateFile)) && !w.extra_files.contains(std::string(kChecksumsFile)),
            "writing '{}': {} and {} are written by the checkpoint itself", dir.string(), kTrainStateFile, kChecksumsFile);
-  w.extra_files.emplace(kTrainStateFile, state.dump(2) + "\n");
+  w.extra_files.emplace(kTrainStateFile, options.state.dump(2) + "\n");
   w.finalize = [](std::span<const WrittenFile> files) {
     detail::crash_point("checkpoint:checksums");
     return std::map<std::string, std::string>{{std::string(kChecksumsFile), checksums_text(files)}};
   };
-  return write_safetensors_sharded(dir, tensors, w);
+  return w;
+}
+
+}  // namespace
+
+std::vector<WrittenFile> write_train_checkpoint(const fs::path& dir, const HostParamStore<float>& store,
+                                                const TrainCheckpointWriteOptions& options) {
+  MT_NVTX_RANGE("io::write_train_checkpoint");
+  const auto order = unit_order(dir, store, options);
+  // (With unit_done the caller orders the writes with the updates unit by unit: the Checkpointer.)
+  if (!options.unit_done) store.check_settled(fmt::format("writing '{}'", dir.string()));
+  MT_CHECK(store.state_whole(), "writing '{}': the store keeps part {} of {} of the optimizer state (ZeRO-1): write it "
+           "from every process (write_train_checkpoint with the communicator, or the Checkpointer's), or gather it first "
+           "(HostParamStore::gather_state on every process) and write on the root", dir.string(),
+           store.shard().index, store.shard().count);
+  Announcer announce(options.unit_done, store.num_units());
+  const StateTensors t = state_tensors(store, order, 1, 0, announce);
+  return write_safetensors_sharded(dir, t.tensors, set_options(dir, options));
+}
+
+// ---- written by every process ---------------------------------------------------------------------
+
+struct PartedCheckpointWrite::Impl {
+  Impl(const fs::path& d, const HostParamStore<float>& s, TrainCheckpointWriteOptions o, dist::HostComm& c)
+      : dir(d), comm(c), options(std::move(o)), announce(options.unit_done, s.num_units()) {}
+  fs::path dir;
+  dist::HostComm& comm;
+  TrainCheckpointWriteOptions options;
+  Announcer announce;
+  StateTensors tensors;
+  std::optional<ShardedWrite> set;
+  std::vector<WrittenFile> mine;
+  std::string error;  // this process's failure in write_part
+};
+
+namespace {
+/// Every rank's flag summed: which ranks said `failed` (in rank order).
+std::vector<int> failed_ranks(dist::HostComm& comm, bool failed) {
+  std::vector<std::int64_t> flags(static_cast<std::size_t>(comm.world()), 0);
+  flags[static_cast<std::size_t>(comm.rank())] = failed ? 1 : 0;
+  comm.all_reduce_sum(flags);
+  std::vector<int> out;
+  for (std::size_t r = 0; r < flags.size(); ++r)
+    if (flags[r] != 0) out.push_back(static_cast<int>(r));
+  return out;
+}
+}  // namespace
+
+PartedCheckpointWrite::PartedCheckpointWrite(const fs::path& dir, const HostParamStore<float>& store,
+                                             TrainCheckpointWriteOptions options, dist::HostComm& comm)
+    : impl_(std::make_unique<Impl>(dir, store, std::move(options), comm)) {
+  MT_NVTX_RANGE("io::PartedCheckpointWrite");
+  Impl& m = *impl_;
+  const int world = comm.world(), rank = comm.rank();
+  MT_CHECK(store.shard().count == world && store.shard().index == rank,
+           "writing '{}': the store is part {} of {}, the communicator's process {} of {}", dir.string(),
+           store.shard().index, store.shard().count, rank, world);
+  const auto order = unit_order(dir, store, m.options);
+  if (!m.options.unit_done) store.check_settled(fmt::format("writing '{}'", dir.string()));
+  m.tensors = state_tensors(store, order, world, rank, m.announce);
+  m.set.emplace(dir, m.tensors.tensors, set_options(dir, m.options), m.tensors.writer_of);
+  // The first process stages the folder; the others find it (one file system).
+  std::string error;
+  std::int64_t key[1] = {0};
+  if (rank == 0) {
+    try {
+      m.set->stage();
+      key[0] = m.set->staging_key();
+    } catch (const Error& e) {
+      error = e.reason();
+    }
+  }
+  std::int64_t staged_failed[1] = {rank == 0 && !error.empty() ? 1 : 0};
+  comm.all_reduce_sum(staged_failed);
+  comm.all_reduce_sum(key);
+  if (staged_failed[0] != 0)
+    MT_FAIL("{}", rank == 0 ? error : fmt::format("writing '{}': process 0 could not prepare the folder (its message "
+                                                  "says why)", dir.string()));
+  if (rank != 0) {
+    try {
+      m.set->attach(static_cast<std::uint32_t>(key[0]));
+    } catch (const Error& e) {
+      error = e.reason();
+    }
+  }
+  const auto blind = failed_ranks(comm, !error.empty());
+  if (!blind.empty())
+    MT_FAIL("{}", !error.empty() ? error
+                                 : fmt::format("writing '{}': process(es) {} do not see the folder that process 0 "
+                                               "prepared: the processes of a run must share one file system for its "
+                                               "checkpoints", dir.string(), fmt::join(blind, ", ")));
+}
+
+PartedCheckpointWrite::~PartedCheckpointWrite() = default;
+
+void PartedCheckpointWrite::write_part() noexcept {
+  Impl& m = *impl_;
+  try {
+    m.mine = m.set->write_shards(m.comm.rank());
+    detail::crash_point(fmt::format("checkpoint:part:{}", m.comm.rank()));
+  } catch (const Error& e) {
+    m.error = e.reason();
+  } catch (const std::exception& e) {
+    m.error = e.what();
+  }
+  m.announce.all();
+}
+
+std::vector<WrittenFile> PartedCheckpointWrite::finish() {
+  MT_NVTX_RANGE("io::PartedCheckpointWrite::finish");
+  Impl& m = *impl_;
+  const int rank = m.comm.rank();
+  const std::string label = m.dir.string();
+  const auto failed = failed_ranks(m.comm, !m.error.empty());
+  if (!failed.empty())
+    MT_FAIL("{}", !m.error.empty() ? m.error
+                                   : fmt::format("writing '{}': process(es) {} could not write their part (their "
+                                                 "messages say why)", label, fmt::join(failed, ", ")));
+  // Every shard's size and digest, from the process that wrote it.
+  const std::size_t n = m.set->num_shards();
+  std::vector<std::int64_t> listed(3 * n, 0);
+  for (std::size_t s = 0, i = 0; s < n; ++s) {
+    if (m.set->shard_writer(s) != rank) continue;
+    const WrittenFile& f = m.mine.at(i++);
+    listed[3 * s] = static_cast<std::int64_t>(f.bytes);
+    std::memcpy(&listed[3 * s + 1], f.digest.bytes.data(), 16);
+  }
+  m.comm.all_reduce_sum(listed);
+  std::vector<WrittenFile> files(n);
+  for (std::size_t s = 0; s < n; ++s) {
+    files[s].name = m.set->shard_name(s);
+    files[s].bytes = static_cast<std::uint64_t>(listed[3 * s]);
+    std::memcpy(files[s].digest.bytes.data(), &listed[3 * s + 1], 16);
+  }
+  std::string error;
+  if (rank == 0) {
+    try {
+      files = m.set->commit(std::move(files));
+    } catch (const Error& e) {
+      error = e.reason();
+    }
+  }
+  std::int64_t committed_failed[1] = {rank == 0 && !error.empty() ? 1 : 0};
+  m.comm.all_reduce_sum(committed_failed);
+  if (committed_failed[0] != 0)
+    MT_FAIL("{}", rank == 0 ? error : fmt::format("writing '{}': process 0 could not complete it (its message says why)", label));
+  return files;
+}
+
+std::vector<WrittenFile> write_train_checkpoint(const fs::path& dir, const HostParamStore<float>& store,
+                                                const TrainCheckpointWriteOptions& options, dist::HostComm& comm) {
+  PartedCheckpointWrite w(dir, store, options, comm);
+  w.write_part();
+  return w.finish();
+}
+
+namespace {
+fs::path probe_path(const fs::path& root, std::int64_t key) {
+  return root / fmt::format("probe.partial-{:08x}", static_cast<std::uint32_t>(key));
+}
+}  // namespace
+
+std::int64_t shared_folder_probe(const fs::path& root) {
+  const std::int64_t key = static_cast<std::int64_t>(std::stoul(detail::random_suffix(), nullptr, 16));
+  detail::OutputFile out(probe_path(root, key));
+  out.write("megatrain: do the processes of the run see this folder?\n");
+  out.finish();
+  out.keep();
+  detail::fsync_directory(root);
+  return key;
+}
+
+bool sees_folder_probe(const fs::path& root, std::int64_t key) {
+  std::error_code ec;
+  return fs::is_regular_file(probe_path(root, key), ec);
+}
+
+void remove_folder_probe(const fs::path& root, std::int64_t key) {
+  std::error_code ec;
+  fs::remove(probe_path(root, key), ec);
 }
 
 // ---- reading ------------------------------------------------------------------------------------
@@ -222,56 +442,95 @@ void TrainCheckpoint::load_into(HostParamStore<float>& store) const {
   const SafetensorsCheckpoint tensors =
       SafetensorsCheckpoint::open(listed_.contains(index) ? dir_ / index : dir_ / (std::string(kTrainStateShards) + ".safetensors"));
   const std::string label = fmt::format("loading checkpoint '{}'", dir_.string());
-  // Everything is checked before anything is written.
+  // The pieces of tensors that processes' parts divided ("<name>@<first element>", written by
+  // PartedCheckpointWrite): name -> first element -> the piece.
+  std::map<std::string, std::map<std::int64_t, std::string>, std::less<>> pieces;
+  for (const std::string& name : tensors.names()) {
+    const auto at = name.rfind(kPieceSeparator);
+    if (at == std::string::npos) continue;
+    std::int64_t first = -1;
+    const char* const end = name.data() + name.size();
+    const auto [ptr, err] = std::from_chars(name.data() + at + 1, end, first);
+    if (err != std::errc{} || ptr != end || first < 0 || at + 1 == name.size()) continue;
+    pieces[name.substr(0, at)].emplace(first, name);
+  }
+  // Everything is checked before anything is written: every parameter's three tensors, whole or
+  // in pieces that tile it, F32 and of its shape.
+  struct Copy {
+    TensorRef ref;
+    std::size_t unit;
+    int kind;            // 0 master, 1 exp_avg, 2 exp_avg_sq
+    std::int64_t first;  // in the unit's elements
+    std::int64_t count;
+  };
+  std::vector<Copy> copies;
   std::size_t expected = 0;
-  std::vector<TensorRef> refs;
-  for (const auto& unit : store.units())
-    for (const auto& p : unit.params()) {
+  for (std::size_t u = 0; u < store.num_units(); ++u)
+    for (const auto& p : store.unit(u).params()) {
+      int k = 0;
       for (const std::string_view kind : {std::string_view{}, kExpAvg, kExpAvgSq}) {
         const std::string name = p.spec.name + std::string(kind);
-        const auto ref = tensors.find(name);
-        MT_CHECK(ref.has_value(), "{}: it has no tensor '{}' (it was saved from another model)", label, name);
-        const TensorInfo& info = *ref->info;
-        MT_CHECK(info.dtype == SafetensorsDType::f32, "{}: tensor '{}' is {}, not F32", label, name,
-                 safetensors_dtype_name(info.dtype));
-        MT_CHECK(std::equal(info.shape.begin(), info.shape.end(), p.spec.shape.dims().begin(), p.spec.shape.dims().end()),
-                 "{}: tensor '{}' has shape {} but the model's is {}", label, name, info.shape_str(), p.spec.shape.str());
-        refs.push_back(*ref);
-        ++expected;
+        const auto checked = [&](const TensorRef& ref, std::span<const std::int64_t> shape, const std::string& what) {
+          const TensorInfo& info = *ref.info;
+          MT_CHECK(info.dtype == SafetensorsDType::f32, "{}: tensor '{}' is {}, not F32", label, ref.name(),
+                   safetensors_dtype_name(info.dtype));
+          MT_CHECK(std::equal(info.shape.begin(), info.shape.end(), shape.begin(), shape.end()),
+                   "{}: tensor '{}' has shape {} but {}", label, ref.name(), info.shape_str(), what);
+          ++expected;
+        };
+        if (const auto ref = tensors.find(name)) {
+          MT_CHECK(!pieces.contains(name), "{}: tensor '{}' is there whole and in pieces", label, name);
+          checked(*ref, p.spec.shape.dims(), fmt::format("the model's is {}", p.spec.shape.str()));
+          copies.push_back({*ref, u, k, p.offset, p.numel()});
+        } else {
+          const auto it = pieces.find(name);
+          MT_CHECK(it != pieces.end(), "{}: it has no tensor '{}' (it was saved from another model)", label, name);
+          std::int64_t next = 0;
+          for (const auto& [first, piece] : it->second) {
+            const TensorRef part = tensors.tensor(piece);
+            const std::int64_t n = part.info->shape.size() == 1 ? part.info->shape[0] : -1;
+            MT_CHECK(first == next && n > 0 && first + n <= p.numel(),
+                     "{}: the pieces of tensor '{}' do not tile its {} elements (piece '{}' of shape {} where element {} "
+                     "comes next)", label, name, p.numel(), piece, part.info->shape_str(), next);
+            checked(part, std::array<std::int64_t, 1>{n}, "a piece is 1-D");
+            copies.push_back({part, u, k, p.offset + first, n});
+            next = first + n;
+          }
+          MT_CHECK(next == p.numel(), "{}: the pieces of tensor '{}' end at element {} of its {}: the checkpoint misses "
+                   "a process's part", label, name, next, p.numel());
+        }
+        ++k;
       }
     }
   MT_CHECK(tensors.size() == expected, "{}: it holds {} tensors, the model needs {} (it was saved from another model)",
            label, tensors.size(), expected);
   // A NaN or an infinity in a weight or a moment (a corrupt file, or a state saved from a run that
   // diverged) is refused before anything is written, naming the tensor.
-  std::vector<FiniteScan> bad(refs.size());
-  tbb::parallel_for(std::size_t{0}, refs.size(), [&](std::size_t i) { bad[i] = scan_finite(refs[i].bytes().bytes); });
-  for (std::size_t i = 0; i < refs.size(); ++i)
+  std::vector<FiniteScan> bad(copies.size());
+  tbb::parallel_for(std::size_t{0}, copies.size(), [&](std::size_t i) { bad[i] = scan_finite(copies[i].ref.bytes().bytes); });
+  for (std::size_t i = 0; i < copies.size(); ++i)
     MT_CHECK(bad[i].ok(),
              "{}: tensor '{}' in '{}' holds {} non-finite value(s) (NaN or infinity; the first at element {}): the "
              "checkpoint is corrupt or was saved from a diverged run; resume from an earlier checkpoint",
-             label, refs[i].name(), refs[i].file->path().string(), bad[i].count, bad[i].first);
-  for (auto& unit : store.units()) {
-    const auto [lo, hi] = unit.owned();
-    for (const auto& p : unit.params()) {
-      read_into(tensors.tensor(p.spec.name), store.master(p.spec.name));
-      if (!store.sharded()) {
-        read_into(tensors.tensor(p.spec.name + std::string(kExpAvg)), store.adam_m(p.spec.name));
-        read_into(tensors.tensor(p.spec.name + std::string(kExpAvgSq)), store.adam_v(p.spec.name));
-        continue;
-      }
-      // A sharded store (ZeRO-1): the moments of its part only (the checkpoint may come from any
-      // number of processes: it holds them whole). F32, checked above.
-      const std::int64_t a = std::max(lo, p.offset), b = std::min(hi, p.offset + p.numel());
-      if (a >= b) continue;
-      for (const auto& [kind, slab] : {std::pair{kExpAvg, unit.adam_m()}, std::pair{kExpAvgSq, unit.adam_v()}}) {
-        const TensorBytes bytes = tensors.tensor(p.spec.name + std::string(kind)).bytes();
-        std::memcpy(slab.data() + a, bytes.bytes.data() + static_cast<std::size_t>(a - p.offset) * sizeof(float),
-                    static_cast<std::size_t>(b - a) * sizeof(float));
-      }
+             label, copies[i].ref.name(), copies[i].ref.file->path().string(), bad[i].count, bad[i].first);
+  // The masters whole (the store refreshes its bf16 copy from them; a store whose masters are
+  // sharded gives the rest back when its trainer starts); the moments whole, or (ZeRO-1: the
+  // checkpoint may come from any number of processes) of this process's part only.
+  tbb::parallel_for(std::size_t{0}, copies.size(), [&](std::size_t i) {
+    const Copy& c = copies[i];
+    const auto& unit = store.unit(c.unit);
+    const std::span<float> slab = c.kind == 0 ? unit.master() : c.kind == 1 ? unit.adam_m() : unit.adam_v();
+    std::int64_t lo = c.first, hi = c.first + c.count;
+    if (c.kind != 0 && store.sharded()) {
+      lo = std::max(lo, unit.owned().first);
+      hi = std::min(hi, unit.owned().second);
     }
-    store.sync_compute(unit);
-  }
+    if (lo >= hi) return;
+    const TensorBytes bytes = c.ref.bytes();
+    std::memcpy(slab.data() + lo, bytes.bytes.data() + static_cast<std::size_t>(lo - c.first) * sizeof(float),
+                static_cast<std::size_t>(hi - lo) * sizeof(float));
+  });
+  for (auto& unit : store.units()) store.sync_compute(unit);
 }
 
 // ---- a run's folder -----------------------------------------------------------------------------

@@ -133,6 +133,11 @@ elif SCENARIO == "other_n":
         fail(f"exported by 2 processes and by 1: the weights differ by {worst:.2e} of their largest")
     print(f"exported by 2 processes and by 1: {len(a)} tensors within {worst:.2e} of their largest")
     ckpt = os.path.join(WORK, "two", "checkpoints", "step-00000002")
+    # (every process wrote its part: a tensor the two parts divide is there in pieces)
+    with open(os.path.join(ckpt, "train-state.safetensors.index.json")) as f:
+        names = json.load(f)["weight_map"]
+    if not any("@" in n for n in names):
+        fail(f"the checkpoint of 2 processes holds no piece of a tensor that their parts divide: {sorted(names)}")
     r = launch(1, ["--resume", ckpt, "--out", run_dir("two_then_one"), "--steps", "4"])
     if "1 process(es) (checkpoint: 2)" not in r.stdout:
         fail(f"the resume does not say that the number of processes changed:\n{r.stdout}")
@@ -159,6 +164,26 @@ elif SCENARIO == "signal":
         fail(f"metrics.jsonl has {len(metrics('cut'))} lines, the checkpoint is step {step}")
     launch(2, ["--resume", "--out", os.path.join(WORK, "cut")] + ["--steps", "40"])
     same(metrics("cut"), metrics("whole"), 0.0, f"stopped after step {step} by SIGTERM and resumed")
+elif SCENARIO == "crash_in_save":
+    # Every process writes its part of a checkpoint; process 1 is killed once it has written its
+    # part of the second one (step 4): the run stops, step 2 stays the newest complete checkpoint,
+    # and the run resumed from it ends as the run that was never interrupted, bit for bit.
+    args = SHAPE + ["--steps", "6", "--save-every", "2"]
+    launch(2, args + ["--out", run_dir("whole")])
+    env = dict(ENV, MEGATRAIN_TEST_CRASH_AT="checkpoint:part:1:2")
+    r = launch(2, args + ["--out", run_dir("cut")], env=env, check=False)
+    ckpts = os.path.join(WORK, "cut", "checkpoints")
+    saved = sorted(d for d in os.listdir(ckpts) if d.startswith("step-") and "." not in d)
+    if r.returncode == 0 or "killed at checkpoint:part:1" not in r.stderr or saved != ["step-00000002"]:
+        fail(f"process 1 killed in the save of step 4: status {r.returncode}, checkpoints {saved}:\n{r.stdout}\n{r.stderr}")
+    if open(os.path.join(ckpts, "latest")).read().strip() != "step-00000002":
+        fail("`latest` does not name step 2, the newest complete checkpoint")
+    print(f"killed in a save: {saved} complete, left behind {sorted(os.listdir(ckpts))}")
+    launch(2, ["--resume", "--out", os.path.join(WORK, "cut")])
+    same(metrics("cut"), metrics("whole"), 0.0, "process 1 killed in a save, resumed from the step before")
+    left = [d for d in os.listdir(ckpts) if ".partial-" in d]
+    if left:
+        fail(f"the resumed run left what the killed save wrote: {left}")
 elif SCENARIO == "refusals":
     def refused(n, args, expect, env=None):
         r = launch(n, args, env=env, check=False)

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <csignal>
 #include <filesystem>
+#include <fstream>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -295,6 +296,58 @@ TEST_CASE("ZeRO-1: the moments outside a process's part take no memory; a checkp
   HostParamStore<float> one(model.units(), store_opts(options(share, seq)));
   ckpt.load_into(one);
   if (r == 0) CHECK(same_bits(state_of(one), whole));
+
+  // Written by every process, each its part, into one folder, nothing gathered: the same state,
+  // in files of every process (pieces where a tensor straddles two parts).
+  const auto parted = root / "parted";
+  io::TrainCheckpointWriteOptions po;
+  po.state = {{"what", "zero1, every process its part"}};
+  po.max_shard_bytes = 100'000;  // (several files a process)
+  const auto files = io::write_train_checkpoint(parted, store, po, comm());
+  std::vector<std::string> shards;
+  for (const auto& f : files)
+    if (f.name.ends_with(".safetensors")) shards.push_back(f.name);
+  CHECK(shards.size() >= static_cast<std::size_t>(2 * w));
+  std::size_t pieces = 0;
+  for (const auto& name : io::SafetensorsCheckpoint::open(parted / "train-state.safetensors.index.json").names())
+    pieces += name.find(io::kPieceSeparator) != std::string::npos ? 1 : 0;
+  CHECK((pieces > 0) == (w > 1));
+  {
+    HostParamStore<float> loaded(model.units(), store_opts(options(share, seq)));
+    io::TrainCheckpoint::open(parted).load_into(loaded);
+    CHECK(same_bits(state_of(loaded), state_of(one)));
+  }
+  // A process that cannot write its part (its last file is already there): every process fails
+  // alike, naming it, and the complete checkpoint at that name is left as it was.
+  {
+    io::PartedCheckpointWrite pw(parted, store, po, comm());
+    if (r == 0) {
+      int staged = 0;
+      for (const auto& e : std::filesystem::directory_iterator(root))
+        if (e.path().filename().string().starts_with("parted.partial-")) {
+          std::ofstream(e.path() / shards.back()) << "in the way";
+          ++staged;
+        }
+      CHECK(staged == 1);
+    }
+    comm().all_reduce_sum(barrier);
+    pw.write_part();
+    std::string what;
+    try {
+      (void)pw.finish();
+    } catch (const Error& e) {
+      what = e.what();
+    }
+    if (r == w - 1)
+      CHECK_MESSAGE(what.find("cannot create") != std::string::npos, what);
+    else
+      CHECK_MESSAGE(what.find(fmt::format("process(es) {} could not write their part", w - 1)) != std::string::npos, what);
+  }
+  comm().all_reduce_sum(barrier);
+  CHECK(io::TrainCheckpoint::open(parted).state().at("what") == "zero1, every process its part");
+  if (r == 0)
+    for (const auto& e : std::filesystem::directory_iterator(root))
+      CHECK_MESSAGE(e.path().filename().string().find(".partial-") == std::string::npos, e.path().string());
   // Loaded by this run's processes again: the masters whole, each process's moments of its part.
   HostParamStore<float> again(model.units(), so);
   ckpt.load_into(again);
@@ -378,8 +431,11 @@ void sharded_masters_case(bool share) {
   }
   // (what the allocator counts for this store beyond a whole one's: the footprint's difference, within
   // the rounding to pages; the masters' and moments' address ranges are whole in both)
-  const auto counted = [](const HostParamStore<float>& x) {
-    return static_cast<long long>(x.footprint().compute_bytes + x.footprint().resident_grad_bytes);
+  // (shared: also this process's share of the embedding's masters, which the processes map together
+  // beside the masters' whole address range)
+  const auto counted = [&](const HostParamStore<float>& x) {
+    const std::size_t shared_masters = x.weights_shared() ? x.unit(0).numel() * sizeof(float) / static_cast<std::size_t>(w) : 0;
+    return static_cast<long long>(x.footprint().compute_bytes + x.footprint().resident_grad_bytes + shared_masters);
   };
   CHECK(std::llabs(static_cast<long long>(mapped) - static_cast<long long>(mapped_one) - (counted(store) - counted(one))) <=
         4 * static_cast<long long>(host_page_size()));
@@ -395,6 +451,11 @@ void sharded_masters_case(bool share) {
   };
   for (std::size_t u = 0; u < store.num_units(); ++u) CHECK(bits(store.unit(u).compute(), one.unit(u).compute()));
   CHECK(store.unit(0).whole_masters().size() == 1);  // (the embedding: kept whole)
+  if (share) {  // (... and mapped together: its share of them counted, the others' not)
+    const auto embedding = static_cast<std::size_t>(store.unit(0).numel()) * sizeof(float);
+    CHECK(one.footprint().master_bytes - store.footprint().master_bytes >=
+          embedding - (embedding + static_cast<std::size_t>(w) - 1) / static_cast<std::size_t>(w));
+  }
   CHECK(!store.unit(1).whole_masters().empty());      // (a block: its norm gains)
 
   if (share) {  // (every process has compared the copy before any changes its part of the pages they map)

@@ -23,6 +23,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -308,6 +309,47 @@ struct ShardedWriteOptions {
 /// Returns every file written (not the carried ones), in the order written.
 std::vector<WrittenFile> write_safetensors_sharded(const std::filesystem::path& dir, std::span<const TensorToWrite> tensors,
                                                    const ShardedWriteOptions& options = {});
+
+/// write_safetensors_sharded in its phases, for a set that several writers fill together: the
+/// processes of a run, each writing the shards of its own tensors into one staging directory that
+/// the first creates and, once every shard is written, completes and puts in place (the steps
+/// above). Every writer builds the same ShardedWrite from the same names, shapes and dtypes (the
+/// values of tensors another writer writes are never read) and the same options.
+class ShardedWrite {
+ public:
+  /// Checks and plans, without I/O (throws as write_safetensors_sharded does). `writer_of[i]`:
+  /// which writer writes tensors[i], non-decreasing from 0 (empty: one writer, 0); a shard holds
+  /// the tensors of one writer. `tensors` must outlive this object.
+  ShardedWrite(const std::filesystem::path& dir, std::span<const TensorToWrite> tensors, ShardedWriteOptions options,
+               std::vector<int> writer_of = {});
+  ~ShardedWrite();
+  ShardedWrite(const ShardedWrite&) = delete;
+  ShardedWrite& operator=(const ShardedWrite&) = delete;
+
+  std::size_t num_shards() const;
+  /// The writer of shard s, and its file name.
+  int shard_writer(std::size_t s) const;
+  const std::string& shard_name(std::size_t s) const;
+  /// The first writer: removes what dead writers of `dir` left, checks what `dir` holds, creates
+  /// the staging directory (locked until this object goes; removed unless commit() put it in place).
+  void stage();
+  /// The staging directory's key (after stage()): what the other writers attach() with.
+  std::uint32_t staging_key() const;
+  /// The other writers: the staging directory the first created. Throws naming it where this
+  /// process does not see it (another file system).
+  void attach(std::uint32_t key);
+  /// Writes writer w's shards into the staging directory (stage() or attach() first); returns each
+  /// one's name, size and digest, in shard order.
+  std::vector<WrittenFile> write_shards(int w) const;
+  /// The first writer, once every writer's shards are written (`shards`: all of them, in shard
+  /// order): writes the index, the extra files and the finalizer's, carries the old set's other
+  /// files, fsyncs and puts the set at `dir`. Returns every file written, shards first.
+  std::vector<WrittenFile> commit(std::vector<WrittenFile> shards);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 /// How write_safetensors_sharded groups tensors (indices into `tensors`, in order) into shards.
 std::vector<std::vector<std::size_t>> plan_safetensors_shards(std::span<const TensorToWrite> tensors,

@@ -6,7 +6,9 @@
 //   train-state.safetensors.index.json           its master weights under its own (Hugging Face)
 //                                                name, Adam's first moment as "<name>.exp_avg"
 //                                                and the second as "<name>.exp_avg_sq" (PyTorch's
-//                                                names); one train-state.safetensors when small
+//                                                names); one train-state.safetensors when small;
+//                                                written by several processes (ZeRO-1), a tensor
+//                                                their parts divide in pieces "<name>@<first>"
 //   train_state.json                             the rest of the state (step, schedule, data
 //                                                position, options, model config, version; see
 //                                                docs/checkpointing.md), written by the caller
@@ -32,6 +34,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -69,6 +72,55 @@ struct TrainCheckpointWriteOptions {
 /// files written with their digests.
 std::vector<WrittenFile> write_train_checkpoint(const std::filesystem::path& dir, const HostParamStore<float>& store,
                                                 const TrainCheckpointWriteOptions& options);
+
+/// A checkpoint that every process of a run whose optimizer state is sharded (ZeRO-1,
+/// StoreShard) writes together into one folder, each process the masters and moments of its part
+/// of every unit (HostParamStore::shard_bounds), in parallel and without gathering anything: a
+/// tensor that two parts divide is stored as pieces, `<name>@<first element>` (1-D, fp32, its
+/// elements from that one on in row-major order), which TrainCheckpoint::load_into joins. The
+/// first process stages the folder; the others write their files into it; the first lists every
+/// file in checksums.xxh128 and puts the folder in place only once every process has written its
+/// files, so that a checkpoint missing a process's part is never taken as complete.
+///
+/// Every process builds one with the same arguments at the same step (the constructor and
+/// finish() are collectives of `comm`); write_part() may run on another thread, as the
+/// Checkpointer's writer, while no collective of `comm` runs on it.
+class PartedCheckpointWrite {
+ public:
+  /// Plans the files; the first process stages the folder, the others find it. Throws on every
+  /// process alike where that fails (e.g. a process that does not see the folder).
+  PartedCheckpointWrite(const std::filesystem::path& dir, const HostParamStore<float>& store,
+                        TrainCheckpointWriteOptions options, dist::HostComm& comm);
+  ~PartedCheckpointWrite();
+  PartedCheckpointWrite(const PartedCheckpointWrite&) = delete;
+  PartedCheckpointWrite& operator=(const PartedCheckpointWrite&) = delete;
+  /// Writes this process's files (announcing each unit through options.unit_done once its part is
+  /// read, and every unit at the end, also on failure). Never throws: finish() reports.
+  void write_part() noexcept;
+  /// Collective, after write_part(): the first process lists every file and puts the folder in
+  /// place. Returns every file of the checkpoint; throws on every process alike where any process
+  /// failed (naming it and, on that process, what happened), leaving the folder as it was.
+  std::vector<WrittenFile> finish();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Every process's part at once (PartedCheckpointWrite, collective): the checkpoint of a sharded
+/// store without gathering it.
+std::vector<WrittenFile> write_train_checkpoint(const std::filesystem::path& dir, const HostParamStore<float>& store,
+                                                const TrainCheckpointWriteOptions& options, dist::HostComm& comm);
+
+/// Whether a run's processes see one folder (one file system): the first creates a probe file in
+/// `root` and passes the key it returns to the others, which look for it; the first removes it
+/// after (a crash leaves it for CheckpointFolder::prepare to remove).
+std::int64_t shared_folder_probe(const std::filesystem::path& root);
+bool sees_folder_probe(const std::filesystem::path& root, std::int64_t key);
+void remove_folder_probe(const std::filesystem::path& root, std::int64_t key);
+
+/// The separator of a piece's name from its first element ("<name>@<first element>").
+inline constexpr char kPieceSeparator = '@';
 
 /// A train-state checkpoint folder, opened and checked.
 class TrainCheckpoint {

@@ -77,11 +77,16 @@ struct StoreShard {
   /// a parameter in all, not 2 a process) and gather_updated only waits for every part. Building
   /// the store is then collective (every process, at the same point), and so are loads into it
   /// (every process writes the same bytes, whole, as sync_compute does); a process's own writes to
-  /// compute() must stay within its part. Null: each process keeps its own copy, made whole again
-  /// by gathering.
+  /// compute() must stay within its part. The masters of `whole_master_units` are mapped together
+  /// the same way (one copy of the embedding's fp32 table for the host, each process stepping its
+  /// part of it in place). Null: each process keeps its own copies, made whole again by gathering.
   dist::HostComm* shared_weights = nullptr;
   /// Whether the bf16 copy is shared (shared_weights, with sharded masters over several processes).
   bool shares_weights() const { return shared_weights != nullptr && masters && count > 1; }
+  /// Whether unit k's masters are kept whole and mapped by the processes together.
+  bool shares_masters_of(std::size_t k) const {
+    return shares_weights() && std::find(whole_master_units.begin(), whole_master_units.end(), k) != whole_master_units.end();
+  }
 };
 
 struct StoreOptions {
@@ -239,8 +244,10 @@ class HostParamStore {
   /// Elements of a unit's masters kept by the process owning [lo, hi) of it (all but the rest of
   /// the unit where the masters are sharded; `whole`: whole_master_ranges).
   static std::int64_t kept_master_elements(std::int64_t numel, std::int64_t lo, std::int64_t hi, const StoreShard& s,
-                                           std::span<const std::pair<std::int64_t, std::int64_t>> whole) {
+                                           std::span<const std::pair<std::int64_t, std::int64_t>> whole,
+                                           bool shared = false) {
     if (!s.masters || s.count <= 1) return numel;
+    if (shared) return (numel + s.count - 1) / s.count;  // (this process's share of the pages mapped together)
     std::int64_t n = hi - lo;
     for (const auto& [a, b] : whole) n += (b - a) - std::max<std::int64_t>(0, std::min(b, hi) - std::max(a, lo));
     return n;
@@ -294,7 +301,8 @@ class HostParamStore {
       const auto b = shard_bounds(n, opt.shard.count);
       const auto lo = b[static_cast<std::size_t>(opt.shard.index)], hi = b[static_cast<std::size_t>(opt.shard.index) + 1];
       const std::int64_t mine = hi - lo;
-      const std::int64_t kept = kept_master_elements(n, lo, hi, opt.shard, whole_master_ranges(layout, k, opt.shard));
+      const std::int64_t kept = kept_master_elements(n, lo, hi, opt.shard, whole_master_ranges(layout, k, opt.shard),
+                                                     opt.shard.shares_masters_of(k));
       owned += mine;
       masters += kept;
       f.slab_elements += n;
@@ -341,8 +349,15 @@ class HostParamStore {
     master_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
     m_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
     v_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
-    compute_buf_ = opt.shard.shares_weights() ? allocate_shared_weights(elems * sizeof(bf16))
+    compute_buf_ = opt.shard.shares_weights() ? allocate_shared_host(elems * sizeof(bf16), "bf16 weights", opt.pinning)
                                               : HostBuffer::allocate(elems * sizeof(bf16), opt.pinning);
+    // (the masters kept whole, mapped together: the units' slabs one after another)
+    std::size_t shared_masters = 0;
+    for (std::size_t ui = 0; ui < units.size(); ++ui)
+      if (opt.shard.shares_masters_of(ui)) shared_masters += static_cast<std::size_t>(UnitLayout(units[ui].params).numel());
+    if (shared_masters > 0)
+      shared_master_buf_ = allocate_shared_host(shared_masters * sizeof(T), "fp32 embedding masters", Pinning::never);
+    std::size_t shared_at = 0;
     grad_buf_ = HostBuffer::allocate(footprint_.resident_grad_bytes, opt.pinning);
 
     std::int64_t base = 0;
@@ -353,7 +368,12 @@ class HostParamStore {
       u.index_ = ui;
       u.layout_ = UnitLayout(std::move(units[ui].params));
       const auto b = static_cast<std::size_t>(base), len = static_cast<std::size_t>(u.numel());
-      u.master_ = master_buf_.template as<T>(b, len);
+      if (opt.shard.shares_masters_of(ui)) {
+        u.master_ = shared_master_buf_.template as<T>(shared_at, len);
+        shared_at += len;
+      } else {
+        u.master_ = master_buf_.template as<T>(b, len);
+      }
       u.m_ = m_buf_.template as<T>(b, len);
       u.v_ = v_buf_.template as<T>(b, len);
       u.compute_ = compute_buf_.template as<bf16>(b, len);
@@ -362,7 +382,8 @@ class HostParamStore {
       u.owned_begin_ = cut[static_cast<std::size_t>(opt.shard.index)];
       u.owned_end_ = cut[static_cast<std::size_t>(opt.shard.index) + 1];
       u.whole_masters_ = whole_master_ranges(u.layout_, ui, opt.shard);
-      u.master_kept_ = kept_master_elements(u.numel(), u.owned_begin_, u.owned_end_, opt.shard, u.whole_masters_);
+      u.master_kept_ = kept_master_elements(u.numel(), u.owned_begin_, u.owned_end_, opt.shard, u.whole_masters_,
+                                            opt.shard.shares_masters_of(ui));
       u.sharers_ = sharers(opt.shard);
       u.held_masters_ = {{0, u.numel()}};
       if (opt.shard.masters && opt.shard.count > 1) {  // (its part and the ranges kept whole, merged)
@@ -505,11 +526,13 @@ class HostParamStore {
     comm.all_gather(std::span<T>(packed), bounds);
     each_piece([](const Piece& p, auto at) { std::copy_n(at, p.n, p.at); });
     for (std::size_t k = first; k < units_.size(); ++k) {
-      if (whole_master_unit(units_[k])) comm.all_gather(units_[k].master_, shard_bounds(units_[k]));
+      // (masters mapped together: every process stepped its part in the same pages)
+      if (whole_master_unit(units_[k]) && !options_.shard.shares_masters_of(k))
+        comm.all_gather(units_[k].master_, shard_bounds(units_[k]));
       if (!weights_shared()) comm.all_gather(units_[k].compute_, shard_bounds(units_[k]));
     }
-    // A shared bf16 copy: every process wrote its parts into the same pages as it stepped; once
-    // each has come this far (after its update), the copy is whole for all of them.
+    // A shared bf16 copy (and masters): every process wrote its parts into the same pages as it
+    // stepped; once each has come this far (after its update), they are whole for all of them.
     if (weights_shared()) barrier(comm);
   }
 
@@ -601,9 +624,10 @@ class HostParamStore {
     std::int64_t one = 1;
     comm.all_reduce_sum(std::span<std::int64_t>(&one, 1));
   }
-  // The bf16 copy that the processes map together (StoreShard::shared_weights): process 0 creates
-  // it and hands it to the others, once every process has shown that it runs on the same host.
-  HostBuffer allocate_shared_weights(std::size_t bytes) {
+  // Memory that the processes map together (StoreShard::shared_weights: the bf16 copy, the masters
+  // kept whole): process 0 creates it and hands it to the others, once every process has shown
+  // that it runs on the same host.
+  HostBuffer allocate_shared_host(std::size_t bytes, std::string_view what, Pinning pinning) {
     dist::HostComm& comm = *options_.shard.shared_weights;
     check_comm(comm, "StoreShard::shared_weights");
     const auto n = static_cast<std::size_t>(comm.world());
@@ -619,16 +643,16 @@ class HostParamStore {
       return out;
     };
     const std::vector<int> elsewhere = differing(static_cast<std::int64_t>(host_identity()));
-    MT_CHECK(elsewhere.empty(), "the bf16 weights can be shared only by processes on one host (StoreShard::shared_weights"
+    MT_CHECK(elsewhere.empty(), "the {} can be shared only by processes on one host (StoreShard::shared_weights"
              ", --share-weights), but process(es) {} of {} run on another host than process 0; share them only where "
-             "every process runs on one host", fmt::join(elsewhere, ", "), n);
+             "every process runs on one host", what, fmt::join(elsewhere, ", "), n);
     // (every process learns of a failure anywhere and throws, instead of waiting for the others)
     HostBuffer b;
     std::vector<std::int64_t> handle(5, 0);  // pid, fd, dev, ino, failed
     std::string why;
     if (comm.rank() == 0) {
       try {
-        b = HostBuffer::allocate_shared(bytes, comm.world(), nullptr, options_.pinning);
+        b = HostBuffer::allocate_shared(bytes, comm.world(), nullptr, pinning);
         const SharedHostHandle h = b.shared_handle();
         handle = {h.pid, h.fd, h.dev, h.ino, 0};
       } catch (const Error& e) {
@@ -637,13 +661,13 @@ class HostParamStore {
       }
     }
     comm.all_reduce_sum(handle);
-    MT_CHECK(handle[4] == 0, "{}", comm.rank() == 0 ? why : std::string("process 0 could not create the bf16 weights "
-             "that the processes of this host share (its message says why)"));
+    MT_CHECK(handle[4] == 0, "{}", comm.rank() == 0 ? why : fmt::format("process 0 could not create the {} that the "
+             "processes of this host share (its message says why)", what));
     std::int64_t failed = 0;
     if (comm.rank() != 0) {
       try {
         const SharedHostHandle h{handle[0], handle[1], handle[2], handle[3]};
-        b = HostBuffer::allocate_shared(bytes, comm.world(), &h, options_.pinning);
+        b = HostBuffer::allocate_shared(bytes, comm.world(), &h, pinning);
       } catch (const Error& e) {
         why = e.reason();
         failed = 1;
@@ -651,8 +675,8 @@ class HostParamStore {
     }
     // (and every process has mapped it: process 0's descriptor may close from now on)
     const std::vector<int> which = differing(failed);  // (process 0 did not fail: those that did)
-    MT_CHECK(which.empty(), "{}", !why.empty() ? why : fmt::format("process(es) {} of {} could not map the bf16 weights "
-             "that the processes of this host share (their messages say why)", fmt::join(which, ", "), n));
+    MT_CHECK(which.empty(), "{}", !why.empty() ? why : fmt::format("process(es) {} of {} could not map the {} that the "
+             "processes of this host share (their messages say why)", fmt::join(which, ", "), n, what));
     return b;
   }
   static bool whole_master_unit(const Unit& u) {
@@ -681,7 +705,7 @@ class HostParamStore {
   StoreOptions options_;
   StoreFootprint footprint_;
   std::size_t host_budget_ = 0;
-  HostBuffer master_buf_, m_buf_, v_buf_, compute_buf_, grad_buf_;
+  HostBuffer master_buf_, m_buf_, v_buf_, compute_buf_, grad_buf_, shared_master_buf_;
   mutable HostBuffer ring_buf_;  // allocated by the first grad_slot()
   std::unique_ptr<std::once_flag> ring_once_ = std::make_unique<std::once_flag>();
   std::vector<Unit> units_;

@@ -16,6 +16,12 @@
 // each save is complete and in place before `latest` names it and before older ones beyond
 // `keep` are removed. A save that fails (a full disk) leaves the previous checkpoint and the
 // state in memory as they were; its error comes back from poll() or wait(), and training may go on.
+//
+// Several processes whose optimizer state is sharded (ZeRO-1; CheckpointerOptions::comm): every
+// process has a Checkpointer and writes its part of the state in parallel, as above
+// (io::PartedCheckpointWrite); the first process puts the folder in place once every process's
+// files are written. Then save(), poll() and wait() are collectives: every process calls them at
+// the same steps (poll() after every step), and they report the same results everywhere.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -143,6 +149,9 @@ struct CheckpointerOptions {
   std::uint64_t max_shard_bytes = 2'000'000'000;  ///< largest tensor file
   /// Small files copied into every checkpoint (config.json, tokenizer files): name -> contents.
   std::map<std::string, std::string> extra_files;
+  /// The processes of a run whose store is sharded (ZeRO-1): each writes its part (see the top of
+  /// this file). Null: this process writes the whole state (a store that is not sharded).
+  dist::HostComm* comm = nullptr;
 };
 
 /// What one save did.
@@ -163,9 +172,42 @@ struct SaveResult {
 class Checkpointer {
  public:
   /// Checkpoints go to `folder` (created if needed; what dead writers left there is removed).
+  /// With options.comm, a collective: the first process prepares the folder and every other checks
+  /// that it sees it (one file system), throwing on every process alike otherwise.
   explicit Checkpointer(std::filesystem::path folder, CheckpointerOptions options = {})
       : folder_(std::move(folder)), options_(std::move(options)) {
-    folder_.prepare();
+    if (!options_.comm) {
+      folder_.prepare();
+      return;
+    }
+    dist::HostComm& comm = *options_.comm;
+    std::string error;
+    std::int64_t key[1] = {0};
+    if (comm.rank() == 0) {
+      try {
+        folder_.prepare();
+        key[0] = io::shared_folder_probe(folder_.root());
+      } catch (const Error& e) {
+        error = e.reason();
+      }
+    }
+    std::int64_t failed[1] = {error.empty() ? 0 : 1};
+    comm.all_reduce_sum(failed);
+    comm.all_reduce_sum(key);
+    if (failed[0] != 0)
+      MT_FAIL("{}", comm.rank() == 0 ? error : fmt::format("process 0 could not prepare the checkpoint folder '{}'",
+                                                           folder_.root().string()));
+    const bool sees = comm.rank() == 0 || io::sees_folder_probe(folder_.root(), key[0]);
+    std::vector<std::int64_t> blind(static_cast<std::size_t>(comm.world()), 0);
+    blind[static_cast<std::size_t>(comm.rank())] = sees ? 0 : 1;
+    comm.all_reduce_sum(blind);
+    if (comm.rank() == 0) io::remove_folder_probe(folder_.root(), key[0]);
+    std::vector<int> who;
+    for (std::size_t r = 0; r < blind.size(); ++r)
+      if (blind[r] != 0) who.push_back(static_cast<int>(r));
+    MT_CHECK(who.empty(), "process(es) {} do not see the checkpoint folder '{}' that process 0 prepared: the processes "
+             "of a run write its checkpoints together into one folder, so it must be on a file system every host mounts "
+             "(give --out such a folder)", fmt::join(who, ", "), folder_.root().string());
   }
   ~Checkpointer() { join(); }
   Checkpointer(const Checkpointer&) = delete;
@@ -184,11 +226,15 @@ class Checkpointer {
   void save(T& trainer, const HostParamStore<float>& store, std::optional<DataPosition> data = std::nullopt,
             nlohmann::json user = nlohmann::json::object()) {
     MT_NVTX_RANGE("Checkpointer::save");
+    if (parted_) complete();  // (several processes: every one calls save at the same step)
     join();
     trainer.finish_update();  // the checkpoint holds the state after the last step, its update applied
-    MT_CHECK(store.state_whole(), "this store keeps part {} of {} of the optimizer state (a run sharded over processes, "
-             "ZeRO-1): call store.gather_state(comm, root) on every process after the step, then save on the root",
+    const bool parted = options_.comm != nullptr;
+    MT_CHECK(parted || store.state_whole(), "this store keeps part {} of {} of the optimizer state (a run sharded over "
+             "processes, ZeRO-1): give the Checkpointer of every process the communicator (CheckpointerOptions::comm)",
              store.shard().index, store.shard().count);
+    MT_CHECK(!parted || store.sharded(), "CheckpointerOptions::comm is for a store sharded over the processes (ZeRO-1); "
+             "this one holds the whole state: save from one process without it");
     TrainState st;
     st.step = trainer.steps_done();
     st.last_grad_norm = trainer.last_grad_norm();
@@ -215,6 +261,30 @@ class Checkpointer {
     auto result = std::make_shared<SaveResult>();
     result->step = step;
     result->dir = folder_.path_for(step);
+    if (parted) {
+      // (every process: the first stages the folder; each writes its part on its writer thread,
+      // and poll() or wait() completes the checkpoint once every process has written its part)
+      try {
+        parted_ = std::make_unique<io::PartedCheckpointWrite>(result->dir, store, std::move(w), *options_.comm);
+      } catch (const Error& e) {
+        trainer.set_update_gate({});
+        uninstall_ = nullptr;
+        result->error = e.reason();
+        result->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        finished_.push_back(*result);
+        return;
+      }
+      writer_ = std::thread([this, gate] {
+        parted_->write_part();
+        gate->release_all();
+        gate->finished = true;
+      });
+      result_ = std::move(result);
+      gate_ = std::move(gate);
+      start_ = t0;
+      if (!options_.overlap) complete();
+      return;
+    }
     writer_ = std::thread([this, &store, w = std::move(w), result, gate, t0, step] {
       try {
         for (const auto& f : io::write_train_checkpoint(result->dir, store, w)) result->bytes += f.bytes;
@@ -237,25 +307,70 @@ class Checkpointer {
   /// Waits for the save in flight; returns what every save since the last poll() or wait() did,
   /// oldest first (none: empty).
   std::vector<SaveResult> wait() {
+    if (parted_) complete();
     join();
     return std::exchange(finished_, {});
   }
 
-  /// Whether a save is still being written.
+  /// Whether a save is still being written (by this process).
   bool in_flight() const { return writer_.joinable() && !gate_->finished; }
 
   /// Without waiting: what the saves that have finished since the last poll() or wait() did,
-  /// oldest first (a save still being written is reported by a later call).
+  /// oldest first (a save still being written is reported by a later call; with several
+  /// processes, one still being written by any of them).
   std::vector<SaveResult> poll() {
+    if (parted_) {
+      std::int64_t writing[1] = {in_flight() ? 1 : 0};
+      options_.comm->all_reduce_sum(writing);
+      if (writing[0] == 0) complete();
+    }
     if (!in_flight()) join();
     return std::exchange(finished_, {});
   }
 
  private:
+  // With several processes (collective): waits for this process's part, then completes the
+  // checkpoint (PartedCheckpointWrite::finish, the first process pointing `latest` at it) and
+  // keeps the result, the same on every process.
+  void complete() {
+    if (writer_.joinable()) writer_.join();
+    SaveResult& r = *result_;
+    try {
+      for (const auto& f : parted_->finish()) r.bytes += f.bytes;
+      std::string error;
+      if (options_.comm->rank() == 0) {
+        try {
+          folder_.commit(r.step, options_.keep);
+        } catch (const Error& e) {
+          error = e.reason();
+        }
+      }
+      std::int64_t failed[1] = {error.empty() ? 0 : 1};
+      options_.comm->all_reduce_sum(failed);
+      MT_CHECK(failed[0] == 0, "{}", options_.comm->rank() == 0 ? error
+                                     : std::string("process 0 could not point the run's `latest` at it (its message says why)"));
+      r.ok = true;
+    } catch (const Error& e) {
+      r.error = e.reason();
+    }
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    parted_.reset();
+    if (uninstall_) uninstall_();
+    uninstall_ = nullptr;
+    {
+      std::lock_guard lock(gate_->m);
+      r.stall_seconds = gate_->stalled;
+    }
+    finished_.push_back(std::move(r));
+    result_.reset();
+    gate_.reset();
+  }
+
   // Joins the writer thread, if any, and keeps its result in finished_.
   void join() {
     if (!writer_.joinable()) return;
     writer_.join();
+    if (parted_) return;  // (several processes: complete() reports it, with the others)
     if (uninstall_) uninstall_();
     uninstall_ = nullptr;
     SaveResult r = *result_;
@@ -306,6 +421,8 @@ class Checkpointer {
   std::shared_ptr<Gate> gate_;
   std::vector<SaveResult> finished_;  // results not yet returned by poll() or wait()
   std::function<void()> uninstall_;
+  std::unique_ptr<io::PartedCheckpointWrite> parted_;  // (several processes: the save in flight)
+  std::chrono::steady_clock::time_point start_;
 };
 
 /// Opens the checkpoint folder `dir` (every file checked against its checksum), checks that it
