@@ -86,8 +86,8 @@ def run(n, args, name):
     for line in r.stdout.splitlines():
         if line.startswith(("plan:", "data parallel:", "step time:")):
             print("  " + line[:400], flush=True)
-        if line.startswith("plan:") and (found := re.search(r"([0-9.]+)B parameters", line)):
-            run.params = float(found.group(1)) * 1e9  # (to 4 digits: what the bytes a parameter need)
+        if (found := re.match(r"megatrain-train: \S+, (\d+) parameters", line)):
+            run.params = float(found.group(1))  # (what the bytes a parameter need)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
@@ -135,7 +135,8 @@ for key in [k for k in a.runs.split(",") if k and k != "none"]:
     rates[name] = sum(x["tokens"] for x in kept) / sum(x["step_time_s"] for x in kept)
     memory[name] = run.peak
     print(f"{name}: {rates[name]:.0f} tok/s (steps 3..{len(m)}: {[round(x['step_time_s'], 3) for x in kept]} s); "
-          f"host memory taken at most {run.peak / 2**30:.2f} GiB", flush=True)
+          f"host memory taken at most {run.peak / 2**30:.2f} GiB"
+          + (f" ({run.peak / run.params:.2f} bytes a parameter)" if getattr(run, "params", 0) else ""), flush=True)
 if not a.no_peer:  # the several-GPU peer, the same tokens per GPU on the same two GPUs
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
            os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_fsdp2.py"), "--preset", a.preset,
