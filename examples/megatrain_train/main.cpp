@@ -706,6 +706,10 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
                                                             : std::string("the command-line shape");
   MT_CHECK(s.share_weights != "true" || (std::is_same_v<typename B::Weight, bf16>),
            "--share-weights true shares the bf16 weights of GPU processes; the {} backend streams none: drop it", backend_name);
+  // (ZeRO-1 exports from the first process: from the bf16 copy every process holds for a bf16 export
+  // of sharded masters, else from the masters, gathered there where they are sharded)
+  const bool gathers_for_export = topt.sharded() && plan.export_options && Trainer<B>::store_options(topt).shard.masters &&
+                                  plan.export_options->dtype != DType::bf16;
   // (from the config alone, before its blocks are built: a config of 10^9 layers is refused here)
   plan::check_state_fits_host(cfg, budget, model_label, Trainer<B>::store_options(topt).shard);
   DecoderModel<> model(cfg);
@@ -716,7 +720,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     const plan::StepPlan sp =
         plan::plan_step<B>(model, topt, plan::device_budget(be), budget, B::kDevice ? plan::machine_figures() : plan::MachineFigures{});
     MT_CHECK(sp.memory.fits, "{}", sp.refusal());
-    if (topt.sharded() && ranks.lead() && plan.export_options) {
+    if (topt.sharded() && ranks.lead() && plan.export_options && gathers_for_export) {
       // (ZeRO-1: the first process holds the whole train state while it writes an export)
       TrainerOptions whole = topt;
       whole.shard_optimizer = false;
@@ -726,8 +730,11 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
         return f.master_bytes + f.adam_bytes;
       };
       const auto need = sp.memory.host_total() + state(whole) - state(topt);
-      MT_CHECK(need <= budget.bytes, "process 0 writes the --export, for which it gathers the whole train state: {} of host memory then, more than its {} ({}); give it more (--host-memory, or fewer processes "
-               "on its host)", format_bytes(need), format_bytes(budget.bytes), budget.source);
+      MT_CHECK(need <= budget.bytes, "process 0 writes the --export as {}, for which it gathers the whole train state: {} "
+               "of host memory then, more than its {} ({}); export as bf16 (--export-dtype bf16, the default: written "
+               "from the bf16 weights every process holds, nothing gathered), or give it more (--host-memory, or fewer "
+               "processes on its host)", io::torch_dtype_name(plan.export_options->dtype), format_bytes(need),
+               format_bytes(budget.bytes), budget.source);
     }
     std::fprintf(info, "%s", plan::format_summary(sp).c_str());
     if (ranks.several())
@@ -925,7 +932,8 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
                                 r->dir.string(), format_bytes(r->bytes), r->seconds, r->stall_seconds));
     } else {
       last_save_failed = true;
-      if (lead)
+      // (every process its own failure; the first also another's)
+      if (lead || !r->failed_elsewhere)
         progress.note(fmt::format("megatrain-train: warning: the checkpoint of step {} could not be written: {}. {}; "
                                 "training goes on",
                                 r->step, r->error,
@@ -1061,13 +1069,15 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     poll_saves();
     if (s.save_every > 0 && (step % s.save_every == 0 || step == s.steps)) save(step);
     if (plan.export_options && (step == s.steps || (s.export_every > 0 && step % s.export_every == 0))) {
-      if (trainer.options().sharded()) {  // (ZeRO-1: the whole state brought to the first process, which exports it)
+      if (trainer.options().sharded()) {
         wait_saves();  // (a checkpoint in flight completed first: its writers read the store)
         trainer.finish_update();
-        store.gather_state(*ranks.comm(), 0);
       }
+      if (gathers_for_export) store.gather_state(*ranks.comm(), 0);  // (the masters brought to the first process)
       if (lead) progress.note(export_model(step));
       store.release_unowned_state();
+      // (the others wait while the first reads the weights: a bf16 copy they map together included)
+      if (trainer.options().sharded()) ranks.barrier();
     }
   }
   const std::int64_t done = step - 1;

@@ -635,9 +635,15 @@ std::string_view torch_dtype_name(DType dtype) {
 void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg, const fs::path& dir,
                      const HfExportOptions& options) {
   MT_NVTX_RANGE("io::export_hf_model");
-  MT_CHECK(store.state_whole(), "exporting to '{}': the store keeps part {} of {} of the master weights (ZeRO-1): gather "
-           "them first (HostParamStore::gather_state on every process) and export on the root", dir.string(),
-           store.shard().index, store.shard().count);
+  // The fp32 masters where this process holds them whole; else, for a bf16 export, the bf16 copy
+  // that every process of a sharded run holds whole: the masters rounded to nearest even, as the
+  // export would round them (the same bits).
+  const bool masters_here = !store.masters_sharded() || store.state_whole();
+  const bool from_copy = !masters_here && options.dtype == DType::bf16;
+  MT_CHECK(masters_here || from_copy, "exporting to '{}' as {}: the store keeps part {} of {} of the master weights "
+           "(ZeRO-1): export as bf16 (from the bf16 copy every process holds), or gather them first "
+           "(HostParamStore::gather_state on every process) and export on the root", dir.string(),
+           dtype_name(options.dtype), store.shard().index, store.shard().count);
   const std::string label = fmt::format("exporting to '{}'", dir.string());
   store.check_settled(label);
   const std::string_view dtype_text = torch_dtype_name(options.dtype);
@@ -689,13 +695,21 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
         const std::size_t index = tensors.size();
         auto whole = std::make_shared<std::vector<float>>();
         tensors.emplace_back(f.name, f.shape, stored,
-                             [whole, index, count, &f, &store, &options](std::int64_t first, std::span<float> out) {
+                             [whole, index, count, &f, &store, &options, from_copy](std::int64_t first, std::span<float> out) {
                                if (first == 0 && options.progress) options.progress(f.name, index, count);
                                if (whole->empty()) {
                                  std::int64_t n = 1;
                                  for (const auto dim : f.shape) n *= dim;
                                  whole->assign(static_cast<std::size_t>(n), 0.0f);
-                                 for (const auto& part : f.parts) scatter_part(part, store.master(part.param).span(), *whole);
+                                 for (const auto& part : f.parts) {
+                                   if (!from_copy) {
+                                     scatter_part(part, store.master(part.param).span(), *whole);
+                                     continue;
+                                   }
+                                   const std::span<const bf16> copy = store.compute(part.param).span();
+                                   const std::vector<float> values(copy.begin(), copy.end());
+                                   scatter_part(part, values, *whole);
+                                 }
                                }
                                std::copy_n(whole->begin() + first, out.size(), out.begin());
                                if (static_cast<std::size_t>(first) + out.size() == whole->size()) {
@@ -705,15 +719,19 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
                              });
         continue;
       }
-      const View<float> master = store.master(p.spec.name);
-      const std::span<const float> values = master.span();
+      const std::span<const float> values = from_copy ? std::span<const float>() : store.master(p.spec.name).span();
+      const std::span<const bf16> copy = from_copy ? store.compute(p.spec.name).span() : std::span<const bf16>();
       const std::size_t index = tensors.size();
       const std::string& name = p.spec.name;
       std::vector<std::int64_t> shape(p.spec.shape.dims().begin(), p.spec.shape.dims().end());
       tensors.emplace_back(name, std::move(shape), stored,
-                           [values, index, count, &name, &options](std::int64_t first, std::span<float> out) {
+                           [values, copy, index, count, &name, &options](std::int64_t first, std::span<float> out) {
                              if (first == 0 && options.progress) options.progress(name, index, count);
-                             std::copy_n(values.begin() + first, out.size(), out.begin());
+                             if (copy.empty())
+                               std::copy_n(values.begin() + first, out.size(), out.begin());
+                             else
+                               std::transform(copy.begin() + first, copy.begin() + first + static_cast<std::ptrdiff_t>(out.size()),
+                                              out.begin(), [](bf16 x) { return static_cast<float>(x); });  // (exact)
                            });
     }
   }

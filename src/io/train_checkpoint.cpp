@@ -220,6 +220,12 @@ struct PartedCheckpointWrite::Impl {
 };
 
 namespace {
+/// Throws this process's own failure, or (empty) that another process failed.
+[[noreturn]] void fail_here_or_elsewhere(const std::string& own, std::string elsewhere) {
+  if (!own.empty()) MT_FAIL("{}", own);
+  throw OtherProcessFailed("PartedCheckpointWrite", std::move(elsewhere), __FILE__, __LINE__);
+}
+
 /// Every rank's flag summed: which ranks said `failed` (in rank order).
 std::vector<int> failed_ranks(dist::HostComm& comm, bool failed) {
   std::vector<std::int64_t> flags(static_cast<std::size_t>(comm.world()), 0);
@@ -260,8 +266,8 @@ PartedCheckpointWrite::PartedCheckpointWrite(const fs::path& dir, const HostPara
   comm.all_reduce_sum(staged_failed);
   comm.all_reduce_sum(key);
   if (staged_failed[0] != 0)
-    MT_FAIL("{}", rank == 0 ? error : fmt::format("writing '{}': process 0 could not prepare the folder (its message "
-                                                  "says why)", dir.string()));
+    fail_here_or_elsewhere(error, fmt::format("writing '{}': process 0 could not prepare the folder (its message says "
+                                              "why)", dir.string()));
   if (rank != 0) {
     try {
       m.set->attach(static_cast<std::uint32_t>(key[0]));
@@ -271,10 +277,9 @@ PartedCheckpointWrite::PartedCheckpointWrite(const fs::path& dir, const HostPara
   }
   const auto blind = failed_ranks(comm, !error.empty());
   if (!blind.empty())
-    MT_FAIL("{}", !error.empty() ? error
-                                 : fmt::format("writing '{}': process(es) {} do not see the folder that process 0 "
-                                               "prepared: the processes of a run must share one file system for its "
-                                               "checkpoints", dir.string(), fmt::join(blind, ", ")));
+    fail_here_or_elsewhere(error, fmt::format("writing '{}': process(es) {} do not see the folder that process 0 "
+                                              "prepared: the processes of a run must share one file system for its "
+                                              "checkpoints", dir.string(), fmt::join(blind, ", ")));
 }
 
 PartedCheckpointWrite::~PartedCheckpointWrite() = default;
@@ -299,9 +304,8 @@ std::vector<WrittenFile> PartedCheckpointWrite::finish() {
   const std::string label = m.dir.string();
   const auto failed = failed_ranks(m.comm, !m.error.empty());
   if (!failed.empty())
-    MT_FAIL("{}", !m.error.empty() ? m.error
-                                   : fmt::format("writing '{}': process(es) {} could not write their part (their "
-                                                 "messages say why)", label, fmt::join(failed, ", ")));
+    fail_here_or_elsewhere(m.error, fmt::format("writing '{}': process(es) {} could not write their part (their "
+                                                "messages say why)", label, fmt::join(failed, ", ")));
   // Every shard's size and digest, from the process that wrote it.
   const std::size_t n = m.set->num_shards();
   std::vector<std::int64_t> listed(3 * n, 0);
@@ -329,7 +333,7 @@ std::vector<WrittenFile> PartedCheckpointWrite::finish() {
   std::int64_t committed_failed[1] = {rank == 0 && !error.empty() ? 1 : 0};
   m.comm.all_reduce_sum(committed_failed);
   if (committed_failed[0] != 0)
-    MT_FAIL("{}", rank == 0 ? error : fmt::format("writing '{}': process 0 could not complete it (its message says why)", label));
+    fail_here_or_elsewhere(error, fmt::format("writing '{}': process 0 could not complete it (its message says why)", label));
   return files;
 }
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """megatrain-train on 2 GPUs (`--gpus 2`, ZeRO-1): every process writes its part of each checkpoint
 into one folder (pieces where a tensor straddles the parts); resumed on 2 GPUs the run continues bit
-for bit, on 1 GPU to bf16 rounding. Usage: dist_checkpoint.py MEGATRAIN_TRAIN WORK_DIR. Exits 77
+for bit, on 1 GPU to bf16 rounding; its bf16 export (from the bf16 weights, nothing gathered) is one
+process's export of the same state, byte for byte. Usage: dist_checkpoint.py MEGATRAIN_TRAIN WORK_DIR. Exits 77
 (skipped) where fewer than 2 GPUs are visible."""
 import json
 import os
@@ -49,7 +50,8 @@ def out(name):
 
 os.makedirs(WORK, exist_ok=True)
 two = out("two")
-run(SHAPE + ["--gpus", "2", "--steps", "6", "--save-every", "3", "--out", two])
+two_hf = out("two_hf")
+run(SHAPE + ["--gpus", "2", "--steps", "6", "--save-every", "3", "--out", two, "--export", two_hf])
 ckpt = os.path.join(two, "checkpoints", "step-00000003")
 with open(os.path.join(ckpt, "train-state.safetensors.index.json")) as f:
     names = json.load(f)["weight_map"]
@@ -73,4 +75,13 @@ for s in (4, 5, 6):
         fail(f"resumed on 1 GPU, step {s}: loss {c[s]['loss']!r} vs {a[s]['loss']!r} (rel {rel:.2e} > 1e-2)")
     print(f"step {s}: loss {a[s]['loss']:.6f} uninterrupted, the same bits resumed on 2 GPUs, "
           f"{c[s]['loss']:.6f} on 1 (rel {rel:.1e})")
+# The bf16 export of the 2 processes (from the bf16 weights they hold, nothing gathered) is the one a
+# single process writes from the last checkpoint's fp32 masters, byte for byte.
+one_hf = out("one_hf")
+run(["--resume", os.path.join(two, "checkpoints", "step-00000006"), "--steps", "0", "--eval-batches", "0",
+     "--export", one_hf])
+with open(os.path.join(two_hf, "model.safetensors"), "rb") as f, open(os.path.join(one_hf, "model.safetensors"), "rb") as g:
+    if f.read() != g.read():
+        fail("the bf16 export of 2 processes differs from one process's export of the same state")
+print("the bf16 export of 2 processes: the same bytes as one process's from the checkpoint")
 print("passed")

@@ -142,6 +142,8 @@ elif SCENARIO == "other_n":
     if "1 process(es) (checkpoint: 2)" not in r.stdout:
         fail(f"the resume does not say that the number of processes changed:\n{r.stdout}")
     same([m for m in metrics("two_then_one") if m["step"] > 2], one[2:], 1e-5, "saved by 2, resumed by 1")
+    launch(3, ["--resume", ckpt, "--out", run_dir("two_then_three"), "--steps", "4"])
+    same([m for m in metrics("two_then_three") if m["step"] > 2], one[2:], 1e-5, "saved by 2, resumed by 3")
     ckpt = os.path.join(WORK, "one", "checkpoints", "step-00000002")
     launch(3, ["--resume", ckpt, "--out", run_dir("one_then_three"), "--steps", "4"])
     same([m for m in metrics("one_then_three") if m["step"] > 2], one[2:], 1e-5, "saved by 1, resumed by 3")

@@ -13,6 +13,7 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -22,6 +23,7 @@
 
 #include "../train/trainer_test_util.hpp"
 #include "megatrain/dist/mpi.hpp"
+#include "megatrain/io/hf_checkpoint.hpp"
 #include "megatrain/io/train_checkpoint.hpp"
 #include "rank_checks.hpp"
 
@@ -333,11 +335,16 @@ TEST_CASE("ZeRO-1: the moments outside a process's part take no memory; a checkp
     comm().all_reduce_sum(barrier);
     pw.write_part();
     std::string what;
+    bool elsewhere = false;
     try {
       (void)pw.finish();
+    } catch (const io::OtherProcessFailed& e) {
+      what = e.what();
+      elsewhere = true;
     } catch (const Error& e) {
       what = e.what();
     }
+    CHECK(elsewhere == (r != w - 1));  // (its own failure only where it happened)
     if (r == w - 1)
       CHECK_MESSAGE(what.find("cannot create") != std::string::npos, what);
     else
@@ -498,6 +505,33 @@ void sharded_masters_case(bool share) {
                      b.master().begin() + a.owned().first));
   }
   CHECK(unheld_master_pages(store).first == 0);
+  // A bf16 export of this process's store, nothing gathered (from the bf16 copy, which is the
+  // masters rounded as the export rounds them): the same bytes as the whole store's; an fp32 one
+  // refused until the masters are gathered.
+  {
+    const auto dir = std::filesystem::temp_directory_path() / fmt::format("megatrain-export-{}-{}", ::getpid(), r);
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    io::export_hf_model(store, cfg, dir / "parts", {});
+    io::export_hf_model(one, cfg, dir / "whole", {});
+    const auto bytes = [](const std::filesystem::path& f) {
+      std::ifstream in(f, std::ios::binary);
+      return std::string(std::istreambuf_iterator<char>(in), {});
+    };
+    const std::string a = bytes(dir / "parts" / "model.safetensors");
+    CHECK(a.size() > 100'000);
+    CHECK(a == bytes(dir / "whole" / "model.safetensors"));
+    io::HfExportOptions f32;
+    f32.dtype = DType::f32;
+    std::string what;
+    try {
+      io::export_hf_model(store, cfg, dir / "f32", f32);
+    } catch (const Error& e) {
+      what = e.what();
+    }
+    CHECK_MESSAGE(what.find("export as bf16") != std::string::npos, what);
+    std::filesystem::remove_all(dir);
+  }
   // What a checkpoint needs: the whole state on rank 0, and the memory given back after.
   store.gather_state(comm(), 0);
   CHECK(store.state_whole() == (r == 0));

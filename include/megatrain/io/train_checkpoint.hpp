@@ -107,6 +107,13 @@ class PartedCheckpointWrite {
   std::unique_ptr<Impl> impl_;
 };
 
+/// What PartedCheckpointWrite (and a Checkpointer of several processes) throws on a process that did
+/// not fail itself: another process did, and its own message says why.
+class OtherProcessFailed : public Error {
+ public:
+  using Error::Error;
+};
+
 /// Every process's part at once (PartedCheckpointWrite, collective): the checkpoint of a sharded
 /// store without gathering it.
 std::vector<WrittenFile> write_train_checkpoint(const std::filesystem::path& dir, const HostParamStore<float>& store,

@@ -160,6 +160,8 @@ struct SaveResult {
   std::filesystem::path dir;  ///< the checkpoint folder (complete when ok)
   bool ok = false;
   std::string error;          ///< why it failed (when !ok); the previous checkpoint is intact
+  /// Several processes: the failure was another process's (whose own result says why).
+  bool failed_elsewhere = false;
   double seconds = 0;         ///< from save() until the folder was in place
   /// How long the trainer's optimizer waited for the writer (overlap): what the save added to
   /// the steps that ran meanwhile.
@@ -267,6 +269,7 @@ class Checkpointer {
       try {
         parted_ = std::make_unique<io::PartedCheckpointWrite>(result->dir, store, std::move(w), *options_.comm);
       } catch (const Error& e) {
+        result->failed_elsewhere = dynamic_cast<const io::OtherProcessFailed*>(&e) != nullptr;
         trainer.set_update_gate({});
         uninstall_ = nullptr;
         result->error = e.reason();
@@ -347,11 +350,14 @@ class Checkpointer {
       }
       std::int64_t failed[1] = {error.empty() ? 0 : 1};
       options_.comm->all_reduce_sum(failed);
-      MT_CHECK(failed[0] == 0, "{}", options_.comm->rank() == 0 ? error
-                                     : std::string("process 0 could not point the run's `latest` at it (its message says why)"));
+      if (failed[0] != 0 && error.empty())
+        throw io::OtherProcessFailed("Checkpointer", "process 0 could not point the run's `latest` at it (its message says "
+                                     "why)", __FILE__, __LINE__);
+      MT_CHECK(failed[0] == 0, "{}", error);
       r.ok = true;
     } catch (const Error& e) {
       r.error = e.reason();
+      r.failed_elsewhere = dynamic_cast<const io::OtherProcessFailed*>(&e) != nullptr;
     }
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     parted_.reset();
