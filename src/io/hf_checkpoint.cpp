@@ -687,6 +687,14 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
   // released after their last (an MXFP4 one unquantized, under its own name).
   const auto fused = fused_tensors(cfg);
   const auto places = fused_places(fused, units);
+  // (from the copy: all but the parameters whose masters every process keeps whole, the norm gains
+  // and the embedding, which are read from those masters)
+  std::set<std::string, std::less<>> from_masters;
+  for (const auto& u : store.units())
+    for (const auto& p : u.params())
+      for (const auto& [a, b] : u.whole_masters())
+        if (a <= p.offset && p.offset + p.numel() <= b) from_masters.insert(p.spec.name);
+  const auto copy_of = [&](const std::string& name) { return from_copy && !from_masters.contains(name); };
   for (const auto& u : store.units()) {
     for (const auto& p : u.params()) {
       if (const auto place = places.find(p.spec.name); place != places.end()) {
@@ -695,14 +703,14 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
         const std::size_t index = tensors.size();
         auto whole = std::make_shared<std::vector<float>>();
         tensors.emplace_back(f.name, f.shape, stored,
-                             [whole, index, count, &f, &store, &options, from_copy](std::int64_t first, std::span<float> out) {
+                             [whole, index, count, &f, &store, &options, copy_of](std::int64_t first, std::span<float> out) {
                                if (first == 0 && options.progress) options.progress(f.name, index, count);
                                if (whole->empty()) {
                                  std::int64_t n = 1;
                                  for (const auto dim : f.shape) n *= dim;
                                  whole->assign(static_cast<std::size_t>(n), 0.0f);
                                  for (const auto& part : f.parts) {
-                                   if (!from_copy) {
+                                   if (!copy_of(part.param)) {
                                      scatter_part(part, store.master(part.param).span(), *whole);
                                      continue;
                                    }
@@ -719,8 +727,9 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
                              });
         continue;
       }
-      const std::span<const float> values = from_copy ? std::span<const float>() : store.master(p.spec.name).span();
-      const std::span<const bf16> copy = from_copy ? store.compute(p.spec.name).span() : std::span<const bf16>();
+      const bool copied = copy_of(p.spec.name);
+      const std::span<const float> values = copied ? std::span<const float>() : store.master(p.spec.name).span();
+      const std::span<const bf16> copy = copied ? store.compute(p.spec.name).span() : std::span<const bf16>();
       const std::size_t index = tensors.size();
       const std::string& name = p.spec.name;
       std::vector<std::int64_t> shape(p.spec.shape.dims().begin(), p.spec.shape.dims().end());

@@ -7,6 +7,7 @@ process's export of the same state, byte for byte. Usage: dist_checkpoint.py MEG
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -42,6 +43,15 @@ def metrics(run_dir):
         return {m["step"]: m for m in map(json.loads, f)}
 
 
+def tensors(path):
+    """{name: bytes} of a safetensors file."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    return {k: data[v["data_offsets"][0]:v["data_offsets"][1]] for k, v in header.items() if k != "__metadata__"}
+
+
 def out(name):
     p = os.path.join(WORK, name)
     shutil.rmtree(p, ignore_errors=True)
@@ -61,6 +71,19 @@ if not pieces:
 print(f"checkpoint of 2 processes: {len(names)} tensors, {len(pieces)} of them pieces, "
       f"{len(set(names.values()))} files")
 
+# The bf16 export of the 2 processes (from the bf16 weights they hold, nothing gathered) is the one a
+# single process writes from the last checkpoint's fp32 masters, byte for byte.
+one_hf = out("one_hf")
+run(["--resume", os.path.join(two, "checkpoints", "step-00000006"), "--steps", "0", "--eval-batches", "0",
+     "--export", one_hf])
+x, y = (tensors(os.path.join(d, "model.safetensors")) for d in (two_hf, one_hf))
+differ = sorted(k for k in y if x.get(k) != y[k])
+if differ or x.keys() != y.keys():
+    fail(f"the bf16 export of 2 processes differs from one process's export of the same state in {len(differ)} of "
+         f"{len(y)} tensors: {differ[:12]}")
+print("the bf16 export of 2 processes: the same bytes as one process's from the checkpoint")
+
+# (the resumed runs below replay the run's options, --export included: it is compared first)
 again = out("two_again")
 run(["--gpus", "2", "--resume", ckpt, "--out", again])
 one = out("one")
@@ -75,13 +98,4 @@ for s in (4, 5, 6):
         fail(f"resumed on 1 GPU, step {s}: loss {c[s]['loss']!r} vs {a[s]['loss']!r} (rel {rel:.2e} > 1e-2)")
     print(f"step {s}: loss {a[s]['loss']:.6f} uninterrupted, the same bits resumed on 2 GPUs, "
           f"{c[s]['loss']:.6f} on 1 (rel {rel:.1e})")
-# The bf16 export of the 2 processes (from the bf16 weights they hold, nothing gathered) is the one a
-# single process writes from the last checkpoint's fp32 masters, byte for byte.
-one_hf = out("one_hf")
-run(["--resume", os.path.join(two, "checkpoints", "step-00000006"), "--steps", "0", "--eval-batches", "0",
-     "--export", one_hf])
-with open(os.path.join(two_hf, "model.safetensors"), "rb") as f, open(os.path.join(one_hf, "model.safetensors"), "rb") as g:
-    if f.read() != g.read():
-        fail("the bf16 export of 2 processes differs from one process's export of the same state")
-print("the bf16 export of 2 processes: the same bytes as one process's from the checkpoint")
 print("passed")
