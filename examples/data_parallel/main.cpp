@@ -7,13 +7,24 @@
 // TrainerOptions::comm: the gradients are summed over the processes before exact clipping and
 // AdamW, so every process holds the same weights after every step; with shard_optimizer (ZeRO-1)
 // each process keeps AdamW's moments of its part of the model only. Rank 0 prints the global
-// batch's loss; the program fails if the loss did not fall by half. On GPUs, use
-// dist::NcclHostComm and a CudaBackend on the process's GPU instead (distributed.md).
+// batch's loss; the program fails if the loss did not fall by half. Checkpoints: every process
+// writes its part of each one (a Checkpointer given the communicator, saving after steps 20 and
+// 40 while the next steps train); at the end each process loads the last one into a fresh store
+// and checks that it holds the trained weights, bit for bit. On GPUs, use dist::NcclHostComm and
+// a CudaBackend on the process's GPU instead (distributed.md).
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <optional>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/dist/mpi.hpp"
+#include "megatrain/train/checkpointer.hpp"
 #include "megatrain/train/trainer.hpp"
 
 using namespace megatrain;
@@ -43,6 +54,20 @@ int main() {
     HostParamStore<float> store(model.units(), Trainer<CpuBackend<float>>::store_options(o, so));
     CpuBackend<float> be;
     Trainer<CpuBackend<float>> trainer(model, store, be, o);
+    // Checkpoints into one folder (rank 0's process id names it), every process writing its part;
+    // save, poll and wait are called by every process at the same steps.
+    std::int64_t pid[1] = {comm.rank() == 0 ? static_cast<std::int64_t>(::getpid()) : 0};
+    comm.all_reduce_sum(pid);
+    const auto folder = std::filesystem::temp_directory_path() / ("megatrain-data-parallel-" + std::to_string(pid[0]));
+    CheckpointerOptions co;
+    co.comm = &comm;
+    std::optional<Checkpointer> checkpoints(std::in_place, folder, co);
+    const auto report = [&](const std::vector<SaveResult>& done) {
+      for (const SaveResult& r : done) {
+        if (!r.ok) throw std::runtime_error("the checkpoint of step " + std::to_string(r.step) + " failed: " + r.error);
+        if (comm.rank() == 0) std::printf("saved step %lld (every process its part) to %s\n", static_cast<long long>(r.step), r.dir.c_str());
+      }
+    };
 
     double first = 0, last = 0;
     for (int step = 1; step <= 40; ++step) {
@@ -59,7 +84,23 @@ int main() {
       if (comm.rank() == 0 && (step == 1 || step % 10 == 0))
         std::printf("step %2d: loss %.4f, gradient norm %.3f, %lld tokens over %d processes\n", step, s.loss,
                     s.grad_norm, static_cast<long long>(s.tokens), comm.world());
+      report(checkpoints->poll());
+      if (step % 20 == 0) checkpoints->save(trainer, store);
     }
+    report(checkpoints->wait());
+    checkpoints.reset();
+    // Resumed: a fresh store and trainer on every process load the last checkpoint (each its part).
+    HostParamStore<float> again(model.units(), Trainer<CpuBackend<float>>::store_options(o, so));
+    Trainer<CpuBackend<float>> resumed(model, again, be, o);
+    const TrainState st = load_train_state(io::CheckpointFolder(folder).path_for(40), resumed, again);
+    for (std::size_t u = 0; u < store.num_units(); ++u)
+      if (std::memcmp(store.unit(u).master().data(), again.unit(u).master().data(), store.unit(u).master().size_bytes()) != 0) {
+        std::fprintf(stderr, "rank %d: unit %zu loaded from the checkpoint differs from the trained one\n", comm.rank(), u);
+        return 1;
+      }
+    if (comm.rank() == 0) std::printf("resumed from step %lld: the trained weights, bit for bit\n", static_cast<long long>(st.step));
+    comm.all_reduce_sum(pid);  // (every process has loaded it before the first removes it)
+    if (comm.rank() == 0) std::filesystem::remove_all(folder);
     if (last > 0.5 * first) {
       std::fprintf(stderr, "rank %d: the loss fell from %.4f to %.4f only\n", comm.rank(), first, last);
       return 1;
