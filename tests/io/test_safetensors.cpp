@@ -341,6 +341,45 @@ TEST_CASE("round trip: sharded and unsharded checkpoint directories") {
   CHECK(listing(dir.path()) == std::set<std::string>{"ckpt"});
 }
 
+TEST_CASE("one set written by several writers (ShardedWrite): each its own shards, the first stages and commits") {
+  TempDir dir;
+  const auto sources = random_sources();
+  const auto tensors = to_write(sources);
+  REQUIRE(tensors.size() >= 4);
+  // The first third of the tensors written by writer 0, the rest by writer 1: two writers' plans alike.
+  std::vector<int> writer_of(tensors.size(), 1);
+  for (std::size_t i = 0; i < tensors.size() / 3; ++i) writer_of[i] = 0;
+  ShardedWriteOptions opt;
+  opt.max_shard_bytes = 20000;
+  ShardedWrite first(dir / "ckpt", tensors, opt, writer_of);
+  ShardedWrite second(dir / "ckpt", tensors, opt, writer_of);
+  REQUIRE(first.num_shards() == second.num_shards());
+  REQUIRE(first.num_shards() >= 2);
+  for (std::size_t s = 0; s < first.num_shards(); ++s) {
+    CHECK(first.shard_name(s) == second.shard_name(s));
+    CHECK(first.shard_writer(s) == second.shard_writer(s));
+    if (s > 0) CHECK(first.shard_writer(s) >= first.shard_writer(s - 1));
+  }
+  CHECK_ERROR_MENTIONS(second.write_shards(1), "not staged");
+  first.stage();
+  CHECK_ERROR_MENTIONS(second.attach(first.staging_key() ^ 1u), "does not see it");
+  second.attach(first.staging_key());
+  CHECK_FALSE(fs::exists(dir / "ckpt"));  // (nothing in place before the commit)
+  std::vector<WrittenFile> files = first.write_shards(0);
+  for (auto& f : second.write_shards(1)) files.push_back(std::move(f));
+  CHECK_ERROR_MENTIONS(second.commit(files), "only the writer that staged");
+  const auto all = first.commit(files);
+  CHECK(all.size() == first.num_shards() + 1);  // (and the index)
+  const auto ckpt = SafetensorsCheckpoint::open(dir / "ckpt");
+  CHECK(ckpt.files().size() == first.num_shards());
+  check_contents(ckpt, sources);
+  CHECK(listing(dir.path()) == std::set<std::string>{"ckpt"});
+  // Writers out of order are refused before anything is written.
+  std::vector<int> unordered(tensors.size(), 0);
+  unordered.front() = 1;
+  CHECK_ERROR_MENTIONS(ShardedWrite(dir / "other", tensors, opt, unordered), "non-decreasing");
+}
+
 TEST_CASE("shard planning: in order, a tensor larger than the limit gets its own shard") {
   std::vector<float> v(100);
   const auto view = [&](std::int64_t n) { return View<const float>(std::span<const float>(v).first(static_cast<std::size_t>(n)), Shape{n}); };
