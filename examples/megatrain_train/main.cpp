@@ -860,6 +860,9 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   }
   ranks.agree_started();
   const bool lead = ranks.lead();
+  // (without --out each process made up a folder of its own: the first's is the run's, where every
+  // process writes its part of the checkpoints)
+  if (ranks.several() && s.out.empty()) plan.out = fs::absolute(ranks.lead_text(plan.out.string()));
   const fs::path& out = plan.out;
   if (lead) {
     fs::create_directories(out);

@@ -106,6 +106,19 @@ class Ranks {
     comm_->all_reduce_sum(x);
     return x[0] != 0;
   }
+  /// Rank 0's text, on every rank (what each process would otherwise make up on its own).
+  std::string lead_text(const std::string& mine) {
+    if (!several()) return mine;
+    std::int64_t n[1] = {lead() ? static_cast<std::int64_t>(mine.size()) : 0};
+    comm_->all_reduce_sum(n);
+    std::vector<std::int64_t> chars(static_cast<std::size_t>(n[0]), 0);
+    if (lead())
+      for (std::size_t i = 0; i < chars.size(); ++i) chars[i] = static_cast<unsigned char>(mine[i]);
+    comm_->all_reduce_sum(chars);
+    std::string out(chars.size(), '\0');
+    for (std::size_t i = 0; i < chars.size(); ++i) out[i] = static_cast<char>(chars[i]);
+    return out;
+  }
   /// Waits for every rank (rank 0 finishing its last save before any process exits: a launcher
   /// ends the run when one process leaves with an error status).
   void barrier() {

@@ -260,6 +260,8 @@ PartedCheckpointWrite::PartedCheckpointWrite(const fs::path& dir, const HostPara
       key[0] = m.set->staging_key();
     } catch (const Error& e) {
       error = e.reason();
+    } catch (const std::exception& e) {  // (every process must reach the collective below)
+      error = fmt::format("writing '{}': {}", dir.string(), e.what());
     }
   }
   std::int64_t staged_failed[1] = {rank == 0 && !error.empty() ? 1 : 0};
@@ -273,6 +275,8 @@ PartedCheckpointWrite::PartedCheckpointWrite(const fs::path& dir, const HostPara
       m.set->attach(static_cast<std::uint32_t>(key[0]));
     } catch (const Error& e) {
       error = e.reason();
+    } catch (const std::exception& e) {
+      error = fmt::format("writing '{}': {}", dir.string(), e.what());
     }
   }
   const auto blind = failed_ranks(comm, !error.empty());
@@ -328,6 +332,8 @@ std::vector<WrittenFile> PartedCheckpointWrite::finish() {
       files = m.set->commit(std::move(files));
     } catch (const Error& e) {
       error = e.reason();
+    } catch (const std::exception& e) {  // (every process must reach the collective below)
+      error = fmt::format("writing '{}': {}", label, e.what());
     }
   }
   std::int64_t committed_failed[1] = {rank == 0 && !error.empty() ? 1 : 0};
@@ -517,10 +523,11 @@ void TrainCheckpoint::load_into(HostParamStore<float>& store) const {
              "{}: tensor '{}' in '{}' holds {} non-finite value(s) (NaN or infinity; the first at element {}): the "
              "checkpoint is corrupt or was saved from a diverged run; resume from an earlier checkpoint",
              label, copies[i].ref.name(), copies[i].ref.file->path().string(), bad[i].count, bad[i].first);
-  // The masters whole (the store refreshes its bf16 copy from them; a store whose masters are
-  // sharded gives the rest back when its trainer starts); the moments whole, or (ZeRO-1: the
+  // Unit by unit: the masters whole (the store refreshes the unit's bf16 copy from them, and a
+  // store whose masters are sharded then gives back those outside its parts, so that a process
+  // never holds more than one unit's other masters); the moments whole, or (ZeRO-1: the
   // checkpoint may come from any number of processes) of this process's part only.
-  tbb::parallel_for(std::size_t{0}, copies.size(), [&](std::size_t i) {
+  const auto copy = [&](std::size_t i) {
     const Copy& c = copies[i];
     const auto& unit = store.unit(c.unit);
     const std::span<float> slab = c.kind == 0 ? unit.master() : c.kind == 1 ? unit.adam_m() : unit.adam_v();
@@ -533,8 +540,14 @@ void TrainCheckpoint::load_into(HostParamStore<float>& store) const {
     const TensorBytes bytes = c.ref.bytes();
     std::memcpy(slab.data() + lo, bytes.bytes.data() + static_cast<std::size_t>(lo - c.first) * sizeof(float),
                 static_cast<std::size_t>(hi - lo) * sizeof(float));
-  });
-  for (auto& unit : store.units()) store.sync_compute(unit);
+  };
+  for (std::size_t first = 0; first < copies.size();) {  // (copies are in unit order)
+    std::size_t last = first;
+    while (last < copies.size() && copies[last].unit == copies[first].unit) ++last;
+    tbb::parallel_for(first, last, copy);
+    store.sync_compute(store.unit(copies[first].unit));
+    first = last;
+  }
 }
 
 // ---- a run's folder -----------------------------------------------------------------------------

@@ -186,6 +186,16 @@ elif SCENARIO == "crash_in_save":
     left = [d for d in os.listdir(ckpts) if ".partial-" in d]
     if left:
         fail(f"the resumed run left what the killed save wrote: {left}")
+    # Without --out, every process writes its part into the first process's default folder.
+    home = run_dir("default_out")
+    os.makedirs(home)
+    cmd = [MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", "2", TRAIN] + SHAPE + ["--steps", "2", "--save-every", "2"]
+    r = subprocess.run(cmd, env=ENV, cwd=home, capture_output=True, text=True, timeout=300)
+    runs = os.listdir(os.path.join(home, "runs")) if os.path.isdir(os.path.join(home, "runs")) else []
+    if r.returncode != 0 or len(runs) != 1 or \
+            not os.path.isdir(os.path.join(home, "runs", runs[0], "checkpoints", "step-00000002")):
+        fail(f"2 processes without --out: status {r.returncode}, run folders {runs}:\n{r.stdout}\n{r.stderr}")
+    print(f"without --out: one run folder, runs/{runs[0]}, with the checkpoint of both processes")
 elif SCENARIO == "refusals":
     def refused(n, args, expect, env=None):
         r = launch(n, args, env=env, check=False)

@@ -452,7 +452,8 @@ class HostParamStore {
       const auto b = shard_bounds(u);
       comm.gather(u.m_, b, root);
       comm.gather(u.v_, b, root);
-      if (masters_sharded()) comm.gather(u.master_, b, root);
+      // (masters the processes map together are whole everywhere already)
+      if (masters_sharded() && !options_.shard.shares_masters_of(u.index_)) comm.gather(u.master_, b, root);
     }
     whole_state_ = comm.rank() == root;
   }

@@ -189,8 +189,9 @@ class Checkpointer {
       try {
         folder_.prepare();
         key[0] = io::shared_folder_probe(folder_.root());
-      } catch (const Error& e) {
-        error = e.reason();
+      } catch (const std::exception& e) {  // (every process must reach the collective below)
+        const auto* ours = dynamic_cast<const Error*>(&e);
+        error = ours ? ours->reason() : std::string(e.what());
       }
     }
     std::int64_t failed[1] = {error.empty() ? 0 : 1};
@@ -268,7 +269,7 @@ class Checkpointer {
       // and poll() or wait() completes the checkpoint once every process has written its part)
       try {
         parted_ = std::make_unique<io::PartedCheckpointWrite>(result->dir, store, std::move(w), *options_.comm);
-      } catch (const Error& e) {
+      } catch (const Error& e) {  // (thrown on every process alike: the collectives agreed)
         result->failed_elsewhere = dynamic_cast<const io::OtherProcessFailed*>(&e) != nullptr;
         trainer.set_update_gate({});
         uninstall_ = nullptr;
@@ -285,6 +286,19 @@ class Checkpointer {
       result_ = std::move(result);
       gate_ = std::move(gate);
       start_ = t0;
+      // The masters that the processes map together (the embedding's, StoreShard::shares_masters_of)
+      // may be written whole by any process once its trainer goes on (a device unit's, brought back
+      // from its GPU by finish_update): every process has read its part of them before any returns.
+      bool mapped = false;
+      for (std::size_t u = 0; u < store.num_units(); ++u)
+        if (store.shard().shares_masters_of(u)) {
+          gate_->wait(u);
+          mapped = true;
+        }
+      if (mapped) {
+        std::int64_t one[1] = {1};
+        options_.comm->all_reduce_sum(one);
+      }
       if (!options_.overlap) complete();
       return;
     }
@@ -344,8 +358,9 @@ class Checkpointer {
       if (options_.comm->rank() == 0) {
         try {
           folder_.commit(r.step, options_.keep);
-        } catch (const Error& e) {
-          error = e.reason();
+        } catch (const std::exception& e) {  // (every process must reach the collective below)
+          const auto* ours = dynamic_cast<const Error*>(&e);
+          error = ours ? ours->reason() : std::string(e.what());
         }
       }
       std::int64_t failed[1] = {error.empty() ? 0 : 1};
@@ -358,6 +373,8 @@ class Checkpointer {
     } catch (const Error& e) {
       r.error = e.reason();
       r.failed_elsewhere = dynamic_cast<const io::OtherProcessFailed*>(&e) != nullptr;
+    } catch (const std::exception& e) {
+      r.error = e.what();
     }
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     parted_.reset();
