@@ -251,6 +251,25 @@ PartedCheckpointWrite::PartedCheckpointWrite(const fs::path& dir, const HostPara
   if (!m.options.unit_done) store.check_settled(fmt::format("writing '{}'", dir.string()));
   m.tensors = state_tensors(store, order, world, rank, m.announce);
   m.set.emplace(dir, m.tensors.tensors, set_options(dir, m.options), m.tensors.writer_of);
+  // Every process planned the same files (the collectives below and in finish() exchange one slot
+  // a file): a digest of the plan, every process's in its slot, compared with the first's.
+  {
+    Hasher h;
+    const auto add = [&](const std::string& text) {  // (with its terminating zero: names stay apart)
+      h.update(std::as_bytes(std::span<const char>(text.c_str(), text.size() + 1)));
+    };
+    for (std::size_t f = 0; f < m.set->num_shards(); ++f) add(fmt::format("{} {}", m.set->shard_name(f), m.set->shard_writer(f)));
+    for (const auto& t : m.tensors.tensors) add(t.name);
+    std::vector<std::int64_t> plans(2 * static_cast<std::size_t>(world), 0);
+    std::memcpy(&plans[2 * static_cast<std::size_t>(rank)], h.digest().bytes.data(), 16);
+    comm.all_reduce_sum(plans);
+    std::vector<int> other;
+    for (int r = 1; r < world; ++r)
+      if (plans[2 * static_cast<std::size_t>(r)] != plans[0] || plans[2 * static_cast<std::size_t>(r) + 1] != plans[1])
+        other.push_back(r);
+    MT_CHECK(other.empty(), "writing '{}': process(es) {} planned other files than process 0 (another model, store or "
+             "unit order): every process must save the same run at the same step", dir.string(), fmt::join(other, ", "));
+  }
   // The first process stages the folder; the others find it (one file system).
   std::string error;
   std::int64_t key[1] = {0};

@@ -26,6 +26,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -287,10 +288,11 @@ class Checkpointer {
       gate_ = std::move(gate);
       start_ = t0;
       // The masters that the processes map together (the embedding's, StoreShard::shares_masters_of)
-      // may be written whole by any process once its trainer goes on (a device unit's, brought back
-      // from its GPU by finish_update): every process has read its part of them before any returns.
+      // of a device unit are written whole by any process whose trainer brings them back from its
+      // GPU (finish_update, after the next step): every process has read its part of them before
+      // any returns. (A host unit's each process steps in its part only, after its own writer.)
       bool mapped = false;
-      for (std::size_t u = 0; u < store.num_units(); ++u)
+      for (std::size_t u = 0; u < std::min(store.num_units(), trainer.device_units()); ++u)
         if (store.shard().shares_masters_of(u)) {
           gate_->wait(u);
           mapped = true;
