@@ -219,24 +219,29 @@ struct PartedCheckpointWrite::Impl {
   std::string error;  // this process's failure in write_part
 };
 
-namespace {
-/// Throws this process's own failure, or (empty) that another process failed.
-[[noreturn]] void fail_here_or_elsewhere(const std::string& own, std::string elsewhere) {
-  if (!own.empty()) MT_FAIL("{}", own);
-  throw OtherProcessFailed("PartedCheckpointWrite", std::move(elsewhere), __FILE__, __LINE__);
-}
-
-/// Every rank's flag summed: which ranks said `failed` (in rank order).
-std::vector<int> failed_ranks(dist::HostComm& comm, bool failed) {
+void agree_on(dist::HostComm& comm, bool here, const std::function<void()>& fn,
+              const std::function<std::string(const std::vector<int>& failed)>& elsewhere) {
+  std::string error;
+  if (here) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      error = e.reason();
+    } catch (const std::exception& e) {  // (every process must reach the collective below)
+      error = e.what();
+    }
+  }
+  // (every rank's flag in its slot, summed: which ranks failed, in rank order)
   std::vector<std::int64_t> flags(static_cast<std::size_t>(comm.world()), 0);
-  flags[static_cast<std::size_t>(comm.rank())] = failed ? 1 : 0;
+  flags[static_cast<std::size_t>(comm.rank())] = error.empty() ? 0 : 1;
   comm.all_reduce_sum(flags);
-  std::vector<int> out;
+  std::vector<int> failed;
   for (std::size_t r = 0; r < flags.size(); ++r)
-    if (flags[r] != 0) out.push_back(static_cast<int>(r));
-  return out;
+    if (flags[r] != 0) failed.push_back(static_cast<int>(r));
+  if (failed.empty()) return;
+  if (!error.empty()) MT_FAIL("{}", error);
+  throw OtherProcessFailed("megatrain", elsewhere(failed), __FILE__, __LINE__);
 }
-}  // namespace
 
 PartedCheckpointWrite::PartedCheckpointWrite(const fs::path& dir, const HostParamStore<float>& store,
                                              TrainCheckpointWriteOptions options, dist::HostComm& comm)
@@ -271,38 +276,20 @@ PartedCheckpointWrite::PartedCheckpointWrite(const fs::path& dir, const HostPara
              "unit order): every process must save the same run at the same step", dir.string(), fmt::join(other, ", "));
   }
   // The first process stages the folder; the others find it (one file system).
-  std::string error;
+  const std::string label = dir.string();
   std::int64_t key[1] = {0};
-  if (rank == 0) {
-    try {
-      m.set->stage();
-      key[0] = m.set->staging_key();
-    } catch (const Error& e) {
-      error = e.reason();
-    } catch (const std::exception& e) {  // (every process must reach the collective below)
-      error = fmt::format("writing '{}': {}", dir.string(), e.what());
-    }
-  }
-  std::int64_t staged_failed[1] = {rank == 0 && !error.empty() ? 1 : 0};
-  comm.all_reduce_sum(staged_failed);
+  agree_on(comm, rank == 0, [&] {
+    m.set->stage();
+    key[0] = m.set->staging_key();
+  }, [&](const std::vector<int>&) { return fmt::format("writing '{}': process 0 could not prepare the folder (its "
+                                                       "message says why)", label); });
   comm.all_reduce_sum(key);
-  if (staged_failed[0] != 0)
-    fail_here_or_elsewhere(error, fmt::format("writing '{}': process 0 could not prepare the folder (its message says "
-                                              "why)", dir.string()));
-  if (rank != 0) {
-    try {
-      m.set->attach(static_cast<std::uint32_t>(key[0]));
-    } catch (const Error& e) {
-      error = e.reason();
-    } catch (const std::exception& e) {
-      error = fmt::format("writing '{}': {}", dir.string(), e.what());
-    }
-  }
-  const auto blind = failed_ranks(comm, !error.empty());
-  if (!blind.empty())
-    fail_here_or_elsewhere(error, fmt::format("writing '{}': process(es) {} do not see the folder that process 0 "
-                                              "prepared: the processes of a run must share one file system for its "
-                                              "checkpoints", dir.string(), fmt::join(blind, ", ")));
+  agree_on(comm, rank != 0, [&] { m.set->attach(static_cast<std::uint32_t>(key[0])); },
+           [&](const std::vector<int>& blind) {
+             return fmt::format("writing '{}': process(es) {} do not see the folder that process 0 prepared: the "
+                                "processes of a run must share one file system for its checkpoints", label,
+                                fmt::join(blind, ", "));
+           });
 }
 
 PartedCheckpointWrite::~PartedCheckpointWrite() = default;
@@ -325,10 +312,10 @@ std::vector<WrittenFile> PartedCheckpointWrite::finish() {
   Impl& m = *impl_;
   const int rank = m.comm.rank();
   const std::string label = m.dir.string();
-  const auto failed = failed_ranks(m.comm, !m.error.empty());
-  if (!failed.empty())
-    fail_here_or_elsewhere(m.error, fmt::format("writing '{}': process(es) {} could not write their part (their "
-                                                "messages say why)", label, fmt::join(failed, ", ")));
+  agree_on(m.comm, !m.error.empty(), [&] { MT_FAIL("{}", m.error); }, [&](const std::vector<int>& failed) {
+    return fmt::format("writing '{}': process(es) {} could not write their part (their messages say why)", label,
+                       fmt::join(failed, ", "));
+  });
   // Every shard's size and digest, from the process that wrote it.
   const std::size_t n = m.set->num_shards();
   std::vector<std::int64_t> listed(3 * n, 0);
@@ -345,20 +332,9 @@ std::vector<WrittenFile> PartedCheckpointWrite::finish() {
     files[s].bytes = static_cast<std::uint64_t>(listed[3 * s]);
     std::memcpy(files[s].digest.bytes.data(), &listed[3 * s + 1], 16);
   }
-  std::string error;
-  if (rank == 0) {
-    try {
-      files = m.set->commit(std::move(files));
-    } catch (const Error& e) {
-      error = e.reason();
-    } catch (const std::exception& e) {  // (every process must reach the collective below)
-      error = fmt::format("writing '{}': {}", label, e.what());
-    }
-  }
-  std::int64_t committed_failed[1] = {rank == 0 && !error.empty() ? 1 : 0};
-  m.comm.all_reduce_sum(committed_failed);
-  if (committed_failed[0] != 0)
-    fail_here_or_elsewhere(error, fmt::format("writing '{}': process 0 could not complete it (its message says why)", label));
+  agree_on(m.comm, rank == 0, [&] { files = m.set->commit(std::move(files)); }, [&](const std::vector<int>&) {
+    return fmt::format("writing '{}': process 0 could not complete it (its message says why)", label);
+  });
   return files;
 }
 

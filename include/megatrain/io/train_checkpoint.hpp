@@ -114,6 +114,13 @@ class OtherProcessFailed : public Error {
   using Error::Error;
 };
 
+/// A step the processes of `comm` take together (a collective): each runs `fn` where `here`, and
+/// then every process learns which failed and throws alike: its own message where `fn` threw,
+/// OtherProcessFailed with `elsewhere(the ranks that failed)` on the others. Returns everywhere
+/// when none failed.
+void agree_on(dist::HostComm& comm, bool here, const std::function<void()>& fn,
+              const std::function<std::string(const std::vector<int>& failed)>& elsewhere);
+
 /// Every process's part at once (PartedCheckpointWrite, collective): the checkpoint of a sharded
 /// store without gathering it.
 std::vector<WrittenFile> write_train_checkpoint(const std::filesystem::path& dir, const HostParamStore<float>& store,

@@ -184,34 +184,27 @@ class Checkpointer {
       return;
     }
     dist::HostComm& comm = *options_.comm;
-    std::string error;
+    const std::string root = folder_.root().string();
     std::int64_t key[1] = {0};
-    if (comm.rank() == 0) {
-      try {
-        folder_.prepare();
-        key[0] = io::shared_folder_probe(folder_.root());
-      } catch (const std::exception& e) {  // (every process must reach the collective below)
-        const auto* ours = dynamic_cast<const Error*>(&e);
-        error = ours ? ours->reason() : std::string(e.what());
-      }
-    }
-    std::int64_t failed[1] = {error.empty() ? 0 : 1};
-    comm.all_reduce_sum(failed);
+    io::agree_on(comm, comm.rank() == 0, [&] {
+      folder_.prepare();
+      key[0] = io::shared_folder_probe(folder_.root());
+    }, [&](const std::vector<int>&) { return fmt::format("process 0 could not prepare the checkpoint folder '{}'", root); });
     comm.all_reduce_sum(key);
-    if (failed[0] != 0)
-      MT_FAIL("{}", comm.rank() == 0 ? error : fmt::format("process 0 could not prepare the checkpoint folder '{}'",
-                                                           folder_.root().string()));
-    const bool sees = comm.rank() == 0 || io::sees_folder_probe(folder_.root(), key[0]);
-    std::vector<std::int64_t> blind(static_cast<std::size_t>(comm.world()), 0);
-    blind[static_cast<std::size_t>(comm.rank())] = sees ? 0 : 1;
-    comm.all_reduce_sum(blind);
+    const auto blind = [&](const std::string& who) {
+      return fmt::format("{} the checkpoint folder '{}' that process 0 prepared: the processes of a run write its "
+                         "checkpoints together into one folder, so it must be on a file system every host mounts (give "
+                         "--out such a folder)", who, root);
+    };
+    try {
+      io::agree_on(comm, comm.rank() != 0, [&] {
+        MT_CHECK(io::sees_folder_probe(folder_.root(), key[0]), "{}", blind(fmt::format("process {} does not see", comm.rank())));
+      }, [&](const std::vector<int>& who) { return blind(fmt::format("process(es) {} do not see", fmt::join(who, ", "))); });
+    } catch (...) {
+      if (comm.rank() == 0) io::remove_folder_probe(folder_.root(), key[0]);
+      throw;
+    }
     if (comm.rank() == 0) io::remove_folder_probe(folder_.root(), key[0]);
-    std::vector<int> who;
-    for (std::size_t r = 0; r < blind.size(); ++r)
-      if (blind[r] != 0) who.push_back(static_cast<int>(r));
-    MT_CHECK(who.empty(), "process(es) {} do not see the checkpoint folder '{}' that process 0 prepared: the processes "
-             "of a run write its checkpoints together into one folder, so it must be on a file system every host mounts "
-             "(give --out such a folder)", fmt::join(who, ", "), folder_.root().string());
   }
   ~Checkpointer() { join(); }
   Checkpointer(const Checkpointer&) = delete;
@@ -356,21 +349,10 @@ class Checkpointer {
     SaveResult& r = *result_;
     try {
       for (const auto& f : parted_->finish()) r.bytes += f.bytes;
-      std::string error;
-      if (options_.comm->rank() == 0) {
-        try {
-          folder_.commit(r.step, options_.keep);
-        } catch (const std::exception& e) {  // (every process must reach the collective below)
-          const auto* ours = dynamic_cast<const Error*>(&e);
-          error = ours ? ours->reason() : std::string(e.what());
-        }
-      }
-      std::int64_t failed[1] = {error.empty() ? 0 : 1};
-      options_.comm->all_reduce_sum(failed);
-      if (failed[0] != 0 && error.empty())
-        throw io::OtherProcessFailed("Checkpointer", "process 0 could not point the run's `latest` at it (its message says "
-                                     "why)", __FILE__, __LINE__);
-      MT_CHECK(failed[0] == 0, "{}", error);
+      io::agree_on(*options_.comm, options_.comm->rank() == 0, [&] { folder_.commit(r.step, options_.keep); },
+                   [](const std::vector<int>&) {
+                     return std::string("process 0 could not point the run's `latest` at it (its message says why)");
+                   });
       r.ok = true;
     } catch (const Error& e) {
       r.error = e.reason();
