@@ -39,7 +39,8 @@ ap.add_argument("--runs", default="one,zero1,replicated,host-adamw",
                 help="the megatrain speed runs, of: one (one GPU), zero1 (the bf16 weights one copy the two processes "
                      "map: --share-weights auto), unshared (a copy a process), replicated, host-adamw (two GPUs), capped "
                      "(two GPUs, ZeRO-1, as if on two hosts: a bf16 copy a process, --host-memory --host-memory-each "
-                     "each), lean (ZeRO-1, --host-memory --lean-host-memory each); none: only the peer")
+                     "each; the weights gathered on the GPUs), capped-host (the same, the weights gathered through host memory after "
+                     "each update: --gather-weights host), lean (ZeRO-1, --host-memory --lean-host-memory each); none: only the peer")
 ap.add_argument("--host-memory-each", default="120G")
 ap.add_argument("--lean-host-memory", default="99.5G", help="--host-memory of each process in the run 'lean'")
 ap.add_argument("--no-same-run", action="store_true", help="skip part 1 (the small same-run checks)")
@@ -127,7 +128,10 @@ RUNS = {"one": ("one GPU", 1, []), "zero1": ("two GPUs, ZeRO-1", 2, []),
                  ["--host-memory", a.lean_host_memory]),
         # (as if on two hosts: a bf16 copy a process, and each process's memory capped)
         "capped": (f"two GPUs, ZeRO-1, as two hosts of --host-memory {a.host_memory_each}", 2,
-                   ["--host-memory", a.host_memory_each, "--share-weights", "false"])}
+                   ["--host-memory", a.host_memory_each, "--share-weights", "false"]),
+        # (the same, the updated weights gathered through host memory after each update, as before)
+        "capped-host": (f"two GPUs, ZeRO-1, as two hosts of --host-memory {a.host_memory_each}, weights gathered on the host",
+                        2, ["--host-memory", a.host_memory_each, "--share-weights", "false", "--gather-weights", "host"])}
 for key in [k for k in a.runs.split(",") if k and k != "none"]:
     name, n, extra = RUNS[key]
     m = run(n, common + ["--batch", str(a.batch_per_gpu * n)] + extra, f"speed-{key}")

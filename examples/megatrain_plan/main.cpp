@@ -53,6 +53,7 @@ class PlannedProcesses final : public dist::HostComm {
   void all_gather(std::span<float>, std::span<const std::int64_t>) override { none(); }
   void all_gather(std::span<bf16>, std::span<const std::int64_t>) override { none(); }
   void gather(std::span<float>, std::span<const std::int64_t>, int) override { none(); }
+  void gather(std::span<bf16>, std::span<const std::int64_t>, int) override { none(); }
   bool can_sum_backend_memory(bool) const override { return true; }  // (as NCCL on GPUs, MPI on CPUs)
   void abort(int) noexcept override {}
 
@@ -112,7 +113,9 @@ int report(const DecoderModel<>& model, const TrainerOptions& topt, const plan::
                 topt.comm->world(), per_host, a.hosts, static_cast<long long>(topt.batch_rows),
                 topt.sharded() ? fmt::format(", holds 1/{} of the optimizer state (ZeRO-1{})", topt.comm->world(),
                                              topt.share_host_weights ? "; the bf16 weights one copy the host's processes map"
-                                                                     : "").c_str()
+                                             : topt.weights_in_parts(std::is_same_v<typename B::Weight, bf16>)
+                                                 ? "; each its part of the bf16 weights, the GPUs gather the rest"
+                                                 : "").c_str()
                                : " and the whole optimizer state",
                 format_bytes(p.memory.host_total() * static_cast<std::size_t>(per_host)).c_str(),
                 static_cast<double>(p.memory.host_total()) * per_host / params,
@@ -176,6 +179,7 @@ int run(const Settings& s, const CLI::App& app, const PlanArgs& a) {
     topt.comm = &*processes;
     topt.shard_optimizer = s.shard_optimizer;
     topt.share_host_weights = share_weights(s, a.hosts == 1);
+    topt.gather_weights_on_device = s.gather_weights == "gpus";
   } else {
     MT_CHECK(a.hosts == 1, "--hosts {} plans several processes: give --gpus too", a.hosts);
   }
@@ -302,6 +306,11 @@ int main(int argc, char** argv) {
   procs->add_option("--share-weights", s.share_weights,
                     "The bf16 weights one copy a host's processes map (auto: where every process runs on one host)")
       ->check(CLI::IsMember({"auto", "true", "false"}))
+      ->capture_default_str();
+  procs->add_option("--gather-weights", s.gather_weights,
+                    "Each process with its own bf16 copy: gpus (it holds and uploads its part, the GPUs gather the rest) "
+                    "or host (a whole copy, gathered after each update)")
+      ->check(CLI::IsMember({"gpus", "host"}))
       ->capture_default_str();
   app.add_flag("--json", a.json, "Print the plan as JSON");
   try {

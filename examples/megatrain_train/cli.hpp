@@ -98,6 +98,7 @@ struct Settings {
   // several processes with ZeRO-1 on GPUs: the bf16 weights mapped by the processes of the host
   // together (auto: where every process runs on this host, as the launcher says)
   std::string share_weights = "auto";
+  std::string gather_weights = "gpus";
   std::string gpus = "1";  // --gpus: 1, N or all
   // checkpoints
   std::int64_t save_every = 0, keep = 2;
@@ -407,6 +408,13 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
                    "held once in host memory and mapped by every process (2 bytes a parameter for the host, not 2 a "
                    "process); auto: where the launcher says every process runs on this host; true, false")
       ->check(CLI::IsMember({"auto", "true", "false"}))
+      ->capture_default_str();
+  runo->add_option("--gather-weights", s.gather_weights,
+                   "Several processes with --shard-optimizer on GPUs, each with its own bf16 copy (--share-weights "
+                   "false, or several hosts): gpus: each process uploads its part of every unit it streams and the "
+                   "GPUs gather the rest over NCCL (1/N of the uploads, nothing gathered between steps); host: the "
+                   "updated weights gathered through host memory after each update")
+      ->check(CLI::IsMember({"gpus", "host"}))
       ->capture_default_str();
   runo->add_option("--eval-every", s.eval_every, "Validation loss every N steps (0: only at the end)")->capture_default_str();
   runo->add_option("--eval-batches", s.eval_batches, "Batches per validation (with --steps 0: 0 skips the evaluation)")->capture_default_str();

@@ -271,7 +271,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
            "--val-fraction contradicts --val-data: validation comes from that file; drop one");
   MT_CHECK(s.steps >= 0, "--steps must be >= 0 (got {}; 0 evaluates only)", s.steps);
   const bool eval_only = s.steps == 0;
-  for (const char* flag : {"--shard-optimizer", "--share-weights"})
+  for (const char* flag : {"--shard-optimizer", "--share-weights", "--gather-weights"})
     MT_CHECK(ranks.several() || !s.origins.given_now(flag),
              "{} applies to several processes (launched by torchrun, mpirun or srun, or --gpus); drop it", flag);
   MT_CHECK(s.share_weights != "true" || s.shard_optimizer,
@@ -537,6 +537,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
     // (one bf16 copy for the host's processes: where each runs here, as the launcher says, unless
     // told; the store checks that they do)
     topt.share_host_weights = share_weights(s, ranks.info().local_world == ranks.world());
+    topt.gather_weights_on_device = s.gather_weights == "gpus";
   }
   topt.packed = data && data->packed();
   topt.adamw = {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
@@ -706,6 +707,13 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
                                                             : std::string("the command-line shape");
   MT_CHECK(s.share_weights != "true" || (std::is_same_v<typename B::Weight, bf16>),
            "--share-weights true shares the bf16 weights of GPU processes; the {} backend streams none: drop it", backend_name);
+  MT_CHECK(!s.origins.given_now("--gather-weights") || (std::is_same_v<typename B::Weight, bf16> && topt.shard_optimizer &&
+                                                        !topt.share_host_weights),
+           "--gather-weights applies where GPU processes with --shard-optimizer each keep their own bf16 copy "
+           "(--share-weights false, or processes on several hosts); {}: drop it",
+           !std::is_same_v<typename B::Weight, bf16> ? fmt::format("the {} backend streams no bf16 weights", backend_name)
+           : !topt.shard_optimizer                    ? std::string("--shard-optimizer is false")
+                                                      : std::string("this host's processes share one copy"));
   // (ZeRO-1 exports from the first process: from the bf16 copy every process holds for a bf16 export
   // of sharded masters, else from the masters, gathered there where they are sharded)
   const bool gathers_for_export = topt.sharded() && plan.export_options && Trainer<B>::store_options(topt).shard.masters &&
@@ -720,21 +728,26 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     const plan::StepPlan sp =
         plan::plan_step<B>(model, topt, plan::device_budget(be), budget, B::kDevice ? plan::machine_figures() : plan::MachineFigures{});
     MT_CHECK(sp.memory.fits, "{}", sp.refusal());
-    if (topt.sharded() && ranks.lead() && plan.export_options && gathers_for_export) {
-      // (ZeRO-1: the first process holds the whole train state while it writes an export)
+    const auto parts_of = [&](const TrainerOptions& o) {
+      const auto f = HostParamStore<float>::footprint(model.units(), Trainer<B>::store_options(o));
+      return gathers_for_export ? f.master_bytes + f.adam_bytes : f.compute_bytes;
+    };
+    if (topt.sharded() && ranks.lead() && plan.export_options &&
+        (gathers_for_export || Trainer<B>::store_options(topt).shard.keeps_weight_parts())) {
+      // (ZeRO-1: the first process holds the whole train state while it writes an f32 or f16
+      // export, and the whole bf16 copy for a bf16 export where each process holds its part)
       TrainerOptions whole = topt;
       whole.shard_optimizer = false;
-      // (the masters and the moments it gathers; the bf16 weights stay as they are)
-      const auto state = [&](const TrainerOptions& o) {
-        const auto f = HostParamStore<float>::footprint(model.units(), Trainer<B>::store_options(o));
-        return f.master_bytes + f.adam_bytes;
-      };
-      const auto need = sp.memory.host_total() + state(whole) - state(topt);
-      MT_CHECK(need <= budget.bytes, "process 0 writes the --export as {}, for which it gathers the whole train state: {} "
-               "of host memory then, more than its {} ({}); export as bf16 (--export-dtype bf16, the default: written "
-               "from the bf16 weights every process holds, nothing gathered), or give it more (--host-memory, or fewer "
-               "processes on its host)", io::torch_dtype_name(plan.export_options->dtype), format_bytes(need),
-               format_bytes(budget.bytes), budget.source);
+      const auto need = sp.memory.host_total() + parts_of(whole) - parts_of(topt);
+      MT_CHECK(need <= budget.bytes, "process 0 writes the --export as {}, for which it gathers {}: {} of host memory "
+               "then, more than its {} ({}); {}give it more (--host-memory, or fewer processes on its host), or export "
+               "afterwards from a checkpoint (--save-every; megatrain-train --resume DIR --steps 0 --export OUT)",
+               io::torch_dtype_name(plan.export_options->dtype),
+               gathers_for_export ? "the whole train state" : "the whole bf16 copy (each process holds its part)",
+               format_bytes(need), format_bytes(budget.bytes), budget.source,
+               gathers_for_export ? "export as bf16 (--export-dtype bf16, the default: nothing of the optimizer's "
+                                    "state gathered), or "
+                                  : "");
     }
     std::fprintf(info, "%s", plan::format_summary(sp).c_str());
     if (ranks.several())
@@ -1077,6 +1090,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
         trainer.finish_update();
       }
       if (gathers_for_export) store.gather_state(*ranks.comm(), 0);  // (the masters brought to the first process)
+      else if (trainer.options().sharded()) store.gather_weights(*ranks.comm(), 0);  // (a bf16 copy held in parts: whole on the first process)
       if (lead) progress.note(export_model(step));
       store.release_unowned_state();
       // (the others wait while the first reads the weights: a bf16 copy they map together included)

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cmath>
@@ -12,6 +13,8 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "megatrain/core/error.hpp"
@@ -38,6 +41,16 @@ bool pin_failure_forced() {
   return e != nullptr && *e != '\0' && std::strcmp(e, "0") != 0;
 }
 
+// The ranges HostBuffers page-locked, begin -> end (host_pages_locked answers from them).
+std::mutex g_locked_mutex;
+std::map<std::uintptr_t, std::uintptr_t> g_locked;
+void note_locked(void* p, std::size_t bytes, bool locked) {
+  std::lock_guard lock(g_locked_mutex);
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  if (locked) g_locked[a] = a + bytes;
+  else g_locked.erase(a);
+}
+
 // Page-locks [p, p + bytes) for Pinning::automatic. No GPU (or a CPU-only build): pageable,
 // silently. A GPU but pinning fails: pageable, with one warning.
 bool try_pin(void* p, std::size_t bytes) {
@@ -48,7 +61,10 @@ bool try_pin(void* p, std::size_t bytes) {
 #if MEGATRAIN_HAS_CUDA
     if (!cuda_device_present()) return false;
     const cudaError_t st = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
-    if (st == cudaSuccess) return true;
+    if (st == cudaSuccess) {
+      note_locked(p, bytes, true);
+      return true;
+    }
     (void)cudaGetLastError();  // clear the non-sticky error so later calls are not confused
     why = cudaGetErrorString(st);
 #else
@@ -138,6 +154,15 @@ HostBuffer HostBuffer::allocate_shared(std::size_t bytes, int sharers, const Sha
   return b;
 }
 
+bool host_pages_locked(const void* data, std::size_t bytes) {
+  const auto a = reinterpret_cast<std::uintptr_t>(data);
+  std::lock_guard lock(g_locked_mutex);
+  auto it = g_locked.upper_bound(a);  // (the first range starting after a; the one before may hold it)
+  if (it == g_locked.begin()) return false;
+  --it;
+  return a >= it->first && a + bytes <= it->second;
+}
+
 SharedHostHandle HostBuffer::shared_handle() const {
   MT_CHECK(created_ && fd_ >= 0, "only the process that created a shared host buffer can hand it on");
   struct stat st {};
@@ -146,11 +171,46 @@ SharedHostHandle HostBuffer::shared_handle() const {
           static_cast<std::int64_t>(st.st_ino)};
 }
 
+bool HostBuffer::pin_ranges(std::vector<std::pair<std::size_t, std::size_t>> ranges) {
+  MT_CHECK(!pinned_ && pinned_ranges_.empty(), "pin_ranges: this host buffer is pinned already");
+  // (whole pages, in order, those that touch or overlap merged: a page is registered once)
+  const std::size_t page = page_size();
+  std::vector<std::pair<std::size_t, std::size_t>> pages;  // [begin, end) in bytes
+  for (const auto& [first, bytes] : ranges) {
+    if (bytes == 0) continue;
+    MT_CHECK(first + bytes <= size_, "pin_ranges: bytes [{}, {}) lie outside the buffer's {}", first, first + bytes, size_);
+    pages.emplace_back(first / page * page, std::min(mapped_, (first + bytes + page - 1) / page * page));
+  }
+  std::sort(pages.begin(), pages.end());
+  std::vector<std::pair<std::size_t, std::size_t>> merged;
+  for (const auto& r : pages) {
+    if (!merged.empty() && r.first <= merged.back().second) merged.back().second = std::max(merged.back().second, r.second);
+    else merged.push_back(r);
+  }
+  for (const auto& [a, b] : merged) {
+    void* p = static_cast<char*>(data_) + a;
+    if (!try_pin(p, b - a)) {  // (pageable then, all of it: one warning)
+#if MEGATRAIN_HAS_CUDA
+      for (void* q : pinned_ranges_) (void)cudaHostUnregister(q);
+#endif
+      for (void* q : pinned_ranges_) note_locked(q, 0, false);
+      pinned_ranges_.clear();
+      return false;
+    }
+    pinned_ranges_.push_back(p);
+  }
+  return !pinned_ranges_.empty();
+}
+
 void HostBuffer::release() noexcept {
   if (data_ == nullptr) return;
 #if MEGATRAIN_HAS_CUDA
   if (pinned_) (void)cudaHostUnregister(data_);
+  for (void* q : pinned_ranges_) (void)cudaHostUnregister(q);
 #endif
+  if (pinned_) note_locked(data_, 0, false);
+  for (void* q : pinned_ranges_) note_locked(q, 0, false);
+  pinned_ranges_.clear();
   munmap(data_, mapped_);
   if (fd_ >= 0) ::close(fd_);
   g_mapped -= charged_;

@@ -2,6 +2,7 @@
 #include "megatrain/dist/launch.hpp"
 
 #include <fmt/format.h>
+#include <arpa/inet.h>
 #include <fmt/ranges.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -67,6 +68,7 @@ class Socket {
   ~Socket() { reset(); }
   int fd() const { return fd_; }
   explicit operator bool() const { return fd_ >= 0; }
+  int release() { return std::exchange(fd_, -1); }
   void reset() {
     if (fd_ >= 0) ::close(fd_);
     fd_ = -1;
@@ -350,6 +352,105 @@ std::chrono::milliseconds rendezvous_timeout(std::optional<double> option_second
 
 std::chrono::milliseconds collective_timeout(std::optional<double> option_seconds, const GetEnv& getenv) {
   return timeout_seconds(option_seconds, getenv, "MEGATRAIN_COLLECTIVE_TIMEOUT", "collective", 600);
+}
+
+namespace {
+// The address of this host that a connection to MASTER_ADDR leaves from (a UDP socket's connect
+// sends nothing), where the others can reach it; 127.0.0.1 where there is no MASTER_ADDR.
+std::string own_address(const LaunchInfo& info) {
+  if (info.master_addr.empty() || info.master_port <= 0) return "127.0.0.1";
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* list = nullptr;
+  const std::string port = std::to_string(info.master_port);
+  if (::getaddrinfo(info.master_addr.c_str(), port.c_str(), &hints, &list) != 0 || list == nullptr) return "127.0.0.1";
+  std::string out = "127.0.0.1";
+  Socket s(::socket(AF_INET, SOCK_DGRAM, 0));
+  sockaddr_in local{};
+  socklen_t len = sizeof local;
+  char text[INET_ADDRSTRLEN] = {};
+  if (s && ::connect(s.fd(), list->ai_addr, list->ai_addrlen) == 0 &&
+      ::getsockname(s.fd(), reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
+      ::inet_ntop(AF_INET, &local.sin_addr, text, sizeof text) != nullptr)
+    out = text;
+  ::freeaddrinfo(list);
+  return out;
+}
+
+enum class Answer { alive, ended, silent };
+// Connects to "host:port" once: accepted (alive), refused (its process has ended) or no answer by
+// the deadline.
+Answer knock(const std::string& address, Clock::time_point deadline) {
+  const auto colon = address.rfind(':');
+  if (colon == std::string::npos) return Answer::alive;  // (nothing to ask: not named)
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* list = nullptr;
+  if (::getaddrinfo(address.substr(0, colon).c_str(), address.substr(colon + 1).c_str(), &hints, &list) != 0 ||
+      list == nullptr)
+    return Answer::alive;
+  Answer a = Answer::silent;
+  Socket s(::socket(list->ai_family, list->ai_socktype | SOCK_NONBLOCK, list->ai_protocol));
+  if (s) {
+    if (::connect(s.fd(), list->ai_addr, list->ai_addrlen) == 0) {
+      a = Answer::alive;
+    } else if (errno == ECONNREFUSED) {
+      a = Answer::ended;
+    } else if (errno == EINPROGRESS && wait_fd(s.fd(), POLLOUT, deadline)) {
+      int err = 0;
+      socklen_t len = sizeof err;
+      ::getsockopt(s.fd(), SOL_SOCKET, SO_ERROR, &err, &len);
+      a = err == 0 ? Answer::alive : err == ECONNREFUSED ? Answer::ended : Answer::silent;
+    }
+  }
+  ::freeaddrinfo(list);
+  return a;
+}
+}  // namespace
+
+Beacon::Beacon(const LaunchInfo& info) {
+  Socket s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  MT_CHECK(static_cast<bool>(s), "cannot open a socket to tell the other ranks this process lives: {}", std::strerror(errno));
+  sockaddr_in any{};
+  any.sin_family = AF_INET;
+  any.sin_addr.s_addr = htonl(INADDR_ANY);
+  any.sin_port = 0;  // (a free port)
+  socklen_t len = sizeof any;
+  MT_CHECK(::bind(s.fd(), reinterpret_cast<sockaddr*>(&any), sizeof any) == 0 && ::listen(s.fd(), 64) == 0 &&
+               ::getsockname(s.fd(), reinterpret_cast<sockaddr*>(&any), &len) == 0,
+           "cannot listen on a port to tell the other ranks this process lives: {}", std::strerror(errno));
+  // (rank 0 is where the others reached it, MASTER_ADDR; the others where they reach it from)
+  const bool master = info.rank == 0 && !info.master_addr.empty() && info.master_addr.find(':') == std::string::npos;
+  address_ = fmt::format("{}:{}", master ? info.master_addr : own_address(info), ntohs(any.sin_port));
+  fd_ = s.release();
+}
+
+Beacon::~Beacon() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+std::string absent_ranks(const std::vector<std::string>& beacons, int self, std::chrono::milliseconds wait) {
+  const auto deadline = Clock::now() + wait;
+  std::vector<std::string> ended, silent;
+  const int world = static_cast<int>(beacons.size());
+  for (int r = 0; r < world; ++r) {
+    if (r == self || beacons[static_cast<std::size_t>(r)].empty()) continue;
+    const Answer a = knock(beacons[static_cast<std::size_t>(r)], deadline);
+    if (a == Answer::ended) ended.push_back(std::to_string(r));
+    if (a == Answer::silent) silent.push_back(std::to_string(r));
+  }
+  std::vector<std::string> parts;
+  if (!ended.empty())
+    parts.push_back(fmt::format("rank{} {} of {}: {} process{} ended (killed or failed)", ended.size() > 1 ? "s" : "",
+                                fmt::join(ended, ", "), world, ended.size() > 1 ? "their" : "its",
+                                ended.size() > 1 ? "es have" : " has"));
+  if (!silent.empty())
+    parts.push_back(fmt::format("rank{} {} of {}: no answer within {:g} s (the host down or unreachable)",
+                                silent.size() > 1 ? "s" : "", fmt::join(silent, ", "), world,
+                                static_cast<double>(wait.count()) / 1000.0));
+  return fmt::format("{}", fmt::join(parts, "; "));
 }
 
 std::vector<std::string> tcp_all_gather(const LaunchInfo& info, std::string_view blob, std::chrono::milliseconds timeout) {

@@ -99,15 +99,26 @@ void MpiComm::all_gather(std::span<bf16> data, std::span<const std::int64_t> bou
               [&](bf16* p, int n) { check(MPI_Bcast(p, n, MPI_UINT16_T, r, MPI_COMM_WORLD), "MPI_Bcast"); });
 }
 
-void MpiComm::gather(std::span<float> data, std::span<const std::int64_t> bounds, int root) {
-  MT_CHECK(root >= 0 && root < world_, "gather to rank {} of {}", root, world_);
-  for (int r = 0; r < world_; ++r) {
+namespace {
+template <class E>
+void gather_to(std::span<E> data, std::span<const std::int64_t> bounds, int root, int rank, int world, MPI_Datatype type) {
+  MT_CHECK(root >= 0 && root < world, "gather to rank {} of {}", root, world);
+  for (int r = 0; r < world; ++r) {
     if (r == root) continue;
-    in_chunks(shard_part(data, bounds, world_, r), [&](float* p, int n) {
-      if (rank_ == r) check(MPI_Send(p, n, MPI_FLOAT, root, 0, MPI_COMM_WORLD), "MPI_Send");
-      else if (rank_ == root) check(MPI_Recv(p, n, MPI_FLOAT, r, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE), "MPI_Recv");
+    in_chunks(shard_part(data, bounds, world, r), [&](E* p, int n) {
+      if (rank == r) check(MPI_Send(p, n, type, root, 0, MPI_COMM_WORLD), "MPI_Send");
+      else if (rank == root) check(MPI_Recv(p, n, type, r, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE), "MPI_Recv");
     });
   }
+}
+}  // namespace
+
+void MpiComm::gather(std::span<float> data, std::span<const std::int64_t> bounds, int root) {
+  gather_to(data, bounds, root, rank_, world_, MPI_FLOAT);
+}
+
+void MpiComm::gather(std::span<bf16> data, std::span<const std::int64_t> bounds, int root) {
+  gather_to(data, bounds, root, rank_, world_, MPI_UINT16_T);
 }
 
 }  // namespace megatrain::dist

@@ -13,24 +13,28 @@
 
 #include "megatrain/core/cuda_check.hpp"
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/host_memory.hpp"
 #include "megatrain/core/nccl_check.hpp"
 
 namespace megatrain::dist {
 
 NcclComm::NcclComm(const LaunchInfo& info, int device, std::chrono::milliseconds timeout)
-    : rank_(info.rank), world_(info.world) {
+    : rank_(info.rank), world_(info.world), beacon_(info) {
   MT_CUDA_CHECK(cudaSetDevice(device));
   ncclUniqueId id{};
-  std::string mine;
+  // (every rank's blob: its beacon's address, a newline, and on rank 0 the NCCL unique id)
+  std::string mine = beacon_.address() + '\n';
   if (info.rank == 0) {
     MT_CUDA_CHECK(ncclGetUniqueId(&id));
-    mine.assign(reinterpret_cast<const char*>(&id), sizeof id);
+    mine.append(reinterpret_cast<const char*>(&id), sizeof id);
   }
-  // (rank 0's blob is the id; the others send nothing of use)
   const auto all = tcp_all_gather(info, mine, timeout);
-  MT_CHECK(all.at(0).size() == sizeof id, "NCCL rendezvous on {}:{}: rank 0 sent {} bytes, not an NCCL unique id of {}",
+  for (const auto& b : all) beacons_.push_back(b.substr(0, b.find('\n')));
+  const auto at = all.at(0).find('\n');
+  MT_CHECK(at != std::string::npos && all[0].size() - at - 1 == sizeof id,
+           "NCCL rendezvous on {}:{}: rank 0 sent {} bytes, not its address and an NCCL unique id of {}",
            info.master_addr, info.master_port, all.at(0).size(), sizeof id);
-  std::memcpy(&id, all[0].data(), sizeof id);
+  std::memcpy(&id, all[0].data() + at + 1, sizeof id);
   ncclComm_t c = nullptr;
   MT_CUDA_CHECK(ncclCommInitRank(&c, info.world, id, info.rank));
   comm_ = c;
@@ -68,16 +72,6 @@ void copy_bytes(void* dst, const void* src, std::size_t n) {
     std::memcpy(static_cast<char*>(dst) + o, static_cast<const char*>(src) + o, std::min(kPiece, n - o));
   });
 }
-// Whether [p, ...) is page-locked host memory (cudaHostAlloc, cudaHostRegister), which the copy
-// engines read and write directly and asynchronously.
-bool page_locked(const void* p) {
-  cudaPointerAttributes a{};
-  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return a.type == cudaMemoryTypeHost;
-}
 }  // namespace
 
 NcclHostComm::NcclHostComm(const LaunchInfo& info, int device, std::chrono::milliseconds timeout,
@@ -105,10 +99,21 @@ NcclHostComm::~NcclHostComm() {
 // Under the lock: the watchdog (or another thread's abort) cannot abort the communicator while a
 // call enqueues on it.
 void NcclHostComm::with_comm(const std::function<void(void*)>& call) {
-  std::lock_guard lock(mutex_);
-  MT_CHECK(comm_.comm_ != nullptr, "rank {} of {}: an earlier collective failed or did not complete (another rank "
-           "stopped); the communicator is gone", rank(), world());
-  call(comm_.comm_);
+  {
+    std::lock_guard lock(mutex_);
+    if (comm_.comm_ != nullptr) {
+      call(comm_.comm_);
+      return;
+    }
+  }
+  MT_FAIL("rank {} of {}: an earlier collective failed or did not complete ({}); the communicator is gone", rank(), world(),
+          stopped());
+}
+
+std::string NcclHostComm::stopped() const {
+  const std::string gone = comm_.absent();
+  return gone.empty() ? std::string("another rank stopped or is stuck; every other rank's process still answers")
+                      : "another rank stopped: " + gone;
 }
 
 void NcclHostComm::abort_comm() noexcept {
@@ -217,11 +222,12 @@ void NcclHostComm::watch() {
       continue;
     }
     if (q != cudaErrorNotReady || (async != ncclSuccess && async != ncclInProgress) || late) {
-      std::fprintf(stderr, "megatrain: rank %d of %d: a gradient's sum over the GPUs %s; another rank stopped (killed, "
-                   "failed) or is stuck: this rank's communicator is aborted and its next collective fails (the collective "
+      std::fprintf(stderr, "megatrain: rank %d of %d: a collective on the GPUs (a gradient's sum, or a unit's weights "
+                   "gathered) %s; %s: this rank's communicator is aborted and its next collective fails (the collective "
                    "timeout: MEGATRAIN_COLLECTIVE_TIMEOUT, in seconds)\n", rank(), world(),
                    late ? fmt::format("did not complete within {} s", std::chrono::duration<double>(collective_timeout_).count()).c_str()
-                        : fmt::format("failed ({})", ncclGetErrorString(async)).c_str());
+                        : fmt::format("failed ({})", ncclGetErrorString(async)).c_str(),
+                   stopped().c_str());
       abort_comm();
       lock.lock();
       continue;
@@ -242,11 +248,11 @@ void NcclHostComm::wait() {
     const bool late = std::chrono::steady_clock::now() - start > collective_timeout_;
     if ((async != ncclSuccess && async != ncclInProgress) || late) {
       abort_comm();  // (the collective's kernel ends, and the communicator may not be used again)
-      if (!late) MT_FAIL("rank {} of {}: a collective failed in NCCL ({}); this rank stops", rank(), world(),
-                         ncclGetErrorString(async));
-      MT_FAIL("rank {} of {}: a collective did not complete within {} s: another rank stopped (killed, failed) or is "
-              "stuck; this rank stops too (the collective timeout: MEGATRAIN_COLLECTIVE_TIMEOUT, in seconds)", rank(),
-              world(), std::chrono::duration<double>(collective_timeout_).count());
+      if (!late) MT_FAIL("rank {} of {}: a collective failed in NCCL ({}; {}); this rank stops", rank(), world(),
+                         ncclGetErrorString(async), stopped());
+      MT_FAIL("rank {} of {}: a collective did not complete within {} s ({}); this rank stops too (the collective "
+              "timeout: MEGATRAIN_COLLECTIVE_TIMEOUT, in seconds)", rank(), world(),
+              std::chrono::duration<double>(collective_timeout_).count(), stopped());
     }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
@@ -274,8 +280,8 @@ void NcclHostComm::sum(void* data, std::size_t bytes, std::size_t elem, int type
 void NcclHostComm::broadcast(void* data, std::size_t bytes, int root, bool keep) {
   MT_CUDA_CHECK(cudaSetDevice(device_));
   auto* p = static_cast<char*>(data);
-  if (page_locked(data)) {
-    // Page-locked memory (a store's bf16 weights): copied by DMA straight to and from the GPU, the
+  if (host_pages_locked(data, bytes)) {
+    // Memory a HostBuffer page-locked (a store's bf16 weights, or this process's part of them): copied by DMA straight to and from the GPU, the
     // pieces one after another on the stream with no host copy and no wait between them (a 14B
     // model's weights, gathered after each update, took 2 s a step through the staging).
     for (std::size_t o = 0; o < bytes; o += kStagingBytes) {
@@ -310,25 +316,31 @@ void NcclHostComm::reduce_scatter_sum(std::span<float> data, std::span<const std
   all_reduce_sum(data);
 }
 
-void NcclHostComm::all_gather(std::span<float> data, std::span<const std::int64_t> bounds) {
+void NcclHostComm::host_parts(void* data, std::size_t elem, std::size_t n, std::span<const std::int64_t> bounds, int root) {
+  const std::span<std::byte> all(static_cast<std::byte*>(data), n * elem);
+  std::vector<std::int64_t> b(bounds.begin(), bounds.end());
+  for (auto& x : b) x *= static_cast<std::int64_t>(elem);  // (in bytes)
+  MT_CHECK(root < world(), "gather to rank {} of {}", root, world());
   for (int r = 0; r < world(); ++r) {
-    const auto p = shard_part(data, bounds, world(), r);
-    broadcast(p.data(), p.size_bytes(), r, true);
+    const auto p = shard_part(all, b, world(), r);
+    if (r != root) broadcast(p.data(), p.size_bytes(), r, root < 0 || rank() == root);
   }
+}
+
+void NcclHostComm::all_gather(std::span<float> data, std::span<const std::int64_t> bounds) {
+  host_parts(data.data(), sizeof(float), data.size(), bounds, -1);
 }
 
 void NcclHostComm::all_gather(std::span<bf16> data, std::span<const std::int64_t> bounds) {
-  for (int r = 0; r < world(); ++r) {
-    const auto p = shard_part(data, bounds, world(), r);
-    broadcast(p.data(), p.size_bytes(), r, true);
-  }
+  host_parts(data.data(), sizeof(bf16), data.size(), bounds, -1);
 }
 
 void NcclHostComm::gather(std::span<float> data, std::span<const std::int64_t> bounds, int root) {
-  for (int r = 0; r < world(); ++r) {
-    const auto p = shard_part(data, bounds, world(), r);
-    if (r != root) broadcast(p.data(), p.size_bytes(), r, rank() == root);
-  }
+  host_parts(data.data(), sizeof(float), data.size(), bounds, root);
+}
+
+void NcclHostComm::gather(std::span<bf16> data, std::span<const std::int64_t> bounds, int root) {
+  host_parts(data.data(), sizeof(bf16), data.size(), bounds, root);
 }
 
 void NcclHostComm::all_reduce_sum(std::span<float> data) { sum(data.data(), data.size_bytes(), sizeof(float), ncclFloat32); }

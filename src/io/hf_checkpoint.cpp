@@ -646,6 +646,9 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
            dtype_name(options.dtype), store.shard().index, store.shard().count);
   const std::string label = fmt::format("exporting to '{}'", dir.string());
   store.check_settled(label);
+  MT_CHECK(!from_copy || store.weights_whole(), "{}: this process holds its part of the bf16 weights only (the GPUs "
+           "gather the rest as they stream them: TrainerOptions::gather_weights_on_device); bring them whole to the "
+           "process that exports first (HostParamStore::gather_weights on every process, with it as the root)", label);
   const std::string_view dtype_text = torch_dtype_name(options.dtype);
   const std::vector<UnitSpec> units = DecoderModel<>(cfg).units();
   check_store_matches(store, units, label);

@@ -83,6 +83,22 @@ if differ or x.keys() != y.keys():
          f"{len(y)} tensors: {differ[:12]}")
 print("the bf16 export of 2 processes: the same bytes as one process's from the checkpoint")
 
+# Each process with its own bf16 copy (as on two hosts), kept current in its part only: each GPU
+# uploads its part of every unit and gathers the rest from the other (--gather-weights gpus, the
+# default); the same run bit for bit as one copy the processes share, and the same export bytes
+# (the copy made whole before it is written).
+parts, parts_hf = out("two_parts"), out("two_parts_hf")
+run(SHAPE + ["--gpus", "2", "--steps", "6", "--share-weights", "false", "--out", parts, "--export", parts_hf])
+p, shared = metrics(parts), metrics(two)
+for s in range(1, 7):
+    if p[s]["loss"] != shared[s]["loss"] or p[s]["grad_norm"] != shared[s]["grad_norm"]:
+        fail(f"the weights gathered on the GPUs, step {s}: loss {p[s]['loss']!r} norm {p[s]['grad_norm']!r} vs "
+             f"{shared[s]['loss']!r} {shared[s]['grad_norm']!r} with one shared copy (want the same bits)")
+z = tensors(os.path.join(parts_hf, "model.safetensors"))
+if z != x:
+    fail("the export of a run whose weights were gathered on the GPUs differs from the shared copy's")
+print("each process its own copy, the weights gathered on the GPUs: the same losses and export bytes as one shared copy")
+
 # (the resumed runs below replay the run's options, --export included: it is compared first)
 again = out("two_again")
 run(["--gpus", "2", "--resume", ckpt, "--out", again])

@@ -38,7 +38,8 @@ struct Run {
 
 Run train(dist::HostComm* comm, int device, std::int64_t rows, std::int64_t micro, int steps, bool shard = false,
           bool during_backward = true, GradientHome home = GradientHome::host,
-          std::int64_t device_units = TrainerOptions::kAutoDeviceUnits, bool share_weights = false) {
+          std::int64_t device_units = TrainerOptions::kAutoDeviceUnits, bool share_weights = false,
+          bool gather_on_device = true) {
   const int world = comm ? comm->world() : 1, rank = comm ? comm->rank() : 0;
   const std::int64_t seq = 64, share = rows / world;
   const auto cfg = tiny();
@@ -54,12 +55,23 @@ Run train(dist::HostComm* comm, int device, std::int64_t rows, std::int64_t micr
   o.shard_optimizer = shard;  // (ZeRO-1: AdamW's moments and update in parts, the masters gathered)
   o.sum_during_backward = during_backward;  // (false: summed in host memory after the backward)
   o.share_host_weights = share_weights;  // (the bf16 weights one copy that the processes map together)
+  o.gather_weights_on_device = gather_on_device;  // (each process uploads its part; the GPUs gather the rest)
   DecoderModel<> model(cfg);
   StoreOptions so;
   so.seed = 5;
   HostParamStore<float> store(model.units(), Trainer<CudaBackend>::store_options(o, so));
   test::rank_check(store.weights_shared() == (share_weights && shard && comm != nullptr && comm->world() > 1),
                    "the store shares the bf16 weights as asked", rank);
+  const bool parts = shard && comm != nullptr && comm->world() > 1 && !share_weights && gather_on_device &&
+                     !(home == GradientHome::host && during_backward);
+  test::rank_check(store.weights_in_parts() == parts, "the store keeps its part of the bf16 weights current as asked", rank);
+  if (parts)  // (its part of each unit page-locked, for DMA; the rest, which holds no memory, not)
+    for (const auto& u : store.units()) {
+      const auto [lo, hi] = u.owned();
+      const std::span<const bf16> all(u.compute()), mine = all.subspan(static_cast<std::size_t>(lo), static_cast<std::size_t>(hi - lo));
+      test::rank_check(host_pages_locked(mine.data(), mine.size_bytes()) && !host_pages_locked(all.data(), all.size_bytes()),
+                       "a copy held in parts: its part alone page-locked", rank);
+    }
   CudaBackendOptions copt;
   copt.device = device;
   CudaBackend be(copt);
@@ -81,12 +93,23 @@ Run train(dist::HostComm* comm, int device, std::int64_t rows, std::int64_t micr
     r.norms.push_back(st.grad_norm);
   }
   t.finish_update();
+  const auto weights = [&] {  // (a checksum of the bf16 weights this process holds whole)
+    std::vector<float> w;
+    for (const auto& u : store.units())
+      for (const bf16 x : u.compute()) w.push_back(static_cast<float>(x));
+    return test::checksum(w);
+  };
+  r.weights = weights();
+  if (parts) {  // (held in parts: brought whole to each process in turn, which then sums it alone)
+    test::rank_check(!store.weights_whole(), "a copy held in parts is not whole after an update", rank);
+    for (int root = 0; root < world; ++root) {
+      store.gather_weights(*comm, root);
+      if (rank == root) r.weights = weights();
+      store.release_unowned_state();
+    }
+  }
   if (shard) store.gather_state(*comm, 0);  // (the masters too: each process keeps its part of them)
   for (const auto& u : store.units()) r.state.insert(r.state.end(), u.master().begin(), u.master().end());
-  std::vector<float> w;
-  for (const auto& u : store.units())
-    for (const bf16 x : u.compute()) w.push_back(static_cast<float>(x));
-  r.weights = test::checksum(w);
   return r;
 }
 
@@ -157,6 +180,12 @@ int main() {
         test::rank_check(d.losses == own.losses && d.norms == own.norms && d.weights == own.weights &&
                              (r != 0 || d.state == own.state),
                          "shared bf16 weights: not the same bits as a copy a process", r);
+      } else if (shard) {  // each process's part uploaded and the rest gathered on the GPUs: the same bits as gathered on the host
+        const Run host_gather =
+            train(&comm, me.local_rank, rows, micro, steps, shard, during_backward, home, device_units, false, false);
+        test::rank_check(d.losses == host_gather.losses && d.norms == host_gather.norms && d.weights == host_gather.weights &&
+                             (r != 0 || d.state == host_gather.state),
+                         "the weights gathered on the GPUs: not the same bits as gathered in host memory", r);
       }
       const Run one = train(nullptr, me.local_rank, rows, micro * W, steps);
       for (int s = 0; s < steps; ++s) {

@@ -16,7 +16,7 @@ Scenarios (each a CTest test):
               saves it; resumed by 2 processes, the run ends with the metrics of an uninterrupted
               2-process run, bit for bit.
   refusals    a global batch the processes do not divide, no whole gradient to sum (--clip 0),
-              --share-weights where nothing can be shared,
+              --share-weights where nothing can be shared, --gather-weights where nothing is gathered,
               evaluation only; one process failing its checks stops the
               others, which name it; torchrun's variables on the CPU backend (no MPI there).
 """
@@ -215,6 +215,10 @@ elif SCENARIO == "refusals":
             "--share-weights true shares the bf16 weights of GPU processes; the cpu backend streams none")
     refused(2, SHAPE + ["--share-weights", "true", "--shard-optimizer", "false", "--out", run_dir("r")],
             "--share-weights true shares the weights of processes that each step 1/N of them: it needs --shard-optimizer")
+    refused(1, SHAPE + ["--gather-weights", "host", "--out", run_dir("r")], "--gather-weights applies to several processes")
+    refused(2, SHAPE + ["--gather-weights", "host", "--out", run_dir("r")],
+            "--gather-weights applies where GPU processes with --shard-optimizer each keep their own bf16 copy "
+            "(--share-weights false, or processes on several hosts); the cpu backend streams no bf16 weights: drop it")
     # One process fails its checks (too little host memory for it alone): the other stops too, naming it.
     cmd = [MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", "1", TRAIN] + SHAPE + ["--out", run_dir("r"), ":",
            "-np", "1", "-x", "MEGATRAIN_HOST_MEMORY=100K", TRAIN] + SHAPE + ["--out", run_dir("r")]

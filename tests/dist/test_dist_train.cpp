@@ -395,6 +395,19 @@ std::pair<std::size_t, std::size_t> unheld_master_pages(const HostParamStore<flo
   }
   return {resident, pages};
 }
+// The same for the bf16 copy outside this process's part (a copy held in parts).
+std::pair<std::size_t, std::size_t> unheld_weight_pages(const HostParamStore<float>& store) {
+  std::size_t resident = 0, pages = 0;
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  for (const auto& u : store.units())
+    for (const auto& [a, b] : {std::pair<std::int64_t, std::int64_t>{0, u.owned().first}, {u.owned().second, u.numel()}}) {
+      if (b <= a) continue;
+      const auto bytes = static_cast<std::size_t>(b - a) * sizeof(bf16);
+      resident += resident_pages(u.compute().data() + a, bytes);
+      pages += bytes / page > 0 ? bytes / page - 1 : 0;
+    }
+  return {resident, pages};
+}
 }  // namespace
 
 // The store of a trainer whose weights are bf16 (GPUs; the CPU backend streams the fp32 masters
@@ -402,26 +415,29 @@ std::pair<std::size_t, std::size_t> unheld_master_pages(const HostParamStore<flo
 // beside the embedding's and the norm gains' (read at fp32), and the bf16 copy whole.
 namespace {
 // ZeRO-1 over this run's processes with exact clipping; `share`: the bf16 copy mapped by the
-// processes together (StoreShard::shared_weights).
-TrainerOptions zero1_options(bool share) {
+// processes together (StoreShard::shared_weights); `parts`: not shared, each process's copy held in
+// its part (StoreShard::weights_in_parts, what a GPU trainer that gathers the weights on the GPUs asks for).
+TrainerOptions zero1_options(bool share, bool parts = false) {
   TrainerOptions o = options(2, 16);
   o.clip_norm = 1.0;
   o.comm = &comm();
   o.shard_optimizer = true;
   o.share_host_weights = share;
+  o.gather_weights_on_device = parts;
   return o;
 }
 
-void sharded_masters_case(bool share) {
+void sharded_masters_case(bool share, bool parts = false) {
   const int w = comm().world(), r = comm().rank();
   auto j = nlohmann::json::parse(R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":128,"intermediate_size":352,
     "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":300,"tie_word_embeddings":false})");
   const ModelConfig cfg = ModelConfig::from_json(j);
   DecoderModel<> model(cfg);
-  const TrainerOptions o = zero1_options(share);
+  const TrainerOptions o = zero1_options(share, parts);
   const StoreOptions so = plan::store_options(o, {}, true);
   REQUIRE(so.shard.masters);
   REQUIRE(so.shard.shares_weights() == share);
+  REQUIRE(so.shard.keeps_weight_parts() == parts);
   const std::size_t mapped_before = host_buffer_bytes();
   HostParamStore<float> store(model.units(), so);
   const std::size_t mapped = host_buffer_bytes() - mapped_before;
@@ -429,10 +445,17 @@ void sharded_masters_case(bool share) {
   const std::size_t mapped_one = host_buffer_bytes() - mapped_before - mapped;
   CHECK(store.masters_sharded());
   CHECK(store.weights_shared() == share);
+  CHECK(store.weights_in_parts() == parts);
+  CHECK(!store.weights_whole() == parts);
   // (the bf16 copy: this process's share of the one the host's processes map, or a whole copy)
   const std::size_t whole_copy = one.footprint().compute_bytes;
   if (share) {
     CHECK(store.footprint().compute_bytes == (whole_copy + static_cast<std::size_t>(w) - 1) / static_cast<std::size_t>(w));
+  } else if (parts) {  // (its part of each unit)
+    std::size_t held = 0;
+    for (const auto& u : store.units()) held += static_cast<std::size_t>(u.owned().second - u.owned().first) * sizeof(bf16);
+    CHECK(held < whole_copy / static_cast<std::size_t>(w) + 64 * store.num_units());
+    CHECK(store.footprint().compute_bytes == held);
   } else {
     CHECK(store.footprint().compute_bytes == whole_copy);
   }
@@ -442,7 +465,9 @@ void sharded_masters_case(bool share) {
   // beside the masters' whole address range)
   const auto counted = [&](const HostParamStore<float>& x) {
     const std::size_t shared_masters = x.weights_shared() ? x.unit(0).numel() * sizeof(float) / static_cast<std::size_t>(w) : 0;
-    return static_cast<long long>(x.footprint().compute_bytes + x.footprint().resident_grad_bytes + shared_masters);
+    // (a copy held in parts: its whole address range, as the masters')
+    const std::size_t copy = x.weights_in_parts() ? whole_copy : x.footprint().compute_bytes;
+    return static_cast<long long>(copy + x.footprint().resident_grad_bytes + shared_masters);
   };
   CHECK(std::llabs(static_cast<long long>(mapped) - static_cast<long long>(mapped_one) - (counted(store) - counted(one))) <=
         4 * static_cast<long long>(host_page_size()));
@@ -460,7 +485,21 @@ void sharded_masters_case(bool share) {
   const auto bits = [](std::span<const bf16> a, std::span<const bf16> b) {
     return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size_bytes()) == 0;
   };
-  for (std::size_t u = 0; u < store.num_units(); ++u) CHECK(bits(store.unit(u).compute(), one.unit(u).compute()));
+  // (held in parts: its part; the others' hold no memory)
+  const auto held = [](const HostParamStore<float>::Unit& u) {
+    const auto [a, b] = u.held_weights();
+    return std::span<const bf16>(u.compute()).subspan(static_cast<std::size_t>(a), static_cast<std::size_t>(b - a));
+  };
+  for (std::size_t u = 0; u < store.num_units(); ++u) {
+    CHECK(bits(held(store.unit(u)), held(one.unit(u)).subspan(static_cast<std::size_t>(store.unit(u).held_weights().first),
+                                                             held(store.unit(u)).size())));
+    CHECK((store.unit(u).held_weights() == std::pair<std::int64_t, std::int64_t>{0, store.unit(u).numel()}) == !parts);
+  }
+  if (parts) {
+    const auto [resident_w, pages_w] = unheld_weight_pages(store);
+    CHECK(pages_w > 16);
+    CHECK(resident_w == 0);
+  }
   CHECK(store.unit(0).whole_masters().size() == 1);  // (the embedding: kept whole)
   if (share) {  // (... and mapped together: its share of them counted, the others' not)
     const auto embedding = static_cast<std::size_t>(store.unit(0).numel()) * sizeof(float);
@@ -498,13 +537,34 @@ void sharded_masters_case(bool share) {
     CAPTURE(u);
     const auto& a = store.unit(u);
     const auto& b = one.unit(u);
-    CHECK(bits(a.compute(), b.compute()));
+    const auto [wa, wb] = a.held_weights();  // (held in parts: its part, left as it is by gather_updated)
+    CHECK(bits(held(a), std::span<const bf16>(b.compute()).subspan(static_cast<std::size_t>(wa), static_cast<std::size_t>(wb - wa))));
     for (const auto& [lo, hi] : a.whole_masters())
       CHECK(std::equal(a.master().begin() + lo, a.master().begin() + hi, b.master().begin() + lo));
     CHECK(std::equal(a.master().begin() + a.owned().first, a.master().begin() + a.owned().second,
                      b.master().begin() + a.owned().first));
   }
   CHECK(unheld_master_pages(store).first == 0);
+  if (parts) CHECK(unheld_weight_pages(store).first == 0);
+  // Held in parts: an export needs the whole copy on the process that writes it (gather_weights
+  // to it as the root; the others keep their parts), which release_unowned_state gives back.
+  if (parts) {
+    const auto dir = std::filesystem::temp_directory_path() / fmt::format("megatrain-export-refused-{}-{}", ::getpid(), r);
+    std::string what;
+    try {
+      io::export_hf_model(store, cfg, dir, {});
+    } catch (const Error& e) {
+      what = e.what();
+    }
+    CHECK_MESSAGE(what.find("HostParamStore::gather_weights") != std::string::npos, what);
+    CHECK(!std::filesystem::exists(dir));
+    store.gather_weights(comm(), 0);
+    CHECK(store.weights_whole() == (r == 0));
+    if (r == 0)
+      for (std::size_t u = 0; u < store.num_units(); ++u) CHECK(bits(store.unit(u).compute(), one.unit(u).compute()));
+    else
+      CHECK(unheld_weight_pages(store).first == 0);
+  }
   // A bf16 export of this process's store, nothing gathered (from the bf16 copy, which is the
   // masters rounded as the export rounds them): the same bytes as the whole store's; an fp32 one
   // refused until the masters are gathered.
@@ -512,15 +572,17 @@ void sharded_masters_case(bool share) {
     const auto dir = std::filesystem::temp_directory_path() / fmt::format("megatrain-export-{}-{}", ::getpid(), r);
     std::filesystem::remove_all(dir);
     std::filesystem::create_directories(dir);
-    io::export_hf_model(store, cfg, dir / "parts", {});
-    io::export_hf_model(one, cfg, dir / "whole", {});
-    const auto bytes = [](const std::filesystem::path& f) {
-      std::ifstream in(f, std::ios::binary);
-      return std::string(std::istreambuf_iterator<char>(in), {});
-    };
-    const std::string a = bytes(dir / "parts" / "model.safetensors");
-    CHECK(a.size() > 100'000);
-    CHECK(a == bytes(dir / "whole" / "model.safetensors"));
+    if (!parts || r == 0) {  // (held in parts: the root of the gather alone holds the whole copy)
+      io::export_hf_model(store, cfg, dir / "parts", {});
+      io::export_hf_model(one, cfg, dir / "whole", {});
+      const auto bytes = [](const std::filesystem::path& f) {
+        std::ifstream in(f, std::ios::binary);
+        return std::string(std::istreambuf_iterator<char>(in), {});
+      };
+      const std::string a = bytes(dir / "parts" / "model.safetensors");
+      CHECK(a.size() > 100'000);
+      CHECK(a == bytes(dir / "whole" / "model.safetensors"));
+    }
     io::HfExportOptions f32;
     f32.dtype = DType::f32;
     std::string what;
@@ -544,6 +606,10 @@ void sharded_masters_case(bool share) {
   store.release_unowned_state();
   CHECK(unheld_master_pages(store).first == 0);
   CHECK(!store.state_whole());
+  if (parts) {
+    CHECK(unheld_weight_pages(store).first == 0);
+    CHECK(!store.weights_whole());
+  }
   // A trainer whose weights are fp32 (the CPU backend's) refuses a store whose masters are sharded.
   std::string what;
   try {
@@ -564,6 +630,11 @@ TEST_CASE("ZeRO-1 with the masters sharded too: only this process's part holds m
 TEST_CASE("ZeRO-1 with the bf16 weights shared by the processes of the host: one copy, each process's part of the "
           "update seen by every other without a gather") {
   sharded_masters_case(true);
+}
+
+TEST_CASE("ZeRO-1 with each process's bf16 copy held in its part (the weights gathered on the GPUs): the rest holds no "
+          "memory; an export gathers it whole to one process and gives it back after") {
+  sharded_masters_case(false, true);
 }
 
 TEST_CASE("shared bf16 weights are refused, by every process alike, where a process runs on another host") {

@@ -210,3 +210,46 @@ TEST_CASE("tcp_all_gather refuses ranks launched inconsistently") {
   const auto dup = run_ranks({0, 1, 1}, 3, 5000ms);
   CHECK(contains(dup[0].error, "rank 1 arrived twice"));
 }
+
+TEST_CASE("Beacon and absent_ranks: a live process answers, one that ended is named, an unreachable one too") {
+  LaunchInfo info;  // (no MASTER_ADDR: the beacon gives 127.0.0.1)
+  Beacon self(info), alive(info);
+  CHECK(alive.address().rfind("127.0.0.1:", 0) == 0);
+  info.master_addr = "127.0.0.1";
+  info.master_port = 29500;
+  const Beacon reached(info);  // (the address this host reaches MASTER_ADDR from)
+  CHECK(reached.address().rfind("127.0.0.1:", 0) == 0);
+  CHECK(reached.address() != alive.address());
+  const auto ended = [&] {  // (a beacon that was there and is gone: its port refuses now)
+    const Beacon b(info);
+    return b.address();
+  };
+  const std::string gone1 = ended(), gone2 = ended();
+  CHECK(absent_ranks({self.address(), alive.address(), reached.address()}, 0).empty());
+  CHECK(absent_ranks({self.address(), alive.address(), gone1}, 0) == "rank 2 of 3: its process has ended (killed or failed)");
+  CHECK(absent_ranks({gone1, self.address(), gone2}, 1) == "ranks 0, 2 of 3: their processes have ended (killed or failed)");
+  // (this rank's own beacon is not asked; an empty address is skipped)
+  CHECK(absent_ranks({gone1, ""}, 0).empty());
+  // A peer that does not answer, beside one that ended: a port whose queue of connections is full
+  // (never accepted), where the kernel drops the next ones as an unreachable host does.
+  const int full = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  REQUIRE(::bind(full, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(::listen(full, 0) == 0);
+  REQUIRE(::getsockname(full, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  std::vector<int> queued;
+  for (int i = 0; i < 4; ++i) {  // (filling its queue)
+    queued.push_back(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0));
+    (void)::connect(queued.back(), reinterpret_cast<sockaddr*>(&a), sizeof a);
+  }
+  std::this_thread::sleep_for(100ms);
+  const std::string silent = "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+  CHECK(absent_ranks({self.address(), silent, gone1}, 0, std::chrono::milliseconds(300)) ==
+        "rank 2 of 3: its process has ended (killed or failed); rank 1 of 3: no answer within 0.3 s (the host down or "
+        "unreachable)");
+  for (const int fd : queued) ::close(fd);
+  ::close(full);
+}

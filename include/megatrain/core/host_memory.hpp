@@ -13,6 +13,7 @@
 #include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace megatrain {
 
@@ -56,7 +57,16 @@ class HostBuffer {
 
   void* data() const { return data_; }
   std::size_t size() const { return size_; }
+  /// Whether the whole buffer is page-locked.
   bool pinned() const { return pinned_; }
+  /// Page-locks the byte ranges [first, first + second) of a buffer allocated with Pinning::never
+  /// (each widened to whole pages, overlapping ones merged), as Pinning::automatic would pin the
+  /// whole buffer: where there is no GPU nothing is done, and a failure leaves them pageable with
+  /// one warning. The rest stays pageable, so that its pages can be given back
+  /// (release_host_pages) while these are copied by DMA. Returns whether they are locked.
+  bool pin_ranges(std::vector<std::pair<std::size_t, std::size_t>> ranges);
+  /// Whether pin_ranges locked some ranges.
+  bool pinned_in_ranges() const { return !pinned_ranges_.empty(); }
   explicit operator bool() const { return data_ != nullptr; }
 
   /// The buffer as `count` elements of T starting `offset` elements in (bounds-checked).
@@ -73,6 +83,7 @@ class HostBuffer {
     std::swap(charged_, o.charged_);
     std::swap(fd_, o.fd_);
     std::swap(created_, o.created_);
+    std::swap(pinned_ranges_, o.pinned_ranges_);
   }
   void* data_ = nullptr;
   std::size_t size_ = 0;    // bytes asked for
@@ -81,6 +92,7 @@ class HostBuffer {
   bool pinned_ = false;
   int fd_ = -1;           // a shared buffer's memory file
   bool created_ = false;  // ... created by this process
+  std::vector<void*> pinned_ranges_;  // (pin_ranges: the starts of the ranges it registered)
 };
 
 /// An identity of this host, the same for every process on it and different on another machine
@@ -92,6 +104,11 @@ std::uint64_t host_identity();
 /// the cgroup's memory limit. The environment variable MEGATRAIN_HOST_MEMORY (bytes, or with a
 /// K/M/G/T suffix in powers of 1024) overrides it, for machines whose memory grows on demand.
 std::size_t available_host_memory();
+
+/// Whether [data, data + bytes) lies within one range that a HostBuffer page-locked (the whole
+/// buffer, or one of its pin_ranges): memory the copy engines read and write directly. Memory
+/// locked otherwise (cudaHostAlloc) is not known here: false.
+bool host_pages_locked(const void* data, std::size_t bytes);
 
 /// Gives the whole pages inside [data, data + bytes) back to the system (they read as zeros
 /// afterwards, and hold no memory until written again). For anonymous memory, e.g. a HostBuffer.

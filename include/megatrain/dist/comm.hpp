@@ -44,6 +44,8 @@ class HostComm {
   virtual void all_gather(std::span<bf16> data, std::span<const std::int64_t> bounds) = 0;
   /// In place: every rank's part of data sent to `root` (data whole there); the others' data unchanged.
   virtual void gather(std::span<float> data, std::span<const std::int64_t> bounds, int root) = 0;
+  /// The same for bf16 (a bf16 copy kept in parts, made whole on the process that exports it).
+  virtual void gather(std::span<bf16> data, std::span<const std::int64_t> bounds, int root) = 0;
   /// Whether sum_backend_memory can sum a backend's gradient buffers: a GPU's (`device`), or host
   /// memory (the CPU backend's) from the trainer's offload thread. Default: neither.
   virtual bool can_sum_backend_memory(bool device) const {

@@ -65,4 +65,32 @@ std::chrono::milliseconds collective_timeout(std::optional<double> option_second
 /// Blobs up to 1 MiB.
 std::vector<std::string> tcp_all_gather(const LaunchInfo& info, std::string_view blob, std::chrono::milliseconds timeout);
 
+/// What tells the other ranks that this process still lives: a TCP socket listening on a port of
+/// its own, which its kernel answers while the process lives and refuses once it has ended (killed
+/// or failed), without any thread of it running. Its address ("host:port": MASTER_ADDR on rank 0,
+/// else the address this host reaches MASTER_ADDR from, or 127.0.0.1 where there is none; it listens
+/// on every address) travels with the rendezvous, so that
+/// a rank whose collective stalls can name the ranks that are gone (absent_ranks). Moves, no copies.
+class Beacon {
+ public:
+  explicit Beacon(const LaunchInfo& info);
+  Beacon(Beacon&& o) noexcept : fd_(o.fd_), address_(std::move(o.address_)) { o.fd_ = -1; }
+  Beacon& operator=(Beacon&&) = delete;
+  Beacon(const Beacon&) = delete;
+  ~Beacon();
+  const std::string& address() const { return address_; }
+
+ private:
+  int fd_ = -1;
+  std::string address_;
+};
+
+/// The ranks of `beacons` (every rank's Beacon::address(), in rank order) other than `self` that
+/// are not there, as words for an error message: those whose process has ended ("rank 1 of 2:
+/// its process has ended (killed or failed)", its beacon refused) and those that do not answer
+/// within `wait` (their host unreachable or down); empty where every other rank answers (alive:
+/// then it is stuck or failed elsewhere). An empty or malformed address is skipped.
+std::string absent_ranks(const std::vector<std::string>& beacons, int self,
+                         std::chrono::milliseconds wait = std::chrono::milliseconds(1500));
+
 }  // namespace megatrain::dist

@@ -30,6 +30,7 @@ class MpiComm final : public HostComm {
   void all_gather(std::span<float> data, std::span<const std::int64_t> bounds) override;
   void all_gather(std::span<bf16> data, std::span<const std::int64_t> bounds) override;
   void gather(std::span<float> data, std::span<const std::int64_t> bounds, int root) override;
+  void gather(std::span<bf16> data, std::span<const std::int64_t> bounds, int root) override;
 
  private:
   int rank_ = 0, world_ = 1;

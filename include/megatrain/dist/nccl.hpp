@@ -35,6 +35,9 @@ class NcclComm {
 
   int rank() const { return rank_; }
   int world() const { return world_; }
+  /// The other ranks that are gone, in words (dist::absent_ranks over their beacons, which the
+  /// rendezvous exchanged); empty where every other rank's process still answers.
+  std::string absent() const { return absent_ranks(beacons_, rank_); }
 
   /// In place on `stream`: data[i] = the sum over the ranks of data[i] (fp32).
   void all_reduce_sum(float* data, std::size_t n, cudaStream_t stream);
@@ -49,6 +52,8 @@ class NcclComm {
   friend class NcclHostComm;
   void* comm_ = nullptr;  // ncclComm_t
   int rank_ = 0, world_ = 1;
+  Beacon beacon_;                     // (this process's, listening while it lives)
+  std::vector<std::string> beacons_;  // every rank's beacon address
 };
 
 /// dist::HostComm over NCCL, for processes on GPU machines without MPI: host buffers pass through
@@ -85,14 +90,19 @@ class NcclHostComm final : public HostComm {
   void all_gather(std::span<float> data, std::span<const std::int64_t> bounds) override;
   void all_gather(std::span<bf16> data, std::span<const std::int64_t> bounds) override;
   void gather(std::span<float> data, std::span<const std::int64_t> bounds, int root) override;
+  void gather(std::span<bf16> data, std::span<const std::int64_t> bounds, int root) override;
 
  private:
   void sum(void* data, std::size_t bytes, std::size_t elem, int type);
   // Root's bytes to every rank through the staging buffers; `keep`: this rank takes them.
   void broadcast(void* data, std::size_t bytes, int root, bool keep);
+  // Each rank's part of the elements of `elem` bytes at `data` (bounds in elements) sent to
+  // every rank (`root` negative) or to `root` alone.
+  void host_parts(void* data, std::size_t elem, std::size_t n, std::span<const std::int64_t> bounds, int root);
   void wait();  // for the stream, within the collective timeout
   void with_comm(const std::function<void(void*)>& call);  // call(communicator) under the lock; throws where it was aborted
   void abort_comm() noexcept;
+  std::string stopped() const;  // which other rank stopped, as far as their beacons tell
   void watch();  // the watchdog of the sums on the trainer's streams
   void watch_stream(cudaStream_t s);  // what was just enqueued on s, given to the watchdog
   // Each rank's part broadcast from it, in one group, on `stream` (a GPU's memory).

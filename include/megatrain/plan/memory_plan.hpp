@@ -87,9 +87,11 @@ inline StoreOptions store_options(const TrainerOptions& options, StoreOptions ba
   // (ZeRO-1 with the gradients waiting on the GPUs: only this process's part of each lands)
   if (opt.sharded() && opt.resident_gradients() && opt.gradient_home == GradientHome::device)
     base.grad_slot_size = GradSlotSize::largest_inner_part;
-  if (opt.shard_optimizer && opt.distributed())
+  if (opt.shard_optimizer && opt.distributed()) {
     base.shard = {opt.comm->rank(), opt.comm->world(), bf16_weights, {0},
                   opt.share_host_weights && bf16_weights ? opt.comm : nullptr};
+    base.shard.weights_in_parts = opt.weights_in_parts(bf16_weights);
+  }
   return base;
 }
 
@@ -487,6 +489,8 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   const StoreShard shard = store_options(opt, {}, std::is_same_v<typename B::Weight, bf16>).shard;
   hl.push_back({shard.shares_weights()
                     ? fmt::format("bf16 weights (what crosses PCIe; 1/{} of the copy this host's processes share)", shard.count)
+                : shard.keeps_weight_parts()
+                    ? fmt::format("bf16 weights (this process's 1/{}: what it uploads; the GPUs gather the rest)", shard.count)
                     : std::string("bf16 weights (what crosses PCIe)"),
                 store.compute_bytes});
   if (store.resident_grad_bytes > 0) hl.push_back({"gradients waiting for the norm (fp32)", store.resident_grad_bytes});

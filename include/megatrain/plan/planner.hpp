@@ -171,12 +171,13 @@ Suggestions suggest(const DecoderModel<Block>& model, const TrainerOptions& opti
 /// Host memory a model's state needs at the least, from its config alone: the fp32 master
 /// weights, AdamW's m and v and the bf16 copy, 14 bytes a parameter (HostParamStore's footprint
 /// adds alignment, gradients and rings to it); of one process of a store sharded over N (`shard`,
-/// ZeRO-1) 2 + 12 / N with its masters sharded (14 / N where the host's processes share the bf16
-/// copy), else 6 + 8 / N.
+/// ZeRO-1) 14 / N with its masters sharded where the host's processes share the bf16 copy or
+/// each holds its part of it (StoreShard::weights_in_parts), 2 + 12 / N where each holds a whole
+/// copy, else 6 + 8 / N.
 inline double min_state_bytes_per_param(const StoreShard& shard = {}) {
   if (shard.count <= 1) return 14;
   if (!shard.masters) return 6.0 + 8.0 / shard.count;
-  return (shard.shares_weights() ? 2.0 / shard.count : 2.0) + 12.0 / shard.count;
+  return (shard.shares_weights() || shard.keeps_weight_parts() ? 2.0 / shard.count : 2.0) + 12.0 / shard.count;
 }
 inline std::size_t min_state_bytes(const ModelConfig& cfg, const StoreShard& shard = {}) {
   return static_cast<std::size_t>(static_cast<double>(checked_mul(cfg.param_count(), 14, "the model's state in bytes")) *

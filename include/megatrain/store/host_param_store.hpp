@@ -61,7 +61,8 @@ enum class GradSlotSize {
 /// docs/distributed.md): each unit's elements are cut into `count` consecutive parts
 /// (HostParamStore::shard_bounds) and this process, `index`, keeps AdamW's m and v of its part
 /// only and steps only those elements; the bf16 copy stays whole (every process streams every
-/// unit) and is made whole again after each update (HostParamStore::gather_updated).
+/// unit) and is made whole again after each update (HostParamStore::gather_updated), unless it
+/// is kept in parts (`weights_in_parts`: the GPUs gather it as they stream it).
 struct StoreShard {
   int index = 0;
   int count = 1;
@@ -81,6 +82,14 @@ struct StoreShard {
   /// the same way (one copy of the embedding's fp32 table for the host, each process stepping its
   /// part of it in place). Null: each process keeps its own copies, made whole again by gathering.
   dist::HostComm* shared_weights = nullptr;
+  /// With `masters` and not shared: the bf16 copy held in this process's part of each unit only
+  /// (a trainer that uploads each process's part and gathers the whole on the GPUs:
+  /// TrainerOptions::gather_weights_on_device): 2 / count bytes a parameter instead of 2, the rest
+  /// of the copy holding no memory (and pinned only where it is held); gather_updated leaves it,
+  /// and HostParamStore::gather_weights brings it whole to one process for a reader (an export).
+  bool weights_in_parts = false;
+  /// Whether this process's bf16 copy is held in its part only (weights_in_parts, where it applies).
+  bool keeps_weight_parts() const { return weights_in_parts && masters && count > 1 && !shares_weights(); }
   /// Whether the bf16 copy is shared (shared_weights, with sharded masters over several processes).
   bool shares_weights() const { return shared_weights != nullptr && masters && count > 1; }
   /// Whether unit k's masters are kept whole and mapped by the processes together.
@@ -169,7 +178,7 @@ class HostParamStore {
     /// Bytes of this unit's slabs (of m and v its part only; of the masters what is kept; of a
     /// bf16 copy shared by the processes of a host its share).
     std::size_t bytes() const {
-      return static_cast<std::size_t>(master_kept_) * sizeof(T) + compute_bytes(numel(), sharers_) +
+      return static_cast<std::size_t>(master_kept_) * sizeof(T) + compute_held_ +
              static_cast<std::size_t>(owned_end_ - owned_begin_) * 2 * sizeof(T);
     }
     /// The elements [first, second) whose AdamW state this store keeps and steps (all of them
@@ -191,6 +200,12 @@ class HostParamStore {
     std::span<T> adam_m() const { return m_; }
     std::span<T> adam_v() const { return v_; }
     std::span<bf16> compute() const { return compute_; }
+    /// The elements [first, second) of compute() this process holds and keeps current: its part
+    /// where the copy is held in parts (StoreShard::weights_in_parts; the rest holds no memory and
+    /// reads as zeros, or as what gather_weights brought), else all of it.
+    std::pair<std::int64_t, std::int64_t> held_weights() const {
+      return weight_parts_ ? owned() : std::pair<std::int64_t, std::int64_t>{0, numel()};
+    }
     /// The unit's resident gradient slab (empty unless StoreOptions::resident_gradients).
     std::span<T> grad() const { return grad_; }
 
@@ -220,6 +235,8 @@ class HostParamStore {
     std::vector<std::pair<std::int64_t, std::int64_t>> whole_masters_, held_masters_;
     std::int64_t master_kept_ = 0;  // elements of master() this process keeps
     int sharers_ = 1;               // processes mapping the bf16 copy together
+    std::size_t compute_held_ = 0;  // bytes of the bf16 copy this process holds (its share, or its part)
+    bool weight_parts_ = false;     // the bf16 copy held in this process's part only
   };
 
   /// A process's bytes of a bf16 copy of `numel` elements mapped by `sharers` processes together.
@@ -272,6 +289,11 @@ class HostParamStore {
   bool masters_sharded() const { return sharded() && options_.shard.masters; }
   /// Whether the processes map one bf16 copy together (StoreShard::shared_weights).
   bool weights_shared() const { return options_.shard.shares_weights(); }
+  /// Whether this process's bf16 copy is kept current in its part only (StoreShard::weights_in_parts).
+  bool weights_in_parts() const { return options_.shard.keeps_weight_parts(); }
+  /// Whether the bf16 copy is whole and current on this process: not kept in parts, or the root of
+  /// a gather_weights with no update since.
+  bool weights_whole() const { return !weights_in_parts() || weights_whole_; }
 
   /// Computes the store's layout and byte counts without allocating; validates the specs.
   static StoreFootprint footprint(const std::vector<UnitSpec>& units, const StoreOptions& opt = {}) {
@@ -311,14 +333,15 @@ class HostParamStore {
         largest_inner = std::max(largest_inner, n);
         largest_inner_part = std::max(largest_inner_part, mine);
       }
-      f.unit_bytes.push_back(static_cast<std::size_t>(kept) * sizeof(T) + compute_bytes(n, sharers(opt.shard)) +
-                             static_cast<std::size_t>(mine) * 2 * sizeof(T));
+      const std::size_t copy = compute_held(n, lo, hi, opt.shard);
+      f.compute_bytes += copy;
+      f.unit_bytes.push_back(static_cast<std::size_t>(kept) * sizeof(T) + copy + static_cast<std::size_t>(mine) * 2 * sizeof(T));
     }
     const auto elems = static_cast<std::size_t>(f.slab_elements);
     f.master_bytes = static_cast<std::size_t>(masters) * sizeof(T);  // (sharded masters: what is kept)
     f.adam_bytes = 2 * static_cast<std::size_t>(owned) * sizeof(T);  // (a sharded store: its part)
-    // (shared by the processes of a host: this process's share of the pages they map)
-    f.compute_bytes = compute_bytes(f.slab_elements, sharers(opt.shard));
+    // (shared by the processes of a host: this process's share of the pages they map; in parts: its parts)
+    if (!opt.shard.keeps_weight_parts()) f.compute_bytes = compute_bytes(f.slab_elements, sharers(opt.shard));
     // With fewer than three units there is no inner unit: the slot then holds the largest one.
     f.grad_slot_numel = units.size() <= 2                                     ? f.largest_unit
                         : opt.grad_slot_size == GradSlotSize::largest_inner_unit ? largest_inner
@@ -349,8 +372,11 @@ class HostParamStore {
     master_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
     m_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
     v_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
+    // (held in parts: pinned where held, below, so that the rest can be given back)
     compute_buf_ = opt.shard.shares_weights() ? allocate_shared_host(elems * sizeof(bf16), "bf16 weights", opt.pinning)
-                                              : HostBuffer::allocate(elems * sizeof(bf16), opt.pinning);
+                                              : HostBuffer::allocate(elems * sizeof(bf16), opt.shard.keeps_weight_parts()
+                                                                                               ? Pinning::never
+                                                                                               : opt.pinning);
     // (the masters kept whole, mapped together: the units' slabs one after another)
     std::size_t shared_masters = 0;
     for (std::size_t ui = 0; ui < units.size(); ++ui)
@@ -385,6 +411,8 @@ class HostParamStore {
       u.master_kept_ = kept_master_elements(u.numel(), u.owned_begin_, u.owned_end_, opt.shard, u.whole_masters_,
                                             opt.shard.shares_masters_of(ui));
       u.sharers_ = sharers(opt.shard);
+      u.compute_held_ = compute_held(u.numel(), u.owned_begin_, u.owned_end_, opt.shard);
+      u.weight_parts_ = opt.shard.keeps_weight_parts();
       u.held_masters_ = {{0, u.numel()}};
       if (opt.shard.masters && opt.shard.count > 1) {  // (its part and the ranges kept whole, merged)
         auto r = u.whole_masters_;
@@ -404,6 +432,14 @@ class HostParamStore {
     for (std::size_t ui = 0; ui < units_.size(); ++ui)
       for (std::size_t pi = 0; pi < units_[ui].params().size(); ++pi)
         index_.emplace(units_[ui].params()[pi].spec.name, std::pair{ui, pi});
+    if (weights_in_parts() && opt.pinning == Pinning::automatic) {  // (the parts this process holds: DMA reads them)
+      std::vector<std::pair<std::size_t, std::size_t>> held;
+      for (const auto& u : units_)
+        held.emplace_back(static_cast<std::size_t>(reinterpret_cast<const std::byte*>(u.compute_.data() + u.owned_begin_) -
+                                                   static_cast<const std::byte*>(compute_buf_.data())),
+                          static_cast<std::size_t>(u.owned_end_ - u.owned_begin_) * sizeof(bf16));
+      (void)compute_buf_.pin_ranges(std::move(held));
+    }
     initialize(opt.seed);
     // (a shared bf16 copy: no process goes on, to load into it or read it, while another still
     // writes its initial values; loads then write the same bytes in every process)
@@ -461,17 +497,22 @@ class HostParamStore {
   /// update: not sharded, or the root of a gather_state since.
   bool state_whole() const { return !sharded() || whole_state_; }
   /// The trainer's update made the gathered state stale (a sharded store).
-  void state_updated() { whole_state_ = false; }
+  void state_updated() {
+    whole_state_ = false;
+    weights_whole_ = false;
+  }
 
   /// A sharded store: gives back the memory of the state outside this process's parts (what
   /// gather_state brought in), which then reads as zeros again.
   void release_unowned_state() {
     if (!sharded()) return;
     whole_state_ = false;
+    weights_whole_ = false;
     for (auto& u : units_) {
       release_outside(u.m_, {u.owned()});
       release_outside(u.v_, {u.owned()});
       release_unowned_masters(u);
+      release_unowned_weights(u);
     }
   }
 
@@ -530,11 +571,23 @@ class HostParamStore {
       // (masters mapped together: every process stepped its part in the same pages)
       if (whole_master_unit(units_[k]) && !options_.shard.shares_masters_of(k))
         comm.all_gather(units_[k].master_, shard_bounds(units_[k]));
-      if (!weights_shared()) comm.all_gather(units_[k].compute_, shard_bounds(units_[k]));
+      if (!weights_shared() && !weights_in_parts()) comm.all_gather(units_[k].compute_, shard_bounds(units_[k]));
     }
     // A shared bf16 copy (and masters): every process wrote its parts into the same pages as it
     // stepped; once each has come this far (after its update), they are whole for all of them.
     if (weights_shared()) barrier(comm);
+  }
+
+  /// A bf16 copy held in parts (weights_in_parts()) brought whole to process `root`, for a reader
+  /// of the whole copy (a bf16 export); every process calls it at the same point, with no update
+  /// in flight. That costs the root the memory of the whole copy until release_unowned_state()
+  /// (or the next update). Else nothing to do.
+  void gather_weights(dist::HostComm& comm, int root) {
+    if (!weights_in_parts()) return;
+    check_comm(comm, "gather_weights");
+    check_settled("gather_weights");
+    for (auto& u : units_) comm.gather(u.compute_, shard_bounds(u), root);
+    weights_whole_ = comm.rank() == root;
   }
 
   /// Rewrites a unit's bf16 copy from its master weights (after loading or editing masters). A
@@ -550,6 +603,8 @@ class HostParamStore {
       for (std::size_t i = 0; i < u.master_.size(); ++i) u.compute_[i] = bf16(static_cast<float>(u.master_[i]));
     }
     if (masters_sharded() && !whole_state_) release_unowned_masters(u);
+    release_unowned_weights(u);
+    weights_whole_ = false;
   }
 
   std::size_t num_units() const { return units_.size(); }
@@ -597,7 +652,7 @@ class HostParamStore {
   /// Whether the buffers the GPU copies from and into are page-locked (the gradient ring once
   /// it is allocated).
   bool pinned() const {
-    return compute_buf_.pinned() && (!ring_buf_ || ring_buf_.pinned()) && (!grad_buf_ || grad_buf_.pinned());
+    return (compute_buf_.pinned() || compute_buf_.pinned_in_ranges()) && (!ring_buf_ || ring_buf_.pinned()) && (!grad_buf_ || grad_buf_.pinned());
   }
   bool resident_gradients() const { return options_.resident_gradients; }
 
@@ -684,11 +739,12 @@ class HostParamStore {
     return u.whole_masters_.size() == 1 && u.whole_masters_[0] == std::pair<std::int64_t, std::int64_t>{0, u.numel()};
   }
   // The pages of `slab` outside the ranges `keep` given back.
-  static void release_outside(std::span<T> slab, std::vector<std::pair<std::int64_t, std::int64_t>> keep) {
+  template <class E>
+  static void release_outside(std::span<E> slab, std::vector<std::pair<std::int64_t, std::int64_t>> keep) {
     std::sort(keep.begin(), keep.end());
     std::int64_t at = 0;
     const auto release = [&](std::int64_t a, std::int64_t b) {
-      if (b > a) release_host_pages(slab.data() + a, static_cast<std::size_t>(b - a) * sizeof(T));
+      if (b > a) release_host_pages(slab.data() + a, static_cast<std::size_t>(b - a) * sizeof(E));
     };
     for (const auto& [a, b] : keep) {
       release(at, a);
@@ -700,9 +756,18 @@ class HostParamStore {
   void release_unowned_masters(const Unit& u) {
     if (masters_sharded()) release_outside(u.master_, u.held_masters_);
   }
+  // The pages of u's bf16 copy outside its part given back, where the copy is held in parts.
+  void release_unowned_weights(const Unit& u) {
+    if (weights_in_parts()) release_outside(u.compute_, {u.owned()});
+  }
+  // Bytes of a unit's bf16 copy (n elements, this process's part [lo, hi)) that a process holds.
+  static std::size_t compute_held(std::int64_t n, std::int64_t lo, std::int64_t hi, const StoreShard& s) {
+    return s.keeps_weight_parts() ? static_cast<std::size_t>(hi - lo) * sizeof(bf16) : compute_bytes(n, sharers(s));
+  }
 
   std::unique_ptr<std::atomic<bool>> in_flight_ = std::make_unique<std::atomic<bool>>(false);
   bool whole_state_ = false;  // (sharded: gather_state made this the root, no update since)
+  bool weights_whole_ = false;  // (weights_in_parts: the root of a gather_weights, no update since)
   StoreOptions options_;
   StoreFootprint footprint_;
   std::size_t host_budget_ = 0;

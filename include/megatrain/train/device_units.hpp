@@ -83,7 +83,8 @@ class DeviceUnits {
   /// on `e`; the caller synchronises.
   /// A sharded store: what this process holds of them (the moments of its part, the masters of its
   /// part and of the ranges kept whole; the rest of the device's copies is not read before the
-  /// first step gathers it).
+  /// first step gathers it; a bf16 copy held in parts: the weights of its part, whose rest the
+  /// caller gathers before they are read).
   void load(B& be, Exec& e, const typename HostParamStore<float>::Unit& unit, std::span<W> w) {
     auto& d = at(unit.index());
     held(unit, [&](std::int64_t a, std::int64_t b) { be.upload(e, in(unit.master(), a, b), part(d.master.span(), a, b)); },
@@ -91,9 +92,10 @@ class DeviceUnits {
            be.upload(e, in(unit.adam_m(), a, b), part(d.m.span(), 0, b - a));  // (the moments of [a, b) only)
            be.upload(e, in(unit.adam_v(), a, b), part(d.v.span(), 0, b - a));
          });
-    if constexpr (std::is_same_v<W, bf16>)
-      be.upload(e, std::span<const bf16>(unit.compute()), w);
-    else
+    if constexpr (std::is_same_v<W, bf16>) {  // (a copy held in parts: its part; the caller gathers the rest)
+      const auto [a, b] = unit.held_weights();
+      be.upload(e, in(unit.compute(), a, b), part(w, a, b));
+    } else
       be.upload(e, std::span<const float>(unit.master()), w);
   }
 
@@ -107,7 +109,10 @@ class DeviceUnits {
            be.download(e, in(d.m.span(), 0, b - a), part(unit.adam_m(), a, b));
            be.download(e, in(d.v.span(), 0, b - a), part(unit.adam_v(), a, b));
          });
-    if constexpr (std::is_same_v<W, bf16>) be.download(e, w, unit.compute());
+    if constexpr (std::is_same_v<W, bf16>) {
+      const auto [a, b] = unit.held_weights();
+      be.download(e, in(w, a, b), part(unit.compute(), a, b));
+    }
     e.synchronize();
     if constexpr (!std::is_same_v<W, bf16>) store.sync_compute(unit);
   }

@@ -234,6 +234,13 @@ class Trainer {
              "the store keeps part {} of {} of the optimizer state, but the trainer's options say {}: build the store "
              "with Trainer::store_options(options)", store_.shard().index, store_.shard().count,
              opt_.sharded() ? fmt::format("part {} of {}", opt_.comm->rank(), opt_.comm->world()) : std::string("all of it"));
+    MT_CHECK(store_.weights_in_parts() == weights_in_parts_,
+             "the store keeps {} but the trainer's options say {}: build the store with Trainer::store_options(options)",
+             store_.weights_in_parts() ? "this process's part of the bf16 weights current" : "the bf16 weights whole",
+             weights_in_parts_ ? "each process uploads its part (gather_weights_on_device)" : "they stream whole");
+    MT_CHECK(!weights_in_parts_ || opt_.comm->can_sum_backend_memory(B::kDevice),
+             "gather_weights_on_device: this communicator cannot gather GPU memory; use NCCL (dist::NcclHostComm), or "
+             "set gather_weights_on_device to false");
     MT_CHECK(!reduces_on_device_ || (std::is_same_v<Acc, float> && opt_.comm->can_sum_backend_memory(B::kDevice)),
              "data parallel over {} processes with the gradients waiting in {} memory (GradientHome::device): this "
              "communicator cannot sum that memory; use a communicator that can (NCCL on GPUs, MPI initialised for "
@@ -646,7 +653,15 @@ class Trainer {
   void load_device_units() {
     if (device_owns_ || devices_.count() == 0) return;
     MT_NVTX_RANGE("Trainer::load_device_units");
-    for (std::size_t u = 0; u < devices_.count(); ++u) devices_.load(be_, xfer_, store_.unit(u), weight_slot(u, 0));
+    for (std::size_t u = 0; u < devices_.count(); ++u) {
+      devices_.load(be_, xfer_, store_.unit(u), weight_slot(u, 0));
+      if constexpr (B::kDevice)
+        if (weights_in_parts_) {  // (the store holds this process's part of their bf16 weights: the rest from the others)
+          const auto& unit = store_.unit(u);
+          opt_.comm->all_gather_backend_memory(weight_slot(u, 0).first(static_cast<std::size_t>(unit.numel())),
+                                               store_.shard_bounds(unit), xfer_.stream());
+        }
+    }
     xfer_.synchronize();
     device_owns_ = true;
     publish_store_state();
@@ -795,13 +810,18 @@ class Trainer {
                        t.embed_rows_.span().first(rows.size() * d));
           timings.bytes += rows.size() * d * sizeof(float);
         }
-        if (!t.model_.head().op().tied()) return;
+          if (!t.uploads_weights(it)) return;
       }
-      timings.bytes += static_cast<std::size_t>(unit.numel()) * sizeof(W);
-      if constexpr (std::is_same_v<W, float>)
+      if constexpr (std::is_same_v<W, float>) {
+        timings.bytes += static_cast<std::size_t>(unit.numel()) * sizeof(W);
         t.be_.upload(exec, std::span<const float>(unit.master()), t.weight_slot(it.unit, s.out));
-      else
-        t.be_.upload(exec, std::span<const bf16>(unit.compute()), t.weight_slot(it.unit, s.out));
+      } else {
+        // (weights in parts: this process's part alone; the compute stage gathers the rest)
+        const auto [lo, hi] = t.weights_in_parts_ ? unit.owned() : std::pair<std::int64_t, std::int64_t>{0, unit.numel()};
+        const auto at = static_cast<std::size_t>(lo), n = static_cast<std::size_t>(hi - lo);
+        timings.bytes += n * sizeof(W);
+        t.be_.upload(exec, std::span<const bf16>(unit.compute()).subspan(at, n), t.weight_slot(it.unit, s.out).subspan(at, n));
+      }
       // The unit's full-precision parameters (norm gains) from its fp32 masters: once per step,
       // with the first micro-batch's forward (the rest of the step reads the same values; the
       // unit's last update came before, rule 4).
@@ -847,6 +867,14 @@ class Trainer {
       const State& st = *t.state_;
       Timed<Exec> timed(exec, t.opt_.profile ? &timings : nullptr);
       if (t.opt_.profile) timed_items.push_back({static_cast<int>(it.kind), it.unit});
+      // Weights in parts (TrainerOptions::gather_weights_on_device): the prefetch uploaded this
+      // process's part of the unit's weights; the other processes' parts come from their GPUs.
+      if constexpr (B::kDevice)
+        if (t.weights_in_parts_ && t.uploads_weights(it)) {
+          const auto& unit = t.store_.unit(it.unit);
+          t.opt_.comm->all_gather_backend_memory(t.weight_slot(it.unit, s.in).first(static_cast<std::size_t>(unit.numel())),
+                                                 t.store_.shard_bounds(unit), exec.stream());
+        }
       struct HostClock {  // the host's time to enqueue the item's work (a GPU span as long means launch-bound)
         StepStats::Profile::Item* item;
         std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
@@ -1382,6 +1410,16 @@ class Trainer {
     return ckpt_staging_[0].span();
   }
 
+  // Whether the prefetch uploads the unit's weights for this item (Prefetch::run): a streamed
+  // unit's, read by the item; the embedding's only where a tied head reads them (its lookup reads
+  // fp32 rows of the masters).
+  bool uploads_weights(const TrainItem& it) const {
+    if (devices_.holds(it.unit)) return false;
+    const bool reads = it.kind == Kind::forward || it.kind == Kind::head || it.kind == Kind::head_eval ||
+                       it.kind == Kind::refill || (it.kind == Kind::backward && it.unit != 0);
+    return reads && (it.unit != 0 || model_.head().op().tied());
+  }
+
   // A unit's weights on the device: a device unit's own, the embedding's or head's slot, or a
   // slot of the blocks' ring.
   std::span<W> weight_slot(std::size_t unit, std::size_t slot) {
@@ -1751,6 +1789,9 @@ class Trainer {
   // them as it is completed (a reduce-scatter where the optimizer is sharded: each process then
   // downloads and steps only its part).
   bool reduces_on_device_ = opt_.distributed() && opt_.resident_gradients() && opt_.gradient_home == GradientHome::device;
+  // Each process uploads its part of a unit's bf16 weights, and the GPUs gather the rest
+  // (TrainerOptions::gather_weights_on_device).
+  bool weights_in_parts_ = B::kDevice && opt_.weights_in_parts(std::is_same_v<W, bf16>);
   std::size_t device_bytes_ = 0;
   plan::MemoryPlan plan_;
 

@@ -122,7 +122,8 @@ struct TrainerOptions {
   /// are bf16 (GPUs) the fp32 masters of its part too, and steps only those elements; each step's
   /// gradients are reduce-scattered (each process gets the sum of its part), the norm summed from
   /// the parts, and after the update the weights each process streams gathered whole on every
-  /// process (HostParamStore::gather_updated). The update runs before the next step begins
+  /// process (HostParamStore::gather_updated; or as they stream, on the GPUs:
+  /// gather_weights_on_device). The update runs before the next step begins
   /// (overlap_update is off). A checkpoint or an export gathers the state first
   /// (HostParamStore::gather_state).
   bool shard_optimizer = false;
@@ -133,6 +134,21 @@ struct TrainerOptions {
   /// writing its part as it steps; the store refuses where a process runs on another host. The
   /// same bits as without. Ignored otherwise.
   bool share_host_weights = false;
+  /// With shard_optimizer and bf16 weights (GPUs) not shared (share_host_weights off, or processes
+  /// on several hosts): each process keeps its bf16 copy current in its own part of each unit
+  /// only, the prefetch uploads only that part, and the GPUs gather the rest from the other
+  /// processes (NCCL, on the compute stream, before the item that reads the unit's weights)
+  /// instead of the updated weights being gathered through host memory after each update: each
+  /// GPU uploads 1/world of the weights, and nothing waits for a gather between steps. The same
+  /// bits. Where the offload stage sums gradients (GradientHome::host with sum_during_backward),
+  /// and where false: gathered in host memory after the update (HostParamStore::gather_updated).
+  bool gather_weights_on_device = true;
+  /// Whether the weights are gathered on the device (see gather_weights_on_device), for a trainer
+  /// whose weights are bf16 or not.
+  bool weights_in_parts(bool bf16_weights) const {
+    return sharded() && bf16_weights && !share_host_weights && gather_weights_on_device &&
+           !(gradient_home == GradientHome::host && sum_during_backward);
+  }
   /// With `comm` and GradientHome::host: each unit's gradient is summed over the processes by the
   /// offload stage as it is made, in the backend's memory before it is downloaded (on GPUs through
   /// NCCL, beside the rest of the backward; dist::HostComm::can_sum_backend_memory), instead of in
