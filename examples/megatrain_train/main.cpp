@@ -1091,10 +1091,17 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
       }
       if (gathers_for_export) store.gather_state(*ranks.comm(), 0);  // (the masters brought to the first process)
       else if (trainer.options().sharded()) store.gather_weights(*ranks.comm(), 0);  // (a bf16 copy held in parts: whole on the first process)
-      if (lead) progress.note(export_model(step));
+      // (the others wait while the first reads the weights, a bf16 copy they map together included,
+      // and stop with it where it cannot write the export, instead of at their next collective)
+      const auto write_export = [&] { progress.note(export_model(step)); };
+      if (ranks.several())
+        io::agree_on(*ranks.comm(), lead, write_export, [&](const std::vector<int>&) {
+          return fmt::format("process 0 could not write the export to {} (its message says why); every process stops",
+                             s.export_dir);
+        });
+      else
+        write_export();
       store.release_unowned_state();
-      // (the others wait while the first reads the weights: a bf16 copy they map together included)
-      if (trainer.options().sharded()) ranks.barrier();
     }
   }
   const std::int64_t done = step - 1;
