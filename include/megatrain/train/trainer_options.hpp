@@ -135,8 +135,9 @@ struct TrainerOptions {
   /// same bits as without. Ignored otherwise.
   bool share_host_weights = false;
   /// With shard_optimizer and bf16 weights (GPUs) not shared (share_host_weights off, or processes
-  /// on several hosts): each process keeps its bf16 copy current in its own part of each unit
-  /// only, the prefetch uploads only that part, and the GPUs gather the rest from the other
+  /// on several hosts): each process holds its bf16 copy in its own part of each unit only
+  /// (StoreShard::weights_in_parts: 2 / world bytes a parameter), the prefetch uploads only that
+  /// part, and the GPUs gather the rest from the other
   /// processes (NCCL, on the compute stream, before the item that reads the unit's weights)
   /// instead of the updated weights being gathered through host memory after each update: each
   /// GPU uploads 1/world of the weights, and nothing waits for a gather between steps. The same
