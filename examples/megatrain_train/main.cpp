@@ -43,6 +43,7 @@
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/host_memory.hpp"
+#include "megatrain/core/log.hpp"
 #include "megatrain/data/token_dataset.hpp"
 #include "megatrain/dist/launch.hpp"
 #include "megatrain/io/detail/atomic_files.hpp"
@@ -1203,6 +1204,13 @@ int main(int argc, char** argv) {
     }
     ranks = Ranks::join(s.backend == "cuda" || (s.backend == "auto" && cuda_device_present()), s.rendezvous_timeout);
     if (!ranks.lead()) (void)!std::freopen("/dev/null", "w", stdout);
+    if (ranks.several()) {  // (a warning says which process it comes from, as an error does)
+      const std::string who = fmt::format("megatrain-train (process {} of {})", ranks.rank(), ranks.world());
+      megatrain::set_log_sink([who](megatrain::LogLevel level, std::string_view message) {
+        std::fprintf(stderr, "%s: %s: %.*s\n", who.c_str(), level == megatrain::LogLevel::warning ? "warning" : "info",
+                     static_cast<int>(message.size()), message.data());
+      });
+    }
     plan.given = recorded_options(p);
     return run(s, *p.app, std::move(plan), ranks);
   } catch (const megatrain::Error& e) {

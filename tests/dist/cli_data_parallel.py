@@ -119,6 +119,11 @@ if SCENARIO == "same_run":
         if len(m) != 4:
             fail(f"{name}: {len(m)} metrics lines for 4 steps (only the first process writes them)")
         same(m, one, 1e-5, f"{n} processes {' '.join(extra)} vs one")
+    # A warning says which process it comes from (pinning refused in every process: a test hook).
+    r = launch(2, SHAPE + ["--steps", "1", "--out", run_dir("warned")], env=dict(ENV, MEGATRAIN_TEST_FAIL_PIN="1"))
+    for rank in (0, 1):
+        if f"megatrain-train (process {rank} of 2): warning: pinning" not in r.stderr:
+            fail(f"process {rank}'s warning does not name it:\n{r.stderr}")
 elif SCENARIO == "other_n":
     export = ["--export-dtype", "f32"]
     launch(1, SHAPE + ["--steps", "4", "--save-every", "2", "--out", run_dir("one"), "--export", run_dir("one_hf")] + export)
