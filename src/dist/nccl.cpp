@@ -72,6 +72,12 @@ void copy_bytes(void* dst, const void* src, std::size_t n) {
     std::memcpy(static_cast<char*>(dst) + o, static_cast<const char*>(src) + o, std::min(kPiece, n - o));
   });
 }
+// Bounds in elements of `elem` bytes, as bounds in bytes.
+std::vector<std::int64_t> in_bytes(std::span<const std::int64_t> bounds, std::size_t elem) {
+  std::vector<std::int64_t> b(bounds.begin(), bounds.end());
+  for (auto& x : b) x *= static_cast<std::int64_t>(elem);
+  return b;
+}
 }  // namespace
 
 NcclHostComm::NcclHostComm(const LaunchInfo& info, int device, std::chrono::milliseconds timeout,
@@ -138,8 +144,7 @@ void NcclHostComm::each_part(void* data, std::size_t elem, std::size_t n, std::s
                              const char* what, const PartOp& op) {
   MT_CHECK(stream != nullptr, "NcclHostComm::{} works on a GPU's memory (host memory: the collectives of host memory)", what);
   const std::span<std::byte> all(static_cast<std::byte*>(data), n * elem);
-  std::vector<std::int64_t> b(bounds.begin(), bounds.end());
-  for (auto& x : b) x *= static_cast<std::int64_t>(elem);  // (in bytes)
+  const std::vector<std::int64_t> b = in_bytes(bounds, elem);
   for (int r = 0; r < world(); ++r) (void)shard_part(all, b, world(), r);  // (checks the bounds)
   const auto s = static_cast<cudaStream_t>(stream);
   with_comm([&](void* c) {
@@ -281,9 +286,10 @@ void NcclHostComm::broadcast(void* data, std::size_t bytes, int root, bool keep)
   MT_CUDA_CHECK(cudaSetDevice(device_));
   auto* p = static_cast<char*>(data);
   if (host_pages_locked(data, bytes)) {
-    // Memory a HostBuffer page-locked (a store's bf16 weights, or this process's part of them): copied by DMA straight to and from the GPU, the
-    // pieces one after another on the stream with no host copy and no wait between them (a 14B
-    // model's weights, gathered after each update, took 2 s a step through the staging).
+    // Memory a HostBuffer page-locked (a store's bf16 weights, or this process's part of them):
+    // copied by DMA straight to and from the GPU, the pieces one after another on the stream with
+    // no host copy and no wait between them (a 14B model's weights, gathered after each update,
+    // took 2 s a step through the staging).
     for (std::size_t o = 0; o < bytes; o += kStagingBytes) {
       const std::size_t n = std::min(kStagingBytes, bytes - o);
       if (rank() == root) MT_CUDA_CHECK(cudaMemcpyAsync(staging_, p + o, n, cudaMemcpyHostToDevice, stream_));
@@ -318,8 +324,7 @@ void NcclHostComm::reduce_scatter_sum(std::span<float> data, std::span<const std
 
 void NcclHostComm::host_parts(void* data, std::size_t elem, std::size_t n, std::span<const std::int64_t> bounds, int root) {
   const std::span<std::byte> all(static_cast<std::byte*>(data), n * elem);
-  std::vector<std::int64_t> b(bounds.begin(), bounds.end());
-  for (auto& x : b) x *= static_cast<std::int64_t>(elem);  // (in bytes)
+  const std::vector<std::int64_t> b = in_bytes(bounds, elem);
   MT_CHECK(root < world(), "gather to rank {} of {}", root, world());
   for (int r = 0; r < world(); ++r) {
     const auto p = shard_part(all, b, world(), r);

@@ -655,12 +655,8 @@ class Trainer {
     MT_NVTX_RANGE("Trainer::load_device_units");
     for (std::size_t u = 0; u < devices_.count(); ++u) {
       devices_.load(be_, xfer_, store_.unit(u), weight_slot(u, 0));
-      if constexpr (B::kDevice)
-        if (weights_in_parts_) {  // (the store holds this process's part of their bf16 weights: the rest from the others)
-          const auto& unit = store_.unit(u);
-          opt_.comm->all_gather_backend_memory(weight_slot(u, 0).first(static_cast<std::size_t>(unit.numel())),
-                                               store_.shard_bounds(unit), xfer_.stream());
-        }
+      if constexpr (B::kDevice)  // (the store holds this process's part of their bf16 weights: the rest from the others)
+        if (weights_in_parts_) gather_weights(u, 0, xfer_.stream());
     }
     xfer_.synchronize();
     device_owns_ = true;
@@ -810,7 +806,7 @@ class Trainer {
                        t.embed_rows_.span().first(rows.size() * d));
           timings.bytes += rows.size() * d * sizeof(float);
         }
-          if (!t.uploads_weights(it)) return;
+        if (!t.uploads_weights(it)) return;
       }
       if constexpr (std::is_same_v<W, float>) {
         timings.bytes += static_cast<std::size_t>(unit.numel()) * sizeof(W);
@@ -870,11 +866,7 @@ class Trainer {
       // Weights in parts (TrainerOptions::gather_weights_on_device): the prefetch uploaded this
       // process's part of the unit's weights; the other processes' parts come from their GPUs.
       if constexpr (B::kDevice)
-        if (t.weights_in_parts_ && t.uploads_weights(it)) {
-          const auto& unit = t.store_.unit(it.unit);
-          t.opt_.comm->all_gather_backend_memory(t.weight_slot(it.unit, s.in).first(static_cast<std::size_t>(unit.numel())),
-                                                 t.store_.shard_bounds(unit), exec.stream());
-        }
+        if (t.weights_in_parts_ && t.uploads_weights(it)) t.gather_weights(it.unit, s.in, exec.stream());
       struct HostClock {  // the host's time to enqueue the item's work (a GPU span as long means launch-bound)
         StepStats::Profile::Item* item;
         std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
@@ -1070,10 +1062,9 @@ class Trainer {
           if (t.opt_.sharded()) {  // (each process stepped its part: the others' parts of its weights and masters)
             void* stream = nullptr;
             if constexpr (B::kDevice) stream = exec.stream();
-            const auto n = static_cast<std::size_t>(unit.numel());
-            const auto bounds = t.store_.shard_bounds(unit);
-            t.opt_.comm->all_gather_backend_memory(t.weight_slot(it.unit, 0).first(n), bounds, stream);
-            t.opt_.comm->all_gather_backend_memory(t.devices_.master_data(it.unit).first(n), bounds, stream);
+            t.gather_weights(it.unit, 0, stream);
+            t.opt_.comm->all_gather_backend_memory(t.devices_.master_data(it.unit).first(static_cast<std::size_t>(unit.numel())),
+                                                   t.store_.shard_bounds(unit), stream);
           }
           break;
         }
@@ -1418,6 +1409,14 @@ class Trainer {
     const bool reads = it.kind == Kind::forward || it.kind == Kind::head || it.kind == Kind::head_eval ||
                        it.kind == Kind::refill || (it.kind == Kind::backward && it.unit != 0);
     return reads && (it.unit != 0 || model_.head().op().tied());
+  }
+
+  // Every process's part of unit u's weights in `slot` (its weight_slot) gathered from them, in
+  // backend memory, ordered on `stream` (null: the CPU backend's host memory).
+  void gather_weights(std::size_t u, std::size_t slot, void* stream) {
+    const auto& unit = store_.unit(u);
+    opt_.comm->all_gather_backend_memory(weight_slot(u, slot).first(static_cast<std::size_t>(unit.numel())),
+                                         store_.shard_bounds(unit), stream);
   }
 
   // A unit's weights on the device: a device unit's own, the embedding's or head's slot, or a
