@@ -410,6 +410,7 @@ TEST_CASE("checkpoints every k blocks: the same bits as every unit's, in every m
         if (l.what.find("activation checkpoints on the GPU") != std::string::npos) ckpt_lines = l.bytes;
       capped.memory_limit = p.device_total() - ckpt_lines + 2 * p.buffers.checkpoint_bytes() * 34 / 32;
       const auto pc = plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(capped), {std::size_t{1} << 34, "t"});
+      CAPTURE(pc.refusal);
       REQUIRE(pc.fits);
       CHECK(pc.buffers.checkpoints_in_host() == (pc.buffers.checkpoints > 2 ? pc.buffers.checkpoints : 0));
       std::size_t spilled = 0;
@@ -430,8 +431,14 @@ static_assert(plan::keeps_activations<plan::CudaTypes, DecoderBlock>);
 
 TEST_CASE("kept activations: the same bits as recomputing, in every mode, as planned") {
   // A block that keeps its activations runs no forward product again in the backward; what it
-  // recomputes (norms, SwiGLU's product) is the same function of the same bits.
-  for (const LayoutCase& c : layout_cases()) {
+  // recomputes (norms, SwiGLU's product) is the same function of the same bits. (With exact
+  // clipping they lie over the gradients of the blocks below: device units' too.)
+  auto cases = layout_cases();
+  cases.push_back({"exact clipping, device units (3), 5 blocks", 5, [](TrainerOptions& o) {
+                     o.clip_norm = 0.5;
+                     o.device_units = 3;
+                   }});
+  for (const LayoutCase& c : cases) {
     CAPTURE(c.name);
     const ModelConfig cfg = small(false, c.layers);
     TrainerOptions base = opts(2, 21);
@@ -471,7 +478,8 @@ TEST_CASE("kept activations: the plan trades them against device units by the pr
     if (l.what.find("activations kept for the backward (6 of 6 blocks") != std::string::npos) kept_line = l.bytes;
   std::size_t sum = 0;
   for (std::size_t n : p6.buffers.kept_bytes) sum += n;
-  CHECK(kept_line == sum);
+  CHECK(kept_line == sum);  // (no gradient waits for the norm: none to lie over)
+  CHECK(p6.buffers.kept_over_gradients == 0);
   CHECK(kept_line > 0);
   // Keeping removes the recompute: fewer executed FLOPs, the same model FLOPs, and on a machine
   // where this tiny step is GPU-bound (a slow GPU), a shorter step.
@@ -520,6 +528,67 @@ TEST_CASE("kept activations: the plan trades them against device units by the pr
   REQUIRE(pg.fits);
   CHECK(pg.buffers.kept_blocks > 0);
   CHECK(pg.buffers.device_units < mid.num_units());
+}
+
+TEST_CASE("kept activations lie over the waiting gradients of the blocks below them, and cost only the rest") {
+  // Exact clipping: every block's gradient waits on the device for the norm. Block j's kept
+  // activations live from its forward to its backward; block b's gradient from its backward to
+  // its update, before its next forward. They may share memory only where b < j.
+  const ModelConfig cfg = small(false, 6);
+  DecoderModel<> model(cfg);
+  CpuBackend<float> probe;
+  const plan::HostBudget lots{std::size_t{1} << 34, "test"};
+  TrainerOptions o = opts(1, 13);  // (a block's activations: about a third of its gradient)
+  o.clip_norm = 1.0;
+  o.kept_blocks = 6;
+  const auto p = plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(probe), lots);
+  REQUIRE(p.fits);
+  const plan::TrainerBuffers& b = p.buffers;
+  REQUIRE(b.kept_blocks == 6);
+  CHECK(b.kept_over_gradients == 5);  // (block 1 has no gradient below it)
+  std::size_t kept_line = 0, grad_line = 0, extra = 0;
+  for (const auto& l : p.device) {
+    if (l.what.rfind("activations kept for the backward", 0) == 0) kept_line = l.bytes;
+    if (l.what.rfind("block gradients", 0) == 0) grad_line = l.bytes;
+  }
+  CHECK(grad_line == b.pool_grad_bytes);
+  CHECK(kept_line == b.pool_bytes - b.pool_grad_bytes);
+  for (std::size_t j = 1; j <= 6; ++j) {
+    CAPTURE(j);
+    const std::size_t lo = b.kept_at[j], hi = lo + b.kept_bytes[j];
+    CHECK(lo % 256 == 0);
+    CHECK(hi <= b.pool_bytes);
+    if (lo < b.pool_grad_bytes) CHECK(hi <= b.acc_at[j]);  // over gradients of blocks below j only
+    else extra += b.kept_bytes[j];
+    for (std::size_t k = j + 1; k <= 6; ++k)  // no two blocks' activations overlap
+      CHECK((hi <= b.kept_at[k] || b.kept_at[k] + b.kept_bytes[k] <= lo));
+    CHECK(b.acc_at[j] + b.block_acc[j] * b.sizes.acc <= b.pool_grad_bytes);
+  }
+  CHECK(kept_line >= extra);
+  CHECK(kept_line < extra + 256 * 6);
+  // With two passes a step the gradients add up across both: nothing lies over them.
+  TrainerOptions two = o;
+  two.batch_rows = 2;
+  two.micro_batches = 2;
+  const auto p2 = plan::plan_memory<CpuBackend<float>>(model, two, plan::device_budget(probe), lots);
+  REQUIRE(p2.fits);
+  CHECK(p2.buffers.kept_over_gradients == 0);
+  std::size_t sum = 0;
+  for (std::size_t n : p2.buffers.kept_bytes) sum += (n + 255) / 256 * 256;
+  CHECK(p2.buffers.kept_extra_bytes() == sum);
+  // A cap that holds the gradients and two blocks' activations beside them: every block keeps
+  // its activations, where without sharing two would.
+  TrainerOptions none = o;
+  none.kept_blocks = 0;
+  const auto p0 = plan::plan_memory<CpuBackend<float>>(model, none, plan::device_budget(probe), lots);
+  CpuBackend<float> capped;
+  capped.memory_limit = p0.device_total() + 2 * p2.buffers.kept_bytes[6] + p2.buffers.kept_bytes[6] / 2;
+  const auto pc = plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(capped), lots);
+  CHECK(pc.fits);
+  // and the trainer allocates what the plan says, and steps the same bits as recomputing
+  CpuBackend<float> be, ref_be;
+  check_plan_is_allocation(cfg, o, be);
+  CHECK(train(cfg, o, be, 4, nullptr, nullptr, true) == train(cfg, none, ref_be, 4, nullptr, nullptr, true));
 }
 
 TEST_CASE("the plan keeps checkpoints every k blocks only where every unit's do not fit") {

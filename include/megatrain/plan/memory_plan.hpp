@@ -165,6 +165,14 @@ struct TrainerBuffers {
   std::size_t recompute_buffers = 0;    ///< k - 1 device buffers for the outputs between checkpoints
   std::size_t kept_blocks = 0;           ///< the last N blocks keep their activations (no recompute)
   std::vector<std::size_t> kept_bytes;  ///< by unit: bytes of a kept block's activations for a micro-batch (0: none)
+  /// One backend buffer (the pool) holds the blocks' own gradient accumulators (block_acc) and the
+  /// kept activations, at these byte offsets by unit (lay_out_pool()). Where the gradients wait on
+  /// the device for one pass a step, a kept block's activations lie over the gradients of blocks
+  /// below it: those are updated before its forward and made again only after its backward.
+  std::vector<std::size_t> acc_at, kept_at;
+  std::size_t pool_grad_bytes = 0;      ///< the pool's first part: the accumulators, each 256-byte aligned
+  std::size_t pool_bytes = 0;           ///< the whole pool: the kept activations not lying over gradients after them
+  std::size_t kept_over_gradients = 0;  ///< kept blocks whose activations lie over waiting gradients
   std::size_t device_units = 0;
   std::vector<std::size_t> device_unit_bytes;  ///< by unit, for each device unit: state, own weights and accumulator
   // host memory (pinned where a GPU is present)
@@ -182,6 +190,44 @@ struct TrainerBuffers {
   std::size_t checkpoint_bytes() const { return act * sizes.res; }
   /// Whether unit u is a block that keeps its activations from forward to backward.
   bool keeps(std::size_t u) const { return u >= 1 && u <= blocks && u + kept_blocks > blocks; }
+  /// Bytes of kept activations beyond the gradients (what keeping costs).
+  std::size_t kept_extra_bytes() const { return pool_bytes - pool_grad_bytes; }
+
+  /// Lays out the pool: the accumulators in unit order, then each kept block's activations, in
+  /// unit order, over the accumulators of the blocks below it where `over_gradients` and they end
+  /// before its own accumulator, else after the accumulators. Why that is safe, for gradients
+  /// waiting on the device (exact clipping) with one pass a step: block b's gradient is live from
+  /// its backward until its update, which comes before its next forward (the prefetch of its
+  /// weights waits for the update; a device unit's update precedes it on the compute stream);
+  /// kept block j's activations are live from its forward to its backward. For b < j the
+  /// gradient's update precedes j's forward (b's forward comes first), and it is made again at
+  /// b's backward, after j's. With several passes a step a gradient adds up over all of them.
+  void lay_out_pool(bool over_gradients) {
+    constexpr std::size_t A = 256;
+    const auto up = [](std::size_t n) { return (n + A - 1) / A * A; };
+    acc_at.assign(units, 0);
+    kept_at.assign(units, 0);
+    std::size_t at = 0;
+    for (std::size_t u = 0; u < units; ++u) {
+      acc_at[u] = at;
+      at += up(block_acc[u] * sizes.acc);
+    }
+    pool_grad_bytes = at;
+    std::size_t low = 0;
+    kept_over_gradients = 0;
+    for (std::size_t u = 1; u <= blocks; ++u) {
+      if (!keeps(u)) continue;
+      if (over_gradients && low + kept_bytes[u] <= acc_at[u]) {
+        kept_at[u] = low;
+        low += up(kept_bytes[u]);
+        ++kept_over_gradients;
+      } else {
+        kept_at[u] = at;
+        at += up(kept_bytes[u]);
+      }
+    }
+    pool_bytes = at;
+  }
 };
 
 /// Whether a block op can keep its activations on a backend of element types B (KeepingLayerOp).
@@ -346,8 +392,8 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
 
   const auto& sz = b.sizes;
   std::vector<MemoryLine>& dev = plan.device;
-  std::size_t block_accs = b.grad_slots * b.block_slot + b.grad_whole;
-  for (std::size_t n : b.block_acc) block_accs += n;
+  b.lay_out_pool(grads_on_device && opt.micro_batches == 1);
+  const std::size_t block_accs_bytes = (b.grad_slots * b.block_slot + b.grad_whole) * sz.acc + b.pool_grad_bytes;
   std::size_t gains = 0;
   for (std::size_t n : b.gains) gains += n * sizeof(float);
   dev.push_back({fmt::format("block weights ({} slots)", b.weight_slots), b.weight_slots * b.block_slot * sz.weight});
@@ -355,7 +401,7 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
                  : parts ? fmt::format("block gradients (this process's 1/{} of each, waiting for the norm; one whole as it "
                                        "is made)", opt.comm->world())
                          : std::string("block gradients (waiting for the norm)"),
-                 block_accs * sz.acc});
+                 block_accs_bytes});
   if (gains > 0) dev.push_back({"norm gains (fp32)", gains});
   dev.push_back({"embedding and head weights", (b.embed_slot + b.head_slot) * sz.weight});
   dev.push_back({"embedding and head gradients", (b.embed_acc + b.head_acc + b.rows_acc) * sz.acc + (b.touched + b.compact_ids) * 4});
@@ -418,12 +464,16 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
 
   // 3. kept activations
   if (b.kept_blocks > 0) {
-    std::size_t need = 0;
-    for (std::size_t n : b.kept_bytes) need += n;
+    const std::size_t need = b.kept_extra_bytes();
     // (chosen by the plan: beside the same reserve as the checkpoints, for the libraries' own)
     const auto avail = left();
     const bool chosen = options.kept_blocks == TrainerOptions::kAutoKeptBlocks;
-    dev.push_back({fmt::format("activations kept for the backward ({} of {} blocks: no recompute)", b.kept_blocks, L), need});
+    dev.push_back({fmt::format("activations kept for the backward ({} of {} blocks: no recompute{})", b.kept_blocks, L,
+                               b.kept_over_gradients == 0
+                                   ? std::string()
+                                   : fmt::format("; {} of them over the gradients of blocks below, updated by then",
+                                                 b.kept_over_gradients)),
+                   need});
     if (device.cap && plan.fits && (need > *avail || (chosen && need > *avail - detail::checkpoint_reserve(*avail))))
       refuse(fmt::format("the activations of {} blocks kept for the backward need {} of GPU memory, more than is left beside "
                          "the step's other buffers; keep fewer (megatrain-train --keep-activations N, or auto)",

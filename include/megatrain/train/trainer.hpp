@@ -930,7 +930,7 @@ class Trainer {
             const RouterStats router = t.router_of(it.unit, it.micro, it.piece == 0, false);  // (a step's: recorded)
             if (it.piece == 0 && t.plan_.buffers.keeps(it.unit)) {  // its activations stay for the backward
               if constexpr (plan::keeps_activations<B, Block>) {
-                Arena kept(t.kept_[it.unit].span());
+                Arena kept(t.kept_[it.unit]);
                 for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
                   tmpl.op().forward_keep(t.be_, block_chunk(r0, n_rows, router), w, View<const Res>(rows_of(in, r0, n_rows)),
                                          rows_of(out, r0, n_rows), kept, t.arena_);
@@ -1036,7 +1036,7 @@ class Trainer {
             const RouterStats router = t.router_of(it.unit, it.micro, false, true);  // (the auxiliary loss's gradient)
             if (t.plan_.buffers.keeps(it.unit)) {  // from the activations its forward kept
               if constexpr (plan::keeps_activations<B, Block>) {
-                Arena kept(t.kept_[it.unit].span());
+                Arena kept(t.kept_[it.unit]);
                 for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
                   tmpl.op().backward_kept(t.be_, block_chunk(r0, n_rows, router), w, View<const Res>(rows_of(x, r0, n_rows)),
                                           View<const Res>(rows_of(t.dbuf_[dy].span(), r0, n_rows)),
@@ -1258,8 +1258,15 @@ class Trainer {
     const plan::TrainerBuffers& b = plan_.buffers;
     const std::size_t L = model_.num_blocks();
     for (std::size_t k = 0; k < b.weight_slots; ++k) weight_ring_.push_back(alloc<W>(b.block_slot));
-    block_acc_.resize(L + 2);
-    for (std::size_t u = 0; u < b.block_acc.size(); ++u) block_acc_[u] = alloc<Acc>(b.block_acc[u]);
+    // The blocks' own accumulators and the kept activations: one buffer, laid out by the plan
+    // (plan::TrainerBuffers::lay_out_pool: kept activations may lie over gradients already used).
+    pool_ = alloc<std::byte>(b.pool_bytes);
+    block_acc_.assign(L + 2, {});
+    kept_.assign(L + 2, {});
+    for (std::size_t u = 0; u < b.block_acc.size(); ++u)
+      if (b.block_acc[u] > 0) block_acc_[u] = pool_as<Acc>(b.acc_at[u], b.block_acc[u]);
+    for (std::size_t u = 1; u <= L; ++u)
+      if (b.keeps(u)) kept_[u] = pool_as<std::byte>(b.kept_at[u], b.kept_bytes[u]);
     grad_whole_ = alloc<Acc>(b.grad_whole);  // (blocks keeping their part of the sum: where a whole one is made)
     for (std::size_t k = 0; k < b.grad_slots; ++k) grad_ring_.push_back(alloc<Acc>(b.block_slot));
     if constexpr (kSplitGains)
@@ -1310,10 +1317,6 @@ class Trainer {
     spilled_ = b.checkpoints_in_host();
     if (spilled_ > 0)
       for (int k = 0; k < 2; ++k) ckpt_staging_.push_back(alloc<Res>(b.act));
-    // Kept activations: the last blocks' (plan::TrainerBuffers::keeps)
-    kept_.resize(L + 2);
-    for (std::size_t u = 1; u <= L; ++u)
-      if (b.keeps(u)) kept_[u] = alloc<std::byte>(b.kept_bytes[u]);
     // Host: ids, labels, compact ids and touched rows (int32), then per-token losses; pinned with a GPU
     const std::size_t batch_tokens = b.batch_tokens;
     host_io_ = HostBuffer::allocate(batch_tokens * (4 * sizeof(std::int32_t) + sizeof(Acc)));
@@ -1348,6 +1351,11 @@ class Trainer {
   Buf<E> alloc(std::size_t n) {
     return n == 0 ? Buf<E>() : be_.template alloc<E>(n);
   }
+  // n elements of the pool from byte `at` (256-byte aligned by the plan).
+  template <class E>
+  std::span<E> pool_as(std::size_t at, std::size_t n) {
+    return {reinterpret_cast<E*>(pool_.span().data() + at), n};
+  }
   // The embedding's fp32 rows for the lookup, on the device and in (pinned) host memory, and the
   // compact ids where no streamed gradient has them already.
   void alloc_embed_rows() {
@@ -1372,7 +1380,7 @@ class Trainer {
     for (std::size_t u = 1; u < count && u != model_.head_unit(); ++u) {
       const auto n = static_cast<std::size_t>(store_.unit(u).numel());
       dev_weights_[u] = alloc<W>(n);
-      if (block_acc_[u].size() == 0) block_acc_[u] = alloc<Acc>(n);
+      if (block_acc_[u].empty()) block_acc_[u] = (device_acc_.emplace_back(alloc<Acc>(n))).span();
     }
     if (embed_acc_.size() == 0) embed_acc_ = alloc<Acc>(static_cast<std::size_t>(store_.unit(0).numel()));
   }
@@ -1454,7 +1462,7 @@ class Trainer {
     if (unit == 0) return embed_acc_.span();
     if (unit == model_.head_unit()) return head_acc_.span();
     // (gradients waiting on the device, or a device block: its own, which may be an empty part)
-    if (grads_on_device() || block_acc_[unit].size() > 0) return block_acc_[unit].span();
+    if (grads_on_device() || !block_acc_[unit].empty()) return block_acc_[unit];
     return grad_ring_[slot].span().first(static_cast<std::size_t>(model_.block(unit - 1).layout().numel()));
   }
   // Whether unit u is a block whose accumulator holds only this process's part of its summed
@@ -1802,7 +1810,9 @@ class Trainer {
   bool device_owns_ = false;   // the backend holds the device units' state (loaded from the store)
   bool device_newer_ = false;  // ... and has changed it since: the store's copies are stale
   std::vector<Buf<W>> dev_weights_;  // a device block's own weights
-  std::vector<Buf<Acc>> block_acc_;  // a block's own gradient accumulator (gradients waiting on the device; device blocks)
+  Buf<std::byte> pool_;              // the blocks' accumulators and the kept activations (plan::TrainerBuffers::lay_out_pool)
+  std::vector<std::span<Acc>> block_acc_;  // a block's own gradient accumulator (gradients waiting on the device; device blocks)
+  std::vector<Buf<Acc>> device_acc_;  // ... a device block's own where the others have none
   Buf<Acc> grad_whole_;              // a block's whole gradient, made before its part of the sum is kept (keeps_gradient_parts)
   std::vector<Buf<W>> weight_ring_;
   std::vector<Buf<Acc>> grad_ring_;
@@ -1813,7 +1823,7 @@ class Trainer {
   std::vector<HostBuffer> ckpt_host_mem_;
   std::vector<Buf<Res>> ckpt_staging_;  // two device buffers for spilled checkpoints
   std::vector<Buf<Res>> recompute_;     // a checkpoint every k >= 2 blocks: the k - 1 outputs between
-  std::vector<Buf<std::byte>> kept_;    // kept_[u]: a block's activations from its forward to its backward (plan::TrainerBuffers::keeps)
+  std::vector<std::span<std::byte>> kept_;  // kept_[u]: a block's activations from its forward to its backward (in pool_)
   std::size_t spilled_ = 0;
   std::vector<Buf<Res>> dbuf_;  // gradients w.r.t. activations, ping-pong
   Buf<std::byte> scratch_mem_;
