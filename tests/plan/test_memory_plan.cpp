@@ -551,7 +551,12 @@ TEST_CASE("kept activations lie over the waiting gradients of the blocks below t
     if (l.what.rfind("activations kept for the backward", 0) == 0) kept_line = l.bytes;
     if (l.what.rfind("block gradients", 0) == 0) grad_line = l.bytes;
   }
-  CHECK(grad_line == b.pool_grad_bytes);
+  // (an untied embedding's gradient is the pool's first part: made by the backward's last item)
+  CHECK(b.embed_acc_in_pool);
+  CHECK(b.acc_at[0] == 0);
+  CHECK(b.pool_embed_bytes() >= b.embed_acc * b.sizes.acc);
+  CHECK(b.acc_at[1] == b.pool_embed_bytes());
+  CHECK(grad_line == b.pool_grad_bytes - b.pool_embed_bytes());
   CHECK(kept_line == b.pool_bytes - b.pool_grad_bytes);
   for (std::size_t j = 1; j <= 6; ++j) {
     CAPTURE(j);
@@ -589,6 +594,16 @@ TEST_CASE("kept activations lie over the waiting gradients of the blocks below t
   CpuBackend<float> be, ref_be;
   check_plan_is_allocation(cfg, o, be);
   CHECK(train(cfg, o, be, 4, nullptr, nullptr, true) == train(cfg, none, ref_be, 4, nullptr, nullptr, true));
+  // A tied head adds to the embedding's gradient at the backward's start: it has its own buffer.
+  const ModelConfig tied = small(true, 6);
+  DecoderModel<> tied_model(tied);
+  const auto pt = plan::plan_memory<CpuBackend<float>>(tied_model, o, plan::device_budget(probe), lots);
+  REQUIRE(pt.fits);
+  CHECK_FALSE(pt.buffers.embed_acc_in_pool);
+  CHECK(pt.buffers.kept_over_gradients >= 4);
+  CpuBackend<float> tbe, tref_be;
+  check_plan_is_allocation(tied, o, tbe);
+  CHECK(train(tied, o, tbe, 4, nullptr, nullptr, true) == train(tied, none, tref_be, 4, nullptr, nullptr, true));
 }
 
 TEST_CASE("the plan keeps checkpoints every k blocks only where every unit's do not fit") {

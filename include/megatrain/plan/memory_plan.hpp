@@ -173,6 +173,9 @@ struct TrainerBuffers {
   std::size_t pool_grad_bytes = 0;      ///< the pool's first part: the accumulators, each 256-byte aligned
   std::size_t pool_bytes = 0;           ///< the whole pool: the kept activations not lying over gradients after them
   std::size_t kept_over_gradients = 0;  ///< kept blocks whose activations lie over waiting gradients
+  /// The embedding's gradient (embed_acc) is the pool's first part, below every block's: an
+  /// untied model's, made by the backward's last item and updated before the next forward's first.
+  bool embed_acc_in_pool = false;
   std::size_t device_units = 0;
   std::vector<std::size_t> device_unit_bytes;  ///< by unit, for each device unit: state, own weights and accumulator
   // host memory (pinned where a GPU is present)
@@ -192,6 +195,8 @@ struct TrainerBuffers {
   bool keeps(std::size_t u) const { return u >= 1 && u <= blocks && u + kept_blocks > blocks; }
   /// Bytes of kept activations beyond the gradients (what keeping costs).
   std::size_t kept_extra_bytes() const { return pool_bytes - pool_grad_bytes; }
+  /// Bytes of the pool the embedding's gradient takes (0: it has its own buffer, or none).
+  std::size_t pool_embed_bytes() const { return embed_acc_in_pool ? acc_at[1] - acc_at[0] : 0; }
 
   /// Lays out the pool: the accumulators in unit order, then each kept block's activations, in
   /// unit order, over the accumulators of the blocks below it where `over_gradients` and they end
@@ -210,7 +215,7 @@ struct TrainerBuffers {
     std::size_t at = 0;
     for (std::size_t u = 0; u < units; ++u) {
       acc_at[u] = at;
-      at += up(block_acc[u] * sizes.acc);
+      at += up((u == 0 && embed_acc_in_pool ? embed_acc : block_acc[u]) * sizes.acc);
     }
     pool_grad_bytes = at;
     std::size_t low = 0;
@@ -392,8 +397,11 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
 
   const auto& sz = b.sizes;
   std::vector<MemoryLine>& dev = plan.device;
-  b.lay_out_pool(grads_on_device && opt.micro_batches == 1);
-  const std::size_t block_accs_bytes = (b.grad_slots * b.block_slot + b.grad_whole) * sz.acc + b.pool_grad_bytes;
+  const bool over_gradients = grads_on_device && opt.micro_batches == 1;
+  b.embed_acc_in_pool = over_gradients && b.kept_blocks > 0 && !tied && b.embed_acc > 0;
+  b.lay_out_pool(over_gradients);
+  const std::size_t block_accs_bytes =
+      (b.grad_slots * b.block_slot + b.grad_whole) * sz.acc + b.pool_grad_bytes - b.pool_embed_bytes();
   std::size_t gains = 0;
   for (std::size_t n : b.gains) gains += n * sizeof(float);
   dev.push_back({fmt::format("block weights ({} slots)", b.weight_slots), b.weight_slots * b.block_slot * sz.weight});
@@ -404,7 +412,8 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
                  block_accs_bytes});
   if (gains > 0) dev.push_back({"norm gains (fp32)", gains});
   dev.push_back({"embedding and head weights", (b.embed_slot + b.head_slot) * sz.weight});
-  dev.push_back({"embedding and head gradients", (b.embed_acc + b.head_acc + b.rows_acc) * sz.acc + (b.touched + b.compact_ids) * 4});
+  dev.push_back({"embedding and head gradients", (b.embed_acc_in_pool ? b.pool_embed_bytes() : b.embed_acc * sz.acc) +
+                                                     (b.head_acc + b.rows_acc) * sz.acc + (b.touched + b.compact_ids) * 4});
   dev.push_back({"activation gradients (2 x a micro-batch)", 2 * b.act * sz.res});
   dev.push_back({fmt::format("scratch of a chunk ({} x {} tokens{})", b.chunk_rows, opt.seq_len,
                              b.token_block > 0 && b.token_block < chunk.tokens() ? fmt::format(", blocks of {}", b.token_block) : ""),

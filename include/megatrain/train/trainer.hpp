@@ -964,11 +964,11 @@ class Trainer {
           const auto x = t.ckpt_out(L);
           if (it.kind == Kind::head) {  // (accumulators that add up micro-batches: at the first)
             if (t.fresh(it, it.unit)) t.be_.zero(exec, t.head_acc_.span());
-            if (t.model_.head().op().tied() && t.fresh(it, 0)) t.be_.zero(exec, t.embed_acc_.span());
+            if (t.model_.head().op().tied() && t.fresh(it, 0)) t.be_.zero(exec, t.embed_acc_);
           }
           // (untied: the head's own lm_head; the embedding's gradient buffer is not bound)
           const auto g = t.model_.head().op().tied()
-                             ? tmpl.bind(t.head_acc_.span(), {{&t.model_.embedding().layout(), t.embed_acc_.span()}})
+                             ? tmpl.bind(t.head_acc_.span(), {{&t.model_.embedding().layout(), t.embed_acc_}})
                              : tmpl.bind(t.head_acc_.span());
           for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
             const ChunkShape c{n_rows, seq};
@@ -1017,8 +1017,8 @@ class Trainer {
               g.table = t.touched_grad();
               if (!tied) t.be_.zero(exec, g.table.span());
             } else {
-              if (!tied && t.fresh(it, 0)) t.be_.zero(exec, t.embed_acc_.span());
-              g = t.model_.embedding().bind(t.embed_acc_.span());
+              if (!tied && t.fresh(it, 0)) t.be_.zero(exec, t.embed_acc_);
+              g = t.model_.embedding().bind(t.embed_acc_);
             }
             // (the padding row, if any: by its index among the touched rows where ids are compact)
             const std::int32_t skip = t.streamed_unit(0) ? t.compact_padding_ : t.model_.embedding().op().padding_id();
@@ -1273,7 +1273,13 @@ class Trainer {
       for (std::size_t u = 0; u < b.units; ++u) gains_.push_back(alloc<full_t<W>>(b.gains[u]));
     embed_slot_ = alloc<W>(b.embed_slot);
     head_slot_ = alloc<W>(b.head_slot);
-    embed_acc_ = alloc<Acc>(b.embed_acc);  // resident gradients, or a tied head's share (streamed)
+    // resident gradients (in the pool where plan::TrainerBuffers::embed_acc_in_pool), or a tied head's share (streamed)
+    if (b.embed_acc_in_pool) {
+      embed_acc_ = pool_as<Acc>(b.acc_at[0], b.embed_acc);
+    } else {
+      embed_acc_mem_ = alloc<Acc>(b.embed_acc);
+      embed_acc_ = embed_acc_mem_.span();
+    }
     rows_acc_ = alloc<Acc>(b.rows_acc);    // streamed: the touched rows' compact gradient, their list, the compact ids
     touched_dev_ = alloc<std::int32_t>(b.touched);
     compact_ids_dev_ = alloc<std::int32_t>(b.compact_ids);
@@ -1382,7 +1388,10 @@ class Trainer {
       dev_weights_[u] = alloc<W>(n);
       if (block_acc_[u].empty()) block_acc_[u] = (device_acc_.emplace_back(alloc<Acc>(n))).span();
     }
-    if (embed_acc_.size() == 0) embed_acc_ = alloc<Acc>(static_cast<std::size_t>(store_.unit(0).numel()));
+    if (embed_acc_.empty()) {
+      embed_acc_mem_ = alloc<Acc>(static_cast<std::size_t>(store_.unit(0).numel()));
+      embed_acc_ = embed_acc_mem_.span();
+    }
   }
 
   // Unit u's output during the forward: its device checkpoint, or (spilled) a staging buffer
@@ -1459,7 +1468,7 @@ class Trainer {
   // A unit's gradient accumulator: its own, or a slot of the blocks' ring; where blocks keep only
   // their part of the sum (plan::keeps_gradient_parts) a block's is that part.
   std::span<Acc> grad_acc(std::size_t unit, std::size_t slot) {
-    if (unit == 0) return embed_acc_.span();
+    if (unit == 0) return embed_acc_;
     if (unit == model_.head_unit()) return head_acc_.span();
     // (gradients waiting on the device, or a device block: its own, which may be an empty part)
     if (grads_on_device() || !block_acc_[unit].empty()) return block_acc_[unit];
@@ -1595,7 +1604,7 @@ class Trainer {
   std::span<const std::int32_t> touched() const {
     return std::span<const std::int32_t>(touched_host_).first(static_cast<std::size_t>(touched_count_));
   }
-  View<Acc> embed_table_grad() { return View<Acc>(embed_acc_.span(), Shape{vocab(), hidden()}); }
+  View<Acc> embed_table_grad() { return View<Acc>(embed_acc_, Shape{vocab(), hidden()}); }
   View<Acc> touched_grad() {
     return View<Acc>(rows_acc_.span().first(static_cast<std::size_t>(touched_count_ * hidden())), Shape{touched_count_, hidden()});
   }
@@ -1620,7 +1629,7 @@ class Trainer {
     } else if (it.kind == Kind::embed_rest) {  // table rows [r0, r1)
       const auto r0 = static_cast<std::size_t>(it.piece) * R, r1 = std::min(static_cast<std::size_t>(vocab()), r0 + R);
       p.where.offset = r0 * d;
-      if (model_.head().op().tied()) p.device = std::span<const Acc>(embed_acc_.span()).subspan(r0 * d, (r1 - r0) * d);
+      if (model_.head().op().tied()) p.device = std::span<const Acc>(embed_acc_).subspan(r0 * d, (r1 - r0) * d);
     } else if (it.unit == 0) {  // touched rows [i0, i1) of the compact buffer
       const auto i0 = static_cast<std::size_t>(it.kind == Kind::grad_piece ? it.piece : 0) * R;
       const auto i1 = std::min(static_cast<std::size_t>(touched_count_), i0 + R);
@@ -1817,7 +1826,8 @@ class Trainer {
   std::vector<Buf<W>> weight_ring_;
   std::vector<Buf<Acc>> grad_ring_;
   Buf<W> embed_slot_, head_slot_;
-  Buf<Acc> embed_acc_, head_acc_;
+  std::span<Acc> embed_acc_;  // the embedding's gradient: embed_acc_mem_, or in pool_
+  Buf<Acc> embed_acc_mem_, head_acc_;
   std::vector<Buf<Res>> ckpt_;          // ckpt_[u]: output of unit u (input of unit u+1), when on the device
   std::vector<std::span<Res>> ckpt_host_;  // ... or in host memory (spilled)
   std::vector<HostBuffer> ckpt_host_mem_;
