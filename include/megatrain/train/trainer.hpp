@@ -777,7 +777,10 @@ class Trainer {
     UnitAccess unit_access() const { return UnitAccess::reads; }
     bool applies(const TrainItem& it) const {
       // The embedding's dedicated slot still holds this step's weights when its backward comes;
-      // device units' weights stay on the device.
+      // device units' weights stay on the device. Every host unit's forward passes here, even
+      // where it uploads nothing (an untied embedding): rule 4 then holds the unit's forward
+      // until its update, i.e. until its waiting gradient has been downloaded, which is what lets
+      // kept activations lie over the gradients of the units below them (lay_out_pool).
       if (this->owner->devices_.holds(it.unit)) return false;
       return it.kind == Kind::forward || it.kind == Kind::head || it.kind == Kind::head_eval || it.kind == Kind::refill ||
              (it.kind == Kind::backward && it.unit != 0);

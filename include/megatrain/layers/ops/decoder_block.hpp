@@ -248,7 +248,7 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
                          g.attn.o, g.attn.o_bias);
     });
     // h = x + attention(n1): through the attention, then the projections and the norm, into dx
-    attn_.attend_backward(be, c, a.attn, w.attn.sinks, g.attn.sinks);
+    attn_.attend_backward(be, c, a.attn, w.attn, g.attn.sinks);
     c.for_each_block([&](std::int64_t t0, std::int64_t n) {
       const auto n1 = token_rows(a.n1, 0, n), dn = token_rows(a.dn, 0, n), rstd1 = token_rows(a.rstd1, 0, n);
       const auto xs = token_rows(x, t0, n);

@@ -117,17 +117,23 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     View<typename B::Act> q_pre, k_pre;
     View<typename B::Acc> rstd_q, rstd_k;
     View<typename B::Act> dq_pre, dk_pre;
+    /// Kept with q/k norms: q and k are not kept but made again from q_pre and k_pre by
+    /// attend_backward() (the same element-wise kernels on the same bits).
+    bool remake_qk = false;
   };
-  /// `kept`: where the activations backprop() reads (q, k, v, att, lse) are kept from forward to
-  /// backward (CarvedOp); none: the scratch arena.
+  /// `kept`: where the activations backprop() reads (q, k, v, att, lse; with q/k norms q_pre,
+  /// k_pre and their rstd instead of q and k) are kept from forward to backward (CarvedOp); none:
+  /// the scratch arena.
   template <class B>
   Acts<B> carve(Arena& ar, ChunkShape c, bool with_backward, Arena* kept = nullptr) const {
     using A = typename B::Act;
     const std::int64_t M = c.tokens(), qd = cfg_.q_dim(), kd = cfg_.kv_dim();
     Arena& k = kept ? *kept : ar;
     Acts<B> a;
-    a.q = k.alloc<A>({M, qd});
-    a.k = k.alloc<A>({M, kd});
+    a.remake_qk = kept && cfg_.qk_norm();
+    Arena& qk = a.remake_qk ? ar : k;
+    a.q = qk.alloc<A>({M, qd});
+    a.k = qk.alloc<A>({M, kd});
     a.v = k.alloc<A>({M, kd});
     a.att = k.alloc<A>({M, qd});
     a.lse = k.alloc<typename B::Acc>({c.rows, cfg_.num_attention_heads, c.seq});
@@ -174,7 +180,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
                 const Acts<B>& a, View<const typename B::Act> dy, View<typename B::Act> dx,
                 const Weights<typename B::Acc>& g) const {
     be.linear_backward(cview(a.att), w.o, dy, a.datt, false, g.o, g.o_bias);
-    attend_backward(be, c, a, w.sinks, g.sinks);
+    attend_backward(be, c, a, w, g.sinks);
     project_backward(be, w, x, a, 0, dx, g);
   }
 
@@ -213,12 +219,22 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     be.attention(cview(a.q), cview(a.k), cview(a.v), a.att, a.lse, shape(c), sinks);
   }
   /// From a.datt (the gradient of a.att): a.dq, a.dk, a.dv, the rotations undone; the sinks'
-  /// gradient added to dsinks (where the family has sinks).
+  /// gradient added to dsinks (where the family has sinks). (a.remake_qk: q and k made again
+  /// first, from the kept q_pre and k_pre, as project() and attend() made them.)
   template <class B>
-  void attend_backward(B& be, ChunkShape c, const Acts<B>& a, View<const typename B::Acc> sinks,
+  void attend_backward(B& be, ChunkShape c, const Acts<B>& a, const Weights<const typename B::Weight>& w,
                        View<typename B::Acc> dsinks) const {
+    if (a.remake_qk) {
+      be.head_rmsnorm(cview(heads(a.q_pre)), w.q_norm, cfg_.rms_norm_eps, heads(a.q), a.rstd_q, norm_offset_);
+      be.head_rmsnorm(cview(heads(a.k_pre)), w.k_norm, cfg_.rms_norm_eps, heads(a.k), a.rstd_k, norm_offset_);
+      if (rotary_) {
+        const auto f = freqs(c);
+        be.rope(a.q, cfg_.num_attention_heads, c.seq, f, c.packed.positions, rope_scale_);
+        be.rope(a.k, cfg_.num_key_value_heads, c.seq, f, c.packed.positions, rope_scale_);
+      }
+    }
     be.attention_backward(cview(a.q), cview(a.k), cview(a.v), cview(a.att), cview(a.lse), cview(a.datt), a.dq, a.dk,
-                          a.dv, shape(c), sinks, dsinks);
+                          a.dv, shape(c), w.sinks, dsinks);
     if (!rotary_) return;
     const auto f = freqs(c);
     be.rope_backward(a.dq, cfg_.num_attention_heads, c.seq, f, c.packed.positions, rope_scale_);
