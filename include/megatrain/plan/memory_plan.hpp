@@ -37,6 +37,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "megatrain/backend/arena.hpp"
 #include "megatrain/backend/backend.hpp"
 #include "megatrain/core/dtype.hpp"
 #include "megatrain/core/error.hpp"
@@ -170,7 +171,7 @@ struct TrainerBuffers {
   /// the device for one pass a step, a kept block's activations lie over the gradients of blocks
   /// below it: those are updated before its forward and made again only after its backward.
   std::vector<std::size_t> acc_at, kept_at;
-  std::size_t pool_grad_bytes = 0;      ///< the pool's first part: the accumulators, each 256-byte aligned
+  std::size_t pool_grad_bytes = 0;      ///< the pool's first part: the accumulators, each Arena-aligned (256 bytes)
   std::size_t pool_bytes = 0;           ///< the whole pool: the kept activations not lying over gradients after them
   std::size_t kept_over_gradients = 0;  ///< kept blocks whose activations lie over waiting gradients
   /// The embedding's gradient (embed_acc) is the pool's first part, below every block's: an
@@ -208,7 +209,8 @@ struct TrainerBuffers {
   /// gradient's update precedes j's forward (b's forward comes first), and it is made again at
   /// b's backward, after j's. With several passes a step a gradient adds up over all of them.
   void lay_out_pool(bool over_gradients) {
-    constexpr std::size_t A = 256;
+    // (each part starts where an arena over it carves as the arena alone would)
+    constexpr std::size_t A = Arena::kAlignBytes;
     const auto up = [](std::size_t n) { return (n + A - 1) / A * A; };
     acc_at.assign(units, 0);
     kept_at.assign(units, 0);
