@@ -1387,8 +1387,11 @@ struct AdamWOp {
   float* m;
   float* v;
   const float* g;
-  bf* w;
-  __device__ void one(i64 i) const { stf(w + i, adamw_one(s, p[i], m[i], v[i], g[i])); }
+  bf* w;  // (null: no bf16 copy, the caller makes it from p where needed)
+  __device__ void one(i64 i) const {
+    const float pi = adamw_one(s, p[i], m[i], v[i], g[i]);
+    if (w != nullptr) stf(w + i, pi);
+  }
   __device__ void vec8(i64 i) const {
     float out[8];
 #pragma unroll
@@ -1404,7 +1407,7 @@ struct AdamWOp {
       *reinterpret_cast<float4*>(m + i + 4 * h) = mm;
       *reinterpret_cast<float4*>(v + i + 4 * h) = vv;
     }
-    st16(w + i, pack8(out));
+    if (w != nullptr) st16(w + i, pack8(out));
   }
 };
 

@@ -75,9 +75,11 @@ std::vector<StepStats> train(B& be, int steps, std::size_t* spilled = nullptr, b
   }
   if (device_units) *device_units = trainer.device_units();
   trainer.finish_update();
-  if (weights)
-    for (const auto& u : store.units())
+  if (weights)  // (the state, and the bf16 copy: a device block's is made from its masters when saved)
+    for (const auto& u : store.units()) {
       for (auto sl : {u.master(), u.adam_m(), u.adam_v()}) weights->insert(weights->end(), sl.begin(), sl.end());
+      for (const bf16 x : u.compute()) weights->push_back(static_cast<float>(x));
+    }
   return out;
 }
 

@@ -281,14 +281,13 @@ namespace detail {
 inline std::size_t checkpoint_reserve(std::size_t avail) { return avail / 32; }
 inline std::size_t units_reserve(std::size_t avail) { return std::max<std::size_t>(std::size_t{1} << 30, avail / 32); }
 /// Device unit u's backend bytes: fp32 master, m and v (of this process's part where the optimizer
-/// is sharded over `shards` processes); a block's own weights; an accumulator of its own where it
-/// would otherwise share a ring or land in pieces.
+/// is sharded over `shards` processes); an accumulator of its own where it would otherwise share a
+/// ring or land in pieces (a block's weights are made in the ring's slots from its masters).
 inline std::size_t device_unit_bytes(const TrainerBuffers& b, std::size_t u, std::size_t numel, bool grads_on_device,
                                      int shards = 1) {
   const auto cut = HostParamStore<float>::shard_bounds(static_cast<std::int64_t>(numel), shards);
   std::size_t n = (numel + 2 * static_cast<std::size_t>(cut[1] - cut[0])) * sizeof(float);  // (part 0: the largest)
   const bool block = u != 0 && u + 1 != b.units;
-  if (block) n += numel * b.sizes.weight;
   if (block && !grads_on_device) n += numel * b.sizes.acc;
   if (u == 0 && b.embed_acc == 0) n += numel * b.sizes.acc;
   return n;

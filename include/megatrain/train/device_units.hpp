@@ -2,10 +2,12 @@
 //
 // The store is the model's home, but a GPU often has room to spare once the streaming trainer
 // has what it needs: there the first units in forward order (TrainerOptions::device_units) keep
-// their fp32 master weights and moments, and the weights the ops read, so that they are updated
-// where their gradient already is (Backend::adamw): nothing of theirs crosses PCIe in a step,
-// and the host's cores have fewer parameters to step. The update is the host optimizer's
-// formula; on the CPU and CUDA backends it is bit for bit the same.
+// their fp32 master weights and moments, so that they are updated where their gradient already
+// is (Backend::adamw): nothing of theirs crosses PCIe in a step, and the host's cores have fewer
+// parameters to step. The update is the host optimizer's formula; on the CPU and CUDA backends it
+// is bit for bit the same. The weights the ops read are the embedding's and the head's own slots
+// (which the update writes); a block keeps none (12 bytes a parameter, not 14): the trainer makes
+// them from its masters, in a slot of the weights' ring, for each item that reads them.
 //
 // Who holds the newer state is explicit: after load() the backend does, and the store's copies
 // of these units are stale until save() writes them back (Trainer::finish_update does both).
@@ -20,6 +22,7 @@
 
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/nvtx.hpp"
+#include "megatrain/core/tensor.hpp"
 #include "megatrain/optim/adamw.hpp"
 #include "megatrain/store/host_param_store.hpp"
 
@@ -58,7 +61,7 @@ class DeviceUnits {
 
   /// One AdamW step of unit u (enqueued on the backend's compute stream): `g` is the part
   /// unit.owned() of its gradient in backend memory (all of it unless the store is sharded), laid
-  /// out like that part of its slabs; `w` receives the weights the ops read. Tensors
+  /// out like that part of its slabs; `w` receives the weights the ops read (empty: none). Tensors
   /// whose spec says weight_decay = false get none, as on the host; the gaps are left alone. Only
   /// the elements of unit.owned() (a sharded store: this process's part; the caller then gathers
   /// the others' parts of the weights and masters).
@@ -74,13 +77,13 @@ class DeviceUnits {
       if (b <= a) continue;
       const auto o = static_cast<std::size_t>(a), n = static_cast<std::size_t>(b - a), om = static_cast<std::size_t>(a - lo);
       be.adamw(p.spec.weight_decay ? with_wd : no_wd, d.master.span().subspan(o, n), d.m.span().subspan(om, n),
-               d.v.span().subspan(om, n), g.subspan(om, n), w.subspan(o, n));
+               d.v.span().subspan(om, n), g.subspan(om, n), w.empty() ? w : w.subspan(o, n));
     }
   }
 
   /// Copies unit u's master weights and moments from the store into backend memory, and its
-  /// weights into `w` (the bf16 compute copy, or the masters where the ops read fp32). Enqueued
-  /// on `e`; the caller synchronises.
+  /// weights into `w` (the bf16 compute copy, or the masters where the ops read fp32; empty:
+  /// none). Enqueued on `e`; the caller synchronises.
   /// A sharded store: what this process holds of them (the moments of its part, the masters of its
   /// part and of the ranges kept whole; the rest of the device's copies is not read before the
   /// first step gathers it; a bf16 copy held in parts: the weights of its part, whose rest the
@@ -92,6 +95,7 @@ class DeviceUnits {
            be.upload(e, in(unit.adam_m(), a, b), part(d.m.span(), 0, b - a));  // (the moments of [a, b) only)
            be.upload(e, in(unit.adam_v(), a, b), part(d.v.span(), 0, b - a));
          });
+    if (w.empty()) return;
     if constexpr (std::is_same_v<W, bf16>) {  // (a copy held in parts: its part; the caller gathers the rest)
       const auto [a, b] = unit.held_weights();
       be.upload(e, in(unit.compute(), a, b), part(w, a, b));
@@ -100,8 +104,10 @@ class DeviceUnits {
   }
 
   /// Copies unit u's state from backend memory into the store (the bf16 copy too), and waits
-  /// for the copies.
-  void save(B& be, Exec& e, HostParamStore<float>& store, std::size_t u, std::span<const W> w) {
+  /// for the copies. `w`: the weights the update wrote; empty for a block, whose bf16 copy is
+  /// made from its masters (whole in backend memory) in `scratch` (as many elements) on the
+  /// backend's compute stream, which must be idle.
+  void save(B& be, Exec& e, HostParamStore<float>& store, std::size_t u, std::span<const W> w, std::span<W> scratch) {
     auto& d = at(u);
     const auto& unit = store.unit(u);
     held(unit, [&](std::int64_t a, std::int64_t b) { be.download(e, in(d.master.span(), a, b), part(unit.master(), a, b)); },
@@ -111,7 +117,16 @@ class DeviceUnits {
          });
     if constexpr (std::is_same_v<W, bf16>) {
       const auto [a, b] = unit.held_weights();
-      be.download(e, in(w, a, b), part(unit.compute(), a, b));
+      if (w.empty()) {
+        MT_CHECK(scratch.size() >= static_cast<std::size_t>(b - a), "device unit {}: a scratch of {} elements for {}", u,
+                 scratch.size(), b - a);
+        const auto n = b - a;
+        be.convert(View<const typename B::Res>(in(d.master.span(), a, b), Shape{n}), View<typename B::Act>(part(scratch, 0, n), Shape{n}));
+        be.synchronize();
+        be.download(e, in(scratch, 0, n), part(unit.compute(), a, b));
+      } else {
+        be.download(e, in(w, a, b), part(unit.compute(), a, b));
+      }
     }
     e.synchronize();
     if constexpr (!std::is_same_v<W, bf16>) store.sync_compute(unit);

@@ -33,10 +33,13 @@
 // GradientHome::host every gradient lands in the store's resident slabs during the backward.
 //
 // Device units (TrainerOptions::device_units, train/device_units.hpp): the first units in
-// forward order may keep their AdamW state and weights in backend memory. They are never
-// prefetched, their gradients never land on the host, and their update is an `optimize` item of
-// the compute stage (Backend::adamw, the host optimizer's formula and bits): right after the item
-// that completes the gradient when it streams, in the AdamW pass otherwise. The store's copies of
+// forward order may keep their AdamW state in backend memory. Nothing of theirs is uploaded, their
+// gradients never land on the host, and their update is an `optimize` item of the compute stage
+// (Backend::adamw, the host optimizer's formula and bits): right after the item that completes
+// the gradient when it streams, in the AdamW pass otherwise. A device block keeps no weights of
+// its own: each item that reads them takes a slot of the weights' ring (as a host block's
+// prefetch does) and the compute stage rounds the masters into it first (bf16 weights; fp32
+// weights are the masters themselves), the same bits as the update's copy. The store's copies of
 // them are stale while the backend holds the newer state; finish_update() writes them back (the
 // store then holds the whole train state and is its owner again, until the next step() or
 // evaluate() loads the device units from it).
@@ -654,9 +657,17 @@ class Trainer {
     if (device_owns_ || devices_.count() == 0) return;
     MT_NVTX_RANGE("Trainer::load_device_units");
     for (std::size_t u = 0; u < devices_.count(); ++u) {
-      devices_.load(be_, xfer_, store_.unit(u), weight_slot(u, 0));
-      if constexpr (B::kDevice)  // (the store holds this process's part of their bf16 weights: the rest from the others)
-        if (weights_in_parts_) gather_weights(u, 0, xfer_.stream());
+      const auto& unit = store_.unit(u);
+      devices_.load(be_, xfer_, unit, device_weights(u));
+      void* stream = nullptr;
+      if constexpr (B::kDevice) stream = xfer_.stream();
+      // (the store holds this process's part of their bf16 weights: the rest from the others)
+      if (weights_in_parts_ && !device_weights(u).empty()) gather_weights(u, 0, stream);
+      // A block's weights are made from its masters: the others' parts of them, where each process
+      // holds its own (the first update would bring them otherwise).
+      if (device_weights(u).empty() && store_.masters_sharded())
+        opt_.comm->all_gather_backend_memory(devices_.master_data(u).first(static_cast<std::size_t>(unit.numel())),
+                                             store_.shard_bounds(unit), stream);
     }
     xfer_.synchronize();
     device_owns_ = true;
@@ -668,7 +679,7 @@ class Trainer {
     const auto gate = update_gate_.load();
     for (std::size_t u = 0; u < devices_.count(); ++u) {
       if (gate) (*gate)(u);
-      devices_.save(be_, xfer_, store_, u, std::span<const W>(weight_slot(u, 0)));
+      devices_.save(be_, xfer_, store_, u, std::span<const W>(device_weights(u)), weight_ring_[0].span());
     }
   }
 
@@ -780,8 +791,9 @@ class Trainer {
       // device units' weights stay on the device. Every host unit's forward passes here, even
       // where it uploads nothing (an untied embedding): rule 4 then holds the unit's forward
       // until its update, i.e. until its waiting gradient has been downloaded, which is what lets
-      // kept activations lie over the gradients of the units below them (lay_out_pool).
-      if (this->owner->devices_.holds(it.unit)) return false;
+      // kept activations lie over the gradients of the units below them (lay_out_pool). A device
+      // block's items that read its weights take a slot here, which the compute stage fills.
+      if (this->owner->devices_.holds(it.unit)) return this->owner->makes_device_weights(it);
       return it.kind == Kind::forward || it.kind == Kind::head || it.kind == Kind::head_eval || it.kind == Kind::refill ||
              (it.kind == Kind::backward && it.unit != 0);
     }
@@ -790,6 +802,7 @@ class Trainer {
       MT_NVTX_RANGE("stage:prefetch");
       this->jitter(it);
       Trainer& t = *this->owner;
+      if (t.devices_.holds(it.unit)) return;  // (a device block's slot: filled by the compute stage)
       const auto& unit = t.store_.unit(it.unit);
       Timed<Exec> timed(exec, t.opt_.profile ? &timings : nullptr);
       if (it.unit == 0) {
@@ -870,6 +883,7 @@ class Trainer {
       // process's part of the unit's weights; the other processes' parts come from their GPUs.
       if constexpr (B::kDevice)
         if (t.weights_in_parts_ && t.uploads_weights(it)) t.gather_weights(it.unit, s.in, exec.stream());
+      if (t.makes_device_weights(it)) t.make_device_weights(it.unit, s.in);
       struct HostClock {  // the host's time to enqueue the item's work (a GPU span as long means launch-bound)
         StepStats::Profile::Item* item;
         std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
@@ -1060,12 +1074,12 @@ class Trainer {
         case Kind::optimize: {  // a device unit's update, with this step's or the AdamW pass's scalars
           const bool pass = t.opt_.resident_gradients();
           const auto& unit = t.store_.unit(it.unit);
-          t.devices_.step(t.be_, unit, t.owned_gradient(it.unit, s.out), t.weight_slot(it.unit, 0), t.opt_.adamw,
+          t.devices_.step(t.be_, unit, t.owned_gradient(it.unit, s.out), t.device_weights(it.unit), t.opt_.adamw,
                           pass ? t.pass_.step : st.adam_step, pass ? t.pass_.lr : st.lr, pass ? t.pass_.clip_coef : st.clip_coef);
           if (t.opt_.sharded()) {  // (each process stepped its part: the others' parts of its weights and masters)
             void* stream = nullptr;
             if constexpr (B::kDevice) stream = exec.stream();
-            t.gather_weights(it.unit, 0, stream);
+            if (!t.device_weights(it.unit).empty()) t.gather_weights(it.unit, 0, stream);
             t.opt_.comm->all_gather_backend_memory(t.devices_.master_data(it.unit).first(static_cast<std::size_t>(unit.numel())),
                                                    t.store_.shard_bounds(unit), stream);
           }
@@ -1375,9 +1389,9 @@ class Trainer {
     if (compact_ids_dev_.size() == 0) compact_ids_dev_ = alloc<std::int32_t>(plan_.buffers.micro_tokens);
   }
 
-  // Device units (TrainerOptions::device_units): the plan's count; each needs its state, its own
-  // gradient accumulator where gradients would otherwise share a ring or land in pieces, and its
-  // own weights (a block; the embedding and the head have theirs).
+  // Device units (TrainerOptions::device_units): the plan's count; each needs its state and its
+  // own gradient accumulator where gradients would otherwise share a ring or land in pieces (a
+  // block's weights are made in the ring's slots from its masters).
   void place_device_units() {
     const std::size_t count = plan_.buffers.device_units;
     opt_.device_units = static_cast<std::int64_t>(count);
@@ -1385,12 +1399,9 @@ class Trainer {
     opt_.kept_blocks = static_cast<std::int64_t>(plan_.buffers.kept_blocks);
     if (count == 0) return;
     devices_ = DeviceUnits<B>(be_, store_, count);
-    dev_weights_.resize(model_.num_units());
-    for (std::size_t u = 1; u < count && u != model_.head_unit(); ++u) {
-      const auto n = static_cast<std::size_t>(store_.unit(u).numel());
-      dev_weights_[u] = alloc<W>(n);
-      if (block_acc_[u].empty()) block_acc_[u] = (device_acc_.emplace_back(alloc<Acc>(n))).span();
-    }
+    for (std::size_t u = 1; u < count && u != model_.head_unit(); ++u)
+      if (block_acc_[u].empty())
+        block_acc_[u] = (device_acc_.emplace_back(alloc<Acc>(static_cast<std::size_t>(store_.unit(u).numel())))).span();
     if (embed_acc_.empty()) {
       embed_acc_mem_ = alloc<Acc>(static_cast<std::size_t>(store_.unit(0).numel()));
       embed_acc_ = embed_acc_mem_.span();
@@ -1426,9 +1437,37 @@ class Trainer {
   // fp32 rows of the masters).
   bool uploads_weights(const TrainItem& it) const {
     if (devices_.holds(it.unit)) return false;
-    const bool reads = it.kind == Kind::forward || it.kind == Kind::head || it.kind == Kind::head_eval ||
-                       it.kind == Kind::refill || (it.kind == Kind::backward && it.unit != 0);
-    return reads && (it.unit != 0 || model_.head().op().tied());
+    return reads_weights(it) && (it.unit != 0 || model_.head().op().tied());
+  }
+  static bool reads_weights(const TrainItem& it) {
+    return it.kind == Kind::forward || it.kind == Kind::head || it.kind == Kind::head_eval || it.kind == Kind::refill ||
+           (it.kind == Kind::backward && it.unit != 0);
+  }
+  // Whether the item reads a device block's weights, made from its masters in the item's slot
+  // (bf16 weights; fp32 weights are the masters themselves).
+  bool makes_device_weights(const TrainItem& it) const {
+    if constexpr (std::is_same_v<W, float>) return false;
+    return devices_.holds(it.unit) && it.unit != 0 && it.unit != model_.head_unit() && reads_weights(it);
+  }
+  // ... in its `slot` of the ring, on the compute stream (the masters' last update came before, in
+  // its order).
+  void make_device_weights(std::size_t u, std::size_t slot) {
+    if constexpr (!std::is_same_v<W, float>) {
+      static_assert(std::is_same_v<Res, float> && std::is_same_v<Act, W>,
+                    "a device block's weights are its masters rounded by Backend::convert (fp32 residuals to weights)");
+      const auto n = static_cast<std::int64_t>(store_.unit(u).numel());
+      be_.convert(View<const Res>(devices_.master(u).first(static_cast<std::size_t>(n)), Shape{n}),
+                  View<Act>(weight_slot(u, slot), Shape{n}));
+    } else {
+      (void)u, (void)slot;
+    }
+  }
+  // The weights a device unit's update writes: the embedding's and the head's own slots; none for
+  // a block (made from its masters where read).
+  std::span<W> device_weights(std::size_t u) {
+    if (u == 0) return embed_slot_.span();
+    if (u == model_.head_unit()) return head_slot_.span();
+    return {};
   }
 
   // Every process's part of unit u's weights in `slot` (its weight_slot) gathered from them, in
@@ -1439,12 +1478,13 @@ class Trainer {
                                          store_.shard_bounds(unit), stream);
   }
 
-  // A unit's weights on the device: a device unit's own, the embedding's or head's slot, or a
-  // slot of the blocks' ring.
+  // A unit's weights on the device: the embedding's or head's slot, a slot of the blocks' ring
+  // (a device block's too, where the compute stage makes them), or a device block's fp32 masters.
   std::span<W> weight_slot(std::size_t unit, std::size_t slot) {
     if (unit == 0) return embed_slot_.span();
     if (unit == model_.head_unit()) return head_slot_.span();
-    if (devices_.holds(unit)) return dev_weights_[unit].span();
+    if constexpr (std::is_same_v<W, float>)  // (a device block's fp32 weights: its masters)
+      if (devices_.holds(unit)) return devices_.master_data(unit);
     return weight_ring_[slot].span().first(static_cast<std::size_t>(model_.block(unit - 1).layout().numel()));
   }
   // The ops' view of a unit's weights in slot `slot` (and further units' slabs: a tied table),
@@ -1821,7 +1861,6 @@ class Trainer {
   DeviceUnits<B> devices_;
   bool device_owns_ = false;   // the backend holds the device units' state (loaded from the store)
   bool device_newer_ = false;  // ... and has changed it since: the store's copies are stale
-  std::vector<Buf<W>> dev_weights_;  // a device block's own weights
   Buf<std::byte> pool_;              // the blocks' accumulators and the kept activations (plan::TrainerBuffers::lay_out_pool)
   std::vector<std::span<Acc>> block_acc_;  // a block's own gradient accumulator (gradients waiting on the device; device blocks)
   std::vector<Buf<Acc>> device_acc_;  // ... a device block's own where the others have none

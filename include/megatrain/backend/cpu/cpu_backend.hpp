@@ -755,11 +755,11 @@ class CpuBackend {
   // ---- optimizer -----------------------------------------------------------------------------
   /// One AdamW step over the elements of p (optim/adamw.hpp's formula, the same code as the host
   /// optimizer, so the same bits): p, m, v updated in place from the gradient g, and w = the
-  /// weights the ops read (here p itself, in T).
+  /// weights the ops read (here p itself, in T; w empty: none).
   void adamw(const AdamWScalars<float>& s, std::span<float> p, std::span<float> m, std::span<float> v, std::span<const Acc> g,
              std::span<Weight> w) {
     const std::size_t n = p.size();
-    MT_CHECK(m.size() == n && v.size() == n && g.size() == n && w.size() == n,
+    MT_CHECK(m.size() == n && v.size() == n && g.size() == n && (w.empty() || w.size() == n),
              "adamw: p {}, m {}, v {}, g {} and w {} elements differ", n, m.size(), v.size(), g.size(), w.size());
     const SimdLevel level = active_simd_level();
     tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, detail::kOptimBlock), [&](const auto& r) {
@@ -771,7 +771,8 @@ class CpuBackend {
         std::vector<float> gf(g.begin() + static_cast<std::ptrdiff_t>(o), g.begin() + static_cast<std::ptrdiff_t>(o + k));
         detail::adamw_f32(level, s, p.data() + o, m.data() + o, v.data() + o, gf.data(), copy.data(), k);
       }
-      for (std::size_t i = o; i < o + k; ++i) w[i] = static_cast<T>(p[i]);
+      if (!w.empty())
+        for (std::size_t i = o; i < o + k; ++i) w[i] = static_cast<T>(p[i]);
     });
   }
 

@@ -492,10 +492,11 @@ class CudaBackend {
              std::span<Weight> w) {
     MT_NVTX_RANGE("cuda:adamw");
     const std::size_t n = p.size();
-    MT_CHECK(m.size() == n && v.size() == n && g.size() == n && w.size() == n,
+    MT_CHECK(m.size() == n && v.size() == n && g.size() == n && (w.empty() || w.size() == n),
              "adamw: p {}, m {}, v {}, g {} and w {} elements differ", n, m.size(), v.size(), g.size(), w.size());
     const cuda::AdamWArgs a{s.decay, s.one_minus_b1, s.beta2, s.one_minus_b2, s.bc2_sqrt, s.eps, s.step_size, s.grad_scale};
-    cuda::launch_adamw(a, p.data(), m.data(), v.data(), g.data(), w.data(), static_cast<std::int64_t>(n), stream_);
+    cuda::launch_adamw(a, p.data(), m.data(), v.data(), g.data(), w.empty() ? nullptr : w.data(),
+                       static_cast<std::int64_t>(n), stream_);
   }
 
   // ---- mixture of experts (MoeMlp; CpuBackend's moe_* primitives are the reference) ------------
