@@ -497,12 +497,6 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
     MT_CHECK(train_src->has_examples() || !s.pack,
              "--pack applies to fine-tuning examples (prompt/completion, alpaca, conversations); --data '{}' is documents, "
              "which fill every sequence already", s.data.empty() ? "built-in text" : s.data);
-    // (transformers leaves padding out of the auxiliary loss through the attention mask)
-    MT_CHECK(!train_src->has_examples() || !cfg->moe.output_router_logits,
-             "--data '{}' holds fine-tuning examples, whose sequences end in padding, and the model's config.json sets "
-             "output_router_logits: transformers leaves padding out of the auxiliary load-balancing loss (through the "
-             "attention mask), which megatrain does not yet; train on documents, or set output_router_logits to false in "
-             "config.json to train on the language-model loss alone", s.data);
     data.emplace(std::move(*train_src), dopt, std::move(val_src));
     plan.data_identity = {{"train_digest", data->train_source().digest()},
                           {"train_tokens", data->train_source().size()},
@@ -979,9 +973,12 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   const auto n = static_cast<std::size_t>(s.batch * s.seq);
   const auto share = static_cast<std::size_t>(topt.batch_rows * s.seq);
   std::vector<std::int32_t> ids(n), labels(n), positions(data->packed() ? n : 0);
-  const auto mine = [&](const std::vector<std::int32_t>& v, std::size_t per_process) {
-    return v.empty() ? std::span<const std::int32_t>() : std::span<const std::int32_t>(v).subspan(
-                                                              static_cast<std::size_t>(ranks.rank()) * per_process, per_process);
+  // Examples end in padding, which transformers' attention mask leaves out of a mixture of
+  // experts' auxiliary loss: the trainer takes the same mask.
+  std::vector<std::uint8_t> attention_mask(data->examples() && cfg.moe.output_router_logits ? n : 0);
+  const auto mine = [&]<class E>(const std::vector<E>& v, std::size_t per_process) {
+    return v.empty() ? std::span<const E>()
+                     : std::span<const E>(v).subspan(static_cast<std::size_t>(ranks.rank()) * per_process, per_process);
   };
   const auto t0 = std::chrono::steady_clock::now();
   // The mean loss over the labelled tokens of --eval-batches x --batch validation sequences (each
@@ -1054,11 +1051,11 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   std::int64_t step = first_step;
   int stop_signal = 0;  // (a signal any process got: every process stops after the same step)
   for (; step <= s.steps && (stop_signal = ranks.stop_signal(g_stop_signal.load())) == 0; ++step) {
-    data->train_batch((step - 1) * s.batch, s.batch, ids, labels, positions);
+    data->train_batch((step - 1) * s.batch, s.batch, ids, labels, positions, attention_mask);
     io::detail::delay_point("train:step");  // (tests: MEGATRAIN_TEST_DELAY_AT=train:step:MICROSECONDS)
     StepStats st;
     try {
-      st = trainer.step(mine(ids, share), mine(labels, share), mine(positions, share));
+      st = trainer.step(mine(ids, share), mine(labels, share), mine(positions, share), mine(attention_mask, share));
     } catch (const megatrain::Error& e) {
       if (trainer.stopped_because().empty()) throw;
       return stop_nonfinite(e, step - 1);

@@ -261,24 +261,38 @@ __device__ __forceinline__ float aux_term(const i64* counts, int layers, double 
 }
 
 // One block per expert: counts[e] += the rows routed to e; prob_sums[e] += the sum over tokens
-// of probs[t, e] (in double, threads' partial sums added in a fixed tree).
+// of probs[t, e] (in double, threads' partial sums added in a fixed tree). With `valid` (not null)
+// only the tokens it flags: their probabilities, and their assignments to e (experts [M, k]).
 constexpr int kRecordThreads = 256;
 __global__ void __launch_bounds__(kRecordThreads) moe_record_kernel(const float* __restrict__ probs,
-                                                                    const i64* __restrict__ offsets, i64 M, int E,
+                                                                    const std::int32_t* __restrict__ experts, int k,
+                                                                    const i64* __restrict__ offsets,
+                                                                    const std::uint8_t* __restrict__ valid, i64 M, int E,
                                                                     i64* __restrict__ counts, double* __restrict__ prob_sums) {
   __shared__ double part[kRecordThreads];
+  __shared__ i64 hits[kRecordThreads];
   const int e = blockIdx.x;
   double s = 0;
-  for (i64 t = threadIdx.x; t < M; t += kRecordThreads) s += static_cast<double>(probs[t * E + e]);
+  i64 c = 0;
+  for (i64 t = threadIdx.x; t < M; t += kRecordThreads) {
+    if (valid && valid[t] == 0) continue;
+    s += static_cast<double>(probs[t * E + e]);
+    if (valid)
+      for (int j = 0; j < k; ++j) c += experts[t * k + j] == e;
+  }
   part[threadIdx.x] = s;
+  hits[threadIdx.x] = c;
   __syncthreads();
   for (int w = kRecordThreads / 2; w > 0; w >>= 1) {
-    if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+    if (threadIdx.x < w) {
+      part[threadIdx.x] += part[threadIdx.x + w];
+      hits[threadIdx.x] += hits[threadIdx.x + w];
+    }
     __syncthreads();
   }
   if (threadIdx.x == 0) {
     prob_sums[e] += part[0];
-    counts[e] += offsets[e + 1] - offsets[e];
+    counts[e] += valid ? hits[0] : offsets[e + 1] - offsets[e];
   }
 }
 
@@ -288,7 +302,8 @@ __global__ void __launch_bounds__(256) moe_route_backward_kernel(const float* __
                                                                  const float* __restrict__ weights,
                                                                  const float* __restrict__ dweights, int k, bool renorm,
                                                                  const i64* __restrict__ aux_counts, int aux_layers,
-                                                                 double aux_scale, i64 M, int E, bf* __restrict__ dlogits) {
+                                                                 double aux_scale, const std::uint8_t* __restrict__ valid,
+                                                                 i64 M, int E, bf* __restrict__ dlogits) {
   const int lane = threadIdx.x % 32;
   const i64 warps = static_cast<i64>(gridDim.x) * (blockDim.x / 32);
   for (i64 t = static_cast<i64>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; t < M; t += warps) {
@@ -296,6 +311,8 @@ __global__ void __launch_bounds__(256) moe_route_backward_kernel(const float* __
     const std::int32_t* ex = experts + t * k;
     const float* w = weights + t * k;
     const float* dw = dweights + t * k;
+    // (the auxiliary loss's share at the tokens that count: those `valid` flags, or every token)
+    const i64* aux = aux_counts != nullptr && (valid == nullptr || valid[t] != 0) ? aux_counts : nullptr;
     float chosen = 0.0f, dot = 0.0f;  // (every lane computes the same scalars, in the CPU's order)
     if (renorm)
       for (int j = 0; j < k; ++j) {
@@ -306,13 +323,13 @@ __global__ void __launch_bounds__(256) moe_route_backward_kernel(const float* __
     // expert; the softmax's sum_i p_i dp_i in index order (the CPU's), a warp's partial sums
     // added in a fixed order where the auxiliary loss makes every term nonzero.
     const auto dp_of = [&](int i) {
-      float dp = aux_counts ? aux_term(aux_counts, aux_layers, aux_scale, E, i) : 0.0f;
+      float dp = aux ? aux_term(aux, aux_layers, aux_scale, E, i) : 0.0f;
       for (int j = 0; j < k; ++j)
         if (ex[j] == i) dp += renorm ? (dw[j] - dot) / chosen : dw[j];
       return dp;
     };
     float sdot = 0.0f;
-    if (aux_counts) {
+    if (aux) {
       for (int i = lane; i < E; i += 32) sdot += p[i] * dp_of(i);
       sdot = warp_sum(sdot);
     } else {  // only the chosen are nonzero: added in increasing index
@@ -439,19 +456,21 @@ void launch_moe_combine_backward(const bf16* dy, const bf16* out, const std::int
 
 void launch_moe_route_backward(const float* probs, const std::int32_t* experts, const float* weights, const float* dweights,
                                std::int64_t k, bool renormalize, const std::int64_t* aux_counts, std::int64_t aux_layers,
-                               double aux_scale, std::int64_t M, std::int64_t E, bf16* dlogits, cudaStream_t stream) {
+                               double aux_scale, const std::uint8_t* valid, std::int64_t M, std::int64_t E, bf16* dlogits,
+                               cudaStream_t stream) {
   if (M == 0) return;
   moe_route_backward_kernel<<<grid_for(M * 32, 256), 256, 0, stream>>>(
       probs, experts, weights, dweights, static_cast<int>(k), renormalize, aux_counts, static_cast<int>(aux_layers), aux_scale,
-      M, static_cast<int>(E), dev(dlogits));
+      valid, M, static_cast<int>(E), dev(dlogits));
   MT_CUDA_CHECK_LAUNCH("moe_route_backward_kernel");
 }
 
-void launch_moe_record(const float* probs, const std::int64_t* offsets, std::int64_t M, std::int64_t E, std::int64_t* counts,
-                       double* prob_sums, cudaStream_t stream) {
+void launch_moe_record(const float* probs, const std::int32_t* experts, std::int64_t k, const std::int64_t* offsets,
+                       const std::uint8_t* valid, std::int64_t M, std::int64_t E, std::int64_t* counts, double* prob_sums,
+                       cudaStream_t stream) {
   if (M == 0) return;
-  moe_record_kernel<<<static_cast<unsigned>(E), kRecordThreads, 0, stream>>>(probs, offsets, M, static_cast<int>(E), counts,
-                                                                               prob_sums);
+  moe_record_kernel<<<static_cast<unsigned>(E), kRecordThreads, 0, stream>>>(probs, experts, static_cast<int>(k), offsets,
+                                                                               valid, M, static_cast<int>(E), counts, prob_sums);
   MT_CUDA_CHECK_LAUNCH("moe_record_kernel");
 }
 

@@ -394,7 +394,7 @@ TokenDataset::Packing TokenDataset::pack(const TokenSource& src, std::vector<std
 
 void TokenDataset::packed_window(const TokenSource& src, const Packing& packing, std::int64_t row,
                                  std::span<std::int32_t> ids, std::span<std::int32_t> labels,
-                                 std::span<std::int32_t> positions) const {
+                                 std::span<std::int32_t> positions, std::span<std::uint8_t> mask) const {
   std::int64_t o = 0;
   for (auto k = packing.begin[static_cast<std::size_t>(row)]; k < packing.begin[static_cast<std::size_t>(row) + 1]; ++k) {
     const std::int64_t e = packing.examples[static_cast<std::size_t>(k)], b = src.example_begin(e);
@@ -404,6 +404,7 @@ void TokenDataset::packed_window(const TokenSource& src, const Packing& packing,
       ids[i] = src.at(b + t);
       labels[i] = opt_.train_on_prompt || src.trained(b + t + 1) ? src.at(b + t + 1) : kIgnoreIndex;
       positions[i] = static_cast<std::int32_t>(t);
+      if (!mask.empty()) mask[i] = 1;
     }
   }
   for (std::int64_t t = 0; o < opt_.seq_len; ++t, ++o) {  // the free tail: a sequence of padding
@@ -411,16 +412,18 @@ void TokenDataset::packed_window(const TokenSource& src, const Packing& packing,
     ids[i] = 0;
     labels[i] = kIgnoreIndex;
     positions[i] = static_cast<std::int32_t>(t);
+    if (!mask.empty()) mask[i] = 0;
   }
 }
 
 void TokenDataset::example_window(const TokenSource& src, std::int64_t e, std::span<std::int32_t> ids,
-                                  std::span<std::int32_t> labels) const {
+                                  std::span<std::int32_t> labels, std::span<std::uint8_t> mask) const {
   const std::int64_t b = src.example_begin(e);
   const std::int64_t len = std::min(src.example_end(e) - b, opt_.seq_len + 1);
   for (std::int64_t t = 0; t < opt_.seq_len; ++t) {
     const auto k = static_cast<std::size_t>(t);
     ids[k] = t < len ? src.at(b + t) : 0;  // (padding: any id; its label is ignored and attention is causal)
+    if (!mask.empty()) mask[k] = t < len ? 1 : 0;
     labels[k] = t + 1 < len && (opt_.train_on_prompt || src.trained(b + t + 1)) ? src.at(b + t + 1) : kIgnoreIndex;
   }
 }
@@ -457,10 +460,14 @@ void TokenDataset::window(const TokenSource& src, std::int64_t begin, std::int64
 /// Window w of a split into one row of ids, labels and (unless empty) positions.
 void TokenDataset::fill(const TokenSource& src, std::int64_t begin, const std::vector<std::int64_t>& kept,
                         const Packing& packing, std::int64_t w, std::span<std::int32_t> ids, std::span<std::int32_t> labels,
-                        std::span<std::int32_t> positions) const {
-  if (packed()) return packed_window(src, packing, w, ids, labels, positions);
-  if (examples()) example_window(src, kept[static_cast<std::size_t>(w)], ids, labels);
-  else window(src, begin, w, ids, labels);
+                        std::span<std::int32_t> positions, std::span<std::uint8_t> mask) const {
+  if (packed()) return packed_window(src, packing, w, ids, labels, positions, mask);
+  if (examples()) {
+    example_window(src, kept[static_cast<std::size_t>(w)], ids, labels, mask);
+  } else {
+    window(src, begin, w, ids, labels);
+    std::fill(mask.begin(), mask.end(), std::uint8_t{1});  // (documents: every token)
+  }
   for (std::size_t i = 0; i < positions.size(); ++i) positions[i] = static_cast<std::int32_t>(i);  // one sequence
 }
 
@@ -476,16 +483,20 @@ void check_batch_buffers(std::int64_t rows, std::int64_t seq_len, std::span<std:
 }  // namespace
 
 void TokenDataset::train_batch(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
-                               std::span<std::int32_t> labels, std::span<std::int32_t> positions) const {
+                               std::span<std::int32_t> labels, std::span<std::int32_t> positions,
+                               std::span<std::uint8_t> attention_mask) const {
   MT_NVTX_RANGE("TokenDataset::train_batch");
   check_batch_buffers(rows, opt_.seq_len, ids, labels, positions, packed());
+  MT_CHECK(attention_mask.empty() || attention_mask.size() == ids.size(), "an attention mask buffer of {} for {} tokens",
+           attention_mask.size(), ids.size());
   const auto seq = static_cast<std::size_t>(opt_.seq_len);
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t k = first_window + r;
     const std::int64_t w = permutation(k / train_windows_)[static_cast<std::size_t>(k % train_windows_)];
     const auto at = static_cast<std::size_t>(r) * seq;
     fill(train_, train_begin_, train_kept_, train_packing_, w, ids.subspan(at, seq), labels.subspan(at, seq),
-         positions.empty() ? positions : positions.subspan(at, seq));
+         positions.empty() ? positions : positions.subspan(at, seq),
+         attention_mask.empty() ? attention_mask : attention_mask.subspan(at, seq));
   }
 }
 

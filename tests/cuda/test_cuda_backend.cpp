@@ -791,13 +791,44 @@ TEST_CASE("mixture-of-experts primitives on the GPU match CpuBackend<float>: rou
       for (std::int64_t e = 0; e < E; ++e) counts[sz(e)] = e % 3, psums[sz(e)] = 0.25 * static_cast<double>(e);
       auto gcounts = to_device(be, counts);
       auto gpsums = to_device(be, psums);
-      cpu.moe_record(cview(probs, {M, E}), coff, View<std::int64_t>(std::span(counts), {E}), View<double>(std::span(psums), {E}));
-      be.moe_record(cview(gprobs, {M, E}), cview(goffsets, {E + 1}), mview(gcounts, {E}), mview(gpsums, {E}));
+      const View<const std::int32_t> cexperts(std::span<const std::int32_t>(experts), {M, k});
+      cpu.moe_record(cview(probs, {M, E}), cexperts, coff, {}, View<std::int64_t>(std::span(counts), {E}),
+                     View<double>(std::span(psums), {E}));
+      be.moe_record(cview(gprobs, {M, E}), cview(gexperts, {M, k}), cview(goffsets, {E + 1}), {}, mview(gcounts, {E}),
+                    mview(gpsums, {E}));
       be.synchronize();
       CHECK(raw_from_device(gcounts) == counts);
       {
         const auto got = raw_from_device(gpsums);
         for (std::size_t e = 0; e < psums.size(); ++e) CHECK(got[e] == doctest::Approx(psums[e]).epsilon(1e-6));
+      }
+      // ... and of the tokens an attention mask keeps (every third left out): its tokens' assignments
+      std::vector<std::uint8_t> valid(sz(M));
+      for (std::int64_t t = 0; t < M; ++t) valid[sz(t)] = t % 3 == 1 ? 0 : 1;
+      auto gvalid = to_device(be, valid);
+      const View<const std::uint8_t> cvalid(std::span<const std::uint8_t>(valid), {M});
+      std::vector<std::int64_t> mcounts(sz(E), 0), want_counts(sz(E), 0);
+      std::vector<double> mpsums(sz(E), 0.0);
+      for (std::int64_t t = 0; t < M; ++t)
+        for (std::int64_t j = 0; valid[sz(t)] && j < k; ++j) ++want_counts[sz(experts[sz(t * k + j)])];
+      auto gmcounts = to_device(be, mcounts);
+      auto gmpsums = to_device(be, mpsums);
+      cpu.moe_record(cview(probs, {M, E}), cexperts, coff, cvalid, View<std::int64_t>(std::span(mcounts), {E}),
+                     View<double>(std::span(mpsums), {E}));
+      be.moe_record(cview(gprobs, {M, E}), cview(gexperts, {M, k}), cview(goffsets, {E + 1}), cview(gvalid, {M}),
+                    mview(gmcounts, {E}), mview(gmpsums, {E}));
+      be.synchronize();
+      CHECK(mcounts == want_counts);
+      CHECK(raw_from_device(gmcounts) == want_counts);
+      {
+        const auto got = raw_from_device(gmpsums);
+        for (std::int64_t e = 0; e < E; ++e) {
+          double want = 0;  // (the kept tokens' probabilities alone)
+          for (std::int64_t t = 0; t < M; ++t)
+            if (valid[sz(t)]) want += static_cast<double>(probs[sz(t * E + e)]);
+          CHECK(mpsums[sz(e)] == doctest::Approx(want).epsilon(1e-12));
+          CHECK(got[sz(e)] == doctest::Approx(want).epsilon(1e-6));
+        }
       }
       // ---- through the routing: dlogits (with the auxiliary loss's share where renormalised, so
       // both ways are seen); and the rows' input gradients summed per token
@@ -811,11 +842,13 @@ TEST_CASE("mixture-of-experts primitives on the GPU match CpuBackend<float>: rou
           renorm ? View<const std::int64_t>(std::span<const std::int64_t>(aux), {2, E}) : View<const std::int64_t>{};
       std::vector<float> dlogits(sz(M * E));
       cpu.moe_route_backward(cview(probs, {M, E}), View<const std::int32_t>(std::span<const std::int32_t>(experts), {M, k}),
-                             cweights, cview(dwr, {M, k}), k, renorm, caux, aux_scale, mview(dlogits, {M, E}));
+                             cweights, cview(dwr, {M, k}), k, renorm, caux, aux_scale, renorm ? cvalid : View<const std::uint8_t>{},
+                             mview(dlogits, {M, E}));
       auto gdwr = to_device(be, dwr);
       auto gdlogits = be.alloc<bf16>(sz(M * E));
       be.moe_route_backward(cview(gprobs, {M, E}), cview(gexperts, {M, k}), cview(gweights, {M, k}), cview(gdwr, {M, k}), k,
-                            renorm, renorm ? cview(gaux, {2, E}) : View<const std::int64_t>{}, aux_scale, mview(gdlogits, {M, E}));
+                            renorm, renorm ? cview(gaux, {2, E}) : View<const std::int64_t>{}, aux_scale,
+                            renorm ? cview(gvalid, {M}) : View<const std::uint8_t>{}, mview(gdlogits, {M, E}));
       const auto dxs16 = random_bf16(sz(N * d), 1.0f, rng), dxt16 = random_bf16(sz(M * d), 1.0f, rng);
       const auto dxs = to_float(dxs16);
       auto dxt = to_float(dxt16);

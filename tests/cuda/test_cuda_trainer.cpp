@@ -54,7 +54,7 @@ TrainerOptions options() {
 template <class B>
 std::vector<StepStats> train(B& be, int steps, std::size_t* spilled = nullptr, bool profile = false,
                              TrainerOptions opt = options(), std::vector<float>* weights = nullptr,
-                             std::size_t* device_units = nullptr, const ModelConfig& cfg = small()) {
+                             std::size_t* device_units = nullptr, const ModelConfig& cfg = small(), bool padded = false) {
   opt.profile = profile;
   DecoderModel<> model(cfg);
   StoreOptions so;
@@ -69,9 +69,17 @@ std::vector<StepStats> train(B& be, int steps, std::size_t* spilled = nullptr, b
   TokenDataset data(TokenSource::from_text(builtin_text(1 << 18, 1), "built-in"), dopt);
   std::vector<std::int32_t> ids(static_cast<std::size_t>(opt.batch_rows * opt.seq_len)), labels(ids.size());
   std::vector<StepStats> out;
+  std::vector<std::uint8_t> mask(padded ? ids.size() : 0, 1);
   for (int s = 0; s < steps; ++s) {
     data.train_batch(s * opt.batch_rows, opt.batch_rows, ids, labels);
-    out.push_back(trainer.step(ids, labels));
+    if (padded)  // (row r ends in (3 r + s) % 5 tokens of padding: no label, 0 in the attention mask)
+      for (std::int64_t r = 0; r < opt.batch_rows; ++r)
+        for (std::int64_t c = 0; c < opt.seq_len; ++c) {
+          const auto i = static_cast<std::size_t>(r * opt.seq_len + c);
+          mask[i] = c < opt.seq_len - (3 * r + s) % 5 ? 1 : 0;
+          if (mask[i] == 0) labels[i] = kIgnoreIndex;
+        }
+    out.push_back(trainer.step(ids, labels, {}, mask));
   }
   if (device_units) *device_units = trainer.device_units();
   trainer.finish_update();
@@ -576,6 +584,24 @@ TEST_CASE("mixtures of experts (GPT-OSS too) on the GPU: losses near the CPU's, 
     const auto rerun = train(again, 6, nullptr, false, o, &w2, nullptr, cfg);
     CHECK(w2 == w1);
     for (std::size_t s = 0; s < got.size(); ++s) CHECK(rerun[s].loss == got[s].loss);
+  }
+  // Rows padded at their end, the padding left out of the auxiliary loss by the attention mask:
+  // near the CPU's (the mask's exact semantics are the CPU's, checked against transformers), and
+  // not the loss that counts the padding.
+  const auto cfg = moe("Qwen3MoeForCausalLM", true);
+  auto opt = options();
+  opt.clip_mode = ClipMode::exact;
+  CpuBackend<float> cpu;
+  const auto want = train(cpu, 6, nullptr, false, opt, nullptr, nullptr, cfg, true);
+  CudaBackend gpu;
+  const auto got = train(gpu, 6, nullptr, false, opt, nullptr, nullptr, cfg, true);
+  CudaBackend gpu2;
+  const auto unpadded = train(gpu2, 6, nullptr, false, opt, nullptr, nullptr, cfg);
+  for (std::size_t s = 0; s < want.size(); ++s) {
+    CAPTURE(s);
+    CHECK(got[s].loss == doctest::Approx(want[s].loss).epsilon(0.02));
+    CHECK(got[s].aux_loss == doctest::Approx(want[s].aux_loss).epsilon(0.02));
+    CHECK(got[s].aux_loss != unpadded[s].aux_loss);
   }
 }
 

@@ -5,8 +5,9 @@ For a tiny random LlamaForCausalLM (untied embeddings), a tiny Qwen3ForCausalLM 
 wider than hidden / heads, untied), a tiny Phi3ForCausalLM (fused qkv_proj and gate_up_proj, a
 pad_token_id), a tiny Gemma3ForCausalLM (sandwich (1 + w) norms, GeGLU, a sliding and a full
 layer), a tiny GptOssForCausalLM (attention sinks, biased router and experts fused in the
-checkpoint, clamped SwiGLU) and a tiny Qwen2ForCausalLM (tied,
-q/k/v biases), in float32 on the CPU:
+checkpoint, clamped SwiGLU), the mixtures of experts Qwen3MoeForCausalLM (a sparse and a dense
+layer), MixtralForCausalLM and OlmoeForCausalLM (their experts saved per expert), and a tiny
+Qwen2ForCausalLM (tied, q/k/v biases), in float32 on the CPU:
 
   1. transformers saves the model with save_pretrained (safetensors);
   2. megatrain-train --model DIR --steps 0 (evaluate only) computes the loss on S+1 random
@@ -36,6 +37,7 @@ The run is deterministic: the seed is fixed (--seed, or the environment variable
 MEGATRAIN_HF_SEED, picks another).
 
 Usage: hf_interop.py --megatrain PATH/megatrain-train [--work DIR] [--keep] [--no-auto-backend] [--seed N]
+                    [--only NAME...]
 Exit status: 0 pass, 1 fail, 77 skip (torch or transformers cannot be imported).
 """
 
@@ -136,8 +138,19 @@ def make_models():
     smollm3 = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(
         tie_word_embeddings=True, no_rope_layer_interval=2, pad_token_id=None, bos_token_id=None, eos_token_id=None,
         **common))
+    # Mixtures of experts: Qwen3-MoE (layer 0 sparse, layer 1 dense: mlp_only_layers; renormalised
+    # top 2 of 4), Mixtral (top 2 of 4) and OLMoE (whole-projection q/k norms, top 2 of 4 not
+    # renormalised); transformers 5 stacks the experts in memory and saves them per expert
+    moe = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
+    qwen3_moe = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+        mlp_only_layers=[1], **moe, **common))
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
+                                                                         **moe, **common))
+    olmoe = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2, **moe, **common))
     return [("llama", llama), ("qwen2", qwen), ("qwen3", qwen3), ("phi3", phi3), ("gemma3", gemma3),
-            ("gpt_oss", gpt_oss), ("smollm3", smollm3)]
+            ("gpt_oss", gpt_oss), ("smollm3", smollm3), ("qwen3_moe", qwen3_moe), ("mixtral", mixtral),
+            ("olmoe", olmoe)]
 
 
 def perturb(model, gen):
@@ -501,6 +514,7 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--no-auto-backend", action="store_true",
                     help="do not also evaluate with --backend auto (the GPU, in bf16, where there is one)")
+    ap.add_argument("--only", nargs="*", help="check only these models (of make_models' names)")
     add_seed_option(ap)
     args = ap.parse_args()
     if not os.access(args.megatrain, os.X_OK):
@@ -524,8 +538,10 @@ def main():
     check = Checker()
     try:
         for name, model in make_models():
-            check_model(name, model.to(torch.float32), args.megatrain, work, check, rng, gen, not args.no_auto_backend)
-        check_rope_scaling(args.megatrain, work, check, rng, gen, not args.no_auto_backend)
+            if not args.only or name in args.only:
+                check_model(name, model.to(torch.float32), args.megatrain, work, check, rng, gen, not args.no_auto_backend)
+        if not args.only:
+            check_rope_scaling(args.megatrain, work, check, rng, gen, not args.no_auto_backend)
     except Exception as e:  # a crash is a failure with its story, not a skip
         import traceback
         traceback.print_exc()

@@ -101,6 +101,13 @@ def families():
             tie_word_embeddings=False, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
             norm_topk_prob=True, mlp_only_layers=[1], output_router_logits=True, router_aux_loss_coef=0.5,
             **{**COMMON, "num_hidden_layers": 3})),
+        # ... with right-padded rows and their attention mask, which leaves the padding out of the
+        # auxiliary loss (the padded tokens have no label; attention is causal, so the mask changes
+        # nothing else before the padding)
+        "qwen3_moe_aux_mask": (t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(
+            tie_word_embeddings=False, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+            norm_topk_prob=True, mlp_only_layers=[1], output_router_logits=True, router_aux_loss_coef=0.5,
+            **{**COMMON, "num_hidden_layers": 3})),
         "mixtral_aux": (t.MixtralForCausalLM, t.MixtralConfig(
             tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
             output_router_logits=True, router_aux_loss_coef=0.3, **COMMON)),
@@ -229,20 +236,28 @@ def make(name, cls, cfg, out):
     labels[torch.rand((ROWS, SEQ), generator=gen) < 0.2] = -100
     if cfg.pad_token_id is not None:
         ids[:, ::3] = cfg.pad_token_id  # the padding row is looked up, and must get no gradient from it
+    mask = None
+    if name.endswith("_mask"):  # the first row whole, the second with 4 tokens of padding
+        mask = torch.ones((ROWS, SEQ), dtype=torch.long)
+        mask[1, SEQ - 4:] = 0
+        labels[mask == 0] = -100
     model.zero_grad()
     aux_on = bool(getattr(cfg, "output_router_logits", False))
-    out = model(input_ids=ids, output_router_logits=True) if aux_on else model(input_ids=ids)
+    extra_in = {"attention_mask": mask} if mask is not None else {}
+    out = model(input_ids=ids, output_router_logits=True, **extra_in) if aux_on else model(input_ids=ids, **extra_in)
     logits = out.logits.float()
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
     extra = {}
-    if aux_on:  # as the family's forward adds it when given labels (no attention mask: every token)
+    if aux_on:  # as the family's forward adds it when given labels (without an attention mask: every token)
         module = __import__(type(model).__module__, fromlist=["load_balancing_loss_func"])
         k = cfg.num_experts_per_tok
         experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
-        aux = module.load_balancing_loss_func(out.router_logits, experts, k, None)
+        aux = module.load_balancing_loss_func(out.router_logits, experts, k, mask)
         loss = loss + cfg.router_aux_loss_coef * aux.to(loss.device)
         extra["aux_loss"] = aux.detach().float().reshape(1).contiguous()
     loss.backward()
+    if mask is not None:
+        extra["attention_mask"] = mask.to(torch.int32).contiguous()
     ref = {"input_ids": ids.to(torch.int32).contiguous(), "labels": labels.to(torch.int32).contiguous(),
            "loss": loss.detach().reshape(1).contiguous(), "logits": logits.detach().contiguous(), **extra}
     from safetensors import safe_open

@@ -60,6 +60,9 @@ void check_family(const fs::path& dir) {
   CHECK(m.ignored.empty());
   DecoderModel<> model(m.config);
   test::ReferenceLoop loop{model, m.store, AdamWConfig{}, LrSchedule{}, 0.0, shape[0], shape[1], {}};
+  if (ref.find("attention_mask") != nullptr)  // (right padding, which transformers' mask leaves out of the auxiliary loss)
+    for (const std::int32_t v : read_tensor<std::int32_t>(ref, "attention_mask", SafetensorsDType::i32))
+      loop.attention_mask.push_back(static_cast<std::uint8_t>(v));
   std::vector<std::vector<float>> grads;
   const auto r = loop.gradients(ids, labels, grads);
   if (ref.find("aux_loss") != nullptr) {  // transformers' loss is the cross-entropy plus coef x the auxiliary loss

@@ -26,6 +26,9 @@ struct ReferenceLoop {
   std::int64_t step_no = 0;
   /// When set: the gradients are multiplied by this instead (to follow ClipMode::stale).
   std::optional<double> clip_coef = std::nullopt;
+  /// transformers' attention mask (rows * seq; empty: every token counts): right padding, which
+  /// only leaves padding out of a mixture of experts' auxiliary loss (attention is causal).
+  std::vector<std::uint8_t> attention_mask = {};
 
   struct Result {
     double loss, grad_norm;
@@ -65,18 +68,25 @@ struct ReferenceLoop {
     std::vector<std::int64_t> counts(static_cast<std::size_t>(Lm * E), 0);
     std::vector<double> probs(counts.size(), 0.0);
     std::vector<std::int64_t> sparse(L, -1);
+    std::int64_t counted = M;  // (the tokens the auxiliary loss counts)
+    if (!attention_mask.empty()) {
+      MT_CHECK(static_cast<std::int64_t>(attention_mask.size()) == M, "an attention mask of {} for {} tokens", attention_mask.size(), M);
+      counted = 0;
+      for (const auto v : attention_mask) counted += v;
+    }
     for (std::size_t l = 0, n = 0; l < L; ++l)
       if (cfg.is_moe_layer(static_cast<std::int64_t>(l))) sparse[l] = static_cast<std::int64_t>(n++);
     auto chunk = [&](std::size_t l, bool backward) {
       ChunkShape cl = c;
       if (sparse[l] < 0) return cl;
+      if (!attention_mask.empty()) cl.router.valid = View<const std::uint8_t>(std::span<const std::uint8_t>(attention_mask), Shape{M});
       const auto at = static_cast<std::size_t>(sparse[l] * E);
       if (!backward) {
         cl.router.counts = View<std::int64_t>(std::span<std::int64_t>(counts).subspan(at, static_cast<std::size_t>(E)), Shape{E});
         cl.router.probs = View<double>(std::span<double>(probs).subspan(at, static_cast<std::size_t>(E)), Shape{E});
       } else if (cfg.moe.output_router_logits) {
         cl.router.aux_counts = View<const std::int64_t>(std::span<const std::int64_t>(counts), Shape{Lm, E});
-        cl.router.aux_scale = moe_aux_scale(cfg.moe.router_aux_loss_coef, 1.0, Lm, E, M);
+        cl.router.aux_scale = moe_aux_scale(cfg.moe.router_aux_loss_coef, 1.0, Lm, E, counted);
       }
       return cl;
     };
@@ -106,7 +116,7 @@ struct ReferenceLoop {
     const double norm = std::sqrt(sumsq);
     double total = 0;
     for (float x : loss) total += x;
-    return {total / static_cast<double>(valid), norm, Lm > 0 ? moe_aux_loss(counts, probs, Lm, E, M) : 0.0};
+    return {total / static_cast<double>(valid), norm, Lm > 0 ? moe_aux_loss(counts, probs, Lm, E, counted) : 0.0};
   }
 };
 

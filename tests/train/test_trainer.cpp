@@ -37,7 +37,7 @@ std::vector<StepStats> run(const ModelConfig& cfg, const TrainerOptions& o, int 
   std::vector<StepStats> out;
   for (int s = 0; s < steps; ++s) {
     auto b = batch ? batch(rng) : random_batch(rng, o.batch_rows, o.seq_len, static_cast<std::int32_t>(cfg.vocab_size));
-    out.push_back(trainer.step(b.ids, b.labels));
+    out.push_back(trainer.step(b.ids, b.labels, {}, b.mask));
   }
   trainer.finish_update();  // (with resident gradients the last update may still be in flight)
   if (weights)
@@ -60,7 +60,7 @@ struct GradientReaderStage {
 /// against `stats` (rel 1e-5 and 1e-4); returns the largest relative difference of any master
 /// weight from `weights` (what run() left).
 double against_plain_loop(const ModelConfig& cfg, const TrainerOptions& o, const std::vector<StepStats>& stats,
-                          const std::vector<float>& weights) {
+                          const std::vector<float>& weights, const std::function<Batch(std::mt19937&)>& batch = {}) {
   DecoderModel<> model(cfg);
   HostParamStore<float> store(model.units(), store_opts(o));
   const bool stale = o.clip_mode == ClipMode::stale;
@@ -68,13 +68,15 @@ double against_plain_loop(const ModelConfig& cfg, const TrainerOptions& o, const
   std::mt19937 rng(5);
   std::optional<double> last_norm;
   for (std::size_t s = 0; s < stats.size(); ++s) {
-    auto b = random_batch(rng, o.batch_rows, o.seq_len, static_cast<std::int32_t>(cfg.vocab_size));
+    auto b = batch ? batch(rng) : random_batch(rng, o.batch_rows, o.seq_len, static_cast<std::int32_t>(cfg.vocab_size));
     if (stale && o.clip_norm > 0) ref.clip_coef = last_norm ? clip_coefficient(*last_norm, o.clip_norm) : 1.0;
+    ref.attention_mask = b.mask;
     const auto r = ref.step(b.ids, b.labels);
     last_norm = r.grad_norm;
     CAPTURE(s);
     CHECK(stats[s].loss == doctest::Approx(r.loss).epsilon(1e-5));
     CHECK(stats[s].grad_norm == doctest::Approx(r.grad_norm).epsilon(1e-4));
+    CHECK(stats[s].aux_loss == doctest::Approx(r.aux_loss).epsilon(1e-6));
   }
   std::vector<float> want;
   for (const auto& u : store.units()) want.insert(want.end(), u.master().begin(), u.master().end());
@@ -1104,6 +1106,72 @@ TEST_CASE("mixtures of experts (Qwen3-MoE, Mixtral, OLMoE) train as the plain lo
   for (std::size_t i = 0; i < w_half.size(); ++i)
     worst = std::max(worst, std::abs(static_cast<double>(w_twice[i]) - w_half[i]) / std::max(1e-3, std::abs(static_cast<double>(w_half[i]))));
   CHECK(worst <= 1e-4);
+}
+
+TEST_CASE("an attention mask leaves padding out of the auxiliary loss, as the plain loop and transformers do") {
+  // Rows padded at their end (labels -100 there), the mask 0 on the padding: the trainer's step is
+  // the plain loop's given the same mask (which transformers' own fixture qwen3_moe_aux_mask
+  // checks in test_model_families), and differs from the step that counts the padding.
+  const auto aux = ModelConfig::from_json(nlohmann::json::parse(
+      R"({"architectures":["Qwen3MoeForCausalLM"],"hidden_size":32,"intermediate_size":40,"moe_intermediate_size":24,
+          "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":53,
+          "num_experts":5,"num_experts_per_tok":2,"norm_topk_prob":true,"mlp_only_layers":[1],
+          "output_router_logits":true,"router_aux_loss_coef":0.3})"), "moe aux test");
+  auto o = options(4, 11);
+  o.clip_norm = 0.05;
+  o.clip_mode = ClipMode::exact;
+  const auto padded = [&](std::mt19937& rng) {
+    auto b = random_batch(rng, o.batch_rows, o.seq_len, 53);
+    b.mask.assign(b.ids.size(), 1);
+    for (std::int64_t r = 0; r < o.batch_rows; ++r)  // (row r: (3 r) % 5 tokens of padding)
+      for (std::int64_t c = o.seq_len - (3 * r) % 5; c < o.seq_len; ++c) {
+        const auto i = static_cast<std::size_t>(r * o.seq_len + c);
+        b.mask[i] = 0;
+        b.labels[i] = kIgnoreIndex;
+      }
+    return b;
+  };
+  const auto ones_only = [&](std::mt19937& rng) {  // (the same batches, their mask all ones)
+    auto b = padded(rng);
+    std::fill(b.mask.begin(), b.mask.end(), std::uint8_t{1});
+    return b;
+  };
+  const auto unmasked_batch = [&](std::mt19937& rng) {  // (... and none)
+    auto b = padded(rng);
+    b.mask.clear();
+    return b;
+  };
+  std::vector<float> w_mask, w_none, w_ones;
+  const auto masked = run(aux, o, 3, &w_mask, padded);
+  const auto unmasked = run(aux, o, 3, &w_none, unmasked_batch);
+  const auto ones = run(aux, o, 3, &w_ones, ones_only);
+  CHECK(against_plain_loop(aux, o, masked, w_mask, padded) <= 1e-6);  // (the plain loop given the mask)
+  for (std::size_t s = 0; s < masked.size(); ++s) {
+    CAPTURE(s);
+    CHECK(std::abs(masked[s].aux_loss - unmasked[s].aux_loss) > 1e-6);  // (the padding counted: another loss)
+    CHECK(ones[s].aux_loss == unmasked[s].aux_loss);                   // (a mask of ones: no mask)
+    for (const auto& l : masked[s].expert_load) CHECK(l.max <= 36);  // (36 tokens kept, each to 2 experts)
+  }
+  CHECK(w_ones == w_none);
+  CHECK(w_mask != w_none);
+
+  // A malformed mask is refused before anything changes.
+  DecoderModel<> m2(aux);
+  HostParamStore<float> s2(m2.units(), store_opts(o));
+  CpuBackend<float> be;
+  Trainer<CpuBackend<float>> trainer(m2, s2, be, o);
+  std::mt19937 r2(5);
+  const auto b = padded(r2);
+  const auto& mask = b.mask;
+  auto bad = mask;
+  bad[3] = 0;  // (row 0: a token after padding)
+  CHECK_THROWS_WITH_AS(trainer.step(b.ids, b.labels, {}, bad), doctest::Contains("right padding"), Error);
+  bad = mask;
+  bad[0] = 2;
+  CHECK_THROWS_WITH_AS(trainer.step(b.ids, b.labels, {}, bad), doctest::Contains("attention mask value 2"), Error);
+  CHECK_THROWS_WITH_AS(trainer.step(b.ids, b.labels, {}, std::span(mask).first(5)), doctest::Contains("attention mask of 5"),
+                       Error);
+  CHECK(trainer.steps_done() == 0);
 }
 
 TEST_CASE("a sequence longer than max_position_embeddings trains with a warning naming both numbers") {

@@ -23,6 +23,7 @@ inline ModelConfig tiny(bool tied, std::int64_t vocab = 53) {
 
 struct Batch {
   std::vector<std::int32_t> ids, labels;
+  std::vector<std::uint8_t> mask = {};  ///< an attention mask (Trainer::step; empty: none)
 };
 inline Batch random_batch(std::mt19937& rng, std::int64_t rows, std::int64_t seq, std::int32_t vocab) {
   Batch b;

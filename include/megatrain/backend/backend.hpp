@@ -58,6 +58,10 @@ struct RouterStats {
   View<double> probs;                   ///< [E]: its router probabilities summed over the tokens, added to
   View<const std::int64_t> aux_counts;  ///< [sparse layers, E]: every sparse layer's counts of this forward (null: no auxiliary loss)
   double aux_scale = 0;                 ///< d loss / d probs[t, e] = aux_scale x the counts of e summed over the layers
+  /// [T]: which of the tokens count (1) in the statistics and the auxiliary loss, as transformers'
+  /// attention mask leaves padding out of them (null: every token). The rows of the tokens the
+  /// op is given (a decoder block hands each token block its rows).
+  View<const std::uint8_t> valid;
 };
 
 /// One chunk of a batch: `rows` whole rows of `seq` tokens, each one sequence or, packed, several

@@ -145,9 +145,12 @@ class TokenDataset {
 
   /// Fills `rows` sequences of inputs and labels ([rows * seq_len] each) for training window
   /// slots [first_window, first_window + rows) of the shuffled order (epoch after epoch), and,
-  /// unless empty, each token's position within its sequence (required when packed()).
+  /// unless empty, each token's position within its sequence (required when packed()) and
+  /// transformers' attention mask of the rows (1 for an example's tokens, 0 for the padding after
+  /// them; every token of documents): what Trainer::step() takes.
   void train_batch(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
-                   std::span<std::int32_t> labels, std::span<std::int32_t> positions = {}) const;
+                   std::span<std::int32_t> labels, std::span<std::int32_t> positions = {},
+                   std::span<std::uint8_t> attention_mask = {}) const;
   /// Where the order stands once `windows_consumed` training windows have been read.
   DataPosition position(std::int64_t windows_consumed) const;
   const TokenSource& train_source() const { return train_; }
@@ -170,13 +173,14 @@ class TokenDataset {
   Packing pack(const TokenSource& src, std::vector<std::int64_t> kept, bool shuffle) const;
   void fill(const TokenSource& src, std::int64_t begin, const std::vector<std::int64_t>& kept, const Packing& packing,
             std::int64_t w, std::span<std::int32_t> ids, std::span<std::int32_t> labels,
-            std::span<std::int32_t> positions) const;
+            std::span<std::int32_t> positions, std::span<std::uint8_t> mask = {}) const;
   void packed_window(const TokenSource& src, const Packing& packing, std::int64_t row, std::span<std::int32_t> ids,
-                     std::span<std::int32_t> labels, std::span<std::int32_t> positions) const;
+                     std::span<std::int32_t> labels, std::span<std::int32_t> positions, std::span<std::uint8_t> mask) const;
   void window(const TokenSource& src, std::int64_t begin, std::int64_t w, std::span<std::int32_t> ids,
               std::span<std::int32_t> labels) const;
   const std::vector<std::int64_t>& permutation(std::int64_t epoch) const;
-  void example_window(const TokenSource& src, std::int64_t e, std::span<std::int32_t> ids, std::span<std::int32_t> labels) const;
+  void example_window(const TokenSource& src, std::int64_t e, std::span<std::int32_t> ids, std::span<std::int32_t> labels,
+                      std::span<std::uint8_t> mask) const;
   ExampleStats select(const TokenSource& src, std::int64_t first, std::int64_t last, std::vector<std::int64_t>& kept) const;
 
   TokenSource train_;

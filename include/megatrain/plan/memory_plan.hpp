@@ -141,6 +141,9 @@ struct TrainerBuffers {
   /// A mixture of experts' routing statistics (RouterStats): micro-batches x sparse layers x
   /// experts, each a count (int64) and a sum of probabilities (double), in backend and host memory.
   std::size_t router = 0;
+  /// The auxiliary load-balancing loss: which tokens count (uint8), a micro-batch's in backend
+  /// memory and the batch's in host memory.
+  bool token_mask = false;
   // backend memory
   std::size_t weight_slots = 0, block_slot = 0;  ///< ring of block weight slots (Weight), each the largest block
   std::vector<std::size_t> block_acc;   ///< by unit: a block's own gradient accumulator (Acc; 0: none)
@@ -319,6 +322,7 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   b.micro_tokens = static_cast<std::size_t>(opt.micro_rows() * opt.seq_len);
   b.batch_tokens = static_cast<std::size_t>(opt.batch_rows * opt.seq_len);
   b.router = static_cast<std::size_t>(opt.micro_batches * cfg.moe_layer_count() * cfg.moe.num_experts);
+  b.token_mask = b.router > 0 && cfg.moe.output_router_logits;
   b.chunk_rows = chunk_rows(opt);
   b.token_block = token_block(opt, b.chunk_rows * opt.seq_len);
   const ChunkShape chunk{b.chunk_rows, opt.seq_len, {}, b.token_block};
@@ -421,7 +425,8 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
                  b.scratch_bytes});
   dev.push_back({"token ids, labels, losses", b.micro_tokens * (2 * 4 + sz.acc) + (opt.packed ? (2 * b.micro_tokens + 1) * 4 : 0) +
                                                   b.units * sizeof(double)});
-  if (b.router > 0) dev.push_back({"routing statistics (tokens per expert)", b.router * 16});
+  if (b.router > 0)
+    dev.push_back({"routing statistics (tokens per expert)", b.router * 16 + (b.token_mask ? b.micro_tokens : 0)});
   if (b.prepare_bytes > 0) dev.push_back({"backend workspaces (attention, logits of a block)", b.prepare_bytes});
   if (b.recompute_buffers > 0)
     dev.push_back({fmt::format("outputs recomputed between checkpoints ({} buffers: a checkpoint every {} blocks)",
@@ -560,6 +565,7 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   std::size_t io = host_pages(b.batch_tokens * (4 * 4 + sz.acc)) + host_pages(b.units * sizeof(double));
   if (opt.packed) io += host_pages((2 * b.batch_tokens + 1) * 4);
   if (b.router > 0) io += host_pages(b.router * 16);
+  if (b.token_mask) io += host_pages(b.batch_tokens);
   if (b.embed_rows > 0) io += host_pages(b.embed_rows * sizeof(float));
   if (b.staging > 0) io += host_pages(2 * b.staging * sizeof(float));
   hl.push_back({"batch buffers (pinned)", io});

@@ -300,8 +300,13 @@ class Trainer {
   /// skipped (NonFinite::skip; StepStats::skipped). Either way no weight or AdamW state changes.
   /// Without clipping or with stale clipping the updates stream during the backward: a non-finite
   /// step throws after it (the model was updated with it).
+  /// `attention_mask` (as many; empty: every token counts) is transformers' attention mask: 1 for
+  /// the tokens of the batch's examples, 0 for padding, which must come after a row's tokens
+  /// (right padding: attention is causal, so it changes nothing before it); a mixture of experts'
+  /// auxiliary load-balancing loss and routing statistics then leave the padding out, as
+  /// transformers does given that mask.
   StepStats step(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels,
-                 std::span<const std::int32_t> positions = {}) {
+                 std::span<const std::int32_t> positions = {}, std::span<const std::uint8_t> attention_mask = {}) {
     MT_NVTX_RANGE("Trainer::step");
     const auto t0 = std::chrono::steady_clock::now();
     std::int64_t valid = check_batch(ids, labels, opt_.batch_rows);
@@ -313,9 +318,11 @@ class Trainer {
     }
     MT_CHECK(valid > 0, "the batch has no token with a label (all labels are {})", kIgnoreIndex);
     check_positions(positions, opt_.batch_rows);
+    check_attention_mask(attention_mask, opt_.batch_rows);
     std::copy(ids.begin(), ids.end(), ids_host_.begin());
     std::copy(labels.begin(), labels.end(), labels_host_.begin());
     stage_positions(positions, opt_.batch_rows);
+    stage_attention_mask(attention_mask);
 
     State& st = *state_;
     st.step = step_ + 1;
@@ -595,7 +602,7 @@ class Trainer {
     for (std::int64_t m = 0; m < opt_.micro_batches; ++m)
       s.aux_loss += moe_aux_loss(router_counts_host_.subspan(static_cast<std::size_t>(m) * per, per),
                                  router_probs_host_.subspan(static_cast<std::size_t>(m) * per, per), Lm, E,
-                                 opt_.micro_rows() * opt_.seq_len);
+                                 counted_tokens(m));
     s.aux_loss /= static_cast<double>(opt_.micro_batches);
     for (std::int64_t l = 0, idx = 0; l < cfg.num_hidden_layers; ++l) {
       if (!cfg.is_moe_layer(l)) continue;
@@ -631,7 +638,7 @@ class Trainer {
       r.aux_counts = View<const std::int64_t>(
           std::span<const std::int64_t>(router_counts_dev_.span()).subspan(micro, static_cast<std::size_t>(Lm * E)), Shape{Lm, E});
       r.aux_scale = moe_aux_scale(cfg.moe.router_aux_loss_coef, 1.0 / static_cast<double>(opt_.micro_batches), Lm, E,
-                                  opt_.micro_rows() * opt_.seq_len);
+                                  counted_tokens(m));
     }
     return r;
   }
@@ -908,6 +915,10 @@ class Trainer {
         for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) f(r0, std::min(chunk, rows - r0));
       };
       auto block_chunk = [&](std::int64_t r0, std::int64_t n_rows, RouterStats router = {}) {  // a block's chunk: rows, packing, token blocks
+        if (t.valid_dev_.size() > 0)  // (the tokens the auxiliary loss counts)
+          router.valid = View<const std::uint8_t>(std::span<const std::uint8_t>(t.valid_dev_.span()).subspan(
+                                                      static_cast<std::size_t>(r0 * seq), static_cast<std::size_t>(n_rows * seq)),
+                                                  Shape{n_rows * seq});
         return ChunkShape{n_rows, seq, t.packed_rows(it.micro, rows, r0, n_rows), t.token_block(chunk * seq), router};
       };
       switch (it.kind) {
@@ -924,6 +935,8 @@ class Trainer {
             t.be_.upload(exec, std::span<const std::int32_t>(t.ids_host_).subspan(off, n), t.ids_dev_.span());
             t.be_.upload(exec, std::span<const std::int32_t>(t.labels_host_).subspan(off, n), t.labels_dev_.span());
             if (t.opt_.packed) t.upload_positions(exec, it.micro, rows);
+            if (t.valid_dev_.size() > 0 && it.piece == 0)  // (a step's forward: the tokens its auxiliary loss counts)
+              t.be_.upload(exec, std::span<const std::uint8_t>(t.valid_host_).subspan(off, n), t.valid_dev_.span());
             // fp32 rows: a device unit's master table, or the batch's distinct rows gathered by
             // the prefetch (indexed by the tokens' compact ids)
             std::span<std::int32_t> ids = t.ids_dev_.span();
@@ -1318,6 +1331,7 @@ class Trainer {
       router_counts_dev_ = alloc<std::int64_t>(b.router);
       router_probs_dev_ = alloc<double>(b.router);
     }
+    if (b.token_mask) valid_dev_ = alloc<std::uint8_t>(b.micro_tokens);  // (the auxiliary loss: which tokens count)
     if constexpr (requires { typename B::WorkspacePlan; }) be_.prepare(b.workspace);  // backends that allocate workspaces up front
     // The embedding's fp32 rows for the lookup (a host embedding): first when no unit will be on
     // the device, else after the placement (from the reserve it leaves).
@@ -1356,6 +1370,10 @@ class Trainer {
     loss_host_ = std::span<Acc>(reinterpret_cast<Acc*>(touched_host_.data() + batch_tokens), batch_tokens);
     sumsq_host_mem_ = HostBuffer::allocate(b.units * sizeof(double));
     sumsq_host_ = sumsq_host_mem_.template as<double>(0, b.units);
+    if (b.token_mask) {
+      valid_mem_ = HostBuffer::allocate(batch_tokens);
+      valid_host_ = valid_mem_.template as<std::uint8_t>(0, batch_tokens);
+    }
     if (b.router > 0) {
       router_host_mem_ = HostBuffer::allocate(b.router * 16);
       router_counts_host_ = router_host_mem_.template as<std::int64_t>(0, b.router);
@@ -1779,6 +1797,35 @@ class Trainer {
                "sequence) or the previous one plus 1", p, i, i / seq, i % seq);
     }
   }
+  /// An attention mask (step()): one 0 or 1 a token, each row's zeros after its ones.
+  void check_attention_mask(std::span<const std::uint8_t> mask, std::int64_t rows) const {
+    if (mask.empty()) return;
+    const std::int64_t seq = opt_.seq_len;
+    MT_CHECK(static_cast<std::int64_t>(mask.size()) == rows * seq, "an attention mask of {} values for {} sequences x {} tokens",
+             mask.size(), rows, seq);
+    for (std::int64_t i = 0; i < rows * seq; ++i) {
+      const std::uint8_t v = mask[static_cast<std::size_t>(i)];
+      MT_CHECK(v <= 1, "attention mask value {} at token {} (row {}, column {}): it is 1 for a token, 0 for padding", v, i,
+               i / seq, i % seq);
+      MT_CHECK(v == 0 || i % seq == 0 || mask[static_cast<std::size_t>(i - 1)] == 1,
+               "the attention mask has a token after padding at token {} (row {}, column {}): padding must come after a "
+               "row's tokens (right padding)", i, i / seq, i % seq);
+    }
+  }
+  /// The mask's host copy where the auxiliary loss reads it (token_mask_), and the tokens each
+  /// micro-batch counts.
+  void stage_attention_mask(std::span<const std::uint8_t> mask) {
+    if (valid_host_.empty()) return;
+    if (mask.empty()) std::fill(valid_host_.begin(), valid_host_.end(), std::uint8_t{1});
+    else std::copy(mask.begin(), mask.end(), valid_host_.begin());
+    const auto per = static_cast<std::size_t>(opt_.micro_rows() * opt_.seq_len);
+    valid_count_.assign(static_cast<std::size_t>(opt_.micro_batches), 0);
+    for (std::size_t i = 0; i < valid_host_.size(); ++i) valid_count_[i / per] += valid_host_[i];
+  }
+  /// The tokens micro-batch m's auxiliary loss counts (all of them without an attention mask).
+  std::int64_t counted_tokens(std::int64_t m) const {
+    return valid_count_.empty() ? opt_.micro_rows() * opt_.seq_len : valid_count_[static_cast<std::size_t>(m)];
+  }
   /// Host copies of the positions of `rows` rows (empty: each row one sequence) and of where
   /// their sequences start (starts_host_, and row_seq_: each row's first sequence).
   void stage_positions(std::span<const std::int32_t> positions, std::int64_t rows) {
@@ -1882,6 +1929,12 @@ class Trainer {
   Arena arena_;
   Buf<std::int32_t> ids_dev_, labels_dev_;
   Buf<std::int32_t> positions_dev_, starts_dev_;  // packed rows: a micro-batch's positions and sequence starts
+  // The auxiliary loss (output_router_logits): which tokens count (step()'s attention mask), a
+  // micro-batch's on the device, the batch's pinned, and how many each micro-batch counts.
+  Buf<std::uint8_t> valid_dev_;
+  HostBuffer valid_mem_;
+  std::span<std::uint8_t> valid_host_;
+  std::vector<std::int64_t> valid_count_;
   HostBuffer positions_mem_;
   std::span<std::int32_t> positions_host_, starts_host_;  // the batch's (starts: token offsets, then the end)
   std::vector<std::int64_t> row_seq_;                     // each row's first sequence in starts_host_, then the count

@@ -621,28 +621,42 @@ class CpuBackend {
   }
   /// A layer's routing statistics (RouterStats): counts[e] += expert e's rows (offsets as
   /// moe_route's), prob_sums[e] += the sum over tokens of probs[t, e] (in token order, double).
-  void moe_record(View<const Acc> probs, View<const std::int64_t> offsets, View<std::int64_t> counts, View<double> prob_sums) {
+  /// With `valid` ([T], not null) only the tokens it flags count: their assignments (experts
+  /// [T, k], moe_route's) and their probabilities.
+  void moe_record(View<const Acc> probs, View<const std::int32_t> experts, View<const std::int64_t> offsets,
+                  View<const std::uint8_t> valid, View<std::int64_t> counts, View<double> prob_sums) {
     const std::int64_t M = probs.size(0), E = probs.size(1);
-    MT_CHECK(offsets.numel() == E + 1 && counts.numel() == E && prob_sums.numel() == E,
-             "moe_record: probs {}, offsets {}, counts {}, sums {}", probs.shape().str(), offsets.shape().str(),
-             counts.shape().str(), prob_sums.shape().str());
+    MT_CHECK(offsets.numel() == E + 1 && counts.numel() == E && prob_sums.numel() == E &&
+                 (valid.is_null() || (valid.numel() == M && experts.numel() % std::max<std::int64_t>(M, 1) == 0)),
+             "moe_record: probs {}, experts {}, offsets {}, valid {}, counts {}, sums {}", probs.shape().str(),
+             experts.shape().str(), offsets.shape().str(), valid.shape().str(), counts.shape().str(), prob_sums.shape().str());
+    const auto counted = [&](std::int64_t t) { return valid.is_null() || valid.data()[t] != 0; };
     for (std::int64_t e = 0; e < E; ++e) {
       double s = 0;
-      for (std::int64_t t = 0; t < M; ++t) s += static_cast<double>(probs.data()[t * E + e]);
+      for (std::int64_t t = 0; t < M; ++t)
+        if (counted(t)) s += static_cast<double>(probs.data()[t * E + e]);
       prob_sums.data()[e] += s;
-      counts.data()[e] += offsets.data()[e + 1] - offsets.data()[e];
+      if (valid.is_null()) counts.data()[e] += offsets.data()[e + 1] - offsets.data()[e];
+    }
+    if (!valid.is_null()) {
+      const std::int64_t k = M > 0 ? experts.numel() / M : 0;
+      for (std::int64_t t = 0; t < M; ++t)
+        if (counted(t))
+          for (std::int64_t j = 0; j < k; ++j) ++counts.data()[experts.data()[t * k + j]];
     }
   }
   /// dlogits from the routing weights' gradient: through the renormalisation (where the family
   /// has it) and the softmax; the experts not chosen get only the softmax's share. `aux_counts`
   /// [layers, E] (not null): the auxiliary load-balancing loss adds aux_scale x the counts of
-  /// expert i summed over the layers to every token's dp_i.
+  /// expert i summed over the layers to every token's dp_i (with `valid`, to the tokens it flags).
   void moe_route_backward(View<const Acc> probs, View<const std::int32_t> experts, View<const Acc> weights,
                           View<const Acc> dweights, std::int64_t k, bool renormalize, View<const std::int64_t> aux_counts,
-                          double aux_scale, View<Act> dlogits) {
+                          double aux_scale, View<const std::uint8_t> valid, View<Act> dlogits) {
     const std::int64_t M = probs.size(0), E = probs.size(1);
-    MT_CHECK(dlogits.shape() == probs.shape() && experts.numel() == M * k && dweights.numel() == M * k,
-             "moe_route_backward: probs {}, dlogits {}, top {}", probs.shape().str(), dlogits.shape().str(), k);
+    MT_CHECK(dlogits.shape() == probs.shape() && experts.numel() == M * k && dweights.numel() == M * k &&
+                 (valid.is_null() || valid.numel() == M),
+             "moe_route_backward: probs {}, dlogits {}, top {}, valid {}", probs.shape().str(), dlogits.shape().str(), k,
+             valid.shape().str());
     MT_CHECK(aux_counts.is_null() || (aux_counts.numel() > 0 && aux_counts.numel() % E == 0),
              "moe_route_backward: auxiliary counts {} for {} experts", aux_counts.shape().str(), E);
     std::vector<Acc> aux(static_cast<std::size_t>(E), Acc(0));  // the auxiliary loss's dp, the same for every token
@@ -659,7 +673,8 @@ class CpuBackend {
         const std::int32_t* ex = experts.data() + t * k;
         const Acc* w = weights.data() + t * k;
         const Acc* dw = dweights.data() + t * k;
-        std::copy(aux.begin(), aux.end(), dp.begin());
+        if (valid.is_null() || valid.data()[t] != 0) std::copy(aux.begin(), aux.end(), dp.begin());
+        else std::fill(dp.begin(), dp.end(), Acc(0));
         if (renormalize) {  // w_j = p_j / S: dp_j = (dw_j - sum_i dw_i w_i) / S
           Acc chosen = 0, dot = 0;
           for (std::int64_t j = 0; j < k; ++j) {

@@ -614,26 +614,31 @@ class CudaBackend {
   /// dlogits through the renormalisation (where the family has it) and the softmax.
   void moe_route_backward(View<const Acc> probs, View<const std::int32_t> experts, View<const Acc> weights,
                           View<const Acc> dweights, std::int64_t k, bool renormalize, View<const std::int64_t> aux_counts,
-                          double aux_scale, View<Act> dlogits) {
+                          double aux_scale, View<const std::uint8_t> valid, View<Act> dlogits) {
     MT_NVTX_RANGE("cuda:moe_route_backward");
     const std::int64_t M = probs.size(0), E = probs.size(1);
     MT_CHECK(dlogits.shape() == probs.shape() && experts.numel() == M * k && weights.numel() == M * k &&
-                 dweights.numel() == M * k,
-             "moe_route_backward: probs {}, dlogits {}, top {}", probs.shape().str(), dlogits.shape().str(), k);
+                 dweights.numel() == M * k && (valid.is_null() || valid.numel() == M),
+             "moe_route_backward: probs {}, dlogits {}, top {}, valid {}", probs.shape().str(), dlogits.shape().str(), k,
+             valid.shape().str());
     MT_CHECK(aux_counts.is_null() || (aux_counts.numel() > 0 && aux_counts.numel() % E == 0),
              "moe_route_backward: auxiliary counts {} for {} experts", aux_counts.shape().str(), E);
     cuda::launch_moe_route_backward(probs.data(), experts.data(), weights.data(), dweights.data(), k, renormalize,
                                     aux_counts.is_null() ? nullptr : aux_counts.data(),
-                                    aux_counts.is_null() ? 0 : aux_counts.numel() / E, aux_scale, M, E, dlogits.data(), stream_);
+                                    aux_counts.is_null() ? 0 : aux_counts.numel() / E, aux_scale,
+                                    valid.is_null() ? nullptr : valid.data(), M, E, dlogits.data(), stream_);
   }
   /// A layer's routing statistics (CpuBackend::moe_record).
-  void moe_record(View<const Acc> probs, View<const std::int64_t> offsets, View<std::int64_t> counts, View<double> prob_sums) {
+  void moe_record(View<const Acc> probs, View<const std::int32_t> experts, View<const std::int64_t> offsets,
+                  View<const std::uint8_t> valid, View<std::int64_t> counts, View<double> prob_sums) {
     MT_NVTX_RANGE("cuda:moe_record");
     const std::int64_t M = probs.size(0), E = probs.size(1);
-    MT_CHECK(offsets.numel() == E + 1 && counts.numel() == E && prob_sums.numel() == E,
-             "moe_record: probs {}, offsets {}, counts {}, sums {}", probs.shape().str(), offsets.shape().str(),
-             counts.shape().str(), prob_sums.shape().str());
-    cuda::launch_moe_record(probs.data(), offsets.data(), M, E, counts.data(), prob_sums.data(), stream_);
+    MT_CHECK(offsets.numel() == E + 1 && counts.numel() == E && prob_sums.numel() == E &&
+                 (valid.is_null() || (valid.numel() == M && (M == 0 || experts.numel() % M == 0))),
+             "moe_record: probs {}, experts {}, offsets {}, valid {}, counts {}, sums {}", probs.shape().str(),
+             experts.shape().str(), offsets.shape().str(), valid.shape().str(), counts.shape().str(), prob_sums.shape().str());
+    cuda::launch_moe_record(probs.data(), experts.data(), M > 0 ? experts.numel() / M : 0, offsets.data(),
+                            valid.is_null() ? nullptr : valid.data(), M, E, counts.data(), prob_sums.data(), stream_);
   }
   /// dx[t] += the sum of dxs[slot[t, j]] over its k experts.
   void moe_scatter_add(View<const Act> dxs, View<const std::int32_t> slot, std::int64_t k, View<Act> dx) {

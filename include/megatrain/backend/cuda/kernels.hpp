@@ -149,13 +149,18 @@ void launch_moe_combine_backward(const bf16* dy, const bf16* out, const std::int
                                  cudaStream_t stream);
 /// dlogits [M, E] from the routing weights' gradient, through the renormalisation and the softmax;
 /// aux_counts [aux_layers, E] (device; null: none): the auxiliary load-balancing loss's
-/// aux_scale x the counts of expert i over the layers added to every token's dp_i.
+/// aux_scale x the counts of expert i over the layers added to every token's dp_i (valid [M]
+/// (device; null: every token): only the tokens it flags).
 void launch_moe_route_backward(const float* probs, const std::int32_t* experts, const float* weights, const float* dweights,
                                std::int64_t k, bool renormalize, const std::int64_t* aux_counts, std::int64_t aux_layers,
-                               double aux_scale, std::int64_t M, std::int64_t E, bf16* dlogits, cudaStream_t stream);
+                               double aux_scale, const std::uint8_t* valid, std::int64_t M, std::int64_t E, bf16* dlogits,
+                               cudaStream_t stream);
 /// counts[e] += offsets[e + 1] - offsets[e]; prob_sums[e] += the sum over the M tokens of probs[t, e] (double).
-void launch_moe_record(const float* probs, const std::int64_t* offsets, std::int64_t M, std::int64_t E, std::int64_t* counts,
-                       double* prob_sums, cudaStream_t stream);
+/// With valid [M] (device; null: every token): only the tokens it flags, their assignments counted
+/// from experts [M, k].
+void launch_moe_record(const float* probs, const std::int32_t* experts, std::int64_t k, const std::int64_t* offsets,
+                       const std::uint8_t* valid, std::int64_t M, std::int64_t E, std::int64_t* counts, double* prob_sums,
+                       cudaStream_t stream);
 /// GPT-OSS's experts' biases: y[r] = bf16(y[r] + bias_e) for every row r of expert e, over the rows
 /// [offsets[0], offsets[E]) (offsets: [E + 1] device, increasing; `rows` bounds their count), with
 /// bias_e = bias0 + e * stride (bf16).

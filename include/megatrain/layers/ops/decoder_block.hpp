@@ -177,7 +177,7 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
       const auto h = cview(token_rows(a.x2, t0, n));
       be.rmsnorm(h, w.post_norm, cfg_.rms_norm_eps, n2, token_rows(a.rstd2, 0, n), offset_);
       if (moe_) {  // y = h + moe(n2)
-        moe_run(be, w, cview(n2), moe_acts(a, n), h, token_rows(y, t0, n), c.router);
+        moe_run(be, w, cview(n2), moe_acts(a, n), h, token_rows(y, t0, n), router_rows(c.router, t0, n));
         return;
       }
       const auto m = mlp_acts(a, t0, n);
@@ -233,7 +233,7 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
       const auto h = cview(token_rows(a.x2, t0, n));
       be.rmsnorm(h, w.post_norm, cfg_.rms_norm_eps, n2, rstd2, offset_);
       be.convert(token_rows(dy, t0, n), dya);
-      if (moe_) moe_backprop(be, w, cview(n2), moe_acts(a, n), cview(dya), dn, g, c.router);  // (recomputed from n2)
+      if (moe_) moe_backprop(be, w, cview(n2), moe_acts(a, n), cview(dya), dn, g, router_rows(c.router, t0, n));  // (recomputed from n2)
       else mlp_backprop(be, w, a, t0, n, cview(n2), cview(dya), dn, g);
       be.rmsnorm_backward(h, w.post_norm, cview(rstd2), cview(dn), token_rows(dy, t0, n), token_rows(dx, t0, n), dya,
                           g.post_norm, offset_);
@@ -289,6 +289,11 @@ class DecoderBlock : public CarvedOp<DecoderBlock> {
     mlp_.backprop(be, ChunkShape{1, n}, w.mlp, n2, m, dm, dn, g.mlp);
   }
 
+  /// The routing statistics for the token block [t0, t0 + n): its rows of the tokens that count.
+  static RouterStats router_rows(RouterStats r, std::int64_t t0, std::int64_t n) {
+    if (!r.valid.is_null()) r.valid = token_rows(r.valid, t0, n);
+    return r;
+  }
   /// The experts' activations for a token block of n tokens (the first rows of the block's buffers).
   template <class B>
   typename MoeMlp::template Acts<B> moe_acts(const Acts<B>& a, std::int64_t n) const {

@@ -31,7 +31,9 @@
 // layer's assignments per expert and summed probabilities to the trainer's RouterStats
 // (Backend::moe_record); the loss of a forward is moe_aux_loss() of those over all sparse layers,
 // and its gradient, the same at every token of a layer (moe_aux_scale() x the counts), joins the
-// routing weights' in moe_route_backward before the softmax's backward.
+// routing weights' in moe_route_backward before the softmax's backward. Where RouterStats::valid
+// flags the tokens that count (transformers' attention mask: padding does not), the statistics,
+// the loss and its gradient are those tokens' alone.
 #pragma once
 
 #include <cstdint>
@@ -61,8 +63,8 @@ concept MoeBackend = requires(B& be, View<const typename B::Act> x, View<typenam
   be.grouped_linear_backward(x, ws, x, y, bool{}, gs, ci64, bool{}, gs);  //  then the experts' biases, if any)
   be.moe_combine(x, ci32, cacc, std::int64_t{}, r, ry);
   be.moe_combine_backward(x, x, ci32, cacc, std::int64_t{}, y, acc);
-  be.moe_route_backward(cacc, ci32, cacc, cacc, std::int64_t{}, bool{}, ci64, double{}, y);
-  be.moe_record(cacc, ci64, i64, View<double>{});
+  be.moe_route_backward(cacc, ci32, cacc, cacc, std::int64_t{}, bool{}, ci64, double{}, View<const std::uint8_t>{}, y);
+  be.moe_record(cacc, ci32, ci64, View<const std::uint8_t>{}, i64, View<double>{});
   be.moe_scatter_add(x, ci32, std::int64_t{}, y);
 };
 
@@ -209,7 +211,8 @@ class MoeMlp {
   void run(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x, const Acts<B>& a,
            View<const typename B::Res> h, View<typename B::Res> y, const RouterStats& stats = {}) const {
     run_kept(be, w, x, a);
-    if (!stats.counts.is_null()) be.moe_record(cv(a.probs), cv(a.offsets), stats.counts, stats.probs);
+    if (!stats.counts.is_null())
+      be.moe_record(cv(a.probs), cv(a.experts), cv(a.offsets), stats.valid, stats.counts, stats.probs);
     be.moe_combine(cv(a.out), cv(a.slot), cv(a.weights), k_, h, y);
   }
 
@@ -230,7 +233,7 @@ class MoeMlp {
     be.grouped_linear_backward(cv(a.xs), cspan(w.up), cv(a.du), a.dxs, true, span(g.up), cv(a.offsets), true,
                                span(g.up_bias));
     be.moe_route_backward(cv(a.probs), cv(a.experts), cv(a.weights), cv(a.dweights), k_, cfg_.moe.norm_topk_prob,
-                          stats.aux_counts, stats.aux_scale, a.dlogits);
+                          stats.aux_counts, stats.aux_scale, stats.valid, a.dlogits);
     be.linear_backward(x, w.router, cv(a.dlogits), dx, false, g.router, g.router_bias);
     be.moe_scatter_add(cv(a.dxs), cv(a.slot), k_, dx);
   }
@@ -277,13 +280,15 @@ class MoeMlp {
 };
 
 /// The auxiliary load-balancing loss as transformers' load_balancing_loss_func computes it over
-/// one forward of `tokens` tokens (no attention mask: every token), from the recorded statistics
+/// one forward of `tokens` tokens (those its attention mask keeps: every token without one; the
+/// statistics then counted those alone, RouterStats::valid), from the recorded statistics
 /// of its `layers` sparse layers (RouterStats, [layers, E] each): with C_e the assignments to
 /// expert e and P_e its probabilities summed over the layers and tokens, and R = layers x tokens
 /// rows, E x sum_e (C_e / R) (P_e / R).
 inline double moe_aux_loss(std::span<const std::int64_t> counts, std::span<const double> probs, std::int64_t layers,
                            std::int64_t experts, std::int64_t tokens) {
   const double rows = static_cast<double>(layers) * static_cast<double>(tokens);
+  if (rows == 0) return 0.0;  // (no token counts: transformers would divide by zero; nothing to balance)
   double s = 0;
   for (std::int64_t e = 0; e < experts; ++e) {
     std::int64_t c = 0;
@@ -300,6 +305,7 @@ inline double moe_aux_loss(std::span<const std::int64_t> counts, std::span<const
 /// its gradient at a token's probability of expert e is weight x coef x E x C_e / R^2.
 inline double moe_aux_scale(double coef, double weight, std::int64_t layers, std::int64_t experts, std::int64_t tokens) {
   const double rows = static_cast<double>(layers) * static_cast<double>(tokens);
+  if (rows == 0) return 0.0;
   return weight * coef * static_cast<double>(experts) / (rows * rows);
 }
 
