@@ -974,8 +974,8 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   const auto share = static_cast<std::size_t>(topt.batch_rows * s.seq);
   std::vector<std::int32_t> ids(n), labels(n), positions(data->packed() ? n : 0);
   // Examples end in padding, which transformers' attention mask leaves out of a mixture of
-  // experts' auxiliary loss: the trainer takes the same mask.
-  std::vector<std::uint8_t> attention_mask(data->examples() && cfg.moe.output_router_logits ? n : 0);
+  // experts' auxiliary loss (and the tokens per expert): the trainer takes the same mask.
+  std::vector<std::uint8_t> attention_mask(data->examples() && cfg.moe_layer_count() > 0 ? n : 0);
   const auto mine = [&]<class E>(const std::vector<E>& v, std::size_t per_process) {
     return v.empty() ? std::span<const E>()
                      : std::span<const E>(v).subspan(static_cast<std::size_t>(ranks.rank()) * per_process, per_process);

@@ -50,8 +50,19 @@ double rel_to_change(const std::vector<float>& a, const std::vector<float>& b, c
 struct Run {
   std::vector<float> state;    // masters and moments (sharded: whole on rank 0 only, gathered there)
   std::vector<float> masters;  // every rank's
-  std::vector<double> losses, norms;
+  std::vector<double> losses, norms, aux;
+  std::vector<std::int64_t> loads;  // every step's sparse layers' fewest and most tokens per expert
 };
+
+/// A mixture of experts with the auxiliary load-balancing loss: a dense layer between two sparse
+/// ones, renormalised top 2 of 5.
+ModelConfig moe_aux() {
+  return ModelConfig::from_json(nlohmann::json::parse(
+      R"({"architectures":["Qwen3MoeForCausalLM"],"hidden_size":32,"intermediate_size":40,"moe_intermediate_size":24,
+          "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":53,
+          "num_experts":5,"num_experts_per_tok":2,"norm_topk_prob":true,"mlp_only_layers":[1],
+          "output_router_logits":true,"router_aux_loss_coef":0.3})"), "moe aux test");
+}
 
 std::vector<float> masters_of(const HostParamStore<float>& store) {
   std::vector<float> out;
@@ -61,11 +72,13 @@ std::vector<float> masters_of(const HostParamStore<float>& store) {
 
 /// `steps` steps of a tiny model on global batches of `rows` rows; this rank's share where
 /// `distributed`, else the whole batch in one process.
+/// With `moe`, moe_aux() on rows that end in padding, with their attention mask.
 Run train(bool distributed, bool tied, std::int64_t rows, std::int64_t micro, double clip, int steps, bool shard = false,
-          bool during_backward = true, GradientHome home = GradientHome::host, std::int64_t device_units = 0) {
+          bool during_backward = true, GradientHome home = GradientHome::host, std::int64_t device_units = 0,
+          bool moe = false) {
   const int world = distributed ? comm().world() : 1, rank = distributed ? comm().rank() : 0;
   const std::int64_t seq = 13, share = rows / world;
-  const auto cfg = tiny(tied);
+  const auto cfg = moe ? moe_aux() : tiny(tied);
   TrainerOptions o = options(share, seq);
   o.micro_batches = micro;
   o.clip_norm = clip;
@@ -90,14 +103,24 @@ Run train(bool distributed, bool tied, std::int64_t rows, std::int64_t micro, do
   std::mt19937 rng(1234);
   Run r;
   for (int s = 0; s < steps; ++s) {
-    const Batch b = random_batch(rng, rows, seq, static_cast<std::int32_t>(cfg.vocab_size));
+    Batch b = random_batch(rng, rows, seq, static_cast<std::int32_t>(cfg.vocab_size));
+    std::vector<std::uint8_t> mask(moe ? b.ids.size() : 0, 1);
+    for (std::int64_t row = 0; moe && row < rows; ++row)  // (row r ends in (3 r + s) % 5 tokens of padding)
+      for (std::int64_t c = seq - (3 * row + s) % 5; c < seq; ++c) {
+        mask[static_cast<std::size_t>(row * seq + c)] = 0;
+        b.labels[static_cast<std::size_t>(row * seq + c)] = kIgnoreIndex;
+      }
     const auto first = static_cast<std::size_t>(rank * share * seq), n = static_cast<std::size_t>(share * seq);
     const std::vector<std::int32_t> ids(b.ids.begin() + first, b.ids.begin() + first + n),
         labels(b.labels.begin() + first, b.labels.begin() + first + n);
-    const StepStats st = t.step(ids, labels);
+    const std::span<const std::uint8_t> my_mask = moe ? std::span<const std::uint8_t>(mask).subspan(first, n)
+                                                      : std::span<const std::uint8_t>();
+    const StepStats st = t.step(ids, labels, {}, my_mask);
     CHECK(st.tokens == rows * seq);
     r.losses.push_back(st.loss);
     r.norms.push_back(st.grad_norm);
+    r.aux.push_back(st.aux_loss);
+    for (const auto& l : st.expert_load) r.loads.insert(r.loads.end(), {l.min, l.max});
   }
   t.finish_update();
   r.masters = masters_of(store);
@@ -106,8 +129,8 @@ Run train(bool distributed, bool tied, std::int64_t rows, std::int64_t micro, do
   return r;
 }
 
-std::vector<float> initial_state(bool tied) {
-  const auto cfg = tiny(tied);
+std::vector<float> initial_state(bool tied, bool moe = false) {
+  const auto cfg = moe ? moe_aux() : tiny(tied);
   TrainerOptions o = options(6, 13);
   o.gradient_home = GradientHome::host;
   DecoderModel<> model(cfg);
@@ -117,7 +140,7 @@ std::vector<float> initial_state(bool tied) {
 
 void check_same_run(bool tied, std::int64_t rows, std::int64_t micro_per_rank, double clip, bool shard = false,
                     bool during_backward = true, GradientHome home = GradientHome::host,
-                    std::int64_t device_units = 0) {
+                    std::int64_t device_units = 0, bool moe = false) {
   const int world = comm().world();
   CAPTURE(device_units);
   CAPTURE(shard);
@@ -129,17 +152,24 @@ void check_same_run(bool tied, std::int64_t rows, std::int64_t micro_per_rank, d
   CAPTURE(micro_per_rank);
   CAPTURE(clip);
   const int steps = 4;
-  const Run dist = train(true, tied, rows, micro_per_rank, clip, steps, shard, during_backward, home, device_units);
+  CAPTURE(moe);
+  const Run dist = train(true, tied, rows, micro_per_rank, clip, steps, shard, during_backward, home, device_units, moe);
   // one process, the whole global batch, as many micro-batches in all
-  const Run one = train(false, tied, rows, micro_per_rank * world, clip, steps);
+  const Run one = train(false, tied, rows, micro_per_rank * world, clip, steps, false, true, GradientHome::host, 0, moe);
   for (int s = 0; s < steps; ++s) {
     CAPTURE(s);
     CHECK(dist.losses[static_cast<std::size_t>(s)] == doctest::Approx(one.losses[static_cast<std::size_t>(s)]).epsilon(1e-5));
     CHECK(dist.norms[static_cast<std::size_t>(s)] == doctest::Approx(one.norms[static_cast<std::size_t>(s)]).epsilon(1e-5));
+    CHECK(dist.aux[static_cast<std::size_t>(s)] == doctest::Approx(one.aux[static_cast<std::size_t>(s)]).epsilon(1e-5));
   }
+  // (the tokens per expert of the global batch: the first step's exactly, from the same weights;
+  // later a token's routing may turn on the rounding the two runs differ by)
+  REQUIRE(dist.loads.size() == one.loads.size());
+  const auto first_step = static_cast<std::ptrdiff_t>(dist.loads.size() / steps);
+  CHECK(std::equal(dist.loads.begin(), dist.loads.begin() + first_step, one.loads.begin()));
   // (sharded: the moments gathered on rank 0)
   if (!shard || comm().rank() == 0) {
-    const double rel = rel_to_change(dist.state, one.state, initial_state(tied));
+    const double rel = rel_to_change(dist.state, one.state, initial_state(tied, moe));
     MESSAGE("world " << world << std::string(shard ? " sharded" : "") << ": the state differs from one process's by " << rel
                      << " of what training changed");
     CHECK(rel < 1e-4);
@@ -160,6 +190,13 @@ TEST_CASE("data parallel over MPI processes equals one process training the glob
   check_same_run(true, 4 * w, 2, 1.0);         // tied, two micro-batches per rank
   check_same_run(false, 2 * w, 2, 0.0);        // no clipping: micro-batches keep the gradient resident
   check_same_run(true, 3 * w, 1, 0.05);        // clipping that binds
+}
+
+TEST_CASE("data parallel with a mixture of experts' auxiliary loss (padded rows, their attention mask): each process's "
+          "micro-batches are the step's, as one process's with as many in all") {
+  const std::int64_t w = comm().world();
+  check_same_run(false, 2 * w, 1, 1.0, false, true, GradientHome::host, 0, true);
+  check_same_run(false, 4 * w, 2, 1.0, true, true, GradientHome::device, 0, true);  // (ZeRO-1, gradients on the device)
 }
 
 TEST_CASE("data parallel: the gradients summed after the backward instead (sum_during_backward false), the same run") {

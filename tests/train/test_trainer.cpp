@@ -989,34 +989,36 @@ TEST_CASE("a padding row (pad_token_id) gets no gradient from the lookup, the em
 /// A family's model trained for `steps` steps with exact clipping: equal to the plain loop in one
 /// chunk; in chunks of 3 rows, kept activations (each count of `kept`) give the same bits as
 /// recomputing, and token blocks of 7 the same step up to rounding.
-static void check_family_trains(const ModelConfig& cfg, int steps, std::initializer_list<std::int64_t> kept_counts) {
+static void check_family_trains(const ModelConfig& cfg, int steps, std::initializer_list<std::int64_t> kept_counts,
+                                const std::function<Batch(std::mt19937&)>& batch = {}) {
   auto o = options(4, 11);
   o.clip_norm = 0.05;
   o.clip_mode = ClipMode::exact;
   {  // one chunk: the plain loop's order of sums, so its weights (measured: bit for bit)
     std::vector<float> w;
-    const auto stats = run(cfg, o, steps, &w);
-    CHECK(against_plain_loop(cfg, o, stats, w) <= 1e-6);
+    const auto stats = run(cfg, o, steps, &w, batch);
+    CHECK(against_plain_loop(cfg, o, stats, w, batch) <= 1e-6);
   }
   o.chunk_rows = 3;  // (chunks add weight gradients in another order: rounding, which Adam magnifies on tiny ones)
   std::vector<float> w;
-  const auto stats = run(cfg, o, steps, &w);
+  const auto stats = run(cfg, o, steps, &w, batch);
   for (const std::int64_t kept : kept_counts) {
     CAPTURE(kept);
     auto k = o;
     k.kept_blocks = kept;
     std::vector<float> wk;
-    const auto sk = run(cfg, k, steps, &wk);
+    const auto sk = run(cfg, k, steps, &wk, batch);
     CHECK(wk == w);
     for (std::size_t s = 0; s < stats.size(); ++s) CHECK(sk[s].loss == stats[s].loss);
   }
   auto b = o;
   b.token_chunk = 7;
-  const auto blocked = run(cfg, b, steps);
+  const auto blocked = run(cfg, b, steps, nullptr, batch);
   for (std::size_t s = 0; s < stats.size(); ++s) {
     CAPTURE(s);
     CHECK(blocked[s].loss == doctest::Approx(stats[s].loss).epsilon(1e-5));
     CHECK(blocked[s].grad_norm == doctest::Approx(stats[s].grad_norm).epsilon(1e-4));
+    CHECK(blocked[s].aux_loss == doctest::Approx(stats[s].aux_loss).epsilon(1e-5));
   }
 }
 
@@ -1154,6 +1156,36 @@ TEST_CASE("an attention mask leaves padding out of the auxiliary loss, as the pl
   }
   CHECK(w_ones == w_none);
   CHECK(w_mask != w_none);
+  // ... in chunks of rows, token blocks and kept blocks (the mask's rows follow each): the plain
+  // loop's in one chunk, kept = recomputed bits, token blocks to rounding
+  check_family_trains(aux, 3, {1, 2}, padded);
+  // ... and in micro-batches: a batch of two padded rows twice, in two micro-batches, is the step
+  // of the two rows alone (the auxiliary loss per micro-batch, each counting its own tokens)
+  const auto half = [&](std::mt19937& rng) {
+    auto b = padded(rng);
+    const auto n = static_cast<std::ptrdiff_t>(2 * o.seq_len);
+    b.ids.resize(static_cast<std::size_t>(n));
+    b.labels.resize(static_cast<std::size_t>(n));
+    b.mask.resize(static_cast<std::size_t>(n));  // (rows 0 and 1: no padding, and 3 tokens of it)
+    return b;
+  };
+  const auto doubled = [&](std::mt19937& rng) {
+    auto b = half(rng);
+    for (auto* v : {&b.ids, &b.labels}) v->insert(v->end(), v->begin(), v->end());
+    b.mask.insert(b.mask.end(), b.mask.begin(), b.mask.end());
+    return b;
+  };
+  auto two = o;
+  two.max_micro_rows = 2;
+  auto one = o;
+  one.batch_rows = 2;
+  const auto alone = run(aux, one, 3, nullptr, half);
+  const auto twice = run(aux, two, 3, nullptr, doubled);
+  for (std::size_t s = 0; s < alone.size(); ++s) {
+    CAPTURE(s);
+    CHECK(twice[s].aux_loss == doctest::Approx(alone[s].aux_loss).epsilon(1e-6));
+    CHECK(twice[s].loss == doctest::Approx(alone[s].loss).epsilon(1e-6));
+  }
 
   // A malformed mask is refused before anything changes.
   DecoderModel<> m2(aux);

@@ -265,7 +265,7 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   // (device AdamW: 30 bytes an element; and a device block's bf16 weights made from its masters
   // for each item that reads them, 6 bytes an element: each micro-batch's forward and backward,
   // and the refills between checkpoints)
-  const double weight_casts = static_cast<double>(opt.micro_batches) * (2 + refill);
+  const double weight_casts = b.sizes.weight < sizeof(float) ? static_cast<double>(opt.micro_batches) * (2 + refill) : 0.0;
   const double adam_dev_s = (30 * n_dev + 6 * weight_casts * blocks_dev * block) / (m.hbm_gbs * 1e9);
   const double ckpt_moved = static_cast<double>(b.checkpoints_in_host()) * static_cast<double>(b.checkpoint_bytes());
   const double ckpt_s = ckpt_moved / (m.d2h_gbs * 1e9) + ckpt_moved / (m.h2d_gbs * 1e9);

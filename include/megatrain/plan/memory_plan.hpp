@@ -141,8 +141,8 @@ struct TrainerBuffers {
   /// A mixture of experts' routing statistics (RouterStats): micro-batches x sparse layers x
   /// experts, each a count (int64) and a sum of probabilities (double), in backend and host memory.
   std::size_t router = 0;
-  /// The auxiliary load-balancing loss: which tokens count (uint8), a micro-batch's in backend
-  /// memory and the batch's in host memory.
+  /// A mixture of experts' routing statistics and auxiliary loss: which tokens count (uint8), a
+  /// micro-batch's in backend memory and the batch's in host memory.
   bool token_mask = false;
   // backend memory
   std::size_t weight_slots = 0, block_slot = 0;  ///< ring of block weight slots (Weight), each the largest block
@@ -322,7 +322,7 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   b.micro_tokens = static_cast<std::size_t>(opt.micro_rows() * opt.seq_len);
   b.batch_tokens = static_cast<std::size_t>(opt.batch_rows * opt.seq_len);
   b.router = static_cast<std::size_t>(opt.micro_batches * cfg.moe_layer_count() * cfg.moe.num_experts);
-  b.token_mask = b.router > 0 && cfg.moe.output_router_logits;
+  b.token_mask = b.router > 0;
   b.chunk_rows = chunk_rows(opt);
   b.token_block = token_block(opt, b.chunk_rows * opt.seq_len);
   const ChunkShape chunk{b.chunk_rows, opt.seq_len, {}, b.token_block};

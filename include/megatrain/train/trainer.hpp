@@ -116,7 +116,8 @@ struct StepStats {
   std::int64_t tokens = 0;  ///< tokens in the batch
   double seconds = 0;
   /// A mixture of experts: the step's auxiliary load-balancing loss (transformers'
-  /// load_balancing_loss_func over each micro-batch, their mean; not part of `loss`: where the
+  /// load_balancing_loss_func over each micro-batch, their mean, over every process's micro-batches
+  /// with several, as each rank's forward computes it under DDP; not part of `loss`: where the
   /// config sets output_router_logits, the step trains on loss + router_aux_loss_coef x aux_loss),
   /// and each sparse layer's tokens per expert over the step (the fewest and the most routed to
   /// one expert: a collapsing router shows as min 0 and a growing max).
@@ -253,10 +254,6 @@ class Trainer {
              "data parallel over {} processes with {} device units: their gradients are summed in GPU memory, which "
              "needs the gradients waiting there (GradientHome::device, the default)", opt_.distributed() ? opt_.comm->world() : 1,
              opt_.device_units);
-    MT_CHECK(!opt_.distributed() || !model_.config().moe.output_router_logits,
-             "data parallel over {} processes: the auxiliary load-balancing loss (output_router_logits) is not "
-             "supported there yet; set output_router_logits to false, or train in one process",
-             opt_.distributed() ? opt_.comm->world() : 1);
     if (opt_.seq_len > model_.config().max_position_embeddings)
       log_warning("the sequence length {} is longer than this model's max_position_embeddings {}: positions past {} "
                   "are ones the model was not trained on; extend its context with rope scaling in config.json "
@@ -303,8 +300,8 @@ class Trainer {
   /// `attention_mask` (as many; empty: every token counts) is transformers' attention mask: 1 for
   /// the tokens of the batch's examples, 0 for padding, which must come after a row's tokens
   /// (right padding: attention is causal, so it changes nothing before it); a mixture of experts'
-  /// auxiliary load-balancing loss and routing statistics then leave the padding out, as
-  /// transformers does given that mask.
+  /// auxiliary load-balancing loss (whether trained or only reported) and routing statistics then
+  /// leave the padding out, as transformers does given that mask.
   StepStats step(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels,
                  std::span<const std::int32_t> positions = {}, std::span<const std::uint8_t> attention_mask = {}) {
     MT_NVTX_RANGE("Trainer::step");
@@ -344,10 +341,16 @@ class Trainer {
     settle();
     double grad_norm;
     double loss = sum_loss() * st.loss_scale;
+    double aux_loss = local_aux_loss();
     if (opt_.distributed()) {  // every process's share summed: the global batch's loss and gradient
-      double l[1] = {loss};
+      // (the auxiliary loss: each process's forwards' own, as a rank's in transformers under DDP;
+      // the step's the mean over every process's micro-batches; the tokens per expert of the
+      // global batch)
+      double l[2] = {loss, aux_loss};
       opt_.comm->all_reduce_sum(l);
       loss = l[0];
+      aux_loss = l[1] / static_cast<double>(opt_.comm->world());
+      if (!router_counts_host_.empty()) opt_.comm->all_reduce_sum(router_counts_host_);
       if (!sums_in_offload_ && !reduces_on_device_)  // (else summed in the backward, as each was completed)
         for (std::size_t u = 0; u < model_.num_units(); ++u) {
           if (opt_.sharded())  // (each process its part's sum: it steps that part)
@@ -454,7 +457,8 @@ class Trainer {
     s.grad_norm = grad_norm;
     s.clip_coef = st.clip_coef;
     s.tokens = opt_.batch_rows * opt_.seq_len * (opt_.distributed() ? opt_.comm->world() : 1);  // (the global batch's)
-    router_stats(s);
+    s.aux_loss = aux_loss;
+    expert_load(s);
     s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (opt_.profile) s.profile = profile ? std::move(*profile) : collect_profile();
     return s;
@@ -592,18 +596,26 @@ class Trainer {
     double lr = 0, clip_coef = 1;
   };
 
-  // The step's routing statistics (StepStats::aux_loss, expert_load) from what the head items
-  // downloaded: each micro-batch's [sparse layer, expert] counts and probability sums.
-  void router_stats(StepStats& s) const {
+  // The step's auxiliary loss (StepStats::aux_loss) from what the head items downloaded: each
+  // micro-batch's [sparse layer, expert] counts and probability sums (this process's).
+  double local_aux_loss() const {
+    if (router_counts_host_.empty()) return 0.0;
+    const ModelConfig& cfg = model_.config();
+    const std::int64_t Lm = cfg.moe_layer_count(), E = cfg.moe.num_experts;
+    const auto per = static_cast<std::size_t>(Lm * E);
+    double aux = 0;
+    for (std::int64_t m = 0; m < opt_.micro_batches; ++m)
+      aux += moe_aux_loss(router_counts_host_.subspan(static_cast<std::size_t>(m) * per, per),
+                          router_probs_host_.subspan(static_cast<std::size_t>(m) * per, per), Lm, E, counted_tokens(m));
+    return aux / static_cast<double>(opt_.micro_batches);
+  }
+  // ... and each sparse layer's fewest and most tokens per expert (StepStats::expert_load; with
+  // several processes, of the global batch: the counts summed over them first).
+  void expert_load(StepStats& s) const {
     if (router_counts_host_.empty()) return;
     const ModelConfig& cfg = model_.config();
     const std::int64_t Lm = cfg.moe_layer_count(), E = cfg.moe.num_experts;
     const auto per = static_cast<std::size_t>(Lm * E);
-    for (std::int64_t m = 0; m < opt_.micro_batches; ++m)
-      s.aux_loss += moe_aux_loss(router_counts_host_.subspan(static_cast<std::size_t>(m) * per, per),
-                                 router_probs_host_.subspan(static_cast<std::size_t>(m) * per, per), Lm, E,
-                                 counted_tokens(m));
-    s.aux_loss /= static_cast<double>(opt_.micro_batches);
     for (std::int64_t l = 0, idx = 0; l < cfg.num_hidden_layers; ++l) {
       if (!cfg.is_moe_layer(l)) continue;
       StepStats::ExpertLoad load{l, std::numeric_limits<std::int64_t>::max(), 0};
@@ -637,8 +649,10 @@ class Trainer {
     if (aux && cfg.moe.output_router_logits) {
       r.aux_counts = View<const std::int64_t>(
           std::span<const std::int64_t>(router_counts_dev_.span()).subspan(micro, static_cast<std::size_t>(Lm * E)), Shape{Lm, E});
-      r.aux_scale = moe_aux_scale(cfg.moe.router_aux_loss_coef, 1.0 / static_cast<double>(opt_.micro_batches), Lm, E,
-                                  counted_tokens(m));
+      // (each micro-batch's loss weighs 1 / the micro-batches of the step, every process's: the
+      // gradients are summed over the processes)
+      const double forwards = static_cast<double>(opt_.micro_batches * (opt_.distributed() ? opt_.comm->world() : 1));
+      r.aux_scale = moe_aux_scale(cfg.moe.router_aux_loss_coef, 1.0 / forwards, Lm, E, counted_tokens(m));
     }
     return r;
   }
@@ -683,6 +697,8 @@ class Trainer {
   // ... and gives it back (each unit through the update gate: a checkpoint writer may still read it).
   void save_device_units() {
     MT_NVTX_RANGE("Trainer::save_device_units");
+    // (a block's bf16 copy is made in the weights' ring on the compute stream: nothing may run)
+    MT_CHECK(!update_pending_, "the device units' state is saved while an update is in flight: call finish_update()");
     const auto gate = update_gate_.load();
     for (std::size_t u = 0; u < devices_.count(); ++u) {
       if (gate) (*gate)(u);
@@ -1929,8 +1945,9 @@ class Trainer {
   Arena arena_;
   Buf<std::int32_t> ids_dev_, labels_dev_;
   Buf<std::int32_t> positions_dev_, starts_dev_;  // packed rows: a micro-batch's positions and sequence starts
-  // The auxiliary loss (output_router_logits): which tokens count (step()'s attention mask), a
-  // micro-batch's on the device, the batch's pinned, and how many each micro-batch counts.
+  // A mixture of experts' routing statistics and auxiliary loss: which tokens count (step()'s
+  // attention mask), a micro-batch's on the device, the batch's pinned, and how many each
+  // micro-batch counts.
   Buf<std::uint8_t> valid_dev_;
   HostBuffer valid_mem_;
   std::span<std::uint8_t> valid_host_;
