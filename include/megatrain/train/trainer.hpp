@@ -931,7 +931,7 @@ class Trainer {
         for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) f(r0, std::min(chunk, rows - r0));
       };
       auto block_chunk = [&](std::int64_t r0, std::int64_t n_rows, RouterStats router = {}) {  // a block's chunk: rows, packing, token blocks
-        if (t.valid_dev_.size() > 0)  // (the tokens the auxiliary loss counts)
+        if (t.masked_)  // (the tokens the routing statistics and the auxiliary loss count)
           router.valid = View<const std::uint8_t>(std::span<const std::uint8_t>(t.valid_dev_.span()).subspan(
                                                       static_cast<std::size_t>(r0 * seq), static_cast<std::size_t>(n_rows * seq)),
                                                   Shape{n_rows * seq});
@@ -951,7 +951,7 @@ class Trainer {
             t.be_.upload(exec, std::span<const std::int32_t>(t.ids_host_).subspan(off, n), t.ids_dev_.span());
             t.be_.upload(exec, std::span<const std::int32_t>(t.labels_host_).subspan(off, n), t.labels_dev_.span());
             if (t.opt_.packed) t.upload_positions(exec, it.micro, rows);
-            if (t.valid_dev_.size() > 0 && it.piece == 0)  // (a step's forward: the tokens its auxiliary loss counts)
+            if (t.masked_ && it.piece == 0)  // (a step's forward: the tokens its auxiliary loss counts)
               t.be_.upload(exec, std::span<const std::uint8_t>(t.valid_host_).subspan(off, n), t.valid_dev_.span());
             // fp32 rows: a device unit's master table, or the batch's distinct rows gathered by
             // the prefetch (indexed by the tokens' compact ids)
@@ -1828,12 +1828,13 @@ class Trainer {
                "row's tokens (right padding)", i, i / seq, i % seq);
     }
   }
-  /// The mask's host copy where the auxiliary loss reads it (token_mask_), and the tokens each
-  /// micro-batch counts.
+  /// A mixture of experts' copy of a mask that leaves some padding out (masked_), and the tokens
+  /// each micro-batch counts; without padding the statistics count every token, as before.
   void stage_attention_mask(std::span<const std::uint8_t> mask) {
-    if (valid_host_.empty()) return;
-    if (mask.empty()) std::fill(valid_host_.begin(), valid_host_.end(), std::uint8_t{1});
-    else std::copy(mask.begin(), mask.end(), valid_host_.begin());
+    valid_count_.clear();
+    masked_ = !valid_host_.empty() && std::find(mask.begin(), mask.end(), std::uint8_t{0}) != mask.end();
+    if (!masked_) return;
+    std::copy(mask.begin(), mask.end(), valid_host_.begin());
     const auto per = static_cast<std::size_t>(opt_.micro_rows() * opt_.seq_len);
     valid_count_.assign(static_cast<std::size_t>(opt_.micro_batches), 0);
     for (std::size_t i = 0; i < valid_host_.size(); ++i) valid_count_[i / per] += valid_host_[i];
@@ -1952,6 +1953,7 @@ class Trainer {
   HostBuffer valid_mem_;
   std::span<std::uint8_t> valid_host_;
   std::vector<std::int64_t> valid_count_;
+  bool masked_ = false;  // this step's mask leaves some padding out (else nothing is masked)
   HostBuffer positions_mem_;
   std::span<std::int32_t> positions_host_, starts_host_;  // the batch's (starts: token offsets, then the end)
   std::vector<std::int64_t> row_seq_;                     // each row's first sequence in starts_host_, then the count
