@@ -174,6 +174,9 @@ int run(B& be, const char* name, const Args& a) {
     opt.clip_mode = a.clip_mode == "exact" ? ClipMode::exact : ClipMode::stale;
   }
   DecoderModel<> model(cfg);
+  // (what the process holds before the model: the libraries, the GPU's context and the backend's
+  // host side; the plan counts the store and the trainer's buffers, the peak RSS both)
+  const double rss_before_store = peak_rss_bytes();
   HostParamStore<float> store(model.units(), Trainer<B>::store_options(opt));
   Trainer<B> trainer(model, store, be, opt);
   std::printf("%s", plan::format_summary({cfg, trainer.options(), trainer.memory_plan(),
@@ -273,8 +276,10 @@ int run(B& be, const char* name, const Args& a) {
   std::printf("| plan: GPU memory (the trainer's buffers; + the backend's own) | %s planned, %s allocated (+ %s) |\n",
               format_bytes(mp.device_total()).c_str(), format_bytes(trainer.device_bytes()).c_str(),
               format_bytes(mp.device_before).c_str());
-  std::printf("| plan: host memory (store and trainer buffers) | %s planned; peak RSS / planned %.3f |\n",
-              format_bytes(mp.host_total()).c_str(), peak_rss_bytes() / static_cast<double>(mp.host_total()));
+  std::printf("| plan: host memory (store and trainer buffers; + the process before the store) | %s planned (+ %s: the libraries, "
+              "the GPU's context); peak RSS / (planned + that) %.3f |\n",
+              format_bytes(mp.host_total()).c_str(), format_bytes(static_cast<std::size_t>(rss_before_store)).c_str(),
+              peak_rss_bytes() / (static_cast<double>(mp.host_total()) + rss_before_store));
   const double model_flops = plan::model_flops(cfg, T, static_cast<double>(a.seq));
   std::printf("| model TFLOP/s (6 x matmul parameters + causal attention, per token) | %.1f |\n", model_flops / t / 1e12);
   std::printf("| executed TFLOP/s (with the recompute) | %.1f |\n", pred.executed_flops / t / 1e12);

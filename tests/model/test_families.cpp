@@ -64,7 +64,39 @@ void check_family(const fs::path& dir) {
     for (const std::int32_t v : read_tensor<std::int32_t>(ref, "attention_mask", SafetensorsDType::i32))
       loop.attention_mask.push_back(static_cast<std::uint8_t>(v));
   std::vector<std::vector<float>> grads;
+  std::vector<float> logits;
+  loop.logits = &logits;
   const auto r = loop.gradients(ids, labels, grads);
+  // The logits (rows x seq x vocab) within fp32 rounding of transformers', every one but a padded
+  // token's (transformers' mask keeps padding from attending to padding; megatrain attends causally
+  // and refuses a label on padding, so no loss depends on them).
+  auto want_logits = read_tensor<float>(ref, "logits", SafetensorsDType::f32);
+  REQUIRE(ref.tensor("logits").shape == std::vector<std::int64_t>{shape[0], shape[1], m.config.vocab_size});
+  if (!loop.attention_mask.empty()) {
+    const auto V = static_cast<std::size_t>(m.config.vocab_size);
+    std::size_t kept = 0;
+    for (std::size_t t = 0; t < loop.attention_mask.size(); ++t)
+      if (loop.attention_mask[t] != 0) {
+        std::copy_n(logits.begin() + static_cast<std::ptrdiff_t>(t * V), V, logits.begin() + static_cast<std::ptrdiff_t>(kept * V));
+        std::copy_n(want_logits.begin() + static_cast<std::ptrdiff_t>(t * V), V,
+                    want_logits.begin() + static_cast<std::ptrdiff_t>(kept * V));
+        ++kept;
+      }
+    REQUIRE(kept < loop.attention_mask.size());  // (the fixture has padding)
+    logits.resize(kept * V);
+    want_logits.resize(kept * V);
+  }
+  const double logits_err = rel(logits, want_logits);
+  CHECK(logits_err <= 1e-5);
+  double logits_worst = 0;  // (the largest single difference, against the largest logit)
+  double logits_largest = 0;
+  for (std::size_t i = 0; i < logits.size(); ++i) {
+    logits_worst = std::max(logits_worst, std::abs(static_cast<double>(logits[i]) - want_logits[i]));
+    logits_largest = std::max(logits_largest, std::abs(static_cast<double>(want_logits[i])));
+  }
+  CHECK(logits_worst <= 1e-5 * logits_largest);
+  MESSAGE(dir.filename().string() << ": logits within " << logits_err << " (relative norm), largest difference "
+                                  << logits_worst << " of logits up to " << logits_largest);
   if (ref.find("aux_loss") != nullptr) {  // transformers' loss is the cross-entropy plus coef x the auxiliary loss
     REQUIRE(m.config.moe.output_router_logits);
     const float want_aux = read_tensor<float>(ref, "aux_loss", SafetensorsDType::f32).at(0);

@@ -29,6 +29,8 @@ struct ReferenceLoop {
   /// transformers' attention mask (rows * seq; empty: every token counts): right padding, which
   /// only leaves padding out of a mixture of experts' auxiliary loss (attention is causal).
   std::vector<std::uint8_t> attention_mask = {};
+  /// When set, gradients() also writes the logits of its forward here (rows * seq * vocab).
+  std::vector<float>* logits = nullptr;
 
   struct Result {
     double loss, grad_norm;
@@ -101,6 +103,11 @@ struct ReferenceLoop {
     std::vector<float> loss(static_cast<std::size_t>(M)), dy(static_cast<std::size_t>(M * d)), dx(dy.size());
     const std::size_t H = model.head_unit();
     const auto head_w = model.head().bind(master(H), {{&emb.layout(), master(0)}});
+    if (logits != nullptr) {
+      logits->assign(static_cast<std::size_t>(M * cfg.vocab_size), 0.0f);
+      model.head().op().logits(be, c, head_w, View<const float>(view(acts[L])),
+                               View<float>(std::span<float>(*logits), Shape{M, cfg.vocab_size}), arena);
+    }
     const auto head_g = model.head().bind(std::span<float>(grads[H]), {{&emb.layout(), std::span<float>(grads[0])}});
     model.head().op().forward_backward(be, c, head_w, View<const float>(view(acts[L])), lbv, 1.0 / static_cast<double>(valid),
                                        View<float>(std::span<float>(loss), Shape{M}), view(dy), head_g, arena);

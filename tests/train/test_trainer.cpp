@@ -1203,7 +1203,17 @@ TEST_CASE("an attention mask leaves padding out of the auxiliary loss, as the pl
   CHECK_THROWS_WITH_AS(trainer.step(b.ids, b.labels, {}, bad), doctest::Contains("attention mask value 2"), Error);
   CHECK_THROWS_WITH_AS(trainer.step(b.ids, b.labels, {}, std::span(mask).first(5)), doctest::Contains("attention mask of 5"),
                        Error);
+  // a label on padding (its logits are not transformers': padding attends to padding here)
+  const auto pad = static_cast<std::size_t>(std::find(mask.begin(), mask.end(), std::uint8_t{0}) - mask.begin());
+  REQUIRE(pad < mask.size());
+  auto labelled = b.labels;
+  labelled[pad] = 7;
+  const std::string names = fmt::format("token {} (row {}, column {}) is padding", pad, pad / static_cast<std::size_t>(o.seq_len),
+                                        pad % static_cast<std::size_t>(o.seq_len));
+  CHECK_THROWS_WITH_AS(trainer.step(b.ids, labelled, {}, mask), doctest::Contains(names.c_str()), Error);
   CHECK(trainer.steps_done() == 0);
+  trainer.step(b.ids, b.labels, {}, mask);  // (the well-formed batch trains)
+  CHECK(trainer.steps_done() == 1);
 }
 
 TEST_CASE("a sequence longer than max_position_embeddings trains with a warning naming both numbers") {

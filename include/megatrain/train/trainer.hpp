@@ -299,7 +299,8 @@ class Trainer {
   /// step throws after it (the model was updated with it).
   /// `attention_mask` (as many; empty: every token counts) is transformers' attention mask: 1 for
   /// the tokens of the batch's examples, 0 for padding, which must come after a row's tokens
-  /// (right padding: attention is causal, so it changes nothing before it); a mixture of experts'
+  /// (right padding: attention is causal, so it changes nothing before it) and have no label
+  /// (kIgnoreIndex: a padded token's own logits are not transformers'); a mixture of experts'
   /// auxiliary load-balancing loss (whether trained or only reported) and routing statistics then
   /// leave the padding out, as transformers does given that mask.
   StepStats step(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels,
@@ -315,7 +316,7 @@ class Trainer {
     }
     MT_CHECK(valid > 0, "the batch has no token with a label (all labels are {})", kIgnoreIndex);
     check_positions(positions, opt_.batch_rows);
-    check_attention_mask(attention_mask, opt_.batch_rows);
+    check_attention_mask(attention_mask, labels, opt_.batch_rows);
     std::copy(ids.begin(), ids.end(), ids_host_.begin());
     std::copy(labels.begin(), labels.end(), labels_host_.begin());
     stage_positions(positions, opt_.batch_rows);
@@ -1814,7 +1815,7 @@ class Trainer {
     }
   }
   /// An attention mask (step()): one 0 or 1 a token, each row's zeros after its ones.
-  void check_attention_mask(std::span<const std::uint8_t> mask, std::int64_t rows) const {
+  void check_attention_mask(std::span<const std::uint8_t> mask, std::span<const std::int32_t> labels, std::int64_t rows) const {
     if (mask.empty()) return;
     const std::int64_t seq = opt_.seq_len;
     MT_CHECK(static_cast<std::int64_t>(mask.size()) == rows * seq, "an attention mask of {} values for {} sequences x {} tokens",
@@ -1826,6 +1827,13 @@ class Trainer {
       MT_CHECK(v == 0 || i % seq == 0 || mask[static_cast<std::size_t>(i - 1)] == 1,
                "the attention mask has a token after padding at token {} (row {}, column {}): padding must come after a "
                "row's tokens (right padding)", i, i / seq, i % seq);
+    }
+    // (transformers' mask keeps padding from attending to padding and megatrain attends causally:
+    // a padded token's logits differ, so no loss may read them)
+    for (std::int64_t i = 0; i < rows * seq; ++i) {
+      MT_CHECK(mask[static_cast<std::size_t>(i)] == 1 || labels[static_cast<std::size_t>(i)] == kIgnoreIndex,
+               "token {} (row {}, column {}) is padding (attention mask 0) but has the label {}: give padding the label {} "
+               "(ignored)", i, i / seq, i % seq, labels[static_cast<std::size_t>(i)], kIgnoreIndex);
     }
   }
   /// A mixture of experts' copy of a mask that leaves some padding out (masked_), and the tokens

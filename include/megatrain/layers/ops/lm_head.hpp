@@ -59,6 +59,19 @@ class LmHead {
                     View<typename B::Acc>{});
   }
 
+  /// The logits (tokens x vocab) of the final hidden states x: the final norm, then the head's
+  /// projection, as the loss sees them (for evaluation, and to compare with transformers' logits).
+  template <class B>
+  void logits(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Res> x,
+              View<typename B::Act> out, Arena& scratch) const {
+    MT_CHECK(out.shape() == (Shape{c.tokens(), vocab_}), "lm head logits: an output of {} for {} tokens x a vocabulary of {}",
+             out.shape().str(), c.tokens(), vocab_);
+    ArenaScope scope(scratch);
+    const auto a = carve<B>(scratch, c);
+    be.rmsnorm(x, w.norm, eps_, a.n, a.rstd, offset_);
+    be.linear(View<const typename B::Act>(a.n), w.lm_head, View<const typename B::Weight>{}, out);
+  }
+
   template <class B>
   void forward_backward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Res> x,
                         View<const std::int32_t> labels, double loss_scale, View<typename B::Acc> loss,
