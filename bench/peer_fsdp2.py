@@ -7,7 +7,9 @@ GPU, on the same shape and tokens per GPU as bench/data_parallel.py.
         --batch-per-gpu 32 --seq 1024 --steps 5 [--clip 1.0]
 
 As strong as FSDP2 offload is here: every decoder layer and the root sharded (`fully_shard`), the
-parameters, gradients and AdamW states in host memory (pinned), bf16 compute with fp32 gradient
+parameters, gradients and AdamW states in host memory (pinned where that fits the host: PyTorch's
+pinned allocator rounds each tensor up to a power of two, which at 14B does not fit 256 GiB;
+--pin-memory), bf16 compute with fp32 gradient
 reduction (`MixedPrecisionPolicy`), activation checkpointing, sdpa attention, AdamW on the CPU
 (fused where this PyTorch has it, else foreach), clip_grad_norm_ before it with --clip (exact, as
 megatrain's default); the batch in one forward/backward a GPU, else in halves, quarters (the first
@@ -33,6 +35,10 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--skip", type=int, default=2)
     ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--pin-memory", choices=("auto", "true", "false"), default="auto",
+                    help="CPUOffloadPolicy(pin_memory=...); auto: pinned where the pinned parameters and gradients "
+                         "(PyTorch's pinned allocator rounds each to a power of two) and the moments of every process "
+                         "of this host fit its available memory, else pageable")
     a = ap.parse_args()
 
     import torch
@@ -58,7 +64,24 @@ def main():
     model.gradient_checkpointing_enable()
     model.train()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    off = CPUOffloadPolicy(pin_memory=True)
+    pin = a.pin_memory == "true"
+    if a.pin_memory == "auto":  # (the strongest that fits: pinned copies are faster, but rounded up)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        need = 0
+        for p in model.parameters():  # (each rank's shard: dim 0 split evenly; fp32 parameter and gradient pinned, m and v not)
+            rows = -(-p.shape[0] // world) if p.dim() > 0 else 1
+            numel = rows * (p.numel() // max(p.shape[0], 1) if p.dim() > 0 else 1)
+            need += 2 * (1 << max(4 * numel - 1, 1).bit_length()) + 8 * numel
+        avail = 0
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+        pin = need * local_world <= 0.9 * avail
+        if rank == 0:
+            print(f"peer: pinned offload would need {need * local_world / 2**30:.1f} GiB on this host of "
+                  f"{avail / 2**30:.1f} GiB available: pin_memory={pin}", flush=True)
+    off = CPUOffloadPolicy(pin_memory=pin)
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp, offload_policy=off)
     fully_shard(model, mp_policy=mp, offload_policy=off)
@@ -123,7 +146,7 @@ def main():
     tokens = world * a.batch_per_gpu * a.seq
     tps = tokens * len(kept) / sum(kept)
     if rank == 0:
-        print(f"peer: PyTorch {torch.__version__} FSDP2 + CPUOffloadPolicy on {world} GPUs, {a.preset} ({n} parameters), "
+        print(f"peer: PyTorch {torch.__version__} FSDP2 + CPUOffloadPolicy(pin_memory={pin}) on {world} GPUs, {a.preset} ({n} parameters), "
               f"{a.batch_per_gpu} x {a.seq} tokens a GPU in passes of {micro}, AdamW on the CPU "
               f"({'fused' if fused else 'foreach'}), clip {a.clip}: steps {[round(t, 3) for t in times]} s, "
               f"{tps:.0f} tok/s, peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
