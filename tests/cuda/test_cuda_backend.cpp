@@ -394,6 +394,15 @@ TEST_CASE("embedding and head on the GPU match the float64 reference") {
     CHECK(rel_err(from_device(dx), dxd) < kGradTol);
     CHECK(rel_err(from_device(gE), ge) < kGradTol);
     CHECK(rel_err(from_device(gH), gh) < kGradTol);
+    // the logits themselves (LmHead::logits: the final norm, then the head's product; bf16 out)
+    std::vector<double> logitsd(static_cast<std::size_t>(M * V));
+    model.head().op().logits(cpu, c, hw, View<const double>(std::span<const double>(xd), Shape{M, d}),
+                             View<double>(std::span<double>(logitsd), Shape{M, V}), arena);
+    auto logits = be.alloc<bf16>(static_cast<std::size_t>(M * V));
+    model.head().op().logits(be, c, hwg, View<const float>(std::span<const float>(x.span()), Shape{M, d}),
+                             View<bf16>(logits.span(), Shape{M, V}), darena);
+    be.synchronize();
+    CHECK(rel_err(from_device(logits), logitsd) < 4 * 0x1p-9);
   }
 }
 
