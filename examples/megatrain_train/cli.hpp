@@ -27,6 +27,7 @@
 #include "megatrain/io/hf_checkpoint.hpp"
 #include "megatrain/model/config.hpp"
 #include "megatrain/plan/memory_plan.hpp"
+#include "megatrain/text/chat.hpp"
 #include "megatrain/train/trainer_options.hpp"
 
 namespace megatrain_train {
@@ -344,8 +345,9 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
   data->add_option("--tokenizer", s.tokenizer,
                    "Tokenizer for text and JSON data: a Hugging Face folder or its tokenizer.json (default: --model's)");
   data->add_option("--chat-format", s.chat_format,
-                   "How conversations and alpaca records are rendered: auto (the tokenizer's chat template, where megatrain "
-                   "renders it) or one of: chatml, qwen2.5, qwen3, llama3, llama3-base, llama3.1")
+                   fmt::format("How conversations and alpaca records are rendered: auto (the tokenizer's chat template, "
+                               "where megatrain renders it) or one of: {}",
+                               megatrain::text::chat_format_names()))
       ->capture_default_str();
   data->add_option("--train-on", s.train_on,
                    "Examples: the tokens the loss is taken on: completion (the completions and assistant turns) or "

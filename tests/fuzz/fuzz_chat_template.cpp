@@ -65,8 +65,8 @@ Folders& folders() {
   return f;
 }
 
-constexpr std::array<ChatFormat, 6> kChat{ChatFormat::chatml, ChatFormat::qwen2_5,     ChatFormat::qwen3,
-                                          ChatFormat::llama3, ChatFormat::llama3_base, ChatFormat::llama3_1};
+constexpr std::array<ChatFormat, 7> kChat{ChatFormat::chatml, ChatFormat::qwen2_5,     ChatFormat::qwen3,   ChatFormat::llama3,
+                                          ChatFormat::llama3_base, ChatFormat::llama3_1, ChatFormat::gemma3};
 
 std::vector<ChatMessage> messages_of(std::string_view s) {
   std::vector<ChatMessage> out;

