@@ -323,6 +323,9 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
   };
   std::set<std::string, std::less<>> used;
   const std::string table = Embedding::kTable, head = LmHead::kHead;
+  // (a multimodal checkpoint: the language model's tensors under checkpoint_prefix)
+  const std::string& prefix = cfg.checkpoint_prefix;
+  const auto find = [&](std::string_view name) { return c.weights_.find(prefix + std::string(name)); };
   // Fused tensors (Phi-3's projections, GPT-OSS's experts): each holds several parameters;
   // checked whole, each parameter read from its place.
   const auto fused = fused_tensors(cfg);
@@ -376,8 +379,8 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
   for (const auto& u : c.units_) {
     for (const auto& p : u.params) {
       if (places.contains(p.name)) continue;
-      std::optional<TensorRef> ref = c.weights_.find(p.name);
-      if (!ref && cfg.tie_word_embeddings && p.name == table) ref = c.weights_.find(head);
+      std::optional<TensorRef> ref = find(p.name);
+      if (!ref && cfg.tie_word_embeddings && p.name == table) ref = find(head);
       if (!ref) {
         problems.push_back(fmt::format("tensor '{}' is missing (the model needs {})", p.name, shape_str(p.shape)));
         continue;
@@ -398,10 +401,10 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
     }
   }
   // A tied model may carry the head anyway: then it must be the table.
-  if (cfg.tie_word_embeddings && !used.contains(head)) {
-    if (auto h = c.weights_.find(head)) {
-      used.insert(head);
-      const auto t = c.weights_.find(table);
+  if (cfg.tie_word_embeddings && !used.contains(prefix + head)) {
+    if (auto h = find(head)) {
+      used.insert(h->name());
+      const auto t = find(table);
       const bool comparable = t && t->info->shape == h->info->shape && is_float_dtype(t->info->dtype) &&
                               is_float_dtype(h->info->dtype);
       float a = 0, b = 0;
@@ -417,19 +420,27 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
             head, where(*h), table, at, b, a));
       } else {
         check_declared_dtype(*h);
-        c.ignored_.push_back(fmt::format("{} (tied: equal to {})", head, table));
+        c.ignored_.push_back(fmt::format("{} (tied: equal to {})", h->name(), prefix + table));
       }
     }
   }
   std::vector<std::string> extras;
+  std::size_t vision = 0;  // (a multimodal checkpoint's tensors beside its language model's)
   for (const auto& name : c.weights_.names()) {
     if (used.contains(name)) continue;
+    if (!prefix.empty() && !name.starts_with(prefix)) {
+      ++vision;
+      continue;
+    }
     if (is_rotary_buffer(name)) {
       c.ignored_.push_back(name + " (rotary buffer: recomputed from config.json)");
       continue;
     }
     extras.push_back(name);
   }
+  if (vision > 0)
+    c.ignored_.push_back(fmt::format("{} tensors of the vision tower and its projector (not trained; an export is the "
+                                     "language model alone, Gemma3ForCausalLM)", vision));
   for (const auto& name : extras) {
     const TensorRef r = c.weights_.tensor(name);
     std::string why = "the model config.json describes has no such parameter";
@@ -449,10 +460,10 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
                           "mixes dtypes on purpose, allow it explicitly (HfOpenOptions::allow_dtype_mismatch; "
                           "megatrain-train --allow-dtype-mismatch): every float dtype is converted to the fp32 master)",
                           dtype_mismatches, dtype_mismatches == 1 ? "" : "s", declared->key, declared->text);
-    if (!cfg.tie_word_embeddings && !c.weights_.contains(head) && c.weights_.contains(table))
+    if (!cfg.tie_word_embeddings && !find(head) && find(table))
       hint += "\n  (lm_head.weight is missing: if the model shares its embedding table with the LM head, set "
               "\"tie_word_embeddings\": true in config.json)";
-    if (!c.weights_.contains(table) && c.weights_.contains("embed_tokens.weight"))
+    if (!find(table) && c.weights_.contains("embed_tokens.weight"))
       hint += "\n  (the tensor names lack the 'model.' prefix: a base-model checkpoint without the causal-LM wrapper is "
               "not supported)";
     std::string list;
@@ -666,6 +677,9 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
     const ModelConfig given = ModelConfig::from_json(j, "the config.json text given for the export");
     MT_CHECK(given.to_json() == cfg.to_json(), "{}: the config.json text given describes another model ({}) than the "
              "store holds ({})", label, describe(given), describe(cfg));
+    // (a multimodal model's: its language model is what was trained and is written, without the
+    // vision tower: a Gemma3ForCausalLM)
+    if (auto text = ModelConfig::language_model_config(j)) j = std::move(*text);
     j.erase("quantization_config");  // (the weights are written unquantized: GPT-OSS's MXFP4 experts too)
   }
   j["torch_dtype"] = dtype_text;  // transformers 4 reads this spelling,

@@ -50,9 +50,6 @@ const Family& find_family(const json& j, std::string_view src) {
     MT_CHECK(a.is_array() && !a.empty() && a.at(0).is_string(),
              "{}: 'architectures' must be a non-empty list of names, not {}", src, a.dump());
     const std::string name = a.at(0).get<std::string>();
-    MT_CHECK(name != "Gemma3ForConditionalGeneration",
-             "{}: architecture 'Gemma3ForConditionalGeneration' (Gemma 3 with its vision tower, 4B and larger) is not "
-             "supported; megatrain trains Gemma 3's text models (Gemma3ForCausalLM, e.g. gemma-3-1b)", src);
     const Family* found = nullptr;
     for (const Family* f : families())
       if (name == f->class_name) found = f;
@@ -78,9 +75,42 @@ const Family& find_family(const json& j, std::string_view src) {
 
 }  // namespace
 
+std::optional<json> ModelConfig::language_model_config(const json& j, std::string_view src) {
+  const bool named = j.is_object() && given(j, "architectures") && j.at("architectures").is_array() &&
+                     !j.at("architectures").empty() && j.at("architectures").at(0) == "Gemma3ForConditionalGeneration";
+  const bool typed = j.is_object() && !given(j, "architectures") && given(j, "model_type") && j.at("model_type") == "gemma3";
+  if (!named && !typed) return std::nullopt;
+  MT_CHECK(!given(j, "model_type") || j.at("model_type") == "gemma3",
+           "{}: 'architectures' names Gemma3ForConditionalGeneration, whose model_type is 'gemma3', but model_type is {}", src,
+           j.at("model_type").dump());
+  MT_CHECK(j.contains("text_config") && j.at("text_config").is_object(),
+           "{}: a Gemma3ForConditionalGeneration config needs 'text_config', its language model's config (an object)", src);
+  json t = j.at("text_config");
+  MT_CHECK(!given(t, "model_type") || t.at("model_type") == "gemma3_text",
+           "{}: text_config's model_type is {}, not 'gemma3_text'", src, t.at("model_type").dump());
+  t["architectures"] = json::array({"Gemma3ForCausalLM"});
+  t["model_type"] = "gemma3_text";
+  // (Gemma3TextConfig's defaults, which a published text_config relies on: google/gemma-3-4b-it's
+  // gives only its sizes and rotary scaling)
+  const json defaults = {{"vocab_size", 262208},        {"hidden_size", 2304},   {"intermediate_size", 9216},
+                         {"num_hidden_layers", 26},     {"num_attention_heads", 8}, {"num_key_value_heads", 4},
+                         {"head_dim", 256},             {"max_position_embeddings", 131072},
+                         {"query_pre_attn_scalar", 256}, {"sliding_window", 4096}};
+  for (const auto& [key, value] : defaults.items())
+    if (!given(t, key.c_str())) t[key] = value;
+  for (const char* key : {"torch_dtype", "dtype", "tie_word_embeddings"})
+    if (!t.contains(key) && j.contains(key)) t[key] = j.at(key);
+  return t;
+}
+
 ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
   MT_NVTX_RANGE("ModelConfig::from_json");
   MT_CHECK(j.is_object(), "{}: a model config must be a JSON object, not {}", src, j.type_name());
+  if (const auto text = language_model_config(j, src)) {  // (a multimodal model: its language model)
+    ModelConfig c = from_json(*text, fmt::format("{} (text_config of Gemma3ForConditionalGeneration)", src));
+    c.checkpoint_prefix = "language_model.";
+    return c;
+  }
   ModelConfig c;
   const Family& fam = find_family(j, src);
   c.architecture = fam.arch;

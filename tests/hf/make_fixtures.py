@@ -273,6 +273,52 @@ def make(name, cls, cfg, out):
     print(f"{name}: {cls.__name__}, loss {loss.item():.6f}, {sum(p.numel() for p in model.parameters())} parameters -> {d}")
 
 
+def make_gemma3_mm(out):
+    """Gemma 3 as the Hub publishes 4B and larger: Gemma3ForConditionalGeneration, the language
+    model of the "gemma3" fixture with a tiny SigLIP vision tower and its projector. megatrain
+    trains the language model on text; the reference is transformers' on text alone (no image),
+    the gradients of the language model's parameters under their text model's names."""
+    name = "gemma3_mm"
+    seed = sum(map(ord, name))
+    torch.manual_seed(seed)
+    text = families()["gemma3"][1]
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).float().eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    d = os.path.join(out, name)
+    os.makedirs(d, exist_ok=True)
+    model.save_pretrained(d, safe_serialization=True)
+    from safetensors import safe_open
+    with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
+        saved = sorted(f.keys())
+    print(f"{name}: saved tensor names (first 6 of {len(saved)}): {saved[:6]}")
+    gen = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
+    labels = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
+    labels[torch.rand((ROWS, SEQ), generator=gen) < 0.2] = -100
+    ids[:, ::3] = PAD
+    model.zero_grad()
+    logits = model(input_ids=ids).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+    loss.backward()
+    ref = {"input_ids": ids.to(torch.int32).contiguous(), "labels": labels.to(torch.int32).contiguous(),
+           "loss": loss.detach().reshape(1).contiguous(), "logits": logits.detach().contiguous()}
+    for pname, p in model.named_parameters():
+        m = re.fullmatch(r"model\.language_model\.(.*)", pname)
+        if m is None:
+            assert p.grad is None or not p.grad.any(), f"{pname}: a gradient outside the language model"
+            continue
+        ref["grad.model." + m.group(1)] = p.grad.detach().float().contiguous()
+    save_file(ref, os.path.join(d, "reference.safetensors"),
+              metadata={"transformers": transformers.__version__, "torch": torch.__version__})
+    print(f"{name}: loss {loss.item():.6f}, {sum(p.numel() for p in model.parameters())} parameters -> {d}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -283,6 +329,8 @@ def main():
         if a.only and name not in a.only:
             continue
         make(name, cls, cfg, a.out)
+    if not a.only or "gemma3_mm" in a.only:
+        make_gemma3_mm(a.out)
 
 
 if __name__ == "__main__":

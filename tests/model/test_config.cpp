@@ -358,11 +358,42 @@ TEST_CASE("config: Gemma 3's refusals name the field") {
   CHECK(contains(error_of(with(g, "attention_dropout", 0.1)), "'attention_dropout'"));
   CHECK(contains(error_of(with(g, "layer_types", json::array({"full_attention"}))), "layer_types"));
   CHECK(contains(error_of(with(g, "architectures", json::array({"Gemma3ForConditionalGeneration"}))),
-                 "Gemma3ForCausalLM"));
+                 "whose model_type is 'gemma3'"));
+  CHECK(contains(error_of(json{{"architectures", json::array({"Gemma3ForConditionalGeneration"})}}), "'text_config'"));
   // Gemma's parts are refused on another family (a config assembled by hand)
   auto c = ModelConfig::preset("qwen2.5-0.5b");
   c.hidden_act = Activation::gelu_tanh;
   CHECK(contains(error_of([&] { c.validate("hand-made"); }), "MLP activation is silu, not gelu_pytorch_tanh"));
+}
+
+TEST_CASE("config: Gemma3ForConditionalGeneration (4B and larger) is its language model, the text_config's gaps Gemma3TextConfig's defaults") {
+  // google/gemma-3-4b-it's config.json, as published: a sparse text_config beside the vision tower's
+  const json mm = json::parse(R"({"architectures":["Gemma3ForConditionalGeneration"],"model_type":"gemma3",
+    "boi_token_index":255999,"eoi_token_index":256000,"eos_token_id":[1,106],"image_token_index":262144,
+    "initializer_range":0.02,"mm_tokens_per_image":256,"torch_dtype":"bfloat16","transformers_version":"4.50.0.dev0",
+    "text_config":{"hidden_size":2560,"intermediate_size":10240,"model_type":"gemma3_text","num_hidden_layers":34,
+      "rope_scaling":{"factor":8.0,"rope_type":"linear"},"sliding_window":1024},
+    "vision_config":{"hidden_size":1152,"image_size":896,"intermediate_size":4304,"model_type":"siglip_vision_model",
+      "num_attention_heads":16,"num_hidden_layers":27,"patch_size":14,"vision_use_head":false}})");
+  const ModelConfig c = ModelConfig::from_json(mm, "gemma-3-4b-it");
+  CHECK(c.checkpoint_prefix == "language_model.");
+  CHECK(c.architecture == Architecture::gemma3);
+  CHECK(c.to_json() == ModelConfig::preset("gemma-3-4b").to_json());  // (the published language model's shape)
+  const auto text = ModelConfig::language_model_config(mm);
+  REQUIRE(text.has_value());
+  CHECK(text->at("architectures") == json::array({"Gemma3ForCausalLM"}));
+  CHECK(text->at("torch_dtype") == "bfloat16");  // (the wrapper's, which the checkpoint's tensors are checked against)
+  CHECK(!ModelConfig::language_model_config(ModelConfig::preset("gemma-3-1b").to_json()).has_value());
+  // what is not a Gemma 3 language model is refused, naming it
+  auto bad = mm;
+  bad["text_config"]["model_type"] = "llama";
+  CHECK(contains(error_of([&] { (void)ModelConfig::from_json(bad, "x"); }), "text_config's model_type is \"llama\""));
+  bad = mm;
+  bad["model_type"] = "paligemma";
+  CHECK(contains(error_of([&] { (void)ModelConfig::from_json(bad, "x"); }), "model_type is \"paligemma\""));
+  bad = mm;
+  bad["text_config"]["final_logit_softcapping"] = 30.0;
+  CHECK(contains(error_of([&] { (void)ModelConfig::from_json(bad, "x"); }), "text_config of Gemma3ForConditionalGeneration"));
 }
 
 TEST_CASE("config: Phi-3 mini 4k (fused projections in the checkpoint, a window, pad_token_id)") {

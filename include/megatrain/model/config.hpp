@@ -123,9 +123,21 @@ struct ModelConfig {
   MoeConfig moe;
   /// The activation of the experts' gated MLPs (GPT-OSS: clamped_swiglu); hidden_act elsewhere.
   Activation expert_act() const;
+  /// Where the checkpoint keeps this model's tensors when config.json describes a multimodal
+  /// model whose language model this is ("language_model." for Gemma3ForConditionalGeneration:
+  /// language_model.model.layers.0...), else empty. The vision tower is not part of the model.
+  std::string checkpoint_prefix;
 
-  /// Parses a config.json object; `source` names it in errors (a path, or "<flags>").
+  /// Parses a config.json object; `source` names it in errors (a path, or "<flags>"). A multimodal
+  /// config (Gemma3ForConditionalGeneration) gives its language model (language_model_config),
+  /// with checkpoint_prefix set.
   static ModelConfig from_json(const nlohmann::json& j, std::string_view source = "config.json");
+  /// For a config.json of Gemma3ForConditionalGeneration (Gemma 3 4B and larger with its vision
+  /// tower): its language model's config.json, as a Gemma3ForCausalLM would have it: text_config,
+  /// the keys a published text_config leaves out filled with Gemma3TextConfig's defaults (as
+  /// transformers fills them), the wrapper's dtype and tie_word_embeddings where text_config has
+  /// none. nullopt for any other config.
+  static std::optional<nlohmann::json> language_model_config(const nlohmann::json& j, std::string_view source = "config.json");
   /// Reads and parses a config.json file.
   static ModelConfig from_file(const std::filesystem::path& path);
   /// A built-in shape of a public model by name: "qwen2.5-1.5b", "qwen3-8b", "gemma-3-1b",
