@@ -382,7 +382,7 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
       std::optional<TensorRef> ref = find(p.name);
       if (!ref && cfg.tie_word_embeddings && p.name == table) ref = find(head);
       if (!ref) {
-        problems.push_back(fmt::format("tensor '{}' is missing (the model needs {})", p.name, shape_str(p.shape)));
+        problems.push_back(fmt::format("tensor '{}{}' is missing (the model needs {})", prefix, p.name, shape_str(p.shape)));
         continue;
       }
       used.insert(ref->name());
@@ -428,7 +428,7 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
   std::size_t vision = 0;  // (a multimodal checkpoint's tensors beside its language model's)
   for (const auto& name : c.weights_.names()) {
     if (used.contains(name)) continue;
-    if (!prefix.empty() && !name.starts_with(prefix)) {
+    if (!prefix.empty() && (name.starts_with("vision_tower.") || name.starts_with("multi_modal_projector."))) {
       ++vision;
       continue;
     }
@@ -444,7 +444,10 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
   for (const auto& name : extras) {
     const TensorRef r = c.weights_.tensor(name);
     std::string why = "the model config.json describes has no such parameter";
-    if (name.ends_with("_proj.bias") && name.starts_with("model.layers."))
+    if (!prefix.empty() && !name.starts_with(prefix))
+      why = fmt::format("config.json is a {} whose language model's tensors are read under '{}', and whose other "
+                        "tensors are the vision tower's and projector's", "Gemma3ForConditionalGeneration", prefix);
+    else if (name.ends_with("_proj.bias") && name.starts_with("model.layers."))
       why = "config.json describes no bias for this projection (Llama: attention_bias / mlp_bias)";
     else if (name.starts_with("model.layers."))
       why = fmt::format("config.json has num_hidden_layers {}; a layer or parameter it does not describe",

@@ -1031,3 +1031,39 @@ TEST_CASE("fused parts: gather and scatter are each other's inverse over strided
   }
   CHECK(back == fused);  // every element placed once, where it came from
 }
+
+TEST_CASE("Gemma3ForConditionalGeneration: the language model read under language_model., the vision tower left alone") {
+  const json text = json::parse(R"({"architectures":["Gemma3ForCausalLM"],"model_type":"gemma3_text","hidden_size":32,
+    "intermediate_size":56,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":8,
+    "vocab_size":97,"query_pre_attn_scalar":8,"sliding_window":4,"layer_types":["sliding_attention","full_attention"]})");
+  json mm = {{"architectures", json::array({"Gemma3ForConditionalGeneration"})}, {"model_type", "gemma3"}, {"text_config", text}};
+  mm["text_config"].erase("architectures");
+  const ModelConfig cfg = ModelConfig::from_json(text);
+  const auto store = random_store(cfg);
+  auto t = tensors_of(store, SafetensorsDType::f32);
+  for (auto& x : t) x.name = "language_model." + x.name;
+  const std::vector<float> patch(48, 0.5f);
+  t.emplace_back("vision_tower.vision_model.embeddings.patch_embedding.weight",
+                 View<const float>(std::span<const float>(patch), Shape{4, 12}), SafetensorsDType::f32);
+  TempDir dir;
+  const auto out = dir / "m";
+  write_model(out, t, mm);
+  const HfModel m = load_hf_model(out);
+  CHECK(m.config.checkpoint_prefix == "language_model.");
+  REQUIRE(m.ignored.size() == 1);
+  CHECK(m.ignored[0].starts_with("1 tensors of the vision tower"));
+  for (const auto& u : store.units())
+    for (const auto& p : u.params()) {
+      CAPTURE(p.spec.name);
+      const auto a = store.master(p.spec.name).span(), b = m.store.master(p.spec.name).span();
+      CHECK(std::equal(a.begin(), a.end(), b.begin(), b.end()));
+    }
+  // a tensor under another name (transformers 5's in-memory "model.language_model."): missing,
+  // and the stray one named with where the language model is read from
+  auto renamed = t;
+  for (auto& x : renamed)
+    if (x.name == "language_model.model.norm.weight") x.name = "model.language_model.norm.weight";
+  write_model(out, renamed, mm);
+  CHECK_ERROR_MENTIONS(HfCheckpoint::open(out), "'language_model.model.norm.weight' is missing",
+                       "unexpected tensor 'model.language_model.norm.weight'", "read under 'language_model.'");
+}
