@@ -51,6 +51,7 @@ struct Args {
   std::string preset = "qwen2.5-1.5b", backend = "auto", clip_mode = "none", gpu_memory, save_dir, gradients = "device";
   std::int64_t batch = 32, seq = 1024, steps = 8, skip = 3, chunk = 0, layers = 0, save_at = 0;
   std::int64_t device_units = TrainerOptions::kAutoDeviceUnits, checkpoint_every = 0, kept_blocks = TrainerOptions::kAutoKeptBlocks;
+  std::size_t weight_slots = 2;  // --weight-slots: the ring of block weight slots (TrainerOptions::weight_slots)
   bool overlap_update = true;
   bool timeline = false;  // --timeline: the last step's compute items, summed by kind
   std::string machine;  // --machine FILE: the cost model's rates (default: the reference H200 host)
@@ -165,6 +166,7 @@ int run(B& be, const char* name, const Args& a) {
   opt.device_units = a.device_units;
   opt.checkpoint_every = a.checkpoint_every;
   opt.kept_blocks = a.kept_blocks;
+  opt.weight_slots = a.weight_slots;
   MT_CHECK(a.gradients == "device" || a.gradients == "host", "--gradients must be device or host");
   opt.gradient_home = a.gradients == "host" ? GradientHome::host : GradientHome::device;
   opt.adamw.lr = 1e-4;
@@ -333,6 +335,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--device-units", a.device_units,
                  "Units whose AdamW state lives on the device, the first in forward order (-1: as many as fit)")
+      ->capture_default_str();
+  app.add_option("--weight-slots", a.weight_slots, "Slots of the ring of block weights (>= 2; the plan counts them)")
       ->capture_default_str();
   app.add_option("--keep-activations", a.kept_blocks,
                  "The last N blocks keep their activations for the backward, no recompute (-1: the plan's choice)")

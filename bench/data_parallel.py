@@ -7,7 +7,8 @@
 1. The same run, one process and two (ranks launched as torchrun would, through
    tests/cuda/run_ranks.sh: NCCL, ZeRO-1): a small model on the built-in text; every step's loss
    must agree within 2e-3 (bf16 products, fp32 sums in another order); the two processes started
-   by megatrain-train --gpus 2 itself must give the same bits as those torchrun's way.
+   as threads of one process (megatrain-train --gpus 2) and started by megatrain-train itself
+   (--gpus 2 --gpu-ranks processes) must give the same bits as those torchrun's way.
 2. Speed: --preset at --batch-per-gpu x --seq tokens per GPU on random tokens, exact clipping: one
    GPU, then two GPUs with twice the global batch, with ZeRO-1 (the default), without
    (--shard-optimizer false), and with ZeRO-1 but every unit's AdamW on the host (--device-units 0);
@@ -35,9 +36,9 @@ ap.add_argument("--seq", type=int, default=1024)
 ap.add_argument("--batch-per-gpu", type=int, default=32)
 ap.add_argument("--steps", type=int, default=5)
 ap.add_argument("--no-peer", action="store_true", help="skip the FSDP2 + CPU offload peer (bench/peer_fsdp2.py)")
-ap.add_argument("--runs", default="one,zero1,replicated,host-adamw",
+ap.add_argument("--runs", default="one,zero1,one-process,replicated,host-adamw",
                 help="the megatrain speed runs, of: one (one GPU), zero1 (the bf16 weights one copy the two processes "
-                     "map: --share-weights auto), unshared (a copy a process), replicated, host-adamw (two GPUs), capped "
+                     "map: --share-weights auto), one-process (one process drives both GPUs: --gpus 2), unshared (a copy a process), replicated, host-adamw (two GPUs), capped "
                      "(two GPUs, ZeRO-1, as if on two hosts: a bf16 copy a process, --host-memory --host-memory-each "
                      "each; the weights gathered on the GPUs), capped-host (the same, the weights gathered through host memory after "
                      "each update: --gather-weights host), lean (ZeRO-1, --host-memory --lean-host-memory each); none: only the peer")
@@ -103,12 +104,14 @@ if not a.no_same_run:
     print(f"same run: losses {[round(m['loss'], 5) for m in two]} on two GPUs, {[round(m['loss'], 5) for m in one]} on one; "
           f"largest relative difference {worst:.2e}", flush=True)
     ok = ok and len(one) == len(two) == 6 and worst <= 2e-3
-    # ... and the same two processes started by megatrain-train itself (--gpus 2): the same bits
-    gpus = run(1, small + ["--gpus", "2"], "small-gpus")
-    same_bits = [m["loss"] for m in gpus] == [m["loss"] for m in two]
-    print(f"--gpus 2: losses {[round(m['loss'], 5) for m in gpus]}, {'the same bits as' if same_bits else 'NOT the same as'} "
-          f"the two processes torchrun's way", flush=True)
-    ok = ok and same_bits
+    # ... and the same two ranks as threads of one process (--gpus 2), and as two processes started
+    # by megatrain-train itself (--gpus 2 --gpu-ranks processes): the same bits
+    for how, extra in (("--gpus 2 (one process)", []), ("--gpus 2 --gpu-ranks processes", ["--gpu-ranks", "processes"])):
+        gpus = run(1, small + ["--gpus", "2"] + extra, "small-gpus" + "-".join(extra))
+        same_bits = [m["loss"] for m in gpus] == [m["loss"] for m in two]
+        print(f"{how}: losses {[round(m['loss'], 5) for m in gpus]}, "
+              f"{'the same bits as' if same_bits else 'NOT the same as'} the two processes torchrun's way", flush=True)
+        ok = ok and same_bits
 
 # 2. speed
 data = os.path.join(a.work, "tokens.bin")
@@ -121,6 +124,7 @@ common = ["--preset", a.preset, "--data", data, "--seq", str(a.seq), "--steps", 
 rates, memory = {}, {}
 run.params = None
 RUNS = {"one": ("one GPU", 1, []), "zero1": ("two GPUs, ZeRO-1", 2, []),
+        "one-process": ("two GPUs, one process (--gpus 2), ZeRO-1", 1, ["--gpus", "2"]),
         "replicated": ("two GPUs, replicated", 2, ["--shard-optimizer", "false"]),
         "host-adamw": ("two GPUs, ZeRO-1, AdamW on the host", 2, ["--device-units", "0"]),
         "unshared": ("two GPUs, ZeRO-1, a bf16 copy a process", 2, ["--share-weights", "false"]),
@@ -134,7 +138,8 @@ RUNS = {"one": ("one GPU", 1, []), "zero1": ("two GPUs, ZeRO-1", 2, []),
                         2, ["--host-memory", a.host_memory_each, "--share-weights", "false", "--gather-weights", "host"])}
 for key in [k for k in a.runs.split(",") if k and k != "none"]:
     name, n, extra = RUNS[key]
-    m = run(n, common + ["--batch", str(a.batch_per_gpu * n)] + extra, f"speed-{key}")
+    gpus = 2 if "--gpus" in extra else n  # (one process driving two GPUs: twice the global batch too)
+    m = run(n, common + ["--batch", str(a.batch_per_gpu * gpus)] + extra, f"speed-{key}")
     kept = m[2:] if len(m) > 2 else m
     rates[name] = sum(x["tokens"] for x in kept) / sum(x["step_time_s"] for x in kept)
     memory[name] = run.peak

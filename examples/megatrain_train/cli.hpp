@@ -101,6 +101,7 @@ struct Settings {
   std::string share_weights = "auto";
   std::string gather_weights = "gpus";
   std::string gpus = "1";  // --gpus: 1, N or all
+  std::string gpu_ranks = "threads";  // --gpu-ranks: the ranks of --gpus N as threads of this process, or processes
   // checkpoints
   std::int64_t save_every = 0, keep = 2;
   std::string resume;  // "latest" (or empty) or a folder; see resume_given
@@ -138,7 +139,9 @@ inline bool replayed_option(const std::string& name) {
 inline std::string default_out_dir() {
   char buf[64];
   const std::time_t now = std::time(nullptr);
-  std::strftime(buf, sizeof buf, "runs/%Y%m%d-%H%M%S", std::localtime(&now));
+  std::tm local{};
+  localtime_r(&now, &local);  // (the ranks of --gpus N make theirs at once: not std::localtime's shared buffer)
+  std::strftime(buf, sizeof buf, "runs/%Y%m%d-%H%M%S", &local);
   return buf;
 }
 
@@ -396,9 +399,14 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
                    "at start before it gives up naming the missing ones (default: MEGATRAIN_RENDEZVOUS_TIMEOUT, else 300)")
       ->check(CLI::NonNegativeNumber);
   runo->add_option("--gpus", s.gpus,
-                   "GPUs of this host to train on, one process each, started by this program as torchrun would "
-                   "(N, or all; default 1); not with a launcher (torchrun, mpirun, srun), which starts the processes "
-                   "itself")
+                   "GPUs of this host to train on, data parallel (N, or all; default 1): this process drives them, a "
+                   "rank each (--gpu-ranks); not with a launcher (torchrun, mpirun, srun), which starts one process a "
+                   "GPU itself. With the cpu backend: N ranks of it in this process (tests without GPUs)")
+      ->capture_default_str();
+  runo->add_option("--gpu-ranks", s.gpu_ranks,
+                   "With --gpus N: threads (this process drives the N GPUs, a thread each) or processes (one process "
+                   "a GPU, started by this program as torchrun would)")
+      ->check(CLI::IsMember({"threads", "processes"}))
       ->capture_default_str();
   runo->add_option("--shard-optimizer", s.shard_optimizer,
                    "Launched as several processes: each keeps and steps 1/N of the fp32 masters and AdamW's moments "
@@ -570,6 +578,7 @@ inline json given_options(const Parsed& p) {
 inline json recorded_options(const Parsed& p) {
   json j = given_options(p);
   j.erase("--gpus");  // (how many GPUs a resumed run uses is the resuming command's choice)
+  j.erase("--gpu-ranks");
   const Settings& s = *p.settings;
   const auto record = [&](const char* name, const std::string& value) {
     if (!j.contains(name)) j[name] = value;

@@ -1,11 +1,8 @@
-// megatrain-train --gpus N: this program starts one process per GPU of this host itself, as
-// torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free
-// MASTER_PORT), each with the same command line, and waits for them (docs/distributed.md).
-//
-// Decided: processes, not one process driving N GPUs. Every part of the trainer (its pipeline,
-// its streams, NCCL's communicator) is built for one GPU a process, and ZeRO-1 already shards the
-// state over the processes, so one host's processes hold 2 N + 12 bytes a parameter between them
-// (the bf16 copy once a process) where a single process's shared store would hold 14.
+// megatrain-train --gpus N --gpu-ranks processes: this program starts one process per GPU of
+// this host itself, as torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+// MASTER_ADDR=127.0.0.1, a free MASTER_PORT), each with the same command line, and waits for them
+// (docs/distributed.md). The default, --gpu-ranks threads, drives the N GPUs from this process, a
+// rank (thread) each (main.cpp; dist::run_local_ranks).
 //
 // The launcher forwards SIGINT and SIGTERM to every process (which stop after the same step, the
 // first saving it), and where one process fails, gives the others a minute to stop on their own
@@ -13,16 +10,14 @@
 // kills them. It exits with the first failing process's status, else 0.
 #pragma once
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -33,6 +28,7 @@
 
 #include "megatrain/core/error.hpp"
 #include "megatrain/dist/launch.hpp"
+#include "megatrain/dist/local.hpp"
 
 namespace megatrain_train {
 
@@ -47,14 +43,20 @@ inline int visible_gpus() {
 #endif
 }
 
-/// The processes `--gpus` asks for: 1 (the default: this process alone), N, or `all`. Refused
-/// where this host has fewer GPUs, or with the cpu backend (several processes train there under
-/// mpirun).
-inline int gpus_wanted(const std::string& gpus, const std::string& backend) {
+/// The ranks `--gpus` asks for: 1 (the default: this process alone), N, or `all`. Refused where
+/// this host has fewer GPUs. With the cpu backend (which has no GPUs): N ranks of it as threads
+/// of this process (what tests of the several-GPU logic run without GPUs; several processes on the
+/// cpu backend train under mpirun), not `all` and not --gpu-ranks processes.
+inline int gpus_wanted(const std::string& gpus, const std::string& backend, const std::string& ranks_as) {
+  MT_CHECK(ranks_as == "threads" || ranks_as == "processes", "--gpu-ranks must be threads or processes (got '{}')",
+           ranks_as);
   if (gpus == "1") return 1;
-  MT_CHECK(backend != "cpu", "--gpus {}: the cpu backend trains several processes over MPI: launch them with "
-           "`mpirun -np N megatrain-train ...` instead (docs/distributed.md)", gpus);
-  const int have = visible_gpus();
+  const bool cpu = backend == "cpu";
+  MT_CHECK(!cpu || (gpus != "all" && ranks_as == "threads"),
+           "--gpus {}{} with the cpu backend: it runs N ranks of the cpu backend as threads of this process (a number, "
+           "--gpu-ranks threads); several processes on the cpu backend train over MPI: `mpirun -np N megatrain-train "
+           "...` (docs/distributed.md)", gpus, ranks_as == "processes" ? " --gpu-ranks processes" : "");
+  const int have = cpu ? std::numeric_limits<int>::max() : visible_gpus();
   MT_CHECK(have > 0, "--gpus {}: no GPU is visible on this host (CUDA_VISIBLE_DEVICES selects them)", gpus);
   int n = 0;
   if (gpus == "all") {
@@ -77,27 +79,12 @@ namespace detail {
 inline volatile sig_atomic_t g_forward = 0;
 inline void remember_signal(int sig) { g_forward = sig; }
 
-// A port of 127.0.0.1 that nothing listens on now (the kernel's choice).
-inline int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  MT_CHECK(fd >= 0, "--gpus: no socket for the processes' meeting port");
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof(a);
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
-  ::close(fd);
-  MT_CHECK(ok, "--gpus: could not find a free port on 127.0.0.1 for the processes to meet on");
-  return ntohs(a.sin_port);
-}
 }  // namespace detail
 
 /// Starts `n` copies of this program (argv as given) with torchrun's variables, and waits for
 /// them; returns the exit status megatrain-train should end with.
 inline int launch_gpus(int n, char** argv) {
-  const int port = detail::free_port();
+  const int port = megatrain::dist::free_local_port();
   std::vector<pid_t> kids;
   for (int r = 0; r < n; ++r) {
     const pid_t pid = ::fork();

@@ -30,7 +30,10 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -70,6 +73,12 @@ namespace {
 // second one ends the process at once, leaving the checkpoints on disk as they are (a save in
 // progress is abandoned in its temporary folder, which the next save removes).
 std::atomic<int> g_stop_signal{0};
+// Who this thread's warnings come from ("megatrain-train (rank 1 of 2)"; empty: the program's),
+// and this process's (one of several processes: every thread's, a trainer's stages too).
+thread_local std::string t_who;
+std::string g_who;
+// --gpus N: the rank whose failure made this process abort the others' communicators (-1: none).
+std::atomic<int> g_failed_rank{-1};
 
 void on_stop_signal(int sig) {
   if (g_stop_signal.exchange(sig) != 0) _exit(128 + sig);
@@ -94,7 +103,9 @@ void install_stop_handlers() {
 // One line that redraws itself on a terminal; plain lines otherwise.
 class Progress {
  public:
-  Progress(std::int64_t first_step, std::int64_t steps, bool tty) : first_(first_step), steps_(steps), tty_(tty) {}
+  /// Prints to `out` (the first rank's stdout; the others' /dev/null).
+  Progress(std::int64_t first_step, std::int64_t steps, std::FILE* out)
+      : first_(first_step), steps_(steps), out_(out), tty_(out == stdout && isatty(STDOUT_FILENO) != 0) {}
   void update(const StepStats& s, double tok_per_s, double elapsed, std::optional<double> val, std::int64_t log_every) {
     const double eta = elapsed / static_cast<double>(s.step - first_ + 1) * static_cast<double>(steps_ - s.step);
     if (tty_) {
@@ -103,17 +114,17 @@ class Progress {
       std::string bar(static_cast<std::size_t>(filled), '=');
       if (filled < width) bar += '>';
       bar.resize(width, ' ');
-      std::fprintf(stdout, "\r\033[Kstep %lld/%lld [%s] loss %.4f | %.0f tok/s | ETA %s%s", static_cast<long long>(s.step),
+      std::fprintf(out_, "\r\033[Kstep %lld/%lld [%s] loss %.4f | %.0f tok/s | ETA %s%s", static_cast<long long>(s.step),
                    static_cast<long long>(steps_), bar.c_str(), s.loss, tok_per_s, clock(eta).c_str(),
                    val ? fmt::format(" | val {:.4f}", *val).c_str() : "");
-      if (s.step == steps_ || val) std::fputc('\n', stdout);
-      std::fflush(stdout);
+      if (s.step == steps_ || val) std::fputc('\n', out_);
+      std::fflush(out_);
     } else if (s.step % log_every == 0 || s.step == steps_ || val || s.skipped) {
-      std::fprintf(stdout, "step %lld/%lld loss %.4f lr %.3g grad_norm %.3f tok/s %.0f%s%s%s\n", static_cast<long long>(s.step),
+      std::fprintf(out_, "step %lld/%lld loss %.4f lr %.3g grad_norm %.3f tok/s %.0f%s%s%s\n", static_cast<long long>(s.step),
                    static_cast<long long>(steps_), s.loss, s.lr, s.grad_norm, tok_per_s,
                    val ? fmt::format(" val_loss {:.4f}", *val).c_str() : "", experts(s).c_str(),
                    s.skipped ? " (skipped: not finite)" : "");
-      std::fflush(stdout);
+      std::fflush(out_);
     }
   }
   /// A mixture of experts: the auxiliary loss and the least and most loaded expert of any layer.
@@ -124,9 +135,10 @@ class Progress {
     return fmt::format(" aux_loss {:.4f} tokens/expert {}..{}", s.aux_loss, lo, hi);
   }
   /// A line of its own (a save, a warning), not overwritten by the next update.
-  void note(const std::string& line, FILE* to = stdout) {
-    if (tty_) std::fputs("\r\033[K", stdout);
-    std::fflush(stdout);
+  void note(const std::string& line, FILE* to = nullptr) {
+    if (tty_) std::fputs("\r\033[K", out_);
+    std::fflush(out_);
+    if (to == nullptr) to = out_;
     std::fprintf(to, "%s\n", line.c_str());
     std::fflush(to);
   }
@@ -137,6 +149,7 @@ class Progress {
     return fmt::format("{}:{:02}:{:02}", t / 3600, (t / 60) % 60, t % 60);
   }
   std::int64_t first_, steps_;
+  std::FILE* out_;
   bool tty_;
 };
 
@@ -280,13 +293,18 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
            "true");
   // Several processes (docs/distributed.md): --batch and --micro-batches are the global batch's.
   if (ranks.several()) {
-    MT_CHECK(!eval_only, "--steps 0 (evaluate or export) runs in one process, and this is process {} of {} ({} launched "
-             "them): run it once", ranks.rank(), ranks.world(), ranks.info().launcher);
-    MT_CHECK(s.batch % ranks.world() == 0, "--batch {} (the global batch) must be a multiple of the {} processes: each "
-             "trains --batch / {} of its sequences", s.batch, ranks.world(), ranks.world());
+    MT_CHECK(!eval_only, "{}", ranks.threads()
+                                   ? fmt::format("--steps 0 (evaluate or export) runs on one GPU: drop --gpus {}", s.gpus)
+                                   : fmt::format("--steps 0 (evaluate or export) runs in one process, and this is process {} "
+                                                 "of {} ({} launched them): run it once", ranks.rank(), ranks.world(),
+                                                 ranks.info().launcher));
+    MT_CHECK(s.batch % ranks.world() == 0, "--batch {} (the global batch) must be a multiple of the {} {}: each "
+             "trains --batch / {} of its sequences", s.batch, ranks.world(), ranks.threads() ? "GPUs (--gpus)" : "processes",
+             ranks.world());
     MT_CHECK(s.micro_batches == 1 || s.micro_batches % ranks.world() == 0,
-             "--micro-batches {} (the passes of the global batch) must be 1 or a multiple of the {} processes: each runs "
-             "--micro-batches / {} of them", s.micro_batches, ranks.world(), ranks.world());
+             "--micro-batches {} (the passes of the global batch) must be 1 or a multiple of the {} {}: each runs "
+             "--micro-batches / {} of them", s.micro_batches, ranks.world(),
+             ranks.threads() ? "GPUs (--gpus)" : "processes", ranks.world());
   }
   MT_CHECK(s.eval_every >= 0 && s.log_every > 0, "--eval-every >= 0, --log-every > 0");
   MT_CHECK(s.eval_batches > 0 || (eval_only && s.eval_batches == 0),
@@ -323,7 +341,8 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
     io::check_hf_export_target(s.export_dir);
     plan.export_options = std::move(e);
   }
-  if (!s.host_memory.empty()) setenv("MEGATRAIN_HOST_MEMORY", s.host_memory.c_str(), 1);
+  // (--gpus N: set once by main, before the ranks' threads start)
+  if (!s.host_memory.empty() && !ranks.threads()) setenv("MEGATRAIN_HOST_MEMORY", s.host_memory.c_str(), 1);
 
   // The model: a resumed run's is its checkpoint's; a Hugging Face model is opened and checked
   // against its config.json before anything else.
@@ -387,7 +406,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
       // files once the resume is accepted, so a refused resume leaves the run's data as it was)
       // (a process of several other than the first: a folder of its own, as the first writes the run folder's)
       const bool temp = eval_only || !ranks.lead();
-      const fs::path dir = temp          ? fs::temp_directory_path() / fmt::format("megatrain-data-{}", getpid())
+      const fs::path dir = temp          ? fs::temp_directory_path() / fmt::format("megatrain-data-{}-{}", getpid(), ranks.rank())
                            : plan.resume ? plan.out / "data" / "incoming"
                                          : plan.out / "data";
       if (temp || plan.resume) {
@@ -409,9 +428,9 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
         po.overwrite = true;  // (the run folder's own copy)
         po.input_option = option;
         po.skip_option = "--skip-bad-lines true";
-        po.progress = text::terminal_progress(in);
+        if (ranks.lead()) po.progress = text::terminal_progress(in);  // (one bar, the first rank's)
         auto r = text::prepare_token_files(tok, po);
-        std::fprintf(eval_only ? stderr : stdout, "%s\n", r.summary.c_str());
+        std::fprintf(eval_only ? stderr : ranks.out(), "%s\n", r.summary.c_str());
         return r;
       };
       prepared = prepare(data_file, "train.bin", "--data");
@@ -512,7 +531,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
         if (x.dropped) w += fmt::format(", {} left out: no trained token within --seq", x.dropped);
         return w;
       };
-      std::fprintf(eval_only ? stderr : stdout,
+      std::fprintf(eval_only ? stderr : ranks.out(),
                    "examples: %lld for training%s; %lld for validation%s; %lld trained tokens of %lld (--train-on %s), %s\n",
                    static_cast<long long>(t.examples - t.dropped), cut(t).c_str(), static_cast<long long>(v.examples - v.dropped),
                    cut(v).c_str(), static_cast<long long>(t.labels), static_cast<long long>(t.tokens), s.train_on.c_str(),
@@ -691,9 +710,12 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   // gives each its own.)
   plan::HostBudget budget = host_budget(s);
   // (--host-memory reaches here as MEGATRAIN_HOST_MEMORY, set in run())
+  // (--gpus N as threads of this process, as N processes on one host: --host-memory is each
+  // rank's, else each plans for its share of what is available)
   if (ranks.several() && ranks.info().local_world > 1 && std::getenv("MEGATRAIN_HOST_MEMORY") == nullptr) {
     budget.bytes /= static_cast<std::size_t>(ranks.info().local_world);
-    budget.source = fmt::format("available host memory / {} processes on this host", ranks.info().local_world);
+    budget.source = fmt::format("available host memory / {} {} on this host", ranks.info().local_world,
+                                ranks.threads() ? "ranks (--gpus)" : "processes");
   }
   const std::string model_label = plan.resume              ? plan.resume->ckpt.dir().string()
                                   : !s.model_dir.empty()   ? s.model_dir
@@ -718,7 +740,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   DecoderModel<> model(cfg);
   // The plan (docs/planner.md), before anything is allocated: printed, and refused with what would
   // fit when it cannot.
-  FILE* const info = plan.eval_only ? stderr : stdout;
+  FILE* const info = plan.eval_only ? stderr : ranks.out();
   {
     const plan::StepPlan sp =
         plan::plan_step<B>(model, topt, plan::device_budget(be), budget, B::kDevice ? plan::machine_figures() : plan::MachineFigures{});
@@ -746,21 +768,26 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     }
     std::fprintf(info, "%s", plan::format_summary(sp).c_str());
     if (ranks.several())
-      std::fprintf(info, "data parallel: %d processes (%s), %d on this host; each trains %lld of the global batch's %lld "
+      std::fprintf(info, "data parallel: %s; each trains %lld of the global batch's %lld "
                    "sequences, holds %s%s: the plan above is one "
-                   "process's (one GPU's), this host holds %d times its host memory\n", ranks.world(), ranks.info().launcher.c_str(),
-                   std::max(1, ranks.info().local_world), static_cast<long long>(topt.batch_rows),
+                   "%s (one GPU's), this %s holds %d times its host memory\n",
+                   ranks.threads() ? fmt::format("{} GPUs driven by this process, a rank each (--gpus)", ranks.world()).c_str()
+                                   : fmt::format("{} processes ({}), {} on this host", ranks.world(), ranks.info().launcher,
+                                                 std::max(1, ranks.info().local_world)).c_str(),
+                   static_cast<long long>(topt.batch_rows),
                    static_cast<long long>(s.batch),
                    !topt.shard_optimizer ? "the whole train state"
                    : std::is_same_v<typename B::Weight, bf16>
                        ? fmt::format("{} and 1/{} of the fp32 masters and AdamW's moments",
                                      topt.share_host_weights
-                                         ? fmt::format("1/{} of the bf16 weights (one copy, which this host's processes "
-                                                       "map together: --share-weights)", ranks.world())
+                                         ? fmt::format("1/{} of the bf16 weights (one copy, which this host's {} "
+                                                       "map together: --share-weights)", ranks.world(),
+                                                       ranks.threads() ? "ranks" : "processes")
                                          : std::string("the bf16 weights"),
                                      ranks.world()).c_str()
                        : fmt::format("the fp32 masters and 1/{} of AdamW's moments", ranks.world()).c_str(),
-                   topt.shard_optimizer ? " (ZeRO-1; --shard-optimizer)" : "", std::max(1, ranks.info().local_world));
+                   topt.shard_optimizer ? " (ZeRO-1; --shard-optimizer)" : "", ranks.threads() ? "rank's" : "process's",
+                   ranks.threads() ? "process" : "host", std::max(1, ranks.info().local_world));
   }
   StoreOptions so;
   so.seed = s.seed;
@@ -892,28 +919,28 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     MT_CHECK(metrics.good(), "cannot write '{}'", (out / "metrics.jsonl").string());
   }
 
-  std::printf("megatrain-train: %s, %lld parameters (%lld layers, hidden %lld, vocab %lld), backend %s, data %s "
+  std::fprintf(ranks.out(), "megatrain-train: %s, %lld parameters (%lld layers, hidden %lld, vocab %lld), backend %s, data %s "
               "(%lld training tokens, %lld validation)\n",
               std::string(cfg.architecture_name()).c_str(), static_cast<long long>(cfg.param_count()),
               static_cast<long long>(cfg.num_hidden_layers), static_cast<long long>(cfg.hidden_size),
               static_cast<long long>(cfg.vocab_size), backend_name, s.data.empty() ? "built-in text" : s.data.c_str(),
               static_cast<long long>(data->train_tokens()), static_cast<long long>(data->val_tokens()));
   const std::int64_t micro = trainer.options().micro_batches * ranks.world();  // (the global batch's passes)
-  std::printf("batch %lld x %lld tokens%s, %s %lld, host memory %s, writing %s\n", static_cast<long long>(s.batch),
+  std::fprintf(ranks.out(), "batch %lld x %lld tokens%s, %s %lld, host memory %s, writing %s\n", static_cast<long long>(s.batch),
               static_cast<long long>(s.seq),
               micro > 1 ? fmt::format(" in {} micro-batches of {}", micro, s.batch / micro).c_str() : "",
               first_step > 1 ? fmt::format("steps {} to", first_step).c_str() : "steps", static_cast<long long>(s.steps),
               format_bytes(store.bytes()).c_str(), out.string().c_str());
   if constexpr (B::kDevice)
-    std::printf("AdamW on the GPU for %zu of %zu units (--device-units), on the host for the rest%s\n", trainer.device_units(),
+    std::fprintf(ranks.out(), "AdamW on the GPU for %zu of %zu units (--device-units), on the host for the rest%s\n", trainer.device_units(),
                 store.num_units(),
                 topt.resident_gradients() ? fmt::format("; gradients wait for the norm in {} memory (--gradients)",
                                                         s.gradients == "host" ? "host" : "GPU").c_str()
                                           : "");
   if (topt.schedule.decays() && s.steps > topt.schedule.total_steps)
-    std::printf("note: the %s schedule ends at step %lld (the first run's --steps); later steps train at its floor %g\n",
+    std::fprintf(ranks.out(), "note: the %s schedule ends at step %lld (the first run's --steps); later steps train at its floor %g\n",
                 s.schedule.c_str(), static_cast<long long>(topt.schedule.total_steps), topt.schedule.min_lr);
-  std::fflush(stdout);
+  std::fflush(ranks.out());
 
   // ---- checkpoints ------------------------------------------------------------------------------
   CheckpointerOptions copt;
@@ -930,7 +957,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   const json user{{"program", "megatrain-train"}, {"given", plan.given}, {"data", plan.data_identity}, {"backend", backend_name},
                   {"side_files", side_names}, {"run_dir", fs::absolute(out).lexically_normal().string()},
                   {"processes", ranks.world()}};
-  Progress progress(first_step, s.steps, isatty(STDOUT_FILENO) != 0);
+  Progress progress(first_step, s.steps, ranks.out());
   std::int64_t saved_step = first_step - 1;  // the newest complete checkpoint (or the one resumed from)
   bool last_save_failed = false;
   // Reports a finished save (a failure is a warning: the previous checkpoint is still there).
@@ -1135,7 +1162,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   // (At a normal end the others need not wait for the first's export and last save: a process that
   // ends with status 0 stops nothing.)
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("done: %lld steps in %.1f s; metrics in %s\n", static_cast<long long>(s.steps - first_step + 1), total,
+  std::fprintf(ranks.out(), "done: %lld steps in %.1f s; metrics in %s\n", static_cast<long long>(s.steps - first_step + 1), total,
               (out / "metrics.jsonl").string().c_str());
   if (last_save_failed) {
     std::fprintf(stderr, "megatrain-train: error: the run finished but its last checkpoint could not be written%s\n",
@@ -1179,42 +1206,133 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "megatrain-train: %s\n", e.reason().c_str());
     return 2;
   }
-  // Launched as several processes (torchrun, mpirun, srun): data parallel, one process per GPU
-  // (docs/distributed.md); the first process alone prints and writes the run folder.
-  Ranks ranks;
-  const auto fail = [&](const char* what) {
-    const std::string who = ranks.several() ? fmt::format(" (process {} of {})", ranks.rank(), ranks.world()) : "";
-    std::fprintf(stderr, "megatrain-train%s: error: %s\n", who.c_str(), what);
-    std::fflush(stderr);
-    ranks.fail(1);  // (the others are told: every process stops)
-    return 1;
-  };
+  const Settings& s = *p.settings;
+  int gpus = 1;
   try {
-    const Settings& s = *p.settings;
-    // --gpus N: one process per GPU, started here as torchrun would (examples/megatrain_train/gpus.hpp).
-    if (const int gpus = gpus_wanted(s.gpus, s.backend); gpus > 1) {
+    plan.given = recorded_options(p);
+    // --gpus N: N ranks, one GPU each: threads of this process (--gpu-ranks threads, the default),
+    // or one process per GPU started here as torchrun would (examples/megatrain_train/gpus.hpp).
+    gpus = gpus_wanted(s.gpus, s.backend, s.gpu_ranks);
+    if (gpus > 1) {
       const auto env = megatrain::dist::launch_from_env();
-      if (env.world <= 1) return launch_gpus(gpus, argv);
-      MT_CHECK(std::getenv("MEGATRAIN_GPUS_LAUNCHED") != nullptr && env.world == gpus,
+      if (env.world <= 1 && s.gpu_ranks == "processes") return launch_gpus(gpus, argv);
+      MT_CHECK(env.world <= 1 || (std::getenv("MEGATRAIN_GPUS_LAUNCHED") != nullptr && env.world == gpus),
                "--gpus {}: this is process {} of {} that {} launched, one GPU each: drop --gpus (the launcher says how "
                "many)", s.gpus, env.rank, env.world, env.launcher);
+      if (env.world > 1) gpus = 1;  // (a process that --gpu-ranks processes started)
     }
-    ranks = Ranks::join(s.backend == "cuda" || (s.backend == "auto" && cuda_device_present()), s.rendezvous_timeout);
-    if (!ranks.lead()) (void)!std::freopen("/dev/null", "w", stdout);
-    if (ranks.several()) {  // (a warning says which process it comes from, as an error does)
-      const std::string who = fmt::format("megatrain-train (process {} of {})", ranks.rank(), ranks.world());
-      megatrain::set_log_sink([who](megatrain::LogLevel level, std::string_view message) {
-        std::fprintf(stderr, "%s: %s: %.*s\n", who.c_str(), level == megatrain::LogLevel::warning ? "warning" : "info",
-                     static_cast<int>(message.size()), message.data());
-      });
-    }
-    plan.given = recorded_options(p);
-    return run(s, *p.app, std::move(plan), ranks);
   } catch (const megatrain::Error& e) {
-    // What went wrong and what to do, in the user's terms (the library's function and source line
-    // are in e.what(), for a bug report: MEGATRAIN_DEBUG=1 prints them).
-    return fail(std::getenv("MEGATRAIN_DEBUG") ? e.what() : e.reason().c_str());
-  } catch (const std::exception& e) {
-    return fail(e.what());
+    std::fprintf(stderr, "megatrain-train: error: %s\n", e.reason().c_str());
+    return 1;
   }
+  // One rank: this process's place in the run, its messages, its training. `ranks` joins the
+  // run (a launcher's processes) or is given (a thread of --gpus N).
+  const auto rank_main = [&](Ranks& ranks, const std::function<void(Ranks&)>& join, RunPlan rank_plan) {
+    const auto fail = [&](const char* error) {
+      const std::string who =
+          ranks.several() ? fmt::format(" ({} {} of {})", ranks.noun(), ranks.rank(), ranks.world()) : "";
+      // (--gpus N: the first rank to fail is the one the others name; once training has started,
+      // a rank stopped because another failed says that, not what its aborted collective said)
+      int failed = -1;  // (after the exchange: the rank that failed first, where another did)
+      const bool first = !ranks.threads() || g_failed_rank.compare_exchange_strong(failed, ranks.rank());
+      const std::string stopped = fmt::format("stopped: rank {} of {} failed (its message says why)", failed, ranks.world());
+      const char* what = !first && ranks.started() && !std::getenv("MEGATRAIN_DEBUG") ? stopped.c_str() : error;
+      // (ranks that are threads of this process print a message once, not once a rank: the same
+      // command fails every rank alike)
+      static std::mutex printed_mutex;
+      static std::set<std::string> printed;
+      {
+        const std::lock_guard lock(printed_mutex);
+        if (!ranks.threads() || printed.insert(what).second)
+          std::fprintf(stderr, "megatrain-train%s: error: %s\n", who.c_str(), what);
+        std::fflush(stderr);
+      }
+      ranks.fail(1);  // (the others are told: every rank stops)
+      return 1;
+    };
+    try {
+      join(ranks);
+      t_who = ranks.several() ? fmt::format("megatrain-train ({} {} of {})", ranks.noun(), ranks.rank(), ranks.world())
+                              : std::string();
+      return run(s, *p.app, std::move(rank_plan), ranks);
+    } catch (const megatrain::Error& e) {
+      // What went wrong and what to do, in the user's terms (the library's function and source line
+      // are in e.what(), for a bug report: MEGATRAIN_DEBUG=1 prints them).
+      return fail(std::getenv("MEGATRAIN_DEBUG") ? e.what() : e.reason().c_str());
+    } catch (const std::exception& e) {
+      return fail(e.what());
+    }
+  };
+  // (a warning says which rank it comes from, as an error does; from a thread of no rank of several
+  // in this process, one of a trainer's stages, the library's own words)
+  megatrain::set_log_sink([](megatrain::LogLevel level, std::string_view message) {
+    const std::string& who = t_who.empty() ? g_who : t_who;
+    std::fprintf(stderr, "%s%s %.*s\n", who.empty() ? "megatrain " : (who + ": ").c_str(),
+                 level == megatrain::LogLevel::warning ? "warning:" : "info:", static_cast<int>(message.size()),
+                 message.data());
+  });
+  const bool use_cuda = s.backend == "cuda" || (s.backend == "auto" && cuda_device_present());
+  if (gpus == 1) {
+    // Launched as several processes (torchrun, mpirun, srun): data parallel, one process per GPU
+    // (docs/distributed.md); the first process alone prints and writes the run folder.
+    Ranks ranks;
+    return rank_main(ranks, [&](Ranks& r) {
+      r = Ranks::join(use_cuda, s.rendezvous_timeout);
+      if (!r.lead()) (void)!std::freopen("/dev/null", "w", stdout);
+      if (r.several()) g_who = fmt::format("megatrain-train (process {} of {})", r.rank(), r.world());
+    }, std::move(plan));
+  }
+  // --gpus N: this process drives N GPUs, a rank (thread) each, as N processes would
+  // (docs/distributed.md#one-process-several-gpus); the first rank alone prints and writes the run
+  // folder. Where one fails, the others' communicators are aborted at once.
+  if (!s.host_memory.empty()) setenv("MEGATRAIN_HOST_MEMORY", s.host_memory.c_str(), 1);  // (before the threads)
+  if (use_cuda && std::getenv("NCCL_NVLS_ENABLE") == nullptr) setenv("NCCL_NVLS_ENABLE", "0", 1);
+  int port = 0;
+  std::vector<std::unique_ptr<megatrain::dist::LocalComm>> local(static_cast<std::size_t>(gpus));  // (cpu backend)
+  try {
+    if (use_cuda)
+      port = megatrain::dist::free_local_port();
+    else  // (as long as NCCL's: the others wait in a collective while the first writes a checkpoint)
+      local = megatrain::dist::LocalComm::group(
+          gpus, megatrain::dist::collective_timeout(std::getenv("MEGATRAIN_COLLECTIVE_TIMEOUT") ? std::nullopt
+                                                                                                : std::optional(3600.0)));
+  } catch (const megatrain::Error& e) {
+    std::fprintf(stderr, "megatrain-train: error: %s\n", e.reason().c_str());
+    return 1;
+  }
+  std::mutex live_mutex;
+  std::vector<megatrain::dist::HostComm*> live(static_cast<std::size_t>(gpus), nullptr);  // (each rank's, while it runs)
+  int first_ended = -1;  // (the first rank that ended with a nonzero status)
+  bool aborted = false;
+  const auto status = megatrain::dist::run_local_ranks(
+      gpus,
+      [&](int r) {
+        Ranks ranks;
+        RunPlan mine;  // (what main has filled in; the rest is each rank's own)
+        mine.resume = plan.resume;
+        mine.given = plan.given;
+        const int st = rank_main(ranks, [&](Ranks& me) {
+          me = Ranks::local(r, gpus, use_cuda, port, std::move(local[static_cast<std::size_t>(r)]), s.rendezvous_timeout);
+          const std::lock_guard lock(live_mutex);
+          live[static_cast<std::size_t>(r)] = me.comm();
+        }, std::move(mine));
+        const std::lock_guard lock(live_mutex);
+        live[static_cast<std::size_t>(r)] = nullptr;
+        return st;
+      },
+      [&](int ended) {  // (a rank ended with a nonzero status: where one failed, the others stop now)
+        if (first_ended < 0) first_ended = ended;
+        // (a stop signal: every rank stops alike; the cpu backend's group was aborted by the rank
+        // that failed, naming it; NCCL's communicators are one a rank: aborted here)
+        const std::lock_guard lock(live_mutex);
+        if (aborted || g_failed_rank.load() < 0 || !use_cuda) return;
+        aborted = true;
+        for (auto* c : live)
+          if (c != nullptr) c->abort(1);
+      });
+  // (the exit status: the failed rank's, else the first to end's: a stop signal's 128 + its number)
+  if (const int f = g_failed_rank.load(); f >= 0 && status[static_cast<std::size_t>(f)] != 0)
+    return status[static_cast<std::size_t>(f)];
+  if (first_ended >= 0) return status[static_cast<std::size_t>(first_ended)];
+  return 0;
 }

@@ -7,8 +7,13 @@
 //
 // The communicator: NCCL for the cuda backend (the ranks meet on MASTER_ADDR:MASTER_PORT; no MPI
 // needed), MPI for the cpu backend (launched by mpirun or srun; built where MPI was found).
+//
+// --gpus N (the default way, --gpu-ranks threads): the ranks are N threads of this one process,
+// one GPU each (Ranks::local): NCCL between the GPUs as between processes, and on the cpu
+// backend dist::LocalComm between the threads.
 #pragma once
 
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <optional>
@@ -21,6 +26,7 @@
 #include "megatrain/core/error.hpp"
 #include "megatrain/dist/comm.hpp"
 #include "megatrain/dist/launch.hpp"
+#include "megatrain/dist/local.hpp"
 #if MEGATRAIN_PROGRAM_MPI
 #include "megatrain/dist/mpi.hpp"
 #endif
@@ -76,12 +82,50 @@ class Ranks {
     return r;
   }
 
+  /// Rank `rank` of `world` ranks that are threads of this process, one GPU each (--gpus N): on
+  /// the cuda backend over NCCL on GPU `rank` (meeting on 127.0.0.1:`port`), on the cpu backend
+  /// over `local` (its rank's LocalComm of one group).
+  static Ranks local(int rank, int world, bool use_cuda, int port, std::unique_ptr<megatrain::dist::LocalComm> local,
+                     double rendezvous_timeout_s) {
+    Ranks r;
+    r.me_ = megatrain::dist::local_launch(rank, world, port);
+    r.threads_ = true;
+    if (use_cuda) {
+#if MEGATRAIN_PROGRAM_NCCL
+      r.comm_ = std::make_unique<megatrain::dist::NcclHostComm>(
+          r.me_, rank,
+          megatrain::dist::rendezvous_timeout(rendezvous_timeout_s > 0 ? std::optional(rendezvous_timeout_s) : std::nullopt),
+          megatrain::dist::collective_timeout(std::getenv("MEGATRAIN_COLLECTIVE_TIMEOUT") ? std::nullopt
+                                                                                          : std::optional(3600.0)));
+#else
+      MT_FAIL("--gpus {}: megatrain-train was built without NCCL, which several GPUs train over: build it where NCCL is "
+              "found (the CUDA toolkit's), or train on one GPU", world);
+#endif
+    } else {
+      r.comm_ = std::move(local);
+    }
+    return r;
+  }
+
   int rank() const { return me_.rank; }
   int world() const { return me_.world; }
   bool several() const { return me_.world > 1; }
   bool lead() const { return me_.rank == 0; }
   const megatrain::dist::LaunchInfo& info() const { return me_; }
   megatrain::dist::HostComm* comm() const { return comm_.get(); }
+  /// Whether the ranks are threads of this process (--gpus N), not processes.
+  bool threads() const { return threads_; }
+  /// Whether every rank got through its checks (agree_started): from here a rank that fails
+  /// stops the others' collectives.
+  bool started() const { return phase_ == Phase::started; }
+  /// What a rank is called in messages: "rank" (a thread of this process) or "process".
+  const char* noun() const { return threads_ ? "rank" : "process"; }
+  /// Where this rank prints what only the first prints (the others': /dev/null).
+  std::FILE* out() const {
+    if (lead()) return stdout;
+    static std::FILE* const null = std::fopen("/dev/null", "w");
+    return null != nullptr ? null : stderr;  // (no /dev/null: to stderr rather than nowhere safe)
+  }
 
   /// Every rank got through its checks and built its trainer: from here rank 0 writes the run
   /// folder. Throws on every rank, naming those that failed (they said why), when one did not.
@@ -89,8 +133,8 @@ class Ranks {
     if (!several()) return;
     const auto failed = flags(0);
     phase_ = failed.empty() ? Phase::started : Phase::agreed_to_stop;
-    MT_CHECK(failed.empty(), "process(es) {} of {} stopped before training (their message says why): every process stops",
-             fmt::join(failed, ", "), world());
+    MT_CHECK(failed.empty(), "{}(es) {} of {} stopped before training (their message says why): every {} stops",
+             threads_ ? "rank" : "process", fmt::join(failed, ", "), world(), noun());
   }
   /// The first stop signal any rank has seen (its number), else 0: every rank stops after the same step.
   int stop_signal(int mine) {
@@ -128,7 +172,9 @@ class Ranks {
   }
   /// This rank fails. Before agree_started, the others are told there (so that every rank stops
   /// instead of waiting for this one); after, MPI ends every process now and NCCL's communicator
-  /// is aborted (the others stop at their collective timeout). Never throws.
+  /// is aborted (the others stop at their collective timeout; ranks that are threads of this process
+  /// at once: LocalComm's group is aborted, and --gpus aborts the other ranks' NCCL communicators).
+  /// Never throws.
   void fail(int status) noexcept {
     if (!several() || !comm_) return;
     if (phase_ == Phase::started) {
@@ -161,6 +207,7 @@ class Ranks {
 
   megatrain::dist::LaunchInfo me_;
   std::unique_ptr<megatrain::dist::HostComm> comm_;
+  bool threads_ = false;
   enum class Phase { starting, agreed_to_stop, started } phase_ = Phase::starting;
 };
 

@@ -60,7 +60,9 @@ bool try_pin(void* p, std::size_t bytes) {
   } else {
 #if MEGATRAIN_HAS_CUDA
     if (!cuda_device_present()) return false;
-    const cudaError_t st = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
+    // (portable: page-locked for every GPU of the process, as one process driving several GPUs
+    // copies through each rank's own buffers from its own GPU, and its host collectives from any)
+    const cudaError_t st = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
     if (st == cudaSuccess) {
       note_locked(p, bytes, true);
       return true;

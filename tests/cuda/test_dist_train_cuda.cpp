@@ -15,6 +15,7 @@
 
 #include "megatrain/backend/cuda/cuda_backend.hpp"
 #include "megatrain/dist/launch.hpp"
+#include "megatrain/dist/local.hpp"
 #include "megatrain/dist/nccl.hpp"
 #include "megatrain/train/trainer.hpp"
 #include "../dist/rank_checks.hpp"
@@ -113,13 +114,9 @@ Run train(dist::HostComm* comm, int device, std::int64_t rows, std::int64_t micr
   return r;
 }
 
-}  // namespace
-
-int main() {
+// One rank: a process (run_ranks.sh) or a thread of this one (MEGATRAIN_TEST_THREADS).
+int rank_main(const dist::LaunchInfo& me) {
   try {
-    const dist::LaunchInfo me = dist::launch_from_env();
-    if (!test::gpu_per_rank(me)) return test::kSkipped;
-    std::setvbuf(stdout, nullptr, _IONBF, 0);
     dist::NcclHostComm comm(me, me.local_rank, dist::rendezvous_timeout(60.0));
     const int W = comm.world(), r = comm.rank();
     std::fprintf(stderr, "rank %d of %d: joined on GPU %d\n", r, W, me.local_rank);
@@ -134,7 +131,7 @@ int main() {
     // killed_rank_nccl.sh: one rank dies by SIGKILL; the other must stop within the collective
     // timeout with a message saying so, instead of waiting forever: a gradient's sum on the GPU
     // (the watchdog aborts the communicator), then a collective of host memory.
-    if (const char* victim = std::getenv("MEGATRAIN_TEST_KILL_RANK")) {
+    if (const char* victim = std::getenv("MEGATRAIN_TEST_KILL_RANK"); victim != nullptr && me.launcher != "threads") {
       if (r == std::atoi(victim)) std::raise(SIGKILL);
       {
         float* d = nullptr;
@@ -217,8 +214,28 @@ int main() {
       test::rank_check(sum[0] == mine * W, "the ranks' replicas differ", r);
     }
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    std::fprintf(stderr, "rank %d: error: %s\n", me.rank, e.what());
     return 1;
   }
   return test::rank_failures() == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+// Processes (run_ranks.sh sets torchrun's variables), or with MEGATRAIN_TEST_THREADS=N the ranks
+// as N threads of this process, one GPU each (one process driving several GPUs: --gpus N).
+int main() {
+  std::setvbuf(stdout, nullptr, _IONBF, 0);
+  if (const char* threads = std::getenv("MEGATRAIN_TEST_THREADS")) {
+    const int n = std::atoi(threads);
+    if (!test::gpu_per_rank(dist::local_launch(0, n, 0))) return test::kSkipped;
+    const int port = dist::free_local_port();
+    const auto status = dist::run_local_ranks(n, [&](int r) { return rank_main(dist::local_launch(r, n, port)); });
+    for (const int st : status)
+      if (st != 0) return st;
+    return 0;
+  }
+  const dist::LaunchInfo me = dist::launch_from_env();
+  if (!test::gpu_per_rank(me)) return test::kSkipped;
+  return rank_main(me);
 }

@@ -15,6 +15,8 @@ Scenarios (each a CTest test):
   signal      SIGTERM to mpirun mid-run: every process stops after the same step and the first
               saves it; resumed by 2 processes, the run ends with the metrics of an uninterrupted
               2-process run, bit for bit.
+  threads     --gpus N on the cpu backend: the ranks as threads of one process, the same run as N
+              processes and as one; resumed on 1, 2 and 3 ranks; SIGTERM; killed in a save.
   refusals    a global batch the processes do not divide, no whole gradient to sum (--clip 0),
               --share-weights where nothing can be shared, --gather-weights where nothing is gathered,
               evaluation only; one process failing its checks stops the
@@ -214,7 +216,15 @@ elif SCENARIO == "refusals":
     refused(2, SHAPE + ["--micro-batches", "3", "--out", run_dir("r")], "--micro-batches 3 (the passes of the global batch)")
     refused(2, SHAPE + ["--steps", "0"], "--steps 0 (evaluate or export) runs in one process")
     refused(1, SHAPE + ["--shard-optimizer", "false", "--out", run_dir("r")], "--shard-optimizer applies to several processes")
-    refused(1, SHAPE + ["--gpus", "2", "--out", run_dir("r")], "--gpus 2: the cpu backend trains several processes over MPI")
+    refused(1, SHAPE + ["--gpus", "all", "--out", run_dir("r")], "--gpus all with the cpu backend: it runs N ranks")
+    refused(1, SHAPE + ["--gpus", "2", "--gpu-ranks", "processes", "--out", run_dir("r")],
+            "--gpus 2 --gpu-ranks processes with the cpu backend")
+    refused(1, SHAPE + ["--gpus", "2", "--steps", "0"], "--steps 0 (evaluate or export) runs on one GPU: drop --gpus 2")
+    r = refused(1, without("--batch") + ["--batch", "5", "--gpus", "2", "--out", run_dir("r")],
+                "--batch 5 (the global batch) must be a multiple of the 2 GPUs (--gpus)")
+    if r.stderr.count("must be a multiple") != 1:
+        fail(f"the ranks of one process printed the same error more than once:\n{r.stderr}")
+    refused(2, SHAPE + ["--gpus", "2", "--out", run_dir("r")], "--gpus 2: this is process")
     refused(1, SHAPE + ["--share-weights", "true", "--out", run_dir("r")], "--share-weights applies to several processes")
     refused(2, SHAPE + ["--share-weights", "true", "--out", run_dir("r")],
             "--share-weights true shares the bf16 weights of GPU processes; the cpu backend streams none")
@@ -239,6 +249,65 @@ elif SCENARIO == "refusals":
     refused(1, SHAPE + ["--out", run_dir("r")], "on the cpu backend, which trains several processes over MPI", env=env)
     env = dict(ENV, RANK="one", WORLD_SIZE="2")
     refused(1, SHAPE + ["--out", run_dir("r")], "environment variable RANK is 'one'", env=env)
+elif SCENARIO == "threads":
+    # --gpus N: the ranks as threads of one process (on the cpu backend, as on GPUs): the same run
+    # as N processes under mpirun, and as one process, to rounding; its checkpoints resume on any
+    # number of ranks; a stop signal stops every rank after the same step; a kill in a save leaves
+    # the previous checkpoint complete.
+    launch(1, SHAPE + ["--steps", "4", "--save-every", "2", "--out", run_dir("one")])
+    one = metrics("one")
+    launch(2, SHAPE + ["--steps", "4", "--out", run_dir("mpi2")])
+    for n, extra in ((2, []), (3, []), (2, ["--micro-batches", "2"]), (2, ["--shard-optimizer", "false"]),
+                     (3, ["--gradients", "host"])):
+        name = f"t{n}" + "".join(extra).replace("--", "_")
+        r = launch(1, SHAPE + ["--steps", "4", "--save-every", "2", "--gpus", str(n), "--out", run_dir(name)] + extra)
+        if f"data parallel: {n} GPUs driven by this process, a rank each (--gpus)" not in r.stdout:
+            fail(f"{name}: the plan does not say how the ranks share the batch:\n{r.stdout}")
+        if r.stdout.count("megatrain-train: ") != 1:
+            fail(f"{name}: more than the first rank printed:\n{r.stdout}")
+        if len(metrics(name)) != 4:
+            fail(f"{name}: {len(metrics(name))} metrics lines for 4 steps (only the first rank writes them)")
+        same(metrics(name), one, 1e-5, f"{n} ranks in one process {' '.join(extra)} vs one")
+    same(metrics("t2"), metrics("mpi2"), 0.0, "2 ranks in one process vs 2 processes under mpirun")
+    ckpt = os.path.join(WORK, "t2", "checkpoints", "step-00000002")
+    launch(1, ["--resume", ckpt, "--out", run_dir("t2_then_one"), "--steps", "4"])
+    same([m for m in metrics("t2_then_one") if m["step"] > 2], one[2:], 1e-5, "saved by 2 ranks, resumed by 1")
+    launch(1, ["--resume", ckpt, "--out", run_dir("t2_then_t3"), "--steps", "4", "--gpus", "3"])
+    same([m for m in metrics("t2_then_t3") if m["step"] > 2], one[2:], 1e-5, "saved by 2 ranks, resumed by 3")
+    launch(1, ["--resume", ckpt, "--out", run_dir("t2_again"), "--steps", "4", "--gpus", "2"])
+    same([m for m in metrics("t2_again") if m["step"] > 2], metrics("t2")[2:], 0.0, "saved by 2 ranks, resumed by 2")
+    ckpt = os.path.join(WORK, "one", "checkpoints", "step-00000002")
+    launch(1, ["--resume", ckpt, "--out", run_dir("one_then_t2"), "--steps", "4", "--gpus", "2"])
+    same([m for m in metrics("one_then_t2") if m["step"] > 2], one[2:], 1e-5, "saved by 1, resumed by 2 ranks")
+    # SIGTERM mid-run: every rank stops after the same step, the first saves it, status 143.
+    args = without("--eval-every") + ["--steps", "40", "--eval-every", "0", "--gpus", "2"]
+    launch(1, args + ["--out", run_dir("whole")])
+    env = dict(ENV, MEGATRAIN_TEST_DELAY_AT="train:step:100000")
+    p = subprocess.Popen([TRAIN] + args + ["--out", run_dir("cut")], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    saved = sorted(d for d in os.listdir(os.path.join(WORK, "cut", "checkpoints")) if d.startswith("step-"))
+    if p.returncode != 143 or len(saved) != 1:
+        fail(f"status {p.returncode} (143 expected), checkpoints {saved} (the one the signal asked for):\n{out}\n{err}")
+    step = int(saved[0][5:])
+    if not 0 < step < 40 or "stopped by SIGTERM after step %d of 40" % step not in err:
+        fail(f"the run did not stop after step {step} saying so:\n{out}\n{err}")
+    launch(1, ["--resume", "--out", os.path.join(WORK, "cut"), "--steps", "40", "--gpus", "2"])
+    same(metrics("cut"), metrics("whole"), 0.0, f"2 ranks stopped after step {step} by SIGTERM and resumed")
+    # The process killed once rank 1 has written its part of the second checkpoint: step 2 stays
+    # the newest complete one, and the run resumed from it ends as the uninterrupted run, bit for bit.
+    args = SHAPE + ["--steps", "6", "--save-every", "2", "--gpus", "2"]
+    launch(1, args + ["--out", run_dir("whole6")])
+    r = launch(1, args + ["--out", run_dir("killed")], env=dict(ENV, MEGATRAIN_TEST_CRASH_AT="checkpoint:part:1:2"),
+               check=False)
+    ckpts = os.path.join(WORK, "killed", "checkpoints")
+    saved = sorted(d for d in os.listdir(ckpts) if d.startswith("step-") and "." not in d)
+    if r.returncode == 0 or saved != ["step-00000002"]:
+        fail(f"killed in the save of step 4: status {r.returncode}, checkpoints {saved}:\n{r.stdout}\n{r.stderr}")
+    launch(1, ["--resume", "--out", os.path.join(WORK, "killed"), "--gpus", "2"])
+    same(metrics("killed"), metrics("whole6"), 0.0, "killed in a save, resumed from the step before")
 else:
     fail(f"unknown scenario {SCENARIO}")
 print("passed")

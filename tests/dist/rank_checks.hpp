@@ -2,6 +2,7 @@
 // the failures a rank counts and reports.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -22,8 +23,8 @@ inline std::int64_t checksum(const std::vector<float>& v) {
 }
 
 /// A rank's failed checks (programs without a test framework: each rank exits 1 if any failed).
-inline int& rank_failures() {
-  static int n = 0;
+inline std::atomic<int>& rank_failures() {  // (atomic: the ranks may be threads of one process)
+  static std::atomic<int> n{0};
   return n;
 }
 inline void rank_check(bool ok, const std::string& what, int rank) {

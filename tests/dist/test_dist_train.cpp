@@ -22,7 +22,14 @@
 #include <vector>
 
 #include "../train/trainer_test_util.hpp"
+#if MEGATRAIN_TEST_LOCAL_RANKS
+#include <exception>
+#include <thread>
+
+#include "megatrain/dist/local.hpp"
+#else
 #include "megatrain/dist/mpi.hpp"
+#endif
 #include "megatrain/io/hf_checkpoint.hpp"
 #include "megatrain/io/train_checkpoint.hpp"
 #include "rank_checks.hpp"
@@ -30,12 +37,55 @@
 using namespace megatrain;
 using namespace megatrain::test;
 
+#if MEGATRAIN_TEST_LOCAL_RANKS
+// The same tests with the ranks as threads of one process (dist::LocalComm: one process driving
+// several GPUs, on the CPU backend), MEGATRAIN_TEST_RANKS of them (default 2): each test case's
+// body runs on every rank's thread at once, as it runs in every process under mpirun.
 namespace {
+constexpr bool kOneProcess = true;
+thread_local dist::HostComm* t_comm = nullptr;
+dist::HostComm& comm() { return *t_comm; }
 
+void on_each_rank(void (*body)()) {
+  const char* env = std::getenv("MEGATRAIN_TEST_RANKS");
+  const int world = env ? std::atoi(env) : 2;
+  REQUIRE(world >= 2);
+  auto comms = dist::LocalComm::group(world, std::chrono::seconds(120));
+  std::vector<std::exception_ptr> failed(static_cast<std::size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      t_comm = comms[static_cast<std::size_t>(r)].get();
+      try {
+        body();
+      } catch (...) {  // (a failed REQUIRE, or an error: the others stop at their next collective)
+        failed[static_cast<std::size_t>(r)] = std::current_exception();
+        t_comm->abort(1);
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (const auto& e : failed)
+    if (e) std::rethrow_exception(e);
+}
+}  // namespace
+#define DIST_TEST_CASE_IMPL(name, body) \
+  static void body();                   \
+  TEST_CASE(name) { on_each_rank(body); } \
+  static void body()
+#else
+namespace {
+constexpr bool kOneProcess = false;
 dist::MpiComm& comm() {
   static dist::MpiComm c;
   return c;
 }
+}  // namespace
+#define DIST_TEST_CASE_IMPL(name, body) TEST_CASE(name)
+#endif
+// A test case that every rank runs (every process under mpirun; every rank's thread in one process).
+#define DIST_TEST_CASE(name) DIST_TEST_CASE_IMPL(name, DOCTEST_CAT(dist_test_body_, __LINE__))
+
+namespace {
 
 /// rel ||a - b|| / ||b - base||: the difference against the size of what training changed.
 double rel_to_change(const std::vector<float>& a, const std::vector<float>& b, const std::vector<float>& base) {
@@ -183,7 +233,7 @@ void check_same_run(bool tied, std::int64_t rows, std::int64_t micro_per_rank, d
 
 }  // namespace
 
-TEST_CASE("data parallel over MPI processes equals one process training the global batch") {
+DIST_TEST_CASE("data parallel over MPI processes equals one process training the global batch") {
   const std::int64_t w = comm().world();
   REQUIRE(w >= 2);
   check_same_run(false, 2 * w, 1, 1.0);        // exact clipping, one micro-batch per rank
@@ -192,14 +242,14 @@ TEST_CASE("data parallel over MPI processes equals one process training the glob
   check_same_run(true, 3 * w, 1, 0.05);        // clipping that binds
 }
 
-TEST_CASE("data parallel with a mixture of experts' auxiliary loss (padded rows, their attention mask): each process's "
+DIST_TEST_CASE("data parallel with a mixture of experts' auxiliary loss (padded rows, their attention mask): each process's "
           "micro-batches are the step's, as one process's with as many in all") {
   const std::int64_t w = comm().world();
   check_same_run(false, 2 * w, 1, 1.0, false, true, GradientHome::host, 0, true);
   check_same_run(false, 4 * w, 2, 1.0, true, true, GradientHome::device, 0, true);  // (ZeRO-1, gradients on the device)
 }
 
-TEST_CASE("data parallel: the gradients summed after the backward instead (sum_during_backward false), the same run") {
+DIST_TEST_CASE("data parallel: the gradients summed after the backward instead (sum_during_backward false), the same run") {
   const std::int64_t w = comm().world();
   check_same_run(false, 2 * w, 1, 1.0, false, false);
   check_same_run(true, 4 * w, 2, 1.0, false, false);
@@ -207,7 +257,7 @@ TEST_CASE("data parallel: the gradients summed after the backward instead (sum_d
   check_same_run(true, 4 * w, 2, 0.05, true, false);
 }
 
-TEST_CASE("ZeRO-1: each process keeps and steps its part of the optimizer state, equal to one process") {
+DIST_TEST_CASE("ZeRO-1: each process keeps and steps its part of the optimizer state, equal to one process") {
   const std::int64_t w = comm().world();
   check_same_run(false, 2 * w, 1, 1.0, true);
   check_same_run(true, 4 * w, 2, 1.0, true);
@@ -215,7 +265,7 @@ TEST_CASE("ZeRO-1: each process keeps and steps its part of the optimizer state,
   check_same_run(true, 3 * w, 1, 0.05, true);
 }
 
-TEST_CASE("data parallel with the gradients waiting in backend memory (GradientHome::device): summed there as each is "
+DIST_TEST_CASE("data parallel with the gradients waiting in backend memory (GradientHome::device): summed there as each is "
           "completed, each process downloading and stepping its part where sharded") {
   const std::int64_t w = comm().world();
   for (const bool shard : {false, true}) {
@@ -226,7 +276,7 @@ TEST_CASE("data parallel with the gradients waiting in backend memory (GradientH
   }
 }
 
-TEST_CASE("data parallel with device units (AdamW in backend memory for the first units): each process steps its "
+DIST_TEST_CASE("data parallel with device units (AdamW in backend memory for the first units): each process steps its "
           "part there and the parts are gathered there, equal to one process") {
   const std::int64_t w = comm().world();
   for (const bool shard : {false, true}) {
@@ -265,7 +315,7 @@ std::pair<std::size_t, std::size_t> unowned_moment_pages(const HostParamStore<fl
 }
 }  // namespace
 
-TEST_CASE("ZeRO-1: the moments outside a process's part take no memory; a checkpoint gathers them and resumes on any number") {
+DIST_TEST_CASE("ZeRO-1: the moments outside a process's part take no memory; a checkpoint gathers them and resumes on any number") {
   const int w = comm().world(), r = comm().rank();
   // (units of several pages each, so that the parts other processes own span whole pages)
   auto j = nlohmann::json::parse(R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":128,"intermediate_size":352,
@@ -506,8 +556,10 @@ void sharded_masters_case(bool share, bool parts = false) {
     const std::size_t copy = x.weights_in_parts() ? whole_copy : x.footprint().compute_bytes;
     return static_cast<long long>(copy + x.footprint().resident_grad_bytes + shared_masters);
   };
-  CHECK(std::llabs(static_cast<long long>(mapped) - static_cast<long long>(mapped_one) - (counted(store) - counted(one))) <=
-        4 * static_cast<long long>(host_page_size()));
+  // (the allocator's count is the process's: with the ranks as threads of one, the others' allocations mix in)
+  if (!kOneProcess)
+    CHECK(std::llabs(static_cast<long long>(mapped) - static_cast<long long>(mapped_one) - (counted(store) - counted(one))) <=
+          4 * static_cast<long long>(host_page_size()));
   CHECK(store.footprint().master_bytes < one.footprint().master_bytes);
   // (+ kept whole: the norm gains, and where not mapped together the embedding's)
   CHECK(store.footprint().master_bytes >= one.footprint().master_bytes / static_cast<std::size_t>(w));
@@ -659,22 +711,23 @@ void sharded_masters_case(bool share, bool parts = false) {
 }
 }  // namespace
 
-TEST_CASE("ZeRO-1 with the masters sharded too: only this process's part holds memory; the update gathered as bf16; a "
+DIST_TEST_CASE("ZeRO-1 with the masters sharded too: only this process's part holds memory; the update gathered as bf16; a "
           "checkpoint gathers the masters") {
   sharded_masters_case(false);
 }
 
-TEST_CASE("ZeRO-1 with the bf16 weights shared by the processes of the host: one copy, each process's part of the "
+DIST_TEST_CASE("ZeRO-1 with the bf16 weights shared by the processes of the host: one copy, each process's part of the "
           "update seen by every other without a gather") {
   sharded_masters_case(true);
 }
 
-TEST_CASE("ZeRO-1 with each process's bf16 copy held in its part (the weights gathered on the GPUs): the rest holds no "
+DIST_TEST_CASE("ZeRO-1 with each process's bf16 copy held in its part (the weights gathered on the GPUs): the rest holds no "
           "memory; an export gathers it whole to one process and gives it back after") {
   sharded_masters_case(false, true);
 }
 
-TEST_CASE("shared bf16 weights are refused, by every process alike, where a process runs on another host") {
+DIST_TEST_CASE("shared bf16 weights are refused, by every process alike, where a process runs on another host") {
+  if (kOneProcess) return;  // (the ranks of one process run on one host)
   const int w = comm().world(), r = comm().rank();
   const ModelConfig cfg = ModelConfig::from_json(nlohmann::json::parse(R"({"architectures":["Qwen2ForCausalLM"],
     "hidden_size":64,"intermediate_size":96,"num_hidden_layers":1,"num_attention_heads":2,"num_key_value_heads":1,
@@ -696,7 +749,7 @@ TEST_CASE("shared bf16 weights are refused, by every process alike, where a proc
   CHECK(host_buffer_bytes() == mapped_before);  // (nothing kept of what the store had allocated)
 }
 
-TEST_CASE("data parallel: the collectives sum over the ranks and give every rank the same bits") {
+DIST_TEST_CASE("data parallel: the collectives sum over the ranks and give every rank the same bits") {
   const int w = comm().world(), r = comm().rank();
   std::vector<float> f(1000003);
   std::vector<double> d(7);
@@ -716,7 +769,7 @@ TEST_CASE("data parallel: the collectives sum over the ranks and give every rank
   CHECK(sum[0] == mine * w);
 }
 
-TEST_CASE("data parallel refuses what it cannot sum exactly, before anything is allocated") {
+DIST_TEST_CASE("data parallel refuses what it cannot sum exactly, before anything is allocated") {
   const auto cfg = tiny(false);
   DecoderModel<> model(cfg);
   TrainerOptions o = options(2, 13);
@@ -738,7 +791,7 @@ TEST_CASE("data parallel refuses what it cannot sum exactly, before anything is 
 // rank 1 dies by SIGKILL before its second step while rank 0 waits in that step's first collective;
 // the whole run must stop (mpirun ends every rank and exits nonzero) instead of rank 0 hanging.
 // Elsewhere (no such variable) it does nothing.
-TEST_CASE("data parallel: a rank killed mid-run stops every rank") {
+DIST_TEST_CASE("data parallel: a rank killed mid-run stops every rank") {
   const char* kill_rank = std::getenv("MEGATRAIN_TEST_KILL_RANK");
   if (kill_rank == nullptr) return;
   const int victim = std::atoi(kill_rank);
@@ -759,3 +812,127 @@ TEST_CASE("data parallel: a rank killed mid-run stops every rank") {
   }
   FAIL("every rank finished although rank " << victim << " was killed");
 }
+
+#if MEGATRAIN_TEST_LOCAL_RANKS
+TEST_CASE("ranks as threads of one process: a rank that fails stops every other rank at once, naming it") {
+  const int world = 3;
+  auto comms = dist::LocalComm::group(world, std::chrono::seconds(120));
+  const auto cfg = tiny(false);
+  std::vector<std::string> said(world);
+  std::vector<double> waited(world, 0);
+  int told = -1;
+  const auto status = dist::run_local_ranks(
+      world,
+      [&](int r) {
+        TrainerOptions o = options(2, 13);
+        o.clip_norm = 1.0;
+        o.comm = comms[static_cast<std::size_t>(r)].get();
+        DecoderModel<> model(cfg);
+        HostParamStore<float> store(model.units(), store_opts(o));
+        CpuBackend<float> be;
+        Trainer<CpuBackend<float>> t(model, store, be, o);
+        std::mt19937 rng(7);
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+          for (int s = 0; s < 3; ++s) {
+            if (s == 1 && r == 1) throw std::runtime_error("rank 1 gives up");
+            const Batch b = random_batch(rng, 2, 13, static_cast<std::int32_t>(cfg.vocab_size));
+            (void)t.step(b.ids, b.labels);
+          }
+        } catch (const Error& e) {
+          said[static_cast<std::size_t>(r)] = e.reason();
+          waited[static_cast<std::size_t>(r)] =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          return 2;
+        }
+        return 0;
+      },
+      [&](int failed) {
+        if (told >= 0) return;  // (the ranks it stopped end with nonzero statuses too)
+        told = failed;
+        comms[static_cast<std::size_t>(failed)]->abort(1);  // (the group's: every other rank's collective fails, naming it)
+      });
+  CHECK(told == 1);
+  CHECK(status == std::vector<int>{2, 1, 2});  // (rank 1 threw: the thrown status; the others stopped)
+  for (const int r : {0, 2}) {
+    CAPTURE(r);
+    CHECK_MESSAGE(said[static_cast<std::size_t>(r)].find("rank 1 of 3 failed") != std::string::npos,
+                  said[static_cast<std::size_t>(r)]);
+    CHECK(waited[static_cast<std::size_t>(r)] < 60);
+  }
+}
+
+TEST_CASE("ranks as threads of one process: a rank whose peers never arrive gives up after the timeout, naming them; "
+          "different collectives at once are refused") {
+  {
+    auto comms = dist::LocalComm::group(3, std::chrono::milliseconds(300));
+    std::string what;
+    std::thread other([&] {
+      std::int64_t v[1] = {1};
+      // (after rank 0, so that rank 0's wait ends first: it names rank 1, and rank 2 then hears that rank 0 gave up)
+      std::this_thread::sleep_for(std::chrono::milliseconds(150));
+      try {
+        comms[2]->all_reduce_sum(v);
+      } catch (const Error&) {
+      }
+    });
+    try {
+      std::int64_t v[1] = {1};
+      comms[0]->all_reduce_sum(v);  // (rank 1 never comes)
+    } catch (const Error& e) {
+      what = e.reason();
+    }
+    other.join();
+    CHECK_MESSAGE(what.find("rank(s) 1 did not reach the collective within 0.3 s") != std::string::npos, what);
+  }
+  {
+    auto comms = dist::LocalComm::group(2, std::chrono::seconds(2));
+    std::string a, b;
+    std::thread other([&] {
+      std::vector<float> v(5, 1.0f);
+      try {
+        comms[1]->all_reduce_sum(v);
+      } catch (const Error& e) {
+        b = e.reason();
+      }
+    });
+    try {
+      std::vector<float> v(4, 1.0f);
+      comms[0]->all_reduce_sum(v);
+    } catch (const Error& e) {
+      a = e.reason();
+    }
+    other.join();
+    CHECK_MESSAGE(a.find("called different collectives at once") != std::string::npos, a);
+    CHECK_MESSAGE(b.find("called different collectives at once") != std::string::npos, b);
+  }
+  {  // (the gathers: each rank's part to every rank, or to the root alone)
+    auto comms = dist::LocalComm::group(3);
+    const std::vector<std::int64_t> bounds{0, 2, 5, 7};
+    std::vector<std::vector<float>> all(3), to_root(3), scattered(3);
+    std::vector<std::thread> ts;
+    for (int r = 0; r < 3; ++r)
+      ts.emplace_back([&, r] {
+        const auto k = static_cast<std::size_t>(r);
+        all[k].assign(7, -1.0f);
+        to_root[k].assign(7, -1.0f);
+        scattered[k].assign(7, 0.0f);
+        for (std::size_t i = 0; i < 7; ++i) scattered[k][i] = static_cast<float>((r + 1) * 10 + static_cast<int>(i));
+        for (auto i = bounds[k]; i < bounds[k + 1]; ++i) all[k][static_cast<std::size_t>(i)] = to_root[k][static_cast<std::size_t>(i)] = static_cast<float>(i);
+        comms[k]->all_gather(all[k], bounds);
+        comms[k]->gather(to_root[k], bounds, 1);
+        comms[k]->reduce_scatter_sum(scattered[k], bounds);
+      });
+    for (auto& t : ts) t.join();
+    for (std::size_t k = 0; k < 3; ++k) {
+      CAPTURE(k);
+      for (std::size_t i = 0; i < 7; ++i) {
+        CHECK(all[k][i] == static_cast<float>(i));
+        const bool own = static_cast<std::int64_t>(i) >= bounds[k] && static_cast<std::int64_t>(i) < bounds[k + 1];
+        CHECK(to_root[k][i] == (k == 1 || own ? static_cast<float>(i) : -1.0f));
+        if (own) CHECK(scattered[k][i] == static_cast<float>(60 + 3 * static_cast<int>(i)));
+      }
+    }
+  }
+}
+#endif
