@@ -789,6 +789,10 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
                    topt.shard_optimizer ? " (ZeRO-1; --shard-optimizer)" : "", ranks.threads() ? "rank's" : "process's",
                    ranks.threads() ? "process" : "host", std::max(1, ranks.info().local_world));
   }
+  // (every rank's plan fits, and the first's export: agreed before the stores are built, which
+  // is collective where the ranks share the weights, so that a rank refused above stops every
+  // rank here, named, instead of meeting another rank's collective)
+  ranks.agree_checked();
   StoreOptions so;
   so.seed = s.seed;
   so.host_memory_budget = budget.bytes;

@@ -130,9 +130,16 @@ class Ranks {
   /// Every rank got through its checks and built its trainer: from here rank 0 writes the run
   /// folder. Throws on every rank, naming those that failed (they said why), when one did not.
   void agree_started() {
+    agree_checked();
+    if (several()) phase_ = Phase::started;
+  }
+  /// Every rank got through its checks so far (those that can differ between ranks: a GPU's plan,
+  /// the first rank's export): the same agreement as agree_started, where the ranks' next steps
+  /// are collectives of their own (a store's shared weights). Throws as agree_started does.
+  void agree_checked() {
     if (!several()) return;
     const auto failed = flags(0);
-    phase_ = failed.empty() ? Phase::started : Phase::agreed_to_stop;
+    if (!failed.empty()) phase_ = Phase::agreed_to_stop;
     MT_CHECK(failed.empty(), "{}(es) {} of {} stopped before training (their message says why): every {} stops",
              threads_ ? "rank" : "process", fmt::join(failed, ", "), world(), noun());
   }
