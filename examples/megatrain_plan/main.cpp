@@ -108,7 +108,8 @@ int report(const DecoderModel<>& model, const TrainerOptions& topt, const plan::
   if (topt.distributed()) {  // (the plan above is one process's: one GPU's; its host holds `per_host` of them)
     const int per_host = topt.comm->world() / a.hosts;
     const double params = static_cast<double>(model.config().param_count());
-    std::printf("data parallel: %d processes, one a GPU, %d a host on %d host(s); each trains %lld sequences of the "
+    std::printf("data parallel: %d ranks, one a GPU (threads of one process, megatrain-train --gpus, or processes), %d a "
+                "host on %d host(s); each trains %lld sequences of the "
                 "global batch%s. Per GPU: the plan above. Per host: %s of host memory (%.2f bytes a parameter)%s\n",
                 topt.comm->world(), per_host, a.hosts, static_cast<long long>(topt.batch_rows),
                 topt.sharded() ? fmt::format(", holds 1/{} of the optimizer state (ZeRO-1{})", topt.comm->world(),
@@ -296,7 +297,8 @@ int main(int argc, char** argv) {
                 "PCIe each way and both, the CPU's AdamW alone and under copies) and keep them in --machine FILE, or by "
                 "default in $MEGATRAIN_MACHINE, else ~/.cache/megatrain/machine.json, which later plans read");
   auto* procs = app.add_option_group("processes", "Data parallel (megatrain-train's options; docs/distributed.md)");
-  procs->add_option("--gpus", a.gpus, "GPUs, one process each (default 1): the plan of one of them, and what a host holds")
+  procs->add_option("--gpus", a.gpus, "GPUs, a rank each (threads of one process or processes, default 1): the plan of "
+                    "one of them, and what a host holds")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   procs->add_option("--hosts", a.hosts, "Hosts the --gpus processes spread over, evenly (default 1)")
