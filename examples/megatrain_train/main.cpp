@@ -1217,6 +1217,7 @@ int main(int argc, char** argv) {
     // --gpus N: N ranks, one GPU each: threads of this process (--gpu-ranks threads, the default),
     // or one process per GPU started here as torchrun would (examples/megatrain_train/gpus.hpp).
     gpus = gpus_wanted(s.gpus, s.backend, s.gpu_ranks);
+    MT_CHECK(gpus > 1 || !s.origins.given_now("--gpu-ranks"), "--gpu-ranks applies with --gpus N (N > 1); drop it");
     if (gpus > 1) {
       const auto env = megatrain::dist::launch_from_env();
       if (env.world <= 1 && s.gpu_ranks == "processes") return launch_gpus(gpus, argv);

@@ -220,6 +220,7 @@ elif SCENARIO == "refusals":
     refused(1, SHAPE + ["--gpus", "2", "--gpu-ranks", "processes", "--out", run_dir("r")],
             "--gpus 2 --gpu-ranks processes with the cpu backend")
     refused(1, SHAPE + ["--gpus", "2", "--steps", "0"], "--steps 0 (evaluate or export) runs on one GPU: drop --gpus 2")
+    refused(1, SHAPE + ["--gpu-ranks", "threads", "--out", run_dir("r")], "--gpu-ranks applies with --gpus N")
     r = refused(1, without("--batch") + ["--batch", "5", "--gpus", "2", "--out", run_dir("r")],
                 "--batch 5 (the global batch) must be a multiple of the 2 GPUs (--gpus)")
     if r.stderr.count("must be a multiple") != 1:
