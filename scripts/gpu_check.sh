@@ -156,11 +156,16 @@ if [[ " $what " == *" nccl "* ]]; then
   NCCL_NVLS_ENABLE=0 timeout 300 bash tests/cuda/run_ranks.sh "${NCCL_RANKS:-2}" "$BIN/test_dist_nccl" > "$OUT/nccl.log" 2>&1
   summary+=("test_dist_nccl ${NCCL_RANKS:-2} ranks rc=$?: $(grep -c 'exact' "$OUT/nccl.log") ranks exact")
 fi
-# megatrain-train as 2 processes on 2 GPUs (docs/distributed.md): the trainer's test over NCCL
-# (replicated and ZeRO-1), then the program on one GPU and two: the same run, and the speed.
+# megatrain-train on 2 GPUs (docs/distributed.md): the trainer's test over NCCL (replicated and
+# ZeRO-1) as 2 processes and as 2 threads of one, then the program on one GPU and two (2
+# processes, and one process: --gpus 2): the same run, and the speed.
 if [[ " $what " == *" dp "* ]]; then
   NCCL_NVLS_ENABLE=0 timeout 300 bash tests/cuda/run_ranks.sh 2 "$BIN/test_dist_train_cuda" > "$OUT/dist_train_cuda.log" 2>&1
   summary+=("test_dist_train_cuda 2 ranks rc=$?: $(grep -c 'within' "$OUT/dist_train_cuda.log") runs compared")
+  # (the same test with its 2 ranks as threads of one process: megatrain-train --gpus 2's way)
+  MEGATRAIN_TEST_THREADS=2 NCCL_NVLS_ENABLE=0 MEGATRAIN_COLLECTIVE_TIMEOUT=120 timeout 300 "$BIN/test_dist_train_cuda" \
+    > "$OUT/dist_train_cuda_threads.log" 2>&1
+  summary+=("test_dist_train_cuda 2 ranks as threads rc=$?: $(grep -c 'within' "$OUT/dist_train_cuda_threads.log") runs compared")
   timeout 120 bash tests/cuda/killed_rank_nccl.sh "$BIN/test_dist_train_cuda" > "$OUT/killed_rank_nccl.log" 2>&1
   summary+=("killed_rank_nccl rc=$?: $(tail -1 "$OUT/killed_rank_nccl.log")")
   timeout 900 python3 bench/data_parallel.py --megatrain "$BIN/megatrain-train" --work /tmp/mt-dp ${DP_ARGS:-} \

@@ -1169,8 +1169,9 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   std::fprintf(ranks.out(), "done: %lld steps in %.1f s; metrics in %s\n", static_cast<long long>(s.steps - first_step + 1), total,
               (out / "metrics.jsonl").string().c_str());
   if (last_save_failed) {
-    std::fprintf(stderr, "megatrain-train: error: the run finished but its last checkpoint could not be written%s\n",
-                 saved_step > 0 ? fmt::format(" (the newest complete one is step {})", saved_step).c_str() : "");
+    if (lead || !ranks.threads())  // (the ranks of one process: said once)
+      std::fprintf(stderr, "megatrain-train: error: the run finished but its last checkpoint could not be written%s\n",
+                   saved_step > 0 ? fmt::format(" (the newest complete one is step {})", saved_step).c_str() : "");
     return 1;
   }
   return 0;
