@@ -148,6 +148,7 @@ def make_models():
     mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
                                                                          **moe, **common))
     olmoe = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2, **moe, **common))
+    make_models.gemma3_text = gemma3.config  # (the language model of check_gemma3_multimodal's)
     return [("llama", llama), ("qwen2", qwen), ("qwen3", qwen3), ("phi3", phi3), ("gemma3", gemma3),
             ("gpt_oss", gpt_oss), ("smollm3", smollm3), ("qwen3_moe", qwen3_moe), ("mixtral", mixtral),
             ("olmoe", olmoe)]
@@ -456,6 +457,68 @@ def check_model(name, model, exe, work, check, rng, gen, auto_backend):
                         final_val, 1e-6, 1e-7)
 
 
+def check_gemma3_multimodal(exe, work, check, rng, gen):
+    """Gemma 3 as the Hub publishes 4B and larger: Gemma3ForConditionalGeneration (the "gemma3"
+    language model above, a tiny SigLIP vision tower and its projector). megatrain reads its
+    language model (the loss on text equals transformers'), fine-tunes it on text, and exports a
+    Gemma3ForCausalLM that transformers loads: exported untrained (f32), its logits are the
+    multimodal model's on text; fine-tuned, transformers' loss of the export equals megatrain's."""
+    name = "gemma3_multimodal"
+    d = os.path.join(work, name)
+    os.makedirs(d)
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=make_models.gemma3_text.to_dict(), vision_config=vision.to_dict(),
+                                    mm_tokens_per_image=4)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).to(torch.float32)
+    perturb(model, gen)
+    model.eval()
+    hf_dir = os.path.join(d, "hf")
+    model.save_pretrained(hf_dir)
+    pattern = [rng.randrange(VOCAB) for _ in range(SEQ)]
+    tokens = pattern + pattern[:1]
+    tokens_bin = os.path.join(d, "tokens.bin")
+    write_tokens(tokens_bin, tokens)
+    want = hf_loss(model, tokens)
+    res = megatrain_eval(exe, hf_dir, tokens_bin, "cpu")
+    check.close(f"{name}: megatrain (cpu) loss of the multimodal model's language model on text", res["val_loss"], want,
+                tolerance(res["compute_dtype"]))
+
+    def load(directory, what):
+        loaded, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True,
+                                                            **dtype_kwargs(torch.float32))
+        problems = loading_info_problems(info, True)
+        check.true(f"{name}/{what}: from_pretrained loads every weight", not problems, "; ".join(problems))
+        check.true(f"{name}/{what}: transformers loads Gemma3ForCausalLM", type(loaded).__name__ == "Gemma3ForCausalLM",
+                   type(loaded).__name__)
+        return loaded.eval()
+
+    # exported untrained, f32: the language model's logits on text, to fp32 rounding
+    exp = os.path.join(d, "export-untrained")
+    run([exe, "--model", hf_dir, "--steps", "0", "--eval-batches", "0", "--backend", "cpu", "--export", exp,
+         "--export-dtype", "f32"], f"exporting {name}")
+    loaded = load(exp, "untrained f32 export")
+    ids = torch.tensor([tokens], dtype=torch.long)
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits.float(), loaded(input_ids=ids).logits.float()
+    diff, scale = float((a - b).abs().max()), float(b.abs().max())
+    check.true(f"{name}/untrained f32 export: its logits are the multimodal model's on text", diff <= 1e-5 * scale,
+               f"largest difference {diff:.3g} of logits up to {scale:.3g}")
+    # fine-tuned on text, exported f32: transformers' loss of the export is megatrain's
+    train_bin = os.path.join(d, "train.bin")
+    write_tokens(train_bin, pattern * 40 + pattern[:1])
+    exp = os.path.join(d, "export-trained")
+    run([exe, "--model", hf_dir, "--data", train_bin, "--val-data", tokens_bin, "--seq", str(SEQ), "--batch", "2",
+         "--steps", str(TRAIN_STEPS), "--lr", str(LR), "--backend", "cpu", "--eval-every", "0", "--out",
+         os.path.join(d, "run"), "--export", exp, "--export-dtype", "f32"], f"fine-tuning {name}")
+    loaded = load(exp, "fine-tuned f32 export")
+    after = megatrain_eval(exe, exp, tokens_bin, "cpu")
+    check.close(f"{name}/fine-tuned f32 export: transformers vs megatrain loss", hf_loss(loaded, tokens),
+                after["val_loss"], tolerance(after["compute_dtype"]))
+    check.true(f"{name}: fine-tuning lowered the training loss", after["val_loss"] < want - MIN_TRAIN_LOSS_DROP,
+               f"{want:.6f} -> {after['val_loss']:.6f}")
+
+
 ROPE_CASES = [  # (architecture, rope parameters): positions past original_max_position_embeddings (16)
     ("llama", {"rope_type": "linear", "factor": 4.0}),
     ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -540,6 +603,8 @@ def main():
         for name, model in make_models():
             if not args.only or name in args.only:
                 check_model(name, model.to(torch.float32), args.megatrain, work, check, rng, gen, not args.no_auto_backend)
+        if not args.only or "gemma3_multimodal" in args.only:
+            check_gemma3_multimodal(args.megatrain, work, check, rng, gen)
         if not args.only:
             check_rope_scaling(args.megatrain, work, check, rng, gen, not args.no_auto_backend)
     except Exception as e:  # a crash is a failure with its story, not a skip
