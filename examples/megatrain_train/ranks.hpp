@@ -92,9 +92,13 @@ class Ranks {
     r.threads_ = true;
     if (use_cuda) {
 #if MEGATRAIN_PROGRAM_NCCL
+      // (the ranks start together in this process: a minute unless told, not a launcher's 300 s,
+      // so that the others stop soon where one cannot reach the meeting, its GPU failing to start)
+      const std::optional<double> wait = rendezvous_timeout_s > 0 ? std::optional(rendezvous_timeout_s)
+                                         : std::getenv("MEGATRAIN_RENDEZVOUS_TIMEOUT") ? std::nullopt
+                                                                                       : std::optional(60.0);
       r.comm_ = std::make_unique<megatrain::dist::NcclHostComm>(
-          r.me_, rank,
-          megatrain::dist::rendezvous_timeout(rendezvous_timeout_s > 0 ? std::optional(rendezvous_timeout_s) : std::nullopt),
+          r.me_, rank, megatrain::dist::rendezvous_timeout(wait),
           megatrain::dist::collective_timeout(std::getenv("MEGATRAIN_COLLECTIVE_TIMEOUT") ? std::nullopt
                                                                                           : std::optional(3600.0)));
 #else
