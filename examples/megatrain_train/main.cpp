@@ -79,6 +79,8 @@ thread_local std::string t_who;
 std::string g_who;
 // --gpus N: the rank whose failure made this process abort the others' communicators (-1: none).
 std::atomic<int> g_failed_rank{-1};
+// --gpus N on GPUs: aborts every running rank's communicator (set by main; empty otherwise).
+std::function<void()> g_abort_others;
 
 void on_stop_signal(int sig) {
   if (g_stop_signal.exchange(sig) != 0) _exit(128 + sig);
@@ -1254,6 +1256,9 @@ int main(int argc, char** argv) {
         std::fflush(stderr);
       }
       ranks.fail(1);  // (the others are told: every rank stops)
+      // (--gpus N, training: the other ranks' communicators aborted now, not once this rank has
+      // cleaned up, so that they stop at once instead of waiting in a collective for it)
+      if (first && ranks.threads() && ranks.started() && g_abort_others) g_abort_others();
       return 1;
     };
     try {
@@ -1310,6 +1315,16 @@ int main(int argc, char** argv) {
   std::vector<megatrain::dist::HostComm*> live(static_cast<std::size_t>(gpus), nullptr);  // (each rank's, while it runs)
   int first_ended = -1;  // (the first rank that ended with a nonzero status)
   bool aborted = false;
+  // (NCCL's communicators are one a rank: where one rank fails, the others' are aborted; the cpu
+  // backend's group was aborted by the rank that failed, naming it)
+  const auto abort_live = [&] {
+    const std::lock_guard lock(live_mutex);
+    if (aborted || g_failed_rank.load() < 0 || !use_cuda) return;
+    aborted = true;
+    for (auto* c : live)
+      if (c != nullptr) c->abort(1);
+  };
+  g_abort_others = abort_live;
   const auto status = megatrain::dist::run_local_ranks(
       gpus,
       [&](int r) {
@@ -1328,14 +1343,9 @@ int main(int argc, char** argv) {
       },
       [&](int ended) {  // (a rank ended with a nonzero status: where one failed, the others stop now)
         if (first_ended < 0) first_ended = ended;
-        // (a stop signal: every rank stops alike; the cpu backend's group was aborted by the rank
-        // that failed, naming it; NCCL's communicators are one a rank: aborted here)
-        const std::lock_guard lock(live_mutex);
-        if (aborted || g_failed_rank.load() < 0 || !use_cuda) return;
-        aborted = true;
-        for (auto* c : live)
-          if (c != nullptr) c->abort(1);
+        abort_live();  // (a stop signal, where none failed: every rank stops alike, nothing aborted)
       });
+  g_abort_others = nullptr;
   // (the exit status: the failed rank's, else the first to end's: a stop signal's 128 + its number)
   if (const int f = g_failed_rank.load(); f >= 0 && status[static_cast<std::size_t>(f)] != 0)
     return status[static_cast<std::size_t>(f)];
