@@ -1303,10 +1303,8 @@ int main(int argc, char** argv) {
   try {
     if (use_cuda)
       port = megatrain::dist::free_local_port();
-    else  // (as long as NCCL's: the others wait in a collective while the first writes a checkpoint)
-      local = megatrain::dist::LocalComm::group(
-          gpus, megatrain::dist::collective_timeout(std::getenv("MEGATRAIN_COLLECTIVE_TIMEOUT") ? std::nullopt
-                                                                                                : std::optional(3600.0)));
+    else
+      local = megatrain::dist::LocalComm::group(gpus, Ranks::collective_timeout());
   } catch (const megatrain::Error& e) {
     std::fprintf(stderr, "megatrain-train: error: %s\n", e.reason().c_str());
     return 1;

@@ -13,6 +13,7 @@
 // backend dist::LocalComm between the threads.
 #pragma once
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -53,11 +54,7 @@ class Ranks {
       r.comm_ = std::make_unique<megatrain::dist::NcclHostComm>(
           r.me_, r.me_.local_rank,
           megatrain::dist::rendezvous_timeout(rendezvous_timeout_s > 0 ? std::optional(rendezvous_timeout_s) : std::nullopt),
-          // (an hour unless MEGATRAIN_COLLECTIVE_TIMEOUT says otherwise: the others wait in a
-          // collective while the first writes a checkpoint or an export, which for a large model
-          // takes minutes; a launcher ends the run at once where a process dies)
-          megatrain::dist::collective_timeout(std::getenv("MEGATRAIN_COLLECTIVE_TIMEOUT") ? std::nullopt
-                                                                                          : std::optional(3600.0)));
+          collective_timeout());
 #else
       MT_FAIL("this is process {} of {} ({} launched them), but megatrain-train was built without NCCL, which several "
               "processes on GPUs train over: build it where NCCL is found (the CUDA toolkit's), or run one process",
@@ -98,9 +95,7 @@ class Ranks {
                                          : std::getenv("MEGATRAIN_RENDEZVOUS_TIMEOUT") ? std::nullopt
                                                                                        : std::optional(60.0);
       r.comm_ = std::make_unique<megatrain::dist::NcclHostComm>(
-          r.me_, rank, megatrain::dist::rendezvous_timeout(wait),
-          megatrain::dist::collective_timeout(std::getenv("MEGATRAIN_COLLECTIVE_TIMEOUT") ? std::nullopt
-                                                                                          : std::optional(3600.0)));
+          r.me_, rank, megatrain::dist::rendezvous_timeout(wait), collective_timeout());
 #else
       MT_FAIL("--gpus {}: megatrain-train was built without NCCL, which several GPUs train over: build it where NCCL is "
               "found (the CUDA toolkit's), or train on one GPU", world);
@@ -109,6 +104,14 @@ class Ranks {
       r.comm_ = std::move(local);
     }
     return r;
+  }
+
+  /// How long a rank waits in one collective: an hour unless MEGATRAIN_COLLECTIVE_TIMEOUT says
+  /// otherwise (the others wait in a collective while the first writes a checkpoint or an export,
+  /// which for a large model takes minutes; a launcher ends the run at once where a process dies).
+  static std::chrono::milliseconds collective_timeout() {
+    return megatrain::dist::collective_timeout(std::getenv("MEGATRAIN_COLLECTIVE_TIMEOUT") ? std::nullopt
+                                                                                           : std::optional(3600.0));
   }
 
   int rank() const { return me_.rank; }
@@ -145,7 +148,7 @@ class Ranks {
     const auto failed = flags(0);
     if (!failed.empty()) phase_ = Phase::agreed_to_stop;
     MT_CHECK(failed.empty(), "{}(es) {} of {} stopped before training (their message says why): every {} stops",
-             threads_ ? "rank" : "process", fmt::join(failed, ", "), world(), noun());
+             noun(), fmt::join(failed, ", "), world(), noun());
   }
   /// The first stop signal any rank has seen (its number), else 0: every rank stops after the same step.
   int stop_signal(int mine) {

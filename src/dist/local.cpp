@@ -140,20 +140,26 @@ void LocalComm::collective(const void* data, std::size_t bytes, const char* what
   if (failed) std::rethrow_exception(failed);
 }
 
+// In place: data[lo, lo + n) becomes the sum over the ranks of their buffers' [lo, lo + n), in
+// rank order from rank 0's values (the same bits on every rank); the rest of data is left as it is.
 template <class T>
-void LocalComm::sum(std::span<T> data) {
-  std::vector<T> total(data.size());
-  collective(data.data(), data.size_bytes(), "a sum", [&] {
-    // (rank order, from rank 0's values: the same bits on every rank)
+void LocalComm::sum(std::span<T> data, std::size_t lo, std::size_t n, const char* what) {
+  std::vector<T> total(n);
+  collective(data.data(), data.size_bytes(), what, [&] {
     for (int r = 0; r < g_->world; ++r) {
-      const T* p = static_cast<const T*>(g_->data[static_cast<std::size_t>(r)]);
+      const T* p = static_cast<const T*>(g_->data[static_cast<std::size_t>(r)]) + lo;
       if (r == 0)
-        std::copy(p, p + data.size(), total.begin());
+        std::copy(p, p + n, total.begin());
       else
-        for (std::size_t i = 0; i < total.size(); ++i) total[i] += p[i];
+        for (std::size_t i = 0; i < n; ++i) total[i] += p[i];
     }
   });
-  std::copy(total.begin(), total.end(), data.begin());
+  std::copy(total.begin(), total.end(), data.begin() + static_cast<std::ptrdiff_t>(lo));
+}
+
+template <class T>
+void LocalComm::sum(std::span<T> data) {
+  sum(data, 0, data.size(), "a sum");
 }
 
 void LocalComm::all_reduce_sum(std::span<float> data) { sum(data); }
@@ -168,18 +174,7 @@ void LocalComm::sum_backend_memory(float* data, std::size_t n, void* stream) {
 
 void LocalComm::reduce_scatter_sum(std::span<float> data, std::span<const std::int64_t> bounds) {
   const std::span<float> mine = shard_part(data, bounds, g_->world, rank_);
-  const auto lo = static_cast<std::size_t>(mine.data() - data.data());
-  std::vector<float> total(mine.size());
-  collective(data.data(), data.size_bytes(), "a reduce-scatter", [&] {
-    for (int r = 0; r < g_->world; ++r) {
-      const float* p = static_cast<const float*>(g_->data[static_cast<std::size_t>(r)]) + lo;
-      if (r == 0)
-        std::copy(p, p + mine.size(), total.begin());
-      else
-        for (std::size_t i = 0; i < total.size(); ++i) total[i] += p[i];
-    }
-  });
-  std::copy(total.begin(), total.end(), mine.begin());
+  sum(data, static_cast<std::size_t>(mine.data() - data.data()), mine.size(), "a reduce-scatter");
 }
 
 // Each rank's part of `data` copied from that rank's buffer: to every rank (root < 0) or to root.

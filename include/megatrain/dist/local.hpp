@@ -73,6 +73,8 @@ class LocalComm final : public HostComm {
   LocalComm(std::shared_ptr<Group> g, int rank) : g_(std::move(g)), rank_(rank) {}
   template <class T>
   void sum(std::span<T> data);
+  template <class T>
+  void sum(std::span<T> data, std::size_t lo, std::size_t n, const char* what);
   template <class E>
   void parts(std::span<E> data, std::span<const std::int64_t> bounds, int root);
   // Publishes this rank's buffer (its address and size), waits for every rank's, runs `fn`, and
