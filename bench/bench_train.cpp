@@ -51,8 +51,11 @@ struct Args {
   std::string preset = "qwen2.5-1.5b", backend = "auto", clip_mode = "none", gpu_memory, save_dir, gradients = "device";
   std::int64_t batch = 32, seq = 1024, steps = 8, skip = 3, chunk = 0, layers = 0, save_at = 0;
   std::int64_t device_units = TrainerOptions::kAutoDeviceUnits, checkpoint_every = 0, kept_blocks = TrainerOptions::kAutoKeptBlocks;
+  std::int64_t spilled_blocks = TrainerOptions::kAutoSpilledBlocks;
   std::size_t weight_slots = 2;  // --weight-slots: the ring of block weight slots (TrainerOptions::weight_slots)
   bool overlap_update = true;
+  std::int64_t logits_block = 0;  // --logits-block: tokens per block of the head's logits (0: CudaBackendOptions' default)
+  bool gemm_tuning = true;  // --gemm-tuning: cuBLASLt's algorithms timed over the first step (CudaBackendOptions)
   bool timeline = false;  // --timeline: the last step's compute items, summed by kind
   std::string machine;  // --machine FILE: the cost model's rates (default: the reference H200 host)
 };
@@ -166,6 +169,7 @@ int run(B& be, const char* name, const Args& a) {
   opt.device_units = a.device_units;
   opt.checkpoint_every = a.checkpoint_every;
   opt.kept_blocks = a.kept_blocks;
+  opt.spilled_blocks = a.spilled_blocks;
   opt.weight_slots = a.weight_slots;
   MT_CHECK(a.gradients == "device" || a.gradients == "host", "--gradients must be device or host");
   opt.gradient_home = a.gradients == "host" ? GradientHome::host : GradientHome::device;
@@ -191,9 +195,10 @@ int run(B& be, const char* name, const Args& a) {
               a.preset.c_str(), std::string(cfg.architecture_name()).c_str(), static_cast<int>(cfg.num_hidden_layers), N / 1e9,
               static_cast<long long>(a.batch * a.seq), static_cast<long long>(a.batch), static_cast<long long>(a.seq),
               static_cast<long long>(a.chunk), a.clip_mode.c_str(), name);
-  std::printf("host store %s, trainer device buffers %s, spilled checkpoints %zu, blocks keeping their activations %zu\n",
+  std::printf("host store %s, trainer device buffers %s, spilled checkpoints %zu, blocks keeping their activations %zu, "
+              "spilling them to host memory %zu\n",
               format_bytes(store.bytes()).c_str(), format_bytes(trainer.device_bytes()).c_str(), trainer.spilled_checkpoints(),
-              trainer.memory_plan().buffers.kept_blocks);
+              trainer.memory_plan().buffers.kept_blocks, trainer.memory_plan().buffers.spilled_blocks);
   // Parameters whose AdamW runs on the device (device units) and on the host.
   double n_dev = 0;
   for (std::size_t u = 0; u < trainer.device_units(); ++u) n_dev += static_cast<double>(store.unit(u).param_count());
@@ -341,6 +346,9 @@ int main(int argc, char** argv) {
   app.add_option("--keep-activations", a.kept_blocks,
                  "The last N blocks keep their activations for the backward, no recompute (-1: the plan's choice)")
       ->capture_default_str();
+  app.add_option("--spill-activations", a.spilled_blocks,
+                 "N blocks among the others spill their activations to host memory, no recompute (-1: the plan's choice)")
+      ->capture_default_str();
   app.add_option("--checkpoint-every", a.checkpoint_every,
                  "Activation checkpoints every N blocks (0: as the plan needs, docs/planner.md)")
       ->capture_default_str();
@@ -348,6 +356,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--save-dir", a.save_dir, "Save a train-state checkpoint here (overlapped) and time it, and its load");
   app.add_option("--save-at", a.save_at, "The step after which --save-dir saves")->capture_default_str();
+  app.add_option("--logits-block", a.logits_block, "Tokens per block of the LM head's fp32 logits (0: the backend's default)")
+      ->capture_default_str();
+  app.add_option("--gemm-tuning", a.gemm_tuning,
+                 "Time cuBLASLt's first algorithms for each matrix product over the first step and keep the fastest")
+      ->capture_default_str();
   app.add_flag("--timeline", a.timeline, "Print the last step's compute-stream items summed by kind, and the gaps between them");
   app.add_option("--machine", a.machine, "JSON file of the machine's rates for the plan's prediction (docs/planner.md)");
   CLI11_PARSE(app, argc, argv);
@@ -356,6 +369,8 @@ int main(int argc, char** argv) {
     if (a.backend != "cpu" && cuda_device_present()) {
       CudaBackendOptions o;
       if (!a.gpu_memory.empty()) o.memory_limit = parse_byte_size(a.gpu_memory.c_str());
+      o.gemm_tuning = a.gemm_tuning;
+      if (a.logits_block > 0) o.logits_block = a.logits_block;
       CudaBackend be(o);
       return run(be, "cuda", a);
     }

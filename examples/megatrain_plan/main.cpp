@@ -85,6 +85,7 @@ int report(const DecoderModel<>& model, const TrainerOptions& topt, const plan::
                      {"checkpoints", p.memory.buffers.checkpoints},
                      {"device_units", p.memory.buffers.device_units},
                      {"kept_blocks", p.memory.buffers.kept_blocks},
+                     {"spilled_blocks", p.memory.buffers.spilled_blocks},
                      {"units", p.memory.buffers.units},
                      {"step_s", p.time.step_s},
                      {"tokens_per_s", p.time.tokens_per_s()},
@@ -197,7 +198,9 @@ int run(const Settings& s, const CLI::App& app, const PlanArgs& a) {
     MT_CHECK(s.backend != "cpu" && cuda_device_present(), "--probe measures this machine's GPU, and there is none here{}",
              s.backend == "cpu" ? " (--backend cpu)" : "");
     {
-      CudaBackend pbe;  // (its own: the plan's backend below starts with nothing allocated)
+      CudaBackendOptions popt;
+      popt.gemm_tuning = true;  // (megatrain-train's default: the rates of tuned products)
+      CudaBackend pbe(popt);  // (its own: the plan's backend below starts with nothing allocated)
       cudaDeviceProp prop{};
       MT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
       std::fprintf(stderr, "megatrain-plan: probing this machine (%s) at the shapes of this model, --seq %lld ...\n", prop.name,

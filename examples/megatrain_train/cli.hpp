@@ -86,11 +86,16 @@ struct Settings {
   std::int64_t max_nonfinite_skips = 10;
   // blocks that keep their activations for the backward (auto: the plan's choice)
   std::string keep_activations = "auto";
+  // blocks (among the others) that spill their activations to host memory (auto: the plan's choice)
+  std::string spill_activations = "auto";
   // run
   std::uint64_t seed = 1;
   std::string out, backend = "auto", host_memory, gpu_memory;
   std::int64_t eval_every = 20, eval_batches = 4, log_every = 1;
   bool overwrite = false;
+  // cuBLASLt's algorithms timed over the first step, each product's fastest kept (a resumed run
+  // takes its checkpoint's)
+  bool gemm_tuning = true;
   // several processes (torchrun, mpirun, srun): how long a rank waits for its peers at start (0:
   // MEGATRAIN_RENDEZVOUS_TIMEOUT, else 300 s)
   double rendezvous_timeout = 0;
@@ -220,6 +225,11 @@ inline void add_memory_options(CLI::App& runo_, Settings& s) {
                    "instead of recomputing them (the same result, faster, more memory): auto (the plan's choice: the "
                    "fastest step that fits beside the AdamW state on the GPU), all, or a count")
       ->capture_default_str();
+  runo->add_option("--spill-activations", s.spill_activations,
+                   "Decoder blocks (among those that do not keep their activations on the GPU) that keep them in pinned "
+                   "host memory instead of recomputing them, copied over PCIe beside the other blocks' work (the same "
+                   "result; host memory and PCIe time instead of GPU time): auto (the plan's choice), or a count")
+      ->capture_default_str();
   runo->add_option("--gradients", s.gradients,
                    "Where gradients wait for the global norm (exact clipping, micro-batches): device (GPU memory) or "
                    "host (4 more bytes of host memory per parameter)")
@@ -229,7 +239,8 @@ inline void add_memory_options(CLI::App& runo_, Settings& s) {
 /// --device-units and --keep-activations: "auto" (-1: TrainerOptions::kAutoDeviceUnits,
 /// kAutoKeptBlocks), "all" (kAll, resolved with the model) or a count >= 0; nullopt when malformed.
 inline constexpr std::int64_t kAll = -2;
-static_assert(megatrain::TrainerOptions::kAutoDeviceUnits == -1 && megatrain::TrainerOptions::kAutoKeptBlocks == -1);
+static_assert(megatrain::TrainerOptions::kAutoDeviceUnits == -1 && megatrain::TrainerOptions::kAutoKeptBlocks == -1 &&
+              megatrain::TrainerOptions::kAutoSpilledBlocks == -1);
 inline std::optional<std::int64_t> parse_auto_all_count(const std::string& v) {
   if (v == "auto") return megatrain::TrainerOptions::kAutoDeviceUnits;
   if (v == "all") return kAll;
@@ -287,6 +298,9 @@ inline megatrain::TrainerOptions step_layout(const Settings& s, std::int64_t lay
   MT_CHECK(device_units.has_value(), "--device-units must be auto, all or a count >= 0 (got '{}')", s.device_units);
   const std::optional<std::int64_t> kept = parse_auto_all_count(s.keep_activations);
   MT_CHECK(kept.has_value(), "--keep-activations must be auto, all or a count >= 0 (got '{}')", s.keep_activations);
+  const std::optional<std::int64_t> spilled = parse_auto_all_count(s.spill_activations);
+  MT_CHECK(spilled.has_value() && *spilled != kAll, "--spill-activations must be auto or a count >= 0 (got '{}')",
+           s.spill_activations);
   megatrain::TrainerOptions o;
   o.batch_rows = s.batch;
   o.seq_len = s.seq;
@@ -306,6 +320,14 @@ inline megatrain::TrainerOptions step_layout(const Settings& s, std::int64_t lay
   MT_CHECK(o.kept_blocks <= 0 || s.checkpoint_every <= 1,
            "--keep-activations {} needs a checkpoint at every block: drop --checkpoint-every {} (or keep none)", s.keep_activations,
            s.checkpoint_every);
+  o.spilled_blocks = *spilled;
+  MT_CHECK(o.spilled_blocks <= 0 || o.kept_blocks < 0 || o.spilled_blocks + o.kept_blocks <= layers,
+           "--spill-activations {} and --keep-activations {} are more than the model's {} blocks", o.spilled_blocks,
+           o.kept_blocks, layers);
+  MT_CHECK(o.spilled_blocks <= layers, "--spill-activations {} is more than the model's {} blocks", o.spilled_blocks, layers);
+  MT_CHECK(o.spilled_blocks <= 0 || s.checkpoint_every <= 1,
+           "--spill-activations {} needs a checkpoint at every block: drop --checkpoint-every {} (or spill none)",
+           s.spill_activations, s.checkpoint_every);
   return o;
 }
 
@@ -430,6 +452,11 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
   runo->add_option("--eval-batches", s.eval_batches, "Batches per validation (with --steps 0: 0 skips the evaluation)")->capture_default_str();
   runo->add_option("--log-every", s.log_every, "Print every N steps when not on a terminal")->capture_default_str();
   add_memory_options(*runo, s);
+  runo->add_option("--gemm-tuning", s.gemm_tuning,
+                   "GPU: time cuBLASLt's first algorithms for each matrix product over the first step and keep the "
+                   "fastest (a few % faster; two fresh runs may then differ in the last bits, a resumed run takes its "
+                   "checkpoint's choices and continues bit for bit); false: the heuristic's first, the same in every run")
+      ->capture_default_str();
 
   auto* ck = app->add_option_group("checkpoints", "Train-state checkpoints (docs/checkpointing.md)");
   ck->add_option("--save-every", s.save_every,

@@ -280,6 +280,8 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
   MT_CHECK(s.max_nonfinite_skips >= 1, "--max-nonfinite-skips must be >= 1 (got {})", s.max_nonfinite_skips);
   for (const auto& [flag, v] : {std::pair{"--device-units", &s.device_units}, std::pair{"--keep-activations", &s.keep_activations}})
     MT_CHECK(parse_auto_all_count(*v).has_value(), "{} must be auto, all or a count >= 0 (got '{}')", flag, *v);
+  MT_CHECK(parse_auto_all_count(s.spill_activations).value_or(kAll) != kAll,
+           "--spill-activations must be auto or a count >= 0 (got '{}')", s.spill_activations);
   MT_CHECK(!(s.clip == 0 && s.origins.conflicts("--clip-mode", "--clip")), "--clip-mode given but clipping is off (--clip 0)");
   MT_CHECK(s.data_format == "auto" || s.data_format == "u16" || s.data_format == "u32",
            "--data-format must be auto, u16 or u32 (got '{}')", s.data_format);
@@ -319,7 +321,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
   if (eval_only)  // options that only shape training would be ignored: refuse them
     for (const char* f : {"--lr", "--min-lr", "--min-lr-ratio", "--warmup", "--warmup-ratio", "--schedule", "--weight-decay", "--beta1", "--beta2", "--eps", "--clip",
                           "--clip-mode", "--micro-batches", "--overwrite", "--eval-every", "--log-every", "--save-every", "--keep",
-                          "--device-units", "--keep-activations", "--gradients"})
+                          "--device-units", "--keep-activations", "--spill-activations", "--gradients", "--gemm-tuning"})
       MT_CHECK(!s.origins.conflicts(f, "--steps"), "{} has no effect with --steps 0 (evaluation only); drop it", f);
   check_model_source(s);
   plan.eval_only = eval_only;
@@ -566,6 +568,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
     topt.micro_batches = 1;  // (--max-micro-batch still splits each evaluation batch)
     topt.device_units = 0;   // (no optimizer state is needed)
     topt.kept_blocks = 0;    // (no backward)
+    topt.spilled_blocks = 0;
     topt.schedule = {LrSchedule::Kind::constant, s.lr, 0, 0, 0.0};
   } else {
     // A resumed run keeps its schedule's length (set by its first run's --steps): --steps then
@@ -670,6 +673,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
     CudaBackendOptions copt;
     if (!s.gpu_memory.empty()) copt.memory_limit = parse_byte_size(s.gpu_memory.c_str());
     copt.device = ranks.info().local_rank;  // (one GPU a process: the launcher's local rank)
+    copt.gemm_tuning = s.gemm_tuning && !plan.resume && !plan.eval_only;  // (a resumed run takes its checkpoint's choices)
     CudaBackend be(copt);
     return train(be, "cuda", s, app, *cfg, data, topt, plan, ranks);
 #endif
@@ -843,6 +847,23 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
         layout.push_back(fmt::format("micro-batches added up in {} memory (checkpoint: {})",
                                      now.gradient_home == GradientHome::host ? "host" : "GPU",
                                      st.options.gradient_home == GradientHome::host ? "host" : "GPU"));
+      // The matrix-product algorithms the run used (--gemm-tuning): the same again, or (a checkpoint
+      // from before they were kept) the heuristic's, as that run took them.
+      if constexpr (requires { be.restore_gemm_algorithms(std::string()); }) {
+        const std::string saved = st.user.value("gemm_algorithms", std::string());
+        if (saved.empty()) {
+          be.end_gemm_tuning();
+        } else {
+          bool same = false;
+          try {
+            same = be.restore_gemm_algorithms(saved);
+          } catch (const megatrain::Error& e) {
+            MT_FAIL("--resume '{}': its {} holds no usable gemm_algorithms: {}", plan.resume->ckpt.dir().string(),
+                    io::kTrainStateFile, e.reason());
+          }
+          if (!same) layout.push_back("another cuBLASLt or GPU (the matrix-product algorithms)");
+        }
+      }
       if (!layout.empty())
         std::fprintf(info, "note: this run computes the same update as the checkpoint's with %s: its floating-point sums "
                      "come in another order, so it is not bit for bit the run that was not interrupted\n",
@@ -960,7 +981,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   if (lead || copt.comm) checkpointer.emplace(out / "checkpoints", copt);
   json side_names = json::array();
   for (const auto& [name, text] : plan.side_files) side_names.push_back(name);
-  const json user{{"program", "megatrain-train"}, {"given", plan.given}, {"data", plan.data_identity}, {"backend", backend_name},
+  json user{{"program", "megatrain-train"}, {"given", plan.given}, {"data", plan.data_identity}, {"backend", backend_name},
                   {"side_files", side_names}, {"run_dir", fs::absolute(out).lexically_normal().string()},
                   {"processes", ranks.world()}};
   Progress progress(first_step, s.steps, ranks.out());
@@ -998,6 +1019,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   const auto checkpoint_path = [&](std::int64_t step) { return checkpointer->folder().path_for(step).string(); };
   // (Every process calls it at the same step. ZeRO-1: every process writes its part.)
   const auto save = [&](std::int64_t step) {
+    if constexpr (requires { be.gemm_algorithms(); }) user["gemm_algorithms"] = be.gemm_algorithms();
     if (checkpointer) checkpointer->save(trainer, store, data->position(step * s.batch), user);
   };
 
@@ -1093,6 +1115,10 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
       if (trainer.stopped_because().empty()) throw;
       return stop_nonfinite(e, step - 1);
     }
+    // The matrix-product algorithms the first step chose (--gemm-tuning): the first process's for
+    // every process, as its checkpoints keep them.
+    if constexpr (requires { be.gemm_algorithms(); })
+      if (step == first_step && ranks.several()) be.restore_gemm_algorithms(ranks.lead_text(be.gemm_algorithms()));
     const double tok_s = static_cast<double>(st.tokens) / st.seconds;
     std::optional<double> val;
     if ((s.eval_every > 0 && step % s.eval_every == 0) || step == s.steps) val = validation();

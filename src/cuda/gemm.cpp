@@ -8,7 +8,13 @@
 
 #include <cublas_v2.h>
 
+#include <algorithm>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
 #include <initializer_list>
+#include <limits>
+#include <sstream>
 #include <string>
 
 #include <fmt/format.h>
@@ -24,6 +30,14 @@ struct Gemm::Plan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
   bool has_bias = false;
+  // Tuning: the heuristic's candidates (best first), the calls made, the timed ones.
+  std::vector<cublasLtMatmulAlgo_t> candidates;
+  int uses = 0;
+  struct Timed {
+    int candidate;
+    cudaEvent_t start, stop;
+  };
+  std::vector<Timed> timed;
   ~Plan() {
     if (c) cublasLtMatrixLayoutDestroy(c);
     if (b) cublasLtMatrixLayoutDestroy(b);
@@ -32,13 +46,132 @@ struct Gemm::Plan {
   }
 };
 
-Gemm::Gemm(void* workspace, std::size_t workspace_bytes) : workspace_(workspace), workspace_bytes_(workspace_bytes) {
+namespace {
+// Candidates a tuned shape tries, and rounds of calls over them: the first round warms each up
+// (its kernel loaded, its first launch), the others are timed.
+constexpr int kCandidates = 8;
+constexpr int kRounds = 4;
+constexpr const char* kAlgorithmsHeader = "megatrain gemm algorithms 1";
+
+// What the algorithms' text names the library and GPU by: cuBLASLt's version, the device's name
+// and compute capability.
+std::string library_and_device() {
+  int dev = 0;
+  MT_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  MT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  return fmt::format("cublasLt {}; {}; sm_{}{}", cublasLtGetVersion(), prop.name, prop.major, prop.minor);
+}
+}  // namespace
+
+Gemm::Gemm(void* workspace, std::size_t workspace_bytes, bool tune)
+    : workspace_(workspace), workspace_bytes_(workspace_bytes), tuning_(tune) {
   MT_CUDA_CHECK(cublasLtCreate(&handle_));
 }
 
 Gemm::~Gemm() {
+  for (auto& [key, p] : plans_)
+    for (auto& t : p->timed) {
+      (void)cudaEventDestroy(t.start);
+      (void)cudaEventDestroy(t.stop);
+    }
+  for (void* e : free_events_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
   plans_.clear();
   if (handle_) cublasLtDestroy(handle_);
+}
+
+void Gemm::end_tuning() {
+  if (!tuning_) return;
+  for (auto& [key, p] : plans_) {
+    std::vector<float> best(p->candidates.size(), std::numeric_limits<float>::infinity());
+    for (const auto& t : p->timed) {
+      MT_CUDA_CHECK(cudaEventSynchronize(t.stop));
+      float ms = 0;
+      MT_CUDA_CHECK(cudaEventElapsedTime(&ms, t.start, t.stop));
+      best[static_cast<std::size_t>(t.candidate)] = std::min(best[static_cast<std::size_t>(t.candidate)], ms);
+      free_events_.push_back(t.start);
+      free_events_.push_back(t.stop);
+    }
+    if (!best.empty()) {
+      const auto fastest = std::min_element(best.begin(), best.end());
+      if (std::isfinite(*fastest)) p->algo = p->candidates[static_cast<std::size_t>(fastest - best.begin())];
+    }
+    p->timed.clear();
+    p->candidates.clear();
+    p->uses = 0;
+  }
+  tuning_ = false;
+}
+
+std::string Gemm::algorithms() const {
+  std::string out = fmt::format("{}; {}\n", kAlgorithmsHeader, library_and_device());
+  for (const auto& [key, p] : plans_) {
+    const auto& [kind, M, N, K, aligned] = key;
+    out += fmt::format("{} {} {} {} {}", kind, M, N, K, aligned ? 1 : 0);
+    for (std::uint64_t word : p->algo.data) out += fmt::format(" {:016x}", word);
+    out += '\n';
+  }
+  return out;
+}
+
+bool Gemm::restore(const std::string& text) {
+  std::istringstream in(text);
+  std::string line;
+  std::getline(in, line);
+  MT_CHECK(line.rfind(kAlgorithmsHeader, 0) == 0, "saved matrix-product algorithms: the text does not start with '{}'",
+           kAlgorithmsHeader);
+  if (line != fmt::format("{}; {}", kAlgorithmsHeader, library_and_device())) return false;
+  std::map<Key, cublasLtMatmulAlgo_t> algos;
+  for (int number = 2; std::getline(in, line); ++number) {
+    if (line.empty()) continue;
+    std::istringstream fields(line);
+    int kind = -1, aligned = -1;
+    std::int64_t M = 0, N = 0, K = 0;
+    cublasLtMatmulAlgo_t algo{};
+    fields >> kind >> M >> N >> K >> aligned;
+    for (std::uint64_t& word : algo.data) fields >> std::hex >> word >> std::dec;
+    std::string rest;
+    MT_CHECK(fields && !(fields >> rest) && kind >= 0 && kind <= static_cast<int>(Kind::weight_grad) && M > 0 && N > 0 &&
+                 K > 0 && (aligned == 0 || aligned == 1),
+             "saved matrix-product algorithms, line {}: '{}' is not a shape and an algorithm", number, line);
+    algos[Key{kind, M, N, K, aligned == 1}] = algo;
+  }
+  restored_ = std::move(algos);
+  for (auto& [key, p] : plans_) {
+    for (const auto& t : p->timed) {  // (what was timed is not read: the saved choice stands)
+      MT_CUDA_CHECK(cudaEventSynchronize(t.stop));
+      free_events_.push_back(t.start);
+      free_events_.push_back(t.stop);
+    }
+    p->timed.clear();
+    p->candidates.clear();
+    p->uses = 0;
+    if (auto r = restored_.find(key); r != restored_.end()) p->algo = checked(*p, key, r->second);
+  }
+  tuning_ = false;
+  return true;
+}
+
+cublasLtMatmulAlgo_t Gemm::checked(const Plan& p, const Key& key, const cublasLtMatmulAlgo_t& algo) {
+  cublasLtMatmulHeuristicResult_t result{};
+  const cublasStatus_t st = cublasLtMatmulAlgoCheck(handle_, p.desc, p.a, p.b, p.c, p.c, &algo, &result);
+  MT_CHECK(st == CUBLAS_STATUS_SUCCESS && result.workspaceSize <= workspace_bytes_,
+           "the saved matrix-product algorithm for the shape {} x {} x {} (kind {}) does not run here (cuBLASLt status "
+           "{}, workspace {} of {} bytes)",
+           std::get<1>(key), std::get<2>(key), std::get<3>(key), std::get<0>(key), static_cast<int>(st),
+           result.workspaceSize, workspace_bytes_);
+  return algo;
+}
+
+void* Gemm::timing_event() {
+  if (!free_events_.empty()) {
+    void* e = free_events_.back();
+    free_events_.pop_back();
+    return e;
+  }
+  cudaEvent_t e = nullptr;
+  MT_CUDA_CHECK(cudaEventCreate(&e));
+  return e;
 }
 
 namespace {
@@ -112,14 +245,19 @@ Gemm::Plan& Gemm::plan(Kind kind, std::int64_t M, std::int64_t N, std::int64_t K
   for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                     CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
     MT_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof align));
-  cublasLtMatmulHeuristicResult_t result{};
+  std::vector<cublasLtMatmulHeuristicResult_t> results(tuning_ ? kCandidates : 1);
   int found = 0;
-  const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(handle_, p->desc, p->a, p->b, p->c, p->c, pref, 1, &result, &found);
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, p->desc, p->a, p->b, p->c, p->c, pref,
+                                                           static_cast<int>(results.size()), results.data(), &found);
   cublasLtMatmulPreferenceDestroy(pref);
   MT_CUDA_CHECK(st);
   MT_CHECK(found > 0, "cuBLASLt has no algorithm for a bf16 product of m={} n={} k={}", m, n, k);
-  p->algo = result.algo;
+  p->algo = results[0].algo;
+  if (auto r = restored_.find(key); r != restored_.end()) {
+    p->algo = checked(*p, key, r->second);
+  } else if (tuning_ && found > 1) {
+    for (int i = 0; i < found; ++i) p->candidates.push_back(results[static_cast<std::size_t>(i)].algo);
+  }
   return *plans_.emplace(key, std::move(p)).first->second;
 }
 
@@ -128,8 +266,27 @@ void Gemm::run(Plan& p, const void* a, const void* b, void* c, const void* bias,
   if (p.has_bias)
     MT_CUDA_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
   const float alpha = 1.0f;
-  MT_CUDA_CHECK(cublasLtMatmul(handle_, p.desc, &alpha, a, p.a, b, p.b, &beta, c_in ? c_in : c, p.c, c, p.c, &p.algo,
+  // Tuning: the candidates in turn, each call a correct product; from the second round on, timed.
+  const cublasLtMatmulAlgo_t* algo = &p.algo;
+  const int candidates = static_cast<int>(p.candidates.size());
+  cudaEvent_t start = nullptr, stop = nullptr;
+  int candidate = 0;
+  if (tuning_ && candidates > 1 && p.uses < kRounds * candidates) {
+    candidate = p.uses % candidates;
+    algo = &p.candidates[static_cast<std::size_t>(candidate)];
+    if (p.uses >= candidates) {
+      start = static_cast<cudaEvent_t>(timing_event());
+      stop = static_cast<cudaEvent_t>(timing_event());
+      MT_CUDA_CHECK(cudaEventRecord(start, stream));
+    }
+    ++p.uses;
+  }
+  MT_CUDA_CHECK(cublasLtMatmul(handle_, p.desc, &alpha, a, p.a, b, p.b, &beta, c_in ? c_in : c, p.c, c, p.c, algo,
                                workspace_, workspace_bytes_, stream));
+  if (start) {
+    MT_CUDA_CHECK(cudaEventRecord(stop, stream));
+    p.timed.push_back({candidate, start, stop});
+  }
 }
 
 void Gemm::forward(const bf16* x, const bf16* w, const bf16* bias, bf16* y, std::int64_t M, std::int64_t N,

@@ -531,6 +531,124 @@ TEST_CASE("the cuBLASLt plan cache builds one plan per shape and reuses it") {
   be.synchronize();
 }
 
+TEST_CASE("tuned matrix products: every candidate's result is right, the choice is fixed, saved and restored bit for bit") {
+  CudaBackend be;
+  auto ws = be.alloc<std::byte>(std::size_t{32} << 20);
+  std::mt19937 rng(11);
+  // Shapes where cuBLASLt offers several algorithms (long sums: some split them): forward and the
+  // weight gradient (fp32, accumulated).
+  const std::int64_t M = 1027, N = 768, K = 2560;
+  const auto x16 = random_bf16(static_cast<std::size_t>(M * K), 1.0f, rng), w16 = random_bf16(static_cast<std::size_t>(N * K), 0.1f, rng),
+             dy16 = random_bf16(static_cast<std::size_t>(M * N), 1.0f, rng);
+  auto x = to_device(be, x16), w = to_device(be, w16), dy = to_device(be, dy16);
+  auto y = be.alloc<bf16>(static_cast<std::size_t>(M * N));
+  auto dw = be.alloc<float>(static_cast<std::size_t>(N * K));
+  // The float64 products and the bound of one bf16 rounding plus fp32 accumulation (as above).
+  const auto xf = to_float(x16), wf = to_float(w16), dyf = to_float(dy16);
+  std::vector<float> y_ref(static_cast<std::size_t>(M * N)), dw_ref(static_cast<std::size_t>(N * K));
+  std::vector<double> y_bound(y_ref.size()), dw_bound(dw_ref.size());
+  const auto raw = [](const auto& b) {
+    using E = std::remove_cvref_t<decltype(b.span()[0])>;
+    std::vector<E> h(b.size());
+    MT_CUDA_CHECK(cudaMemcpy(h.data(), b.span().data(), b.size() * sizeof(E), cudaMemcpyDeviceToHost));
+    return h;
+  };
+  // (the sum of n products p(t) in float64, and of their magnitudes)
+  const auto dot = [](std::int64_t n, const auto& p) {
+    double v = 0, a = 0;
+    for (std::int64_t t = 0; t < n; ++t) {
+      v += p(t);
+      a += std::abs(p(t));
+    }
+    return std::pair{v, a};
+  };
+  for (std::int64_t i = 0; i < M; ++i)
+    for (std::int64_t j = 0; j < N; ++j) {
+      const auto [v, a] = dot(K, [&](std::int64_t k) { return static_cast<double>(xf[i * K + k]) * wf[j * K + k]; });
+      y_ref[i * N + j] = static_cast<float>(v);
+      y_bound[i * N + j] = kBf16Eps * std::abs(v) + 4 * static_cast<double>(K + 2) * kF32Eps * a + 1e-30;
+    }
+  for (std::int64_t j = 0; j < N; ++j)
+    for (std::int64_t k = 0; k < K; ++k) {
+      const auto [v, a] = dot(M, [&](std::int64_t i) { return static_cast<double>(dyf[i * N + j]) * xf[i * K + k]; });
+      dw_ref[j * K + k] = static_cast<float>(v);
+      dw_bound[j * K + k] = 4 * static_cast<double>(M + 2) * kF32Eps * a + 1e-30;
+    }
+  const auto forward = [&](cuda::Gemm& g) {
+    g.forward(x.span().data(), w.span().data(), nullptr, y.span().data(), M, N, K, be.stream());
+    be.synchronize();
+    return raw(y);
+  };
+  const auto weight_grad = [&](cuda::Gemm& g) {
+    MT_CUDA_CHECK(cudaMemset(dw.span().data(), 0, dw.size() * sizeof(float)));
+    g.weight_grad(dy.span().data(), x.span().data(), dw.span().data(), M, N, K, be.stream());
+    be.synchronize();
+    return raw(dw);
+  };
+  const auto to_double = [](const auto& v) {
+    std::vector<double> d(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) d[i] = static_cast<double>(static_cast<float>(v[i]));
+    return d;
+  };
+
+  cuda::Gemm tuned(ws.span().data(), ws.size(), true);
+  CHECK(tuned.tuning());
+  // While tuning, the calls take the candidates in turn: each call's product is right.
+  std::vector<std::vector<bf16>> seen_y;
+  for (int call = 0; call < 40; ++call) {
+    CAPTURE(call);
+    const auto yc = forward(tuned);
+    check_within(to_double(yc), y_ref, y_bound, "y (tuning)");
+    if (std::find(seen_y.begin(), seen_y.end(), yc) == seen_y.end()) seen_y.push_back(yc);
+    check_within(to_double(weight_grad(tuned)), dw_ref, dw_bound, "dW (tuning)");
+  }
+  MESSAGE("distinct results of the forward's candidates while tuning: " << seen_y.size());
+  tuned.end_tuning();
+  CHECK_FALSE(tuned.tuning());
+  // Fixed: every call the same bits.
+  const auto y_fixed = forward(tuned);
+  const auto dw_fixed = weight_grad(tuned);
+  for (int call = 0; call < 3; ++call) {
+    CHECK(forward(tuned) == y_fixed);
+    CHECK(weight_grad(tuned) == dw_fixed);
+  }
+  const std::string saved = tuned.algorithms();
+  CHECK(std::count(saved.begin(), saved.end(), '\n') == 3);  // the header and two shapes
+
+  // Restored into another Gemm (one that would tune, before and after its plans are built): the
+  // same algorithms, the same bits.
+  for (const bool built_first : {false, true}) {
+    CAPTURE(built_first);
+    cuda::Gemm again(ws.span().data(), ws.size(), true);
+    if (built_first) (void)forward(again);
+    REQUIRE(again.restore(saved));
+    CHECK_FALSE(again.tuning());
+    CHECK(forward(again) == y_fixed);
+    CHECK(weight_grad(again) == dw_fixed);
+    CHECK(again.algorithms() == saved);
+  }
+  // Saved by another cuBLASLt or GPU: nothing taken (an untuned Gemm keeps the heuristic's first).
+  {
+    cuda::Gemm plain(ws.span().data(), ws.size());
+    const auto y_plain = forward(plain);
+    std::string other = saved;
+    other.replace(other.find("cublasLt "), 9, "cublasLt 1");
+    cuda::Gemm again(ws.span().data(), ws.size());
+    CHECK_FALSE(again.restore(other));
+    CHECK(forward(again) == y_plain);
+    cuda::Gemm tuning(ws.span().data(), ws.size(), true);
+    CHECK_FALSE(tuning.restore(other));
+    CHECK(tuning.tuning());  // (nothing taken: it goes on tuning)
+  }
+  // Text that is not algorithms()'s: refused, naming the line.
+  {
+    cuda::Gemm again(ws.span().data(), ws.size(), true);
+    CHECK_THROWS_WITH_AS(again.restore("not megatrain's\n"), doctest::Contains("does not start with"), megatrain::Error);
+    std::string cut = saved.substr(0, saved.rfind(' '));  // (the last line loses a word)
+    CHECK_THROWS_WITH_AS(again.restore(cut), doctest::Contains("line 3"), megatrain::Error);
+  }
+}
+
 TEST_CASE("linear and linear_backward on the GPU match CpuBackend<float> at awkward sizes") {
   CudaBackend be;
   constexpr std::int64_t kSizes[] = {1, 7, 33, 130};

@@ -186,3 +186,58 @@ TEST_CASE("a resumed GPU run equals the uninterrupted one as closely as two unin
     CHECK(resumed.bitwise == twice.bitwise);
   }
 }
+
+TEST_CASE("tuned matrix products: a run resumed with its checkpoint's algorithms continues bit for bit") {
+  megatrain::test::TempDir dir("megatrain-gpu-resume-tuned");
+  const ModelConfig cfg = small(false);
+  TrainerOptions o;
+  o.batch_rows = 8;
+  o.seq_len = 96;
+  o.chunk_rows = 4;
+  o.adamw.weight_decay = 0.1;
+  o.schedule = {LrSchedule::Kind::warmup_cosine, 2e-3, 2, 10, 2e-4};
+  o.clip_norm = 0.5;
+  o.clip_mode = ClipMode::exact;
+  constexpr int kSteps = 6, kHalf = 3;
+  CudaBackendOptions bo;
+  bo.gemm_tuning = true;
+  const auto folder = dir / "tuned";
+  std::vector<StepStats> a;
+  std::vector<float> a_final;
+  std::string algorithms;
+  {
+    CudaBackend be(bo);
+    Run r(cfg, be, o, 7);
+    Checkpointer ckpt(folder);
+    for (int s = 0; s < kSteps; ++s) {
+      a.push_back(r.step());
+      if (s + 1 == kHalf)
+        ckpt.save(r.trainer, r.store, r.data.position(kHalf * o.batch_rows),
+                  nlohmann::json{{"gemm_algorithms", be.gemm_algorithms()}});
+    }
+    r.trainer.finish_update();
+    const auto saved = ckpt.wait();
+    REQUIRE(saved.size() == 1);
+    CHECK_MESSAGE(saved[0].ok, saved[0].error);
+    a_final = state_of(r.store);
+    algorithms = be.gemm_algorithms();
+  }
+  // A fresh backend that would tune, and a fresh store: the checkpoint's algorithms replace tuning.
+  std::vector<StepStats> c(a.begin(), a.begin() + kHalf);
+  std::vector<float> c_final;
+  {
+    CudaBackend be(bo);
+    Run r(cfg, be, o, 999);
+    const auto latest = io::CheckpointFolder(folder).latest();
+    REQUIRE(latest.has_value());
+    const TrainState st = load_train_state(*latest, r.trainer, r.store);
+    REQUIRE(be.restore_gemm_algorithms(st.user.at("gemm_algorithms").get<std::string>()));
+    for (int s = kHalf; s < kSteps; ++s) c.push_back(r.step());
+    r.trainer.finish_update();
+    c_final = state_of(r.store);
+    CHECK(be.gemm_algorithms() == algorithms);  // (every shape the steps after the save took)
+  }
+  const Gap resumed = gap(a, c, a_final, c_final);
+  CHECK_MESSAGE(resumed.bitwise, "resumed vs uninterrupted: " << resumed.stats << " (loss, norm), " << resumed.state
+                                                               << " (weights, moments)");
+}

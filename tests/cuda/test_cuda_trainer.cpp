@@ -408,6 +408,11 @@ TEST_CASE("the memory plan is the GPU trainer's allocation, byte for byte, and i
          o.clip_mode = ClipMode::exact;
          o.kept_blocks = 3;
        }},
+      {"exact clipping, 1 block keeps its activations, 2 spill theirs to host memory", [](TrainerOptions& o) {
+         o.clip_mode = ClipMode::exact;
+         o.kept_blocks = 1;
+         o.spilled_blocks = 2;
+       }},
   };
   for (const Case& c : cases) {
     CAPTURE(c.name);
@@ -427,6 +432,7 @@ TEST_CASE("the memory plan is the GPU trainer's allocation, byte for byte, and i
     CHECK(trainer.memory_plan().device_total() == before.device_total());
     CHECK(trainer.device_units() == before.buffers.device_units);
     CHECK(trainer.memory_plan().buffers.kept_blocks == before.buffers.kept_blocks);
+    CHECK(trainer.memory_plan().buffers.spilled_blocks == before.buffers.spilled_blocks);
   }
 }
 
@@ -455,10 +461,13 @@ TEST_CASE("checkpoints every 2 or 3 blocks train the same bits on the GPU") {
   }
 }
 
-TEST_CASE("blocks that keep their activations train the same bits on the GPU as blocks that recompute") {
+TEST_CASE("blocks that keep their activations (on the GPU or spilled to host memory) train the same bits as blocks that recompute") {
   // Kept activations (TrainerOptions::kept_blocks): the backward reads the forward's q, k, v,
   // attention output, h, gate and up instead of computing them again, and recomputes only the
-  // norms and SwiGLU's product with the same kernels: the same bits, in every layout.
+  // norms and SwiGLU's product with the same kernels: the same bits, in every layout. Spilled
+  // ones (spilled_blocks) go to host memory and come back on streams of their own, through two
+  // staging buffers: the same bits again (4 spilled blocks: each staging buffer reused by the
+  // next block but one, its copies racing the compute if the ordering were wrong).
   struct Case {
     const char* name;
     std::function<void(TrainerOptions&)> set;
@@ -481,20 +490,24 @@ TEST_CASE("blocks that keep their activations train the same bits on the GPU as 
     auto opt = options();
     c.set(opt);
     opt.kept_blocks = 0;
+    opt.spilled_blocks = 0;
     CudaBackend ref_gpu;
     std::vector<float> ref_w;
     const auto ref = train(ref_gpu, 4, nullptr, false, opt, &ref_w);
-    for (const std::int64_t n : {std::int64_t{2}, std::int64_t{4}}) {
+    for (const auto& [n, spilled] : {std::pair<std::int64_t, std::int64_t>{2, 0}, {4, 0}, {0, 4}, {1, 2}}) {
       CAPTURE(n);
+      CAPTURE(spilled);
       auto o = opt;
       o.kept_blocks = n;
+      o.spilled_blocks = spilled;
       CudaBackend gpu;
       DecoderModel<> model(small());
       const plan::MemoryPlan p =
           plan::plan_memory<CudaBackend>(model, o, plan::device_budget(gpu), {available_host_memory(), "test"});
       REQUIRE(p.buffers.kept_blocks == static_cast<std::size_t>(n));
+      REQUIRE(p.buffers.spilled_blocks == static_cast<std::size_t>(spilled));
       // (exact clipping: a kept block's activations lie over the waiting gradients of blocks below it)
-      if (o.clip_mode == ClipMode::exact) CHECK(p.buffers.kept_over_gradients > 0);
+      if (o.clip_mode == ClipMode::exact && n >= 2) CHECK(p.buffers.kept_over_gradients > 0);
       std::vector<float> w;
       const auto got = train(gpu, 4, nullptr, false, o, &w);
       CHECK(w == ref_w);

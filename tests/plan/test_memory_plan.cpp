@@ -429,34 +429,55 @@ static_assert(KeepingLayerOp<DecoderBlock, CpuBackend<float>>);
 static_assert(plan::keeps_activations<CpuBackend<float>, DecoderBlock>);
 static_assert(plan::keeps_activations<plan::CudaTypes, DecoderBlock>);
 
-TEST_CASE("kept activations: the same bits as recomputing, in every mode, as planned") {
-  // A block that keeps its activations runs no forward product again in the backward; what it
-  // recomputes (norms, SwiGLU's product) is the same function of the same bits. (With exact
-  // clipping they lie over the gradients of the blocks below: device units' too.)
+// layout_cases() and exact clipping beside device units.
+std::vector<LayoutCase> layout_cases_and_exact_device_units() {
   auto cases = layout_cases();
   cases.push_back({"exact clipping, device units (3), 5 blocks", 5, [](TrainerOptions& o) {
                      o.clip_norm = 0.5;
                      o.device_units = 3;
                    }});
+  return cases;
+}
+
+TEST_CASE("kept and spilled activations: the same bits as recomputing, in every mode, as planned") {
+  // A block that keeps its activations runs no forward product again in the backward; what it
+  // recomputes (norms, SwiGLU's product) is the same function of the same bits. (With exact
+  // clipping they lie over the gradients of the blocks below: device units' too.) A spilled
+  // block keeps them in host memory from its forward to its backward, through two staging
+  // buffers: the backward it runs is a kept block's.
+  const auto cases = layout_cases_and_exact_device_units();
   for (const LayoutCase& c : cases) {
     CAPTURE(c.name);
     const ModelConfig cfg = small(false, c.layers);
     TrainerOptions base = opts(2, 21);
     c.set(base);
     base.kept_blocks = 0;
+    base.spilled_blocks = 0;
     CpuBackend<float> ref_be;
     std::size_t kept = 0;
     const auto ref = train(cfg, base, ref_be, 3, nullptr, &kept, true);
     REQUIRE(kept == 0);
-    for (std::int64_t n : {std::int64_t{1}, c.layers, TrainerOptions::kAutoKeptBlocks}) {
+    constexpr std::int64_t kAuto = TrainerOptions::kAutoKeptBlocks;
+    const std::pair<std::int64_t, std::int64_t> layouts[] = {  // kept, spilled
+        {1, 0}, {c.layers, 0}, {kAuto, 0}, {0, 1}, {0, 2}, {0, c.layers}, {1, c.layers - 1}, {2, 1}};
+    for (const auto& [n, spilled] : layouts) {
       CAPTURE(n);
+      CAPTURE(spilled);
       TrainerOptions o = base;
       o.kept_blocks = n;
+      o.spilled_blocks = spilled;
       CpuBackend<float> be;
       check_plan_is_allocation(cfg, o, be);
+      {
+        DecoderModel<> model(cfg);
+        HostParamStore<float> store(model.units(), store_opts(o));
+        Trainer<CpuBackend<float>> t(model, store, be, o);
+        CHECK(t.memory_plan().buffers.spilled_blocks == static_cast<std::size_t>(spilled));
+        CHECK(t.options().spilled_blocks == spilled);
+      }
       CHECK(train(cfg, o, be, 3, nullptr, &kept, true) == ref);
       // (auto: the trainer's choice on the reference figures, whatever it is)
-      if (n != TrainerOptions::kAutoKeptBlocks) CHECK(kept == static_cast<std::size_t>(n));
+      if (n != kAuto) CHECK(kept == static_cast<std::size_t>(n));
     }
   }
 }
@@ -694,6 +715,7 @@ TEST_CASE("the plan says from how many tokens per step the GPU is the bound") {
       o.clip_norm = clip;
       o.device_units = 0;
       o.kept_blocks = 0;
+      o.spilled_blocks = 0;
       const auto p = plan::plan_memory<plan::CudaTypes>(model, o, gpu, lots, std::nullopt, slow_cpu);
       REQUIRE(p.fits);
       return plan::predict_step(cfg, o, p, slow_cpu);
@@ -714,4 +736,104 @@ TEST_CASE("the plan says from how many tokens per step the GPU is the bound") {
     const auto half = at(std::max<std::int64_t>(3, rows / 2));
     CHECK_FALSE(half.exposed_detail.empty());
   }
+}
+
+TEST_CASE("spilled activations: the blocks spread over those that do not keep theirs") {
+  plan::TrainerBuffers b;
+  b.blocks = 28;
+  const auto spilled = [&] {
+    std::vector<std::size_t> v;
+    for (std::size_t u = 0; u <= b.blocks + 1; ++u)
+      if (b.spills(u)) v.push_back(u);
+    return v;
+  };
+  b.kept_blocks = 14;
+  b.spilled_blocks = 0;
+  CHECK(spilled().empty());
+  b.spilled_blocks = 5;
+  CHECK(spilled() == std::vector<std::size_t>{1, 3, 5, 7, 9});  // (every (28 - 14) / 5 = 2nd, rounded down)
+  for (std::size_t u : spilled()) CHECK(!b.keeps(u));
+  b.spilled_blocks = 14;
+  CHECK(spilled().size() == 14);
+  CHECK(spilled().back() == 14);
+  b.kept_blocks = 0;
+  b.spilled_blocks = 9;
+  CHECK(spilled() == std::vector<std::size_t>{1, 4, 7, 10, 13, 16, 19, 22, 25});
+  // the staging buffers alternate along the spilled blocks
+  for (std::size_t u : spilled()) CHECK(b.spill_index(u) == (u - 1) / 3);
+}
+
+TEST_CASE("spilled activations: planned in host memory and two staging buffers; refused where the host has no room") {
+  const ModelConfig cfg = small(false, 6);
+  DecoderModel<> model(cfg);
+  TrainerOptions o = opts(4, 33);
+  o.kept_blocks = 0;
+  o.spilled_blocks = 0;
+  CpuBackend<float> be;
+  const plan::HostBudget roomy{std::size_t{1} << 34, "test"};
+  const plan::MemoryPlan none = plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(be), roomy);
+  o.spilled_blocks = 3;
+  const plan::MemoryPlan three = plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(be), roomy);
+  REQUIRE(three.fits);
+  const plan::TrainerBuffers& b = three.buffers;
+  CHECK(b.spilled_blocks == 3);
+  CHECK(b.spill_stride() == 2);
+  std::size_t host = 0;
+  for (std::size_t u = 1; u <= 6; ++u)
+    if (b.spills(u)) {
+      CHECK(b.kept_bytes[u] > 0);
+      CHECK(b.kept_bytes[u] == b.spill_slot_bytes);
+      host += plan::host_pages(b.kept_bytes[u]);
+    }
+  CHECK(b.spilled_host_bytes() == host);
+  // (on this backend the staging buffers are host memory too)
+  CHECK(three.device_total() - none.device_total() == 2 * b.spill_slot_bytes + (three.buffers.scratch_bytes - none.buffers.scratch_bytes));
+  CHECK(three.host_total() - none.host_total() == host + (three.device_total() - none.device_total()));
+  // Predicted: none of the spilled blocks' forward again; their bytes over PCIe both ways.
+  const plan::StepTime t0 = plan::predict_step(cfg, o, none, {}), t3 = plan::predict_step(cfg, o, three, {});
+  CHECK(t3.executed_flops < t0.executed_flops);
+  CHECK(t3.terms[1].seconds > t0.terms[1].seconds);  // PCIe H2D
+  CHECK(t3.terms[2].seconds > t0.terms[2].seconds);  // PCIe D2H
+  // A host without room for them: refused, naming the option.
+  const plan::HostBudget tight{none.host_total() + host / 2, "test"};
+  const plan::MemoryPlan refused = plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(be), tight);
+  CHECK_FALSE(refused.fits);
+  CHECK(refused.refusal.find("--spill-activations") != std::string::npos);
+  // Auto on a backend whose memory is host memory: none.
+  o.spilled_blocks = TrainerOptions::kAutoSpilledBlocks;
+  CHECK(plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(be), roomy).buffers.spilled_blocks == 0);
+}
+
+TEST_CASE("the plan spills activations on its own only where it predicts them at least 3% faster") {
+  // The 7B shape at 32k tokens with exact clipping on a 139 GiB GPU (the reference H200's
+  // figures): with a 120 GiB host the 5 blocks that would fit are predicted 2.7% faster (measured
+  // within the noise: docs/planner.md), so none spill; with 200 GiB, 7 are predicted 4.9% faster.
+  DecoderModel<> model(ModelConfig::preset("qwen2.5-7b"));
+  TrainerOptions o = opts(32, 1024);
+  o.clip_norm = 1.0;
+  plan::DeviceBudget gpu;
+  gpu.cap = std::size_t{139} << 30;
+  gpu.allocated = std::size_t{32} << 20;  // (as megatrain-plan plans for a GPU it does not have)
+  gpu.prepare_bytes = [](const WorkspacePlan& w) { return plan::cuda_prepare_estimate(w); };
+  gpu.auto_device_units = true;
+  const auto at = [&](std::size_t host_gib, std::int64_t spilled) {
+    TrainerOptions q = o;
+    q.spilled_blocks = spilled;
+    const auto p = plan::plan_memory<plan::CudaTypes>(model, q, gpu, {host_gib << 30, "test"});
+    REQUIRE(p.fits);
+    return std::pair{p.buffers.spilled_blocks, plan::predict_step(model.config(), q, p, {}).step_s};
+  };
+  const auto [none120, t_none120] = at(120, 0);
+  const auto [auto120, t_auto120] = at(120, TrainerOptions::kAutoSpilledBlocks);
+  CHECK(none120 == 0);
+  CHECK(auto120 == 0);
+  CHECK(t_auto120 == t_none120);
+  const auto [five, t_five] = at(120, 5);  // (asked for: it fits, and is predicted faster, by less than 3%)
+  CHECK(five == 5);
+  CHECK(t_five < t_none120);
+  CHECK(t_five > t_none120 * (1 - plan::kSpillGain));
+  const auto [auto200, t_auto200] = at(200, TrainerOptions::kAutoSpilledBlocks);
+  const auto [none200, t_none200] = at(200, 0);
+  CHECK(auto200 > 0);
+  CHECK(t_auto200 < t_none200 * (1 - plan::kSpillGain));
 }

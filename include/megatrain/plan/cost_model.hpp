@@ -245,8 +245,13 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   // GPU
   // (a checkpoint every k blocks: the k - 1 outputs between are computed once more, before the backward)
   const double refill = b.checkpoint_every > 1 ? static_cast<double>(b.blocks - b.checkpoints) / L : 0.0;  // blocks run once more
-  // (kept activations: those blocks' forward is not recomputed)
-  const double kept = static_cast<double>(b.kept_blocks) / L;
+  // (kept or spilled activations: those blocks' forward is not recomputed)
+  const double kept = static_cast<double>(b.kept_blocks + b.spilled_blocks) / L;
+  // (spilled activations: down over PCIe beside the forward, up before the backward)
+  double spill_bytes = 0;
+  for (std::size_t u = 1; u <= b.blocks; ++u)
+    if (b.spills(u)) spill_bytes += static_cast<double>(b.kept_bytes[u]);
+  spill_bytes *= static_cast<double>(opt.micro_batches);
   // (a mixture of experts: the active experts' products run grouped, at their own rate, and are
   // recomputed in the backward even where the block keeps its other activations)
   const double experts = active_expert_params(cfg);
@@ -285,15 +290,21 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   const double rows = std::min(V, T);
   double h2d = 4 * blocks * ((L - blocks_dev) / L) + (embed_dev ? 0 : rows * d * 4) + (head_dev ? 0 : 2 * head_params);
   if (cfg.tie_word_embeddings && !embed_dev) h2d += 2 * embed;  // the head reads the embedding's bf16 table
-  const double d2h = 4 * n_host;
-  t.terms.push_back({"PCIe H2D", h2d / (m.h2d_gbs * 1e9), fmt::format("{:.2f} GB of weights at {:.1f} GB/s", h2d / 1e9, m.h2d_gbs)});
+  h2d += spill_bytes;
+  const double d2h = 4 * n_host + spill_bytes;
+  t.terms.push_back({"PCIe H2D", h2d / (m.h2d_gbs * 1e9),
+                     fmt::format("{:.2f} GB of weights{} at {:.1f} GB/s", h2d / 1e9,
+                                 spill_bytes > 0 ? fmt::format(" and spilled activations ({:.2f} GB)", spill_bytes / 1e9) : "",
+                                 m.h2d_gbs)});
   // With resident gradients (exact clipping, micro-batches) the host units' gradients come down
   // and are stepped in the AdamW pass, after the backward, beside the next step's forward; else
   // they stream down and are stepped during the backward.
   const bool pass = opt.resident_gradients();
   const char* when = pass ? " (in the AdamW pass, beside the next forward)" : "";
   t.terms.push_back({"PCIe D2H", d2h / (m.d2h_gbs * 1e9),
-                     fmt::format("{:.2f} GB of fp32 gradients at {:.1f} GB/s{}", d2h / 1e9, m.d2h_gbs, when)});
+                     fmt::format("{:.2f} GB of fp32 gradients{} at {:.1f} GB/s{}", d2h / 1e9,
+                                 spill_bytes > 0 ? fmt::format(" and spilled activations ({:.2f} GB, beside the forward)", spill_bytes / 1e9) : "",
+                                 m.d2h_gbs, when)});
   t.terms.push_back({"PCIe both ways", (h2d + d2h) / (m.duplex_gbs * 1e9), fmt::format("at {:.0f} GB/s in total", m.duplex_gbs)});
   const double cpu_s = n_host / (m.adamw_dma_gparams * 1e9);
   t.terms.push_back({"CPU AdamW", cpu_s, fmt::format("{:.3f}B parameters at {:.2f} Gparam/s{}", n_host / 1e9, m.adamw_dma_gparams, when)});
@@ -320,6 +331,21 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   if (pass && pass_s > fwd_s) {
     t.exposed_s += pass_s - fwd_s;
     t.exposed_detail = fmt::format("the AdamW pass takes {:.3f} s beside a {:.3f} s forward", pass_s, fwd_s);
+  }
+  // Spilled activations: a staging buffer is written again 2 x stride blocks later, so a copy
+  // longer than those blocks' forward (down) or backward (up) holds the compute stream.
+  if (b.spilled_blocks > 0) {
+    const double one = spill_bytes / static_cast<double>(opt.micro_batches) / static_cast<double>(b.spilled_blocks);
+    const double between = 2.0 * static_cast<double>(b.spill_stride());
+    const double block_fwd = fwd_s / L, block_bwd = std::max(0.0, gpu_s - fwd_s) / L;
+    const double stall = static_cast<double>(b.spilled_blocks * static_cast<std::size_t>(opt.micro_batches)) *
+                         (std::max(0.0, one / (m.d2h_gbs * 1e9) - between * block_fwd) +
+                          std::max(0.0, one / (m.h2d_gbs * 1e9) - between * block_bwd));
+    if (stall > 0) {
+      t.exposed_s += stall;
+      if (t.exposed_detail.empty())
+        t.exposed_detail = fmt::format("the spilled activations' copies hold the compute stream {:.3f} s", stall);
+    }
   }
   // Streamed gradients are stepped as they land during the backward, the lowest host units (the
   // first the next forward needs, after the device units') last: what the CPU's AdamW takes
@@ -361,7 +387,14 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
 /// With TrainerOptions::kept_blocks = kAutoKeptBlocks (and a checkpoint at every block), the
 /// number of blocks that keep their activations is the one whose step `machine` predicts the
 /// fastest among those that fit (more only where it is faster by 0.1%: memory kept for nothing
-/// is memory device units could have).
+/// is memory device units could have). With spilled_blocks = kAutoSpilledBlocks, then, the
+/// number that spill theirs to host memory likewise, beside that many kept blocks or up to 3
+/// fewer (the staging buffers take GPU memory that kept blocks had), where that is predicted at
+/// least kSpillGain faster than spilling none; none on a backend whose memory is host memory.
+/// The least predicted gain for which plan_memory spills activations on its own (spilled_blocks
+/// auto): 3% of the step.
+inline constexpr double kSpillGain = 0.03;
+
 template <class B, class Block>
 MemoryPlan plan_memory(const DecoderModel<Block>& model, const TrainerOptions& options, const DeviceBudget& device,
                        const HostBudget& host, const std::optional<StoreFootprint>& store_footprint = std::nullopt,
@@ -369,24 +402,47 @@ MemoryPlan plan_memory(const DecoderModel<Block>& model, const TrainerOptions& o
   const std::size_t L = model.num_blocks();
   const auto with_every = [&](std::size_t every) {
     const std::size_t asked = options.kept_blocks > 0 ? static_cast<std::size_t>(options.kept_blocks) : 0;
-    if (options.kept_blocks != TrainerOptions::kAutoKeptBlocks || every != 1 || !keeps_activations<B, Block>)
-      return detail::plan_memory_every<B>(model, options, every, every == 1 ? asked : 0, device, host, store_footprint);
-    MemoryPlan best = detail::plan_memory_every<B>(model, options, 1, 0, device, host, store_footprint);
+    // (a backend whose memory is host memory has nothing to spill to)
+    const bool auto_spill = options.spilled_blocks == TrainerOptions::kAutoSpilledBlocks && !device.host_memory;
+    const std::size_t spill = options.spilled_blocks > 0 ? static_cast<std::size_t>(options.spilled_blocks) : 0;
+    const auto plan = [&](std::size_t kept, std::size_t spilled) {
+      return detail::plan_memory_every<B>(model, options, every, kept, spilled, device, host, store_footprint);
+    };
+    if (every != 1 || !keeps_activations<B, Block>) return plan(0, 0);
+    const bool auto_kept = options.kept_blocks == TrainerOptions::kAutoKeptBlocks;
+    MemoryPlan best = plan(auto_kept ? 0 : asked, spill);
     if (!best.fits) return best;
     double best_s = predict_step(model.config(), options, best, machine).step_s;
-    for (std::size_t n = 1; n <= L; ++n) {
-      MemoryPlan p = detail::plan_memory_every<B>(model, options, 1, n, device, host, store_footprint);
-      if (!p.fits) continue;  // (not monotonic: with every block kept, the scratch of recomputing goes)
+    const auto consider = [&](MemoryPlan p) {
+      if (!p.fits) return false;
       const double s = predict_step(model.config(), options, p, machine).step_s;
       if (s < best_s * (1 - 1e-3)) {
         best_s = s;
         best = std::move(p);
       }
+      return true;
+    };
+    if (auto_kept)
+      for (std::size_t n = 1; n <= L; ++n) consider(plan(n, spill));  // (not monotonic: with every block kept, the scratch of recomputing goes)
+    if (auto_spill) {
+      // Spilling only where it is predicted at least kSpillGain faster than the best plan without:
+      // its copies share PCIe with the weights and with the gradients the CPU's AdamW waits for,
+      // which the model prices by bandwidth alone (docs/planner.md: measured on an H200, a
+      // predicted 2.7% was within the noise of the calls, for 16 GiB more host memory).
+      MemoryPlan without = std::move(best);
+      const double without_s = best_s;
+      best_s = without_s * (1 - kSpillGain) / (1 - 1e-3);
+      best.fits = false;
+      const std::size_t k0 = without.buffers.kept_blocks;
+      for (std::size_t k = auto_kept && k0 > 3 ? k0 - 3 : k0; k <= k0; ++k)
+        for (std::size_t n = 1; k + n <= L; ++n)
+          if (!consider(plan(k, n))) break;  // (the staging is the same for any count, the host memory grows with it)
+      if (!best.fits) return without;
     }
     return best;
   };
   if (options.checkpoint_every > 0) return with_every(static_cast<std::size_t>(options.checkpoint_every));
-  if (options.kept_blocks > 0) return with_every(1);  // (kept activations need a checkpoint at every block)
+  if (options.kept_blocks > 0 || options.spilled_blocks > 0) return with_every(1);  // (kept or spilled activations need a checkpoint at every block)
   MemoryPlan first = with_every(1);
   if (first.fits || first.fixed_too_large || first.store_bytes > first.host_budget) return first;  // (fewer checkpoints cannot help)
   std::size_t most = 2;

@@ -18,14 +18,16 @@
 //      device staging buffers;
 //   3. kept activations (TrainerOptions::kept_blocks): the last N blocks keep their activations
 //      from forward to backward instead of recomputing them; the count is given, or chosen by
-//      plan_memory() in cost_model.hpp (the fastest predicted step that fits);
+//      plan_memory() in cost_model.hpp (the fastest predicted step that fits); and spilled ones
+//      (TrainerOptions::spilled_blocks): S of the others keep theirs in pinned host memory, through
+//      two device staging buffers (the count likewise);
 //   4. device units (TrainerOptions::device_units): the first units in forward order keep their
 //      AdamW state on the device; auto takes the longest prefix that fits beside a reserve (1/32,
 //      at least 1 GiB), and none while checkpoints are in host memory (a checkpoint on the GPU saves host
 //      memory and PCIe time on the compute stream; a device unit only CPU time);
 //   5. the embedding's fp32 rows for the lookup, where the embedding is a host unit.
 // Host memory: the store (14 bytes per parameter, plus resident gradients or a landing ring),
-// the trainer's pinned buffers, and the spilled checkpoints.
+// the trainer's pinned buffers, the spilled checkpoints and the spilled activations.
 #pragma once
 
 #include <algorithm>
@@ -168,7 +170,9 @@ struct TrainerBuffers {
   std::size_t checkpoints_on_device = 0;  ///< the rest in host memory, through two staging buffers
   std::size_t recompute_buffers = 0;    ///< k - 1 device buffers for the outputs between checkpoints
   std::size_t kept_blocks = 0;           ///< the last N blocks keep their activations (no recompute)
-  std::vector<std::size_t> kept_bytes;  ///< by unit: bytes of a kept block's activations for a micro-batch (0: none)
+  std::vector<std::size_t> kept_bytes;  ///< by unit: bytes of a kept or spilled block's activations for a micro-batch (0: none)
+  std::size_t spilled_blocks = 0;       ///< blocks (among those not kept) whose activations spill to host memory
+  std::size_t spill_slot_bytes = 0;     ///< each of the two device staging buffers of spilled activations
   /// One backend buffer (the pool) holds the blocks' own gradient accumulators (block_acc) and the
   /// kept activations, at these byte offsets by unit (lay_out_pool()). Where the gradients wait on
   /// the device for one pass a step, a kept block's activations lie over the gradients of blocks
@@ -197,6 +201,25 @@ struct TrainerBuffers {
   std::size_t checkpoint_bytes() const { return act * sizes.res; }
   /// Whether unit u is a block that keeps its activations from forward to backward.
   bool keeps(std::size_t u) const { return u >= 1 && u <= blocks && u + kept_blocks > blocks; }
+  /// The spilled blocks are spread over those that do not keep their activations: every
+  /// spill_stride()-th from the first, so that each one's copies have the time of several blocks.
+  std::size_t spill_stride() const {
+    return spilled_blocks == 0 ? 1 : std::max<std::size_t>(1, (blocks - std::min(kept_blocks, blocks)) / spilled_blocks);
+  }
+  /// Whether unit u is a block that spills its activations to host memory from forward to backward.
+  bool spills(std::size_t u) const {
+    if (spilled_blocks == 0 || u < 1 || u > blocks || keeps(u)) return false;
+    return (u - 1) % spill_stride() == 0 && (u - 1) / spill_stride() < spilled_blocks;
+  }
+  /// Spilled unit u's place among the spilled blocks (0: the lowest); its staging buffer is this % 2.
+  std::size_t spill_index(std::size_t u) const { return (u - 1) / spill_stride(); }
+  /// Pinned host bytes of the spilled activations (each block's in its own buffer).
+  std::size_t spilled_host_bytes() const {
+    std::size_t n = 0;
+    for (std::size_t u = 1; u <= blocks; ++u)
+      if (spills(u)) n += host_pages(kept_bytes[u]);
+    return n;
+  }
   /// Bytes of kept activations beyond the gradients (what keeping costs).
   std::size_t kept_extra_bytes() const { return pool_bytes - pool_grad_bytes; }
   /// Bytes of the pool the embedding's gradient takes (0: it has its own buffer, or none).
@@ -298,11 +321,12 @@ inline std::size_t device_unit_bytes(const TrainerBuffers& b, std::size_t u, std
 }  // namespace detail
 
 namespace detail {
-/// plan_memory with checkpoints every `every` blocks and the last `kept` blocks keeping their
-/// activations (0 unless every is 1 and the block op can).
+/// plan_memory with checkpoints every `every` blocks, the last `kept` blocks keeping their
+/// activations and `spilled` of the others spilling them to host memory (0 unless every is 1 and
+/// the block op can).
 template <class B, class Block>
 MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOptions& options, std::size_t every,
-                             std::size_t kept, const DeviceBudget& device, const HostBudget& host,
+                             std::size_t kept, std::size_t spilled, const DeviceBudget& device, const HostBudget& host,
                              const std::optional<StoreFootprint>& store_footprint) {
   const TrainerOptions opt = options.resolved();
   opt.validate();
@@ -363,15 +387,17 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   b.act = b.micro_tokens * hidden;
   b.blocks = L;
   b.checkpoint_every = std::max<std::size_t>(every, 1);
-  if constexpr (keeps_activations<B, Block>)
+  if constexpr (keeps_activations<B, Block>) {
     b.kept_blocks = b.checkpoint_every == 1 ? std::min(kept, L) : 0;
+    b.spilled_blocks = b.checkpoint_every == 1 ? std::min(spilled, L - b.kept_blocks) : 0;
+  }
   b.kept_bytes.assign(b.units, 0);
   b.scratch_bytes = model.head().op().template scratch_bytes<B>(chunk);
   for (std::size_t l = 0; l < L; ++l) {
     const auto& op = model.block(l).op();
     std::size_t scratch = 0;
     if constexpr (keeps_activations<B, Block>) {
-      if (b.keeps(l + 1)) {  // the chunks of a micro-batch one after another, as the trainer carves them
+      if (b.keeps(l + 1) || b.spills(l + 1)) {  // the chunks of a micro-batch one after another, as the trainer carves them
         Arena measure;
         for (std::int64_t r0 = 0; r0 < opt.micro_rows(); r0 += b.chunk_rows)
           op.template reserve_kept<B>(measure, ChunkShape{std::min(b.chunk_rows, opt.micro_rows() - r0), opt.seq_len, {}, b.token_block});
@@ -379,7 +405,7 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
         scratch = op.template kept_scratch_bytes<B>(chunk);
       }
     }
-    if (!b.keeps(l + 1)) scratch = op.template scratch_bytes<B>(chunk);
+    if (!b.keeps(l + 1) && !b.spills(l + 1)) scratch = op.template scratch_bytes<B>(chunk);
     b.scratch_bytes = std::max(b.scratch_bytes, scratch);
   }
   b.packed = opt.packed;
@@ -495,6 +521,24 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
                          b.kept_blocks, format_bytes(need)));
   }
 
+  // 3b. spilled activations: two device staging buffers (and pinned host memory, below)
+  if (b.spilled_blocks > 0) {
+    for (std::size_t u = 1; u <= L; ++u)
+      if (b.spills(u)) b.spill_slot_bytes = std::max(b.spill_slot_bytes, b.kept_bytes[u]);
+    const std::size_t need = 2 * b.spill_slot_bytes;
+    const auto avail = left();
+    const bool chosen = options.spilled_blocks == TrainerOptions::kAutoSpilledBlocks;
+    dev.push_back({fmt::format("staging of the activations spilled to host memory (2 x a block's; {} of {} blocks spill, every "
+                               "{} from the first)",
+                               b.spilled_blocks, L, b.spill_stride()),
+                   need});
+    if (device.cap && plan.fits && (need > *avail || (chosen && need > *avail - detail::checkpoint_reserve(*avail))))
+      refuse(fmt::format("the staging buffers of the activations {} blocks spill to host memory need {} of GPU memory, more "
+                         "than is left beside the step's other buffers; spill none (megatrain-train --spill-activations 0, "
+                         "or auto)",
+                         b.spilled_blocks, format_bytes(need)));
+  }
+
   // 4. device units
   const std::size_t units = b.units;
   std::vector<std::size_t> unit_numel(units);
@@ -572,6 +616,8 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   if (b.checkpoints_in_host() > 0)
     hl.push_back({fmt::format("activation checkpoints in host memory ({} of {}, pinned)", b.checkpoints_in_host(), b.checkpoints),
                   b.checkpoints_in_host() * host_pages(ckpt)});
+  if (b.spilled_blocks > 0)
+    hl.push_back({fmt::format("activations spilled to host memory ({} blocks, pinned)", b.spilled_blocks), b.spilled_host_bytes()});
   plan.host_lines_include_device = device.host_memory;
   if (device.host_memory) hl.push_back({"backend buffers (host memory on this backend)", plan.device_total()});
   plan.host_budget = host.bytes;
@@ -583,6 +629,10 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
                        b.checkpoints_in_host() > 0
                            ? fmt::format(" ({} of them activation checkpoints that do not fit on the GPU)",
                                          format_bytes(b.checkpoints_in_host() * host_pages(ckpt)))
+                       : b.spilled_blocks > 0
+                           ? fmt::format(" ({} of them the activations of {} blocks spilled to host memory; spill fewer: "
+                                         "megatrain-train --spill-activations N, or auto)",
+                                         format_bytes(b.spilled_host_bytes()), b.spilled_blocks)
                            : std::string(),
                        format_bytes(plan.host_total()), format_bytes(host.bytes), host.source));
   return plan;

@@ -131,8 +131,9 @@ Suggestions suggest(const DecoderModel<Block>& model, const TrainerOptions& opti
   // (`same_store`: the step keeps this store; a probe that moves the gradients needs another one)
   const auto fits = [&](const TrainerOptions& o, bool same_store = true) {
     try {
-      TrainerOptions q = o;  // (kept activations chosen by the plan: it fits if it fits with none)
+      TrainerOptions q = o;  // (kept or spilled activations chosen by the plan: it fits if it fits with none)
       if (q.kept_blocks == TrainerOptions::kAutoKeptBlocks) q.kept_blocks = 0;
+      if (q.spilled_blocks == TrainerOptions::kAutoSpilledBlocks) q.spilled_blocks = 0;
       return plan_memory<B>(model, q, device, host, same_store ? std::optional<StoreFootprint>(fp) : std::nullopt).fits;
     } catch (const Error&) {
       return false;
@@ -251,6 +252,7 @@ StepPlan plan_step(const DecoderModel<Block>& model, const TrainerOptions& optio
   p.memory = plan_memory<B>(model, p.options, device, host, std::nullopt, machine);
   p.options.device_units = static_cast<std::int64_t>(p.memory.buffers.device_units);
   p.options.kept_blocks = static_cast<std::int64_t>(p.memory.buffers.kept_blocks);
+  p.options.spilled_blocks = static_cast<std::int64_t>(p.memory.buffers.spilled_blocks);
   p.time = predict_step(p.config, p.options, p.memory, machine);
   if (!p.memory.fits) p.suggestions = suggest<B>(model, p.options, device, host);
   return p;
@@ -262,12 +264,13 @@ inline std::string format_summary(const StepPlan& p) {
   const bool gpu = !p.memory.host_lines_include_device;
   std::string s = fmt::format(
       "plan: {} memory {}{} (activation checkpoints{}: {} of {} there{}; activations kept, not recomputed, for {} of {} "
-      "blocks; AdamW there for {} of {} units); host memory {} of {} ({}), {:.2f} bytes per parameter\n",
+      "blocks{}; AdamW there for {} of {} units); host memory {} of {} ({}), {:.2f} bytes per parameter\n",
       gpu ? "GPU" : "backend", format_bytes(p.memory.device_total() + p.memory.device_before),
       p.memory.device_cap ? fmt::format(" of {}", format_bytes(*p.memory.device_cap)) : std::string(),
       b.checkpoint_every > 1 ? fmt::format(" every {} blocks", b.checkpoint_every) : std::string(), b.checkpoints_on_device,
       b.checkpoints, b.checkpoints_in_host() > 0 ? fmt::format(", {} in host memory", b.checkpoints_in_host()) : "",
-      b.kept_blocks, b.blocks, b.device_units, b.units, format_bytes(p.memory.host_total()), format_bytes(p.memory.host_budget), p.memory.host_budget_source,
+      b.kept_blocks, b.blocks, b.spilled_blocks > 0 ? fmt::format(", spilled to host memory for {}", b.spilled_blocks) : "",
+      b.device_units, b.units, format_bytes(p.memory.host_total()), format_bytes(p.memory.host_budget), p.memory.host_budget_source,
       static_cast<double>(p.memory.host_total()) / static_cast<double>(p.config.param_count()));
   if (gpu)
     s += fmt::format("plan: predicted step {:.3f} s, {:.0f} tokens/s ({}-bound, on the figures of the {}); megatrain-plan "
@@ -298,13 +301,17 @@ inline std::string format_plan(const StepPlan& p) {
                    format_bytes(p.memory.host_budget), p.memory.host_budget_source,
                    static_cast<double>(p.memory.host_total()) / static_cast<double>(c.param_count()));
   s += fmt::format("\ndecisions: activation checkpoints {}{} of {} on the GPU{}; activations kept (no recompute) for {} of {} "
-                   "blocks; AdamW on the GPU for {} of {} units; token blocks of {}\n",
+                   "blocks{}; AdamW on the GPU for {} of {} units; token blocks of {}\n",
                    b.checkpoint_every > 1 ? fmt::format("every {} blocks (the outputs between recomputed before the "
                                                         "backward), ", b.checkpoint_every)
                                           : std::string(),
                    b.checkpoints_on_device, b.checkpoints,
                    b.checkpoints_in_host() > 0 ? fmt::format(", {} in host memory", b.checkpoints_in_host()) : "",
-                   b.kept_blocks, b.blocks, b.device_units, b.units, b.token_block > 0 ? fmt::format("{}", b.token_block) : "the whole chunk");
+                   b.kept_blocks, b.blocks,
+                   b.spilled_blocks > 0 ? fmt::format(", spilled to host memory (no recompute) for {}, every {} from the first",
+                                                      b.spilled_blocks, b.spill_stride())
+                                        : "",
+                   b.device_units, b.units, b.token_block > 0 ? fmt::format("{}", b.token_block) : "the whole chunk");
   s += fmt::format("\n| step time ({}) | seconds | |\n| --- | --- | --- |\n", p.machine.name);
   for (const auto& t : p.time.terms) s += fmt::format("| {} | {:.3f} | {} |\n", t.what, t.seconds, t.detail);
   s += fmt::format("| **predicted step** | **{:.3f}** | {}-bound ({} {:.3f} s + {:.3f} s not overlapped{}): {:.0f} tokens/s, {:.1f} "

@@ -147,29 +147,44 @@ MachineFigures probe_machine(B& be, const ModelConfig& cfg, std::int64_t seq, st
     auto dw = be.template alloc<typename B::Acc>(wn);
     // forward y[T, out] = x[T, in] W[out, in]^T, then its backward (dx, and dW accumulated in
     // fp32: twice the forward's FLOPs), as a step runs them
-    const auto run = [&](std::int64_t in, std::int64_t out) {
+    // (`time`: the best of o.repeats forward and backward each; else one call of each)
+    const auto run = [&](std::int64_t in, std::int64_t out, bool time) {
       const View<const A> xv(std::span<const A>(x.span()).first(static_cast<std::size_t>(T * in)), Shape{T, in});
       const View<A> dxv(x.span().first(static_cast<std::size_t>(T * in)), Shape{T, in});
       const View<const W> wv(std::span<const W>(w.span()).first(static_cast<std::size_t>(out * in)), Shape{out, in});
       const View<A> yv(y.span().first(static_cast<std::size_t>(T * out)), Shape{T, out});
       const View<typename B::Acc> dwv(dw.span().first(static_cast<std::size_t>(out * in)), Shape{out, in});
-      return detail::best_seconds(o.repeats, [&] { be.linear(xv, wv, View<const W>{}, yv); }, sync) +
-             detail::best_seconds(
-                 o.repeats,
-                 [&] { be.linear_backward(xv, wv, View<const A>(yv), dxv, false, dwv, View<typename B::Acc>{}); }, sync);
+      const auto fwd = [&] { be.linear(xv, wv, View<const W>{}, yv); };
+      const auto bwd = [&] { be.linear_backward(xv, wv, View<const A>(yv), dxv, false, dwv, View<typename B::Acc>{}); };
+      if (!time) {
+        fwd();
+        bwd();
+        return 0.0;
+      }
+      return detail::best_seconds(o.repeats, fwd, sync) + detail::best_seconds(o.repeats, bwd, sync);
     };
     randomize(x);
     randomize(w);
     be.zero(compute, dw.span());
+    const std::pair<std::int64_t, std::int64_t> shapes[] = {{d, qd}, {d, kd}, {d, kd}, {qd, d}, {d, I}, {d, I}, {I, d}};
+    const std::int64_t vs = std::min<std::int64_t>(V, 32768);  // the head's slice of the vocabulary (below)
+    // A backend that tunes its products (CudaBackendOptions::gemm_tuning) tries its candidates
+    // first, as a step does, and keeps each shape's fastest: the rates are the tuned step's.
+    if constexpr (requires { be.end_gemm_tuning(); }) {
+      for (int i = 0; i < 40; ++i) {
+        for (const auto& [in, out] : shapes) run(in, out, false);
+        run(d, vs, false);
+      }
+      sync();
+      be.end_gemm_tuning();
+    }
     double block_s = 0, block_flops = 0;
-    for (const auto& [in, out] : {std::pair{d, qd}, std::pair{d, kd}, std::pair{d, kd}, std::pair{qd, d}, std::pair{d, I},
-                                  std::pair{d, I}, std::pair{I, d}}) {
-      block_s += run(in, out);
+    for (const auto& [in, out] : shapes) {
+      block_s += run(in, out, true);
       block_flops += 6.0 * static_cast<double>(T) * static_cast<double>(in) * static_cast<double>(out);
     }
     // the head: the vocabulary in slices of at most 32,768 rows, as a whole head's share
-    const std::int64_t vs = std::min<std::int64_t>(V, 32768);
-    const double head_s = run(d, vs) * static_cast<double>(V) / static_cast<double>(vs);
+    const double head_s = run(d, vs, true) * static_cast<double>(V) / static_cast<double>(vs);
     const double head_flops = 6.0 * static_cast<double>(T) * static_cast<double>(d) * static_cast<double>(V);
     const double L = static_cast<double>(cfg.num_hidden_layers);
     m.gemm_tflops = (L * block_flops + head_flops) / (L * block_s + head_s) / 1e12;

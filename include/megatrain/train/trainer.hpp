@@ -78,6 +78,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <array>
 #include <optional>
 #include <random>
 #include <span>
@@ -340,6 +341,9 @@ class Trainer {
     for (std::int64_t m = 0; m < opt_.micro_batches; ++m) pipeline_->submit(step_items(m));
     pipeline_->drain();
     settle();
+    // A backend that tunes its matrix products over a trainer's first step fixes its choices then
+    // (CudaBackendOptions::gemm_tuning): every later step runs the same algorithms.
+    if constexpr (requires { be_.end_gemm_tuning(); }) be_.end_gemm_tuning();
     double grad_norm;
     double loss = sum_loss() * st.loss_scale;
     double aux_loss = local_aux_loss();
@@ -944,6 +948,7 @@ class Trainer {
           if (it.unit == 0) {
             const auto off = static_cast<std::size_t>(it.micro * rows * seq);
             const auto n = static_cast<std::size_t>(rows * seq);
+            if (it.piece == 0) t.spill_begin_micro_batch();
             if (it.piece == 0 && t.router_counts_dev_.size() > 0) {  // (a step's forward: its routing recorded from zero)
               const auto per = t.router_counts_dev_.size() / static_cast<std::size_t>(t.opt_.micro_batches);
               t.be_.zero(exec, t.router_counts_dev_.span().subspan(static_cast<std::size_t>(it.micro) * per, per));
@@ -975,13 +980,15 @@ class Trainer {
             const auto w = t.weights(tmpl, it.unit, s.in);
             const auto in = t.ckpt_out(it.unit - 1);  // the previous unit's output is still there
             const RouterStats router = t.router_of(it.unit, it.micro, it.piece == 0, false);  // (a step's: recorded)
-            if (it.piece == 0 && t.plan_.buffers.keeps(it.unit)) {  // its activations stay for the backward
+            const bool spills = it.piece == 0 && t.plan_.buffers.spills(it.unit);
+            if (it.piece == 0 && (t.plan_.buffers.keeps(it.unit) || spills)) {  // its activations stay for the backward
               if constexpr (plan::keeps_activations<B, Block>) {
-                Arena kept(t.kept_[it.unit]);
+                Arena kept(spills ? t.spill_stage_for_forward(exec, it.unit) : t.kept_[it.unit]);
                 for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
                   tmpl.op().forward_keep(t.be_, block_chunk(r0, n_rows, router), w, View<const Res>(rows_of(in, r0, n_rows)),
                                          rows_of(out, r0, n_rows), kept, t.arena_);
                 });
+                if (spills) t.spill_down(exec, it.unit);  // (in host memory until the backward)
               }
             } else {
               for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
@@ -1081,14 +1088,17 @@ class Trainer {
             const auto g = tmpl.bind(acc);
             const auto x = t.ckpt_in(exec, it.unit - 1);
             const RouterStats router = t.router_of(it.unit, it.micro, false, true);  // (the auxiliary loss's gradient)
-            if (t.plan_.buffers.keeps(it.unit)) {  // from the activations its forward kept
+            const bool spilled = t.plan_.buffers.spills(it.unit);
+            if (!t.spill_order_.empty()) t.spill_fetch(exec);  // (copies up ahead of the spilled blocks' backward)
+            if (t.plan_.buffers.keeps(it.unit) || spilled) {  // from the activations its forward kept
               if constexpr (plan::keeps_activations<B, Block>) {
-                Arena kept(t.kept_[it.unit]);
+                Arena kept(spilled ? t.spill_stage_for_backward(exec, it.unit) : t.kept_[it.unit]);
                 for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
                   tmpl.op().backward_kept(t.be_, block_chunk(r0, n_rows, router), w, View<const Res>(rows_of(x, r0, n_rows)),
                                           View<const Res>(rows_of(t.dbuf_[dy].span(), r0, n_rows)),
                                           rows_of(t.dbuf_[1 - dy].span(), r0, n_rows), g, kept, t.arena_);
                 });
+                if (spilled) t.spill_backward_done(exec, it.unit);
               }
             } else {
               for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
@@ -1371,6 +1381,19 @@ class Trainer {
     spilled_ = b.checkpoints_in_host();
     if (spilled_ > 0)
       for (int k = 0; k < 2; ++k) ckpt_staging_.push_back(alloc<Res>(b.act));
+    // Spilled activations: two device staging buffers, each spilled block's in pinned host memory.
+    spill_host_.assign(L + 2, {});
+    if (b.spilled_blocks > 0) {
+      for (int k = 0; k < 2; ++k) spill_stage_.push_back(alloc<std::byte>(b.spill_slot_bytes));
+      for (std::size_t u = L; u >= 1; --u)
+        if (b.spills(u)) {
+          spill_host_mem_.push_back(HostBuffer::allocate(b.kept_bytes[u]));
+          spill_host_[u] = spill_host_mem_.back().template as<std::byte>(0, b.kept_bytes[u]);
+          spill_order_.push_back(u);
+        }
+      spill_down_.emplace(be_.make_executor(B::Role::download));
+      spill_up_.emplace(be_.make_executor(B::Role::upload));
+    }
     // Host: ids, labels, compact ids and touched rows (int32), then per-token losses; pinned with a GPU
     const std::size_t batch_tokens = b.batch_tokens;
     host_io_ = HostBuffer::allocate(batch_tokens * (4 * sizeof(std::int32_t) + sizeof(Acc)));
@@ -1432,6 +1455,7 @@ class Trainer {
     opt_.device_units = static_cast<std::int64_t>(count);
     opt_.checkpoint_every = static_cast<std::int64_t>(plan_.buffers.checkpoint_every);
     opt_.kept_blocks = static_cast<std::int64_t>(plan_.buffers.kept_blocks);
+    opt_.spilled_blocks = static_cast<std::int64_t>(plan_.buffers.spilled_blocks);
     if (count == 0) return;
     devices_ = DeviceUnits<B>(be_, store_, count);
     for (std::size_t u = 1; u < count && u != model_.head_unit(); ++u)
@@ -1459,6 +1483,56 @@ class Trainer {
     if (plan_.buffers.kept(u) && !ckpt_host_[u].empty())
       be_.download(exec, std::span<const Res>(ckpt_staging_[u % 2].span()), ckpt_host_[u]);
   }
+  // Spilled activations (TrainerOptions::spilled_blocks), on the Compute stage's thread. A
+  // micro-batch's forward starts with the staging buffers free (their last readers were on this
+  // stream) and no copy up issued.
+  void spill_begin_micro_batch() {
+    spill_free_ = {};
+    spill_fetched_ = spill_used_ = 0;
+  }
+  std::span<std::byte> spill_stage(std::size_t u) {
+    const auto& b = plan_.buffers;
+    return spill_stage_[b.spill_index(u) % 2].span().first(b.kept_bytes[u]);
+  }
+  // Before spilled block u's forward writes its staging buffer: the copy down of its last content done.
+  std::span<std::byte> spill_stage_for_forward(Exec& exec, std::size_t u) {
+    exec.wait(spill_free_[plan_.buffers.spill_index(u) % 2]);
+    return spill_stage(u);
+  }
+  // After it: the activations down to host memory, on a stream of their own once the forward is done.
+  void spill_down(Exec& exec, std::size_t u) {
+    const std::size_t k = plan_.buffers.spill_index(u) % 2;
+    spill_down_->wait(exec.complete());
+    be_.download(*spill_down_, std::span<const std::byte>(spill_stage(u)), spill_host_[u]);
+    spill_free_[k] = spill_down_->complete();
+  }
+  // The copies up, in backward order, each into its staging buffer once the block before it there
+  // is done with it: two ahead of the backwards done.
+  void spill_fetch(Exec& exec) {
+    (void)exec;
+    while (spill_fetched_ < spill_order_.size() && spill_fetched_ < spill_used_ + 2) {
+      const std::size_t u = spill_order_[spill_fetched_++];
+      const std::size_t k = plan_.buffers.spill_index(u) % 2;
+      spill_up_->wait(spill_free_[k]);
+      be_.upload(*spill_up_, std::span<const std::byte>(spill_host_[u]), spill_stage(u));
+      spill_ready_[k] = spill_up_->complete();
+    }
+  }
+  // Before spilled block u's backward: its activations back in its staging buffer.
+  std::span<std::byte> spill_stage_for_backward(Exec& exec, std::size_t u) {
+    spill_fetch(exec);
+    MT_CHECK(spill_used_ < spill_order_.size() && spill_order_[spill_used_] == u,
+             "spilled activations: block {}'s backward out of the order of the copies (internal)", u);
+    exec.wait(spill_ready_[plan_.buffers.spill_index(u) % 2]);
+    return spill_stage(u);
+  }
+  // After it: the buffer free for the copy up two spilled blocks later.
+  void spill_backward_done(Exec& exec, std::size_t u) {
+    spill_free_[plan_.buffers.spill_index(u) % 2] = exec.complete();
+    ++spill_used_;
+    spill_fetch(exec);
+  }
+
   // Unit u's output as the input of unit u+1's backward: from the device, or brought back.
   std::span<Res> ckpt_in(Exec& exec, std::size_t u) {
     if (!plan_.buffers.kept(u)) return ckpt_out(u);  // (refilled before)
@@ -1948,6 +2022,17 @@ class Trainer {
   std::vector<Buf<Res>> ckpt_staging_;  // two device buffers for spilled checkpoints
   std::vector<Buf<Res>> recompute_;     // a checkpoint every k >= 2 blocks: the k - 1 outputs between
   std::vector<std::span<std::byte>> kept_;  // kept_[u]: a block's activations from its forward to its backward (in pool_)
+  // Spilled activations (plan::TrainerBuffers::spills): two device staging buffers, each spilled
+  // block's copy in pinned host memory, the streams of the copies (down, up), and per staging
+  // buffer the completion after which it may be written (its last copy down, or the backward that
+  // read it) and the one of the copy up into it. The Compute stage alone touches them.
+  std::vector<Buf<std::byte>> spill_stage_;
+  std::vector<std::span<std::byte>> spill_host_;
+  std::vector<HostBuffer> spill_host_mem_;
+  std::optional<Exec> spill_down_, spill_up_;
+  std::array<Completion, 2> spill_free_{}, spill_ready_{};
+  std::vector<std::size_t> spill_order_;  // the spilled blocks in backward order
+  std::size_t spill_fetched_ = 0, spill_used_ = 0;  // of a micro-batch's backward: copies up issued, backwards done
   std::size_t spilled_ = 0;
   std::vector<Buf<Res>> dbuf_;  // gradients w.r.t. activations, ping-pong
   Buf<std::byte> scratch_mem_;

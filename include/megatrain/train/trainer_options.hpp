@@ -49,6 +49,8 @@ struct TrainerOptions {
   static constexpr std::int64_t kAutoDeviceUnits = -1;
   /// kept_blocks: as many as make the step fastest (see there).
   static constexpr std::int64_t kAutoKeptBlocks = -1;
+  /// spilled_blocks: as many as make the step fastest (see there).
+  static constexpr std::int64_t kAutoSpilledBlocks = -1;
 
   std::int64_t batch_rows = 8;     ///< sequences per optimizer step
   std::int64_t seq_len = 128;
@@ -75,6 +77,15 @@ struct TrainerOptions {
   /// the CUDA backend. kAutoKeptBlocks: the plan's choice, the count whose predicted step is the
   /// fastest among those that fit, beside the device units (plan/cost_model.hpp); 0: none.
   std::int64_t kept_blocks = kAutoKeptBlocks;
+  /// N decoder blocks among those that do not keep their activations on the device spill them to
+  /// pinned host memory instead: their forward's activations go down over PCIe beside the next
+  /// blocks' forward and come back before their backward, on streams of their own, through two
+  /// device staging buffers, so the backward runs none of their forward again (layout only: the
+  /// same bits as keeping or recomputing; a KeepingLayerOp, a checkpoint at every block). The
+  /// blocks are spread over the lowest ones, every (L - kept) / N-th from the first, so that each
+  /// copy has the time of several blocks. kAutoSpilledBlocks: the plan's choice (the fastest
+  /// predicted step that fits the host memory); 0: none.
+  std::int64_t spilled_blocks = kAutoSpilledBlocks;
   /// Rows may hold several sequences (packing, docs/data.md): step() and evaluate() then take
   /// each token's position within its sequence, and attention stays within each sequence.
   bool packed = false;
@@ -188,6 +199,11 @@ struct TrainerOptions {
     MT_CHECK(jitter_us >= 0, "jitter_us must be >= 0");
     MT_CHECK(device_units >= kAutoDeviceUnits, "device_units must be >= 0, or kAutoDeviceUnits (got {})", device_units);
     MT_CHECK(kept_blocks >= kAutoKeptBlocks, "kept_blocks must be >= 0, or kAutoKeptBlocks (got {})", kept_blocks);
+    MT_CHECK(spilled_blocks >= kAutoSpilledBlocks, "spilled_blocks must be >= 0, or kAutoSpilledBlocks (got {})",
+             spilled_blocks);
+    MT_CHECK(spilled_blocks <= 0 || checkpoint_every <= 1,
+             "spilled activations (spilled_blocks {}) need a checkpoint at every block, not every {} blocks", spilled_blocks,
+             checkpoint_every);
     MT_CHECK(kept_blocks <= 0 || checkpoint_every <= 1,
              "kept activations (kept_blocks {}) need a checkpoint at every block, not every {} blocks", kept_blocks,
              checkpoint_every);
@@ -237,6 +253,7 @@ inline nlohmann::json to_json(const TrainerOptions& o) {
           {"gradient_home", o.gradient_home == GradientHome::device ? "device" : "host"},
           {"device_units", o.device_units},
           {"kept_blocks", o.kept_blocks},
+          {"spilled_blocks", o.spilled_blocks},
           {"on_nonfinite", o.on_nonfinite == NonFinite::stop ? "stop" : "skip"},
           {"max_nonfinite_skips", o.max_nonfinite_skips}};
 }
@@ -273,6 +290,7 @@ inline TrainerOptions trainer_options_from_json(const nlohmann::json& j, std::st
     o.gradient_home = home == "device" ? GradientHome::device : GradientHome::host;
     o.device_units = json_whole_or(j, "device_units", std::int64_t{0}, what);
     o.kept_blocks = json_whole_or(j, "kept_blocks", std::int64_t{0}, what);
+    o.spilled_blocks = json_whole_or(j, "spilled_blocks", std::int64_t{0}, what);
     const std::string nonfinite = j.value("on_nonfinite", "stop");
     MT_CHECK(nonfinite == "stop" || nonfinite == "skip", "{}: on_nonfinite '{}' is unknown", what, nonfinite);
     o.on_nonfinite = nonfinite == "stop" ? NonFinite::stop : NonFinite::skip;

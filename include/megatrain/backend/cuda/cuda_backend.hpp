@@ -56,6 +56,12 @@ struct CudaBackendOptions {
   /// accumulated with atomics, in workspace linear in the tokens (said once per shape).
   std::size_t deterministic_attention_workspace = std::size_t{8} << 30;
   std::size_t gemm_workspace = std::size_t{32} << 20;
+  /// Time cuBLASLt's first few algorithms per matrix-product shape until end_gemm_tuning() (the
+  /// Trainer calls it after its first step) and keep each shape's fastest (cuda/gemm.hpp). Off:
+  /// the heuristic's first, the same in every run. On, two fresh runs may pick differently and
+  /// differ in the last bits; a run continued from gemm_algorithms() (megatrain-train keeps them
+  /// in its checkpoints) is bit for bit the same.
+  bool gemm_tuning = false;
 };
 
 class CudaBackend {
@@ -123,7 +129,7 @@ class CudaBackend {
              format_bytes(free), opt.device);
     MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     gemm_ws_ = alloc<std::byte>(opt.gemm_workspace);
-    gemm_ = std::make_unique<cuda::Gemm>(gemm_ws_.span().data(), gemm_ws_.size());
+    gemm_ = std::make_unique<cuda::Gemm>(gemm_ws_.span().data(), gemm_ws_.size(), opt.gemm_tuning);
     moe_ws_ = alloc<std::byte>(kMoeWorkspaceBytes);
 #if MEGATRAIN_HAS_CUDNN
     if (opt.use_cudnn) {
@@ -154,6 +160,15 @@ class CudaBackend {
   CudaBackend& operator=(const CudaBackend&) = delete;
 
   cudaStream_t stream() const { return stream_; }
+
+  /// Matrix-product algorithms (CudaBackendOptions::gemm_tuning): fixes the tuned choices.
+  void end_gemm_tuning() { gemm_->end_tuning(); }
+  /// Every shape's algorithm so far, as text to keep with a run's checkpoint.
+  std::string gemm_algorithms() const { return gemm_->algorithms(); }
+  /// Takes saved algorithms (and ends tuning); false where they were saved with another cuBLASLt
+  /// or GPU: then nothing changes (the run continues, not bit for bit).
+  bool restore_gemm_algorithms(const std::string& text) { return gemm_->restore(text); }
+
   Executor make_executor(Role role) {
     MT_NVTX_RANGE("CudaBackend::make_executor");
     return role == Role::compute ? Executor(stream_, opt_.device) : Executor(nullptr, opt_.device);

@@ -6,6 +6,14 @@
 //   weight grad  dW[N,K] += dy[M,N]^T x[M,K]                  fp32 out, accumulated
 // A plan (matmul descriptor, layouts, the heuristic's algorithm) is built once per shape and
 // kind and cached; later calls with the same shape only launch.
+//
+// Tuning (optional): cuBLASLt's heuristic picks one algorithm per shape, often not the fastest
+// (measured on an H200: 3-25% slower at a step's shapes). With tuning on, a plan keeps the
+// heuristic's first few candidates and its calls take them in turn (each call a correct product,
+// its GPU time measured between events) until end_tuning() picks each shape's fastest; from then
+// on, and for shapes first seen after it, the choice is fixed. The choices differ in the last
+// bits of their sums, so a run that must continue bit for bit saves algorithms() (text) and gives
+// it to restore() before it continues: the same shapes then take the same algorithms.
 #pragma once
 
 #include <cublasLt.h>
@@ -26,7 +34,8 @@ namespace megatrain::cuda {
 class Gemm {
  public:
   /// `workspace` of `workspace_bytes` device memory (owned by the caller) is given to cuBLASLt.
-  Gemm(void* workspace, std::size_t workspace_bytes);
+  /// `tune`: time the heuristic's candidates until end_tuning() (see above).
+  Gemm(void* workspace, std::size_t workspace_bytes, bool tune = false);
   ~Gemm();
   Gemm(const Gemm&) = delete;
   Gemm& operator=(const Gemm&) = delete;
@@ -50,6 +59,18 @@ class Gemm {
 
   std::size_t cached_plans() const { return plans_.size(); }
 
+  /// Ends tuning: waits for the timed calls, fixes each shape's fastest algorithm (the heuristic's
+  /// first where nothing was timed). Later shapes take the heuristic's first. Idempotent.
+  void end_tuning();
+  bool tuning() const { return tuning_; }
+  /// Every shape's algorithm as text: a header naming cuBLASLt's version, then one line a shape.
+  std::string algorithms() const;
+  /// Takes the algorithms of `text` (from algorithms()) for their shapes, those built and those to
+  /// come, and ends tuning. Returns false, taking nothing, where `text` was written by another
+  /// cuBLASLt version; throws on text that is not algorithms()'s, or where an algorithm does not
+  /// run on this GPU.
+  bool restore(const std::string& text);
+
  private:
   struct Plan;
   enum class Kind : int { forward, forward_bias, forward_f32, forward_add, input_grad, input_grad_acc, weight_grad };
@@ -60,11 +81,17 @@ class Gemm {
   /// D = A B (+ bias) + beta C; c_in: C when it is not D (null: C is D).
   void run(Plan& p, const void* a, const void* b, void* c, const void* bias, float beta, cudaStream_t stream,
            const void* c_in = nullptr);
+  /// `algo` where it runs on this plan's shape here; else throws naming the shape.
+  cublasLtMatmulAlgo_t checked(const Plan& p, const Key& key, const cublasLtMatmulAlgo_t& algo);
+  void* timing_event();  // a cudaEvent_t with timing, new or reused
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_;
   std::size_t workspace_bytes_;
   std::map<Key, std::unique_ptr<Plan>> plans_;
+  bool tuning_ = false;
+  std::map<Key, cublasLtMatmulAlgo_t> restored_;
+  std::vector<void*> free_events_;  // timing events to reuse (cudaEvent_t)
 };
 
 /// The products of a mixture-of-experts layer: each expert's rows (a contiguous range of the rows
