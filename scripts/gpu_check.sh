@@ -31,6 +31,9 @@ fi
 if has train; then
   (cd /tmp && timeout 300 "$BIN/megatrain-train" --out /tmp/mt-run --overwrite true > "$OUT/train_default.log" 2>&1)
   summary+=("megatrain-train (no arguments) rc=$? $(tail -1 "$OUT/train_default.log")")
+  # tuned matrix products: a resumed run takes the checkpoint's algorithms, bit for bit
+  timeout 300 python3 tests/cuda/gemm_resume.py --megatrain "$BIN/megatrain-train" > "$OUT/gemm_resume.log" 2>&1
+  summary+=("megatrain-train resumed with its checkpoint's matrix-product algorithms rc=$? $(tail -1 "$OUT/gemm_resume.log")")
 fi
 # A shape at 32k tokens per step: megatrain without clipping and with exact clipping (placement:
 # auto, as many units' AdamW state on the GPU as fit), then the PyTorch peer likewise (whole batch

@@ -1,0 +1,48 @@
+"""megatrain-train on one GPU with tuned matrix products (--gemm-tuning, the default): a run
+resumed from its checkpoint takes the checkpoint's cuBLASLt algorithms (train_state.json's
+gemm_algorithms) and continues bit for bit; prints whether a second fresh run picked the same.
+    python3 tests/cuda/gemm_resume.py --megatrain BIN/megatrain-train [--work DIR]
+(docs/cuda.md#tuned-matrix-products; scripts/gpu_check.sh BIN OUT train runs it)"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+p = argparse.ArgumentParser()
+p.add_argument("--megatrain", required=True)
+p.add_argument("--work", default="/tmp/mt-gemm-resume")
+a = p.parse_args()
+SHAPE = ["--hidden", "1024", "--layers", "4", "--heads", "8", "--kv-heads", "2", "--intermediate", "2816", "--seq", "512",
+         "--batch", "16", "--eval-every", "0", "--lr", "1e-3", "--backend", "cuda", "--steps", "6"]
+
+
+def run(args, name):
+    out = os.path.join(a.work, name)
+    shutil.rmtree(out, ignore_errors=True)
+    r = subprocess.run([a.megatrain] + args + ["--out", out], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        sys.exit(f"FAILED: megatrain-train {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return {m["step"]: m for m in map(json.loads, f)}, r.stdout + r.stderr
+
+
+os.makedirs(a.work, exist_ok=True)
+first, _ = run(SHAPE + ["--save-every", "3"], "first")
+again, _ = run(SHAPE, "again")
+ckpt = os.path.join(a.work, "first", "checkpoints", "step-00000003")
+with open(os.path.join(ckpt, "train_state.json")) as f:
+    saved = json.load(f)["user"].get("gemm_algorithms", "")
+if not saved.startswith("megatrain gemm algorithms"):
+    sys.exit("FAILED: the checkpoint keeps no gemm_algorithms")
+resumed, log = run(["--resume", ckpt], "resumed")
+if "not bit for bit" in log:
+    sys.exit(f"FAILED: the resumed run says it is not bit for bit:\n{log}")
+for s in (4, 5, 6):
+    if (resumed[s]["loss"], resumed[s]["grad_norm"]) != (first[s]["loss"], first[s]["grad_norm"]):
+        sys.exit(f"FAILED: step {s} resumed: loss {resumed[s]['loss']!r} norm {resumed[s]['grad_norm']!r}, uninterrupted "
+                 f"{first[s]['loss']!r} {first[s]['grad_norm']!r} (want the same bits)")
+same_fresh = all(again[s]["loss"] == first[s]["loss"] for s in range(1, 7))
+print(f"passed: {len(saved.splitlines()) - 1} shapes' algorithms in the checkpoint; steps 4-6 resumed bit for bit; "
+      f"a second fresh run {'took the same bits' if same_fresh else 'differs in the last bits (other algorithms timed fastest)'}")
