@@ -673,7 +673,8 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
     CudaBackendOptions copt;
     if (!s.gpu_memory.empty()) copt.memory_limit = parse_byte_size(s.gpu_memory.c_str());
     copt.device = ranks.info().local_rank;  // (one GPU a process: the launcher's local rank)
-    copt.gemm_tuning = s.gemm_tuning && !plan.resume && !plan.eval_only;  // (a resumed run takes its checkpoint's choices)
+    // (a resumed run takes its checkpoint's choices, which end the tuning: see the resume below)
+    copt.gemm_tuning = s.gemm_tuning && !plan.eval_only;
     CudaBackend be(copt);
     return train(be, "cuda", s, app, *cfg, data, topt, plan, ranks);
 #endif
@@ -861,7 +862,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
             MT_FAIL("--resume '{}': its {} holds no usable gemm_algorithms: {}", plan.resume->ckpt.dir().string(),
                     io::kTrainStateFile, e.reason());
           }
-          if (!same) layout.push_back("another cuBLASLt or GPU (the matrix-product algorithms)");
+          if (!same) layout.push_back("another cuBLASLt or GPU (the matrix-product algorithms, tuned again)");
         }
       }
       if (!layout.empty())
@@ -1118,7 +1119,9 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     // The matrix-product algorithms the first step chose (--gemm-tuning): the first process's for
     // every process, as its checkpoints keep them.
     if constexpr (requires { be.gemm_algorithms(); })
-      if (step == first_step && ranks.several()) be.restore_gemm_algorithms(ranks.lead_text(be.gemm_algorithms()));
+      if (step == first_step && ranks.several() && !be.restore_gemm_algorithms(ranks.lead_text(be.gemm_algorithms())))
+        log_warning("rank {}'s GPU or cuBLASLt differs from the first rank's: it keeps its own matrix-product algorithms",
+                    ranks.rank());
     const double tok_s = static_cast<double>(st.tokens) / st.seconds;
     std::optional<double> val;
     if ((s.eval_every > 0 && step % s.eval_every == 0) || step == s.steps) val = validation();

@@ -70,12 +70,7 @@ Gemm::Gemm(void* workspace, std::size_t workspace_bytes, bool tune)
 }
 
 Gemm::~Gemm() {
-  for (auto& [key, p] : plans_)
-    for (auto& t : p->timed) {
-      (void)cudaEventDestroy(t.start);
-      (void)cudaEventDestroy(t.stop);
-    }
-  for (void* e : free_events_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
+  for (auto& [key, p] : plans_) drop_timed(*p);
   plans_.clear();
   if (handle_) cublasLtDestroy(handle_);
 }
@@ -89,18 +84,31 @@ void Gemm::end_tuning() {
       float ms = 0;
       MT_CUDA_CHECK(cudaEventElapsedTime(&ms, t.start, t.stop));
       best[static_cast<std::size_t>(t.candidate)] = std::min(best[static_cast<std::size_t>(t.candidate)], ms);
-      free_events_.push_back(t.start);
-      free_events_.push_back(t.stop);
     }
+    drop_timed(*p);
     if (!best.empty()) {
       const auto fastest = std::min_element(best.begin(), best.end());
       if (std::isfinite(*fastest)) p->algo = p->candidates[static_cast<std::size_t>(fastest - best.begin())];
     }
-    p->timed.clear();
     p->candidates.clear();
     p->uses = 0;
   }
   tuning_ = false;
+}
+
+void Gemm::drop_timed(Plan& p) {
+  for (const auto& t : p.timed) {
+    (void)cudaEventSynchronize(t.stop);  // (not destroyed while a call may still record it)
+    (void)cudaEventDestroy(t.start);
+    (void)cudaEventDestroy(t.stop);
+  }
+  p.timed.clear();
+}
+
+std::size_t Gemm::timed_calls() const {
+  std::size_t n = 0;
+  for (const auto& [key, p] : plans_) n += p->timed.size();
+  return n;
 }
 
 std::string Gemm::algorithms() const {
@@ -136,14 +144,9 @@ bool Gemm::restore(const std::string& text) {
              "saved matrix-product algorithms, line {}: '{}' is not a shape and an algorithm", number, line);
     algos[Key{kind, M, N, K, aligned == 1}] = algo;
   }
-  restored_ = std::move(algos);
+  for (auto& [key, algo] : algos) restored_[key] = algo;
   for (auto& [key, p] : plans_) {
-    for (const auto& t : p->timed) {  // (what was timed is not read: the saved choice stands)
-      MT_CUDA_CHECK(cudaEventSynchronize(t.stop));
-      free_events_.push_back(t.start);
-      free_events_.push_back(t.stop);
-    }
-    p->timed.clear();
+    drop_timed(*p);  // (what was timed is not read: the saved choice stands)
     p->candidates.clear();
     p->uses = 0;
     if (auto r = restored_.find(key); r != restored_.end()) p->algo = checked(*p, key, r->second);
@@ -164,11 +167,6 @@ cublasLtMatmulAlgo_t Gemm::checked(const Plan& p, const Key& key, const cublasLt
 }
 
 void* Gemm::timing_event() {
-  if (!free_events_.empty()) {
-    void* e = free_events_.back();
-    free_events_.pop_back();
-    return e;
-  }
   cudaEvent_t e = nullptr;
   MT_CUDA_CHECK(cudaEventCreate(&e));
   return e;
@@ -274,19 +272,18 @@ void Gemm::run(Plan& p, const void* a, const void* b, void* c, const void* bias,
   if (tuning_ && candidates > 1 && p.uses < kRounds * candidates) {
     candidate = p.uses % candidates;
     algo = &p.candidates[static_cast<std::size_t>(candidate)];
-    if (p.uses >= candidates) {
+    if (p.uses >= candidates) {  // (the plan owns the events from here: end_tuning() or ~Gemm destroys them)
       start = static_cast<cudaEvent_t>(timing_event());
+      p.timed.push_back({candidate, start, nullptr});
       stop = static_cast<cudaEvent_t>(timing_event());
+      p.timed.back().stop = stop;
       MT_CUDA_CHECK(cudaEventRecord(start, stream));
     }
     ++p.uses;
   }
   MT_CUDA_CHECK(cublasLtMatmul(handle_, p.desc, &alpha, a, p.a, b, p.b, &beta, c_in ? c_in : c, p.c, c, p.c, algo,
                                workspace_, workspace_bytes_, stream));
-  if (start) {
-    MT_CUDA_CHECK(cudaEventRecord(stop, stream));
-    p.timed.push_back({candidate, start, stop});
-  }
+  if (stop) MT_CUDA_CHECK(cudaEventRecord(stop, stream));
 }
 
 void Gemm::forward(const bf16* x, const bf16* w, const bf16* bias, bf16* y, std::int64_t M, std::int64_t N,

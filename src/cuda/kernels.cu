@@ -1673,6 +1673,21 @@ void launch_sum_squares(const float* x, std::int64_t n, double* out, void* works
   MT_CUDA_CHECK_LAUNCH("sum_squares_final_kernel");
 }
 
+__global__ void spin_kernel(unsigned long long ns) {
+  unsigned long long start = 0, now = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
+}
+
+void launch_spin(std::int64_t nanoseconds, cudaStream_t stream) {
+  if (nanoseconds <= 0) return;
+  spin_kernel<<<1, 1, 0, stream>>>(static_cast<unsigned long long>(nanoseconds));
+  MT_CUDA_CHECK_LAUNCH("spin_kernel");
+}
+
 void launch_cross_entropy(const float* logits, const std::int32_t* labels, float* loss, bf16* dlogits, float scale,
                           std::int64_t n, std::int64_t V, cudaStream_t stream) {
   MT_NVTX_RANGE("launch_cross_entropy");

@@ -603,8 +603,11 @@ TEST_CASE("tuned matrix products: every candidate's result is right, the choice 
     check_within(to_double(weight_grad(tuned)), dw_ref, dw_bound, "dW (tuning)");
   }
   MESSAGE("distinct results of the forward's candidates while tuning: " << seen_y.size());
+  // (each shape's candidates after a first untimed round: timed calls of both shapes)
+  CHECK(tuned.timed_calls() >= 2);
   tuned.end_tuning();
   CHECK_FALSE(tuned.tuning());
+  CHECK(tuned.timed_calls() == 0);
   // Fixed: every call the same bits.
   const auto y_fixed = forward(tuned);
   const auto dw_fixed = weight_grad(tuned);

@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <stdlib.h>
+
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -508,12 +510,20 @@ TEST_CASE("blocks that keep their activations (on the GPU or spilled to host mem
       REQUIRE(p.buffers.spilled_blocks == static_cast<std::size_t>(spilled));
       // (exact clipping: a kept block's activations lie over the waiting gradients of blocks below it)
       if (o.clip_mode == ClipMode::exact && n >= 2) CHECK(p.buffers.kept_over_gradients > 0);
-      std::vector<float> w;
-      const auto got = train(gpu, 4, nullptr, false, o, &w);
-      CHECK(w == ref_w);
-      for (std::size_t s = 0; s < ref.size(); ++s) {
-        CHECK(got[s].loss == ref[s].loss);
-        CHECK(got[s].grad_norm == ref[s].grad_norm);
+      // (spilled: also with every copy held back 3 ms on its stream, so that the compute stream
+      // would read or overwrite a staging buffer early were any wait missing)
+      for (const bool delayed : {false, true}) {
+        if (delayed && spilled == 0) continue;
+        CAPTURE(delayed);
+        if (delayed) ::setenv("MEGATRAIN_TEST_SPILL_DELAY_US", "3000", 1);
+        std::vector<float> w;
+        const auto got = train(gpu, 4, nullptr, false, o, &w);
+        ::unsetenv("MEGATRAIN_TEST_SPILL_DELAY_US");
+        CHECK(w == ref_w);
+        for (std::size_t s = 0; s < ref.size(); ++s) {
+          CHECK(got[s].loss == ref[s].loss);
+          CHECK(got[s].grad_norm == ref[s].grad_norm);
+        }
       }
     }
   }

@@ -333,10 +333,10 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
     t.exposed_detail = fmt::format("the AdamW pass takes {:.3f} s beside a {:.3f} s forward", pass_s, fwd_s);
   }
   // Spilled activations: a staging buffer is written again 2 x stride blocks later, so a copy
-  // longer than those blocks' forward (down) or backward (up) holds the compute stream.
+  // longer than the forward (down) or backward (up) of the blocks between holds the compute stream.
   if (b.spilled_blocks > 0) {
     const double one = spill_bytes / static_cast<double>(opt.micro_batches) / static_cast<double>(b.spilled_blocks);
-    const double between = 2.0 * static_cast<double>(b.spill_stride());
+    const double between = 2.0 * static_cast<double>(b.spill_stride()) - 1.0;
     const double block_fwd = fwd_s / L, block_bwd = std::max(0.0, gpu_s - fwd_s) / L;
     const double stall = static_cast<double>(b.spilled_blocks * static_cast<std::size_t>(opt.micro_batches)) *
                          (std::max(0.0, one / (m.d2h_gbs * 1e9) - between * block_fwd) +
@@ -422,8 +422,8 @@ MemoryPlan plan_memory(const DecoderModel<Block>& model, const TrainerOptions& o
       }
       return true;
     };
-    if (auto_kept)
-      for (std::size_t n = 1; n <= L; ++n) consider(plan(n, spill));  // (not monotonic: with every block kept, the scratch of recomputing goes)
+    if (auto_kept)  // (a spilled count given: as many kept blocks as leave it whole)
+      for (std::size_t n = 1; n + spill <= L; ++n) consider(plan(n, spill));  // (not monotonic: with every block kept, the scratch of recomputing goes)
     if (auto_spill) {
       // Spilling only where it is predicted at least kSpillGain faster than the best plan without:
       // its copies share PCIe with the weights and with the gradients the CPU's AdamW waits for,

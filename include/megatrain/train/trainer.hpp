@@ -79,6 +79,7 @@
 #include <functional>
 #include <memory>
 #include <array>
+#include <cstdlib>
 #include <optional>
 #include <random>
 #include <span>
@@ -948,7 +949,7 @@ class Trainer {
           if (it.unit == 0) {
             const auto off = static_cast<std::size_t>(it.micro * rows * seq);
             const auto n = static_cast<std::size_t>(rows * seq);
-            if (it.piece == 0) t.spill_begin_micro_batch();
+            if (it.piece == 0) t.spill_begin_micro_batch(exec);
             if (it.piece == 0 && t.router_counts_dev_.size() > 0) {  // (a step's forward: its routing recorded from zero)
               const auto per = t.router_counts_dev_.size() / static_cast<std::size_t>(t.opt_.micro_batches);
               t.be_.zero(exec, t.router_counts_dev_.span().subspan(static_cast<std::size_t>(it.micro) * per, per));
@@ -1393,6 +1394,7 @@ class Trainer {
         }
       spill_down_.emplace(be_.make_executor(B::Role::download));
       spill_up_.emplace(be_.make_executor(B::Role::upload));
+      if (const char* d = std::getenv("MEGATRAIN_TEST_SPILL_DELAY_US")) spill_test_delay_ns_ = std::atoll(d) * 1000;
     }
     // Host: ids, labels, compact ids and touched rows (int32), then per-token losses; pinned with a GPU
     const std::size_t batch_tokens = b.batch_tokens;
@@ -1484,9 +1486,13 @@ class Trainer {
       be_.download(exec, std::span<const Res>(ckpt_staging_[u % 2].span()), ckpt_host_[u]);
   }
   // Spilled activations (TrainerOptions::spilled_blocks), on the Compute stage's thread. A
-  // micro-batch's forward starts with the staging buffers free (their last readers were on this
-  // stream) and no copy up issued.
-  void spill_begin_micro_batch() {
+  // micro-batch's forward starts with the staging buffers free: their last readers were on the
+  // compute stream, and it waits for the spill streams' last copies (every one consumed in a step
+  // that ran to its end; not so after a step that threw).
+  void spill_begin_micro_batch(Exec& exec) {
+    if (spill_order_.empty()) return;
+    exec.wait(spill_down_->complete());
+    exec.wait(spill_up_->complete());
     spill_free_ = {};
     spill_fetched_ = spill_used_ = 0;
   }
@@ -1503,6 +1509,7 @@ class Trainer {
   void spill_down(Exec& exec, std::size_t u) {
     const std::size_t k = plan_.buffers.spill_index(u) % 2;
     spill_down_->wait(exec.complete());
+    spill_test_delay(*spill_down_);
     be_.download(*spill_down_, std::span<const std::byte>(spill_stage(u)), spill_host_[u]);
     spill_free_[k] = spill_down_->complete();
   }
@@ -1514,9 +1521,16 @@ class Trainer {
       const std::size_t u = spill_order_[spill_fetched_++];
       const std::size_t k = plan_.buffers.spill_index(u) % 2;
       spill_up_->wait(spill_free_[k]);
+      spill_test_delay(*spill_up_);
       be_.upload(*spill_up_, std::span<const std::byte>(spill_host_[u]), spill_stage(u));
       spill_ready_[k] = spill_up_->complete();
     }
+  }
+  // Tests (MEGATRAIN_TEST_SPILL_DELAY_US): each copy held back that long on its stream, so that a
+  // missing wait would let the compute stream read or write a staging buffer too early.
+  void spill_test_delay(Exec& e) {
+    if constexpr (requires { be_.spin(e, std::int64_t{}); })
+      if (spill_test_delay_ns_ > 0) be_.spin(e, spill_test_delay_ns_);
   }
   // Before spilled block u's backward: its activations back in its staging buffer.
   std::span<std::byte> spill_stage_for_backward(Exec& exec, std::size_t u) {
@@ -2033,6 +2047,7 @@ class Trainer {
   std::array<Completion, 2> spill_free_{}, spill_ready_{};
   std::vector<std::size_t> spill_order_;  // the spilled blocks in backward order
   std::size_t spill_fetched_ = 0, spill_used_ = 0;  // of a micro-batch's backward: copies up issued, backwards done
+  std::int64_t spill_test_delay_ns_ = 0;  // MEGATRAIN_TEST_SPILL_DELAY_US (spill_test_delay)
   std::size_t spilled_ = 0;
   std::vector<Buf<Res>> dbuf_;  // gradients w.r.t. activations, ping-pong
   Buf<std::byte> scratch_mem_;

@@ -259,6 +259,8 @@ class CudaBackend {
     MT_CHECK(src.size() == dst.size(), "download of {} elements into {}", src.size(), dst.size());
     MT_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.size_bytes(), cudaMemcpyDefault, e.stream()));
   }
+  /// Tests: holds the executor's stream for `nanoseconds` (cuda::launch_spin).
+  void spin(Executor& e, std::int64_t nanoseconds) { cuda::launch_spin(nanoseconds, e.stream()); }
   template <class E>
   void zero(Executor& e, std::span<E> dst) {
     MT_NVTX_RANGE("CudaBackend::zero");

@@ -63,10 +63,13 @@ class Gemm {
   /// first where nothing was timed). Later shapes take the heuristic's first. Idempotent.
   void end_tuning();
   bool tuning() const { return tuning_; }
-  /// Every shape's algorithm as text: a header naming cuBLASLt's version, then one line a shape.
+  /// Calls timed so far for the tuning (0 once it has ended).
+  std::size_t timed_calls() const;
+  /// Every shape's algorithm as text: a header naming cuBLASLt's version, then one line a shape
+  /// (while tuning, a shape's heuristic first: call it once tuning has ended).
   std::string algorithms() const;
   /// Takes the algorithms of `text` (from algorithms()) for their shapes, those built and those to
-  /// come, and ends tuning. Returns false, taking nothing, where `text` was written by another
+  /// come (added to any taken before), and ends tuning. Returns false, taking nothing, where `text` was written by another
   /// cuBLASLt version; throws on text that is not algorithms()'s, or where an algorithm does not
   /// run on this GPU.
   bool restore(const std::string& text);
@@ -83,7 +86,8 @@ class Gemm {
            const void* c_in = nullptr);
   /// `algo` where it runs on this plan's shape here; else throws naming the shape.
   cublasLtMatmulAlgo_t checked(const Plan& p, const Key& key, const cublasLtMatmulAlgo_t& algo);
-  void* timing_event();  // a cudaEvent_t with timing, new or reused
+  void* timing_event();  // a new cudaEvent_t with timing
+  static void drop_timed(Plan& p);  // destroys the plan's timing events
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_;
@@ -91,7 +95,6 @@ class Gemm {
   std::map<Key, std::unique_ptr<Plan>> plans_;
   bool tuning_ = false;
   std::map<Key, cublasLtMatmulAlgo_t> restored_;
-  std::vector<void*> free_events_;  // timing events to reuse (cudaEvent_t)
 };
 
 /// The products of a mixture-of-experts layer: each expert's rows (a contiguous range of the rows

@@ -123,6 +123,11 @@ void launch_adamw(const AdamWArgs& s, float* p, float* m, float* v, const float*
 void launch_cross_entropy(const float* logits, const std::int32_t* labels, float* loss, bf16* dlogits, float scale,
                           std::int64_t n, std::int64_t V, cudaStream_t stream);
 
+// ---- tests ---------------------------------------------------------------------------------------
+/// Holds `stream` for `nanoseconds` (a kernel that waits on the GPU's clock): tests delay copies
+/// with it to show that what must wait for them does.
+void launch_spin(std::int64_t nanoseconds, cudaStream_t stream);
+
 // ---- mixture of experts (src/cuda/moe.cu; the CPU backend's moe_* primitives are the reference) --
 inline constexpr std::int64_t kMoeMaxExperts = 1024;  ///< experts a layer may have on the GPU
 inline constexpr std::int64_t kMoeMaxTopK = 32;       ///< experts a token may choose on the GPU

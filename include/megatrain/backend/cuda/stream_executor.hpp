@@ -17,7 +17,9 @@ class StreamExecutor {
  public:
   /// Events are recycled round-robin; a completion must be waited on within kEvents later
   /// completions of the same executor (the pipeline's rings keep stages far closer than that).
-  static constexpr int kEvents = 64;
+  /// (256: a micro-batch's forward items, which no ring holds back, plus the trainer's own
+  /// completions for spilled activations, stay well inside it for models of up to ~100 blocks.)
+  static constexpr int kEvents = 256;
 
   StreamExecutor() = default;
   /// Uses `stream`; creates (and later destroys) one of its own when `stream` is null. `device`
