@@ -9,9 +9,7 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
-#include <cinttypes>
 #include <cmath>
-#include <cstdio>
 #include <initializer_list>
 #include <limits>
 #include <sstream>
@@ -55,6 +53,12 @@ constexpr const char* kAlgorithmsHeader = "megatrain gemm algorithms 1";
 
 // What the algorithms' text names the library and GPU by: cuBLASLt's version, the device's name
 // and compute capability.
+cudaEvent_t timing_event() {
+  cudaEvent_t e = nullptr;
+  MT_CUDA_CHECK(cudaEventCreate(&e));
+  return e;
+}
+
 std::string library_and_device() {
   int dev = 0;
   MT_CUDA_CHECK(cudaGetDevice(&dev));
@@ -166,11 +170,6 @@ cublasLtMatmulAlgo_t Gemm::checked(const Plan& p, const Key& key, const cublasLt
   return algo;
 }
 
-void* Gemm::timing_event() {
-  cudaEvent_t e = nullptr;
-  MT_CUDA_CHECK(cudaEventCreate(&e));
-  return e;
-}
 
 namespace {
 bool aligned16(std::initializer_list<const void*> ptrs, std::initializer_list<std::int64_t> pitches_bytes) {
@@ -267,17 +266,14 @@ void Gemm::run(Plan& p, const void* a, const void* b, void* c, const void* bias,
   // Tuning: the candidates in turn, each call a correct product; from the second round on, timed.
   const cublasLtMatmulAlgo_t* algo = &p.algo;
   const int candidates = static_cast<int>(p.candidates.size());
-  cudaEvent_t start = nullptr, stop = nullptr;
-  int candidate = 0;
+  cudaEvent_t stop = nullptr;
   if (tuning_ && candidates > 1 && p.uses < kRounds * candidates) {
-    candidate = p.uses % candidates;
+    const int candidate = p.uses % candidates;
     algo = &p.candidates[static_cast<std::size_t>(candidate)];
-    if (p.uses >= candidates) {  // (the plan owns the events from here: end_tuning() or ~Gemm destroys them)
-      start = static_cast<cudaEvent_t>(timing_event());
-      p.timed.push_back({candidate, start, nullptr});
-      stop = static_cast<cudaEvent_t>(timing_event());
-      p.timed.back().stop = stop;
-      MT_CUDA_CHECK(cudaEventRecord(start, stream));
+    if (p.uses >= candidates) {  // (the plan owns the events: end_tuning() or ~Gemm destroys them)
+      p.timed.push_back({candidate, timing_event(), timing_event()});
+      stop = p.timed.back().stop;
+      MT_CUDA_CHECK(cudaEventRecord(p.timed.back().start, stream));
     }
     ++p.uses;
   }

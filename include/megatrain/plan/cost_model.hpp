@@ -429,15 +429,13 @@ MemoryPlan plan_memory(const DecoderModel<Block>& model, const TrainerOptions& o
       // its copies share PCIe with the weights and with the gradients the CPU's AdamW waits for,
       // which the model prices by bandwidth alone (docs/planner.md: measured on an H200, a
       // predicted 2.7% was within the noise of the calls, for 16 GiB more host memory).
-      MemoryPlan without = std::move(best);
-      const double without_s = best_s;
-      best_s = without_s * (1 - kSpillGain) / (1 - 1e-3);
-      best.fits = false;
+      const MemoryPlan without = best;
+      const double bar = best_s * (1 - kSpillGain);
       const std::size_t k0 = without.buffers.kept_blocks;
       for (std::size_t k = auto_kept && k0 > 3 ? k0 - 3 : k0; k <= k0; ++k)
         for (std::size_t n = 1; k + n <= L; ++n)
           if (!consider(plan(k, n))) break;  // (the staging is the same for any count, the host memory grows with it)
-      if (!best.fits) return without;
+      if (best_s > bar) return without;
     }
     return best;
   };

@@ -72,14 +72,14 @@
 #include <oneapi/tbb/task_arena.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
-#include <array>
-#include <cstdlib>
 #include <optional>
 #include <random>
 #include <span>
@@ -1090,7 +1090,7 @@ class Trainer {
             const auto x = t.ckpt_in(exec, it.unit - 1);
             const RouterStats router = t.router_of(it.unit, it.micro, false, true);  // (the auxiliary loss's gradient)
             const bool spilled = t.plan_.buffers.spills(it.unit);
-            if (!t.spill_order_.empty()) t.spill_fetch(exec);  // (copies up ahead of the spilled blocks' backward)
+            t.spill_fetch();  // (copies up ahead of the spilled blocks' backward)
             if (t.plan_.buffers.keeps(it.unit) || spilled) {  // from the activations its forward kept
               if constexpr (plan::keeps_activations<B, Block>) {
                 Arena kept(spilled ? t.spill_stage_for_backward(exec, it.unit) : t.kept_[it.unit]);
@@ -1515,8 +1515,7 @@ class Trainer {
   }
   // The copies up, in backward order, each into its staging buffer once the block before it there
   // is done with it: two ahead of the backwards done.
-  void spill_fetch(Exec& exec) {
-    (void)exec;
+  void spill_fetch() {
     while (spill_fetched_ < spill_order_.size() && spill_fetched_ < spill_used_ + 2) {
       const std::size_t u = spill_order_[spill_fetched_++];
       const std::size_t k = plan_.buffers.spill_index(u) % 2;
@@ -1534,7 +1533,7 @@ class Trainer {
   }
   // Before spilled block u's backward: its activations back in its staging buffer.
   std::span<std::byte> spill_stage_for_backward(Exec& exec, std::size_t u) {
-    spill_fetch(exec);
+    spill_fetch();
     MT_CHECK(spill_used_ < spill_order_.size() && spill_order_[spill_used_] == u,
              "spilled activations: block {}'s backward out of the order of the copies (internal)", u);
     exec.wait(spill_ready_[plan_.buffers.spill_index(u) % 2]);
@@ -1544,7 +1543,7 @@ class Trainer {
   void spill_backward_done(Exec& exec, std::size_t u) {
     spill_free_[plan_.buffers.spill_index(u) % 2] = exec.complete();
     ++spill_used_;
-    spill_fetch(exec);
+    spill_fetch();
   }
 
   // Unit u's output as the input of unit u+1's backward: from the device, or brought back.

@@ -7,8 +7,8 @@
 // A plan (matmul descriptor, layouts, the heuristic's algorithm) is built once per shape and
 // kind and cached; later calls with the same shape only launch.
 //
-// Tuning (optional): cuBLASLt's heuristic picks one algorithm per shape, often not the fastest
-// (measured on an H200: 3-25% slower at a step's shapes). With tuning on, a plan keeps the
+// Tuning (optional): cuBLASLt's heuristic picks one algorithm per shape, not always the fastest
+// (docs/performance.md: a 1.5B step 2% faster with the fastest). With tuning on, a plan keeps the
 // heuristic's first few candidates and its calls take them in turn (each call a correct product,
 // its GPU time measured between events) until end_tuning() picks each shape's fastest; from then
 // on, and for shapes first seen after it, the choice is fixed. The choices differ in the last
@@ -69,9 +69,9 @@ class Gemm {
   /// (while tuning, a shape's heuristic first: call it once tuning has ended).
   std::string algorithms() const;
   /// Takes the algorithms of `text` (from algorithms()) for their shapes, those built and those to
-  /// come (added to any taken before), and ends tuning. Returns false, taking nothing, where `text` was written by another
-  /// cuBLASLt version; throws on text that is not algorithms()'s, or where an algorithm does not
-  /// run on this GPU.
+  /// come (added to any taken before), and ends tuning. Returns false, changing nothing, where
+  /// `text` was written with another cuBLASLt or GPU; throws on text that is not algorithms()'s,
+  /// or where an algorithm does not run here.
   bool restore(const std::string& text);
 
  private:
@@ -86,7 +86,6 @@ class Gemm {
            const void* c_in = nullptr);
   /// `algo` where it runs on this plan's shape here; else throws naming the shape.
   cublasLtMatmulAlgo_t checked(const Plan& p, const Key& key, const cublasLtMatmulAlgo_t& algo);
-  void* timing_event();  // a new cudaEvent_t with timing
   static void drop_timed(Plan& p);  // destroys the plan's timing events
 
   cublasLtHandle_t handle_ = nullptr;
