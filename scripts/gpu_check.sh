@@ -34,6 +34,9 @@ if has train; then
   # tuned matrix products: a resumed run takes the checkpoint's algorithms, bit for bit
   timeout 300 python3 tests/cuda/gemm_resume.py --megatrain "$BIN/megatrain-train" > "$OUT/gemm_resume.log" 2>&1
   summary+=("megatrain-train resumed with its checkpoint's matrix-product algorithms rc=$? $(tail -1 "$OUT/gemm_resume.log")")
+  # where gradients wait (--gradients auto): host memory on a small GPU, kept there when resumed
+  timeout 300 python3 tests/cuda/gradient_home.py --megatrain "$BIN/megatrain-train" > "$OUT/gradient_home.log" 2>&1
+  summary+=("megatrain-train --gradients auto on a capped GPU rc=$? $(tail -1 "$OUT/gradient_home.log")")
 fi
 # A shape at 32k tokens per step: megatrain without clipping and with exact clipping (placement:
 # auto, as many units' AdamW state on the GPU as fit), then the PyTorch peer likewise (whole batch

@@ -69,11 +69,14 @@ struct PlanArgs {
   std::string machine;  // --machine FILE
   bool json = false;
   bool probe = false;   // --probe: measure the machine's rates, keep them
+  bool auto_gradients = false;  // --gradients auto
 };
 
 template <class B>
-int report(const DecoderModel<>& model, const TrainerOptions& topt, const plan::DeviceBudget& device, const plan::HostBudget& host,
+int report(const DecoderModel<>& model, TrainerOptions topt, const plan::DeviceBudget& device, const plan::HostBudget& host,
            const plan::MachineFigures& machine, const PlanArgs& a, const std::string& where) {
+  // (--gradients auto: where gradients wait, as megatrain-train decides it)
+  if (a.auto_gradients) topt.gradient_home = plan::choose_gradient_home<B>(model, topt, device, host, machine);
   const plan::StepPlan p = plan::plan_step<B>(model, topt, device, host, machine);
   // The longest sequence and the largest micro-batch that fit (searched up or down from these).
   const plan::Suggestions lim = p.suggestions ? *p.suggestions : plan::suggest<B>(model, p.options, device, host);
@@ -86,6 +89,8 @@ int report(const DecoderModel<>& model, const TrainerOptions& topt, const plan::
                      {"device_units", p.memory.buffers.device_units},
                      {"kept_blocks", p.memory.buffers.kept_blocks},
                      {"spilled_blocks", p.memory.buffers.spilled_blocks},
+                     {"gradients", !p.options.resident_gradients() ? "none"
+                                   : p.options.gradient_home == GradientHome::host ? "host" : "device"},
                      {"units", p.memory.buffers.units},
                      {"step_s", p.time.step_s},
                      {"tokens_per_s", p.time.tokens_per_s()},
@@ -133,12 +138,14 @@ int report(const DecoderModel<>& model, const TrainerOptions& topt, const plan::
   return p.memory.fits ? 0 : 2;
 }
 
-int run(const Settings& s, const CLI::App& app, const PlanArgs& a) {
+int run(const Settings& s, const CLI::App& app, PlanArgs a) {
   check_model_source(s);
   MT_CHECK(s.backend == "auto" || s.backend == "cpu" || s.backend == "cuda", "--backend must be auto, cpu or cuda (got '{}')",
            s.backend);
   MT_CHECK(s.clip_mode == "exact" || s.clip_mode == "stale", "--clip-mode must be exact or stale (got '{}')", s.clip_mode);
-  MT_CHECK(s.gradients == "device" || s.gradients == "host", "--gradients must be device or host (got '{}')", s.gradients);
+  MT_CHECK(s.gradients == "auto" || s.gradients == "device" || s.gradients == "host",
+           "--gradients must be auto, device or host (got '{}')", s.gradients);
+  a.auto_gradients = s.gradients == "auto";
   if (!s.host_memory.empty()) setenv("MEGATRAIN_HOST_MEMORY", s.host_memory.c_str(), 1);
 
   // The model: --model DIR reads DIR/config.json (no weights are opened).

@@ -80,7 +80,7 @@ struct Settings {
   // Exact clipping by default (PyTorch's clip_grad_norm_); stale changes the update (docs/training.md).
   std::string schedule = "cosine", clip_mode = "exact";
   // where gradients wait for the norm, and how many units keep their AdamW state on the GPU
-  std::string gradients = "device", device_units = "auto";
+  std::string gradients = "auto", device_units = "auto";
   // a step whose loss or gradient is not finite: stop (keeping the last good state) or skip it
   std::string on_nonfinite = "stop";
   std::int64_t max_nonfinite_skips = 10;
@@ -231,8 +231,10 @@ inline void add_memory_options(CLI::App& runo_, Settings& s) {
                    "result; host memory and PCIe time instead of GPU time): auto (the plan's choice), or a count")
       ->capture_default_str();
   runo->add_option("--gradients", s.gradients,
-                   "Where gradients wait for the global norm (exact clipping, micro-batches): device (GPU memory) or "
-                   "host (4 more bytes of host memory per parameter)")
+                   "Where gradients wait for the global norm (exact clipping, micro-batches): auto (the plan's "
+                   "choice: host memory where only that fits or where it is predicted faster, else GPU memory; a "
+                   "resumed run's own where it fits), device (GPU memory) or host (4 more bytes of host memory per "
+                   "parameter)")
       ->capture_default_str();
 }
 

@@ -251,7 +251,7 @@ struct RunPlan {
 
 template <class B>
 int train(B& be, const char* backend_name, const Settings& s, const CLI::App& app, const ModelConfig& cfg,
-          const std::optional<TokenDataset>& data, const TrainerOptions& topt, RunPlan& plan, Ranks& ranks);
+          const std::optional<TokenDataset>& data, TrainerOptions topt, RunPlan& plan, Ranks& ranks);
 
 int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
   // ---- validate everything before touching anything ------------------------------------------
@@ -274,7 +274,8 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
            "--warmup-ratio must be in [0, 1) (got {})", s.warmup_ratio);
   MT_CHECK(!s.origins.given("--warmup") || s.warmup >= 0, "--warmup must be >= 0 (got {})", s.warmup);
   MT_CHECK(s.clip_mode == "exact" || s.clip_mode == "stale", "--clip-mode must be exact or stale (got '{}')", s.clip_mode);
-  MT_CHECK(s.gradients == "device" || s.gradients == "host", "--gradients must be device or host (got '{}')", s.gradients);
+  MT_CHECK(s.gradients == "auto" || s.gradients == "device" || s.gradients == "host",
+           "--gradients must be auto, device or host (got '{}')", s.gradients);
   MT_CHECK(s.on_nonfinite == "stop" || s.on_nonfinite == "skip", "--on-nonfinite must be stop or skip (got '{}')",
            s.on_nonfinite);
   MT_CHECK(s.max_nonfinite_skips >= 1, "--max-nonfinite-skips must be >= 1 (got {})", s.max_nonfinite_skips);
@@ -711,7 +712,7 @@ std::pair<double, std::int64_t> evaluate_all(T& trainer, const TokenDataset& dat
 
 template <class B>
 int train(B& be, const char* backend_name, const Settings& s, const CLI::App& app, const ModelConfig& cfg,
-          const std::optional<TokenDataset>& data, const TrainerOptions& topt, RunPlan& plan, Ranks& ranks) {
+          const std::optional<TokenDataset>& data, TrainerOptions topt, RunPlan& plan, Ranks& ranks) {
   // ---- build ----------------------------------------------------------------------------------
   // (Several processes on one host share its memory: each plans for its part unless --host-memory
   // gives each its own.)
@@ -738,13 +739,26 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
            !std::is_same_v<typename B::Weight, bf16> ? fmt::format("the {} backend streams no bf16 weights", backend_name)
            : !topt.shard_optimizer                    ? std::string("--shard-optimizer is false")
                                                       : std::string("this host's processes share one copy"));
+  // (from the config alone, before its blocks are built: a config of 10^9 layers is refused here)
+  plan::check_state_fits_host(cfg, budget, model_label, Trainer<B>::store_options(topt).shard);
+  DecoderModel<> model(cfg);
+  // Where gradients wait for the norm (--gradients auto; plan::choose_gradient_home): where the
+  // plan fits, in host memory only where that is predicted faster or alone fits (on every rank);
+  // a resumed run keeps its checkpoint's where it fits.
+  if (s.gradients == "auto" && topt.resolved().resident_gradients()) {
+    const std::optional<GradientHome> was =
+        plan.resume && !plan.eval_only ? std::optional(plan.resume->state.options.gradient_home) : std::nullopt;
+    const GradientHome mine = plan::choose_gradient_home<B>(
+        model, topt, plan::device_budget(be), budget, B::kDevice ? plan::machine_figures() : plan::MachineFigures{}, was);
+    // (agreed as the ranks' checks are: a rank refused before this point stops every rank here)
+    topt.gradient_home = ranks.agree_all(mine == GradientHome::device) ? GradientHome::device : GradientHome::host;
+    // (several processes: where they keep their parts of the weights can follow from it)
+    plan::check_state_fits_host(cfg, budget, model_label, Trainer<B>::store_options(topt).shard);
+  }
   // (ZeRO-1 exports from the first process: from the bf16 copy every process holds for a bf16 export
   // of sharded masters, else from the masters, gathered there where they are sharded)
   const bool gathers_for_export = topt.sharded() && plan.export_options && Trainer<B>::store_options(topt).shard.masters &&
                                   plan.export_options->dtype != DType::bf16;
-  // (from the config alone, before its blocks are built: a config of 10^9 layers is refused here)
-  plan::check_state_fits_host(cfg, budget, model_label, Trainer<B>::store_options(topt).shard);
-  DecoderModel<> model(cfg);
   // The plan (docs/planner.md), before anything is allocated: printed, and refused with what would
   // fit when it cannot.
   FILE* const info = plan.eval_only ? stderr : ranks.out();
@@ -848,6 +862,11 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
         layout.push_back(fmt::format("micro-batches added up in {} memory (checkpoint: {})",
                                      now.gradient_home == GradientHome::host ? "host" : "GPU",
                                      st.options.gradient_home == GradientHome::host ? "host" : "GPU"));
+      // (in host memory, a device unit's micro-batches still add up on the GPU: measured on an
+      // H200, another count of them changes the norm's last bits)
+      else if (now.micro_batches > 1 && now.gradient_home == GradientHome::host && now.device_units != st.options.device_units)
+        layout.push_back(fmt::format("AdamW on the GPU for {} units (checkpoint: {}) with micro-batches added up in host "
+                                     "memory", now.device_units, st.options.device_units));
       // The matrix-product algorithms the run used (--gemm-tuning): the same again, or (a checkpoint
       // from before they were kept) the heuristic's, as that run took them.
       if constexpr (requires { be.restore_gemm_algorithms(std::string()); }) {
@@ -962,8 +981,9 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   if constexpr (B::kDevice)
     std::fprintf(ranks.out(), "AdamW on the GPU for %zu of %zu units (--device-units), on the host for the rest%s\n", trainer.device_units(),
                 store.num_units(),
-                topt.resident_gradients() ? fmt::format("; gradients wait for the norm in {} memory (--gradients)",
-                                                        s.gradients == "host" ? "host" : "GPU").c_str()
+                topt.resident_gradients() ? fmt::format("; gradients wait for the norm in {} memory (--gradients{})",
+                                                        topt.gradient_home == GradientHome::host ? "host" : "GPU",
+                                                        s.gradients == "auto" ? " auto" : "").c_str()
                                           : "");
   if (topt.schedule.decays() && s.steps > topt.schedule.total_steps)
     std::fprintf(ranks.out(), "note: the %s schedule ends at step %lld (the first run's --steps); later steps train at its floor %g\n",

@@ -13,6 +13,7 @@
 // backend dist::LocalComm between the threads.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -145,10 +146,14 @@ class Ranks {
   /// are collectives of their own (a store's shared weights). Throws as agree_started does.
   void agree_checked() {
     if (!several()) return;
-    const auto failed = flags(0);
-    if (!failed.empty()) phase_ = Phase::agreed_to_stop;
-    MT_CHECK(failed.empty(), "{}(es) {} of {} stopped before training (their message says why): every {} stops",
-             noun(), fmt::join(failed, ", "), world(), noun());
+    (void)agree(0);
+  }
+  /// Whether every rank says `v`, agreed as agree_checked agrees (so that a rank that failed
+  /// before it stops every rank here, named). Throws as agree_checked does.
+  bool agree_all(bool v) {
+    if (!several()) return v;
+    const auto votes = agree(v ? 0 : 2);
+    return std::none_of(votes.begin(), votes.end(), [](std::int64_t x) { return x == 2; });
   }
   /// The first stop signal any rank has seen (its number), else 0: every rank stops after the same step.
   int stop_signal(int mine) {
@@ -203,6 +208,18 @@ class Ranks {
   }
 
  private:
+  // Every rank's `mine` (not 1: a rank that fails before agreeing sends 1, fail()), in rank order,
+  // once no rank failed; else throws on every rank, naming those that did.
+  std::vector<std::int64_t> agree(std::int64_t mine) {
+    const auto v = each_rank(mine);
+    std::vector<int> failed;
+    for (std::size_t i = 0; i < v.size(); ++i)
+      if (v[i] == 1) failed.push_back(static_cast<int>(i));
+    if (!failed.empty()) phase_ = Phase::agreed_to_stop;
+    MT_CHECK(failed.empty(), "{}(es) {} of {} stopped before training (their message says why): every {} stops",
+             noun(), fmt::join(failed, ", "), world(), noun());
+    return v;
+  }
   // Every rank's `mine`, in rank order.
   std::vector<std::int64_t> each_rank(std::int64_t mine) {
     std::vector<std::int64_t> v(static_cast<std::size_t>(world()), 0);

@@ -20,6 +20,12 @@ Scenarios (each a CTest test):
                  export of a checkpoint without training.
   full_disk      a file-size limit makes saves fail: a warning, training goes on exactly as
                  without the limit, the previous checkpoint stays complete, exit status 1.
+  gradient_home  a run whose micro-batches add up in host memory (--gradients host, which the
+                 checkpoint records), resumed without the option (the default is auto): it keeps
+                 host memory, bit for bit the uninterrupted run, saying nothing of a change; given
+                 --gradients device on resume, it says that the sums come in another order. (Where
+                 auto itself chose, a resumed run's auto keeps the checkpoint's home where it fits:
+                 plan::choose_gradient_home's `prefer`, tested in test_memory_plan.)
   nonfinite      a learning rate that makes step 2's loss overflow: the run stops there, saving
                  step 1's train state; resumed with --on-nonfinite skip, steps are skipped (in the
                  metrics) until the limit, and the state saved then is step 1's, bit for bit.
@@ -411,7 +417,25 @@ def nonfinite():
     check(not os.path.exists(path("noclip", "metrics.jsonl")), "the refused run trained")
 
 
-SCENARIOS = {f.__name__: f for f in (signals, second_signal, kill9, crash_points, refusals, full_disk, nonfinite)}
+def gradient_home():
+    # (a constant schedule: a decaying one's length is the first run's --steps; evaluated where the
+    # first leg ends, as it does)
+    base = SHAPE + ["--clip-mode", "exact", "--micro-batches", "2", "--gradients", "host", "--schedule", "constant",
+                    "--eval-every", "3"]
+    run(base + ["--steps", "6", "--out", "straight", "--save-every", "100"], what="the uninterrupted run")
+    run(base + ["--steps", "3", "--out", "run", "--save-every", "3"], what="the first leg")
+    _, out, err = run(["--resume", "--out", "run", "--steps", "6", "--save-every", "3"], what="the resume")
+    check("resumed from" in out, f"the resume did not say where it resumed from:\n{out}")
+    check("not bit for bit" not in out + err, f"the resume changed where micro-batches add up:\n{out}\n{err}")
+    same_metrics("straight", "run", "--gradients host resumed vs uninterrupted")
+    same_state("straight", "run", 6, "--gradients host resumed vs uninterrupted")
+    # Given again, another home is allowed, and said to change the order of the sums.
+    _, out, err = run(["--resume", "--out", "run", "--steps", "7", "--gradients", "device"], what="the resume (--gradients device)")
+    check("micro-batches added up in GPU memory (checkpoint: host)" in out + err and "not bit for bit" in out + err,
+          f"a resume that changes where micro-batches add up does not say so:\n{out}\n{err}")
+
+
+SCENARIOS = {f.__name__: f for f in (signals, second_signal, kill9, crash_points, refusals, full_disk, nonfinite, gradient_home)}
 if SCENARIO not in SCENARIOS:
     fail(f"unknown scenario '{SCENARIO}' (one of {', '.join(SCENARIOS)})")
 fresh()

@@ -837,3 +837,55 @@ TEST_CASE("the plan spills activations on its own only where it predicts them at
   CHECK(auto200 > 0);
   CHECK(t_auto200 < t_none200 * (1 - plan::kSpillGain));
 }
+
+TEST_CASE("where gradients wait (--gradients auto): the GPU where that fits, else host memory where that fits") {
+  // The reference H200 (139 GiB, planned without one) at 32k tokens, exact clipping: the 7B
+  // shape's waiting gradients fit beside the rest on the GPU of a 120 GiB host; the 72B shape's
+  // alone are 271 GiB, so they wait in a 1.5 TB host's memory, and on a 1 TB host in neither.
+  plan::DeviceBudget gpu;
+  gpu.cap = std::size_t{139} << 30;
+  gpu.allocated = std::size_t{32} << 20;
+  gpu.prepare_bytes = [](const WorkspacePlan& w) { return plan::cuda_prepare_estimate(w); };
+  gpu.auto_device_units = true;
+  TrainerOptions o = opts(32, 1024);
+  o.clip_norm = 1.0;
+  const auto fits = [&](const DecoderModel<>& m, GradientHome home, std::size_t host_gib) {
+    TrainerOptions q = o;
+    q.gradient_home = home;
+    return plan::plan_memory<plan::CudaTypes>(m, q, gpu, {host_gib << 30, "test"}).fits;
+  };
+  const auto choose = [&](const DecoderModel<>& m, std::size_t host_gib, std::optional<GradientHome> prefer = std::nullopt,
+                          const TrainerOptions* with = nullptr) {
+    return plan::choose_gradient_home<plan::CudaTypes>(m, with ? *with : o, gpu, {host_gib << 30, "test"}, {}, prefer);
+  };
+  const DecoderModel<> m7(ModelConfig::preset("qwen2.5-7b"));
+  REQUIRE(fits(m7, GradientHome::device, 120));
+  CHECK(choose(m7, 120) == GradientHome::device);
+  REQUIRE(fits(m7, GradientHome::host, 200));
+  CHECK(choose(m7, 200) == GradientHome::device);                      // (both fit: the GPU)
+  CHECK(choose(m7, 200, GradientHome::host) == GradientHome::host);    // (a resumed run's, where it fits)
+  REQUIRE_FALSE(fits(m7, GradientHome::host, 120));
+  CHECK(choose(m7, 120, GradientHome::host) == GradientHome::device);  // (... and where it does not)
+
+  const DecoderModel<> m72(ModelConfig::preset("qwen2.5-72b"));
+  REQUIRE_FALSE(fits(m72, GradientHome::device, 1500));
+  REQUIRE(fits(m72, GradientHome::host, 1500));
+  CHECK(choose(m72, 1500) == GradientHome::host);
+  REQUIRE_FALSE(fits(m72, GradientHome::host, 1000));
+  CHECK(choose(m72, 1000) == GradientHome::device);  // (neither: the GPU's refusal says what would fit)
+  const plan::StepPlan refused = plan::plan_step<plan::CudaTypes>(m72, o, gpu, {std::size_t{1000} << 30, "test"});
+  REQUIRE_FALSE(refused.memory.fits);
+
+  // No gradient waits (stale clipping, one micro-batch): the option as given, whatever it says.
+  TrainerOptions stale = o;
+  stale.clip_mode = ClipMode::stale;
+  stale.gradient_home = GradientHome::host;
+  CHECK(choose(m72, 1000, std::nullopt, &stale) == GradientHome::host);
+  stale.gradient_home = GradientHome::device;
+  CHECK(choose(m72, 1000, std::nullopt, &stale) == GradientHome::device);
+  // Micro-batches wait too: the 72B's at 4 x 8 sequences likewise in a 1.5 TB host's memory.
+  TrainerOptions micro = o;
+  micro.clip_norm = 0;
+  micro.micro_batches = 4;
+  CHECK(choose(m72, 1500, std::nullopt, &micro) == GradientHome::host);
+}

@@ -296,15 +296,17 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
                      fmt::format("{:.2f} GB of weights{} at {:.1f} GB/s", h2d / 1e9,
                                  spill_bytes > 0 ? fmt::format(" and spilled activations ({:.2f} GB)", spill_bytes / 1e9) : "",
                                  m.h2d_gbs)});
-  // With resident gradients (exact clipping, micro-batches) the host units' gradients come down
-  // and are stepped in the AdamW pass, after the backward, beside the next step's forward; else
-  // they stream down and are stepped during the backward.
+  // With resident gradients (exact clipping, micro-batches) the host units are stepped in the
+  // AdamW pass, after the backward, beside the next step's forward; their gradients come down in
+  // that pass where they wait on the GPU, and during the backward where they wait in host memory
+  // (GradientHome::host). Else they stream down and are stepped during the backward.
   const bool pass = opt.resident_gradients();
+  const bool pass_d2h = pass && opt.gradient_home == GradientHome::device;  // (the pass waits for the copies)
   const char* when = pass ? " (in the AdamW pass, beside the next forward)" : "";
   t.terms.push_back({"PCIe D2H", d2h / (m.d2h_gbs * 1e9),
                      fmt::format("{:.2f} GB of fp32 gradients{} at {:.1f} GB/s{}", d2h / 1e9,
                                  spill_bytes > 0 ? fmt::format(" and spilled activations ({:.2f} GB, beside the forward)", spill_bytes / 1e9) : "",
-                                 m.d2h_gbs, when)});
+                                 m.d2h_gbs, pass_d2h ? when : pass ? " (during the backward, into host memory)" : "")});
   t.terms.push_back({"PCIe both ways", (h2d + d2h) / (m.duplex_gbs * 1e9), fmt::format("at {:.0f} GB/s in total", m.duplex_gbs)});
   const double cpu_s = n_host / (m.adamw_dma_gparams * 1e9);
   t.terms.push_back({"CPU AdamW", cpu_s, fmt::format("{:.3f}B parameters at {:.2f} Gparam/s{}", n_host / 1e9, m.adamw_dma_gparams, when)});
@@ -313,10 +315,10 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   // beside the backward and the device units' forward: what it takes beyond them is exposed).
   const double fwd_s = 2 * (active_blocks - experts) * T / (m.gemm_tflops * 1e12) + 2 * experts * T / (m.moe_gemm_tflops * 1e12) +
                       att_fwd / (m.attention_fwd_tflops * 1e12) + elem_s / 4;
-  const double pass_s = pass ? std::max(cpu_s, d2h / (m.d2h_gbs * 1e9)) : 0.0;
+  const double pass_s = pass ? std::max(cpu_s, pass_d2h ? d2h / (m.d2h_gbs * 1e9) : 0.0) : 0.0;
   t.bottleneck.clear();
   for (const TimeTerm& term : t.terms) {
-    if (term.what == "CPU AdamW" || (pass && term.what == "PCIe D2H")) continue;
+    if (term.what == "CPU AdamW" || (pass_d2h && term.what == "PCIe D2H")) continue;
     if (term.seconds > t.bound_s || t.bottleneck.empty()) {
       t.bound_s = term.seconds;
       t.bottleneck = t.bound_term = term.what;
@@ -366,7 +368,7 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   if (grows > 0) {
     double r = 0;
     for (const TimeTerm& term : t.terms)
-      if (term.what != "GPU" && term.what != "CPU AdamW" && !(pass && term.what == "PCIe D2H"))
+      if (term.what != "GPU" && term.what != "CPU AdamW" && !(pass_d2h && term.what == "PCIe D2H"))
         r = std::max(r, (term.seconds - adam_dev_s) / grows);
     if (pass && fwd_s > 0) r = std::max(r, pass_s / fwd_s);
     if (!pass && slack > 0) r = std::max(r, cpu_s / slack);

@@ -169,6 +169,50 @@ Suggestions suggest(const DecoderModel<Block>& model, const TrainerOptions& opti
   return s;
 }
 
+/// The least predicted gain for which choose_gradient_home puts the waiting gradients in host
+/// memory where the GPU has room for them too: 1% of the step (4 bytes a parameter of host memory
+/// for it).
+inline constexpr double kHostGradientsGain = 0.01;
+
+/// Where gradients wait for the global norm, decided (megatrain-train and megatrain-plan
+/// `--gradients auto`, the default): in GPU memory where only that plan fits, in host memory
+/// where only that one fits (the 72B shape's 271 GiB of waiting gradients on a 1.5 TB host), and
+/// where both fit, in GPU memory unless host memory is predicted at least kHostGradientsGain
+/// faster (the GPU memory they leave goes to checkpoints, kept activations or device units);
+/// where neither fits, GPU memory, whose refusal says what would. On a backend whose memory is
+/// host memory, its own where that fits. `prefer`: a home kept wherever it fits (a resumed run's,
+/// whose micro-batches then add up in the same order). Without waiting gradients (stale clipping
+/// or none, one micro-batch) `options.gradient_home`, which then means nothing. Decide before
+/// building the store: a store for host memory holds the waiting gradients
+/// (Trainer::store_options).
+template <class B, class Block>
+GradientHome choose_gradient_home(const DecoderModel<Block>& model, const TrainerOptions& options, const DeviceBudget& device,
+                                  const HostBudget& host, const MachineFigures& machine = {},
+                                  std::optional<GradientHome> prefer = std::nullopt) {
+  if (!options.resolved().resident_gradients()) return options.gradient_home;
+  const auto step_s = [&](GradientHome home) -> std::optional<double> {  // (nullopt: does not fit)
+    TrainerOptions o = options;
+    o.gradient_home = home;
+    try {
+      const MemoryPlan p = plan_memory<B>(model, o, device, host, std::nullopt, machine);
+      if (!p.fits) return std::nullopt;
+      TrainerOptions r = o.resolved();
+      r.device_units = static_cast<std::int64_t>(p.buffers.device_units);
+      r.kept_blocks = static_cast<std::int64_t>(p.buffers.kept_blocks);
+      r.spilled_blocks = static_cast<std::int64_t>(p.buffers.spilled_blocks);
+      return predict_step(model.config(), r, p, machine).step_s;
+    } catch (const Error&) {
+      return std::nullopt;
+    }
+  };
+  if (prefer && step_s(*prefer)) return *prefer;
+  const auto on_device = step_s(GradientHome::device);
+  if (on_device && device.host_memory) return GradientHome::device;
+  const auto in_host = step_s(GradientHome::host);
+  if (on_device && in_host) return *in_host < *on_device * (1 - kHostGradientsGain) ? GradientHome::host : GradientHome::device;
+  return in_host ? GradientHome::host : GradientHome::device;
+}
+
 /// Host memory a model's state needs at the least, from its config alone: the fp32 master
 /// weights, AdamW's m and v and the bf16 copy, 14 bytes a parameter (HostParamStore's footprint
 /// adds alignment, gradients and rings to it); of one process of a store sharded over N (`shard`,
@@ -301,7 +345,7 @@ inline std::string format_plan(const StepPlan& p) {
                    format_bytes(p.memory.host_budget), p.memory.host_budget_source,
                    static_cast<double>(p.memory.host_total()) / static_cast<double>(c.param_count()));
   s += fmt::format("\ndecisions: activation checkpoints {}{} of {} on the GPU{}; activations kept (no recompute) for {} of {} "
-                   "blocks{}; AdamW on the GPU for {} of {} units; token blocks of {}\n",
+                   "blocks{}; AdamW on the GPU for {} of {} units{}; token blocks of {}\n",
                    b.checkpoint_every > 1 ? fmt::format("every {} blocks (the outputs between recomputed before the "
                                                         "backward), ", b.checkpoint_every)
                                           : std::string(),
@@ -311,7 +355,12 @@ inline std::string format_plan(const StepPlan& p) {
                    b.spilled_blocks > 0 ? fmt::format(", spilled to host memory (no recompute) for {}, every {} from the first",
                                                       b.spilled_blocks, b.spill_stride())
                                         : "",
-                   b.device_units, b.units, b.token_block > 0 ? fmt::format("{}", b.token_block) : "the whole chunk");
+                   b.device_units, b.units,
+                   o.resident_gradients()
+                       ? fmt::format("; gradients wait for the norm in {} memory",
+                                     o.gradient_home == GradientHome::host || p.memory.host_lines_include_device ? "host" : "GPU")
+                       : std::string(),
+                   b.token_block > 0 ? fmt::format("{}", b.token_block) : "the whole chunk");
   s += fmt::format("\n| step time ({}) | seconds | |\n| --- | --- | --- |\n", p.machine.name);
   for (const auto& t : p.time.terms) s += fmt::format("| {} | {:.3f} | {} |\n", t.what, t.seconds, t.detail);
   s += fmt::format("| **predicted step** | **{:.3f}** | {}-bound ({} {:.3f} s + {:.3f} s not overlapped{}): {:.0f} tokens/s, {:.1f} "
