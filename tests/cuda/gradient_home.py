@@ -7,11 +7,10 @@ GPU), says that its sums come in another order.
     python3 tests/cuda/gradient_home.py --megatrain BIN/megatrain-train [--work DIR]
 (scripts/gpu_check.sh BIN OUT train runs it)"""
 import argparse
-import json
 import os
-import shutil
-import subprocess
 import sys
+
+import train_runs
 
 p = argparse.ArgumentParser()
 p.add_argument("--megatrain", required=True)
@@ -27,13 +26,7 @@ SHAPE = ["--hidden", "1024", "--layers", "16", "--heads", "8", "--kv-heads", "2"
 
 
 def run(args, name):
-    out = os.path.join(a.work, name)
-    shutil.rmtree(out, ignore_errors=True)
-    r = subprocess.run([a.megatrain] + args + ["--out", out], capture_output=True, text=True, timeout=300)
-    if r.returncode != 0:
-        sys.exit(f"FAILED: megatrain-train {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return {m["step"]: m for m in map(json.loads, f)}, r.stdout + r.stderr
+    return train_runs.run(a.megatrain, a.work, args, name)
 
 
 def says(log, text, what):
