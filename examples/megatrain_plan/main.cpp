@@ -76,7 +76,7 @@ template <class B>
 int report(const DecoderModel<>& model, TrainerOptions topt, const plan::DeviceBudget& device, const plan::HostBudget& host,
            const plan::MachineFigures& machine, const PlanArgs& a, const std::string& where) {
   // (--gradients auto: where gradients wait, as megatrain-train decides it)
-  if (a.auto_gradients) topt.gradient_home = plan::choose_gradient_home<B>(model, topt, device, host, machine);
+  if (a.auto_gradients) topt.gradient_home = plan::choose_gradient_home<B>(model, topt, device, host, machine).home;
   const plan::StepPlan p = plan::plan_step<B>(model, topt, device, host, machine);
   // The longest sequence and the largest micro-batch that fit (searched up or down from these).
   const plan::Suggestions lim = p.suggestions ? *p.suggestions : plan::suggest<B>(model, p.options, device, host);
@@ -90,7 +90,8 @@ int report(const DecoderModel<>& model, TrainerOptions topt, const plan::DeviceB
                      {"kept_blocks", p.memory.buffers.kept_blocks},
                      {"spilled_blocks", p.memory.buffers.spilled_blocks},
                      {"gradients", !p.options.resident_gradients() ? "none"
-                                   : p.options.gradient_home == GradientHome::host ? "host" : "device"},
+                                   : p.options.gradient_home == GradientHome::host || p.memory.host_lines_include_device ? "host"
+                                                                                                                       : "device"},
                      {"units", p.memory.buffers.units},
                      {"step_s", p.time.step_s},
                      {"tokens_per_s", p.time.tokens_per_s()},

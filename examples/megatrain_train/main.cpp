@@ -748,10 +748,14 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   if (s.gradients == "auto" && topt.resolved().resident_gradients()) {
     const std::optional<GradientHome> was =
         plan.resume && !plan.eval_only ? std::optional(plan.resume->state.options.gradient_home) : std::nullopt;
-    const GradientHome mine = plan::choose_gradient_home<B>(
+    const plan::GradientHomeChoice mine = plan::choose_gradient_home<B>(
         model, topt, plan::device_budget(be), budget, B::kDevice ? plan::machine_figures() : plan::MachineFigures{}, was);
     // (agreed as the ranks' checks are: a rank refused before this point stops every rank here)
-    topt.gradient_home = ranks.agree_all(mine == GradientHome::device) ? GradientHome::device : GradientHome::host;
+    std::vector<plan::GradientHomeChoice> all;
+    for (const std::int64_t v : ranks.agree_on(2 + (mine.home == GradientHome::host ? 1 : 0) + (mine.device_fits ? 2 : 0) +
+                                               (mine.host_fits ? 4 : 0)))
+      all.push_back({(v - 2) % 2 == 1 ? GradientHome::host : GradientHome::device, ((v - 2) / 2) % 2 == 1, (v - 2) / 4 == 1});
+    topt.gradient_home = plan::GradientHomeChoice::agree(all);
     // (several processes: where they keep their parts of the weights can follow from it)
     plan::check_state_fits_host(cfg, budget, model_label, Trainer<B>::store_options(topt).shard);
   }

@@ -13,7 +13,6 @@
 // backend dist::LocalComm between the threads.
 #pragma once
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -148,12 +147,12 @@ class Ranks {
     if (!several()) return;
     (void)agree(0);
   }
-  /// Whether every rank says `v`, agreed as agree_checked agrees (so that a rank that failed
-  /// before it stops every rank here, named). Throws as agree_checked does.
-  bool agree_all(bool v) {
-    if (!several()) return v;
-    const auto votes = agree(v ? 0 : 2);
-    return std::none_of(votes.begin(), votes.end(), [](std::int64_t x) { return x == 2; });
+  /// Every rank's `mine` (>= 2), in rank order, agreed as agree_checked agrees (so that a rank
+  /// that failed before it stops every rank here, named). Throws as agree_checked does.
+  std::vector<std::int64_t> agree_on(std::int64_t mine) {
+    MT_CHECK(mine >= 2, "Ranks::agree_on: {} is not a value to agree on (>= 2)", mine);
+    if (!several()) return {mine};
+    return agree(mine);
   }
   /// The first stop signal any rank has seen (its number), else 0: every rank stops after the same step.
   int stop_signal(int mine) {

@@ -856,7 +856,7 @@ TEST_CASE("where gradients wait (--gradients auto): the GPU where that fits, els
   };
   const auto choose = [&](const DecoderModel<>& m, std::size_t host_gib, std::optional<GradientHome> prefer = std::nullopt,
                           const TrainerOptions* with = nullptr) {
-    return plan::choose_gradient_home<plan::CudaTypes>(m, with ? *with : o, gpu, {host_gib << 30, "test"}, {}, prefer);
+    return plan::choose_gradient_home<plan::CudaTypes>(m, with ? *with : o, gpu, {host_gib << 30, "test"}, {}, prefer).home;
   };
   const DecoderModel<> m7(ModelConfig::preset("qwen2.5-7b"));
   REQUIRE(fits(m7, GradientHome::device, 120));
@@ -876,6 +876,26 @@ TEST_CASE("where gradients wait (--gradients auto): the GPU where that fits, els
   const plan::StepPlan refused = plan::plan_step<plan::CudaTypes>(m72, o, gpu, {std::size_t{1000} << 30, "test"});
   REQUIRE_FALSE(refused.memory.fits);
 
+  // Both fit and host memory is predicted faster: the 14B shape on a 1.5 TB host (5.5%), whose
+  // GPU memory then takes more device units; not where the gain is under 1%.
+  const DecoderModel<> m14(ModelConfig::preset("qwen2.5-14b"));
+  REQUIRE(fits(m14, GradientHome::device, 1500));
+  REQUIRE(fits(m14, GradientHome::host, 1500));
+  CHECK(choose(m14, 1500) == GradientHome::host);
+  const auto c14 = plan::choose_gradient_home<plan::CudaTypes>(m14, o, gpu, {std::size_t{1500} << 30, "test"});
+  CHECK((c14.device_fits && c14.host_fits));
+
+  // Several ranks agree on a home that fits them all.
+  using C = plan::GradientHomeChoice;
+  const C dev_only{GradientHome::device, true, false}, host_faster{GradientHome::host, true, true},
+      dev_both{GradientHome::device, true, true}, host_only{GradientHome::host, false, true};
+  CHECK(C::agree(std::vector<C>{dev_both, dev_only}) == GradientHome::device);
+  CHECK(C::agree(std::vector<C>{host_faster, host_faster}) == GradientHome::host);
+  CHECK(C::agree(std::vector<C>{host_faster, dev_both}) == GradientHome::host);   // (fits both: one predicts it faster)
+  CHECK(C::agree(std::vector<C>{host_faster, dev_only}) == GradientHome::device);  // (not host where only the GPU fits)
+  CHECK(C::agree(std::vector<C>{host_only, host_only}) == GradientHome::host);
+  CHECK(C::agree(std::vector<C>{host_only, dev_only}) == GradientHome::device);    // (neither fits both: refused)
+
   // No gradient waits (stale clipping, one micro-batch): the option as given, whatever it says.
   TrainerOptions stale = o;
   stale.clip_mode = ClipMode::stale;
@@ -888,4 +908,54 @@ TEST_CASE("where gradients wait (--gradients auto): the GPU where that fits, els
   micro.clip_norm = 0;
   micro.micro_batches = 4;
   CHECK(choose(m72, 1500, std::nullopt, &micro) == GradientHome::host);
+}
+
+TEST_CASE("the cost model: gradients waiting in host memory come down during the backward, each micro-batch's") {
+  // On the GPU the AdamW pass waits for their copies; in host memory they came down during the
+  // backward (a whole-step term, each micro-batch's, and the CPU adds them up), and the pass waits
+  // for the CPU's AdamW alone.
+  const DecoderModel<> model(ModelConfig::preset("qwen2.5-7b"));
+  plan::DeviceBudget gpu;
+  gpu.cap = std::size_t{139} << 30;
+  gpu.allocated = std::size_t{32} << 20;
+  gpu.prepare_bytes = [](const WorkspacePlan& w) { return plan::cuda_prepare_estimate(w); };
+  gpu.auto_device_units = true;
+  TrainerOptions o = opts(32, 1024);
+  o.clip_norm = 1.0;
+  o.spilled_blocks = 0;
+  plan::MachineFigures slow;  // (copies down far slower than the CPU's AdamW)
+  slow.d2h_gbs = 0.5;
+  const auto term = [](const plan::StepTime& t, const std::string& what) {
+    for (const auto& x : t.terms)
+      if (x.what == what) return x.seconds;
+    return -1.0;
+  };
+  for (const GradientHome home : {GradientHome::device, GradientHome::host}) {
+    CAPTURE(home == GradientHome::host);
+    TrainerOptions q = o;
+    q.gradient_home = home;
+    const auto p = plan::plan_memory<plan::CudaTypes>(model, q, gpu, {std::size_t{200} << 30, "test"}, std::nullopt, slow);
+    REQUIRE(p.fits);
+    q.device_units = static_cast<std::int64_t>(p.buffers.device_units);
+    q.kept_blocks = static_cast<std::int64_t>(p.buffers.kept_blocks);
+    const plan::StepTime one = plan::predict_step(model.config(), q, p, slow);
+    TrainerOptions four = q;
+    four.micro_batches = 4;
+    const plan::StepTime t4 = plan::predict_step(model.config(), four, p, slow);
+    const double d2h = term(one, "PCIe D2H");
+    REQUIRE(d2h > term(one, "CPU AdamW"));
+    if (home == GradientHome::device) {
+      CHECK(one.bottleneck != "PCIe D2H");  // (in the pass: what it takes beyond the forward comes after the GPU's step)
+      CHECK(one.step_s > d2h + term(one, "GPU") * 0.5);
+      CHECK(term(t4, "PCIe D2H") == doctest::Approx(d2h).epsilon(1e-12));
+      CHECK(term(t4, "CPU gradient sums") < 0);
+    } else {
+      REQUIRE(d2h > term(one, "GPU"));
+      CHECK(one.bottleneck == "PCIe D2H");  // (the whole step's, beside the GPU's work)
+      CHECK(one.step_s < d2h * 1.05);
+      CHECK(term(t4, "PCIe D2H") == doctest::Approx(4 * d2h).epsilon(1e-12));
+      CHECK(term(t4, "CPU gradient sums") > 0);
+      CHECK(term(one, "CPU gradient sums") < 0);
+    }
+  }
 }

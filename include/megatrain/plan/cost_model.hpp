@@ -291,7 +291,11 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   double h2d = 4 * blocks * ((L - blocks_dev) / L) + (embed_dev ? 0 : rows * d * 4) + (head_dev ? 0 : 2 * head_params);
   if (cfg.tie_word_embeddings && !embed_dev) h2d += 2 * embed;  // the head reads the embedding's bf16 table
   h2d += spill_bytes;
-  const double d2h = 4 * n_host + spill_bytes;
+  // (gradients waiting in host memory: each micro-batch's come down, and the CPU adds the later
+  // ones to the first's during the backward; on the GPU they add up there and come down once)
+  const bool host_home = opt.resident_gradients() && opt.gradient_home == GradientHome::host;
+  const double downloads = host_home ? static_cast<double>(opt.micro_batches) : 1.0;
+  const double d2h = 4 * n_host * downloads + spill_bytes;
   t.terms.push_back({"PCIe H2D", h2d / (m.h2d_gbs * 1e9),
                      fmt::format("{:.2f} GB of weights{} at {:.1f} GB/s", h2d / 1e9,
                                  spill_bytes > 0 ? fmt::format(" and spilled activations ({:.2f} GB)", spill_bytes / 1e9) : "",
@@ -310,6 +314,12 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   t.terms.push_back({"PCIe both ways", (h2d + d2h) / (m.duplex_gbs * 1e9), fmt::format("at {:.0f} GB/s in total", m.duplex_gbs)});
   const double cpu_s = n_host / (m.adamw_dma_gparams * 1e9);
   t.terms.push_back({"CPU AdamW", cpu_s, fmt::format("{:.3f}B parameters at {:.2f} Gparam/s{}", n_host / 1e9, m.adamw_dma_gparams, when)});
+  if (host_home && opt.micro_batches > 1) {  // (12 bytes an addition, against AdamW's 30 a parameter)
+    const double adds = n_host * static_cast<double>(opt.micro_batches - 1);
+    t.terms.push_back({"CPU gradient sums", adds * 12.0 / 30.0 / (m.adamw_dma_gparams * 1e9),
+                       fmt::format("{:.3f}B additions of later micro-batches' gradients in host memory, during the backward",
+                                   adds / 1e9)});
+  }
   // The bound: the largest term that overlaps the whole step (the pass's terms overlap only the
   // forward: what they take beyond it is exposed; the CPU's AdamW of streamed gradients runs
   // beside the backward and the device units' forward: what it takes beyond them is exposed).

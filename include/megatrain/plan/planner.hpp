@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -174,6 +175,22 @@ Suggestions suggest(const DecoderModel<Block>& model, const TrainerOptions& opti
 /// for it).
 inline constexpr double kHostGradientsGain = 0.01;
 
+/// What choose_gradient_home decided, and which homes fit (several ranks agree on one that fits
+/// every rank's plan: GradientHomeChoice::agree).
+struct GradientHomeChoice {
+  GradientHome home = GradientHome::device;
+  bool device_fits = false, host_fits = false;
+  /// The home of several ranks' choices: the GPU where every rank chose it, else host memory
+  /// where it fits every rank, else the GPU where it fits every rank, else the GPU (whose
+  /// refusal, by the ranks it does not fit, says what would).
+  static GradientHome agree(std::span<const GradientHomeChoice> ranks) {
+    const auto all = [&](auto&& f) { return std::all_of(ranks.begin(), ranks.end(), f); };
+    if (all([](const GradientHomeChoice& c) { return c.home == GradientHome::device; })) return GradientHome::device;
+    if (all([](const GradientHomeChoice& c) { return c.host_fits; })) return GradientHome::host;
+    return GradientHome::device;
+  }
+};
+
 /// Where gradients wait for the global norm, decided (megatrain-train and megatrain-plan
 /// `--gradients auto`, the default): in GPU memory where only that plan fits, in host memory
 /// where only that one fits (the 72B shape's 271 GiB of waiting gradients on a 1.5 TB host), and
@@ -181,18 +198,24 @@ inline constexpr double kHostGradientsGain = 0.01;
 /// faster (the GPU memory they leave goes to checkpoints, kept activations or device units);
 /// where neither fits, GPU memory, whose refusal says what would. On a backend whose memory is
 /// host memory, its own where that fits. `prefer`: a home kept wherever it fits (a resumed run's,
-/// whose micro-batches then add up in the same order). Without waiting gradients (stale clipping
-/// or none, one micro-batch) `options.gradient_home`, which then means nothing. Decide before
-/// building the store: a store for host memory holds the waiting gradients
-/// (Trainer::store_options).
+/// whose micro-batches then add up in the same order). Host memory does not fit several
+/// processes given device units (their gradients are summed in GPU memory). Without waiting
+/// gradients (stale clipping or none, one micro-batch) `options.gradient_home`, which then means
+/// nothing. Decide before building the store: a store for host memory holds the waiting
+/// gradients (Trainer::store_options).
 template <class B, class Block>
-GradientHome choose_gradient_home(const DecoderModel<Block>& model, const TrainerOptions& options, const DeviceBudget& device,
-                                  const HostBudget& host, const MachineFigures& machine = {},
-                                  std::optional<GradientHome> prefer = std::nullopt) {
-  if (!options.resolved().resident_gradients()) return options.gradient_home;
+GradientHomeChoice choose_gradient_home(const DecoderModel<Block>& model, const TrainerOptions& options,
+                                        const DeviceBudget& device, const HostBudget& host, const MachineFigures& machine = {},
+                                        std::optional<GradientHome> prefer = std::nullopt) {
+  GradientHomeChoice c{options.gradient_home};
+  if (!options.resolved().resident_gradients()) {
+    c.device_fits = c.host_fits = true;  // (nothing waits: either is the same)
+    return c;
+  }
   const auto step_s = [&](GradientHome home) -> std::optional<double> {  // (nullopt: does not fit)
     TrainerOptions o = options;
     o.gradient_home = home;
+    if (home == GradientHome::host && o.distributed() && o.device_units > 0) return std::nullopt;
     try {
       const MemoryPlan p = plan_memory<B>(model, o, device, host, std::nullopt, machine);
       if (!p.fits) return std::nullopt;
@@ -205,12 +228,14 @@ GradientHome choose_gradient_home(const DecoderModel<Block>& model, const Traine
       return std::nullopt;
     }
   };
-  if (prefer && step_s(*prefer)) return *prefer;
-  const auto on_device = step_s(GradientHome::device);
-  if (on_device && device.host_memory) return GradientHome::device;
-  const auto in_host = step_s(GradientHome::host);
-  if (on_device && in_host) return *in_host < *on_device * (1 - kHostGradientsGain) ? GradientHome::host : GradientHome::device;
-  return in_host ? GradientHome::host : GradientHome::device;
+  const auto on_device = step_s(GradientHome::device), in_host = step_s(GradientHome::host);
+  c.device_fits = on_device.has_value();
+  c.host_fits = in_host.has_value();
+  if (prefer && (*prefer == GradientHome::device ? c.device_fits : c.host_fits)) c.home = *prefer;
+  else if (on_device && (device.host_memory || !in_host)) c.home = GradientHome::device;
+  else if (on_device && in_host) c.home = *in_host <= *on_device * (1 - kHostGradientsGain) ? GradientHome::host : GradientHome::device;
+  else c.home = in_host ? GradientHome::host : GradientHome::device;
+  return c;
 }
 
 /// Host memory a model's state needs at the least, from its config alone: the fp32 master
