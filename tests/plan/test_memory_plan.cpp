@@ -804,6 +804,16 @@ TEST_CASE("spilled activations: planned in host memory and two staging buffers; 
   CHECK(plan::plan_memory<CpuBackend<float>>(model, o, plan::device_budget(be), roomy).buffers.spilled_blocks == 0);
 }
 
+// The reference H200 (139 GiB), planned without one, as megatrain-plan --backend cuda does.
+static plan::DeviceBudget h200() {
+  plan::DeviceBudget gpu;
+  gpu.cap = std::size_t{139} << 30;
+  gpu.allocated = std::size_t{32} << 20;  // (cuBLASLt's workspace)
+  gpu.prepare_bytes = [](const WorkspacePlan& w) { return plan::cuda_prepare_estimate(w); };
+  gpu.auto_device_units = true;
+  return gpu;
+}
+
 TEST_CASE("the plan spills activations on its own only where it predicts them at least 3% faster") {
   // The 7B shape at 32k tokens with exact clipping on a 139 GiB GPU (the reference H200's
   // figures): with a 120 GiB host the 5 blocks that would fit are predicted 2.7% faster (measured
@@ -811,11 +821,7 @@ TEST_CASE("the plan spills activations on its own only where it predicts them at
   DecoderModel<> model(ModelConfig::preset("qwen2.5-7b"));
   TrainerOptions o = opts(32, 1024);
   o.clip_norm = 1.0;
-  plan::DeviceBudget gpu;
-  gpu.cap = std::size_t{139} << 30;
-  gpu.allocated = std::size_t{32} << 20;  // (as megatrain-plan plans for a GPU it does not have)
-  gpu.prepare_bytes = [](const WorkspacePlan& w) { return plan::cuda_prepare_estimate(w); };
-  gpu.auto_device_units = true;
+  const plan::DeviceBudget gpu = h200();  // (as megatrain-plan plans for a GPU it does not have)
   const auto at = [&](std::size_t host_gib, std::int64_t spilled) {
     TrainerOptions q = o;
     q.spilled_blocks = spilled;
@@ -842,11 +848,7 @@ TEST_CASE("where gradients wait (--gradients auto): the GPU where that fits, els
   // The reference H200 (139 GiB, planned without one) at 32k tokens, exact clipping: the 7B
   // shape's waiting gradients fit beside the rest on the GPU of a 120 GiB host; the 72B shape's
   // alone are 271 GiB, so they wait in a 1.5 TB host's memory, and on a 1 TB host in neither.
-  plan::DeviceBudget gpu;
-  gpu.cap = std::size_t{139} << 30;
-  gpu.allocated = std::size_t{32} << 20;
-  gpu.prepare_bytes = [](const WorkspacePlan& w) { return plan::cuda_prepare_estimate(w); };
-  gpu.auto_device_units = true;
+  const plan::DeviceBudget gpu = h200();
   TrainerOptions o = opts(32, 1024);
   o.clip_norm = 1.0;
   const auto fits = [&](const DecoderModel<>& m, GradientHome home, std::size_t host_gib) {
@@ -915,11 +917,7 @@ TEST_CASE("the cost model: gradients waiting in host memory come down during the
   // backward (a whole-step term, each micro-batch's, and the CPU adds them up), and the pass waits
   // for the CPU's AdamW alone.
   const DecoderModel<> model(ModelConfig::preset("qwen2.5-7b"));
-  plan::DeviceBudget gpu;
-  gpu.cap = std::size_t{139} << 30;
-  gpu.allocated = std::size_t{32} << 20;
-  gpu.prepare_bytes = [](const WorkspacePlan& w) { return plan::cuda_prepare_estimate(w); };
-  gpu.auto_device_units = true;
+  const plan::DeviceBudget gpu = h200();
   TrainerOptions o = opts(32, 1024);
   o.clip_norm = 1.0;
   o.spilled_blocks = 0;
