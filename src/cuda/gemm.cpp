@@ -51,14 +51,15 @@ constexpr int kCandidates = 8;
 constexpr int kRounds = 4;
 constexpr const char* kAlgorithmsHeader = "megatrain gemm algorithms 1";
 
-// What the algorithms' text names the library and GPU by: cuBLASLt's version, the device's name
-// and compute capability.
+// A new event with timing (a tuned call's start or end).
 cudaEvent_t timing_event() {
   cudaEvent_t e = nullptr;
   MT_CUDA_CHECK(cudaEventCreate(&e));
   return e;
 }
 
+// What the algorithms' text names the library and GPU by: cuBLASLt's version, the device's name
+// and compute capability.
 std::string library_and_device() {
   int dev = 0;
   MT_CUDA_CHECK(cudaGetDevice(&dev));

@@ -16,3 +16,14 @@ def run(megatrain, work, args, name, timeout=300):
         sys.exit(f"FAILED: megatrain-train {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return {m["step"]: m for m in map(json.loads, f)}, r.stdout + r.stderr
+
+
+def same_bits_resumed(first, resumed, log, steps):
+    """Exits the script unless the resumed run's `steps` have the uninterrupted run's loss and
+    gradient norm, to the bit, and its output says nothing of a change."""
+    if "not bit for bit" in log:
+        sys.exit(f"FAILED: the resumed run says it is not bit for bit:\n{log}")
+    for s in steps:
+        if (resumed[s]["loss"], resumed[s]["grad_norm"]) != (first[s]["loss"], first[s]["grad_norm"]):
+            sys.exit(f"FAILED: step {s} resumed: loss {resumed[s]['loss']!r} norm {resumed[s]['grad_norm']!r}, "
+                     f"uninterrupted {first[s]['loss']!r} {first[s]['grad_norm']!r} (want the same bits)")
