@@ -70,12 +70,14 @@ struct PlanArgs {
   bool json = false;
   bool probe = false;   // --probe: measure the machine's rates, keep them
   bool auto_gradients = false;  // --gradients auto
+  bool auto_copy = false;       // --host-bf16-copy auto
 };
 
 template <class B>
 int report(const DecoderModel<>& model, TrainerOptions topt, const plan::DeviceBudget& device, const plan::HostBudget& host,
            const plan::MachineFigures& machine, const PlanArgs& a, const std::string& where) {
-  // (--gradients auto: where gradients wait, as megatrain-train decides it)
+  // (--host-bf16-copy auto and --gradients auto: as megatrain-train decides them)
+  if (a.auto_copy) topt.host_bf16_copy = plan::choose_bf16_copy<B>(model, topt, device, host, machine, a.auto_gradients);
   if (a.auto_gradients) topt.gradient_home = plan::choose_gradient_home<B>(model, topt, device, host, machine).home;
   const plan::StepPlan p = plan::plan_step<B>(model, topt, device, host, machine);
   // The longest sequence and the largest micro-batch that fit (searched up or down from these).
@@ -92,6 +94,7 @@ int report(const DecoderModel<>& model, TrainerOptions topt, const plan::DeviceB
                      {"gradients", !p.options.resident_gradients() ? "none"
                                    : p.options.gradient_home == GradientHome::host || p.memory.host_lines_include_device ? "host"
                                                                                                                        : "device"},
+                     {"host_bf16_copy", p.options.host_bf16_copy},
                      {"units", p.memory.buffers.units},
                      {"step_s", p.time.step_s},
                      {"tokens_per_s", p.time.tokens_per_s()},
@@ -147,6 +150,7 @@ int run(const Settings& s, const CLI::App& app, PlanArgs a) {
   MT_CHECK(s.gradients == "auto" || s.gradients == "device" || s.gradients == "host",
            "--gradients must be auto, device or host (got '{}')", s.gradients);
   a.auto_gradients = s.gradients == "auto";
+  a.auto_copy = s.host_bf16_copy == "auto";
   if (!s.host_memory.empty()) setenv("MEGATRAIN_HOST_MEMORY", s.host_memory.c_str(), 1);
 
   // The model: --model DIR reads DIR/config.json (no weights are opened).
@@ -190,6 +194,9 @@ int run(const Settings& s, const CLI::App& app, PlanArgs a) {
     topt.shard_optimizer = s.shard_optimizer;
     topt.share_host_weights = share_weights(s, a.hosts == 1);
     topt.gather_weights_on_device = s.gather_weights == "gpus";
+    MT_CHECK(s.host_bf16_copy != "false" || !topt.sharded(),
+             "--host-bf16-copy false: the {} processes shard the optimizer (--shard-optimizer true) and exchange the bf16 "
+             "copy; use --host-bf16-copy auto or true, or --shard-optimizer false", gpus);
   } else {
     MT_CHECK(a.hosts == 1, "--hosts {} plans several processes: give --gpus too", a.hosts);
   }
@@ -248,7 +255,8 @@ int run(const Settings& s, const CLI::App& app, PlanArgs a) {
                                 : !s.model_config.empty() ? s.model_config
                                 : !s.preset.empty()       ? "--preset " + s.preset
                                                           : std::string("the command-line shape"),
-                                plan::store_options(topt, {}, s.backend != "cpu").shard);
+                                plan::store_options(topt, {}, s.backend != "cpu").shard,
+                                topt.host_bf16_copy && !(a.auto_copy && !topt.sharded() && s.backend != "cpu"));
   } catch (const megatrain::Error& e) {
     std::fprintf(stderr, "megatrain-plan: %s\n", std::getenv("MEGATRAIN_DEBUG") ? e.what() : e.reason().c_str());
     return 2;

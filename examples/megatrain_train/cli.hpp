@@ -81,6 +81,8 @@ struct Settings {
   std::string schedule = "cosine", clip_mode = "exact";
   // where gradients wait for the norm, and how many units keep their AdamW state on the GPU
   std::string gradients = "auto", device_units = "auto";
+  // whether host memory keeps a bf16 copy of the weights: auto, true or false
+  std::string host_bf16_copy = "auto";
   // a step whose loss or gradient is not finite: stop (keeping the last good state) or skip it
   std::string on_nonfinite = "stop";
   std::int64_t max_nonfinite_skips = 10;
@@ -236,6 +238,12 @@ inline void add_memory_options(CLI::App& runo_, Settings& s) {
                    "resumed run's own where it fits), device (GPU memory) or host (4 more bytes of host memory per "
                    "parameter)")
       ->capture_default_str();
+  runo->add_option("--host-bf16-copy", s.host_bf16_copy,
+                   "Whether host memory keeps a bf16 copy of the weights to stream to the GPU (2 bytes a parameter): "
+                   "auto (the plan's choice: kept where the plan fits with it, else none), true, or false (12 bytes a "
+                   "parameter of state instead of 14: the fp32 masters stream and the GPU rounds them, the same bits, "
+                   "twice the weights' PCIe bytes; one process, or processes that do not shard the optimizer)")
+      ->capture_default_str();
 }
 
 /// --device-units and --keep-activations: "auto" (-1: TrainerOptions::kAutoDeviceUnits,
@@ -314,6 +322,9 @@ inline megatrain::TrainerOptions step_layout(const Settings& s, std::int64_t lay
   MT_CHECK(s.checkpoint_every >= 0, "--checkpoint-every must be >= 0 (0: as the plan needs; got {})", s.checkpoint_every);
   o.checkpoint_every = s.checkpoint_every;
   o.gradient_home = s.gradients == "host" ? megatrain::GradientHome::host : megatrain::GradientHome::device;
+  MT_CHECK(s.host_bf16_copy == "auto" || s.host_bf16_copy == "true" || s.host_bf16_copy == "false",
+           "--host-bf16-copy must be auto, true or false (got '{}')", s.host_bf16_copy);
+  o.host_bf16_copy = s.host_bf16_copy != "false";
   o.device_units = *device_units == kAll ? layers + 2 : *device_units;
   MT_CHECK(o.device_units <= layers + 2, "--device-units {} is more than the model's {} units (the embedding, {} blocks and "
            "the head); use all", o.device_units, layers + 2, layers);

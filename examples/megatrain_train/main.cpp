@@ -557,6 +557,9 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
     // told; the store checks that they do)
     topt.share_host_weights = share_weights(s, ranks.info().local_world == ranks.world());
     topt.gather_weights_on_device = s.gather_weights == "gpus";
+    MT_CHECK(s.host_bf16_copy != "false" || !topt.sharded(),
+             "--host-bf16-copy false: the {} ranks shard the optimizer (--shard-optimizer true) and exchange the bf16 copy; "
+             "use --host-bf16-copy auto or true, or --shard-optimizer false", ranks.world());
   }
   topt.packed = data && data->packed();
   topt.adamw = {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
@@ -739,9 +742,17 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
            !std::is_same_v<typename B::Weight, bf16> ? fmt::format("the {} backend streams no bf16 weights", backend_name)
            : !topt.shard_optimizer                    ? std::string("--shard-optimizer is false")
                                                       : std::string("this host's processes share one copy"));
+  // (--host-bf16-copy auto: the plan decides whether host memory keeps the bf16 copy, by this
+  // rank alone; ranks of several keep it)
+  const bool auto_copy = s.host_bf16_copy == "auto" && std::is_same_v<typename B::Weight, bf16> && !ranks.several();
   // (from the config alone, before its blocks are built: a config of 10^9 layers is refused here)
-  plan::check_state_fits_host(cfg, budget, model_label, Trainer<B>::store_options(topt).shard);
+  plan::check_state_fits_host(cfg, budget, model_label, Trainer<B>::store_options(topt).shard,
+                              topt.host_bf16_copy && !auto_copy);
   DecoderModel<> model(cfg);
+  if (auto_copy)  // (kept where a plan fits with it, with the gradients where --gradients allows)
+    topt.host_bf16_copy = plan::choose_bf16_copy<B>(model, topt, plan::device_budget(be), budget,
+                                                    B::kDevice ? plan::machine_figures() : plan::MachineFigures{},
+                                                    s.gradients == "auto");
   // Where gradients wait for the norm (--gradients auto; plan::choose_gradient_home): where the
   // plan fits, in host memory only where that is predicted faster or alone fits (on every rank);
   // a resumed run keeps its checkpoint's where it fits.
@@ -757,7 +768,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
       all.push_back({(v - 2) % 2 == 1 ? GradientHome::host : GradientHome::device, ((v - 2) / 2) % 2 == 1, (v - 2) / 4 == 1});
     topt.gradient_home = plan::GradientHomeChoice::agree(all);
     // (several processes: where they keep their parts of the weights can follow from it)
-    plan::check_state_fits_host(cfg, budget, model_label, Trainer<B>::store_options(topt).shard);
+    plan::check_state_fits_host(cfg, budget, model_label, Trainer<B>::store_options(topt).shard, topt.host_bf16_copy);
   }
   // (ZeRO-1 exports from the first process: from the bf16 copy every process holds for a bf16 export
   // of sharded masters, else from the masters, gathered there where they are sharded)

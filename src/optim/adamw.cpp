@@ -35,6 +35,7 @@ void adamw_scalar(const AdamWScalars<float>& s, float* p, float* m, float* v, co
   detail::adamw_generic(s, p, m, v, g, out, n);
 }
 
+template <bool kCopy>
 MT_TARGET_AVX512 void adamw_avx512(const AdamWScalars<float>& s, float* p, float* m, float* v, const float* g,
                                    bf16* out, std::size_t n) {
   const __m512 gs = _mm512_set1_ps(s.grad_scale), decay = _mm512_set1_ps(s.decay);
@@ -54,14 +55,17 @@ MT_TARGET_AVX512 void adamw_avx512(const AdamWScalars<float>& s, float* p, float
     _mm512_storeu_ps(p + i, pn);
     _mm512_storeu_ps(m + i, mi);
     _mm512_storeu_ps(v + i, vi);
-    const __m256i o = detail::bf16x16_from_f32(pn);
-    if (stream) _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i), o);
-    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), o);
+    if constexpr (kCopy) {
+      const __m256i o = detail::bf16x16_from_f32(pn);
+      if (stream) _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i), o);
+      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), o);
+    }
   }
-  if (stream) _mm_sfence();
-  adamw_scalar(s, p + i, m + i, v + i, g + i, out + i, n - i);
+  if (kCopy && stream) _mm_sfence();
+  adamw_scalar(s, p + i, m + i, v + i, g + i, kCopy ? out + i : nullptr, n - i);
 }
 
+template <bool kCopy>
 MT_TARGET_AVX2 void adamw_avx2(const AdamWScalars<float>& s, float* p, float* m, float* v, const float* g, bf16* out,
                                std::size_t n) {
   const __m256 gs = _mm256_set1_ps(s.grad_scale), decay = _mm256_set1_ps(s.decay);
@@ -80,12 +84,14 @@ MT_TARGET_AVX2 void adamw_avx2(const AdamWScalars<float>& s, float* p, float* m,
     _mm256_storeu_ps(p + i, pn);
     _mm256_storeu_ps(m + i, mi);
     _mm256_storeu_ps(v + i, vi);
-    const __m128i o = detail::bf16x8_from_f32(pn);
-    if (stream) _mm_stream_si128(reinterpret_cast<__m128i*>(out + i), o);
-    else _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), o);
+    if constexpr (kCopy) {
+      const __m128i o = detail::bf16x8_from_f32(pn);
+      if (stream) _mm_stream_si128(reinterpret_cast<__m128i*>(out + i), o);
+      else _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), o);
+    }
   }
-  if (stream) _mm_sfence();
-  adamw_scalar(s, p + i, m + i, v + i, g + i, out + i, n - i);
+  if (kCopy && stream) _mm_sfence();
+  adamw_scalar(s, p + i, m + i, v + i, g + i, kCopy ? out + i : nullptr, n - i);
 }
 
 // Sums of squares: per-lane double accumulators; lanes are combined in a fixed order, so a path
@@ -133,8 +139,8 @@ namespace detail {
 void adamw_f32(SimdLevel level, const AdamWScalars<float>& s, float* p, float* m, float* v, const float* g, bf16* out,
                std::size_t n) {
   switch (level) {
-    case SimdLevel::avx512: return adamw_avx512(s, p, m, v, g, out, n);
-    case SimdLevel::avx2: return adamw_avx2(s, p, m, v, g, out, n);
+    case SimdLevel::avx512: return out ? adamw_avx512<true>(s, p, m, v, g, out, n) : adamw_avx512<false>(s, p, m, v, g, out, n);
+    case SimdLevel::avx2: return out ? adamw_avx2<true>(s, p, m, v, g, out, n) : adamw_avx2<false>(s, p, m, v, g, out, n);
     case SimdLevel::scalar: return adamw_scalar(s, p, m, v, g, out, n);
   }
 }

@@ -85,9 +85,12 @@ std::vector<StepStats> train(B& be, int steps, std::size_t* spilled = nullptr, b
   }
   if (device_units) *device_units = trainer.device_units();
   trainer.finish_update();
-  if (weights)  // (the state, and the bf16 copy: a device block's is made from its masters when saved)
+  if (weights)  // (the state, and the bf16 copy: a device block's is made from its masters when saved;
+                // without a copy in host memory, the masters rounded as the GPU rounds them)
     for (const auto& u : store.units()) {
       for (auto sl : {u.master(), u.adam_m(), u.adam_v()}) weights->insert(weights->end(), sl.begin(), sl.end());
+      if (u.compute().empty())
+        for (const float x : u.master()) weights->push_back(static_cast<float>(bf16(x)));
       for (const bf16 x : u.compute()) weights->push_back(static_cast<float>(x));
     }
   return out;
@@ -277,6 +280,52 @@ TEST_CASE("where AdamW runs and where gradients wait change no bit on the GPU") 
   }
 }
 
+TEST_CASE("without a bf16 copy in host memory the GPU rounds the streamed masters: the same bits") {
+  // TrainerOptions::host_bf16_copy false: each unit's fp32 masters cross PCIe in pieces of
+  // plan::kMasterStagingElements through a staging buffer and are rounded there; the host's copy
+  // was the same rounding. A vocabulary of 17,011 at hidden 1,024 makes the head's and the tied
+  // embedding's units longer than one piece (17.4M elements), so they arrive in two.
+  const ModelConfig wide = ModelConfig::from_json(nlohmann::json{{"architectures", {"Qwen2ForCausalLM"}},
+                                                                 {"hidden_size", 1024},
+                                                                 {"intermediate_size", 2816},
+                                                                 {"num_hidden_layers", 3},
+                                                                 {"num_attention_heads", 8},
+                                                                 {"num_key_value_heads", 2},
+                                                                 {"vocab_size", 17011},
+                                                                 {"tie_word_embeddings", true}},
+                                                  "test");
+  REQUIRE(static_cast<std::size_t>(wide.vocab_size * wide.hidden_size) > plan::kMasterStagingElements);
+  struct Mode {
+    const char* name;
+    ClipMode clip;
+    GradientHome home;
+    std::int64_t units;
+  };
+  for (const Mode m : {Mode{"stale clipping, every unit streamed", ClipMode::stale, GradientHome::device, 0},
+                       Mode{"exact clipping, 2 device units", ClipMode::exact, GradientHome::device, 2},
+                       Mode{"exact clipping, gradients in host memory", ClipMode::exact, GradientHome::host, 0}}) {
+    CAPTURE(m.name);
+    std::vector<std::vector<StepStats>> stats;
+    std::vector<std::vector<float>> weights;
+    for (const bool copy : {true, false}) {
+      auto o = options();
+      o.batch_rows = 4;
+      o.seq_len = 32;
+      o.chunk_rows = 0;
+      o.clip_mode = m.clip;
+      o.gradient_home = m.home;
+      o.device_units = m.units;
+      o.host_bf16_copy = copy;
+      CudaBackend gpu;
+      std::vector<float> w;
+      stats.push_back(train(gpu, 4, nullptr, false, o, &w, nullptr, wide));
+      weights.push_back(std::move(w));
+    }
+    CHECK(weights[1] == weights[0]);
+    for (std::size_t s = 0; s < stats[0].size(); ++s) CHECK(stats[1][s].loss == stats[0][s].loss);
+  }
+}
+
 TEST_CASE("packed rows (examples of mixed lengths, attention within each) train on the GPU as on the CPU") {
   // Examples cut from the built-in text at random lengths, packed in order into rows of 64 with
   // a padding sequence in each row's free tail; the same batches on both backends.
@@ -405,6 +454,12 @@ TEST_CASE("the memory plan is the GPU trainer's allocation, byte for byte, and i
          o.seq_len = 4096;
          o.chunk_rows = 0;
          o.token_chunk = 1024;
+       }},
+      {"no bf16 copy in host memory (the masters rounded on the GPU), exact clipping, 2 device units",
+       [](TrainerOptions& o) {
+         o.clip_mode = ClipMode::exact;
+         o.host_bf16_copy = false;
+         o.device_units = 2;
        }},
       {"exact clipping, 3 blocks keep their activations", [](TrainerOptions& o) {
          o.clip_mode = ClipMode::exact;

@@ -162,6 +162,12 @@ TEST_CASE("the memory plan is the trainer's allocation, byte for byte, in every 
       {"packed rows", false, 2, 29, [](TrainerOptions& o) { o.packed = true; }},
       {"device units (2)", false, 2, 21, [](TrainerOptions& o) { o.device_units = 2; }},
       {"every unit on the device, tied", true, 2, 21, [](TrainerOptions& o) { o.device_units = 5; }},
+      {"no bf16 copy in host memory, exact clipping, device units (2)", false, 2, 21,
+       [](TrainerOptions& o) {
+         o.clip_norm = 1;
+         o.host_bf16_copy = false;
+         o.device_units = 2;
+       }},
       {"three weight slots, four gradient slots", false, 3, 13,
        [](TrainerOptions& o) {
          o.clip_norm = 0;
@@ -956,4 +962,88 @@ TEST_CASE("the cost model: gradients waiting in host memory come down during the
       CHECK(term(one, "CPU gradient sums") < 0);
     }
   }
+}
+
+TEST_CASE("without a bf16 copy in host memory: the same bits; only where it alone fits (--host-bf16-copy auto)") {
+  // The CPU backend's weights are fp32 either way: what changes is the store (12 bytes a parameter
+  // of state, not 14) and that the update writes no copy; every weight the same bits.
+  for (const LayoutCase& c : layout_cases()) {
+    CAPTURE(c.name);
+    TrainerOptions o = opts(2, 13);
+    c.set(o);
+    TrainerOptions without = o;
+    without.host_bf16_copy = false;
+    CpuBackend<float> a, b;
+    CHECK(train(small(false, c.layers), o, a, 3, nullptr, nullptr, true) ==
+          train(small(false, c.layers), without, b, 3, nullptr, nullptr, true));
+  }
+  {  // a store that does not match the options is refused by name
+    DecoderModel<> model(small(false));
+    TrainerOptions o = opts(2, 13);
+    HostParamStore<float> store(model.units(), store_opts(o));
+    CpuBackend<float> be;
+    o.host_bf16_copy = false;
+    CHECK_THROWS_WITH_AS(Trainer<CpuBackend<float>>(model, store, be, o), doctest::Contains("host_bf16_copy"), Error);
+  }
+
+  // GPT-OSS-120B (116.8B parameters) on the reference H200 with a 1.5 TB host, 64k tokens a step:
+  // its state with a bf16 copy (14 bytes a parameter) does not fit; without one (12) it does with
+  // stale clipping or none; with exact clipping the waiting gradients (4 more) fit neither memory.
+  const plan::DeviceBudget gpu = h200();
+  const DecoderModel<> big(ModelConfig::preset("gpt-oss-120b"));
+  const plan::HostBudget host{std::size_t{1500} << 30, "test"};
+  TrainerOptions o = opts(64, 1024);
+  o.clip_norm = 1.0;
+  o.clip_mode = ClipMode::stale;
+  const auto plan_of = [&](TrainerOptions q, bool copy) {
+    q.host_bf16_copy = copy;
+    return plan::plan_memory<plan::CudaTypes>(big, q, gpu, host);
+  };
+  REQUIRE_FALSE(plan_of(o, true).fits);
+  const plan::MemoryPlan lean = plan_of(o, false);
+  REQUIRE(lean.fits);
+  const auto params = static_cast<std::size_t>(big.config().param_count());
+  TrainerOptions kept = o;
+  CHECK(lean.store_bytes + 2 * params <= HostParamStore<float>::footprint(big.units(), plan::store_options(kept, {}, true)).total_bytes());
+  CHECK(lean.host_total() <= host.bytes);
+  CHECK(lean.buffers.master_staging == plan::kMasterStagingElements);
+  CHECK_FALSE(plan::choose_bf16_copy<plan::CudaTypes>(big, o, gpu, host));
+  const plan::StepPlan refused = plan::plan_step<plan::CudaTypes>(big, o, gpu, host);
+  REQUIRE_FALSE(refused.memory.fits);
+  CHECK(refused.refusal().find("without the copy it fits: --host-bf16-copy false") != std::string::npos);
+  TrainerOptions exact = o;
+  exact.clip_mode = ClipMode::exact;
+  CHECK(plan::choose_bf16_copy<plan::CudaTypes>(big, exact, gpu, host, {}, true));  // (neither fits: kept, refused)
+  const plan::StepPlan exact_refused = plan::plan_step<plan::CudaTypes>(big, exact, gpu, host);
+  REQUIRE_FALSE(exact_refused.memory.fits);
+  CHECK(exact_refused.refusal().find("it fits with --clip-mode stale") != std::string::npos);
+  CHECK(exact_refused.refusal().find("--host-bf16-copy false") != std::string::npos);
+
+  // Where the copy fits, it is kept: the 7B shape with a 120 GiB host.
+  const DecoderModel<> m7(ModelConfig::preset("qwen2.5-7b"));
+  TrainerOptions o7 = opts(32, 1024);
+  o7.clip_norm = 1.0;
+  CHECK(plan::choose_bf16_copy<plan::CudaTypes>(m7, o7, gpu, {std::size_t{120} << 30, "test"}, {}, true));
+
+  // The cost: the streamed weights cross PCIe as fp32 (twice the bytes), and a staging buffer on
+  // the GPU; the host holds 2 bytes a parameter less.
+  o7.device_units = 0;
+  o7.kept_blocks = 0;
+  o7.spilled_blocks = 0;
+  const plan::HostBudget h200_host{std::size_t{200} << 30, "test"};
+  TrainerOptions o7n = o7;
+  o7n.host_bf16_copy = false;
+  const auto p7 = plan::plan_memory<plan::CudaTypes>(m7, o7, gpu, h200_host);
+  const auto p7n = plan::plan_memory<plan::CudaTypes>(m7, o7n, gpu, h200_host);
+  REQUIRE((p7.fits && p7n.fits));
+  CHECK(p7n.device_total() - p7.device_total() == plan::kMasterStagingElements * sizeof(float));
+  CHECK(p7.store_bytes - p7n.store_bytes == HostParamStore<float>::footprint(m7.units(), plan::store_options(o7, {}, true)).compute_bytes);
+  const auto h2d = [&](const TrainerOptions& q, const plan::MemoryPlan& p) {
+    for (const auto& t : plan::predict_step(m7.config(), q, p, {}).terms)
+      if (t.what == "PCIe H2D") return t.seconds;
+    return -1.0;
+  };
+  const double ratio = h2d(o7n, p7n) / h2d(o7, p7);
+  CHECK(ratio > 1.9);
+  CHECK(ratio < 2.0);  // (the embedding's fp32 rows of the batch are fp32 either way)
 }

@@ -128,9 +128,20 @@ TEST_CASE("float64 AdamW (the store's check precision) matches the reference to 
   CHECK(worst <= 1.0);
 }
 
+// Random weights, moments and gradients (of magnitudes 1e-4 to 1e2) for a vector path's check.
+static void random_state(std::mt19937& rng, std::vector<float>& p, std::vector<float>& m, std::vector<float>& v,
+                  std::vector<float>& g) {
+  std::normal_distribution<float> nd;
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    p[i] = nd(rng);
+    m[i] = 0.1f * nd(rng);
+    v[i] = 0.01f * std::fabs(nd(rng));
+    g[i] = nd(rng) * std::pow(10.0f, static_cast<float>(static_cast<int>(i % 7) - 4));
+  }
+}
+
 TEST_CASE("every vector path is bit-identical to the scalar path") {
   std::mt19937 rng(7);
-  std::normal_distribution<float> nd;
   for (std::size_t n : {1u, 7u, 15u, 16u, 17u, 33u, 1000u, 65537u}) {
     for (SimdLevel level : {SimdLevel::avx2, SimdLevel::avx512}) {
       if (detect_simd_level() < level) {
@@ -140,12 +151,7 @@ TEST_CASE("every vector path is bit-identical to the scalar path") {
       CAPTURE(n);
       CAPTURE(simd_level_name(level));
       std::vector<float> p(n), m(n), v(n), g(n);
-      for (std::size_t i = 0; i < n; ++i) {
-        p[i] = nd(rng);
-        m[i] = 0.1f * nd(rng);
-        v[i] = 0.01f * std::fabs(nd(rng));
-        g[i] = nd(rng) * std::pow(10.0f, static_cast<float>(static_cast<int>(i % 7) - 4));
-      }
+      random_state(rng, p, m, v, g);
       if (n > 3) v[3] = 0;  // denominator dominated by eps
       auto p2 = p, m2 = m, v2 = v;
       std::vector<bf16> o1(n), o2(n);
@@ -377,4 +383,50 @@ TEST_CASE("adamw_segments returns the gradient's sum of squares over its segment
   const std::vector<AdamWSegment<float>> part = {{0, cut, nullptr}, {cut, n - cut, g.data() + cut}};
   const double tail = grad_sum_squares<float>(std::span<const float>(g).subspan(cut));
   CHECK(adamw_segments<float>(u, part, AdamWConfig{}, 2, 1e-3) == doctest::Approx(tail).epsilon(1e-12));
+}
+
+TEST_CASE("a store without a bf16 copy steps the same masters and moments, on every vector path") {
+  // (StoreOptions::bf16_copy false: the update writes no copy; the GPU rounds the masters instead)
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd;
+  StoreOptions no_copy = opts();
+  no_copy.bf16_copy = false;
+  HostParamStore<float> a(units(), opts()), b(units(), no_copy);
+  REQUIRE(b.unit(0).compute().empty());
+  AdamWConfig cfg;
+  for (int t = 1; t <= 4; ++t)
+    for (std::size_t ui = 0; ui < a.num_units(); ++ui) {
+      std::vector<float> g(static_cast<std::size_t>(a.unit(ui).numel()));
+      for (auto& x : g) x = nd(rng);
+      adamw_step<float>(a.unit(ui), g, cfg, t, 1e-2, 0.9);
+      adamw_step<float>(b.unit(ui), g, cfg, t, 1e-2, 0.9);
+    }
+  for (std::size_t ui = 0; ui < a.num_units(); ++ui) {
+    const auto& ua = a.unit(ui);
+    const auto& ub = b.unit(ui);
+    CHECK(std::memcmp(ua.master().data(), ub.master().data(), ua.master().size_bytes()) == 0);
+    CHECK(std::memcmp(ua.adam_m().data(), ub.adam_m().data(), ua.adam_m().size_bytes()) == 0);
+    CHECK(std::memcmp(ua.adam_v().data(), ub.adam_v().data(), ua.adam_v().size_bytes()) == 0);
+    for (std::size_t i = 0; i < ua.compute().size(); ++i) {  // (the copy is the masters rounded, as the GPU rounds them)
+      const bf16 rounded(ub.master()[i]);
+      REQUIRE(std::memcmp(&ua.compute()[i], &rounded, sizeof(bf16)) == 0);
+    }
+  }
+  // each vector path without an output equals the scalar path with one
+  for (std::size_t n : {5u, 16u, 47u, 4099u})
+    for (SimdLevel level : {SimdLevel::scalar, SimdLevel::avx2, SimdLevel::avx512}) {
+      if (detect_simd_level() < level) continue;
+      CAPTURE(n);
+      CAPTURE(simd_level_name(level));
+      std::vector<float> p(n), m(n), v(n), g(n);
+      random_state(rng, p, m, v, g);
+      auto p2 = p, m2 = m, v2 = v;
+      std::vector<bf16> o(n);
+      const auto s = AdamWScalars<float>::make(cfg, 2, 3e-4, 0.05, 0.7);
+      detail::adamw_f32(SimdLevel::scalar, s, p.data(), m.data(), v.data(), g.data(), o.data(), n);
+      detail::adamw_f32(level, s, p2.data(), m2.data(), v2.data(), g.data(), nullptr, n);
+      CHECK(std::memcmp(p.data(), p2.data(), n * 4) == 0);
+      CHECK(std::memcmp(m.data(), m2.data(), n * 4) == 0);
+      CHECK(std::memcmp(v.data(), v2.data(), n * 4) == 0);
+    }
 }

@@ -4,6 +4,7 @@
 
 #include <oneapi/tbb/global_control.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <set>
@@ -222,4 +223,30 @@ TEST_CASE("bad specs are refused with a message") {
   auto opts = small_opts();
   opts.grad_ring_slots = 0;
   CHECK_THROWS_AS(HostParamStore<float>(toy_units(), opts), Error);
+}
+
+TEST_CASE("a store without a bf16 copy: 12 bytes a parameter, the same masters, no copy to read") {
+  auto with = small_opts(), without = small_opts();
+  without.bf16_copy = false;
+  const auto fa = HostParamStore<float>::footprint(toy_units(), with);
+  const auto fb = HostParamStore<float>::footprint(toy_units(), without);
+  CHECK(fa.compute_bytes == static_cast<std::size_t>(fa.slab_elements) * 2);
+  CHECK(fb.compute_bytes == 0);
+  CHECK(fb.total_bytes() == fa.total_bytes() - fa.compute_bytes);
+  CHECK(fb.master_bytes + fb.adam_bytes == static_cast<std::size_t>(fb.slab_elements) * 12);
+  HostParamStore<float> a(toy_units(), with), b(toy_units(), without);
+  CHECK(a.has_bf16_copy());
+  CHECK_FALSE(b.has_bf16_copy());
+  CHECK(b.bytes() == fb.total_bytes());
+  for (std::size_t u = 0; u < a.num_units(); ++u) {
+    CHECK(b.unit(u).compute().empty());
+    CHECK(b.unit(u).bytes() == static_cast<std::size_t>(b.unit(u).numel()) * 12);
+    CHECK(std::equal(a.unit(u).master().begin(), a.unit(u).master().end(), b.unit(u).master().begin()));
+  }
+  b.sync_compute(b.unit(1));  // (nothing to rewrite)
+  CHECK_THROWS_WITH_AS((void)b.compute("model.norm.weight"), doctest::Contains("keeps no bf16 copy"), Error);
+  // a store sharded over processes exchanges the copy: refused without one
+  without.shard = {0, 2, true, {0}, nullptr};
+  CHECK_THROWS_WITH_AS(HostParamStore<float>::footprint(toy_units(), without), doctest::Contains("sharded over 2 processes"),
+                       Error);
 }

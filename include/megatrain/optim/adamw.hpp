@@ -63,7 +63,8 @@ struct AdamWScalars {
 };
 
 namespace detail {
-/// One fp32 update over n contiguous elements, on the given vector path; writes bf16(p) to out.
+/// One fp32 update over n contiguous elements, on the given vector path; writes bf16(p) to out
+/// (null: a store without a bf16 copy).
 void adamw_f32(SimdLevel level, const AdamWScalars<float>& s, float* p, float* m, float* v, const float* g,
                bf16* out, std::size_t n);
 /// Sum of squares of n floats on the given vector path, accumulated in double.
@@ -157,7 +158,7 @@ void adamw_generic(const AdamWScalars<T>& s, T* p, T* m, T* v, const T* g, bf16*
     p[i] = pi;
     m[i] = mi;
     v[i] = vi;
-    out[i] = bf16(static_cast<float>(pi));
+    if (out != nullptr) out[i] = bf16(static_cast<float>(pi));
   }
 }
 }  // namespace detail
@@ -221,7 +222,7 @@ double adamw_segments(const typename HostParamStore<T>::Unit& unit, std::span<co
   T* pm = unit.master().data();
   T* mm = unit.adam_m().data();
   T* vm = unit.adam_v().data();
-  bf16* out = unit.compute().data();
+  bf16* out = unit.compute().empty() ? nullptr : unit.compute().data();  // (none: no bf16 copy)
   static const std::vector<T> zeros(detail::kOptimBlock, T(0));
   std::vector<double> sumsq(blocks.size(), 0.0);
   tbb::parallel_for(tbb::blocked_range<std::size_t>(0, blocks.size()), [&](const auto& r) {
@@ -231,11 +232,11 @@ double adamw_segments(const typename HostParamStore<T>::Unit& unit, std::span<co
       const T* g = b.g ? b.g : zeros.data();
       if constexpr (std::is_same_v<T, float>) {
         if (b.g) sumsq[i] = detail::sum_squares_f32(level, g, b.size);
-        detail::adamw_f32(level, *b.s, pm + o, mm + o, vm + o, g, out + o, b.size);
+        detail::adamw_f32(level, *b.s, pm + o, mm + o, vm + o, g, out ? out + o : nullptr, b.size);
       } else {
         if (b.g)
           for (std::size_t k = 0; k < b.size; ++k) sumsq[i] += static_cast<double>(g[k]) * static_cast<double>(g[k]);
-        detail::adamw_generic(*b.s, pm + o, mm + o, vm + o, g, out + o, b.size);
+        detail::adamw_generic(*b.s, pm + o, mm + o, vm + o, g, out ? out + o : nullptr, b.size);
       }
     }
   });

@@ -288,8 +288,11 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
                                  ckpt_s > 0 ? fmt::format(", checkpoints through host memory {:.3f} s", ckpt_s) : "")});
   // PCIe
   const double rows = std::min(V, T);
-  double h2d = 4 * blocks * ((L - blocks_dev) / L) + (embed_dev ? 0 : rows * d * 4) + (head_dev ? 0 : 2 * head_params);
-  if (cfg.tie_word_embeddings && !embed_dev) h2d += 2 * embed;  // the head reads the embedding's bf16 table
+  // (each streamed block's weights twice a step, forward and backward: bf16, or the fp32 masters
+  // where host memory keeps no bf16 copy and the GPU rounds them)
+  const double wb = b.sizes.weight < sizeof(float) && !opt.host_bf16_copy ? 4.0 : 2.0;
+  double h2d = 2 * wb * blocks * ((L - blocks_dev) / L) + (embed_dev ? 0 : rows * d * 4) + (head_dev ? 0 : wb * head_params);
+  if (cfg.tie_word_embeddings && !embed_dev) h2d += wb * embed;  // the head reads the embedding's table
   h2d += spill_bytes;
   // (gradients waiting in host memory: each micro-batch's come down, and the CPU adds the later
   // ones to the first's during the backward; on the GPU they add up there and come down once)

@@ -50,6 +50,11 @@
 
 namespace megatrain::plan {
 
+/// Elements of the fp32 staging buffer through which a trainer without a bf16 copy in host memory
+/// (TrainerOptions::host_bf16_copy false) streams a unit's masters, piece by piece (64 MiB): long
+/// enough that a piece's copy keeps PCIe busy, short beside the GPU's memory.
+inline constexpr std::size_t kMasterStagingElements = std::size_t{16} << 20;
+
 /// What a backend brings to a memory plan.
 struct DeviceBudget {
   /// The most bytes the backend's buffers may take in all (its memory cap); none: no cap.
@@ -87,6 +92,7 @@ inline StoreOptions store_options(const TrainerOptions& options, StoreOptions ba
   base.resident_gradients = opt.resident_gradients() && opt.gradient_home == GradientHome::host;
   base.grad_ring_slots = base.resident_gradients ? 0 : std::max<std::size_t>(base.grad_ring_slots, 2);
   base.grad_slot_size = GradSlotSize::largest_inner_unit;
+  base.bf16_copy = opt.host_bf16_copy;
   // (ZeRO-1 with the gradients waiting on the GPUs: only this process's part of each lands)
   if (opt.sharded() && opt.resident_gradients() && opt.gradient_home == GradientHome::device)
     base.grad_slot_size = GradSlotSize::largest_inner_part;
@@ -155,6 +161,7 @@ struct TrainerBuffers {
   std::size_t grad_slots = 0;           ///< ring of block_slot accumulators (Acc), when blocks have none of their own
   std::vector<std::size_t> gains;       ///< by unit: full-precision norm gains (fp32), where split_gains
   std::size_t embed_slot = 0, head_slot = 0;  ///< Weight
+  std::size_t master_staging = 0;       ///< fp32: a unit's masters on their way to bf16 (no bf16 copy in host memory)
   std::size_t embed_acc = 0, head_acc = 0;    ///< Acc (embed_acc 0: none)
   std::size_t rows_acc = 0, touched = 0, compact_ids = 0;  ///< streamed: Acc, int32, int32
   std::size_t act = 0;                  ///< Res elements of one micro-batch's residual stream (dbuf x2, checkpoints)
@@ -376,6 +383,8 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   }
   b.embed_slot = static_cast<std::size_t>(model.embedding().layout().numel());
   b.head_slot = static_cast<std::size_t>(model.head().layout().numel());
+  if (b.sizes.weight < sizeof(float) && !opt.host_bf16_copy)
+    b.master_staging = std::min(kMasterStagingElements, std::max({b.block_slot, b.embed_slot, b.head_slot}));
   if (!streamed || tied) b.embed_acc = b.embed_slot;
   const std::size_t max_rows = std::min(vocab, b.batch_tokens);
   if (streamed) {
@@ -443,6 +452,8 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
                  block_accs_bytes});
   if (gains > 0) dev.push_back({"norm gains (fp32)", gains});
   dev.push_back({"embedding and head weights", (b.embed_slot + b.head_slot) * sz.weight});
+  if (b.master_staging > 0)
+    dev.push_back({"staging of the fp32 masters, rounded to bf16 here (no bf16 copy in host memory)", b.master_staging * sizeof(float)});
   dev.push_back({"embedding and head gradients", (b.embed_acc_in_pool ? b.pool_embed_bytes() : b.embed_acc * sz.acc) +
                                                      (b.head_acc + b.rows_acc) * sz.acc + (b.touched + b.compact_ids) * 4});
   dev.push_back({"activation gradients (2 x a micro-batch)", 2 * b.act * sz.res});
@@ -596,7 +607,8 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   hl.push_back({"fp32 master weights", store.master_bytes});
   hl.push_back({"AdamW m and v (fp32)", store.adam_bytes});
   const StoreShard shard = store_options(opt, {}, std::is_same_v<typename B::Weight, bf16>).shard;
-  hl.push_back({shard.shares_weights()
+  if (opt.host_bf16_copy)
+    hl.push_back({shard.shares_weights()
                     ? fmt::format("bf16 weights (what crosses PCIe; 1/{} of the copy this host's processes share)", shard.count)
                 : shard.keeps_weight_parts()
                     ? fmt::format("bf16 weights (this process's 1/{}: what it uploads; the GPUs gather the rest)", shard.count)

@@ -80,7 +80,11 @@ struct Suggestions {
   bool stale_fits = false;                  ///< exact clipping refused, stale clipping (no waiting gradients) fits
   bool host_gradients_fit = false;          ///< gradients waiting on the GPU refused, in host memory they fit
   bool store_alone_too_large = false;       ///< the model's state alone exceeds host memory: no shape helps
+  /// Refused with a bf16 copy of the weights in host memory, without one it fits
+  /// (TrainerOptions::host_bf16_copy false); or it fits so with stale clipping.
+  bool no_copy_fits = false, stale_no_copy_fits = false;
   std::size_t store_bytes = 0, host_budget = 0;
+  std::string store_what;  ///< what the store holds, in words
 };
 
 namespace detail {
@@ -125,10 +129,8 @@ Suggestions suggest(const DecoderModel<Block>& model, const TrainerOptions& opti
             : HostParamStore<float>::footprint(model.units(), store_options(opt, {}, std::is_same_v<typename B::Weight, bf16>));
   s.store_bytes = fp.total_bytes();
   s.host_budget = host.bytes;
-  if (s.store_bytes > host.bytes) {
-    s.store_alone_too_large = true;
-    return s;
-  }
+  s.store_what = fmt::format("fp32 master weights, AdamW m and v{}{}", fp.compute_bytes > 0 ? ", the bf16 copy" : "",
+                             fp.resident_grad_bytes > 0 ? ", the gradients waiting for the norm" : "");
   // (`same_store`: the step keeps this store; a probe that moves the gradients needs another one)
   const auto fits = [&](const TrainerOptions& o, bool same_store = true) {
     try {
@@ -140,12 +142,30 @@ Suggestions suggest(const DecoderModel<Block>& model, const TrainerOptions& opti
       return false;
     }
   };
+  // Without the bf16 copy in host memory (not for a store sharded over processes, nor where the
+  // weights are fp32 and the copy is not what streams)
+  if (opt.host_bf16_copy && !opt.sharded() && std::is_same_v<typename B::Weight, bf16>) {
+    TrainerOptions o = opt;
+    o.host_bf16_copy = false;
+    const bool refused = s.store_bytes > host.bytes || !fits(opt);
+    s.no_copy_fits = refused && fits(o, false);
+    if (refused && !s.no_copy_fits && opt.resident_gradients() && opt.micro_batches == 1 && opt.clip_norm > 0 &&
+        opt.clip_mode == ClipMode::exact) {
+      o.clip_mode = ClipMode::stale;
+      s.stale_no_copy_fits = fits(o, false);
+    }
+  }
+  if (s.store_bytes > host.bytes) {
+    s.store_alone_too_large = true;
+    return s;
+  }
   // The same step with its gradients elsewhere: no waiting at all (stale clipping, a different
   // update), or waiting in host memory.
   if (opt.resident_gradients() && opt.micro_batches == 1 && opt.clip_norm > 0 && opt.clip_mode == ClipMode::exact) {
     TrainerOptions o = opt;
     o.clip_mode = ClipMode::stale;
     s.stale_fits = !fits(opt) && fits(o, false);
+    if (s.stale_fits) s.stale_no_copy_fits = false;
   }
   if (opt.resident_gradients() && opt.gradient_home == GradientHome::device) {
     TrainerOptions o = opt;
@@ -238,48 +258,91 @@ GradientHomeChoice choose_gradient_home(const DecoderModel<Block>& model, const 
   return c;
 }
 
+/// Whether host memory keeps a bf16 copy of the weights (megatrain-train and megatrain-plan
+/// `--host-bf16-copy auto`, the default; TrainerOptions::host_bf16_copy): kept wherever a plan
+/// fits with it (it costs 2 bytes a parameter of host memory and halves the weights' PCIe bytes),
+/// dropped where only a plan without it fits (GPT-OSS-120B's state on a 1.5 TB host); where
+/// neither fits, kept (and the refusal says what would). A plan fits with the gradients waiting
+/// where `options` says, or where `either_home` also in the other memory (`--gradients auto`,
+/// decided after this). Always kept for a store sharded over several processes, which exchange
+/// the copy, and where the weights the backend reads are fp32.
+template <class B, class Block>
+bool choose_bf16_copy(const DecoderModel<Block>& model, const TrainerOptions& options, const DeviceBudget& device,
+                      const HostBudget& host, const MachineFigures& machine = {}, bool either_home = false) {
+  if (options.sharded() || !std::is_same_v<typename B::Weight, bf16>) return true;
+  const auto fits = [&](bool copy) {
+    TrainerOptions o = options;
+    o.host_bf16_copy = copy;
+    const auto one = [&](GradientHome home) {
+      o.gradient_home = home;
+      try {
+        return plan_memory<B>(model, o, device, host, std::nullopt, machine).fits;
+      } catch (const Error&) {
+        return false;
+      }
+    };
+    if (one(options.gradient_home)) return true;
+    return either_home && o.resolved().resident_gradients() &&
+           one(options.gradient_home == GradientHome::device ? GradientHome::host : GradientHome::device);
+  };
+  return fits(true) || !fits(false);
+}
+
 /// Host memory a model's state needs at the least, from its config alone: the fp32 master
 /// weights, AdamW's m and v and the bf16 copy, 14 bytes a parameter (HostParamStore's footprint
 /// adds alignment, gradients and rings to it); of one process of a store sharded over N (`shard`,
 /// ZeRO-1) 14 / N with its masters sharded where the host's processes share the bf16 copy or
 /// each holds its part of it (StoreShard::weights_in_parts), 2 + 12 / N where each holds a whole
 /// copy, else 6 + 8 / N.
-inline double min_state_bytes_per_param(const StoreShard& shard = {}) {
-  if (shard.count <= 1) return 14;
+inline double min_state_bytes_per_param(const StoreShard& shard = {}, bool bf16_copy = true) {
+  if (shard.count <= 1) return bf16_copy ? 14 : 12;
   if (!shard.masters) return 6.0 + 8.0 / shard.count;
   return (shard.shares_weights() || shard.keeps_weight_parts() ? 2.0 / shard.count : 2.0) + 12.0 / shard.count;
 }
-inline std::size_t min_state_bytes(const ModelConfig& cfg, const StoreShard& shard = {}) {
+inline std::size_t min_state_bytes(const ModelConfig& cfg, const StoreShard& shard = {}, bool bf16_copy = true) {
   return static_cast<std::size_t>(static_cast<double>(checked_mul(cfg.param_count(), 14, "the model's state in bytes")) *
-                                  (min_state_bytes_per_param(shard) / 14));
+                                  (min_state_bytes_per_param(shard, bf16_copy) / 14));
 }
 
 /// Refuses a model whose state alone cannot fit the host budget, from the config alone: called
 /// before anything the config sizes is built (the model's units and blocks, the store), so that a
 /// config of 10^9 layers is an error and not an attempt to allocate them. `source` names where the
-/// config came from (its file, --preset NAME, ...); `shard`: this process's part of a sharded store.
+/// config came from (its file, --preset NAME, ...); `shard`: this process's part of a sharded store;
+/// `bf16_copy`: whether the state counts a bf16 copy of the weights (false: it may go without one).
 inline void check_state_fits_host(const ModelConfig& cfg, const HostBudget& host, std::string_view source,
-                                  const StoreShard& shard = {}) {
-  const std::size_t need = min_state_bytes(cfg, shard);
+                                  const StoreShard& shard = {}, bool bf16_copy = true) {
+  const std::size_t need = min_state_bytes(cfg, shard, bf16_copy);
   MT_CHECK(need <= host.bytes,
            "this configuration does not fit: {} describes a model of {} parameters (num_hidden_layers {}, hidden_size {}, "
-           "intermediate_size {}, vocab_size {}), whose state alone (fp32 master weights, AdamW m and v, the bf16 copy: "
-           "{:.4g} bytes a parameter{}) needs {} of host memory, and {} is available ({}): use a machine with more memory, a "
+           "intermediate_size {}, vocab_size {}), whose state alone (fp32 master weights, AdamW m and v{}: "
+           "{:.4g} bytes a parameter{}) needs {} of host memory, and {} is available ({}): {}use a machine with more memory, a "
            "smaller model, or check the config",
            source, cfg.param_count(), cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
-           min_state_bytes_per_param(shard),
+           bf16_copy ? ", the bf16 copy" : " without the bf16 copy",
+           min_state_bytes_per_param(shard, bf16_copy),
            shard.count > 1 ? fmt::format(", this process's part of a state sharded over {}", shard.count) : std::string(),
-           format_bytes(need), format_bytes(host.bytes), host.source);
+           format_bytes(need), format_bytes(host.bytes), host.source,
+           bf16_copy && shard.count <= 1 && min_state_bytes(cfg, shard, false) <= host.bytes
+               ? fmt::format("without the copy it needs {}: --host-bf16-copy false (TrainerOptions::host_bf16_copy), or ",
+                             format_bytes(min_state_bytes(cfg, shard, false)))
+               : std::string());
 }
 
 /// The refusal of a plan that does not fit, with what would (the same words from the trainer,
 /// megatrain-train and megatrain-plan).
 inline std::string refusal_message(const MemoryPlan& plan, const Suggestions& s) {
   std::string m = fmt::format("this configuration does not fit: {}.", plan.refusal);
+  const char* const no_copy = "--host-bf16-copy false (TrainerOptions::host_bf16_copy: no bf16 copy of the weights in "
+                              "host memory, 12 bytes a parameter of state instead of 14; the GPU rounds the streamed fp32 "
+                              "masters, twice the weights' PCIe bytes)";
+  const char* const stale = "--clip-mode stale (ClipMode::stale: no gradient waits for the norm, as each step is clipped with "
+                            "the previous step's norm, which changes the update; or --clip 0, no clipping)";
   if (s.store_alone_too_large) {
-    m += fmt::format(" The model's state alone (fp32 master weights, AdamW m and v, the bf16 copy) needs {} of host memory "
-                     "and {} is available: no batch or sequence length fits; use a machine with more memory, or a smaller "
-                     "model", format_bytes(s.store_bytes), format_bytes(s.host_budget));
+    m += fmt::format(" The model's state alone ({}) needs {} of host memory and {} is available: ", s.store_what,
+                     format_bytes(s.store_bytes), format_bytes(s.host_budget));
+    if (s.no_copy_fits) m += fmt::format("without the copy it fits: {}.", no_copy);
+    else if (s.stale_no_copy_fits) m += fmt::format("it fits with {} and {}.", stale, no_copy);
+    else m += "no batch or sequence length fits; use a machine with more memory, or a smaller model";
     return m;
   }
   std::vector<std::string> would;
@@ -289,9 +352,9 @@ inline std::string refusal_message(const MemoryPlan& plan, const Suggestions& s)
                                 "batch as gradient accumulation)", *s.micro_rows));
   if (s.host_gradients_fit)
     would.push_back("--gradients host (TrainerOptions::gradient_home: the gradients wait for the norm in host memory)");
-  if (s.stale_fits)
-    would.push_back("--clip-mode stale (ClipMode::stale: no gradient waits for the norm, as each step is clipped with the "
-                    "previous step's norm, which changes the update; or --clip 0, no clipping)");
+  if (s.stale_fits) would.push_back(stale);
+  if (s.no_copy_fits) would.push_back(no_copy);
+  if (s.stale_no_copy_fits) would.push_back(fmt::format("{} with {}", stale, no_copy));
   if (!would.empty()) m += fmt::format(" What fits: {}.", fmt::join(would, ", or "));
   else m += " No shorter sequence or smaller micro-batch fits either.";
   m += " Or give more memory (--gpu-memory, --host-memory), or run `megatrain-plan` with these options to see every buffer.";
@@ -333,14 +396,15 @@ inline std::string format_summary(const StepPlan& p) {
   const bool gpu = !p.memory.host_lines_include_device;
   std::string s = fmt::format(
       "plan: {} memory {}{} (activation checkpoints{}: {} of {} there{}; activations kept, not recomputed, for {} of {} "
-      "blocks{}; AdamW there for {} of {} units); host memory {} of {} ({}), {:.2f} bytes per parameter\n",
+      "blocks{}; AdamW there for {} of {} units); host memory {} of {} ({}), {:.2f} bytes per parameter{}\n",
       gpu ? "GPU" : "backend", format_bytes(p.memory.device_total() + p.memory.device_before),
       p.memory.device_cap ? fmt::format(" of {}", format_bytes(*p.memory.device_cap)) : std::string(),
       b.checkpoint_every > 1 ? fmt::format(" every {} blocks", b.checkpoint_every) : std::string(), b.checkpoints_on_device,
       b.checkpoints, b.checkpoints_in_host() > 0 ? fmt::format(", {} in host memory", b.checkpoints_in_host()) : "",
       b.kept_blocks, b.blocks, b.spilled_blocks > 0 ? fmt::format(", spilled to host memory for {}", b.spilled_blocks) : "",
       b.device_units, b.units, format_bytes(p.memory.host_total()), format_bytes(p.memory.host_budget), p.memory.host_budget_source,
-      static_cast<double>(p.memory.host_total()) / static_cast<double>(p.config.param_count()));
+      static_cast<double>(p.memory.host_total()) / static_cast<double>(p.config.param_count()),
+      b.master_staging > 0 ? " (no bf16 copy of the weights: the GPU rounds the streamed fp32 masters)" : "");
   if (gpu)
     s += fmt::format("plan: predicted step {:.3f} s, {:.0f} tokens/s ({}-bound, on the figures of the {}); megatrain-plan "
                      "prints every buffer and term\n",
@@ -370,7 +434,7 @@ inline std::string format_plan(const StepPlan& p) {
                    format_bytes(p.memory.host_budget), p.memory.host_budget_source,
                    static_cast<double>(p.memory.host_total()) / static_cast<double>(c.param_count()));
   s += fmt::format("\ndecisions: activation checkpoints {}{} of {} on the GPU{}; activations kept (no recompute) for {} of {} "
-                   "blocks{}; AdamW on the GPU for {} of {} units{}; token blocks of {}\n",
+                   "blocks{}; AdamW on the GPU for {} of {} units{}{}; token blocks of {}\n",
                    b.checkpoint_every > 1 ? fmt::format("every {} blocks (the outputs between recomputed before the "
                                                         "backward), ", b.checkpoint_every)
                                           : std::string(),
@@ -385,6 +449,9 @@ inline std::string format_plan(const StepPlan& p) {
                        ? fmt::format("; gradients wait for the norm in {} memory",
                                      o.gradient_home == GradientHome::host || p.memory.host_lines_include_device ? "host" : "GPU")
                        : std::string(),
+                   b.master_staging > 0 ? "; no bf16 copy of the weights in host memory: the fp32 masters stream and the "
+                                          "GPU rounds them (twice the weights' PCIe bytes)"
+                                        : "",
                    b.token_block > 0 ? fmt::format("{}", b.token_block) : "the whole chunk");
   s += fmt::format("\n| step time ({}) | seconds | |\n| --- | --- | --- |\n", p.machine.name);
   for (const auto& t : p.time.terms) s += fmt::format("| {} | {:.3f} | {} |\n", t.what, t.seconds, t.detail);

@@ -16,6 +16,8 @@
 // bytes per parameter; with StoreShard::masters the master weights too (2 + 3 sizeof(T) / N, and
 // the ranges kept whole). Only what the GPU's copy engines touch (the bf16 copy and the ring) is pinned;
 // master, m and v are read only by the CPU optimizer and stay pageable (with huge pages).
+// Without a bf16 copy (StoreOptions::bf16_copy false: 3 sizeof(T) bytes per parameter, 12 for
+// fp32) the GPU reads the masters themselves and rounds them as they arrive: they are pinned then.
 // The total is computed and checked against the host's available memory before anything is
 // allocated: a store that cannot fit is refused with the numbers.
 #pragma once
@@ -111,6 +113,12 @@ struct StoreOptions {
   std::optional<std::size_t> host_memory_budget;
   /// The optimizer state's part this store keeps (default: all of it).
   StoreShard shard;
+  /// Keep the bf16 copy of the weights (2 bytes a parameter, written by each update): what a
+  /// trainer whose weights are bf16 streams to the GPU. false: no copy (12 bytes a parameter of
+  /// fp32 state instead of 14); the masters are pinned instead, a trainer streams them and the GPU
+  /// rounds them to bf16 as they arrive (TrainerOptions::host_bf16_copy: the same bits, twice the
+  /// PCIe bytes). Not with a store sharded over several processes, which exchange the copy.
+  bool bf16_copy = true;
 };
 
 /// Byte counts of a store, computed from the specs alone.
@@ -291,6 +299,9 @@ class HostParamStore {
   bool weights_shared() const { return options_.shard.shares_weights(); }
   /// Whether this process's bf16 copy is kept current in its part only (StoreShard::weights_in_parts).
   bool weights_in_parts() const { return options_.shard.keeps_weight_parts(); }
+  /// Whether the store keeps a bf16 copy of the weights (StoreOptions::bf16_copy); without one,
+  /// every Unit::compute() is empty.
+  bool has_bf16_copy() const { return options_.bf16_copy; }
   /// Whether the bf16 copy is whole and current on this process: not kept in parts, or the root of
   /// a gather_weights with no update since.
   bool weights_whole() const { return !weights_in_parts() || weights_whole_; }
@@ -302,6 +313,10 @@ class HostParamStore {
              "the gradient ring needs at least one slot (got {}) unless gradients are resident", opt.grad_ring_slots);
     MT_CHECK(opt.shard.count >= 1 && opt.shard.index >= 0 && opt.shard.index < opt.shard.count,
              "store shard {} of {}: want 0 <= index < count", opt.shard.index, opt.shard.count);
+    MT_CHECK(opt.bf16_copy || (opt.shard.count <= 1 && std::is_same_v<T, float>),
+             "a store without a bf16 copy (StoreOptions::bf16_copy false) {}: keep the copy",
+             opt.shard.count > 1 ? fmt::format("cannot be sharded over {} processes, which exchange the copy", opt.shard.count)
+                                 : std::string("needs fp32 masters, which the GPU rounds to bf16"));
     StoreFootprint f;
     std::int64_t owned = 0, masters = 0;
     std::unordered_map<std::string_view, std::string_view> seen;  // parameter -> unit
@@ -333,7 +348,7 @@ class HostParamStore {
         largest_inner = std::max(largest_inner, n);
         largest_inner_part = std::max(largest_inner_part, mine);
       }
-      const std::size_t copy = compute_held(n, lo, hi, opt.shard);
+      const std::size_t copy = opt.bf16_copy ? compute_held(n, lo, hi, opt.shard) : 0;
       f.compute_bytes += copy;
       f.unit_bytes.push_back(static_cast<std::size_t>(kept) * sizeof(T) + copy + static_cast<std::size_t>(mine) * 2 * sizeof(T));
     }
@@ -341,7 +356,7 @@ class HostParamStore {
     f.master_bytes = static_cast<std::size_t>(masters) * sizeof(T);  // (sharded masters: what is kept)
     f.adam_bytes = 2 * static_cast<std::size_t>(owned) * sizeof(T);  // (a sharded store: its part)
     // (shared by the processes of a host: this process's share of the pages they map; in parts: its parts)
-    if (!opt.shard.keeps_weight_parts()) f.compute_bytes = compute_bytes(f.slab_elements, sharers(opt.shard));
+    if (opt.bf16_copy && !opt.shard.keeps_weight_parts()) f.compute_bytes = compute_bytes(f.slab_elements, sharers(opt.shard));
     // With fewer than three units there is no inner unit: the slot then holds the largest one.
     f.grad_slot_numel = units.size() <= 2                                     ? f.largest_unit
                         : opt.grad_slot_size == GradSlotSize::largest_inner_unit ? largest_inner
@@ -369,11 +384,13 @@ class HostParamStore {
 
     const auto elems = static_cast<std::size_t>(footprint_.slab_elements);
     // (whole, as addresses: a sharded store touches its parts only, and the rest takes no memory)
-    master_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
+    // (no bf16 copy: the GPU's copy engines read the masters)
+    master_buf_ = HostBuffer::allocate(elems * sizeof(T), opt.bf16_copy ? Pinning::never : opt.pinning);
     m_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
     v_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
     // (held in parts: pinned where held, below, so that the rest can be given back)
-    compute_buf_ = opt.shard.shares_weights() ? allocate_shared_host(elems * sizeof(bf16), "bf16 weights", opt.pinning)
+    if (opt.bf16_copy)
+      compute_buf_ = opt.shard.shares_weights() ? allocate_shared_host(elems * sizeof(bf16), "bf16 weights", opt.pinning)
                                               : HostBuffer::allocate(elems * sizeof(bf16), opt.shard.keeps_weight_parts()
                                                                                                ? Pinning::never
                                                                                                : opt.pinning);
@@ -402,7 +419,7 @@ class HostParamStore {
       }
       u.m_ = m_buf_.template as<T>(b, len);
       u.v_ = v_buf_.template as<T>(b, len);
-      u.compute_ = compute_buf_.template as<bf16>(b, len);
+      if (opt.bf16_copy) u.compute_ = compute_buf_.template as<bf16>(b, len);
       if (opt.resident_gradients) u.grad_ = grad_buf_.template as<T>(b, len);
       const auto cut = shard_bounds(u.numel(), opt.shard.count);
       u.owned_begin_ = cut[static_cast<std::size_t>(opt.shard.index)];
@@ -411,7 +428,7 @@ class HostParamStore {
       u.master_kept_ = kept_master_elements(u.numel(), u.owned_begin_, u.owned_end_, opt.shard, u.whole_masters_,
                                             opt.shard.shares_masters_of(ui));
       u.sharers_ = sharers(opt.shard);
-      u.compute_held_ = compute_held(u.numel(), u.owned_begin_, u.owned_end_, opt.shard);
+      u.compute_held_ = opt.bf16_copy ? compute_held(u.numel(), u.owned_begin_, u.owned_end_, opt.shard) : 0;
       u.weight_parts_ = opt.shard.keeps_weight_parts();
       u.held_masters_ = {{0, u.numel()}};
       if (opt.shard.masters && opt.shard.count > 1) {  // (its part and the ranges kept whole, merged)
@@ -592,9 +609,10 @@ class HostParamStore {
 
   /// Rewrites a unit's bf16 copy from its master weights (after loading or editing masters). A
   /// store whose masters are sharded takes them as just written whole (a load), and gives back the
-  /// memory of those outside this process's parts afterwards.
+  /// memory of those outside this process's parts afterwards. Nothing to do without a copy.
   void sync_compute(const Unit& u) {
     MT_NVTX_RANGE("HostParamStore::sync_compute");
+    if (!has_bf16_copy()) return;
     if constexpr (std::is_same_v<T, float>) {
       tbb::parallel_for(tbb::blocked_range<std::size_t>(0, u.master_.size(), 1 << 16), [&](const auto& r) {
         convert(std::span<const float>(u.master_.subspan(r.begin(), r.size())), u.compute_.subspan(r.begin(), r.size()));
@@ -628,7 +646,11 @@ class HostParamStore {
   View<T> master(std::string_view name) const { auto [u, p] = find(name); return u->tensor(u->master_, *p); }
   View<T> adam_m(std::string_view name) const { auto [u, p] = find(name); return u->tensor(u->m_, *p); }
   View<T> adam_v(std::string_view name) const { auto [u, p] = find(name); return u->tensor(u->v_, *p); }
-  View<bf16> compute(std::string_view name) const { auto [u, p] = find(name); return u->tensor(u->compute_, *p); }
+  View<bf16> compute(std::string_view name) const {
+    MT_CHECK(has_bf16_copy(), "'{}': this store keeps no bf16 copy (StoreOptions::bf16_copy false); read master()", name);
+    auto [u, p] = find(name);
+    return u->tensor(u->compute_, *p);
+  }
 
   /// Gradient landing buffer k of the ring, grad_slot_numel() elements (zeroed at start). The
   /// ring is allocated at the first call (a trainer whose units all step on the device never
@@ -652,7 +674,7 @@ class HostParamStore {
   /// Whether the buffers the GPU copies from and into are page-locked (the gradient ring once
   /// it is allocated).
   bool pinned() const {
-    return (compute_buf_.pinned() || compute_buf_.pinned_in_ranges()) && (!ring_buf_ || ring_buf_.pinned()) && (!grad_buf_ || grad_buf_.pinned());
+    return (has_bf16_copy() ? compute_buf_.pinned() || compute_buf_.pinned_in_ranges() : master_buf_.pinned()) && (!ring_buf_ || ring_buf_.pinned()) && (!grad_buf_ || grad_buf_.pinned());
   }
   bool resident_gradients() const { return options_.resident_gradients; }
 

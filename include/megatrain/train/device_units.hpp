@@ -98,7 +98,14 @@ class DeviceUnits {
     if (w.empty()) return;
     if constexpr (std::is_same_v<W, bf16>) {  // (a copy held in parts: its part; the caller gathers the rest)
       const auto [a, b] = unit.held_weights();
-      be.upload(e, in(unit.compute(), a, b), part(w, a, b));
+      if (!unit.compute().empty()) {
+        be.upload(e, in(unit.compute(), a, b), part(w, a, b));
+      } else {  // (no bf16 copy in host memory: rounded from the masters just uploaded, as the copy would be)
+        const auto n = b - a;
+        e.synchronize();
+        be.convert(View<const typename B::Res>(in(d.master.span(), a, b), Shape{n}), View<typename B::Act>(part(w, a, b), Shape{n}));
+        be.synchronize();
+      }
     } else
       be.upload(e, std::span<const float>(unit.master()), w);
   }
@@ -117,7 +124,9 @@ class DeviceUnits {
          });
     if constexpr (std::is_same_v<W, bf16>) {
       const auto [a, b] = unit.held_weights();
-      if (w.empty()) {
+      if (unit.compute().empty()) {
+        // (no bf16 copy in host memory: nothing to write back; the prefetch rounds the masters)
+      } else if (w.empty()) {
         MT_CHECK(scratch.size() >= static_cast<std::size_t>(b - a), "device unit {}: a scratch of {} elements for {}", u,
                  scratch.size(), b - a);
         const auto n = b - a;

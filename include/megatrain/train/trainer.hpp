@@ -860,8 +860,13 @@ class Trainer {
         // (weights in parts: this process's part alone; the compute stage gathers the rest)
         const auto [lo, hi] = t.weights_in_parts_ ? unit.owned() : std::pair<std::int64_t, std::int64_t>{0, unit.numel()};
         const auto at = static_cast<std::size_t>(lo), n = static_cast<std::size_t>(hi - lo);
-        timings.bytes += n * sizeof(W);
-        t.be_.upload(exec, std::span<const bf16>(unit.compute()).subspan(at, n), t.weight_slot(it.unit, s.out).subspan(at, n));
+        if (t.store_.has_bf16_copy()) {
+          timings.bytes += n * sizeof(W);
+          t.be_.upload(exec, std::span<const bf16>(unit.compute()).subspan(at, n), t.weight_slot(it.unit, s.out).subspan(at, n));
+        } else {  // (no bf16 copy in host memory: the masters, rounded on the GPU)
+          timings.bytes += n * sizeof(float);
+          t.upload_rounded(exec, std::span<const float>(unit.master()).subspan(at, n), t.weight_slot(it.unit, s.out).subspan(at, n));
+        }
       }
       // The unit's full-precision parameters (norm gains) from its fp32 masters: once per step,
       // with the first micro-batch's forward (the rest of the step reads the same values; the
@@ -1269,6 +1274,10 @@ class Trainer {
   // ---- memory --------------------------------------------------------------------------------
   void check_store() {
     const auto specs = model_.units();
+    MT_CHECK(store_.has_bf16_copy() == opt_.host_bf16_copy,
+             "the store keeps {} bf16 copy of the weights but the trainer's options say {}: build the store with "
+             "Trainer::store_options(options)", store_.has_bf16_copy() ? "a" : "no",
+             opt_.host_bf16_copy ? "it streams the copy (host_bf16_copy)" : "it streams the masters (host_bf16_copy false)");
     MT_CHECK(store_.num_units() == specs.size(), "the store has {} units but the model has {}", store_.num_units(),
              specs.size());
     for (std::size_t u = 0; u < specs.size(); ++u) {
@@ -1331,6 +1340,7 @@ class Trainer {
       for (std::size_t u = 0; u < b.units; ++u) gains_.push_back(alloc<full_t<W>>(b.gains[u]));
     embed_slot_ = alloc<W>(b.embed_slot);
     head_slot_ = alloc<W>(b.head_slot);
+    master_staging_ = alloc<float>(b.master_staging);
     // resident gradients (in the pool where plan::TrainerBuffers::embed_acc_in_pool), or a tied head's share (streamed)
     if (b.embed_acc_in_pool) {
       embed_acc_ = pool_as<Acc>(b.acc_at[0], b.embed_acc);
@@ -1557,6 +1567,23 @@ class Trainer {
   // Whether the prefetch uploads the unit's weights for this item (Prefetch::run): a streamed
   // unit's, read by the item; the embedding's only where a tied head reads them (its lookup reads
   // fp32 rows of the masters).
+  // A unit's fp32 masters into its bf16 weights on the backend (a store without a bf16 copy): in
+  // pieces through the staging buffer, each rounded to the nearest even bf16 on `e`'s stream after
+  // its copy, as the host optimizer rounds the copy it would have written: the same bits. (The
+  // copies and the roundings of one stream run in order: a piece waits for the last rounding.)
+  void upload_rounded(Exec& e, std::span<const float> src, std::span<W> dst) {
+    if constexpr (std::is_same_v<W, bf16>) {
+      const std::span<float> stage = master_staging_.span();
+      MT_CHECK(!stage.empty(), "no staging buffer for the masters (the plan kept a bf16 copy)");
+      for (std::size_t at = 0; at < src.size(); at += stage.size()) {
+        const std::size_t n = std::min(stage.size(), src.size() - at);
+        be_.upload(e, src.subspan(at, n), stage.first(n));
+        be_.round_weights(e, std::span<const float>(stage.first(n)), dst.subspan(at, n));
+      }
+    } else {
+      be_.upload(e, src, dst);
+    }
+  }
   bool uploads_weights(const TrainItem& it) const {
     if (devices_.holds(it.unit)) return false;
     return reads_weights(it) && (it.unit != 0 || model_.head().op().tied());
@@ -2027,6 +2054,7 @@ class Trainer {
   std::vector<Buf<W>> weight_ring_;
   std::vector<Buf<Acc>> grad_ring_;
   Buf<W> embed_slot_, head_slot_;
+  Buf<float> master_staging_;  // (no bf16 copy in host memory: the masters' pieces on their way to bf16)
   std::span<Acc> embed_acc_;  // the embedding's gradient: embed_acc_mem_, or in pool_
   Buf<Acc> embed_acc_mem_, head_acc_;
   std::vector<Buf<Res>> ckpt_;          // ckpt_[u]: output of unit u (input of unit u+1), when on the device

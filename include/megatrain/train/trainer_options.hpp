@@ -155,6 +155,14 @@ struct TrainerOptions {
   /// bits. Where the offload stage sums gradients (GradientHome::host with sum_during_backward),
   /// and where false: gathered in host memory after the update (HostParamStore::gather_updated).
   bool gather_weights_on_device = true;
+  /// The store keeps a bf16 copy of the weights (2 bytes a parameter of host memory), which the
+  /// prefetch streams to the GPU. false: it keeps none (StoreOptions::bf16_copy, which
+  /// store_options() sets: 12 bytes a parameter of state instead of 14), and the prefetch streams
+  /// each unit's fp32 masters in pieces through a staging buffer on the GPU, rounding them there to
+  /// bf16 as they arrive: the same bits, twice the weights' PCIe bytes. For a model whose state
+  /// fits host memory only so (megatrain-train `--host-bf16-copy auto`: plan::choose_bf16_copy).
+  /// Not with shard_optimizer over several processes, which exchange the copy.
+  bool host_bf16_copy = true;
   /// Whether the weights are gathered on the device (see gather_weights_on_device), for a trainer
   /// whose weights are bf16 or not.
   bool weights_in_parts(bool bf16_weights) const {
@@ -211,6 +219,9 @@ struct TrainerOptions {
              "data parallel over {} processes sums each step's whole gradient before the update: it needs the gradients "
              "held for the step (exact clipping or micro-batches)",
              distributed() ? comm->world() : 1);
+    MT_CHECK(host_bf16_copy || !sharded(),
+             "host_bf16_copy false (no bf16 copy of the weights in host memory) with shard_optimizer over {} processes, "
+             "which exchange that copy: keep the copy, or shard_optimizer false", sharded() ? comm->world() : 1);
     MT_CHECK(max_nonfinite_skips >= 1, "max_nonfinite_skips must be >= 1 (got {})", max_nonfinite_skips);
     MT_CHECK(on_nonfinite == NonFinite::stop || resolved().resident_gradients(),
              "skipping non-finite steps (on_nonfinite skip) needs the whole gradient before any update: exact clipping "

@@ -259,6 +259,13 @@ class CudaBackend {
     MT_CHECK(src.size() == dst.size(), "download of {} elements into {}", src.size(), dst.size());
     MT_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.size_bytes(), cudaMemcpyDefault, e.stream()));
   }
+  /// Rounds fp32 values in device memory to bf16 (to nearest even, as the host's conversion), on
+  /// the executor's stream: a unit's masters streamed without a bf16 copy in host memory.
+  void round_weights(Executor& e, std::span<const float> src, std::span<bf16> dst) {
+    MT_NVTX_RANGE("CudaBackend::round_weights");
+    MT_CHECK(src.size() == dst.size(), "rounding {} elements into {}", src.size(), dst.size());
+    cuda::launch_cast(src.data(), dst.data(), static_cast<std::int64_t>(src.size()), e.stream());
+  }
   /// Tests: holds the executor's stream for `nanoseconds` (cuda::launch_spin).
   void spin(Executor& e, std::int64_t nanoseconds) { cuda::launch_spin(nanoseconds, e.stream()); }
   template <class E>
