@@ -150,7 +150,7 @@ int run(const Settings& s, const CLI::App& app, PlanArgs a) {
   MT_CHECK(s.gradients == "auto" || s.gradients == "device" || s.gradients == "host",
            "--gradients must be auto, device or host (got '{}')", s.gradients);
   a.auto_gradients = s.gradients == "auto";
-  a.auto_copy = s.host_bf16_copy == "auto";
+  a.auto_copy = s.host_bf16_copy == "auto" && a.gpus == 1;  // (several ranks keep it, as in megatrain-train)
   if (!s.host_memory.empty()) setenv("MEGATRAIN_HOST_MEMORY", s.host_memory.c_str(), 1);
 
   // The model: --model DIR reads DIR/config.json (no weights are opened).
@@ -256,7 +256,7 @@ int run(const Settings& s, const CLI::App& app, PlanArgs a) {
                                 : !s.preset.empty()       ? "--preset " + s.preset
                                                           : std::string("the command-line shape"),
                                 plan::store_options(topt, {}, s.backend != "cpu").shard,
-                                topt.host_bf16_copy && !(a.auto_copy && !topt.sharded() && s.backend != "cpu"));
+                                topt.host_bf16_copy && !(a.auto_copy && s.backend != "cpu"));
   } catch (const megatrain::Error& e) {
     std::fprintf(stderr, "megatrain-plan: %s\n", std::getenv("MEGATRAIN_DEBUG") ? e.what() : e.reason().c_str());
     return 2;

@@ -240,7 +240,8 @@ inline void add_memory_options(CLI::App& runo_, Settings& s) {
       ->capture_default_str();
   runo->add_option("--host-bf16-copy", s.host_bf16_copy,
                    "Whether host memory keeps a bf16 copy of the weights to stream to the GPU (2 bytes a parameter): "
-                   "auto (the plan's choice: kept where the plan fits with it, else none), true, or false (12 bytes a "
+                   "auto (the plan's choice: kept where the plan fits with it, else none; kept with several ranks), true, "
+                   "or false (12 bytes a "
                    "parameter of state instead of 14: the fp32 masters stream and the GPU rounds them, the same bits, "
                    "twice the weights' PCIe bytes; one process, or processes that do not shard the optimizer)")
       ->capture_default_str();

@@ -341,7 +341,9 @@ inline std::string refusal_message(const MemoryPlan& plan, const Suggestions& s)
     m += fmt::format(" The model's state alone ({}) needs {} of host memory and {} is available: ", s.store_what,
                      format_bytes(s.store_bytes), format_bytes(s.host_budget));
     if (s.no_copy_fits) m += fmt::format("without the copy it fits: {}.", no_copy);
-    else if (s.stale_no_copy_fits) m += fmt::format("it fits with {} and {}.", stale, no_copy);
+    else if (s.stale_no_copy_fits)
+      m += fmt::format("it fits with {} and without the copy ({}; --host-bf16-copy auto, the default, drops it where only "
+                       "that fits).", stale, no_copy);
     else m += "no batch or sequence length fits; use a machine with more memory, or a smaller model";
     return m;
   }

@@ -1564,9 +1564,6 @@ class Trainer {
     return ckpt_staging_[0].span();
   }
 
-  // Whether the prefetch uploads the unit's weights for this item (Prefetch::run): a streamed
-  // unit's, read by the item; the embedding's only where a tied head reads them (its lookup reads
-  // fp32 rows of the masters).
   // A unit's fp32 masters into its bf16 weights on the backend (a store without a bf16 copy): in
   // pieces through the staging buffer, each rounded to the nearest even bf16 on `e`'s stream after
   // its copy, as the host optimizer rounds the copy it would have written: the same bits. (The
@@ -1584,6 +1581,9 @@ class Trainer {
       be_.upload(e, src, dst);
     }
   }
+  // Whether the prefetch uploads the unit's weights for this item (Prefetch::run): a streamed
+  // unit's, read by the item; the embedding's only where a tied head reads them (its lookup reads
+  // fp32 rows of the masters).
   bool uploads_weights(const TrainItem& it) const {
     if (devices_.holds(it.unit)) return false;
     return reads_weights(it) && (it.unit != 0 || model_.head().op().tied());
