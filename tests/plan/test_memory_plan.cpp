@@ -1037,6 +1037,15 @@ TEST_CASE("without a bf16 copy in host memory: the same bits; only where it alon
   const auto p7n = plan::plan_memory<plan::CudaTypes>(m7, o7n, gpu, h200_host);
   REQUIRE((p7.fits && p7n.fits));
   CHECK(p7n.device_total() - p7.device_total() == plan::kMasterStagingElements * sizeof(float));
+  // (every unit on the GPU: nothing streams, no staging)
+  TrainerOptions all_on_gpu = o7n;
+  all_on_gpu.device_units = static_cast<std::int64_t>(m7.units().size());
+  const plan::HostBudget roomy{std::size_t{200} << 30, "test"};
+  plan::DeviceBudget big_gpu = gpu;
+  big_gpu.cap = std::size_t{400} << 30;
+  const auto pa = plan::plan_memory<plan::CudaTypes>(m7, all_on_gpu, big_gpu, roomy);
+  REQUIRE(pa.fits);
+  CHECK(pa.buffers.master_staging == 0);
   CHECK(p7.store_bytes - p7n.store_bytes == HostParamStore<float>::footprint(m7.units(), plan::store_options(o7, {}, true)).compute_bytes);
   const auto h2d = [&](const TrainerOptions& q, const plan::MemoryPlan& p) {
     for (const auto& t : plan::predict_step(m7.config(), q, p, {}).terms)

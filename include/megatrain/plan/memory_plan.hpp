@@ -577,6 +577,10 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
     }
   }
   b.device_units = count;
+  if (b.master_staging > 0 && count >= units) {  // (every unit's weights made on the GPU: nothing streams)
+    std::erase_if(dev, [](const MemoryLine& l) { return l.what.starts_with("staging of the fp32 masters"); });
+    b.master_staging = 0;
+  }
   std::size_t unit_state = 0;
   for (std::size_t u = 0; u < count; ++u) {
     b.device_unit_bytes.push_back(unit_bytes(u));
