@@ -194,9 +194,7 @@ int run(const Settings& s, const CLI::App& app, PlanArgs a) {
     topt.shard_optimizer = s.shard_optimizer;
     topt.share_host_weights = share_weights(s, a.hosts == 1);
     topt.gather_weights_on_device = s.gather_weights == "gpus";
-    MT_CHECK(s.host_bf16_copy != "false" || !topt.sharded(),
-             "--host-bf16-copy false: the {} processes shard the optimizer (--shard-optimizer true) and exchange the bf16 "
-             "copy; use --host-bf16-copy auto or true, or --shard-optimizer false", gpus);
+    check_bf16_copy_option(s, topt.sharded(), gpus);
   } else {
     MT_CHECK(a.hosts == 1, "--hosts {} plans several processes: give --gpus too", a.hosts);
   }

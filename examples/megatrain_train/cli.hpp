@@ -247,6 +247,14 @@ inline void add_memory_options(CLI::App& runo_, Settings& s) {
       ->capture_default_str();
 }
 
+/// Refuses --host-bf16-copy false where `ranks` ranks shard the optimizer, which exchange the copy
+/// (megatrain-train's and megatrain-plan's check).
+inline void check_bf16_copy_option(const Settings& s, bool sharded, int ranks) {
+  MT_CHECK(s.host_bf16_copy != "false" || !sharded,
+           "--host-bf16-copy false: the {} ranks shard the optimizer (--shard-optimizer true) and exchange the bf16 copy; "
+           "use --host-bf16-copy auto or true, or --shard-optimizer false", ranks);
+}
+
 /// --device-units and --keep-activations: "auto" (-1: TrainerOptions::kAutoDeviceUnits,
 /// kAutoKeptBlocks), "all" (kAll, resolved with the model) or a count >= 0; nullopt when malformed.
 inline constexpr std::int64_t kAll = -2;

@@ -557,9 +557,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
     // told; the store checks that they do)
     topt.share_host_weights = share_weights(s, ranks.info().local_world == ranks.world());
     topt.gather_weights_on_device = s.gather_weights == "gpus";
-    MT_CHECK(s.host_bf16_copy != "false" || !topt.sharded(),
-             "--host-bf16-copy false: the {} ranks shard the optimizer (--shard-optimizer true) and exchange the bf16 copy; "
-             "use --host-bf16-copy auto or true, or --shard-optimizer false", ranks.world());
+    check_bf16_copy_option(s, topt.sharded(), ranks.world());
   }
   topt.packed = data && data->packed();
   topt.adamw = {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};

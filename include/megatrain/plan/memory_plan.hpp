@@ -452,6 +452,7 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
                  block_accs_bytes});
   if (gains > 0) dev.push_back({"norm gains (fp32)", gains});
   dev.push_back({"embedding and head weights", (b.embed_slot + b.head_slot) * sz.weight});
+  const std::size_t staging_line = dev.size();  // (given back below where nothing streams)
   if (b.master_staging > 0)
     dev.push_back({"staging of the fp32 masters, rounded to bf16 here (no bf16 copy in host memory)", b.master_staging * sizeof(float)});
   dev.push_back({"embedding and head gradients", (b.embed_acc_in_pool ? b.pool_embed_bytes() : b.embed_acc * sz.acc) +
@@ -578,7 +579,7 @@ MemoryPlan plan_memory_every(const DecoderModel<Block>& model, const TrainerOpti
   }
   b.device_units = count;
   if (b.master_staging > 0 && count >= units) {  // (every unit's weights made on the GPU: nothing streams)
-    std::erase_if(dev, [](const MemoryLine& l) { return l.what.starts_with("staging of the fp32 masters"); });
+    dev.erase(dev.begin() + static_cast<std::ptrdiff_t>(staging_line));
     b.master_staging = 0;
   }
   std::size_t unit_state = 0;
