@@ -54,6 +54,7 @@ struct Args {
   std::int64_t spilled_blocks = TrainerOptions::kAutoSpilledBlocks;
   std::size_t weight_slots = 2;  // --weight-slots: the ring of block weight slots (TrainerOptions::weight_slots)
   bool overlap_update = true;
+  bool host_bf16_copy = true;  // --host-bf16-copy: host memory keeps a bf16 copy of the weights (TrainerOptions)
   std::int64_t logits_block = 0;  // --logits-block: tokens per block of the head's logits (0: CudaBackendOptions' default)
   bool gemm_tuning = true;  // --gemm-tuning: cuBLASLt's algorithms timed over the first step (CudaBackendOptions)
   bool timeline = false;  // --timeline: the last step's compute items, summed by kind
@@ -171,6 +172,7 @@ int run(B& be, const char* name, const Args& a) {
   opt.kept_blocks = a.kept_blocks;
   opt.spilled_blocks = a.spilled_blocks;
   opt.weight_slots = a.weight_slots;
+  opt.host_bf16_copy = a.host_bf16_copy;
   MT_CHECK(a.gradients == "device" || a.gradients == "host", "--gradients must be device or host");
   opt.gradient_home = a.gradients == "host" ? GradientHome::host : GradientHome::device;
   opt.adamw.lr = 1e-4;
@@ -353,6 +355,9 @@ int main(int argc, char** argv) {
                  "Activation checkpoints every N blocks (0: as the plan needs, docs/planner.md)")
       ->capture_default_str();
   app.add_option("--gradients", a.gradients, "Where gradients wait for the norm (exact clipping): device or host")
+      ->capture_default_str();
+  app.add_option("--host-bf16-copy", a.host_bf16_copy,
+                 "Host memory keeps a bf16 copy of the weights to stream (false: the fp32 masters stream and the GPU rounds them)")
       ->capture_default_str();
   app.add_option("--save-dir", a.save_dir, "Save a train-state checkpoint here (overlapped) and time it, and its load");
   app.add_option("--save-at", a.save_at, "The step after which --save-dir saves")->capture_default_str();

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the GPU measurements on a machine with an NVIDIA GPU, from binaries
 # built elsewhere and copied to BIN (with libtbb/libfmt in BIN/../lib). Logs go to OUT.
-#   scripts/gpu_check.sh BIN OUT [tests|hf|numerics|train|bench|bench7b|checkpoint|checkpoint7b|kernels|packing|plan|probe|longctx|moe|gptoss|nccl|dp|all]...
+#   scripts/gpu_check.sh BIN OUT [tests|hf|numerics|train|bench|bench7b|checkpoint|checkpoint7b|kernels|kernelclocks|packing|plan|probe|longctx|moe|gptoss|nccl|dp|all]...
 set -uo pipefail
 BIN=$(cd "$1" && pwd); OUT=$(mkdir -p "$2" && cd "$2" && pwd); shift 2
 what=${*:-all}
@@ -193,6 +193,18 @@ if [[ " $what " == *" kernels "* ]]; then
     > "$OUT/ncu_1p5b_2layers.csv" 2> "$OUT/ncu.err"
   summary+=("ncu qwen2.5-1.5b 2 layers rc=$?")
   python3 "$(dirname "$0")/kernel_table.py" "$OUT/ncu_1p5b_2layers.csv" | tee "$OUT/kernels.md"
+fi
+# The same at the GPU's own clocks (ncu locks them to base by default), the second step of the
+# 1.5B shape cut to one layer (after the first step's tuning of the products), and PyTorch's
+# matmul at a block's shapes on the same GPU.
+if [[ " $what " == *" kernelclocks "* ]]; then
+  timeout 400 /usr/local/cuda/bin/ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    "$BIN/bench_train" --preset qwen2.5-1.5b --layers 1 --batch 32 --seq 1024 --steps 2 --skip 0 \
+    > "$OUT/ncu_clocks_1p5b_1layer.csv" 2> "$OUT/ncu_clocks.err"
+  summary+=("ncu (own clocks) qwen2.5-1.5b 1 layer rc=$?")
+  python3 "$(dirname "$0")/kernel_table.py" "$OUT/ncu_clocks_1p5b_1layer.csv" --last-step | tee "$OUT/kernels_clocks.md"
+  timeout 200 python3 "$(dirname "$0")/../bench/gemm_shapes.py" > "$OUT/gemm_shapes.log" 2>&1
+  summary+=("bench/gemm_shapes.py rc=$? $(grep -m1 "a block's products" "$OUT/gemm_shapes.log")")
 fi
 echo "===== summary"
 printf '%s\n' "${summary[@]}"

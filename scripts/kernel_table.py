@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Summarises an Nsight Compute CSV of kernel durations (scripts/gpu_check.sh ... kernels).
 
-Usage: kernel_table.py NCU_CSV
+Usage: kernel_table.py NCU_CSV [--last-step]
 Input: `ncu --metrics gpu__time_duration.sum --csv --print-units base ...` output. Prints the
 time per kind of kernel (matrix products, attention, megatrain's own kernels by name) and the
-kernels that take the most time, as Markdown tables.
+kernels that take the most time, as Markdown tables. --last-step: only the kernels from the last
+embedding lookup on (the last step of a run of several, e.g. after the first step's tuning).
 """
 
 import collections
@@ -33,6 +34,9 @@ def main():
     rows = list(csv.reader(lines))
     head = rows[0]
     ki, vi = head.index("Kernel Name"), head.index("Metric Value")
+    if "--last-step" in sys.argv[2:]:
+        starts = [i for i, r in enumerate(rows) if i > 0 and "embedding_forward_kernel" in r[ki]]
+        rows = [head] + rows[starts[-1]:] if starts else rows
     by_kind = collections.defaultdict(lambda: [0, 0.0])
     by_name = collections.defaultdict(lambda: [0, 0.0])
     for r in rows[1:]:

@@ -258,6 +258,14 @@ class Checker:
             self.failures.append(what)
 
 
+def logits_difference(model, loaded, tokens):
+    """Largest difference of two models' fp32 logits on `tokens`, and the largest logit."""
+    ids = torch.tensor([tokens], dtype=torch.long)
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits.float(), loaded(input_ids=ids).logits.float()
+    return float((a - b).abs().max()), float(b.abs().max())
+
+
 def loading_info_problems(info, tied):
     """Weights from_pretrained reported as missing, unexpected or mismatched."""
     problems = []
@@ -307,6 +315,18 @@ def check_model(name, model, exe, work, check, rng, gen, auto_backend):
         else:
             print(f"note {name}: --backend auto chose the cpu (no GPU): nothing more to check", flush=True)
     before = res["val_loss"]  # megatrain's loss on the evaluation (and training) window, fp32
+
+    # 1a. Exported as read (f32, no step): transformers loads it with the saved model's logits.
+    exp0 = os.path.join(d, "export-untrained-f32")
+    run([exe, "--model", hf_dir, "--steps", "0", "--eval-batches", "0", "--backend", "cpu", "--export", exp0,
+         "--export-dtype", "f32"], f"exporting {name} untrained")
+    loaded0, info0 = AutoModelForCausalLM.from_pretrained(exp0, output_loading_info=True, **dtype_kwargs(torch.float32))
+    problems = loading_info_problems(info0, tied)
+    check.true(f"{name}/untrained f32 export: from_pretrained loads every weight", not problems, "; ".join(problems))
+    diff, scale = logits_difference(model, loaded0.eval(), tokens)
+    check.true(f"{name}/untrained f32 export: transformers' logits are the saved model's", diff <= 1e-6 * scale,
+               f"largest difference {diff:.3g} of logits up to {scale:.3g}")
+    del loaded0
 
     # 1b. Prompt-masked examples (a token file with .mask and .idx beside it, as megatrain-tokenize
     # writes them), one per sequence and padded, against transformers with labels -100 on the
@@ -498,10 +518,7 @@ def check_gemma3_multimodal(exe, work, check, rng, gen):
     run([exe, "--model", hf_dir, "--steps", "0", "--eval-batches", "0", "--backend", "cpu", "--export", exp,
          "--export-dtype", "f32"], f"exporting {name}")
     loaded = load(exp, "untrained f32 export")
-    ids = torch.tensor([tokens], dtype=torch.long)
-    with torch.no_grad():
-        a, b = model(input_ids=ids).logits.float(), loaded(input_ids=ids).logits.float()
-    diff, scale = float((a - b).abs().max()), float(b.abs().max())
+    diff, scale = logits_difference(model, loaded, tokens)
     check.true(f"{name}/untrained f32 export: its logits are the multimodal model's on text", diff <= 1e-5 * scale,
                f"largest difference {diff:.3g} of logits up to {scale:.3g}")
     # fine-tuned on text, exported f32: transformers' loss of the export is megatrain's

@@ -63,6 +63,10 @@ struct MachineFigures {
   double hbm_gbs = 4000;      ///< device memory, bytes read plus written per second (GB/s)
   double adamw_gparams = 4.4;       ///< CPU AdamW (fp32, with the bf16 copy), all cores, G parameters/s
   double adamw_dma_gparams = 4.2;   ///< the same while PCIe copies run both ways
+  /// PCIe copies both ways, in total, while the CPU's AdamW runs (its pass beside a forward):
+  /// the host's memory serves both. Reference: the lowest of three probes on H200 hosts
+  /// (2026-11-29: 63, 64, 68; planner.md).
+  double pass_copies_gbs = 63.0;
 };
 
 namespace detail {
@@ -77,7 +81,7 @@ inline constexpr FigureField kFigureFields[] = {
     {"attention_fwd_tflops", &MachineFigures::attention_fwd_tflops},
     {"attention_bwd_tflops", &MachineFigures::attention_bwd_tflops},
     {"hbm_gbs", &MachineFigures::hbm_gbs},           {"adamw_gparams", &MachineFigures::adamw_gparams},
-    {"adamw_dma_gparams", &MachineFigures::adamw_dma_gparams}};
+    {"adamw_dma_gparams", &MachineFigures::adamw_dma_gparams}, {"pass_copies_gbs", &MachineFigures::pass_copies_gbs}};
 }  // namespace detail
 
 inline nlohmann::json to_json(const MachineFigures& m) {
@@ -293,6 +297,8 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   const double wb = b.sizes.weight < sizeof(float) && !opt.host_bf16_copy ? 4.0 : 2.0;
   double h2d = 2 * wb * blocks * ((L - blocks_dev) / L) + (embed_dev ? 0 : rows * d * 4) + (head_dev ? 0 : wb * head_params);
   if (cfg.tie_word_embeddings && !embed_dev) h2d += wb * embed;  // the head reads the embedding's table
+  // (the forward's share: the blocks' weights once, the embedding's rows, the head's weights)
+  const double h2d_fwd = h2d - wb * blocks * ((L - blocks_dev) / L);
   h2d += spill_bytes;
   // (gradients waiting in host memory: each micro-batch's come down, and the CPU adds the later
   // ones to the first's during the backward; on the GPU they add up there and come down once)
@@ -328,7 +334,11 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   // beside the backward and the device units' forward: what it takes beyond them is exposed).
   const double fwd_s = 2 * (active_blocks - experts) * T / (m.gemm_tflops * 1e12) + 2 * experts * T / (m.moe_gemm_tflops * 1e12) +
                       att_fwd / (m.attention_fwd_tflops * 1e12) + elem_s / 4;
-  const double pass_s = pass ? std::max(cpu_s, pass_d2h ? d2h / (m.d2h_gbs * 1e9) : 0.0) : 0.0;
+  // (beside the forward, the pass's copies and the forward's share the link at the rate copies
+  // keep while the CPU's AdamW runs: the host's memory serves both)
+  const double fwd_copies = (pass_d2h ? d2h : spill_bytes) + h2d_fwd;
+  const double pass_s =
+      pass ? std::max({cpu_s, pass_d2h ? d2h / (m.d2h_gbs * 1e9) : 0.0, fwd_copies / (m.pass_copies_gbs * 1e9)}) : 0.0;
   t.bottleneck.clear();
   for (const TimeTerm& term : t.terms) {
     if (term.what == "CPU AdamW" || (pass_d2h && term.what == "PCIe D2H")) continue;
@@ -347,15 +357,26 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
     t.exposed_s += pass_s - fwd_s;
     t.exposed_detail = fmt::format("the AdamW pass takes {:.3f} s beside a {:.3f} s forward", pass_s, fwd_s);
   }
-  // Spilled activations: a staging buffer is written again 2 x stride blocks later, so a copy
-  // longer than the forward (down) or backward (up) of the blocks between holds the compute stream.
+  // Spilled activations: one block in every `stride` spills, so each copy has the link for the
+  // time of `stride` blocks (down beside the forward, up beside the backward) before the next
+  // spilled block's copy queues behind it; a copy longer than that holds the compute stream (its
+  // staging buffer is written again). Beside the forward the link is shared with the AdamW pass's
+  // downloads of the host units' gradients (spread over the forward), beside the backward with
+  // the uploads of the weights of spilled blocks that stream.
   if (b.spilled_blocks > 0) {
     const double one = spill_bytes / static_cast<double>(opt.micro_batches) / static_cast<double>(b.spilled_blocks);
-    const double between = 2.0 * static_cast<double>(b.spill_stride()) - 1.0;
+    const double stride = static_cast<double>(b.spill_stride());
     const double block_fwd = fwd_s / L, block_bwd = std::max(0.0, gpu_s - fwd_s) / L;
-    const double stall = static_cast<double>(b.spilled_blocks * static_cast<std::size_t>(opt.micro_batches)) *
-                         (std::max(0.0, one / (m.d2h_gbs * 1e9) - between * block_fwd) +
-                          std::max(0.0, one / (m.h2d_gbs * 1e9) - between * block_bwd));
+    const double pass_down = pass_d2h && fwd_s > 0 ? 4 * n_host / fwd_s : 0.0;  // bytes/s the pass's downloads take
+    const double down_rate = std::max(m.d2h_gbs * 1e9 - pass_down, 0.25 * m.d2h_gbs * 1e9);
+    double stall = 0;
+    for (std::size_t u = 1; u <= b.blocks; ++u) {
+      if (!b.spills(u)) continue;
+      const bool streams = static_cast<double>(u) > blocks_dev;  // (its weights cross beside its copies)
+      const double up = one + (streams ? stride * wb * block : 0.0);
+      stall += std::max(0.0, one / down_rate - stride * block_fwd) + std::max(0.0, up / (m.h2d_gbs * 1e9) - stride * block_bwd);
+    }
+    stall *= static_cast<double>(opt.micro_batches);
     if (stall > 0) {
       t.exposed_s += stall;
       if (t.exposed_detail.empty())

@@ -18,7 +18,8 @@
 //   h2d_gbs, d2h_gbs      pinned copies of ProbeOptions::copy_bytes each way; duplex_gbs both at once
 //   adamw_gparams         the host optimizer's AdamW (all cores, the widest vector path) over
 //                         ProbeOptions::adamw_params; adamw_dma_gparams the same while copies run
-//                         both ways
+//                         both ways, and pass_copies_gbs what those copies move meanwhile (both
+//                         ways, in total: the host's memory serves both)
 // Each figure is the best of ProbeOptions::repeats timed runs after one warm-up, but the block's
 // and the head's: those run back to back for a while (sustained_seconds), as a step runs them
 // (the GPU's clocks drop under a long load).
@@ -33,6 +34,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -53,6 +55,7 @@ struct ProbeOptions {
   std::size_t copy_bytes = std::size_t{1} << 30;  ///< bytes of each PCIe copy
   std::size_t adamw_params = std::size_t{1} << 26;  ///< parameters of the AdamW run
   int repeats = 5;
+  double pass_seconds = 1.0;  ///< how long AdamW runs beside the copies for pass_copies_gbs
 };
 
 namespace detail {
@@ -373,18 +376,43 @@ MachineFigures probe_machine(B& be, const ModelConfig& cfg, std::int64_t seq, st
     const auto adamw = [&] { detail::host_adamw(p, mm, vv, g, out); };
     m.adamw_gparams = static_cast<double>(n) / detail::best_seconds(o.repeats, adamw, [] {}) / 1e9;
     std::atomic<bool> stop{false};
+    // (rounds of copies both ways completed, and when the last one completed)
+    std::mutex done_mutex;
+    std::int64_t done_rounds = 0, done_ns = 0;
+    const auto now_ns = [] {
+      return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    };
+    const auto done = [&] {
+      std::lock_guard<std::mutex> lock(done_mutex);
+      return std::pair{done_rounds, done_ns};
+    };
     std::thread copies([&] {
       while (!stop.load()) {
         h2d();
         d2h();
         up.synchronize();
         down.synchronize();
+        std::lock_guard<std::mutex> lock(done_mutex);
+        ++done_rounds;
+        done_ns = now_ns();
       }
     });
     const double s = detail::best_seconds(o.repeats, adamw, [] {});
+    // What the copies move while AdamW runs back to back (the AdamW pass beside a forward: the
+    // host's memory serves both): the rounds completed between two completions at least
+    // pass_seconds apart (at most 30 s: a link that slow keeps the reference figure).
+    const std::int64_t start = now_ns(), limit = 30'000'000'000;
+    const std::int64_t first = done().first;
+    while (done().first == first && now_ns() - start < limit) adamw();
+    const auto [r0, t0] = done();
+    while ((now_ns() - t0 < static_cast<std::int64_t>(o.pass_seconds * 1e9) || done().first - r0 < 2) &&
+           now_ns() - start < limit)
+      adamw();
+    const auto [r1, t1] = done();
     stop = true;
     copies.join();
     m.adamw_dma_gparams = static_cast<double>(n) / s / 1e9;
+    if (r1 - r0 >= 1 && t1 > t0) m.pass_copies_gbs = static_cast<double>(r1 - r0) * 2 * gb / (static_cast<double>(t1 - t0) / 1e9);
   }
   return m;
 }
