@@ -166,7 +166,9 @@ inline void add_model_options(CLI::App& app_, Settings& s) {
   model->add_option("--model-config", s.model_config, "Hugging Face config.json giving the model shape");
   model->add_option("--preset", s.preset, "Built-in shape: " + fmt::format("{}", fmt::join(ModelConfig::preset_names(), ", ")));
   model->add_option("--hidden", s.hidden, "Hidden size")->capture_default_str();
-  model->add_option("--layers", s.layers, "Decoder layers")->capture_default_str();
+  model->add_option("--layers", s.layers,
+                    "Decoder layers (beside --preset or --model-config: that shape with this many layers, its first ones)")
+      ->capture_default_str();
   model->add_option("--heads", s.heads, "Attention heads")->capture_default_str();
   model->add_option("--kv-heads", s.kv_heads, "Key/value heads (grouped-query attention)")->capture_default_str();
   model->add_option("--intermediate", s.intermediate, "MLP intermediate size")->capture_default_str();
@@ -270,7 +272,8 @@ inline std::optional<std::int64_t> parse_auto_all_count(const std::string& v) {
 }
 
 // Where the model's shape comes from: at most one of --model, --model-config, --preset, and no
-// shape flag beside it. Checked before anything is opened.
+// shape flag beside it but --layers beside --preset or --model-config (the shape cut to its first
+// layers). Checked before anything is opened.
 inline void check_model_source(const Settings& s) {
   const char* shape_flags[] = {"--hidden", "--layers", "--heads", "--kv-heads", "--intermediate", "--head-dim", "--rope-theta", "--norm-eps", "--tie-embeddings"};
   std::vector<std::string> sources;
@@ -279,8 +282,13 @@ inline void check_model_source(const Settings& s) {
   if (!s.preset.empty()) sources.emplace_back("--preset");
   MT_CHECK(sources.size() <= 1, "{} and {} both give the model shape; pass one", sources[0], sources[1]);
   if (sources.empty()) return;
-  for (const char* f : shape_flags)
-    MT_CHECK(!s.origins.conflicts(f, sources[0]), "{} contradicts {}: the shape comes from there; drop one", f, sources[0]);
+  for (const char* f : shape_flags) {
+    if (std::string_view(f) == "--layers" && sources[0] != "--model") continue;  // (a cut: model_config())
+    MT_CHECK(!s.origins.conflicts(f, sources[0]), "{} contradicts {}: the shape comes from there; drop one{}", f, sources[0],
+             std::string_view(f) == "--layers" ? " (--layers cuts a --preset or --model-config shape; a --model folder's weights "
+                                                 "are its whole model)"
+                                               : "");
+  }
 }
 
 inline megatrain::ModelConfig model_config(const Settings& s, const CLI::App& app, std::int64_t data_vocab,
@@ -290,6 +298,11 @@ inline megatrain::ModelConfig model_config(const Settings& s, const CLI::App& ap
     ModelConfig c = hf != nullptr              ? hf->config()
                     : s.model_config.empty() ? ModelConfig::preset(s.preset)
                                              : ModelConfig::from_file(s.model_config);
+    if (hf == nullptr && s.origins.given("--layers")) {  // the shape cut to its first layers (or repeated)
+      MT_CHECK(s.layers >= 1 && s.layers <= ModelConfig::kMaxLayers, "--layers must be in [1, {}] (got {})",
+               ModelConfig::kMaxLayers, s.layers);
+      c = c.with_layers(s.layers);
+    }
     if (app.get_option("--vocab")->count() > 0)
       MT_CHECK(s.vocab == c.vocab_size, "--vocab {} contradicts the model's vocab_size {}", s.vocab, c.vocab_size);
     return c;
