@@ -38,7 +38,7 @@ def timed(f, flops, iters=20):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--preset", nargs="*", default=list(SHAPES))
+    ap.add_argument("--preset", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     a = ap.parse_args()
     M = a.tokens
     for preset in a.preset:

@@ -298,7 +298,10 @@ inline megatrain::ModelConfig model_config(const Settings& s, const CLI::App& ap
     ModelConfig c = hf != nullptr              ? hf->config()
                     : s.model_config.empty() ? ModelConfig::preset(s.preset)
                                              : ModelConfig::from_file(s.model_config);
-    if (hf == nullptr && s.origins.given("--layers")) {  // the shape cut to its first layers (or repeated)
+    // (the shape cut to its first layers, or repeated; a --config file's count yields to a
+    // --preset or --model-config on the command line, as check_model_source's shape flags do)
+    const std::string source = s.model_config.empty() ? "--preset" : "--model-config";
+    if (hf == nullptr && s.origins.conflicts("--layers", source)) {
       MT_CHECK(s.layers >= 1 && s.layers <= ModelConfig::kMaxLayers, "--layers must be in [1, {}] (got {})",
                ModelConfig::kMaxLayers, s.layers);
       c = c.with_layers(s.layers);

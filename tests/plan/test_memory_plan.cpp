@@ -355,7 +355,8 @@ TEST_CASE("machine figures from JSON: fields checked by name and value") {
   const auto m = plan::machine_figures_from_json(nlohmann::json::parse(R"({"gemm_tflops": 650, "h2d_gbs": 50, "pass_copies_gbs": 40})"), "figures.json");
   CHECK(m.gemm_tflops == 650);
   CHECK(m.h2d_gbs == 50);
-  CHECK(m.pass_copies_gbs == 40);  // (a file a probe wrote before the field: the reference value)
+  CHECK(m.pass_copies_gbs == 40);
+  // (a file a probe wrote before the field: the reference value)
   CHECK(plan::machine_figures_from_json(nlohmann::json::parse(R"({"gemm_tflops": 650})"), "old.json").pass_copies_gbs ==
         plan::MachineFigures{}.pass_copies_gbs);
   CHECK(m.d2h_gbs == plan::MachineFigures{}.d2h_gbs);

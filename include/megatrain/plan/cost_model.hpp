@@ -353,36 +353,39 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   const bool first_block_dev = dev_units >= 2;
   t.exposed_s = first_block_dev ? 0.0 : 2 * block / (m.h2d_gbs * 1e9);
   if (!pass && !embed_dev) t.exposed_s += rows * d * 4 / (m.d2h_gbs * 1e9) + rows * d / (m.adamw_gparams * 1e9);
-  if (pass && pass_s > fwd_s) {
-    t.exposed_s += pass_s - fwd_s;
-    t.exposed_detail = fmt::format("the AdamW pass takes {:.3f} s beside a {:.3f} s forward", pass_s, fwd_s);
-  }
   // Spilled activations: one block in every `stride` spills, so each copy has the link for the
   // time of `stride` blocks (down beside the forward, up beside the backward) before the next
   // spilled block's copy queues behind it; a copy longer than that holds the compute stream (its
   // staging buffer is written again). Beside the forward the link is shared with the AdamW pass's
   // downloads of the host units' gradients (spread over the forward), beside the backward with
   // the uploads of the weights of spilled blocks that stream.
+  double stall_fwd = 0, stall_bwd = 0;
   if (b.spilled_blocks > 0) {
     const double one = spill_bytes / static_cast<double>(opt.micro_batches) / static_cast<double>(b.spilled_blocks);
     const double stride = static_cast<double>(b.spill_stride());
     const double block_fwd = fwd_s / L, block_bwd = std::max(0.0, gpu_s - fwd_s) / L;
     const double pass_down = pass_d2h && fwd_s > 0 ? 4 * n_host / fwd_s : 0.0;  // bytes/s the pass's downloads take
     const double down_rate = std::max(m.d2h_gbs * 1e9 - pass_down, 0.25 * m.d2h_gbs * 1e9);
-    double stall = 0;
     for (std::size_t u = 1; u <= b.blocks; ++u) {
       if (!b.spills(u)) continue;
       const bool streams = static_cast<double>(u) > blocks_dev;  // (its weights cross beside its copies)
       const double up = one + (streams ? stride * wb * block : 0.0);
-      stall += std::max(0.0, one / down_rate - stride * block_fwd) + std::max(0.0, up / (m.h2d_gbs * 1e9) - stride * block_bwd);
+      stall_fwd += std::max(0.0, one / down_rate - stride * block_fwd);
+      stall_bwd += std::max(0.0, up / (m.h2d_gbs * 1e9) - stride * block_bwd);
     }
-    stall *= static_cast<double>(opt.micro_batches);
-    if (stall > 0) {
-      t.exposed_s += stall;
-      if (t.exposed_detail.empty())
-        t.exposed_detail = fmt::format("the spilled activations' copies hold the compute stream {:.3f} s", stall);
-    }
+    stall_fwd *= static_cast<double>(opt.micro_batches);
+    stall_bwd *= static_cast<double>(opt.micro_batches);
   }
+  // (what the AdamW pass takes beyond the forward, and the copies' hold on top: while spilled
+  // copies hold the compute stream they hold the link and the host's memory the pass needs too,
+  // so the pass gains nothing from the longer forward; measured: docs/planner.md)
+  if (pass && pass_s > fwd_s) {
+    t.exposed_s += pass_s - fwd_s;
+    t.exposed_detail = fmt::format("the AdamW pass takes {:.3f} s beside a {:.3f} s forward", pass_s, fwd_s);
+  }
+  t.exposed_s += stall_fwd + stall_bwd;
+  if (t.exposed_detail.empty() && stall_fwd + stall_bwd > 0)
+    t.exposed_detail = fmt::format("the spilled activations' copies hold the compute stream {:.3f} s", stall_fwd + stall_bwd);
   // Streamed gradients are stepped as they land during the backward, the lowest host units (the
   // first the next forward needs, after the device units') last: what the CPU's AdamW takes
   // beyond the backward and the device units' forward delays the next step.
@@ -394,8 +397,10 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   }
   // The CPU's AdamW is the bottleneck where it takes longer than the GPU and is what the step
   // waits on beyond it
+  // (or, where the pass waits on its copies beside the CPU's AdamW rather than on the CPU, PCIe)
   const double cpu_wait = pass ? pass_s : cpu_s;
-  if (!t.exposed_detail.empty() && cpu_wait > t.bound_s) t.bottleneck = "CPU AdamW";
+  const bool pass_copies_bound = pass && fwd_copies / (m.pass_copies_gbs * 1e9) > cpu_s;
+  if (!t.exposed_detail.empty() && cpu_wait > t.bound_s) t.bottleneck = pass_copies_bound ? "PCIe both ways" : "CPU AdamW";
   // The tokens per step from which the GPU is the bound, this placement kept: the GPU's terms
   // grow with the tokens (not the device units' AdamW), the copies' and the CPU's do not
   const double grows = gpu_s - adam_dev_s;
@@ -428,7 +433,8 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
 /// fewer (the staging buffers take GPU memory that kept blocks had), where that is predicted at
 /// least kSpillGain faster than spilling none; none on a backend whose memory is host memory.
 /// The least predicted gain for which plan_memory spills activations on its own (spilled_blocks
-/// auto): 3% of the step.
+/// auto): 3% of the step (the copies' contention with the GPU's work and the CPU's is priced
+/// from measured rates, within about 6% of measured steps: docs/planner.md).
 inline constexpr double kSpillGain = 0.03;
 
 template <class B, class Block>

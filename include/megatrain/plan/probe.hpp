@@ -22,7 +22,8 @@
 //                         ways, in total: the host's memory serves both)
 // Each figure is the best of ProbeOptions::repeats timed runs after one warm-up, but the block's
 // and the head's: those run back to back for a while (sustained_seconds), as a step runs them
-// (the GPU's clocks drop under a long load).
+// (the GPU's clocks drop under a long load); and pass_copies_gbs: copies counted over at least
+// ProbeOptions::pass_seconds of AdamW.
 #pragma once
 
 #include <oneapi/tbb/blocked_range.h>
@@ -399,20 +400,20 @@ MachineFigures probe_machine(B& be, const ModelConfig& cfg, std::int64_t seq, st
     });
     const double s = detail::best_seconds(o.repeats, adamw, [] {});
     // What the copies move while AdamW runs back to back (the AdamW pass beside a forward: the
-    // host's memory serves both): the rounds completed between two completions at least
-    // pass_seconds apart (at most 30 s: a link that slow keeps the reference figure).
+    // host's memory serves both): the rounds completed between a completion and the first one
+    // at least pass_seconds later, within 30 s (a link that slow keeps the reference figure).
     const std::int64_t start = now_ns(), limit = 30'000'000'000;
     const std::int64_t first = done().first;
     while (done().first == first && now_ns() - start < limit) adamw();
     const auto [r0, t0] = done();
-    while ((now_ns() - t0 < static_cast<std::int64_t>(o.pass_seconds * 1e9) || done().first - r0 < 2) &&
+    while ((done().second - t0 < static_cast<std::int64_t>(o.pass_seconds * 1e9) || done().first - r0 < 2) &&
            now_ns() - start < limit)
       adamw();
     const auto [r1, t1] = done();
     stop = true;
     copies.join();
     m.adamw_dma_gparams = static_cast<double>(n) / s / 1e9;
-    if (r1 - r0 >= 1 && t1 > t0) m.pass_copies_gbs = static_cast<double>(r1 - r0) * 2 * gb / (static_cast<double>(t1 - t0) / 1e9);
+    if (r0 > 0 && r1 - r0 >= 1 && t1 > t0) m.pass_copies_gbs = static_cast<double>(r1 - r0) * 2 * gb / (static_cast<double>(t1 - t0) / 1e9);
   }
   return m;
 }
