@@ -64,8 +64,8 @@ struct MachineFigures {
   double adamw_gparams = 4.4;       ///< CPU AdamW (fp32, with the bf16 copy), all cores, G parameters/s
   double adamw_dma_gparams = 4.2;   ///< the same while PCIe copies run both ways
   /// PCIe copies both ways, in total, while the CPU's AdamW runs (its pass beside a forward):
-  /// the host's memory serves both. Reference: the lowest of three probes on H200 hosts
-  /// (2026-11-29: 63, 64, 68; planner.md).
+  /// the host's memory serves both. Reference: the lowest of four probes on H200 hosts
+  /// (2026-11-29: 63, 64, 68, 72; planner.md).
   double pass_copies_gbs = 63.0;
 };
 
@@ -295,11 +295,12 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   // (each streamed block's weights twice a step, forward and backward: bf16, or the fp32 masters
   // where host memory keeps no bf16 copy and the GPU rounds them)
   const double wb = b.sizes.weight < sizeof(float) && !opt.host_bf16_copy ? 4.0 : 2.0;
-  double h2d = 2 * wb * blocks * ((L - blocks_dev) / L) + (embed_dev ? 0 : rows * d * 4) + (head_dev ? 0 : wb * head_params);
-  if (cfg.tie_word_embeddings && !embed_dev) h2d += wb * embed;  // the head reads the embedding's table
-  // (the forward's share: the blocks' weights once, the embedding's rows, the head's weights)
-  const double h2d_fwd = h2d - wb * blocks * ((L - blocks_dev) / L);
-  h2d += spill_bytes;
+  // (the forward's share: the streamed blocks' weights once, the embedding's rows, the head's
+  // weights; the backward's: the blocks' weights again)
+  const double blocks_up = wb * blocks * ((L - blocks_dev) / L);
+  double h2d_fwd = blocks_up + (embed_dev ? 0 : rows * d * 4) + (head_dev ? 0 : wb * head_params);
+  if (cfg.tie_word_embeddings && !embed_dev) h2d_fwd += wb * embed;  // the head reads the embedding's table
+  const double h2d = h2d_fwd + blocks_up + spill_bytes;
   // (gradients waiting in host memory: each micro-batch's come down, and the CPU adds the later
   // ones to the first's during the backward; on the GPU they add up there and come down once)
   const bool host_home = opt.resident_gradients() && opt.gradient_home == GradientHome::host;
@@ -336,9 +337,8 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
                       att_fwd / (m.attention_fwd_tflops * 1e12) + elem_s / 4;
   // (beside the forward, the pass's copies and the forward's share the link at the rate copies
   // keep while the CPU's AdamW runs: the host's memory serves both)
-  const double fwd_copies = (pass_d2h ? d2h : spill_bytes) + h2d_fwd;
-  const double pass_s =
-      pass ? std::max({cpu_s, pass_d2h ? d2h / (m.d2h_gbs * 1e9) : 0.0, fwd_copies / (m.pass_copies_gbs * 1e9)}) : 0.0;
+  const double pass_copies_s = ((pass_d2h ? d2h : spill_bytes) + h2d_fwd) / (m.pass_copies_gbs * 1e9);
+  const double pass_s = pass ? std::max({cpu_s, pass_d2h ? d2h / (m.d2h_gbs * 1e9) : 0.0, pass_copies_s}) : 0.0;
   t.bottleneck.clear();
   for (const TimeTerm& term : t.terms) {
     if (term.what == "CPU AdamW" || (pass_d2h && term.what == "PCIe D2H")) continue;
@@ -399,7 +399,7 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
   // waits on beyond it
   // (or, where the pass waits on its copies beside the CPU's AdamW rather than on the CPU, PCIe)
   const double cpu_wait = pass ? pass_s : cpu_s;
-  const bool pass_copies_bound = pass && fwd_copies / (m.pass_copies_gbs * 1e9) > cpu_s;
+  const bool pass_copies_bound = pass && pass_copies_s > cpu_s;
   if (!t.exposed_detail.empty() && cpu_wait > t.bound_s) t.bottleneck = pass_copies_bound ? "PCIe both ways" : "CPU AdamW";
   // The tokens per step from which the GPU is the bound, this placement kept: the GPU's terms
   // grow with the tokens (not the device units' AdamW), the copies' and the CPU's do not
