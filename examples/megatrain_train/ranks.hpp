@@ -5,8 +5,9 @@
 // that a stop signal seen by one rank stops all of them after the same step, and that no rank
 // leaves while rank 0 still writes the last checkpoint.
 //
-// The communicator: NCCL for the cuda backend (the ranks meet on MASTER_ADDR:MASTER_PORT; no MPI
-// needed), MPI for the cpu backend (launched by mpirun or srun; built where MPI was found).
+// The communicator: NCCL for the cuda backend (the ranks meet on MASTER_ADDR:MASTER_PORT, or
+// through MPI where mpirun launched them and the program has MPI), MPI for the cpu backend
+// (launched by mpirun or srun; built where MPI was found).
 //
 // --gpus N (the default way, --gpu-ranks threads): the ranks are N threads of this one process,
 // one GPU each (Ranks::local): NCCL between the GPUs as between processes, and on the cpu
@@ -51,10 +52,22 @@ class Ranks {
     if (r.me_.world <= 1) return r;
     if (use_cuda) {
 #if MEGATRAIN_PROGRAM_NCCL
+      // Processes that mpirun launched hand out NCCL's unique id through MPI (no MASTER_ADDR to
+      // export across hosts); the others meet on MASTER_ADDR:MASTER_PORT.
+      megatrain::dist::Rendezvous meet;
+#if MEGATRAIN_PROGRAM_MPI
+      if (r.me_.launcher == "openmpi") {
+        r.mpi_ = std::make_unique<megatrain::dist::MpiComm>();
+        MT_CHECK(r.mpi_->world() == r.me_.world && r.mpi_->rank() == r.me_.rank,
+                 "Open MPI's variables say this is process {} of {}, but MPI says {} of {}: launch megatrain-train with "
+                 "mpirun directly", r.me_.rank, r.me_.world, r.mpi_->rank(), r.mpi_->world());
+        meet = [mpi = r.mpi_.get()](std::string_view blob) { return mpi->all_gather_blobs(blob); };
+      }
+#endif
       r.comm_ = std::make_unique<megatrain::dist::NcclHostComm>(
           r.me_, r.me_.local_rank,
           megatrain::dist::rendezvous_timeout(rendezvous_timeout_s > 0 ? std::optional(rendezvous_timeout_s) : std::nullopt),
-          collective_timeout());
+          collective_timeout(), meet);
 #else
       MT_FAIL("this is process {} of {} ({} launched them), but megatrain-train was built without NCCL, which several "
               "processes on GPUs train over: build it where NCCL is found (the CUDA toolkit's), or run one process",
@@ -237,6 +250,9 @@ class Ranks {
 
   megatrain::dist::LaunchInfo me_;
   std::unique_ptr<megatrain::dist::HostComm> comm_;
+#if MEGATRAIN_PROGRAM_MPI && MEGATRAIN_PROGRAM_NCCL
+  std::unique_ptr<megatrain::dist::MpiComm> mpi_;  // (where mpirun launched GPU processes: their meeting)
+#endif
   bool threads_ = false;
   enum class Phase { starting, agreed_to_stop, started } phase_ = Phase::starting;
 };

@@ -164,7 +164,8 @@ std::vector<std::string> serve(const LaunchInfo& info, std::string_view blob, st
     else why = std::strerror(errno);
   }
   MT_CHECK(static_cast<bool>(listener), "rendezvous: rank 0 cannot listen on {} ({}): MASTER_ADDR must be this host's "
-           "address and MASTER_PORT a free port", where(info), why);
+           "address and {} a free port{}", where(info), why, info.port_source,
+           info.port_source == "MEGATRAIN_RENDEZVOUS_PORT" ? "" : " (or set MEGATRAIN_RENDEZVOUS_PORT to one)");
 
   std::vector<std::string> blobs(static_cast<std::size_t>(info.world));
   std::vector<Socket> peers(static_cast<std::size_t>(info.world));
@@ -322,6 +323,24 @@ LaunchInfo launch_from_env(const GetEnv& getenv) {
   li.master_port = static_cast<int>(whole(getenv, "MASTER_PORT").value_or(29500));
   MT_CHECK(li.master_port > 0 && li.master_port < 65536, "environment variable MASTER_PORT is {}: a TCP port is 1 .. 65535",
            li.master_port);
+  // torchrun's agent keeps a TCPStore of its own listening on MASTER_PORT for the workers' process
+  // groups (it says so with TORCHELASTIC_USE_AGENT_STORE=True): rank 0 cannot listen there, so the
+  // ranks meet on the next port. MEGATRAIN_RENDEZVOUS_PORT chooses the port for any launcher.
+  const char* agent_store = env(getenv, "TORCHELASTIC_USE_AGENT_STORE");
+  if (li.launcher == "torchrun" && agent_store != nullptr &&
+      (std::string_view(agent_store) == "True" || std::string_view(agent_store) == "true" ||
+       std::string_view(agent_store) == "1")) {
+    MT_CHECK(li.master_port < 65535, "MASTER_PORT is 65535: under torchrun the ranks meet on MASTER_PORT + 1 (torchrun's "
+             "own store listens on MASTER_PORT); give torchrun another --master-port, or set MEGATRAIN_RENDEZVOUS_PORT");
+    li.master_port += 1;
+    li.port_source = "MASTER_PORT + 1";
+  }
+  if (const auto port = whole(getenv, "MEGATRAIN_RENDEZVOUS_PORT")) {
+    MT_CHECK(*port > 0 && *port < 65536, "environment variable MEGATRAIN_RENDEZVOUS_PORT is {}: a TCP port is 1 .. 65535",
+             *port);
+    li.master_port = static_cast<int>(*port);
+    li.port_source = "MEGATRAIN_RENDEZVOUS_PORT";
+  }
   // (All processes on this host, as mpirun -np N or srun on one node starts them: rank 0 is here.)
   if (li.master_addr.empty() && li.local_world == li.world) li.master_addr = "127.0.0.1";
   return li;

@@ -121,4 +121,24 @@ void MpiComm::gather(std::span<bf16> data, std::span<const std::int64_t> bounds,
   gather_to(data, bounds, root, rank_, world_, MPI_UINT16_T);
 }
 
+std::vector<std::string> MpiComm::all_gather_blobs(std::string_view blob) {
+  MT_CHECK(blob.size() <= (std::size_t{1} << 20), "MPI rendezvous: a blob of {} bytes (at most 1 MiB)", blob.size());
+  std::vector<int> sizes(static_cast<std::size_t>(world_)), offsets(static_cast<std::size_t>(world_));
+  const int mine = static_cast<int>(blob.size());
+  check(MPI_Allgather(&mine, 1, MPI_INT, sizes.data(), 1, MPI_INT, MPI_COMM_WORLD), "MPI_Allgather");
+  long long total = 0;
+  for (std::size_t r = 0; r < sizes.size(); ++r) {
+    offsets[r] = static_cast<int>(total);
+    total += sizes[r];
+  }
+  MT_CHECK(total < (1LL << 31), "MPI rendezvous: {} bytes in all", total);
+  std::string all(static_cast<std::size_t>(total), '\0');
+  check(MPI_Allgatherv(blob.data(), mine, MPI_CHAR, all.data(), sizes.data(), offsets.data(), MPI_CHAR, MPI_COMM_WORLD),
+        "MPI_Allgatherv");
+  std::vector<std::string> out;
+  for (std::size_t r = 0; r < sizes.size(); ++r) out.push_back(all.substr(static_cast<std::size_t>(offsets[r]),
+                                                                         static_cast<std::size_t>(sizes[r])));
+  return out;
+}
+
 }  // namespace megatrain::dist

@@ -18,7 +18,7 @@
 
 namespace megatrain::dist {
 
-NcclComm::NcclComm(const LaunchInfo& info, int device, std::chrono::milliseconds timeout)
+NcclComm::NcclComm(const LaunchInfo& info, int device, std::chrono::milliseconds timeout, const Rendezvous& meet)
     : rank_(info.rank), world_(info.world), beacon_(info) {
   MT_CUDA_CHECK(cudaSetDevice(device));
   ncclUniqueId id{};
@@ -28,12 +28,15 @@ NcclComm::NcclComm(const LaunchInfo& info, int device, std::chrono::milliseconds
     MT_CUDA_CHECK(ncclGetUniqueId(&id));
     mine.append(reinterpret_cast<const char*>(&id), sizeof id);
   }
-  const auto all = tcp_all_gather(info, mine, timeout);
+  const auto all = meet ? meet(mine) : tcp_all_gather(info, mine, timeout);
+  MT_CHECK(static_cast<int>(all.size()) == info.world, "NCCL rendezvous: {} blobs for a run of {} ranks", all.size(),
+           info.world);
   for (const auto& b : all) beacons_.push_back(b.substr(0, b.find('\n')));
   const auto at = all.at(0).find('\n');
   MT_CHECK(at != std::string::npos && all[0].size() - at - 1 == sizeof id,
-           "NCCL rendezvous on {}:{}: rank 0 sent {} bytes, not its address and an NCCL unique id of {}",
-           info.master_addr, info.master_port, all.at(0).size(), sizeof id);
+           "NCCL rendezvous{}: rank 0 sent {} bytes, not its address and an NCCL unique id of {}",
+           meet ? std::string(" (over MPI)") : fmt::format(" on {}:{}", info.master_addr, info.master_port),
+           all.at(0).size(), sizeof id);
   std::memcpy(&id, all[0].data() + at + 1, sizeof id);
   ncclComm_t c = nullptr;
   MT_CUDA_CHECK(ncclCommInitRank(&c, info.world, id, info.rank));
@@ -81,8 +84,8 @@ std::vector<std::int64_t> in_bytes(std::span<const std::int64_t> bounds, std::si
 }  // namespace
 
 NcclHostComm::NcclHostComm(const LaunchInfo& info, int device, std::chrono::milliseconds timeout,
-                           std::chrono::milliseconds collective_timeout)
-    : comm_(info, device, timeout), device_(device), collective_timeout_(collective_timeout) {
+                           std::chrono::milliseconds collective_timeout, const Rendezvous& meet)
+    : comm_(info, device, timeout, meet), device_(device), collective_timeout_(collective_timeout) {
   MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   MT_CUDA_CHECK(cudaMalloc(&staging_, kStagingBytes));
   MT_CUDA_CHECK(cudaMallocHost(&pinned_, kStagingBytes));

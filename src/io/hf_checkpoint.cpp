@@ -695,6 +695,11 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
   w.metadata = {{"format", "pt"}};
   w.extra_files = options.extra_files;
   w.extra_files.emplace(kConfigName, j.dump(2) + "\n");
+  // (a test hook: every file written, the new folder not yet in the old one's place)
+  w.finalize = [](std::span<const WrittenFile>) {
+    io::detail::crash_point("export:before-rename");
+    return std::map<std::string, std::string>{};
+  };
 
   // Every parameter, in store order, streamed from its fp32 master while the file is written.
   std::size_t count = 0;

@@ -336,8 +336,18 @@ json ModelConfig::to_json() const {
   j["tie_word_embeddings"] = tie_word_embeddings;
   j["initializer_range"] = initializer_range;
   j["pad_token_id"] = pad_token_id ? json(*pad_token_id) : json(nullptr);
-  j["rope_scaling"] = model_families::rope_scaling_json(rope_scaling, yarn_factor(), yarn_original_length());
-  if (partial_rotary_factor != 1.0) j["partial_rotary_factor"] = partial_rotary_factor;
+  // Rotary: as transformers 5 writes it, rope_parameters (rope_theta, the scaling and the partial
+  // factor in it); and for transformers 4, which reads only the top level, rope_theta, a scaling
+  // other than the default as rope_scaling, the partial factor (transformers 5 takes these too and
+  // agrees: rope_parameters' own values come first).
+  json rope = model_families::rope_parameters_json(*this);
+  if (partial_rotary_factor != 1.0) {
+    rope["partial_rotary_factor"] = partial_rotary_factor;
+    j["partial_rotary_factor"] = partial_rotary_factor;
+  }
+  j["rope_parameters"] = rope;
+  if (rope_scaling.type != RopeScaling::Type::none)
+    j["rope_scaling"] = model_families::rope_scaling_json(rope_scaling, yarn_factor(), yarn_original_length());
   if (rope_scaling.type == RopeScaling::Type::longrope)
     j["original_max_position_embeddings"] = rope_scaling.original_max_position_embeddings;
   family(architecture).write(*this, j);

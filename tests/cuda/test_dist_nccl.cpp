@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <exception>
+#include <string_view>
 #include <vector>
 
 #include "megatrain/core/cuda_check.hpp"
@@ -35,7 +36,15 @@ int main() {
   try {
     const dist::LaunchInfo me = dist::launch_from_env();
     if (!test::gpu_per_rank(me)) return test::kSkipped;
-    dist::NcclComm comm(me, me.local_rank, dist::rendezvous_timeout(60.0));
+    // (the rendezvous given, as megatrain-train gives MPI's where mpirun launched it: here the
+    // TCP one wrapped, to check that the communicator meets through what it is given)
+    int met = 0;
+    const dist::Rendezvous meet = [&](std::string_view blob) {
+      ++met;
+      return dist::tcp_all_gather(me, blob, dist::rendezvous_timeout(60.0));
+    };
+    dist::NcclComm comm(me, me.local_rank, dist::rendezvous_timeout(60.0), meet);
+    test::rank_check(met == 1, "the communicator met the others through the rendezvous it was given", me.rank);
     const int W = comm.world(), r = comm.rank();
     cudaStream_t stream = nullptr;
     MT_CUDA_CHECK(cudaStreamCreate(&stream));

@@ -203,6 +203,29 @@ elif SCENARIO == "crash_in_save":
             not os.path.isdir(os.path.join(home, "runs", runs[0], "checkpoints", "step-00000002")):
         fail(f"2 processes without --out: status {r.returncode}, run folders {runs}:\n{r.stdout}\n{r.stderr}")
     print(f"without --out: one run folder, runs/{runs[0]}, with the checkpoint of both processes")
+    # An export killed halfway: the first process (which writes it, the state gathered from both)
+    # dies before the new folder takes the old one's place. The run stops, the export that was
+    # there is intact; the next export replaces it whole and leaves nothing behind.
+    exp = os.path.join(WORK, "exported")
+    shutil.rmtree(exp, ignore_errors=True)
+    f32 = ["--export", exp, "--export-dtype", "f32"]
+    launch(2, SHAPE + ["--steps", "2", "--save-every", "2", "--out", run_dir("exp")] + f32)
+    before = tensors(exp)
+    resume = ["--resume", "--out", os.path.join(WORK, "exp"), "--steps", "4"] + f32
+    r = launch(2, resume, env=dict(ENV, MEGATRAIN_TEST_CRASH_AT="export:before-rename"), check=False)
+    if r.returncode == 0 or "killed at export:before-rename" not in r.stderr:
+        fail(f"process 0 killed in the export: status {r.returncode}:\n{r.stdout}\n{r.stderr}")
+    if tensors(exp) != before:
+        fail("an export killed halfway changed the export that was there")
+    # (the step-4 checkpoint was saved before the export began: the next run trains on from it)
+    launch(2, resume[:-len(f32) - 1] + ["6"] + f32)
+    after = tensors(exp)
+    if sorted(after) != sorted(before) or after == before:
+        fail("the export after the interrupted one did not replace it with the trained weights")
+    left = [d for d in os.listdir(WORK) if d.startswith("exported") and d != "exported"]
+    if left:
+        fail(f"the exports left behind {left}")
+    print("an export killed halfway: the previous export intact, the next one whole, nothing left behind")
 elif SCENARIO == "refusals":
     def refused(n, args, expect, env=None):
         r = launch(n, args, env=env, check=False)

@@ -11,6 +11,6 @@ elapsed=$(( $(date +%s) - start ))
 cat "$log"
 if [[ $rc == 0 ]]; then echo "FAILED: the run ended with status 0 although rank 1 was killed"; exit 1; fi
 if [[ $rc == 124 ]]; then echo "FAILED: the run did not stop within 60 s (a rank was left waiting)"; exit 1; fi
-if ! grep -q "exited on signal 9" "$log"; then echo "FAILED: mpirun did not say that a process was killed"; exit 1; fi
+if ! grep -Eq "rank 1 .*exited on signal 9" "$log"; then echo "FAILED: mpirun did not name rank 1 as killed"; exit 1; fi
 rm -f "$log"
 echo "the run stopped in ${elapsed} s with status $rc"

@@ -769,6 +769,22 @@ DIST_TEST_CASE("data parallel: the collectives sum over the ranks and give every
   CHECK(sum[0] == mine * w);
 }
 
+#if !MEGATRAIN_TEST_LOCAL_RANKS
+// How processes that mpirun launched meet on GPUs: the NCCL unique id and the beacons' addresses
+// through MPI (dist::Rendezvous), with no MASTER_ADDR to agree on.
+TEST_CASE("MPI hands every rank every rank's blob, in rank order, whatever their lengths") {
+  const int w = comm().world(), r = comm().rank();
+  const auto blob_of = [](int q) {  // (rank 1's is empty; bytes of every value, a zero among them)
+    std::string b;
+    for (int i = 0; i < (q == 1 ? 0 : 1000 * q + 129); ++i) b.push_back(static_cast<char>((i * 37 + q) & 0xff));
+    return b;
+  };
+  const auto all = comm().all_gather_blobs(blob_of(r));
+  REQUIRE(static_cast<int>(all.size()) == w);
+  for (int q = 0; q < w; ++q) CHECK(all[static_cast<std::size_t>(q)] == blob_of(q));
+}
+#endif
+
 DIST_TEST_CASE("data parallel refuses what it cannot sum exactly, before anything is allocated") {
   const auto cfg = tiny(false);
   DecoderModel<> model(cfg);

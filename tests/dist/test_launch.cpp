@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <future>
 #include <map>
 #include <string>
@@ -39,18 +40,24 @@ std::string error_of(const std::function<void()>& f) {
 }
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-/// A port nobody listens on now (the kernel's choice for port 0, released).
-int free_port() {
+/// A socket listening on a free port of 127.0.0.1 with `backlog`; `a` gets its address.
+int listening(int backlog, sockaddr_in& a) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   REQUIRE(fd >= 0);
-  sockaddr_in a{};
+  a = sockaddr_in{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
   socklen_t len = sizeof a;
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(::listen(fd, backlog) == 0);
   REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
-  ::close(fd);
+  return fd;
+}
+
+/// A port nobody listens on now (the kernel's choice for port 0, released).
+int free_port() {
+  sockaddr_in a{};
+  ::close(listening(1, a));
   return ntohs(a.sin_port);
 }
 
@@ -151,6 +158,78 @@ TEST_CASE("launch_from_env refuses what a launcher would not set, by name") {
         "MASTER_PORT"));
 }
 
+TEST_CASE("launch_from_env: torchrun's own store holds MASTER_PORT, so its ranks meet on the next port") {
+  const std::map<std::string, std::string> torchrun{{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "node0"},
+                                                    {"MASTER_PORT", "29400"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"}};
+  const auto t = launch_from_env(env_of(torchrun));
+  CHECK(t.master_port == 29401);
+  CHECK(t.port_source == "MASTER_PORT + 1");
+  auto no_store = torchrun;
+  no_store["TORCHELASTIC_USE_AGENT_STORE"] = "False";  // (the workers would make the store: the port is free)
+  CHECK(launch_from_env(env_of(no_store)).master_port == 29400);
+  // (another launcher's variables keep MASTER_PORT: only torchrun's agent holds it)
+  CHECK(launch_from_env(env_of({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"MASTER_PORT", "29400"},
+                                {"TORCHELASTIC_USE_AGENT_STORE", "True"}}))
+            .master_port == 29400);
+  // MEGATRAIN_RENDEZVOUS_PORT wins for any launcher, and is checked
+  auto chosen = torchrun;
+  chosen["MEGATRAIN_RENDEZVOUS_PORT"] = "31000";
+  const auto c = launch_from_env(env_of(chosen));
+  CHECK(c.master_port == 31000);
+  CHECK(c.port_source == "MEGATRAIN_RENDEZVOUS_PORT");
+  chosen["MEGATRAIN_RENDEZVOUS_PORT"] = "0";
+  CHECK(contains(error_of([&] { (void)launch_from_env(env_of(chosen)); }), "MEGATRAIN_RENDEZVOUS_PORT"));
+  auto last = torchrun;
+  last["MASTER_PORT"] = "65535";
+  CHECK(contains(error_of([&] { (void)launch_from_env(env_of(last)); }), "MEGATRAIN_RENDEZVOUS_PORT"));
+}
+
+TEST_CASE("tcp_all_gather under torchrun: the ranks meet beside the agent's store listening on MASTER_PORT") {
+  // What torchrun does: its agent listens on MASTER_PORT before it starts the workers.
+  sockaddr_in a{};
+  const int store = listening(16, a);
+  const std::string port = std::to_string(ntohs(a.sin_port));
+  const auto gather = [&](int rank, bool agent_store) {
+    std::map<std::string, std::string> e{{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"},
+                                         {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}};
+    if (agent_store) e["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+    return std::async(std::launch::async, [=] {
+      Outcome o;
+      try {
+        o.blobs = tcp_all_gather(launch_from_env(env_of(e)), "rank " + std::to_string(rank), 5s);
+      } catch (const Error& err) {
+        o.error = err.what();
+      }
+      return o;
+    });
+  };
+  auto r1 = gather(1, true), r0 = gather(0, true);
+  const Outcome o0 = r0.get(), o1 = r1.get();
+  CHECK(o0.error.empty());
+  CHECK(o1.error.empty());
+  CHECK(o0.blobs == std::vector<std::string>{"rank 0", "rank 1"});
+  CHECK(o1.blobs == o0.blobs);
+  // Without torchrun's word, rank 0 cannot listen on the taken port, and says what to set.
+  const Outcome taken = gather(0, false).get();
+  CHECK(contains(taken.error, "cannot listen on 127.0.0.1:" + port));
+  CHECK(contains(taken.error, "MEGATRAIN_RENDEZVOUS_PORT"));
+  ::close(store);
+}
+
+// Run by tests/dist/torchrun_launch.sh under torchrun itself (MEGATRAIN_TEST_LAUNCHED=1), one
+// process a rank: each reads its launcher's environment and meets the others. Elsewhere it does
+// nothing.
+TEST_CASE("the launcher's own environment: every process meets every other") {
+  if (std::getenv("MEGATRAIN_TEST_LAUNCHED") == nullptr) return;
+  const LaunchInfo me = launch_from_env();
+  REQUIRE(me.world >= 2);
+  const auto all = tcp_all_gather(me, "rank " + std::to_string(me.rank), 60s);
+  REQUIRE(static_cast<int>(all.size()) == me.world);
+  for (int r = 0; r < me.world; ++r) CHECK(all[static_cast<std::size_t>(r)] == "rank " + std::to_string(r));
+  MESSAGE("rank " << me.rank << " of " << me.world << " (" << me.launcher << ") met the others on " << me.master_addr
+                  << ":" << me.master_port << " (" << me.port_source << ")");
+}
+
 TEST_CASE("rendezvous_timeout: the option, else MEGATRAIN_RENDEZVOUS_TIMEOUT, else 300 s") {
   CHECK(rendezvous_timeout(2.5, env_of({{"MEGATRAIN_RENDEZVOUS_TIMEOUT", "9"}})) == 2500ms);
   CHECK(rendezvous_timeout({}, env_of({{"MEGATRAIN_RENDEZVOUS_TIMEOUT", "9"}})) == 9000ms);
@@ -232,14 +311,8 @@ TEST_CASE("Beacon and absent_ranks: a live process answers, one that ended is na
   CHECK(absent_ranks({gone1, ""}, 0).empty());
   // A peer that does not answer, beside one that ended: a port whose queue of connections is full
   // (never accepted), where the kernel drops the next ones as an unreachable host does.
-  const int full = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  REQUIRE(::bind(full, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-  REQUIRE(::listen(full, 0) == 0);
-  REQUIRE(::getsockname(full, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  const int full = listening(0, a);
   std::vector<int> queued;
   for (int i = 0; i < 4; ++i) {  // (filling its queue)
     queued.push_back(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0));

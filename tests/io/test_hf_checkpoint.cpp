@@ -235,6 +235,66 @@ TEST_CASE("export then load reproduces the masters: every dtype, sharded and not
   }
 }
 
+TEST_CASE("export then load, every family of the fixtures: transformers' tensor names and shapes, every dtype, sharded") {
+  // Each fixture's model.safetensors was written by transformers' save_pretrained: an export of a
+  // store of that config must hold the same tensors (names, shapes: fused q/k/v and gate/up of
+  // Phi-3, GPT-OSS's stacked experts with their biases and sinks, per-expert tensors of Qwen3-MoE,
+  // Mixtral and OLMoE, a multimodal checkpoint's language model) and load back to the same masters.
+  std::vector<fs::path> dirs;
+  for (const auto& e : fs::directory_iterator(MEGATRAIN_TEST_FIXTURES))
+    if (fs::exists(e.path() / "config.json")) dirs.push_back(e.path());
+  std::sort(dirs.begin(), dirs.end());
+  REQUIRE(dirs.size() >= 19);
+  for (const auto& d : dirs) {
+    const std::string name = d.filename().string();
+    const ModelConfig cfg = ModelConfig::from_file(d / "config.json");
+    const auto store = random_store(cfg);
+    // (the MXFP4 fixture holds the experts' blocks and scales: an export writes them dequantized,
+    // under gpt_oss's names; the multimodal one, the language model's tensors of a text export)
+    std::map<std::string, std::vector<std::int64_t>> published;
+    if (name != "gpt_oss_mxfp4" && name != "gemma3_mm") {
+      const auto ref = SafetensorsCheckpoint::open(d / "model.safetensors");
+      for (const auto& n : ref.names()) {
+        const auto shape = ref.tensor(n).info->shape;
+        published[n] = std::vector<std::int64_t>(shape.begin(), shape.end());
+      }
+    }
+    for (const DType t : {DType::f32, DType::bf16}) {
+      for (const bool sharded : {false, true}) {
+        INFO(name << ", " << dtype_name(t) << (sharded ? ", sharded" : ", one file"));
+        TempDir dir;
+        const auto out = dir / "export";
+        export_hf_model(store, cfg, out, exporting(t, sharded ? 40'000 : 5'000'000'000));
+        const auto ckpt = SafetensorsCheckpoint::open(out);
+        CHECK(ckpt.sharded() == sharded);
+        if (!published.empty()) {
+          std::map<std::string, std::vector<std::int64_t>> written;
+          for (const auto& n : ckpt.names()) {
+            const auto shape = ckpt.tensor(n).info->shape;
+            written[n] = std::vector<std::int64_t>(shape.begin(), shape.end());
+          }
+          CHECK(written == published);
+        }
+        HfModel m = load_hf_model(out, small_store());
+        CHECK(m.config.to_json() == cfg.to_json());
+        CHECK(m.ignored.empty());
+        check_masters(store, m.store, t);
+      }
+    }
+    // The config.json fields transformers 5 writes: rope_parameters (Phi-3's partial factor of 1.0
+    // aside, which it writes and megatrain leaves to its default) and layer_types where it has them.
+    INFO(name);
+    const json theirs_all = json::parse(read_file(d / "config.json"));
+    const json& theirs = theirs_all.contains("text_config") ? theirs_all.at("text_config") : theirs_all;
+    const json ours = cfg.to_json();
+    json rope = theirs.at("rope_parameters");
+    if (rope.contains("partial_rotary_factor") && rope.at("partial_rotary_factor") == 1.0) rope.erase("partial_rotary_factor");
+    CHECK(ours.at("rope_parameters") == rope);
+    CHECK(ours.contains("layer_types") == theirs.contains("layer_types"));
+    if (theirs.contains("layer_types")) CHECK(ours.at("layer_types") == theirs.at("layer_types"));
+  }
+}
+
 TEST_CASE("load_into: an existing store, checked before anything is written") {
   const ModelConfig cfg = ModelConfig::from_json(llama_json(false));
   const auto src = random_store(cfg);

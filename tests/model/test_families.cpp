@@ -197,7 +197,15 @@ TEST_CASE("every model family gives transformers' loss and gradients (fp32 CPU b
   for (const auto& e : fs::directory_iterator(MEGATRAIN_TEST_FIXTURES))
     if (fs::exists(e.path() / "reference.safetensors")) dirs.push_back(e.path());
   std::sort(dirs.begin(), dirs.end());
-  REQUIRE(dirs.size() >= 4);
+  // Every fixture make_fixtures.py writes, by name: a missing or unreadable one fails here rather
+  // than leaving its family unchecked.
+  std::vector<std::string> names;
+  for (const auto& d : dirs) names.push_back(d.filename().string());
+  const std::vector<std::string> expected{"gemma3",  "gemma3_mm",    "gpt_oss",  "gpt_oss_mxfp4",   "llama",
+                                          "mixtral", "mixtral_aux",  "olmoe",    "olmoe_aux",       "phi3",
+                                          "phi3_longrope", "phi3_partial", "qwen2", "qwen3",        "qwen3_moe",
+                                          "qwen3_moe_aux", "qwen3_moe_aux_mask", "qwen3_tied_bias", "smollm3"};
+  CHECK(names == expected);
   for (const auto& d : dirs) {
     CAPTURE(d.filename().string());
     check_family(d);

@@ -32,6 +32,9 @@ struct LaunchInfo {
   int local_world = 1;  ///< processes on this host (0: unknown)
   std::string master_addr;  ///< where rank 0 listens for the rendezvous (a host name or an address)
   int master_port = 0;
+  /// Where master_port came from, for messages: "MASTER_PORT", "MEGATRAIN_RENDEZVOUS_PORT", or
+  /// "MASTER_PORT + 1" under torchrun, whose own store listens on MASTER_PORT.
+  std::string port_source = "MASTER_PORT";
   /// Which launcher's environment this came from: "torchrun", "openmpi", "slurm", or "single".
   std::string launcher = "single";
 };
@@ -41,7 +44,10 @@ struct LaunchInfo {
 /// SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID. MASTER_ADDR and MASTER_PORT give the rendezvous
 /// (Slurm: SLURM_LAUNCH_NODE_IPADDR where MASTER_ADDR is absent; 127.0.0.1 where every process is on
 /// this host, as `mpirun -np N` starts them; else empty, which tcp_all_gather refuses, naming
-/// MASTER_ADDR: a run over MPI alone needs none; the port defaults to 29500). A
+/// MASTER_ADDR: a run over MPI alone needs none; the port defaults to 29500). Under torchrun
+/// (TORCHELASTIC_USE_AGENT_STORE=True: the agent's own TCPStore already listens on MASTER_PORT)
+/// the ranks meet on MASTER_PORT + 1; MEGATRAIN_RENDEZVOUS_PORT, where set, is the port for any
+/// launcher. A
 /// variable that is not a whole number, or a rank outside [0, world), is an error naming it.
 /// `getenv` is std::getenv unless a test gives its own.
 LaunchInfo launch_from_env(const std::function<const char*(const char*)>& getenv = {});

@@ -6,6 +6,10 @@
 // gets the same bits (each steps its own replica of the weights).
 #pragma once
 
+#include <string>
+#include <string_view>
+#include <vector>
+
 #include "megatrain/dist/comm.hpp"
 
 namespace megatrain::dist {
@@ -31,6 +35,9 @@ class MpiComm final : public HostComm {
   void all_gather(std::span<bf16> data, std::span<const std::int64_t> bounds) override;
   void gather(std::span<float> data, std::span<const std::int64_t> bounds, int root) override;
   void gather(std::span<bf16> data, std::span<const std::int64_t> bounds, int root) override;
+  /// Every rank's blob, in rank order, on every rank (MPI_Allgatherv): how processes that mpirun
+  /// launched meet to hand out the NCCL unique id (dist::Rendezvous), with no address to agree on.
+  std::vector<std::string> all_gather_blobs(std::string_view blob);
 
  private:
   int rank_ = 0, world_ = 1;

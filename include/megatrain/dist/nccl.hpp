@@ -15,6 +15,8 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -24,11 +26,17 @@
 
 namespace megatrain::dist {
 
+/// How the ranks exchange the small blobs of their meeting (every rank's blob, in rank order, on
+/// every rank): by default tcp_all_gather on MASTER_ADDR:MASTER_PORT within the rendezvous
+/// timeout; where MPI launched the processes, MpiComm::all_gather_blobs (no address needed).
+using Rendezvous = std::function<std::vector<std::string>(std::string_view blob)>;
+
 class NcclComm {
  public:
   /// Joins the run `info` describes on CUDA device `device` (made current); throws naming the
-  /// rendezvous address or NCCL's error.
-  NcclComm(const LaunchInfo& info, int device, std::chrono::milliseconds timeout);
+  /// rendezvous address or NCCL's error. `meet` (where given) exchanges the NCCL unique id and the
+  /// beacons' addresses instead of tcp_all_gather.
+  NcclComm(const LaunchInfo& info, int device, std::chrono::milliseconds timeout, const Rendezvous& meet = {});
   ~NcclComm();
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
@@ -66,7 +74,7 @@ class NcclHostComm final : public HostComm {
   /// Joins the run `info` describes on CUDA device `device` (NcclComm's rendezvous, within
   /// `timeout`).
   NcclHostComm(const LaunchInfo& info, int device, std::chrono::milliseconds timeout,
-               std::chrono::milliseconds collective_timeout = dist::collective_timeout());
+               std::chrono::milliseconds collective_timeout = dist::collective_timeout(), const Rendezvous& meet = {});
   ~NcclHostComm() override;
   NcclHostComm(const NcclHostComm&) = delete;
   NcclHostComm& operator=(const NcclHostComm&) = delete;

@@ -157,6 +157,11 @@ json layer_types_json(const ModelConfig& c) {
   return types;
 }
 
+void write_full_layer_types(const ModelConfig& c, json& j) {
+  if (c.sliding_window) return;
+  j["layer_types"] = json(std::vector<std::string>(static_cast<std::size_t>(c.num_hidden_layers), "full_attention"));
+}
+
 void refuse_dropout(const json& j, std::string_view src, std::initializer_list<const char*> keys) {
   for (const char* key : keys)
     MT_CHECK(get_double(j, key, src, 0.0) == 0.0,

@@ -56,6 +56,9 @@ std::vector<bool> read_layer_types(const json& j, std::string_view src, std::int
 inline json window_json(const ModelConfig& c) { return c.sliding_window ? json(*c.sliding_window) : json(nullptr); }
 /// c.sliding_layers as layer_types.
 json layer_types_json(const ModelConfig& c);
+/// layer_types of a model whose every layer is full attention, as transformers 5 writes it for
+/// Qwen2, Qwen3 and SmolLM3 without sliding windows; nothing (no key) where a window is set.
+void write_full_layer_types(const ModelConfig& c, json& j);
 
 /// Refuses each of `keys` that is nonzero: megatrain trains without dropout.
 void refuse_dropout(const json& j, std::string_view src, std::initializer_list<const char*> keys);

@@ -19,6 +19,7 @@ void check(const ModelConfig& c, std::string_view src) {
 void write(const ModelConfig& c, json& j) {
   j["use_sliding_window"] = c.sliding_window.has_value();
   j["sliding_window"] = window_json(c);
+  write_full_layer_types(c, j);
 }
 
 }  // namespace

@@ -19,6 +19,7 @@ void write(const ModelConfig& c, json& j) {
   j["attention_bias"] = c.qkv_bias;
   j["use_sliding_window"] = c.sliding_window.has_value();
   j["sliding_window"] = window_json(c);
+  write_full_layer_types(c, j);
 }
 
 }  // namespace

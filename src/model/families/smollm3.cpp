@@ -52,6 +52,7 @@ void write(const ModelConfig& c, json& j) {
   j["no_rope_layers"] = rope;
   j["use_sliding_window"] = false;
   j["sliding_window"] = nullptr;
+  write_full_layer_types(c, j);
 }
 
 }  // namespace
