@@ -450,16 +450,31 @@ Beacon::~Beacon() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-std::string absent_ranks(const std::vector<std::string>& beacons, int self, std::chrono::milliseconds wait) {
+namespace {
+// Knocks on every other rank's beacon: the ranks whose process has ended, and those that do not
+// answer by `wait`.
+void knock_all(const std::vector<std::string>& beacons, int self, std::chrono::milliseconds wait,
+               std::vector<std::string>& ended, std::vector<std::string>& silent) {
   const auto deadline = Clock::now() + wait;
-  std::vector<std::string> ended, silent;
-  const int world = static_cast<int>(beacons.size());
-  for (int r = 0; r < world; ++r) {
+  for (int r = 0; r < static_cast<int>(beacons.size()); ++r) {
     if (r == self || beacons[static_cast<std::size_t>(r)].empty()) continue;
     const Answer a = knock(beacons[static_cast<std::size_t>(r)], deadline);
     if (a == Answer::ended) ended.push_back(std::to_string(r));
     if (a == Answer::silent) silent.push_back(std::to_string(r));
   }
+}
+}  // namespace
+
+bool any_rank_ended(const std::vector<std::string>& beacons, int self, std::chrono::milliseconds wait) {
+  std::vector<std::string> ended, silent;
+  knock_all(beacons, self, wait, ended, silent);
+  return !ended.empty();
+}
+
+std::string absent_ranks(const std::vector<std::string>& beacons, int self, std::chrono::milliseconds wait) {
+  std::vector<std::string> ended, silent;
+  const int world = static_cast<int>(beacons.size());
+  knock_all(beacons, self, wait, ended, silent);
   std::vector<std::string> parts;
   if (!ended.empty())
     parts.push_back(fmt::format("rank{} {} of {}: {} process{} ended (killed or failed)", ended.size() > 1 ? "s" : "",

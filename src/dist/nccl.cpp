@@ -209,8 +209,20 @@ void NcclHostComm::watch_stream(cudaStream_t s) {
   wake_.notify_all();
 }
 
+// Whether a collective waiting since `since` waits for a rank whose process has ended: asked once
+// it has waited kAskAfter, then every kAskAfter (`knocked`: when last asked).
+bool NcclHostComm::peer_gone(std::chrono::steady_clock::time_point since,
+                             std::chrono::steady_clock::time_point& knocked) const {
+  constexpr auto kAskAfter = std::chrono::seconds(2);
+  const auto now = std::chrono::steady_clock::now();
+  if (now - since < kAskAfter || now - knocked < kAskAfter) return false;
+  knocked = now;
+  return comm_.peer_ended();
+}
+
 void NcclHostComm::watch() {
   (void)cudaSetDevice(device_);
+  std::chrono::steady_clock::time_point knocked{};
   std::unique_lock lock(mutex_);
   while (!stopping_) {
     if (pending_.empty() || comm_.comm_ == nullptr) {
@@ -222,19 +234,22 @@ void NcclHostComm::watch() {
     (void)ncclCommGetAsyncError(static_cast<ncclComm_t>(comm_.comm_), &async);
     lock.unlock();
     const cudaError_t q = cudaEventQuery(p.done);
-    const bool late = std::chrono::steady_clock::now() - p.since > collective_timeout_;
+    const auto now = std::chrono::steady_clock::now();
+    const bool late = now - p.since > collective_timeout_;
     if (q == cudaSuccess) {
       lock.lock();
       pending_.pop_front();
       free_events_.push_back(p.done);
       continue;
     }
-    if (q != cudaErrorNotReady || (async != ncclSuccess && async != ncclInProgress) || late) {
+    const bool gone = q == cudaErrorNotReady && peer_gone(p.since, knocked);
+    if (q != cudaErrorNotReady || (async != ncclSuccess && async != ncclInProgress) || late || gone) {
       std::fprintf(stderr, "megatrain: rank %d of %d: a collective on the GPUs (a gradient's sum, or a unit's weights "
                    "gathered) %s; %s: this rank's communicator is aborted and its next collective fails (the collective "
                    "timeout: MEGATRAIN_COLLECTIVE_TIMEOUT, in seconds)\n", rank(), world(),
-                   late ? fmt::format("did not complete within {} s", std::chrono::duration<double>(collective_timeout_).count()).c_str()
-                        : fmt::format("failed ({})", ncclGetErrorString(async)).c_str(),
+                   late   ? fmt::format("did not complete within {} s", std::chrono::duration<double>(collective_timeout_).count()).c_str()
+                   : gone ? "waits for a rank that is gone"
+                          : fmt::format("failed ({})", ncclGetErrorString(async)).c_str(),
                    stopped().c_str());
       abort_comm();
       lock.lock();
@@ -247,6 +262,7 @@ void NcclHostComm::watch() {
 
 void NcclHostComm::wait() {
   const auto start = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point knocked{};
   for (;;) {
     const cudaError_t q = cudaStreamQuery(stream_);
     if (q == cudaSuccess) return;
@@ -254,8 +270,11 @@ void NcclHostComm::wait() {
     ncclResult_t async = ncclSuccess;
     with_comm([&](void* c) { MT_CUDA_CHECK(ncclCommGetAsyncError(static_cast<ncclComm_t>(c), &async)); });
     const bool late = std::chrono::steady_clock::now() - start > collective_timeout_;
-    if ((async != ncclSuccess && async != ncclInProgress) || late) {
+    const bool gone = !late && peer_gone(start, knocked);
+    if ((async != ncclSuccess && async != ncclInProgress) || late || gone) {
       abort_comm();  // (the collective's kernel ends, and the communicator may not be used again)
+      if (gone) MT_FAIL("rank {} of {}: a collective waits for a rank that is gone ({}); this rank stops too", rank(),
+                        world(), stopped());
       if (!late) MT_FAIL("rank {} of {}: a collective failed in NCCL ({}; {}); this rank stops", rank(), world(),
                          ncclGetErrorString(async), stopped());
       MT_FAIL("rank {} of {}: a collective did not complete within {} s ({}); this rank stops too (the collective "

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
+#include <thread>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -128,11 +129,17 @@ int rank_main(const dist::LaunchInfo& me) {
       test::rank_check(one[0] == W * (W + 1) / 2 && f.back() == static_cast<float>(W * (W + 1) / 2), "the collectives' sums", r);
       std::fprintf(stderr, "rank %d: collectives ok\n", r);
     }
-    // killed_rank_nccl.sh: one rank dies by SIGKILL; the other must stop within the collective
-    // timeout with a message saying so, instead of waiting forever: a gradient's sum on the GPU
-    // (the watchdog aborts the communicator), then a collective of host memory.
+    // killed_rank_nccl.sh: one rank dies by SIGKILL (or, with MEGATRAIN_TEST_STUCK_RANK, stays alive
+    // without joining the collectives for 20 s); the other must stop with a message saying so,
+    // instead of waiting forever: at once where the rank's process has ended, at the collective
+    // timeout where it lives. A gradient's sum on the GPU (the watchdog aborts the communicator),
+    // then a collective of host memory.
     if (const char* victim = std::getenv("MEGATRAIN_TEST_KILL_RANK"); victim != nullptr && me.launcher != "threads") {
-      if (r == std::atoi(victim)) std::raise(SIGKILL);
+      if (r == std::atoi(victim)) {
+        if (std::getenv("MEGATRAIN_TEST_STUCK_RANK") == nullptr) std::raise(SIGKILL);
+        std::this_thread::sleep_for(std::chrono::seconds(20));
+        std::_Exit(0);
+      }
       {
         float* d = nullptr;
         cudaStream_t st = nullptr;

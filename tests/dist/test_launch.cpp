@@ -305,6 +305,9 @@ TEST_CASE("Beacon and absent_ranks: a live process answers, one that ended is na
   };
   const std::string gone1 = ended(), gone2 = ended();
   CHECK(absent_ranks({self.address(), alive.address(), reached.address()}, 0).empty());
+  CHECK_FALSE(any_rank_ended({self.address(), alive.address(), reached.address()}, 0));
+  CHECK(any_rank_ended({self.address(), alive.address(), gone1}, 0));
+  CHECK_FALSE(any_rank_ended({gone1, self.address()}, 0));  // (this rank's own is not asked)
   CHECK(absent_ranks({self.address(), alive.address(), gone1}, 0) == "rank 2 of 3: its process has ended (killed or failed)");
   CHECK(absent_ranks({gone1, self.address(), gone2}, 1) == "ranks 0, 2 of 3: their processes have ended (killed or failed)");
   // (this rank's own beacon is not asked; an empty address is skipped)
@@ -320,6 +323,7 @@ TEST_CASE("Beacon and absent_ranks: a live process answers, one that ended is na
   }
   std::this_thread::sleep_for(100ms);
   const std::string silent = "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+  CHECK_FALSE(any_rank_ended({self.address(), silent}, 0, std::chrono::milliseconds(300)));  // (slow is not gone)
   CHECK(absent_ranks({self.address(), silent, gone1}, 0, std::chrono::milliseconds(300)) ==
         "rank 2 of 3: its process has ended (killed or failed); rank 1 of 3: no answer within 0.3 s (the host down or "
         "unreachable)");

@@ -98,5 +98,10 @@ class Beacon {
 /// then it is stuck or failed elsewhere). An empty or malformed address is skipped.
 std::string absent_ranks(const std::vector<std::string>& beacons, int self,
                          std::chrono::milliseconds wait = std::chrono::milliseconds(1500));
+/// Whether the process of a rank of `beacons` other than `self` has ended (its beacon refused):
+/// what a rank waiting in a collective asks every few seconds, to stop at once rather than at the
+/// collective timeout. A rank that does not answer within `wait` is not counted (it may be slow).
+bool any_rank_ended(const std::vector<std::string>& beacons, int self,
+                    std::chrono::milliseconds wait = std::chrono::milliseconds(500));
 
 }  // namespace megatrain::dist

@@ -46,6 +46,8 @@ class NcclComm {
   /// The other ranks that are gone, in words (dist::absent_ranks over their beacons, which the
   /// rendezvous exchanged); empty where every other rank's process still answers.
   std::string absent() const { return absent_ranks(beacons_, rank_); }
+  /// Whether another rank's process has ended (dist::any_rank_ended over the beacons).
+  bool peer_ended() const { return any_rank_ended(beacons_, rank_); }
 
   /// In place on `stream`: data[i] = the sum over the ranks of data[i] (fp32).
   void all_reduce_sum(float* data, std::size_t n, cudaStream_t stream);
@@ -67,8 +69,10 @@ class NcclComm {
 /// dist::HostComm over NCCL, for processes on GPU machines without MPI: host buffers pass through
 /// staging buffers, pinned on the host and on the GPU (64 MiB at a time: up, summed by NCCL,
 /// down), on a stream of its own. NCCL's ring gives every rank the same bits. A collective that does not complete within
-/// `collective_timeout` (a peer killed, failed or stuck), or that NCCL reports failed, aborts the
-/// communicator and throws naming this rank and what happened: a rank never waits forever.
+/// `collective_timeout` (a peer killed, failed or stuck), that NCCL reports failed, or that still
+/// waits when another rank's process has ended (its beacon, asked every 2 s once a collective has
+/// waited 2 s), aborts the communicator and throws naming this rank and what happened: a rank never
+/// waits forever, nor for the whole timeout on a rank that is gone.
 class NcclHostComm final : public HostComm {
  public:
   /// Joins the run `info` describes on CUDA device `device` (NcclComm's rendezvous, within
@@ -112,6 +116,7 @@ class NcclHostComm final : public HostComm {
   void abort_comm() noexcept;
   std::string stopped() const;  // which other rank stopped, as far as their beacons tell
   void watch();  // the watchdog of the sums on the trainer's streams
+  bool peer_gone(std::chrono::steady_clock::time_point since, std::chrono::steady_clock::time_point& knocked) const;
   void watch_stream(cudaStream_t s);  // what was just enqueued on s, given to the watchdog
   // Each rank's part broadcast from it, in one group, on `stream` (a GPU's memory).
   void gather_parts(void* data, std::size_t elem, std::size_t n, std::span<const std::int64_t> bounds, void* stream);
