@@ -193,6 +193,7 @@ int run(const Settings& s, const CLI::App& app, PlanArgs a) {
     topt.comm = &*processes;
     topt.shard_optimizer = s.shard_optimizer;
     topt.share_host_weights = share_weights(s, a.hosts == 1);
+    topt.host_processes = gpus / a.hosts;  // (sharing each host's CPU)
     topt.gather_weights_on_device = s.gather_weights == "gpus";
     check_bf16_copy_option(s, topt.sharded(), gpus);
   } else {

@@ -556,6 +556,9 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
     // (one bf16 copy for the host's processes: where each runs here, as the launcher says, unless
     // told; the store checks that they do)
     topt.share_host_weights = share_weights(s, ranks.info().local_world == ranks.world());
+    // (the ranks on this host share its CPU: the plan divides its AdamW rate among them; a
+    // launcher that does not say how many run here: every rank, as on one host)
+    topt.host_processes = ranks.info().local_world > 0 ? std::min(ranks.info().local_world, ranks.world()) : 0;
     topt.gather_weights_on_device = s.gather_weights == "gpus";
     check_bf16_copy_option(s, topt.sharded(), ranks.world());
   }

@@ -87,6 +87,11 @@ def families():
         "qwen3_moe": (t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(
             tie_word_embeddings=False, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
             norm_topk_prob=True, mlp_only_layers=[1], **{**COMMON, "num_hidden_layers": 3})),
+        # ... with decoder_sparse_step 2 (every second layer sparse: 1 and 3) and mlp_only_layers [3]
+        # (dense after all): one sparse layer, the second of four
+        "qwen3_moe_step2": (t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(
+            tie_word_embeddings=False, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+            norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[3], **{**COMMON, "num_hidden_layers": 4})),
         # Mixtral: Mistral's attention, experts named w1/w3/w2 under block_sparse_moe, always renormalised
         "mixtral": (t.MixtralForCausalLM, t.MixtralConfig(
             tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, sliding_window=None, **COMMON)),

@@ -244,7 +244,7 @@ TEST_CASE("export then load, every family of the fixtures: transformers' tensor 
   for (const auto& e : fs::directory_iterator(MEGATRAIN_TEST_FIXTURES))
     if (fs::exists(e.path() / "config.json")) dirs.push_back(e.path());
   std::sort(dirs.begin(), dirs.end());
-  REQUIRE(dirs.size() >= 19);
+  REQUIRE(dirs.size() >= 20);
   for (const auto& d : dirs) {
     const std::string name = d.filename().string();
     const ModelConfig cfg = ModelConfig::from_file(d / "config.json");

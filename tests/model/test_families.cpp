@@ -204,7 +204,7 @@ TEST_CASE("every model family gives transformers' loss and gradients (fp32 CPU b
   const std::vector<std::string> expected{"gemma3",  "gemma3_mm",    "gpt_oss",  "gpt_oss_mxfp4",   "llama",
                                           "mixtral", "mixtral_aux",  "olmoe",    "olmoe_aux",       "phi3",
                                           "phi3_longrope", "phi3_partial", "qwen2", "qwen3",        "qwen3_moe",
-                                          "qwen3_moe_aux", "qwen3_moe_aux_mask", "qwen3_tied_bias", "smollm3"};
+                                          "qwen3_moe_aux", "qwen3_moe_aux_mask", "qwen3_moe_step2", "qwen3_tied_bias", "smollm3"};
   CHECK(names == expected);
   for (const auto& d : dirs) {
     CAPTURE(d.filename().string());

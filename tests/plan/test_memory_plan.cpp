@@ -12,6 +12,7 @@
 #include <string>
 
 #include "megatrain/backend/cpu/cpu_backend.hpp"
+#include "megatrain/dist/local.hpp"
 #include "megatrain/plan/planner.hpp"
 #include "megatrain/train/trainer.hpp"
 
@@ -1021,6 +1022,38 @@ TEST_CASE("the cost model: gradients waiting in host memory come down during the
       CHECK(term(one, "CPU gradient sums") < 0);
     }
   }
+}
+
+TEST_CASE("the cost model: the ranks on one host share its CPU's AdamW") {
+  const DecoderModel<> model(ModelConfig::preset("qwen2.5-7b"));
+  auto ranks = dist::LocalComm::group(2, std::chrono::seconds(10));  // (only their number is read)
+  TrainerOptions o = opts(16, 1024);  // (one rank's share of 32 sequences)
+  o.clip_norm = 1.0;
+  o.spilled_blocks = 0;
+  o.comm = ranks[0].get();
+  o.shard_optimizer = true;
+  o.device_units = 0;  // (every unit's AdamW on the CPU)
+  const auto p = plan::plan_memory<plan::CudaTypes>(model, o, h200(), {std::size_t{120} << 30, "test"}, std::nullopt, {});
+  REQUIRE(p.fits);
+  o.kept_blocks = static_cast<std::int64_t>(p.buffers.kept_blocks);
+  const auto cpu = [&](int host_processes) {
+    TrainerOptions q = o;
+    q.host_processes = host_processes;
+    q.validate();
+    for (const auto& t : plan::predict_step(model.config(), q, p, {}).terms)
+      if (t.what == "CPU AdamW") return t;
+    FAIL("no CPU AdamW term");
+    return plan::TimeTerm{};
+  };
+  const auto alone = cpu(1), shared = cpu(2), all = cpu(0);
+  REQUIRE(alone.seconds > 0);
+  CHECK(shared.seconds == doctest::Approx(2 * alone.seconds).epsilon(1e-12));
+  CHECK(all.seconds == shared.seconds);  // (0: every rank on this host)
+  CHECK(shared.detail.find("(the host's 4.20 shared by its 2 ranks)") != std::string::npos);
+  CHECK(alone.detail.find("shared") == std::string::npos);
+  TrainerOptions more = o;
+  more.host_processes = 3;
+  CHECK_THROWS_WITH_AS(more.validate(), doctest::Contains("host_processes 3"), Error);
 }
 
 TEST_CASE("without a bf16 copy in host memory: the same bits; only where it alone fits (--host-bf16-copy auto)") {

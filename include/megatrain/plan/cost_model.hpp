@@ -223,8 +223,13 @@ inline double model_flops(const ModelConfig& cfg, double tokens, double seq) {
 
 /// The step time of `plan` (its decisions: device units, spilled checkpoints) on `m`.
 inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& options, const MemoryPlan& plan,
-                             const MachineFigures& m) {
+                             const MachineFigures& machine) {
   const TrainerOptions opt = options.resolved();
+  // (the host's CPU, and so its AdamW rate, is shared by the ranks that run on it)
+  const int sharing = !opt.distributed() ? 1 : opt.host_processes > 0 ? opt.host_processes : opt.comm->world();
+  MachineFigures m = machine;
+  m.adamw_gparams /= sharing;
+  m.adamw_dma_gparams /= sharing;
   const TrainerBuffers& b = plan.buffers;
   const double T = static_cast<double>(b.batch_tokens), S = static_cast<double>(opt.seq_len);
   const double L = static_cast<double>(cfg.num_hidden_layers), d = static_cast<double>(cfg.hidden_size);
@@ -323,7 +328,11 @@ inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& optio
                                  m.d2h_gbs, pass_d2h ? when : pass ? " (during the backward, into host memory)" : "")});
   t.terms.push_back({"PCIe both ways", (h2d + d2h) / (m.duplex_gbs * 1e9), fmt::format("at {:.0f} GB/s in total", m.duplex_gbs)});
   const double cpu_s = n_host / (m.adamw_dma_gparams * 1e9);
-  t.terms.push_back({"CPU AdamW", cpu_s, fmt::format("{:.3f}B parameters at {:.2f} Gparam/s{}", n_host / 1e9, m.adamw_dma_gparams, when)});
+  t.terms.push_back({"CPU AdamW", cpu_s, fmt::format("{:.3f}B parameters at {:.2f} Gparam/s{}{}", n_host / 1e9, m.adamw_dma_gparams,
+                                                      sharing > 1 ? fmt::format(" (the host's {:.2f} shared by its {} ranks)",
+                                                                                machine.adamw_dma_gparams, sharing)
+                                                                  : std::string(),
+                                                      when)});
   if (host_home && opt.micro_batches > 1) {  // (12 bytes an addition, against AdamW's 30 a parameter)
     const double adds = n_host * static_cast<double>(opt.micro_batches - 1);
     t.terms.push_back({"CPU gradient sums", adds * 12.0 / 30.0 / (m.adamw_dma_gparams * 1e9),

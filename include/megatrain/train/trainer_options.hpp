@@ -145,6 +145,10 @@ struct TrainerOptions {
   /// writing its part as it steps; the store refuses where a process runs on another host. The
   /// same bits as without. Ignored otherwise.
   bool share_host_weights = false;
+  /// With `comm`: how many of its ranks run on this host, sharing its CPU, whose AdamW rate the
+  /// planner's cost model divides among them (plan::predict_step; the placement it chooses follows
+  /// from it). 0: every rank of `comm` (one host). Changes no result, only the plan.
+  int host_processes = 0;
   /// With shard_optimizer and bf16 weights (GPUs) not shared (share_host_weights off, or processes
   /// on several hosts): each process holds its bf16 copy in its own part of each unit only
   /// (StoreShard::weights_in_parts: 2 / world bytes a parameter), the prefetch uploads only that
@@ -198,6 +202,9 @@ struct TrainerOptions {
     MT_CHECK(micro_batches >= 1 && batch_rows % micro_batches == 0,
              "{} micro-batches do not divide a batch of {} sequences", micro_batches, batch_rows);
     MT_CHECK(max_micro_rows >= 0, "max_micro_rows must be >= 0 (got {})", max_micro_rows);
+    MT_CHECK(host_processes >= 0 && (comm == nullptr || host_processes <= comm->world()),
+             "host_processes {}: between 0 (every rank on one host) and the {} ranks", host_processes,
+             comm != nullptr ? comm->world() : 1);
     MT_CHECK(chunk_rows >= 0, "chunk_rows must be >= 0 (got {})", chunk_rows);
     MT_CHECK(token_chunk >= 0, "token_chunk must be >= 0 (got {})", token_chunk);
     MT_CHECK(checkpoint_every >= 0, "checkpoint_every must be >= 0 (got {}; 0: as the plan needs)", checkpoint_every);
