@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -1032,6 +1033,46 @@ TEST_CASE("Gemma 3 (sandwich norms, sliding windows, GeGLU) trains as the plain 
     "layer_types":["sliding_attention","full_attention","sliding_attention"]})");
   const auto cfg = ModelConfig::from_json(j, "gemma3 test");
   check_family_trains(cfg, 5, {1, 3});
+}
+
+TEST_CASE("a router that sends every token to the same experts: the tokens per expert and the auxiliary loss, exactly") {
+  // A zero router gives every expert the same logit: the top 2 are experts 0 and 1 (ties go to the
+  // lower index) for every token, so each sparse layer's busiest expert gets all 44 tokens and the
+  // idlest none; the probabilities are uniform, so the auxiliary loss is top_k = 2 whatever the
+  // assignment (transformers' load_balancing_loss_func: E x sum of 1/E x the tokens' shares).
+  const auto cfg = ModelConfig::from_json(nlohmann::json::parse(
+      R"({"architectures":["Qwen3MoeForCausalLM"],"hidden_size":32,"intermediate_size":40,"moe_intermediate_size":24,
+          "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":53,
+          "num_experts":5,"num_experts_per_tok":2,"norm_topk_prob":true,"mlp_only_layers":[1],
+          "output_router_logits":true,"router_aux_loss_coef":0.3})"), "zero router");
+  const TrainerOptions o = options(4, 11);
+  DecoderModel<> model(cfg);
+  HostParamStore<float> store(model.units(), store_opts(o));
+  int zeroed = 0;
+  for (auto& u : store.units()) {
+    for (const auto& p : u.params())
+      if (p.spec.name.ends_with("mlp.gate.weight")) {
+        std::ranges::fill(store.master(p.spec.name).span(), 0.0f);
+        ++zeroed;
+      }
+    store.sync_compute(u);
+  }
+  REQUIRE(zeroed == 2);
+  CpuBackend<float> be;
+  Trainer<CpuBackend<float>> trainer(model, store, be, o);
+  std::mt19937 rng(5);
+  const auto b = random_batch(rng, 4, 11, 53);
+  const StepStats s = trainer.step(b.ids, b.labels, {}, b.mask);
+  trainer.finish_update();
+  REQUIRE(s.expert_load.size() == 2);
+  for (const auto& l : s.expert_load) {
+    CAPTURE(l.layer);
+    CHECK(l.min == 0);
+    CHECK(l.max == 44);
+  }
+  CHECK(s.expert_load[0].layer == 0);
+  CHECK(s.expert_load[1].layer == 2);
+  CHECK(s.aux_loss == doctest::Approx(2.0).epsilon(1e-6));
 }
 
 TEST_CASE("mixtures of experts (Qwen3-MoE, Mixtral, OLMoE) train as the plain loop, kept activations and chunks alike") {
