@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <string>
@@ -64,10 +65,25 @@ class Ranks {
         meet = [mpi = r.mpi_.get()](std::string_view blob) { return mpi->all_gather_blobs(blob); };
       }
 #endif
-      r.comm_ = std::make_unique<megatrain::dist::NcclHostComm>(
-          r.me_, r.me_.local_rank,
-          megatrain::dist::rendezvous_timeout(rendezvous_timeout_s > 0 ? std::optional(rendezvous_timeout_s) : std::nullopt),
-          collective_timeout(), meet);
+      try {
+        r.comm_ = std::make_unique<megatrain::dist::NcclHostComm>(
+            r.me_, r.me_.local_rank,
+            megatrain::dist::rendezvous_timeout(rendezvous_timeout_s > 0 ? std::optional(rendezvous_timeout_s) : std::nullopt),
+            collective_timeout(), meet);
+      } catch (const std::exception& e) {
+#if MEGATRAIN_PROGRAM_MPI
+        // (the others may wait in MPI's gather, which has no timeout: MPI ends every process, once
+        // this one has said why)
+        if (r.mpi_) {
+          const auto* me = dynamic_cast<const megatrain::Error*>(&e);
+          std::fprintf(stderr, "megatrain-train (process %d of %d): error: %s\n", r.me_.rank, r.me_.world,
+                       me != nullptr ? me->reason().c_str() : e.what());
+          std::fflush(stderr);
+          r.mpi_->abort(1);
+        }
+#endif
+        throw;
+      }
 #else
       MT_FAIL("this is process {} of {} ({} launched them), but megatrain-train was built without NCCL, which several "
               "processes on GPUs train over: build it where NCCL is found (the CUDA toolkit's), or run one process",

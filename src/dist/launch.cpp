@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -317,6 +318,11 @@ LaunchInfo launch_from_env(const GetEnv& getenv) {
   else if (both("SLURM_PROCID", "SLURM_NTASKS"))
     set("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE");
   if (li.launcher == "single") return li;
+  // (Slurm sets SLURM_NTASKS_PER_NODE only where it was asked for: else the tasks spread evenly
+  // over SLURM_NNODES hosts, where they divide)
+  if (li.launcher == "slurm" && li.local_world == 0)
+    if (const auto nodes = whole(getenv, "SLURM_NNODES"); nodes && *nodes > 0 && li.world % *nodes == 0)
+      li.local_world = static_cast<int>(li.world / *nodes);
   const char* addr = env(getenv, "MASTER_ADDR");
   if (addr == nullptr && li.launcher == "slurm") addr = env(getenv, "SLURM_LAUNCH_NODE_IPADDR");
   li.master_addr = addr != nullptr ? addr : "";
@@ -327,19 +333,18 @@ LaunchInfo launch_from_env(const GetEnv& getenv) {
   // groups (it says so with TORCHELASTIC_USE_AGENT_STORE=True): rank 0 cannot listen there, so the
   // ranks meet on the next port. MEGATRAIN_RENDEZVOUS_PORT chooses the port for any launcher.
   const char* agent_store = env(getenv, "TORCHELASTIC_USE_AGENT_STORE");
-  if (li.launcher == "torchrun" && agent_store != nullptr &&
-      (std::string_view(agent_store) == "True" || std::string_view(agent_store) == "true" ||
-       std::string_view(agent_store) == "1")) {
-    MT_CHECK(li.master_port < 65535, "MASTER_PORT is 65535: under torchrun the ranks meet on MASTER_PORT + 1 (torchrun's "
-             "own store listens on MASTER_PORT); give torchrun another --master-port, or set MEGATRAIN_RENDEZVOUS_PORT");
-    li.master_port += 1;
-    li.port_source = "MASTER_PORT + 1";
-  }
   if (const auto port = whole(getenv, "MEGATRAIN_RENDEZVOUS_PORT")) {
     MT_CHECK(*port > 0 && *port < 65536, "environment variable MEGATRAIN_RENDEZVOUS_PORT is {}: a TCP port is 1 .. 65535",
              *port);
     li.master_port = static_cast<int>(*port);
     li.port_source = "MEGATRAIN_RENDEZVOUS_PORT";
+  } else if (li.launcher == "torchrun" && agent_store != nullptr &&
+             (std::string_view(agent_store) == "True" || std::string_view(agent_store) == "true" ||
+              std::string_view(agent_store) == "1")) {
+    MT_CHECK(li.master_port < 65535, "MASTER_PORT is 65535: under torchrun the ranks meet on MASTER_PORT + 1 (torchrun's "
+             "own store listens on MASTER_PORT); give torchrun another --master-port, or set MEGATRAIN_RENDEZVOUS_PORT");
+    li.master_port += 1;
+    li.port_source = "MASTER_PORT + 1";
   }
   // (All processes on this host, as mpirun -np N or srun on one node starts them: rank 0 is here.)
   if (li.master_addr.empty() && li.local_world == li.world) li.master_addr = "127.0.0.1";
@@ -397,40 +402,77 @@ std::string own_address(const LaunchInfo& info) {
   return out;
 }
 
-enum class Answer { alive, ended, silent };
-// Connects to "host:port" once: accepted (alive), refused (its process has ended) or no answer by
-// the deadline.
-Answer knock(const std::string& address, Clock::time_point deadline) {
-  const auto colon = address.rfind(':');
-  if (colon == std::string::npos) return Answer::alive;  // (nothing to ask: not named)
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* list = nullptr;
-  if (::getaddrinfo(address.substr(0, colon).c_str(), address.substr(colon + 1).c_str(), &hints, &list) != 0 ||
-      list == nullptr)
-    return Answer::alive;
-  Answer a = Answer::silent;
-  Socket s(::socket(list->ai_family, list->ai_socktype | SOCK_NONBLOCK, list->ai_protocol));
-  if (s) {
-    if (::connect(s.fd(), list->ai_addr, list->ai_addrlen) == 0) {
-      a = Answer::alive;
-    } else if (errno == ECONNREFUSED) {
-      a = Answer::ended;
-    } else if (errno == EINPROGRESS && wait_fd(s.fd(), POLLOUT, deadline)) {
+}  // namespace
+
+namespace {
+// Knocks on every other rank's beacon at once: the ranks whose process has ended (refused), and
+// those that do not answer by `wait` (their host down or unreachable, or their queue full). An
+// empty or unresolvable address is not asked.
+void knock_all(const std::vector<std::string>& beacons, int self, std::chrono::milliseconds wait,
+               std::vector<std::string>& ended, std::vector<std::string>& silent) {
+  const auto deadline = Clock::now() + wait;
+  std::vector<int> gone, quiet;
+  std::vector<std::pair<int, Socket>> pending;  // (rank, a connection under way)
+  for (int r = 0; r < static_cast<int>(beacons.size()); ++r) {
+    const std::string& address = beacons[static_cast<std::size_t>(r)];
+    const auto colon = address.rfind(':');
+    if (r == self || address.empty() || colon == std::string::npos) continue;
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* list = nullptr;
+    if (::getaddrinfo(address.substr(0, colon).c_str(), address.substr(colon + 1).c_str(), &hints, &list) != 0 ||
+        list == nullptr)
+      continue;
+    Socket s(::socket(list->ai_family, list->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, list->ai_protocol));
+    const int rc = s ? ::connect(s.fd(), list->ai_addr, list->ai_addrlen) : -1;
+    const int err = rc == 0 ? 0 : errno;
+    ::freeaddrinfo(list);
+    if (!s || rc == 0) continue;  // (answered: alive; or nothing to ask with)
+    if (err == ECONNREFUSED) gone.push_back(r);
+    else if (err == EINPROGRESS) pending.emplace_back(r, std::move(s));
+    else quiet.push_back(r);
+  }
+  while (!pending.empty()) {
+    std::vector<pollfd> fds;
+    for (const auto& [r, s] : pending) fds.push_back({s.fd(), POLLOUT, 0});
+    const int n = ::poll(fds.data(), fds.size(), remaining_ms(deadline));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    std::vector<std::pair<int, Socket>> still;
+    for (std::size_t k = 0; k < pending.size(); ++k) {
+      if (fds[k].revents == 0) {
+        still.push_back(std::move(pending[k]));
+        continue;
+      }
       int err = 0;
       socklen_t len = sizeof err;
-      ::getsockopt(s.fd(), SOL_SOCKET, SO_ERROR, &err, &len);
-      a = err == 0 ? Answer::alive : err == ECONNREFUSED ? Answer::ended : Answer::silent;
+      ::getsockopt(pending[k].second.fd(), SOL_SOCKET, SO_ERROR, &err, &len);
+      if (err == ECONNREFUSED) gone.push_back(pending[k].first);
+      else if (err != 0) quiet.push_back(pending[k].first);
     }
+    pending = std::move(still);
   }
-  ::freeaddrinfo(list);
-  return a;
+  for (const auto& p : pending) quiet.push_back(p.first);
+  std::sort(gone.begin(), gone.end());
+  std::sort(quiet.begin(), quiet.end());
+  for (const int r : gone) ended.push_back(std::to_string(r));
+  for (const int r : quiet) silent.push_back(std::to_string(r));
 }
 }  // namespace
 
-Beacon::Beacon(const LaunchInfo& info) {
-  Socket s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+struct Beacon::Listener {
+  Socket socket;
+  std::atomic<bool> stop{false};
+  std::thread thread;
+  ~Listener() {
+    stop = true;
+    if (thread.joinable()) thread.join();
+  }
+};
+
+Beacon::Beacon(const LaunchInfo& info) : listener_(std::make_unique<Listener>()) {
+  Socket s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   MT_CHECK(static_cast<bool>(s), "cannot open a socket to tell the other ranks this process lives: {}", std::strerror(errno));
   sockaddr_in any{};
   any.sin_family = AF_INET;
@@ -440,30 +482,24 @@ Beacon::Beacon(const LaunchInfo& info) {
   MT_CHECK(::bind(s.fd(), reinterpret_cast<sockaddr*>(&any), sizeof any) == 0 && ::listen(s.fd(), 64) == 0 &&
                ::getsockname(s.fd(), reinterpret_cast<sockaddr*>(&any), &len) == 0,
            "cannot listen on a port to tell the other ranks this process lives: {}", std::strerror(errno));
-  // (rank 0 is where the others reached it, MASTER_ADDR; the others where they reach it from)
+  // (rank 0 is where the others reached it, MASTER_ADDR; the others where they reach it from; ranks
+  // that met over MPI on several hosts without MASTER_ADDR: not known, so not asked)
   const bool master = info.rank == 0 && !info.master_addr.empty() && info.master_addr.find(':') == std::string::npos;
-  address_ = fmt::format("{}:{}", master ? info.master_addr : own_address(info), ntohs(any.sin_port));
-  fd_ = s.release();
+  if (info.world <= 1 || !info.master_addr.empty())
+    address_ = fmt::format("{}:{}", master ? info.master_addr : own_address(info), ntohs(any.sin_port));
+  listener_->socket = std::move(s);
+  // (each knock accepted and closed at once, so that the queue of connections never fills: a full
+  // queue would leave the next knocks unanswered, as if the host were down)
+  listener_->thread = std::thread([l = listener_.get()] {
+    while (!l->stop) {
+      pollfd p{l->socket.fd(), POLLIN, 0};
+      if (::poll(&p, 1, 100) <= 0) continue;
+      for (int c; (c = ::accept4(l->socket.fd(), nullptr, nullptr, SOCK_CLOEXEC)) >= 0;) ::close(c);
+    }
+  });
 }
 
-Beacon::~Beacon() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
-namespace {
-// Knocks on every other rank's beacon: the ranks whose process has ended, and those that do not
-// answer by `wait`.
-void knock_all(const std::vector<std::string>& beacons, int self, std::chrono::milliseconds wait,
-               std::vector<std::string>& ended, std::vector<std::string>& silent) {
-  const auto deadline = Clock::now() + wait;
-  for (int r = 0; r < static_cast<int>(beacons.size()); ++r) {
-    if (r == self || beacons[static_cast<std::size_t>(r)].empty()) continue;
-    const Answer a = knock(beacons[static_cast<std::size_t>(r)], deadline);
-    if (a == Answer::ended) ended.push_back(std::to_string(r));
-    if (a == Answer::silent) silent.push_back(std::to_string(r));
-  }
-}
-}  // namespace
+Beacon::~Beacon() = default;
 
 bool any_rank_ended(const std::vector<std::string>& beacons, int self, std::chrono::milliseconds wait) {
   std::vector<std::string> ended, silent;

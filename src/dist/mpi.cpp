@@ -122,16 +122,17 @@ void MpiComm::gather(std::span<bf16> data, std::span<const std::int64_t> bounds,
 }
 
 std::vector<std::string> MpiComm::all_gather_blobs(std::string_view blob) {
-  MT_CHECK(blob.size() <= (std::size_t{1} << 20), "MPI rendezvous: a blob of {} bytes (at most 1 MiB)", blob.size());
+  // (every rank learns every size first, so that a blob too large fails every rank alike)
+  constexpr int kMax = 1 << 20;
   std::vector<int> sizes(static_cast<std::size_t>(world_)), offsets(static_cast<std::size_t>(world_));
-  const int mine = static_cast<int>(blob.size());
+  const int mine = static_cast<int>(std::min<std::size_t>(blob.size(), std::size_t{kMax} + 1));
   check(MPI_Allgather(&mine, 1, MPI_INT, sizes.data(), 1, MPI_INT, MPI_COMM_WORLD), "MPI_Allgather");
   long long total = 0;
   for (std::size_t r = 0; r < sizes.size(); ++r) {
+    MT_CHECK(sizes[r] <= kMax, "MPI rendezvous: rank {}'s blob is over 1 MiB", r);
     offsets[r] = static_cast<int>(total);
     total += sizes[r];
   }
-  MT_CHECK(total < (1LL << 31), "MPI rendezvous: {} bytes in all", total);
   std::string all(static_cast<std::size_t>(total), '\0');
   check(MPI_Allgatherv(blob.data(), mine, MPI_CHAR, all.data(), sizes.data(), offsets.data(), MPI_CHAR, MPI_COMM_WORLD),
         "MPI_Allgatherv");

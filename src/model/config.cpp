@@ -338,8 +338,9 @@ json ModelConfig::to_json() const {
   j["pad_token_id"] = pad_token_id ? json(*pad_token_id) : json(nullptr);
   // Rotary: as transformers 5 writes it, rope_parameters (rope_theta, the scaling and the partial
   // factor in it); and for transformers 4, which reads only the top level, rope_theta, a scaling
-  // other than the default as rope_scaling, the partial factor (transformers 5 takes these too and
-  // agrees: rope_parameters' own values come first).
+  // other than the default as rope_scaling, the partial factor. transformers 5 reads a top-level
+  // rope_scaling in place of rope_parameters, filling rope_theta and the partial factor from the
+  // top level: the same values, since rope_scaling is rope_parameters less those two.
   json rope = model_families::rope_parameters_json(*this);
   if (partial_rotary_factor != 1.0) {
     rope["partial_rotary_factor"] = partial_rotary_factor;

@@ -127,6 +127,11 @@ TEST_CASE("launch_from_env: torchrun, Open MPI, Slurm, and one process") {
   CHECK(s.world == 16);
   CHECK(s.local_rank == 1);
   CHECK(s.master_addr == "10.1.2.3");
+  // (without SLURM_NTASKS_PER_NODE: the tasks spread over SLURM_NNODES hosts, where they divide)
+  CHECK(launch_from_env(env_of({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "16"}, {"SLURM_NNODES", "4"}, {"MASTER_ADDR", "a"}}))
+            .local_world == 4);
+  CHECK(launch_from_env(env_of({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "15"}, {"SLURM_NNODES", "4"}, {"MASTER_ADDR", "a"}}))
+            .local_world == 0);
 
   // torchrun's explicit RANK wins over the others (srun or mpirun launching torchrun)
   const auto both = launch_from_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"SLURM_PROCID", "7"},
@@ -182,6 +187,8 @@ TEST_CASE("launch_from_env: torchrun's own store holds MASTER_PORT, so its ranks
   auto last = torchrun;
   last["MASTER_PORT"] = "65535";
   CHECK(contains(error_of([&] { (void)launch_from_env(env_of(last)); }), "MEGATRAIN_RENDEZVOUS_PORT"));
+  last["MEGATRAIN_RENDEZVOUS_PORT"] = "31000";  // (which is what the message says to do)
+  CHECK(launch_from_env(env_of(last)).master_port == 31000);
 }
 
 TEST_CASE("tcp_all_gather under torchrun: the ranks meet beside the agent's store listening on MASTER_PORT") {
@@ -308,6 +315,15 @@ TEST_CASE("Beacon and absent_ranks: a live process answers, one that ended is na
   CHECK_FALSE(any_rank_ended({self.address(), alive.address(), reached.address()}, 0));
   CHECK(any_rank_ended({self.address(), alive.address(), gone1}, 0));
   CHECK_FALSE(any_rank_ended({gone1, self.address()}, 0));  // (this rank's own is not asked)
+  // (each knock is accepted and closed: a hundred knocks, more than the queue holds, all answered)
+  for (int i = 0; i < 100; ++i) REQUIRE_FALSE(any_rank_ended({self.address(), alive.address()}, 0));
+  CHECK(absent_ranks({self.address(), alive.address()}, 0).empty());
+  // (ranks on several hosts that met over MPI without MASTER_ADDR: this host's address for the
+  // others is not known, so the beacon gives none, and nobody knocks on it)
+  LaunchInfo hosts;
+  hosts.world = 4;
+  hosts.local_world = 2;
+  CHECK(Beacon(hosts).address().empty());
   CHECK(absent_ranks({self.address(), alive.address(), gone1}, 0) == "rank 2 of 3: its process has ended (killed or failed)");
   CHECK(absent_ranks({gone1, self.address(), gone2}, 1) == "ranks 0, 2 of 3: their processes have ended (killed or failed)");
   // (this rank's own beacon is not asked; an empty address is skipped)

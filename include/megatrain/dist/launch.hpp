@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -73,21 +74,23 @@ std::vector<std::string> tcp_all_gather(const LaunchInfo& info, std::string_view
 
 /// What tells the other ranks that this process still lives: a TCP socket listening on a port of
 /// its own, which its kernel answers while the process lives and refuses once it has ended (killed
-/// or failed), without any thread of it running. Its address ("host:port": MASTER_ADDR on rank 0,
-/// else the address this host reaches MASTER_ADDR from, or 127.0.0.1 where there is none; it listens
-/// on every address) travels with the rendezvous, so that
+/// or failed); a thread of it accepts and closes each knock. Its address ("host:port": MASTER_ADDR
+/// on rank 0, else the address this host reaches MASTER_ADDR from, or 127.0.0.1 for a run of one
+/// process; empty, and not asked, for ranks on several hosts that met without MASTER_ADDR (over
+/// MPI), whose own address is not known; it listens on every address) travels with the rendezvous, so that
 /// a rank whose collective stalls can name the ranks that are gone (absent_ranks). Moves, no copies.
 class Beacon {
  public:
   explicit Beacon(const LaunchInfo& info);
-  Beacon(Beacon&& o) noexcept : fd_(o.fd_), address_(std::move(o.address_)) { o.fd_ = -1; }
+  Beacon(Beacon&& o) noexcept = default;
   Beacon& operator=(Beacon&&) = delete;
   Beacon(const Beacon&) = delete;
   ~Beacon();
   const std::string& address() const { return address_; }
 
  private:
-  int fd_ = -1;
+  struct Listener;  // (the socket, and a thread that accepts and closes what knocks, so its queue never fills)
+  std::unique_ptr<Listener> listener_;
   std::string address_;
 };
 
