@@ -347,8 +347,11 @@ json ModelConfig::to_json() const {
     j["partial_rotary_factor"] = partial_rotary_factor;
   }
   j["rope_parameters"] = rope;
-  if (rope_scaling.type != RopeScaling::Type::none)
-    j["rope_scaling"] = model_families::rope_scaling_json(rope_scaling, yarn_factor(), yarn_original_length());
+  if (rope_scaling.type != RopeScaling::Type::none) {
+    rope.erase("rope_theta");
+    rope.erase("partial_rotary_factor");
+    j["rope_scaling"] = rope;
+  }
   if (rope_scaling.type == RopeScaling::Type::longrope)
     j["original_max_position_embeddings"] = rope_scaling.original_max_position_embeddings;
   family(architecture).write(*this, j);

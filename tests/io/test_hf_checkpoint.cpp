@@ -245,6 +245,14 @@ TEST_CASE("export then load, every family of the fixtures: transformers' tensor 
     if (fs::exists(e.path() / "config.json")) dirs.push_back(e.path());
   std::sort(dirs.begin(), dirs.end());
   REQUIRE(dirs.size() >= 20);
+  const auto shapes = [](const SafetensorsCheckpoint& c) {  // every tensor's name and shape
+    std::map<std::string, std::vector<std::int64_t>> out;
+    for (const auto& n : c.names()) {
+      const auto shape = c.tensor(n).info->shape;
+      out[n] = std::vector<std::int64_t>(shape.begin(), shape.end());
+    }
+    return out;
+  };
   for (const auto& d : dirs) {
     const std::string name = d.filename().string();
     const ModelConfig cfg = ModelConfig::from_file(d / "config.json");
@@ -252,13 +260,7 @@ TEST_CASE("export then load, every family of the fixtures: transformers' tensor 
     // (the MXFP4 fixture holds the experts' blocks and scales: an export writes them dequantized,
     // under gpt_oss's names; the multimodal one, the language model's tensors of a text export)
     std::map<std::string, std::vector<std::int64_t>> published;
-    if (name != "gpt_oss_mxfp4" && name != "gemma3_mm") {
-      const auto ref = SafetensorsCheckpoint::open(d / "model.safetensors");
-      for (const auto& n : ref.names()) {
-        const auto shape = ref.tensor(n).info->shape;
-        published[n] = std::vector<std::int64_t>(shape.begin(), shape.end());
-      }
-    }
+    if (name != "gpt_oss_mxfp4" && name != "gemma3_mm") published = shapes(SafetensorsCheckpoint::open(d / "model.safetensors"));
     for (const DType t : {DType::f32, DType::bf16}) {
       for (const bool sharded : {false, true}) {
         INFO(name << ", " << dtype_name(t) << (sharded ? ", sharded" : ", one file"));
@@ -267,14 +269,7 @@ TEST_CASE("export then load, every family of the fixtures: transformers' tensor 
         export_hf_model(store, cfg, out, exporting(t, sharded ? 40'000 : 5'000'000'000));
         const auto ckpt = SafetensorsCheckpoint::open(out);
         CHECK(ckpt.sharded() == sharded);
-        if (!published.empty()) {
-          std::map<std::string, std::vector<std::int64_t>> written;
-          for (const auto& n : ckpt.names()) {
-            const auto shape = ckpt.tensor(n).info->shape;
-            written[n] = std::vector<std::int64_t>(shape.begin(), shape.end());
-          }
-          CHECK(written == published);
-        }
+        if (!published.empty()) CHECK(shapes(ckpt) == published);
         HfModel m = load_hf_model(out, small_store());
         CHECK(m.config.to_json() == cfg.to_json());
         CHECK(m.ignored.empty());
