@@ -265,8 +265,6 @@ int run(B& be, const char* name, const Args& a) {
   const plan::StepTime pred = plan::predict_step(cfg, trainer.options(), trainer.memory_plan(), machine);
   std::printf("\n| metric | value |\n| --- | --- |\n");
   std::printf("| tokens/s (mean of %d steps) | %.0f |\n", n, T / t);
-  if constexpr (requires { be.grouped_gemm_paths(); })
-    if (cfg.moe_layer_count() > 0) std::printf("| experts' products | %s |\n", be.grouped_gemm_paths().c_str());
   std::printf("| step time | %.3f s |\n", t);
   std::printf("| GPU busy (compute stream) | %.0f%% |\n", 100 * busy / n / t);
   for (const auto& [dir, bytes, secs] : {std::tuple{"H2D", up_b, up_s}, std::tuple{"D2H", dn_b, dn_s}}) {

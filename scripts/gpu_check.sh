@@ -172,7 +172,7 @@ if [[ " $what " == *" dp "* ]]; then
   MEGATRAIN_TEST_THREADS=2 NCCL_NVLS_ENABLE=0 MEGATRAIN_COLLECTIVE_TIMEOUT=120 timeout 300 "$BIN/test_dist_train_cuda" \
     > "$OUT/dist_train_cuda_threads.log" 2>&1
   summary+=("test_dist_train_cuda 2 ranks as threads rc=$?: $(grep -c 'within' "$OUT/dist_train_cuda_threads.log") runs compared")
-  timeout 120 bash tests/cuda/killed_rank_nccl.sh "$BIN/test_dist_train_cuda" > "$OUT/killed_rank_nccl.log" 2>&1
+  timeout 240 bash tests/cuda/killed_rank_nccl.sh "$BIN/test_dist_train_cuda" > "$OUT/killed_rank_nccl.log" 2>&1
   summary+=("killed_rank_nccl rc=$?: $(tail -1 "$OUT/killed_rank_nccl.log")")
   timeout 900 python3 bench/data_parallel.py --megatrain "$BIN/megatrain-train" --work /tmp/mt-dp ${DP_ARGS:-} \
     > "$OUT/data_parallel.log" 2>&1

@@ -10,10 +10,13 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cub/block/block_scan.cuh>
+
 #include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <span>
 
 #include "megatrain/backend/cuda/kernels.hpp"
 #include "common.cuh"
@@ -383,7 +386,355 @@ __global__ void __launch_bounds__(256) moe_bias_grad_kernel(const bf* __restrict
   dbias0[static_cast<i64>(e) * stride + c] += static_cast<float>(acc);
 }
 
+// ---- the experts' products: grouped GEMMs reading the row offsets on the device -------------------
+// C = A B per expert, on bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation), in tiles of
+// BM x BN with a pipeline of kStages loads of BK (cp.async). A block finds its expert and tile
+// from the offsets itself, so the host never waits for the routing: the grid covers the most
+// tiles any routing of the rows could need, and blocks beyond the routing's tiles end at once.
+//   forward      C[rows of e] (bf16)  = X[rows of e] W_e^T : A = X [m][k], B = W_e [n][k]
+//   input grad   C[rows of e] (bf16) (+)= dY[rows of e] W_e : A = dY [m][k], B = W_e [k][n]
+//   weight grad  C_e (fp32) += dY[rows of e]^T X[rows of e]: A = dY [k][m], B = X [k][n]
+// Each element of C is one block's sum over k in increasing order: deterministic.
+namespace grouped {
+
+constexpr int BM = 128, kThreads = 256;
+enum Mode { kForward, kInputGrad, kWeightGrad };
+
+/// A block's tile: BM x BN of the output, kStages loads of BK in flight; eight warps, 2 x 4, each
+/// 64 x BN / 4.
+template <int BN_, int BK_, int kStages_>
+struct Tile {
+  static constexpr int BN = BN_, BK = BK_, kStages = kStages_;
+  static constexpr int kWarpN = BN / 4, kJ = kWarpN / 8;  // the warp's columns, and its n8 tiles
+  static constexpr int kABytes = BM * BK * 2, kBBytes = BN * BK * 2, kStageBytes = kABytes + kBBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes;
+};
+
+/// What a launch passes by value (a grid constant): the experts' own pointers (weights, or the
+/// weight gradients), the shared operands, the offsets.
+struct Args {
+  const void* expert[kMoeMaxExperts];
+  const bf* a;                // X (forward), dY (input and weight gradient)
+  const bf* b;                // X (weight gradient)
+  void* c;                    // Y or dX (bf16)
+  const std::int64_t* offsets;
+  int E, N, K;                // each expert's weight [N, K]
+  int col_tiles;              // forward and input gradient: the output's tiles across (a block's index
+                              // is row tile x col_tiles + column tile: a row tile's blocks run together)
+  bool accumulate;            // input gradient: dX += rather than =
+};
+
+// A tile stored in rows of kRowBytes (its contiguous dimension: BK, or the tile's 128 or 256):
+// 16-byte chunks swizzled so that ldmatrix's eight rows at one chunk fall in eight different
+// bank groups.
+template <int kRowBytes>
+__device__ __forceinline__ int offset(int row, int chunk) {
+  if constexpr (kRowBytes == 64) return row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4);  // (4 chunks a row: pairs of rows)
+  else return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/// One operand's tile of a stage, kRows along m (or n) by BK along k: `Wide` = stored [k][m or n]
+/// (its contiguous dimension the tile's kRows), else [m or n][k] (contiguous k). Global element
+/// (i, j) of the operand (i along the tile's rows, j along k) is at p[i * ld + j] (not Wide) or
+/// p[j * ld + i] (Wide); beyond `rows` (i) or `depth` (j) it loads as zero. `Vec`: 16-byte loads
+/// (every contiguous run a multiple of 8 elements, 16-byte aligned), else element by element.
+template <int kRows, int BK, bool Wide, bool Vec>
+__device__ __forceinline__ void load_tile(unsigned char* tile, const bf* __restrict__ p, i64 ld, int rows, int j0, int depth) {
+  constexpr int kChunks = kRows * BK / 8, kPerRow = Wide ? kRows / 8 : BK / 8;
+#pragma unroll
+  for (int it = 0; it < kChunks / kThreads; ++it) {
+    const int q = static_cast<int>(threadIdx.x) + it * kThreads;
+    const int srow = q / kPerRow, chunk = q % kPerRow;  // the tile's row and 16-byte chunk
+    const int i = Wide ? chunk * 8 : srow, j = j0 + (Wide ? srow : chunk * 8);  // the operand's (i, j) of its first element
+    const int off = offset<Wide ? kRows * 2 : BK * 2>(srow, chunk);
+    if constexpr (Vec) {
+      const bool valid = i < rows && j < depth;
+      const bf* src = valid ? (Wide ? p + static_cast<i64>(j) * ld + i : p + static_cast<i64>(i) * ld + j) : p;
+      cp_async16(smem_addr(tile + off), src, valid);
+    } else {
+      alignas(16) bf v[8];
+#pragma unroll
+      for (int t = 0; t < 8; ++t) {
+        const int ii = Wide ? i + t : i, jj = Wide ? j : j + t;
+        v[t] = ii < rows && jj < depth ? p[Wide ? static_cast<i64>(jj) * ld + ii : static_cast<i64>(ii) * ld + jj]
+                                       : __float2bfloat16_rn(0.0f);
+      }
+      *reinterpret_cast<uint4*>(tile + off) = *reinterpret_cast<const uint4*>(v);
+    }
+  }
+}
+
+/// acc (this thread's share of the block's BM x BN tile) = A[:M, :depth] B[:depth, :Nc]; A is
+/// (m, k) = a[m * lda + k] (or a[k * lda + m] where AWide), B is (k, n) = b[n * ldb + k] (or
+/// b[k * ldb + n] where BWide). Sums over k in increasing order.
+template <class T, bool AWide, bool BWide, bool Vec>
+__device__ __forceinline__ void block_product(float (&acc)[4][T::kJ][4], unsigned char* smem, const bf* __restrict__ a,
+                                              i64 lda, int M, const bf* __restrict__ b, i64 ldb, int Nc, int depth) {
+  constexpr int kStages = T::kStages, BK = T::BK;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = (warp / 4) * 64, wn = (warp % 4) * T::kWarpN;  // the warp's part of the tile
+  const int tiles = (depth + BK - 1) / BK;
+  auto stage = [&](int s) { return smem + s * T::kStageBytes; };
+  auto load = [&](int s, int t) {
+    load_tile<BM, BK, AWide, Vec>(stage(s), a, lda, M, t * BK, depth);
+    load_tile<T::BN, BK, BWide, Vec>(stage(s) + T::kABytes, b, ldb, Nc, t * BK, depth);
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < tiles) load(s, s);
+    cp_async_commit();
+  }
+  const int mat = lane / 8, r8 = lane % 8;  // which of ldmatrix's four 8 x 8 matrices this lane addresses, and its row
+  for (int t = 0; t < tiles; ++t) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (t + kStages - 1 < tiles) load((t + kStages - 1) % kStages, t + kStages - 1);
+    cp_async_commit();
+    const unsigned char* sa = stage(t % kStages);
+    const unsigned char* sb = sa + T::kABytes;
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      unsigned af[4][4], bfr[T::kJ][2];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = wm + i * 16 + (mat & 1) * 8;  // matrices: (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15)
+        const int k = kk * 16 + (mat >> 1) * 8;
+        if constexpr (AWide) ldmatrix_x4_trans(af[i], smem_addr(sa + offset<BM * 2>(k + r8, m / 8)));
+        else ldmatrix_x4(af[i], smem_addr(sa + offset<BK * 2>(m + r8, k / 8)));
+      }
+#pragma unroll
+      for (int p = 0; p < T::kJ / 2; ++p) {
+        const int n = wn + p * 16 + (mat >> 1) * 8;  // matrices: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+        const int k = kk * 16 + (mat & 1) * 8;
+        unsigned r[4];
+        if constexpr (BWide) ldmatrix_x4_trans(r, smem_addr(sb + offset<T::BN * 2>(k + r8, n / 8)));
+        else ldmatrix_x4(r, smem_addr(sb + offset<BK * 2>(n + r8, k / 8)));
+        bfr[2 * p][0] = r[0], bfr[2 * p][1] = r[1], bfr[2 * p + 1][0] = r[2], bfr[2 * p + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < T::kJ; ++j) mma_bf16(acc[i][j], af[i], bfr[j][0], bfr[j][1]);
+    }
+  }
+  cp_async_wait<0>();
+}
+
+/// f(m, n, v0, v1, pair) for this thread's accumulators inside M x Nc, v1 belonging to column
+/// n + 1 (pair: n + 1 < Nc).
+template <class T, class F>
+__device__ __forceinline__ void for_each_output(const float (&acc)[4][T::kJ][4], int M, int Nc, F&& f) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = (warp / 4) * 64, wn = (warp % 4) * T::kWarpN;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < T::kJ; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = wm + i * 16 + lane / 4 + h * 8, n = wn + j * 8 + (lane % 4) * 2;
+        if (m < M && n < Nc) f(m, n, acc[i][j][2 * h], acc[i][j][2 * h + 1], n + 1 < Nc);
+      }
+}
+
+/// The expert and its tile of rows for row tile `bx` in the forward and input gradient: expert e's
+/// rows take ceil(rows_e / BM) consecutive indices, in expert order. -1: none.
+__device__ int find_row_tile(const std::int64_t* __restrict__ offsets, int E, int bx, int* tile) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ int found[2];
+  constexpr int kPer = kMoeMaxExperts / kThreads;
+  int count[kPer], local = 0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int e = threadIdx.x * kPer + j;
+    count[j] = e < E ? static_cast<int>((offsets[e + 1] - offsets[e] + BM - 1) / BM) : 0;
+    local += count[j];
+  }
+  if (threadIdx.x == 0) found[0] = -1;
+  int first = 0;
+  Scan(scan).ExclusiveSum(local, first);
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (bx >= first && bx < first + count[j]) found[0] = threadIdx.x * kPer + j, found[1] = bx - first;
+    first += count[j];
+  }
+  __syncthreads();
+  *tile = found[1];
+  return found[0];
+}
+
+template <class T, Mode kMode, bool Vec>
+__global__ void __launch_bounds__(kThreads, T::kSmemBytes <= 100 * 1024 ? 2 : 1) grouped_gemm_kernel(const __grid_constant__ Args args) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  float acc[4][T::kJ][4] = {};
+  if constexpr (kMode == kWeightGrad) {
+    // blockIdx.z: the expert; (y, x): the tile of its [N, K] gradient
+    const int e = static_cast<int>(blockIdx.z);
+    const i64 r0 = args.offsets[e], rows = args.offsets[e + 1] - r0;
+    if (rows == 0) return;
+    const int m0 = static_cast<int>(blockIdx.y) * BM, n0 = static_cast<int>(blockIdx.x) * T::BN;
+    block_product<T, true, true, Vec>(acc, smem, args.a + r0 * args.N + m0, args.N, args.N - m0, args.b + r0 * args.K + n0,
+                                      args.K, args.K - n0, static_cast<int>(rows));
+    float* c = static_cast<float*>(const_cast<void*>(args.expert[e])) + static_cast<i64>(m0) * args.K + n0;
+    const i64 ldc = args.K;
+    for_each_output<T>(acc, args.N - m0, args.K - n0, [&](int m, int n, float v0, float v1, bool pair) {
+      float* o = c + m * ldc + n;
+      if (pair && Vec) {  // (K even, dW 16-byte aligned)
+        float2 old = *reinterpret_cast<float2*>(o);
+        old.x += v0, old.y += v1;
+        *reinterpret_cast<float2*>(o) = old;
+      } else {
+        o[0] += v0;
+        if (pair) o[1] += v1;
+      }
+    });
+  } else {
+    int tile = 0;
+    const int bx = static_cast<int>(blockIdx.x);
+    const int e = find_row_tile(args.offsets, args.E, bx / args.col_tiles, &tile);
+    if (e < 0) return;
+    const i64 r0 = args.offsets[e] + static_cast<i64>(tile) * BM, left = args.offsets[e + 1] - r0;
+    const int M = left < BM ? static_cast<int>(left) : BM;
+    const int n0 = (bx % args.col_tiles) * T::BN;
+    const bf* w = static_cast<const bf*>(args.expert[e]);
+    // forward: A = X [rows, K], B (k, n) = W[n, k]; input gradient: A = dY [rows, N], B (k, n) = W[k, n]
+    const int depth = kMode == kForward ? args.K : args.N, Nc = kMode == kForward ? args.N : args.K;
+    if constexpr (kMode == kForward)
+      block_product<T, false, false, Vec>(acc, smem, args.a + r0 * depth, depth, M, w + static_cast<i64>(n0) * args.K,
+                                          args.K, Nc - n0, depth);
+    else
+      block_product<T, false, true, Vec>(acc, smem, args.a + r0 * depth, depth, M, w + n0, args.K, Nc - n0, depth);
+    bf* c = static_cast<bf*>(args.c) + r0 * Nc + n0;
+    const bool acc_old = kMode == kInputGrad && args.accumulate;
+    for_each_output<T>(acc, M, Nc - n0, [&](int m, int n, float v0, float v1, bool pair) {
+      bf* o = c + static_cast<i64>(m) * Nc + n;
+      if (pair && Vec) {
+        __nv_bfloat162 old = *reinterpret_cast<__nv_bfloat162*>(o);
+        if (acc_old) v0 += __bfloat162float(old.x), v1 += __bfloat162float(old.y);
+        *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(v0, v1);
+      } else {
+        o[0] = __float2bfloat16_rn(acc_old ? v0 + __bfloat162float(o[0]) : v0);
+        if (pair) o[1] = __float2bfloat16_rn(acc_old ? v1 + __bfloat162float(o[1]) : v1);
+      }
+    });
+  }
+}
+
+}  // namespace grouped
+
 }  // namespace
+
+namespace {
+/// Whether a grouped product may load 16 bytes at a time: every contiguous run a multiple of 8
+/// elements and every pointer 16-byte aligned.
+bool vector_loads(std::int64_t N, std::int64_t K, std::initializer_list<const void*> shared, std::span<const void* const> expert) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
+  if (N % 8 != 0 || K % 8 != 0) return false;
+  for (const void* p : shared)
+    if (!aligned(p)) return false;
+  for (const void* p : expert)
+    if (!aligned(p)) return false;
+  return true;
+}
+
+template <class T, grouped::Mode kMode>
+void launch_tile(const grouped::Args& args, dim3 grid, bool vec, cudaStream_t stream) {
+  const auto kernel = vec ? grouped::grouped_gemm_kernel<T, kMode, true> : grouped::grouped_gemm_kernel<T, kMode, false>;
+  MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
+  kernel<<<grid, grouped::kThreads, T::kSmemBytes, stream>>>(args);
+  MT_CUDA_CHECK_LAUNCH("grouped_gemm_kernel");
+}
+/// The forward and input gradient: a block per (row tile, column tile), `row_tiles` the most any
+/// routing needs; the weight gradient: (column tile, row tile, expert) of the experts' gradients.
+template <grouped::Mode kMode>
+void launch_grouped(grouped::Args args, std::int64_t row_tiles, std::int64_t cols, bool vec, cudaStream_t stream) {
+  const auto run = [&]<class T>(T) {
+    args.col_tiles = static_cast<int>((cols + T::BN - 1) / T::BN);
+    const dim3 grid = kMode == grouped::kWeightGrad
+                          ? dim3(static_cast<unsigned>(args.col_tiles), static_cast<unsigned>(row_tiles),
+                                 static_cast<unsigned>(args.E))
+                          : dim3(static_cast<unsigned>(row_tiles * args.col_tiles));
+    launch_tile<T, kMode>(args, grid, vec, stream);
+  };
+  // (measured on an H200, bench_grouped_gemm: 128 x 128 x 64 in 3 stages, two blocks an SM, ahead
+  // of 128 x 128 x 32 in 3 or 4 stages and of 128 x 256 tiles)
+  run(grouped::Tile<128, 64, 3>{});
+}
+
+grouped::Args grouped_args(std::span<const void* const> expert, const std::int64_t* offsets, std::int64_t rows, std::int64_t N,
+                           std::int64_t K, const char* what) {
+  const auto E = static_cast<std::int64_t>(expert.size());
+  MT_CHECK(E >= 1 && E <= kMoeMaxExperts, "{}: {} experts (the CUDA backend takes 1 to {})", what, E, kMoeMaxExperts);
+  MT_CHECK(N >= 1 && K >= 1 && N <= INT_MAX && K <= INT_MAX && rows >= 0 && rows < (std::int64_t{1} << 31) &&
+               (N + 127) / 128 <= 65535,
+           "{}: {} rows of experts [{}, {}] are beyond the grouped products' limits", what, rows, N, K);
+  grouped::Args a{};
+  std::copy(expert.begin(), expert.end(), a.expert);
+  a.offsets = offsets;
+  a.E = static_cast<int>(E), a.N = static_cast<int>(N), a.K = static_cast<int>(K);
+  return a;
+}
+std::span<const void* const> as_void(std::span<const bf16* const> w) {
+  return {reinterpret_cast<const void* const*>(w.data()), w.size()};
+}
+}  // namespace
+
+void launch_grouped_forward(const bf16* x, std::span<const bf16* const> w, bf16* y, const std::int64_t* offsets,
+                            std::int64_t rows, std::int64_t N, std::int64_t K, cudaStream_t stream) {
+  auto a = grouped_args(as_void(w), offsets, rows, N, K, "grouped_linear");
+  if (rows == 0) return;
+  a.a = dev(x), a.c = dev(y);
+  launch_grouped<grouped::kForward>(a, (rows + grouped::BM - 1) / grouped::BM + a.E, N, vector_loads(N, K, {x, y}, as_void(w)), stream);
+}
+
+void launch_grouped_input_grad(const bf16* dy, std::span<const bf16* const> w, bf16* dx, bool accumulate,
+                               const std::int64_t* offsets, std::int64_t rows, std::int64_t N, std::int64_t K,
+                               cudaStream_t stream) {
+  auto a = grouped_args(as_void(w), offsets, rows, N, K, "grouped_linear_backward");
+  if (rows == 0) return;
+  a.a = dev(dy), a.c = dev(dx), a.accumulate = accumulate;
+  launch_grouped<grouped::kInputGrad>(a, (rows + grouped::BM - 1) / grouped::BM + a.E, K, vector_loads(N, K, {dy, dx}, as_void(w)), stream);
+}
+
+void launch_grouped_weight_grad(const bf16* dy, const bf16* x, std::span<float* const> dw, const std::int64_t* offsets,
+                                std::int64_t rows, std::int64_t N, std::int64_t K, cudaStream_t stream) {
+  const std::span<const void* const> g(reinterpret_cast<const void* const*>(dw.data()), dw.size());
+  auto a = grouped_args(g, offsets, rows, N, K, "grouped_linear_backward");
+  if (rows == 0) return;
+  a.a = dev(dy), a.b = dev(x);
+  launch_grouped<grouped::kWeightGrad>(a, (N + grouped::BM - 1) / grouped::BM, K, vector_loads(N, K, {dy, x}, g), stream);
+}
 
 void launch_moe_bias_add(bf16* y, std::int64_t rows, std::int64_t N, const std::int64_t* offsets, std::int64_t E,
                          const bf16* bias0, std::int64_t stride, cudaStream_t stream) {

@@ -6,6 +6,8 @@
 #     saying so and naming rank 1 as ended.
 #  2. alive but not joining the collectives (asleep for 20 s), the collective timeout 5 s: rank 0
 #     stops at the timeout, saying that every other rank's process still answers.
+#  3. failed in NCCL (a collective given host memory, refused with NCCL_CHECK_POINTERS=1), the
+#     collective timeout an hour: rank 1 reports NCCL's error and ends; rank 0 stops as in 1.
 set -uo pipefail
 dir=$(cd "$(dirname "$0")" && pwd)
 log=$(mktemp)
@@ -32,5 +34,18 @@ if ! grep -q "rank 0 of 2: a collective on the GPUs (a gradient's sum, or a unit
   echo "FAILED: rank 0 did not stop at the collective timeout saying that rank 1 still answers"
   exit 1
 fi
+start=$(date +%s)
+MEGATRAIN_TEST_KILL_RANK=1 MEGATRAIN_TEST_NCCL_ERROR=1 NCCL_CHECK_POINTERS=1 MEGATRAIN_COLLECTIVE_TIMEOUT=3600 \
+  timeout 60 bash "$dir/run_ranks.sh" 2 "$1" > "$log" 2>&1
+rc=$?
+nccl_elapsed=$(( $(date +%s) - start ))
+cat "$log"
+if [[ $rc == 124 ]]; then echo "FAILED: a rank was left waiting after rank 1's NCCL error (still running after 60 s)"; exit 1; fi
+if ! grep -q "rank 1: failed in NCCL: .*ncclAllReduce.*returned invalid argument" "$log" ||
+   ! grep -q "rank 0 of 2: a collective on the GPUs (a gradient's sum, or a unit's weights gathered) waits for a rank that is gone; another rank stopped: rank 1 of 2: its process has ended (killed or failed)" "$log" ||
+   ! grep -q "rank 0: stopped as it should: rank 0 of 2: an earlier collective failed or did not complete (another rank stopped: rank 1 of 2: its process has ended" "$log"; then
+  echo "FAILED: rank 1 did not report NCCL's error, or rank 0 did not stop naming rank 1 as ended"
+  exit 1
+fi
 rm -f "$log"
-echo "stuck: rank 0 stopped at the collective timeout; killed: in ${elapsed} s"
+echo "stuck: rank 0 stopped at the collective timeout; killed: in ${elapsed} s; failed in NCCL: in ${nccl_elapsed} s"

@@ -134,8 +134,25 @@ int rank_main(const dist::LaunchInfo& me) {
     // instead of waiting forever: at once where the rank's process has ended, at the collective
     // timeout where it lives. A gradient's sum on the GPU (the watchdog aborts the communicator),
     // then a collective of host memory.
+    // With MEGATRAIN_TEST_NCCL_ERROR, the rank fails in NCCL instead: a gradient's sum given host
+    // memory, which NCCL refuses where it checks pointers (NCCL_CHECK_POINTERS=1); the rank
+    // reports the error and ends, as megatrain-train's rank would.
     if (const char* victim = std::getenv("MEGATRAIN_TEST_KILL_RANK"); victim != nullptr && me.launcher != "threads") {
       if (r == std::atoi(victim)) {
+        if (std::getenv("MEGATRAIN_TEST_NCCL_ERROR") != nullptr) {
+          std::vector<float> host(1000, 1.0f);
+          cudaStream_t st = nullptr;
+          (void)cudaStreamCreate(&st);
+          try {
+            comm.sum_backend_memory(host.data(), host.size(), st);
+            (void)cudaStreamSynchronize(st);
+          } catch (const Error& e) {
+            std::fprintf(stderr, "rank %d: failed in NCCL: %s %s\n", r, e.call().c_str(), e.reason().c_str());
+            std::_Exit(1);
+          }
+          std::fprintf(stderr, "rank %d: NCCL summed host memory without an error\n", r);
+          std::_Exit(3);
+        }
         if (std::getenv("MEGATRAIN_TEST_STUCK_RANK") == nullptr) std::raise(SIGKILL);
         std::this_thread::sleep_for(std::chrono::seconds(20));
         std::_Exit(0);

@@ -543,13 +543,9 @@ class CpuBackend {
     });
   }
   /// y[rows of e] = x[rows of e] w[e]^T for each expert e (offsets as moe_route's).
-  /// `same_routing`: the offsets are those of the previous grouped product's call, unchanged since
-  /// (no moe_route between, nothing else wrote them): a backend that reads them to the host may
-  /// keep what it read (the CUDA backend: one synchronisation per routing, not per product).
   /// `bias` (GPT-OSS; else empty): each expert's bias, added to its rows.
   void grouped_linear(View<const Act> x, std::span<const View<const Weight>> w, View<const std::int64_t> offsets,
-                      View<Act> y, bool same_routing = false, std::span<const View<const Weight>> bias = {}) {
-    (void)same_routing;
+                      View<Act> y, std::span<const View<const Weight>> bias = {}) {
     check_groups(x, w.size(), offsets, "grouped_linear");
     MT_CHECK(bias.empty() || bias.size() == w.size(), "grouped_linear: {} biases for {} experts", bias.size(), w.size());
     for (std::size_t e = 0; e < w.size(); ++e) {
@@ -561,8 +557,7 @@ class CpuBackend {
   /// and with `dbias`, dbias[e] += the column sums of its rows of dy.
   void grouped_linear_backward(View<const Act> x, std::span<const View<const Weight>> w, View<const Act> dy, View<Act> dx,
                                bool accumulate_dx, std::span<const View<Acc>> dw, View<const std::int64_t> offsets,
-                               bool same_routing = false, std::span<const View<Acc>> dbias = {}) {
-    (void)same_routing;
+                               std::span<const View<Acc>> dbias = {}) {
     check_groups(x, w.size(), offsets, "grouped_linear_backward");
     MT_CHECK(dw.size() == w.size(), "grouped_linear_backward: {} gradients for {} experts", dw.size(), w.size());
     MT_CHECK(dbias.empty() || dbias.size() == w.size(), "grouped_linear_backward: {} bias gradients for {} experts",

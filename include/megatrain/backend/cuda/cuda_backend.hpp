@@ -67,9 +67,8 @@ struct CudaBackendOptions {
 class CudaBackend {
  public:
   /// Device bytes a backend allocates at construction beside cuBLASLt's workspace (gemm_workspace):
-  /// a mixture of experts' routing counts and grouped products' pointer arrays.
-  static constexpr std::size_t kMoePointerBytes = cuda::GroupedGemm::kPointerSlots * cuda::kMoeMaxExperts * sizeof(void*);
-  static constexpr std::size_t kMoeWorkspaceBytes = cuda::kMoeRouteWorkspace + kMoePointerBytes;
+  /// a mixture of experts' routing counts.
+  static constexpr std::size_t kMoeWorkspaceBytes = cuda::kMoeRouteWorkspace;
   using Act = bf16;
   using Weight = bf16;
   using Acc = float;
@@ -152,7 +151,6 @@ class CudaBackend {
     attention_.reset();
     if (cudnn_ != nullptr) (void)cudnnDestroy(cudnn_);
 #endif
-    grouped_.reset();
     gemm_.reset();
     if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
   }
@@ -207,8 +205,6 @@ class CudaBackend {
   std::size_t memory_limit() const { return limit_; }
   /// Bytes alloc() can still hand out.
   std::optional<std::size_t> memory_available() const { return limit_ > *allocated_ ? limit_ - *allocated_ : 0; }
-  /// How a mixture of experts' grouped products run on this GPU (GroupedGemm::paths).
-  std::string grouped_gemm_paths() const { return grouped_ ? grouped_->paths() : "no grouped product has run"; }
   /// Whether attention of this shape runs on cuDNN (after prepare()).
   bool cudnn_attention(const AttentionShape& s) {
     MT_NVTX_RANGE("CudaBackend::cudnn_attention");  // may build the shape's cuDNN graphs
@@ -535,7 +531,6 @@ class CudaBackend {
              "moe_route: {} tokens over {} experts, top {}: buffers probs {}, experts {}, weights {}, order {}, slot {}, "
              "offsets {}", M, E, k, probs.shape().str(), experts.shape().str(), weights.shape().str(),
              order.shape().str(), slot.shape().str(), offsets.shape().str());
-    groups_at_ = nullptr;  // (new offsets: the next grouped product reads them)
     cuda::launch_moe_route(logits.data(), M, E, k, renormalize, probs.data(), experts.data(), weights.data(), order.data(),
                            slot.data(), offsets.data(), moe_ws_.span().data(), cuda::kMoeRouteWorkspace, stream_);
   }
@@ -547,16 +542,13 @@ class CudaBackend {
              N, x.shape().str(), xs.shape().str());
     cuda::launch_moe_gather(x.data(), order.data(), k, N, d, xs.data(), stream_);
   }
-  /// y[rows of e] = x[rows of e] w[e]^T for every expert, one grouped GEMM (reads the offsets:
-  /// waits for the stream's work before it; with `same_routing`, the groups the last read of
-  /// these offsets found, unless a moe_route came since: CpuBackend::grouped_linear).
+  /// y[rows of e] = x[rows of e] w[e]^T for every expert: one kernel, which reads the offsets on
+  /// the device (no synchronisation; cuda::launch_grouped_forward).
   void grouped_linear(View<const Act> x, std::span<const View<const Weight>> w, View<const std::int64_t> offsets,
-                      View<Act> y, bool same_routing = false, std::span<const View<const Weight>> bias = {}) {
+                      View<Act> y, std::span<const View<const Weight>> bias = {}) {
     MT_NVTX_RANGE("cuda:grouped_linear");
     const auto [N, K] = grouped_dims(x, w, offsets, y.shape(), "grouped_linear");
-    const auto& g = groups(offsets, w.size(), same_routing);
-    check_rows(g, x.size(0), "grouped_linear");
-    grouped_->forward(g, x.data(), weight_pointers(w), y.data(), N, K, stream_);
+    cuda::launch_grouped_forward(x.data(), weight_pointers(w), y.data(), offsets.data(), x.size(0), N, K, stream_);
     if (bias.empty()) return;
     MT_CHECK(bias.size() == w.size(), "grouped_linear: {} biases for {} experts", bias.size(), w.size());
     for (const auto& b : bias) MT_CHECK(b.numel() == N, "grouped_linear: a bias of {} for {} outputs", b.numel(), N);
@@ -570,10 +562,11 @@ class CudaBackend {
       cuda::launch_moe_bias_add(y.data(), y.size(0), N, offsets.data() + e, 1, bias[static_cast<std::size_t>(e)].data(), 0,
                                 stream_);
   }
-  /// dx (or dx += where accumulate_dx) and dw[e] += dy^T x over each expert's rows.
+  /// dx (or dx += where accumulate_dx) and dw[e] += dy^T x over each expert's rows (a kernel each,
+  /// as grouped_linear).
   void grouped_linear_backward(View<const Act> x, std::span<const View<const Weight>> w, View<const Act> dy, View<Act> dx,
                                bool accumulate_dx, std::span<const View<Acc>> dw, View<const std::int64_t> offsets,
-                               bool same_routing = false, std::span<const View<Acc>> dbias = {}) {
+                               std::span<const View<Acc>> dbias = {}) {
     MT_NVTX_RANGE("cuda:grouped_linear_backward");
     const auto [N, K] = grouped_dims(x, w, offsets, dy.shape(), "grouped_linear_backward");
     MT_CHECK(dw.size() == w.size(), "grouped_linear_backward: {} gradients for {} experts", dw.size(), w.size());
@@ -582,13 +575,13 @@ class CudaBackend {
       same(dw[e].shape(), w[e].shape(), "grouped_linear_backward dw");
       gp[e] = dw[e].data();
     }
-    const auto& g = groups(offsets, w.size(), same_routing);
-    check_rows(g, x.size(0), "grouped_linear_backward");
+    const std::int64_t rows = x.size(0);
     if (!dx.is_null()) {
       same(dx.shape(), x.shape(), "grouped_linear_backward dx");
-      grouped_->input_grad(g, dy.data(), weight_pointers(w), dx.data(), accumulate_dx, N, K, stream_);
+      cuda::launch_grouped_input_grad(dy.data(), weight_pointers(w), dx.data(), accumulate_dx, offsets.data(), rows, N, K,
+                                      stream_);
     }
-    grouped_->weight_grad(g, dy.data(), x.data(), gp, N, K, stream_);
+    cuda::launch_grouped_weight_grad(dy.data(), x.data(), gp, offsets.data(), rows, N, K, stream_);
     if (dbias.empty()) return;
     MT_CHECK(dbias.size() == w.size(), "grouped_linear_backward: {} bias gradients for {} experts", dbias.size(), w.size());
     for (const auto& b : dbias) MT_CHECK(b.numel() == N, "grouped_linear_backward: a bias gradient of {} for {} outputs",
@@ -728,24 +721,6 @@ class CudaBackend {
     return {ws, lb * static_cast<std::size_t>(plan.vocab)};
   }
 
-  /// The experts' row groups of `offsets`: read from the device (a synchronisation), or, with
-  /// `same_routing` and the same offsets as the last read since the last moe_route, kept from it.
-  const cuda::GroupedGemm::Groups& groups(View<const std::int64_t> offsets, std::size_t experts, bool same_routing) {
-    if (!same_routing || groups_at_ != offsets.data() || groups_experts_ != experts) {
-      groups_at_ = nullptr;
-      groups_ = grouped().read(offsets.data(), experts, stream_);
-      groups_at_ = offsets.data();
-      groups_experts_ = experts;
-    }
-    return groups_;
-  }
-  cuda::GroupedGemm& grouped() {
-    if (!grouped_)
-      grouped_ = std::make_unique<cuda::GroupedGemm>(moe_ws_.span().data() + cuda::kMoeRouteWorkspace,
-                                                     static_cast<std::size_t>(cuda::kMoeMaxExperts), gemm_ws_.span().data(),
-                                                     gemm_ws_.size());
-    return *grouped_;
-  }
   struct GroupedDims {
     std::int64_t N, K;
   };
@@ -760,9 +735,6 @@ class CudaBackend {
                we.shape().str(), N, K);
     MT_CHECK(y[0] == x.size(0) && y[1] == N, "{}: x {} . w^T does not give {}", what, x.shape().str(), y.str());
     return {N, K};
-  }
-  static void check_rows(const cuda::GroupedGemm::Groups& g, std::int64_t rows, const char* what) {
-    MT_CHECK(g.total == rows, "{}: the experts' offsets cover {} rows of {}", what, g.total, rows);
   }
   static std::vector<const bf16*> weight_pointers(std::span<const View<const Weight>> w) {
     std::vector<const bf16*> p(w.size());
@@ -864,13 +836,8 @@ class CudaBackend {
   Buffer<std::byte> workspace_;
   Buffer<float> logits_;
   Buffer<bf16> dlogits_;
-  // Mixture of experts: the routing's counts, then the grouped products' pointer arrays (allocated
-  // with the backend, so counted before any plan); cuBLAS's grouped GEMM made at first use.
+  // Mixture of experts: the routing's counts (allocated with the backend, so counted before any plan)
   Buffer<std::byte> moe_ws_;
-  std::unique_ptr<cuda::GroupedGemm> grouped_;
-  cuda::GroupedGemm::Groups groups_;               // the last offsets read (groups())
-  const std::int64_t* groups_at_ = nullptr;        // where they were read; null after a moe_route
-  std::size_t groups_experts_ = 0;
 };
 
 }  // namespace megatrain

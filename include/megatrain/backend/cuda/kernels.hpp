@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "megatrain/core/dtype.hpp"
 
@@ -166,6 +167,21 @@ void launch_moe_route_backward(const float* probs, const std::int32_t* experts, 
 void launch_moe_record(const float* probs, const std::int32_t* experts, std::int64_t k, const std::int64_t* offsets,
                        const std::uint8_t* valid, std::int64_t M, std::int64_t E, std::int64_t* counts, double* prob_sums,
                        cudaStream_t stream);
+/// The experts' products over the rows grouped by expert (offsets [E + 1], device, as
+/// launch_moe_route makes them; `rows` = offsets[E], known to the caller): one kernel each, which
+/// reads the offsets on the device (the host never waits for the routing), bf16 tensor cores
+/// with fp32 accumulation, each output element summed in a fixed order (deterministic). w[e]
+/// (host array of E device pointers): expert e's weight [N, K].
+/// y[rows of e] = bf16(x[rows of e] w[e]^T): x [rows, K], y [rows, N].
+void launch_grouped_forward(const bf16* x, std::span<const bf16* const> w, bf16* y, const std::int64_t* offsets,
+                            std::int64_t rows, std::int64_t N, std::int64_t K, cudaStream_t stream);
+/// dx[rows of e] = bf16(dy[rows of e] w[e]) (with `accumulate`, bf16(dx + that), rounded once).
+void launch_grouped_input_grad(const bf16* dy, std::span<const bf16* const> w, bf16* dx, bool accumulate,
+                               const std::int64_t* offsets, std::int64_t rows, std::int64_t N, std::int64_t K,
+                               cudaStream_t stream);
+/// dw[e] += dy[rows of e]^T x[rows of e] in fp32 (dw[e] [N, K]; an expert without rows untouched).
+void launch_grouped_weight_grad(const bf16* dy, const bf16* x, std::span<float* const> dw, const std::int64_t* offsets,
+                                std::int64_t rows, std::int64_t N, std::int64_t K, cudaStream_t stream);
 /// GPT-OSS's experts' biases: y[r] = bf16(y[r] + bias_e) for every row r of expert e, over the rows
 /// [offsets[0], offsets[E]) (offsets: [E + 1] device, increasing; `rows` bounds their count), with
 /// bias_e = bias0 + e * stride (bf16).

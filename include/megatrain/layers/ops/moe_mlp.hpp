@@ -59,8 +59,8 @@ concept MoeBackend = requires(B& be, View<const typename B::Act> x, View<typenam
                               View<const typename B::Res> r, View<typename B::Res> ry) {
   be.moe_route(x, std::int64_t{}, bool{}, acc, i32, acc, i32, i32, i64);
   be.moe_gather(x, ci32, std::int64_t{}, y);
-  be.grouped_linear(x, ws, ci64, y, bool{}, ws);               // (the flag: the same routing as the last product's;
-  be.grouped_linear_backward(x, ws, x, y, bool{}, gs, ci64, bool{}, gs);  //  then the experts' biases, if any)
+  be.grouped_linear(x, ws, ci64, y, ws);                      // (then the experts' biases, if any)
+  be.grouped_linear_backward(x, ws, x, y, bool{}, gs, ci64, gs);
   be.moe_combine(x, ci32, cacc, std::int64_t{}, r, ry);
   be.moe_combine_backward(x, x, ci32, cacc, std::int64_t{}, y, acc);
   be.moe_route_backward(cacc, ci32, cacc, cacc, std::int64_t{}, bool{}, ci64, double{}, View<const std::uint8_t>{}, y);
@@ -197,12 +197,10 @@ class MoeMlp {
     be.linear(x, w.router, w.router_bias, a.logits);
     be.moe_route(cv(a.logits), k_, cfg_.moe.norm_topk_prob, a.probs, a.experts, a.weights, a.order, a.slot, a.offsets);
     be.moe_gather(x, cv(a.order), k_, a.xs);
-    // (one routing: the products after the first say so, and a backend that reads the offsets
-    // to the host reads them once)
-    be.grouped_linear(cv(a.xs), cspan(w.gate), cv(a.offsets), a.g, false, cspan(w.gate_bias));
-    be.grouped_linear(cv(a.xs), cspan(w.up), cv(a.offsets), a.u, true, cspan(w.up_bias));
+    be.grouped_linear(cv(a.xs), cspan(w.gate), cv(a.offsets), a.g, cspan(w.gate_bias));
+    be.grouped_linear(cv(a.xs), cspan(w.up), cv(a.offsets), a.u, cspan(w.up_bias));
     be.swiglu(cv(a.g), cv(a.u), a.m, cfg_.expert_act());
-    be.grouped_linear(cv(a.m), cspan(w.down), cv(a.offsets), a.out, true, cspan(w.down_bias));
+    be.grouped_linear(cv(a.m), cspan(w.down), cv(a.offsets), a.out, cspan(w.down_bias));
   }
 
   /// y = h + the weighted sum of the token's experts' outputs; the routing added to `stats`
@@ -224,14 +222,12 @@ class MoeMlp {
                 View<const typename B::Act> dy, View<typename B::Act> dx, const Weights<typename B::Acc>& g,
                 const RouterStats& stats = {}) const {
     be.moe_combine_backward(dy, cv(a.out), cv(a.slot), cv(a.weights), k_, a.dout, a.dweights);
-    // (the routing of run_kept(): its products' offsets, unchanged)
-    be.grouped_linear_backward(cv(a.m), cspan(w.down), cv(a.dout), a.dm, false, span(g.down), cv(a.offsets), true,
+    be.grouped_linear_backward(cv(a.m), cspan(w.down), cv(a.dout), a.dm, false, span(g.down), cv(a.offsets),
                                span(g.down_bias));
     be.swiglu_backward(cv(a.g), cv(a.u), cv(a.dm), a.dg, a.du, cfg_.expert_act());
-    be.grouped_linear_backward(cv(a.xs), cspan(w.gate), cv(a.dg), a.dxs, false, span(g.gate), cv(a.offsets), true,
+    be.grouped_linear_backward(cv(a.xs), cspan(w.gate), cv(a.dg), a.dxs, false, span(g.gate), cv(a.offsets),
                                span(g.gate_bias));
-    be.grouped_linear_backward(cv(a.xs), cspan(w.up), cv(a.du), a.dxs, true, span(g.up), cv(a.offsets), true,
-                               span(g.up_bias));
+    be.grouped_linear_backward(cv(a.xs), cspan(w.up), cv(a.du), a.dxs, true, span(g.up), cv(a.offsets), span(g.up_bias));
     be.moe_route_backward(cv(a.probs), cv(a.experts), cv(a.weights), cv(a.dweights), k_, cfg_.moe.norm_topk_prob,
                           stats.aux_counts, stats.aux_scale, stats.valid, a.dlogits);
     be.linear_backward(x, w.router, cv(a.dlogits), dx, false, g.router, g.router_bias);
