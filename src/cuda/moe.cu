@@ -397,17 +397,22 @@ __global__ void __launch_bounds__(256) moe_bias_grad_kernel(const bf* __restrict
 // Each element of C is one block's sum over k in increasing order: deterministic.
 namespace grouped {
 
-constexpr int BM = 128, kThreads = 256;
+constexpr int BM = 128;
 enum Mode { kForward, kInputGrad, kWeightGrad };
 
-/// A block's tile: BM x BN of the output, kStages loads of BK in flight; eight warps, 2 x 4, each
-/// 64 x BN / 4.
-template <int BN_, int BK_, int kStages_>
+/// A block's tile: BM x BN of the output, kStages loads of BK in flight; kWarpsM x kWarpsN warps,
+/// each kWarpM x kWarpN of the tile.
+template <int BN_, int BK_, int kStages_, int kWarpsM_, int kWarpsN_>
 struct Tile {
-  static constexpr int BN = BN_, BK = BK_, kStages = kStages_;
-  static constexpr int kWarpN = BN / 4, kJ = kWarpN / 8;  // the warp's columns, and its n8 tiles
+  static constexpr int BN = BN_, BK = BK_, kStages = kStages_, kWarpsM = kWarpsM_, kWarpsN = kWarpsN_;
+  static constexpr int kThreads = 32 * kWarpsM * kWarpsN;
+  static constexpr int kWarpM = BM / kWarpsM, kWarpN = BN / kWarpsN;
+  static constexpr int kI = kWarpM / 16, kJ = kWarpN / 8;  // the warp's m16 and n8 tiles
   static constexpr int kABytes = BM * BK * 2, kBBytes = BN * BK * 2, kStageBytes = kABytes + kBBytes;
   static constexpr int kSmemBytes = kStages * kStageBytes;
+  // two blocks an SM where their shared memory and accumulators (at most 128 registers a thread
+  // at 256 threads) allow
+  static constexpr int kMinBlocks = kSmemBytes <= 100 * 1024 && kI * kJ * 4 * kThreads <= 64 * 256 ? 2 : 1;
 };
 
 /// What a launch passes by value (a grid constant): the experts' own pointers (weights, or the
@@ -467,7 +472,7 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], 
 /// (i, j) of the operand (i along the tile's rows, j along k) is at p[i * ld + j] (not Wide) or
 /// p[j * ld + i] (Wide); beyond `rows` (i) or `depth` (j) it loads as zero. `Vec`: 16-byte loads
 /// (every contiguous run a multiple of 8 elements, 16-byte aligned), else element by element.
-template <int kRows, int BK, bool Wide, bool Vec>
+template <int kRows, int BK, int kThreads, bool Wide, bool Vec>
 __device__ __forceinline__ void load_tile(unsigned char* tile, const bf* __restrict__ p, i64 ld, int rows, int j0, int depth) {
   constexpr int kChunks = kRows * BK / 8, kPerRow = Wide ? kRows / 8 : BK / 8;
 #pragma unroll
@@ -497,16 +502,16 @@ __device__ __forceinline__ void load_tile(unsigned char* tile, const bf* __restr
 /// (m, k) = a[m * lda + k] (or a[k * lda + m] where AWide), B is (k, n) = b[n * ldb + k] (or
 /// b[k * ldb + n] where BWide). Sums over k in increasing order.
 template <class T, bool AWide, bool BWide, bool Vec>
-__device__ __forceinline__ void block_product(float (&acc)[4][T::kJ][4], unsigned char* smem, const bf* __restrict__ a,
+__device__ __forceinline__ void block_product(float (&acc)[T::kI][T::kJ][4], unsigned char* smem, const bf* __restrict__ a,
                                               i64 lda, int M, const bf* __restrict__ b, i64 ldb, int Nc, int depth) {
   constexpr int kStages = T::kStages, BK = T::BK;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int wm = (warp / 4) * 64, wn = (warp % 4) * T::kWarpN;  // the warp's part of the tile
+  const int wm = (warp / T::kWarpsN) * T::kWarpM, wn = (warp % T::kWarpsN) * T::kWarpN;  // the warp's part of the tile
   const int tiles = (depth + BK - 1) / BK;
   auto stage = [&](int s) { return smem + s * T::kStageBytes; };
   auto load = [&](int s, int t) {
-    load_tile<BM, BK, AWide, Vec>(stage(s), a, lda, M, t * BK, depth);
-    load_tile<T::BN, BK, BWide, Vec>(stage(s) + T::kABytes, b, ldb, Nc, t * BK, depth);
+    load_tile<BM, BK, T::kThreads, AWide, Vec>(stage(s), a, lda, M, t * BK, depth);
+    load_tile<T::BN, BK, T::kThreads, BWide, Vec>(stage(s) + T::kABytes, b, ldb, Nc, t * BK, depth);
   };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -523,9 +528,9 @@ __device__ __forceinline__ void block_product(float (&acc)[4][T::kJ][4], unsigne
     const unsigned char* sb = sa + T::kABytes;
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
-      unsigned af[4][4], bfr[T::kJ][2];
+      unsigned af[T::kI][4], bfr[T::kJ][2];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < T::kI; ++i) {
         const int m = wm + i * 16 + (mat & 1) * 8;  // matrices: (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15)
         const int k = kk * 16 + (mat >> 1) * 8;
         if constexpr (AWide) ldmatrix_x4_trans(af[i], smem_addr(sa + offset<BM * 2>(k + r8, m / 8)));
@@ -541,7 +546,7 @@ __device__ __forceinline__ void block_product(float (&acc)[4][T::kJ][4], unsigne
         bfr[2 * p][0] = r[0], bfr[2 * p][1] = r[1], bfr[2 * p + 1][0] = r[2], bfr[2 * p + 1][1] = r[3];
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
+      for (int i = 0; i < T::kI; ++i)
 #pragma unroll
         for (int j = 0; j < T::kJ; ++j) mma_bf16(acc[i][j], af[i], bfr[j][0], bfr[j][1]);
     }
@@ -552,11 +557,11 @@ __device__ __forceinline__ void block_product(float (&acc)[4][T::kJ][4], unsigne
 /// f(m, n, v0, v1, pair) for this thread's accumulators inside M x Nc, v1 belonging to column
 /// n + 1 (pair: n + 1 < Nc).
 template <class T, class F>
-__device__ __forceinline__ void for_each_output(const float (&acc)[4][T::kJ][4], int M, int Nc, F&& f) {
+__device__ __forceinline__ void for_each_output(const float (&acc)[T::kI][T::kJ][4], int M, int Nc, F&& f) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int wm = (warp / 4) * 64, wn = (warp % 4) * T::kWarpN;
+  const int wm = (warp / T::kWarpsN) * T::kWarpM, wn = (warp % T::kWarpsN) * T::kWarpN;
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < T::kI; ++i)
 #pragma unroll
     for (int j = 0; j < T::kJ; ++j)
 #pragma unroll
@@ -568,6 +573,7 @@ __device__ __forceinline__ void for_each_output(const float (&acc)[4][T::kJ][4],
 
 /// The expert and its tile of rows for row tile `bx` in the forward and input gradient: expert e's
 /// rows take ceil(rows_e / BM) consecutive indices, in expert order. -1: none.
+template <int kThreads>
 __device__ int find_row_tile(const std::int64_t* __restrict__ offsets, int E, int bx, int* tile) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan;
@@ -595,9 +601,9 @@ __device__ int find_row_tile(const std::int64_t* __restrict__ offsets, int E, in
 }
 
 template <class T, Mode kMode, bool Vec>
-__global__ void __launch_bounds__(kThreads, T::kSmemBytes <= 100 * 1024 ? 2 : 1) grouped_gemm_kernel(const __grid_constant__ Args args) {
+__global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) grouped_gemm_kernel(const __grid_constant__ Args args) {
   extern __shared__ __align__(128) unsigned char smem[];
-  float acc[4][T::kJ][4] = {};
+  float acc[T::kI][T::kJ][4] = {};
   if constexpr (kMode == kWeightGrad) {
     // blockIdx.z: the expert; (y, x): the tile of its [N, K] gradient
     const int e = static_cast<int>(blockIdx.z);
@@ -622,7 +628,7 @@ __global__ void __launch_bounds__(kThreads, T::kSmemBytes <= 100 * 1024 ? 2 : 1)
   } else {
     int tile = 0;
     const int bx = static_cast<int>(blockIdx.x);
-    const int e = find_row_tile(args.offsets, args.E, bx / args.col_tiles, &tile);
+    const int e = find_row_tile<T::kThreads>(args.offsets, args.E, bx / args.col_tiles, &tile);
     if (e < 0) return;
     const i64 r0 = args.offsets[e] + static_cast<i64>(tile) * BM, left = args.offsets[e + 1] - r0;
     const int M = left < BM ? static_cast<int>(left) : BM;
@@ -672,24 +678,23 @@ template <class T, grouped::Mode kMode>
 void launch_tile(const grouped::Args& args, dim3 grid, bool vec, cudaStream_t stream) {
   const auto kernel = vec ? grouped::grouped_gemm_kernel<T, kMode, true> : grouped::grouped_gemm_kernel<T, kMode, false>;
   MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
-  kernel<<<grid, grouped::kThreads, T::kSmemBytes, stream>>>(args);
+  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(args);
   MT_CUDA_CHECK_LAUNCH("grouped_gemm_kernel");
 }
 /// The forward and input gradient: a block per (row tile, column tile), `row_tiles` the most any
 /// routing needs; the weight gradient: (column tile, row tile, expert) of the experts' gradients.
 template <grouped::Mode kMode>
 void launch_grouped(grouped::Args args, std::int64_t row_tiles, std::int64_t cols, bool vec, cudaStream_t stream) {
-  const auto run = [&]<class T>(T) {
-    args.col_tiles = static_cast<int>((cols + T::BN - 1) / T::BN);
-    const dim3 grid = kMode == grouped::kWeightGrad
-                          ? dim3(static_cast<unsigned>(args.col_tiles), static_cast<unsigned>(row_tiles),
-                                 static_cast<unsigned>(args.E))
-                          : dim3(static_cast<unsigned>(row_tiles * args.col_tiles));
-    launch_tile<T, kMode>(args, grid, vec, stream);
-  };
-  // (measured on an H200, bench_grouped_gemm: 128 x 128 x 64 in 3 stages, two blocks an SM, ahead
-  // of 128 x 128 x 32 in 3 or 4 stages and of 128 x 256 tiles)
-  run(grouped::Tile<128, 64, 3>{});
+  // (measured on an H200, bench_grouped_gemm: 128 x 128 x 64 in 3 stages, eight warps of 64 x 32,
+  // two blocks an SM, ahead of 128 x 128 x 32 in 3 or 4 stages, of four warps of 64 x 64 and of
+  // 128 x 256 tiles; about 330 TFLOP/s, mma.sync's ceiling here)
+  using T = grouped::Tile<128, 64, 3, 2, 4>;
+  args.col_tiles = static_cast<int>((cols + T::BN - 1) / T::BN);
+  const dim3 grid = kMode == grouped::kWeightGrad
+                        ? dim3(static_cast<unsigned>(args.col_tiles), static_cast<unsigned>(row_tiles),
+                               static_cast<unsigned>(args.E))
+                        : dim3(static_cast<unsigned>(row_tiles * args.col_tiles));
+  launch_tile<T, kMode>(args, grid, vec, stream);
 }
 
 grouped::Args grouped_args(std::span<const void* const> expert, const std::int64_t* offsets, std::int64_t rows, std::int64_t N,
