@@ -1,6 +1,6 @@
 // The routing and data movement of a mixture-of-experts layer on the GPU (contract:
-// backend/cuda/kernels.hpp, "mixture of experts"); the experts' products are grouped GEMMs
-// (gemm.cpp). The CPU backend's moe_* primitives are the reference these follow.
+// backend/cuda/kernels.hpp, "mixture of experts"), and the experts' products as grouped GEMMs
+// (below). The CPU backend's moe_* primitives are the reference these follow.
 //
 // Deterministic like the rest of megatrain's kernels: no floating-point atomics; the grouping of
 // assignments by expert is a stable counting sort (per-chunk histograms with integer atomics,
@@ -413,6 +413,9 @@ struct Tile {
   // two blocks an SM where their shared memory and accumulators (at most 128 registers a thread
   // at 256 threads) allow
   static constexpr int kMinBlocks = kSmemBytes <= 100 * 1024 && kI * kJ * 4 * kThreads <= 64 * 256 ? 2 : 1;
+  static_assert(BM * BK / 8 % kThreads == 0 && BN * BK / 8 % kThreads == 0, "each thread loads whole 16-byte chunks");
+  static_assert(kI >= 1 && kJ % 2 == 0 && BK % 16 == 0, "warps of whole m16 x n16 pairs, k in steps of 16");
+  static_assert(kMoeMaxExperts % kThreads == 0, "find_row_tile: the experts split evenly over the threads");
 };
 
 /// What a launch passes by value (a grid constant): the experts' own pointers (weights, or the
@@ -507,7 +510,7 @@ __device__ __forceinline__ void block_product(float (&acc)[T::kI][T::kJ][4], uns
   constexpr int kStages = T::kStages, BK = T::BK;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = (warp / T::kWarpsN) * T::kWarpM, wn = (warp % T::kWarpsN) * T::kWarpN;  // the warp's part of the tile
-  const int tiles = (depth + BK - 1) / BK;
+  const int tiles = static_cast<int>((static_cast<i64>(depth) + BK - 1) / BK);
   auto stage = [&](int s) { return smem + s * T::kStageBytes; };
   auto load = [&](int s, int t) {
     load_tile<BM, BK, T::kThreads, AWide, Vec>(stage(s), a, lda, M, t * BK, depth);
@@ -689,7 +692,10 @@ void launch_grouped(grouped::Args args, std::int64_t row_tiles, std::int64_t col
   // two blocks an SM, ahead of 128 x 128 x 32 in 3 or 4 stages, of four warps of 64 x 64 and of
   // 128 x 256 tiles; about 330 TFLOP/s, mma.sync's ceiling here)
   using T = grouped::Tile<128, 64, 3, 2, 4>;
-  args.col_tiles = static_cast<int>((cols + T::BN - 1) / T::BN);
+  const std::int64_t col_tiles = (cols + T::BN - 1) / T::BN;
+  MT_CHECK(kMode == grouped::kWeightGrad ? col_tiles <= INT_MAX && row_tiles <= 65535 : row_tiles * col_tiles <= INT_MAX,
+           "grouped products: {} x {} tiles of 128 exceed the grid a launch may have", row_tiles, col_tiles);
+  args.col_tiles = static_cast<int>(col_tiles);
   const dim3 grid = kMode == grouped::kWeightGrad
                         ? dim3(static_cast<unsigned>(args.col_tiles), static_cast<unsigned>(row_tiles),
                                static_cast<unsigned>(args.E))

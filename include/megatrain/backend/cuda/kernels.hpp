@@ -168,7 +168,8 @@ void launch_moe_record(const float* probs, const std::int32_t* experts, std::int
                        const std::uint8_t* valid, std::int64_t M, std::int64_t E, std::int64_t* counts, double* prob_sums,
                        cudaStream_t stream);
 /// The experts' products over the rows grouped by expert (offsets [E + 1], device, as
-/// launch_moe_route makes them; `rows` = offsets[E], known to the caller): one kernel each, which
+/// launch_moe_route makes them: 0, increasing, `rows` = offsets[E], which the caller knows; not
+/// checked here, since reading them would synchronise: the CPU backend checks them): one kernel each, which
 /// reads the offsets on the device (the host never waits for the routing), bf16 tensor cores
 /// with fp32 accumulation, each output element summed in a fixed order (deterministic). w[e]
 /// (host array of E device pointers): expert e's weight [N, K].
