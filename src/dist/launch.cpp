@@ -402,9 +402,7 @@ std::string own_address(const LaunchInfo& info) {
   return out;
 }
 
-}  // namespace
 
-namespace {
 // Knocks on every other rank's beacon at once: the ranks whose process has ended (refused), and
 // those that do not answer by `wait` (their host down or unreachable, or their queue full). An
 // empty or unresolvable address is not asked.
