@@ -1,14 +1,21 @@
 #!/usr/bin/env python3
-"""The peer: PyTorch with the whole model on the GPU (bf16 weights and AdamW states), activation
-checkpointing, random tokens, on the same shape and tokens per step as bench_train.
+"""The peer: PyTorch with the whole model on the GPU (bf16 weights and AdamW states), random tokens,
+on the same shape and tokens per step as bench_train.
 
     python3 bench/peer_pytorch.py --preset qwen2.5-1.5b --batch 32 --seq 1024 --steps 8 [--clip 1.0]
 
-As strong as PyTorch is on the shape: the fastest of PyTorch's scaled-dot-product attention
-kernels on this GPU (flash, cuDNN and memory-efficient are each timed on a step), then the
-fastest of the whole batch in one forward/backward, halves and quarters, among those that fit
-(--micro 0, the default; --micro N fixes it), fused AdamW, and with --clip PyTorch's
-clip_grad_norm_ (foreach) before it, as megatrain's exact mode does.
+As strong as PyTorch is on the shape (the default; each choice can be fixed):
+- each decoder layer compiled with torch.compile (--no-compile: eager);
+- activation checkpointing of the fewest decoder layers that fit (--checkpoint-layers auto: none,
+  then a quarter, half, three quarters, all of them, the first ones; or none, all, or a count);
+- the fastest of PyTorch's scaled-dot-product attention kernels on this GPU (flash, cuDNN and
+  memory-efficient, each timed on a step);
+- the fewest micro-batches: the fastest of the whole batch in one forward/backward, halves,
+  quarters and eighths, among those that fit (--micro 0; --micro N fixes it);
+- fused AdamW, and with --clip PyTorch's clip_grad_norm_ (foreach) before it, as megatrain's
+  exact mode does.
+The configuration found is printed with the figures. `--no-compile --checkpoint-layers all` is the
+peer of the measurements before 2026-12 (bench/results/).
 
 Long sequences: the full logits tensor (tokens x vocabulary, upcast to fp32 by transformers' loss)
 is what runs out of memory first, so where not even one sequence per pass fits with it, the peer
@@ -73,6 +80,10 @@ def main():
                          "per projection, its fastest on large batches)")
     ap.add_argument("--attention", choices=["flash", "cudnn", "efficient"], default=None,
                     help="the SDPA kernel to use (default: the fastest of the three on a trial step)")
+    ap.add_argument("--no-compile", action="store_true", help="run the decoder layers eagerly (default: torch.compile each)")
+    ap.add_argument("--checkpoint-layers", default="auto",
+                    help="decoder layers (the first ones) whose activations are recomputed in the backward: auto (the "
+                         "fewest that fit), none, all, or a count")
     a = ap.parse_args()
 
     import torch
@@ -89,6 +100,20 @@ def main():
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa", **extra)
     model.gradient_checkpointing_enable()
     model.train()
+    layers = list(model.model.layers)
+    if not a.no_compile:
+        for layer in layers:
+            layer.compile()  # (each decoder layer; the checkpointing wrapper stays outside the compiled code)
+
+    def checkpoint_first(k):  # the first k decoder layers recompute their activations in the backward
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = i < k
+
+    nl = len(layers)
+    if a.checkpoint_layers == "auto":
+        ks = sorted({0, nl // 4, nl // 2, 3 * nl // 4, nl})
+    else:
+        ks = [nl if a.checkpoint_layers == "all" else 0 if a.checkpoint_layers == "none" else int(a.checkpoint_layers)]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     n = sum(p.numel() for p in model.parameters())
     tokens = a.batch * a.seq
@@ -143,10 +168,12 @@ def main():
             print(f"peer: {backend.name} not usable for passes of {micro} ({str(e).splitlines()[0][:80]})", flush=True)
             return None
 
-    splits = [a.micro] if a.micro > 0 else [m for m in (a.batch, a.batch // 2, a.batch // 4) if m >= 1 and a.batch % m == 0]
+    splits = [a.micro] if a.micro > 0 else [m for m in (a.batch, a.batch // 2, a.batch // 4, a.batch // 8)
+                                            if m >= 1 and a.batch % m == 0]
     named = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
     kernels = [named[a.attention]] if a.attention else list(named.values())
     trial = {}
+    checkpoint_first(max(ks))  # (the kernel trial with the most recompute: it fits where anything does)
     while splits and not trial:
         for backend in kernels:
             t = attempt(splits[0], backend)
@@ -163,17 +190,23 @@ def main():
         raise SystemExit(f"peer: not even passes of {splits[0] if splits else 1} sequence(s) fit on this GPU"
                          f"{f' (loss in chunks of {loss_chunk} tokens)' if loss_chunk else ''}")
     backend = min(trial, key=trial.get)
-    split_times = {splits[0]: trial[backend]}
-    for m in splits[1:]:
-        t = attempt(m, backend)
-        if t is not None:
-            split_times[m] = t
-    micro = min(split_times, key=split_times.get)
+    # Then, at each split, the fewest checkpointed layers that fit; the fastest (split, layers) wins.
+    split_times = {}
+    for m in splits:
+        for k in sorted(ks):
+            checkpoint_first(k)
+            t = attempt(m, backend)
+            if t is not None:
+                split_times[(m, k)] = t
+                break
+    micro, ckpt = min(split_times, key=split_times.get)
+    checkpoint_first(ckpt)
     print(f"peer: PyTorch {torch.__version__}, transformers {transformers.__version__}, {a.preset}"
           f"{f' cut to {a.layers} layers' if a.layers else ''}{f', experts {a.experts}' if moe else ''}, {n / 1e9:.3f}B "
           f"parameters, {tokens} tokens per step ({a.batch} x {a.seq}, {a.batch // micro} pass(es) of {micro}), attention "
           f"{backend.name} (trial steps: {', '.join(f'{b.name} {t:.3f} s' for b, t in trial.items())}; passes of "
-          f"{', '.join(f'{m}: {t:.3f} s' for m, t in split_times.items())}), "
+          f"{', '.join(f'{m} with {k} checkpointed layers: {t:.3f} s' for (m, k), t in split_times.items())}), "
+          f"{'eager' if a.no_compile else 'torch.compile of each decoder layer'}, {ckpt} of {nl} layers checkpointed, "
           f"{f'loss in checkpointed chunks of {loss_chunk} tokens' if loss_chunk else 'full logits'}, fused AdamW"
           f"{f', clip_grad_norm_ {a.clip}' if a.clip > 0 else ''}", flush=True)
     times = []
@@ -185,6 +218,7 @@ def main():
     mean = sum(measured) / len(measured)
     print(json.dumps({"peer_tokens_per_s": tokens / mean, "peer_step_s": mean, "peer_micro": micro,
                       "peer_attention": backend.name, "peer_clip": a.clip, "peer_loss_chunk": loss_chunk,
+                      "peer_compiled": not a.no_compile, "peer_checkpointed_layers": ckpt, "peer_layers": nl,
                       "peer_peak_gpu_bytes": torch.cuda.max_memory_allocated()}))
 
 

@@ -25,6 +25,7 @@
 #include "../megatrain_train/cli.hpp"
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/version.hpp"
 #include "megatrain/core/host_memory.hpp"
 #include "megatrain/dist/comm.hpp"
 #include "megatrain/layers/decoder_model.hpp"
@@ -297,7 +298,8 @@ int run(const Settings& s, const CLI::App& app, PlanArgs a) {
 int main(int argc, char** argv) {
   Settings s;
   PlanArgs a;
-  CLI::App app("megatrain-plan: the memory and the step time of a training configuration, before anything is allocated");
+  CLI::App app{"megatrain-plan: the memory and the step time of a training configuration, before anything is allocated", "megatrain-plan"};
+  app.set_version_flag("--version", "megatrain-plan " + std::string(megatrain::version()), "Print the version and exit");
   app.set_help_flag("-h,--help", "Print this help and exit");
   add_model_options(app, s);
   auto* step = app.add_option_group("step", "The step (megatrain-train's options)");
@@ -322,7 +324,7 @@ int main(int argc, char** argv) {
   procs->add_option("--hosts", a.hosts, "Hosts the --gpus processes spread over, evenly (default 1)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  procs->add_option("--shard-optimizer", s.shard_optimizer, "ZeRO-1, as megatrain-train (default true)")->capture_default_str();
+  add_bool_option(procs, "--shard-optimizer", s.shard_optimizer, "ZeRO-1, as megatrain-train");
   procs->add_option("--share-weights", s.share_weights,
                     "The bf16 weights one copy a host's processes map (auto: where every process runs on one host)")
       ->check(CLI::IsMember({"auto", "true", "false"}))

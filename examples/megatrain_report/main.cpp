@@ -13,13 +13,15 @@
 #include <string>
 
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/version.hpp"
 #include "megatrain/io/run_report.hpp"
 
 namespace fs = std::filesystem;
 
 int main(int argc, char** argv) {
   std::string run_dir, output, title;
-  CLI::App app{"megatrain-report: a self-contained report.html (charts and tables) for a megatrain-train run folder"};
+  CLI::App app{"megatrain-report: a self-contained report.html (charts and tables) for a megatrain-train run folder", "megatrain-report"};
+  app.set_version_flag("--version", "megatrain-report " + std::string(megatrain::version()), "Print the version and exit");
   app.add_option("RUN_DIR", run_dir, "The run folder (megatrain-train --out DIR): its metrics.jsonl, options.json, config.json")
       ->required();
   app.add_option("--output,-o", output, "Where to write the report (default: RUN_DIR/report.html)");
@@ -40,6 +42,10 @@ int main(int argc, char** argv) {
     megatrain::io::RunReportInfo info;
     info.title = title;
     const fs::path written = megatrain::io::write_run_report(run_dir, info, output);
+    if (const auto torn = megatrain::io::incomplete_metrics_line(run_dir))
+      std::fprintf(stderr, "megatrain-report: warning: line %zu of %s is incomplete (the run was killed while writing it, "
+                   "or is writing it now); the report leaves it out and says so\n", *torn,
+                   (fs::path(run_dir) / "metrics.jsonl").string().c_str());
     std::printf("%s\n", written.string().c_str());
     return 0;
   } catch (const megatrain::Error& e) {

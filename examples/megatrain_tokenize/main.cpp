@@ -10,6 +10,7 @@
 #include <string>
 
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/version.hpp"
 #include "megatrain/text/prepare.hpp"
 
 namespace fs = std::filesystem;
@@ -20,7 +21,8 @@ int main(int argc, char** argv) {
   std::string input, output;
   std::string tokenizer;
   CLI::App app{"megatrain-tokenize: documents and fine-tuning records in (text, JSONL, JSON), token files out, with a model's "
-               "tokenizer"};
+               "tokenizer", "megatrain-tokenize"};
+  app.set_version_flag("--version", "megatrain-tokenize " + std::string(megatrain::version()), "Print the version and exit");
   app.add_option("--tokenizer", tokenizer, "A Hugging Face model folder (its tokenizer.json) or a tokenizer.json")->required();
   app.add_option("--input", input, "Text (one document), JSONL (one record per line) or JSON (an array of records)")->required();
   app.add_option("--output", output,

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/version.hpp"
 #include "megatrain/io/hf_checkpoint.hpp"
 #include "megatrain/model/config.hpp"
 #include "megatrain/plan/memory_plan.hpp"
@@ -95,6 +96,8 @@ struct Settings {
   std::string out, backend = "auto", host_memory, gpu_memory;
   std::int64_t eval_every = 20, eval_batches = 4, log_every = 1;
   bool overwrite = false;
+  // a metrics line that cannot be written: stop or continue
+  std::string on_metrics_error = "stop";
   // cuBLASLt's algorithms timed over the first step, each product's fastest kept (a resumed run
   // takes its checkpoint's)
   bool gemm_tuning = true;
@@ -152,6 +155,15 @@ inline std::string default_out_dir() {
   return buf;
 }
 
+/// A boolean option: `--name` alone means true, `--name true` and `--name false` say which (and
+/// a --config file's JSON true or false).
+inline CLI::Option* add_bool_option(CLI::App* app, const std::string& name, bool& value, const std::string& description) {
+  return app->add_flag(name, value, description)
+      ->expected(0, 1)
+      ->option_text(fmt::format("[true|false]={}", value ? "true" : "false"))
+      ->capture_default_str();
+}
+
 /// The model options (--model, --model-config, --preset and the shape flags), bound to `s`:
 /// megatrain-train's and megatrain-plan's.
 inline void add_model_options(CLI::App& app_, Settings& s) {
@@ -160,9 +172,8 @@ inline void add_model_options(CLI::App& app_, Settings& s) {
   auto* model = app->add_option_group("model", "Model shape (default: a small Llama)");
   model->add_option("--model", s.model_dir,
                     "Hugging Face model directory (config.json + safetensors) to fine-tune: shape and weights from there");
-  model->add_option("--allow-dtype-mismatch", s.allow_dtype_mismatch,
-                    "--model: load tensors stored in another float dtype than config.json declares (true/false)")
-      ->capture_default_str();
+  add_bool_option(model, "--allow-dtype-mismatch", s.allow_dtype_mismatch,
+                  "--model: load tensors stored in another float dtype than config.json declares");
   model->add_option("--model-config", s.model_config, "Hugging Face config.json giving the model shape");
   model->add_option("--preset", s.preset, "Built-in shape: " + fmt::format("{}", fmt::join(ModelConfig::preset_names(), ", ")));
   model->add_option("--hidden", s.hidden, "Hidden size")->capture_default_str();
@@ -176,7 +187,7 @@ inline void add_model_options(CLI::App& app_, Settings& s) {
   model->add_option("--vocab", s.vocab, "Vocabulary size (default: 256 for text data)");
   model->add_option("--rope-theta", s.rope_theta, "Rotary base")->capture_default_str();
   model->add_option("--norm-eps", s.norm_eps, "RMSNorm epsilon")->capture_default_str();
-  model->add_option("--tie-embeddings", s.tie_embeddings, "Share the embedding and LM head (true/false)")->capture_default_str();
+  add_bool_option(model, "--tie-embeddings", s.tie_embeddings, "Share the embedding and LM head");
 
 }
 
@@ -386,8 +397,12 @@ inline megatrain::plan::HostBudget host_budget(const Settings& s) {
 /// The program's options, bound to `s`.
 inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file) {
   using megatrain::ModelConfig;
-  auto app = std::make_unique<CLI::App>("megatrain-train: train a decoder-only language model (Llama / Mistral / Qwen2 family)");
+  auto app = std::make_unique<CLI::App>(
+      "megatrain-train: train a decoder-only language model far larger than the GPU, from a Hugging Face folder, a "
+      "config.json, a preset or a shape (docs/training.md)",
+      "megatrain-train");
   app->set_help_flag("-h,--help", "Print this help and exit");
+  app->set_version_flag("--version", "megatrain-train " + std::string(megatrain::version()), "Print the version and exit");
   // An option may come from the checkpoint, the config file and the command line: the last wins.
   app->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app->add_option("--config", config_file, "JSON file of options (keys: long option names); the command line wins");
@@ -416,13 +431,11 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
                    "Examples: the tokens the loss is taken on: completion (the completions and assistant turns) or "
                    "prompt+completion (every token)")
       ->capture_default_str();
-  data->add_option("--pack", s.pack,
-                   "Examples: pack several into each sequence of --seq tokens, attention kept within each (true/false; "
-                   "default false: one example per sequence, padded)")
-      ->capture_default_str();
-  data->add_option("--skip-bad-lines", s.skip_bad_lines,
-                   "JSON data: skip (and count) bad records instead of stopping at the first (true/false)")
-      ->capture_default_str();
+  add_bool_option(data, "--pack", s.pack,
+                  "Examples: pack several into each sequence of --seq tokens, attention kept within each (default "
+                  "false: one example per sequence, padded)");
+  add_bool_option(data, "--skip-bad-lines", s.skip_bad_lines,
+                  "JSON data: skip (and count) bad records instead of stopping at the first");
 
   auto* train = app->add_option_group("training", "Batch, schedule and optimizer");
   add_step_options(*train, s);
@@ -453,7 +466,14 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
   auto* runo = app->add_option_group("run", "Run");
   runo->add_option("--seed", s.seed, "Seed for initialisation and data order")->check(CLI::NonNegativeNumber)->capture_default_str();
   runo->add_option("--out", s.out, "Output directory (default: runs/<date-time>)");
-  runo->add_option("--overwrite", s.overwrite, "Replace a previous run in --out (true/false)")->capture_default_str();
+  add_bool_option(runo, "--overwrite", s.overwrite,
+                  "Replace the previous run in --out, whole (moved aside first, removed once this run has a checkpoint "
+                  "or its end)");
+  runo->add_option("--on-metrics-error", s.on_metrics_error,
+                   "A metrics line that cannot be written (a full disk): stop (save the train state, the lines not "
+                   "written with it, and exit) or continue (keep the lines until they can be written)")
+      ->check(CLI::IsMember({"stop", "continue"}))
+      ->capture_default_str();
   runo->add_option("--rendezvous-timeout", s.rendezvous_timeout,
                    "Launched as several processes (torchrun, mpirun, srun): seconds a process waits for the others "
                    "at start before it gives up naming the missing ones (default: MEGATRAIN_RENDEZVOUS_TIMEOUT, else 300)")
@@ -468,11 +488,10 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
                    "a GPU, started by this program as torchrun would)")
       ->check(CLI::IsMember({"threads", "processes"}))
       ->capture_default_str();
-  runo->add_option("--shard-optimizer", s.shard_optimizer,
+  add_bool_option(runo, "--shard-optimizer", s.shard_optimizer,
                    "Launched as several processes: each keeps and steps 1/N of the fp32 masters and AdamW's moments "
                    "(ZeRO-1: less host memory; the updated weights gathered after each update); false: every process "
-                   "all of it (more memory, the host units' update beside the next step)")
-      ->capture_default_str();
+                   "all of it (more memory, the host units' update beside the next step)");
   runo->add_option("--share-weights", s.share_weights,
                    "Several processes with --shard-optimizer on GPUs, all on one host: the bf16 weights they stream "
                    "held once in host memory and mapped by every process (2 bytes a parameter for the host, not 2 a "
@@ -490,11 +509,10 @@ inline std::unique_ptr<CLI::App> make_app(Settings& s, std::string& config_file)
   runo->add_option("--eval-batches", s.eval_batches, "Batches per validation (with --steps 0: 0 skips the evaluation)")->capture_default_str();
   runo->add_option("--log-every", s.log_every, "Print every N steps when not on a terminal")->capture_default_str();
   add_memory_options(*runo, s);
-  runo->add_option("--gemm-tuning", s.gemm_tuning,
+  add_bool_option(runo, "--gemm-tuning", s.gemm_tuning,
                    "GPU: time cuBLASLt's first algorithms for each matrix product over the first step and keep the "
                    "fastest (a few % faster; two fresh runs may then differ in the last bits, a resumed run takes its "
-                   "checkpoint's choices and continues bit for bit); false: the heuristic's first, the same in every run")
-      ->capture_default_str();
+                   "checkpoint's choices and continues bit for bit); false: the heuristic's first, the same in every run");
 
   auto* ck = app->add_option_group("checkpoints", "Train-state checkpoints (docs/checkpointing.md)");
   ck->add_option("--save-every", s.save_every,
@@ -664,11 +682,12 @@ inline json recorded_options(const Parsed& p) {
 }
 
 /// "--key value" arguments of `given` (from a checkpoint) for parse(); `only` (if not empty)
-/// restricts them to those names.
-inline std::vector<std::string> replay_args(const json& given, const std::set<std::string>& only = {}) {
+/// restricts them to those names, and those in `except` are left out.
+inline std::vector<std::string> replay_args(const json& given, const std::set<std::string>& only = {},
+                                            const std::set<std::string>& except = {}) {
   std::vector<std::string> args;
   for (const auto& [name, value] : given.items()) {
-    if (!replayed_option(name) || (!only.empty() && !only.contains(name))) continue;
+    if (!replayed_option(name) || (!only.empty() && !only.contains(name)) || except.contains(name)) continue;
     args.push_back(name);
     args.push_back(value.get<std::string>());
   }

@@ -100,6 +100,9 @@ inline int launch_gpus(int n, char** argv) {
       ::setenv("MASTER_PORT", p.c_str(), 1);
       ::setenv("MEGATRAIN_GPUS_LAUNCHED", "1", 1);
       if (std::getenv("NCCL_NVLS_ENABLE") == nullptr) ::setenv("NCCL_NVLS_ENABLE", "0", 1);
+      sigset_t none;  // (a process starts with no signal blocked, whatever its launcher blocks)
+      ::sigemptyset(&none);
+      ::sigprocmask(SIG_SETMASK, &none, nullptr);
       ::execv("/proc/self/exe", argv);
       std::fprintf(stderr, "megatrain-train --gpus: could not start process %d of %d\n", r, n);
       std::_Exit(127);

@@ -32,6 +32,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -43,14 +44,18 @@
 #include "cli.hpp"
 #include "ranks.hpp"
 #include "gpus.hpp"
+#include "stop_signals.hpp"
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/fault_injection.hpp"
 #include "megatrain/core/host_memory.hpp"
 #include "megatrain/core/log.hpp"
 #include "megatrain/data/token_dataset.hpp"
 #include "megatrain/dist/launch.hpp"
 #include "megatrain/io/detail/atomic_files.hpp"
 #include "megatrain/io/hf_checkpoint.hpp"
+#include "megatrain/io/metrics_log.hpp"
+#include "megatrain/io/run_folder.hpp"
 #include "megatrain/io/run_report.hpp"
 #include "megatrain/io/train_checkpoint.hpp"
 #include "megatrain/layers/decoder_model.hpp"
@@ -68,11 +73,9 @@ using namespace megatrain_train;
 
 namespace {
 
-// ---- signals --------------------------------------------------------------------------------------
-// The first SIGINT or SIGTERM asks the loop to stop after the current step (saving first); a
-// second one ends the process at once, leaving the checkpoints on disk as they are (a save in
-// progress is abandoned in its temporary folder, which the next save removes).
-std::atomic<int> g_stop_signal{0};
+// ---- signals ----------------------------------------------------------------------------------------
+// SIGINT and SIGTERM: stop_signals.hpp (the first asks the run to stop after the current step,
+// saving first; a second ends the process at once, removing what it was writing).
 // Who this thread's warnings come from ("megatrain-train (rank 1 of 2)"; empty: the program's),
 // and this process's (one of several processes: every thread's, a trainer's stages too).
 thread_local std::string t_who;
@@ -81,22 +84,6 @@ std::string g_who;
 std::atomic<int> g_failed_rank{-1};
 // --gpus N on GPUs: aborts every running rank's communicator (set by main; empty otherwise).
 std::function<void()> g_abort_others;
-
-void on_stop_signal(int sig) {
-  if (g_stop_signal.exchange(sig) != 0) _exit(128 + sig);
-  static const char msg[] =
-      "\nmegatrain-train: stopping: finishing this step, then saving a checkpoint (interrupt again to stop at once)\n";
-  (void)!::write(STDERR_FILENO, msg, sizeof msg - 1);
-}
-
-void install_stop_handlers() {
-  struct sigaction sa {};
-  sa.sa_handler = on_stop_signal;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = SA_RESTART;
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-}
 
 // ---- the model ------------------------------------------------------------------------------------
 
@@ -165,31 +152,8 @@ struct Resume {
   std::vector<std::string> side_files;  // Hugging Face side files kept in the checkpoint
 };
 
-// The checkpoint --resume names: "latest" (the newest in --out), a checkpoint folder, or a run folder.
-fs::path locate_checkpoint(const Settings& s) {
-  const auto newest_in = [](const fs::path& folder, const std::string& what) {
-    const auto latest = io::CheckpointFolder(folder).latest();
-    MT_CHECK(latest.has_value(),
-             "--resume: {} has no checkpoint in '{}' to resume from (a run saves one every --save-every N steps, at "
-             "its end when --save-every is given, and when SIGINT or SIGTERM stops it)",
-             what, folder.string());
-    return *latest;
-  };
-  if (s.resume == "latest") {
-    MT_CHECK(!s.out.empty(), "--resume needs the run to continue: give --out RUN_DIR (its checkpoints are in "
-             "RUN_DIR/checkpoints), or --resume CHECKPOINT_DIR");
-    return newest_in(fs::path(s.out) / "checkpoints", fmt::format("the run '{}'", s.out));
-  }
-  const fs::path p(s.resume);
-  std::error_code ec;
-  MT_CHECK(fs::is_directory(p, ec), "--resume '{}': no such folder", s.resume);
-  if (fs::exists(p / io::kChecksumsFile, ec)) return p;
-  if (fs::is_directory(p / "checkpoints", ec)) return newest_in(p / "checkpoints", fmt::format("the run '{}'", s.resume));
-  MT_FAIL("--resume '{}' is neither a checkpoint folder (it has no {}) nor a run folder (it has no checkpoints/)", s.resume,
-          io::kChecksumsFile);
-}
-
-Resume open_resume(const fs::path& dir) {
+// A checkpoint folder, opened (every file checked against its checksum) as megatrain-train's.
+Resume open_checkpoint(const fs::path& dir) {
   io::TrainCheckpoint ckpt = io::TrainCheckpoint::open(dir);
   TrainState st = train_state_from_json(ckpt.state(), (dir / io::kTrainStateFile).string());
   const json& user = st.user;
@@ -202,6 +166,114 @@ Resume open_resume(const fs::path& dir) {
   return {std::move(ckpt), std::move(st), std::move(given), std::move(side)};
 }
 
+// A run's checkpoints newest first: the one `latest` names, then those of lower steps (a run's
+// checkpoints of higher steps than `latest` were left by a run that went further before this one
+// resumed from an earlier step: not this run's state).
+std::vector<fs::path> checkpoints_newest_first(const fs::path& root) {
+  const io::CheckpointFolder folder(root);
+  std::optional<fs::path> latest;
+  try {
+    latest = folder.latest();
+  } catch (const megatrain::Error&) {  // (`latest` names a folder that is gone: every folder, newest first)
+  }
+  auto all = folder.list();
+  std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<fs::path> out;
+  std::int64_t below = std::numeric_limits<std::int64_t>::max();
+  if (latest) {
+    out.push_back(*latest);
+    for (const auto& [step, path] : all)
+      if (path.filename() == latest->filename()) below = step;
+  }
+  for (const auto& [step, path] : all)
+    if (step < below) out.push_back(path);
+  return out;
+}
+
+// The checkpoint --resume names, opened: "latest" (the newest intact one of the run in --out), a
+// run folder (the same), or a checkpoint folder (that one). A damaged newest checkpoint is named,
+// and the newest intact one taken, saying so.
+Resume open_resume(const Settings& s) {
+  const auto newest_intact = [](const fs::path& run) {
+    std::error_code ec;
+    MT_CHECK(fs::is_directory(run, ec), "--resume: the run folder '{}' does not exist (give --out the folder of the run "
+             "to continue, or --resume a checkpoint folder)", run.string());
+    const auto candidates = checkpoints_newest_first(run / "checkpoints");
+    MT_CHECK(!candidates.empty(), "--resume: the run '{}' has no checkpoint in '{}' to resume from (a run saves one every "
+             "--save-every N steps, at its end when --save-every is given, and when SIGINT or SIGTERM stops it)",
+             run.string(), (run / "checkpoints").string());
+    std::vector<std::string> damaged;
+    for (const fs::path& c : candidates) {
+      try {
+        Resume r = open_checkpoint(c);
+        if (!damaged.empty())
+          std::fprintf(stderr, "megatrain-train: warning: %s; resuming from the newest intact checkpoint, '%s' (step %lld)\n",
+                       fmt::format("{}", fmt::join(damaged, "; ")).c_str(), c.string().c_str(),
+                       static_cast<long long>(r.state.step));
+        return r;
+      } catch (const megatrain::Error& e) {
+        damaged.push_back(fmt::format("the checkpoint '{}' cannot be resumed from: {}", c.string(), e.reason()));
+      }
+    }
+    MT_FAIL("--resume: no checkpoint of the run '{}' can be resumed from: {}", run.string(), fmt::join(damaged, "; "));
+  };
+  if (s.resume == "latest") {
+    MT_CHECK(!s.out.empty(), "--resume needs the run to continue: give --out RUN_DIR (its checkpoints are in "
+             "RUN_DIR/checkpoints), or --resume CHECKPOINT_DIR");
+    return newest_intact(s.out);
+  }
+  const fs::path p(s.resume);
+  std::error_code ec;
+  MT_CHECK(fs::is_directory(p, ec), "--resume '{}': no such folder", s.resume);
+  if (!fs::exists(p / io::kChecksumsFile, ec)) {
+    MT_CHECK(fs::is_directory(p / "checkpoints", ec), "--resume '{}' is neither a checkpoint folder (it has no {}) nor a "
+             "run folder (it has no checkpoints/)", s.resume, io::kChecksumsFile);
+    return newest_intact(p);
+  }
+  try {
+    return open_checkpoint(p);
+  } catch (const megatrain::Error& e) {
+    // (the checkpoint asked for by name is not replaced by another: the others are named)
+    std::vector<std::string> intact;
+    if (p.parent_path().filename() == "checkpoints")
+      for (const fs::path& c : checkpoints_newest_first(p.parent_path()))
+        if (c.filename() != p.filename()) try {
+            (void)io::TrainCheckpoint::open(c);
+            intact.push_back(c.string());
+          } catch (const megatrain::Error&) {
+          }
+    MT_FAIL("{}{}", e.reason(), intact.empty() ? std::string()
+                                                : fmt::format(" (intact checkpoints of this run: {})", fmt::join(intact, ", ")));
+  }
+}
+
+// Whether a resume that writes to the run folder `out` continues the run of `checkpoint` (it
+// lies in out/checkpoints) rather than branching from it into another folder.
+bool continues_run(const fs::path& checkpoint, const fs::path& out) {
+  std::error_code ec;
+  const fs::path a = fs::weakly_canonical(fs::absolute(checkpoint), ec).parent_path();
+  const fs::path b = fs::weakly_canonical(fs::absolute(out) / "checkpoints", ec);
+  return a == b;
+}
+
+// The config.json a run keeps and exports for a model not read from a Hugging Face folder: the
+// model's own (ModelConfig::to_json), with the token ids of the --model-config file it came from
+// (where it gave them), else of its --tokenizer, so that generation in transformers knows them.
+std::string config_text_of(const ModelConfig& cfg, const std::string& model_config, std::optional<std::int32_t> bos,
+                           std::optional<std::int32_t> eos) {
+  json j = cfg.to_json();
+  json file = json::object();
+  if (!model_config.empty()) file = json::parse(io::read_side_file(model_config));
+  for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"})
+    if (file.contains(key) && !j.contains(key)) j[key] = file[key];
+  if (bos && !j.contains("bos_token_id")) j["bos_token_id"] = *bos;
+  if (eos && !j.contains("eos_token_id")) j["eos_token_id"] = *eos;
+  return j.dump(2) + "\n";
+}
+
+// A new run's identity (kept in its checkpoints and exports): 16 random hex digits.
+std::string new_run_id() { return io::detail::random_suffix() + io::detail::random_suffix(); }
+
 // The training option a TrainerOptions field comes from.
 std::string option_of(const std::string& field) {
   static const std::map<std::string, std::string> names{
@@ -212,26 +284,6 @@ std::string option_of(const std::string& field) {
       {"schedule.min_lr", "--min-lr (or --min-lr-ratio)"},  {"clip_norm", "--clip"},        {"clip_mode", "--clip-mode"}};
   const auto it = names.find(field);
   return it == names.end() ? field : it->second;
-}
-
-// Rewrites metrics.jsonl keeping only the steps up to `step` (a run killed after its last
-// checkpoint wrote lines for steps that it will now train again), atomically.
-void truncate_metrics(const fs::path& path, std::int64_t step) {
-  std::error_code ec;
-  if (!fs::exists(path, ec)) return;
-  std::ifstream in(path);
-  std::string line, kept;
-  while (std::getline(in, line)) {
-    json j;
-    try {
-      j = json::parse(line);
-    } catch (const json::exception&) {
-      continue;  // a line torn by the crash
-    }
-    if (j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<std::int64_t>() <= step)
-      kept += line + "\n";
-  }
-  io::detail::write_file_atomically(path, kept);
 }
 
 // ---- what train() needs besides the trainer's options -----------------------------------------------
@@ -247,11 +299,40 @@ struct RunPlan {
   json given;                            // the options this run was given (kept in checkpoints)
   json data_identity;                    // the data's digests (kept in checkpoints)
   std::shared_ptr<const fs::path> temp_data;  // data prepared for this run only (evaluation; a resume's, until accepted): removed with the plan
+  std::string run_id;                    // this run's identity: in its checkpoints and its exports' megatrain_export.json
+  std::vector<std::string> notes;        // said once the run starts
+  bool branch = false;                   // --resume from another run's checkpoint into a run folder of its own
+  std::shared_ptr<io::RunFolder> folder;  // the run folder, claimed by this process (the first rank's)
 };
 
 template <class B>
 int train(B& be, const char* backend_name, const Settings& s, const CLI::App& app, const ModelConfig& cfg,
           const std::optional<TokenDataset>& data, TrainerOptions topt, RunPlan& plan, Ranks& ranks);
+
+// The run folder, claimed by the first rank before anything is written in it (io/run_folder.hpp):
+// locked for the run's life; with --overwrite, the previous run moved aside.
+void claim_run_folder(const Settings& s, RunPlan& plan, Ranks& ranks) {
+  if (!ranks.lead()) {  // (the first rank's folder is the run's: the others learn it later)
+    plan.out = s.out.empty() ? fs::path(default_out_dir()) : fs::path(s.out);
+    return;
+  }
+  io::RunClaimOptions o;
+  o.resume = plan.resume.has_value() && !plan.branch;  // (a branch starts a run folder of its own)
+  o.overwrite = s.overwrite;
+  for (const std::string* in : {&s.data, &s.val_data, &s.model_dir, &s.model_config, &s.tokenizer})
+    if (!in->empty()) o.inputs.emplace_back(*in);
+  if (plan.resume) o.inputs.push_back(plan.resume->ckpt.dir());
+  plan.folder = std::make_shared<io::RunFolder>(s.out.empty() ? io::RunFolder::claim_new("runs", o)
+                                                              : io::RunFolder::claim(s.out, o));
+  plan.out = plan.folder->path();
+  if (!plan.folder->taken_over_from().empty())
+    plan.notes.push_back(fmt::format("note: took over the run folder's lock from {}, which is no longer running",
+                                     plan.folder->taken_over_from()));
+  if (const auto& r = plan.folder->replaced())
+    plan.notes.push_back(fmt::format("--overwrite: the previous run in '{}' was moved to '{}'; it is removed once this run "
+                                     "has saved a checkpoint or finished, and put back if this run stops before its first "
+                                     "step", plan.out.string(), r->string()));
+}
 
 int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
   // ---- validate everything before touching anything ------------------------------------------
@@ -289,6 +370,8 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
   MT_CHECK(s.val_data.empty() || !s.origins.conflicts("--val-fraction", "--val-data"),
            "--val-fraction contradicts --val-data: validation comes from that file; drop one");
   MT_CHECK(s.steps >= 0, "--steps must be >= 0 (got {}; 0 evaluates only)", s.steps);
+  MT_CHECK(!s.origins.given("--out") || !s.out.empty(), "--out is empty: give the folder for the run (without --out: "
+           "runs/<date-time>)");
   const bool eval_only = s.steps == 0;
   for (const char* flag : {"--shard-optimizer", "--share-weights", "--gather-weights"})
     MT_CHECK(ranks.several() || !s.origins.given_now(flag),
@@ -322,7 +405,8 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
   if (eval_only)  // options that only shape training would be ignored: refuse them
     for (const char* f : {"--lr", "--min-lr", "--min-lr-ratio", "--warmup", "--warmup-ratio", "--schedule", "--weight-decay", "--beta1", "--beta2", "--eps", "--clip",
                           "--clip-mode", "--micro-batches", "--overwrite", "--eval-every", "--log-every", "--save-every", "--keep",
-                          "--device-units", "--keep-activations", "--spill-activations", "--gradients", "--gemm-tuning"})
+                          "--device-units", "--keep-activations", "--spill-activations", "--gradients", "--gemm-tuning",
+                          "--on-metrics-error"})
       MT_CHECK(!s.origins.conflicts(f, "--steps"), "{} has no effect with --steps 0 (evaluation only); drop it", f);
   check_model_source(s);
   plan.eval_only = eval_only;
@@ -343,7 +427,8 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
              "--export-dtype must be bf16, f16 or f32 (got '{}')", s.export_dtype);
     e.dtype = s.export_dtype == "f32" ? DType::f32 : s.export_dtype == "f16" ? DType::f16 : DType::bf16;
     e.max_shard_bytes = io::parse_shard_size(s.shard_size);
-    io::check_hf_export_target(s.export_dir);
+    io::check_hf_export_target(s.export_dir, plan.run_id);
+    e.owner = plan.run_id;
     plan.export_options = std::move(e);
   }
   // (--gpus N: set once by main, before the ranks' threads start)
@@ -367,6 +452,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
     io::HfOpenOptions open_options;
     open_options.allow_dtype_mismatch = s.allow_dtype_mismatch;
     plan.hf = io::HfCheckpoint::open(s.model_dir, open_options);
+    StopSignals::check("while opening the model");
     if (!plan.resume) {
       plan.config_text = plan.hf->config_text();
       plan.side_files = io::hf_side_files(s.model_dir);
@@ -377,12 +463,9 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
   // files need the vocabulary given, which decides their width unless --data-format does.
   // (With --steps 0 --eval-batches 0 nothing is evaluated and no data is read.)
   const bool need_data = !(eval_only && s.eval_batches == 0);
-  if (!eval_only) {
-    plan.out = s.out.empty() ? fs::path(default_out_dir()) : fs::path(s.out);
-    MT_CHECK(plan.resume || s.overwrite || !fs::exists(plan.out / "metrics.jsonl"),
-             "'{}' already holds a run (metrics.jsonl); continue it with --resume, choose another --out, or pass "
-             "--overwrite to replace it", plan.out.string());
-  }
+  if (!eval_only) claim_run_folder(s, plan, ranks);
+  fault::delay_point("train:setup");  // (tests: a signal that lands before training starts)
+  StopSignals::check("while starting");
   std::string data_file = !s.data.empty() ? s.data : (eval_only ? s.val_data : std::string());
   std::string val_file = s.val_data;
   MT_CHECK(s.train_on == "completion" || s.train_on == "prompt+completion",
@@ -390,6 +473,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
   // JSON data, and text with a tokenizer, are tokenised first (megatrain-tokenize's work) into
   // token files in the run folder (a temporary folder when only evaluating), then memory-mapped.
   std::optional<text::PrepareResult> prepared;
+  std::optional<std::int32_t> tokenizer_bos, tokenizer_eos;  // (a --tokenizer's, for an export's config.json)
   if (need_data && !data_file.empty()) {
     const std::string ext = fs::path(data_file).extension().string();
     const bool json_data = ext == ".jsonl" || ext == ".json";
@@ -407,6 +491,15 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
       std::error_code ec;
       const fs::path tp(tokenizer);
       const auto tok = fs::is_directory(tp, ec) ? text::Tokenizer::from_folder(tp) : text::Tokenizer::from_file(tp);
+      StopSignals::check("while loading the tokenizer");
+      tokenizer_bos = tok.bos_id();
+      tokenizer_eos = tok.eos_id();
+      // A run on a tokenizer of its own (not --model's): its files go with the checkpoints and
+      // exports, as a model folder's would.
+      if (!plan.hf && !plan.resume) {
+        plan.side_files = io::hf_side_files(fs::is_directory(tp, ec) ? tp : tp.parent_path());
+        if (!fs::is_directory(tp, ec)) plan.side_files["tokenizer.json"] = io::read_side_file(tp);
+      }
       // (evaluating only: a temporary folder; resuming: RUN/data/incoming, moved over RUN/data's
       // files once the resume is accepted, so a refused resume leaves the run's data as it was)
       // (a process of several other than the first: a folder of its own, as the first writes the run folder's)
@@ -433,7 +526,11 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
         po.overwrite = true;  // (the run folder's own copy)
         po.input_option = option;
         po.skip_option = "--skip-bad-lines true";
-        if (ranks.lead()) po.progress = text::terminal_progress(in);  // (one bar, the first rank's)
+        // (one bar, the first rank's; a stop signal ends the preparation, leaving nothing behind)
+        po.progress = [bar = ranks.lead() ? text::terminal_progress(in) : nullptr](std::uintmax_t done, std::uintmax_t total) {
+          StopSignals::check("while preparing the data");
+          if (bar) bar(done, total);
+        };
         auto r = text::prepare_token_files(tok, po);
         std::fprintf(eval_only ? stderr : ranks.out(), "%s\n", r.summary.c_str());
         return r;
@@ -484,7 +581,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
     }
   } else {
     cfg = model_config(s, app, data_vocab, plan.hf ? &*plan.hf : nullptr);
-    if (plan.config_text.empty()) plan.config_text = cfg->to_json().dump(2) + "\n";
+    if (plan.config_text.empty()) plan.config_text = config_text_of(*cfg, s.model_config, tokenizer_bos, tokenizer_eos);
   }
   if (plan.export_options) {
     plan.export_options->config_json = plan.config_text;
@@ -673,6 +770,7 @@ int run(const Settings& s, const CLI::App& app, RunPlan plan, Ranks& ranks) {
                c.parent_path().string());
     }
   }
+  StopSignals::check("while preparing the run");
   if (use_cuda) {
 #if MEGATRAIN_HAS_CUDA
     CudaBackendOptions copt;
@@ -778,10 +876,12 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   // The plan (docs/planner.md), before anything is allocated: printed, and refused with what would
   // fit when it cannot.
   FILE* const info = plan.eval_only ? stderr : ranks.out();
+  std::size_t planned_host = 0;  // (the plan's host memory, said again at the start)
   {
     const plan::StepPlan sp =
         plan::plan_step<B>(model, topt, plan::device_budget(be), budget, B::kDevice ? plan::machine_figures() : plan::MachineFigures{});
     MT_CHECK(sp.memory.fits, "{}", sp.refusal());
+    planned_host = sp.memory.host_total();
     const auto parts_of = [&](const TrainerOptions& o) {
       const auto f = HostParamStore<float>::footprint(model.units(), Trainer<B>::store_options(o));
       return gathers_for_export ? f.master_bytes + f.adam_bytes : f.compute_bytes;
@@ -835,8 +935,11 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   so.host_memory_budget = budget.bytes;
   HostParamStore<float> store(model.units(), Trainer<B>::store_options(topt, so));
   Trainer<B> trainer(model, store, be, topt);
+  StopSignals::check("while building the model's state");
   // (Evaluating only, everything but the JSON result goes to stderr.)
   std::int64_t first_step = 1;
+  // Metrics lines a checkpoint kept because they could not be written before it (--on-metrics-error).
+  std::vector<std::string> unwritten;
   if (plan.resume) {
     const auto t0 = std::chrono::steady_clock::now();
     // (Evaluating or exporting, only the weights matter: the trainer's options are not the run's.)
@@ -905,6 +1008,8 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
                      "come in another order, so it is not bit for bit the run that was not interrupted\n",
                      fmt::format("{}", fmt::join(layout, ", ")).c_str());
     }
+    if (const json& u = st.user; u.contains("unwritten_metrics") && u["unwritten_metrics"].is_array())
+      for (const auto& line : u["unwritten_metrics"]) unwritten.push_back(line.get<std::string>());
     plan.resume.reset();
     plan.hf.reset();  // (--model given again was only compared with the checkpoint's model)
   } else if (plan.hf) {
@@ -916,11 +1021,14 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
                  plan.hf->ignored().empty() ? "" : fmt::format("; not loaded: {}", fmt::join(plan.hf->ignored(), ", ")).c_str());
     plan.hf.reset();  // unmap the files: an export may replace that very directory
   }
+  StopSignals::check("while loading the weights");
   const auto export_model = [&](std::int64_t step) {
     trainer.finish_update();  // (the step's update, if it runs in the background)
     const auto t0 = std::chrono::steady_clock::now();
     const fs::path dir(s.export_dir);
     if (dir.has_parent_path()) fs::create_directories(dir.parent_path());
+    plan.export_options->marker = {{"written_by", "megatrain-train"}, {"step", step}};
+    if (!plan.out.empty()) plan.export_options->marker["run_dir"] = fs::absolute(plan.out).lexically_normal().string();
     io::export_hf_model(store, cfg, dir, *plan.export_options);
     return fmt::format("exported step {} to {} ({}) in {:.1f} s", step, s.export_dir,
                        io::torch_dtype_name(plan.export_options->dtype),
@@ -964,7 +1072,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   const fs::path& out = plan.out;
   if (lead) {
     fs::create_directories(out);
-    std::ofstream(out / "config.json") << cfg.to_json().dump(2) << '\n';
+    io::detail::write_file_atomically(out / "config.json", cfg.to_json().dump(2) + "\n");
     json o;
     std::vector<const CLI::Option*> opts = app.get_options();
     for (const CLI::App* group : app.get_subcommands([](const CLI::App*) { return true; }))
@@ -972,14 +1080,17 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     for (const CLI::Option* opt : opts)
       if (!opt->get_lnames().empty() && opt->get_lnames().front() != "help" && opt->get_lnames().front() != "config")
         o[opt->get_lnames().front()] = opt->count() > 0 ? opt->as<std::string>() : opt->get_default_str();
-    std::ofstream(out / "options.json") << o.dump(2) << '\n';
-    // A resumed run continues the metrics where its checkpoint was taken.
-    if (first_step > 1) truncate_metrics(out / "metrics.jsonl", first_step - 1);
+    io::detail::write_file_atomically(out / "options.json", o.dump(2) + "\n");
   }
-  std::ofstream metrics;
+  // metrics.jsonl (io/metrics_log.hpp): a resumed run continues it where its checkpoint was taken,
+  // with the lines that checkpoint kept because they could not be written then.
+  io::MetricsLog metrics;
+  std::string metrics_error;  // (the first failed write's reason; empty while none failed)
   if (lead) {
-    metrics.open(out / "metrics.jsonl", first_step > 1 ? std::ios::app : std::ios::trunc);
-    MT_CHECK(metrics.good(), "cannot write '{}'", (out / "metrics.jsonl").string());
+    metrics = io::MetricsLog(out / "metrics.jsonl", first_step > 1 ? first_step - 1 : -1);
+    for (const std::string& line : unwritten)  // (those not in the file yet)
+      if (io::metrics_step(line) > metrics.kept_through() && metrics_error.empty()) metrics_error = metrics.append(line);
+    MT_CHECK(metrics_error.empty(), "the metrics the checkpoint kept could not be written: {}", metrics_error);
   }
 
   std::fprintf(ranks.out(), "megatrain-train: %s, %lld parameters (%lld layers, hidden %lld, vocab %lld), backend %s, data %s "
@@ -989,11 +1100,12 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
               static_cast<long long>(cfg.vocab_size), backend_name, s.data.empty() ? "built-in text" : s.data.c_str(),
               static_cast<long long>(data->train_tokens()), static_cast<long long>(data->val_tokens()));
   const std::int64_t micro = trainer.options().micro_batches * ranks.world();  // (the global batch's passes)
-  std::fprintf(ranks.out(), "batch %lld x %lld tokens%s, %s %lld, host memory %s, writing %s\n", static_cast<long long>(s.batch),
-              static_cast<long long>(s.seq),
+  std::fprintf(ranks.out(), "batch %lld x %lld tokens%s, %s %lld, host memory %s as planned (%s of it the parameter store), "
+              "writing %s\n", static_cast<long long>(s.batch), static_cast<long long>(s.seq),
               micro > 1 ? fmt::format(" in {} micro-batches of {}", micro, s.batch / micro).c_str() : "",
               first_step > 1 ? fmt::format("steps {} to", first_step).c_str() : "steps", static_cast<long long>(s.steps),
-              format_bytes(store.bytes()).c_str(), out.string().c_str());
+              format_bytes(planned_host).c_str(), format_bytes(store.bytes()).c_str(), out.string().c_str());
+  for (const std::string& note : plan.notes) std::fprintf(ranks.out(), "%s\n", note.c_str());
   if constexpr (B::kDevice)
     std::fprintf(ranks.out(), "AdamW on the GPU for %zu of %zu units (--device-units), on the host for the rest%s\n", trainer.device_units(),
                 store.num_units(),
@@ -1020,18 +1132,40 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   for (const auto& [name, text] : plan.side_files) side_names.push_back(name);
   json user{{"program", "megatrain-train"}, {"given", plan.given}, {"data", plan.data_identity}, {"backend", backend_name},
                   {"side_files", side_names}, {"run_dir", fs::absolute(out).lexically_normal().string()},
-                  {"processes", ranks.world()}};
+                  {"processes", ranks.world()}, {"run_id", plan.run_id}};
   Progress progress(first_step, s.steps, ranks.out());
   std::int64_t saved_step = first_step - 1;  // the newest complete checkpoint (or the one resumed from)
   bool last_save_failed = false;
+  const io::CheckpointFolder checkpoints(out / "checkpoints");
+  const auto checkpoint_path = [&](std::int64_t step) { return checkpoints.path_for(step).string(); };
+  // What a second stop signal cleans and says (stop_signals.hpp): what this run may be writing.
+  const auto tell_signals = [&] {
+    StopSignals::Status st;
+    st.out = out.string();
+    st.saved_step = saved_step;
+    if (saved_step > 0) st.saved_path = checkpoint_path(saved_step);
+    st.training = true;
+    if (plan.folder && plan.folder->replaced()) st.replaced = plan.folder->replaced()->string();
+    if (lead) st.writing_in = {{out, ""}, {out / "checkpoints", ""}};
+    if (lead && plan.export_options) {
+      const fs::path e = fs::absolute(s.export_dir).lexically_normal();
+      const fs::path name = e.has_filename() ? e.filename() : e.parent_path().filename();
+      st.writing_in.emplace_back(e.has_filename() ? e.parent_path() : e.parent_path().parent_path(), name.string() + ".");
+    }
+    StopSignals::update(st);
+  };
+  tell_signals();
   // Reports a finished save (a failure is a warning: the previous checkpoint is still there).
   const auto report_one = [&](const SaveResult* r) {
     if (r->ok) {
       saved_step = r->step;
       last_save_failed = false;
+      tell_signals();
       if (lead)
         progress.note(fmt::format("saved step {} to {} ({} in {:.1f} s; training waited {:.1f} s for it)", r->step,
                                 r->dir.string(), format_bytes(r->bytes), r->seconds, r->stall_seconds));
+      if (plan.folder && plan.folder->replaced())  // (--overwrite: the new run has its first checkpoint)
+        progress.note(fmt::format("--overwrite: removed the previous run ('{}')", plan.folder->drop_replaced().string()));
     } else {
       last_save_failed = true;
       // (every process its own failure; the first also another's)
@@ -1053,13 +1187,28 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   const auto wait_saves = [&] {
     if (checkpointer) report(checkpointer->wait());
   };
-  const auto checkpoint_path = [&](std::int64_t step) { return checkpointer->folder().path_for(step).string(); };
-  // (Every process calls it at the same step. ZeRO-1: every process writes its part.)
+  // (Every process calls it at the same step. ZeRO-1: every process writes its part.) The metrics
+  // lines not yet written go with it, so that a resume writes them.
   const auto save = [&](std::int64_t step) {
     if constexpr (requires { be.gemm_algorithms(); }) user["gemm_algorithms"] = be.gemm_algorithms();
+    if (metrics.pending().empty()) user.erase("unwritten_metrics");
+    else user["unwritten_metrics"] = metrics.pending();
     if (checkpointer) checkpointer->save(trainer, store, data->position(step * s.batch), user);
   };
-
+  // After a failure that stops the run: the train state of `step` saved (every process takes part),
+  // unless it is already; then what was saved, as a sentence (said by the first process).
+  const auto save_for_stop = [&](std::int64_t step) {
+    if (ranks.lead_says(step > 0 && saved_step != step)) {
+      save(step);
+      wait_saves();
+    }
+    if (step == 0) return std::string("No step had finished: there is nothing to save.");
+    if (saved_step == step) return fmt::format("The train state of step {} is saved in {}.", step, checkpoint_path(step));
+    return fmt::format("The train state of step {} could not be saved (see above); {}.", step,
+                       saved_step > 0 ? fmt::format("the newest complete checkpoint is step {} ({})", saved_step,
+                                                    checkpoint_path(saved_step))
+                                      : std::string("there is no complete checkpoint"));
+  };
   // ---- train ----------------------------------------------------------------------------------
   // Every process reads the global batch and trains its share of the rows (docs/distributed.md).
   const auto n = static_cast<std::size_t>(s.batch * s.seq);
@@ -1096,12 +1245,17 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
   report_info.machine["backend"] = backend_name;
   report_info.machine["compute_dtype"] = compute_dtype;
   if (ranks.several()) report_info.machine["processes"] = ranks.world();
+  std::string report_error;  // (why the last report could not be written; empty: it was)
   const auto write_report = [&] {
     if (!lead) return;
     try {
+      const fault::WriteScope scope("report");
       io::write_run_report(out, report_info);
+      report_error.clear();
     } catch (const megatrain::Error& e) {
-      progress.note(fmt::format("megatrain-train: warning: report.html not written: {}", e.reason()), stderr);
+      if (report_error.empty())
+        progress.note(fmt::format("megatrain-train: warning: report.html not written: {}", e.reason()), stderr);
+      report_error = e.reason();
     }
   };
   // A non-finite step stopped the trainer (every process alike: they stepped the same sums): with
@@ -1112,10 +1266,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     wait_saves();
     write_report();
     // (the first process knows what it saved; every process takes part in a save)
-    if (trainer.stopped_with_last_good_state() && ranks.lead_says(good > 0 && saved_step != good)) {
-      save(good);
-      wait_saves();
-    }
+    if (trainer.stopped_with_last_good_state()) (void)save_for_stop(good);
     if (!lead) {
       ranks.barrier();  // (while the first process finishes)
       return 1;
@@ -1139,12 +1290,66 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     ranks.barrier();
     return 1;
   };
-  install_stop_handlers();
+  // An export (--export, --export-every) of `step`; where it fails, the train state of the step is
+  // saved in the run folder and the message says how to export it again. Returns whether it was
+  // written. (Every process calls it at the same step.)
+  const auto export_at = [&](std::int64_t step) {
+    try {
+      if (trainer.options().sharded()) {
+        wait_saves();  // (a checkpoint in flight completed first: its writers read the store)
+        trainer.finish_update();
+      }
+      struct Release {  // (what the export gathered is let go again, whatever happens)
+        HostParamStore<float>& store;
+        ~Release() { store.release_unowned_state(); }
+      } release{store};
+      if (gathers_for_export) store.gather_state(*ranks.comm(), 0);  // (the masters brought to the first process)
+      else if (trainer.options().sharded()) store.gather_weights(*ranks.comm(), 0);  // (a bf16 copy held in parts: whole on the first process)
+      // (the others wait while the first reads the weights, a bf16 copy they map together included,
+      // and stop with it where it cannot write the export, instead of at their next collective)
+      const auto write_export = [&] { progress.note(export_model(step)); };
+      if (ranks.several())
+        io::agree_on(*ranks.comm(), lead, write_export, [&](const std::vector<int>&) {
+          return fmt::format("process 0 could not write the export to {} (its message says why)", s.export_dir);
+        });
+      else
+        write_export();
+      return true;
+    } catch (const megatrain::Error& e) {
+      const std::string saved = save_for_stop(step);
+      if (lead)
+        progress.note(fmt::format("megatrain-train: {}: the export of step {} to '{}' failed: {}. {}{}{}",
+                                  step == s.steps ? "error" : "warning", step, s.export_dir, e.reason(), saved,
+                                  saved_step == step ? fmt::format(" Export it again with: megatrain-train --resume {} --steps 0 "
+                                                                   "--eval-batches 0 --export {}", checkpoint_path(step),
+                                                                   s.export_dir)
+                                                     : std::string(),
+                                  step == s.steps ? "" : " Training goes on."),
+                      stderr);
+      return false;
+    }
+  };
+  // A metrics line that could not be written (a full disk): the run stops with the train state of the
+  // step saved, the lines not written kept with it (--on-metrics-error stop), or goes on keeping them
+  // in memory until they can be written (continue).
+  const auto metrics_failed = [&](std::int64_t step) {
+    if (!ranks.lead_says(!metrics.pending().empty() && s.on_metrics_error == "stop")) return false;
+    const std::string saved = save_for_stop(step);
+    if (lead)
+      std::fprintf(stderr, "megatrain-train: error: the metrics of step %lld could not be written: %s. The run stops "
+                   "(--on-metrics-error stop). %s%s\n", static_cast<long long>(step), metrics_error.c_str(), saved.c_str(),
+                   saved_step == step ? fmt::format(" The metrics not written are kept with it: make room, then resume "
+                                                    "with: megatrain-train --resume --out {}", out.string()).c_str()
+                                      : "");
+    return true;
+  };
+
   std::int64_t step = first_step;
   int stop_signal = 0;  // (a signal any process got: every process stops after the same step)
-  for (; step <= s.steps && (stop_signal = ranks.stop_signal(g_stop_signal.load())) == 0; ++step) {
+  bool final_export_failed = false;
+  for (; step <= s.steps && (stop_signal = ranks.stop_signal(StopSignals::first())) == 0; ++step) {
     data->train_batch((step - 1) * s.batch, s.batch, ids, labels, positions, attention_mask);
-    io::detail::delay_point("train:step");  // (tests: MEGATRAIN_TEST_DELAY_AT=train:step:MICROSECONDS)
+    fault::delay_point("train:step");  // (tests: MEGATRAIN_FAULTS=delay@train:step=MICROSECONDS)
     StepStats st;
     try {
       st = trainer.step(mine(ids, share), mine(labels, share), mine(positions, share), mine(attention_mask, share));
@@ -1152,6 +1357,7 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
       if (trainer.stopped_because().empty()) throw;
       return stop_nonfinite(e, step - 1);
     }
+    if (plan.folder) plan.folder->mark_started();  // (from now on the run folder is this run's, whatever happens)
     // The matrix-product algorithms the first step chose (--gemm-tuning): the first process's for
     // every process, as its checkpoints keep them.
     if constexpr (requires { be.gemm_algorithms(); })
@@ -1174,35 +1380,26 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
       m["expert_tokens"] = load;  // [layer, fewest, most] tokens routed to one expert over the step
     }
     if (val) m["val_loss"] = *val;
-    if (lead) metrics << m.dump() << '\n' << std::flush;
+    if (lead) {
+      const std::string error = metrics.append(m.dump());
+      if (!error.empty() && metrics_error.empty() && s.on_metrics_error == "continue")
+        progress.note(fmt::format("megatrain-train: warning: the metrics of step {} could not be written: {}; training "
+                                  "goes on (--on-metrics-error continue), the lines kept until they can be written",
+                                  step, error), stderr);
+      if (!error.empty() && metrics_error.empty()) metrics_error = error;
+    }
+    if (metrics_failed(step)) return 1;
     if (val) write_report();
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     progress.update(st, tok_s, elapsed, val, s.log_every);
     poll_saves();
     if (s.save_every > 0 && (step % s.save_every == 0 || step == s.steps)) save(step);
-    if (plan.export_options && (step == s.steps || (s.export_every > 0 && step % s.export_every == 0))) {
-      if (trainer.options().sharded()) {
-        wait_saves();  // (a checkpoint in flight completed first: its writers read the store)
-        trainer.finish_update();
-      }
-      if (gathers_for_export) store.gather_state(*ranks.comm(), 0);  // (the masters brought to the first process)
-      else if (trainer.options().sharded()) store.gather_weights(*ranks.comm(), 0);  // (a bf16 copy held in parts: whole on the first process)
-      // (the others wait while the first reads the weights, a bf16 copy they map together included,
-      // and stop with it where it cannot write the export, instead of at their next collective)
-      const auto write_export = [&] { progress.note(export_model(step)); };
-      if (ranks.several())
-        io::agree_on(*ranks.comm(), lead, write_export, [&](const std::vector<int>&) {
-          return fmt::format("process 0 could not write the export to {} (its message says why); every process stops",
-                             s.export_dir);
-        });
-      else
-        write_export();
-      store.release_unowned_state();
-    }
+    if (plan.export_options && (step == s.steps || (s.export_every > 0 && step % s.export_every == 0)))
+      if (!export_at(step) && step == s.steps) final_export_failed = true;
   }
   const std::int64_t done = step - 1;
   // (a signal during the last step: every process hears of it, and the run is saved as promised)
-  if (stop_signal == 0) stop_signal = ranks.stop_signal(g_stop_signal.load());
+  if (stop_signal == 0) stop_signal = ranks.stop_signal(StopSignals::first());
   trainer.finish_update();
   wait_saves();
   write_report();
@@ -1230,15 +1427,29 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
     }
     // (The signal came during the last step: the run is complete, and saved as promised.)
   }
+  // Metrics lines that never found room (--on-metrics-error continue) are kept with the train state.
+  const bool metrics_lost = ranks.lead_says(!metrics.pending().empty());
+  const std::string metrics_saved = metrics_lost ? save_for_stop(done) : std::string();
   // (At a normal end the others need not wait for the first's export and last save: a process that
   // ends with status 0 stops nothing.)
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::fprintf(ranks.out(), "done: %lld steps in %.1f s; metrics in %s\n", static_cast<long long>(s.steps - first_step + 1), total,
               (out / "metrics.jsonl").string().c_str());
-  if (last_save_failed) {
+  if (plan.folder && plan.folder->replaced())  // (--overwrite: the new run has finished)
+    progress.note(fmt::format("--overwrite: removed the previous run ('{}')", plan.folder->drop_replaced().string()));
+  // Every write that failed is an error the run reports: exit status 1.
+  std::vector<std::string> failed;
+  if (last_save_failed)
+    failed.push_back(fmt::format("its last checkpoint could not be written{}",
+                                 saved_step > 0 ? fmt::format(" (the newest complete one is step {})", saved_step) : ""));
+  if (final_export_failed) failed.push_back(fmt::format("its export to '{}' failed (see above)", s.export_dir));
+  if (metrics_lost)
+    failed.push_back(fmt::format("{} lines of metrics.jsonl could not be written ({}). {}", metrics.pending().size(),
+                                 metrics_error, metrics_saved));
+  if (!report_error.empty()) failed.push_back(fmt::format("report.html could not be written ({})", report_error));
+  if (!failed.empty()) {
     if (lead || !ranks.threads())  // (the ranks of one process: said once)
-      std::fprintf(stderr, "megatrain-train: error: the run finished but its last checkpoint could not be written%s\n",
-                   saved_step > 0 ? fmt::format(" (the newest complete one is step {})", saved_step).c_str() : "");
+      std::fprintf(stderr, "megatrain-train: error: the run finished, but %s\n", fmt::format("{}", fmt::join(failed, "; ")).c_str());
     return 1;
   }
   return 0;
@@ -1248,17 +1459,21 @@ int train(B& be, const char* backend_name, const Settings& s, const CLI::App& ap
 int main(int argc, char** argv) {
   // A file-size limit (ulimit -f) must fail a write with a message, not kill the process.
   signal(SIGXFSZ, SIG_IGN);
+  // SIGINT and SIGTERM from the first instant (stop_signals.hpp), before any other thread starts.
+  StopSignals::install();
   const std::vector<std::string> args(argv + 1, argv + argc);
   Parsed p;
   RunPlan plan;
   try {
     parse(p, args);
+    plan.run_id = new_run_id();
     if (p.settings->resume_given) {
       // Resuming: the checkpoint's run options come first, under the config file and the command
       // line. With --steps 0 (evaluate or export) only the data options are taken over.
       const Settings& first = *p.settings;
-      const fs::path dir = locate_checkpoint(first);
-      Resume r = open_resume(dir);
+      Resume r = open_resume(first);
+      const fs::path dir = r.ckpt.dir();
+      StopSignals::check("while opening the checkpoint");
       const bool eval_only = first.origins.given("--steps") && first.steps == 0;
       const std::set<std::string> data_only{"--data",      "--data-format", "--val-data",    "--val-fraction",
                                             "--batch",     "--seq",         "--seed",        "--train-on",
@@ -1266,14 +1481,28 @@ int main(int argc, char** argv) {
       std::string out = first.out;
       if (out.empty() && dir.parent_path().filename() == "checkpoints") out = dir.parent_path().parent_path().string();
       MT_CHECK(!out.empty() || eval_only, "--resume '{}': give --out (the run folder to continue in)", dir.string());
-      std::vector<std::string> before = replay_args(r.given, eval_only ? data_only : std::set<std::string>{});
+      // A branch (a run folder of its own) is another run: it does not export into the folder of
+      // the run it came from unless told to.
+      const bool branch = !eval_only && !continues_run(dir, out);
+      const std::set<std::string> export_options{"--export", "--export-every", "--export-dtype", "--shard-size"};
+      std::vector<std::string> before =
+          replay_args(r.given, eval_only ? data_only : std::set<std::string>{}, branch ? export_options : std::set<std::string>{});
       if (!out.empty() && first.out.empty()) before.insert(before.end(), {"--out", out});
+      if (branch && r.given.contains("--export") && !first.origins.given_now("--export"))
+        plan.notes.push_back(fmt::format("note: this run branches from '{}' into '{}': the export of the run it comes from "
+                                         "('{}') is not taken over; give --export to export this one", dir.string(), out,
+                                         r.given["--export"].get<std::string>()));
+      if (!branch) plan.run_id = r.state.user.value("run_id", plan.run_id);
+      plan.branch = branch;
       p = Parsed{};
       parse(p, args, before);
       plan.resume = std::move(r);
     }
   } catch (const CLI::ParseError& e) {
     return p.app ? p.app->exit(e) : 2;
+  } catch (const StoppedBeforeTraining& e) {
+    std::fprintf(stderr, "megatrain-train: %s\n", e.reason().c_str());
+    return 128 + e.signal();
   } catch (const megatrain::Error& e) {
     std::fprintf(stderr, "megatrain-train: %s\n", e.reason().c_str());
     return 2;
@@ -1288,7 +1517,10 @@ int main(int argc, char** argv) {
     MT_CHECK(gpus > 1 || !s.origins.given_now("--gpu-ranks"), "--gpu-ranks applies with --gpus N (N > 1); drop it");
     if (gpus > 1) {
       const auto env = megatrain::dist::launch_from_env();
-      if (env.world <= 1 && s.gpu_ranks == "processes") return launch_gpus(gpus, argv);
+      if (env.world <= 1 && s.gpu_ranks == "processes") {
+        StopSignals::uninstall();  // (the launcher forwards signals to its processes itself)
+        return launch_gpus(gpus, argv);
+      }
       MT_CHECK(env.world <= 1 || (std::getenv("MEGATRAIN_GPUS_LAUNCHED") != nullptr && env.world == gpus),
                "--gpus {}: this is process {} of {} that {} launched, one GPU each: drop --gpus (the launcher says how "
                "many)", s.gpus, env.rank, env.world, env.launcher);
@@ -1331,6 +1563,9 @@ int main(int argc, char** argv) {
       t_who = ranks.several() ? fmt::format("megatrain-train ({} {} of {})", ranks.noun(), ranks.rank(), ranks.world())
                               : std::string();
       return run(s, *p.app, std::move(rank_plan), ranks);
+    } catch (const StoppedBeforeTraining& e) {  // (as asked: no error; every rank stops alike)
+      if (ranks.lead()) std::fprintf(stderr, "megatrain-train: %s\n", e.reason().c_str());
+      return 128 + e.signal();
     } catch (const megatrain::Error& e) {
       // What went wrong and what to do, in the user's terms (the library's function and source line
       // are in e.what(), for a bug report: MEGATRAIN_DEBUG=1 prints them).
@@ -1395,6 +1630,9 @@ int main(int argc, char** argv) {
         RunPlan mine;  // (what main has filled in; the rest is each rank's own)
         mine.resume = plan.resume;
         mine.given = plan.given;
+        mine.run_id = plan.run_id;
+        mine.notes = plan.notes;
+        mine.branch = plan.branch;
         const int st = rank_main(ranks, [&](Ranks& me) {
           me = Ranks::local(r, gpus, use_cuda, port, std::move(local[static_cast<std::size_t>(r)]), s.rendezvous_timeout);
           const std::lock_guard lock(live_mutex);

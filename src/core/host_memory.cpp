@@ -18,6 +18,7 @@
 #include <string>
 
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/fault_injection.hpp"
 #include "megatrain/core/log.hpp"
 
 #if MEGATRAIN_HAS_CUDA
@@ -33,13 +34,10 @@ std::size_t page_size() {
 }
 std::atomic<std::size_t> g_mapped{0};  // bytes mapped by live HostBuffers
 
-// Test hook: MEGATRAIN_TEST_FAIL_PIN=1 makes every pinning attempt fail as cudaHostRegister can
-// (locked-memory limit), in any build and with or without a GPU, so that the fallback can be
-// tested. Read at each allocation.
-bool pin_failure_forced() {
-  const char* e = std::getenv("MEGATRAIN_TEST_FAIL_PIN");
-  return e != nullptr && *e != '\0' && std::strcmp(e, "0") != 0;
-}
+// Test hook (core/fault_injection.hpp): `fail@pin` makes every pinning attempt fail as
+// cudaHostRegister can (locked-memory limit), in any build and with or without a GPU, so that the
+// fallback can be tested.
+bool pin_failure_forced() { return fault::failure("pin") != 0; }
 
 // The ranges HostBuffers page-locked, begin -> end (host_pages_locked answers from them).
 std::mutex g_locked_mutex;
@@ -56,7 +54,7 @@ void note_locked(void* p, std::size_t bytes, bool locked) {
 bool try_pin(void* p, std::size_t bytes) {
   std::string why;
   if (pin_failure_forced()) {
-    why = "forced by MEGATRAIN_TEST_FAIL_PIN";
+    why = "forced by MEGATRAIN_FAULTS (fail@pin)";
   } else {
 #if MEGATRAIN_HAS_CUDA
     if (!cuda_device_present()) return false;
@@ -238,9 +236,9 @@ std::uint64_t host_identity() {
     id += '/';
     id.append(ns, static_cast<std::size_t>(n));
   }
-  // Test hook: MEGATRAIN_TEST_HOST=NAME makes this process claim another host (NAME), so that the
-  // refusal of sharing across hosts can be tested on one.
-  if (const char* t = std::getenv("MEGATRAIN_TEST_HOST"); t != nullptr && *t != '\0') id += std::string("/test:") + t;
+  // Test hook (core/fault_injection.hpp): `set@host=NAME` makes this process claim another host
+  // (NAME), so that the refusal of sharing across hosts can be tested on one.
+  if (const auto t = fault::setting("host"); t && !t->empty()) id += "/test:" + *t;
   std::uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
   for (char c : id) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ull;
   return h;

@@ -22,6 +22,7 @@
 
 #include "megatrain/core/digest.hpp"
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/fault_injection.hpp"
 #include "megatrain/core/log.hpp"
 
 namespace megatrain::io::detail {
@@ -42,50 +43,6 @@ void fsync_directory(const fs::path& dir) {
   const int err = errno;
   ::close(fd);
   MT_CHECK(rc == 0, "cannot sync directory '{}': {}", dir.string(), errno_text(err));
-}
-
-void delay_point(std::string_view point) {
-  const char* spec = std::getenv("MEGATRAIN_TEST_DELAY_AT");
-  if (spec == nullptr || *spec == '\0') return;
-  // "point:MICROSECONDS", several separated by commas.
-  std::string_view rest(spec);
-  while (!rest.empty()) {
-    const auto comma = rest.find(',');
-    const std::string_view item = rest.substr(0, comma);
-    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
-    const auto colon = item.rfind(':');
-    if (colon == std::string_view::npos || item.substr(0, colon) != point) continue;
-    long us = 0;
-    for (const char c : item.substr(colon + 1)) {
-      if (c < '0' || c > '9') return;
-      us = us * 10 + (c - '0');
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(us));
-    return;
-  }
-}
-
-void crash_point(std::string_view point) {
-  const char* const spec = std::getenv("MEGATRAIN_TEST_CRASH_AT");
-  if (spec == nullptr || *spec == '\0') return;
-  // "point" or "point:N"; points themselves contain colons ("write:tensor"), so the count is
-  // only what follows the point's own name.
-  const std::string_view s(spec);
-  if (!s.starts_with(point)) return;
-  const std::string_view rest = s.substr(point.size());
-  long nth = 1;
-  if (!rest.empty()) {
-    if (rest.size() < 2 || rest[0] != ':' ||
-        !std::all_of(rest.begin() + 1, rest.end(), [](char c) { return c >= '0' && c <= '9'; }))
-      return;
-    nth = std::strtol(spec + point.size() + 1, nullptr, 10);
-  }
-  static std::atomic<long> hits{0};
-  if (++hits == nth) {
-    std::fprintf(stderr, "MEGATRAIN_TEST_CRASH_AT: killed at %.*s\n", static_cast<int>(point.size()), point.data());
-    std::fflush(stderr);
-    ::kill(::getpid(), SIGKILL);
-  }
 }
 
 namespace {
@@ -259,6 +216,8 @@ void OutputFile::flush() {
 void OutputFile::write_through(std::span<const std::byte> bytes) {
   const std::byte* p = bytes.data();
   std::size_t left = bytes.size();
+  if (left > 0)
+    if (const int e = fault::write_failure(); e != 0) MT_FAIL("cannot write '{}': {}", path_.string(), errno_text(e));
   while (left > 0) {
     const ::ssize_t w = ::write(fd_, p, std::min<std::size_t>(left, std::size_t{1} << 30));
     if (w < 0) {
@@ -320,7 +279,7 @@ void retire_directory(const fs::path& dir) {
   MT_CHECK(::rename(dir.c_str(), trash.c_str()) == 0, "cannot rename '{}' to '{}': {}", dir.string(), trash.string(),
            errno_text(errno));
   fsync_directory(dir.parent_path().empty() ? fs::path(".") : dir.parent_path());
-  crash_point("retire");
+  fault::crash_point("retire");
   remove_flat_directory(trash);
 }
 
@@ -372,7 +331,7 @@ fs::path replace_directory(const fs::path& staged, const fs::path& target, bool 
   } catch (const Error& e) {
     log_warning("{}", e.reason());
   }
-  crash_point("replace:halfway");
+  fault::crash_point("replace:halfway");
   if (::rename(staged.c_str(), target.c_str()) != 0) {
     const int err = errno;
     const bool restored = ::rename(old.c_str(), target.c_str()) == 0;

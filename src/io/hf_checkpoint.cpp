@@ -25,6 +25,7 @@
 #include <utility>
 
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/fault_injection.hpp"
 #include "megatrain/core/host_memory.hpp"
 #include "megatrain/io/detail/atomic_files.hpp"
 #include "megatrain/core/nvtx.hpp"
@@ -689,15 +690,25 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
   j["dtype"] = dtype_text;        // transformers 5 this one
   MT_CHECK(!options.extra_files.contains(std::string(kConfigName)),
            "{}: config.json comes from HfExportOptions::config_json, not extra_files", label);
+  MT_CHECK(!options.extra_files.contains(std::string(kExportMarker)),
+           "{}: {} comes from HfExportOptions::owner, not extra_files", label, kExportMarker);
+  check_hf_export_target(dir, options.owner);  // (again: something may have changed it since the run began)
 
   ShardedWriteOptions w;
   w.max_shard_bytes = options.max_shard_bytes;
   w.metadata = {{"format", "pt"}};
   w.extra_files = options.extra_files;
   w.extra_files.emplace(kConfigName, j.dump(2) + "\n");
+  if (!options.owner.empty()) {
+    json marker = options.marker.is_object() ? options.marker : json::object();
+    marker["format"] = "megatrain-export";
+    marker["run"] = options.owner;
+    w.extra_files.emplace(kExportMarker, marker.dump(2) + "\n");
+  }
+  const fault::WriteScope scope("export");
   // (a test hook: every file written, the new folder not yet in the old one's place)
   w.finalize = [](std::span<const WrittenFile>) {
-    io::detail::crash_point("export:before-rename");
+    fault::crash_point("export:before-rename");
     return std::map<std::string, std::string>{};
   };
 
@@ -772,7 +783,7 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
   write_safetensors_sharded(dir, tensors, w);
 }
 
-void check_hf_export_target(const fs::path& dir) {
+void check_hf_export_target(const fs::path& dir, const std::string& owner) {
   MT_NVTX_RANGE("io::check_hf_export_target");
   std::error_code ec;
   const auto st = fs::symlink_status(dir, ec);
@@ -780,6 +791,7 @@ void check_hf_export_target(const fs::path& dir) {
   MT_CHECK(!fs::is_symlink(st), "cannot export to '{}': it is a symbolic link; give the directory it points to",
            dir.string());
   MT_CHECK(fs::is_directory(st), "cannot export to '{}': it exists and is not a directory", dir.string());
+  bool empty = true;
   for (fs::directory_iterator it(dir, ec), end; it != end; it.increment(ec)) {
     MT_CHECK(!ec, "cannot list '{}': {}", dir.string(), ec.message());
     const auto est = it->symlink_status(ec);
@@ -787,8 +799,25 @@ void check_hf_export_target(const fs::path& dir) {
              "cannot export to '{}': it holds '{}', which is not a regular file; an export replaces a directory of "
              "files only (choose another directory)",
              dir.string(), it->path().filename().string());
+    empty = false;
   }
   MT_CHECK(!ec, "cannot list '{}': {}", dir.string(), ec.message());
+  if (owner.empty() || empty) return;
+  // An export replaces its folder: only its own run's earlier export.
+  const fs::path marker = dir / kExportMarker;
+  MT_CHECK(fs::is_regular_file(marker, ec), "cannot export to '{}': it holds files that this run did not export (it "
+           "has no {}), and an export replaces its folder; choose another folder, or remove this one first",
+           dir.string(), kExportMarker);
+  std::string run;
+  try {
+    run = json::parse(io::detail::read_file(marker, 1 << 20)).at("run").get<std::string>();
+  } catch (const json::exception&) {
+    MT_FAIL("cannot export to '{}': its {} is malformed; choose another folder, or remove this one first", dir.string(),
+            kExportMarker);
+  }
+  MT_CHECK(run == owner, "cannot export to '{}': another run exported to it (its {} names run {}; this is run {}), and an "
+           "export replaces its folder; choose another folder, or remove this one first", dir.string(), kExportMarker,
+           run, owner);
 }
 
 std::map<std::string, std::string> hf_side_files(const fs::path& dir) {
@@ -803,6 +832,8 @@ std::map<std::string, std::string> hf_side_files(const fs::path& dir) {
     if (fs::is_regular_file(dir / n, ec)) files.emplace(n, io::detail::read_file(dir / n, kMaxSideFileBytes));
   return files;
 }
+
+std::string read_side_file(const fs::path& path) { return io::detail::read_file(path, kMaxSideFileBytes); }
 
 std::uint64_t parse_shard_size(std::string_view text) {
   const std::string s(text);

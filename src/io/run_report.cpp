@@ -688,6 +688,10 @@ std::string render_run_report(const fs::path& run_dir, const RunReportInfo& info
   return h;
 }
 
+std::optional<std::size_t> incomplete_metrics_line(const fs::path& run_dir) {
+  return read_metrics(run_dir / "metrics.jsonl").torn_line;
+}
+
 fs::path write_run_report(const fs::path& run_dir, const RunReportInfo& info, const fs::path& output) {
   const std::string html = render_run_report(run_dir, info);
   if (info.machine.is_object() && !info.machine.empty()) {

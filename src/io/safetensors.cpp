@@ -38,6 +38,7 @@
 
 #include "megatrain/core/digest.hpp"
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/fault_injection.hpp"
 #include "megatrain/core/log.hpp"
 #include "megatrain/core/nvtx.hpp"
 #include "megatrain/io/detail/atomic_files.hpp"
@@ -896,8 +897,8 @@ void write_file(OutputFile& out, std::span<const TensorToWrite> tensors, const F
   out.write(layout.header);
   TensorStreamer streamer;
   for (const std::size_t i : layout.order) {
-    detail::crash_point("write:tensor");
-    detail::delay_point("write:tensor");
+    fault::crash_point("write:tensor");
+    fault::delay_point("write:tensor");
     streamer.write(out, tensors[i]);
   }
   out.finish();
@@ -1155,7 +1156,7 @@ std::vector<WrittenFile> ShardedWrite::commit(std::vector<WrittenFile> files) {
     MT_CHECK(files[s].name == m.shard_names[s], "writing '{}': shard {} is '{}', not '{}'", m.label, s, files[s].name,
              m.shard_names[s]);
   const fs::path& staged = m.staging->path();
-  detail::crash_point("write:files");
+  fault::crash_point("write:files");
   const auto write_text = [&](const std::string& name, std::string_view text) {
     Hasher h;
     OutputFile out(staged / name, &h);
@@ -1177,10 +1178,10 @@ std::vector<WrittenFile> ShardedWrite::commit(std::vector<WrittenFile> files) {
   for (const auto& [name, symlink] : m.carry) carry_file(m.target / name, staged / name, symlink);
   fsync_directory(staged);
 
-  detail::crash_point("write:before-rename");
+  fault::crash_point("write:before-rename");
   const fs::path old = detail::replace_directory(staged, m.target, /*allow_exchange=*/true);
   m.staging->release();
-  detail::crash_point("write:after-rename");
+  fault::crash_point("write:after-rename");
   if (!old.empty()) detail::remove_flat_directory(old);
   return files;
 }

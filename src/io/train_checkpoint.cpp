@@ -17,6 +17,7 @@
 #include "megatrain/core/finite.hpp"
 #include "megatrain/core/digest.hpp"
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/fault_injection.hpp"
 #include "megatrain/core/nvtx.hpp"
 #include "megatrain/io/detail/atomic_files.hpp"
 
@@ -181,7 +182,7 @@ ShardedWriteOptions set_options(const fs::path& dir, const TrainCheckpointWriteO
            "writing '{}': {} and {} are written by the checkpoint itself", dir.string(), kTrainStateFile, kChecksumsFile);
   w.extra_files.emplace(kTrainStateFile, options.state.dump(2) + "\n");
   w.finalize = [](std::span<const WrittenFile> files) {
-    detail::crash_point("checkpoint:checksums");
+    fault::crash_point("checkpoint:checksums");
     return std::map<std::string, std::string>{{std::string(kChecksumsFile), checksums_text(files)}};
   };
   return w;
@@ -298,7 +299,7 @@ void PartedCheckpointWrite::write_part() noexcept {
   Impl& m = *impl_;
   try {
     m.mine = m.set->write_shards(m.comm.rank());
-    detail::crash_point(fmt::format("checkpoint:part:{}", m.comm.rank()));
+    fault::crash_point(fmt::format("checkpoint:part:{}", m.comm.rank()));
   } catch (const Error& e) {
     m.error = e.reason();
   } catch (const std::exception& e) {
@@ -607,7 +608,7 @@ void CheckpointFolder::commit(std::int64_t step, std::size_t keep) const {
   std::error_code ec;
   MT_CHECK(fs::is_directory(root_ / name, ec), "cannot point '{}' at '{}': it is not there", (root_ / kLatest).string(), name);
   detail::write_file_atomically(root_ / kLatest, name + "\n");
-  detail::crash_point("checkpoint:latest");
+  fault::crash_point("checkpoint:latest");
   if (keep == 0) return;
   std::vector<std::pair<std::int64_t, fs::path>> older;
   for (auto& [s, p] : list())

@@ -4,6 +4,7 @@
 #include <tbb/parallel_for.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 
@@ -256,7 +257,13 @@ class Encoder {
         try {
           parsed[i] = json::parse(batch[i].text);
         } catch (const json::exception& e) {  // (parse_error, or out_of_range for a number beyond a double's range)
-          error[i] = fmt::format("not JSON ({})", e.what());
+          // JSON is UTF-8 (RFC 8259): a record that is not is refused, naming the first bad byte.
+          const std::string_view t = batch[i].text;
+          const std::string valid = utf8_lossy(t);
+          const auto at = static_cast<std::size_t>(std::mismatch(t.begin(), t.end(), valid.begin(), valid.end()).first - t.begin());
+          error[i] = valid != t ? fmt::format("not UTF-8 (byte 0x{:02x} at column {}; JSON records are UTF-8: fix the "
+                                              "file's encoding)", static_cast<unsigned char>(t[at]), at + 1)
+                                : fmt::format("not JSON ({})", e.what());
         }
       });
       // the format: fixed, or that of the first record that has one

@@ -146,14 +146,14 @@ TEST_CASE("a resumed GPU run equals the uninterrupted one as closely as two unin
     {
       Run r(cfg, be, o, 7);
       Checkpointer ckpt(folder);
-      ::setenv("MEGATRAIN_TEST_DELAY_AT", "write:tensor:1000", 1);
+      ::setenv("MEGATRAIN_FAULTS", "delay@write:tensor=1000", 1);
       for (int s = 0; s < kSteps; ++s) {
         b.push_back(r.step());
         if (s + 1 == kHalf) ckpt.save(r.trainer, r.store, r.data.position(kHalf * o.batch_rows));
       }
       r.trainer.finish_update();
       const auto saved = ckpt.wait();
-      ::unsetenv("MEGATRAIN_TEST_DELAY_AT");
+      ::unsetenv("MEGATRAIN_FAULTS");
       REQUIRE(saved.size() == 1);
       CHECK_MESSAGE(saved[0].ok, saved[0].error);
       b_final = state_of(r.store);

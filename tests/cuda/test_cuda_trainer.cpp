@@ -570,10 +570,10 @@ TEST_CASE("blocks that keep their activations (on the GPU or spilled to host mem
       for (const bool delayed : {false, true}) {
         if (delayed && spilled == 0) continue;
         CAPTURE(delayed);
-        if (delayed) ::setenv("MEGATRAIN_TEST_SPILL_DELAY_US", "3000", 1);
+        if (delayed) ::setenv("MEGATRAIN_FAULTS", "delay@spill=3000", 1);
         std::vector<float> w;
         const auto got = train(gpu, 4, nullptr, false, o, &w);
-        ::unsetenv("MEGATRAIN_TEST_SPILL_DELAY_US");
+        ::unsetenv("MEGATRAIN_FAULTS");
         CHECK(w == ref_w);
         for (std::size_t s = 0; s < ref.size(); ++s) {
           CHECK(got[s].loss == ref[s].loss);

@@ -122,7 +122,7 @@ if SCENARIO == "same_run":
             fail(f"{name}: {len(m)} metrics lines for 4 steps (only the first process writes them)")
         same(m, one, 1e-5, f"{n} processes {' '.join(extra)} vs one")
     # A warning says which process it comes from (pinning refused in every process: a test hook).
-    r = launch(2, SHAPE + ["--steps", "1", "--out", run_dir("warned")], env=dict(ENV, MEGATRAIN_TEST_FAIL_PIN="1"))
+    r = launch(2, SHAPE + ["--steps", "1", "--out", run_dir("warned")], env=dict(ENV, MEGATRAIN_FAULTS="fail@pin"))
     for rank in (0, 1):
         if f"megatrain-train (process {rank} of 2): warning: pinning" not in r.stderr:
             fail(f"process {rank}'s warning does not name it:\n{r.stderr}")
@@ -157,7 +157,7 @@ elif SCENARIO == "other_n":
 elif SCENARIO == "signal":
     args = without("--eval-every") + ["--steps", "40", "--eval-every", "0"]
     launch(2, args + ["--out", run_dir("whole")])
-    env = dict(ENV, MEGATRAIN_TEST_DELAY_AT="train:step:100000")
+    env = dict(ENV, MEGATRAIN_FAULTS="delay@train:step=100000")
     cmd = [MPIRUN, "--oversubscribe", "--bind-to", "none", "-np", "2", TRAIN] + args + ["--out", run_dir("cut")]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(3)
@@ -179,7 +179,7 @@ elif SCENARIO == "crash_in_save":
     # and the run resumed from it ends as the run that was never interrupted, bit for bit.
     args = SHAPE + ["--steps", "6", "--save-every", "2"]
     launch(2, args + ["--out", run_dir("whole")])
-    env = dict(ENV, MEGATRAIN_TEST_CRASH_AT="checkpoint:part:1:2")
+    env = dict(ENV, MEGATRAIN_FAULTS="crash@checkpoint:part:1#2")
     r = launch(2, args + ["--out", run_dir("cut")], env=env, check=False)
     ckpts = os.path.join(WORK, "cut", "checkpoints")
     saved = sorted(d for d in os.listdir(ckpts) if d.startswith("step-") and "." not in d)
@@ -212,7 +212,7 @@ elif SCENARIO == "crash_in_save":
     launch(2, SHAPE + ["--steps", "2", "--save-every", "2", "--out", run_dir("exp")] + f32)
     before = tensors(exp)
     resume = ["--resume", "--out", os.path.join(WORK, "exp"), "--steps", "4"] + f32
-    r = launch(2, resume, env=dict(ENV, MEGATRAIN_TEST_CRASH_AT="export:before-rename"), check=False)
+    r = launch(2, resume, env=dict(ENV, MEGATRAIN_FAULTS="crash@export:before-rename"), check=False)
     if r.returncode == 0 or "killed at export:before-rename" not in r.stderr:
         fail(f"process 0 killed in the export: status {r.returncode}:\n{r.stdout}\n{r.stderr}")
     if tensors(exp) != before:
@@ -306,7 +306,7 @@ elif SCENARIO == "threads":
     # SIGTERM mid-run: every rank stops after the same step, the first saves it, status 143.
     args = without("--eval-every") + ["--steps", "40", "--eval-every", "0", "--gpus", "2"]
     launch(1, args + ["--out", run_dir("whole")])
-    env = dict(ENV, MEGATRAIN_TEST_DELAY_AT="train:step:100000")
+    env = dict(ENV, MEGATRAIN_FAULTS="delay@train:step=100000")
     p = subprocess.Popen([TRAIN] + args + ["--out", run_dir("cut")], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     time.sleep(3)
@@ -324,7 +324,7 @@ elif SCENARIO == "threads":
     # the newest complete one, and the run resumed from it ends as the uninterrupted run, bit for bit.
     args = SHAPE + ["--steps", "6", "--save-every", "2", "--gpus", "2"]
     launch(1, args + ["--out", run_dir("whole6")])
-    r = launch(1, args + ["--out", run_dir("killed")], env=dict(ENV, MEGATRAIN_TEST_CRASH_AT="checkpoint:part:1:2"),
+    r = launch(1, args + ["--out", run_dir("killed")], env=dict(ENV, MEGATRAIN_FAULTS="crash@checkpoint:part:1#2"),
                check=False)
     ckpts = os.path.join(WORK, "killed", "checkpoints")
     saved = sorted(d for d in os.listdir(ckpts) if d.startswith("step-") and "." not in d)

@@ -734,7 +734,7 @@ DIST_TEST_CASE("shared bf16 weights are refused, by every process alike, where a
     "vocab_size":100})"));
   DecoderModel<> model(cfg);
   const TrainerOptions o = zero1_options(true);
-  if (r == w - 1) setenv("MEGATRAIN_TEST_HOST", "elsewhere", 1);  // (the last process claims another host)
+  if (r == w - 1) setenv("MEGATRAIN_FAULTS", "set@host=elsewhere", 1);  // (the last process claims another host)
   const std::size_t mapped_before = host_buffer_bytes();
   std::string what;
   try {
@@ -742,7 +742,7 @@ DIST_TEST_CASE("shared bf16 weights are refused, by every process alike, where a
   } catch (const Error& e) {
     what = e.what();
   }
-  unsetenv("MEGATRAIN_TEST_HOST");
+  unsetenv("MEGATRAIN_FAULTS");
   CHECK_MESSAGE(what.find(fmt::format("process(es) {} of {} run on another host than process 0", w - 1, w)) !=
                     std::string::npos, what);
   CHECK(what.find("--share-weights") != std::string::npos);

@@ -833,11 +833,11 @@ TEST_CASE("a SIGKILL at any moment of save + commit leaves a loadable latest che
     bool may_not_be_reached;    // the child may finish normally
   };
   const Case cases[] = {
-      {"write:tensor:1", 1, true, false, false},       {"write:tensor:7", 1, true, false, false},
-      {"write:files", 1, true, false, false},          {"checkpoint:checksums", 1, true, false, false},
-      {"write:before-rename", 1, true, false, false},  {"write:after-rename", 1, false, false, false},
-      {"checkpoint:latest", 2, false, false, false},   {"retire", 2, true, false, false},
-      {"replace:halfway", 1, true, true, true},
+      {"crash@write:tensor#1", 1, true, false, false},       {"crash@write:tensor#7", 1, true, false, false},
+      {"crash@write:files", 1, true, false, false},          {"crash@checkpoint:checksums", 1, true, false, false},
+      {"crash@write:before-rename", 1, true, false, false},  {"crash@write:after-rename", 1, false, false, false},
+      {"crash@checkpoint:latest", 2, false, false, false},   {"crash@retire", 2, true, false, false},
+      {"crash@replace:halfway", 1, true, true, true},
   };
   for (const Case& c : cases) {
     const std::string point = c.point;
@@ -860,7 +860,7 @@ TEST_CASE("a SIGKILL at any moment of save + commit leaves a loadable latest che
     if (pid == 0) {  // the child: no doctest here
       const int devnull = ::open("/dev/null", O_WRONLY);
       if (devnull >= 0) ::dup2(devnull, 2);
-      ::setenv("MEGATRAIN_TEST_CRASH_AT", c.point, 1);
+      ::setenv("MEGATRAIN_FAULTS", c.point, 1);
       try {
         save(f, 2, store, "two");
         f.commit(2, 1);
@@ -886,7 +886,7 @@ TEST_CASE("a SIGKILL at any moment of save + commit leaves a loadable latest che
     REQUIRE(latest.has_value());
     CHECK(*latest == f.path_for(expect));
     check_loads(*latest, expect, expect == 1 ? one : two);
-    if (killed && std::string_view(c.point) == "write:after-rename") check_loads(f.path_for(2), 2, two);
+    if (killed && std::string_view(c.point) == "crash@write:after-rename") check_loads(f.path_for(2), 2, two);
     if (killed && c.leaves_debris) CHECK_FALSE(debris_in(f.root()).empty());
 
     f.prepare();
@@ -922,7 +922,7 @@ TEST_CASE("a SIGKILL halfway through the two-rename fallback: the previous folde
   if (pid == 0) {
     const int devnull = ::open("/dev/null", O_WRONLY);
     if (devnull >= 0) ::dup2(devnull, 2);
-    ::setenv("MEGATRAIN_TEST_CRASH_AT", "replace:halfway", 1);
+    ::setenv("MEGATRAIN_FAULTS", "crash@replace:halfway", 1);
     try {
       io::detail::replace_directory(staged, target, /*allow_exchange=*/false);
     } catch (...) {

@@ -130,7 +130,7 @@ TEST_CASE("a resumed run equals the uninterrupted one bit for bit, in every mode
       jittery.jitter_us = 200;
       Run first(cfg, jittery, 7);
       Checkpointer ckpt(folder, {});
-      ::setenv("MEGATRAIN_TEST_DELAY_AT", "write:tensor:3000", 1);  // a slow disk: the next steps wait for it (3 ms a tensor: slower than the steps even on a loaded 2-core machine)
+      ::setenv("MEGATRAIN_FAULTS", "delay@write:tensor=3000", 1);  // a slow disk: the next steps wait for it (3 ms a tensor: slower than the steps even on a loaded 2-core machine)
       // (Updates left in flight between steps, as a training loop leaves them: save() applies the
       // last one before writing, and the next ones wait for the writer unit by unit.)
       for (int s = 0; s < kSteps; ++s) {
@@ -139,7 +139,7 @@ TEST_CASE("a resumed run equals the uninterrupted one bit for bit, in every mode
       }
       first.trainer.finish_update();
       const auto done = ckpt.wait();
-      ::unsetenv("MEGATRAIN_TEST_DELAY_AT");
+      ::unsetenv("MEGATRAIN_FAULTS");
       REQUIRE(done.size() == 1);
       const SaveResult& r = done[0];
       CHECK_MESSAGE(r.ok, r.error);
@@ -224,7 +224,7 @@ TEST_CASE("saves asked for while one is still written: every result is reported,
   CheckpointerOptions co;
   co.keep = 0;
   Checkpointer ckpt(dir.path(), co);
-  ::setenv("MEGATRAIN_TEST_DELAY_AT", "write:tensor:2000", 1);  // each save outlasts a step
+  ::setenv("MEGATRAIN_FAULTS", "delay@write:tensor=2000", 1);  // each save outlasts a step
   for (int s = 0; s < 3; ++s) {
     r.step(data[s]);
     ckpt.save(r.trainer, r.store);  // waits for the previous save, keeps its result
@@ -232,7 +232,7 @@ TEST_CASE("saves asked for while one is still written: every result is reported,
   }
   const auto polled = ckpt.poll();  // at most the saves already finished, and never the one in flight
   const auto rest = ckpt.wait();
-  ::unsetenv("MEGATRAIN_TEST_DELAY_AT");
+  ::unsetenv("MEGATRAIN_FAULTS");
   std::vector<std::int64_t> steps;
   for (const auto* list : {&polled, &rest})
     for (const SaveResult& x : *list) {

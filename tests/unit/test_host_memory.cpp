@@ -124,9 +124,9 @@ TEST_CASE("HostBuffer::allocate_shared: one memory for every opener, counted in 
 }
 
 TEST_CASE("HostBuffer: a failed pin falls back to a working pageable buffer with one warning") {
-  // MEGATRAIN_TEST_FAIL_PIN makes the pinning attempt fail as cudaHostRegister does under a low
+  // MEGATRAIN_FAULTS=fail@pin makes the pinning attempt fail as cudaHostRegister does under a low
   // locked-memory limit, in every build.
-  ScopedEnv force("MEGATRAIN_TEST_FAIL_PIN", "1");
+  ScopedEnv force("MEGATRAIN_FAULTS", "fail@pin");
   WarningLog log;
   const std::size_t bytes = (3u << 20) + 12345;  // several pages, not a whole number of them
   HostBuffer b = HostBuffer::allocate(bytes, Pinning::automatic);
@@ -158,7 +158,7 @@ TEST_CASE("HostBuffer: a failed pin falls back to a working pageable buffer with
 }
 
 TEST_CASE("HostBuffer: Pinning::automatic pins where a GPU is present") {
-  ScopedEnv no_force("MEGATRAIN_TEST_FAIL_PIN", nullptr);
+  ScopedEnv no_force("MEGATRAIN_FAULTS", nullptr);
   WarningLog log;
   HostBuffer b = HostBuffer::allocate((1u << 20) + 1, Pinning::automatic);
   REQUIRE(b);

@@ -4,8 +4,8 @@
 // CUDA, so that DMA engines copy it at full PCIe speed: pageable memory moves 6-7x slower).
 // Pinning is an attribute added to an ordinary mapping, so a failure to pin (a locked memory
 // limit) leaves a working pageable buffer and one warning (log_warning), never a crash; without
-// a GPU the buffer is simply pageable. For tests, MEGATRAIN_TEST_FAIL_PIN=1 in the environment
-// makes every pinning attempt fail that way, in any build, with or without a GPU.
+// a GPU the buffer is simply pageable. For tests, MEGATRAIN_FAULTS=fail@pin in the environment
+// (core/fault_injection.hpp) makes every pinning attempt fail that way, in any build, with or without a GPU.
 #pragma once
 
 #include <cstddef>

@@ -35,6 +35,8 @@
 // Weights are converted from the fp32 masters chunk by chunk while they are written.
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -176,7 +178,16 @@ struct HfExportOptions {
   /// Called before each tensor's data is written (index counts from 0). May throw: the export is
   /// then abandoned and `dir` left as it was.
   std::function<void(std::string_view tensor, std::size_t index, std::size_t count)> progress;
+  /// The run this export belongs to (megatrain-train: its run id). Non-empty: the folder gets a
+  /// megatrain_export.json naming it (with `marker`'s fields), and an existing folder is replaced
+  /// only where its own megatrain_export.json names the same owner (check_hf_export_target).
+  /// Empty: no marker, and any folder of files is replaced.
+  std::string owner;
+  nlohmann::json marker = nlohmann::json::object();
 };
+
+/// The file that names the run an export belongs to (HfExportOptions::owner).
+inline constexpr std::string_view kExportMarker = "megatrain_export.json";
 
 /// Writes the store's fp32 masters as a Hugging Face model directory at `dir`: config.json and
 /// safetensors weights, every parameter under its Hugging Face name (no lm_head.weight when the
@@ -188,14 +199,19 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
                      const HfExportOptions& options = {});
 
 /// Checks, before hours of training, that `dir` can later be exported to: it is absent, or a
-/// directory that holds only files (what export_hf_model replaces). Throws naming `dir` otherwise.
-void check_hf_export_target(const std::filesystem::path& dir);
+/// directory that holds only files (what export_hf_model replaces) and, with an `owner`, is empty
+/// or was written by an export of the same owner (its megatrain_export.json says so). Throws
+/// naming `dir` otherwise.
+void check_hf_export_target(const std::filesystem::path& dir, const std::string& owner = {});
 
 /// The files of a model directory that belong with an export of a model fine-tuned from it:
 /// tokenizer.json, tokenizer_config.json, special_tokens_map.json, tokenizer.model, vocab.json,
 /// merges.txt, added_tokens.json, generation_config.json, chat_template.jinja/.json (those that
 /// exist). name -> contents.
 std::map<std::string, std::string> hf_side_files(const std::filesystem::path& dir);
+
+/// The contents of one such small file (at most 64 MiB); throws naming it where it cannot be read.
+std::string read_side_file(const std::filesystem::path& path);
 
 /// Parses a shard size the way transformers' max_shard_size does: "5GB" = 5·10^9 bytes,
 /// "500MB", "100KB" (decimal), "2GiB" = 2·2^30 (binary), a plain number of bytes. "G", "M", "K"

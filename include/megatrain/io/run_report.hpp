@@ -12,6 +12,7 @@
 #pragma once
 
 #include <filesystem>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -46,6 +47,11 @@ std::string render_run_report(const std::filesystem::path& run_dir, const RunRep
 /// per million steps on one core (measured), 0.1 s for 20,000 — cheap at each evaluation.
 std::filesystem::path write_run_report(const std::filesystem::path& run_dir, const RunReportInfo& info = {},
                                        const std::filesystem::path& output = {});
+
+/// The number of the last line of `run_dir`'s metrics.jsonl where it is incomplete (does not
+/// parse: a run killed while writing it), which the report leaves out and says so; nullopt where
+/// every line is whole. Throws as render_run_report does.
+std::optional<std::size_t> incomplete_metrics_line(const std::filesystem::path& run_dir);
 
 /// This machine, for RunReportInfo::machine: "cpu" (model name), "cpu_threads" (logical CPUs this
 /// process may use), "simd" (the CPU kernels' vector path), "host_memory" (total, e.g.

@@ -164,8 +164,8 @@ struct SaveResult {
   /// Several processes: the failure was another process's (whose own result says why).
   bool failed_elsewhere = false;
   double seconds = 0;         ///< from save() until the folder was in place
-  /// How long the trainer's optimizer waited for the writer (overlap): what the save added to
-  /// the steps that ran meanwhile.
+  /// How long training waited for this save (overlap): the trainer's optimizer for the writer,
+  /// and the next save() for it to finish: what the save added to the steps that ran meanwhile.
   double stall_seconds = 0;
   std::uint64_t bytes = 0;    ///< of all files written
 };
@@ -223,8 +223,11 @@ class Checkpointer {
   void save(T& trainer, const HostParamStore<float>& store, std::optional<DataPosition> data = std::nullopt,
             nlohmann::json user = nlohmann::json::object()) {
     MT_NVTX_RANGE("Checkpointer::save");
-    if (parted_) complete();  // (several processes: every one calls save at the same step)
-    join();
+    // Training waits here for the previous save, if it is still being written: that wait is what
+    // the previous save cost the steps (its stall), with the optimizer's waits for its writer.
+    const auto waited_from = std::chrono::steady_clock::now();
+    if (parted_) complete(waited_from);  // (several processes: every one calls save at the same step)
+    join(waited_from);
     trainer.finish_update();  // the checkpoint holds the state after the last step, its update applied
     const bool parted = options_.comm != nullptr;
     MT_CHECK(parted || store.state_whole(), "this store keeps part {} of {} of the optimizer state (a run sharded over "
@@ -344,7 +347,7 @@ class Checkpointer {
   // With several processes (collective): waits for this process's part, then completes the
   // checkpoint (PartedCheckpointWrite::finish, the first process pointing `latest` at it) and
   // keeps the result, the same on every process.
-  void complete() {
+  void complete(std::optional<std::chrono::steady_clock::time_point> waited_from = std::nullopt) {
     if (writer_.joinable()) writer_.join();
     SaveResult& r = *result_;
     try {
@@ -368,13 +371,19 @@ class Checkpointer {
       std::lock_guard lock(gate_->m);
       r.stall_seconds = gate_->stalled;
     }
+    if (waited_from) r.stall_seconds += seconds_since(*waited_from);
     finished_.push_back(std::move(r));
     result_.reset();
     gate_.reset();
   }
 
-  // Joins the writer thread, if any, and keeps its result in finished_.
-  void join() {
+  static double seconds_since(std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  }
+
+  // Joins the writer thread, if any, and keeps its result in finished_. `waited_from`: training
+  // waits for it from then (save() of the next checkpoint), which counts as its stall.
+  void join(std::optional<std::chrono::steady_clock::time_point> waited_from = std::nullopt) {
     if (!writer_.joinable()) return;
     writer_.join();
     if (parted_) return;  // (several processes: complete() reports it, with the others)
@@ -385,6 +394,7 @@ class Checkpointer {
       std::lock_guard lock(gate_->m);
       r.stall_seconds = gate_->stalled;
     }
+    if (waited_from) r.stall_seconds += seconds_since(*waited_from);
     finished_.push_back(std::move(r));
     result_.reset();
     gate_.reset();

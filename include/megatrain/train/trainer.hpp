@@ -91,6 +91,7 @@
 
 #include "megatrain/backend/arena.hpp"
 #include "megatrain/core/error.hpp"
+#include "megatrain/core/fault_injection.hpp"
 #include "megatrain/core/finite.hpp"
 #include "megatrain/core/log.hpp"
 #include "megatrain/core/nvtx.hpp"
@@ -1404,7 +1405,7 @@ class Trainer {
         }
       spill_down_.emplace(be_.make_executor(B::Role::download));
       spill_up_.emplace(be_.make_executor(B::Role::upload));
-      if (const char* d = std::getenv("MEGATRAIN_TEST_SPILL_DELAY_US")) spill_test_delay_ns_ = std::atoll(d) * 1000;
+      spill_test_delay_ns_ = fault::delay_of("spill") * 1000;  // (tests: delay@spill=MICROSECONDS)
     }
     // Host: ids, labels, compact ids and touched rows (int32), then per-token losses; pinned with a GPU
     const std::size_t batch_tokens = b.batch_tokens;
@@ -1535,7 +1536,7 @@ class Trainer {
       spill_ready_[k] = spill_up_->complete();
     }
   }
-  // Tests (MEGATRAIN_TEST_SPILL_DELAY_US): each copy held back that long on its stream, so that a
+  // Tests (MEGATRAIN_FAULTS=delay@spill=MICROSECONDS): each copy held back that long on its stream, so that a
   // missing wait would let the compute stream read or write a staging buffer too early.
   void spill_test_delay(Exec& e) {
     if constexpr (requires { be_.spin(e, std::int64_t{}); })
@@ -2074,7 +2075,7 @@ class Trainer {
   std::array<Completion, 2> spill_free_{}, spill_ready_{};
   std::vector<std::size_t> spill_order_;  // the spilled blocks in backward order
   std::size_t spill_fetched_ = 0, spill_used_ = 0;  // of a micro-batch's backward: copies up issued, backwards done
-  std::int64_t spill_test_delay_ns_ = 0;  // MEGATRAIN_TEST_SPILL_DELAY_US (spill_test_delay)
+  std::int64_t spill_test_delay_ns_ = 0;  // delay@spill (spill_test_delay)
   std::size_t spilled_ = 0;
   std::vector<Buf<Res>> dbuf_;  // gradients w.r.t. activations, ping-pong
   Buf<std::byte> scratch_mem_;

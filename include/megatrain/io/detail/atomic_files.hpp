@@ -35,15 +35,6 @@ std::string random_suffix();
 /// fsync(2) on a directory (makes renames and new entries inside it durable).
 void fsync_directory(const std::filesystem::path& dir);
 
-/// Test hook: when the environment variable MEGATRAIN_TEST_CRASH_AT names `point` (or
-/// "point:N", the N-th time it is reached, counting from 1), the process kills itself with
-/// SIGKILL there, as a power cut or an OOM kill would. Costs one string compare otherwise.
-void crash_point(std::string_view point);
-/// Test hook: when MEGATRAIN_TEST_DELAY_AT holds "point:microseconds" (several such items may be
-/// separated by commas), sleeps that long at `point` (a slow disk, a slow step: to exercise what
-/// waits for a writer, and to give a test's signal a moment to land in).
-void delay_point(std::string_view point);
-
 /// A file being written: created exclusively, buffered and checked writes, optionally hashed.
 /// finish() flushes and fsyncs; the descriptor (and a partial file's lock) stay until
 /// destruction. Destroyed without keep(), the file is removed.
