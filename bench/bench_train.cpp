@@ -38,9 +38,10 @@
 #include "megatrain/core/host_memory.hpp"
 #include "megatrain/train/checkpointer.hpp"
 #include "megatrain/plan/planner.hpp"
-#include "megatrain/train/trainer.hpp"
+#include "megatrain/train/cpu_trainer.hpp"
 #if MEGATRAIN_HAS_CUDA
 #include "megatrain/backend/cuda/cuda_backend.hpp"
+#include "megatrain/train/cuda_trainer.hpp"
 #endif
 
 using namespace megatrain;

@@ -24,7 +24,7 @@
 #include "megatrain/data/token_dataset.hpp"
 #include "megatrain/io/train_checkpoint.hpp"
 #include "megatrain/train/checkpointer.hpp"
-#include "megatrain/train/trainer.hpp"
+#include "megatrain/train/cpu_trainer.hpp"
 
 using namespace megatrain;
 namespace fs = std::filesystem;

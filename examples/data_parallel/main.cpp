@@ -25,7 +25,7 @@
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/dist/mpi.hpp"
 #include "megatrain/train/checkpointer.hpp"
-#include "megatrain/train/trainer.hpp"
+#include "megatrain/train/cpu_trainer.hpp"
 
 using namespace megatrain;
 

@@ -15,7 +15,7 @@
 
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/data/token_dataset.hpp"
-#include "megatrain/train/trainer.hpp"
+#include "megatrain/train/cpu_trainer.hpp"
 
 using namespace megatrain;
 

@@ -29,7 +29,7 @@
 #include "megatrain/model/config.hpp"
 #include "megatrain/plan/memory_plan.hpp"
 #include "megatrain/text/chat.hpp"
-#include "megatrain/train/trainer_options.hpp"
+#include "megatrain/step/trainer_options.hpp"
 
 namespace megatrain_train {
 

@@ -15,9 +15,10 @@
 
 #include "../io/io_test_util.hpp"
 #include "megatrain/backend/cuda/cuda_backend.hpp"
+#include "megatrain/train/cuda_trainer.hpp"
 #include "megatrain/data/token_dataset.hpp"
 #include "megatrain/train/checkpointer.hpp"
-#include "megatrain/train/trainer.hpp"
+#include "megatrain/train/cpu_trainer.hpp"
 
 using namespace megatrain;
 

@@ -18,8 +18,9 @@
 
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/backend/cuda/cuda_backend.hpp"
+#include "megatrain/train/cuda_trainer.hpp"
 #include "megatrain/data/token_dataset.hpp"
-#include "megatrain/train/trainer.hpp"
+#include "megatrain/train/cpu_trainer.hpp"
 #include "../train/timeline_check.hpp"
 #include "../train/trainer_test_util.hpp"
 

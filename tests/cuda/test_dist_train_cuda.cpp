@@ -15,10 +15,11 @@
 #include <vector>
 
 #include "megatrain/backend/cuda/cuda_backend.hpp"
+#include "megatrain/train/cuda_trainer.hpp"
 #include "megatrain/dist/launch.hpp"
 #include "megatrain/dist/local.hpp"
 #include "megatrain/dist/nccl.hpp"
-#include "megatrain/train/trainer.hpp"
+#include "megatrain/train/cpu_trainer.hpp"
 #include "../dist/rank_checks.hpp"
 #include "gpu_per_rank.hpp"
 

@@ -8,7 +8,7 @@
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/layers/decoder_model.hpp"
 #include "megatrain/store/host_param_store.hpp"
-#include "megatrain/train/trainer.hpp"
+#include "megatrain/train/cpu_trainer.hpp"
 
 using namespace megatrain;
 

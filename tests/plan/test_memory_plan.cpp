@@ -14,7 +14,7 @@
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/dist/local.hpp"
 #include "megatrain/plan/planner.hpp"
-#include "megatrain/train/trainer.hpp"
+#include "megatrain/train/cpu_trainer.hpp"
 
 using namespace megatrain;
 

@@ -15,7 +15,7 @@
 #include "../io/io_test_util.hpp"
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/train/checkpointer.hpp"
-#include "megatrain/train/trainer.hpp"
+#include "megatrain/train/cpu_trainer.hpp"
 
 #include "trainer_test_util.hpp"
 

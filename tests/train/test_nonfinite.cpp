@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "megatrain/train/checkpointer.hpp"
-#include "megatrain/train/trainer.hpp"
+#include "megatrain/train/cpu_trainer.hpp"
 #include "trainer_test_util.hpp"
 
 using namespace megatrain;

@@ -16,7 +16,7 @@
 #include <mutex>
 #include <random>
 
-#include "megatrain/train/trainer.hpp"
+#include "megatrain/train/cpu_trainer.hpp"
 #include "reference_loop.hpp"
 #include "trainer_test_util.hpp"
 #include "timeline_check.hpp"

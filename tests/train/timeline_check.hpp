@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <vector>
 
-#include "megatrain/train/trainer.hpp"
+#include "megatrain/train/cpu_trainer.hpp"
 
 namespace megatrain::test {
 

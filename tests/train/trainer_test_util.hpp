@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "megatrain/backend/cpu/cpu_backend.hpp"
-#include "megatrain/train/trainer.hpp"
+#include "megatrain/train/cpu_trainer.hpp"
 
 namespace megatrain::test {
 

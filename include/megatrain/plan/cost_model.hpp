@@ -42,7 +42,7 @@
 #include "megatrain/core/error.hpp"
 #include "megatrain/model/config.hpp"
 #include "megatrain/plan/memory_plan.hpp"
-#include "megatrain/train/trainer_options.hpp"
+#include "megatrain/step/trainer_options.hpp"
 
 namespace megatrain::plan {
 

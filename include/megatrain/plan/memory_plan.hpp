@@ -46,7 +46,7 @@
 #include "megatrain/core/host_memory.hpp"
 #include "megatrain/layers/decoder_model.hpp"
 #include "megatrain/store/host_param_store.hpp"
-#include "megatrain/train/trainer_options.hpp"
+#include "megatrain/step/trainer_options.hpp"
 
 namespace megatrain::plan {
 

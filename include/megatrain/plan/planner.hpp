@@ -22,7 +22,7 @@
 #include "megatrain/layers/decoder_model.hpp"
 #include "megatrain/plan/cost_model.hpp"
 #include "megatrain/plan/memory_plan.hpp"
-#include "megatrain/train/trainer_options.hpp"
+#include "megatrain/step/trainer_options.hpp"
 
 namespace megatrain::plan {
 

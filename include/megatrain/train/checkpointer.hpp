@@ -48,7 +48,7 @@
 #include "megatrain/data/token_dataset.hpp"
 #include "megatrain/io/train_checkpoint.hpp"
 #include "megatrain/store/host_param_store.hpp"
-#include "megatrain/train/trainer_options.hpp"
+#include "megatrain/step/trainer_options.hpp"
 
 namespace megatrain {
 

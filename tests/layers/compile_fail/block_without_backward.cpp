@@ -3,7 +3,7 @@
 // layers_compile_fail_block_without_backward (tests/layers/CMakeLists.txt) builds this file and
 // passes only if the compiler stops with the Trainer's static_assert message naming LayerOp.
 #include "megatrain/backend/cpu/cpu_backend.hpp"
-#include "megatrain/train/trainer.hpp"
+#include "megatrain/train/cpu_trainer.hpp"
 
 namespace {
 
