@@ -27,6 +27,50 @@
 using namespace megatrain;
 using example::Gpt2Block;
 
+namespace {
+
+// The store's units and the tensors of each.
+void print_layout(const HostParamStore<double>& store) {
+  std::printf("GPT-2 blocks in a DecoderModel: %zu units, %lld parameters\n", store.num_units(),
+              static_cast<long long>(store.param_count()));
+  for (const auto& unit : store.units()) {
+    std::printf("  unit %-9s %8lld parameters:", unit.name().c_str(), static_cast<long long>(unit.param_count()));
+    for (const auto& p : unit.params()) std::printf(" %s", p.spec.name.c_str());
+    std::printf("\n");
+  }
+}
+
+// A value the loss depends on, and its analytic gradient.
+struct Probe {
+  std::string what;
+  double* value;
+  double analytic;
+};
+
+// The worst relative error of (L(v + h) - L(v - h)) / 2h against each probe's analytic gradient,
+// each printed.
+template <class Loss>
+double worst_finite_difference(const std::vector<Probe>& probes, Loss&& loss) {
+  const double h = 1e-5;
+  double worst = 0;
+  std::printf("finite-difference spot check (h = %g):\n", h);
+  for (const auto& pr : probes) {
+    const double saved = *pr.value;
+    *pr.value = saved + h;
+    const double lp = loss();
+    *pr.value = saved - h;
+    const double lm = loss();
+    *pr.value = saved;
+    const double numeric = (lp - lm) / (2 * h);
+    const double err = std::abs(numeric - pr.analytic) / std::max(1e-8, std::abs(numeric) + std::abs(pr.analytic));
+    worst = std::max(worst, err);
+    std::printf("  %-34s analytic % .9e   numeric % .9e   rel. error %.1e\n", pr.what.c_str(), pr.analytic, numeric, err);
+  }
+  return worst;
+}
+
+}  // namespace
+
 int main() try {
   // The block reads hidden_size, num_attention_heads, intermediate_size and initializer_range.
   // (The model's embedding and head stay megatrain's own: token embedding, RMSNorm, LM head.)
@@ -42,13 +86,7 @@ int main() try {
   options.seed = 7;
   options.pinning = Pinning::never;
   HostParamStore<double> store(model.units(), options);
-  std::printf("GPT-2 blocks in a DecoderModel: %zu units, %lld parameters\n", store.num_units(),
-              static_cast<long long>(store.param_count()));
-  for (const auto& unit : store.units()) {
-    std::printf("  unit %-9s %8lld parameters:", unit.name().c_str(), static_cast<long long>(unit.param_count()));
-    for (const auto& p : unit.params()) std::printf(" %s", p.spec.name.c_str());
-    std::printf("\n");
-  }
+  print_layout(store);
 
   // Block 0 lives in unit 1. Give every tensor random values (the store initialises LayerNorm
   // weights to ones and biases to zeros, which would hide mistakes in their gradients).
@@ -100,11 +138,6 @@ int main() try {
                 norm(unit.tensor(std::span<const double>(grad), p).span()));
 
   // Finite differences: (L(w + h) - L(w - h)) / 2h against the analytic gradient.
-  struct Probe {
-    std::string what;
-    double* value;
-    double analytic;
-  };
   std::vector<Probe> probes;
   for (const char* name : {"h.0.ln_1.weight", "h.0.ln_1.bias", "h.0.attn.c_attn.weight", "h.0.attn.c_proj.bias",
                            "h.0.ln_2.bias", "h.0.mlp.c_fc.weight", "h.0.mlp.c_proj.weight"}) {
@@ -115,21 +148,7 @@ int main() try {
                       grad[static_cast<std::size_t>(p.offset) + i]});
   }
   probes.push_back({"x[5]", &x[5], dx[5]});
-  const double h = 1e-5;
-  double worst = 0;
-  std::printf("finite-difference spot check (h = %g):\n", h);
-  for (const auto& pr : probes) {
-    const double saved = *pr.value;
-    *pr.value = saved + h;
-    const double lp = loss();
-    *pr.value = saved - h;
-    const double lm = loss();
-    *pr.value = saved;
-    const double numeric = (lp - lm) / (2 * h);
-    const double err = std::abs(numeric - pr.analytic) / std::max(1e-8, std::abs(numeric) + std::abs(pr.analytic));
-    worst = std::max(worst, err);
-    std::printf("  %-34s analytic % .9e   numeric % .9e   rel. error %.1e\n", pr.what.c_str(), pr.analytic, numeric, err);
-  }
+  const double worst = worst_finite_difference(probes, loss);
   const bool ok = worst < 1e-6;
   std::printf("%s (worst relative error %.1e)\n", ok ? "gradients agree" : "GRADIENTS DISAGREE", worst);
   return ok ? 0 : 1;

@@ -78,6 +78,10 @@ fs::path resolved(const fs::path& p) {
 
 }  // namespace
 
+std::string new_run_id() { return detail::random_suffix() + detail::random_suffix(); }
+
+void write_run_file(const fs::path& path, std::string_view contents) { detail::write_file_atomically(path, contents); }
+
 bool holds_run(const fs::path& dir) {
   std::error_code ec;
   if (fs::exists(dir / "metrics.jsonl", ec) && fs::file_size(dir / "metrics.jsonl", ec) > 0) return true;

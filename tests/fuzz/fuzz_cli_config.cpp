@@ -1,4 +1,4 @@
-// libFuzzer target: megatrain-train's --config file (examples/megatrain_train/cli.hpp) and what
+// libFuzzer target: megatrain-train's --config file (src/app/parse.hpp, options.hpp) and what
 // the program derives from the options before it opens anything.
 //
 // An input is the text of a --config file, optionally followed by a NUL byte and command-line
@@ -18,13 +18,15 @@
 #include <string_view>
 #include <vector>
 
-#include "cli.hpp"
 #include "fuzz_util.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/host_memory.hpp"
+#include "megatrain/io/hf_checkpoint.hpp"
+#include "options.hpp"
+#include "parse.hpp"
 
 using namespace megatrain;
-using namespace megatrain_train;
+using namespace megatrain::app;
 using megatrain::fuzz::Scratch;
 
 namespace {

@@ -19,12 +19,21 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace megatrain::io {
 
 /// The file that holds a run folder's lock.
 inline constexpr const char* kRunLockFile = "run.lock";
+
+/// A new run's identity (kept in its checkpoints and exports' megatrain_export.json): 16 random
+/// hex digits.
+std::string new_run_id();
+
+/// Replaces a small file of a run folder (config.json, options.json) atomically: staged beside
+/// it, fsynced, renamed. Throws naming the file where that fails.
+void write_run_file(const std::filesystem::path& path, std::string_view contents);
 
 /// Whether `dir` holds a run: a metrics.jsonl with a line in it, or a checkpoints/ folder with
 /// anything in it.

@@ -29,7 +29,7 @@
 
 #include "megatrain/core/error.hpp"
 
-namespace megatrain_train {
+namespace megatrain::app {
 
 /// Thrown by StopSignals::check where a stop signal came before training started.
 class StoppedBeforeTraining : public megatrain::Error {
@@ -182,4 +182,4 @@ class StopSignals {
   }
 };
 
-}  // namespace megatrain_train
+}  // namespace megatrain::app

@@ -30,7 +30,7 @@
 #include "megatrain/dist/launch.hpp"
 #include "megatrain/dist/local.hpp"
 
-namespace megatrain_train {
+namespace megatrain::app {
 
 /// GPUs this process can see (0 without CUDA).
 inline int visible_gpus() {
@@ -75,11 +75,11 @@ inline int gpus_wanted(const std::string& gpus, const std::string& backend, cons
   return n;
 }
 
-namespace detail {
+namespace forwarding {
 inline volatile sig_atomic_t g_forward = 0;
 inline void remember_signal(int sig) { g_forward = sig; }
 
-}  // namespace detail
+}  // namespace forwarding
 
 /// Starts `n` copies of this program (argv as given) with torchrun's variables, and waits for
 /// them; returns the exit status megatrain-train should end with.
@@ -110,7 +110,7 @@ inline int launch_gpus(int n, char** argv) {
     kids.push_back(pid);
   }
   struct sigaction sa{};
-  sa.sa_handler = detail::remember_signal;
+  sa.sa_handler = forwarding::remember_signal;
   ::sigemptyset(&sa.sa_mask);
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
@@ -119,8 +119,8 @@ inline int launch_gpus(int n, char** argv) {
   bool failing = false;  // (a process failed, the others still run: killed a minute after)
   auto failed_at = std::chrono::steady_clock::now();
   while (left > 0) {
-    if (const int sig = detail::g_forward; sig != 0) {
-      detail::g_forward = 0;
+    if (const int sig = forwarding::g_forward; sig != 0) {
+      forwarding::g_forward = 0;
       forwarded = sig;
       for (std::size_t k = 0; k < kids.size(); ++k)
         if (!done[k]) ::kill(kids[k], sig);
@@ -152,4 +152,4 @@ inline int launch_gpus(int n, char** argv) {
   return status;
 }
 
-}  // namespace megatrain_train
+}  // namespace megatrain::app

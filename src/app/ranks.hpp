@@ -37,7 +37,7 @@
 #include "megatrain/dist/nccl.hpp"
 #endif
 
-namespace megatrain_train {
+namespace megatrain::app {
 
 class Ranks {
  public:
@@ -273,4 +273,4 @@ class Ranks {
   enum class Phase { starting, agreed_to_stop, started } phase_ = Phase::starting;
 };
 
-}  // namespace megatrain_train
+}  // namespace megatrain::app
