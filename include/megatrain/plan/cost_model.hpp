@@ -69,84 +69,25 @@ struct MachineFigures {
   double pass_copies_gbs = 63.0;
 };
 
-namespace detail {
-struct FigureField {
-  const char* name;
-  double MachineFigures::*value;
-};
-inline constexpr FigureField kFigureFields[] = {
-    {"h2d_gbs", &MachineFigures::h2d_gbs},           {"d2h_gbs", &MachineFigures::d2h_gbs},
-    {"duplex_gbs", &MachineFigures::duplex_gbs},     {"gemm_tflops", &MachineFigures::gemm_tflops},
-    {"moe_gemm_tflops", &MachineFigures::moe_gemm_tflops},
-    {"attention_fwd_tflops", &MachineFigures::attention_fwd_tflops},
-    {"attention_bwd_tflops", &MachineFigures::attention_bwd_tflops},
-    {"hbm_gbs", &MachineFigures::hbm_gbs},           {"adamw_gparams", &MachineFigures::adamw_gparams},
-    {"adamw_dma_gparams", &MachineFigures::adamw_dma_gparams}, {"pass_copies_gbs", &MachineFigures::pass_copies_gbs}};
-}  // namespace detail
-
-inline nlohmann::json to_json(const MachineFigures& m) {
-  nlohmann::json j{{"name", m.name}};
-  for (const auto& f : detail::kFigureFields) j[f.name] = m.*f.value;
-  return j;
-}
+/// The figures as JSON (machine_figures_from_json reads them back).
+nlohmann::json to_json(const MachineFigures& m);
 
 /// Reads figures written by to_json (fields left out keep the reference values); `what` names
 /// the source in errors.
-inline MachineFigures machine_figures_from_json(const nlohmann::json& j, std::string_view what) {
-  std::string names = "name";
-  for (const auto& f : detail::kFigureFields) names += fmt::format(", {}", f.name);
-  MT_CHECK(j.is_object(), "{}: machine figures must be a JSON object (fields: {})", what, names);
-  MachineFigures m;
-  m.name = std::string(what);
-  for (const auto& [key, value] : j.items()) {
-    if (key == "name") {
-      MT_CHECK(value.is_string(), "{}: 'name' must be a string", what);
-      m.name = value.get<std::string>();
-      continue;
-    }
-    const auto* f = std::find_if(std::begin(detail::kFigureFields), std::end(detail::kFigureFields),
-                                 [&](const detail::FigureField& x) { return key == x.name; });
-    MT_CHECK(f != std::end(detail::kFigureFields), "{}: unknown field '{}' (fields: {})", what, key, names);
-    MT_CHECK(value.is_number() && value.get<double>() > 0 && std::isfinite(value.get<double>()),
-             "{}: '{}' must be a positive number (got {})", what, key, value.dump());
-    m.*f->value = value.get<double>();
-  }
-  return m;
-}
+MachineFigures machine_figures_from_json(const nlohmann::json& j, std::string_view what);
 
 /// Where `megatrain-plan --probe` keeps this machine's figures (plan/probe.hpp):
 /// $MEGATRAIN_MACHINE, else $XDG_CACHE_HOME/megatrain/machine.json, else
 /// ~/.cache/megatrain/machine.json (empty: no home).
-inline std::filesystem::path default_machine_file() {
-  if (const char* e = std::getenv("MEGATRAIN_MACHINE"); e != nullptr && *e != '\0') return e;
-  if (const char* x = std::getenv("XDG_CACHE_HOME"); x != nullptr && *x != '\0')
-    return std::filesystem::path(x) / "megatrain" / "machine.json";
-  if (const char* h = std::getenv("HOME"); h != nullptr && *h != '\0')
-    return std::filesystem::path(h) / ".cache" / "megatrain" / "machine.json";
-  return {};
-}
+std::filesystem::path default_machine_file();
 
 /// The figures of the file at `path` (machine_figures_from_json), `what` naming it in errors.
-inline MachineFigures read_machine_figures(const std::filesystem::path& path, std::string_view what) {
-  std::ifstream f(path);
-  MT_CHECK(f.good(), "{}: cannot open it", what);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(f);
-  } catch (const nlohmann::json::exception& e) {
-    MT_FAIL("{}: malformed JSON: {}", what, e.what());
-  }
-  return machine_figures_from_json(j, what);
-}
+MachineFigures read_machine_figures(const std::filesystem::path& path, std::string_view what);
 
 /// This machine's figures as a probe kept them (default_machine_file()), else the reference
 /// H200 host's: what the trainer's plan decides with, and what megatrain-plan and megatrain-train
 /// predict with unless given --machine.
-inline MachineFigures machine_figures() {
-  const std::filesystem::path f = default_machine_file();
-  if (f.empty() || !std::filesystem::exists(f)) return {};
-  return read_machine_figures(f, fmt::format("the figures megatrain-plan --probe kept in '{}' (remove it, or probe again)", f.string()));
-}
+MachineFigures machine_figures();
 
 /// Bytes the loss over the logits moves per logit: the fp32 logits read twice (the softmax's
 /// maximum and sum, then the gradient) and the bf16 gradient written.
@@ -159,18 +100,10 @@ inline constexpr double kLossBytesPerLogit = 10;
 /// A mixture-of-experts layer's MLP instead: 18 per intermediate unit of each of a token's k
 /// experts, and about 18 per hidden unit and expert (its rows gathered, its output weighted and
 /// summed, forward and again, and their backward).
-inline double block_elementwise_bytes(const ModelConfig& cfg, std::int64_t layer) {
-  const double d = static_cast<double>(cfg.hidden_size);
-  if (!cfg.is_moe_layer(layer)) return 120.0 * d + 18.0 * static_cast<double>(cfg.intermediate_size);
-  const double k = static_cast<double>(cfg.moe.experts_per_token);
-  return 120.0 * d + k * (18.0 * static_cast<double>(cfg.moe.intermediate_size) + 18.0 * d);
-}
+double block_elementwise_bytes(const ModelConfig& cfg, std::int64_t layer);
 
 /// The experts' parameters one token's forward runs through, over every layer (0 for a dense model).
-inline double active_expert_params(const ModelConfig& cfg) {
-  return static_cast<double>(cfg.moe_layer_count()) * static_cast<double>(cfg.moe.experts_per_token) * 3.0 *
-         static_cast<double>(cfg.hidden_size) * static_cast<double>(cfg.moe.intermediate_size);
-}
+double active_expert_params(const ModelConfig& cfg);
 
 /// One term of the step time.
 struct TimeTerm {
@@ -201,230 +134,18 @@ struct StepTime {
 /// twice the keys a query sees on average, which is `seq` for causal attention over the whole
 /// sequence (the FLOPs convention's S) and less for a sliding window of w < seq keys (Gemma 3's
 /// and GPT-OSS's sliding layers): 2 (w (w + 1) / 2 + (seq - w) w) / seq.
-inline double attention_span(const ModelConfig& cfg, double seq) {
-  double span = 0;
-  for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-    const double w = static_cast<double>(cfg.attention_window(l));
-    span += w <= 0 || w >= seq ? seq : 2 * (w * (w + 1) / 2 + (seq - w) * w) / seq;
-  }
-  return span;
-}
+double attention_span(const ModelConfig& cfg, double seq);
 
 /// Model FLOPs of a step of `tokens` tokens in sequences of `seq` (the MFU convention: no
 /// recompute; 6 x the matmul parameters per token, the embedding lookup none, a tied head's
 /// product counted; a mixture of experts' active parameters only (a token's k experts); causal
 /// attention 6 x seq x q_dim per token and layer, a sliding layer's over its window:
 /// attention_span).
-inline double model_flops(const ModelConfig& cfg, double tokens, double seq) {
-  const double V = static_cast<double>(cfg.vocab_size), d = static_cast<double>(cfg.hidden_size);
-  const double matmul = static_cast<double>(cfg.active_param_count()) - (cfg.tie_word_embeddings ? 0.0 : V * d);
-  return 6 * matmul * tokens + 6.0 * tokens * static_cast<double>(cfg.q_dim()) * attention_span(cfg, seq);
-}
+double model_flops(const ModelConfig& cfg, double tokens, double seq);
 
 /// The step time of `plan` (its decisions: device units, spilled checkpoints) on `m`.
-inline StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& options, const MemoryPlan& plan,
-                             const MachineFigures& machine) {
-  const TrainerOptions opt = options.resolved();
-  // (the host's CPU, and so its AdamW rate, is shared by the ranks that run on it)
-  const int sharing = !opt.distributed() ? 1 : opt.host_processes > 0 ? opt.host_processes : opt.comm->world();
-  MachineFigures m = machine;
-  m.adamw_gparams /= sharing;
-  m.adamw_dma_gparams /= sharing;
-  const TrainerBuffers& b = plan.buffers;
-  const double T = static_cast<double>(b.batch_tokens), S = static_cast<double>(opt.seq_len);
-  const double L = static_cast<double>(cfg.num_hidden_layers), d = static_cast<double>(cfg.hidden_size);
-  const double V = static_cast<double>(cfg.vocab_size);
-  const double qd = static_cast<double>(cfg.q_dim());
-  const double embed = V * d;
-  const double head = embed + d;  // the LM head's product (tied or not) and the final norm
-  const double blocks = static_cast<double>(cfg.param_count()) - embed - d - (cfg.tie_word_embeddings ? 0.0 : embed);
-  const double block = blocks / L;
-  // (the products a token runs: a mixture of experts' tokens see their k experts only)
-  const double active_blocks = static_cast<double>(cfg.active_param_count()) - embed - d - (cfg.tie_word_embeddings ? 0.0 : embed);
-  // Which parameters are stepped where.
-  const std::size_t units = b.units, dev_units = b.device_units;
-  const bool embed_dev = dev_units >= 1, head_dev = dev_units >= units;
-  const double blocks_dev = static_cast<double>(std::min<std::size_t>(dev_units > 1 ? dev_units - 1 : 0, units - 2));
-  const double head_params = cfg.tie_word_embeddings ? d : head;
-  const double n_dev = (embed_dev ? embed : 0) + blocks_dev * block + (head_dev ? head_params : 0);
-  const double n_host = static_cast<double>(cfg.param_count()) - n_dev;
-
-  StepTime t;
-  t.tokens = T;
-  // GPU
-  // (a checkpoint every k blocks: the k - 1 outputs between are computed once more, before the backward)
-  const double refill = b.checkpoint_every > 1 ? static_cast<double>(b.blocks - b.checkpoints) / L : 0.0;  // blocks run once more
-  // (kept or spilled activations: those blocks' forward is not recomputed)
-  const double kept = static_cast<double>(b.kept_blocks + b.spilled_blocks) / L;
-  // (spilled activations: down over PCIe beside the forward, up before the backward)
-  double spill_bytes = 0;
-  for (std::size_t u = 1; u <= b.blocks; ++u)
-    if (b.spills(u)) spill_bytes += static_cast<double>(b.kept_bytes[u]);
-  spill_bytes *= static_cast<double>(opt.micro_batches);
-  // (a mixture of experts: the active experts' products run grouped, at their own rate, and are
-  // recomputed in the backward even where the block keeps its other activations)
-  const double experts = active_expert_params(cfg);
-  const double dense_gemm = (8 + 2 * refill - 2 * kept) * (active_blocks - experts) * T + 6 * embed * T;
-  const double expert_gemm = (8 + 2 * refill) * experts * T;
-  const double gemm = dense_gemm + expert_gemm;
-  const double att_fwd = 2 * T * qd * attention_span(cfg, S);  // (S x L without sliding layers)
-  const double expert_s = expert_gemm / (m.moe_gemm_tflops * 1e12);
-  const double gemm_s = dense_gemm / (m.gemm_tflops * 1e12) + expert_s;
-  const double att_s =
-      (2 + refill - kept) * att_fwd / (m.attention_fwd_tflops * 1e12) + 2.5 * att_fwd / (m.attention_bwd_tflops * 1e12);
-  // element-wise passes: block_elementwise_bytes per token and layer; the loss over the logits
-  double elem_bytes = kLossBytesPerLogit * T * V;
-  for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l) elem_bytes += T * block_elementwise_bytes(cfg, l);
-  const double elem_s = elem_bytes / (m.hbm_gbs * 1e9);
-  // (device AdamW: 30 bytes an element; and a device block's bf16 weights made from its masters
-  // for each item that reads them, 6 bytes an element: each micro-batch's forward and backward,
-  // and the refills between checkpoints)
-  const double weight_casts = b.sizes.weight < sizeof(float) ? static_cast<double>(opt.micro_batches) * (2 + refill) : 0.0;
-  const double adam_dev_s = (30 * n_dev + 6 * weight_casts * blocks_dev * block) / (m.hbm_gbs * 1e9);
-  const double ckpt_moved = static_cast<double>(b.checkpoints_in_host()) * static_cast<double>(b.checkpoint_bytes());
-  const double ckpt_s = ckpt_moved / (m.d2h_gbs * 1e9) + ckpt_moved / (m.h2d_gbs * 1e9);
-  const double gpu_s = gemm_s + att_s + elem_s + adam_dev_s + ckpt_s;
-  t.executed_flops = gemm + (4.5 + refill - kept) * att_fwd;
-  t.model_flops = model_flops(cfg, T, S);
-  t.terms.push_back({"GPU", gpu_s,
-                     fmt::format("matrix products {:.3f} s ({:.1f} TFLOP at {:.0f} TFLOP/s{}), attention {:.3f} s, "
-                                 "element-wise {:.3f} s, AdamW {:.3f} s{}",
-                                 gemm_s, gemm / 1e12, m.gemm_tflops,
-                                 experts > 0 ? fmt::format("; of them the experts' {:.1f} TFLOP at {:.0f}: {:.3f} s",
-                                                           expert_gemm / 1e12, m.moe_gemm_tflops, expert_s)
-                                             : std::string(),
-                                 att_s, elem_s, adam_dev_s,
-                                 ckpt_s > 0 ? fmt::format(", checkpoints through host memory {:.3f} s", ckpt_s) : "")});
-  // PCIe
-  const double rows = std::min(V, T);
-  // (each streamed block's weights twice a step, forward and backward: bf16, or the fp32 masters
-  // where host memory keeps no bf16 copy and the GPU rounds them)
-  const double wb = b.sizes.weight < sizeof(float) && !opt.host_bf16_copy ? 4.0 : 2.0;
-  // (the forward's share: the streamed blocks' weights once, the embedding's rows, the head's
-  // weights; the backward's: the blocks' weights again)
-  const double blocks_up = wb * blocks * ((L - blocks_dev) / L);
-  double h2d_fwd = blocks_up + (embed_dev ? 0 : rows * d * 4) + (head_dev ? 0 : wb * head_params);
-  if (cfg.tie_word_embeddings && !embed_dev) h2d_fwd += wb * embed;  // the head reads the embedding's table
-  const double h2d = h2d_fwd + blocks_up + spill_bytes;
-  // (gradients waiting in host memory: each micro-batch's come down, and the CPU adds the later
-  // ones to the first's during the backward; on the GPU they add up there and come down once)
-  const bool host_home = opt.resident_gradients() && opt.gradient_home == GradientHome::host;
-  const double downloads = host_home ? static_cast<double>(opt.micro_batches) : 1.0;
-  const double d2h = 4 * n_host * downloads + spill_bytes;
-  t.terms.push_back({"PCIe H2D", h2d / (m.h2d_gbs * 1e9),
-                     fmt::format("{:.2f} GB of weights{} at {:.1f} GB/s", h2d / 1e9,
-                                 spill_bytes > 0 ? fmt::format(" and spilled activations ({:.2f} GB)", spill_bytes / 1e9) : "",
-                                 m.h2d_gbs)});
-  // With resident gradients (exact clipping, micro-batches) the host units are stepped in the
-  // AdamW pass, after the backward, beside the next step's forward; their gradients come down in
-  // that pass where they wait on the GPU, and during the backward where they wait in host memory
-  // (GradientHome::host). Else they stream down and are stepped during the backward.
-  const bool pass = opt.resident_gradients();
-  const bool pass_d2h = pass && opt.gradient_home == GradientHome::device;  // (the pass waits for the copies)
-  const char* when = pass ? " (in the AdamW pass, beside the next forward)" : "";
-  t.terms.push_back({"PCIe D2H", d2h / (m.d2h_gbs * 1e9),
-                     fmt::format("{:.2f} GB of fp32 gradients{} at {:.1f} GB/s{}", d2h / 1e9,
-                                 spill_bytes > 0 ? fmt::format(" and spilled activations ({:.2f} GB, beside the forward)", spill_bytes / 1e9) : "",
-                                 m.d2h_gbs, pass_d2h ? when : pass ? " (during the backward, into host memory)" : "")});
-  t.terms.push_back({"PCIe both ways", (h2d + d2h) / (m.duplex_gbs * 1e9), fmt::format("at {:.0f} GB/s in total", m.duplex_gbs)});
-  const double cpu_s = n_host / (m.adamw_dma_gparams * 1e9);
-  t.terms.push_back({"CPU AdamW", cpu_s, fmt::format("{:.3f}B parameters at {:.2f} Gparam/s{}{}", n_host / 1e9, m.adamw_dma_gparams,
-                                                      sharing > 1 ? fmt::format(" (the host's {:.2f} shared by its {} ranks)",
-                                                                                machine.adamw_dma_gparams, sharing)
-                                                                  : std::string(),
-                                                      when)});
-  if (host_home && opt.micro_batches > 1) {  // (12 bytes an addition, against AdamW's 30 a parameter)
-    const double adds = n_host * static_cast<double>(opt.micro_batches - 1);
-    t.terms.push_back({"CPU gradient sums", adds * 12.0 / 30.0 / (m.adamw_dma_gparams * 1e9),
-                       fmt::format("{:.3f}B additions of later micro-batches' gradients in host memory, during the backward",
-                                   adds / 1e9)});
-  }
-  // The bound: the largest term that overlaps the whole step (the pass's terms overlap only the
-  // forward: what they take beyond it is exposed; the CPU's AdamW of streamed gradients runs
-  // beside the backward and the device units' forward: what it takes beyond them is exposed).
-  const double fwd_s = 2 * (active_blocks - experts) * T / (m.gemm_tflops * 1e12) + 2 * experts * T / (m.moe_gemm_tflops * 1e12) +
-                      att_fwd / (m.attention_fwd_tflops * 1e12) + elem_s / 4;
-  // (beside the forward, the pass's copies and the forward's share the link at the rate copies
-  // keep while the CPU's AdamW runs: the host's memory serves both)
-  const double pass_copies_s = ((pass_d2h ? d2h : spill_bytes) + h2d_fwd) / (m.pass_copies_gbs * 1e9);
-  const double pass_s = pass ? std::max({cpu_s, pass_d2h ? d2h / (m.d2h_gbs * 1e9) : 0.0, pass_copies_s}) : 0.0;
-  t.bottleneck.clear();
-  for (const TimeTerm& term : t.terms) {
-    if (term.what == "CPU AdamW" || (pass_d2h && term.what == "PCIe D2H")) continue;
-    if (term.seconds > t.bound_s || t.bottleneck.empty()) {
-      t.bound_s = term.seconds;
-      t.bottleneck = t.bound_term = term.what;
-    }
-  }
-  // Not overlapped: the first block's weights before the first forward; with gradients streamed
-  // as they are computed, the last unit's (the embedding's rows) download and update; with the
-  // AdamW pass, what it takes beyond the forward beside it.
-  const bool first_block_dev = dev_units >= 2;
-  t.exposed_s = first_block_dev ? 0.0 : 2 * block / (m.h2d_gbs * 1e9);
-  if (!pass && !embed_dev) t.exposed_s += rows * d * 4 / (m.d2h_gbs * 1e9) + rows * d / (m.adamw_gparams * 1e9);
-  // Spilled activations: one block in every `stride` spills, so each copy has the link for the
-  // time of `stride` blocks (down beside the forward, up beside the backward) before the next
-  // spilled block's copy queues behind it; a copy longer than that holds the compute stream (its
-  // staging buffer is written again). Beside the forward the link is shared with the AdamW pass's
-  // downloads of the host units' gradients (spread over the forward), beside the backward with
-  // the uploads of the weights of spilled blocks that stream.
-  double stall_fwd = 0, stall_bwd = 0;
-  if (b.spilled_blocks > 0) {
-    const double one = spill_bytes / static_cast<double>(opt.micro_batches) / static_cast<double>(b.spilled_blocks);
-    const double stride = static_cast<double>(b.spill_stride());
-    const double block_fwd = fwd_s / L, block_bwd = std::max(0.0, gpu_s - fwd_s) / L;
-    const double pass_down = pass_d2h && fwd_s > 0 ? 4 * n_host / fwd_s : 0.0;  // bytes/s the pass's downloads take
-    const double down_rate = std::max(m.d2h_gbs * 1e9 - pass_down, 0.25 * m.d2h_gbs * 1e9);
-    for (std::size_t u = 1; u <= b.blocks; ++u) {
-      if (!b.spills(u)) continue;
-      const bool streams = static_cast<double>(u) > blocks_dev;  // (its weights cross beside its copies)
-      const double up = one + (streams ? stride * wb * block : 0.0);
-      stall_fwd += std::max(0.0, one / down_rate - stride * block_fwd);
-      stall_bwd += std::max(0.0, up / (m.h2d_gbs * 1e9) - stride * block_bwd);
-    }
-    stall_fwd *= static_cast<double>(opt.micro_batches);
-    stall_bwd *= static_cast<double>(opt.micro_batches);
-  }
-  // (what the AdamW pass takes beyond the forward, and the copies' hold on top: while spilled
-  // copies hold the compute stream they hold the link and the host's memory the pass needs too,
-  // so the pass gains nothing from the longer forward; measured: docs/planner.md)
-  if (pass && pass_s > fwd_s) {
-    t.exposed_s += pass_s - fwd_s;
-    t.exposed_detail = fmt::format("the AdamW pass takes {:.3f} s beside a {:.3f} s forward", pass_s, fwd_s);
-  }
-  t.exposed_s += stall_fwd + stall_bwd;
-  if (t.exposed_detail.empty() && stall_fwd + stall_bwd > 0)
-    t.exposed_detail = fmt::format("the spilled activations' copies hold the compute stream {:.3f} s", stall_fwd + stall_bwd);
-  // Streamed gradients are stepped as they land during the backward, the lowest host units (the
-  // first the next forward needs, after the device units') last: what the CPU's AdamW takes
-  // beyond the backward and the device units' forward delays the next step.
-  const double bwd_s = std::max(0.0, gpu_s - fwd_s);
-  const double slack = bwd_s + fwd_s * blocks_dev / L;
-  if (!pass && cpu_s > slack) {
-    t.exposed_s += cpu_s - slack;
-    t.exposed_detail = fmt::format("the CPU's AdamW takes {:.3f} s beside a {:.3f} s backward", cpu_s, bwd_s);
-  }
-  // The CPU's AdamW is the bottleneck where it takes longer than the GPU and is what the step
-  // waits on beyond it
-  // (or, where the pass waits on its copies beside the CPU's AdamW rather than on the CPU, PCIe)
-  const double cpu_wait = pass ? pass_s : cpu_s;
-  const bool pass_copies_bound = pass && pass_copies_s > cpu_s;
-  if (!t.exposed_detail.empty() && cpu_wait > t.bound_s) t.bottleneck = pass_copies_bound ? "PCIe both ways" : "CPU AdamW";
-  // The tokens per step from which the GPU is the bound, this placement kept: the GPU's terms
-  // grow with the tokens (not the device units' AdamW), the copies' and the CPU's do not
-  const double grows = gpu_s - adam_dev_s;
-  if (grows > 0) {
-    double r = 0;
-    for (const TimeTerm& term : t.terms)
-      if (term.what != "GPU" && term.what != "CPU AdamW" && !(pass_d2h && term.what == "PCIe D2H"))
-        r = std::max(r, (term.seconds - adam_dev_s) / grows);
-    if (pass && fwd_s > 0) r = std::max(r, pass_s / fwd_s);
-    if (!pass && slack > 0) r = std::max(r, cpu_s / slack);
-    t.busy_tokens = r * T;
-  }
-  t.step_s = t.bound_s + t.exposed_s;
-  return t;
-}
+StepTime predict_step(const ModelConfig& cfg, const TrainerOptions& options, const MemoryPlan& plan,
+                      const MachineFigures& machine);
 
 /// The memory plan of `model` trained with `options` on a backend of element types B (anything
 /// with B::Weight, B::Act, B::Acc and B::Res: a backend, or plan::CudaTypes when planning without
@@ -451,13 +172,14 @@ MemoryPlan plan_memory(const DecoderModel<Block>& model, const TrainerOptions& o
                        const HostBudget& host, const std::optional<StoreFootprint>& store_footprint = std::nullopt,
                        const MachineFigures& machine = {}) {
   const std::size_t L = model.num_blocks();
+  const OpSizes ops = detail::measure_ops<B>(model, options, store_footprint);  // (the same for every plan tried)
   const auto with_every = [&](std::size_t every) {
     const std::size_t asked = options.kept_blocks > 0 ? static_cast<std::size_t>(options.kept_blocks) : 0;
     // (a backend whose memory is host memory has nothing to spill to)
     const bool auto_spill = options.spilled_blocks == TrainerOptions::kAutoSpilledBlocks && !device.host_memory;
     const std::size_t spill = options.spilled_blocks > 0 ? static_cast<std::size_t>(options.spilled_blocks) : 0;
     const auto plan = [&](std::size_t kept, std::size_t spilled) {
-      return detail::plan_memory_every<B>(model, options, every, kept, spilled, device, host, store_footprint);
+      return detail::plan_memory_every(model.config(), ops, options, every, kept, spilled, device, host);
     };
     if (every != 1 || !keeps_activations<B, Block>) return plan(0, 0);
     const bool auto_kept = options.kept_blocks == TrainerOptions::kAutoKeptBlocks;
