@@ -19,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../common/block_check.hpp"
 #include "gpt2_block.hpp"
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/layers/decoder_model.hpp"
@@ -26,6 +27,8 @@
 
 using namespace megatrain;
 using example::Gpt2Block;
+using example::Probe;
+using example::worst_finite_difference;
 
 namespace {
 
@@ -38,35 +41,6 @@ void print_layout(const HostParamStore<double>& store) {
     for (const auto& p : unit.params()) std::printf(" %s", p.spec.name.c_str());
     std::printf("\n");
   }
-}
-
-// A value the loss depends on, and its analytic gradient.
-struct Probe {
-  std::string what;
-  double* value;
-  double analytic;
-};
-
-// The worst relative error of (L(v + h) - L(v - h)) / 2h against each probe's analytic gradient,
-// each printed.
-template <class Loss>
-double worst_finite_difference(const std::vector<Probe>& probes, Loss&& loss) {
-  const double h = 1e-5;
-  double worst = 0;
-  std::printf("finite-difference spot check (h = %g):\n", h);
-  for (const auto& pr : probes) {
-    const double saved = *pr.value;
-    *pr.value = saved + h;
-    const double lp = loss();
-    *pr.value = saved - h;
-    const double lm = loss();
-    *pr.value = saved;
-    const double numeric = (lp - lm) / (2 * h);
-    const double err = std::abs(numeric - pr.analytic) / std::max(1e-8, std::abs(numeric) + std::abs(pr.analytic));
-    worst = std::max(worst, err);
-    std::printf("  %-34s analytic % .9e   numeric % .9e   rel. error %.1e\n", pr.what.c_str(), pr.analytic, numeric, err);
-  }
-  return worst;
 }
 
 }  // namespace
@@ -101,54 +75,31 @@ int main() try {
                                    : (p.spec.init == ParamInit::ones ? 1.0 : 0.0) + uniform(-0.2, 0.2);
   }
 
-  const ChunkShape chunk{2, 33};  // two sequences of 33 tokens
-  const std::int64_t M = chunk.tokens(), d = cfg.hidden_size;
-  std::vector<double> x(static_cast<std::size_t>(M * d)), y(x.size()), dx(x.size()), r(x.size());
-  for (double& v : x) v = uniform(-1, 1);
-  for (double& v : r) v = uniform(-1, 1);
-  const View<const double> xv(std::span<const double>(x), Shape{M, d});
-  const View<double> yv(std::span<double>(y), Shape{M, d}), dxv(std::span<double>(dx), Shape{M, d});
+  example::BlockCheck check(block, unit.master(), ChunkShape{2, 33}, cfg.hidden_size, uniform);  // two sequences of 33 tokens
+  std::printf("scratch for a chunk of %d tokens: %zu bytes\n", 2 * 33, check.scratch_bytes());
 
-  CpuBackend<double> be;
-  std::vector<std::byte> scratch(block.op().scratch_bytes<CpuBackend<double>>(chunk));
-  Arena arena{std::span<std::byte>(scratch)};
-  std::printf("scratch for a chunk of %lld tokens: %zu bytes\n", static_cast<long long>(M), scratch.size());
-
-  const auto loss = [&] {
-    block.op().forward(be, chunk, block.bind(std::span<const double>(unit.master())), xv, yv, arena);
-    double l = 0;
-    for (std::size_t i = 0; i < y.size(); ++i) l += r[i] * y[i];
-    return l;
-  };
-
-  // Forward and backward. Backward accumulates weight gradients, so they start from zero.
-  const double l0 = loss();
-  std::vector<double> grad(static_cast<std::size_t>(unit.numel()), 0.0);
-  const View<const double> dyv(std::span<const double>(r), Shape{M, d});
-  block.op().backward(be, chunk, block.bind(std::span<const double>(unit.master())), xv, dyv, dxv,
-                      block.bind(std::span<double>(grad)), arena);
+  // Forward and backward (the weight gradients from zero).
+  const double l0 = check.loss();
+  check.backward();
   const auto norm = [](std::span<const double> s) {
     double n = 0;
     for (double v : s) n += v * v;
     return std::sqrt(n);
   };
-  std::printf("loss sum(r*y) = %.6f   |dL/dx| = %.6f   |dL/dw| = %.6f\n", l0, norm(dx), norm(grad));
+  std::printf("loss sum(r*y) = %.6f   |dL/dx| = %.6f   |dL/dw| = %.6f\n", l0, norm(check.dx), norm(check.grad));
   for (const auto& p : unit.params())
     std::printf("  |grad %-28s| = %.6f\n", p.spec.name.c_str(),
-                norm(unit.tensor(std::span<const double>(grad), p).span()));
+                norm(unit.tensor(std::span<const double>(check.grad), p).span()));
 
   // Finite differences: (L(w + h) - L(w - h)) / 2h against the analytic gradient.
   std::vector<Probe> probes;
   for (const char* name : {"h.0.ln_1.weight", "h.0.ln_1.bias", "h.0.attn.c_attn.weight", "h.0.attn.c_proj.bias",
                            "h.0.ln_2.bias", "h.0.mlp.c_fc.weight", "h.0.mlp.c_proj.weight"}) {
     const auto& p = unit.param(name);
-    const std::size_t i = static_cast<std::size_t>(p.numel() / 3);  // some element inside
-    probes.push_back({std::string(name) + "[" + std::to_string(i) + "]",
-                      &unit.master()[static_cast<std::size_t>(p.offset) + i],
-                      grad[static_cast<std::size_t>(p.offset) + i]});
+    probes.push_back(check.weight(name, p.offset, p.numel() / 3));  // (some element inside)
   }
-  probes.push_back({"x[5]", &x[5], dx[5]});
-  const double worst = worst_finite_difference(probes, loss);
+  probes.push_back(check.input(5));
+  const double worst = worst_finite_difference(probes, [&] { return check.loss(); });
   const bool ok = worst < 1e-6;
   std::printf("%s (worst relative error %.1e)\n", ok ? "gradients agree" : "GRADIENTS DISAGREE", worst);
   return ok ? 0 : 1;

@@ -47,7 +47,7 @@ class Ranks {
   /// Joins the run the launcher's environment describes (a malformed one is an error naming the
   /// variable): on the cuda backend over NCCL on GPU LOCAL_RANK, meeting the others within the
   /// rendezvous timeout; on the cpu backend over MPI.
-  static Ranks join(bool use_cuda, double rendezvous_timeout_s) {
+  static Ranks join(bool use_cuda, [[maybe_unused]] double rendezvous_timeout_s) {
     Ranks r;
     r.me_ = megatrain::dist::launch_from_env();
     if (r.me_.world <= 1) return r;
@@ -112,7 +112,7 @@ class Ranks {
   /// the cuda backend over NCCL on GPU `rank` (meeting on 127.0.0.1:`port`), on the cpu backend
   /// over `local` (its rank's LocalComm of one group).
   static Ranks local(int rank, int world, bool use_cuda, int port, std::unique_ptr<megatrain::dist::LocalComm> local,
-                     double rendezvous_timeout_s) {
+                     [[maybe_unused]] double rendezvous_timeout_s) {
     Ranks r;
     r.me_ = megatrain::dist::local_launch(rank, world, port);
     r.threads_ = true;

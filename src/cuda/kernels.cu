@@ -777,7 +777,8 @@ __device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
 
 __global__ void __launch_bounds__(kCeMaxThreads)
     cross_entropy_kernel(const float* __restrict__ logits, const std::int32_t* __restrict__ labels, float* __restrict__ loss,
-                         bf* __restrict__ dlogits, float scale, i64 V, bool vec_in, bool vec_out) {
+                         bf* __restrict__ dlogits, float scale, const float* __restrict__ weights, i64 V, bool vec_in,
+                         bool vec_out) {
   __shared__ MaxSum warp_part[kCeMaxThreads / 32];
   const i64 r = blockIdx.x;
   const float* z = logits + r * V;
@@ -809,7 +810,7 @@ __global__ void __launch_bounds__(kCeMaxThreads)
   if (dlogits == nullptr) return;
 
   bf* dl = dlogits + r * V;
-  const float g = ignored ? 0.0f : scale;  // ignored rows get zeros
+  const float g = ignored ? 0.0f : weights == nullptr ? scale : scale * weights[r];  // ignored rows get zeros
   auto grad = [&](i64 c, float zc) { return g * expf(zc - lse) - (c == y ? g : 0.0f); };
   if (vec_out) {  // 4 logits in, 4 bf16 (8 bytes) out
     for (i64 c = threadIdx.x; c < V / 4; c += blockDim.x) {
@@ -1689,7 +1690,7 @@ void launch_spin(std::int64_t nanoseconds, cudaStream_t stream) {
 }
 
 void launch_cross_entropy(const float* logits, const std::int32_t* labels, float* loss, bf16* dlogits, float scale,
-                          std::int64_t n, std::int64_t V, cudaStream_t stream) {
+                          const float* weights, std::int64_t n, std::int64_t V, cudaStream_t stream) {
   MT_NVTX_RANGE("launch_cross_entropy");
   MT_CHECK(n >= 0 && n <= INT_MAX && V > 0, "cross_entropy: invalid sizes n {}, V {}", n, V);
   MT_CHECK(n == 0 || (logits != nullptr && labels != nullptr && loss != nullptr), "cross_entropy: null logits, labels or loss");
@@ -1697,8 +1698,8 @@ void launch_cross_entropy(const float* logits, const std::int32_t* labels, float
   const bool vec_in = V % 4 == 0 && aligned16(logits);
   const bool vec_out = vec_in && (dlogits == nullptr || reinterpret_cast<std::uintptr_t>(dlogits) % 8 == 0);
   const int threads = V >= 16384 ? kCeMaxThreads : V >= 2048 ? 256 : 128;
-  cross_entropy_kernel<<<static_cast<unsigned>(n), threads, 0, stream>>>(logits, labels, loss, dev(dlogits), scale, V, vec_in,
-                                                                        vec_out);
+  cross_entropy_kernel<<<static_cast<unsigned>(n), threads, 0, stream>>>(logits, labels, loss, dev(dlogits), scale, weights, V,
+                                                                        vec_in, vec_out);
   MT_CUDA_CHECK_LAUNCH("cross_entropy_kernel");
 }
 

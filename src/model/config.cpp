@@ -257,14 +257,14 @@ void ModelConfig::validate(std::string_view src) const {
   // The parts a family's recipe does not have (a config assembled by hand)
   MT_CHECK(hidden_act == block.activation, "{}: {}'s MLP activation is {}, not {}", src, architecture_name(),
            activation_name(block.activation), activation_name(hidden_act));
-  MT_CHECK(sliding_layers.empty() || block.per_layer_windows,
+  MT_CHECK(layer_types.empty() || block.per_layer_windows,
            "{}: {} has no per-layer sliding windows (layer types)", src, architecture_name());
   MT_CHECK(!query_pre_attn_scalar || block.query_pre_attn_scalar, "{}: {} has no query_pre_attn_scalar", src,
            architecture_name());
   MT_CHECK(nope_layers.empty() || block.nope_layers, "{}: {} has a rotary embedding on every layer (no no_rope_layers)",
            src, architecture_name());
-  MT_CHECK(sliding_layers.empty() || static_cast<std::int64_t>(sliding_layers.size()) == num_hidden_layers,
-           "{}: {} layer types for {} layers", src, sliding_layers.size(), num_hidden_layers);
+  MT_CHECK(layer_types.empty() || static_cast<std::int64_t>(layer_types.size()) == num_hidden_layers,
+           "{}: {} layer types for {} layers", src, layer_types.size(), num_hidden_layers);
   MT_CHECK(moe.biases == block.moe_biases, "{}: {} has {} biases on its router and experts", src, architecture_name(),
            block.moe_biases ? "" : "no");
   MT_CHECK(block.moe || moe.num_experts == 0, "{}: {} has no experts (num_experts {})", src, architecture_name(),
@@ -301,9 +301,18 @@ double ModelConfig::embed_scale() const {
 double ModelConfig::attention_scale() const {
   return 1.0 / std::sqrt(query_pre_attn_scalar ? *query_pre_attn_scalar : static_cast<double>(head_dim));
 }
-std::int64_t ModelConfig::attention_window(std::int64_t layer) const {
+LayerKind ModelConfig::layer_kind(std::int64_t layer) const {
   const auto l = static_cast<std::size_t>(layer);
-  return l < sliding_layers.size() && sliding_layers[l] ? sliding_window.value_or(0) : 0;
+  return {l < layer_types.size() ? layer_types[l] : TokenMixerKind::full_attention,
+          is_moe_layer(layer) ? ChannelMixerKind::experts : ChannelMixerKind::dense_mlp};
+}
+std::vector<bool> ModelConfig::sliding_layers() const {
+  std::vector<bool> sliding;
+  for (const TokenMixerKind t : layer_types) sliding.push_back(t == TokenMixerKind::sliding_attention);
+  return sliding;
+}
+std::int64_t ModelConfig::attention_window(std::int64_t layer) const {
+  return layer_kind(layer).token_mixer == TokenMixerKind::sliding_attention ? sliding_window.value_or(0) : 0;
 }
 bool ModelConfig::rotary_layer(std::int64_t layer) const {
   const auto l = static_cast<std::size_t>(layer);
@@ -489,11 +498,13 @@ ModelConfig ModelConfig::with_layers(std::int64_t layers) const {
   MT_CHECK(layers > 0 && layers <= kMaxLayers, "a model of {} layers: the count must be in [1, {}]", layers, kMaxLayers);
   ModelConfig c = *this;
   c.num_hidden_layers = layers;
-  for (auto [table, cut] : {std::pair{&sliding_layers, &c.sliding_layers}, {&nope_layers, &c.nope_layers}}) {
-    if (table->empty()) continue;
-    cut->resize(static_cast<std::size_t>(layers));
-    for (std::size_t l = table->size(); l < cut->size(); ++l) (*cut)[l] = (*table)[l % table->size()];
-  }
+  const auto cut = [layers](const auto& table, auto& out) {  // (beyond the table: its entries again from the first)
+    if (table.empty()) return;
+    out.resize(static_cast<std::size_t>(layers));
+    for (std::size_t l = table.size(); l < out.size(); ++l) out[l] = table[l % table.size()];
+  };
+  cut(layer_types, c.layer_types);
+  cut(nope_layers, c.nope_layers);
   std::erase_if(c.moe.dense_layers, [&](std::int64_t l) { return l >= layers; });
   c.validate(fmt::format("{} cut to {} layers", architecture_name(), layers));
   return c;
@@ -501,7 +512,7 @@ ModelConfig ModelConfig::with_layers(std::int64_t layers) const {
 
 void ModelConfig::check_sequence_length(std::int64_t seq_len) const {
   MT_CHECK(seq_len > 0, "sequence length must be > 0 (got {})", seq_len);
-  MT_CHECK(!sliding_window || !sliding_layers.empty() || seq_len <= *sliding_window,
+  MT_CHECK(!sliding_window || !layer_types.empty() || seq_len <= *sliding_window,
            "sequence length {} exceeds this {} model's sliding_window {}; sliding-window attention is not implemented, "
            "so train with sequences of at most {} tokens",
            seq_len, architecture_name(), *sliding_window, *sliding_window);

@@ -1,6 +1,7 @@
 // The cost model of one training step (plan/cost_model.hpp), compiled once: the step's terms,
 // each in its own phase of predict_step, in the order the header's top comment gives them.
 #include "megatrain/plan/cost_model.hpp"
+#include "megatrain/plan/mixer_cost.hpp"
 
 #include <fmt/format.h>
 
@@ -13,10 +14,7 @@
 namespace megatrain::plan {
 
 double block_elementwise_bytes(const ModelConfig& cfg, std::int64_t layer) {
-  const double d = static_cast<double>(cfg.hidden_size);
-  if (!cfg.is_moe_layer(layer)) return 120.0 * d + 18.0 * static_cast<double>(cfg.intermediate_size);
-  const double k = static_cast<double>(cfg.moe.experts_per_token);
-  return 120.0 * d + k * (18.0 * static_cast<double>(cfg.moe.intermediate_size) + 18.0 * d);
+  return token_mixer_elementwise_bytes(cfg, layer) + channel_mixer_elementwise_bytes(cfg, layer);
 }
 
 double active_expert_params(const ModelConfig& cfg) {
@@ -26,10 +24,7 @@ double active_expert_params(const ModelConfig& cfg) {
 
 double attention_span(const ModelConfig& cfg, double seq) {
   double span = 0;
-  for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-    const double w = static_cast<double>(cfg.attention_window(l));
-    span += w <= 0 || w >= seq ? seq : 2 * (w * (w + 1) / 2 + (seq - w) * w) / seq;
-  }
+  for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l) span += mixing_span(cfg, l, seq);
   return span;
 }
 

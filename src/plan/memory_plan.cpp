@@ -211,6 +211,7 @@ class Planning {
                                b_.token_block > 0 && b_.token_block < chunk_tokens_ ? fmt::format(", blocks of {}", b_.token_block) : ""),
                    b_.scratch_bytes});
     dev.push_back({"token ids, labels, losses", b_.micro_tokens * (2 * 4 + sz.acc) + (opt_.packed ? (2 * b_.micro_tokens + 1) * 4 : 0) +
+                                                    (opt_.token_weights ? b_.micro_tokens * sz.acc : 0) +
                                                     b_.units * sizeof(double)});
     if (b_.router > 0)
       dev.push_back({"routing statistics (tokens per expert)", b_.router * 16 + (b_.token_mask ? b_.micro_tokens : 0)});
@@ -370,6 +371,7 @@ class Planning {
     if (opt_.micro_batches > 1 && grads_on_host_) b_.staging = static_cast<std::size_t>(store.largest_unit);
     std::size_t io = host_pages(b_.batch_tokens * (4 * 4 + sz.acc)) + host_pages(b_.units * sizeof(double));
     if (opt_.packed) io += host_pages((2 * b_.batch_tokens + 1) * 4);
+    if (opt_.token_weights) io += host_pages(b_.batch_tokens * sz.acc);
     if (b_.router > 0) io += host_pages(b_.router * 16);
     if (b_.token_mask) io += host_pages(b_.batch_tokens);
     if (b_.embed_rows > 0) io += host_pages(b_.embed_rows * sizeof(float));
@@ -403,6 +405,7 @@ class Planning {
   // (the fixed buffers: what the backend's prepare() is asked to fit, and what it adds)
   void workspace() {
     b_.packed = opt_.packed;
+    b_.token_weights = opt_.token_weights;
     b_.workspace.max_tokens = chunk_tokens_;
     b_.workspace.max_width = std::max({cfg_.hidden_size, cfg_.intermediate_size, cfg_.q_dim(), cfg_.kv_dim()});
     b_.workspace.vocab = cfg_.vocab_size;
@@ -412,7 +415,7 @@ class Planning {
         const double scale = cfg_.query_pre_attn_scalar ? cfg_.attention_scale() : 0.0;
         b_.workspace.attention.push_back(
             {r, opt_.seq_len, cfg_.num_attention_heads, cfg_.num_key_value_heads, cfg_.head_dim, {}, scale, 0});
-        if (!cfg_.sliding_layers.empty() && cfg_.sliding_window)
+        if (!cfg_.layer_types.empty() && cfg_.sliding_window)
           b_.workspace.attention.push_back({r, opt_.seq_len, cfg_.num_attention_heads, cfg_.num_key_value_heads, cfg_.head_dim,
                                             {}, scale, *cfg_.sliding_window});
       }

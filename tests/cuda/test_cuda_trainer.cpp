@@ -9,6 +9,7 @@
 #include <stdlib.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <random>
@@ -21,6 +22,7 @@
 #include "megatrain/train/cuda_trainer.hpp"
 #include "megatrain/data/token_dataset.hpp"
 #include "megatrain/train/cpu_trainer.hpp"
+#include "../train/pair_preference.hpp"
 #include "../train/timeline_check.hpp"
 #include "../train/trainer_test_util.hpp"
 
@@ -54,6 +56,15 @@ TrainerOptions options() {
   return o;
 }
 
+// The built-in text's bytes in sequences of seq tokens.
+TokenDataset builtin_data(std::int64_t seq) {
+  DatasetOptions dopt;
+  dopt.vocab_size = 256;
+  dopt.seq_len = seq;
+  dopt.seed = 5;
+  return TokenDataset(TokenSource::from_text(builtin_text(1 << 18, 1), "built-in"), dopt);
+}
+
 template <class B>
 std::vector<StepStats> train(B& be, int steps, std::size_t* spilled = nullptr, bool profile = false,
                              TrainerOptions opt = options(), std::vector<float>* weights = nullptr,
@@ -65,11 +76,7 @@ std::vector<StepStats> train(B& be, int steps, std::size_t* spilled = nullptr, b
   HostParamStore<float> store(model.units(), Trainer<B>::store_options(opt, so));
   Trainer<B> trainer(model, store, be, opt);
   if (spilled) *spilled = trainer.spilled_checkpoints();
-  DatasetOptions dopt;
-  dopt.vocab_size = 256;
-  dopt.seq_len = opt.seq_len;
-  dopt.seed = 5;
-  TokenDataset data(TokenSource::from_text(builtin_text(1 << 18, 1), "built-in"), dopt);
+  TokenDataset data = builtin_data(opt.seq_len);
   std::vector<std::int32_t> ids(static_cast<std::size_t>(opt.batch_rows * opt.seq_len)), labels(ids.size());
   std::vector<StepStats> out;
   std::vector<std::uint8_t> mask(padded ? ids.size() : 0, 1);
@@ -97,7 +104,60 @@ std::vector<StepStats> train(B& be, int steps, std::size_t* spilled = nullptr, b
   return out;
 }
 
+// Steps that alternate two objectives (train/objective.hpp): an advantage-like weight per token
+// (each row's own, positive), and a preference between the rows of each pair, which reads the
+// step's log-probabilities. At step 5 the batch is scored first (Trainer::score), and the
+// step's own log-probabilities kept.
+template <class B>
+std::vector<StepStats> train_objectives(B& be, std::vector<double>& scored, std::vector<double>& trained) {
+  auto opt = options();
+  opt.token_weights = true;
+  opt.clip_mode = ClipMode::exact;
+  opt.micro_batches = 2;
+  DecoderModel<> model(small());
+  StoreOptions so;
+  so.seed = 3;
+  HostParamStore<float> store(model.units(), Trainer<B>::store_options(opt, so));
+  Trainer<B> trainer(model, store, be, opt);
+  TokenDataset data = builtin_data(opt.seq_len);
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(opt.batch_rows * opt.seq_len)), labels(ids.size());
+  const test::PairPreference preference(opt.batch_rows);
+  std::vector<StepStats> out;
+  for (int s = 0; s < 10; ++s) {
+    data.train_batch(s * opt.batch_rows, opt.batch_rows, ids, labels);
+    if (s == 5) scored = trainer.score(ids, labels, opt.batch_rows);
+    std::vector<float> w(ids.size());
+    for (std::size_t t = 0; t < w.size(); ++t)
+      w[t] = static_cast<float>(1 + (t / static_cast<std::size_t>(opt.seq_len)) % 3) / static_cast<float>(2 * w.size());
+    out.push_back(s % 2 == 0 ? trainer.step(TokenWeighted(w), ids, labels) : trainer.step(preference, ids, labels));
+    if (s == 5) trained = trainer.last_log_probs();
+  }
+  trainer.finish_update();
+  return out;
+}
+
 }  // namespace
+
+TEST_CASE("objectives on the GPU: a weighted and a preference objective follow the CPU; score() is the step's forward bit for bit") {
+  std::vector<double> cpu_scored, cpu_trained, scored, trained;
+  CpuBackend<float> cpu;
+  const auto ref = train_objectives(cpu, cpu_scored, cpu_trained);
+  CudaBackend gpu;
+  const auto got = train_objectives(gpu, scored, trained);
+  for (std::size_t s = 0; s < ref.size(); ++s) {
+    CAPTURE(s);
+    CHECK(std::fabs(got[s].loss - ref[s].loss) <= 0.02 * std::fabs(ref[s].loss) + 0.02);
+  }
+  CHECK(ref.back().loss < ref[1].loss);  // (the preference's loss falls)
+  REQUIRE(scored.size() == trained.size());
+  CHECK(std::memcmp(scored.data(), trained.data(), scored.size() * sizeof(double)) == 0);
+  REQUIRE(cpu_scored.size() == cpu_trained.size());
+  CHECK(std::memcmp(cpu_scored.data(), cpu_trained.data(), cpu_scored.size() * sizeof(double)) == 0);
+  double worst = 0;  // the GPU's log-probabilities near the CPU's (bf16 weights and activations)
+  for (std::size_t t = 0; t < scored.size(); ++t) worst = std::max(worst, std::fabs(scored[t] - cpu_scored[t]));
+  MESSAGE("largest difference of a token's log-probability, GPU vs CPU: " << worst);
+  CHECK(worst < 0.5);  // (a sanity bound; the losses above are the measure)
+}
 
 TEST_CASE("the GPU trainer follows the CPU trainer's loss curve over 50 steps") {
   CpuBackend<float> cpu;

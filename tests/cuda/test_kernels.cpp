@@ -679,6 +679,21 @@ TEST_CASE("cross_entropy loss and dlogits against the double reference") {
     d_loss.poison();
     mc::launch_cross_entropy(d_logits.get(), d_labels.get(), d_loss.get(), nullptr, scale, c.n, c.V, stream());
     CHECK(same_bits(d_loss.download(), losses[0]));
+
+    // A weight per row (an objective's, train/objective.hpp), of either sign: each row's gradient
+    // times its weight, the loss the same bits.
+    std::uniform_real_distribution<float> uw(-2.0f, 2.0f);
+    std::vector<float> weights(sz(c.n));
+    for (auto& x : weights) x = uw(rng);
+    DeviceArray<float> d_w(sz(c.n));
+    d_w.upload(weights);
+    d_loss.poison();
+    d_dl.poison();
+    mc::launch_cross_entropy(d_logits.get(), d_labels.get(), d_loss.get(), d_dl.get(), scale, d_w.get(), c.n, c.V, stream());
+    CHECK(same_bits(d_loss.download(), losses[0]));
+    std::vector<double> dlw(dl);
+    for (std::size_t i = 0; i < dlw.size(); ++i) dlw[i] *= static_cast<double>(weights[i / sz(c.V)]);
+    CHECK(rel_err(d_dl.download(), dlw) <= kTolElementwise);
   }
 }
 

@@ -2,7 +2,8 @@
 """The README's two Quick start commands are what a fresh machine needs (issue 51):
 
 - its first command installs every package CI's `.ci/run` installs for the build and the tests,
-  except the optional ones, whose tests skip where they are absent (OPTIONAL below);
+  except the optional ones, whose tests skip where they are absent (OPTIONAL below); then it builds
+  the program alone (`--target megatrain-train`, not every test: issue 52) and runs it;
 - its second command is the test command CI runs (`cmake --workflow --preset release`).
 
     readme_install.py REPO
@@ -36,6 +37,10 @@ missing = packages(ci_install) - packages(first) - set(OPTIONAL)
 if missing:
     sys.exit(f"CI installs {sorted(missing)}, which the README's first command does not: on a fresh machine its second "
              f"command would lack them")
+build = re.search(r"cmake --build --preset release --target megatrain-train &&\s*(\S+)\s*$", first)
+if not build or not build.group(1).endswith("/megatrain-train"):
+    sys.exit("the README's first command does not build the program alone (`cmake --build --preset release --target "
+             "megatrain-train`) and then run it")
 if second.strip() != "cmake --workflow --preset release" or "cmake --workflow --preset release" not in ci:
     sys.exit(f"the README's second command ({second!r}) is not the test command CI runs")
 for p, why in OPTIONAL.items():

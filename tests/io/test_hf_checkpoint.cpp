@@ -1072,7 +1072,7 @@ TEST_CASE("fused parts: gather and scatter are each other's inverse over strided
   std::vector<megatrain::io::FusedPart> parts;
   for (std::int64_t e = 0; e < E; ++e)
     for (std::int64_t half = 0; half < 2; ++half)
-      parts.push_back({"p" + std::to_string(e * 2 + half), {I, H}, e * H * 2 * I + half, {2, 2 * I}});
+      parts.push_back({fmt::format("p{}", e * 2 + half), {I, H}, e * H * 2 * I + half, {2, 2 * I}});
   std::vector<float> fused(static_cast<std::size_t>(E * H * 2 * I));
   for (std::size_t i = 0; i < fused.size(); ++i) fused[i] = static_cast<float>(i);
   std::vector<float> back(fused.size(), -1.0f);

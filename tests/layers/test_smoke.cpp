@@ -4,6 +4,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <variant>
 
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/layers/decoder_model.hpp"
@@ -181,5 +182,32 @@ TEST_CASE("smoke: the trainer's loss is the mean over the tokens whose label is 
       const StepStats st = trainer.step(ids, labels);  // the loss before the update
       CHECK(st.loss == doctest::Approx(want).epsilon(1e-5));
     }
+  }
+}
+
+TEST_CASE("blocks composed per layer: each layer's mixers are the config's (layer_types, the experts' layers)") {
+  // Qwen3-MoE with decoder_sparse_step 2 and mlp_only_layers [3]: experts on layer 1 alone.
+  const auto moe = ModelConfig::from_file(std::string(MEGATRAIN_TEST_FIXTURES) + "/qwen3_moe_step2/config.json");
+  const DecoderModel<> model(moe);
+  for (std::size_t l = 0; l < model.num_blocks(); ++l) {
+    CAPTURE(l);
+    const bool experts = l == 1;
+    CHECK(moe.layer_kind(static_cast<std::int64_t>(l)) ==
+          LayerKind{TokenMixerKind::full_attention, experts ? ChannelMixerKind::experts : ChannelMixerKind::dense_mlp});
+    CHECK(std::holds_alternative<MoeMlp>(model.block(l).op().channel_mixer()) == experts);
+    CHECK(std::holds_alternative<SelfAttention>(model.block(l).op().token_mixer()));
+  }
+  // Gemma 3: sliding and full attention layers, one token mixer for both.
+  const auto gemma = ModelConfig::from_file(std::string(MEGATRAIN_TEST_FIXTURES) + "/gemma3/config.json");
+  for (std::int64_t l = 0; l < 3; ++l)
+    CHECK(gemma.layer_kind(l).token_mixer == (l == 1 ? TokenMixerKind::full_attention : TokenMixerKind::sliding_attention));
+  // A block whose lists have no mixer for a layer's kind is refused, naming the layer.
+  using DenseOnly = ComposedBlock<std::variant<SelfAttention>, std::variant<SwiGluMlp>>;
+  try {
+    const DecoderModel<DenseOnly> dense(moe);
+    FAIL("a sparse layer was built without a mixture-of-experts mixer");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find("layer 1 (full_attention, experts): this block has no channel mixer that builds it") !=
+          std::string::npos);
   }
 }

@@ -70,7 +70,7 @@ void check_same(const ModelConfig& a, const ModelConfig& b) {
   CHECK(a.rope_scaling.short_factor == b.rope_scaling.short_factor);
   CHECK(a.rope_scaling.long_factor == b.rope_scaling.long_factor);
   CHECK(a.initializer_range == b.initializer_range);
-  CHECK(a.sliding_layers == b.sliding_layers);
+  CHECK(a.sliding_layers() == b.sliding_layers());
   CHECK(a.local_rope_theta == b.local_rope_theta);
   CHECK(a.local_rope_scaling.type == b.local_rope_scaling.type);
   CHECK(a.local_rope_scaling.factor == b.local_rope_scaling.factor);
@@ -302,7 +302,7 @@ TEST_CASE("config: Gemma 3 1B as published (transformers 4 form: rope_local_base
   CHECK(c.local_rope_theta == 10000.0);
   CHECK(c.embed_scale() == static_cast<double>(static_cast<float>(std::sqrt(1152.0))));
   CHECK(c.attention_scale() == 1.0 / 16);
-  REQUIRE(c.sliding_layers.size() == 26);
+  REQUIRE(c.sliding_layers().size() == 26);
   for (std::int64_t l = 0; l < 26; ++l) {
     CAPTURE(l);
     const bool full = (l + 1) % 6 == 0;  // layers 5, 11, 17, 23 attend over everything
@@ -325,7 +325,7 @@ TEST_CASE("config: Gemma 3 1B as published (transformers 4 form: rope_local_base
 TEST_CASE("config: Gemma 3 as transformers 5 writes it (the family fixture: scaled full layers, per-type rope)") {
   const auto c = ModelConfig::from_file(fs::path(MEGATRAIN_TEST_CONFIGS) / ".." / ".." / "fixtures" / "gemma3" / "config.json");
   CHECK(c.architecture == Architecture::gemma3);
-  CHECK(c.sliding_layers == std::vector<bool>{true, false, true});
+  CHECK(c.sliding_layers() == std::vector<bool>{true, false, true});
   CHECK(c.sliding_window == 4);
   CHECK(c.rope_theta == 1000000.0);
   CHECK(c.rope_scaling.type == RopeScaling::Type::linear);
@@ -1240,7 +1240,7 @@ TEST_CASE("config: GPT-OSS, as published and as transformers 5 writes it") {
   // over 4096 positions with rope_theta 150000, attention biases, 128 experts, top 4
   const auto d = ModelConfig::from_json(json::parse(R"({"model_type":"gpt_oss","hidden_size":64,"intermediate_size":32,
     "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":100})"), "d.json");
-  CHECK(d.sliding_layers == std::vector<bool>{true, false, true});
+  CHECK(d.sliding_layers() == std::vector<bool>{true, false, true});
   CHECK(d.sliding_window == 128);
   CHECK(d.rope_theta == 150000.0);
   CHECK(d.rope_scaling.type == RopeScaling::Type::yarn);
@@ -1270,9 +1270,9 @@ TEST_CASE("config: GPT-OSS, as published and as transformers 5 writes it") {
 TEST_CASE("config: with_layers cuts a model and its per-layer tables") {
   const auto g = ModelConfig::preset("gpt-oss-20b").with_layers(3);
   CHECK(g.num_hidden_layers == 3);
-  CHECK(g.sliding_layers == std::vector<bool>{true, false, true});
+  CHECK(g.sliding_layers() == std::vector<bool>{true, false, true});
   const auto gemma = ModelConfig::preset("gemma-3-1b").with_layers(8);  // five sliding, one full, ...
-  CHECK(gemma.sliding_layers == std::vector<bool>{true, true, true, true, true, false, true, true});
+  CHECK(gemma.sliding_layers() == std::vector<bool>{true, true, true, true, true, false, true, true});
   auto q = ModelConfig::preset("qwen3-30b-a3b");
   q.moe.dense_layers = {1, 5};
   const auto qc = q.with_layers(4);
@@ -1386,4 +1386,14 @@ TEST_CASE("families: each family's entry reads, checks and writes its own config
     CHECK(c.to_json().at(f->block.activation_key).is_string());
   }
   CHECK(families().size() == 11);
+}
+
+TEST_CASE("config: a layer type megatrain does not build is refused, naming the entry") {
+  const json j = json::parse(R"({"architectures":["Gemma3ForCausalLM"],"hidden_size":32,"intermediate_size":56,
+    "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":8,"vocab_size":97,
+    "query_pre_attn_scalar":8,"sliding_window":4,"layer_types":["linear_attention","full_attention"]})");
+  CHECK_THROWS_WITH_AS(ModelConfig::from_json(j, "c.json"),
+                       doctest::Contains("c.json: layer_types holds \"linear_attention\"; each entry must be "
+                                         "\"full_attention\" or \"sliding_attention\""),
+                       Error);
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <functional>
 #include <optional>
 #include <span>
 #include <vector>
@@ -31,6 +32,11 @@ struct ReferenceLoop {
   std::vector<std::uint8_t> attention_mask = {};
   /// When set, gradients() also writes the logits of its forward here (rows * seq * vocab).
   std::vector<float>* logits = nullptr;
+  /// An objective's weight per token (train/objective.hpp): the backward of sum_t w_t * loss_t,
+  /// the loss that sum; empty: cross-entropy. `weigh`, when set, makes them from the forward's
+  /// per-token losses first (an objective that reads the log-probabilities).
+  std::vector<float> token_weights = {};
+  std::function<std::vector<float>(const std::vector<float>& losses)> weigh = {};
 
   struct Result {
     double loss, grad_norm;
@@ -109,7 +115,15 @@ struct ReferenceLoop {
                                View<float>(std::span<float>(*logits), Shape{M, cfg.vocab_size}), arena);
     }
     const auto head_g = model.head().bind(std::span<float>(grads[H]), {{&emb.layout(), std::span<float>(grads[0])}});
-    model.head().op().forward_backward(be, c, head_w, View<const float>(view(acts[L])), lbv, 1.0 / static_cast<double>(valid),
+    if (weigh) {
+      model.head().op().forward(be, c, head_w, View<const float>(view(acts[L])), lbv, View<float>(std::span<float>(loss), Shape{M}),
+                                arena);
+      token_weights = weigh(loss);
+    }
+    const bool weighted = !token_weights.empty();
+    model.head().op().forward_backward(be, c, head_w, View<const float>(view(acts[L])), lbv,
+                                       weighted ? 1.0 : 1.0 / static_cast<double>(valid),
+                                       weighted ? View<const float>(std::span<const float>(token_weights), Shape{M}) : View<const float>{},
                                        View<float>(std::span<float>(loss), Shape{M}), view(dy), head_g, arena);
     for (std::size_t l = L; l-- > 0;) {
       model.block(l).op().backward(be, chunk(l, true), model.block(l).bind(master(l + 1)), View<const float>(view(acts[l])),
@@ -122,8 +136,8 @@ struct ReferenceLoop {
     for (auto& g : grads) sumsq += grad_sum_squares<float>(g);
     const double norm = std::sqrt(sumsq);
     double total = 0;
-    for (float x : loss) total += x;
-    return {total / static_cast<double>(valid), norm, Lm > 0 ? moe_aux_loss(counts, probs, Lm, E, counted) : 0.0};
+    for (std::size_t t = 0; t < loss.size(); ++t) total += weighted ? static_cast<double>(token_weights[t]) * loss[t] : loss[t];
+    return {weighted ? total : total / static_cast<double>(valid), norm, Lm > 0 ? moe_aux_loss(counts, probs, Lm, E, counted) : 0.0};
   }
 };
 

@@ -166,7 +166,7 @@ concept Backend = requires(B& be, View<const typename B::Act> a, View<typename B
   be.embedding(ids, w, mr, x);                                     // gather rows (times a scale) into the residual stream
   be.embedding_backward(ids, r, acc, std::int32_t{}, x);           // scatter-add rows (times the scale), one id skipped
   be.take_rows(ids, acc, acc);                                     // gather rows, zero them at the source
-  be.lm_head_loss(a, w, ids, x, acc, ma, acc);                     // per-token loss, dh, dW +=
+  be.lm_head_loss(a, w, ids, x, cacc, acc, ma, acc);               // per-token loss, dh, dW += (token weights or null)
   be.sum_squares(cacc, sum);                                       // sum[0] = sum of x^2 (gradient norms)
   be.adamw(adam, f32, f32, f32, grad, wout);                       // AdamW on p, m, v; w = p as the ops read it
 };

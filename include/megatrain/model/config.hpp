@@ -19,6 +19,8 @@
 #include <string_view>
 #include <vector>
 
+#include "megatrain/model/layer_kind.hpp"
+
 namespace megatrain {
 
 /// The supported families (family.hpp declares what each is made of).
@@ -97,10 +99,11 @@ struct ModelConfig {
   bool o_bias = false;     ///< bias on the output projection (Llama's attention_bias)
   bool mlp_bias = false;   ///< biases on gate/up/down (Llama's mlp_bias)
   std::optional<std::int64_t> sliding_window;  ///< Mistral/Qwen2: attention window, if any
-  /// Gemma 3, GPT-OSS: which layers attend within `sliding_window` tokens ("sliding_attention" in
-  /// layer_types; the others attend over the whole sequence). Empty for the other families,
-  /// whose window, if any, bounds the sequence length instead (check_sequence_length).
-  std::vector<bool> sliding_layers;
+  /// config.json's layer_types: each layer's token mixer (layer_kind). Gemma 3, GPT-OSS: which
+  /// layers attend within `sliding_window` tokens (sliding_attention) and which over the whole
+  /// sequence (full_attention). Empty: every layer attends over the whole sequence, and a window,
+  /// if any, bounds the sequence length instead (check_sequence_length).
+  std::vector<TokenMixerKind> layer_types;
   /// Gemma 3: the sliding layers' own rotary base and scaling (rope_parameters'
   /// "sliding_attention"; transformers 4's rope_local_base_freq); the full layers use rope_theta
   /// and rope_scaling.
@@ -163,6 +166,12 @@ struct ModelConfig {
   /// OLMoE: q_norm and k_norm normalise the whole q and k projections of a token (widths q_dim
   /// and kv_dim), not each head.
   bool qk_norm_full() const;
+  /// What layer `layer` is made of: its token mixer (layer_types) and its channel mixer (a
+  /// mixture of experts on the sparse layers, else a dense MLP).
+  LayerKind layer_kind(std::int64_t layer) const;
+  /// Which layers attend within sliding_window tokens (layer_types' sliding_attention entries;
+  /// empty where layer_types is).
+  std::vector<bool> sliding_layers() const;
   /// Layer `layer`'s MLP is a mixture of experts (MoeMlp) rather than a dense gated MLP.
   bool is_moe_layer(std::int64_t layer) const;
   /// How many layers are mixtures of experts (0 for a dense model).

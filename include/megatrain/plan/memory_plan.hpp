@@ -144,6 +144,7 @@ struct TrainerBuffers {
   std::size_t act = 0;                  ///< Res elements of one micro-batch's residual stream (dbuf x2, checkpoints)
   std::size_t scratch_bytes = 0;        ///< the chunk arena: the largest op's scratch
   bool packed = false;                  ///< positions and sequence starts (int32) are kept too
+  bool token_weights = false;  // a weight per token beside the labels (TrainerOptions::token_weights)
   WorkspacePlan workspace;              ///< what the backend's prepare() is asked to fit
   std::size_t prepare_bytes = 0;        ///< ... and what it adds
   std::size_t embed_rows = 0;           ///< fp32 rows of a host embedding's lookup (0: a device embedding)

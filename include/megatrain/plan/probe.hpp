@@ -269,7 +269,7 @@ void probe_head(MachineProbe<B>& p, const MachineFigures& m, GemmProbe& g) {
         be.lm_head_loss(View<const A>(std::span<const A>(h.span()), Shape{T, d}),
                         View<const W>(std::span<const W>(wh.span()), Shape{V, d}),
                         View<const std::int32_t>(std::span<const std::int32_t>(labels.span()), Shape{T}),
-                        1.0 / static_cast<double>(T), View<typename B::Acc>(loss.span(), Shape{T}),
+                        1.0 / static_cast<double>(T), View<const typename B::Acc>{}, View<typename B::Acc>(loss.span(), Shape{T}),
                         View<A>(dh.span(), Shape{T, d}), View<typename B::Acc>(dwh.span(), Shape{V, d}));
       },
       [&] { be.synchronize(); });

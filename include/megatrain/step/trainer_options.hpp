@@ -89,6 +89,9 @@ struct TrainerOptions {
   /// Rows may hold several sequences (packing, docs/data.md): step() and evaluate() then take
   /// each token's position within its sequence, and attention stays within each sequence.
   bool packed = false;
+  /// step() may take an objective with a weight per token (train/objective.hpp): a buffer of
+  /// them beside the labels, on the device and in host memory (4 bytes a token each).
+  bool token_weights = false;
   AdamWConfig adamw;
   LrSchedule schedule;
   double clip_norm = 0.0;  ///< max global gradient norm; 0 disables clipping

@@ -1,13 +1,15 @@
 // A step's batch on its way to the device: the ids and labels (checked), packed rows' positions
-// and where their sequences start, and a mixture of experts' attention mask (which tokens its
-// routing statistics and auxiliary loss count). Host copies are pinned where there is a GPU; each
-// micro-batch's part is uploaded by its forward.
+// and where their sequences start, a mixture of experts' attention mask (which tokens its
+// routing statistics and auxiliary loss count), and an objective's weight per token
+// (train/objective.hpp). Host copies are pinned where there is a GPU; each micro-batch's part is
+// uploaded by its forward (the weights by its head).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "megatrain/core/error.hpp"
@@ -16,6 +18,7 @@
 #include "megatrain/backend/backend.hpp"
 #include "megatrain/plan/memory_plan.hpp"
 #include "megatrain/step/trainer_options.hpp"
+#include "megatrain/train/objective.hpp"
 
 namespace megatrain {
 
@@ -39,6 +42,7 @@ class BatchStaging {
       starts_dev_ = be.template alloc<std::int32_t>(b.micro_tokens + 1);
     }
     if (b.token_mask) valid_dev = be.template alloc<std::uint8_t>(b.micro_tokens);
+    if (b.token_weights) weights_dev = be.template alloc<Acc>(b.micro_tokens);
   }
   /// The batch's host copies (pinned with a GPU): ids, labels, compact ids and touched rows
   /// (int32), per-token losses; positions and sequence starts; the attention mask.
@@ -60,6 +64,10 @@ class BatchStaging {
       valid_mem_ = HostBuffer::allocate(n);
       valid_host = valid_mem_.template as<std::uint8_t>(0, n);
     }
+    if (b.token_weights) {
+      weights_mem_ = HostBuffer::allocate(n * sizeof(Acc));
+      weights_host = weights_mem_.template as<Acc>(0, n);
+    }
   }
 
   /// The tokens with a label among `rows` sequences; throws before anything is copied where the
@@ -77,6 +85,17 @@ class BatchStaging {
       valid += labels[i] != kIgnoreIndex;
     }
     return valid;
+  }
+  /// A step's batch, checked (check(), check_positions(), check_attention_mask()), into the host
+  /// buffers.
+  void stage(const TrainerOptions& opt, std::span<const std::int32_t> ids, std::span<const std::int32_t> labels,
+             std::span<const std::int32_t> positions, std::span<const std::uint8_t> attention_mask) {
+    check_positions(opt, positions, opt.batch_rows);
+    check_attention_mask(opt.seq_len, attention_mask, labels, opt.batch_rows);
+    std::copy(ids.begin(), ids.end(), ids_host.begin());
+    std::copy(labels.begin(), labels.end(), labels_host.begin());
+    stage_positions(opt, positions, opt.batch_rows);
+    stage_attention_mask(opt, attention_mask);
   }
   /// Positions must come with TrainerOptions::packed, one per token, 0 at each row's start and
   /// wherever a sequence starts, the previous one plus one elsewhere.
@@ -182,16 +201,62 @@ class BatchStaging {
     return s;
   }
 
+  /// The last pass's log-probabilities of the labels (minus its losses), token by token.
+  std::vector<double> log_probs() const {
+    std::vector<double> lp(loss_host.size());
+    for (std::size_t t = 0; t < lp.size(); ++t) lp[t] = -static_cast<double>(loss_host[t]);
+    return lp;
+  }
+
+  // ---- an objective's view (train/objective.hpp) -----------------------------------------------
+  /// Micro-batch m's rows (of `rows` rows each) as an objective sees them; with log-probabilities
+  /// (from the losses of its head, which has run) where `with_log_probs`.
+  ObjectiveRows objective_rows(const TrainerOptions& opt, std::int64_t m, std::int64_t rows, std::int64_t batch_labelled,
+                               bool with_log_probs) {
+    const auto off = static_cast<std::size_t>(m * rows * opt.seq_len), n = static_cast<std::size_t>(rows * opt.seq_len);
+    ObjectiveRows r{m * rows, rows, opt.seq_len, std::span<const std::int32_t>(labels_host).subspan(off, n), {}, batch_labelled};
+    if (with_log_probs) {
+      log_probs_.resize(n);
+      for (std::size_t t = 0; t < n; ++t) log_probs_[t] = -static_cast<double>(loss_host[off + t]);
+      r.log_probs = log_probs_;
+    }
+    return r;
+  }
+  /// Micro-batch m's token weights into the host buffer (its head's losses known where the
+  /// objective needs its log-probabilities).
+  void stage_weights(const Objective& objective, const TrainerOptions& opt, std::int64_t m, std::int64_t rows,
+                     std::int64_t batch_labelled) {
+    const auto off = static_cast<std::size_t>(m * rows * opt.seq_len), n = static_cast<std::size_t>(rows * opt.seq_len);
+    const ObjectiveRows r = objective_rows(opt, m, rows, batch_labelled, objective.needs_log_probs());
+    if constexpr (std::is_same_v<Acc, float>) {
+      objective.weights(r, weights_host.subspan(off, n));
+    } else {
+      std::vector<float> w(n);
+      objective.weights(r, w);
+      std::copy(w.begin(), w.end(), weights_host.begin() + static_cast<std::ptrdiff_t>(off));
+    }
+  }
+  /// The objective's value over the step's micro-batches (this process's rows), their losses known.
+  double objective_value(const Objective& objective, const TrainerOptions& opt, std::int64_t batch_labelled) {
+    double v = 0;
+    for (std::int64_t m = 0; m < opt.micro_batches; ++m)
+      v += objective.value(objective_rows(opt, m, opt.micro_rows(), batch_labelled, true));
+    return v;
+  }
+
   Buf<std::int32_t> ids_dev, labels_dev;
   Buf<std::uint8_t> valid_dev;  // a micro-batch's tokens that count (masked)
+  Buf<Acc> weights_dev;         // a micro-batch's token weights (an objective's, TrainerOptions::token_weights)
   std::span<std::int32_t> ids_host, labels_host, compact_ids_host, touched_host;
   std::span<Acc> loss_host;
   std::span<std::uint8_t> valid_host;
+  std::span<Acc> weights_host;  // the batch's token weights
   bool masked = false;  // this step's mask leaves some padding out (else nothing is masked)
 
  private:
   Buf<std::int32_t> positions_dev_, starts_dev_;  // packed rows: a micro-batch's positions and sequence starts
-  HostBuffer host_io_, positions_mem_, valid_mem_;
+  HostBuffer host_io_, positions_mem_, valid_mem_, weights_mem_;
+  std::vector<double> log_probs_;  // a micro-batch's, for an objective
   std::span<std::int32_t> positions_host_, starts_host_;  // the batch's (starts: token offsets, then the end)
   std::vector<std::int64_t> row_seq_;                     // each row's first sequence in starts_host_, then the count
   std::vector<std::int64_t> valid_count_;

@@ -68,6 +68,11 @@ struct StepContext {
     double lr = 0, loss_scale = 0, clip_coef = 1;
     double sumsq = 0;  // written by the optimizer stage only
     std::int64_t micro_rows = 0;
+    // The step's objective (train/objective.hpp); `weighted`: the head reads a weight per token
+    // (else it scales every token's gradient by loss_scale).
+    const Objective* objective = nullptr;
+    bool weighted = false;
+    std::int64_t batch_labelled = 0;  // the global batch's labelled tokens
   };
   /// The AdamW pass of resident gradients (set before it is submitted; the next step's scalars
   /// change while it may still run).

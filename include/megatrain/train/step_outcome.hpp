@@ -72,12 +72,14 @@ inline std::string nonfinite_weights(const HostParamStore<float>& store, dist::H
 
 class StepOutcome {
  public:
-  /// The step's loss and auxiliary loss, every process's share summed (the global batch's loss,
+  /// The step's loss (its objective's value) and auxiliary loss, every process's share summed (the global batch's loss,
   /// the auxiliary loss the mean over every process's micro-batches), with what the backward did
   /// not sum yet: the routing counts and the gradients that waited in host memory.
   template <class Ctx>
   std::pair<double, double> losses(Ctx& t) {
-    double loss = t.batch.sum_loss() * t.state.loss_scale;
+    // (the objective's value: cross-entropy's as the mean of the losses, another's from the rows)
+    double loss = t.state.weighted ? t.batch.objective_value(*t.state.objective, t.opt, t.state.batch_labelled)
+                                   : t.batch.sum_loss() * t.state.loss_scale;
     double aux = t.experts.aux_loss(t.opt.micro_batches, [&](std::int64_t m) { return t.batch.counted_tokens(t.opt, m); });
     if (!t.opt.distributed()) return {loss, aux};
     double l[2] = {loss, aux};

@@ -21,7 +21,7 @@ struct StepStats {
   /// The loss or the gradient was not finite and the step was skipped (NonFinite::skip): no
   /// weight and no AdamW state changed.
   bool skipped = false;
-  double loss = 0;          ///< mean over tokens with a label
+  double loss = 0;          ///< the objective's value: cross-entropy, the mean over tokens with a label
   double lr = 0;
   double grad_norm = 0;     ///< global norm of this step's gradient (before clipping)
   double clip_coef = 1;     ///< what the gradients were multiplied by

@@ -111,13 +111,27 @@ class Trainer {
   /// the tokens of the batch's examples, 0 for padding, which must come after a row's tokens
   /// (right padding) and have no label; a mixture of experts' auxiliary loss and routing
   /// statistics then leave the padding out, as transformers does given that mask.
+  /// The step minimises cross-entropy (CrossEntropy: the mean of -log p over the labelled tokens).
   StepStats step(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels,
+                 std::span<const std::int32_t> positions = {}, std::span<const std::uint8_t> attention_mask = {}) {
+    return step(CrossEntropy{}, ids, labels, positions, attention_mask);
+  }
+  /// The same step minimising `objective` (train/objective.hpp; StepStats::loss is its value). An
+  /// objective with a weight per token needs TrainerOptions::token_weights.
+  StepStats step(const Objective& objective, std::span<const std::int32_t> ids, std::span<const std::int32_t> labels,
                  std::span<const std::int32_t> positions = {}, std::span<const std::uint8_t> attention_mask = {});
 
   /// Mean loss over the labelled tokens of `rows` sequences (forward only; the weights are
   /// not changed). rows must be a multiple of the micro-batch size. `positions` as for step().
   double evaluate(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels, std::int64_t rows,
                   std::span<const std::int32_t> positions = {});
+  /// Each token's log-probability of its label (0 where it is kIgnoreIndex) under the current
+  /// weights, for `rows` sequences as for evaluate(): the streaming forward with no gradient and
+  /// no update, the same bits as a training step's forward (last_log_probs()).
+  std::vector<double> score(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels, std::int64_t rows,
+                            std::span<const std::int32_t> positions = {});
+  /// The last step's log-probabilities of its labels, token by token (this process's rows).
+  std::vector<double> last_log_probs() const { return ctx_.batch.log_probs(); }
 
   /// Waits until the last step's update is applied, and writes the state of the device units
   /// back into the store: afterwards the store holds the whole train state, and may be read or
@@ -230,6 +244,12 @@ class Trainer {
   // ---- the step's parts ----------------------------------------------------------------------------
   std::int64_t stage_batch(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels,
                            std::span<const std::int32_t> positions, std::span<const std::uint8_t> attention_mask);
+  void stage_objective(const Objective& objective, std::int64_t valid);
+  // The forward of `rows` rows a micro-batch at a time, the head's losses only; each
+  // micro-batch's losses to `each(first token, losses)`.
+  template <class F>
+  void forward_only(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels, std::int64_t rows,
+                    std::span<const std::int32_t> positions, F&& each);
   bool update_resident(double loss, std::optional<StepStats::Profile>& profile, double& grad_norm);
   // After a drain: nothing is in flight.
   void settle() {
@@ -293,16 +313,17 @@ Trainer<B, Block, U...>::~Trainer() {
 }
 
 template <class B, class Block, class... U>
-StepStats Trainer<B, Block, U...>::step(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels,
-                                        std::span<const std::int32_t> positions, std::span<const std::uint8_t> attention_mask) {
+StepStats Trainer<B, Block, U...>::step(const Objective& objective, std::span<const std::int32_t> ids,
+                                        std::span<const std::int32_t> labels, std::span<const std::int32_t> positions,
+                                        std::span<const std::uint8_t> attention_mask) {
   MT_NVTX_RANGE("Trainer::step");
   const auto t0 = std::chrono::steady_clock::now();
   const std::int64_t valid = stage_batch(ids, labels, positions, attention_mask);
+  stage_objective(objective, valid);
   auto& st = ctx_.state;
   st.step = outcome_.steps + 1;
   st.adam_step = st.step - outcome_.skipped;
   st.lr = ctx_.opt.schedule.at(st.step);
-  st.loss_scale = 1.0 / static_cast<double>(valid);
   st.clip_coef = 1.0;
   if (ctx_.opt.clip_norm > 0 && ctx_.opt.clip_mode == ClipMode::stale && outcome_.last_grad_norm)
     st.clip_coef = clip_coefficient(*outcome_.last_grad_norm, ctx_.opt.clip_norm);
@@ -345,28 +366,38 @@ StepStats Trainer<B, Block, U...>::step(std::span<const std::int32_t> ids, std::
   return s;
 }
 
-// The batch checked (the loss is the mean over the labelled tokens of the global batch) and
-// copied to the host buffers; returns the labelled tokens of the global batch.
+// The batch checked and copied to the host buffers; returns the labelled tokens of the global
+// batch (what the mean of cross-entropy divides by).
 template <class B, class Block, class... U>
 std::int64_t Trainer<B, Block, U...>::stage_batch(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels,
                                                   std::span<const std::int32_t> positions,
                                                   std::span<const std::uint8_t> attention_mask) {
   const auto& opt = ctx_.opt;
-  std::int64_t valid = BatchStaging<B>::check(ids, labels, opt.batch_rows, opt.seq_len, ctx_.vocab());
+  std::int64_t valid[1] = {BatchStaging<B>::check(ids, labels, opt.batch_rows, opt.seq_len, ctx_.vocab())};
   MT_CHECK(outcome_.failed.empty(), "this trainer stopped at a non-finite step and takes no further step ({})", outcome_.failed);
-  if (opt.distributed()) {
-    std::int64_t v[1] = {valid};
-    opt.comm->all_reduce_sum(v);
-    valid = v[0];
-  }
-  MT_CHECK(valid > 0, "the batch has no token with a label (all labels are {})", kIgnoreIndex);
-  BatchStaging<B>::check_positions(opt, positions, opt.batch_rows);
-  BatchStaging<B>::check_attention_mask(opt.seq_len, attention_mask, labels, opt.batch_rows);
-  std::copy(ids.begin(), ids.end(), ctx_.batch.ids_host.begin());
-  std::copy(labels.begin(), labels.end(), ctx_.batch.labels_host.begin());
-  ctx_.batch.stage_positions(opt, positions, opt.batch_rows);
-  ctx_.batch.stage_attention_mask(opt, attention_mask);
-  return valid;
+  if (opt.distributed()) opt.comm->all_reduce_sum(valid);
+  MT_CHECK(valid[0] > 0, "the batch has no token with a label (all labels are {})", kIgnoreIndex);
+  ctx_.batch.stage(opt, ids, labels, positions, attention_mask);
+  return valid[0];
+}
+
+// The step's objective: one weight for every token (the head's scale), or a weight per token,
+// made here for every micro-batch unless it needs the head's log-probabilities first (then by
+// the head, Compute::upload_weights).
+template <class B, class Block, class... U>
+void Trainer<B, Block, U...>::stage_objective(const Objective& objective, std::int64_t valid) {
+  auto& st = ctx_.state;
+  st.objective = &objective;
+  st.batch_labelled = valid;
+  const std::optional<double> uniform = objective.uniform_weight(valid);
+  st.weighted = !uniform;
+  st.loss_scale = uniform.value_or(1.0);
+  if (!st.weighted) return;
+  MT_CHECK(ctx_.opt.token_weights, "the objective '{}' weighs each token: make the trainer with "
+           "TrainerOptions::token_weights = true (a buffer of a weight a token beside the labels)", objective.name());
+  if (objective.needs_log_probs()) return;
+  for (std::int64_t m = 0; m < ctx_.opt.micro_batches; ++m)
+    ctx_.batch.stage_weights(objective, ctx_.opt, m, ctx_.opt.micro_rows(), valid);
 }
 
 // Resident gradients: the whole gradient is known before any update (exact clipping's order).
@@ -403,39 +434,6 @@ bool Trainer<B, Block, U...>::update_resident(double loss, std::optional<StepSta
     ctx_.store.gather_updated(*ctx_.opt.comm, ctx_.devices.count());  // (device units: gathered on the device, Compute)
   }
   return true;
-}
-
-template <class B, class Block, class... U>
-double Trainer<B, Block, U...>::evaluate(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels,
-                                         std::int64_t rows, std::span<const std::int32_t> positions) {
-  MT_NVTX_RANGE("Trainer::evaluate");
-  const auto& opt = ctx_.opt;
-  MT_CHECK(rows > 0 && rows % opt.micro_rows() == 0, "evaluation rows {} must be a positive multiple of {}", rows, opt.micro_rows());
-  const std::int64_t valid = BatchStaging<B>::check(ids, labels, rows, opt.seq_len, ctx_.vocab());
-  MT_CHECK(valid > 0, "the evaluation batch has no token with a label");
-  BatchStaging<B>::check_positions(opt, positions, rows);
-  double total = 0;
-  const std::int64_t mt = opt.micro_rows() * opt.seq_len;
-  load_device_units();
-  for (std::int64_t first = 0; first < rows; first += opt.micro_rows()) {
-    const auto off = static_cast<std::size_t>(first * opt.seq_len);
-    std::copy_n(ids.begin() + off, mt, ctx_.batch.ids_host.begin());
-    std::copy_n(labels.begin() + off, mt, ctx_.batch.labels_host.begin());
-    ctx_.batch.stage_positions(opt, positions.empty() ? positions : positions.subspan(off, static_cast<std::size_t>(mt)),
-                               opt.micro_rows());
-    if (!ctx_.devices.holds(0))
-      ctx_.touched.find(std::span<const std::int32_t>(ctx_.batch.ids_host).first(static_cast<std::size_t>(mt)),
-                        ctx_.model.embedding().op().padding_id());
-    ctx_.state.micro_rows = opt.micro_rows();
-    std::vector<TrainItem> items;
-    for (std::size_t u = 0; u <= ctx_.model.num_blocks(); ++u) items.push_back({Kind::forward, u, 0, 1});  // (1: keeps nothing)
-    items.push_back({Kind::head_eval, ctx_.model.head_unit(), 0});
-    pipeline_->submit(items);
-    pipeline_->drain();
-    settle();  // (a pending update went first)
-    for (std::int64_t t = 0; t < mt; ++t) total += static_cast<double>(ctx_.batch.loss_host[static_cast<std::size_t>(t)]);
-  }
-  return total / static_cast<double>(valid);
 }
 
 template <class B, class Block, class... U>
@@ -498,3 +496,5 @@ void Trainer<B, Block, U...>::save_device_units() {
 }
 
 }  // namespace megatrain
+
+#include "megatrain/train/scoring.hpp"  // (evaluate() and score(): the forward alone)

@@ -153,13 +153,14 @@ json rope_parameters_json(const ModelConfig& c) {
 
 json layer_types_json(const ModelConfig& c) {
   json types = json::array();
-  for (const bool sl : c.sliding_layers) types.push_back(sl ? "sliding_attention" : "full_attention");
+  for (const TokenMixerKind t : c.layer_types) types.push_back(layer_type_name(t));
   return types;
 }
 
 void write_full_layer_types(const ModelConfig& c, json& j) {
   if (c.sliding_window) return;
-  j["layer_types"] = json(std::vector<std::string>(static_cast<std::size_t>(c.num_hidden_layers), "full_attention"));
+  j["layer_types"] = json(std::vector<std::string_view>(static_cast<std::size_t>(c.num_hidden_layers),
+                                                        layer_type_name(TokenMixerKind::full_attention)));
 }
 
 void refuse_dropout(const json& j, std::string_view src, std::initializer_list<const char*> keys) {

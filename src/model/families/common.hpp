@@ -32,29 +32,30 @@ json rope_scaling_json(const RopeScaling& r, double yarn_factor, std::int64_t ya
 /// transformers 5's rope_parameters object of `c`'s rotary (theta and scaling).
 json rope_parameters_json(const ModelConfig& c);
 
-/// layer_types: which of the `layers` layers attend within sliding_window ("sliding_attention",
-/// true) and which over the whole sequence ("full_attention"); `sliding_default(i)` where it is absent.
+/// layer_types: each of the `layers` layers' token mixer (full_attention, or sliding_attention:
+/// within sliding_window); `sliding_default(i)` says whether layer i slides where it is absent.
 template <class F>
-std::vector<bool> read_layer_types(const json& j, std::string_view src, std::int64_t layers, F sliding_default) {
-  std::vector<bool> sliding(static_cast<std::size_t>(std::max<std::int64_t>(layers, 0)), false);
+std::vector<TokenMixerKind> read_layer_types(const json& j, std::string_view src, std::int64_t layers, F sliding_default) {
+  std::vector<TokenMixerKind> types(static_cast<std::size_t>(std::max<std::int64_t>(layers, 0)), TokenMixerKind::full_attention);
   if (given(j, "layer_types")) {
     const json& lt = j.at("layer_types");
     MT_CHECK(lt.is_array() && static_cast<std::int64_t>(lt.size()) == layers,
              "{}: layer_types must list one type per layer ({}), not {}", src, layers, lt.dump());
     for (std::size_t i = 0; i < lt.size(); ++i) {
-      MT_CHECK(lt[i].is_string() && (lt[i] == "full_attention" || lt[i] == "sliding_attention"),
-               "{}: layer_types holds {}; each entry must be \"full_attention\" or \"sliding_attention\"", src,
-               lt[i].dump());
-      sliding[i] = lt[i] == "sliding_attention";
+      const auto kind = lt[i].is_string() ? token_mixer_named(lt[i].get<std::string>()) : std::nullopt;
+      MT_CHECK(kind.has_value(), "{}: layer_types holds {}; each entry must be \"full_attention\" or \"sliding_attention\"",
+               src, lt[i].dump());
+      types[i] = *kind;
     }
   } else {
-    for (std::size_t i = 0; i < sliding.size(); ++i) sliding[i] = sliding_default(static_cast<std::int64_t>(i));
+    for (std::size_t i = 0; i < types.size(); ++i)
+      if (sliding_default(static_cast<std::int64_t>(i))) types[i] = TokenMixerKind::sliding_attention;
   }
-  return sliding;
+  return types;
 }
 /// sliding_window as config.json holds it (null: none).
 inline json window_json(const ModelConfig& c) { return c.sliding_window ? json(*c.sliding_window) : json(nullptr); }
-/// c.sliding_layers as layer_types.
+/// c.layer_types as config.json's layer_types.
 json layer_types_json(const ModelConfig& c);
 /// layer_types of a model whose every layer is full attention, as transformers 5 writes it for
 /// Qwen2, Qwen3 and SmolLM3 without sliding windows; nothing (no key) where a window is set.

@@ -27,7 +27,7 @@ void parse(const json& j, std::string_view src, ModelConfig& c) {
   // Which layers slide: layer_types, else every sliding_window_pattern-th layer is full
   const std::int64_t pattern = get_int(j, "sliding_window_pattern", src, 6);
   MT_CHECK(pattern > 0, "{}: sliding_window_pattern must be > 0 (got {})", src, pattern);
-  c.sliding_layers = read_layer_types(j, src, c.num_hidden_layers, [&](std::int64_t i) { return (i + 1) % pattern != 0; });
+  c.layer_types = read_layer_types(j, src, c.num_hidden_layers, [&](std::int64_t i) { return (i + 1) % pattern != 0; });
   // Rotary: transformers 5 writes rope_parameters per layer type; transformers 4's configs (those
   // on the Hub) keep rope_theta and rope_scaling for the full layers and rope_local_base_freq for
   // the sliding ones (unscaled), which transformers 5 reads the same way.
@@ -57,9 +57,9 @@ void parse(const json& j, std::string_view src, ModelConfig& c) {
 void check(const ModelConfig& c, std::string_view src) {
   check_attention_bias_only(c, src);
   MT_CHECK(c.partial_rotary_factor == 1.0, "{}: partial_rotary_factor on Gemma 3 is not supported", src);
-  MT_CHECK(static_cast<std::int64_t>(c.sliding_layers.size()) == c.num_hidden_layers && c.sliding_window.has_value(),
+  MT_CHECK(static_cast<std::int64_t>(c.layer_types.size()) == c.num_hidden_layers && c.sliding_window.has_value(),
            "{}: Gemma3ForCausalLM needs sliding_window and one layer type per layer ({} for {} layers)", src,
-           c.sliding_layers.size(), c.num_hidden_layers);
+           c.layer_types.size(), c.num_hidden_layers);
   MT_CHECK(std::isfinite(c.local_rope_theta) && c.local_rope_theta > 1,
            "{}: the sliding layers' rope_theta must be > 1 (got {})", src, c.local_rope_theta);
   MT_CHECK(c.query_pre_attn_scalar.has_value() && *c.query_pre_attn_scalar > 0,

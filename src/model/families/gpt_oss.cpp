@@ -16,8 +16,9 @@ void parse(const json& j, std::string_view src, ModelConfig& c) {
   c.qkv_bias = c.o_bias = get_bool(j, "attention_bias", src, true);
   if (given(j, "sliding_window")) c.sliding_window = get_int(j, "sliding_window", src);
   else if (!j.contains("sliding_window")) c.sliding_window = 128;
-  c.sliding_layers = read_layer_types(j, src, c.num_hidden_layers, [](std::int64_t i) { return (i + 1) % 2 != 0; });
-  if (!c.sliding_window) std::fill(c.sliding_layers.begin(), c.sliding_layers.end(), false);  // (null: no window)
+  c.layer_types = read_layer_types(j, src, c.num_hidden_layers, [](std::int64_t i) { return (i + 1) % 2 != 0; });
+  if (!c.sliding_window)  // (null: no window)
+    std::fill(c.layer_types.begin(), c.layer_types.end(), TokenMixerKind::full_attention);
   const bool rope_params = given(j, "rope_parameters") && j.at("rope_parameters").is_object();
   if (!given(j, "rope_scaling") && !(rope_params && given(j.at("rope_parameters"), "rope_type"))) {
     c.rope_scaling = RopeScaling{};

@@ -11,7 +11,7 @@ void parse(const json& j, std::string_view src, ModelConfig& c) {
   // Sliding-window layers (use_sliding_window, or "sliding_attention" in layer_types): the window
   // bounds the sequence length (check_sequence_length), where every layer is exact.
   const auto types = read_layer_types(j, src, c.num_hidden_layers, [](std::int64_t) { return false; });
-  const bool any = std::find(types.begin(), types.end(), true) != types.end();
+  const bool any = std::find(types.begin(), types.end(), TokenMixerKind::sliding_attention) != types.end();
   if (get_bool(j, "use_sliding_window", src, false) || any) c.sliding_window = get_int(j, "sliding_window", src);
 }
 

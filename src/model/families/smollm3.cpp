@@ -16,7 +16,7 @@ void parse(const json& j, std::string_view src, ModelConfig& c) {
            "models have none): set it to false", src);
   const auto types = read_layer_types(j, src, c.num_hidden_layers, [](std::int64_t) { return false; });
   for (std::size_t l = 0; l < types.size(); ++l)
-    MT_CHECK(!types[l], "{}: layer_types makes layer {} a sliding_attention layer; SmolLM3's sliding "
+    MT_CHECK(types[l] != TokenMixerKind::sliding_attention, "{}: layer_types makes layer {} a sliding_attention layer; SmolLM3's sliding "
              "windows are not supported: list every layer as \"full_attention\" (or leave layer_types out)", src, l);
   c.nope_layers.assign(static_cast<std::size_t>(c.num_hidden_layers), false);
   if (given(j, "no_rope_layers")) {

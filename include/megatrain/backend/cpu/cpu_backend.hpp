@@ -789,13 +789,15 @@ class CpuBackend {
   // ---- LM head + cross-entropy ---------------------------------------------------------------
   /// Per-token loss of logits = h w^T against labels (-100: ignored, loss 0), computed in blocks
   /// of `logits_block` tokens so the full [M, vocab] logits never exist. Unless dh is null, also
-  /// the backward of sum_t loss_scale * loss_t: dh (overwritten) and dw (+=, unless null).
+  /// the backward of sum_t loss_scale * weight_t * loss_t (`token_weights` null: every weight 1):
+  /// dh (overwritten) and dw (+=, unless null).
   void lm_head_loss(View<const Act> h, View<const Weight> w, View<const std::int32_t> labels, double loss_scale,
-                    View<Acc> loss, View<Act> dh, View<Acc> dw) {
+                    View<const Acc> token_weights, View<Acc> loss, View<Act> dh, View<Acc> dw) {
     const std::int64_t M = h.size(0), d = h.size(1), V = w.size(0);
-    MT_CHECK(w.size(1) == d && labels.numel() == M && loss.numel() == M,
-             "lm_head_loss: h {}, w {}, labels {}, loss {} do not agree", h.shape().str(), w.shape().str(),
-             labels.shape().str(), loss.shape().str());
+    MT_CHECK(w.size(1) == d && labels.numel() == M && loss.numel() == M &&
+                 (token_weights.is_null() || token_weights.numel() == M),
+             "lm_head_loss: h {}, w {}, labels {}, token weights {}, loss {} do not agree", h.shape().str(), w.shape().str(),
+             labels.shape().str(), token_weights.is_null() ? "none" : token_weights.shape().str(), loss.shape().str());
     for (std::int64_t t = 0; t < M; ++t) {
       const std::int32_t y = labels.data()[t];
       MT_CHECK(y == kIgnoreIndex || (y >= 0 && y < V), "label {} at position {} is outside the vocabulary [0, {})", y, t, V);
@@ -818,10 +820,13 @@ class CpuBackend {
           const double lse = mx + std::log(sum);
           loss.data()[b + r] = y == kIgnoreIndex ? T(0) : static_cast<T>(lse - static_cast<double>(Z(r, y)));
           if (!backward) continue;
-          // dlogits = scale * (softmax - onehot); ignored tokens have no gradient.
+          // dlogits = scale * (softmax - onehot), scale = loss_scale x the token's weight; ignored
+          // tokens have no gradient.
+          const double scale =
+              token_weights.is_null() ? loss_scale : loss_scale * static_cast<double>(token_weights.data()[b + r]);
           for (std::int64_t c = 0; c < V; ++c)
-            Z(r, c) = y == kIgnoreIndex ? T(0) : static_cast<T>(loss_scale * std::exp(static_cast<double>(Z(r, c)) - lse));
-          if (y != kIgnoreIndex) Z(r, y) -= static_cast<T>(loss_scale);
+            Z(r, c) = y == kIgnoreIndex ? T(0) : static_cast<T>(scale * std::exp(static_cast<double>(Z(r, c)) - lse));
+          if (y != kIgnoreIndex) Z(r, y) -= static_cast<T>(scale);
         }
       });
       if (!backward) continue;
@@ -836,6 +841,11 @@ class CpuBackend {
         });
       }
     }
+  }
+  /// The same with every token's weight 1.
+  void lm_head_loss(View<const Act> h, View<const Weight> w, View<const std::int32_t> labels, double loss_scale,
+                    View<Acc> loss, View<Act> dh, View<Acc> dw) {
+    lm_head_loss(h, w, labels, loss_scale, View<const Acc>{}, loss, dh, dw);
   }
 
  private:

@@ -667,15 +667,17 @@ class CudaBackend {
   }
 
   /// Per-token cross-entropy of h w^T, in blocks of logits_block tokens: fp32 logits from
-  /// cuBLASLt, then one kernel for loss and scale * (softmax - onehot) in bf16, then the two
-  /// products of the backward (dh rows of the block; dW += in fp32).
+  /// cuBLASLt, then one kernel for loss and scale * (softmax - onehot) in bf16 (scale: loss_scale
+  /// x the token's weight, 1 where token_weights is null), then the two products of the backward
+  /// (dh rows of the block; dW += in fp32).
   void lm_head_loss(View<const Act> h, View<const Weight> w, View<const std::int32_t> labels, double loss_scale,
-                    View<Acc> loss, View<Act> dh, View<Acc> dw) {
+                    View<const Acc> token_weights, View<Acc> loss, View<Act> dh, View<Acc> dw) {
     MT_NVTX_RANGE("cuda:lm_head_loss");
     const std::int64_t M = h.size(0), d = h.size(1), V = w.size(0);
-    MT_CHECK(w.size(1) == d && labels.numel() == M && loss.numel() == M,
-             "lm_head_loss: h {}, w {}, labels {}, loss {} do not agree", h.shape().str(), w.shape().str(),
-             labels.shape().str(), loss.shape().str());
+    MT_CHECK(w.size(1) == d && labels.numel() == M && loss.numel() == M &&
+                 (token_weights.is_null() || token_weights.numel() == M),
+             "lm_head_loss: h {}, w {}, labels {}, token weights {}, loss {} do not agree", h.shape().str(), w.shape().str(),
+             labels.shape().str(), token_weights.is_null() ? "none" : token_weights.shape().str(), loss.shape().str());
     const std::int64_t block = std::min(opt_.logits_block, M);
     MT_CHECK(logits_.size() >= static_cast<std::size_t>(block * V),
              "lm_head_loss: the logits workspace holds {} elements, {} needed: call prepare() first", logits_.size(),
@@ -685,11 +687,17 @@ class CudaBackend {
       const std::int64_t n = std::min(block, M - b);
       gemm_->forward_f32(h.data() + b * d, w.data(), logits_.span().data(), n, V, d, stream_);
       cuda::launch_cross_entropy(logits_.span().data(), labels.data() + b, loss.data() + b,
-                                 backward ? dlogits_.span().data() : nullptr, static_cast<float>(loss_scale), n, V, stream_);
+                                 backward ? dlogits_.span().data() : nullptr, static_cast<float>(loss_scale),
+                                 token_weights.is_null() ? nullptr : token_weights.data() + b, n, V, stream_);
       if (!backward) continue;
       gemm_->input_grad(dlogits_.span().data(), w.data(), dh.data() + b * d, false, n, V, d, stream_);
       if (!dw.is_null()) gemm_->weight_grad(dlogits_.span().data(), h.data() + b * d, dw.data(), n, V, d, stream_);
     }
+  }
+  /// The same with every token's weight 1.
+  void lm_head_loss(View<const Act> h, View<const Weight> w, View<const std::int32_t> labels, double loss_scale,
+                    View<Acc> loss, View<Act> dh, View<Acc> dw) {
+    lm_head_loss(h, w, labels, loss_scale, View<const Acc>{}, loss, dh, dw);
   }
 
  private:

@@ -119,10 +119,16 @@ void launch_adamw(const AdamWArgs& s, float* p, float* m, float* v, const float*
 
 // ---- cross-entropy -----------------------------------------------------------------------------
 /// For each of n rows of fp32 logits [n, V]: loss[r] = logsumexp(z_r) - z_r[label_r] (0 if the
-/// label is -100); if dlogits is not null, dlogits[r] = scale * (softmax(z_r) - onehot(label_r))
-/// (zeros for ignored rows), in bf16. Labels outside [0, V) other than -100 trap.
+/// label is -100); if dlogits is not null, dlogits[r] = s_r * (softmax(z_r) - onehot(label_r))
+/// (zeros for ignored rows), in bf16, with s_r = scale x weights[r] (weights null: scale). Labels
+/// outside [0, V) other than -100 trap.
 void launch_cross_entropy(const float* logits, const std::int32_t* labels, float* loss, bf16* dlogits, float scale,
-                          std::int64_t n, std::int64_t V, cudaStream_t stream);
+                          const float* weights, std::int64_t n, std::int64_t V, cudaStream_t stream);
+/// The same with every row's weight 1.
+inline void launch_cross_entropy(const float* logits, const std::int32_t* labels, float* loss, bf16* dlogits, float scale,
+                                 std::int64_t n, std::int64_t V, cudaStream_t stream) {
+  launch_cross_entropy(logits, labels, loss, dlogits, scale, nullptr, n, V, stream);
+}
 
 // ---- tests ---------------------------------------------------------------------------------------
 /// Holds `stream` for `nanoseconds` (a kernel that waits on the GPU's clock): tests delay copies

@@ -2,8 +2,10 @@
 // full logits never exist. Its input (and input gradient) is the residual stream (B::Res). With tied embeddings the LM head is the embedding table, bound
 // from the embedding unit's buffer (its gradient accumulates there too).
 //
-// Loss: per token, logsumexp(z) - z[label] (0 where the label is kIgnoreIndex). The caller
-// turns per-token losses into the batch mean by passing loss_scale = 1 / (tokens with a label).
+// Loss: per token, logsumexp(z) - z[label] (0 where the label is kIgnoreIndex): minus the
+// log-probability of the label. The caller turns per-token losses into the batch mean by passing
+// loss_scale = 1 / (tokens with a label), and into another objective by weighting each token's
+// gradient (train/objective.hpp).
 #pragma once
 
 #include <vector>
@@ -55,8 +57,8 @@ class LmHead {
     ArenaScope scope(scratch);
     const auto a = carve<B>(scratch, c);
     be.rmsnorm(x, w.norm, eps_, a.n, a.rstd, offset_);
-    be.lm_head_loss(View<const typename B::Act>(a.n), w.lm_head, labels, 0.0, loss, View<typename B::Act>{},
-                    View<typename B::Acc>{});
+    be.lm_head_loss(View<const typename B::Act>(a.n), w.lm_head, labels, 0.0, View<const typename B::Acc>{}, loss,
+                    View<typename B::Act>{}, View<typename B::Acc>{});
   }
 
   /// The logits (tokens x vocab) of the final hidden states x: the final norm, then the head's
@@ -76,10 +78,19 @@ class LmHead {
   void forward_backward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Res> x,
                         View<const std::int32_t> labels, double loss_scale, View<typename B::Acc> loss,
                         View<typename B::Res> dx, const Weights<typename B::Acc>& g, Arena& scratch) const {
+    forward_backward(be, c, w, x, labels, loss_scale, View<const typename B::Acc>{}, loss, dx, g, scratch);
+  }
+  /// The same for sum_t loss_scale * token_weights[t] * loss_t: a weighted objective
+  /// (train/objective.hpp); null weights: every one 1.
+  template <class B>
+  void forward_backward(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Res> x,
+                        View<const std::int32_t> labels, double loss_scale, View<const typename B::Acc> token_weights,
+                        View<typename B::Acc> loss, View<typename B::Res> dx, const Weights<typename B::Acc>& g,
+                        Arena& scratch) const {
     ArenaScope scope(scratch);
     const auto a = carve<B>(scratch, c);
     be.rmsnorm(x, w.norm, eps_, a.n, a.rstd, offset_);
-    be.lm_head_loss(View<const typename B::Act>(a.n), w.lm_head, labels, loss_scale, loss, a.dn, g.lm_head);
+    be.lm_head_loss(View<const typename B::Act>(a.n), w.lm_head, labels, loss_scale, token_weights, loss, a.dn, g.lm_head);
     be.rmsnorm_backward(x, w.norm, View<const typename B::Acc>(a.rstd), View<const typename B::Act>(a.dn),
                         View<const typename B::Res>{}, dx, View<typename B::Act>{}, g.norm, offset_);
   }

@@ -23,8 +23,8 @@
 // logits (the renormalised top-k of the softmax), each expert's projections a bias, and its
 // activation is the clamped SwiGLU (ModelConfig::expert_act).
 //
-// No norm and no residual of its own: DecoderBlock runs it in place of the dense MLP on the
-// layers ModelConfig::is_moe_layer names. Its activations depend on the routing, so they are
+// No norm and no residual of its own: a block runs it as the channel mixer of the layers
+// ModelConfig::is_moe_layer names (ComposedBlock), in place of the dense MLP. Its activations depend on the routing, so they are
 // never kept: the backward recomputes them from the block's h.
 //
 // The auxiliary load-balancing loss (output_router_logits): a training step's forward adds each
@@ -232,6 +232,51 @@ class MoeMlp {
                           stats.aux_counts, stats.aux_scale, stats.valid, a.dlogits);
     be.linear_backward(x, w.router, cv(a.dlogits), dx, false, g.router, g.router_bias);
     be.moe_scatter_add(cv(a.dxs), cv(a.slot), k_, dx);
+  }
+
+  // ---- as a block's channel mixer (channel_mixer.hpp), a token block at a time ----------------
+
+  /// The channel mixer of the sparse layers.
+  static bool builds(const ModelConfig& cfg, std::int64_t layer) {
+    return cfg.layer_kind(layer).channel_mixer == ChannelMixerKind::experts;
+  }
+  static constexpr bool kHasOutput = false;  // (its output is summed into the residual stream as it is made)
+  /// The activations of token blocks of c.block_tokens() tokens (never kept: they depend on the
+  /// routing; the backward recomputes them).
+  template <class B>
+  Acts<B> carve_block(Arena& ar, ChunkShape c, bool with_backward, Arena*) const {
+    return carve<B>(ar, c.block_tokens(), with_backward);
+  }
+  /// The activations of a token block of n tokens (the first rows of the block's buffers).
+  template <class B>
+  Acts<B> block_rows(const Acts<B>& a, std::int64_t, std::int64_t n) const {
+    return carve_rows<B>(a, n);
+  }
+  /// y = h + the token block's experts' outputs; the routing added to `stats` (run()).
+  template <class B>
+  void mix_add(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x, const Acts<B>& a,
+               View<const typename B::Res> h, View<typename B::Res> y, const RouterStats& stats) const {
+    if constexpr (MoeBackend<B>) run(be, w, x, a, h, y, stats);
+    else refuse_backend(cfg_, layer_);
+  }
+  template <class B>
+  void mix_out(B&, const Weights<const typename B::Weight>&, View<const typename B::Act>, const Acts<B>&,
+               View<typename B::Act>) const {
+    MT_FAIL("{}'s layer {}: a mixture of experts has no output of its own before the residual stream (no block norms "
+            "it)", cfg_.architecture_name(), layer_);
+  }
+  /// dx (overwritten) from df, the gradient of the token block's output; the routing and the
+  /// experts' activations always recomputed from x first (never kept).
+  template <class B>
+  void mix_backward(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x, const Acts<B>& a,
+                    View<const typename B::Act> df, View<typename B::Act> dx, const Weights<typename B::Acc>& g,
+                    const RouterStats& stats, bool) const {
+    if constexpr (MoeBackend<B>) {
+      run_kept(be, w, x, a);
+      backprop(be, w, x, a, df, dx, g, stats);
+    } else {
+      refuse_backend(cfg_, layer_);
+    }
   }
 
   std::int64_t layer() const { return layer_; }

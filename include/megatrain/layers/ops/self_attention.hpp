@@ -20,7 +20,8 @@
 // grouped-query heads (num_key_value_heads divides num_attention_heads), head_dim from the
 // config, rotary embeddings rotating halves (Hugging Face's Llama convention), optional q/k/v
 // biases (Qwen2, Llama's attention_bias) and o bias (Llama's attention_bias). No norm and no
-// residual: DecoderBlock adds those around it; a user's own block can use it the same way.
+// residual: a block adds those around it (ComposedBlock, whose token mixer it is on the full and
+// sliding attention layers); a user's own block can use it the same way.
 //
 // Besides the LayerOp interface (forward, backward; from CarvedOp), run(), run_kept() and
 // backprop() work on activations a caller keeps (carve()), so a block recomputes its whole
@@ -184,8 +185,47 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     project_backward(be, w, x, a, 0, dx, g);
   }
 
-  // The pieces of run_kept() and backprop(), for a block that runs the token-wise ones (the
-  // projections) a block of tokens at a time, and the attention over whole rows.
+  // ---- as a block's token mixer (token_mixer.hpp): the pieces of run_kept() and backprop(), for
+  // a block that runs the token-wise ones (the projections) a block of tokens at a time, and the
+  // attention over whole rows.
+
+  /// The token mixer of every layer: full attention, or attention within a sliding window.
+  static bool builds(const ModelConfig& cfg, std::int64_t layer) {
+    const TokenMixerKind k = cfg.layer_kind(layer).token_mixer;
+    return k == TokenMixerKind::full_attention || k == TokenMixerKind::sliding_attention;
+  }
+  /// The whole chunk's attention output a.att from its projections (project() of every token).
+  template <class B>
+  void mix(B& be, ChunkShape c, const Acts<B>& a, const Weights<const typename B::Weight>& w) const {
+    attend(be, c, a, w.sinks);
+  }
+  /// h = x + o_proj(attention output) for tokens [first, first + x.size(0)).
+  template <class B>
+  void out_add(B& be, const Weights<const typename B::Weight>& w, const Acts<B>& a, std::int64_t first,
+               View<const typename B::Res> x, View<typename B::Res> h) const {
+    be.linear_add(cview(token_rows(a.att, first, x.size(0))), w.o, w.o_bias, x, h);
+  }
+  /// o = o_proj(attention output) for tokens [first, first + o.size(0)).
+  template <class B>
+  void out(B& be, const Weights<const typename B::Weight>& w, const Acts<B>& a, std::int64_t first,
+           View<typename B::Act> o) const {
+    be.linear(cview(token_rows(a.att, first, o.size(0))), w.o, w.o_bias, o);
+  }
+  /// From dout (the gradient of out()'s rows from `first`): those rows of a.datt; o_proj's
+  /// gradients added to g.
+  template <class B>
+  void out_backward(B& be, const Weights<const typename B::Weight>& w, const Acts<B>& a, std::int64_t first,
+                    View<const typename B::Act> dout, const Weights<typename B::Acc>& g) const {
+    const std::int64_t n = dout.size(0);
+    be.linear_backward(cview(token_rows(a.att, first, n)), w.o, dout, token_rows(a.datt, first, n), false, g.o, g.o_bias);
+  }
+  /// mix()'s backward over the whole chunk: a.dq, a.dk, a.dv from a.datt; the sinks' gradient
+  /// added to g.
+  template <class B>
+  void mix_backward(B& be, ChunkShape c, const Acts<B>& a, const Weights<const typename B::Weight>& w,
+                    const Weights<typename B::Acc>& g) const {
+    attend_backward(be, c, a, w, g.sinks);
+  }
 
   /// q, k and v of tokens [first, first + x.size(0)) of the chunk, from their input x (q and k
   /// normalised per head where the family has q/k norms).

@@ -2,7 +2,8 @@
 //
 //     y = down_proj(act(gate_proj(x)) * up_proj(x))      act: silu, or GELU's tanh approximation
 //
-// with optional biases (Llama's mlp_bias). No norm and no residual: DecoderBlock adds those.
+// with optional biases (Llama's mlp_bias). No norm and no residual: a block adds those
+// (ComposedBlock, whose channel mixer it is on the dense layers).
 // Like SelfAttention, run(), run_kept() and backprop() work on activations the caller keeps
 // (carve()); forward() and backward() come from CarvedOp.
 #pragma once
@@ -123,6 +124,55 @@ class SwiGluMlp : public CarvedOp<SwiGluMlp> {
     be.linear_backward(cview(a.m), w.down, dy, View<typename B::Act>{}, false, g.down, g.down_bias);
     be.linear_backward(x, w.gate, cview(a.dg), dx, false, g.gate, g.gate_bias);
     be.linear_backward(x, w.up, cview(a.du), dx, true, g.up, g.up_bias);
+  }
+
+  // ---- as a block's channel mixer (channel_mixer.hpp), a token block at a time ----------------
+
+  /// The channel mixer of the dense layers.
+  static bool builds(const ModelConfig& cfg, std::int64_t layer) {
+    return cfg.layer_kind(layer).channel_mixer == ChannelMixerKind::dense_mlp;
+  }
+  static constexpr bool kHasOutput = true;  // (mix_out: its output alone, for a block's output norm)
+  /// The activations of token blocks of c.block_tokens() tokens; g and u kept for the whole
+  /// chunk in `kept` where given.
+  template <class B>
+  Acts<B> carve_block(Arena& ar, ChunkShape c, bool with_backward, Arena* kept) const {
+    return carve<B>(ar, ChunkShape{1, c.block_tokens()}, with_backward, kept, c.tokens());
+  }
+  /// The activations of the token block [t0, t0 + n): its rows of the block's buffers (kept: g
+  /// and u span the chunk, their rows from t0).
+  template <class B>
+  Acts<B> block_rows(const Acts<B>& a, std::int64_t t0, std::int64_t n) const {
+    auto m = a;
+    for (auto* v : {&m.m, &m.dm, &m.dg, &m.du})
+      if (!v->is_null()) *v = token_rows(*v, 0, n);
+    for (auto* v : {&m.g, &m.u})
+      if (!v->is_null()) *v = token_rows(*v, a.kept ? t0 : 0, n);
+    return m;
+  }
+  /// y = h + down(act(gate(x)) * up(x)) for a token block.
+  template <class B>
+  void mix_add(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x, const Acts<B>& a,
+               View<const typename B::Res> h, View<typename B::Res> y, const RouterStats&) const {
+    run_gated(be, ChunkShape{1, x.size(0)}, w, x, a);
+    be.linear_add(cview(a.m), w.down, w.down_bias, h, y);
+  }
+  /// f = down(act(gate(x)) * up(x)) for a token block.
+  template <class B>
+  void mix_out(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x, const Acts<B>& a,
+               View<typename B::Act> f) const {
+    run_gated(be, ChunkShape{1, x.size(0)}, w, x, a);
+    be.linear(cview(a.m), w.down, w.down_bias, f);
+  }
+  /// dx (overwritten) from df, the gradient of the token block's output; weight gradients added
+  /// to g. `recompute`: g and u made again from x first (neither kept nor made by mix_out()).
+  template <class B>
+  void mix_backward(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x, const Acts<B>& a,
+                    View<const typename B::Act> df, View<typename B::Act> dx, const Weights<typename B::Acc>& g,
+                    const RouterStats&, bool recompute) const {
+    const ChunkShape c{1, x.size(0)};
+    if (recompute) run_kept(be, c, w, x, a);
+    backprop(be, c, w, x, a, df, dx, g);
   }
 
  private:

@@ -4,7 +4,8 @@
 //              the next unit's input and, where the plan keeps one, its activation checkpoint;
 //              blocks that keep (or spill) their activations for the backward keep them here
 //   refill     a block's output again from the checkpoint below it (a checkpoint every k blocks)
-//   head       the final norm, LM head and loss fused with their backward (head_eval: the loss alone)
+//   head       the final norm, LM head and loss fused with their backward, each token's gradient
+//              weighted by the step's objective (train/objective.hpp); head_eval: the loss alone
 //   backward   a unit's backward from its checkpoint (recomputed) or its kept activations, the
 //              weight gradient accumulated over chunks and micro-batches
 //   optimize   a device unit's AdamW (train/device_units.hpp)
@@ -104,10 +105,11 @@ struct Compute : StageBase<Ctx> {
     const std::int64_t d = this->ctx->hidden();
     return View<E>(buf.subspan(static_cast<std::size_t>(r0 * seq() * d), static_cast<std::size_t>(n * seq() * d)), Shape{n * seq(), d});
   }
-  View<const std::int32_t> tok(std::span<std::int32_t> buf, std::int64_t r0, std::int64_t n) const {
-    return View<const std::int32_t>(
-        std::span<const std::int32_t>(buf).subspan(static_cast<std::size_t>(r0 * seq()), static_cast<std::size_t>(n * seq())),
-        Shape{n * seq()});
+  // [n*seq] values a token of a per-token buffer (ids, labels, weights), from row r0
+  template <class E>
+  View<const E> tok(std::span<E> buf, std::int64_t r0, std::int64_t n) const {
+    return View<const E>(std::span<const E>(buf).subspan(static_cast<std::size_t>(r0 * seq()), static_cast<std::size_t>(n * seq())),
+                         Shape{n * seq()});
   }
   template <class F>
   void for_chunks(F&& f) const {
@@ -217,17 +219,28 @@ struct Compute : StageBase<Ctx> {
     }
     // (untied: the head's own lm_head; the embedding's gradient buffer is not bound)
     const auto g = tied ? tmpl.bind(t.head_acc.span(), {{&t.model.embedding().layout(), t.embed_acc}}) : tmpl.bind(t.head_acc.span());
-    for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
-      const ChunkShape c{n_rows, seq()};
-      auto loss = View<Acc>(t.loss_dev.span().subspan(static_cast<std::size_t>(r0 * seq()), static_cast<std::size_t>(n_rows * seq())),
-                            Shape{n_rows * seq()});
-      if (it.kind == Kind::head)
-        tmpl.op().forward_backward(t.be, c, w, View<const Res>(rows_of(x, r0, n_rows)), tok(t.batch.labels_dev.span(), r0, n_rows),
-                                   t.state.loss_scale, loss, rows_of(t.dbuf[0].span(), r0, n_rows), g, t.arena);
-      else
-        tmpl.op().forward(t.be, c, w, View<const Res>(rows_of(x, r0, n_rows)), tok(t.batch.labels_dev.span(), r0, n_rows), loss,
-                          t.arena);
-    });
+    const auto loss_rows = [&](std::int64_t r0, std::int64_t n_rows) {
+      return View<Acc>(t.loss_dev.span().subspan(static_cast<std::size_t>(r0 * seq()), static_cast<std::size_t>(n_rows * seq())),
+                       Shape{n_rows * seq()});
+    };
+    const auto forward_only = [&] {
+      for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
+        tmpl.op().forward(t.be, ChunkShape{n_rows, seq()}, w, View<const Res>(rows_of(x, r0, n_rows)),
+                          tok(t.batch.labels_dev.span(), r0, n_rows), loss_rows(r0, n_rows), t.arena);
+      });
+    };
+    if (it.kind == Kind::head_eval) {
+      forward_only();
+    } else {
+      const bool weighted = t.state.weighted;
+      if (weighted) upload_weights(it, forward_only);
+      for_chunks([&](std::int64_t r0, std::int64_t n_rows) {
+        const View<const Acc> weights = weighted ? tok(t.batch.weights_dev.span(), r0, n_rows) : View<const Acc>{};
+        tmpl.op().forward_backward(t.be, ChunkShape{n_rows, seq()}, w, View<const Res>(rows_of(x, r0, n_rows)),
+                                   tok(t.batch.labels_dev.span(), r0, n_rows), t.state.loss_scale, weights, loss_rows(r0, n_rows),
+                                   rows_of(t.dbuf[0].span(), r0, n_rows), g, t.arena);
+      });
+    }
     if (it.kind == Kind::head && t.streamed_unit(0) && tied) {
       // The touched rows' share of the tied head's gradient moves to the compact buffer, where
       // the embedding's backward adds its own; the rest of the table is final.
@@ -241,6 +254,21 @@ struct Compute : StageBase<Ctx> {
                   t.batch.loss_host.subspan(it.kind == Kind::head ? static_cast<std::size_t>(it.micro * rows() * seq()) : 0,
                                             static_cast<std::size_t>(rows() * seq())));
     if (it.kind == Kind::head && t.experts.active()) t.experts.download(t.be, exec, it.micro, t.opt.micro_batches);
+  }
+
+  // Micro-batch m's token weights up to the device: an objective that reads the log-probabilities
+  // gets them from the head's forward first (the losses down, the weights made on the host).
+  template <class F>
+  void upload_weights(const TrainItem& it, F&& head_forward) {
+    Ctx& t = *this->ctx;
+    const auto off = static_cast<std::size_t>(it.micro * rows() * seq()), n = static_cast<std::size_t>(rows() * seq());
+    if (t.state.objective->needs_log_probs()) {
+      head_forward();
+      t.be.download(exec, std::span<const Acc>(t.loss_dev.span()).first(n), t.batch.loss_host.subspan(off, n));
+      exec.synchronize();
+      t.batch.stage_weights(*t.state.objective, t.opt, it.micro, rows(), t.state.batch_labelled);
+    }
+    t.be.upload(exec, std::span<const Acc>(t.batch.weights_host).subspan(off, n), t.batch.weights_dev.span().first(n));
   }
 
   // The embedding's backward: streamed, into the compact buffer of touched rows (indexed by the
