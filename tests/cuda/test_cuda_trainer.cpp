@@ -156,7 +156,7 @@ TEST_CASE("objectives on the GPU: a weighted and a preference objective follow t
   double worst = 0;  // the GPU's log-probabilities near the CPU's (bf16 weights and activations)
   for (std::size_t t = 0; t < scored.size(); ++t) worst = std::max(worst, std::fabs(scored[t] - cpu_scored[t]));
   MESSAGE("largest difference of a token's log-probability, GPU vs CPU: " << worst);
-  CHECK(worst < 0.5);  // (a sanity bound; the losses above are the measure)
+  CHECK(worst < 8 * 0x1p-8);  // (8 x bf16's epsilon; measured 0.0059 on an H100)
 }
 
 TEST_CASE("the GPU trainer follows the CPU trainer's loss curve over 50 steps") {

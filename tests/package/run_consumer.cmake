@@ -40,8 +40,14 @@ else()
   list(APPEND consumer_args "-DMEGATRAIN_SOURCE_DIR=${SOURCE_DIR}" -DMEGATRAIN_CUDA=OFF
        -DMEGATRAIN_FETCH_DEPENDENCIES=ON)
 endif()
+# The subdirectory mode compiles the library again: without optimisation (a third of -O3's time;
+# the consumer's few AdamW steps need no speed). The installed one was built as the main build.
+set(build_type Release)
+if(MODE STREQUAL "subdirectory")
+  set(build_type None)
+endif()
 execute_process(COMMAND "${CMAKE_COMMAND}" -S "${SOURCE_DIR}/tests/package/consumer" -B "${WORK_DIR}/build"
-                        -G "${GENERATOR}" -DCMAKE_BUILD_TYPE=Release -DMEGATRAIN_CONSUMER_MODE=${MODE} ${consumer_args}
+                        -G "${GENERATOR}" -DCMAKE_BUILD_TYPE=${build_type} -DMEGATRAIN_CONSUMER_MODE=${MODE} ${consumer_args}
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
 message("${out}")
 if(rc)
