@@ -1,4 +1,4 @@
-// The chunked gated delta rule on the CPU (backend/cpu/delta_rule.hpp) against the recurrence
+// Gated DeltaNet on the CPU. The chunked gated delta rule (backend/cpu/delta_rule.hpp) against the recurrence
 // itself, token by token, in long double: forward and backward (back-propagation through time),
 // at awkward lengths (1, 63, 64, 65, 1000) with chunks of 64 and 16, several key heads and value
 // heads sharing them, and sequences packed one after the other (the state restarting at each).
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "megatrain/backend/cpu/delta_rule.hpp"
+#include "megatrain/backend/cpu/gated_deltanet.hpp"
 
 using megatrain::cpu::DeltaRule;
 using i64 = std::int64_t;
@@ -273,4 +274,142 @@ TEST_CASE("the delta rule refuses heads, sizes and sequence starts that do not f
   a.value_heads = 4;
   a.v_stride = 8;
   CHECK_THROWS_WITH(a.check(), doctest::Contains("sequence 1 is empty"));
+}
+
+// ---- the layer's element-wise parts (backend/cpu/gated_deltanet.hpp) --------------------------------
+
+namespace {
+
+// Central differences of sum(r * f()) with respect to every `stride`-th element of x, against g.
+template <class F>
+double worst_difference(std::vector<double>& x, const std::vector<double>& g, F&& loss, std::size_t stride = 1) {
+  double worst = 0;
+  for (std::size_t i = 0; i < x.size(); i += stride) {
+    const double saved = x[i], h = 1e-5;
+    x[i] = saved + h;
+    const double lp = loss();
+    x[i] = saved - h;
+    const double lm = loss();
+    x[i] = saved;
+    const double numeric = (lp - lm) / (2 * h);
+    worst = std::max(worst, std::fabs(numeric - g[i]) / std::max(1e-3, std::fabs(numeric) + std::fabs(g[i])));
+  }
+  return worst;
+}
+
+std::vector<double> uniform(std::mt19937_64& rng, std::size_t n, double lo, double hi) {
+  std::uniform_real_distribution<double> u(lo, hi);
+  std::vector<double> v(n);
+  for (auto& e : v) e = u(rng);
+  return v;
+}
+
+double weighted_sum(const std::vector<double>& y, const std::vector<double>& r, std::int64_t ys = 0, std::int64_t width = 0) {
+  double l = 0;
+  if (ys == 0) {
+    for (std::size_t i = 0; i < y.size(); ++i) l += r[i] * y[i];
+    return l;
+  }
+  for (std::size_t t = 0; t * static_cast<std::size_t>(ys) < y.size(); ++t)
+    for (std::int64_t c = 0; c < width; ++c) l += r[t * static_cast<std::size_t>(width) + static_cast<std::size_t>(c)] * y[t * static_cast<std::size_t>(ys) + static_cast<std::size_t>(c)];
+  return l;
+}
+
+}  // namespace
+
+TEST_CASE("Gated DeltaNet's causal convolution: each packed sequence alone, as a zero-padded conv1d; its backward by differences") {
+  std::mt19937_64 rng(3);
+  const std::int64_t C = 5, K = 4, xs = 7;  // (x a slice of rows of 7: the projection's wider output)
+  const std::vector<std::int32_t> starts{0, 2, 9, 10, 16};
+  const std::int64_t T = starts.back();
+  auto x = uniform(rng, static_cast<std::size_t>(T * xs), -1, 1), w = uniform(rng, static_cast<std::size_t>(C * K), -1, 1);
+  const auto r = uniform(rng, static_cast<std::size_t>(T * C), -1, 1);
+  std::vector<double> y(static_cast<std::size_t>(T * C));
+  megatrain::cpu::causal_conv_silu(x.data(), xs, w.data(), C, K, starts, y.data(), C);
+  double worst = 0;  // each sequence as torch's conv1d with K - 1 zeros before it, then SiLU
+  for (std::size_t q = 0; q + 1 < starts.size(); ++q)
+    for (std::int64_t t = starts[q]; t < starts[q + 1]; ++t)
+      for (std::int64_t c = 0; c < C; ++c) {
+        double p = 0;
+        for (std::int64_t j = 0; j < K; ++j) {
+          const std::int64_t s = t - (K - 1) + j;
+          p += w[static_cast<std::size_t>(c * K + j)] * (s >= starts[q] ? x[static_cast<std::size_t>(s * xs + c)] : 0.0);
+        }
+        worst = std::max(worst, std::fabs(y[static_cast<std::size_t>(t * C + c)] - p / (1 + std::exp(-p))));
+      }
+  CHECK(worst < 1e-15);
+  std::vector<double> dx(x.size(), 0), dw(w.size(), 0);
+  megatrain::cpu::causal_conv_silu_backward(x.data(), xs, w.data(), C, K, starts, r.data(), C, dx.data(), dw.data());
+  const auto loss = [&] {
+    megatrain::cpu::causal_conv_silu(x.data(), xs, w.data(), C, K, starts, y.data(), C);
+    return weighted_sum(y, r);
+  };
+  for (std::int64_t t = 0; t < T; ++t)  // (the columns beyond the channels get no gradient: zero both)
+    for (std::int64_t c = C; c < xs; ++c) dx[static_cast<std::size_t>(t * xs + c)] = 0;
+  CHECK(worst_difference(x, dx, loss) < 1e-7);
+  CHECK(worst_difference(w, dw, loss) < 1e-7);
+}
+
+TEST_CASE("Gated DeltaNet's L2 norm, gates and gated RMSNorm: their formulas, and their backward by differences") {
+  std::mt19937_64 rng(5);
+  const std::int64_t T = 6, H = 3, D = 5;
+  // L2 norm of each head's vector, from rows of 17 (a slice)
+  auto x = uniform(rng, static_cast<std::size_t>(T * 17), -1, 1);
+  const auto r = uniform(rng, static_cast<std::size_t>(T * H * D), -1, 1);
+  std::vector<double> y(static_cast<std::size_t>(T * H * D)), inv(static_cast<std::size_t>(T * H));
+  const auto l2 = [&] {
+    megatrain::cpu::l2norm_heads(x.data(), 17, T, H, D, 1e-6, y.data(), inv.data());
+    return weighted_sum(y, r);
+  };
+  (void)l2();
+  double n = 0;
+  for (std::int64_t i = 0; i < D; ++i) n += x[static_cast<std::size_t>(17 + 2 * D + i)] * x[static_cast<std::size_t>(17 + 2 * D + i)];
+  CHECK(y[static_cast<std::size_t>((1 * H + 2) * D)] == doctest::Approx(x[static_cast<std::size_t>(17 + 2 * D)] / std::sqrt(n + 1e-6)).epsilon(1e-15));
+  std::vector<double> dx(x.size(), 0);
+  megatrain::cpu::l2norm_heads_backward(y.data(), inv.data(), r.data(), T, H, D, dx.data(), 17);
+  CHECK(worst_difference(x, dx, l2) < 1e-7);
+
+  // gates: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b); a and b slices of rows of 8
+  auto a = uniform(rng, static_cast<std::size_t>(T * 8), -3, 3), b = a;
+  for (auto& e : b) e = -e * 0.7;
+  a[8 * 1 + 2] = 25;  // (token 1, head 2: softplus beyond its threshold, the input itself)
+  auto A_log = uniform(rng, static_cast<std::size_t>(H), -1, 2), dt = uniform(rng, static_cast<std::size_t>(H), -1, 1);
+  const auto rg = uniform(rng, static_cast<std::size_t>(T * H), -1, 1), rb = uniform(rng, static_cast<std::size_t>(T * H), -1, 1);
+  std::vector<double> g(static_cast<std::size_t>(T * H)), beta(g.size());
+  const auto gates = [&] {
+    megatrain::cpu::deltanet_gates(a.data(), 8, b.data(), 8, A_log.data(), dt.data(), T, H, g.data(), beta.data());
+    return weighted_sum(g, rg) + weighted_sum(beta, rb);
+  };
+  (void)gates();
+  CHECK(g[2 * H + 1] == doctest::Approx(-std::exp(A_log[1]) * std::log1p(std::exp(a[8 * 2 + 1] + dt[1]))).epsilon(1e-15));
+  CHECK(g[1 * H + 2] == doctest::Approx(-std::exp(A_log[2]) * (a[8 * 1 + 2] + dt[2])).epsilon(1e-15));
+  CHECK(beta[1 * H + 1] == doctest::Approx(1 / (1 + std::exp(-b[8 * 1 + 1]))).epsilon(1e-15));
+  std::vector<double> da(a.size(), 0), db(b.size(), 0), dA(A_log.size(), 0), ddt(dt.size(), 0);
+  megatrain::cpu::deltanet_gates_backward(a.data(), 8, 8, A_log.data(), dt.data(), g.data(), beta.data(), rg.data(), rb.data(), T,
+                                          H, da.data(), db.data(), dA.data(), ddt.data());
+  CHECK(worst_difference(a, da, gates) < 1e-7);
+  CHECK(worst_difference(b, db, gates) < 1e-7);
+  CHECK(worst_difference(A_log, dA, gates) < 1e-7);
+  CHECK(worst_difference(dt, ddt, gates) < 1e-7);
+
+  // gated RMSNorm: w * x / sqrt(mean x^2 + eps) * silu(z), z a slice of rows of 19
+  auto xn = uniform(rng, static_cast<std::size_t>(T * H * D), -1, 1), z = uniform(rng, static_cast<std::size_t>(T * 19), -2, 2);
+  auto wn = uniform(rng, static_cast<std::size_t>(D), 0.5, 1.5);
+  std::vector<double> yn(xn.size()), rstd(static_cast<std::size_t>(T * H));
+  const auto norm = [&] {
+    megatrain::cpu::gated_rmsnorm(xn.data(), z.data(), 19, wn.data(), T, H, D, 1e-6, yn.data(), rstd.data());
+    return weighted_sum(yn, r);
+  };
+  (void)norm();
+  double ms = 0;
+  for (std::int64_t i = 0; i < D; ++i) ms += xn[static_cast<std::size_t>(D + i)] * xn[static_cast<std::size_t>(D + i)] / D;
+  const double z0 = z[static_cast<std::size_t>(D)];
+  CHECK(yn[static_cast<std::size_t>(D)] ==
+        doctest::Approx(wn[0] * xn[static_cast<std::size_t>(D)] / std::sqrt(ms + 1e-6) * z0 / (1 + std::exp(-z0))).epsilon(1e-14));
+  std::vector<double> dxn(xn.size(), 0), dz(z.size(), 0), dwn(wn.size(), 0);
+  megatrain::cpu::gated_rmsnorm_backward(xn.data(), z.data(), 19, wn.data(), rstd.data(), r.data(), T, H, D, dxn.data(),
+                                         dz.data(), dwn.data());
+  CHECK(worst_difference(xn, dxn, norm) < 1e-7);
+  CHECK(worst_difference(z, dz, norm) < 1e-7);
+  CHECK(worst_difference(wn, dwn, norm) < 1e-7);
 }
