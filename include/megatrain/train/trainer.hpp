@@ -130,7 +130,7 @@ class Trainer {
   /// no update, the same bits as a training step's forward (last_log_probs()).
   std::vector<double> score(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels, std::int64_t rows,
                             std::span<const std::int32_t> positions = {});
-  /// The last step's log-probabilities of its labels, token by token (this process's rows).
+  /// The last step's log-probabilities of its labels, token by token, until an evaluate() or score().
   std::vector<double> last_log_probs() const { return ctx_.batch.log_probs(); }
 
   /// Waits until the last step's update is applied, and writes the state of the device units
