@@ -101,49 +101,73 @@ class Chunk {
     }
   }
 
-  // The chunk's backward: from dO (rows of value_heads * dv) and dS, the gradient of the state at
-  // its end, which becomes that of the state at its start. dq and dk (this key head's, dense rows
-  // of key_heads * dk) are added to; dv, dg, dbeta (this value head's) written.
-  void backward(const T* S, const T* dout, T* dS, T* dq, T* dk_out, T* dv_out, T* dg, T* dbeta) {
-    const i64 dv = a_.dv, dk = a_.dk, n = n_, Hv = a_.value_heads, Hk = a_.key_heads;
-    const T scale = static_cast<T>(a_.scale);
-    const auto dO = [&](i64 i) { return dout + (c0_ + i) * Hv * dv + h_ * dv; };
-    const auto DQ = [&](i64 i) { return dq + (c0_ + i) * Hk * dk + hk_ * dk; };
-    const auto DK = [&](i64 i) { return dk_out + (c0_ + i) * Hk * dk + hk_ * dk; };
-    const T glast = G[u(n - 1)], gam_last = std::exp(glast);
-    std::vector<T> dG(u(n), 0), ddelta(u(n * dv), 0), dr(u(n * dv), 0), dSk(u(n * dk), 0);
-    // dS^T k_j: the state update's share of ddelta and of dk
-    for (i64 j = 0; j < n; ++j)
-      for (i64 x = 0; x < dk; ++x)
-        for (i64 y = 0; y < dv; ++y) dSk[u(j * dk + x)] += dS[x * dv + y] * delta[u(j * dv + y)];  // dS delta_j
+  // Where the chunk's backward writes: dq and dk (this key head's, dense rows of key_heads * dk,
+  // added to), dv, dg and dbeta (this value head's, written).
+  struct Grads {
+    const T* dout;
+    T *dq, *dk, *dv, *dg, *dbeta;
+  };
+
+  // The chunk's backward: from the outputs' gradient and dS, the gradient of the state at its
+  // end, which becomes that of the state at its start (S).
+  void backward(const T* S, T* dS, const Grads& out) {
+    dG.assign(u(n_), 0);
+    ddelta.assign(u(n_ * a_.dv), 0);
+    state_update_backward(S, dS, out);
+    outputs_backward(S, out);
+    system_backward(out);
+    std::vector<T> dS_in = inputs_backward(S, out);
+    const T gam_last = std::exp(G[u(n_ - 1)]);
+    for (i64 x = 0; x < a_.dk * a_.dv; ++x) dS[x] = gam_last * dS[x] + dS_in[u(x)];
+    T acc = 0;  // G = cumsum(g): dg_i = sum_{l >= i} dG_l
+    for (i64 i = n_ - 1; i >= 0; --i) {
+      acc += dG[u(i)];
+      out.dg[(c0_ + i) * a_.value_heads + h_] = acc;
+    }
+  }
+
+ private:
+  const T* dO(const Grads& o, i64 i) const { return o.dout + (c0_ + i) * a_.value_heads * a_.dv + h_ * a_.dv; }
+  T* DQ(const Grads& o, i64 i) const { return o.dq + (c0_ + i) * a_.key_heads * a_.dk + hk_ * a_.dk; }
+  T* DK(const Grads& o, i64 i) const { return o.dk + (c0_ + i) * a_.key_heads * a_.dk + hk_ * a_.dk; }
+
+  // S' = exp(G_last) S + sum_j exp(G_last - G_j) k_j delta_j^T: its share of ddelta, dk and dG.
+  void state_update_backward(const T* S, const T* dS, const Grads& out) {
+    const i64 dv = a_.dv, dk = a_.dk, n = n_;
+    std::vector<T> dSd(u(dk));  // dS delta_j
     for (i64 j = 0; j < n; ++j) {
       const T e = decay(n - 1, j);
-      for (i64 y = 0; y < dv; ++y) {
-        T s = 0;
-        for (i64 x = 0; x < dk; ++x) s += dS[x * dv + y] * k(j)[x];
-        ddelta[u(j * dv + y)] = e * s;  // (S' = ... + e k_j delta_j^T)
-      }
+      std::fill(dSd.begin(), dSd.end(), T(0));
+      for (i64 x = 0; x < dk; ++x)
+        for (i64 y = 0; y < dv; ++y) {
+          dSd[u(x)] += dS[x * dv + y] * delta[u(j * dv + y)];
+          ddelta[u(j * dv + y)] += e * dS[x * dv + y] * k(j)[x];
+        }
       T kt = 0;  // e k_j . (dS delta_j): d/dG_last, and minus it d/dG_j
       for (i64 x = 0; x < dk; ++x) {
-        kt += k(j)[x] * dSk[u(j * dk + x)];
-        DK(j)[x] += e * dSk[u(j * dk + x)];
+        kt += k(j)[x] * dSd[u(x)];
+        DK(out, j)[x] += e * dSd[u(x)];
       }
-      kt *= e;
-      dG[u(n - 1)] += kt;
-      dG[u(j)] -= kt;
+      dG[u(n - 1)] += e * kt;
+      dG[u(j)] -= e * kt;
     }
-    T sdS = 0;  // <S, dS>: exp(G_last) S
+    T sdS = 0;  // <S, dS>, through exp(G_last) S
     for (i64 x = 0; x < dk * dv; ++x) sdS += S[x] * dS[x];
-    dG[u(n - 1)] += gam_last * sdS;
-    // The outputs: O = scale (diag(exp G) Q S + M delta), M_ij = exp(G_i - G_j) q_i.k_j (j <= i)
+    dG[u(n - 1)] += std::exp(G[u(n - 1)]) * sdS;
+  }
+
+  // O = scale (diag(exp G) Q S + M delta), M_ij = exp(G_i - G_j) q_i.k_j (j <= i).
+  void outputs_backward(const T* S, const Grads& out) {
+    const i64 dv = a_.dv, dk = a_.dk, n = n_;
+    const T scale = static_cast<T>(a_.scale);
     for (i64 i = 0; i < n; ++i) {
       const T gi = std::exp(G[u(i)]);
-      const T* doi = dO(i);
+      const T* doi = dO(out, i);
       T inter = 0;  // dO_i . S^T q_i
       for (i64 x = 0; x < dk; ++x) {
         T sd = 0;  // (S dO_i)_x
         for (i64 y = 0; y < dv; ++y) sd += S[x * dv + y] * doi[y];
-        DQ(i)[x] += scale * gi * sd;
+        DQ(out, i)[x] += scale * gi * sd;
         inter += q(i)[x] * sd;
       }
       dG[u(i)] += scale * gi * inter;
@@ -152,67 +176,67 @@ class Chunk {
         const T dd = dot(doi, &delta[u(j * dv)], dv);  // dO_i . delta_j
         for (i64 y = 0; y < dv; ++y) ddelta[u(j * dv + y)] += scale * e * qk * doi[y];
         for (i64 x = 0; x < dk; ++x) {
-          DQ(i)[x] += scale * e * dd * k(j)[x];
-          DK(j)[x] += scale * e * dd * q(i)[x];
+          DQ(out, i)[x] += scale * e * dd * k(j)[x];
+          DK(out, j)[x] += scale * e * dd * q(i)[x];
         }
-        const T m = scale * e * qk * dd;
-        dG[u(i)] += m;
-        dG[u(j)] -= m;
+        dG[u(i)] += scale * e * qk * dd;
+        dG[u(j)] -= scale * e * qk * dd;
       }
     }
-    // delta = T r: dr = T^T ddelta
+  }
+
+  // delta = T r, T = (I + A)^-1: dr = T^T ddelta; dA_ij = -dr_i . delta_j (j < i), with
+  // A_ij = beta_i exp(G_i - G_j) k_i.k_j.
+  void system_backward(const Grads& out) {
+    const i64 dv = a_.dv, dk = a_.dk, n = n_;
+    dr.assign(u(n * dv), 0);
     for (i64 l = 0; l < n; ++l)
-      for (i64 i = l; i < n; ++i) {
-        const T t = Tm[u(i * n + l)];
-        for (i64 y = 0; y < dv; ++y) dr[u(l * dv + y)] += t * ddelta[u(i * dv + y)];
-      }
-    // T = (I + A)^-1: dA_ij = -dr_i . delta_j (j < i); A_ij = beta_i exp(G_i - G_j) k_i.k_j
+      for (i64 i = l; i < n; ++i)
+        for (i64 y = 0; y < dv; ++y) dr[u(l * dv + y)] += Tm[u(i * n + l)] * ddelta[u(i * dv + y)];
     for (i64 i = 0; i < n; ++i)
       for (i64 j = 0; j < i; ++j) {
         const T da = -dot(&dr[u(i * dv)], &delta[u(j * dv)], dv);
         const T e = decay(i, j), w = da * beta(i) * e;
-        dbeta[(c0_ + i) * Hv + h_] += da * e * kk[u(i * n + j)];
+        out.dbeta[(c0_ + i) * a_.value_heads + h_] += da * e * kk[u(i * n + j)];
         for (i64 x = 0; x < dk; ++x) {
-          DK(i)[x] += w * k(j)[x];
-          DK(j)[x] += w * k(i)[x];
+          DK(out, i)[x] += w * k(j)[x];
+          DK(out, j)[x] += w * k(i)[x];
         }
-        const T ga = da * A[u(i * n + j)];
-        dG[u(i)] += ga;
-        dG[u(j)] -= ga;
+        dG[u(i)] += da * A[u(i * n + j)];
+        dG[u(j)] -= da * A[u(i * n + j)];
       }
-    // r_i = beta_i (v_i - exp(G_i) S^T k_i)
+  }
+
+  // r_i = beta_i (v_i - exp(G_i) S^T k_i): dv, dbeta, dk and dG; returns dS's share from the
+  // chunk's inputs and outputs (the start state's gradient less exp(G_last) dS).
+  std::vector<T> inputs_backward(const T* S, const Grads& out) {
+    const i64 dv = a_.dv, dk = a_.dk, n = n_, Hv = a_.value_heads;
+    const T scale = static_cast<T>(a_.scale);
     std::vector<T> dS_in(u(dk * dv), 0);
     for (i64 i = 0; i < n; ++i) {
       const T gi = std::exp(G[u(i)]), b = beta(i);
       const T* dri = &dr[u(i * dv)];
-      T* dvi = dv_out + (c0_ + i) * Hv * dv + h_ * dv;
+      T* dvi = out.dv + (c0_ + i) * Hv * dv + h_ * dv;
       T db = 0, dsk = 0;
       for (i64 y = 0; y < dv; ++y) {
         dvi[y] = b * dri[y];
         db += dri[y] * (v(i)[y] - gi * Sk[u(i * dv + y)]);
         dsk += dri[y] * Sk[u(i * dv + y)];
       }
-      dbeta[(c0_ + i) * Hv + h_] += db;
+      out.dbeta[(c0_ + i) * Hv + h_] += db;
       dG[u(i)] -= b * gi * dsk;
       for (i64 x = 0; x < dk; ++x) {
         T sdr = 0;  // (S dr_i)_x
         for (i64 y = 0; y < dv; ++y) {
           sdr += S[x * dv + y] * dri[y];
-          dS_in[u(x * dv + y)] += scale * gi * q(i)[x] * dO(i)[y] - b * gi * k(i)[x] * dri[y];
+          dS_in[u(x * dv + y)] += scale * gi * q(i)[x] * dO(out, i)[y] - b * gi * k(i)[x] * dri[y];
         }
-        DK(i)[x] -= b * gi * sdr;
+        DK(out, i)[x] -= b * gi * sdr;
       }
     }
-    for (i64 x = 0; x < dk * dv; ++x) dS[x] = gam_last * dS[x] + dS_in[u(x)];
-    // G = cumsum(g): dg_i = sum_{l >= i} dG_l
-    T acc = 0;
-    for (i64 i = n - 1; i >= 0; --i) {
-      acc += dG[u(i)];
-      dg[(c0_ + i) * Hv + h_] = acc;
-    }
+    return dS_in;
   }
 
- private:
   static std::size_t u(i64 i) { return static_cast<std::size_t>(i); }
   const T* q(i64 i) const { return a_.q + (c0_ + i) * a_.q_stride + hk_ * a_.dk; }
   const T* k(i64 i) const { return a_.k + (c0_ + i) * a_.k_stride + hk_ * a_.dk; }
@@ -226,6 +250,7 @@ class Chunk {
 
  public:
   std::vector<T> G, kk, A, Tm, Sk, r, delta;
+  std::vector<T> dG, ddelta, dr;  // (the backward's)
 };
 
 // Each sequence's first chunk among all sequences' chunks, then the total.
@@ -303,7 +328,7 @@ void delta_rule_backward(const DeltaRule<T>& a, const T* states, const T* dout, 
         const i64 c0 = t0 + j * a.chunk;
         const T* S = states + ((first + j) * a.value_heads + h) * state;
         c.prepare(c0, std::min<i64>(a.chunk, t1 - c0), S);
-        c.backward(S, dout, dS.data(), dq, dk, dv, dg, dbeta);
+        c.backward(S, dS.data(), {dout, dq, dk, dv, dg, dbeta});
       }
     }
   });

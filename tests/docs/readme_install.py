@@ -12,8 +12,7 @@ import re
 import sys
 
 # Installed by CI for checks that skip cleanly where the tool is absent (each test says so).
-OPTIONAL = {"chromium": "report.html rendered in headless Chromium (tests/report: skipped without it)",
-            "universal-ctags": "the functions' lengths of the house rules (tests/docs/house_rules.py: skipped without it)"}
+OPTIONAL = {"chromium": "report.html rendered in headless Chromium (tests/report: skipped without it)"}
 
 
 def packages(command):

@@ -106,8 +106,15 @@ TEST_CASE("cross-entropy as weights (1 / labelled tokens each) is the cross-entr
     for (std::size_t t = 0; t < w.size(); ++t)
       w[t] = batch.labels[t] == kIgnoreIndex ? 0.0f : static_cast<float>(1.0 / static_cast<double>(valid));
     const auto sa = ta.step(batch.ids, batch.labels);
+    const auto lp = ta.last_log_probs();
     const auto sb = tb.step(TokenWeighted(w), batch.ids, batch.labels);
     CHECK(sb.loss == doctest::Approx(sa.loss).epsilon(8 * 1.2e-7));
+    // CrossEntropy's own weights and value (what a weighted path would use) are the same objective
+    const ObjectiveRows rows{0, 4, 11, batch.labels, lp, valid};
+    std::vector<float> ce(w.size());
+    CrossEntropy{}.weights(rows, ce);
+    CHECK(ce == w);
+    CHECK(CrossEntropy{}.value(rows) == doctest::Approx(sa.loss).epsilon(1e-12));
     CHECK(sb.grad_norm == doctest::Approx(sa.grad_norm).epsilon(1e-5));
   }
   ta.finish_update();
@@ -206,24 +213,20 @@ TEST_CASE("a weighted objective without TrainerOptions::token_weights, or with t
   DecoderModel<> model(cfg);
   HostParamStore<float> store(model.units(), store_opts(o));
   CpuBackend<float> be;
-  {
+  std::mt19937 rng(3);
+  const auto b = random_batch(rng, 2, 8, 53);
+  for (const bool buffers : {false, true}) {
+    CAPTURE(buffers);
+    o.token_weights = buffers;
     Trainer<CpuBackend<float>> trainer(model, store, be, o);
-    std::mt19937 rng(3);
-    const auto b = random_batch(rng, 2, 8, 53);
     const auto before = state_of(store);
-    CHECK_THROWS_WITH_AS(trainer.step(TokenWeighted(std::vector<float>(16, 0.1f)), b.ids, b.labels),
-                         doctest::Contains("TrainerOptions::token_weights"), Error);
+    const std::size_t given = buffers ? 15 : 16;  // (with the buffers: one weight short)
+    CHECK_THROWS_WITH_AS(trainer.step(TokenWeighted(std::vector<float>(given, 0.1f)), b.ids, b.labels),
+                         doctest::Contains(buffers ? "15 weights were given" : "TrainerOptions::token_weights"), Error);
     CHECK(same_bits(before, state_of(store)));
     CHECK(trainer.steps_done() == 0);
   }
-  o.token_weights = true;
   Trainer<CpuBackend<float>> trainer(model, store, be, o);
-  std::mt19937 rng(3);
-  const auto b = random_batch(rng, 2, 8, 53);
-  const auto before = state_of(store);
-  CHECK_THROWS_WITH_AS(trainer.step(TokenWeighted(std::vector<float>(15, 0.1f)), b.ids, b.labels),
-                       doctest::Contains("15 weights were given"), Error);
-  CHECK(same_bits(before, state_of(store)));
-  trainer.step(TokenWeighted(std::vector<float>(16, 0.1f)), b.ids, b.labels);  // (then it trains)
+  trainer.step(TokenWeighted(std::vector<float>(16, 0.1f)), b.ids, b.labels);  // (with as many weights as tokens, it trains)
   CHECK(trainer.steps_done() == 1);
 }

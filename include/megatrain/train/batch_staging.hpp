@@ -204,8 +204,12 @@ class BatchStaging {
   /// The last pass's log-probabilities of the labels (minus its losses), token by token.
   std::vector<double> log_probs() const {
     std::vector<double> lp(loss_host.size());
-    for (std::size_t t = 0; t < lp.size(); ++t) lp[t] = -static_cast<double>(loss_host[t]);
+    to_log_probs(loss_host, lp);
     return lp;
+  }
+  /// Log-probabilities from per-token losses: each loss negated, exactly (a double holds it).
+  static void to_log_probs(std::span<const Acc> losses, std::span<double> out) {
+    for (std::size_t t = 0; t < losses.size(); ++t) out[t] = -static_cast<double>(losses[t]);
   }
 
   // ---- an objective's view (train/objective.hpp) -----------------------------------------------
@@ -217,7 +221,7 @@ class BatchStaging {
     ObjectiveRows r{m * rows, rows, opt.seq_len, std::span<const std::int32_t>(labels_host).subspan(off, n), {}, batch_labelled};
     if (with_log_probs) {
       log_probs_.resize(n);
-      for (std::size_t t = 0; t < n; ++t) log_probs_[t] = -static_cast<double>(loss_host[off + t]);
+      to_log_probs(std::span<const Acc>(loss_host).subspan(off, n), log_probs_);
       r.log_probs = log_probs_;
     }
     return r;

@@ -83,8 +83,6 @@ class TokenWeighted final : public Objective {
   std::string name() const override { return "token-weighted"; }
   void weights(const ObjectiveRows& rows, std::span<float> w) const override;
   double value(const ObjectiveRows& rows) const override;
-  /// How many weights were given (the trainer checks it against the batch).
-  std::size_t size() const { return w_.size(); }
 
  private:
   std::vector<float> w_;

@@ -33,7 +33,7 @@ std::vector<double> Trainer<B, Block, U...>::score(std::span<const std::int32_t>
   MT_NVTX_RANGE("Trainer::score");
   std::vector<double> lp(labels.size());
   forward_only(ids, labels, rows, positions, [&](std::size_t first, std::span<const typename B::Acc> loss) {
-    for (std::size_t t = 0; t < loss.size(); ++t) lp[first + t] = -static_cast<double>(loss[t]);
+    BatchStaging<B>::to_log_probs(loss, std::span<double>(lp).subspan(first, loss.size()));
   });
   return lp;
 }
