@@ -259,9 +259,8 @@ class Encoder {
         } catch (const json::exception& e) {  // (parse_error, or out_of_range for a number beyond a double's range)
           // JSON is UTF-8 (RFC 8259): a record that is not is refused, naming the first bad byte.
           const std::string_view t = batch[i].text;
-          const std::string valid = utf8_lossy(t);
-          const auto at = static_cast<std::size_t>(std::mismatch(t.begin(), t.end(), valid.begin(), valid.end()).first - t.begin());
-          error[i] = valid != t ? fmt::format("not UTF-8 (byte 0x{:02x} at column {}; JSON records are UTF-8: fix the "
+          const std::size_t at = first_invalid_utf8(t);
+          error[i] = at != std::string_view::npos ? fmt::format("not UTF-8 (byte 0x{:02x} at column {}; JSON records are UTF-8: fix the "
                                               "file's encoding)", static_cast<unsigned char>(t[at]), at + 1)
                                 : fmt::format("not JSON ({})", e.what());
         }

@@ -29,6 +29,38 @@ using json = nlohmann::json;
 
 // ---- UTF-8 ----------------------------------------------------------------------------------
 
+namespace {
+
+/// The UTF-8 sequence at byte i of p[0, n): its bytes that belong to it (k >= 1; the longest valid
+/// prefix where it is invalid) and whether they make a whole valid sequence (ASCII included).
+struct Utf8Sequence {
+  std::size_t k = 1;
+  bool valid = false;
+};
+Utf8Sequence utf8_sequence(const unsigned char* p, std::size_t n, std::size_t i) {
+  const unsigned char b = p[i];
+  if (b < 0x80) return {1, true};
+  std::size_t len = 0;
+  unsigned char lo = 0x80, hi = 0xBF;  // the second byte's range
+  if (b >= 0xC2 && b <= 0xDF) len = 2;
+  else if (b == 0xE0) len = 3, lo = 0xA0;
+  else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) len = 3;
+  else if (b == 0xED) len = 3, hi = 0x9F;
+  else if (b == 0xF0) len = 4, lo = 0x90;
+  else if (b >= 0xF1 && b <= 0xF3) len = 4;
+  else if (b == 0xF4) len = 4, hi = 0x8F;
+  if (len == 0) return {1, false};
+  std::size_t k = 1;
+  for (; k < len && i + k < n; ++k) {
+    const unsigned char c = p[i + k];
+    const unsigned char l = k == 1 ? lo : 0x80, h = k == 1 ? hi : 0xBF;
+    if (c < l || c > h) break;
+  }
+  return {k, k == len};
+}
+
+}  // namespace
+
 std::string utf8_lossy(std::string_view s) {
   static constexpr char kReplacement[] = "\xEF\xBF\xBD";
   std::string out;
@@ -37,8 +69,7 @@ std::string utf8_lossy(std::string_view s) {
   const std::size_t n = s.size();
   std::size_t i = 0;
   while (i < n) {
-    const unsigned char b = p[i];
-    if (b < 0x80) {
+    if (p[i] < 0x80) {
       // ASCII runs are copied whole
       std::size_t j = i + 1;
       while (j < n && p[j] < 0x80) ++j;
@@ -46,32 +77,23 @@ std::string utf8_lossy(std::string_view s) {
       i = j;
       continue;
     }
-    std::size_t len = 0;
-    unsigned char lo = 0x80, hi = 0xBF;  // the second byte's range
-    if (b >= 0xC2 && b <= 0xDF) len = 2;
-    else if (b == 0xE0) len = 3, lo = 0xA0;
-    else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) len = 3;
-    else if (b == 0xED) len = 3, hi = 0x9F;
-    else if (b == 0xF0) len = 4, lo = 0x90;
-    else if (b >= 0xF1 && b <= 0xF3) len = 4;
-    else if (b == 0xF4) len = 4, hi = 0x8F;
-    if (len == 0) {
-      out += kReplacement;
-      ++i;
-      continue;
-    }
-    // The longest valid prefix of the sequence: one replacement for all of it when incomplete.
-    std::size_t k = 1;
-    for (; k < len && i + k < n; ++k) {
-      const unsigned char c = p[i + k];
-      const unsigned char l = k == 1 ? lo : 0x80, h = k == 1 ? hi : 0xBF;
-      if (c < l || c > h) break;
-    }
-    if (k == len) out.append(s.substr(i, len));
+    // One replacement for the whole of an invalid sequence's longest valid prefix.
+    const Utf8Sequence q = utf8_sequence(p, n, i);
+    if (q.valid) out.append(s.substr(i, q.k));
     else out += kReplacement;
-    i += k;
+    i += q.k;
   }
   return out;
+}
+
+std::size_t first_invalid_utf8(std::string_view s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  for (std::size_t i = 0; i < s.size();) {
+    const Utf8Sequence q = utf8_sequence(p, s.size(), i);
+    if (!q.valid) return i;
+    i += q.k;
+  }
+  return std::string_view::npos;
 }
 
 namespace {

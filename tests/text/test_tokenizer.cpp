@@ -16,6 +16,7 @@
 
 using namespace megatrain;
 using megatrain::text::Tokenizer;
+using megatrain::text::first_invalid_utf8;
 using megatrain::text::utf8_lossy;
 using json = nlohmann::json;
 
@@ -83,6 +84,20 @@ TEST_CASE("invalid UTF-8 becomes U+FFFD, one per maximal invalid subsequence") {
   CHECK(utf8_lossy("\xF4\x90\x80\x80") == r + r + r + r);      // above U+10FFFF
   CHECK(utf8_lossy("\xC3(b") == r + "(b");
   CHECK(utf8_lossy("\xFF\xFE") == r + r);
+}
+
+TEST_CASE("the first byte that is not valid UTF-8, a sequence cut short by the end included") {
+  constexpr auto none = std::string_view::npos;
+  CHECK(first_invalid_utf8("") == none);
+  CHECK(first_invalid_utf8("caf\xC3\xA9 \xF0\x9F\xA4\x97") == none);
+  CHECK(first_invalid_utf8("ab\x80") == 2);
+  CHECK(first_invalid_utf8("{\"a\": 1}\n\xEF") == 9);        // a 3-byte sequence's first byte, then the end
+  CHECK(first_invalid_utf8("x\xE2\x82") == 1);                 // its first two bytes, then the end
+  CHECK(first_invalid_utf8("\xC3\xA9\xED\xA0\x80") == 2);       // a surrogate after a valid sequence
+  CHECK(first_invalid_utf8("\xF4\x90\x80\x80") == 0);           // above U+10FFFF
+  // agrees with utf8_lossy: the text is valid exactly where it comes back unchanged
+  for (const std::string t : {"a\xC3", "\xC0\xAF", "ok", "\xE0\xA0\x80", "\xF0\x90\x80"})
+    CHECK((first_invalid_utf8(t) == none) == (utf8_lossy(t) == t));
 }
 
 TEST_CASE("byte-level BPE: merges by rank, leftmost first; pre-tokenized words; decode gives the text back") {

@@ -126,6 +126,18 @@ check("bad.jsonl:2: not JSON" in err and "--skip-bad-lines" in err, f"bad line 2
 check(not any(n.startswith("bad.bin") for n in os.listdir(work)), f"a refused run left files: {os.listdir(work)}")
 out = run(tokenize, ["--tokenizer", tok, "--input", "bad.jsonl", "--output", "bad.bin", "--skip-bad-lines"])
 check("bad lines skipped: 4" in out, f"skipped count: {out}")
+
+# Not UTF-8: the first bad byte named, a sequence cut short by the line's end included.
+with open(os.path.join(work, "latin1.jsonl"), "wb") as f:
+    f.write(b'{"text": "ok"}\n{"text": "caf\xe9"}\n{"text": "ok"} \xef\n')
+err = run(tokenize, ["--tokenizer", tok, "--input", "latin1.jsonl", "--output", "latin1.bin"], rc=1)
+check("latin1.jsonl:2: not UTF-8 (byte 0xe9 at column 14" in err, f"a Latin-1 byte: {err}")
+out = run(tokenize, ["--tokenizer", tok, "--input", "latin1.jsonl", "--output", "latin1.bin", "--skip-bad-lines"])
+check("bad lines skipped: 2" in out, f"two lines not UTF-8 skipped: {out}")
+with open(os.path.join(work, "cut.jsonl"), "wb") as f:
+    f.write(b'{"text": "ok"}\n{"text": "ok"} \xef\n')
+err = run(tokenize, ["--tokenizer", tok, "--input", "cut.jsonl", "--output", "cut.bin"], rc=1)
+check("cut.jsonl:2: not UTF-8 (byte 0xef at column 16" in err, f"a sequence cut short by the line's end: {err}")
 check(ids("bad.bin", 2) == hello + [258, O, 258], f"bad.bin: {ids('bad.bin', 2)}")
 with open(os.path.join(work, "empty.jsonl"), "w") as f:
     f.write('{"text": ""}\n')

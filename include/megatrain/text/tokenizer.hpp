@@ -89,5 +89,8 @@ class Tokenizer {
 
 /// `bytes` as valid UTF-8: every maximal invalid subsequence replaced by U+FFFD.
 std::string utf8_lossy(std::string_view bytes);
+/// Where the first byte of `bytes` that is not part of a valid UTF-8 sequence is (a sequence cut
+/// short by the end included); std::string_view::npos where all of it is valid.
+std::size_t first_invalid_utf8(std::string_view bytes);
 
 }  // namespace megatrain::text
