@@ -5,6 +5,7 @@
 #   bench/compare_binaries.sh OLD_BENCH_TRAIN NEW_BENCH_TRAIN OUT [SHAPE...]
 # SHAPE is one of 1.5b, 7b, 8b, moe6, 7b-131k (default: all, in that order). Each shape runs OLD,
 # NEW, OLD, NEW where ROUNDS=2 (the default), with exact clipping and a 120 GiB host budget.
+# The table gives each shape's mean tokens/s and its peak GPU memory (the last round's), old and new.
 # Logs go to OUT/<shape>-<old|new>-<round>.log; the table to OUT/table.md and standard output.
 set -uo pipefail
 OLD=$1 NEW=$2 OUT=$(mkdir -p "$3" && cd "$3" && pwd); shift 3
@@ -21,7 +22,8 @@ args_of() {
   esac
 }
 tps() { grep -oP '\| tokens/s \(mean of \d+ steps\) \| \K[0-9]+' "$1" | head -1; }
-table="| shape | old tok/s | new tok/s | new / old |\n| --- | --- | --- | --- |\n"
+gpu_peak() { grep -oP '^\| peak GPU memory [^|]*\| \K[^|]*[^| ]' "$1" | head -1; }
+table="| shape | old tok/s | new tok/s | new / old | old peak GPU | new peak GPU |\n| --- | --- | --- | --- | --- | --- |\n"
 for shape in $shapes; do
   read -r -a args <<< "$(args_of "$shape")"
   declare -A sum=([old]=0 [new]=0) n=([old]=0 [new]=0)
@@ -39,7 +41,7 @@ for shape in $shapes; do
   done
   old=$(( n[old] ? sum[old] / n[old] : 0 )); new=$(( n[new] ? sum[new] / n[new] : 0 ))
   ratio=$(python3 -c "print(f'{$new/max($old,1):.3f}')")
-  table+="| $shape ($(args_of "$shape")) | $old | $new | $ratio (${runs[*]}) |\n"
+  table+="| $shape ($(args_of "$shape")) | $old | $new | $ratio (${runs[*]}) | $(gpu_peak "$OUT/$shape-old-$rounds.log") | $(gpu_peak "$OUT/$shape-new-$rounds.log") |\n"
   unset sum n
 done
 printf "%b" "$table" | tee "$OUT/table.md"
