@@ -2,6 +2,8 @@
 // backward, in the precision of T (the state too), one (sequence, key head) pair a task.
 #include "megatrain/backend/cpu/delta_rule.hpp"
 
+#include <string_view>
+
 #include <oneapi/tbb/parallel_for.h>
 
 #include <algorithm>
@@ -276,15 +278,19 @@ std::int64_t DeltaRule<T>::chunks() const {
   return chunk_offsets(starts, chunk).back();
 }
 
+void check_sequence_starts(std::span<const std::int32_t> starts, std::string_view what) {
+  MT_CHECK(!starts.empty() && starts.front() == 0, "{}: the sequences' starts must begin at 0", what);
+  for (std::size_t s = 1; s < starts.size(); ++s)
+    MT_CHECK(starts[s] > starts[s - 1], "{}: sequence {} is empty or its start goes back ({} then {})", what, s - 1,
+             starts[s - 1], starts[s]);
+}
+
 template <class T>
 void DeltaRule<T>::check() const {
   MT_CHECK(key_heads > 0 && value_heads > 0 && value_heads % key_heads == 0 && dk > 0 && dv > 0 && chunk > 0,
            "delta rule: {} key heads, {} value heads (a multiple of them), dk {}, dv {}, chunk {}", key_heads, value_heads, dk,
            dv, chunk);
-  MT_CHECK(!starts.empty() && starts.front() == 0, "delta rule: the sequences' starts must begin at 0");
-  for (std::size_t s = 1; s < starts.size(); ++s)
-    MT_CHECK(starts[s] > starts[s - 1], "delta rule: sequence {} is empty or its start goes back ({} then {})", s - 1,
-             starts[s - 1], starts[s]);
+  check_sequence_starts(starts, "delta rule");
   MT_CHECK(q_stride >= key_heads * dk && k_stride >= key_heads * dk && v_stride >= value_heads * dv,
            "delta rule: row strides q {}, k {}, v {} shorter than the heads' widths", q_stride, k_stride, v_stride);
 }

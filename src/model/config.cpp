@@ -257,6 +257,10 @@ void ModelConfig::validate(std::string_view src) const {
   // The parts a family's recipe does not have (a config assembled by hand)
   MT_CHECK(hidden_act == block.activation, "{}: {}'s MLP activation is {}, not {}", src, architecture_name(),
            activation_name(block.activation), activation_name(hidden_act));
+  for (std::size_t l = 0; l < layer_types.size(); ++l)
+    MT_CHECK(layer_types[l] != TokenMixerKind::linear_attention,
+             "{}: layer_types makes layer {} a linear_attention layer, which {} has not (Gated DeltaNet layers are "
+             "Qwen3.5's and Qwen3-Next's; megatrain cannot train those families yet)", src, l, architecture_name());
   MT_CHECK(layer_types.empty() || block.per_layer_windows,
            "{}: {} has no per-layer sliding windows (layer types)", src, architecture_name());
   MT_CHECK(!query_pre_attn_scalar || block.query_pre_attn_scalar, "{}: {} has no query_pre_attn_scalar", src,
@@ -463,22 +467,48 @@ std::int64_t ModelConfig::param_count() const {
   const auto mul = [](std::int64_t a, std::int64_t b) { return checked_mul(a, b, "the model's parameter count"); };
   const auto add = [](std::int64_t a, std::int64_t b) { return checked_add(a, b, "the model's parameter count"); };
   const std::int64_t d = hidden_size;
-  std::int64_t block = add(add(add(mul(2, d), mul(d, q_dim())), mul(mul(2, d), kv_dim())), mul(q_dim(), d));  // norms, q, k, v, o
-  if (qkv_bias) block = add(block, add(q_dim(), mul(2, kv_dim())));
-  if (o_bias) block = add(block, d);
+  std::int64_t block = mul(2, d);  // the norms
   if (mlp_bias) block = add(block, add(mul(2, intermediate_size), d));
-  if (qk_norm()) block = add(block, qk_norm_full() ? add(q_dim(), kv_dim()) : mul(2, head_dim));
   if (sandwich_norms()) block = add(block, mul(2, d));
-  if (attention_sinks()) block = add(block, num_attention_heads);
+  // the token mixers: attention's q, k, v, o (and its biases, norms, sinks), or linear attention's
+  std::int64_t attention = add(add(mul(d, q_dim()), mul(mul(2, d), kv_dim())), mul(q_dim(), d));
+  if (qkv_bias) attention = add(attention, add(q_dim(), mul(2, kv_dim())));
+  if (o_bias) attention = add(attention, d);
+  if (qk_norm()) attention = add(attention, qk_norm_full() ? add(q_dim(), kv_dim()) : mul(2, head_dim));
+  if (attention_sinks()) attention = add(attention, num_attention_heads);
+  std::int64_t linear = 0;
+  for (std::int64_t l = 0; l < num_hidden_layers; ++l) linear += layer_kind(l).token_mixer == TokenMixerKind::linear_attention;
+  const std::int64_t mixers =
+      add(mul(num_hidden_layers - linear, attention), linear > 0 ? mul(linear, linear_attention.params(d)) : 0);
   // the MLPs: dense gate, up, down; or the router and each expert's three
   const std::int64_t sparse = moe_layer_count();
   const std::int64_t dense_mlp = mul(mul(3, d), intermediate_size);
   const std::int64_t moe_mlp = moe.num_experts > 0 ? add(mul(moe.num_experts, add(d, moe.biases ? 1 : 0)),
                                                          mul(moe.num_experts, expert_params())) : 0;
-  std::int64_t n = add(add(mul(vocab_size, d), mul(num_hidden_layers, block)), d);
+  std::int64_t n = add(add(add(mul(vocab_size, d), mul(num_hidden_layers, block)), d), mixers);
   n = add(n, add(mul(num_hidden_layers - sparse, dense_mlp), mul(sparse, moe_mlp)));
   if (!tie_word_embeddings) n = add(n, mul(vocab_size, d));
   return n;
+}
+
+std::int64_t LinearAttentionConfig::params(std::int64_t d) const {
+  const auto mul = [](std::int64_t a, std::int64_t b) { return checked_mul(a, b, "the model's parameter count"); };
+  const auto add = [](std::int64_t a, std::int64_t b) { return checked_add(a, b, "the model's parameter count"); };
+  // q, k, v and z; b and a; the convolution; A_log and dt_bias; the norm; the output projection
+  const std::int64_t in = mul(d, add(add(conv_dim(), value_dim()), mul(2, value_heads)));
+  return add(add(add(in, mul(conv_dim(), conv_kernel)), add(mul(2, value_heads), value_head_dim)), mul(value_dim(), d));
+}
+
+void LinearAttentionConfig::check(std::string_view src) const {
+  MT_CHECK(key_heads > 0 && value_heads > 0 && key_head_dim > 0 && value_head_dim > 0 && conv_kernel > 0,
+           "{}: linear_num_key_heads ({}), linear_num_value_heads ({}), linear_key_head_dim ({}), linear_value_head_dim "
+           "({}) and linear_conv_kernel_dim ({}) must be > 0", src, key_heads, value_heads, key_head_dim, value_head_dim,
+           conv_kernel);
+  MT_CHECK(value_heads % key_heads == 0, "{}: linear_num_value_heads ({}) must be a multiple of linear_num_key_heads ({})",
+           src, value_heads, key_heads);
+  constexpr std::int64_t kMax = std::int64_t{1} << 14;
+  MT_CHECK(key_heads <= kMax && value_heads <= kMax && key_head_dim <= kMax && value_head_dim <= kMax && conv_kernel <= kMax,
+           "{}: a linear attention size is beyond any model (at most {})", src, kMax);
 }
 
 std::int64_t ModelConfig::expert_params() const {

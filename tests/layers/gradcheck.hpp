@@ -161,11 +161,14 @@ std::vector<T> random_weights(const UnitLayout& layout, Random& rng) {
       case ParamInit::zeros:
         rng.fill(t, -0.3, 0.3);
         break;
-      case ParamInit::normal: {
-        const double a = std::sqrt(3.0 / static_cast<double>(e.spec.shape[1]));
+      case ParamInit::normal: {  // (fan-in: the elements of a row; a convolution's taps)
+        const double a = std::sqrt(3.0 / static_cast<double>(e.numel() / e.spec.shape[0]));
         rng.fill(t, -a, a);
         break;
       }
+      case ParamInit::a_log:  // (decays exp(A_log) softplus(.) of order 1)
+        rng.fill(t, -1.0, 0.7);
+        break;
     }
   }
   return slab;

@@ -1389,11 +1389,17 @@ TEST_CASE("families: each family's entry reads, checks and writes its own config
 }
 
 TEST_CASE("config: a layer type megatrain does not build is refused, naming the entry") {
-  const json j = json::parse(R"({"architectures":["Gemma3ForCausalLM"],"hidden_size":32,"intermediate_size":56,
+  json j = json::parse(R"({"architectures":["Gemma3ForCausalLM"],"hidden_size":32,"intermediate_size":56,
     "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":8,"vocab_size":97,
-    "query_pre_attn_scalar":8,"sliding_window":4,"layer_types":["linear_attention","full_attention"]})");
+    "query_pre_attn_scalar":8,"sliding_window":4,"layer_types":["mamba","full_attention"]})");
   CHECK_THROWS_WITH_AS(ModelConfig::from_json(j, "c.json"),
-                       doctest::Contains("c.json: layer_types holds \"linear_attention\"; each entry must be "
-                                         "\"full_attention\" or \"sliding_attention\""),
+                       doctest::Contains("c.json: layer_types holds \"mamba\"; each entry must be \"full_attention\", "
+                                         "\"sliding_attention\" or \"linear_attention\""),
+                       Error);
+  // linear attention is known, and refused in a family that has none
+  j["layer_types"] = {"linear_attention", "full_attention"};
+  CHECK_THROWS_WITH_AS(ModelConfig::from_json(j, "c.json"),
+                       doctest::Contains("c.json: layer_types makes layer 0 a linear_attention layer, which "
+                                         "Gemma3ForCausalLM has not"),
                        Error);
 }

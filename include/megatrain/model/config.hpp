@@ -76,6 +76,29 @@ struct MoeConfig {
   bool biases = false;
 };
 
+/// The shape of Gated DeltaNet, the linear attention of Qwen3.5's and Qwen3-Next's
+/// linear_attention layers (config.json's linear_* fields; layers/ops/gated_deltanet.hpp).
+/// key_heads 0: a model without linear attention.
+struct LinearAttentionConfig {
+  std::int64_t key_heads = 0;       ///< linear_num_key_heads
+  std::int64_t value_heads = 0;     ///< linear_num_value_heads (a multiple of key_heads)
+  std::int64_t key_head_dim = 0;    ///< linear_key_head_dim
+  std::int64_t value_head_dim = 0;  ///< linear_value_head_dim
+  std::int64_t conv_kernel = 4;     ///< linear_conv_kernel_dim: the causal convolution's taps
+  /// Qwen3-Next's fused projections (in_proj_qkvz, in_proj_ba); else Qwen3.5's four.
+  bool fused = false;
+
+  std::int64_t key_dim() const { return key_heads * key_head_dim; }
+  std::int64_t value_dim() const { return value_heads * value_head_dim; }
+  /// The convolution's channels: q, k and v.
+  std::int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }
+  /// The parameters of one layer's linear attention (the same fused or not).
+  std::int64_t params(std::int64_t hidden_size) const;
+  /// Throws naming the first field out of range; `src` names where it came from.
+  void check(std::string_view src) const;
+  bool operator==(const LinearAttentionConfig&) const = default;
+};
+
 struct ModelConfig {
   /// Bounds far beyond any published model (the deepest have ~128 layers, the widest heads 512
   /// dimensions), checked as soon as a config is read, before anything sized by them is built.
@@ -124,6 +147,8 @@ struct ModelConfig {
   double initializer_range = 0.02;
   /// The experts of Qwen3-MoE, Mixtral, OLMoE and GPT-OSS (num_experts 0 for the dense families).
   MoeConfig moe;
+  /// The linear-attention layers' shape (layer_types' linear_attention entries); none elsewhere.
+  LinearAttentionConfig linear_attention;
   /// The activation of the experts' gated MLPs (GPT-OSS: clamped_swiglu); hidden_act elsewhere.
   Activation expert_act() const;
   /// Where the checkpoint keeps this model's tensors when config.json describes a multimodal

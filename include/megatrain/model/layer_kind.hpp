@@ -1,5 +1,6 @@
 // What each decoder layer is made of: its token mixer (how a token reads the others: attention
-// over the whole sequence, or within a sliding window) and its channel mixer (how a token's
+// over the whole sequence, or within a sliding window, or linear attention: Gated DeltaNet) and
+// its channel mixer (how a token's
 // features are transformed: a dense gated MLP, or a mixture of experts). ModelConfig::layer_kind
 // says it per layer, from the config's data (config.json's layer_types, the experts' layers); a
 // block (ComposedBlock) builds each layer's mixers from it. docs/layers.md#mixers.
@@ -11,7 +12,7 @@
 namespace megatrain {
 
 /// A layer's token mixer, named as config.json's layer_types names it.
-enum class TokenMixerKind { full_attention, sliding_attention };
+enum class TokenMixerKind { full_attention, sliding_attention, linear_attention };
 /// A layer's channel mixer.
 enum class ChannelMixerKind { dense_mlp, experts };
 
@@ -21,7 +22,7 @@ struct LayerKind {
   bool operator==(const LayerKind&) const = default;
 };
 
-/// "full_attention", "sliding_attention": the layer_types entry of a token mixer.
+/// "full_attention", "sliding_attention", "linear_attention": the layer_types entry of a token mixer.
 std::string_view layer_type_name(TokenMixerKind kind);
 /// The token mixer a layer_types entry names; none for a name megatrain does not build.
 std::optional<TokenMixerKind> token_mixer_named(std::string_view name);

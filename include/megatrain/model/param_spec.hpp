@@ -15,6 +15,7 @@ enum class ParamInit : std::uint8_t {
   normal,  ///< N(0, init_std^2): matrices and embeddings
   ones,    ///< norm weights
   zeros,   ///< biases
+  a_log,   ///< Gated DeltaNet's A_log: log(u), u uniform in [0.01, 16) (transformers' initialisation)
 };
 
 struct ParamSpec {

@@ -155,6 +155,19 @@ inline double normal_sample(std::uint64_t key, std::uint64_t i) {
   const double u2 = static_cast<double>(r & 0xffffffffu) * 0x1p-32;  // [0, 1)
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
 }
+/// Value i of a tensor initialised as `init` (stdev: the normal's) from stream `key`.
+inline double initial_value(ParamInit init, double stdev, std::uint64_t key, std::uint64_t i) {
+  switch (init) {
+    case ParamInit::normal: return stdev * normal_sample(key, i);
+    case ParamInit::ones: return 1.0;
+    case ParamInit::zeros: return 0.0;
+    case ParamInit::a_log: {
+      const double u = static_cast<double>(splitmix64(key ^ splitmix64(i)) >> 11) * 0x1p-53;  // [0, 1)
+      return std::log(0.01 + (16.0 - 0.01) * u);
+    }
+  }
+  return 0.0;
+}
 }  // namespace detail
 
 template <class T>
@@ -469,7 +482,7 @@ class HostParamStore {
   HostParamStore& operator=(HostParamStore&&) noexcept = default;
 
   /// Re-initialises every master tensor from `seed` (normal(0, init_std) for matrices, ones for
-  /// norm weights, zeros for biases), zeroes m and v, and refreshes the bf16 copy. Value i of a
+  /// norm weights, zeros for biases, ParamInit's others as it says), zeroes m and v, and refreshes the bf16 copy. Value i of a
   /// tensor depends only on (seed, tensor name, i): the result does not depend on thread count.
   void initialize(std::uint64_t seed) {
     MT_NVTX_RANGE("HostParamStore::initialize");
@@ -481,8 +494,7 @@ class HostParamStore {
         const double stdev = p.spec.init_std;
         tbb::parallel_for(tbb::blocked_range<std::size_t>(0, out.size(), 1 << 16), [&](const auto& r) {
           for (std::size_t i = r.begin(); i != r.end(); ++i)
-            out[i] = init == ParamInit::normal ? static_cast<T>(stdev * detail::normal_sample(key, i))
-                                               : (init == ParamInit::ones ? T(1) : T(0));
+            out[i] = static_cast<T>(detail::initial_value(init, stdev, key, i));
         });
       }
       const auto [lo, hi] = u.owned();

@@ -43,7 +43,8 @@ std::vector<TokenMixerKind> read_layer_types(const json& j, std::string_view src
              "{}: layer_types must list one type per layer ({}), not {}", src, layers, lt.dump());
     for (std::size_t i = 0; i < lt.size(); ++i) {
       const auto kind = lt[i].is_string() ? token_mixer_named(lt[i].get<std::string>()) : std::nullopt;
-      MT_CHECK(kind.has_value(), "{}: layer_types holds {}; each entry must be \"full_attention\" or \"sliding_attention\"",
+      MT_CHECK(kind.has_value(),
+               "{}: layer_types holds {}; each entry must be \"full_attention\", \"sliding_attention\" or \"linear_attention\"",
                src, lt[i].dump());
       types[i] = *kind;
     }

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "megatrain/backend/backend.hpp"
+#include "megatrain/backend/cpu/gated_deltanet_mix.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/host_memory.hpp"
 #include "megatrain/core/tensor.hpp"
@@ -478,6 +479,14 @@ class CpuBackend {
         dgs[i] = dms[i] * us[i] * sg * (T(1) + gs[i] * (T(1) - sg));
       }
     });
+  }
+
+  // ---- linear attention (GatedDeltaNet) -------------------------------------------------------
+  /// Gated DeltaNet's mixing and its backward (cpu/gated_deltanet_mix.hpp states them).
+  void gated_deltanet_mix(const cpu::GatedDeltaNetMix<T>& m, T* o, T* rstd, T* y) { cpu::gated_deltanet_mix(m, o, rstd, y); }
+  void gated_deltanet_mix_backward(const cpu::GatedDeltaNetMix<T>& m, const T* o, const T* rstd, const T* dy,
+                                   const cpu::GatedDeltaNetMixGrads<T>& g) {
+    cpu::gated_deltanet_mix_backward(m, o, rstd, dy, g);
   }
 
   // ---- mixture of experts (MoeMlp) -----------------------------------------------------------

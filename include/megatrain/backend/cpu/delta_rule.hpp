@@ -24,8 +24,12 @@
 
 #include <cstdint>
 #include <span>
+#include <string_view>
 
 namespace megatrain::cpu {
+
+/// Throws unless `starts` begins at 0 and rises (no empty sequence); `what` names the caller.
+void check_sequence_starts(std::span<const std::int32_t> starts, std::string_view what);
 
 /// The operands of the delta rule over `tokens` tokens. Token t's key head h is
 /// q[t * q_stride + h * dk + i] (likewise k); its value head h is v[t * v_stride + h * dv + j];
