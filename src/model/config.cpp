@@ -258,10 +258,11 @@ void ModelConfig::validate(std::string_view src) const {
   MT_CHECK(hidden_act == block.activation, "{}: {}'s MLP activation is {}, not {}", src, architecture_name(),
            activation_name(block.activation), activation_name(hidden_act));
   for (std::size_t l = 0; l < layer_types.size(); ++l)
-    MT_CHECK(layer_types[l] != TokenMixerKind::linear_attention,
+    MT_CHECK(layer_types[l] != TokenMixerKind::linear_attention || block.linear_attention,
              "{}: layer_types makes layer {} a linear_attention layer, which {} has not (Gated DeltaNet layers are "
-             "Qwen3.5's and Qwen3-Next's; megatrain cannot train those families yet)", src, l, architecture_name());
-  MT_CHECK(layer_types.empty() || block.per_layer_windows,
+             "Qwen3.5's and Qwen3-Next's)", src, l, architecture_name());
+  if (block.linear_attention) linear_attention.check(src);
+  MT_CHECK(layer_types.empty() || block.per_layer_windows || block.linear_attention,
            "{}: {} has no per-layer sliding windows (layer types)", src, architecture_name());
   MT_CHECK(!query_pre_attn_scalar || block.query_pre_attn_scalar, "{}: {} has no query_pre_attn_scalar", src,
            architecture_name());
@@ -282,6 +283,7 @@ const BlockRecipe& ModelConfig::block() const { return family(architecture).bloc
 bool ModelConfig::qk_norm() const { return block().qk_norm != BlockRecipe::QkNorm::none; }
 bool ModelConfig::qk_norm_full() const { return block().qk_norm == BlockRecipe::QkNorm::whole; }
 bool ModelConfig::attention_sinks() const { return block().attention_sinks; }
+bool ModelConfig::attention_output_gate() const { return block().attention_output_gate; }
 Activation ModelConfig::expert_act() const { return block().expert_activation.value_or(hidden_act); }
 bool ModelConfig::is_moe_layer(std::int64_t layer) const {
   if (moe.num_experts == 0) return false;
@@ -471,8 +473,9 @@ std::int64_t ModelConfig::param_count() const {
   if (mlp_bias) block = add(block, add(mul(2, intermediate_size), d));
   if (sandwich_norms()) block = add(block, mul(2, d));
   // the token mixers: attention's q, k, v, o (and its biases, norms, sinks), or linear attention's
-  std::int64_t attention = add(add(mul(d, q_dim()), mul(mul(2, d), kv_dim())), mul(q_dim(), d));
-  if (qkv_bias) attention = add(attention, add(q_dim(), mul(2, kv_dim())));
+  const std::int64_t q_rows = attention_output_gate() ? mul(2, q_dim()) : q_dim();  // (and a gate per head)
+  std::int64_t attention = add(add(mul(d, q_rows), mul(mul(2, d), kv_dim())), mul(q_dim(), d));
+  if (qkv_bias) attention = add(attention, add(q_rows, mul(2, kv_dim())));
   if (o_bias) attention = add(attention, d);
   if (qk_norm()) attention = add(attention, qk_norm_full() ? add(q_dim(), kv_dim()) : mul(2, head_dim));
   if (attention_sinks()) attention = add(attention, num_attention_heads);
@@ -621,6 +624,14 @@ constexpr Preset kPresets[] = {
       "num_hidden_layers":36,"num_attention_heads":16,"num_key_value_heads":4,"vocab_size":128256,
       "max_position_embeddings":65536,"rms_norm_eps":1e-6,"rope_theta":5000000.0,"tie_word_embeddings":true,
       "pad_token_id":128004})"},
+    // Qwen3.5's text model (its published text_config: 48 Gated DeltaNet layers and 16 gated
+    // full-attention layers; the CPU backend trains it for now)
+    {"qwen3.5-27b", R"({"architectures":["Qwen3_5ForCausalLM"],"hidden_size":5120,"intermediate_size":17408,
+      "num_hidden_layers":64,"num_attention_heads":24,"num_key_value_heads":4,"head_dim":256,"vocab_size":248320,
+      "linear_num_key_heads":16,"linear_num_value_heads":48,"linear_key_head_dim":128,"linear_value_head_dim":128,
+      "linear_conv_kernel_dim":4,"full_attention_interval":4,"max_position_embeddings":262144,"rms_norm_eps":1e-6,
+      "rope_parameters":{"rope_type":"default","rope_theta":10000000.0,"partial_rotary_factor":0.25},
+      "tie_word_embeddings":false})"},
     // Mixtures of experts (their published config.json; the CPU backend trains them for now)
     {"qwen3-30b-a3b", R"({"architectures":["Qwen3MoeForCausalLM"],"hidden_size":2048,"intermediate_size":6144,
       "moe_intermediate_size":768,"num_hidden_layers":48,"num_attention_heads":32,"num_key_value_heads":4,"head_dim":128,

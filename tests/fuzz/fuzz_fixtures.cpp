@@ -116,6 +116,12 @@ std::vector<HfFixture> hf_fixtures() {
   f.push_back({"smollm3", with({{"architectures", {"SmolLM3ForCausalLM"}}, {"model_type", "smollm3"},
                                 {"no_rope_layers", {1, 0}}, {"pad_token_id", nullptr}}),
                DType::bf16});
+  // Qwen3.5: a Gated DeltaNet layer, then a gated full-attention layer
+  f.push_back({"qwen3_5", with({{"architectures", {"Qwen3_5ForCausalLM"}}, {"model_type", "qwen3_5_text"}, {"head_dim", 8},
+                                {"tie_word_embeddings", false}, {"linear_num_key_heads", 1}, {"linear_num_value_heads", 2},
+                                {"linear_key_head_dim", 4}, {"linear_value_head_dim", 3},
+                                {"layer_types", {"linear_attention", "full_attention"}}}),
+               DType::bf16});
   return f;
 }
 
@@ -134,6 +140,7 @@ std::string hf_fixture_for(const ModelConfig& c) {
     case Architecture::olmoe: return "olmoe";
     case Architecture::gpt_oss: return "gpt_oss";
     case Architecture::smollm3: return "smollm3";
+    case Architecture::qwen3_5: return "qwen3_5";
   }
   return "llama";
 }

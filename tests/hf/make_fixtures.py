@@ -13,6 +13,10 @@ there is no PyTorch); run this script again (on a machine with torch and transfo
 GPU machine) only to change or add a family:
 
     python3 tests/hf/make_fixtures.py --out tests/fixtures [--only qwen3]
+
+The hybrid families (qwen3_5, qwen3_5_moe, qwen3_next, qwen3_5_mm) are written by this script but
+not yet read by megatrain (issue 53): no folder of theirs is in tests/fixtures until a GPU machine
+with transformers 5.17 has run it (`--only qwen3_5 qwen3_5_moe qwen3_next qwen3_5_mm`).
 """
 
 import argparse
@@ -141,6 +145,34 @@ def families():
     }
 
 
+# The hybrid linear-attention families (Qwen3.5, Qwen3-Next): sequences of 70 tokens, longer than
+# the delta rule's chunk of 64, so that the state crosses a chunk; Gated DeltaNet layers (2 key
+# heads, 4 value heads: two value heads read each key head) between gated full-attention layers
+# whose rotary turns half of each head. transformers runs its float32 PyTorch delta rule on the
+# CPU (flash-linear-attention is not used there), the reference megatrain's CPU backend matches.
+SEQ_OF = {"qwen3_5": 70, "qwen3_5_moe": 70, "qwen3_next": 70, "qwen3_5_mm": 70}
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+              linear_conv_kernel_dim=4, head_dim=16,
+              layer_types=["linear_attention", "full_attention", "linear_attention"],
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+              pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+def hybrid_families():
+    """Qwen3.5 dense and MoE (text-only ForCausalLM folders) and Qwen3-Next (its fused projections,
+    its decoder_sparse_step), each with three layers: linear, full, linear."""
+    t = transformers
+    common = {**COMMON, "num_hidden_layers": 3, **LINEAR}
+    moe = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=20)
+    return {
+        "qwen3_5": (t.Qwen3_5ForCausalLM, t.Qwen3_5TextConfig(tie_word_embeddings=False, **common)),
+        "qwen3_5_moe": (t.Qwen3_5MoeForCausalLM, t.Qwen3_5MoeTextConfig(tie_word_embeddings=False, **moe, **common)),
+        "qwen3_next": (t.Qwen3NextForCausalLM, t.Qwen3NextConfig(tie_word_embeddings=False, norm_topk_prob=True,
+                                                                 decoder_sparse_step=1, mlp_only_layers=[1], **moe,
+                                                                 **common)),
+    }
+
+
 def saved_grads(model, saved):
     """Every parameter's gradient under the name the saved checkpoint gives it: transformers 5 keeps
     a layer's experts as stacked tensors (experts.gate_up_proj [E, 2I, H], experts.down_proj
@@ -236,9 +268,10 @@ def make(name, cls, cfg, out):
     if "mxfp4" in name:
         store_mxfp4(d, mxfp4_blocks)
     gen = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
-    labels = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
-    labels[torch.rand((ROWS, SEQ), generator=gen) < 0.2] = -100
+    seq = SEQ_OF.get(name, SEQ)
+    ids = torch.randint(0, VOCAB, (ROWS, seq), generator=gen)
+    labels = torch.randint(0, VOCAB, (ROWS, seq), generator=gen)
+    labels[torch.rand((ROWS, seq), generator=gen) < 0.2] = -100
     if cfg.pad_token_id is not None:
         ids[:, ::3] = cfg.pad_token_id  # the padding row is looked up, and must get no gradient from it
     mask = None
@@ -278,6 +311,52 @@ def make(name, cls, cfg, out):
     print(f"{name}: {cls.__name__}, loss {loss.item():.6f}, {sum(p.numel() for p in model.parameters())} parameters -> {d}")
 
 
+def perturbed_and_saved(model, name, out):
+    """A multimodal model's gains and biases moved off their initial values (as make() does), saved
+    in out/name; returns the folder."""
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    d = os.path.join(out, name)
+    os.makedirs(d, exist_ok=True)
+    model.save_pretrained(d, safe_serialization=True)
+    return d
+
+
+def text_reference(model, name, seed, seq, pad=None):
+    """transformers' outputs on text alone (no image) and the gradients of the language model's
+    parameters under their text model's names (model.language_model.X as model.X; lm_head.weight
+    where untied); written to name's reference.safetensors."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, VOCAB, (ROWS, seq), generator=gen)
+    labels = torch.randint(0, VOCAB, (ROWS, seq), generator=gen)
+    labels[torch.rand((ROWS, seq), generator=gen) < 0.2] = -100
+    if pad is not None:
+        ids[:, ::3] = pad
+    model.zero_grad()
+    logits = model(input_ids=ids).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+    loss.backward()
+    ref = {"input_ids": ids.to(torch.int32).contiguous(), "labels": labels.to(torch.int32).contiguous(),
+           "loss": loss.detach().reshape(1).contiguous(), "logits": logits.detach().contiguous()}
+    for pname, p in model.named_parameters():
+        m = re.fullmatch(r"model\.language_model\.(.*)", pname)
+        if pname == "lm_head.weight":
+            ref["grad.lm_head.weight"] = p.grad.detach().float().contiguous()
+        elif m is None:
+            assert p.grad is None or not p.grad.any(), f"{pname}: a gradient outside the language model"
+        else:
+            ref["grad.model." + m.group(1)] = p.grad.detach().float().contiguous()
+    return ref, loss
+
+
+def save_reference(name, d, ref, loss, model):
+    save_file(ref, os.path.join(d, "reference.safetensors"),
+              metadata={"transformers": transformers.__version__, "torch": torch.__version__})
+    print(f"{name}: loss {loss.item():.6f}, {sum(p.numel() for p in model.parameters())} parameters -> {d}")
+
+
 def make_gemma3_mm(out):
     """Gemma 3 as the Hub publishes 4B and larger: Gemma3ForConditionalGeneration, the language
     model of the "gemma3" fixture with a tiny SigLIP vision tower and its projector. megatrain
@@ -291,37 +370,42 @@ def make_gemma3_mm(out):
                                              num_attention_heads=2, image_size=28, patch_size=14)
     cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
     model = transformers.Gemma3ForConditionalGeneration(cfg).float().eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.3 * torch.randn_like(p))
-    d = os.path.join(out, name)
-    os.makedirs(d, exist_ok=True)
-    model.save_pretrained(d, safe_serialization=True)
+    d = perturbed_and_saved(model, name, out)
     from safetensors import safe_open
     with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
         saved = sorted(f.keys())
     print(f"{name}: saved tensor names (first 6 of {len(saved)}): {saved[:6]}")
-    gen = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
-    labels = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
-    labels[torch.rand((ROWS, SEQ), generator=gen) < 0.2] = -100
-    ids[:, ::3] = PAD
-    model.zero_grad()
-    logits = model(input_ids=ids).logits.float()
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
-    loss.backward()
-    ref = {"input_ids": ids.to(torch.int32).contiguous(), "labels": labels.to(torch.int32).contiguous(),
-           "loss": loss.detach().reshape(1).contiguous(), "logits": logits.detach().contiguous()}
-    for pname, p in model.named_parameters():
-        m = re.fullmatch(r"model\.language_model\.(.*)", pname)
-        if m is None:
-            assert p.grad is None or not p.grad.any(), f"{pname}: a gradient outside the language model"
-            continue
-        ref["grad.model." + m.group(1)] = p.grad.detach().float().contiguous()
-    save_file(ref, os.path.join(d, "reference.safetensors"),
-              metadata={"transformers": transformers.__version__, "torch": torch.__version__})
-    print(f"{name}: loss {loss.item():.6f}, {sum(p.numel() for p in model.parameters())} parameters -> {d}")
+    ref, loss = text_reference(model, name, seed, SEQ, pad=PAD)
+    save_reference(name, d, ref, loss, model)
+
+
+def make_qwen3_5_mm(out):
+    """Qwen3.5 as the Hub publishes it: Qwen3_5ForConditionalGeneration, the language model of the
+    "qwen3_5" fixture under model.language_model., a tiny vision tower under model.visual., and
+    multi-token-prediction tensors (mtp.*) that transformers does not load but the published
+    folders hold: megatrain trains the language model and must write the rest back unchanged. The
+    reference is transformers' on text alone."""
+    name = "qwen3_5_mm"
+    seed = sum(map(ord, name))
+    torch.manual_seed(seed)
+    text = hybrid_families()["qwen3_5"][1]
+    vision = transformers.Qwen3_5VisionConfig(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
+                                              spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32,
+                                              num_position_embeddings=16)
+    cfg = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+    model = transformers.Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    d = perturbed_and_saved(model, name, out)
+    from safetensors.torch import load_file
+    path = os.path.join(d, "model.safetensors")
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(seed + 2)
+    for mtp, shape in {"mtp.fc.weight": (32, 64), "mtp.norm.weight": (32,), "mtp.pre_fc_norm_embedding.weight": (32,),
+                       "mtp.pre_fc_norm_hidden.weight": (32,), "mtp.layers.0.mlp.up_proj.weight": (56, 32)}.items():
+        tensors[mtp] = torch.randn(shape, generator=gen)
+    save_file(tensors, path, metadata={"format": "pt"})
+    print(f"{name}: saved tensor names (first 6 of {len(tensors)}): {sorted(tensors)[:6]}")
+    ref, loss = text_reference(model, name, seed, SEQ_OF[name])
+    save_reference(name, d, ref, loss, model)
 
 
 def main():
@@ -330,12 +414,14 @@ def main():
     ap.add_argument("--only", nargs="*")
     a = ap.parse_args()
     torch.use_deterministic_algorithms(True)
-    for name, (cls, cfg) in families().items():
+    for name, (cls, cfg) in {**families(), **hybrid_families()}.items():
         if a.only and name not in a.only:
             continue
         make(name, cls, cfg, a.out)
     if not a.only or "gemma3_mm" in a.only:
         make_gemma3_mm(a.out)
+    if not a.only or "qwen3_5_mm" in a.only:
+        make_qwen3_5_mm(a.out)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,9 @@
 #include <unordered_set>
 #include <vector>
 
+#include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/core/tensor.hpp"
+#include "megatrain/layers/layer_template.hpp"
 #include "megatrain/model/config.hpp"
 #include "megatrain/model/unit_layout.hpp"
 
@@ -360,6 +362,44 @@ inline void report(const std::string& what, const GradcheckResult& r) {
   if (std::getenv("MEGATRAIN_TEST_VERBOSE") != nullptr)
     MESSAGE(fmt::format("{}: {} coordinates, worst error / tolerance {:.3g}, worst error / atol {:.3g}", what,
                         r.checked, r.worst_ratio, r.worst_abs_ratio));
+}
+
+// ---- a whole layer ---------------------------------------------------------------------------
+
+/// The backward of `layer` (a [tokens, hidden] op) against central differences of its forward,
+/// for the input and every weight (gradcheck.hpp).
+/// `may_vanish(name)`: a tensor whose gradient may vanish on these inputs.
+template <class Op>
+void gradcheck_layer(const LayerTemplate<Op>& layer, ChunkShape c, std::uint64_t seed, const std::string& what,
+                     bool (*may_vanish)(const std::string&) = nullptr) {
+  using Be = CpuBackend<double>;
+  using Vec = std::vector<double>;
+  CAPTURE(what);
+  Random rng(test_seed(seed));
+  Be be;
+  const std::int64_t M = c.tokens(), d = layer.op().hidden_size();
+  Vec slab = random_weights(layer.layout(), rng);
+  Vec x = rng.vector(M * d, -1, 1);
+  const Vec r = rng.vector(M * d, -1, 1);
+  std::vector<std::byte> mem(layer.op().template scratch_bytes<Be>(c));
+  Arena arena{std::span<std::byte>(mem)};
+  const auto w = layer.bind(std::span<const double>(slab));
+  Vec y(x.size());
+  auto objective = [&] {
+    layer.op().forward(be, c, w, cview(x, {M, d}), view(y, {M, d}), arena);
+    return contract(y, r);
+  };
+  const Vec g0 = rng.vector(layer.layout().numel(), -1, 1);
+  Vec g = g0, dx(x.size(), std::numeric_limits<double>::quiet_NaN());
+  layer.op().backward(be, c, w, cview(x, {M, d}), cview(r, {M, d}), view(dx, {M, d}), layer.bind(std::span<double>(g)), arena);
+  const Vec inc = minus(g, g0);
+  std::vector<GradTensor> t{{"x", x, dx}};
+  for (const auto& e : layer.layout().entries()) {
+    const auto off = static_cast<std::size_t>(e.offset), n = static_cast<std::size_t>(e.numel());
+    t.push_back({e.spec.name, std::span<double>(slab).subspan(off, n), std::span<const double>(inc).subspan(off, n),
+                 may_vanish != nullptr && may_vanish(e.spec.name)});
+  }
+  report(what, gradcheck(objective, t, rng));
 }
 
 }  // namespace megatrain::test

@@ -268,35 +268,9 @@ TEST_CASE("Gated DeltaNet: a packed row's examples each as if alone, forward and
 TEST_CASE("gradcheck: Gated DeltaNet, the input and every weight, fused and not") {
   for (const bool fused : {false, true}) {
     for (const ChunkShape& c : {ChunkShape{2, 7}, ChunkShape{1, 9, {}, 4}}) {
-      CAPTURE(fused);
-      CAPTURE(c.seq);
-      const ModelConfig cfg = linear_config(4, fused);
-      const LayerTemplate<GatedDeltaNet> layer{GatedDeltaNet(cfg, 0)};
-      Random rng(test_seed(5330 + fused * 10 + c.seq));
-      Be be;
-      const std::int64_t M = c.tokens(), d = cfg.hidden_size;
-      Vec slab = random_weights(layer.layout(), rng);
-      Vec x = rng.vector(M * d, -1, 1);
-      const Vec r = rng.vector(M * d, -1, 1);
-      std::vector<std::byte> mem(layer.op().scratch_bytes<Be>(c));
-      Arena arena{std::span<std::byte>(mem)};
-      const auto w = layer.bind(std::span<const double>(slab));
-      Vec y(x.size());
-      auto objective = [&] {
-        layer.op().forward(be, c, w, cview(x, {M, d}), view(y, {M, d}), arena);
-        return contract(y, r);
-      };
-      const Vec g0 = rng.vector(layer.layout().numel(), -1, 1);
-      Vec g = g0, dx(x.size(), std::numeric_limits<double>::quiet_NaN());
-      layer.op().backward(be, c, w, cview(x, {M, d}), cview(r, {M, d}), view(dx, {M, d}), layer.bind(std::span<double>(g)),
-                          arena);
-      const Vec inc = minus(g, g0);
-      std::vector<GradTensor> t{{"x", x, dx}};
-      for (const auto& e : layer.layout().entries()) {
-        const auto off = static_cast<std::size_t>(e.offset), n = static_cast<std::size_t>(e.numel());
-        t.push_back({e.spec.name, std::span<double>(slab).subspan(off, n), std::span<const double>(inc).subspan(off, n), false});
-      }
-      report(fmt::format("Gated DeltaNet{}, {}x{} tokens", fused ? " (fused)" : "", c.rows, c.seq), gradcheck(objective, t, rng));
+      const LayerTemplate<GatedDeltaNet> layer{GatedDeltaNet(linear_config(4, fused), 0)};
+      gradcheck_layer(layer, c, 5330 + fused * 10 + static_cast<std::uint64_t>(c.seq),
+                      fmt::format("Gated DeltaNet{}, {}x{} tokens", fused ? " (fused)" : "", c.rows, c.seq));
     }
   }
 }

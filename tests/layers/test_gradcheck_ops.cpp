@@ -65,40 +65,12 @@ bool q_or_k(const std::string& name) {
 // Gradcheck of a [tokens, hidden] -> [tokens, hidden] op (a LayerOp): the input and every weight.
 template <class Op>
 void check_layer(const TestModel& shape, ChunkShape c, std::uint64_t seed, const char* what = "block") {
-  const ModelConfig cfg = make_config(shape);
-  const std::string arch = shape.arch;
-  CAPTURE(arch);
-  CAPTURE(shape.heads);
-  CAPTURE(shape.kv_heads);
-  CAPTURE(shape.head_dim);
-  CAPTURE(c.rows);
-  CAPTURE(c.seq);
-  Random rng(test_seed(seed));
-  Be be;
-  const LayerTemplate<Op> block{Op(cfg, 0)};
-  const auto& op = block.op();
-  const std::int64_t M = c.tokens(), d = cfg.hidden_size;
-  Vec slab = random_weights(block.layout(), rng);
-  Vec x = rng.vector(M * d, -1, 1);
-  const Vec r = rng.vector(M * d, -1, 1);
-  std::vector<std::byte> mem(op.template scratch_bytes<Be>(c));
-  Arena arena{std::span<std::byte>(mem)};
-  const auto w = block.bind(std::span<const double>(slab));
-  Vec y(x.size());
-  auto objective = [&] {
-    op.forward(be, c, w, cview(x, {M, d}), view(y, {M, d}), arena);
-    return contract(y, r);
-  };
-  const Vec g0 = rng.vector(block.layout().numel(), -1, 1);
-  Vec g = g0, dx(x.size(), kNaN);
-  op.backward(be, c, w, cview(x, {M, d}), cview(r, {M, d}), view(dx, {M, d}), block.bind(std::span<double>(g)), arena);
-  const Vec inc = minus(g, g0);
-  std::vector<GradTensor> t{{"x", x, dx}};
+  const LayerTemplate<Op> block{Op(make_config(shape), 0)};
   // With one token per sequence attention returns v: q and k do not matter.
-  add_tensors(t, block.layout(), slab, inc, c.seq == 1 ? q_or_k : nullptr);
-  report(fmt::format("{} {}, {}/{} heads of {}, {}x{} tokens", shape.arch, what, shape.heads, shape.kv_heads,
-                     shape.head_dim, c.rows, c.seq),
-         gradcheck(objective, t, rng));
+  gradcheck_layer(block, c, seed,
+                  fmt::format("{} {}, {}/{} heads of {}, {}x{} tokens", shape.arch, what, shape.heads, shape.kv_heads,
+                              shape.head_dim, c.rows, c.seq),
+                  c.seq == 1 ? q_or_k : nullptr);
 }
 
 void check_block(const TestModel& shape, ChunkShape c, std::uint64_t seed) { check_layer<DecoderBlock>(shape, c, seed); }

@@ -93,7 +93,16 @@ std::int64_t state_dict_count(const ModelConfig& c) {
                      kd = c.num_key_value_heads * c.head_dim;
   std::vector<std::int64_t> tensors{c.vocab_size * d};  // model.embed_tokens.weight
   for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    tensors.insert(tensors.end(), {d, qd * d, kd * d, kd * d, d * qd, d});
+    const bool linear = c.layer_kind(l).token_mixer == TokenMixerKind::linear_attention;
+    if (linear) {  // the norms; linear_attn's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, A_log, dt_bias, norm, out_proj
+      const auto& la = c.linear_attention;
+      const std::int64_t key = la.key_heads * la.key_head_dim, value = la.value_heads * la.value_head_dim;
+      tensors.insert(tensors.end(), {d, d, (2 * key + value) * d, value * d, la.value_heads * d, la.value_heads * d,
+                                     (2 * key + value) * la.conv_kernel, la.value_heads, la.value_heads,
+                                     la.value_head_dim, d * value});
+    } else {  // the norms; q (with its gate: Qwen3.5), k, v, o
+      tensors.insert(tensors.end(), {d, (c.architecture == Architecture::qwen3_5 ? 2 : 1) * qd * d, kd * d, kd * d, d * qd, d});
+    }
     if (c.architecture == Architecture::gpt_oss) {  // mlp.router.{weight,bias}, the stacked experts, sinks
       const std::int64_t e = c.moe.num_experts, fe = c.moe.intermediate_size;
       tensors.insert(tensors.end(), {e * d, e, e * d * 2 * fe, e * 2 * fe, e * fe * d, e * d, c.num_attention_heads});
@@ -104,11 +113,11 @@ std::int64_t state_dict_count(const ModelConfig& c) {
     } else {
       tensors.insert(tensors.end(), {f * d, f * d, d * f});
     }
-    if (c.qkv_bias) tensors.insert(tensors.end(), {qd, kd, kd});
-    if (c.o_bias) tensors.push_back(d);
+    if (c.qkv_bias && !linear) tensors.insert(tensors.end(), {(c.architecture == Architecture::qwen3_5 ? 2 : 1) * qd, kd, kd});
+    if (c.o_bias && !linear) tensors.push_back(d);
     if (c.mlp_bias) tensors.insert(tensors.end(), {f, f, d});
-    if (c.architecture == Architecture::qwen3 || c.architecture == Architecture::gemma3 ||
-        c.architecture == Architecture::qwen3_moe)
+    if ((c.architecture == Architecture::qwen3 || c.architecture == Architecture::gemma3 ||
+         c.architecture == Architecture::qwen3_moe || c.architecture == Architecture::qwen3_5) && !linear)
       tensors.insert(tensors.end(), {c.head_dim, c.head_dim});  // q_norm, k_norm
     if (c.architecture == Architecture::olmoe) tensors.insert(tensors.end(), {qd, kd});  // over the whole projections
     if (c.architecture == Architecture::gemma3) tensors.insert(tensors.end(), {d, d});  // pre/post_feedforward_layernorm
@@ -166,10 +175,12 @@ bool contains(const std::string& s, std::string_view part) { return s.find(part)
 /// independently of ModelConfig::rope_inv_freq: the default table from exp/log, then the
 /// llama3 adjustment as three whole-vector steps (`torch.where` on wavelengths).
 std::vector<double> reference_inv_freq(const ModelConfig& c) {
-  const auto half = static_cast<std::size_t>(c.head_dim / 2);
+  // (the rotated width: int(head_dim x partial_rotary_factor), as transformers' rope functions)
+  const auto rotated = static_cast<std::int64_t>(static_cast<double>(c.head_dim) * c.partial_rotary_factor);
+  const auto half = static_cast<std::size_t>(rotated / 2);
   std::vector<double> f(half);
   for (std::size_t i = 0; i < half; ++i)
-    f[i] = std::exp(-std::log(c.rope_theta) * static_cast<double>(2 * i) / static_cast<double>(c.head_dim));
+    f[i] = std::exp(-std::log(c.rope_theta) * static_cast<double>(2 * i) / static_cast<double>(rotated));
   const RopeScaling& s = c.rope_scaling;
   if (s.type == RopeScaling::Type::linear)
     for (auto& x : f) x /= s.factor;
@@ -729,7 +740,8 @@ TEST_CASE("config: every preset loads, validates, round-trips and agrees with th
   const auto names = ModelConfig::preset_names();
   CHECK(names == std::vector<std::string>{"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-72b",
                                           "qwen3-0.6b", "qwen3-8b", "gemma-3-1b", "gemma-3-4b", "gemma-3-12b",
-                                          "gemma-3-27b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "mistral-7b", "smollm3-3b", "qwen3-30b-a3b",
+                                          "gemma-3-27b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "mistral-7b", "smollm3-3b", "qwen3.5-27b",
+                                          "qwen3-30b-a3b",
                                           "mixtral-8x7b", "olmoe-1b-7b", "gpt-oss-20b", "gpt-oss-120b"});
   for (const auto& name : names) {
     CAPTURE(name);
@@ -1385,7 +1397,7 @@ TEST_CASE("families: each family's entry reads, checks and writes its own config
     CHECK(c.to_json().at("architectures") == json::array({f->class_name}));
     CHECK(c.to_json().at(f->block.activation_key).is_string());
   }
-  CHECK(families().size() == 11);
+  CHECK(families().size() == 12);
 }
 
 TEST_CASE("config: a layer type megatrain does not build is refused, naming the entry") {
@@ -1402,4 +1414,64 @@ TEST_CASE("config: a layer type megatrain does not build is refused, naming the 
                        doctest::Contains("c.json: layer_types makes layer 0 a linear_attention layer, which "
                                          "Gemma3ForCausalLM has not"),
                        Error);
+}
+
+TEST_CASE("config: Qwen3.5's text model, its hybrid layers and Qwen3_5TextConfig's defaults") {
+  // (the fields of a published Qwen3.5 text config.json, shrunk)
+  json j = json::parse(R"({"architectures":["Qwen3_5ForCausalLM"],"model_type":"qwen3_5_text","hidden_size":64,
+    "intermediate_size":96,"num_hidden_layers":8,"num_attention_heads":4,"vocab_size":300,"linear_num_key_heads":2,
+    "linear_num_value_heads":6,"linear_key_head_dim":8,"linear_value_head_dim":10,
+    "rope_parameters":{"rope_type":"default","rope_theta":10000000.0,"mrope_section":[11,11,10],"mrope_interleaved":true}})");
+  auto c = ModelConfig::from_json(j, "q.json");
+  CHECK(c.architecture == Architecture::qwen3_5);
+  CHECK(c.head_dim == 256);                    // Qwen3_5TextConfig's head_dim, not hidden / heads
+  CHECK(c.num_key_value_heads == 4);           // and its num_key_value_heads
+  CHECK(c.partial_rotary_factor == 0.25);      // and its partial_rotary_factor
+  CHECK(c.rotary_dim() == 64);
+  CHECK(c.rope_theta == 10000000.0);
+  CHECK(c.attention_output_gate());
+  CHECK(c.norm_unit_offset());
+  CHECK(c.qk_norm());
+  CHECK(c.linear_attention == LinearAttentionConfig{2, 6, 8, 10, 4, false});
+  // full_attention_interval 4 (the default): layers 3 and 7 full, the others linear
+  for (std::int64_t l = 0; l < 8; ++l)
+    CHECK(c.layer_kind(l).token_mixer == (l % 4 == 3 ? TokenMixerKind::full_attention : TokenMixerKind::linear_attention));
+  CHECK(c.param_count() == state_dict_count(c));
+  CHECK(c.param_count() == op_spec_count(c));
+  check_round_trip(c);
+  const json out = c.to_json();
+  CHECK(out.at("layer_types").size() == 8);
+  CHECK(out.at("partial_rotary_factor") == 0.25);
+  CHECK(out.at("linear_num_value_heads") == 6);
+  // an interval, explicit layer types, a rotary over the whole head
+  j["full_attention_interval"] = 2;
+  CHECK(ModelConfig::from_json(j, "q.json").layer_kind(1).token_mixer == TokenMixerKind::full_attention);
+  j["layer_types"] = {"full_attention", "linear_attention", "linear_attention", "linear_attention",
+                      "full_attention", "linear_attention", "linear_attention", "linear_attention"};
+  j["rope_parameters"]["partial_rotary_factor"] = 1.0;
+  c = ModelConfig::from_json(j, "q.json");
+  CHECK(c.layer_kind(0).token_mixer == TokenMixerKind::full_attention);
+  CHECK(c.layer_kind(3).token_mixer == TokenMixerKind::linear_attention);
+  CHECK(c.partial_rotary_factor == 1.0);
+  check_round_trip(c);
+  // refused, naming the field
+  const auto refused = [&](json bad, const char* what) {
+    CHECK_THROWS_WITH_AS(ModelConfig::from_json(bad, "q.json"), doctest::Contains(what), Error);
+  };
+  json w = j;
+  w["layer_types"][2] = "sliding_attention";
+  refused(w, "q.json: layer_types makes layer 2 a sliding_attention layer");
+  w = j;
+  w["linear_num_value_heads"] = 3;
+  refused(w, "linear_num_value_heads (3) must be a multiple of linear_num_key_heads (2)");
+  w = j;
+  w["linear_key_head_dim"] = 0;
+  refused(w, "linear_key_head_dim (0)");
+  w = j;
+  w.erase("layer_types");
+  w["full_attention_interval"] = 0;
+  refused(w, "full_attention_interval must be > 0");
+  w = j;
+  w["attention_dropout"] = 0.1;
+  refused(w, "attention_dropout");
 }

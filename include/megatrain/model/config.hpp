@@ -1,7 +1,7 @@
 // ModelConfig: the shape of a decoder-only model, read from a Hugging Face config.json.
 //
 // The families megatrain trains (Llama, Mistral, Qwen2, Qwen3, Phi-3/4, Gemma 3 text, SmolLM3,
-// and the mixtures of experts Qwen3-MoE, Mixtral, OLMoE, GPT-OSS) share this one description of a
+// the mixtures of experts Qwen3-MoE, Mixtral, OLMoE, GPT-OSS, and the hybrid Qwen3.5 text model) share this one description of a
 // decoder's shape; what sets each family apart (its ops, names and config.json fields) is declared
 // in its own file, src/model/families/<family>.cpp (family.hpp). A missing required field, a
 // field of the wrong type, or fields that contradict each other (`architectures` and
@@ -24,7 +24,7 @@
 namespace megatrain {
 
 /// The supported families (family.hpp declares what each is made of).
-enum class Architecture { llama, mistral, qwen2, qwen3, phi3, gemma3, qwen3_moe, mixtral, olmoe, gpt_oss, smollm3 };
+enum class Architecture { llama, mistral, qwen2, qwen3, phi3, gemma3, qwen3_moe, mixtral, olmoe, gpt_oss, smollm3, qwen3_5 };
 struct BlockRecipe;
 
 /// The MLP's gate activation: silu (SwiGLU: Llama, Qwen, Mistral, Phi-3), the tanh
@@ -217,6 +217,9 @@ struct ModelConfig {
   double embed_scale() const;
   /// The softmax scale of attention: 1/sqrt(query_pre_attn_scalar) where given, else 1/sqrt(head_dim).
   double attention_scale() const;
+  /// Qwen3.5, Qwen3-Next: q_proj gives each head's query then its gate (2 x q_dim rows), and the
+  /// attention's output is multiplied by sigmoid(gate) before o_proj.
+  bool attention_output_gate() const;
   /// GPT-OSS: each attention head has a learned sink (self_attn.sinks, [heads]), a logit added to
   /// every query's softmax that takes probability and carries no value.
   bool attention_sinks() const;

@@ -46,6 +46,12 @@ struct BlockRecipe {
   bool local_rope = false;
   /// Some layers apply no rotary embedding (SmolLM3's NoPE layers, no_rope_layers).
   bool nope_layers = false;
+  /// q_proj also gives a gate per head, and o_proj reads attention * sigmoid(gate) (Qwen3.5,
+  /// Qwen3-Next).
+  bool attention_output_gate = false;
+  /// Some layers are linear attention (Gated DeltaNet: layer_types' linear_attention entries,
+  /// ModelConfig::linear_attention).
+  bool linear_attention = false;
   /// The dense MLP's gate activation and the config.json key that names it.
   Activation activation = Activation::silu;
   const char* activation_key = "hidden_act";

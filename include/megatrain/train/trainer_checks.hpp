@@ -10,7 +10,9 @@
 
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/log.hpp"
+#include "megatrain/layers/ops/gated_deltanet.hpp"
 #include "megatrain/layers/ops/moe_mlp.hpp"
+#include "megatrain/layers/ops/self_attention.hpp"
 
 namespace megatrain {
 
@@ -66,6 +68,13 @@ void check_trainer_options(const Ctx& t) {
     for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l)
       if (cfg.is_moe_layer(l)) MoeMlp::refuse_backend(cfg, l);
   }
+  if constexpr (!LinearAttentionBackend<B>) {
+    for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l)
+      if (GatedDeltaNet::builds(cfg, l)) GatedDeltaNet::refuse_backend(l);
+  }
+  if constexpr (!GatedAttentionBackend<B>)
+    MT_CHECK(!cfg.attention_output_gate(), "{}'s attention gates its output (q_proj's gate): that runs on the CPU backend "
+             "only so far (--backend cpu)", cfg.architecture_name());
   // Micro-batches added up in host memory: what orders a micro-batch's head (which zeroes the
   // head's and a tied embedding's accumulators) after the offload of the previous micro-batch's
   // embedding gradient is the reuse of the compute stage's ring (Compute::takes_slot,

@@ -162,6 +162,56 @@ class CpuBackend {
     });
   }
 
+  // ---- an output gate (gated attention: Qwen3.5's and Qwen3-Next's q_proj) ------------------------
+  /// A projection [tokens, heads * 2 dim] whose heads each hold dim values then dim gate inputs,
+  /// split into x and gate ([tokens, heads * dim] each).
+  void split_halves(View<const Act> both, std::int64_t dim, View<Act> x, View<Act> gate) {
+    check_same(x.shape(), gate.shape(), "split_halves");
+    MT_CHECK(both.numel() == 2 * x.numel() && dim > 0 && x.numel() % dim == 0, "split_halves: {} into {} by {}",
+             both.shape().str(), x.shape().str(), dim);
+    const Act* b = both.data();
+    parallel_rows(x.numel() / dim, 256, [&](std::int64_t h0, std::int64_t h1) {
+      for (std::int64_t h = h0; h < h1; ++h) {
+        std::copy_n(b + 2 * h * dim, dim, x.data() + h * dim);
+        std::copy_n(b + (2 * h + 1) * dim, dim, gate.data() + h * dim);
+      }
+    });
+  }
+  /// The inverse of split_halves: both from dx and dgate.
+  void merge_halves(View<const Act> dx, View<const Act> dgate, std::int64_t dim, View<Act> both) {
+    check_same(dx.shape(), dgate.shape(), "merge_halves");
+    MT_CHECK(both.numel() == 2 * dx.numel() && dim > 0 && dx.numel() % dim == 0, "merge_halves: {} from {} by {}",
+             both.shape().str(), dx.shape().str(), dim);
+    Act* b = both.data();
+    parallel_rows(dx.numel() / dim, 256, [&](std::int64_t h0, std::int64_t h1) {
+      for (std::int64_t h = h0; h < h1; ++h) {
+        std::copy_n(dx.data() + h * dim, dim, b + 2 * h * dim);
+        std::copy_n(dgate.data() + h * dim, dim, b + (2 * h + 1) * dim);
+      }
+    });
+  }
+  /// y = x * sigmoid(gate), element-wise.
+  void sigmoid_gate(View<const Act> x, View<const Act> gate, View<Act> y) {
+    check_same(x.shape(), gate.shape(), "sigmoid_gate");
+    check_same(x.shape(), y.shape(), "sigmoid_gate");
+    parallel_rows(x.numel(), 1 << 14, [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t i = b; i < e; ++i) y.data()[i] = x.data()[i] * sigmoid(gate.data()[i]);
+    });
+  }
+  /// dx = dy * sigmoid(gate), dgate = dy * x * s (1 - s) (both overwritten).
+  void sigmoid_gate_backward(View<const Act> x, View<const Act> gate, View<const Act> dy, View<Act> dx, View<Act> dgate) {
+    check_same(x.shape(), gate.shape(), "sigmoid_gate_backward");
+    check_same(dy.shape(), dx.shape(), "sigmoid_gate_backward");
+    check_same(dy.shape(), dgate.shape(), "sigmoid_gate_backward");
+    parallel_rows(x.numel(), 1 << 14, [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t i = b; i < e; ++i) {
+        const T s = sigmoid(gate.data()[i]);
+        dx.data()[i] = dy.data()[i] * s;
+        dgate.data()[i] = dy.data()[i] * x.data()[i] * s * (T(1) - s);
+      }
+    });
+  }
+
   // ---- linear --------------------------------------------------------------------------------
   /// y[M,N] = x[M,K] w[N,K]^T (+ bias[N] unless bias is null)
   void linear(View<const Act> x, View<const Weight> w, View<const Weight> bias, View<Act> y) {

@@ -111,6 +111,12 @@ class GatedDeltaNet : public CarvedOp<GatedDeltaNet> {
 
   std::int64_t hidden_size() const { return d_; }
 
+  /// Refuses linear-attention layer `layer` on a backend without LinearAttentionBackend's primitives.
+  [[noreturn]] static void refuse_backend(std::int64_t layer) {
+    MT_FAIL("layer {} is a linear-attention layer (Gated DeltaNet): it runs on the CPU backend only so far (--backend "
+            "cpu); the GPU kernels are not built yet", layer);
+  }
+
   template <class B>
   struct Acts {
     View<typename B::Act> mixed, z, b, a;  // the projections, the layout of the top comment
@@ -277,10 +283,7 @@ class GatedDeltaNet : public CarvedOp<GatedDeltaNet> {
   enum class Part { q, k, v, z, b, a };
 
   std::string name(const char* suffix) const { return prefix_ + suffix; }
-  [[noreturn]] void refuse() const {
-    MT_FAIL("layer {} is a linear-attention layer (Gated DeltaNet): it runs on the CPU backend only so far (--backend "
-            "cpu); the GPU kernels are not built yet", layer_);
-  }
+  [[noreturn]] void refuse() const { refuse_backend(layer_); }
 
   /// Qwen3-Next's fused rows, each key head's in turn: f(t, offset in the fused row, part,
   /// offset in that part's row of the unfused layout, length) for every run of elements of

@@ -13,6 +13,11 @@
 //
 // SmolLM3's NoPE layers (ModelConfig::rotary_layer) rotate neither q nor k.
 //
+// Qwen3.5 and Qwen3-Next gate the attention's output (ModelConfig::attention_output_gate): q_proj
+// gives each head head_dim query values then head_dim gate inputs, and o_proj reads
+// attention * sigmoid(gate). The gate runs on backends with GatedAttentionBackend's primitives
+// (the CPU backend); elsewhere it is refused.
+//
 // GPT-OSS adds a learned sink per head (self_attn.sinks, ModelConfig::attention_sinks): a logit
 // in every query's softmax that takes probability and carries no value; its sliding and full
 // layers share one rotary table.
@@ -37,6 +42,15 @@
 
 namespace megatrain {
 
+/// What a backend provides for the attention's output gate (the CPU backend).
+template <class B>
+concept GatedAttentionBackend = requires(B& be, View<const typename B::Act> c, View<typename B::Act> m) {
+  be.split_halves(c, std::int64_t{}, m, m);
+  be.merge_halves(c, c, std::int64_t{}, m);
+  be.sigmoid_gate(c, c, m);
+  be.sigmoid_gate_backward(c, c, c, m, m);
+};
+
 class SelfAttention : public CarvedOp<SelfAttention> {
  public:
   /// Layer `layer`'s attention: parameters model.layers.<layer>.self_attn.*.
@@ -49,7 +63,8 @@ class SelfAttention : public CarvedOp<SelfAttention> {
         window_(cfg.attention_window(layer)),
         rotary_(cfg.rotary_layer(layer)),
         softmax_scale_(cfg.query_pre_attn_scalar ? cfg.attention_scale() : 0.0),
-        norm_offset_(cfg.norm_unit_offset() ? 1.0 : 0.0) {
+        norm_offset_(cfg.norm_unit_offset() ? 1.0 : 0.0),
+        gated_(cfg.attention_output_gate()) {
     cfg.validate();
     MT_CHECK(layer >= 0 && layer < cfg.num_hidden_layers, "layer {} out of range [0, {})", layer, cfg.num_hidden_layers);
   }
@@ -66,12 +81,13 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   std::vector<ParamSpec> params() const {
     const std::int64_t d = cfg_.hidden_size;
     const auto sd = static_cast<float>(cfg_.initializer_range);
-    std::vector<ParamSpec> p{ParamSpec::matrix(name("q_proj.weight"), Shape{cfg_.q_dim(), d}, sd),
+    const std::int64_t qp = (gated_ ? 2 : 1) * cfg_.q_dim();  // (gated: each head's query, then its gate)
+    std::vector<ParamSpec> p{ParamSpec::matrix(name("q_proj.weight"), Shape{qp, d}, sd),
                              ParamSpec::matrix(name("k_proj.weight"), Shape{cfg_.kv_dim(), d}, sd),
                              ParamSpec::matrix(name("v_proj.weight"), Shape{cfg_.kv_dim(), d}, sd),
                              ParamSpec::matrix(name("o_proj.weight"), Shape{d, cfg_.q_dim()}, sd)};
     if (cfg_.qkv_bias) {
-      p.push_back(ParamSpec::bias(name("q_proj.bias"), cfg_.q_dim()));
+      p.push_back(ParamSpec::bias(name("q_proj.bias"), qp));
       p.push_back(ParamSpec::bias(name("k_proj.bias"), cfg_.kv_dim()));
       p.push_back(ParamSpec::bias(name("v_proj.bias"), cfg_.kv_dim()));
     }
@@ -118,6 +134,10 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     View<typename B::Act> q_pre, k_pre;
     View<typename B::Acc> rstd_q, rstd_k;
     View<typename B::Act> dq_pre, dk_pre;
+    // the output gate only: its inputs and the gated output (kept), a token block's whole q_proj
+    // output, and their gradients (with_backward)
+    View<typename B::Act> gate, gated, qg;
+    View<typename B::Act> dgate, dgated, dqg;
     /// Kept with q/k norms: q and k are not kept but made again from q_pre and k_pre by
     /// attend_backward() (the same element-wise kernels on the same bits).
     bool remake_qk = false;
@@ -144,6 +164,16 @@ class SelfAttention : public CarvedOp<SelfAttention> {
       a.rstd_q = k.alloc<typename B::Acc>({M * norm_rows(cfg_.num_attention_heads)});
       a.rstd_k = k.alloc<typename B::Acc>({M * norm_rows(cfg_.num_key_value_heads)});
     }
+    if (gated_) {
+      a.gate = k.alloc<A>({M, qd});
+      a.gated = k.alloc<A>({M, qd});
+      a.qg = ar.alloc<A>({c.block_tokens(), 2 * qd});
+    }
+    if (with_backward && gated_) {
+      a.dgate = ar.alloc<A>({M, qd});
+      a.dgated = ar.alloc<A>({M, qd});
+      a.dqg = ar.alloc<A>({c.block_tokens(), 2 * qd});
+    }
     if (with_backward) {
       a.datt = ar.alloc<A>({M, qd});
       a.dq = ar.alloc<A>({M, qd});
@@ -162,7 +192,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   void run(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
            const Acts<B>& a, View<typename B::Act> y) const {
     run_kept(be, c, w, x, a);
-    be.linear(cview(a.att), w.o, w.o_bias, y);
+    be.linear(cview(gated_ ? a.gated : a.att), w.o, w.o_bias, y);
   }
 
   /// run() up to the attention output a.att (what backprop() needs), without the projection.
@@ -172,7 +202,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     MT_CHECK(x.rank() == 2 && x.size(0) == c.tokens() && x.size(1) == cfg_.hidden_size,
              "self-attention: input {} is not [{} tokens, {}]", x.shape().str(), c.tokens(), cfg_.hidden_size);
     project(be, w, x, a, 0);
-    attend(be, c, a, w.sinks);
+    mix(be, c, a, w);
   }
 
   /// After run() on the same x: dx = dL/dx (overwritten) from dy, weight gradients added to g.
@@ -180,8 +210,8 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   void backprop(B& be, ChunkShape c, const Weights<const typename B::Weight>& w, View<const typename B::Act> x,
                 const Acts<B>& a, View<const typename B::Act> dy, View<typename B::Act> dx,
                 const Weights<typename B::Acc>& g) const {
-    be.linear_backward(cview(a.att), w.o, dy, a.datt, false, g.o, g.o_bias);
-    attend_backward(be, c, a, w, g.sinks);
+    be.linear_backward(cview(gated_ ? a.gated : a.att), w.o, dy, gated_ ? a.dgated : a.datt, false, g.o, g.o_bias);
+    mix_backward(be, c, a, w, g);
     project_backward(be, w, x, a, 0, dx, g);
   }
 
@@ -198,18 +228,19 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   template <class B>
   void mix(B& be, ChunkShape c, const Acts<B>& a, const Weights<const typename B::Weight>& w) const {
     attend(be, c, a, w.sinks);
+    if (gated_) gate_ops(be, [&](auto& g) { g.sigmoid_gate(cview(a.att), cview(a.gate), a.gated); });
   }
   /// h = x + o_proj(attention output) for tokens [first, first + x.size(0)).
   template <class B>
   void out_add(B& be, const Weights<const typename B::Weight>& w, const Acts<B>& a, std::int64_t first,
                View<const typename B::Res> x, View<typename B::Res> h) const {
-    be.linear_add(cview(token_rows(a.att, first, x.size(0))), w.o, w.o_bias, x, h);
+    be.linear_add(cview(token_rows(gated_ ? a.gated : a.att, first, x.size(0))), w.o, w.o_bias, x, h);
   }
   /// o = o_proj(attention output) for tokens [first, first + o.size(0)).
   template <class B>
   void out(B& be, const Weights<const typename B::Weight>& w, const Acts<B>& a, std::int64_t first,
            View<typename B::Act> o) const {
-    be.linear(cview(token_rows(a.att, first, o.size(0))), w.o, w.o_bias, o);
+    be.linear(cview(token_rows(gated_ ? a.gated : a.att, first, o.size(0))), w.o, w.o_bias, o);
   }
   /// From dout (the gradient of out()'s rows from `first`): those rows of a.datt; o_proj's
   /// gradients added to g.
@@ -217,13 +248,16 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   void out_backward(B& be, const Weights<const typename B::Weight>& w, const Acts<B>& a, std::int64_t first,
                     View<const typename B::Act> dout, const Weights<typename B::Acc>& g) const {
     const std::int64_t n = dout.size(0);
-    be.linear_backward(cview(token_rows(a.att, first, n)), w.o, dout, token_rows(a.datt, first, n), false, g.o, g.o_bias);
+    be.linear_backward(cview(token_rows(gated_ ? a.gated : a.att, first, n)), w.o, dout,
+                       token_rows(gated_ ? a.dgated : a.datt, first, n), false, g.o, g.o_bias);
   }
   /// mix()'s backward over the whole chunk: a.dq, a.dk, a.dv from a.datt; the sinks' gradient
   /// added to g.
   template <class B>
   void mix_backward(B& be, ChunkShape c, const Acts<B>& a, const Weights<const typename B::Weight>& w,
                     const Weights<typename B::Acc>& g) const {
+    if (gated_)
+      gate_ops(be, [&](auto& b) { b.sigmoid_gate_backward(cview(a.att), cview(a.gate), cview(a.dgated), a.datt, a.dgate); });
     attend_backward(be, c, a, w, g.sinks);
   }
 
@@ -233,15 +267,20 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   void project(B& be, const Weights<const typename B::Weight>& w, View<const typename B::Act> x, const Acts<B>& a,
                std::int64_t first) const {
     const std::int64_t n = x.size(0), H = norm_rows(cfg_.num_attention_heads), KV = norm_rows(cfg_.num_key_value_heads);
+    if (gated_) {  // q_proj's output split into each head's query and gate
+      const auto q = token_rows(cfg_.qk_norm() ? a.q_pre : a.q, first, n), qg = token_rows(a.qg, 0, n);
+      be.linear(x, w.q, w.q_bias, qg);
+      gate_ops(be, [&](auto& g) { g.split_halves(cview(qg), cfg_.head_dim, q, token_rows(a.gate, first, n)); });
+    }
     if (cfg_.qk_norm()) {
-      be.linear(x, w.q, w.q_bias, token_rows(a.q_pre, first, n));
+      if (!gated_) be.linear(x, w.q, w.q_bias, token_rows(a.q_pre, first, n));
       be.linear(x, w.k, w.k_bias, token_rows(a.k_pre, first, n));
       be.head_rmsnorm(cview(heads(token_rows(a.q_pre, first, n))), w.q_norm, cfg_.rms_norm_eps,
                       heads(token_rows(a.q, first, n)), token_rows(a.rstd_q, first * H, n * H), norm_offset_);
       be.head_rmsnorm(cview(heads(token_rows(a.k_pre, first, n))), w.k_norm, cfg_.rms_norm_eps,
                       heads(token_rows(a.k, first, n)), token_rows(a.rstd_k, first * KV, n * KV), norm_offset_);
     } else {
-      be.linear(x, w.q, w.q_bias, token_rows(a.q, first, n));
+      if (!gated_) be.linear(x, w.q, w.q_bias, token_rows(a.q, first, n));
       be.linear(x, w.k, w.k_bias, token_rows(a.k, first, n));
     }
     be.linear(x, w.v, w.v_bias, token_rows(a.v, first, n));
@@ -298,6 +337,11 @@ class SelfAttention : public CarvedOp<SelfAttention> {
       dq = token_rows(a.dq_pre, first, n);
       dk = token_rows(a.dk_pre, first, n);
     }
+    if (gated_) {  // each head's query gradient and gate gradient, as q_proj's output holds them
+      const auto dqg = token_rows(a.dqg, 0, n);
+      gate_ops(be, [&](auto& b) { b.merge_halves(cview(dq), cview(token_rows(a.dgate, first, n)), cfg_.head_dim, dqg); });
+      dq = dqg;
+    }
     be.linear_backward(x, w.q, cview(dq), dx, false, g.q, g.q_bias);
     be.linear_backward(x, w.k, cview(dk), dx, true, g.k, g.k_bias);
     be.linear_backward(x, w.v, cview(token_rows(a.dv, first, n)), dx, true, g.v, g.v_bias);
@@ -305,6 +349,13 @@ class SelfAttention : public CarvedOp<SelfAttention> {
 
  private:
   std::string name(const char* suffix) const { return prefix_ + suffix; }
+  /// f(be) where the backend has the output gate's primitives; refused elsewhere.
+  template <class B, class F>
+  void gate_ops(B& be, F&& f) const {
+    if constexpr (GatedAttentionBackend<B>) f(be);
+    else MT_FAIL("{}: the attention's output gate (Qwen3.5, Qwen3-Next) runs on the CPU backend only so far (--backend "
+                 "cpu)", prefix_);
+  }
   /// [tokens, heads * head_dim] as [tokens * heads, head_dim]: one row per head (the q/k norms';
   /// OLMoE's norm the whole projection: one row per token).
   template <class E>
@@ -337,6 +388,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   bool rotary_;           // q and k rotated (all but SmolLM3's NoPE layers)
   double softmax_scale_;  // 0: 1 / sqrt(head_dim)
   double norm_offset_;    // the q/k norms multiply by (w + offset): 1 for Gemma, else 0
+  bool gated_;            // o_proj reads attention * sigmoid(gate), the gate from q_proj (Qwen3.5, Qwen3-Next)
 };
 
 }  // namespace megatrain
