@@ -8,7 +8,7 @@
 //   - the backward against central differences of the forward (gradcheck.hpp), for the input
 //     and every weight, fused and not, with token blocks that split the sequences.
 // Awkward sizes throughout: hidden 13, 2 key heads of 5, 4 or 6 value heads of 3, 4 taps,
-// sequences of 1, 4, 5, 7 and 9 tokens.
+// sequences of 1, 4, 5, 7, 9 and 70 tokens (past the delta rule's chunk of 64).
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -198,7 +198,8 @@ TEST_CASE("Gated DeltaNet: the layer against transformers' formulas written out 
     const LayerTemplate<GatedDeltaNet> layer{GatedDeltaNet(cfg, 0)};
     Random rng(test_seed(5300 + value_heads));
     const Vec slab = random_weights(layer.layout(), rng);
-    for (const ChunkShape& c : {ChunkShape{2, 9}, ChunkShape{3, 1}, ChunkShape{1, 7, {}, 3}}) {
+    // (70 tokens: past the delta rule's chunk of 64, the state carried across)
+    for (const ChunkShape& c : {ChunkShape{2, 9}, ChunkShape{3, 1}, ChunkShape{1, 7, {}, 3}, ChunkShape{1, 70}}) {
       CAPTURE(c.rows);
       CAPTURE(c.seq);
       const Vec x = rng.vector(c.tokens() * cfg.hidden_size, -1, 1);
