@@ -75,11 +75,17 @@ TEST_CASE("gated attention: o_proj reads attention * sigmoid(gate), each head's 
   const std::int64_t M = c.tokens();
   const Vec x = rng.vector(M * kHidden, -1, 1);
   Be be;
-  // the gated op
-  std::vector<std::byte> mem(gated.op().scratch_bytes<Be>(c));
-  Arena arena{std::span<std::byte>(mem)};
-  Vec y(static_cast<std::size_t>(M * kHidden));
-  gated.op().forward(be, c, gated.bind(std::span<const double>(slab)), cview(x, {M, kHidden}), view(y, {M, kHidden}), arena);
+  // the gated op, on the whole chunk and a token block of 4 at a time
+  const auto gated_forward = [&](ChunkShape shape) {
+    std::vector<std::byte> mem(gated.op().scratch_bytes<Be>(shape));
+    Arena arena{std::span<std::byte>(mem)};
+    Vec out(static_cast<std::size_t>(M * kHidden));
+    gated.op().forward(be, shape, gated.bind(std::span<const double>(slab)), cview(x, {M, kHidden}),
+                       view(out, {M, kHidden}), arena);
+    return out;
+  };
+  const Vec y = gated_forward(c);
+  CHECK(gated_forward(ChunkShape{2, 7, {}, 4}) == y);
   // by hand: the plain attention's output, times sigmoid of each head's gate rows, through o_proj
   std::vector<std::byte> pmem(plain.op().scratch_bytes<Be>(c));
   Arena parena{std::span<std::byte>(pmem)};
@@ -100,6 +106,12 @@ TEST_CASE("gated attention: o_proj reads attention * sigmoid(gate), each head's 
       for (std::int64_t i = 0; i < qd; ++i) want[t * kHidden + o] += wo[o * qd + i] * gated_att[i];
   }
   check_close("gated attention", y, want, 1e-12, 1e-13);
+}
+
+TEST_CASE("gradcheck: the gated attention op on its own, whole and a token block at a time") {
+  const LayerTemplate<SelfAttention> gated{SelfAttention(qwen3_5({"full_attention"}, 0.5), 0)};
+  for (const ChunkShape& c : {ChunkShape{2, 5}, ChunkShape{1, 9, {}, 4}})
+    gradcheck_layer(gated, c, 5420 + static_cast<std::uint64_t>(c.seq), fmt::format("gated attention, {}x{} tokens", c.rows, c.seq));
 }
 
 TEST_CASE("gradcheck: Qwen3.5's blocks, a linear-attention layer and a gated full-attention layer") {

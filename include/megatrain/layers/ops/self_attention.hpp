@@ -201,7 +201,10 @@ class SelfAttention : public CarvedOp<SelfAttention> {
                 const Acts<B>& a) const {
     MT_CHECK(x.rank() == 2 && x.size(0) == c.tokens() && x.size(1) == cfg_.hidden_size,
              "self-attention: input {} is not [{} tokens, {}]", x.shape().str(), c.tokens(), cfg_.hidden_size);
-    project(be, w, x, a, 0);
+    if (gated_)  // (q_proj's output is split a token block at a time: a.qg holds one block)
+      c.for_each_block([&](std::int64_t t0, std::int64_t n) { project(be, w, token_rows(x, t0, n), a, t0); });
+    else
+      project(be, w, x, a, 0);
     mix(be, c, a, w);
   }
 
@@ -212,7 +215,12 @@ class SelfAttention : public CarvedOp<SelfAttention> {
                 const Weights<typename B::Acc>& g) const {
     be.linear_backward(cview(gated_ ? a.gated : a.att), w.o, dy, gated_ ? a.dgated : a.datt, false, g.o, g.o_bias);
     mix_backward(be, c, a, w, g);
-    project_backward(be, w, x, a, 0, dx, g);
+    if (gated_)
+      c.for_each_block([&](std::int64_t t0, std::int64_t n) {
+        project_backward(be, w, token_rows(x, t0, n), a, t0, token_rows(dx, t0, n), g);
+      });
+    else
+      project_backward(be, w, x, a, 0, dx, g);
   }
 
   // ---- as a block's token mixer (token_mixer.hpp): the pieces of run_kept() and backprop(), for
