@@ -329,7 +329,13 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
   const auto find = [&](std::string_view name) { return c.weights_.find(prefix + std::string(name)); };
   // Fused tensors (Phi-3's projections, GPT-OSS's experts): each holds several parameters;
   // checked whole, each parameter read from its place.
-  const auto fused = fused_tensors(cfg);
+  // (those that may be held part by part instead, and are: read as the parameters they hold)
+  c.fused_ = fused_tensors(cfg);
+  std::erase_if(c.fused_, [&](const FusedTensor& f) {
+    const FusedSource s = find_fused(c.weights_, f);
+    return f.optional && !s.whole && !s.blocks && !s.scales && c.weights_.find(f.parts.front().param);
+  });
+  const auto& fused = c.fused_;
   const auto places = fused_places(fused, c.units_);
   for (const auto& f : fused) {
     const std::string what = fmt::format("{} parameters such as {}", f.parts.size(), f.parts.front().param);
@@ -497,8 +503,7 @@ void HfCheckpoint::load_into(HostParamStore<float>& store) const {
   MT_NVTX_RANGE("io::HfCheckpoint::load_into");
   store.check_settled(fmt::format("loading '{}'", dir_.string()));
   check_store_matches(store, units_, fmt::format("loading '{}'", dir_.string()));
-  const auto fused = fused_tensors(config_);
-  const auto places = fused_places(fused, units_);
+  const auto places = fused_places(fused_, units_);
   // The fused tensor last read, whole (its parameters come one after another in slab order, so
   // each is read once).
   std::vector<float> whole;
@@ -625,6 +630,22 @@ std::vector<FusedTensor> fused_tensors(const ModelConfig& cfg) {
       for (auto* f : {&gu, &gub, &dn, &dnb}) out.push_back(std::move(*f));
     }
   }
+  if (cfg.block().stacked_experts) {  // (Qwen3.5-MoE) the experts stacked: gate's rows then up's; down
+    const std::int64_t E = cfg.moe.num_experts, I = cfg.moe.intermediate_size;
+    for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+      if (!cfg.is_moe_layer(l)) continue;
+      const std::string x = fmt::format("model.layers.{}.mlp.experts.", l);
+      const auto param = [&](std::int64_t e, const char* what) { return fmt::format("{}{}.{}", x, e, what); };
+      FusedTensor gu{x + "gate_up_proj", {E, 2 * I, d}, {}, false, true}, dn{x + "down_proj", {E, d, I}, {}, false, true};
+      for (std::int64_t e = 0; e < E; ++e) {
+        gu.parts.push_back({param(e, "gate_proj.weight"), {I, d}, e * 2 * I * d, {d, 1}});
+        gu.parts.push_back({param(e, "up_proj.weight"), {I, d}, e * 2 * I * d + I * d, {d, 1}});
+        dn.parts.push_back({param(e, "down_proj.weight"), {d, I}, e * d * I, {I, 1}});
+      }
+      out.push_back(std::move(gu));
+      out.push_back(std::move(dn));
+    }
+  }
   return out;
 }
 
@@ -720,8 +741,11 @@ void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg,
   const SafetensorsDType stored = to_safetensors_dtype(options.dtype);
   // Fused tensors (Phi-3's projections, GPT-OSS's experts) are written where their first part
   // is, assembled whole from all their parts' masters when their first chunk is asked for and
-  // released after their last (an MXFP4 one unquantized, under its own name).
-  const auto fused = fused_tensors(cfg);
+  // released after their last (an MXFP4 one unquantized, under its own name). Those a checkpoint
+  // may hold part by part (Qwen3.5-MoE's experts) are written part by part, as transformers'
+  // save_pretrained writes them.
+  auto fused = fused_tensors(cfg);
+  std::erase_if(fused, [](const FusedTensor& f) { return f.optional; });
   const auto places = fused_places(fused, units);
   // (from the copy: all but the parameters whose masters every process keeps whole, the norm gains
   // and the embedding, which are read from those masters)

@@ -124,7 +124,8 @@ ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
   }
 
   c.hidden_size = get_int(j, "hidden_size", src);
-  c.intermediate_size = get_int(j, "intermediate_size", src);
+  // (a family whose every layer is sparse has no such field: transformers ignores one)
+  c.intermediate_size = fam.block.every_layer_sparse ? 0 : get_int(j, "intermediate_size", src);
   c.num_hidden_layers = get_int(j, "num_hidden_layers", src);
   // (bounded first: the per-layer tables the families read are sized by it)
   MT_CHECK(c.num_hidden_layers > 0, "{}: num_hidden_layers must be > 0 (got {})", src, c.num_hidden_layers);
@@ -204,10 +205,12 @@ ModelConfig ModelConfig::from_file(const std::filesystem::path& path) {
 void ModelConfig::validate(std::string_view src) const {
   auto positive = [&](std::int64_t v, const char* name) { MT_CHECK(v > 0, "{}: {} must be > 0 (got {})", src, name, v); };
   positive(hidden_size, "hidden_size");
-  positive(intermediate_size, "intermediate_size");
   positive(num_hidden_layers, "num_hidden_layers");
   MT_CHECK(num_hidden_layers <= kMaxLayers, "{}: num_hidden_layers {} is beyond any model (at most {})", src,
            num_hidden_layers, kMaxLayers);
+  // (a dense MLP's; a model whose every layer is sparse may have none)
+  if (moe_layer_count() < num_hidden_layers) positive(intermediate_size, "intermediate_size");
+  MT_CHECK(intermediate_size >= 0, "{}: intermediate_size must be >= 0 (got {})", src, intermediate_size);
   MT_CHECK(head_dim <= kMaxHeadDim, "{}: head_dim {} is beyond any model (at most {})", src, head_dim, kMaxHeadDim);
   positive(num_attention_heads, "num_attention_heads");
   positive(num_key_value_heads, "num_key_value_heads");
@@ -486,8 +489,9 @@ std::int64_t ModelConfig::param_count() const {
   // the MLPs: dense gate, up, down; or the router and each expert's three
   const std::int64_t sparse = moe_layer_count();
   const std::int64_t dense_mlp = mul(mul(3, d), intermediate_size);
-  const std::int64_t moe_mlp = moe.num_experts > 0 ? add(mul(moe.num_experts, add(d, moe.biases ? 1 : 0)),
-                                                         mul(moe.num_experts, expert_params())) : 0;
+  std::int64_t moe_mlp = moe.num_experts > 0 ? add(mul(moe.num_experts, add(d, moe.biases ? 1 : 0)),
+                                                   mul(moe.num_experts, expert_params())) : 0;
+  if (moe.shared_expert_size > 0) moe_mlp = add(moe_mlp, moe.shared_expert_params(d));
   std::int64_t n = add(add(add(mul(vocab_size, d), mul(num_hidden_layers, block)), d), mixers);
   n = add(n, add(mul(num_hidden_layers - sparse, dense_mlp), mul(sparse, moe_mlp)));
   if (!tie_word_embeddings) n = add(n, mul(vocab_size, d));
@@ -518,6 +522,11 @@ std::int64_t ModelConfig::expert_params() const {
   const auto mul = [](std::int64_t a, std::int64_t b) { return checked_mul(a, b, "the model's parameter count"); };
   const std::int64_t w = mul(mul(3, hidden_size), moe.intermediate_size);
   return moe.biases ? checked_add(w, 2 * moe.intermediate_size + hidden_size, "the model's parameter count") : w;
+}
+
+std::int64_t MoeConfig::shared_expert_params(std::int64_t hidden_size) const {
+  const auto mul = [](std::int64_t a, std::int64_t b) { return checked_mul(a, b, "the model's parameter count"); };
+  return checked_add(mul(mul(3, hidden_size), shared_expert_size), hidden_size, "the model's parameter count");
 }
 
 std::int64_t ModelConfig::active_param_count() const {
@@ -632,6 +641,61 @@ constexpr Preset kPresets[] = {
       "linear_conv_kernel_dim":4,"full_attention_interval":4,"max_position_embeddings":262144,"rms_norm_eps":1e-6,
       "rope_parameters":{"rope_type":"default","rope_theta":10000000.0,"partial_rotary_factor":0.25},
       "tie_word_embeddings":false})"},
+    // The smaller Qwen3.5 text models (their published text_config; 0.8B to 4B tie the head)
+    {"qwen3.5-0.8b", R"({"architectures":["Qwen3_5ForCausalLM"],"hidden_size":1024,"intermediate_size":3584,
+      "num_hidden_layers":24,"num_attention_heads":8,"num_key_value_heads":2,"head_dim":256,"vocab_size":248320,
+      "linear_num_key_heads":16,"linear_num_value_heads":16,"linear_key_head_dim":128,"linear_value_head_dim":128,
+      "linear_conv_kernel_dim":4,"full_attention_interval":4,"max_position_embeddings":262144,"rms_norm_eps":1e-6,
+      "rope_parameters":{"rope_type":"default","rope_theta":10000000.0,"partial_rotary_factor":0.25},
+      "tie_word_embeddings":true})"},
+    {"qwen3.5-2b", R"({"architectures":["Qwen3_5ForCausalLM"],"hidden_size":2048,"intermediate_size":6144,
+      "num_hidden_layers":24,"num_attention_heads":8,"num_key_value_heads":2,"head_dim":256,"vocab_size":248320,
+      "linear_num_key_heads":16,"linear_num_value_heads":16,"linear_key_head_dim":128,"linear_value_head_dim":128,
+      "linear_conv_kernel_dim":4,"full_attention_interval":4,"max_position_embeddings":262144,"rms_norm_eps":1e-6,
+      "rope_parameters":{"rope_type":"default","rope_theta":10000000.0,"partial_rotary_factor":0.25},
+      "tie_word_embeddings":true})"},
+    {"qwen3.5-4b", R"({"architectures":["Qwen3_5ForCausalLM"],"hidden_size":2560,"intermediate_size":9216,
+      "num_hidden_layers":32,"num_attention_heads":16,"num_key_value_heads":4,"head_dim":256,"vocab_size":248320,
+      "linear_num_key_heads":16,"linear_num_value_heads":32,"linear_key_head_dim":128,"linear_value_head_dim":128,
+      "linear_conv_kernel_dim":4,"full_attention_interval":4,"max_position_embeddings":262144,"rms_norm_eps":1e-6,
+      "rope_parameters":{"rope_type":"default","rope_theta":10000000.0,"partial_rotary_factor":0.25},
+      "tie_word_embeddings":true})"},
+    {"qwen3.5-9b", R"({"architectures":["Qwen3_5ForCausalLM"],"hidden_size":4096,"intermediate_size":12288,
+      "num_hidden_layers":32,"num_attention_heads":16,"num_key_value_heads":4,"head_dim":256,"vocab_size":248320,
+      "linear_num_key_heads":16,"linear_num_value_heads":32,"linear_key_head_dim":128,"linear_value_head_dim":128,
+      "linear_conv_kernel_dim":4,"full_attention_interval":4,"max_position_embeddings":262144,"rms_norm_eps":1e-6,
+      "rope_parameters":{"rope_type":"default","rope_theta":10000000.0,"partial_rotary_factor":0.25},
+      "tie_word_embeddings":false})"},
+    // Qwen3.5's mixtures of experts (their published text_config: every layer sparse, a shared expert)
+    {"qwen3.5-35b-a3b", R"({"architectures":["Qwen3_5MoeForCausalLM"],"hidden_size":2048,"num_hidden_layers":40,
+      "num_attention_heads":16,"num_key_value_heads":2,"head_dim":256,"vocab_size":248320,"linear_num_key_heads":16,
+      "linear_num_value_heads":32,"linear_key_head_dim":128,"linear_value_head_dim":128,"linear_conv_kernel_dim":4,
+      "full_attention_interval":4,"num_experts":256,"num_experts_per_tok":8,"moe_intermediate_size":512,
+      "shared_expert_intermediate_size":512,"max_position_embeddings":262144,"rms_norm_eps":1e-6,
+      "rope_parameters":{"rope_type":"default","rope_theta":10000000.0,"partial_rotary_factor":0.25},
+      "tie_word_embeddings":false})"},
+    {"qwen3.5-122b-a10b", R"({"architectures":["Qwen3_5MoeForCausalLM"],"hidden_size":3072,"num_hidden_layers":48,
+      "num_attention_heads":32,"num_key_value_heads":2,"head_dim":256,"vocab_size":248320,"linear_num_key_heads":16,
+      "linear_num_value_heads":64,"linear_key_head_dim":128,"linear_value_head_dim":128,"linear_conv_kernel_dim":4,
+      "full_attention_interval":4,"num_experts":256,"num_experts_per_tok":8,"moe_intermediate_size":1024,
+      "shared_expert_intermediate_size":1024,"max_position_embeddings":262144,"rms_norm_eps":1e-6,
+      "rope_parameters":{"rope_type":"default","rope_theta":10000000.0,"partial_rotary_factor":0.25},
+      "tie_word_embeddings":false})"},
+    {"qwen3.5-397b-a17b", R"({"architectures":["Qwen3_5MoeForCausalLM"],"hidden_size":4096,"num_hidden_layers":60,
+      "num_attention_heads":32,"num_key_value_heads":2,"head_dim":256,"vocab_size":248320,"linear_num_key_heads":16,
+      "linear_num_value_heads":64,"linear_key_head_dim":128,"linear_value_head_dim":128,"linear_conv_kernel_dim":4,
+      "full_attention_interval":4,"num_experts":512,"num_experts_per_tok":10,"moe_intermediate_size":1024,
+      "shared_expert_intermediate_size":1024,"max_position_embeddings":262144,"rms_norm_eps":1e-6,
+      "rope_parameters":{"rope_type":"default","rope_theta":10000000.0,"partial_rotary_factor":0.25},
+      "tie_word_embeddings":false})"},
+    // Qwen3-Next-80B-A3B (its published config.json)
+    {"qwen3-next-80b-a3b", R"({"architectures":["Qwen3NextForCausalLM"],"hidden_size":2048,"intermediate_size":5120,
+      "num_hidden_layers":48,"num_attention_heads":16,"num_key_value_heads":2,"head_dim":256,"vocab_size":151936,
+      "linear_num_key_heads":16,"linear_num_value_heads":32,"linear_key_head_dim":128,"linear_value_head_dim":128,
+      "linear_conv_kernel_dim":4,"full_attention_interval":4,"num_experts":512,"num_experts_per_tok":10,
+      "moe_intermediate_size":512,"shared_expert_intermediate_size":512,"decoder_sparse_step":1,"mlp_only_layers":[],
+      "norm_topk_prob":true,"max_position_embeddings":262144,"rms_norm_eps":1e-6,"rope_theta":10000000.0,
+      "partial_rotary_factor":0.25,"tie_word_embeddings":false})"},
     // Mixtures of experts (their published config.json; the CPU backend trains them for now)
     {"qwen3-30b-a3b", R"({"architectures":["Qwen3MoeForCausalLM"],"hidden_size":2048,"intermediate_size":6144,
       "moe_intermediate_size":768,"num_hidden_layers":48,"num_attention_heads":32,"num_key_value_heads":4,"head_dim":128,

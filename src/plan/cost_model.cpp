@@ -18,8 +18,11 @@ double block_elementwise_bytes(const ModelConfig& cfg, std::int64_t layer) {
 }
 
 double active_expert_params(const ModelConfig& cfg) {
-  return static_cast<double>(cfg.moe_layer_count()) * static_cast<double>(cfg.moe.experts_per_token) * 3.0 *
-         static_cast<double>(cfg.hidden_size) * static_cast<double>(cfg.moe.intermediate_size);
+  // (a shared expert too: recomputed in the backward with the routed ones)
+  const double shared = cfg.moe.shared_expert_size > 0 ? static_cast<double>(cfg.moe.shared_expert_params(cfg.hidden_size)) : 0;
+  return static_cast<double>(cfg.moe_layer_count()) *
+         (static_cast<double>(cfg.moe.experts_per_token) * 3.0 * static_cast<double>(cfg.hidden_size) *
+              static_cast<double>(cfg.moe.intermediate_size) + shared);
 }
 
 double attention_span(const ModelConfig& cfg, double seq) {

@@ -44,7 +44,10 @@ double channel_mixer_elementwise_bytes(const ModelConfig& cfg, std::int64_t laye
     case ChannelMixerKind::dense_mlp: return 18.0 * static_cast<double>(cfg.intermediate_size);
     case ChannelMixerKind::experts: {  // (each of a token's k experts, and the routing's rows)
       const double k = static_cast<double>(cfg.moe.experts_per_token);
-      return k * (18.0 * static_cast<double>(cfg.moe.intermediate_size) + 18.0 * static_cast<double>(cfg.hidden_size));
+      const double shared = cfg.moe.shared_expert_size > 0  // (its SwiGLU, its gate and the gated sum)
+                                ? 18.0 * static_cast<double>(cfg.moe.shared_expert_size) + 24.0 * static_cast<double>(cfg.hidden_size)
+                                : 0.0;
+      return k * (18.0 * static_cast<double>(cfg.moe.intermediate_size) + 18.0 * static_cast<double>(cfg.hidden_size)) + shared;
     }
   }
   return 0;

@@ -26,8 +26,8 @@ Scenarios (each a CTest test):
                  --gradients device on resume, it says that the sums come in another order. (Where
                  auto itself chose, a resumed run's auto keeps the checkpoint's home where it fits:
                  plan::choose_gradient_home's `prefer`, tested in test_memory_plan.)
-  hybrid         Qwen3.5's hybrid layers (Gated DeltaNet, gated attention) from a config.json on the
-                 CPU backend, fine-tuning examples unpacked and packed: each run, crashed after its
+  hybrid         Qwen3.5's hybrid layers (Gated DeltaNet, gated attention), and Qwen3-Next's (fused
+                 projections, experts with a shared expert), from a config.json on the CPU backend, fine-tuning examples unpacked and packed: each run, crashed after its
                  third step's checkpoint and resumed, ends as the uninterrupted one, bit for bit;
                  the packed run's loss differs from the unpacked one's (its rows hold several
                  examples) while both learn.
@@ -186,32 +186,38 @@ def crash_points():
 
 def hybrid():
     tok = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fuzz", "tokenizers", "qwen2_5")
-    config = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 32,
-              "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
-              "head_dim": 8, "vocab_size": 1024, "linear_num_key_heads": 1, "linear_num_value_heads": 2,
-              "linear_key_head_dim": 8, "linear_value_head_dim": 6, "tie_word_embeddings": False,
-              "layer_types": ["linear_attention", "full_attention", "linear_attention"]}
-    json.dump(config, open(path("config.json"), "w"))
+    dense = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 32,
+             "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
+             "head_dim": 8, "vocab_size": 1024, "linear_num_key_heads": 1, "linear_num_value_heads": 2,
+             "linear_key_head_dim": 8, "linear_value_head_dim": 6, "tie_word_embeddings": False,
+             "layer_types": ["linear_attention", "full_attention", "linear_attention"]}
+    # Qwen3-Next: the fused projections, a sparse layer with a shared expert beside a dense one
+    nxt = dict(dense, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", num_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=12, mlp_only_layers=[1])
     with open(path("sft.jsonl"), "w") as f:
         for i in range(60):
             f.write(json.dumps({"prompt": f"question {i}: " + "how far " * (i % 5), "completion": f" answer {i * 7}" * (1 + i % 3)})
                     + "\n")
-    losses = {}
-    for pack in ("unpacked", "packed"):
-        base = ["--model-config", "config.json", "--tokenizer", tok, "--data", "sft.jsonl", "--batch", "2", "--seq", "48",
-                "--backend", "cpu", "--steps", "6", "--save-every", "3", "--lr", "0.003"] + (["--pack"] if pack == "packed" else [])
-        run(base + ["--out", f"straight-{pack}"], what=f"the uninterrupted {pack} run")
-        name = f"resumed-{pack}"
-        rc, _, err = run(base + ["--out", name], env=env_with(MEGATRAIN_FAULTS="crash@checkpoint:latest#1"), expect_rc=None)
-        check(rc == -signal.SIGKILL, f"{pack}: exit status {rc}, expected SIGKILL at the first checkpoint\n{err}")
-        run(["--resume", "--out", name], what=f"the {pack} run resumed")
-        same_metrics(f"straight-{pack}", name, f"{pack}: crashed + resumed vs uninterrupted")
-        same_state(f"straight-{pack}", name, 6, f"{pack}: crashed + resumed vs uninterrupted")
-        m = metrics(f"straight-{pack}")
-        losses[pack] = [r["loss"] for r in m if "loss" in r]
-        check(len(losses[pack]) == 6 and all(math.isfinite(x) for x in losses[pack]), f"{pack}: losses {losses[pack]}")
-        check(losses[pack][-1] < losses[pack][0], f"{pack}: the loss did not fall: {losses[pack]}")
-    check(losses["packed"] != losses["unpacked"], "packing changed nothing: the rows were not packed")
+    for family, config in (("qwen3_5", dense), ("qwen3_next", nxt)):
+        json.dump(config, open(path(f"{family}.json"), "w"))
+        losses = {}
+        for pack in ("unpacked", "packed"):
+            base = ["--model-config", f"{family}.json", "--tokenizer", tok, "--data", "sft.jsonl", "--batch", "2", "--seq",
+                    "48", "--backend", "cpu", "--steps", "6", "--save-every", "3", "--lr", "0.003"] + \
+                   (["--pack"] if pack == "packed" else [])
+            what = f"{family} {pack}"
+            run(base + ["--out", f"straight-{family}-{pack}"], what=f"the uninterrupted {what} run")
+            name = f"resumed-{family}-{pack}"
+            rc, _, err = run(base + ["--out", name], env=env_with(MEGATRAIN_FAULTS="crash@checkpoint:latest#1"), expect_rc=None)
+            check(rc == -signal.SIGKILL, f"{what}: exit status {rc}, expected SIGKILL at the first checkpoint\n{err}")
+            run(["--resume", "--out", name], what=f"the {what} run resumed")
+            same_metrics(f"straight-{family}-{pack}", name, f"{what}: crashed + resumed vs uninterrupted")
+            same_state(f"straight-{family}-{pack}", name, 6, f"{what}: crashed + resumed vs uninterrupted")
+            m = metrics(f"straight-{family}-{pack}")
+            losses[pack] = [r["loss"] for r in m if "loss" in r]
+            check(len(losses[pack]) == 6 and all(math.isfinite(x) for x in losses[pack]), f"{what}: losses {losses[pack]}")
+            check(losses[pack][-1] < losses[pack][0], f"{what}: the loss did not fall: {losses[pack]}")
+        check(losses["packed"] != losses["unpacked"], f"{family}: packing changed nothing: the rows were not packed")
 
 
 def refusals():

@@ -122,6 +122,21 @@ std::vector<HfFixture> hf_fixtures() {
                                 {"linear_key_head_dim", 4}, {"linear_value_head_dim", 3},
                                 {"layer_types", {"linear_attention", "full_attention"}}}),
                DType::bf16});
+  // Qwen3.5-MoE: every layer sparse, a shared expert; Qwen3-Next: fused projections, a dense layer
+  f.push_back({"qwen3_5_moe", with({{"architectures", {"Qwen3_5MoeForCausalLM"}}, {"model_type", "qwen3_5_moe_text"},
+                                    {"head_dim", 8}, {"tie_word_embeddings", false}, {"linear_num_key_heads", 1},
+                                    {"linear_num_value_heads", 2}, {"linear_key_head_dim", 4}, {"linear_value_head_dim", 3},
+                                    {"layer_types", {"linear_attention", "full_attention"}}, {"num_experts", 3},
+                                    {"num_experts_per_tok", 2}, {"moe_intermediate_size", 8},
+                                    {"shared_expert_intermediate_size", 6}}),
+               DType::bf16});
+  f.push_back({"qwen3_next", with({{"architectures", {"Qwen3NextForCausalLM"}}, {"model_type", "qwen3_next"}, {"head_dim", 8},
+                                   {"tie_word_embeddings", false}, {"linear_num_key_heads", 1}, {"linear_num_value_heads", 2},
+                                   {"linear_key_head_dim", 4}, {"linear_value_head_dim", 3},
+                                   {"layer_types", {"linear_attention", "full_attention"}}, {"num_experts", 3},
+                                   {"num_experts_per_tok", 2}, {"moe_intermediate_size", 8},
+                                   {"shared_expert_intermediate_size", 6}, {"mlp_only_layers", {1}}}),
+               DType::bf16});
   return f;
 }
 
@@ -141,6 +156,8 @@ std::string hf_fixture_for(const ModelConfig& c) {
     case Architecture::gpt_oss: return "gpt_oss";
     case Architecture::smollm3: return "smollm3";
     case Architecture::qwen3_5: return "qwen3_5";
+    case Architecture::qwen3_5_moe: return "qwen3_5_moe";
+    case Architecture::qwen3_next: return "qwen3_next";
   }
   return "llama";
 }

@@ -14,9 +14,11 @@ GPU machine) only to change or add a family:
 
     python3 tests/hf/make_fixtures.py --out tests/fixtures [--only qwen3]
 
-The hybrid families (qwen3_5, qwen3_5_moe, qwen3_next, qwen3_5_mm) are written by this script but
-not yet read by megatrain (issue 53): no folder of theirs is in tests/fixtures until a GPU machine
-with transformers 5.17 has run it (`--only qwen3_5 qwen3_5_moe qwen3_next qwen3_5_mm`).
+The hybrid families' fixtures (qwen3_5, qwen3_5_moe, qwen3_next) in tests/fixtures were made with
+a float32 reference, before float64_family; run `--only qwen3_5 qwen3_5_moe qwen3_next` again to
+replace them with float64 references. Two more are written but not read by megatrain yet (issue 53):
+qwen3_5_mm (Qwen3_5ForConditionalGeneration, with mtp.* tensors) and qwen3_next_aux (the auxiliary
+loss); neither is in tests/fixtures.
 """
 
 import argparse
@@ -150,7 +152,7 @@ def families():
 # heads, 4 value heads: two value heads read each key head) between gated full-attention layers
 # whose rotary turns half of each head. transformers runs its float32 PyTorch delta rule on the
 # CPU (flash-linear-attention is not used there), the reference megatrain's CPU backend matches.
-SEQ_OF = {"qwen3_5": 70, "qwen3_5_moe": 70, "qwen3_next": 70, "qwen3_5_mm": 70}
+SEQ_OF = {"qwen3_5": 70, "qwen3_5_moe": 70, "qwen3_next": 70, "qwen3_next_aux": 70, "qwen3_5_mm": 70}
 LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
               linear_conv_kernel_dim=4, head_dim=16,
               layer_types=["linear_attention", "full_attention", "linear_attention"],
@@ -170,6 +172,12 @@ def hybrid_families():
         "qwen3_next": (t.Qwen3NextForCausalLM, t.Qwen3NextConfig(tie_word_embeddings=False, norm_topk_prob=True,
                                                                  decoder_sparse_step=1, mlp_only_layers=[1], **moe,
                                                                  **common)),
+        # (the auxiliary loss as Qwen3-Next's router records it: megatrain refuses it until this
+        # fixture says whether transformers 5.17 records the logits or their softmax)
+        "qwen3_next_aux": (t.Qwen3NextForCausalLM, t.Qwen3NextConfig(tie_word_embeddings=False, norm_topk_prob=True,
+                                                                     output_router_logits=True, router_aux_loss_coef=0.1,
+                                                                     decoder_sparse_step=1, mlp_only_layers=[1], **moe,
+                                                                     **common)),
     }
 
 
@@ -243,6 +251,27 @@ def store_mxfp4(d, blocks):
         json.dump(cfg, f, indent=2)
 
 
+def float64_family(cls):
+    """The class `cls` from a copy of its own modeling module with every float32 cast made float64.
+
+    transformers runs the hybrid families' linear attention (its chunked gated delta rule) and
+    their norms in float32 whatever the model's dtype; in float32 that chunked form rounds the
+    gradients by up to ~4e-5 of their size, more than the 1e-5 the fixtures are checked at. Their
+    reference is therefore transformers' own code run in float64 on the same float32 weights (the
+    copy differs from the module only in its casts), rounded to float32 when saved."""
+    import importlib
+    import inspect
+    import types
+    mod = importlib.import_module(cls.__module__)
+    src = inspect.getsource(mod)
+    src = re.sub(r"torch\.float(?![0-9])", "torch.float64", src)  # (torch.float is float32)
+    src = src.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
+    copy = types.ModuleType(mod.__name__ + "_float64")
+    copy.__package__, copy.__file__ = mod.__package__, mod.__file__
+    exec(compile(src, mod.__file__, "exec"), copy.__dict__)
+    return getattr(copy, cls.__name__)
+
+
 def make(name, cls, cfg, out):
     seed = sum(map(ord, name))
     torch.manual_seed(seed)
@@ -279,11 +308,15 @@ def make(name, cls, cfg, out):
         mask = torch.ones((ROWS, SEQ), dtype=torch.long)
         mask[1, SEQ - 4:] = 0
         labels[mask == 0] = -100
+    if name in SEQ_OF:  # (a hybrid family: its reference in float64, float64_family)
+        model32 = model
+        model = float64_family(cls)(cfg).double().eval()
+        model.load_state_dict({k: v.double() for k, v in model32.state_dict().items()})
     model.zero_grad()
     aux_on = bool(getattr(cfg, "output_router_logits", False))
     extra_in = {"attention_mask": mask} if mask is not None else {}
     out = model(input_ids=ids, output_router_logits=True, **extra_in) if aux_on else model(input_ids=ids, **extra_in)
-    logits = out.logits.float()
+    logits = out.logits.float() if out.logits.dtype != torch.float64 else out.logits  # (float64: a hybrid's)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
     extra = {}
     if aux_on:  # as the family's forward adds it when given labels (without an attention mask: every token)
@@ -297,7 +330,7 @@ def make(name, cls, cfg, out):
     if mask is not None:
         extra["attention_mask"] = mask.to(torch.int32).contiguous()
     ref = {"input_ids": ids.to(torch.int32).contiguous(), "labels": labels.to(torch.int32).contiguous(),
-           "loss": loss.detach().reshape(1).contiguous(), "logits": logits.detach().contiguous(), **extra}
+           "loss": loss.detach().float().reshape(1).contiguous(), "logits": logits.detach().float().contiguous(), **extra}
     from safetensors import safe_open
     with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
         saved = set(f.keys())
@@ -335,11 +368,12 @@ def text_reference(model, name, seed, seq, pad=None):
     if pad is not None:
         ids[:, ::3] = pad
     model.zero_grad()
-    logits = model(input_ids=ids).logits.float()
+    logits = model(input_ids=ids).logits
+    logits = logits if logits.dtype == torch.float64 else logits.float()
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
     loss.backward()
     ref = {"input_ids": ids.to(torch.int32).contiguous(), "labels": labels.to(torch.int32).contiguous(),
-           "loss": loss.detach().reshape(1).contiguous(), "logits": logits.detach().contiguous()}
+           "loss": loss.detach().float().reshape(1).contiguous(), "logits": logits.detach().float().contiguous()}
     for pname, p in model.named_parameters():
         m = re.fullmatch(r"model\.language_model\.(.*)", pname)
         if pname == "lm_head.weight":
@@ -395,6 +429,9 @@ def make_qwen3_5_mm(out):
     cfg = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict())
     model = transformers.Qwen3_5ForConditionalGeneration(cfg).float().eval()
     d = perturbed_and_saved(model, name, out)
+    model64 = float64_family(transformers.Qwen3_5ForConditionalGeneration)(cfg).double().eval()
+    model64.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    model = model64
     from safetensors.torch import load_file
     path = os.path.join(d, "model.safetensors")
     tensors = load_file(path)

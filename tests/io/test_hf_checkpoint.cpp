@@ -1122,3 +1122,74 @@ TEST_CASE("Gemma3ForConditionalGeneration: the language model read under languag
   CHECK_ERROR_MENTIONS(HfCheckpoint::open(out), "'language_model.model.norm.weight' is missing",
                        "unexpected tensor 'model.language_model.norm.weight'", "read under 'language_model.'");
 }
+
+TEST_CASE("Qwen3.5-MoE's experts: read stacked (the Hub's folders) or one tensor per expert (transformers'), exported per expert") {
+  const json config = json::parse(R"({"architectures":["Qwen3_5MoeForCausalLM"],"model_type":"qwen3_5_moe_text",
+    "hidden_size":16,"num_hidden_layers":2,"num_attention_heads":2,"num_key_value_heads":1,"head_dim":8,"vocab_size":37,
+    "linear_num_key_heads":1,"linear_num_value_heads":2,"linear_key_head_dim":4,"linear_value_head_dim":4,
+    "layer_types":["linear_attention","full_attention"],"num_experts":3,"num_experts_per_tok":2,
+    "moe_intermediate_size":6,"shared_expert_intermediate_size":5})");
+  const ModelConfig cfg = ModelConfig::from_json(config);
+  const auto store = random_store(cfg);
+  const auto same_masters = [&](const HostParamStore<float>& loaded) {
+    for (const auto& u : store.units())
+      for (const auto& p : u.params()) {
+        CAPTURE(p.spec.name);
+        const auto a = store.master(p.spec.name).span(), b = loaded.master(p.spec.name).span();
+        CHECK(std::equal(a.begin(), a.end(), b.begin(), b.end()));
+      }
+  };
+  TempDir dir;
+  // one tensor per expert, as transformers' save_pretrained writes them (and the export)
+  const auto per_expert = tensors_of(store, SafetensorsDType::f32);
+  write_model(dir / "per-expert", per_expert, config);
+  same_masters(load_hf_model(dir / "per-expert").store);
+  HfExportOptions f32;
+  f32.dtype = DType::f32;
+  export_hf_model(store, cfg, dir / "export", f32);
+  std::set<std::string> names;
+  for (const auto& t : per_expert) names.insert(t.name);
+  const auto exported = SafetensorsCheckpoint::open(dir / "export").names();
+  CHECK(std::set<std::string>(exported.begin(), exported.end()) == names);
+  // stacked, as the Hub's folders hold them: expert e's gate rows, then its up rows; its down
+  const std::int64_t E = 3, I = 6, d = 16;
+  std::vector<std::vector<float>> stacks;
+  std::vector<TensorToWrite> stacked;
+  for (const auto& t : per_expert)
+    if (t.name.find(".mlp.experts.") == std::string::npos) stacked.push_back(t);
+  for (const int l : {0, 1}) {
+    const auto w = [&](std::int64_t e, const char* what) {
+      return store.master(fmt::format("model.layers.{}.mlp.experts.{}.{}.weight", l, e, what)).span();
+    };
+    std::vector<float> gate_up, down;
+    for (std::int64_t e = 0; e < E; ++e) {
+      for (const char* part : {"gate_proj", "up_proj"}) gate_up.insert(gate_up.end(), w(e, part).begin(), w(e, part).end());
+      down.insert(down.end(), w(e, "down_proj").begin(), w(e, "down_proj").end());
+    }
+    stacks.push_back(std::move(gate_up));
+    stacks.push_back(std::move(down));
+  }
+  for (const int l : {0, 1}) {
+    const auto& gu = stacks[static_cast<std::size_t>(2 * l)];
+    const auto& dn = stacks[static_cast<std::size_t>(2 * l + 1)];
+    stacked.emplace_back(fmt::format("model.layers.{}.mlp.experts.gate_up_proj", l),
+                         View<const float>(std::span<const float>(gu), Shape{E, 2 * I, d}), SafetensorsDType::f32);
+    stacked.emplace_back(fmt::format("model.layers.{}.mlp.experts.down_proj", l),
+                         View<const float>(std::span<const float>(dn), Shape{E, d, I}), SafetensorsDType::f32);
+  }
+  write_model(dir / "stacked", stacked, config);
+  same_masters(load_hf_model(dir / "stacked").store);
+  // both at once: the per-expert tensors are strays beside the stacked ones
+  auto both = stacked;
+  for (const auto& t : per_expert)
+    if (t.name == "model.layers.0.mlp.experts.0.gate_proj.weight") both.push_back(t);
+  write_model(dir / "both", both, config);
+  CHECK_ERROR_MENTIONS(HfCheckpoint::open(dir / "both"), "unexpected tensor 'model.layers.0.mlp.experts.0.gate_proj.weight'");
+  // a stacked tensor of the wrong shape: refused, naming it
+  auto bad = stacked;
+  for (auto& t : bad)
+    if (t.name == "model.layers.1.mlp.experts.down_proj")
+      t = TensorToWrite(t.name, View<const float>(std::span<const float>(stacks[3]), Shape{E, I, d}), SafetensorsDType::f32);
+  write_model(dir / "bad", bad, config);
+  CHECK_ERROR_MENTIONS(HfCheckpoint::open(dir / "bad"), "tensor 'model.layers.1.mlp.experts.down_proj'", "has shape [3, 6, 16]");
+}

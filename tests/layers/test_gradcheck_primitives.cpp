@@ -426,6 +426,34 @@ TEST_CASE("gradcheck: GPT-OSS's clamped swiglu") {
   report("clamped swiglu", gradcheck(objective, {{"g", g, dg}, {"u", u, du}}, rng));
 }
 
+TEST_CASE("gradcheck: sigmoid_gate, a gate per element, per group of features and per row") {
+  Random rng(test_seed(520));
+  Be be;
+  const std::int64_t M = 7, D = 15;
+  for (const std::int64_t G : {D, std::int64_t{5}, std::int64_t{1}}) {  // (features per gate: 1, 3, 15)
+    CAPTURE(G);
+    Vec x = rng.vector(M * D, -1.5, 1.5), gate = rng.vector(M * G, -4, 4);
+    const Vec r = rng.vector(M * D, -1, 1);
+    Vec y(x.size());
+    auto objective = [&] {
+      be.sigmoid_gate(cview(x, {M, D}), cview(gate, {M, G}), view(y, {M, D}));
+      return contract(y, r);
+    };
+    objective();
+    Vec want(y.size());
+    for (std::int64_t t = 0; t < M; ++t)
+      for (std::int64_t j = 0; j < D; ++j)
+        want[t * D + j] = x[t * D + j] / (1 + std::exp(-gate[t * G + j / (D / G)]));
+    check_close("sigmoid_gate forward", y, want, kFwdRtol, kFwdAtol);
+    Vec dx = nans(M * D), dgate = nans(M * G);
+    be.sigmoid_gate_backward(cview(x, {M, D}), cview(gate, {M, G}), cview(r, {M, D}), view(dx, {M, D}), view(dgate, {M, G}));
+    report(fmt::format("sigmoid_gate, {} features a gate", D / G), gradcheck(objective, {{"x", x, dx}, {"gate", gate, dgate}}, rng));
+  }
+  Vec x(12), gate(5), y(12);  // (a gate whose columns do not divide the features: refused)
+  CHECK_THROWS_WITH_AS(be.sigmoid_gate(cview(x, {2, 6}), cview(gate, {1, 5}), view(y, {2, 6})),
+                       doctest::Contains("must have the rows of [2, 6]"), Error);
+}
+
 TEST_CASE("gradcheck: swiglu") {
   Random rng(test_seed(500));
   Be be;

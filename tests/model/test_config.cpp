@@ -78,6 +78,18 @@ void check_same(const ModelConfig& a, const ModelConfig& b) {
   CHECK(a.query_pre_attn_scalar == b.query_pre_attn_scalar);
   CHECK(a.partial_rotary_factor == b.partial_rotary_factor);
   CHECK(a.nope_layers == b.nope_layers);
+  CHECK(a.layer_types == b.layer_types);
+  CHECK(a.linear_attention == b.linear_attention);
+  CHECK(a.moe.num_experts == b.moe.num_experts);
+  CHECK(a.moe.experts_per_token == b.moe.experts_per_token);
+  CHECK(a.moe.intermediate_size == b.moe.intermediate_size);
+  CHECK(a.moe.norm_topk_prob == b.moe.norm_topk_prob);
+  CHECK(a.moe.dense_layers == b.moe.dense_layers);
+  CHECK(a.moe.decoder_sparse_step == b.moe.decoder_sparse_step);
+  CHECK(a.moe.output_router_logits == b.moe.output_router_logits);
+  CHECK(a.moe.router_aux_loss_coef == b.moe.router_aux_loss_coef);
+  CHECK(a.moe.biases == b.moe.biases);
+  CHECK(a.moe.shared_expert_size == b.moe.shared_expert_size);
 }
 
 /// from_json(to_json(c)) == c, both directly and through the JSON text.
@@ -94,14 +106,22 @@ std::int64_t state_dict_count(const ModelConfig& c) {
   std::vector<std::int64_t> tensors{c.vocab_size * d};  // model.embed_tokens.weight
   for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const bool linear = c.layer_kind(l).token_mixer == TokenMixerKind::linear_attention;
-    if (linear) {  // the norms; linear_attn's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, A_log, dt_bias, norm, out_proj
+    const bool hybrid = c.architecture == Architecture::qwen3_5 || c.architecture == Architecture::qwen3_5_moe ||
+                        c.architecture == Architecture::qwen3_next;
+    if (linear && c.architecture == Architecture::qwen3_next) {  // fused: in_proj_qkvz, in_proj_ba
+      const auto& la = c.linear_attention;
+      const std::int64_t key = la.key_heads * la.key_head_dim, value = la.value_heads * la.value_head_dim;
+      tensors.insert(tensors.end(), {d, d, (2 * key + 2 * value) * d, 2 * la.value_heads * d,
+                                     (2 * key + value) * la.conv_kernel, la.value_heads, la.value_heads,
+                                     la.value_head_dim, d * value});
+    } else if (linear) {  // the norms; linear_attn's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, A_log, dt_bias, norm, out_proj
       const auto& la = c.linear_attention;
       const std::int64_t key = la.key_heads * la.key_head_dim, value = la.value_heads * la.value_head_dim;
       tensors.insert(tensors.end(), {d, d, (2 * key + value) * d, value * d, la.value_heads * d, la.value_heads * d,
                                      (2 * key + value) * la.conv_kernel, la.value_heads, la.value_heads,
                                      la.value_head_dim, d * value});
-    } else {  // the norms; q (with its gate: Qwen3.5), k, v, o
-      tensors.insert(tensors.end(), {d, (c.architecture == Architecture::qwen3_5 ? 2 : 1) * qd * d, kd * d, kd * d, d * qd, d});
+    } else {  // the norms; q (with its gate: Qwen3.5's), k, v, o
+      tensors.insert(tensors.end(), {d, (hybrid ? 2 : 1) * qd * d, kd * d, kd * d, d * qd, d});
     }
     if (c.architecture == Architecture::gpt_oss) {  // mlp.router.{weight,bias}, the stacked experts, sinks
       const std::int64_t e = c.moe.num_experts, fe = c.moe.intermediate_size;
@@ -110,14 +130,16 @@ std::int64_t state_dict_count(const ModelConfig& c) {
       const std::int64_t e = c.moe.num_experts, fe = c.moe.intermediate_size;
       tensors.push_back(e * d);
       for (std::int64_t x = 0; x < e; ++x) tensors.insert(tensors.end(), {fe * d, fe * d, d * fe});
+      const std::int64_t s = c.moe.shared_expert_size;  // shared_expert.{gate,up,down}_proj, shared_expert_gate
+      if (s > 0) tensors.insert(tensors.end(), {s * d, s * d, d * s, d});
     } else {
       tensors.insert(tensors.end(), {f * d, f * d, d * f});
     }
-    if (c.qkv_bias && !linear) tensors.insert(tensors.end(), {(c.architecture == Architecture::qwen3_5 ? 2 : 1) * qd, kd, kd});
+    if (c.qkv_bias && !linear) tensors.insert(tensors.end(), {(hybrid ? 2 : 1) * qd, kd, kd});
     if (c.o_bias && !linear) tensors.push_back(d);
     if (c.mlp_bias) tensors.insert(tensors.end(), {f, f, d});
     if ((c.architecture == Architecture::qwen3 || c.architecture == Architecture::gemma3 ||
-         c.architecture == Architecture::qwen3_moe || c.architecture == Architecture::qwen3_5) && !linear)
+         c.architecture == Architecture::qwen3_moe || hybrid) && !linear)
       tensors.insert(tensors.end(), {c.head_dim, c.head_dim});  // q_norm, k_norm
     if (c.architecture == Architecture::olmoe) tensors.insert(tensors.end(), {qd, kd});  // over the whole projections
     if (c.architecture == Architecture::gemma3) tensors.insert(tensors.end(), {d, d});  // pre/post_feedforward_layernorm
@@ -741,7 +763,8 @@ TEST_CASE("config: every preset loads, validates, round-trips and agrees with th
   CHECK(names == std::vector<std::string>{"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-72b",
                                           "qwen3-0.6b", "qwen3-8b", "gemma-3-1b", "gemma-3-4b", "gemma-3-12b",
                                           "gemma-3-27b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "mistral-7b", "smollm3-3b", "qwen3.5-27b",
-                                          "qwen3-30b-a3b",
+                                          "qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-35b-a3b",
+                                          "qwen3.5-122b-a10b", "qwen3.5-397b-a17b", "qwen3-next-80b-a3b", "qwen3-30b-a3b",
                                           "mixtral-8x7b", "olmoe-1b-7b", "gpt-oss-20b", "gpt-oss-120b"});
   for (const auto& name : names) {
     CAPTURE(name);
@@ -768,6 +791,27 @@ TEST_CASE("config: presets' parameter counts are the published ones") {
   // (OpenAI's model card: 20.91B and 116.83B in all, 3.61B and 5.13B active)
   CHECK(ModelConfig::preset("gpt-oss-20b").param_count() == 20'914'757'184);
   CHECK(ModelConfig::preset("gpt-oss-120b").param_count() == 116'829'156'672);
+}
+
+TEST_CASE("config: the Qwen3.5 and Qwen3-Next presets have the sizes their names give (text model, billions)") {
+  // (the names' total and active parameters in billions; Qwen3.5's include its vision tower)
+  struct Size {
+    const char* preset;
+    double total, active;
+  };
+  for (const Size& s : {Size{"qwen3.5-0.8b", 0.8, 0.8}, Size{"qwen3.5-2b", 2, 2}, Size{"qwen3.5-4b", 4, 4},
+                        Size{"qwen3.5-9b", 9, 9}, Size{"qwen3.5-27b", 27, 27}, Size{"qwen3.5-35b-a3b", 35, 3},
+                        Size{"qwen3.5-122b-a10b", 122, 10}, Size{"qwen3.5-397b-a17b", 397, 17},
+                        Size{"qwen3-next-80b-a3b", 80, 3}}) {
+    CAPTURE(s.preset);
+    const auto c = ModelConfig::preset(s.preset);
+    const double total = static_cast<double>(c.param_count()) / 1e9, active = static_cast<double>(c.active_param_count()) / 1e9;
+    MESSAGE(std::string(s.preset) << ": " << total << "B, " << active << "B active");
+    CHECK(total > 0.9 * s.total);  // (names round; the embedding is counted in active parameters here, not in all names)
+    CHECK(total < 1.06 * s.total);
+    CHECK(active > 0.75 * s.active);
+    CHECK(active < 1.35 * s.active);
+  }
 }
 
 TEST_CASE("config: an unknown preset is refused with the known names") {
@@ -1397,7 +1441,7 @@ TEST_CASE("families: each family's entry reads, checks and writes its own config
     CHECK(c.to_json().at("architectures") == json::array({f->class_name}));
     CHECK(c.to_json().at(f->block.activation_key).is_string());
   }
-  CHECK(families().size() == 12);
+  CHECK(families().size() == 14);
 }
 
 TEST_CASE("config: a layer type megatrain does not build is refused, naming the entry") {
@@ -1414,6 +1458,87 @@ TEST_CASE("config: a layer type megatrain does not build is refused, naming the 
                        doctest::Contains("c.json: layer_types makes layer 0 a linear_attention layer, which "
                                          "Gemma3ForCausalLM has not"),
                        Error);
+}
+
+TEST_CASE("config: Qwen3.5-MoE's text model: every layer sparse with a shared expert, no intermediate_size") {
+  // (the fields of a published Qwen3.5-MoE text_config, shrunk; its class has no intermediate_size)
+  json j = json::parse(R"({"architectures":["Qwen3_5MoeForCausalLM"],"model_type":"qwen3_5_moe_text","hidden_size":64,
+    "num_hidden_layers":4,"num_attention_heads":4,"vocab_size":300,"linear_num_key_heads":2,"linear_num_value_heads":4,
+    "linear_key_head_dim":8,"linear_value_head_dim":10,"num_experts":6,"num_experts_per_tok":2,
+    "moe_intermediate_size":24,"shared_expert_intermediate_size":20})");
+  auto c = ModelConfig::from_json(j, "m.json");
+  CHECK(c.architecture == Architecture::qwen3_5_moe);
+  CHECK(c.num_key_value_heads == 2);  // Qwen3_5MoeTextConfig's default (the dense class's is 4)
+  CHECK(c.head_dim == 256);
+  CHECK(c.partial_rotary_factor == 0.25);
+  CHECK(c.intermediate_size == 0);
+  CHECK(c.moe_layer_count() == 4);    // every layer
+  CHECK(c.moe.norm_topk_prob);        // always renormalised
+  CHECK(c.moe.intermediate_size == 24);
+  CHECK(c.moe.shared_expert_size == 20);
+  CHECK(c.attention_output_gate());
+  CHECK(!c.linear_attention.fused);
+  CHECK(c.layer_kind(3).token_mixer == TokenMixerKind::full_attention);
+  CHECK(c.layer_kind(2).token_mixer == TokenMixerKind::linear_attention);
+  CHECK(c.param_count() == state_dict_count(c));
+  CHECK(c.param_count() == op_spec_count(c));
+  // the active parameters: every routed expert a token is not sent to left out; the shared one kept
+  CHECK(c.active_param_count() == c.param_count() - 4 * (6 - 2) * 3 * 64 * 24);
+  check_round_trip(c);
+  const json out = c.to_json();
+  CHECK(!out.contains("intermediate_size"));
+  CHECK(!out.contains("num_local_experts"));
+  CHECK(out.at("shared_expert_intermediate_size") == 20);
+  // the class's defaults where the file is silent
+  j.erase("num_experts");
+  j.erase("moe_intermediate_size");
+  j.erase("shared_expert_intermediate_size");
+  c = ModelConfig::from_json(j, "m.json");
+  CHECK(c.moe.num_experts == 256);
+  CHECK(c.moe.experts_per_token == 2);
+  CHECK(c.moe.intermediate_size == 512);
+  CHECK(c.moe.shared_expert_size == 512);
+  // refused, naming the field
+  json w = j;
+  w["shared_expert_intermediate_size"] = 0;
+  CHECK_THROWS_WITH_AS(ModelConfig::from_json(w, "m.json"), doctest::Contains("m.json: shared_expert_intermediate_size must "
+                       "be in [1, 2^24] (got 0)"), Error);
+  w = j;
+  w["num_experts_per_tok"] = 300;
+  CHECK_THROWS_WITH_AS(ModelConfig::from_json(w, "m.json"), doctest::Contains("num_experts_per_tok must be in [1, 256]"),
+                       Error);
+}
+
+TEST_CASE("config: Qwen3-Next: fused linear-attention projections, sparse and dense layers, a shared expert") {
+  json j = json::parse(R"({"architectures":["Qwen3NextForCausalLM"],"model_type":"qwen3_next","hidden_size":64,
+    "intermediate_size":96,"num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,
+    "vocab_size":300,"linear_num_key_heads":2,"linear_num_value_heads":4,"linear_key_head_dim":8,
+    "linear_value_head_dim":10,"num_experts":6,"num_experts_per_tok":2,"moe_intermediate_size":24,
+    "shared_expert_intermediate_size":20,"mlp_only_layers":[1],"rope_theta":10000000.0})");
+  auto c = ModelConfig::from_json(j, "n.json");
+  CHECK(c.architecture == Architecture::qwen3_next);
+  CHECK(c.linear_attention.fused);
+  CHECK(c.moe.norm_topk_prob);  // Qwen3NextConfig's default
+  CHECK(c.moe.dense_layers == std::vector<std::int64_t>{1});
+  CHECK(c.moe_layer_count() == 3);
+  CHECK(c.partial_rotary_factor == 0.25);
+  CHECK(c.rotary_dim() == 4);
+  CHECK(c.param_count() == state_dict_count(c));
+  CHECK(c.param_count() == op_spec_count(c));
+  check_round_trip(c);
+  j["norm_topk_prob"] = false;
+  j["decoder_sparse_step"] = 2;
+  c = ModelConfig::from_json(j, "n.json");
+  CHECK(!c.moe.norm_topk_prob);
+  CHECK(c.moe_layer_count() == 1);  // layer 3 (layer 1 is dense by mlp_only_layers too)
+  CHECK(c.param_count() == state_dict_count(c));
+  check_round_trip(c);
+  json w = j;
+  w["output_router_logits"] = true;
+  CHECK_THROWS_WITH_AS(ModelConfig::from_json(w, "n.json"), doctest::Contains("n.json: output_router_logits is true"), Error);
+  w = j;
+  w.erase("intermediate_size");  // (its dense layers need one)
+  CHECK_THROWS_WITH_AS(ModelConfig::from_json(w, "n.json"), doctest::Contains("intermediate_size"), Error);
 }
 
 TEST_CASE("config: Qwen3.5's text model, its hybrid layers and Qwen3_5TextConfig's defaults") {

@@ -92,15 +92,22 @@ void check_family(const fs::path& dir) {
     logits.resize(kept * V);
     want_logits.resize(kept * V);
   }
+  // The tolerance: fp32 rounding, 1e-5 of a tensor's size. The hybrid families' (Qwen3.5, Qwen3-Next)
+  // is 1e-4: their linear attention makes the problem itself less well conditioned, and both fp32
+  // computations are that far from the exact one. Measured on their fixtures against megatrain's
+  // CPU backend in float64: megatrain's fp32 gradients within 3.5e-5 to 4.3e-5, transformers' own
+  // within 2.0e-5 to 4.1e-5 (its chunked delta rule runs in fp32 whatever the model's dtype); the
+  // other families' both within 1.4e-6. make_fixtures.py now writes their reference in float64.
+  const double tol = m.config.block().linear_attention ? 1e-4 : 1e-5;
   const double logits_err = rel(logits, want_logits);
-  CHECK(logits_err <= 1e-5);
+  CHECK(logits_err <= tol);
   double logits_worst = 0;  // (the largest single difference, against the largest logit)
   double logits_largest = 0;
   for (std::size_t i = 0; i < logits.size(); ++i) {
     logits_worst = std::max(logits_worst, std::abs(static_cast<double>(logits[i]) - want_logits[i]));
     logits_largest = std::max(logits_largest, std::abs(static_cast<double>(want_logits[i])));
   }
-  CHECK(logits_worst <= 1e-5 * logits_largest);
+  CHECK(logits_worst <= tol * logits_largest);
   MESSAGE(dir.filename().string() << ": logits within " << logits_err << " (relative norm), largest difference "
                                   << logits_worst << " of logits up to " << logits_largest);
   if (ref.find("aux_loss") != nullptr) {  // transformers' loss is the cross-entropy plus coef x the auxiliary loss
@@ -119,8 +126,10 @@ void check_family(const fs::path& dir) {
   // the fused gradient).
   std::map<std::string, std::pair<std::string, const FusedPart*>> fused_parts;  // part -> (fused tensor, place)
   const auto fused = fused_tensors(m.config);
+  const auto fixture = SafetensorsCheckpoint::open(dir);
   for (const auto& f : fused)
-    for (const auto& part : f.parts) fused_parts[part.param] = {f.name, &part};
+    if (!f.optional || fixture.contains(f.name))  // (Qwen3.5-MoE's experts: stacked or per expert)
+      for (const auto& part : f.parts) fused_parts[part.param] = {f.name, &part};
   // Some gradients are zero in exact arithmetic, and both sides give rounding noise: the key bias
   // of a layer without rotary (SmolLM3's NoPE layers: the same logit added to every key leaves
   // the softmax unchanged). A gradient is measured against its own size or, where that is below
@@ -150,7 +159,7 @@ void check_family(const fs::path& dir) {
       const auto got = std::span<const float>(grads[u]).subspan(static_cast<std::size_t>(e.offset),
                                                                static_cast<std::size_t>(e.numel()));
       const double err = rel(got, want, 1e-3 * largest);
-      CHECK(err <= 1e-5);
+      CHECK(err <= tol);
       worst = std::max(worst, err);
       seen.insert(name);
     }
@@ -192,7 +201,7 @@ void check_family(const fs::path& dir) {
 
 }  // namespace
 
-TEST_CASE("every model family gives transformers' loss and gradients (fp32 CPU backend, rel 1e-5)") {
+TEST_CASE("every model family gives transformers' loss and gradients (fp32 CPU backend, rel 1e-5; hybrids 1e-4)") {
   std::vector<fs::path> dirs;
   for (const auto& e : fs::directory_iterator(MEGATRAIN_TEST_FIXTURES))
     if (fs::exists(e.path() / "reference.safetensors")) dirs.push_back(e.path());
@@ -203,8 +212,9 @@ TEST_CASE("every model family gives transformers' loss and gradients (fp32 CPU b
   for (const auto& d : dirs) names.push_back(d.filename().string());
   const std::vector<std::string> expected{"gemma3",  "gemma3_mm",    "gpt_oss",  "gpt_oss_mxfp4",   "llama",
                                           "mixtral", "mixtral_aux",  "olmoe",    "olmoe_aux",       "phi3",
-                                          "phi3_longrope", "phi3_partial", "qwen2", "qwen3",        "qwen3_moe",
-                                          "qwen3_moe_aux", "qwen3_moe_aux_mask", "qwen3_moe_step2", "qwen3_tied_bias", "smollm3"};
+                                          "phi3_longrope", "phi3_partial", "qwen2", "qwen3",        "qwen3_5",
+                                          "qwen3_5_moe", "qwen3_moe", "qwen3_moe_aux", "qwen3_moe_aux_mask", "qwen3_moe_step2",
+                                          "qwen3_next", "qwen3_tied_bias", "smollm3"};
   CHECK(names == expected);
   for (const auto& d : dirs) {
     CAPTURE(d.filename().string());

@@ -1023,6 +1023,24 @@ static void check_family_trains(const ModelConfig& cfg, int steps, std::initiali
   }
 }
 
+TEST_CASE("the hybrid families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) train as the plain loop, kept activations and chunks alike") {
+  // Three layers: linear attention, gated full attention, linear attention; the MoE families with a
+  // shared expert on every sparse layer (Qwen3-Next's middle layer dense).
+  const auto common = nlohmann::json::parse(R"({"hidden_size":24,"intermediate_size":40,"num_hidden_layers":3,
+    "num_attention_heads":4,"num_key_value_heads":2,"head_dim":8,"vocab_size":53,"linear_num_key_heads":2,
+    "linear_num_value_heads":4,"linear_key_head_dim":6,"linear_value_head_dim":5,
+    "layer_types":["linear_attention","full_attention","linear_attention"],"num_experts":5,"num_experts_per_tok":2,
+    "moe_intermediate_size":12,"shared_expert_intermediate_size":10})");
+  for (const char* arch : {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"}) {
+    CAPTURE(arch);
+    auto j = common;
+    j["architectures"] = {arch};
+    if (std::string_view(arch) == "Qwen3NextForCausalLM") j["mlp_only_layers"] = {1};
+    const auto cfg = ModelConfig::from_json(j, "hybrid test");
+    check_family_trains(cfg, 3, {1, 2});
+  }
+}
+
 TEST_CASE("Gemma 3 (sandwich norms, sliding windows, GeGLU) trains as the plain loop, its kept activations the same bits") {
   // Three layers, the middle one full, the others sliding over 5 of the 11 tokens; tied; a
   // padding id. Kept activations (the post-norms' inputs kept too) must give the bits of

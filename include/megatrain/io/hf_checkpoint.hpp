@@ -56,6 +56,34 @@ namespace megatrain::io {
 
 // ---- loading ----------------------------------------------------------------------------------
 
+/// A parameter held inside a fused checkpoint tensor: its element (i_0, i_1, ...) is the fused
+/// tensor's element `offset + sum_k i_k strides[k]` (row-major, flat).
+struct FusedPart {
+  std::string param;                  ///< the parameter's name
+  std::vector<std::int64_t> dims;     ///< the parameter's shape
+  std::int64_t offset = 0;
+  std::vector<std::int64_t> strides;  ///< one per dimension of the parameter
+};
+/// A checkpoint tensor that holds several parameters: Phi-3's self_attn.qkv_proj.weight (the rows
+/// of q, k, v) and mlp.gate_up_proj.weight (gate, up); GPT-OSS's stacked experts,
+/// mlp.experts.gate_up_proj [E, hidden, 2 inter] (expert e's gate transposed in the even
+/// columns, its up in the odd ones), gate_up_proj_bias [E, 2 inter] (likewise), down_proj
+/// [E, inter, hidden] (transposed) and down_proj_bias [E, hidden]. Every element of the tensor
+/// belongs to exactly one part.
+struct FusedTensor {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  std::vector<FusedPart> parts;  ///< parts[0] starts at element 0
+  /// The published GPT-OSS checkpoints store this tensor as MXFP4: `name`_blocks (U8
+  /// [E, cols, rows / 32, 16], two 4-bit values a byte, the low nibble first) and `name`_scales
+  /// (U8 [E, cols, rows / 32], a power of two biased by 127 per 32 values), of the transposed
+  /// [E, cols, rows] layout; read dequantized (dequantize_mxfp4), written unquantized.
+  bool mxfp4 = false;
+  /// The checkpoint may hold the parts as tensors of their own instead (Qwen3.5-MoE's experts):
+  /// read either way; exported part by part, as transformers' save_pretrained writes them.
+  bool optional = false;
+};
+
 /// How HfCheckpoint::open (and load_hf_model) judges a checkpoint.
 struct HfOpenOptions {
   /// Accept float tensors (F32, BF16, F16, F64) stored in a dtype other than the one config.json
@@ -108,33 +136,10 @@ class HfCheckpoint {
   SafetensorsCheckpoint weights_;
   std::vector<UnitSpec> units_;
   std::map<std::string, std::string, std::less<>> source_;  // parameter -> checkpoint tensor name
+  std::vector<FusedTensor> fused_;  // the fused tensors this checkpoint holds
   std::vector<std::string> ignored_;
 };
 
-/// A parameter held inside a fused checkpoint tensor: its element (i_0, i_1, ...) is the fused
-/// tensor's element `offset + sum_k i_k strides[k]` (row-major, flat).
-struct FusedPart {
-  std::string param;                  ///< the parameter's name
-  std::vector<std::int64_t> dims;     ///< the parameter's shape
-  std::int64_t offset = 0;
-  std::vector<std::int64_t> strides;  ///< one per dimension of the parameter
-};
-/// A checkpoint tensor that holds several parameters: Phi-3's self_attn.qkv_proj.weight (the rows
-/// of q, k, v) and mlp.gate_up_proj.weight (gate, up); GPT-OSS's stacked experts,
-/// mlp.experts.gate_up_proj [E, hidden, 2 inter] (expert e's gate transposed in the even
-/// columns, its up in the odd ones), gate_up_proj_bias [E, 2 inter] (likewise), down_proj
-/// [E, inter, hidden] (transposed) and down_proj_bias [E, hidden]. Every element of the tensor
-/// belongs to exactly one part.
-struct FusedTensor {
-  std::string name;
-  std::vector<std::int64_t> shape;
-  std::vector<FusedPart> parts;  ///< parts[0] starts at element 0
-  /// The published GPT-OSS checkpoints store this tensor as MXFP4: `name`_blocks (U8
-  /// [E, cols, rows / 32, 16], two 4-bit values a byte, the low nibble first) and `name`_scales
-  /// (U8 [E, cols, rows / 32], a power of two biased by 127 per 32 values), of the transposed
-  /// [E, cols, rows] layout; read dequantized (dequantize_mxfp4), written unquantized.
-  bool mxfp4 = false;
-};
 /// The fused tensors of `cfg`'s checkpoints (none for most families).
 std::vector<FusedTensor> fused_tensors(const ModelConfig& cfg);
 /// Part `p` of a fused tensor whose elements are `fused` (row-major): the parameter's elements in

@@ -24,7 +24,9 @@
 namespace megatrain {
 
 /// The supported families (family.hpp declares what each is made of).
-enum class Architecture { llama, mistral, qwen2, qwen3, phi3, gemma3, qwen3_moe, mixtral, olmoe, gpt_oss, smollm3, qwen3_5 };
+enum class Architecture {
+  llama, mistral, qwen2, qwen3, phi3, gemma3, qwen3_moe, mixtral, olmoe, gpt_oss, smollm3, qwen3_5, qwen3_5_moe, qwen3_next
+};
 struct BlockRecipe;
 
 /// The MLP's gate activation: silu (SwiGLU: Llama, Qwen, Mistral, Phi-3), the tanh
@@ -74,6 +76,12 @@ struct MoeConfig {
   double router_aux_loss_coef = 0.0;
   /// GPT-OSS: the router has a bias, and every expert's gate, up and down projections too.
   bool biases = false;
+  /// Qwen3-Next, Qwen3.5-MoE: a shared expert every token passes through beside its routed ones,
+  /// a SwiGLU MLP of this size scaled by sigmoid(shared_expert_gate(x)) (shared_expert_intermediate_size);
+  /// 0: none.
+  std::int64_t shared_expert_size = 0;
+  /// A shared expert's parameters: its gate, up and down projections and its [1, hidden] gate.
+  std::int64_t shared_expert_params(std::int64_t hidden_size) const;
 };
 
 /// The shape of Gated DeltaNet, the linear attention of Qwen3.5's and Qwen3-Next's

@@ -59,6 +59,9 @@ struct BlockRecipe {
   bool scaled_embedding = false;
   /// Sparse layers' MLP is a mixture of experts (MoeMlp; ModelConfig::moe).
   bool moe = false;
+  /// Every layer's MLP is a mixture of experts, and the config class has no intermediate_size
+  /// (Qwen3.5-MoE): ModelConfig::intermediate_size is 0, whatever config.json says.
+  bool every_layer_sparse = false;
   /// The module holding a sparse layer's router and experts ("mlp"; Mixtral's "block_sparse_moe"),
   /// the router's name in it ("gate"; GPT-OSS's "router") and the experts' projections' names
   /// (gate, up, down: Mixtral's w1, w3, w2).
@@ -73,6 +76,11 @@ struct BlockRecipe {
   /// (Phi-3), or each layer's experts stacked with gate and up interleaved (GPT-OSS).
   bool fused_projections = false;
   bool fused_experts = false;
+  /// The checkpoint may hold each layer's experts stacked, as the Hub's Qwen3.5-MoE folders do
+  /// (mlp.experts.gate_up_proj [E, 2 inter, hidden]: each expert's gate rows, then its up rows;
+  /// mlp.experts.down_proj [E, hidden, inter]), or one tensor per expert as transformers' save_pretrained
+  /// writes them (and megatrain exports them).
+  bool stacked_experts = false;
 };
 
 /// A Hugging Face family: its names, its composition and how its config.json is read.

@@ -358,11 +358,12 @@ void probe_blocks(MachineProbe<B>& p, const GemmProbe& g, MachineFigures& m) {
     const double block_s = block_s_of(sparse, params);
     const double k = static_cast<double>(cfg.moe.experts_per_token), E = static_cast<double>(cfg.moe.num_experts);
     const double expert = 3.0 * static_cast<double>(d) * static_cast<double>(cfg.moe.intermediate_size);
+    const double shared = cfg.moe.shared_expert_size > 0 ? static_cast<double>(cfg.moe.shared_expert_params(d)) : 0;
     const double Tt = static_cast<double>(T);
-    // (kept: the attention's products 6 x, the experts' 8 x, as predict_step counts them)
-    const double dense_s = 6.0 * (params - E * expert) * Tt / (m.gemm_tflops * 1e12);
+    // (kept: the attention's products 6 x, the experts' (a shared one's too) 8 x, as predict_step counts them)
+    const double dense_s = 6.0 * (params - E * expert - shared) * Tt / (m.gemm_tflops * 1e12);
     const double expert_s = block_s - other_s(sparse) - dense_s;
-    if (expert_s > 0.25 * block_s) m.moe_gemm_tflops = 8.0 * k * expert * Tt / expert_s / 1e12;
+    if (expert_s > 0.25 * block_s) m.moe_gemm_tflops = 8.0 * (k * expert + shared) * Tt / expert_s / 1e12;
   }
 }
 

@@ -68,6 +68,10 @@ void check_trainer_options(const Ctx& t) {
     for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l)
       if (cfg.is_moe_layer(l)) MoeMlp::refuse_backend(cfg, l);
   }
+  if constexpr (!SharedExpertBackend<B>) {
+    for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l)
+      if (cfg.is_moe_layer(l) && cfg.moe.shared_expert_size > 0) MoeMlp::refuse_shared_expert(cfg, l);
+  }
   if constexpr (!LinearAttentionBackend<B>) {
     for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l)
       if (GatedDeltaNet::builds(cfg, l)) GatedDeltaNet::refuse_backend(l);

@@ -218,7 +218,7 @@ void parse_moe(const json& j, std::string_view src, ModelConfig& c, const MoeDef
              get_int(j, "num_experts", src), m.num_experts);
   m.experts_per_token = get_int(j, "num_experts_per_tok", src, d.experts_per_token);
   m.intermediate_size = d.expert_size_key ? get_int(j, d.expert_size_key, src, d.expert_size) : c.intermediate_size;
-  m.norm_topk_prob = !d.reads_norm_topk_prob || get_bool(j, "norm_topk_prob", src, false);
+  m.norm_topk_prob = !d.reads_norm_topk_prob || get_bool(j, "norm_topk_prob", src, d.norm_topk_prob);
   m.router_aux_loss_coef = get_double(j, "router_aux_loss_coef", src, d.router_aux_loss_coef);
   m.biases = family(c.architecture).block.moe_biases;
   MT_CHECK(m.num_experts > 0 && m.num_experts <= (1 << 16),
@@ -229,6 +229,23 @@ void parse_moe(const json& j, std::string_view src, ModelConfig& c, const MoeDef
   m.output_router_logits = get_bool(j, "output_router_logits", src, false);
   MT_CHECK(std::isfinite(m.router_aux_loss_coef) && m.router_aux_loss_coef >= 0,
            "{}: router_aux_loss_coef must be a finite number >= 0 (got {})", src, m.router_aux_loss_coef);
+}
+
+void parse_dense_layers(const json& j, std::string_view src, ModelConfig& c) {
+  MoeConfig& m = c.moe;
+  m.decoder_sparse_step = get_int(j, "decoder_sparse_step", src, 1);
+  MT_CHECK(m.decoder_sparse_step >= 1, "{}: decoder_sparse_step must be >= 1 (got {})", src, m.decoder_sparse_step);
+  if (!given(j, "mlp_only_layers")) return;
+  const json& ml = j.at("mlp_only_layers");
+  MT_CHECK(ml.is_array(), "{}: mlp_only_layers must be a list of layer indices, not {}", src, ml.dump());
+  for (const auto& v : ml) {
+    MT_CHECK(v.is_number_integer() && v.get<std::int64_t>() >= 0 && v.get<std::int64_t>() < c.num_hidden_layers,
+             "{}: mlp_only_layers holds {}; each entry must be a layer index in [0, {})", src, v.dump(),
+             c.num_hidden_layers);
+    m.dense_layers.push_back(v.get<std::int64_t>());
+  }
+  std::sort(m.dense_layers.begin(), m.dense_layers.end());
+  m.dense_layers.erase(std::unique(m.dense_layers.begin(), m.dense_layers.end()), m.dense_layers.end());
 }
 
 void write_moe(const ModelConfig& c, json& j, bool writes_norm_topk_prob) {
@@ -250,7 +267,8 @@ void check_moe(const ModelConfig& c, std::string_view src, bool dense_layers) {
   for (const auto l : m.dense_layers)
     MT_CHECK(l >= 0 && l < c.num_hidden_layers, "{}: dense layer {} is not a layer [0, {})", src, l, c.num_hidden_layers);
   MT_CHECK(dense_layers || (m.dense_layers.empty() && m.decoder_sparse_step == 1),
-           "{}: only Qwen3-MoE has dense layers (mlp_only_layers, decoder_sparse_step)", src);
+           "{}: {} has no dense layers (mlp_only_layers, decoder_sparse_step): every layer is a mixture of experts", src,
+           c.architecture_name());
 }
 
 }  // namespace megatrain::model_families

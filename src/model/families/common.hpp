@@ -85,12 +85,17 @@ struct MoeDefaults {
   /// null: intermediate_size.
   const char* expert_size_key = nullptr;
   std::int64_t expert_size = 0;
-  /// Whether norm_topk_prob is read (false: the top-k weights are always renormalised).
+  /// Whether norm_topk_prob is read (false: the top-k weights are always renormalised), and its
+  /// default where config.json leaves it out.
   bool reads_norm_topk_prob = true;
+  bool norm_topk_prob = false;
 };
 /// The experts' fields common to the mixture-of-experts families: their count (num_experts or
 /// num_local_experts), top k, renormalisation, the auxiliary loss; bounds checked.
 void parse_moe(const json& j, std::string_view src, ModelConfig& c, const MoeDefaults& d);
+/// The dense layers among sparse ones (Qwen3-MoE, Qwen3-Next): decoder_sparse_step and
+/// mlp_only_layers, bounds checked.
+void parse_dense_layers(const json& j, std::string_view src, ModelConfig& c);
 /// The experts' fields as parse_moe reads them back.
 void write_moe(const ModelConfig& c, json& j, bool writes_norm_topk_prob);
 /// The experts' bounds; `dense_layers`: whether the family may have dense layers among sparse ones.

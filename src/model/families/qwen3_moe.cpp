@@ -3,8 +3,6 @@
 // mlp_only_layers, and those decoder_sparse_step skips, are dense.
 #include "common.hpp"
 
-#include <algorithm>
-
 namespace megatrain::model_families {
 namespace {
 
@@ -14,21 +12,7 @@ void parse(const json& j, std::string_view src, ModelConfig& c) {
   if (get_bool(j, "use_sliding_window", src, false)) c.sliding_window = get_int(j, "sliding_window", src, 4096);
   parse_moe(j, src, c, {.num_experts = 128, .experts_per_token = 8, .router_aux_loss_coef = 0.001,
                         .expert_size_key = "moe_intermediate_size", .expert_size = 768});
-  MoeConfig& m = c.moe;
-  m.decoder_sparse_step = get_int(j, "decoder_sparse_step", src, 1);
-  MT_CHECK(m.decoder_sparse_step >= 1, "{}: decoder_sparse_step must be >= 1 (got {})", src, m.decoder_sparse_step);
-  if (given(j, "mlp_only_layers")) {
-    const json& ml = j.at("mlp_only_layers");
-    MT_CHECK(ml.is_array(), "{}: mlp_only_layers must be a list of layer indices, not {}", src, ml.dump());
-    for (const auto& v : ml) {
-      MT_CHECK(v.is_number_integer() && v.get<std::int64_t>() >= 0 && v.get<std::int64_t>() < c.num_hidden_layers,
-               "{}: mlp_only_layers holds {}; each entry must be a layer index in [0, {})", src, v.dump(),
-               c.num_hidden_layers);
-      m.dense_layers.push_back(v.get<std::int64_t>());
-    }
-    std::sort(m.dense_layers.begin(), m.dense_layers.end());
-    m.dense_layers.erase(std::unique(m.dense_layers.begin(), m.dense_layers.end()), m.dense_layers.end());
-  }
+  parse_dense_layers(j, src, c);
 }
 
 void check(const ModelConfig& c, std::string_view src) {

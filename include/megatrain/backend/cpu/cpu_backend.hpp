@@ -190,24 +190,32 @@ class CpuBackend {
       }
     });
   }
-  /// y = x * sigmoid(gate), element-wise.
+  /// y = x * sigmoid(gate): gate [rows, G] over x [rows, D] (D a multiple of G), each gate
+  /// element scaling D / G consecutive features of its row (G == D: element-wise; G == 1: a row's
+  /// one gate, as the shared expert's).
   void sigmoid_gate(View<const Act> x, View<const Act> gate, View<Act> y) {
-    check_same(x.shape(), gate.shape(), "sigmoid_gate");
     check_same(x.shape(), y.shape(), "sigmoid_gate");
+    const std::int64_t group = gate_group(x, gate, "sigmoid_gate");
     parallel_rows(x.numel(), 1 << 14, [&](std::int64_t b, std::int64_t e) {
-      for (std::int64_t i = b; i < e; ++i) y.data()[i] = x.data()[i] * sigmoid(gate.data()[i]);
+      for (std::int64_t i = b; i < e; ++i) y.data()[i] = x.data()[i] * sigmoid(gate.data()[i / group]);
     });
   }
-  /// dx = dy * sigmoid(gate), dgate = dy * x * s (1 - s) (both overwritten).
+  /// dx = dy * sigmoid(gate) (overwritten); dgate (overwritten) = s (1 - s) times the sum of
+  /// dy * x over the features the gate element scales.
   void sigmoid_gate_backward(View<const Act> x, View<const Act> gate, View<const Act> dy, View<Act> dx, View<Act> dgate) {
-    check_same(x.shape(), gate.shape(), "sigmoid_gate_backward");
     check_same(dy.shape(), dx.shape(), "sigmoid_gate_backward");
-    check_same(dy.shape(), dgate.shape(), "sigmoid_gate_backward");
-    parallel_rows(x.numel(), 1 << 14, [&](std::int64_t b, std::int64_t e) {
-      for (std::int64_t i = b; i < e; ++i) {
-        const T s = sigmoid(gate.data()[i]);
-        dx.data()[i] = dy.data()[i] * s;
-        dgate.data()[i] = dy.data()[i] * x.data()[i] * s * (T(1) - s);
+    check_same(x.shape(), dx.shape(), "sigmoid_gate_backward");
+    check_same(gate.shape(), dgate.shape(), "sigmoid_gate_backward");
+    const std::int64_t group = gate_group(x, gate, "sigmoid_gate_backward");
+    parallel_rows(gate.numel(), std::max<std::int64_t>(1, (1 << 14) / group), [&](std::int64_t b, std::int64_t e) {
+      for (std::int64_t gi = b; gi < e; ++gi) {
+        const T s = sigmoid(gate.data()[gi]);
+        T dot = 0;
+        for (std::int64_t i = gi * group; i < (gi + 1) * group; ++i) {
+          dx.data()[i] = dy.data()[i] * s;
+          dot += dy.data()[i] * x.data()[i];
+        }
+        dgate.data()[gi] = dot * s * (T(1) - s);
       }
     });
   }
@@ -954,6 +962,16 @@ class CpuBackend {
   }
   static void check_same(const Shape& a, const Shape& b, const char* what) {
     MT_CHECK(a == b, "{}: shapes {} and {} differ", what, a.str(), b.str());
+  }
+  /// The features each element of `gate` ([rows, G]) scales in x ([rows, D], D a multiple of G).
+  static std::int64_t gate_group(View<const Act> x, View<const Act> gate, const char* what) {
+    const std::int64_t rows = x.rank() > 0 ? x.numel() / x.size(x.rank() - 1) : 0;
+    const std::int64_t G = gate.rank() > 0 ? gate.size(gate.rank() - 1) : 0;
+    MT_CHECK(x.rank() > 0 && G > 0 && gate.numel() == rows * G && x.size(x.rank() - 1) % G == 0 && x.is_contiguous() &&
+                 gate.is_contiguous(),
+             "{}: the gate {} must have the rows of {} and a number of columns dividing its own", what, gate.shape().str(),
+             x.shape().str());
+    return x.size(x.rank() - 1) / G;
   }
   template <class E>
   static auto mat(View<E> v, std::int64_t rows, std::int64_t cols) {

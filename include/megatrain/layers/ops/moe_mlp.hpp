@@ -4,6 +4,7 @@
 //     p       = softmax(router(x))                     in fp32, over the experts
 //     S, w    = the top-k of p (and w / sum(w) where the family renormalises them)
 //     y       = h + sum over j in S of  w_j * down_j(act(gate_j(x)) * up_j(x))
+//               (+ sigmoid(shared_expert_gate(x)) * shared_expert(x) where the family has one)
 //
 // Dropless: every token goes to its k experts (none dropped, no capacity). The assignments are
 // grouped by expert (stable: token order within an expert), each expert's projections run on its
@@ -19,6 +20,9 @@
 // each kind is one contiguous stack), then GPT-OSS's biases likewise. GPT-OSS's checkpoints stack
 // and fuse its experts (experts.gate_up_proj [E, hidden, 2 inter], gate and up interleaved;
 // experts.down_proj [E, inter, hidden]; their biases): io::fused_tensors maps them onto these.
+// Qwen3-Next, Qwen3.5-MoE: a shared expert (mlp.shared_expert.{gate,up,down}_proj.weight, a SwiGLU
+// MLP of MoeConfig::shared_expert_size) every token passes through, its output scaled per token by
+// sigmoid(mlp.shared_expert_gate.weight [1, hidden] . x) and added to the routed experts' sum.
 // GPT-OSS: the router's logits have a bias, its top-k weights are the softmax of the top-k
 // logits (the renormalised top-k of the softmax), each expert's projections a bias, and its
 // activation is the clamped SwiGLU (ModelConfig::expert_act).
@@ -68,6 +72,13 @@ concept MoeBackend = requires(B& be, View<const typename B::Act> x, View<typenam
   be.moe_scatter_add(x, ci32, std::int64_t{}, y);
 };
 
+/// What a backend provides for a shared expert's gate (sigmoid_gate with a gate per row).
+template <class B>
+concept SharedExpertBackend = requires(B& be, View<const typename B::Act> c, View<typename B::Act> m) {
+  be.sigmoid_gate(c, c, m);
+  be.sigmoid_gate_backward(c, c, c, m, m);
+};
+
 class MoeMlp {
  public:
   /// Layer `layer`'s experts and router (the layer must be one of ModelConfig::is_moe_layer's).
@@ -78,7 +89,8 @@ class MoeMlp {
         experts_(cfg.moe.num_experts),
         k_(cfg.moe.experts_per_token),
         inter_(cfg.moe.intermediate_size),
-        biases_(cfg.moe.biases) {
+        biases_(cfg.moe.biases),
+        shared_(cfg.moe.shared_expert_size) {
     MT_CHECK(cfg.is_moe_layer(layer), "layer {} of this {} model is a dense layer, not a mixture of experts", layer,
              cfg.architecture_name());
   }
@@ -88,6 +100,7 @@ class MoeMlp {
     View<E> router, router_bias;                          // (the bias: GPT-OSS's, else null)
     std::vector<View<E>> gate, up, down;                  // one per expert
     std::vector<View<E>> gate_bias, up_bias, down_bias;   // GPT-OSS: one per expert; else empty
+    View<E> shared_gate, shared_up, shared_down, shared_expert_gate;  // the shared expert's, else null
   };
 
   std::vector<ParamSpec> params() const {
@@ -108,6 +121,11 @@ class MoeMlp {
       for (int part = 0; part < 3; ++part)
         for (std::int64_t e = 0; e < experts_; ++e)
           p.push_back(ParamSpec::bias(expert_name(e, part, "bias"), part == 2 ? d : inter_));
+    if (shared_ > 0) {
+      for (int part = 0; part < 3; ++part)
+        p.push_back(ParamSpec::matrix(shared_name(part), part == 2 ? Shape{d, shared_} : Shape{shared_, d}, sd));
+      p.push_back(ParamSpec::matrix(prefix_ + "shared_expert_gate.weight", Shape{1, d}, sd));
+    }
     return p;
   }
 
@@ -126,6 +144,12 @@ class MoeMlp {
       w.up_bias.push_back(p(expert_name(e, 1, "bias")));
       w.down_bias.push_back(p(expert_name(e, 2, "bias")));
     }
+    if (shared_ > 0) {
+      w.shared_gate = p(shared_name(0));
+      w.shared_up = p(shared_name(1));
+      w.shared_down = p(shared_name(2));
+      w.shared_expert_gate = p(prefix_ + "shared_expert_gate.weight");
+    }
     return w;
   }
 
@@ -143,6 +167,10 @@ class MoeMlp {
     View<A> xs, g, u, m, out;            // [T * k, hidden | inter]: the rows each expert reads and writes
     View<A> dout, dm, dg, du, dxs, dlogits;  // backward only
     View<C> dweights;                    // backward only: [T, k]
+    // the shared expert's (null without one): [T, shared] gate, up, product; [T, hidden] its
+    // output and that output gated; [T, 1] its gate's logit; and their gradients
+    View<A> sg, su, sm, sout, sgated, sgate;
+    View<A> dsout, dsm, dsg, dsu, dsgate;
   };
 
   template <class B>
@@ -172,6 +200,17 @@ class MoeMlp {
       a.dlogits = ar.alloc<A>({T, experts_});
       a.dweights = ar.alloc<C>({T, k_});
     }
+    if (shared_ > 0) {
+      for (auto* v : {&a.sg, &a.su, &a.sm}) *v = ar.alloc<A>({T, shared_});
+      a.sout = ar.alloc<A>({T, d});
+      a.sgated = ar.alloc<A>({T, d});
+      a.sgate = ar.alloc<A>({T, 1});
+      if (with_backward) {
+        a.dsout = ar.alloc<A>({T, d});
+        for (auto* v : {&a.dsm, &a.dsg, &a.dsu}) *v = ar.alloc<A>({T, shared_});
+        a.dsgate = ar.alloc<A>({T, 1});
+      }
+    }
     return a;
   }
 
@@ -187,6 +226,8 @@ class MoeMlp {
     rows(r.experts, n);
     for (auto* v : {&r.order, &r.slot}) rows(*v, n * k_);
     for (auto* v : {&r.xs, &r.g, &r.u, &r.m, &r.out, &r.dout, &r.dm, &r.dg, &r.du, &r.dxs}) rows(*v, n * k_);
+    for (auto* v : {&r.sg, &r.su, &r.sm, &r.sout, &r.sgated, &r.sgate, &r.dsout, &r.dsm, &r.dsg, &r.dsu, &r.dsgate})
+      rows(*v, n);
     return r;
   }
 
@@ -201,6 +242,18 @@ class MoeMlp {
     be.grouped_linear(cv(a.xs), cspan(w.up), cv(a.offsets), a.u, cspan(w.up_bias));
     be.swiglu(cv(a.g), cv(a.u), a.m, cfg_.expert_act());
     be.grouped_linear(cv(a.m), cspan(w.down), cv(a.offsets), a.out, cspan(w.down_bias));
+    if (shared_ > 0) {
+      if constexpr (SharedExpertBackend<B>) {
+        be.linear(x, w.shared_gate, {}, a.sg);
+        be.linear(x, w.shared_up, {}, a.su);
+        be.swiglu(cv(a.sg), cv(a.su), a.sm);
+        be.linear(cv(a.sm), w.shared_down, {}, a.sout);
+        be.linear(x, w.shared_expert_gate, {}, a.sgate);
+        be.sigmoid_gate(cv(a.sout), cv(a.sgate), a.sgated);
+      } else {
+        refuse_shared_expert(cfg_, layer_);
+      }
+    }
   }
 
   /// y = h + the weighted sum of the token's experts' outputs; the routing added to `stats`
@@ -212,6 +265,7 @@ class MoeMlp {
     if (!stats.counts.is_null())
       be.moe_record(cv(a.probs), cv(a.experts), cv(a.offsets), stats.valid, stats.counts, stats.probs);
     be.moe_combine(cv(a.out), cv(a.slot), cv(a.weights), k_, h, y);
+    if (shared_ > 0) be.residual_add(cv(y), cv(a.sgated), y);  // (the routed sum, then the shared expert's)
   }
 
   /// After run_kept() on the same x: dx (overwritten) from dy, the gradient of the MoE's output;
@@ -232,6 +286,18 @@ class MoeMlp {
                           stats.aux_counts, stats.aux_scale, stats.valid, a.dlogits);
     be.linear_backward(x, w.router, cv(a.dlogits), dx, false, g.router, g.router_bias);
     be.moe_scatter_add(cv(a.dxs), cv(a.slot), k_, dx);
+    if (shared_ > 0) {
+      if constexpr (SharedExpertBackend<B>) {
+        be.sigmoid_gate_backward(cv(a.sout), cv(a.sgate), dy, a.dsout, a.dsgate);
+        be.linear_backward(x, w.shared_expert_gate, cv(a.dsgate), dx, true, g.shared_expert_gate, {});
+        be.linear_backward(cv(a.sm), w.shared_down, cv(a.dsout), a.dsm, false, g.shared_down, {});
+        be.swiglu_backward(cv(a.sg), cv(a.su), cv(a.dsm), a.dsg, a.dsu);
+        be.linear_backward(x, w.shared_gate, cv(a.dsg), dx, true, g.shared_gate, {});
+        be.linear_backward(x, w.shared_up, cv(a.dsu), dx, true, g.shared_up, {});
+      } else {
+        refuse_shared_expert(cfg_, layer_);
+      }
+    }
   }
 
   // ---- as a block's channel mixer (channel_mixer.hpp), a token block at a time ----------------
@@ -289,11 +355,22 @@ class MoeMlp {
   }
   std::int64_t experts_per_token() const { return k_; }
 
+  /// Refuses `cfg`'s shared expert (layer `layer`'s) on a backend without SharedExpertBackend's gate.
+  [[noreturn]] static void refuse_shared_expert(const ModelConfig& cfg, std::int64_t layer) {
+    MT_FAIL("{}'s mixture-of-experts layers (layer {} is one) have a shared expert with a sigmoid gate per token: that "
+            "runs on the CPU backend only so far (--backend cpu)", cfg.architecture_name(), layer);
+  }
+
  private:
   /// part 0: gate, 1: up, 2: down, under the family's names.
   std::string expert_name(std::int64_t e, int part, const char* what = "weight") const {
     const char* projection = cfg_.block().expert_projections[static_cast<std::size_t>(part)];
     return prefix_ + "experts." + std::to_string(e) + "." + projection + "." + what;
+  }
+  /// The shared expert's projections (part 0: gate, 1: up, 2: down).
+  std::string shared_name(int part) const {
+    static constexpr const char* kNames[] = {"gate_proj", "up_proj", "down_proj"};
+    return prefix_ + "shared_expert." + kNames[part] + ".weight";
   }
   /// The router's parameter: mlp.gate.<what> (the family's names: GPT-OSS's mlp.router.<what>).
   std::string router_name(const char* what) const {
@@ -318,6 +395,7 @@ class MoeMlp {
   std::string prefix_;
   std::int64_t layer_, experts_, k_, inter_;
   bool biases_;  // GPT-OSS: the router and every expert projection have a bias
+  std::int64_t shared_;  // the shared expert's intermediate size; 0: none
 };
 
 /// The auxiliary load-balancing loss as transformers' load_balancing_loss_func computes it over
