@@ -331,9 +331,11 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
   // checked whole, each parameter read from its place.
   // (those that may be held part by part instead, and are: read as the parameters they hold)
   c.fused_ = fused_tensors(cfg);
+  // (any of its parts there: read part by part, a missing one named as such)
   std::erase_if(c.fused_, [&](const FusedTensor& f) {
     const FusedSource s = find_fused(c.weights_, f);
-    return f.optional && !s.whole && !s.blocks && !s.scales && c.weights_.find(f.parts.front().param);
+    return f.optional && !s.whole && !s.blocks && !s.scales &&
+           std::ranges::any_of(f.parts, [&](const FusedPart& p) { return c.weights_.find(p.param).has_value(); });
   });
   const auto& fused = c.fused_;
   const auto places = fused_places(fused, c.units_);
@@ -380,8 +382,11 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
                                      "its _scales", r.name(), where(r), src.blocks ? f.name + "_scales" : f.name + "_blocks"));
       continue;
     }
-    problems.push_back(fmt::format("tensor '{}' is missing (the model needs {}: it holds {}){}", f.name, shape_text(f.shape),
-                                   what, f.mxfp4 ? fmt::format(" (or, MXFP4, {0}_blocks and {0}_scales)", f.name) : ""));
+    problems.push_back(fmt::format("tensor '{}' is missing (the model needs {}: it holds {}){}{}", f.name, shape_text(f.shape),
+                                   what, f.mxfp4 ? fmt::format(" (or, MXFP4, {0}_blocks and {0}_scales)", f.name) : "",
+                                   f.optional ? fmt::format(" (or each of them as a tensor of its own, such as '{}')",
+                                                            f.parts.front().param)
+                                              : ""));
   }
   for (const auto& u : c.units_) {
     for (const auto& p : u.params) {

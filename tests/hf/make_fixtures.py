@@ -17,8 +17,8 @@ GPU machine) only to change or add a family:
 The hybrid families' fixtures (qwen3_5, qwen3_5_moe, qwen3_next) in tests/fixtures were made with
 a float32 reference, before float64_family; run `--only qwen3_5 qwen3_5_moe qwen3_next` again to
 replace them with float64 references. Two more are written but not read by megatrain yet (issue 53):
-qwen3_5_mm (Qwen3_5ForConditionalGeneration, with mtp.* tensors) and qwen3_next_aux (the auxiliary
-loss); neither is in tests/fixtures.
+qwen3_5_mm (Qwen3_5ForConditionalGeneration, with mtp.* tensors), and qwen3_5_moe_aux and
+qwen3_next_aux (the auxiliary loss as their routers record it); none is in tests/fixtures.
 """
 
 import argparse
@@ -152,7 +152,7 @@ def families():
 # heads, 4 value heads: two value heads read each key head) between gated full-attention layers
 # whose rotary turns half of each head. transformers runs its float32 PyTorch delta rule on the
 # CPU (flash-linear-attention is not used there), the reference megatrain's CPU backend matches.
-SEQ_OF = {"qwen3_5": 70, "qwen3_5_moe": 70, "qwen3_next": 70, "qwen3_next_aux": 70, "qwen3_5_mm": 70}
+SEQ_OF = {"qwen3_5": 70, "qwen3_5_moe": 70, "qwen3_next": 70, "qwen3_next_aux": 70, "qwen3_5_moe_aux": 70, "qwen3_5_mm": 70}
 LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
               linear_conv_kernel_dim=4, head_dim=16,
               layer_types=["linear_attention", "full_attention", "linear_attention"],
@@ -169,11 +169,13 @@ def hybrid_families():
     return {
         "qwen3_5": (t.Qwen3_5ForCausalLM, t.Qwen3_5TextConfig(tie_word_embeddings=False, **common)),
         "qwen3_5_moe": (t.Qwen3_5MoeForCausalLM, t.Qwen3_5MoeTextConfig(tie_word_embeddings=False, **moe, **common)),
+        "qwen3_5_moe_aux": (t.Qwen3_5MoeForCausalLM, t.Qwen3_5MoeTextConfig(tie_word_embeddings=False, output_router_logits=True,
+                                                                           router_aux_loss_coef=0.1, **moe, **common)),
         "qwen3_next": (t.Qwen3NextForCausalLM, t.Qwen3NextConfig(tie_word_embeddings=False, norm_topk_prob=True,
                                                                  decoder_sparse_step=1, mlp_only_layers=[1], **moe,
                                                                  **common)),
-        # (the auxiliary loss as Qwen3-Next's router records it: megatrain refuses it until this
-        # fixture says whether transformers 5.17 records the logits or their softmax)
+        # (the auxiliary loss as the router records it: megatrain refuses it for Qwen3.5-MoE and
+        # Qwen3-Next until these fixtures say whether transformers 5.17 records the logits or their softmax)
         "qwen3_next_aux": (t.Qwen3NextForCausalLM, t.Qwen3NextConfig(tie_word_embeddings=False, norm_topk_prob=True,
                                                                      output_router_logits=True, router_aux_loss_coef=0.1,
                                                                      decoder_sparse_step=1, mlp_only_layers=[1], **moe,
@@ -266,8 +268,10 @@ def float64_family(cls):
     src = inspect.getsource(mod)
     src = re.sub(r"torch\.float(?![0-9])", "torch.float64", src)  # (torch.float is float32)
     src = src.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
+    import sys
     copy = types.ModuleType(mod.__name__ + "_float64")
     copy.__package__, copy.__file__ = mod.__package__, mod.__file__
+    sys.modules[copy.__name__] = copy  # (make() imports load_balancing_loss_func from the model's module)
     exec(compile(src, mod.__file__, "exec"), copy.__dict__)
     return getattr(copy, cls.__name__)
 

@@ -1185,6 +1185,17 @@ TEST_CASE("Qwen3.5-MoE's experts: read stacked (the Hub's folders) or one tensor
     if (t.name == "model.layers.0.mlp.experts.0.gate_proj.weight") both.push_back(t);
   write_model(dir / "both", both, config);
   CHECK_ERROR_MENTIONS(HfCheckpoint::open(dir / "both"), "unexpected tensor 'model.layers.0.mlp.experts.0.gate_proj.weight'");
+  // a per-expert folder without one of them: that one named
+  auto short_one = per_expert;
+  std::erase_if(short_one, [](const TensorToWrite& t) { return t.name == "model.layers.0.mlp.experts.0.gate_proj.weight"; });
+  write_model(dir / "short", short_one, config);
+  CHECK_ERROR_MENTIONS(HfCheckpoint::open(dir / "short"), "tensor 'model.layers.0.mlp.experts.0.gate_proj.weight' is missing");
+  // neither layout: the stacked tensor named, and the per-expert one it may be instead
+  auto none = stacked;
+  std::erase_if(none, [](const TensorToWrite& t) { return t.name == "model.layers.1.mlp.experts.down_proj"; });
+  write_model(dir / "none", none, config);
+  CHECK_ERROR_MENTIONS(HfCheckpoint::open(dir / "none"), "tensor 'model.layers.1.mlp.experts.down_proj' is missing",
+                       "or each of them as a tensor of its own, such as 'model.layers.1.mlp.experts.0.down_proj.weight'");
   // a stacked tensor of the wrong shape: refused, naming it
   auto bad = stacked;
   for (auto& t : bad)

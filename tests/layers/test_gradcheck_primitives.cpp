@@ -451,7 +451,7 @@ TEST_CASE("gradcheck: sigmoid_gate, a gate per element, per group of features an
   }
   Vec x(12), gate(5), y(12);  // (a gate whose columns do not divide the features: refused)
   CHECK_THROWS_WITH_AS(be.sigmoid_gate(cview(x, {2, 6}), cview(gate, {1, 5}), view(y, {2, 6})),
-                       doctest::Contains("must have the rows of [2, 6]"), Error);
+                       doctest::Contains("must have the rows of [2, 6] and a number of columns that divides x's"), Error);
 }
 
 TEST_CASE("gradcheck: swiglu") {

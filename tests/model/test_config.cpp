@@ -1504,6 +1504,9 @@ TEST_CASE("config: Qwen3.5-MoE's text model: every layer sparse with a shared ex
   CHECK_THROWS_WITH_AS(ModelConfig::from_json(w, "m.json"), doctest::Contains("m.json: shared_expert_intermediate_size must "
                        "be in [1, 2^24] (got 0)"), Error);
   w = j;
+  w["output_router_logits"] = true;
+  CHECK_THROWS_WITH_AS(ModelConfig::from_json(w, "m.json"), doctest::Contains("m.json: output_router_logits is true"), Error);
+  w = j;
   w["num_experts_per_tok"] = 300;
   CHECK_THROWS_WITH_AS(ModelConfig::from_json(w, "m.json"), doctest::Contains("num_experts_per_tok must be in [1, 256]"),
                        Error);

@@ -60,6 +60,11 @@ void write_hybrid(const ModelConfig& c, json& j) {
 void parse_hybrid_moe(const json& j, std::string_view src, ModelConfig& c, const MoeDefaults& d) {
   parse_moe(j, src, c, d);
   c.moe.shared_expert_size = get_int(j, "shared_expert_intermediate_size", src, 512);
+  // Their routers have recorded the softmax, not the logits, for the auxiliary loss in some
+  // transformers versions (a softmax taken twice): not trained until checked against 5.17 itself
+  MT_CHECK(!c.moe.output_router_logits,
+           "{}: output_router_logits is true; megatrain does not train {}'s auxiliary load-balancing loss yet (what its "
+           "router records for it is not yet checked against transformers); set it to false", src, c.architecture_name());
 }
 
 void check_hybrid_moe(const ModelConfig& c, std::string_view src, bool dense_layers) {

@@ -21,7 +21,7 @@ void check_hybrid(const ModelConfig& c, std::string_view src);
 void write_hybrid(const ModelConfig& c, json& j);
 
 /// The mixture-of-experts families among them (Qwen3.5-MoE, Qwen3-Next): the experts' fields
-/// (parse_moe with `d`) and the shared expert's size.
+/// (parse_moe with `d`) and the shared expert's size; output_router_logits refused.
 void parse_hybrid_moe(const json& j, std::string_view src, ModelConfig& c, const MoeDefaults& d);
 /// check_hybrid, check_moe and a shared expert of [1, 2^24]; `dense_layers` as check_moe's.
 void check_hybrid_moe(const ModelConfig& c, std::string_view src, bool dense_layers);

@@ -14,11 +14,6 @@ void parse(const json& j, std::string_view src, ModelConfig& c) {
   parse_hybrid_moe(j, src, c, {.num_experts = 512, .experts_per_token = 10, .router_aux_loss_coef = 0.001,
                                .expert_size_key = "moe_intermediate_size", .expert_size = 512, .norm_topk_prob = true});
   parse_dense_layers(j, src, c);
-  // transformers' Qwen3-Next router has recorded the softmax, not the logits, for its auxiliary
-  // loss in some versions (softmax taken twice): not trained until checked against 5.17 itself
-  MT_CHECK(!c.moe.output_router_logits,
-           "{}: output_router_logits is true; megatrain does not train Qwen3-Next's auxiliary load-balancing loss yet "
-           "(its router's recorded values are not yet checked against transformers); set it to false", src);
 }
 
 void check(const ModelConfig& c, std::string_view src) { check_hybrid_moe(c, src, /*dense_layers=*/true); }

@@ -190,6 +190,8 @@ class CpuBackend {
       }
     });
   }
+  /// sigmoid_gate takes a gate per group of features (SharedExpertBackend).
+  static constexpr bool kSigmoidGatePerGroup = true;
   /// y = x * sigmoid(gate): gate [rows, G] over x [rows, D] (D a multiple of G), each gate
   /// element scaling D / G consecutive features of its row (G == D: element-wise; G == 1: a row's
   /// one gate, as the shared expert's).
@@ -965,11 +967,10 @@ class CpuBackend {
   }
   /// The features each element of `gate` ([rows, G]) scales in x ([rows, D], D a multiple of G).
   static std::int64_t gate_group(View<const Act> x, View<const Act> gate, const char* what) {
-    const std::int64_t rows = x.rank() > 0 ? x.numel() / x.size(x.rank() - 1) : 0;
+    const std::int64_t D = x.rank() > 0 ? x.size(x.rank() - 1) : 0;
     const std::int64_t G = gate.rank() > 0 ? gate.size(gate.rank() - 1) : 0;
-    MT_CHECK(x.rank() > 0 && G > 0 && gate.numel() == rows * G && x.size(x.rank() - 1) % G == 0 && x.is_contiguous() &&
-                 gate.is_contiguous(),
-             "{}: the gate {} must have the rows of {} and a number of columns dividing its own", what, gate.shape().str(),
+    MT_CHECK(D > 0 && G > 0 && gate.numel() == x.numel() / D * G && D % G == 0 && x.is_contiguous() && gate.is_contiguous(),
+             "{}: the gate {} must have the rows of {} and a number of columns that divides x's", what, gate.shape().str(),
              x.shape().str());
     return x.size(x.rank() - 1) / G;
   }

@@ -72,11 +72,13 @@ concept MoeBackend = requires(B& be, View<const typename B::Act> x, View<typenam
   be.moe_scatter_add(x, ci32, std::int64_t{}, y);
 };
 
-/// What a backend provides for a shared expert's gate (sigmoid_gate with a gate per row).
+/// What a backend provides for a shared expert's gate: sigmoid_gate with one gate per row, which
+/// it says it takes (kSigmoidGatePerGroup: a gate per group of features, not only per element).
 template <class B>
 concept SharedExpertBackend = requires(B& be, View<const typename B::Act> c, View<typename B::Act> m) {
   be.sigmoid_gate(c, c, m);
   be.sigmoid_gate_backward(c, c, c, m, m);
+  requires B::kSigmoidGatePerGroup;
 };
 
 class MoeMlp {
@@ -246,7 +248,7 @@ class MoeMlp {
       if constexpr (SharedExpertBackend<B>) {
         be.linear(x, w.shared_gate, {}, a.sg);
         be.linear(x, w.shared_up, {}, a.su);
-        be.swiglu(cv(a.sg), cv(a.su), a.sm);
+        be.swiglu(cv(a.sg), cv(a.su), a.sm, cfg_.hidden_act);
         be.linear(cv(a.sm), w.shared_down, {}, a.sout);
         be.linear(x, w.shared_expert_gate, {}, a.sgate);
         be.sigmoid_gate(cv(a.sout), cv(a.sgate), a.sgated);
@@ -291,7 +293,7 @@ class MoeMlp {
         be.sigmoid_gate_backward(cv(a.sout), cv(a.sgate), dy, a.dsout, a.dsgate);
         be.linear_backward(x, w.shared_expert_gate, cv(a.dsgate), dx, true, g.shared_expert_gate, {});
         be.linear_backward(cv(a.sm), w.shared_down, cv(a.dsout), a.dsm, false, g.shared_down, {});
-        be.swiglu_backward(cv(a.sg), cv(a.su), cv(a.dsm), a.dsg, a.dsu);
+        be.swiglu_backward(cv(a.sg), cv(a.su), cv(a.dsm), a.dsg, a.dsu, cfg_.hidden_act);
         be.linear_backward(x, w.shared_gate, cv(a.dsg), dx, true, g.shared_gate, {});
         be.linear_backward(x, w.shared_up, cv(a.dsu), dx, true, g.shared_up, {});
       } else {
