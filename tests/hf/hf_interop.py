@@ -6,8 +6,9 @@ wider than hidden / heads, untied), a tiny Phi3ForCausalLM (fused qkv_proj and g
 pad_token_id), a tiny Gemma3ForCausalLM (sandwich (1 + w) norms, GeGLU, a sliding and a full
 layer), a tiny GptOssForCausalLM (attention sinks, biased router and experts fused in the
 checkpoint, clamped SwiGLU), the mixtures of experts Qwen3MoeForCausalLM (a sparse and a dense
-layer), MixtralForCausalLM and OlmoeForCausalLM (their experts saved per expert), and a tiny
-Qwen2ForCausalLM (tied, q/k/v biases), in float32 on the CPU:
+layer), MixtralForCausalLM and OlmoeForCausalLM (their experts saved per expert), a tiny
+Qwen2ForCausalLM (tied, q/k/v biases), and the hybrids Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM and
+Qwen3NextForCausalLM (the CPU backend alone: CPU_ONLY), in float32 on the CPU:
 
   1. transformers saves the model with save_pretrained (safetensors);
   2. megatrain-train --model DIR --steps 0 (evaluate only) computes the loss on S+1 random
@@ -148,10 +149,24 @@ def make_models():
     mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
                                                                          **moe, **common))
     olmoe = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2, **moe, **common))
+    # The hybrids (CPU_ONLY: the CUDA backend refuses their linear attention so far): Qwen3.5 (a
+    # Gated DeltaNet layer, then a gated full-attention layer), Qwen3.5-MoE (both layers sparse, a
+    # shared expert) and Qwen3-Next (fused projections; layer 1 dense)
+    hybrid = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                  linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"], **moe)
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=40)
+    qwen3_5 = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**hybrid, **common))
+    qwen3_5_moe = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**experts, **hybrid, **common))
+    qwen3_next = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(mlp_only_layers=[1], **experts, **hybrid,
+                                                                                **common))
     make_models.gemma3_text = gemma3.config  # (the language model of check_gemma3_multimodal's)
     return [("llama", llama), ("qwen2", qwen), ("qwen3", qwen3), ("phi3", phi3), ("gemma3", gemma3),
             ("gpt_oss", gpt_oss), ("smollm3", smollm3), ("qwen3_moe", qwen3_moe), ("mixtral", mixtral),
-            ("olmoe", olmoe)]
+            ("olmoe", olmoe), ("qwen3_5", qwen3_5), ("qwen3_5_moe", qwen3_5_moe), ("qwen3_next", qwen3_next)]
+
+
+# The models the CUDA backend refuses so far (linear attention): checked on the CPU backend alone.
+CPU_ONLY = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
 
 
 def perturb(model, gen):
@@ -619,7 +634,8 @@ def main():
     try:
         for name, model in make_models():
             if not args.only or name in args.only:
-                check_model(name, model.to(torch.float32), args.megatrain, work, check, rng, gen, not args.no_auto_backend)
+                check_model(name, model.to(torch.float32), args.megatrain, work, check, rng, gen,
+                            not args.no_auto_backend and name not in CPU_ONLY)
         if not args.only or "gemma3_multimodal" in args.only:
             check_gemma3_multimodal(args.megatrain, work, check, rng, gen)
         if not args.only:
