@@ -12,7 +12,7 @@ summary=()
 has() { [[ " $what " == *" $1 "* || " $what " == *" all "* ]]; }
 if has tests; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-  for t in test_cuda_kernels test_cudnn_attention test_cuda_backend test_cuda_trainer test_cuda_resume test_core; do
+  for t in test_cuda_kernels test_cudnn_attention test_cuda_backend test_cuda_linear_attention test_cuda_trainer test_cuda_resume test_core; do
     start=$(date +%s)
     timeout 400 "$BIN/$t" > "$OUT/$t.log" 2>&1; rc=$?
     summary+=("$t rc=$rc $(( $(date +%s) - start ))s $(grep -E 'test cases:' "$OUT/$t.log" | tail -1)")

@@ -14,7 +14,7 @@ if [[ $# -ne 2 || -z $1 || -z $2 ]]; then
 fi
 BUILD=$1
 DEST=$2
-binaries=(tests/cuda/test_cuda_kernels tests/cuda/test_cudnn_attention tests/cuda/test_cuda_backend
+binaries=(tests/cuda/test_cuda_kernels tests/cuda/test_cudnn_attention tests/cuda/test_cuda_backend tests/cuda/test_cuda_linear_attention
           tests/cuda/test_cuda_trainer tests/cuda/test_cuda_resume bench/bench_train bench/bench_adamw examples/megatrain-train examples/megatrain-plan
           tests/unit/test_core tests/cuda/test_dist_nccl tests/cuda/test_dist_train_cuda tests/dist/test_dist_launch)
 for b in "${binaries[@]}"; do

@@ -9,9 +9,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 
 #include "megatrain/core/dtype.hpp"
+#include "megatrain/core/error.hpp"
 
 namespace megatrain::cuda::common {
 
@@ -42,5 +44,37 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
   return v;
 }
+
+// ---- host helpers ------------------------------------------------------------------------------
+
+constexpr std::size_t kWorkspaceAlign = 256;
+inline std::size_t align_up(std::size_t n, std::size_t a = kWorkspaceAlign) { return (n + a - 1) / a * a; }
+
+/// Carves aligned pieces out of a caller's workspace (which need not itself be aligned: every
+/// workspace size below includes kWorkspaceAlign bytes of slack for that).
+class Carver {
+ public:
+  Carver(void* base, std::size_t bytes) {
+    const auto b = reinterpret_cast<std::uintptr_t>(base);
+    const std::uintptr_t a = (b + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+    p_ = reinterpret_cast<char*>(a);
+    left_ = bytes >= a - b ? bytes - (a - b) : 0;
+  }
+  template <class T>
+  T* take(std::size_t n) {
+    const std::size_t bytes = align_up(n * sizeof(T));
+    MT_CHECK(bytes <= left_, "workspace too small: {} more bytes needed, {} left", bytes, left_);
+    T* r = reinterpret_cast<T*>(p_);
+    p_ += bytes;
+    left_ -= bytes;
+    return r;
+  }
+  std::size_t left() const { return left_; }
+  void* here() const { return p_; }
+
+ private:
+  char* p_;
+  std::size_t left_;
+};
 
 }  // namespace megatrain::cuda::common

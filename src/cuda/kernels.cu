@@ -53,36 +53,6 @@ using u32 = std::uint32_t;
 bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 bool aligned4(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 4 == 0; }
 
-constexpr std::size_t kWorkspaceAlign = 256;
-std::size_t align_up(std::size_t n, std::size_t a = kWorkspaceAlign) { return (n + a - 1) / a * a; }
-
-/// Carves aligned pieces out of a caller's workspace (which need not itself be aligned: every
-/// workspace size below includes kWorkspaceAlign bytes of slack for that).
-class Carver {
- public:
-  Carver(void* base, std::size_t bytes) {
-    const auto b = reinterpret_cast<std::uintptr_t>(base);
-    const std::uintptr_t a = (b + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
-    p_ = reinterpret_cast<char*>(a);
-    left_ = bytes >= a - b ? bytes - (a - b) : 0;
-  }
-  template <class T>
-  T* take(std::size_t n) {
-    const std::size_t bytes = align_up(n * sizeof(T));
-    MT_CHECK(bytes <= left_, "workspace too small: {} more bytes needed, {} left", bytes, left_);
-    T* r = reinterpret_cast<T*>(p_);
-    p_ += bytes;
-    left_ -= bytes;
-    return r;
-  }
-  std::size_t left() const { return left_; }
-  void* here() const { return p_; }
-
- private:
-  char* p_;
-  std::size_t left_;
-};
-
 void check_workspace(const void* ws, std::size_t have, std::size_t need, const char* what) {
   MT_CHECK(have >= need, "{}: workspace of {} bytes is smaller than the {} bytes required", what, have, need);
   MT_CHECK(need == 0 || ws != nullptr, "{}: workspace is null", what);

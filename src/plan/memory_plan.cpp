@@ -2,6 +2,8 @@
 // needs of a model's ops comes measured (OpSizes); the rest is the same for every backend.
 #include "megatrain/plan/memory_plan.hpp"
 
+#include "megatrain/backend/linear_attention.hpp"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -419,6 +421,7 @@ class Planning {
           b_.workspace.attention.push_back({r, opt_.seq_len, cfg_.num_attention_heads, cfg_.num_key_value_heads, cfg_.head_dim,
                                             {}, scale, *cfg_.sliding_window});
       }
+    if (has_linear_attention(cfg_)) b_.workspace.linear_attention = delta_net_shape(cfg_);
     b_.prepare_bytes = device_.prepare_bytes ? device_.prepare_bytes(b_.workspace) : 0;
   }
 

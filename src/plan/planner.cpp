@@ -26,6 +26,7 @@ std::size_t cuda_prepare_estimate(const WorkspacePlan& w, std::size_t determinis
     const std::size_t dq = 2 * rows * seq * static_cast<std::size_t>(a.heads * a.head_dim) * 4 + rows * seq * static_cast<std::size_t>(a.heads) * 8;
     ws = std::max(ws, dp <= deterministic_limit ? dp : dq);
   }
+  ws = std::max(ws, w.linear_attention_bytes());
   return ws + lb * static_cast<std::size_t>(w.vocab) * (sizeof(float) + sizeof(bf16));
 }
 

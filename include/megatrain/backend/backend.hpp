@@ -11,9 +11,11 @@
 #include <cmath>
 #include <concepts>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
+#include "megatrain/backend/delta_net_shape.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/tensor.hpp"
 #include "megatrain/core/dtype.hpp"
@@ -96,6 +98,18 @@ View<E> token_rows(View<E> v, std::int64_t first, std::int64_t count) {
   return v.rank() == 2 ? View<E>(part, Shape{count, width}) : View<E>(part, Shape{count});
 }
 
+/// sigmoid_gate's group: the features each element of `gate` ([rows, G]) scales in x ([rows, D],
+/// D a multiple of G).
+template <class E>
+std::int64_t gate_group(View<const E> x, View<const E> gate, const char* what) {
+  const std::int64_t D = x.rank() > 0 ? x.size(x.rank() - 1) : 0;
+  const std::int64_t G = gate.rank() > 0 ? gate.size(gate.rank() - 1) : 0;
+  MT_CHECK(D > 0 && G > 0 && gate.numel() == x.numel() / D * G && D % G == 0 && x.is_contiguous() && gate.is_contiguous(),
+           "{}: the gate {} must have the rows of {} and a number of columns that divides x's", what, gate.shape().str(),
+           x.shape().str());
+  return D / G;
+}
+
 /// Shape of one causal grouped-query attention call.
 struct AttentionShape {
   std::int64_t rows = 0;      ///< sequences
@@ -128,6 +142,21 @@ struct WorkspacePlan {
   /// `packed_sequences_per_row` sequences a row, as long as a row.
   bool packed = false;
   std::int64_t packed_sequences_per_row = 8;
+  /// Gated DeltaNet's mixing (linear-attention layers), if the model has any.
+  std::optional<DeltaNetShape> linear_attention{};
+
+  /// The most sequences a chunk holds: its rows, or packed, up to packed_sequences_per_row each.
+  std::int64_t most_sequences() const {
+    std::int64_t seqs = 1;
+    for (const auto& a : attention)
+      seqs = std::max(seqs, packed ? std::min(a.rows * packed_sequences_per_row, a.rows * a.seq) : a.rows);
+    return seqs;
+  }
+  /// The device workspace of the linear attention's backward (delta_net_workspace_bytes), 0 without it.
+  std::size_t linear_attention_bytes() const {
+    if (!linear_attention) return 0;
+    return delta_net_workspace_bytes(*linear_attention, max_tokens, most_sequences(), true);
+  }
 };
 
 // clang-format off

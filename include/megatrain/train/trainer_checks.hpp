@@ -72,13 +72,10 @@ void check_trainer_options(const Ctx& t) {
     for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l)
       if (cfg.is_moe_layer(l) && cfg.moe.shared_expert_size > 0) MoeMlp::refuse_shared_expert(cfg, l);
   }
-  if constexpr (!LinearAttentionBackend<B>) {
-    for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l)
-      if (GatedDeltaNet::builds(cfg, l)) GatedDeltaNet::refuse_backend(l);
-  }
+  GatedDeltaNet::check_backend<B>(cfg);
   if constexpr (!GatedAttentionBackend<B>)
-    MT_CHECK(!cfg.attention_output_gate(), "{}'s attention gates its output (q_proj's gate): that runs on the CPU backend "
-             "only so far (--backend cpu)", cfg.architecture_name());
+    MT_CHECK(!cfg.attention_output_gate(), "{}'s attention gates its output (q_proj's gate): this backend has no "
+             "gate primitives (GatedAttentionBackend: the CPU and CUDA backends have them)", cfg.architecture_name());
   // Micro-batches added up in host memory: what orders a micro-batch's head (which zeroes the
   // head's and a tied embedding's accumulators) after the offload of the previous micro-batch's
   // embedding gradient is the reuse of the compute stage's ring (Compute::takes_slot,

@@ -965,15 +965,6 @@ class CpuBackend {
   static void check_same(const Shape& a, const Shape& b, const char* what) {
     MT_CHECK(a == b, "{}: shapes {} and {} differ", what, a.str(), b.str());
   }
-  /// The features each element of `gate` ([rows, G]) scales in x ([rows, D], D a multiple of G).
-  static std::int64_t gate_group(View<const Act> x, View<const Act> gate, const char* what) {
-    const std::int64_t D = x.rank() > 0 ? x.size(x.rank() - 1) : 0;
-    const std::int64_t G = gate.rank() > 0 ? gate.size(gate.rank() - 1) : 0;
-    MT_CHECK(D > 0 && G > 0 && gate.numel() == x.numel() / D * G && D % G == 0 && x.is_contiguous() && gate.is_contiguous(),
-             "{}: the gate {} must have the rows of {} and a number of columns that divides x's", what, gate.shape().str(),
-             x.shape().str());
-    return x.size(x.rank() - 1) / G;
-  }
   template <class E>
   static auto mat(View<E> v, std::int64_t rows, std::int64_t cols) {
     MT_CHECK(v.numel() == rows * cols && v.is_contiguous(), "expected a contiguous [{}, {}] view, got {}", rows, cols,

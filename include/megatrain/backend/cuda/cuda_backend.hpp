@@ -32,7 +32,9 @@
 #include "megatrain/backend/cuda/cudnn_attention.hpp"
 #include "megatrain/core/cudnn_check.hpp"
 #endif
+#include "megatrain/backend/cuda/gated_deltanet.hpp"
 #include "megatrain/backend/cuda/gemm.hpp"
+#include "megatrain/backend/linear_attention.hpp"
 #include "megatrain/backend/cuda/kernels.hpp"
 #include "megatrain/backend/cuda/stream_executor.hpp"
 #include "megatrain/core/cuda_check.hpp"
@@ -62,6 +64,9 @@ struct CudaBackendOptions {
   /// differ in the last bits; a run continued from gemm_algorithms() (megatrain-train keeps them
   /// in its checkpoints) is bit for bit the same.
   bool gemm_tuning = false;
+  /// Tokens a window of Gated DeltaNet's kernels take at a time (0: as many as a 4 GiB workspace
+  /// holds, at least 4,096; delta_net_window_tokens). Smaller windows exercise the carries.
+  std::int64_t delta_net_window = 0;
 };
 
 class CudaBackend {
@@ -452,6 +457,84 @@ class CudaBackend {
   }
 
   /// m = act(g) * u (SwiGLU, or GeGLU with Activation::gelu_tanh).
+  // ---- output gates (gated attention's q_proj; the shared expert's) ------------------------------
+  /// As the CPU backend's (cpu_backend.hpp): the values and gate inputs of each head of dim.
+  void split_halves(View<const Act> both, std::int64_t dim, View<Act> x, View<Act> gate) {
+    same(x.shape(), gate.shape(), "split_halves");
+    MT_CHECK(both.numel() == 2 * x.numel() && dim > 0 && x.numel() % dim == 0, "split_halves: {} into {} by {}",
+             both.shape().str(), x.shape().str(), dim);
+    cuda::launch_split_halves(both.data(), x.numel(), dim, x.data(), gate.data(), stream_);
+  }
+  void merge_halves(View<const Act> dx, View<const Act> dgate, std::int64_t dim, View<Act> both) {
+    same(dx.shape(), dgate.shape(), "merge_halves");
+    MT_CHECK(both.numel() == 2 * dx.numel() && dim > 0 && dx.numel() % dim == 0, "merge_halves: {} from {} by {}",
+             both.shape().str(), dx.shape().str(), dim);
+    cuda::launch_merge_halves(dx.data(), dgate.data(), dx.numel(), dim, both.data(), stream_);
+  }
+  /// sigmoid_gate takes a gate per group of features (SharedExpertBackend).
+  static constexpr bool kSigmoidGatePerGroup = true;
+  /// y = x * sigmoid(gate), gate [rows, G] over x [rows, D] (cpu_backend.hpp's contract).
+  void sigmoid_gate(View<const Act> x, View<const Act> gate, View<Act> y) {
+    same(x.shape(), y.shape(), "sigmoid_gate");
+    cuda::launch_sigmoid_gate(x.data(), gate.data(), x.numel(), gate_group(x, gate, "sigmoid_gate"), y.data(), stream_);
+  }
+  void sigmoid_gate_backward(View<const Act> x, View<const Act> gate, View<const Act> dy, View<Act> dx, View<Act> dgate) {
+    same(dy.shape(), dx.shape(), "sigmoid_gate_backward");
+    same(x.shape(), dx.shape(), "sigmoid_gate_backward");
+    same(gate.shape(), dgate.shape(), "sigmoid_gate_backward");
+    const std::int64_t group = gate_group(x, gate, "sigmoid_gate_backward");
+    cuda::launch_sigmoid_gate_backward(x.data(), gate.data(), dy.data(), gate.numel(), group, dx.data(), dgate.data(),
+                                       stream_);
+  }
+
+  // ---- Gated DeltaNet (linear attention) --------------------------------------------------------
+  using DeltaNetIn = DeltaNetOperands<Act, Weight, full_t<Weight>>;
+  /// The mixing of a linear-attention layer (layers/ops/gated_deltanet.hpp): o (the delta rule's
+  /// output), rstd and y (the gated norm's) from the projections.
+  void gated_deltanet_mix(const DeltaNetIn& m, View<Act> o, View<Acc> rstd, View<Act> y) {
+    MT_NVTX_RANGE("cuda:gated_deltanet_mix");
+    const cuda::DeltaNetSequences q = delta_net_sequences(m, opt_.delta_net_window);
+    check_delta_net_out(m, o.shape(), rstd.numel(), y.shape());
+    void* w = delta_net_workspace(m.shape, q, false);
+    cuda::launch_delta_net_forward(m.shape, q, delta_net_inputs(m), o.data(), rstd.data(), y.data(), w, workspace_.size(),
+                                   stream_);
+  }
+  /// Qwen3-Next's fused projections of n tokens (in_proj_qkvz's and in_proj_ba's outputs, grouped
+  /// per key head) into the separate layout's rows (mixed, z, b, a); deltanet_fuse: back.
+  void deltanet_unfuse(const DeltaNetShape& s, View<const Act> qkvz, View<const Act> ba, View<Act> mixed, View<Act> z,
+                       View<Act> b, View<Act> a) {
+    check_fused(s, qkvz.shape(), ba.shape(), mixed.shape(), z.shape(), b.shape(), a.shape());
+    cuda::launch_delta_net_fused_layout(s, qkvz.size(0), const_cast<bf16*>(qkvz.data()), const_cast<bf16*>(ba.data()),
+                                        mixed.data(), z.data(), b.data(), a.data(), false, stream_);
+  }
+  void deltanet_fuse(const DeltaNetShape& s, View<const Act> mixed, View<const Act> z, View<const Act> b, View<const Act> a,
+                     View<Act> qkvz, View<Act> ba) {
+    check_fused(s, qkvz.shape(), ba.shape(), mixed.shape(), z.shape(), b.shape(), a.shape());
+    cuda::launch_delta_net_fused_layout(s, qkvz.size(0), qkvz.data(), ba.data(), const_cast<bf16*>(mixed.data()),
+                                        const_cast<bf16*>(z.data()), const_cast<bf16*>(b.data()),
+                                        const_cast<bf16*>(a.data()), true, stream_);
+  }
+  /// Its backward from dy and the forward's o and rstd: the projections' gradients overwritten,
+  /// the convolution's, A_log's, dt_bias's and the gain's added to.
+  void gated_deltanet_mix_backward(const DeltaNetIn& m, View<const Act> o, View<const Acc> rstd, View<const Act> dy,
+                                   const DeltaNetGradients<Act, Acc>& g) {
+    MT_NVTX_RANGE("cuda:gated_deltanet_mix_backward");
+    const cuda::DeltaNetSequences q = delta_net_sequences(m, opt_.delta_net_window);
+    check_delta_net_out(m, o.shape(), rstd.numel(), dy.shape());
+    same(g.mixed.shape(), m.mixed.shape(), "gated_deltanet_mix_backward dmixed");
+    same(g.z.shape(), m.z.shape(), "gated_deltanet_mix_backward dz");
+    same(g.a.shape(), m.a.shape(), "gated_deltanet_mix_backward da");
+    same(g.b.shape(), m.b.shape(), "gated_deltanet_mix_backward db");
+    MT_CHECK(g.conv.numel() == m.conv.numel() && g.A_log.numel() == m.A_log.numel() &&
+                 g.dt_bias.numel() == m.dt_bias.numel() && g.norm.numel() == m.norm.numel(),
+             "gated_deltanet_mix_backward: a parameter's gradient differs from it in size");
+    void* w = delta_net_workspace(m.shape, q, true);
+    cuda::launch_delta_net_backward(m.shape, q, delta_net_inputs(m), o.data(), rstd.data(), dy.data(),
+                                    {g.mixed.data(), g.z.data(), g.a.data(), g.b.data(), g.conv.data(), g.A_log.data(),
+                                     g.dt_bias.data(), g.norm.data()},
+                                    w, workspace_.size(), stream_);
+  }
+
   void swiglu(View<const Act> g, View<const Act> u, View<Act> m, Activation act = Activation::silu) {
     MT_NVTX_RANGE("cuda:swiglu");
     same(g.shape(), u.shape(), "swiglu");
@@ -725,8 +808,73 @@ class CudaBackend {
       }
 #endif
     }
+    if (plan.linear_attention)
+      ws = std::max(ws, delta_net_workspace_bytes(*plan.linear_attention, M, plan.most_sequences(), true, opt_.delta_net_window));
     const auto lb = static_cast<std::size_t>(std::min(opt_.logits_block, std::max<std::int64_t>(M, 1)));
     return {ws, lb * static_cast<std::size_t>(plan.vocab)};
+  }
+
+  static cuda::DeltaNetSequences delta_net_sequences(const DeltaNetIn& m, std::int64_t window) {
+    const ChunkShape& c = m.chunk;
+    cuda::DeltaNetSequences q;
+    q.tokens = c.tokens();
+    q.window = window;
+    if (c.packed.empty()) {
+      q.count = c.rows;
+      q.seq = c.seq;
+      return q;
+    }
+    const auto& hs = c.packed.host_starts;
+    MT_CHECK(hs.size() >= 2 && hs.back() - hs.front() == q.tokens && c.packed.positions.numel() == q.tokens &&
+                 c.packed.starts.numel() == static_cast<std::int64_t>(hs.size()),
+             "gated_deltanet_mix: the packed sequences cover {} of the chunk's {} tokens",
+             hs.empty() ? 0 : hs.back() - hs.front(), q.tokens);
+    for (std::size_t i = 1; i < hs.size(); ++i) MT_CHECK(hs[i] > hs[i - 1], "gated_deltanet_mix: packed sequence {} is empty", i - 1);
+    q.starts = c.packed.starts.data();
+    q.base = hs.front();
+    q.host_starts = hs;
+    q.positions = c.packed.positions.data();
+    q.count = c.packed.count();
+    return q;
+  }
+  static void check_fused(const DeltaNetShape& s, const Shape& qkvz, const Shape& ba, const Shape& mixed, const Shape& z,
+                          const Shape& b, const Shape& a) {
+    const std::int64_t n = qkvz.rank() == 2 ? qkvz[0] : -1;
+    MT_CHECK(qkvz == Shape({n, s.conv_dim() + s.value_dim()}) && ba == Shape({n, 2 * s.value_heads}) &&
+                 mixed == Shape({n, s.conv_dim()}) && z == Shape({n, s.value_dim()}) && b == Shape({n, s.value_heads}) &&
+                 a == Shape({n, s.value_heads}),
+             "deltanet_unfuse: qkvz {} and ba {} do not match mixed {}, z {}, b {}, a {}", qkvz.str(), ba.str(), mixed.str(),
+             z.str(), b.str(), a.str());
+  }
+  static cuda::DeltaNetInputs delta_net_inputs(const DeltaNetIn& m) {
+    return {m.mixed.data(), m.z.data(), m.a.data(), m.b.data(), m.conv.data(), m.A_log.data(), m.dt_bias.data(),
+            m.norm.data()};
+  }
+  static void check_delta_net_out(const DeltaNetIn& m, const Shape& o, std::int64_t rstd, const Shape& y) {
+    const DeltaNetShape& s = m.shape;
+    cuda::check_delta_net_shape(s);
+    const std::int64_t T = m.chunk.tokens();
+    MT_CHECK(m.mixed.shape() == Shape({T, s.conv_dim()}) && m.z.shape() == Shape({T, s.value_dim()}) &&
+                 m.a.shape() == Shape({T, s.value_heads}) && m.b.shape() == Shape({T, s.value_heads}) &&
+                 m.conv.numel() == s.conv_dim() * s.taps && m.A_log.numel() == s.value_heads &&
+                 m.dt_bias.numel() == s.value_heads && m.norm.numel() == s.dv,
+             "gated_deltanet_mix: operands of {} tokens do not fit {} key and {} value heads of {} and {}", T, s.key_heads,
+             s.value_heads, s.dk, s.dv);
+    MT_CHECK(o == Shape({T, s.value_dim()}) && y == Shape({T, s.value_dim()}) && rstd == T * s.value_heads,
+             "gated_deltanet_mix: outputs {}, {} and rstd of {} for {} tokens of {} value heads of {}", o.str(), y.str(),
+             rstd, T, s.value_heads, s.dv);
+  }
+  /// The workspace, grown (once the stream is idle) if prepare() did not foresee this chunk.
+  void* delta_net_workspace(const DeltaNetShape& s, const cuda::DeltaNetSequences& q, bool backward) {
+    const std::size_t need = delta_net_workspace_bytes(s, q.tokens, q.count, backward, q.window);
+    if (need > workspace_.size()) {
+      log_info("GPU: the linear attention of {} tokens in {} sequences grows the workspace to {}", q.tokens, q.count,
+               format_bytes(need));
+      synchronize();
+      workspace_ = Buffer<std::byte>{};
+      workspace_ = alloc<std::byte>(need);
+    }
+    return ws();
   }
 
   struct GroupedDims {

@@ -50,6 +50,17 @@ void launch_swiglu_forward(const bf16* g, const bf16* u, bf16* m, std::int64_t n
 void launch_swiglu_backward(const bf16* g, const bf16* u, const bf16* dm, bf16* dg, bf16* du, std::int64_t n,
                             cudaStream_t stream, int act = 0, bf16* m = nullptr);
 
+// ---- output gates (src/cuda/output_gate.cu) -----------------------------------------------------
+/// x and gate ([n / dim rows of dim] each) from both, whose row pairs are 2h (values) and 2h + 1
+/// (gate inputs); merge: both from x and gate.
+void launch_split_halves(const bf16* both, std::int64_t n, std::int64_t dim, bf16* x, bf16* gate, cudaStream_t stream);
+void launch_merge_halves(const bf16* x, const bf16* gate, std::int64_t n, std::int64_t dim, bf16* both, cudaStream_t stream);
+/// y[i] = x[i] sigmoid(gate[i / group]) over n elements; the backward: dx, and dgate[g] = s (1 - s)
+/// times the sum of dy x over group g (a warp a gate element: deterministic).
+void launch_sigmoid_gate(const bf16* x, const bf16* gate, std::int64_t n, std::int64_t group, bf16* y, cudaStream_t stream);
+void launch_sigmoid_gate_backward(const bf16* x, const bf16* gate, const bf16* dy, std::int64_t gates, std::int64_t group,
+                                  bf16* dx, bf16* dgate, cudaStream_t stream);
+
 // ---- embedding ------------------------------------------------------------------------------
 /// out[t] = table[ids[t]] * scale (into the fp32 residual stream), out: [M, d]. Ids outside
 /// [0, V) are a device-side error (trap).

@@ -5,7 +5,7 @@
 //   token mixer    SelfAttention (self_attention.hpp): full attention, or within a sliding
 //                  window (config.json's layer_types: sliding_attention); GatedDeltaNet
 //                  (gated_deltanet.hpp) on Qwen3.5's linear_attention layers, on backends that
-//                  provide its primitives (LinearAttentionBackend: the CPU backend)
+//                  provide its primitives (LinearAttentionBackend: the CPU and CUDA backends)
 //   channel mixer  SwiGluMlp (swiglu_mlp.hpp) on the dense layers, MoeMlp (moe_mlp.hpp: router and
 //                  experts) on the sparse ones; MoeMlp runs on backends that provide its
 //                  primitives (MoeBackend: the CPU and CUDA backends), elsewhere it is refused

@@ -11,9 +11,11 @@
 // rows. The op multiplies by the fused weights as they are stored and gathers their outputs into
 // the layout above (and scatters the gradients back), so a checkpoint loads and exports unchanged.
 //
-// The mixing runs on backends with LinearAttentionBackend's primitives (the CPU backend, the
-// reference); elsewhere every phase refuses, naming the layer. No norm and no residual: a block
-// adds them around it (ComposedBlock). Besides the phases of a block's token mixer (mixers.hpp),
+// The mixing runs on backends with LinearAttentionBackend's primitives: the CPU backend (the
+// reference, HostLinearAttentionBackend) and the CUDA backend (DeviceLinearAttentionBackend: its
+// own kernels, backend/cuda/gated_deltanet.hpp, which also gather the fused projections);
+// elsewhere every phase refuses, naming the layer. No norm and no residual: a block adds them
+// around it (ComposedBlock). Besides the phases of a block's token mixer (mixers.hpp),
 // run(), run_kept() and backprop() make it a LayerOp of its own (CarvedOp).
 #pragma once
 
@@ -24,6 +26,7 @@
 #include <vector>
 
 #include "megatrain/backend/cpu/gated_deltanet_mix.hpp"
+#include "megatrain/backend/linear_attention.hpp"
 #include "megatrain/layers/layer_op.hpp"
 #include "megatrain/layers/ops/carved_op.hpp"
 #include "megatrain/model/config.hpp"
@@ -33,20 +36,33 @@ namespace megatrain {
 /// What a backend provides to run GatedDeltaNet's mixing: the CPU reference's, over host memory
 /// of one element type (the CPU backend).
 template <class B>
-concept LinearAttentionBackend =
+concept HostLinearAttentionBackend =
     !B::kDevice && std::same_as<typename B::Act, typename B::Weight> && std::same_as<typename B::Act, typename B::Acc> &&
     requires(B& be, const cpu::GatedDeltaNetMix<typename B::Act>& m, typename B::Act* p,
              const cpu::GatedDeltaNetMixGrads<typename B::Act>& g) {
       be.gated_deltanet_mix(m, p, p, p);
       be.gated_deltanet_mix_backward(m, p, p, p, g);
     };
+/// ... or a device's, over views in its memory (the CUDA backend).
+template <class B>
+concept DeviceLinearAttentionBackend =
+    B::kDevice && requires(B& be, const DeltaNetOperands<typename B::Act, typename B::Weight, full_t<typename B::Weight>>& m,
+                           View<typename B::Act> x, View<const typename B::Act> cx, View<typename B::Acc> r,
+                           View<const typename B::Acc> cr, const DeltaNetGradients<typename B::Act, typename B::Acc>& g) {
+      be.gated_deltanet_mix(m, x, r, x);
+      be.gated_deltanet_mix_backward(m, cx, cr, cx, g);
+      be.deltanet_unfuse(m.shape, cx, cx, x, x, x, x);
+      be.deltanet_fuse(m.shape, cx, cx, cx, cx, x, x);
+    };
+template <class B>
+concept LinearAttentionBackend = HostLinearAttentionBackend<B> || DeviceLinearAttentionBackend<B>;
 
 class GatedDeltaNet : public CarvedOp<GatedDeltaNet> {
  public:
   /// Layer `layer`'s linear attention, shaped by cfg.linear_attention; `fused`: Qwen3-Next's
   /// in_proj_qkvz and in_proj_ba (else Qwen3.5's four projections).
   GatedDeltaNet(const ModelConfig& cfg, std::int64_t layer)
-      : la_(cfg.linear_attention), d_(cfg.hidden_size), eps_(cfg.rms_norm_eps),
+      : la_(cfg.linear_attention), shape_(delta_net_shape(cfg)), d_(cfg.hidden_size), eps_(cfg.rms_norm_eps),
         std_(static_cast<float>(cfg.initializer_range)), layer_(layer),
         prefix_("model.layers." + std::to_string(layer) + ".linear_attn.") {
     la_.check("linear attention");
@@ -113,8 +129,22 @@ class GatedDeltaNet : public CarvedOp<GatedDeltaNet> {
 
   /// Refuses linear-attention layer `layer` on a backend without LinearAttentionBackend's primitives.
   [[noreturn]] static void refuse_backend(std::int64_t layer) {
-    MT_FAIL("layer {} is a linear-attention layer (Gated DeltaNet): it runs on the CPU backend only so far (--backend "
-            "cpu); the GPU kernels are not built yet", layer);
+    MT_FAIL("layer {} is a linear-attention layer (Gated DeltaNet): this backend does not run it (--backend cpu or cuda)",
+            layer);
+  }
+  /// Throws, before anything is allocated, where backend B cannot run cfg's linear-attention layers.
+  template <class B>
+  static void check_backend(const ModelConfig& cfg) {
+    for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+      if (!builds(cfg, l)) continue;
+      if constexpr (!LinearAttentionBackend<B>) refuse_backend(l);
+      if constexpr (DeviceLinearAttentionBackend<B>) {
+        MT_CHECK(cfg.linear_attention.key_head_dim <= kDeltaRuleMaxKeyDim && cfg.linear_attention.conv_kernel <= 8,
+                 "layer {}: linear_key_head_dim {} (at most {}) or linear_conv_kernel_dim {} (at most 8) is beyond the GPU "
+                 "kernels; train this model with --backend cpu", l, cfg.linear_attention.key_head_dim, kDeltaRuleMaxKeyDim,
+                 cfg.linear_attention.conv_kernel);
+      }
+    }
   }
 
   template <class B>
@@ -201,6 +231,11 @@ class GatedDeltaNet : public CarvedOp<GatedDeltaNet> {
       const auto qkvz = token_rows(a.fused_qkvz, 0, n), ba = token_rows(a.fused_ba, 0, n);
       be.linear(x, w.qkv, none, qkvz);
       be.linear(x, w.b, none, ba);
+      if constexpr (B::kDevice) {
+        be.deltanet_unfuse(shape_, cview(qkvz), cview(ba), token_rows(a.mixed, first, n), token_rows(a.z, first, n),
+                           token_rows(a.b, first, n), token_rows(a.a, first, n));
+        return;
+      }
       for_each_fused(n, [&](std::int64_t t, std::int64_t from, Part part, std::int64_t to, std::int64_t len) {
         const auto* src = fused_at(qkvz, ba, part, t, from);
         std::copy(src, src + len, part_row(a, part, first + t, false) + to);
@@ -213,8 +248,12 @@ class GatedDeltaNet : public CarvedOp<GatedDeltaNet> {
     if constexpr (!LinearAttentionBackend<B>) {
       refuse();
     } else {
-      const auto starts = sequence_starts(c);
-      be.gated_deltanet_mix(operands<B>(c, a, w, starts), a.o.data(), a.rstd.data(), a.y.data());
+      if constexpr (DeviceLinearAttentionBackend<B>) {
+        be.gated_deltanet_mix(device_operands<B>(c, a, w), a.o, a.rstd, a.y);
+      } else {
+        const auto starts = sequence_starts(c);
+        be.gated_deltanet_mix(operands<B>(c, a, w, starts), a.o.data(), a.rstd.data(), a.y.data());
+      }
     }
   }
   /// h = x + out_proj(y) for tokens [first, first + x.size(0)).
@@ -246,10 +285,15 @@ class GatedDeltaNet : public CarvedOp<GatedDeltaNet> {
     if constexpr (!LinearAttentionBackend<B>) {
       refuse();
     } else {
-      const auto starts = sequence_starts(c);
-      cpu::GatedDeltaNetMixGrads<typename B::Act> d{a.dmixed.data(), a.dz.data(),     a.da.data(),      a.db.data(),
-                                                    g.conv.data(),   g.A_log.data(), g.dt_bias.data(), g.norm.data()};
-      be.gated_deltanet_mix_backward(operands<B>(c, a, w, starts), a.o.data(), a.rstd.data(), a.dy.data(), d);
+      if constexpr (DeviceLinearAttentionBackend<B>) {
+        be.gated_deltanet_mix_backward(device_operands<B>(c, a, w), cview(a.o), cview(a.rstd), cview(a.dy),
+                                       {a.dmixed, a.dz, a.da, a.db, g.conv, g.A_log, g.dt_bias, g.norm});
+      } else {
+        const auto starts = sequence_starts(c);
+        cpu::GatedDeltaNetMixGrads<typename B::Act> d{a.dmixed.data(), a.dz.data(),     a.da.data(),      a.db.data(),
+                                                      g.conv.data(),   g.A_log.data(), g.dt_bias.data(), g.norm.data()};
+        be.gated_deltanet_mix_backward(operands<B>(c, a, w, starts), a.o.data(), a.rstd.data(), a.dy.data(), d);
+      }
     }
   }
   /// dx (overwritten) of tokens [first, first + x.size(0)); the projections' gradients added to g.
@@ -270,10 +314,15 @@ class GatedDeltaNet : public CarvedOp<GatedDeltaNet> {
         return;
       }
       const auto qkvz = token_rows(a.fused_qkvz, 0, n), ba = token_rows(a.fused_ba, 0, n);
-      for_each_fused(n, [&](std::int64_t t, std::int64_t from, Part part, std::int64_t to, std::int64_t len) {
-        const auto* src = part_row(a, part, first + t, true) + to;
-        std::copy(src, src + len, fused_at(qkvz, ba, part, t, from));
-      });
+      if constexpr (B::kDevice) {
+        be.deltanet_fuse(shape_, cview(token_rows(a.dmixed, first, n)), cview(token_rows(a.dz, first, n)),
+                         cview(token_rows(a.db, first, n)), cview(token_rows(a.da, first, n)), qkvz, ba);
+      } else {
+        for_each_fused(n, [&](std::int64_t t, std::int64_t from, Part part, std::int64_t to, std::int64_t len) {
+          const auto* src = part_row(a, part, first + t, true) + to;
+          std::copy(src, src + len, fused_at(qkvz, ba, part, t, from));
+        });
+      }
       be.linear_backward(x, w.qkv, cview(qkvz), dx, false, g.qkv, none);
       be.linear_backward(x, w.b, cview(ba), dx, true, g.b, none);
     }
@@ -334,6 +383,22 @@ class GatedDeltaNet : public CarvedOp<GatedDeltaNet> {
     return s;
   }
   template <class B>
+  DeltaNetOperands<typename B::Act, typename B::Weight, full_t<typename B::Weight>> device_operands(
+      ChunkShape c, const Acts<B>& a, const Weights<const typename B::Weight>& w) const {
+    DeltaNetOperands<typename B::Act, typename B::Weight, full_t<typename B::Weight>> m;
+    m.shape = shape_;
+    m.chunk = c;
+    m.mixed = cview(a.mixed);
+    m.z = cview(a.z);
+    m.a = cview(a.a);
+    m.b = cview(a.b);
+    m.conv = w.conv;
+    m.A_log = w.A_log;
+    m.dt_bias = w.dt_bias;
+    m.norm = w.norm;
+    return m;
+  }
+  template <class B>
   cpu::GatedDeltaNetMix<typename B::Act> operands(ChunkShape c, const Acts<B>& a, const Weights<const typename B::Weight>& w,
                                                   const std::vector<std::int32_t>& starts) const {
     MT_CHECK(!starts.empty() && starts.back() == c.tokens(), "Gated DeltaNet: the sequences end at {}, not the chunk's {} tokens",
@@ -358,6 +423,7 @@ class GatedDeltaNet : public CarvedOp<GatedDeltaNet> {
   }
 
   LinearAttentionConfig la_;
+  DeltaNetShape shape_;
   std::int64_t d_;
   double eps_;
   float std_;

@@ -360,7 +360,7 @@ class MoeMlp {
   /// Refuses `cfg`'s shared expert (layer `layer`'s) on a backend without SharedExpertBackend's gate.
   [[noreturn]] static void refuse_shared_expert(const ModelConfig& cfg, std::int64_t layer) {
     MT_FAIL("{}'s mixture-of-experts layers (layer {} is one) have a shared expert with a sigmoid gate per token: that "
-            "runs on the CPU backend only so far (--backend cpu)", cfg.architecture_name(), layer);
+            "needs a backend with SharedExpertBackend's gate (the CPU and CUDA backends)", cfg.architecture_name(), layer);
   }
 
  private:

@@ -16,7 +16,7 @@
 // Qwen3.5 and Qwen3-Next gate the attention's output (ModelConfig::attention_output_gate): q_proj
 // gives each head head_dim query values then head_dim gate inputs, and o_proj reads
 // attention * sigmoid(gate). The gate runs on backends with GatedAttentionBackend's primitives
-// (the CPU backend); elsewhere it is refused.
+// (the CPU and CUDA backends); elsewhere it is refused.
 //
 // GPT-OSS adds a learned sink per head (self_attn.sinks, ModelConfig::attention_sinks): a logit
 // in every query's softmax that takes probability and carries no value; its sliding and full
@@ -42,7 +42,7 @@
 
 namespace megatrain {
 
-/// What a backend provides for the attention's output gate (the CPU backend).
+/// What a backend provides for the attention's output gate (the CPU and CUDA backends).
 template <class B>
 concept GatedAttentionBackend = requires(B& be, View<const typename B::Act> c, View<typename B::Act> m) {
   be.split_halves(c, std::int64_t{}, m, m);
@@ -361,8 +361,8 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   template <class B, class F>
   void gate_ops(B& be, F&& f) const {
     if constexpr (GatedAttentionBackend<B>) f(be);
-    else MT_FAIL("{}: the attention's output gate (Qwen3.5, Qwen3-Next) runs on the CPU backend only so far (--backend "
-                 "cpu)", prefix_);
+    else MT_FAIL("{}: the attention's output gate (Qwen3.5, Qwen3-Next) needs the backend's gate primitives "
+                 "(GatedAttentionBackend: the CPU and CUDA backends have them)", prefix_);
   }
   /// [tokens, heads * head_dim] as [tokens * heads, head_dim]: one row per head (the q/k norms';
   /// OLMoE's norm the whole projection: one row per token).
