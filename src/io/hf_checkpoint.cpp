@@ -324,18 +324,18 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
   };
   std::set<std::string, std::less<>> used;
   const std::string table = Embedding::kTable, head = LmHead::kHead;
-  // (a multimodal checkpoint: the language model's tensors under checkpoint_prefix)
-  const std::string& prefix = cfg.checkpoint_prefix;
-  const auto find = [&](std::string_view name) { return c.weights_.find(prefix + std::string(name)); };
+  // (a multimodal checkpoint: the language model's tensors under their own names, checkpoint_name)
+  const auto find = [&](std::string_view name) { return c.weights_.find(cfg.checkpoint_name(name)); };
   // Fused tensors (Phi-3's projections, GPT-OSS's experts): each holds several parameters;
   // checked whole, each parameter read from its place.
   // (those that may be held part by part instead, and are: read as the parameters they hold)
   c.fused_ = fused_tensors(cfg);
+  for (auto& f : c.fused_) f.name = cfg.checkpoint_name(f.name);
   // (any of its parts there: read part by part, a missing one named as such)
   std::erase_if(c.fused_, [&](const FusedTensor& f) {
     const FusedSource s = find_fused(c.weights_, f);
     return f.optional && !s.whole && !s.blocks && !s.scales &&
-           std::ranges::any_of(f.parts, [&](const FusedPart& p) { return c.weights_.find(p.param).has_value(); });
+           std::ranges::any_of(f.parts, [&](const FusedPart& p) { return find(p.param).has_value(); });
   });
   const auto& fused = c.fused_;
   const auto places = fused_places(fused, c.units_);
@@ -394,7 +394,8 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
       std::optional<TensorRef> ref = find(p.name);
       if (!ref && cfg.tie_word_embeddings && p.name == table) ref = find(head);
       if (!ref) {
-        problems.push_back(fmt::format("tensor '{}{}' is missing (the model needs {})", prefix, p.name, shape_str(p.shape)));
+        problems.push_back(fmt::format("tensor '{}' is missing (the model needs {})", cfg.checkpoint_name(p.name),
+                                       shape_str(p.shape)));
         continue;
       }
       used.insert(ref->name());
@@ -413,7 +414,7 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
     }
   }
   // A tied model may carry the head anyway: then it must be the table.
-  if (cfg.tie_word_embeddings && !used.contains(prefix + head)) {
+  if (cfg.tie_word_embeddings && !used.contains(cfg.checkpoint_name(head))) {
     if (auto h = find(head)) {
       used.insert(h->name());
       const auto t = find(table);
@@ -432,15 +433,20 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
             head, where(*h), table, at, b, a));
       } else {
         check_declared_dtype(*h);
-        c.ignored_.push_back(fmt::format("{} (tied: equal to {})", h->name(), prefix + table));
+        c.ignored_.push_back(fmt::format("{} (tied: equal to {})", h->name(), cfg.checkpoint_name(table)));
       }
     }
   }
   std::vector<std::string> extras;
   std::size_t vision = 0;  // (a multimodal checkpoint's tensors beside its language model's)
+  const bool wrapped = !cfg.wrapper_architecture.empty();
+  const auto beside = [&](std::string_view name) {  // (the vision tower, a projector, Qwen3.5's mtp.* layers)
+    return wrapped && (name.starts_with("vision_tower.") || name.starts_with("multi_modal_projector.") ||
+                       (!cfg.checkpoint_model_prefix.empty() && (name.starts_with("model.visual.") || name.starts_with("mtp."))));
+  };
   for (const auto& name : c.weights_.names()) {
     if (used.contains(name)) continue;
-    if (!prefix.empty() && (name.starts_with("vision_tower.") || name.starts_with("multi_modal_projector."))) {
+    if (beside(name)) {
       ++vision;
       continue;
     }
@@ -451,14 +457,17 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
     extras.push_back(name);
   }
   if (vision > 0)
-    c.ignored_.push_back(fmt::format("{} tensors of the vision tower and its projector (not trained; an export is the "
-                                     "language model alone, Gemma3ForCausalLM)", vision));
+    c.ignored_.push_back(fmt::format("{} tensors of the vision tower and its projector{} (not trained; an export is the "
+                                     "language model alone, {})", vision,
+                                     cfg.checkpoint_model_prefix.empty() ? "" : " and of the multi-token prediction (mtp.*)",
+                                     cfg.architecture_name()));
   for (const auto& name : extras) {
     const TensorRef r = c.weights_.tensor(name);
     std::string why = "the model config.json describes has no such parameter";
-    if (!prefix.empty() && !name.starts_with(prefix))
+    if (wrapped && !cfg.param_name(name))
       why = fmt::format("config.json is a {} whose language model's tensors are read under '{}', and whose other "
-                        "tensors are the vision tower's and projector's", "Gemma3ForConditionalGeneration", prefix);
+                        "tensors are the vision tower's and projector's", cfg.wrapper_architecture,
+                        cfg.checkpoint_prefix.empty() ? cfg.checkpoint_model_prefix : cfg.checkpoint_prefix);
     else if (name.ends_with("_proj.bias") && name.starts_with("model.layers."))
       why = "config.json describes no bias for this projection (Llama: attention_bias / mlp_bias)";
     else if (name.starts_with("model.layers."))

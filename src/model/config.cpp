@@ -75,40 +75,94 @@ const Family& find_family(const json& j, std::string_view src) {
 
 }  // namespace
 
+namespace {
+
+// The multimodal wrappers whose language model megatrain trains: the wrapper's class and
+// model_type, its text model's, and where the checkpoint keeps the text model's tensors.
+struct Wrapper {
+  const char* arch;
+  const char* model_type;
+  const char* text_arch;
+  const char* text_model_type;
+  const char* prefix;        // prepended to every name (Gemma 3's language_model.model.layers...)
+  const char* model_prefix;  // in place of "model." (Qwen3.5's model.language_model.layers...; lm_head stays)
+};
+constexpr Wrapper kWrappers[] = {
+    {"Gemma3ForConditionalGeneration", "gemma3", "Gemma3ForCausalLM", "gemma3_text", "language_model.", ""},
+    {"Qwen3_5ForConditionalGeneration", "qwen3_5", "Qwen3_5ForCausalLM", "qwen3_5_text", "", "model.language_model."},
+    {"Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", "",
+     "model.language_model."},
+};
+
+const Wrapper* find_wrapper(const json& j) {
+  if (!j.is_object()) return nullptr;
+  for (const Wrapper& w : kWrappers) {
+    const bool named = given(j, "architectures") && j.at("architectures").is_array() && !j.at("architectures").empty() &&
+                       j.at("architectures").at(0) == w.arch;
+    const bool typed = !given(j, "architectures") && given(j, "model_type") && j.at("model_type") == w.model_type;
+    if (named || typed) return &w;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
 std::optional<json> ModelConfig::language_model_config(const json& j, std::string_view src) {
-  const bool named = j.is_object() && given(j, "architectures") && j.at("architectures").is_array() &&
-                     !j.at("architectures").empty() && j.at("architectures").at(0) == "Gemma3ForConditionalGeneration";
-  const bool typed = j.is_object() && !given(j, "architectures") && given(j, "model_type") && j.at("model_type") == "gemma3";
-  if (!named && !typed) return std::nullopt;
-  MT_CHECK(!given(j, "model_type") || j.at("model_type") == "gemma3",
-           "{}: 'architectures' names Gemma3ForConditionalGeneration, whose model_type is 'gemma3', but model_type is {}", src,
+  const Wrapper* w = find_wrapper(j);
+  if (w == nullptr) return std::nullopt;
+  MT_CHECK(!given(j, "model_type") || j.at("model_type") == w->model_type,
+           "{}: 'architectures' names {}, whose model_type is '{}', but model_type is {}", src, w->arch, w->model_type,
            j.at("model_type").dump());
   MT_CHECK(j.contains("text_config") && j.at("text_config").is_object(),
-           "{}: a Gemma3ForConditionalGeneration config needs 'text_config', its language model's config (an object)", src);
+           "{}: a {} config needs 'text_config', its language model's config (an object)", src, w->arch);
   json t = j.at("text_config");
-  MT_CHECK(!given(t, "model_type") || t.at("model_type") == "gemma3_text",
-           "{}: text_config's model_type is {}, not 'gemma3_text'", src, t.at("model_type").dump());
-  t["architectures"] = json::array({"Gemma3ForCausalLM"});
-  t["model_type"] = "gemma3_text";
-  // (Gemma3TextConfig's defaults, which a published text_config relies on: google/gemma-3-4b-it's
-  // gives only its sizes and rotary scaling)
-  const json defaults = {{"vocab_size", 262208},        {"hidden_size", 2304},   {"intermediate_size", 9216},
-                         {"num_hidden_layers", 26},     {"num_attention_heads", 8}, {"num_key_value_heads", 4},
-                         {"head_dim", 256},             {"max_position_embeddings", 131072},
-                         {"query_pre_attn_scalar", 256}, {"sliding_window", 4096}};
-  for (const auto& [key, value] : defaults.items())
-    if (!given(t, key.c_str())) t[key] = value;
+  MT_CHECK(!given(t, "model_type") || t.at("model_type") == w->text_model_type, "{}: text_config's model_type is {}, not '{}'",
+           src, t.at("model_type").dump(), w->text_model_type);
+  t["architectures"] = json::array({w->text_arch});
+  t["model_type"] = w->text_model_type;
+  if (std::string_view(w->arch) == "Gemma3ForConditionalGeneration") {
+    // (Gemma3TextConfig's defaults, which a published text_config relies on: google/gemma-3-4b-it's
+    // gives only its sizes and rotary scaling)
+    const json defaults = {{"vocab_size", 262208},        {"hidden_size", 2304},   {"intermediate_size", 9216},
+                           {"num_hidden_layers", 26},     {"num_attention_heads", 8}, {"num_key_value_heads", 4},
+                           {"head_dim", 256},             {"max_position_embeddings", 131072},
+                           {"query_pre_attn_scalar", 256}, {"sliding_window", 4096}};
+    for (const auto& [key, value] : defaults.items())
+      if (!given(t, key.c_str())) t[key] = value;
+  }
   for (const char* key : {"torch_dtype", "dtype", "tie_word_embeddings"})
     if (!t.contains(key) && j.contains(key)) t[key] = j.at(key);
   return t;
+}
+
+std::string ModelConfig::checkpoint_name(std::string_view param) const {
+  if (!checkpoint_prefix.empty()) return checkpoint_prefix + std::string(param);
+  if (!checkpoint_model_prefix.empty() && param.starts_with("model."))
+    return checkpoint_model_prefix + std::string(param.substr(6));
+  return std::string(param);
+}
+
+std::optional<std::string> ModelConfig::param_name(std::string_view tensor) const {
+  if (!checkpoint_prefix.empty()) {
+    if (!tensor.starts_with(checkpoint_prefix)) return std::nullopt;
+    return std::string(tensor.substr(checkpoint_prefix.size()));
+  }
+  if (!checkpoint_model_prefix.empty()) {
+    if (tensor.starts_with(checkpoint_model_prefix)) return "model." + std::string(tensor.substr(checkpoint_model_prefix.size()));
+    if (tensor.starts_with("model.") || tensor.starts_with("mtp.")) return std::nullopt;  // (the vision tower, the MTP layers)
+  }
+  return std::string(tensor);
 }
 
 ModelConfig ModelConfig::from_json(const json& j, std::string_view src) {
   MT_NVTX_RANGE("ModelConfig::from_json");
   MT_CHECK(j.is_object(), "{}: a model config must be a JSON object, not {}", src, j.type_name());
   if (const auto text = language_model_config(j, src)) {  // (a multimodal model: its language model)
-    ModelConfig c = from_json(*text, fmt::format("{} (text_config of Gemma3ForConditionalGeneration)", src));
-    c.checkpoint_prefix = "language_model.";
+    const Wrapper& w = *find_wrapper(j);
+    ModelConfig c = from_json(*text, fmt::format("{} (text_config of {})", src, w.arch));
+    c.checkpoint_prefix = w.prefix;
+    c.checkpoint_model_prefix = w.model_prefix;
+    c.wrapper_architecture = w.arch;
     return c;
   }
   ModelConfig c;

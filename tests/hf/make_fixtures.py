@@ -14,11 +14,11 @@ GPU machine) only to change or add a family:
 
     python3 tests/hf/make_fixtures.py --out tests/fixtures [--only qwen3]
 
-The hybrid families' fixtures (qwen3_5, qwen3_5_moe, qwen3_next) in tests/fixtures were made with
-a float32 reference, before float64_family; run `--only qwen3_5 qwen3_5_moe qwen3_next` again to
-replace them with float64 references. Two more are written but not read by megatrain yet (issue 53):
-qwen3_5_mm (Qwen3_5ForConditionalGeneration, with mtp.* tensors), and qwen3_5_moe_aux and
-qwen3_next_aux (the auxiliary loss as their routers record it); none is in tests/fixtures.
+The hybrid families' fixtures (qwen3_5, qwen3_5_mm, qwen3_5_moe, qwen3_next) in tests/fixtures were
+made with a float32 reference, before float64_family; run `--only qwen3_5 qwen3_5_mm qwen3_5_moe
+qwen3_next` again to replace them with float64 references (qwen3_5_mm's generation_config.json is
+not kept). Two more are written but not read by megatrain yet (issue 53): qwen3_5_moe_aux and
+qwen3_next_aux (the auxiliary loss as their routers record it); neither is in tests/fixtures.
 """
 
 import argparse

@@ -429,6 +429,41 @@ TEST_CASE("config: Gemma3ForConditionalGeneration (4B and larger) is its languag
   CHECK(contains(error_of([&] { (void)ModelConfig::from_json(bad, "x"); }), "text_config of Gemma3ForConditionalGeneration"));
 }
 
+TEST_CASE("config: Qwen3_5ForConditionalGeneration and its MoE are their language models, read under model.language_model.") {
+  // The Hub's form of every Qwen3.5: the text model's config in text_config, its tensors under
+  // model.language_model. with lm_head.weight at the top, the vision tower and mtp.* beside them.
+  json text = ModelConfig::preset("qwen3.5-2b").to_json();
+  text.erase("architectures");
+  text["model_type"] = "qwen3_5_text";
+  const json mm{{"architectures", {"Qwen3_5ForConditionalGeneration"}}, {"model_type", "qwen3_5"}, {"text_config", text},
+                {"vision_config", {{"depth", 24}, {"hidden_size", 1024}}}, {"tie_word_embeddings", true}};
+  const ModelConfig c = ModelConfig::from_json(mm, "Qwen3.5-2B");
+  CHECK(c.to_json() == ModelConfig::preset("qwen3.5-2b").to_json());
+  CHECK(c.architecture_name() == "Qwen3_5ForCausalLM");
+  CHECK(c.wrapper_architecture == "Qwen3_5ForConditionalGeneration");
+  CHECK(c.checkpoint_name("model.layers.3.linear_attn.A_log") == "model.language_model.layers.3.linear_attn.A_log");
+  CHECK(c.checkpoint_name("model.embed_tokens.weight") == "model.language_model.embed_tokens.weight");
+  CHECK(c.checkpoint_name("lm_head.weight") == "lm_head.weight");
+  CHECK(c.param_name("model.language_model.norm.weight") == "model.norm.weight");
+  CHECK(c.param_name("lm_head.weight") == "lm_head.weight");
+  CHECK_FALSE(c.param_name("model.visual.blocks.0.attn.qkv.weight").has_value());
+  CHECK_FALSE(c.param_name("mtp.fc.weight").has_value());
+  // a text model's config names its tensors as they are
+  const ModelConfig plain = ModelConfig::preset("qwen3.5-2b");
+  CHECK(plain.checkpoint_name("model.norm.weight") == "model.norm.weight");
+  CHECK(plain.param_name("mtp.fc.weight") == "mtp.fc.weight");
+  // the MoE's wrapper, and a text_config of another family refused, naming it
+  json moe_text = ModelConfig::preset("qwen3.5-35b-a3b").to_json();
+  moe_text.erase("architectures");
+  const json moe{{"architectures", {"Qwen3_5MoeForConditionalGeneration"}}, {"text_config", moe_text}};
+  const ModelConfig cm = ModelConfig::from_json(moe, "Qwen3.5-35B-A3B");
+  CHECK(cm.to_json() == ModelConfig::preset("qwen3.5-35b-a3b").to_json());
+  CHECK(cm.checkpoint_model_prefix == "model.language_model.");
+  auto bad = mm;
+  bad["text_config"]["model_type"] = "qwen3";
+  CHECK(contains(error_of([&] { (void)ModelConfig::from_json(bad, "x"); }), "text_config's model_type is \"qwen3\", not 'qwen3_5_text'"));
+}
+
 TEST_CASE("config: Phi-3 mini 4k (fused projections in the checkpoint, a window, pad_token_id)") {
   const auto c = ModelConfig::from_file(fixture("phi-3-mini-4k.json"));
   CHECK(c.architecture == Architecture::phi3);

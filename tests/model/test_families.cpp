@@ -57,8 +57,8 @@ void check_family(const fs::path& dir) {
   const float want_loss = read_tensor<float>(ref, "loss", SafetensorsDType::f32).at(0);
 
   HfModel m = load_hf_model(dir);
-  const std::string& prefix = m.config.checkpoint_prefix;  // (a multimodal checkpoint's language model: under it)
-  if (prefix.empty()) {
+  const bool wrapped = !m.config.wrapper_architecture.empty();  // (a multimodal checkpoint's language model)
+  if (!wrapped) {
     CHECK(m.ignored.empty());
   } else {  // (its vision tower and projector: left alone, said once)
     REQUIRE(m.ignored.size() == 1);
@@ -175,9 +175,10 @@ void check_family(const fs::path& dir) {
   export_hf_model(m.store, m.config, out, eo);
   const auto names = SafetensorsCheckpoint::open(out).names();
   std::set<std::string> orig;  // (MXFP4 experts are written unquantized, under the name their blocks stand for)
-  for (std::string n : SafetensorsCheckpoint::open(dir).names()) {
-    if (!n.starts_with(prefix)) continue;  // (the vision tower: not exported)
-    n = n.substr(prefix.size());           // (the language model alone: a text model's names)
+  for (const std::string& tensor : SafetensorsCheckpoint::open(dir).names()) {
+    const auto param = m.config.param_name(tensor);  // (the language model alone: a text model's names)
+    if (!param) continue;                             // (the vision tower, Qwen3.5's mtp.*: not exported)
+    const std::string& n = *param;
     if (n.ends_with("_blocks")) orig.insert(n.substr(0, n.size() - 7));
     else if (!n.ends_with("_scales")) orig.insert(n);
   }
@@ -186,7 +187,7 @@ void check_family(const fs::path& dir) {
     std::ifstream f(out / "config.json");
     const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
     CHECK(text.find("quantization_config") == std::string::npos);
-    if (!prefix.empty()) CHECK(text.find("\"Gemma3ForCausalLM\"") != std::string::npos);
+    if (wrapped) CHECK(text.find("\"" + std::string(m.config.architecture_name()) + "\"") != std::string::npos);
   }
   HfModel back = load_hf_model(out);
   for (std::size_t u = 0; u < m.store.num_units(); ++u) {
@@ -295,7 +296,7 @@ TEST_CASE("every model family gives transformers' loss and gradients (fp32 CPU b
   const std::vector<std::string> expected{"gemma3",  "gemma3_mm",    "gpt_oss",  "gpt_oss_mxfp4",   "llama",
                                           "mixtral", "mixtral_aux",  "olmoe",    "olmoe_aux",       "phi3",
                                           "phi3_longrope", "phi3_partial", "qwen2", "qwen3",        "qwen3_5",
-                                          "qwen3_5_moe", "qwen3_moe", "qwen3_moe_aux", "qwen3_moe_aux_mask", "qwen3_moe_step2",
+                                          "qwen3_5_mm", "qwen3_5_moe", "qwen3_moe", "qwen3_moe_aux", "qwen3_moe_aux_mask", "qwen3_moe_step2",
                                           "qwen3_next", "qwen3_tied_bias", "smollm3"};
   CHECK(names == expected);
   for (const auto& d : dirs) {

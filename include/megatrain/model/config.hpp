@@ -160,19 +160,30 @@ struct ModelConfig {
   /// The activation of the experts' gated MLPs (GPT-OSS: clamped_swiglu); hidden_act elsewhere.
   Activation expert_act() const;
   /// Where the checkpoint keeps this model's tensors when config.json describes a multimodal
-  /// model whose language model this is ("language_model." for Gemma3ForConditionalGeneration:
-  /// language_model.model.layers.0...), else empty. The vision tower is not part of the model.
+  /// model whose language model this is: prepended to every name ("language_model." for
+  /// Gemma3ForConditionalGeneration: language_model.model.layers.0...), or in place of the text
+  /// model's leading "model." (checkpoint_model_prefix, "model.language_model." for
+  /// Qwen3_5ForConditionalGeneration and Qwen3_5MoeForConditionalGeneration: lm_head.weight stays
+  /// at the top); else empty. The vision tower (and Qwen3.5's mtp.* layers) is not part of the model.
   std::string checkpoint_prefix;
+  std::string checkpoint_model_prefix;
+  /// The multimodal class config.json named (wrapping this language model), else empty.
+  std::string wrapper_architecture;
+  /// The checkpoint tensor holding parameter `param` (a text model's name), as above.
+  std::string checkpoint_name(std::string_view param) const;
+  /// The parameter a checkpoint tensor holds, or nullopt for a multimodal checkpoint's tensors
+  /// beside its language model's (the vision tower, a projector, Qwen3.5's mtp.* layers).
+  std::optional<std::string> param_name(std::string_view tensor) const;
 
   /// Parses a config.json object; `source` names it in errors (a path, or "<flags>"). A multimodal
-  /// config (Gemma3ForConditionalGeneration) gives its language model (language_model_config),
-  /// with checkpoint_prefix set.
+  /// config (Gemma3ForConditionalGeneration, Qwen3_5ForConditionalGeneration,
+  /// Qwen3_5MoeForConditionalGeneration) gives its language model (language_model_config), with
+  /// checkpoint_prefix or checkpoint_model_prefix set.
   static ModelConfig from_json(const nlohmann::json& j, std::string_view source = "config.json");
-  /// For a config.json of Gemma3ForConditionalGeneration (Gemma 3 4B and larger with its vision
-  /// tower): its language model's config.json, as a Gemma3ForCausalLM would have it: text_config,
-  /// the keys a published text_config leaves out filled with Gemma3TextConfig's defaults (as
-  /// transformers fills them), the wrapper's dtype and tie_word_embeddings where text_config has
-  /// none. nullopt for any other config.
+  /// For a config.json of a multimodal model above: its language model's config.json, as its text
+  /// class would have it: text_config, for Gemma 3 the keys a published text_config leaves out
+  /// filled with Gemma3TextConfig's defaults (as transformers fills them), the wrapper's dtype and
+  /// tie_word_embeddings where text_config has none. nullopt for any other config.
   static std::optional<nlohmann::json> language_model_config(const nlohmann::json& j, std::string_view source = "config.json");
   /// Reads and parses a config.json file.
   static ModelConfig from_file(const std::filesystem::path& path);
