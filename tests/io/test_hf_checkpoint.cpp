@@ -1179,6 +1179,30 @@ TEST_CASE("Qwen3.5-MoE's experts: read stacked (the Hub's folders) or one tensor
   }
   write_model(dir / "stacked", stacked, config);
   same_masters(load_hf_model(dir / "stacked").store);
+  // the Hub's Qwen3_5MoeForConditionalGeneration folder: the stacked experts and the rest under
+  // model.language_model. (lm_head.weight at the top), a vision tower and mtp.* beside them
+  json mm = {{"architectures", json::array({"Qwen3_5MoeForConditionalGeneration"})}, {"model_type", "qwen3_5_moe"},
+             {"text_config", config}};
+  mm["text_config"].erase("architectures");
+  auto published = stacked;
+  for (auto& t : published)
+    if (t.name.starts_with("model.")) t.name = "model.language_model." + t.name.substr(6);
+  const std::vector<float> side(24, 0.25f);
+  for (const char* name : {"model.visual.patch_embed.proj.weight", "mtp.fc.weight"})
+    published.emplace_back(name, View<const float>(std::span<const float>(side), Shape{4, 6}), SafetensorsDType::f32);
+  write_model(dir / "published", published, mm);
+  const HfModel wrapped = load_hf_model(dir / "published");
+  same_masters(wrapped.store);
+  CHECK(wrapped.config.wrapper_architecture == "Qwen3_5MoeForConditionalGeneration");
+  REQUIRE(wrapped.ignored.size() == 1);
+  CHECK(wrapped.ignored[0].starts_with("2 tensors of the vision tower and its projector and of the multi-token prediction"));
+  // a text model's name in it: missing where the wrapper keeps it, and a stray
+  auto plain_name = published;
+  for (auto& t : plain_name)
+    if (t.name == "model.language_model.norm.weight") t.name = "model.norm.weight";
+  write_model(dir / "published-bad", plain_name, mm);
+  CHECK_ERROR_MENTIONS(HfCheckpoint::open(dir / "published-bad"), "'model.language_model.norm.weight' is missing",
+                       "unexpected tensor 'model.norm.weight'", "read under 'model.language_model.'");
   // both at once: the per-expert tensors are strays beside the stacked ones
   auto both = stacked;
   for (const auto& t : per_expert)
