@@ -24,7 +24,7 @@ using namespace common;
 
 constexpr int C = static_cast<int>(kDeltaRuleChunk);
 constexpr int DK = static_cast<int>(kDeltaRuleMaxKeyDim);
-constexpr int kMaxTaps = 8;
+constexpr int kMaxTaps = static_cast<int>(kDeltaNetMaxTaps);
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float silu(float x) { return x * sigmoid(x); }

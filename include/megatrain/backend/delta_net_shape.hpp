@@ -24,6 +24,8 @@ struct DeltaNetShape {
 inline constexpr std::int64_t kDeltaRuleChunk = 64;
 /// The widest key head the device kernels take (the state's rows live in one block).
 inline constexpr std::int64_t kDeltaRuleMaxKeyDim = 128;
+/// The longest convolution the device kernels take (its taps' partial sums live in registers).
+inline constexpr std::int64_t kDeltaNetMaxTaps = 8;
 /// Tokens per segment of the weights' gradient sums (each segment's partial sums, then their sum).
 inline constexpr std::int64_t kDeltaNetSegment = 1024;
 /// The device kernels take a long chunk a window of tokens at a time, the state carried across:

@@ -139,10 +139,11 @@ class GatedDeltaNet : public CarvedOp<GatedDeltaNet> {
       if (!builds(cfg, l)) continue;
       if constexpr (!LinearAttentionBackend<B>) refuse_backend(l);
       if constexpr (DeviceLinearAttentionBackend<B>) {
-        MT_CHECK(cfg.linear_attention.key_head_dim <= kDeltaRuleMaxKeyDim && cfg.linear_attention.conv_kernel <= 8,
-                 "layer {}: linear_key_head_dim {} (at most {}) or linear_conv_kernel_dim {} (at most 8) is beyond the GPU "
-                 "kernels; train this model with --backend cpu", l, cfg.linear_attention.key_head_dim, kDeltaRuleMaxKeyDim,
-                 cfg.linear_attention.conv_kernel);
+        const auto& la = cfg.linear_attention;
+        MT_CHECK(la.key_head_dim <= kDeltaRuleMaxKeyDim && la.conv_kernel <= kDeltaNetMaxTaps,
+                 "layer {}: linear_key_head_dim {} (at most {}) or linear_conv_kernel_dim {} (at most {}) is beyond the GPU "
+                 "kernels; train this model with --backend cpu", l, la.key_head_dim, kDeltaRuleMaxKeyDim, la.conv_kernel,
+                 kDeltaNetMaxTaps);
       }
     }
   }
