@@ -29,6 +29,9 @@ struct RunPlan {
   std::optional<io::HfExportOptions> export_options;  // --export
   std::string config_text;               // config.json of the model (kept in checkpoints)
   std::map<std::string, std::string> side_files;  // tokenizer files etc. (kept in checkpoints, exported)
+  // a multimodal folder's tensors beside the language model (recorded in checkpoints; an export of
+  // the whole model writes them back)
+  std::optional<io::CarriedTensors> carried;
   nlohmann::json given;                  // the options this run was given (kept in checkpoints)
   nlohmann::json data_identity;          // the data's digests (kept in checkpoints)
   // data prepared for this run only (evaluation; a resume's, until accepted): removed with the plan

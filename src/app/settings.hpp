@@ -103,6 +103,7 @@ struct Settings {
   // Hugging Face export
   std::string export_dir, export_dtype = "bf16", shard_size = "5GB";
   std::int64_t export_every = 0;
+  bool export_language_model = false;  // a multimodal folder's language model alone, not the whole model
 };
 
 /// Options that name where the model comes from (a resumed run takes its model from the

@@ -156,6 +156,9 @@ void add_export_options(CLI::App& app, Settings& s) {
   exp->add_option("--export-dtype", s.export_dtype, "Exported weights: bf16, f16 or f32")->check(choice("--export-dtype", {"bf16", "f16", "f32"}))
       ->capture_default_str();
   exp->add_option("--shard-size", s.shard_size, "Largest safetensors shard, e.g. 5GB (decimal), 2GiB")->capture_default_str();
+  exp->add_flag("--export-language-model", s.export_language_model,
+                "From a Qwen3.5 folder with a vision tower: export the language model alone (a ...ForCausalLM folder), "
+                "not the whole model");
 }
 
 }  // namespace

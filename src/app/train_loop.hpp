@@ -174,6 +174,7 @@ class TrainLoop {
              {"run_dir", std::filesystem::absolute(out_).lexically_normal().string()},
              {"processes", ranks_.world()},
              {"run_id", in_.plan.run_id}};
+    if (in_.plan.carried) user_["carried"] = in_.plan.carried->to_json();
     checkpoints_.emplace(out_ / "checkpoints");
   }
   std::string checkpoint_path(std::int64_t step) const { return checkpoints_->path_for(step).string(); }

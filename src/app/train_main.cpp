@@ -62,7 +62,8 @@ void take_over_checkpoint(Parsed& p, RunPlan& plan, const std::vector<std::strin
   // A branch (a run folder of its own) is another run: it does not export into the folder of the
   // run it came from unless told to.
   const bool branch = !eval_only && !continues_run(dir, out);
-  const std::set<std::string> export_options{"--export", "--export-every", "--export-dtype", "--shard-size"};
+  const std::set<std::string> export_options{"--export", "--export-every", "--export-dtype", "--shard-size",
+                                             "--export-language-model"};
   std::vector<std::string> before =
       replay_args(r.given, eval_only ? data_only : std::set<std::string>{}, branch ? export_options : std::set<std::string>{});
   if (!out.empty() && first.out.empty()) before.insert(before.end(), {"--out", out});

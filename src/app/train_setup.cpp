@@ -157,7 +157,7 @@ class TrainSetup {
   void validate_export() {
     MT_CHECK(!s.model_dir.empty() || !s.origins.conflicts("--allow-dtype-mismatch", "--model"),
              "--allow-dtype-mismatch needs --model DIR");
-    for (const char* f : {"--export-every", "--export-dtype", "--shard-size"})
+    for (const char* f : {"--export-every", "--export-dtype", "--shard-size", "--export-language-model"})
       MT_CHECK(!s.export_dir.empty() || !s.origins.conflicts(f, "--export"), "{} needs --export DIR", f);
     MT_CHECK(s.export_every >= 0, "--export-every must be >= 0 (got {}; 0 exports only at the end)", s.export_every);
     MT_CHECK(!(eval_only_ && s.export_every > 0 && s.origins.conflicts("--export-every", "--steps")),
@@ -188,11 +188,23 @@ class TrainSetup {
         plan_.side_files[name] = *f;
       }
     }
+    if (plan_.resume && plan_.resume->state.user.contains("carried"))
+      plan_.carried = io::CarriedTensors::from_json(plan_.resume->state.user.at("carried"),
+                                                    fmt::format("--resume '{}'", plan_.resume->ckpt.dir().string()));
     if (s.model_dir.empty()) return;
     io::HfOpenOptions open_options;
     open_options.allow_dtype_mismatch = s.allow_dtype_mismatch;
     plan_.hf = io::HfCheckpoint::open(s.model_dir, open_options);
     StopSignals::check("while opening the model");
+    // The tensors an export of the whole model carries: --model's; resumed, the checkpoint's record,
+    // read from --model where that folder holds the same ones (it may have moved).
+    auto carried = plan_.hf->carried();
+    if (carried && plan_.resume && !plan_.carried)
+      plan_.notes.push_back(fmt::format("note: --resume '{}' records none of the tensors beside the language model of "
+                                        "--model '{}' (a checkpoint written before exports carried them): an export "
+                                        "is its language model alone", plan_.resume->ckpt.dir().string(), s.model_dir));
+    else if (!plan_.resume || (carried && plan_.carried && carried->digest == plan_.carried->digest))
+      plan_.carried = std::move(carried);
     if (!plan_.resume) {
       plan_.config_text = plan_.hf->config_text();
       plan_.side_files = io::hf_side_files(s.model_dir);
@@ -348,6 +360,12 @@ class TrainSetup {
     if (plan_.export_options) {
       plan_.export_options->config_json = plan_.config_text;
       plan_.export_options->extra_files = plan_.side_files;
+      // The whole model where the folder has more than its language model: its tensors checked now,
+      // not after hours of training.
+      if (plan_.carried && !s.export_language_model) {
+        (void)io::open_carried(*plan_.carried);
+        plan_.export_options->carry = plan_.carried;
+      }
     }
     MT_CHECK(!text_data_ || cfg_->vocab_size >= 256,
              "text data is tokenised by bytes (vocabulary 256) but the model's vocab_size is {}", cfg_->vocab_size);

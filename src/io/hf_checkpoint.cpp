@@ -30,15 +30,19 @@
 #include "megatrain/io/detail/atomic_files.hpp"
 #include "megatrain/core/nvtx.hpp"
 #include "megatrain/layers/decoder_model.hpp"
+#include "hf_shared.hpp"
 
 namespace megatrain::io {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+using detail::check_store_matches;
+using detail::describe;
+using detail::fused_places;
+using detail::kConfigName;
 
 namespace {
 
-constexpr std::string_view kConfigName = "config.json";
 constexpr std::size_t kMaxProblemsShown = 12;
 constexpr std::uintmax_t kMaxSideFileBytes = 64u << 20;
 
@@ -89,14 +93,6 @@ bool is_rotary_buffer(std::string_view name) {
 }
 
 std::string shape_str(const Shape& s) { return s.str(); }
-
-std::string describe(const ModelConfig& c) {
-  return fmt::format("{}, {} layers, hidden {}, {} heads ({} key/value, head_dim {}), intermediate {}, vocab {}{}{}",
-                     c.architecture_name(), c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
-                     c.num_key_value_heads, c.head_dim, c.intermediate_size, c.vocab_size,
-                     c.tie_word_embeddings ? ", tied embeddings" : "", c.qkv_bias ? ", q/k/v bias" : "");
-}
-
 
 /// Decodes elements [first, first + out.size()) of a float tensor into `out`.
 void decode(const TensorBytes& t, std::size_t first, std::span<float> out) {
@@ -154,28 +150,6 @@ std::int64_t first_difference(const TensorRef& a, const TensorRef& b, float* va,
 /// Where a checkpoint tensor lives, for messages: "'model-00001-of-00002.safetensors'".
 std::string where(const TensorRef& r) { return fmt::format("'{}'", r.file->path().string()); }
 
-/// Where a parameter lies in a fused checkpoint tensor: that tensor and its part.
-struct FusedPlace {
-  const FusedTensor* tensor;
-  const FusedPart* part;
-};
-/// The fused tensors' parts by parameter name; each part's shape checked against the model's.
-std::map<std::string, FusedPlace, std::less<>> fused_places(const std::vector<FusedTensor>& fused,
-                                                            const std::vector<UnitSpec>& units) {
-  std::map<std::string, const ParamSpec*, std::less<>> specs;
-  for (const auto& u : units)
-    for (const auto& p : u.params) specs[p.name] = &p;
-  std::map<std::string, FusedPlace, std::less<>> out;
-  for (const auto& f : fused)
-    for (const auto& part : f.parts) {
-      const auto it = specs.find(part.param);
-      MT_CHECK(it != specs.end() && std::ranges::equal(it->second->shape.dims(), part.dims),
-               "the fused tensor '{}' holds a parameter '{}' the model does not have in that shape", f.name, part.param);
-      out[part.param] = {&f, &part};
-    }
-  return out;
-}
-
 std::string shape_text(const std::vector<std::int64_t>& dims) { return fmt::format("[{}]", fmt::join(dims, ", ")); }
 
 /// The checkpoint tensors a fused tensor is read from: itself, or (GPT-OSS's MXFP4 experts) its
@@ -214,6 +188,38 @@ std::vector<float> read_fused(const SafetensorsCheckpoint& w, const FusedTensor&
   return whole;
 }
 
+
+}  // namespace
+
+
+// ---- shared with hf_export.cpp (src/io/hf_shared.hpp) -------------------------------------------
+
+namespace detail {
+
+std::string describe(const ModelConfig& c) {
+  return fmt::format("{}, {} layers, hidden {}, {} heads ({} key/value, head_dim {}), intermediate {}, vocab {}{}{}",
+                     c.architecture_name(), c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
+                     c.num_key_value_heads, c.head_dim, c.intermediate_size, c.vocab_size,
+                     c.tie_word_embeddings ? ", tied embeddings" : "", c.qkv_bias ? ", q/k/v bias" : "");
+}
+
+/// The fused tensors' parts by parameter name; each part's shape checked against the model's.
+std::map<std::string, FusedPlace, std::less<>> fused_places(const std::vector<FusedTensor>& fused,
+                                                            const std::vector<UnitSpec>& units) {
+  std::map<std::string, const ParamSpec*, std::less<>> specs;
+  for (const auto& u : units)
+    for (const auto& p : u.params) specs[p.name] = &p;
+  std::map<std::string, FusedPlace, std::less<>> out;
+  for (const auto& f : fused)
+    for (const auto& part : f.parts) {
+      const auto it = specs.find(part.param);
+      MT_CHECK(it != specs.end() && std::ranges::equal(it->second->shape.dims(), part.dims),
+               "the fused tensor '{}' holds a parameter '{}' the model does not have in that shape", f.name, part.param);
+      out[part.param] = {&f, &part};
+    }
+  return out;
+}
+
 /// Checks that `store` holds exactly the parameters of `units` (names and shapes).
 void check_store_matches(const HostParamStore<float>& store, const std::vector<UnitSpec>& units, std::string_view what) {
   std::int64_t expected = 0;
@@ -242,7 +248,7 @@ void check_store_matches(const HostParamStore<float>& store, const std::vector<U
            store.param_count(), count, expected);
 }
 
-}  // namespace
+}  // namespace detail
 
 // ---- loading ----------------------------------------------------------------------------------
 
@@ -448,6 +454,7 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
     if (used.contains(name)) continue;
     if (beside(name)) {
       ++vision;
+      c.beside_.push_back(name);
       continue;
     }
     if (is_rotary_buffer(name)) {
@@ -457,10 +464,11 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
     extras.push_back(name);
   }
   if (vision > 0)
-    c.ignored_.push_back(fmt::format("{} tensors of the vision tower and its projector{} (not trained; an export is the "
-                                     "language model alone, {})", vision,
+    c.ignored_.push_back(fmt::format("{} tensors of the vision tower and its projector{} (not trained; {})", vision,
                                      cfg.checkpoint_model_prefix.empty() ? "" : " and of the multi-token prediction (mtp.*)",
-                                     cfg.architecture_name()));
+                                     cfg.checkpoint_model_prefix.empty()
+                                         ? fmt::format("an export is the language model alone, {}", cfg.architecture_name())
+                                         : "an export of the whole model writes them back unchanged"));
   for (const auto& name : extras) {
     const TensorRef r = c.weights_.tensor(name);
     std::string why = "the model config.json describes has no such parameter";
@@ -497,6 +505,13 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
             describe(cfg), problems.size(), problems.size() == 1 ? "" : "s", ckpt_label, list, hint);
   }
   return c;
+}
+
+std::optional<CarriedTensors> HfCheckpoint::carried() const {
+  // (Gemma 3's published folders name their language model in transformers 4's way: exported as
+  // that language model, a Gemma3ForCausalLM)
+  if (config_.checkpoint_model_prefix.empty() || beside_.empty()) return std::nullopt;
+  return carried_tensors(dir_, weights_, beside_);
 }
 
 TensorRef HfCheckpoint::source(std::string_view param) const {
@@ -673,191 +688,6 @@ HfModel load_hf_model(const fs::path& dir, const StoreOptions& options, const Hf
 
 // ---- exporting --------------------------------------------------------------------------------
 
-std::string_view torch_dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::f32: return "float32";
-    case DType::bf16: return "bfloat16";
-    case DType::f16: return "float16";
-    default: MT_FAIL("a model is exported as bf16, f16 or f32, not {}", dtype_name(dtype));
-  }
-}
-
-void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg, const fs::path& dir,
-                     const HfExportOptions& options) {
-  MT_NVTX_RANGE("io::export_hf_model");
-  // The fp32 masters where this process holds them whole; else, for a bf16 export, the bf16 copy
-  // that every process of a sharded run holds whole: the masters rounded to nearest even, as the
-  // export would round them (the same bits).
-  const bool masters_here = !store.masters_sharded() || store.state_whole();
-  const bool from_copy = !masters_here && options.dtype == DType::bf16;
-  MT_CHECK(masters_here || from_copy, "exporting to '{}' as {}: the store keeps part {} of {} of the master weights "
-           "(ZeRO-1): export as bf16 (from the bf16 copy every process holds), or gather them first "
-           "(HostParamStore::gather_state on every process) and export on the root", dir.string(),
-           dtype_name(options.dtype), store.shard().index, store.shard().count);
-  const std::string label = fmt::format("exporting to '{}'", dir.string());
-  store.check_settled(label);
-  MT_CHECK(!from_copy || store.weights_whole(), "{}: this process holds its part of the bf16 weights only (the GPUs "
-           "gather the rest as they stream them: TrainerOptions::gather_weights_on_device); bring them whole to the "
-           "process that exports first (HostParamStore::gather_weights on every process, with it as the root)", label);
-  const std::string_view dtype_text = torch_dtype_name(options.dtype);
-  const std::vector<UnitSpec> units = DecoderModel<>(cfg).units();
-  check_store_matches(store, units, label);
-
-  // config.json: the given text (same model, checked) or the config's own, with the dtype set.
-  json j;
-  if (options.config_json.empty()) {
-    j = cfg.to_json();
-  } else {
-    try {
-      j = json::parse(options.config_json);
-    } catch (const json::exception& e) {
-      MT_FAIL("{}: the config.json text given is malformed JSON: {}", label, e.what());
-    }
-    const ModelConfig given = ModelConfig::from_json(j, "the config.json text given for the export");
-    MT_CHECK(given.to_json() == cfg.to_json(), "{}: the config.json text given describes another model ({}) than the "
-             "store holds ({})", label, describe(given), describe(cfg));
-    // (a multimodal model's: its language model is what was trained and is written, without the
-    // vision tower: a Gemma3ForCausalLM)
-    if (auto text = ModelConfig::language_model_config(j)) j = std::move(*text);
-    j.erase("quantization_config");  // (the weights are written unquantized: GPT-OSS's MXFP4 experts too)
-  }
-  j["torch_dtype"] = dtype_text;  // transformers 4 reads this spelling,
-  j["dtype"] = dtype_text;        // transformers 5 this one
-  MT_CHECK(!options.extra_files.contains(std::string(kConfigName)),
-           "{}: config.json comes from HfExportOptions::config_json, not extra_files", label);
-  MT_CHECK(!options.extra_files.contains(std::string(kExportMarker)),
-           "{}: {} comes from HfExportOptions::owner, not extra_files", label, kExportMarker);
-  check_hf_export_target(dir, options.owner);  // (again: something may have changed it since the run began)
-
-  ShardedWriteOptions w;
-  w.max_shard_bytes = options.max_shard_bytes;
-  w.metadata = {{"format", "pt"}};
-  w.extra_files = options.extra_files;
-  w.extra_files.emplace(kConfigName, j.dump(2) + "\n");
-  if (!options.owner.empty()) {
-    json marker = options.marker.is_object() ? options.marker : json::object();
-    marker["format"] = "megatrain-export";
-    marker["run"] = options.owner;
-    w.extra_files.emplace(kExportMarker, marker.dump(2) + "\n");
-  }
-  const fault::WriteScope scope("export");
-  // (a test hook: every file written, the new folder not yet in the old one's place)
-  w.finalize = [](std::span<const WrittenFile>) {
-    fault::crash_point("export:before-rename");
-    return std::map<std::string, std::string>{};
-  };
-
-  // Every parameter, in store order, streamed from its fp32 master while the file is written.
-  std::size_t count = 0;
-  for (const auto& u : store.units()) count += u.params().size();
-  std::vector<TensorToWrite> tensors;
-  tensors.reserve(count);
-  const SafetensorsDType stored = to_safetensors_dtype(options.dtype);
-  // Fused tensors (Phi-3's projections, GPT-OSS's experts) are written where their first part
-  // is, assembled whole from all their parts' masters when their first chunk is asked for and
-  // released after their last (an MXFP4 one unquantized, under its own name). Those a checkpoint
-  // may hold part by part (Qwen3.5-MoE's experts) are written part by part, as transformers'
-  // save_pretrained writes them.
-  auto fused = fused_tensors(cfg);
-  std::erase_if(fused, [](const FusedTensor& f) { return f.optional; });
-  const auto places = fused_places(fused, units);
-  // (from the copy: all but the parameters whose masters every process keeps whole, the norm gains
-  // and the embedding, which are read from those masters)
-  std::set<std::string, std::less<>> from_masters;
-  for (const auto& u : store.units())
-    for (const auto& p : u.params())
-      for (const auto& [a, b] : u.whole_masters())
-        if (a <= p.offset && p.offset + p.numel() <= b) from_masters.insert(p.spec.name);
-  const auto copy_of = [&](const std::string& name) { return from_copy && !from_masters.contains(name); };
-  for (const auto& u : store.units()) {
-    for (const auto& p : u.params()) {
-      if (const auto place = places.find(p.spec.name); place != places.end()) {
-        const FusedTensor& f = *place->second.tensor;
-        if (place->second.part != &f.parts.front()) continue;
-        const std::size_t index = tensors.size();
-        auto whole = std::make_shared<std::vector<float>>();
-        tensors.emplace_back(f.name, f.shape, stored,
-                             [whole, index, count, &f, &store, &options, copy_of](std::int64_t first, std::span<float> out) {
-                               if (first == 0 && options.progress) options.progress(f.name, index, count);
-                               if (whole->empty()) {
-                                 std::int64_t n = 1;
-                                 for (const auto dim : f.shape) n *= dim;
-                                 whole->assign(static_cast<std::size_t>(n), 0.0f);
-                                 for (const auto& part : f.parts) {
-                                   if (!copy_of(part.param)) {
-                                     scatter_part(part, store.master(part.param).span(), *whole);
-                                     continue;
-                                   }
-                                   const std::span<const bf16> copy = store.compute(part.param).span();
-                                   const std::vector<float> values(copy.begin(), copy.end());
-                                   scatter_part(part, values, *whole);
-                                 }
-                               }
-                               std::copy_n(whole->begin() + first, out.size(), out.begin());
-                               if (static_cast<std::size_t>(first) + out.size() == whole->size()) {
-                                 whole->clear();
-                                 whole->shrink_to_fit();
-                               }
-                             });
-        continue;
-      }
-      const bool copied = copy_of(p.spec.name);
-      const std::span<const float> values = copied ? std::span<const float>() : store.master(p.spec.name).span();
-      const std::span<const bf16> copy = copied ? store.compute(p.spec.name).span() : std::span<const bf16>();
-      const std::size_t index = tensors.size();
-      const std::string& name = p.spec.name;
-      std::vector<std::int64_t> shape(p.spec.shape.dims().begin(), p.spec.shape.dims().end());
-      tensors.emplace_back(name, std::move(shape), stored,
-                           [values, copy, index, count, &name, &options](std::int64_t first, std::span<float> out) {
-                             if (first == 0 && options.progress) options.progress(name, index, count);
-                             if (copy.empty())
-                               std::copy_n(values.begin() + first, out.size(), out.begin());
-                             else
-                               std::transform(copy.begin() + first, copy.begin() + first + static_cast<std::ptrdiff_t>(out.size()),
-                                              out.begin(), [](bf16 x) { return static_cast<float>(x); });  // (exact)
-                           });
-    }
-  }
-  write_safetensors_sharded(dir, tensors, w);
-}
-
-void check_hf_export_target(const fs::path& dir, const std::string& owner) {
-  MT_NVTX_RANGE("io::check_hf_export_target");
-  std::error_code ec;
-  const auto st = fs::symlink_status(dir, ec);
-  if (ec || !fs::exists(st)) return;
-  MT_CHECK(!fs::is_symlink(st), "cannot export to '{}': it is a symbolic link; give the directory it points to",
-           dir.string());
-  MT_CHECK(fs::is_directory(st), "cannot export to '{}': it exists and is not a directory", dir.string());
-  bool empty = true;
-  for (fs::directory_iterator it(dir, ec), end; it != end; it.increment(ec)) {
-    MT_CHECK(!ec, "cannot list '{}': {}", dir.string(), ec.message());
-    const auto est = it->symlink_status(ec);
-    MT_CHECK(fs::is_regular_file(est) || fs::is_symlink(est),
-             "cannot export to '{}': it holds '{}', which is not a regular file; an export replaces a directory of "
-             "files only (choose another directory)",
-             dir.string(), it->path().filename().string());
-    empty = false;
-  }
-  MT_CHECK(!ec, "cannot list '{}': {}", dir.string(), ec.message());
-  if (owner.empty() || empty) return;
-  // An export replaces its folder: only its own run's earlier export.
-  const fs::path marker = dir / kExportMarker;
-  MT_CHECK(fs::is_regular_file(marker, ec), "cannot export to '{}': it holds files that this run did not export (it "
-           "has no {}), and an export replaces its folder; choose another folder, or remove this one first",
-           dir.string(), kExportMarker);
-  std::string run;
-  try {
-    run = json::parse(io::detail::read_file(marker, 1 << 20)).at("run").get<std::string>();
-  } catch (const json::exception&) {
-    MT_FAIL("cannot export to '{}': its {} is malformed; choose another folder, or remove this one first", dir.string(),
-            kExportMarker);
-  }
-  MT_CHECK(run == owner, "cannot export to '{}': another run exported to it (its {} names run {}; this is run {}), and an "
-           "export replaces its folder; choose another folder, or remove this one first", dir.string(), kExportMarker,
-           run, owner);
-}
-
 std::map<std::string, std::string> hf_side_files(const fs::path& dir) {
   MT_NVTX_RANGE("io::hf_side_files");
   static constexpr const char* kNames[] = {
@@ -872,37 +702,5 @@ std::map<std::string, std::string> hf_side_files(const fs::path& dir) {
 }
 
 std::string read_side_file(const fs::path& path) { return io::detail::read_file(path, kMaxSideFileBytes); }
-
-std::uint64_t parse_shard_size(std::string_view text) {
-  const std::string s(text);
-  std::size_t i = 0;
-  while (i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) != 0 || s[i] == '.')) ++i;
-  MT_CHECK(i > 0, "'{}' is not a shard size (examples: 5GB, 500MB, 2GiB, 1000000)", s);
-  double v = 0;
-  try {
-    std::size_t used = 0;
-    v = std::stod(s.substr(0, i), &used);
-    MT_CHECK(used == i, "'{}' is not a shard size", s);
-  } catch (const std::logic_error&) {
-    MT_FAIL("'{}' is not a shard size (examples: 5GB, 500MB, 2GiB, 1000000)", s);
-  }
-  std::string unit = s.substr(i);
-  for (auto& ch : unit) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
-  double scale = 0;
-  if (unit.empty() || unit == "B") scale = 1;
-  else if (unit == "K" || unit == "KB") scale = 1e3;
-  else if (unit == "M" || unit == "MB") scale = 1e6;
-  else if (unit == "G" || unit == "GB") scale = 1e9;
-  else if (unit == "T" || unit == "TB") scale = 1e12;
-  else if (unit == "KI" || unit == "KIB") scale = 0x1p10;
-  else if (unit == "MI" || unit == "MIB") scale = 0x1p20;
-  else if (unit == "GI" || unit == "GIB") scale = 0x1p30;
-  else if (unit == "TI" || unit == "TIB") scale = 0x1p40;
-  MT_CHECK(scale > 0, "'{}' is not a shard size: unknown unit '{}' (KB, MB, GB, TB are decimal; KiB, MiB, GiB, TiB binary)",
-           s, s.substr(i));
-  const double bytes = v * scale;
-  MT_CHECK(std::isfinite(bytes) && bytes >= 1 && bytes < 0x1p63, "shard size '{}' must be at least 1 byte", s);
-  return static_cast<std::uint64_t>(bytes);
-}
 
 }  // namespace megatrain::io

@@ -709,6 +709,10 @@ TensorToWrite::TensorToWrite(std::string tensor_name, std::vector<std::int64_t> 
                              SafetensorsDType stored_as, TensorProducer producer)
     : name(std::move(tensor_name)), dtype(stored_as), shape(std::move(tensor_shape)), source(std::move(producer)) {}
 
+TensorToWrite::TensorToWrite(std::string tensor_name, const TensorBytes& stored)
+    : name(std::move(tensor_name)), dtype(stored.dtype), shape(stored.shape.begin(), stored.shape.end()),
+      source(stored.bytes) {}
+
 namespace {
 
 bool is_float_file_dtype(SafetensorsDType t) {
@@ -758,6 +762,9 @@ std::uint64_t check_tensor_for_write(const TensorToWrite& t, std::string_view la
                "cannot write '{}': tensor '{}' would be rounded twice from F64 to {}; convert it to f32 first", label,
                t.name, safetensors_dtype_name(t.dtype));
     }
+  } else if (const auto* stored = std::get_if<std::span<const std::byte>>(&t.source)) {
+    MT_CHECK(stored->size() == sizes->nbytes, "cannot write '{}': tensor '{}' of shape {} as {} needs {} bytes, not the {} "
+             "given", label, t.name, shape_string(t.shape), safetensors_dtype_name(t.dtype), sizes->nbytes, stored->size());
   } else {
     const auto& producer = std::get<TensorProducer>(t.source);
     MT_CHECK(static_cast<bool>(producer), "cannot write '{}': tensor '{}' has an empty producer", label, t.name);
@@ -851,6 +858,10 @@ class TensorStreamer {
         decode_to_float(from, src, count, floats_.data());  // f64 -> f32 rounds once, here
         encode(out, t.dtype, count);
       }
+      return;
+    }
+    if (const auto* stored = std::get_if<std::span<const std::byte>>(&t.source)) {  // (checked: the tensor's bytes)
+      if (!stored->empty()) out.write(*stored);
       return;
     }
     const auto& producer = std::get<TensorProducer>(t.source);

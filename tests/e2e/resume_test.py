@@ -31,6 +31,12 @@ Scenarios (each a CTest test):
                  third step's checkpoint and resumed, ends as the uninterrupted one, bit for bit;
                  the packed run's loss differs from the unpacked one's (its rows hold several
                  examples) while both learn.
+  multimodal     a Qwen3_5ForConditionalGeneration folder (fixture qwen3_5_mm): the export is the whole
+                 model, its vision tower and mtp.* tensors byte for byte; crashed and resumed from the
+                 folder moved elsewhere, the same export; a checkpoint exported without training from
+                 the recorded folder, refused once it is gone unless --model names it again or
+                 --export-language-model asks for the language model alone; a folder whose carried
+                 tensors changed refused at the start, before any step.
   nonfinite      a learning rate that makes step 2's loss overflow: the run stops there, saving
                  step 1's train state; resumed with --on-nonfinite skip, steps are skipped (in the
                  metrics) until the limit, and the state saved then is step 1's, bit for bit.
@@ -220,6 +226,82 @@ def hybrid():
         check(losses["packed"] != losses["unpacked"], f"{family}: packing changed nothing: the rows were not packed")
 
 
+def safetensors_tensors(file):
+    """name -> (dtype, shape, bytes) of one safetensors file."""
+    with open(file, "rb") as f:
+        blob = f.read()
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    header.pop("__metadata__", None)
+    return {k: (v["dtype"], v["shape"], blob[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]])
+            for k, v in header.items()}
+
+
+def multimodal():
+    fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "qwen3_5_mm")
+    shutil.copytree(fixture, path("mm"))
+    rng = random.Random(7)
+    with open(path("tokens.bin"), "wb") as f:  # (u16 ids below the fixture's vocabulary of 97)
+        f.write(b"".join(rng.randrange(97).to_bytes(2, "little") for _ in range(4000)))
+    original = safetensors_tensors(path("mm", "model.safetensors"))
+    carried = sorted(k for k in original if k.startswith("model.visual.") or k.startswith("mtp."))
+    check(len(carried) >= 5, f"the fixture holds {len(carried)} vision / mtp tensors")
+    base = ["--model", "mm", "--data", "tokens.bin", "--data-format", "u16", "--batch", "2", "--seq", "16", "--backend",
+            "cpu", "--steps", "4", "--save-every", "2", "--lr", "0.003", "--export-dtype", "f32"]
+
+    def whole_export(d, what):
+        cfg = json.load(open(path(d, "config.json")))
+        check(cfg["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "text_config" in cfg and "vision_config" in cfg,
+              f"{what}: config.json is not the whole model's: {cfg.get('architectures')}")
+        got = safetensors_tensors(path(d, "model.safetensors"))
+        check(sorted(got) == sorted(original), f"{what}: tensor names differ from the folder's: "
+              f"{sorted(set(got) ^ set(original))[:6]}")
+        for k in carried:
+            check(got[k] == original[k], f"{what}: {k} is not the folder's, byte for byte")
+        changed = [k for k in got if k not in carried and got[k][2] != original[k][2]]
+        check(changed, f"{what}: no language-model tensor changed: the export holds the folder's weights, not the trained ones")
+        return got
+
+    run(base + ["--out", "straight", "--export", "exp-straight"], what="the uninterrupted run")
+    straight = whole_export("exp-straight", "the uninterrupted run's export")
+    rc, _, err = run(base + ["--out", "resumed", "--export", "exp-resumed"],
+                     env=env_with(MEGATRAIN_FAULTS="crash@checkpoint:latest#1"), expect_rc=None)
+    check(rc == -signal.SIGKILL, f"exit status {rc}, expected SIGKILL at the first checkpoint\n{err}")
+    os.rename(path("mm"), path("mm-moved"))
+    run(["--resume", "--out", "resumed", "--model", "mm-moved"], what="resumed with the folder moved")
+    check(whole_export("exp-resumed", "the resumed run's export") == straight,
+          "the resumed run's export differs from the uninterrupted run's")
+    # A checkpoint exported without training: the folder it records is gone.
+    ckpt = path("straight", "checkpoints", checkpoints("straight")[-1])
+    _, _, err = run(["--resume", ckpt, "--steps", "0", "--eval-batches", "0", "--export", "exp-gone"], expect_rc=1,
+                    what="an export whose recorded folder is gone")
+    check("it is gone" in err and "--export-language-model" in err, f"the refusal does not say why or what to do:\n{err}")
+    check(not os.path.exists(path("exp-gone")), "the refused export left a folder")
+    run(["--resume", ckpt, "--steps", "0", "--eval-batches", "0", "--export", "exp-text", "--export-language-model"],
+        what="the language model alone")
+    cfg = json.load(open(path("exp-text", "config.json")))
+    check(cfg["architectures"] == ["Qwen3_5ForCausalLM"], f"--export-language-model wrote {cfg['architectures']}")
+    text = safetensors_tensors(path("exp-text", "model.safetensors"))
+    check(not any(k.startswith(("model.visual.", "mtp.", "model.language_model.")) for k in text),
+          "--export-language-model wrote the folder's names or its vision tower")
+    run(["--resume", ckpt, "--steps", "0", "--eval-batches", "0", "--export", "exp-again", "--model", "mm-moved",
+         "--export-dtype", "f32"],
+        what="the export with --model naming the moved folder")
+    check(whole_export("exp-again", "the checkpoint's export") == straight, "the checkpoint's export differs from the run's")
+    # The folder's carried tensors changed: refused before any step.
+    with open(path("mm-moved", "model.safetensors"), "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        at = 8 + n + json.loads(f.read(n))["mtp.fc.weight"]["data_offsets"][0]
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x40]))
+    _, _, err = run(["--resume", "--out", "resumed", "--model", "mm-moved", "--steps", "6"], expect_rc=1,
+                    what="resumed from a folder whose carried tensors changed")
+    check("changed since the run read them" in err, f"the refusal does not say what changed:\n{err}")
+    check(checkpoints("resumed")[-1].endswith("4"), f"a step ran after the refusal: {checkpoints('resumed')}")
+
+
 def refusals():
     base = SHAPE + ["--steps", "6", "--save-every", "2", "--keep", "2", "--lr", "0.002"]
     # --resume with nothing to resume.
@@ -379,4 +461,5 @@ def gradient_home():
           f"a resume that changes where micro-batches add up does not say so:\n{out}\n{err}")
 
 
-main((signals, second_signal, kill9, crash_points, refusals, full_disk, nonfinite, gradient_home, hybrid), SCENARIO)
+main((signals, second_signal, kill9, crash_points, refusals, full_disk, nonfinite, gradient_home, hybrid, multimodal),
+     SCENARIO)

@@ -30,6 +30,10 @@ Qwen3NextForCausalLM (Qwen3-Next on the CPU backend alone: CPU_ONLY), in float32
      (training) loss must fall clearly, and the exported weights must differ from the saved ones
      by training steps (~lr per element with Adam), far more than bf16 rounding.
 
+     Published multimodal folders: Gemma3ForConditionalGeneration exported as its language model,
+     Qwen3_5ForConditionalGeneration (fixture qwen3_5_mm) as the whole model, its vision tower the
+     folder's.
+
   5. rope scaling: for tiny models with linear, llama3 and yarn rope parameters (yarn with and
      without an explicit attention factor and betas), on a window twice the original context,
      megatrain's loss equals transformers' (which differs from the loss without the scaling).
@@ -493,6 +497,34 @@ def check_model(name, model, exe, work, check, rng, gen, auto_backend):
                         final_val, 1e-6, 1e-7)
 
 
+def check_multimodal_exports(name, exe, d, hf_dir, model, load, pattern, want, check):
+    """A multimodal folder's exports: untrained (f32), its logits on text are the folder's model's,
+    to fp32 rounding; fine-tuned on text (f32), transformers' loss of the export is megatrain's.
+    `load(dir, what)` loads an export, checking what the family's export must hold; `want` is the
+    model's loss on the evaluation window (tokens.bin in `d`: `pattern` and its first token)."""
+    tokens = pattern + pattern[:1]
+    tokens_bin = os.path.join(d, "tokens.bin")
+    exp = os.path.join(d, "export-untrained")
+    run([exe, "--model", hf_dir, "--steps", "0", "--eval-batches", "0", "--backend", "cpu", "--export", exp,
+         "--export-dtype", "f32"], f"exporting {name}")
+    loaded = load(exp, "untrained f32 export")
+    diff, scale = logits_difference(model, loaded, tokens)
+    check.true(f"{name}/untrained f32 export: its logits on text are the folder's model's", diff <= 1e-5 * scale,
+               f"largest difference {diff:.3g} of logits up to {scale:.3g}")
+    train_bin = os.path.join(d, "train.bin")
+    write_tokens(train_bin, pattern * 40 + pattern[:1])
+    exp = os.path.join(d, "export-trained")
+    run([exe, "--model", hf_dir, "--data", train_bin, "--val-data", tokens_bin, "--seq", str(SEQ), "--batch", "2",
+         "--steps", str(TRAIN_STEPS), "--lr", str(LR), "--backend", "cpu", "--eval-every", "0", "--out",
+         os.path.join(d, "run"), "--export", exp, "--export-dtype", "f32"], f"fine-tuning {name}")
+    loaded = load(exp, "fine-tuned f32 export")
+    after = megatrain_eval(exe, exp, tokens_bin, "cpu")
+    check.close(f"{name}/fine-tuned f32 export: transformers vs megatrain loss", hf_loss(loaded, tokens),
+                after["val_loss"], tolerance(after["compute_dtype"]))
+    check.true(f"{name}: fine-tuning lowered the training loss", after["val_loss"] < want - MIN_TRAIN_LOSS_DROP,
+               f"{want:.6f} -> {after['val_loss']:.6f}")
+
+
 def check_gemma3_multimodal(exe, work, check, rng, gen):
     """Gemma 3 as the Hub publishes 4B and larger: Gemma3ForConditionalGeneration (the "gemma3"
     language model above, a tiny SigLIP vision tower and its projector). megatrain reads its
@@ -529,27 +561,41 @@ def check_gemma3_multimodal(exe, work, check, rng, gen):
                    type(loaded).__name__)
         return loaded.eval()
 
-    # exported untrained, f32: the language model's logits on text, to fp32 rounding
-    exp = os.path.join(d, "export-untrained")
-    run([exe, "--model", hf_dir, "--steps", "0", "--eval-batches", "0", "--backend", "cpu", "--export", exp,
-         "--export-dtype", "f32"], f"exporting {name}")
-    loaded = load(exp, "untrained f32 export")
-    diff, scale = logits_difference(model, loaded, tokens)
-    check.true(f"{name}/untrained f32 export: its logits are the multimodal model's on text", diff <= 1e-5 * scale,
-               f"largest difference {diff:.3g} of logits up to {scale:.3g}")
-    # fine-tuned on text, exported f32: transformers' loss of the export is megatrain's
-    train_bin = os.path.join(d, "train.bin")
-    write_tokens(train_bin, pattern * 40 + pattern[:1])
-    exp = os.path.join(d, "export-trained")
-    run([exe, "--model", hf_dir, "--data", train_bin, "--val-data", tokens_bin, "--seq", str(SEQ), "--batch", "2",
-         "--steps", str(TRAIN_STEPS), "--lr", str(LR), "--backend", "cpu", "--eval-every", "0", "--out",
-         os.path.join(d, "run"), "--export", exp, "--export-dtype", "f32"], f"fine-tuning {name}")
-    loaded = load(exp, "fine-tuned f32 export")
-    after = megatrain_eval(exe, exp, tokens_bin, "cpu")
-    check.close(f"{name}/fine-tuned f32 export: transformers vs megatrain loss", hf_loss(loaded, tokens),
-                after["val_loss"], tolerance(after["compute_dtype"]))
-    check.true(f"{name}: fine-tuning lowered the training loss", after["val_loss"] < want - MIN_TRAIN_LOSS_DROP,
-               f"{want:.6f} -> {after['val_loss']:.6f}")
+    check_multimodal_exports(name, exe, d, hf_dir, model, load, pattern, want, check)
+
+
+def check_qwen3_5_multimodal(exe, work, check, rng, gen):
+    """Qwen3.5 as the Hub publishes it: Qwen3_5ForConditionalGeneration (fixture qwen3_5_mm, written
+    by transformers, with a vision tower and multi-token-prediction tensors beside the language
+    model). megatrain fine-tunes the language model on text and exports the whole model: transformers
+    loads the export as Qwen3_5ForConditionalGeneration with every weight; its vision tower is the
+    folder's, value for value; exported untrained (f32), its logits on text are the folder's; fine-tuned,
+    transformers' loss of the export equals megatrain's."""
+    name = "qwen3_5_multimodal"
+    d = os.path.join(work, name)
+    os.makedirs(d)
+    hf_dir = os.path.join(d, "hf")
+    shutil.copytree(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "qwen3_5_mm"), hf_dir)
+    cls = transformers.Qwen3_5ForConditionalGeneration
+    model = cls.from_pretrained(hf_dir, **dtype_kwargs(torch.float32)).eval()
+    vocab = model.config.text_config.vocab_size
+    pattern = [rng.randrange(vocab) for _ in range(SEQ)]
+    tokens = pattern + pattern[:1]
+    tokens_bin = os.path.join(d, "tokens.bin")
+    write_tokens(tokens_bin, tokens)
+    want = hf_loss(model, tokens)
+    visual = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("model.visual.")}
+
+    def load(directory, what):
+        loaded, info = cls.from_pretrained(directory, output_loading_info=True, **dtype_kwargs(torch.float32))
+        problems = loading_info_problems(info, model.config.text_config.tie_word_embeddings)
+        check.true(f"{name}/{what}: from_pretrained loads every weight", not problems, "; ".join(problems))
+        state = loaded.state_dict()
+        same = all(k in state and torch.equal(state[k], v) for k, v in visual.items())
+        check.true(f"{name}/{what}: the vision tower is the folder's ({len(visual)} tensors)", same and len(visual) > 0)
+        return loaded.eval()
+
+    check_multimodal_exports(name, exe, d, hf_dir, model, load, pattern, want, check)
 
 
 ROPE_CASES = [  # (architecture, rope parameters): positions past original_max_position_embeddings (16)
@@ -639,6 +685,8 @@ def main():
                             not args.no_auto_backend and name not in CPU_ONLY)
         if not args.only or "gemma3_multimodal" in args.only:
             check_gemma3_multimodal(args.megatrain, work, check, rng, gen)
+        if not args.only or "qwen3_5_multimodal" in args.only:
+            check_qwen3_5_multimodal(args.megatrain, work, check, rng, gen)
         if not args.only:
             check_rope_scaling(args.megatrain, work, check, rng, gen, not args.no_auto_backend)
     except Exception as e:  # a crash is a failure with its story, not a skip

@@ -1228,3 +1228,115 @@ TEST_CASE("Qwen3.5-MoE's experts: read stacked (the Hub's folders) or one tensor
   write_model(dir / "bad", bad, config);
   CHECK_ERROR_MENTIONS(HfCheckpoint::open(dir / "bad"), "tensor 'model.layers.1.mlp.experts.down_proj'", "has shape [3, 6, 16]");
 }
+
+TEST_CASE("Qwen3.5's published folders: the whole model exported, the vision tower and mtp.* carried byte for byte") {
+  // The fixture is a Qwen3_5ForConditionalGeneration folder written by transformers' save_pretrained
+  // (a Conv3d patch embedding among its vision tensors: rank 5).
+  const fs::path src = fs::path(MEGATRAIN_TEST_FIXTURES) / "qwen3_5_mm";
+  const auto original = SafetensorsCheckpoint::open(src / "model.safetensors");
+  std::vector<std::string> beside;
+  for (const auto& n : original.names())
+    if (n.starts_with("model.visual.") || n.starts_with("mtp.")) beside.push_back(n);
+  REQUIRE(beside.size() >= 5);
+  const HfCheckpoint ckpt = HfCheckpoint::open(src);
+  CHECK(ckpt.beside() == beside);
+  const auto carried = ckpt.carried();
+  REQUIRE(carried.has_value());
+  CHECK(carried->names == beside);
+  CHECK(carried->dir == fs::absolute(src).lexically_normal());
+  CHECK(CarriedTensors::from_json(carried->to_json(), "test").digest == carried->digest);
+  // a trained store: the fixture's weights, moved
+  HfModel m = load_hf_model(src, small_store());
+  std::normal_distribution<float> d(0.0f, 0.01f);
+  for (auto& u : m.store.units()) {
+    for (const auto& p : u.params())
+      for (float& x : m.store.master(p.spec.name).span()) x += d(rng());
+    m.store.sync_compute(u);
+  }
+  const auto bytes_of = [](const TensorRef& r) {
+    const auto b = r.bytes();
+    return std::string(reinterpret_cast<const char*>(b.bytes.data()), b.bytes.size());
+  };
+  for (const DType t : {DType::f32, DType::bf16}) {
+    for (const bool sharded : {false, true}) {
+      INFO(dtype_name(t) << (sharded ? ", sharded" : ", one file"));
+      TempDir dir;
+      HfExportOptions o = exporting(t, sharded ? 20'000 : 5'000'000'000);
+      o.config_json = ckpt.config_text();
+      o.carry = carried;
+      export_hf_model(m.store, m.config, dir / "export", o);
+      // the folder's config.json, the dtype set (at the top and in text_config)
+      const json written = json::parse(read_file(dir / "export" / "config.json"));
+      json want = json::parse(ckpt.config_text());
+      for (json* c : {&want, &want["text_config"]}) (*c)["dtype"] = (*c)["torch_dtype"] = std::string(torch_dtype_name(t));
+      CHECK(written == want);
+      // every tensor of the folder, under its name; the carried ones byte for byte, in their dtype
+      const auto out = SafetensorsCheckpoint::open(dir / "export");
+      CHECK(out.sharded() == sharded);
+      CHECK(out.names() == original.names());
+      for (const auto& n : beside) {
+        CAPTURE(n);
+        const TensorRef a = original.tensor(n), b = out.tensor(n);
+        CHECK(b.bytes().dtype == a.bytes().dtype);
+        CHECK(b.info->shape == a.info->shape);
+        CHECK(bytes_of(b) == bytes_of(a));
+      }
+      // the language model: the store's masters, as stored in `t`; the export carries the same again
+      const HfCheckpoint back = HfCheckpoint::open(dir / "export");
+      CHECK(back.config().wrapper_architecture == "Qwen3_5ForConditionalGeneration");
+      HfModel reread = load_hf_model(dir / "export", small_store());
+      check_masters(m.store, reread.store, t);
+      const auto again = back.carried();
+      REQUIRE(again.has_value());
+      CHECK(again->digest == carried->digest);
+      // without carry: the language model alone, a Qwen3_5ForCausalLM folder
+      export_hf_model(m.store, m.config, dir / "text", exporting(t));
+      CHECK(json::parse(read_file(dir / "text" / "config.json")).at("architectures") == json::array({"Qwen3_5ForCausalLM"}));
+      for (const auto& n : SafetensorsCheckpoint::open(dir / "text").names())
+        CHECK((!n.starts_with("model.visual.") && !n.starts_with("mtp.") && !n.starts_with("model.language_model.")));
+    }
+  }
+  // a folder that changed since it was read: refused, naming it; nothing written
+  TempDir dir;
+  fs::copy(src, dir / "model");
+  const auto moved = HfCheckpoint::open(dir / "model").carried();
+  REQUIRE(moved.has_value());
+  CHECK(moved->digest == carried->digest);
+  std::vector<float> keep;
+  {
+    auto weights = SafetensorsCheckpoint::open(dir / "model" / "model.safetensors");
+    std::vector<TensorToWrite> ts;
+    std::vector<std::vector<float>> values;
+    values.reserve(weights.names().size());
+    for (const auto& n : weights.names()) {
+      const auto info = weights.tensor(n).info;
+      std::vector<std::int64_t> shape(info->shape.begin(), info->shape.end());
+      if (n == "mtp.fc.weight") {
+        auto& v = values.emplace_back(static_cast<std::size_t>(info->numel()));
+        read_into(weights.tensor(n), View<float>(std::span<float>(v), Shape(shape)));
+        v[3] += 1.0f;
+        ts.emplace_back(n, View<const float>(std::span<const float>(v), Shape(shape)), SafetensorsDType::f32);
+      } else {
+        ts.emplace_back(n, weights.tensor(n).bytes());
+      }
+    }
+    write_safetensors(dir / "model" / "model.safetensors", ts, {{"format", "pt"}});
+  }
+  HfExportOptions o = exporting(DType::bf16);
+  o.config_json = ckpt.config_text();
+  o.carry = moved;
+  CHECK_ERROR_MENTIONS(export_hf_model(m.store, m.config, dir / "export", o), (dir / "model").string(),
+                       "they changed since the run read them", "--export-language-model");
+  CHECK(!fs::exists(dir / "export"));
+  fs::remove_all(dir / "model");
+  CHECK_ERROR_MENTIONS(export_hf_model(m.store, m.config, dir / "export", o), "it is gone");
+  // carry with a text model's config.json, or none: refused before anything is written
+  o.carry = carried;
+  o.config_json.clear();
+  CHECK_ERROR_MENTIONS(export_hf_model(m.store, m.config, dir / "export", o), "HfExportOptions::carry",
+                       "config_json must be that folder's config.json");
+  CHECK(!fs::exists(dir / "export"));
+  // folders with nothing to carry: a text model's, Gemma 3's published ones (exported as their language model)
+  CHECK(!HfCheckpoint::open(fs::path(MEGATRAIN_TEST_FIXTURES) / "qwen3_5").carried().has_value());
+  CHECK(!HfCheckpoint::open(fs::path(MEGATRAIN_TEST_FIXTURES) / "gemma3_mm").carried().has_value());
+}

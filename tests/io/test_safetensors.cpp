@@ -278,6 +278,24 @@ TEST_CASE("round trip: sources of every float type, producers, F64") {
   CHECK(bad == 0);
   CHECK(ckpt.tensor("f64_raw").info->dtype == SafetensorsDType::f64);
   CHECK(ckpt.tensor("bf16_raw").info->dtype == SafetensorsDType::bf16);
+  // Another file's tensors, byte for byte: any dtype and rank (a Conv3d weight is rank 5; U8 has no
+  // megatrain dtype).
+  std::vector<std::uint8_t> u8(2 * 3 * 2 * 2 * 5);
+  for (std::size_t i = 0; i < u8.size(); ++i) u8[i] = static_cast<std::uint8_t>(rng()());
+  const std::vector<std::int64_t> rank5{2, 3, 2, 2, 5};
+  std::vector<TensorToWrite> copied;
+  copied.emplace_back("u8_rank5", TensorBytes{std::as_bytes(std::span<const std::uint8_t>(u8)), SafetensorsDType::u8, rank5});
+  copied.emplace_back("bf16_copied", ckpt.tensor("bf16_raw").bytes());
+  copied.emplace_back("f64_copied", ckpt.tensor("f64_raw").bytes());
+  write_safetensors(dir / "copied.safetensors", copied);
+  const auto again = SafetensorsCheckpoint::open(dir / "copied.safetensors");
+  const auto same = [](const TensorBytes& a, const TensorBytes& b) {
+    return a.dtype == b.dtype && std::ranges::equal(a.shape, b.shape) && std::ranges::equal(a.bytes, b.bytes);
+  };
+  CHECK(same(again.tensor("bf16_copied").bytes(), ckpt.tensor("bf16_raw").bytes()));
+  CHECK(same(again.tensor("f64_copied").bytes(), ckpt.tensor("f64_raw").bytes()));
+  CHECK(same(again.tensor("u8_rank5").bytes(),
+             TensorBytes{std::as_bytes(std::span<const std::uint8_t>(u8)), SafetensorsDType::u8, rank5}));
 }
 
 TEST_CASE("round trip: a tensor large enough to be read in parallel") {
@@ -771,6 +789,10 @@ TEST_CASE("write_safetensors: invalid input is refused before any file is touche
     t = {TensorToWrite("x", std::vector<std::int64_t>{2}, SafetensorsDType::i32, [](std::int64_t, std::span<float>) {})};
   }
   SUBCASE("empty producer") { t = {TensorToWrite("x", std::vector<std::int64_t>{2}, SafetensorsDType::f32, {})}; }
+  SUBCASE("stored bytes of another size than the shape's") {
+    const std::vector<std::int64_t> dims{3, 3};
+    t = {TensorToWrite("x", TensorBytes{std::as_bytes(std::span<const float>(f)), SafetensorsDType::f32, dims})};
+  }
   CHECK_ERROR_MENTIONS(write_safetensors(target, t), tgt.c_str(), "cannot write");
   CHECK(read_file(target) == before);
   CHECK(listing(dir.path()) == std::set<std::string>{"model.safetensors"});

@@ -1,5 +1,5 @@
-// Hugging Face model directories: load a Llama / Mistral / Qwen2 checkpoint into a
-// HostParamStore, and export a store as a directory transformers' from_pretrained loads.
+// Hugging Face model directories: load a checkpoint of a family megatrain knows into a
+// HostParamStore (exporting: io/hf_export.hpp, included here).
 //
 // Loading is two-phase. HfCheckpoint::open reads config.json (ModelConfig: unknown
 // architectures are errors there), opens and validates every safetensors file (the safetensors
@@ -27,12 +27,6 @@
 //    HfOpenOptions::allow_dtype_mismatch is set (checkpoints that mix dtypes on purpose). A
 //    config.json without either key accepts any float dtype. Integer, boolean and FP8 tensors
 //    (quantized checkpoints) are refused by name either way.
-//
-// Export writes config.json and the safetensors weights (one model.safetensors, or shards with
-// model.safetensors.index.json when larger than max_shard_bytes) through
-// write_safetensors_sharded: the whole directory is replaced atomically (docs/safetensors.md),
-// so a failed or interrupted export never leaves a half-written model in place of a good one.
-// Weights are converted from the fp32 masters chunk by chunk while they are written.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -47,6 +41,8 @@
 #include <vector>
 
 #include "megatrain/core/dtype.hpp"
+#include "megatrain/io/hf_carried.hpp"
+#include "megatrain/io/hf_export.hpp"
 #include "megatrain/io/safetensors.hpp"
 #include "megatrain/model/config.hpp"
 #include "megatrain/model/param_spec.hpp"
@@ -119,6 +115,14 @@ class HfCheckpoint {
   TensorRef source(std::string_view param) const;
   /// Checkpoint tensors that are present but not loaded, each with the reason.
   const std::vector<std::string>& ignored() const { return ignored_; }
+  /// A multimodal folder's tensors beside its language model (the vision tower and its projector,
+  /// Qwen3.5's mtp.* layers), sorted; none elsewhere.
+  const std::vector<std::string>& beside() const { return beside_; }
+  /// What an export of the whole model carries (HfExportOptions::carry): the beside() tensors of a
+  /// folder whose whole model megatrain writes back (Qwen3.5's, Qwen3.5-MoE's); nullopt for other
+  /// folders and where there are none (Gemma 3's published folders are exported as their language
+  /// model). Reads those tensors once, for their digest.
+  std::optional<CarriedTensors> carried() const;
   /// Parameters and bytes of tensor data that load_into reads.
   std::int64_t param_count() const;
 
@@ -138,6 +142,7 @@ class HfCheckpoint {
   std::map<std::string, std::string, std::less<>> source_;  // parameter -> checkpoint tensor name
   std::vector<FusedTensor> fused_;  // the fused tensors this checkpoint holds
   std::vector<std::string> ignored_;
+  std::vector<std::string> beside_;
 };
 
 /// The fused tensors of `cfg`'s checkpoints (none for most families).
@@ -166,49 +171,6 @@ struct HfModel {
 HfModel load_hf_model(const std::filesystem::path& dir, const StoreOptions& options = {},
                       const HfOpenOptions& open_options = {});
 
-// ---- exporting --------------------------------------------------------------------------------
-
-struct HfExportOptions {
-  /// Stored element type: bf16 (default, what models are published in), f16 or f32.
-  DType dtype = DType::bf16;
-  /// Shard size limit in bytes of tensor data; above it the weights are sharded with an index.
-  /// 5 GB (decimal), as transformers' save_pretrained.
-  std::uint64_t max_shard_bytes = 5'000'000'000;
-  /// The config.json to write, as text (e.g. HfCheckpoint::config_text() of the model that was
-  /// fine-tuned, which keeps its token ids and other fields). It must describe the same model as
-  /// `cfg` (checked). Empty: cfg.to_json(). "torch_dtype" and "dtype" are set to `dtype` either way.
-  std::string config_json;
-  /// More small files for the directory (tokenizer files, generation_config.json): name -> bytes.
-  std::map<std::string, std::string> extra_files;
-  /// Called before each tensor's data is written (index counts from 0). May throw: the export is
-  /// then abandoned and `dir` left as it was.
-  std::function<void(std::string_view tensor, std::size_t index, std::size_t count)> progress;
-  /// The run this export belongs to (megatrain-train: its run id). Non-empty: the folder gets a
-  /// megatrain_export.json naming it (with `marker`'s fields), and an existing folder is replaced
-  /// only where its own megatrain_export.json names the same owner (check_hf_export_target).
-  /// Empty: no marker, and any folder of files is replaced.
-  std::string owner;
-  nlohmann::json marker = nlohmann::json::object();
-};
-
-/// The file that names the run an export belongs to (HfExportOptions::owner).
-inline constexpr std::string_view kExportMarker = "megatrain_export.json";
-
-/// Writes the store's fp32 masters as a Hugging Face model directory at `dir`: config.json and
-/// safetensors weights, every parameter under its Hugging Face name (no lm_head.weight when the
-/// embeddings are tied), with {"format": "pt"} metadata. The store must hold exactly the model
-/// `cfg` describes (checked first). The directory is replaced atomically: see
-/// write_safetensors_sharded; its parent must exist. Other files already in `dir` (a tokenizer,
-/// a README) are kept unless `extra_files` replaces them.
-void export_hf_model(const HostParamStore<float>& store, const ModelConfig& cfg, const std::filesystem::path& dir,
-                     const HfExportOptions& options = {});
-
-/// Checks, before hours of training, that `dir` can later be exported to: it is absent, or a
-/// directory that holds only files (what export_hf_model replaces) and, with an `owner`, is empty
-/// or was written by an export of the same owner (its megatrain_export.json says so). Throws
-/// naming `dir` otherwise.
-void check_hf_export_target(const std::filesystem::path& dir, const std::string& owner = {});
-
 /// The files of a model directory that belong with an export of a model fine-tuned from it:
 /// tokenizer.json, tokenizer_config.json, special_tokens_map.json, tokenizer.model, vocab.json,
 /// merges.txt, added_tokens.json, generation_config.json, chat_template.jinja/.json (those that
@@ -217,13 +179,5 @@ std::map<std::string, std::string> hf_side_files(const std::filesystem::path& di
 
 /// The contents of one such small file (at most 64 MiB); throws naming it where it cannot be read.
 std::string read_side_file(const std::filesystem::path& path);
-
-/// Parses a shard size the way transformers' max_shard_size does: "5GB" = 5·10^9 bytes,
-/// "500MB", "100KB" (decimal), "2GiB" = 2·2^30 (binary), a plain number of bytes. "G", "M", "K"
-/// without the B are decimal too. Throws megatrain::Error for anything else or zero.
-std::uint64_t parse_shard_size(std::string_view text);
-
-/// "float32", "bfloat16", "float16": the torch_dtype spelling of an export dtype.
-std::string_view torch_dtype_name(DType dtype);
 
 }  // namespace megatrain::io

@@ -229,12 +229,13 @@ using TensorProducer = std::function<void(std::int64_t first, std::span<float> o
 /// One tensor to write: a name, the dtype it is stored as, its shape and where its values come
 /// from. A view source must be contiguous; it is either copied as is (same dtype, any dtype) or
 /// converted between f32, f64, bf16 and f16 (rounding to nearest even; f64 -> BF16/F16 is
-/// refused because it would round twice). A producer supplies fp32 values.
+/// refused because it would round twice). A producer supplies fp32 values. Stored bytes (another
+/// file's tensor, TensorRef::bytes) are copied as they are: any dtype, any rank.
 struct TensorToWrite {
   std::string name;
   SafetensorsDType dtype = SafetensorsDType::f32;
   std::vector<std::int64_t> shape;
-  std::variant<AnyView, TensorProducer> source;
+  std::variant<AnyView, TensorProducer, std::span<const std::byte>> source;
 
   TensorToWrite() = default;
   /// Stored as `dtype`; shape from the view.
@@ -244,6 +245,8 @@ struct TensorToWrite {
   /// Values from `producer` (fp32), stored as `dtype`.
   TensorToWrite(std::string tensor_name, std::vector<std::int64_t> tensor_shape, SafetensorsDType stored_as,
                 TensorProducer producer);
+  /// Another file's tensor, byte for byte: its dtype and shape (the mapping must outlive the write).
+  TensorToWrite(std::string tensor_name, const TensorBytes& stored);
 };
 
 /// Writes one safetensors file at `path`, atomically: the data goes to a temporary file beside it
