@@ -337,10 +337,10 @@ int plan_main(int argc, char** argv) {
   add_memory_options(*mem, s);
   mem->add_option("--machine", a.machine,
                   "JSON file of the machine's rates for the step time (h2d_gbs, d2h_gbs, duplex_gbs, gemm_tflops, "
-                  "moe_gemm_tflops, attention_fwd_tflops, attention_bwd_tflops, hbm_gbs, adamw_gparams, adamw_dma_gparams, "
+                  "moe_gemm_tflops, attention_fwd_tflops, attention_bwd_tflops, delta_rule_fwd_tflops, delta_rule_bwd_tflops, hbm_gbs, adamw_gparams, adamw_dma_gparams, "
                   "pass_copies_gbs; default: the reference H200 host)");
   mem->add_flag("--probe", a.probe,
-                "Measure this machine's rates at this model's shapes (GPU matrix products and attention, device memory, "
+                "Measure this machine's rates at this model's shapes (GPU matrix products, attention and Gated DeltaNet's mixing, device memory, "
                 "PCIe each way and both, the CPU's AdamW alone and under copies, the copies beside it) and keep them in --machine FILE, or by "
                 "default in $MEGATRAIN_MACHINE, else ~/.cache/megatrain/machine.json, which later plans read");
   auto* procs = app.add_option_group("processes", "Data parallel (megatrain-train's options; docs/distributed.md)");

@@ -31,6 +31,13 @@ double attention_span(const ModelConfig& cfg, double seq) {
   return span;
 }
 
+double attention_span(const ModelConfig& cfg, double seq, bool linear) {
+  double span = 0;
+  for (std::int64_t l = 0; l < cfg.num_hidden_layers; ++l)
+    if ((cfg.layer_kind(l).token_mixer == TokenMixerKind::linear_attention) == linear) span += mixing_span(cfg, l, seq);
+  return span;
+}
+
 double model_flops(const ModelConfig& cfg, double tokens, double seq) {
   const double V = static_cast<double>(cfg.vocab_size), d = static_cast<double>(cfg.hidden_size);
   const double matmul = static_cast<double>(cfg.active_param_count()) - (cfg.tie_word_embeddings ? 0.0 : V * d);
@@ -111,11 +118,15 @@ class Prediction {
     const double dense_gemm = (8 + 2 * refill - 2 * kept) * (active_blocks_ - experts) * T + 6 * embed_ * T;
     const double expert_gemm = (8 + 2 * refill) * experts * T;
     const double gemm = dense_gemm + expert_gemm;
-    const double att_fwd = att_fwd_ = 2 * T * qd_ * attention_span(cfg_, S_);  // (S x L without sliding layers)
+    // (attention: S x L without sliding layers; Gated DeltaNet's mixing at its own rates)
+    const double att_fwd = att_fwd_ = 2 * T * qd_ * attention_span(cfg_, S_, false);
+    const double delta_fwd = delta_fwd_ = 2 * T * qd_ * attention_span(cfg_, S_, true);
     const double expert_s = expert_gemm / (m.moe_gemm_tflops * 1e12);
     const double gemm_s = dense_gemm / (m.gemm_tflops * 1e12) + expert_s;
-    const double att_s =
-        (2 + refill - kept) * att_fwd / (m.attention_fwd_tflops * 1e12) + 2.5 * att_fwd / (m.attention_bwd_tflops * 1e12);
+    const double delta_s =
+        (2 + refill - kept) * delta_fwd / (m.delta_rule_fwd_tflops * 1e12) + 2.5 * delta_fwd / (m.delta_rule_bwd_tflops * 1e12);
+    const double att_s = delta_s + (2 + refill - kept) * att_fwd / (m.attention_fwd_tflops * 1e12) +
+                         2.5 * att_fwd / (m.attention_bwd_tflops * 1e12);
     // element-wise passes: block_elementwise_bytes per token and layer; the loss over the logits
     double elem_bytes = kLossBytesPerLogit * T * V_;
     for (std::int64_t l = 0; l < cfg_.num_hidden_layers; ++l) elem_bytes += T * block_elementwise_bytes(cfg_, l);
@@ -128,16 +139,21 @@ class Prediction {
     const double ckpt_moved = static_cast<double>(b.checkpoints_in_host()) * static_cast<double>(b.checkpoint_bytes());
     const double ckpt_s = ckpt_moved / (m.d2h_gbs * 1e9) + ckpt_moved / (m.h2d_gbs * 1e9);
     gpu_s_ = gemm_s + att_s + elem_s + adam_dev_s + ckpt_s;
-    t_.executed_flops = gemm + (4.5 + refill - kept) * att_fwd;
+    t_.executed_flops = gemm + (4.5 + refill - kept) * (att_fwd + delta_fwd);
     t_.model_flops = model_flops(cfg_, T, S_);
     t_.terms.push_back({"GPU", gpu_s_,
-                        fmt::format("matrix products {:.3f} s ({:.1f} TFLOP at {:.0f} TFLOP/s{}), attention {:.3f} s, "
+                        fmt::format("matrix products {:.3f} s ({:.1f} TFLOP at {:.0f} TFLOP/s{}), attention {:.3f} s{}, "
                                     "element-wise {:.3f} s, AdamW {:.3f} s{}",
                                     gemm_s, gemm / 1e12, m.gemm_tflops,
                                     experts > 0 ? fmt::format("; of them the experts' {:.1f} TFLOP at {:.0f}: {:.3f} s",
                                                               expert_gemm / 1e12, m.moe_gemm_tflops, expert_s)
                                                 : std::string(),
-                                    att_s, elem_s, adam_dev_s,
+                                    att_s,
+                                    delta_fwd > 0 ? fmt::format(" (of it Gated DeltaNet's mixing {:.3f} s at {:.0f} / {:.0f} "
+                                                                "TFLOP/s)", delta_s, m.delta_rule_fwd_tflops,
+                                                                m.delta_rule_bwd_tflops)
+                                                  : std::string(),
+                                    elem_s, adam_dev_s,
                                     ckpt_s > 0 ? fmt::format(", checkpoints through host memory {:.3f} s", ckpt_s) : "")});
   }
 
@@ -202,7 +218,7 @@ class Prediction {
     const MachineFigures& m = m_;
     const double T = T_;
     fwd_s_ = 2 * (active_blocks_ - experts_) * T / (m.gemm_tflops * 1e12) + 2 * experts_ * T / (m.moe_gemm_tflops * 1e12) +
-             att_fwd_ / (m.attention_fwd_tflops * 1e12) + elem_s_ / 4;
+             att_fwd_ / (m.attention_fwd_tflops * 1e12) + delta_fwd_ / (m.delta_rule_fwd_tflops * 1e12) + elem_s_ / 4;
     // (beside the forward, the pass's copies and the forward's share the link at the rate copies
     // keep while the CPU's AdamW runs: the host's memory serves both)
     pass_copies_s_ = ((pass_d2h_ ? d2h_ : spill_bytes_) + h2d_fwd_) / (m.pass_copies_gbs * 1e9);
@@ -314,7 +330,7 @@ class Prediction {
   bool embed_dev_ = false, head_dev_ = false;
   double blocks_dev_ = 0, head_params_ = 0, n_dev_ = 0, n_host_ = 0;
   // what the phases leave to the later ones
-  double spill_bytes_ = 0, experts_ = 0, att_fwd_ = 0, elem_s_ = 0, adam_dev_s_ = 0, gpu_s_ = 0;
+  double spill_bytes_ = 0, experts_ = 0, att_fwd_ = 0, delta_fwd_ = 0, elem_s_ = 0, adam_dev_s_ = 0, gpu_s_ = 0;
   double rows_ = 0, wb_ = 0, h2d_fwd_ = 0, d2h_ = 0, cpu_s_ = 0, fwd_s_ = 0, pass_copies_s_ = 0, pass_s_ = 0, slack_ = 0;
   bool host_home_ = false, pass_ = false, pass_d2h_ = false;
   const char* when_ = "";

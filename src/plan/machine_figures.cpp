@@ -28,6 +28,8 @@ constexpr FigureField kFigureFields[] = {
     {"moe_gemm_tflops", &MachineFigures::moe_gemm_tflops},
     {"attention_fwd_tflops", &MachineFigures::attention_fwd_tflops},
     {"attention_bwd_tflops", &MachineFigures::attention_bwd_tflops},
+    {"delta_rule_fwd_tflops", &MachineFigures::delta_rule_fwd_tflops},
+    {"delta_rule_bwd_tflops", &MachineFigures::delta_rule_bwd_tflops},
     {"hbm_gbs", &MachineFigures::hbm_gbs},           {"adamw_gparams", &MachineFigures::adamw_gparams},
     {"adamw_dma_gparams", &MachineFigures::adamw_dma_gparams}, {"pass_copies_gbs", &MachineFigures::pass_copies_gbs}};
 }  // namespace

@@ -132,17 +132,12 @@ void check_mix(const MixCase& mc) {
   auto gA = to_device(be, in.A_log), gdt = to_device(be, in.dt_bias), gnorm = to_device(be, in.norm);
   auto go = be.alloc<bf16>(o.size()), gy = be.alloc<bf16>(y.size());
   auto grstd = be.alloc<float>(rstd.size());
-  CudaBackend::DeltaNetIn dm;
-  dm.shape = s;
-  dm.chunk = c;
-  dm.mixed = cv(gm, Shape{T, cd});
-  dm.z = cv(gz, Shape{T, vd});
-  dm.a = cv(ga, Shape{T, Hv});
-  dm.b = cv(gb, Shape{T, Hv});
-  dm.conv = cv(gconv, Shape{cd, 1, s.taps});
-  dm.A_log = cv(gA, Shape{Hv});
-  dm.dt_bias = cv(gdt, Shape{Hv});
-  dm.norm = cv(gnorm, Shape{s.dv});
+  const auto sp = [](auto& buf) {
+    using E = std::remove_reference_t<decltype(buf.span()[0])>;
+    return std::span<const E>(buf.span());
+  };
+  const CudaBackend::DeltaNetIn dm =
+      delta_net_operands<bf16, bf16, float>(s, c, sp(gm), sp(gz), sp(ga), sp(gb), sp(gconv), sp(gA), sp(gdt), sp(gnorm));
   auto gdm = be.alloc<bf16>(mixed.size()), gdz = be.alloc<bf16>(z.size()), gda = be.alloc<bf16>(a.size()),
        gdb = be.alloc<bf16>(b.size());
   // The parameters' gradients are added to: start them at a value, and take it off after.

@@ -13,6 +13,7 @@
 
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/dist/local.hpp"
+#include "megatrain/plan/mixer_cost.hpp"
 #include "megatrain/plan/planner.hpp"
 #include "megatrain/train/cpu_trainer.hpp"
 
@@ -705,6 +706,63 @@ TEST_CASE("the cost model prices a mixture of experts' active experts at their o
   plan::MachineFigures slow;
   slow.moe_gemm_tflops = 1e-9;
   CHECK(plan::predict_step(dense, opts(2, 32), pd, slow).step_s == plan::predict_step(dense, opts(2, 32), pd, {}).step_s);
+}
+
+TEST_CASE("the cost model prices Gated DeltaNet's mixing at its own rates, linear in the sequence") {
+  // Qwen3.5: layers 0 and 2 linear attention, 1 full attention
+  auto j = nlohmann::json::parse(R"({"architectures":["Qwen3_5ForCausalLM"],"model_type":"qwen3_5_text","hidden_size":64,
+    "intermediate_size":96,"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,
+    "vocab_size":211,"linear_num_key_heads":2,"linear_num_value_heads":4,"linear_key_head_dim":16,
+    "linear_value_head_dim":12,"layer_types":["linear_attention","full_attention","linear_attention"]})");
+  const ModelConfig cfg = ModelConfig::from_json(j);
+  const double S = 96, T = 2 * S, qd = static_cast<double>(cfg.q_dim());
+  const double linear = plan::attention_span(cfg, S, true), full = plan::attention_span(cfg, S, false);
+  CHECK(full == doctest::Approx(S));  // (the one full layer)
+  CHECK(linear == doctest::Approx(plan::mixing_span(cfg, 0, S) + plan::mixing_span(cfg, 2, S)));
+  CHECK(linear + full == doctest::Approx(plan::attention_span(cfg, S)));
+  // linear in the sequence: the same span a token at 96 tokens and at 960 (chunks of 64 either way)
+  CHECK(plan::attention_span(cfg, 10 * S, true) == doctest::Approx(linear));
+  DecoderModel<> model(cfg);
+  const plan::HostBudget lots{std::size_t{1} << 34, "test"};
+  plan::DeviceBudget gpu;
+  gpu.cap = std::size_t{1} << 36;
+  const TrainerOptions o = opts(2, static_cast<std::int64_t>(S));
+  const auto p = plan::plan_memory<plan::CudaTypes>(model, o, gpu, lots);
+  REQUIRE(p.fits);
+  REQUIRE(p.buffers.kept_blocks == 0);
+  plan::MachineFigures m;
+  const auto t = plan::predict_step(cfg, o, p, m);
+  // the mixing's time moves with its rates alone, by its FLOPs: (2 + 2.5) x the forward's, recomputed once
+  const double delta_fwd = 2 * T * qd * linear;
+  plan::MachineFigures fast = m;
+  fast.delta_rule_fwd_tflops = 2 * m.delta_rule_fwd_tflops;
+  fast.delta_rule_bwd_tflops = 2 * m.delta_rule_bwd_tflops;
+  const double delta_s = 2 * delta_fwd / (m.delta_rule_fwd_tflops * 1e12) + 2.5 * delta_fwd / (m.delta_rule_bwd_tflops * 1e12);
+  CHECK(t.terms[0].seconds - plan::predict_step(cfg, o, p, fast).terms[0].seconds == doctest::Approx(delta_s / 2).epsilon(1e-9));
+  CHECK(t.terms[0].detail.find("Gated DeltaNet's mixing") != std::string::npos);
+  // attention's rates do not price it: slower attention moves the GPU term by the full layer's alone
+  plan::MachineFigures slow_attention = m;
+  slow_attention.attention_fwd_tflops = m.attention_fwd_tflops / 2;
+  slow_attention.attention_bwd_tflops = m.attention_bwd_tflops / 2;
+  const double att_fwd = 2 * T * qd * full;
+  const double att_s = 2 * att_fwd / (m.attention_fwd_tflops * 1e12) + 2.5 * att_fwd / (m.attention_bwd_tflops * 1e12);
+  CHECK(plan::predict_step(cfg, o, p, slow_attention).terms[0].seconds - t.terms[0].seconds ==
+        doctest::Approx(att_s).epsilon(1e-9));
+  // the executed FLOPs count both kinds, recomputed once
+  plan::MachineFigures any = m;
+  any.delta_rule_fwd_tflops = 1;
+  CHECK(plan::predict_step(cfg, o, p, any).executed_flops == t.executed_flops);
+  // a model without linear layers does not read the mixing's rates
+  const ModelConfig dense = small(false, 3);
+  DecoderModel<> dm(dense);
+  const auto pd = plan::plan_memory<plan::CudaTypes>(dm, opts(2, 32), gpu, lots);
+  plan::MachineFigures slow;
+  slow.delta_rule_fwd_tflops = slow.delta_rule_bwd_tflops = 1e-9;
+  CHECK(plan::predict_step(dense, opts(2, 32), pd, slow).step_s == plan::predict_step(dense, opts(2, 32), pd, {}).step_s);
+  // the figures' JSON carries them
+  const auto back = plan::machine_figures_from_json(plan::to_json(fast), "test");
+  CHECK(back.delta_rule_fwd_tflops == fast.delta_rule_fwd_tflops);
+  CHECK(back.delta_rule_bwd_tflops == fast.delta_rule_bwd_tflops);
 }
 
 TEST_CASE("the plan says from how many tokens per step the GPU is the bound") {

@@ -29,6 +29,27 @@ struct DeltaNetOperands {
   View<const W> conv;            ///< [conv_dim, 1, taps]
   View<const F> A_log, dt_bias, norm;
 };
+/// The operands of `chunk`'s tokens over contiguous buffers, each given its shape: mixed
+/// [tokens, conv_dim], z [tokens, value_dim], a and b [tokens, value_heads], conv [conv_dim, 1,
+/// taps], A_log and dt_bias [value_heads], norm [dv].
+template <class A, class W, class F>
+DeltaNetOperands<A, W, F> delta_net_operands(const DeltaNetShape& s, ChunkShape chunk, std::span<const A> mixed,
+                                             std::span<const A> z, std::span<const A> a, std::span<const A> b,
+                                             std::span<const W> conv, std::span<const F> A_log, std::span<const F> dt_bias,
+                                             std::span<const F> norm) {
+  const std::int64_t T = chunk.tokens(), hv = s.value_heads;
+  return {s,
+          chunk,
+          View<const A>(mixed, Shape{T, s.conv_dim()}),
+          View<const A>(z, Shape{T, s.value_dim()}),
+          View<const A>(a, Shape{T, hv}),
+          View<const A>(b, Shape{T, hv}),
+          View<const W>(conv, Shape{s.conv_dim(), 1, s.taps}),
+          View<const F>(A_log, Shape{hv}),
+          View<const F>(dt_bias, Shape{hv}),
+          View<const F>(norm, Shape{s.dv})};
+}
+
 /// Their gradients: the projections' overwritten, the parameters' added to.
 template <class A, class G>
 struct DeltaNetGradients {

@@ -9,7 +9,8 @@
 //            that keeps its other activations);
 //            causal attention: 2 T S q_dim per layer forward (a sliding layer's S its window's
 //            span: attention_span) (twice: forward and recompute) and
-//            2.5 times that backward; the element-wise passes (norms, SwiGLU, rotary, residual
+//            2.5 times that backward; Gated DeltaNet's mixing likewise, its FLOPs counted as
+//            mixing_span counts the chunked delta rule's, at its own rates; the element-wise passes (norms, SwiGLU, rotary, residual
 //            adds, the loss over the logits) at device-memory bandwidth; AdamW of the device units
 //            (30 bytes per parameter through device memory); activation checkpoints that live in
 //            host memory cross PCIe on the compute stream, so they count here.
@@ -60,6 +61,12 @@ struct MachineFigures {
   double moe_gemm_tflops = 255;
   double attention_fwd_tflops = 600;  ///< causal flash attention forward (cuDNN SDPA)
   double attention_bwd_tflops = 500;  ///< ... backward
+  /// Gated DeltaNet's mixing (its convolution, norms and gates, the chunked delta rule on CUDA
+  /// cores in fp32, the gated norm), forward and backward, FLOPs counted as mixing_span counts
+  /// the delta rule's (2.5 times the forward's backward). An estimate (about a third of the CUDA
+  /// cores' fp32 peak) until a probe of a hybrid model measures it: none has run on a GPU yet.
+  double delta_rule_fwd_tflops = 20;
+  double delta_rule_bwd_tflops = 15;
   double hbm_gbs = 4000;      ///< device memory, bytes read plus written per second (GB/s)
   double adamw_gparams = 4.4;       ///< CPU AdamW (fp32, with the bf16 copy), all cores, G parameters/s
   double adamw_dma_gparams = 4.2;   ///< the same while PCIe copies run both ways
@@ -135,6 +142,10 @@ struct StepTime {
 /// sequence (the FLOPs convention's S) and less for a sliding window of w < seq keys (Gemma 3's
 /// and GPT-OSS's sliding layers): 2 (w (w + 1) / 2 + (seq - w) w) / seq.
 double attention_span(const ModelConfig& cfg, double seq);
+/// The same over the layers of one kind of mixing: softmax attention (full and sliding layers), or
+/// Gated DeltaNet's linear attention (`linear`), whose span counts the delta rule's FLOPs
+/// (mixing_span). The two add up to attention_span.
+double attention_span(const ModelConfig& cfg, double seq, bool linear);
 
 /// Model FLOPs of a step of `tokens` tokens in sequences of `seq` (the MFU convention: no
 /// recompute; 6 x the matmul parameters per token, the embedding lookup none, a tied head's

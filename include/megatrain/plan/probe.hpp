@@ -14,6 +14,10 @@
 //   attention_*_tflops    the backend's causal attention forward and backward at the model's
 //                         heads and sequence length, FLOPs counted as the cost model counts them
 //                         (2 T S q_dim forward, 2.5 times that backward)
+//   delta_rule_*_tflops   Gated DeltaNet's mixing (convolution, norms, gates, the chunked delta
+//                         rule, the gated norm) forward and backward at the model's linear-attention
+//                         shape and sequence length, FLOPs counted as the cost model counts the
+//                         delta rule's (mixing_span); only for a model with such layers
 //   hbm_gbs               an element-wise add over 1 GiB (bytes read and written)
 //   h2d_gbs, d2h_gbs      pinned copies of ProbeOptions::copy_bytes each way; duplex_gbs both at once
 //   adamw_gparams         the host optimizer's AdamW (all cores, the widest vector path) over
@@ -37,14 +41,17 @@
 
 #include "megatrain/backend/arena.hpp"
 #include "megatrain/backend/backend.hpp"
+#include "megatrain/backend/linear_attention.hpp"
 #include "megatrain/core/dtype.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/host_memory.hpp"
 #include "megatrain/layers/layer_template.hpp"
 #include "megatrain/layers/ops/decoder_block.hpp"
+#include "megatrain/layers/ops/gated_deltanet.hpp"
 #include "megatrain/model/config.hpp"
 #include "megatrain/plan/cost_model.hpp"
 #include "megatrain/plan/memory_plan.hpp"
+#include "megatrain/plan/mixer_cost.hpp"
 
 #if MEGATRAIN_HAS_CUDA
 namespace megatrain {
@@ -229,6 +236,65 @@ void probe_attention(MachineProbe<B>& p, MachineFigures& m) {
   m.attention_bwd_tflops = 2.5 * fwd_flops / bwd_s / 1e12;
 }
 
+/// Gated DeltaNet's mixing at the model's linear-attention shape and this sequence length:
+/// delta_rule_fwd_tflops, delta_rule_bwd_tflops (a model without such layers keeps the defaults).
+template <class B>
+void probe_linear_attention(MachineProbe<B>& p, MachineFigures& m) {
+  if constexpr (DeviceLinearAttentionBackend<B>) {
+    using A = typename B::Act;
+    using W = typename B::Weight;
+    using F = full_t<W>;
+    using Acc = typename B::Acc;
+    const ModelConfig& cfg = p.cfg;
+    std::int64_t layer = -1;
+    for (std::int64_t l = cfg.num_hidden_layers - 1; l >= 0; --l)
+      if (cfg.layer_kind(l).token_mixer == TokenMixerKind::linear_attention) layer = l;
+    if (layer < 0) return;
+    auto& be = p.be;
+    const auto& la = cfg.linear_attention;
+    const std::int64_t T = p.T, cd = la.conv_dim(), vd = la.value_dim(), hv = la.value_heads;
+    const auto n = [](std::int64_t a, std::int64_t b = 1) { return static_cast<std::size_t>(a * b); };
+    auto mixed = be.template alloc<A>(n(T, cd)), z = be.template alloc<A>(n(T, vd)), a = be.template alloc<A>(n(T, hv));
+    auto b = be.template alloc<A>(n(T, hv)), o = be.template alloc<A>(n(T, vd)), y = be.template alloc<A>(n(T, vd));
+    auto dy = be.template alloc<A>(n(T, vd)), dmixed = be.template alloc<A>(n(T, cd)), dz = be.template alloc<A>(n(T, vd));
+    auto da = be.template alloc<A>(n(T, hv)), db = be.template alloc<A>(n(T, hv));
+    auto rstd = be.template alloc<Acc>(n(T, hv));
+    auto conv = be.template alloc<W>(n(cd, la.conv_kernel));
+    auto A_log = be.template alloc<F>(n(hv)), dt_bias = be.template alloc<F>(n(hv)), norm = be.template alloc<F>(n(la.value_head_dim));
+    auto dconv = be.template alloc<Acc>(n(cd, la.conv_kernel)), dA_log = be.template alloc<Acc>(n(hv));
+    auto ddt_bias = be.template alloc<Acc>(n(hv)), dnorm = be.template alloc<Acc>(n(la.value_head_dim));
+    for (auto* buf : {&mixed, &z, &a, &b, &dy}) p.randomize(*buf);
+    p.randomize(conv);
+    for (auto* buf : {&A_log, &dt_bias, &norm}) p.randomize(*buf);
+    const auto cv = [](auto& buf, Shape s) {
+      using E = std::remove_reference_t<decltype(buf.span()[0])>;
+      return View<const E>(std::span<const E>(buf.span()), s);
+    };
+    const auto mv = [](auto& buf, Shape s) { return View<std::remove_reference_t<decltype(buf.span()[0])>>(buf.span(), s); };
+    const auto c = [](auto& buf) {
+      using E = std::remove_reference_t<decltype(buf.span()[0])>;
+      return std::span<const E>(buf.span());
+    };
+    const auto ops = delta_net_operands<A, W, F>(delta_net_shape(cfg), ChunkShape{T / p.S, p.S}, c(mixed), c(z), c(a), c(b),
+                                                 c(conv), c(A_log), c(dt_bias), c(norm));
+    const DeltaNetGradients<A, Acc> g{mv(dmixed, Shape{T, cd}), mv(dz, Shape{T, vd}), mv(da, Shape{T, hv}),
+                                      mv(db, Shape{T, hv}),     mv(dconv, Shape{cd, 1, la.conv_kernel}),
+                                      mv(dA_log, Shape{hv}),   mv(ddt_bias, Shape{hv}), mv(dnorm, Shape{la.value_head_dim})};
+    const auto sync = [&] { be.synchronize(); };
+    const double fwd_s = best_seconds(
+        p.o.repeats, [&] { be.gated_deltanet_mix(ops, mv(o, Shape{T, vd}), mv(rstd, Shape{T * hv}), mv(y, Shape{T, vd})); },
+        sync);
+    const double bwd_s = best_seconds(
+        p.o.repeats,
+        [&] { be.gated_deltanet_mix_backward(ops, cv(o, Shape{T, vd}), cv(rstd, Shape{T * hv}), cv(dy, Shape{T, vd}), g); },
+        sync);
+    const double fwd_flops = 2.0 * static_cast<double>(T) * static_cast<double>(p.qd) *
+                             mixing_span(cfg, layer, static_cast<double>(p.S));
+    m.delta_rule_fwd_tflops = fwd_flops / fwd_s / 1e12;
+    m.delta_rule_bwd_tflops = 2.5 * fwd_flops / bwd_s / 1e12;
+  }
+}
+
 /// Device memory: y += x over 1 GiB of activations each; hbm_gbs.
 template <class B>
 void probe_hbm(MachineProbe<B>& p, MachineFigures& m) {
@@ -336,10 +402,12 @@ void probe_blocks(MachineProbe<B>& p, const GemmProbe& g, MachineFigures& m) {
   const auto block_s_of = [&](std::int64_t layer, double& params) {
     return time_block(p, layer, params, xv, dyv, View<R>(y.span(), Shape{T, d}), View<R>(dx.span(), Shape{T, d}));
   };
-  // the cost model's other terms of block `layer` (predict_step's attention and element-wise bytes)
-  const double att_fwd = 2.0 * static_cast<double>(T) * static_cast<double>(S) * static_cast<double>(qd);
+  // the cost model's other terms of block `layer` (predict_step's mixing and element-wise bytes)
   const auto other_s = [&](std::int64_t layer) {
-    return att_fwd / (m.attention_fwd_tflops * 1e12) + 2.5 * att_fwd / (m.attention_bwd_tflops * 1e12) +
+    const double mix_fwd = 2.0 * static_cast<double>(T) * static_cast<double>(qd) * mixing_span(cfg, layer, static_cast<double>(S));
+    const bool linear = cfg.layer_kind(layer).token_mixer == TokenMixerKind::linear_attention;
+    return mix_fwd / ((linear ? m.delta_rule_fwd_tflops : m.attention_fwd_tflops) * 1e12) +
+           2.5 * mix_fwd / ((linear ? m.delta_rule_bwd_tflops : m.attention_bwd_tflops) * 1e12) +
            static_cast<double>(T) * block_elementwise_bytes(cfg, layer) / (m.hbm_gbs * 1e9);
   };
   std::int64_t dense = -1, sparse = -1;
@@ -420,6 +488,7 @@ MachineFigures probe_machine(B& be, const ModelConfig& cfg, std::int64_t seq, st
   detail::MachineProbe<B> p(be, cfg, seq, o);
   detail::GemmProbe g = detail::probe_gemm(p, m);
   detail::probe_attention(p, m);
+  detail::probe_linear_attention(p, m);
   detail::probe_hbm(p, m);
   detail::probe_head(p, m, g);
   if constexpr (keeps_activations<B, DecoderBlock>) detail::probe_blocks(p, g, m);
