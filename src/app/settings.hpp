@@ -82,6 +82,7 @@ struct Settings {
   bool overwrite = false;
   // a metrics line that cannot be written: stop or continue
   std::string on_metrics_error = "stop";
+  std::string tensorboard;  // --tensorboard DIR: the metrics as TensorBoard event files too
   // cuBLASLt's algorithms timed over the first step, each product's fastest kept (a resumed run
   // takes its checkpoint's)
   bool gemm_tuning = true;

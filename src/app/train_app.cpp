@@ -91,6 +91,9 @@ void add_run_options(CLI::App& app, Settings& s) {
                    "written with it, and exit) or continue (keep the lines until they can be written)")
       ->check(choice("--on-metrics-error", {"stop", "continue"}))
       ->capture_default_str();
+  runo->add_option("--tensorboard", s.tensorboard,
+                   "Also write the metrics as TensorBoard event files in this folder (tensorboard --logdir DIR); a "
+                   "resumed run adds a file of its own");
   runo->add_option("--rendezvous-timeout", s.rendezvous_timeout,
                    "Launched as several processes (torchrun, mpirun, srun): seconds a process waits for the others "
                    "at start before it gives up naming the missing ones (default: MEGATRAIN_RENDEZVOUS_TIMEOUT, else 300)")

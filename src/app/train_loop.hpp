@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <cmath>
 #include <optional>
 #include <span>
 #include <string>
@@ -29,6 +30,7 @@
 #include "megatrain/core/fault_injection.hpp"
 #include "megatrain/core/log.hpp"
 #include "megatrain/io/metrics_log.hpp"
+#include "megatrain/io/tensorboard.hpp"
 #include "megatrain/io/run_report.hpp"
 #include "megatrain/io/train_checkpoint.hpp"
 #include "megatrain/train/checkpointer.hpp"
@@ -121,6 +123,7 @@ class TrainLoop {
     for (const std::string& line : unwritten)  // (those not in the file yet)
       if (io::metrics_step(line) > metrics_.kept_through() && metrics_error_.empty()) metrics_error_ = metrics_.append(line);
     MT_CHECK(metrics_error_.empty(), "the metrics the checkpoint kept could not be written: {}", metrics_error_);
+    if (!s.tensorboard.empty()) tensorboard_.emplace(s.tensorboard);
   }
 
   void say_start() {
@@ -290,7 +293,11 @@ class TrainLoop {
     const double tok_s = static_cast<double>(st.tokens) / st.seconds;
     std::optional<double> val;
     if ((s.eval_every > 0 && step % s.eval_every == 0) || step == s.steps) val = validation();
-    if (lead_) append_metrics(metrics_line(st, tok_s, val), step);
+    if (lead_) {
+      const nlohmann::json m = metrics_line(st, tok_s, val);
+      append_metrics(m, step);
+      write_tensorboard(m, step);
+    }
     if (metrics_failed(step)) return 1;
     if (val) write_report();
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
@@ -317,6 +324,24 @@ class TrainLoop {
     }
     if (val) m["val_loss"] = *val;
     return m;
+  }
+
+  // The step's numbers as TensorBoard scalars (train/..., val/loss). A file that cannot be written
+  // is said once and left: metrics.jsonl is the run's record, and training goes on.
+  void write_tensorboard(const nlohmann::json& m, std::int64_t step) {
+    if (!tensorboard_) return;
+    std::vector<std::pair<std::string, float>> v;
+    for (const auto& [key, value] : m.items()) {
+      if (key == "step" || !value.is_number()) continue;
+      const double x = value.template get<double>();
+      if (std::isfinite(x)) v.emplace_back(key == "val_loss" ? std::string("val/loss") : "train/" + key, static_cast<float>(x));
+    }
+    const std::string error = tensorboard_->scalars(step, v);
+    if (error.empty()) return;
+    progress_.note(fmt::format("megatrain-train: warning: --tensorboard: '{}' could not be written at step {}: {}; "
+                               "training goes on, metrics.jsonl has every step", tensorboard_->path().string(), step, error),
+                   stderr);
+    tensorboard_.reset();
   }
 
   void append_metrics(const nlohmann::json& m, std::int64_t step) {
@@ -494,6 +519,7 @@ class TrainLoop {
   std::filesystem::path out_;
   io::MetricsLog metrics_;
   std::string metrics_error_;  // (the first failed write's reason; empty while none failed)
+  std::optional<io::TensorBoardWriter> tensorboard_;  // --tensorboard
   std::optional<Checkpointer> checkpointer_;
   std::optional<io::CheckpointFolder> checkpoints_;
   nlohmann::json user_;  // what the checkpoints keep of the run besides the train state

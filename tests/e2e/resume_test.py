@@ -37,6 +37,10 @@ Scenarios (each a CTest test):
                  the recorded folder, refused once it is gone unless --model names it again or
                  --export-language-model asks for the language model alone; a folder whose carried
                  tensors changed refused at the start, before any step.
+  tensorboard    --tensorboard DIR: the metrics as TensorBoard event files, read back by a decoder of
+                 this test's own (record framing with CRC-32C, protobuf's wire format): each step's
+                 scalars equal metrics.jsonl's; crashed at step 3's checkpoint and resumed, a
+                 second file holds the steps from 4 on.
   nonfinite      a learning rate that makes step 2's loss overflow: the run stops there, saving
                  step 1's train state; resumed with --on-nonfinite skip, steps are skipped (in the
                  metrics) until the limit, and the state saved then is step 1's, bit for bit.
@@ -302,6 +306,102 @@ def multimodal():
     check(checkpoints("resumed")[-1].endswith("4"), f"a step ran after the refusal: {checkpoints('resumed')}")
 
 
+def crc32c(data):
+    c = 0xFFFFFFFF
+    for b in data:
+        c ^= b
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 & -(c & 1))
+    return c ^ 0xFFFFFFFF
+
+
+def masked(c):
+    return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def proto_fields(m):
+    """field number -> list of values (int for varints, bytes otherwise)."""
+    out, at = {}, 0
+
+    def varint():
+        nonlocal at
+        v, shift = 0, 0
+        while True:
+            b = m[at]
+            at += 1
+            v |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                return v
+    while at < len(m):
+        key = varint()
+        wire = key & 7
+        if wire == 0:
+            val = varint()
+        elif wire == 1:
+            val, at = m[at:at + 8], at + 8
+        elif wire == 5:
+            val, at = m[at:at + 4], at + 4
+        elif wire == 2:
+            n = varint()
+            val, at = m[at:at + n], at + n
+        else:
+            fail(f"wire type {wire}")
+        out.setdefault(key >> 3, []).append(val)
+    return out
+
+
+def tensorboard_events(file):
+    """[(step, {tag: value})] of an events file, its framing and CRCs checked; the first event
+    must be the file version."""
+    import struct
+    blob = open(file, "rb").read()
+    events, at = [], 0
+    while at < len(blob):
+        (n,) = struct.unpack_from("<Q", blob, at)
+        check(struct.unpack_from("<I", blob, at + 8)[0] == masked(crc32c(blob[at:at + 8])), f"{file}: a length's CRC")
+        data = blob[at + 12:at + 12 + n]
+        check(struct.unpack_from("<I", blob, at + 12 + n)[0] == masked(crc32c(data)), f"{file}: a record's CRC")
+        events.append(proto_fields(data))
+        at += 16 + n
+    check(events and events[0].get(3) == [b"brain.Event:2"], f"{file}: the first event is not the file version")
+    out = []
+    for e in events[1:]:
+        values = {}
+        for v in proto_fields(e[5][0]).get(1, []):
+            f = proto_fields(v)
+            values[f[1][0].decode()] = struct.unpack("<f", f[2][0])[0]
+        out.append((e.get(2, [0])[0], values))
+    return out
+
+
+def tensorboard():
+    import struct
+    base = SHAPE + ["--steps", "6", "--save-every", "3", "--lr", "0.002", "--eval-every", "2", "--tensorboard", "tb"]
+    rc, _, err = run(base + ["--out", "run"], env=env_with(MEGATRAIN_FAULTS="crash@checkpoint:latest#1"), expect_rc=None)
+    check(rc == -signal.SIGKILL, f"exit status {rc}, expected SIGKILL at the first checkpoint\n{err}")
+    run(["--resume", "--out", "run"], what="resumed")
+    files = sorted(f for f in os.listdir(path("tb")) if ".tfevents." in f)
+    check(len(files) == 2, f"tb holds {files}: expected a file for the run and one for its resumption")
+    first, second = (tensorboard_events(path("tb", f)) for f in files)
+    # (the save runs beside the next step: the crash may come after step 4 was written; TensorBoard
+    # drops the steps past the one a later event goes back to)
+    steps = [s for s, _ in first]
+    check(steps[:3] == [1, 2, 3] and steps == list(range(1, len(steps) + 1)), f"the first file's steps: {steps}")
+    check([s for s, _ in second] == [4, 5, 6], f"the resumed file's steps: {[s for s, _ in second]}")
+    rows = {m["step"]: m for m in (json.loads(l) for l in open(path("run", "metrics.jsonl")))}
+    for step, values in first[:3] + second:
+        m = rows[step]
+        for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
+                         ("tokens_per_s", "train/tokens_per_s"), ("val_loss", "val/loss")):
+            if key not in m:
+                check(tag not in values, f"step {step}: {tag} without {key} in metrics.jsonl")
+                continue
+            want = struct.unpack("<f", struct.pack("<f", m[key]))[0]
+            check(values.get(tag) == want, f"step {step}: {tag} {values.get(tag)} vs metrics.jsonl's {m[key]}")
+    check("val/loss" in dict(first)[2], "no val/loss at step 2 (--eval-every 2)")
+
+
 def refusals():
     base = SHAPE + ["--steps", "6", "--save-every", "2", "--keep", "2", "--lr", "0.002"]
     # --resume with nothing to resume.
@@ -461,5 +561,6 @@ def gradient_home():
           f"a resume that changes where micro-batches add up does not say so:\n{out}\n{err}")
 
 
-main((signals, second_signal, kill9, crash_points, refusals, full_disk, nonfinite, gradient_home, hybrid, multimodal),
+main((signals, second_signal, kill9, crash_points, refusals, full_disk, nonfinite, gradient_home, hybrid, multimodal,
+      tensorboard),
      SCENARIO)
