@@ -1,7 +1,7 @@
 # Install rules: headers, the library, a config-file package `megatrain` with a version file,
 # exporting megatrain::megatrain and megatrain::text (the tokenizer), megatrain::mpi and megatrain::nccl
 # (the collectives of several processes, where MPI and NCCL were found), and the megatrain-train,
-# megatrain-plan, megatrain-tokenize and megatrain-report programs where they are built.
+# megatrain-plan, megatrain-tokenize, megatrain-report and megatrain-generate programs where they are built.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
@@ -31,5 +31,5 @@ write_basic_package_version_file("${PROJECT_BINARY_DIR}/megatrainConfigVersion.c
 install(FILES "${PROJECT_BINARY_DIR}/megatrainConfig.cmake" "${PROJECT_BINARY_DIR}/megatrainConfigVersion.cmake"
         DESTINATION "${_megatrain_cmake_dir}")
 if(TARGET megatrain-train)
-  install(TARGETS megatrain-train megatrain-plan megatrain-tokenize megatrain-report RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}")
+  install(TARGETS megatrain-train megatrain-plan megatrain-tokenize megatrain-report megatrain-generate RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}")
 endif()

@@ -14,5 +14,7 @@ int plan_main(int argc, char** argv);
 int tokenize_main(int argc, char** argv);
 /// megatrain-report: report.html for a run folder (docs/report.md).
 int report_main(int argc, char** argv);
+/// megatrain-generate: completions of prompts by a model (docs/generation.md).
+int generate_main(int argc, char** argv);
 
 }  // namespace megatrain::app

@@ -245,6 +245,27 @@ std::optional<ChatFormat> recognise_chat_template(std::string_view chat_template
   return std::nullopt;
 }
 
+std::vector<ChatMessage> chat_messages(const json& record) { return messages_of(record); }
+
+std::string_view generation_prompt(ChatFormat format) {
+  switch (format) {
+    case ChatFormat::chatml:
+    case ChatFormat::qwen2_5:
+    case ChatFormat::qwen3: return "<|im_start|>assistant\n";
+    case ChatFormat::llama3:
+    case ChatFormat::llama3_1: return "<|start_header_id|>assistant<|end_header_id|>\n\n";
+    case ChatFormat::llama3_base: return "";  // (its template ends every rendering with the header)
+    case ChatFormat::gemma3: return "<start_of_turn>model\n";
+  }
+  return "";
+}
+
+std::string render_prompt(ChatFormat format, std::span<const ChatMessage> messages, std::string_view bos) {
+  std::string text;
+  for (const Piece& p : render_chat(format, messages, bos)) text += p.text;
+  return text.append(generation_prompt(format));
+}
+
 std::vector<Piece> render_chat(ChatFormat format, std::span<const ChatMessage> ms, std::string_view bos) {
   check_roles(ms);
   std::vector<Piece> out;

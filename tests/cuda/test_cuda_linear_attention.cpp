@@ -58,6 +58,12 @@ View<E> mv(CudaBackend::Buffer<E>& b, Shape s) {
   return View<E>(b.span(), std::move(s));
 }
 
+bool every_sequence_one_token(const std::vector<std::int32_t>& starts) {
+  for (std::size_t i = 1; i < starts.size(); ++i)
+    if (starts[i] - starts[i - 1] != 1) return false;
+  return true;
+}
+
 void check_mix(const MixCase& mc) {
   const DeltaNetShape s{mc.key_heads, mc.value_heads, mc.dk, mc.dv, mc.taps, 1e-6};
   const std::int64_t T = mc.rows * mc.seq, cd = s.conv_dim(), vd = s.value_dim(), Hv = s.value_heads;
@@ -162,11 +168,16 @@ void check_mix(const MixCase& mc) {
   CHECK(rel_err(from_device(grstd), rstd) < kOutTol);
   CHECK(rel_err(from_device(gdm), dmixed) < kGradTol);
   CHECK(rel_err(from_device(gdz), dz) < kGradTol);
-  CHECK(rel_err(from_device(gda), da) < kGradTol);
   CHECK(rel_err(from_device(gdb), db) < kGradTol);
   CHECK(rel_err(less(from_device(gdconv), 0.25), dconv) < kGradTol);
-  CHECK(rel_err(less(from_device(gdA), -0.5), dA) < kGradTol);
-  CHECK(rel_err(less(from_device(gddt), -0.5), ddt) < kGradTol);
+  // The decay's gradients (da, dA_log, ddt_bias) are exactly 0 where every sequence is one token
+  // long (its state starts at 0: nothing to decay); the GPU's chunked sums leave bf16 rounding
+  // there, held to the tolerance on the scale of beta's gradient (the same per-head quantity).
+  const double decay_floor = every_sequence_one_token(starts) ? test::norm(db) : 1e-300;
+  CHECK(rel_err(from_device(gda), da, decay_floor) < kGradTol);
+  CHECK(rel_err(less(from_device(gdA), -0.5), dA, decay_floor) < kGradTol);
+  CHECK(rel_err(less(from_device(gddt), -0.5), ddt, decay_floor) < kGradTol);
+  if (every_sequence_one_token(starts)) CHECK(test::norm(da) == 0.0);
   CHECK(rel_err(less(from_device(gdnorm), 0.125), dnorm) < kGradTol);
 }
 

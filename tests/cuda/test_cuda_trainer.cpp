@@ -725,6 +725,45 @@ TEST_CASE("Qwen3.5, Qwen3.5-MoE and Qwen3-Next on the GPU: losses near the CPU's
   }
 }
 
+TEST_CASE("next_logits on the GPU: each row's logits after its position near the CPU trainer's, dense and hybrid") {
+  // (megatrain-generate's source of logits: the streaming forward, the head at one position a row)
+  nlohmann::json hybrid{{"architectures", {"Qwen3_5ForCausalLM"}}, {"hidden_size", 128}, {"intermediate_size", 344},
+                        {"num_hidden_layers", 4}, {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"head_dim", 32},
+                        {"vocab_size", 301}, {"linear_num_key_heads", 2}, {"linear_num_value_heads", 4},
+                        {"linear_key_head_dim", 32}, {"linear_value_head_dim", 48}, {"linear_conv_kernel_dim", 4},
+                        {"full_attention_interval", 4}, {"partial_rotary_factor", 0.25}, {"tie_word_embeddings", false}};
+  for (const ModelConfig& cfg : {small(), ModelConfig::from_json(hybrid, "qwen3.5 test")}) {
+    CAPTURE(cfg.architecture_name());
+    TrainerOptions o = options();
+    o.batch_rows = 3;
+    o.seq_len = 37;
+    o.chunk_rows = 0;
+    std::mt19937 g(23);
+    std::vector<std::int32_t> ids(3 * 37);
+    for (auto& id : ids) id = static_cast<std::int32_t>(g() % static_cast<unsigned>(cfg.vocab_size));
+    const std::vector<std::int64_t> at{36, 0, 17};
+    const auto logits = [&](auto& be) {
+      using B = std::remove_reference_t<decltype(be)>;
+      DecoderModel<> model(cfg);
+      HostParamStore<float> store(model.units(), Trainer<B>::store_options(o, test::store_opts(o)));
+      Trainer<B> trainer(model, store, be, o);
+      return trainer.next_logits(ids, 3, at);
+    };
+    CpuBackend<float> cpu;
+    CudaBackend gpu;
+    const std::vector<float> want = logits(cpu), got = logits(gpu);
+    REQUIRE(got.size() == want.size());
+    double num = 0, den = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      REQUIRE(std::isfinite(got[i]));
+      num += (got[i] - want[i]) * (got[i] - want[i]);
+      den += static_cast<double>(want[i]) * want[i];
+    }
+    CHECK(std::sqrt(num / den) < 8 * 0x1p-8);  // (bf16's epsilon: its matrices and activations)
+    CHECK(den > 0);
+  }
+}
+
 TEST_CASE("mixtures of experts (GPT-OSS too) on the GPU: losses near the CPU's, the same bits on every run") {
   // Qwen3-MoE (a dense layer among sparse ones, renormalised top 2 of 8) and Mixtral (top 2 of 6),
   // 4 layers. The routing of a few tokens may differ between bf16 and fp32, so the losses are

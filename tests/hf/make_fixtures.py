@@ -316,6 +316,8 @@ def make(name, cls, cfg, out):
         model32 = model
         model = float64_family(cls)(cfg).double().eval()
         model.load_state_dict({k: v.double() for k, v in model32.state_dict().items()})
+        if hasattr(model, "set_experts_implementation"):  # (torch's grouped_mm takes no float64)
+            model.set_experts_implementation("eager")
     model.zero_grad()
     aux_on = bool(getattr(cfg, "output_router_logits", False))
     extra_in = {"attention_mask": mask} if mask is not None else {}

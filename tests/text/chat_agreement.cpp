@@ -3,8 +3,9 @@
 //   chat_agreement TOKENIZER_JSON CONVERSATIONS REFERENCE
 // For every conversation: the rendered text is the template's, the ids are the reference's, and
 // the trained tokens are exactly the assistant turns (each trained run decodes to its piece's
-// text: the content and the end-of-turn token); a conversation the template refuses (raise_exception)
-// is refused by megatrain too. Exit 1 on any difference.
+// text: the content and the end-of-turn token); with the generation prompt, the text is the
+// template's with add_generation_prompt=True; a conversation the template refuses
+// (raise_exception) is refused by megatrain too. Exit 1 on any difference.
 #include <fmt/format.h>
 
 #include <cstdio>
@@ -65,7 +66,10 @@ int main(int argc, char** argv) {
       const auto want_ids = ref[i]["ids"].get<std::vector<std::int32_t>>();
       const EncodedExample e = encode_pieces(tok, pieces);
       std::string why;
+      const std::string prompt = render_prompt(*format, chat_messages(convs[i]), opt.bos);
       if (text != want_text) why = "text differs:\n--- megatrain\n" + text + "\n--- template\n" + want_text;
+      else if (prompt != ref[i]["prompt"].get<std::string>())
+        why = "the generation prompt differs:\n--- megatrain\n" + prompt + "\n--- template\n" + ref[i]["prompt"].get<std::string>();
       else if (e.ids != want_ids) why = "ids differ";
       else {
         // trained runs against trained pieces, in order

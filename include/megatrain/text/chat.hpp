@@ -20,8 +20,9 @@
 //                trimmed, the assistant's role written model), a first system message's content
 //                and two newlines before the first user turn's; the turns after it must alternate
 //                user, assistant (Gemma 3 it)
-// Rendering is that of apply_chat_template(messages, add_generation_prompt=False), checked
-// against the templates themselves rendered by Hugging Face's Jinja (tests/text/chat_*).
+// Rendering is that of apply_chat_template(messages, add_generation_prompt=False), and with True
+// (render_prompt), checked against the templates themselves rendered by Hugging Face's Jinja
+// (tests/text/chat_*).
 //
 // The trained part of an assistant turn is its content (with qwen3's think block) and the token
 // that ends the turn (<|im_end|>, <|eot_id|>, <end_of_turn>), so the model learns to stop; the role headers and
@@ -70,6 +71,17 @@ struct Piece {
 /// tokenizer's beginning-of-text token text (the llama3 formats need it). Throws megatrain::Error
 /// for a role other than system, user and assistant.
 std::vector<Piece> render_chat(ChatFormat format, std::span<const ChatMessage> messages, std::string_view bos = {});
+
+/// The messages of a conversation record ({"messages": [{"role", "content"}, ...]}, or sharegpt's
+/// {"conversations": [{"from", "value"}]}). Throws megatrain::Error with what is wrong with it.
+std::vector<ChatMessage> chat_messages(const nlohmann::json& record);
+
+/// What apply_chat_template(add_generation_prompt=True) writes after the conversation: the
+/// header of the assistant turn the model writes next ("" for llama3-base, whose rendering
+/// always ends with it).
+std::string_view generation_prompt(ChatFormat format);
+/// `messages` rendered, then the generation prompt: the text a model completes (sampling).
+std::string render_prompt(ChatFormat format, std::span<const ChatMessage> messages, std::string_view bos = {});
 
 /// Token ids with, per token, whether it is trained on (1) or prompt (0).
 struct EncodedExample {

@@ -435,6 +435,12 @@ struct StepContext {
   HostBuffer embed_rows_host_mem;  // (gathered here from the masters, then uploaded)
   std::span<float> embed_rows_host;
   Buf<Acc> loss_dev;
+  // Trainer::next_logits: the position of each row of the micro-batch whose next-token logits the
+  // head's evaluation item makes instead of its losses (empty: the losses), one row's logits on
+  // the device at a time, and the micro-batch's in host memory (rows x vocab).
+  std::vector<std::int64_t> logits_at;
+  Buf<Act> logits_dev;
+  std::vector<Act> logits_host;
   Buf<double> sumsq_dev;  // each unit's sum of squared gradient elements, where summed on the device
   HostBuffer sumsq_host_mem;
   std::span<double> sumsq_host;

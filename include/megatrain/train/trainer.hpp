@@ -125,18 +125,18 @@ class Trainer {
   /// not changed). rows must be a multiple of the micro-batch size. `positions` as for step().
   double evaluate(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels, std::int64_t rows,
                   std::span<const std::int32_t> positions = {});
-  /// Each token's log-probability of its label (0 where it is kIgnoreIndex) under the current
-  /// weights, for `rows` sequences as for evaluate(): the streaming forward with no gradient and
-  /// no update, the same bits as a training step's forward (last_log_probs()).
+  /// Each token's log-probability of its label (0 where it is kIgnoreIndex) under the current weights,
+  /// for `rows` sequences as for evaluate(): the same bits as a training step's forward (last_log_probs()).
   std::vector<double> score(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels, std::int64_t rows,
                             std::span<const std::int32_t> positions = {});
+  /// Row r's next-token logits after position at[r] (rows x vocab): evaluate()'s forward, the head at those positions alone.
+  std::vector<float> next_logits(std::span<const std::int32_t> ids, std::int64_t rows, std::span<const std::int64_t> at);
   /// The last step's log-probabilities of its labels, token by token, until an evaluate() or score().
   std::vector<double> last_log_probs() const { return ctx_.batch.log_probs(); }
 
-  /// Waits until the last step's update is applied, and writes the state of the device units
-  /// back into the store: afterwards the store holds the whole train state, and may be read or
-  /// written; the next step() or evaluate() loads the device units from it again. Read the
-  /// store's weights or moments yourself only after this.
+  /// Waits until the last step's update is applied and writes the device units' state back: the
+  /// store then holds the whole train state (read or write it only after this); the next step()
+  /// or evaluate() loads the device units from it again.
   void finish_update();
   /// Whether the last step's update is still being applied (finish_update() waits for it).
   bool update_pending() const { return update_pending_; }
@@ -245,11 +245,11 @@ class Trainer {
   std::int64_t stage_batch(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels,
                            std::span<const std::int32_t> positions, std::span<const std::uint8_t> attention_mask);
   void stage_objective(const Objective& objective, std::int64_t valid);
-  // The forward of `rows` rows a micro-batch at a time, the head's losses only; each
-  // micro-batch's losses to `each(first token, losses)`.
+  // The forward of `rows` rows a micro-batch at a time, then each one's losses to `each(first token,
+  // losses)`; or (logits_at: a position a row) its logits to StepContext::logits_host (next_logits).
   template <class F>
   void forward_only(std::span<const std::int32_t> ids, std::span<const std::int32_t> labels, std::int64_t rows,
-                    std::span<const std::int32_t> positions, F&& each);
+                    std::span<const std::int32_t> positions, F&& each, std::span<const std::int64_t> logits_at = {});
   bool update_resident(double loss, std::optional<StepStats::Profile>& profile, double& grad_norm);
   // After a drain: nothing is in flight.
   void settle() {

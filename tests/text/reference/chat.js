@@ -7,7 +7,7 @@
 // llama3_2, gemma3); CONVERSATIONS a JSON array of {"messages": [...]} records (written by
 // `node chat.js --corpus FILE`). OUT gets a JSON array of {"text", "ids"} (or {"error"} where the
 // template raises an exception):
-// apply_chat_template(messages, add_generation_prompt=False) and its ids
+// apply_chat_template(messages, add_generation_prompt=False) and its ids, and the text with True
 // (add_special_tokens=False, as apply_chat_template(tokenize=True) encodes).
 'use strict';
 const fs = require('fs');
@@ -111,15 +111,17 @@ function corpus() {
   const convs = JSON.parse(fs.readFileSync(convFile, 'utf8'));
   // (a conversation the template refuses, raise_exception: {"error": its message}; Gemma 3's wants
   // the turns to alternate)
+  const render = (c, generation) =>
+    template.render({
+      messages: c.messages,
+      add_generation_prompt: generation,
+      bos_token: special(config.bos_token) || '',
+      eos_token: special(config.eos_token) || '',
+      date_string: '26 Jul 2024',  // Llama 3.2's template writes today's date otherwise; megatrain writes its fallback
+    });  // (raise_exception is the Jinja environment's own: it throws)
   const texts = convs.map((c) => {
     try {
-      return template.render({
-        messages: c.messages,
-        add_generation_prompt: false,
-        bos_token: special(config.bos_token) || '',
-        eos_token: special(config.eos_token) || '',
-        date_string: '26 Jul 2024',  // Llama 3.2's template writes today's date otherwise; megatrain writes its fallback
-      });  // (raise_exception is the Jinja environment's own: it throws)
+      return render(c, false);
     } catch (e) {
       return { error: String(e.message || e) };
     }
@@ -127,7 +129,9 @@ function corpus() {
   const rendered = texts.filter((t) => typeof t === 'string');
   const encs = await tok.encodeBatch(rendered, { addSpecialTokens: false });
   let k = 0;
-  fs.writeFileSync(outFile, JSON.stringify(texts.map((t) => (typeof t === 'string' ? { text: t, ids: encs[k++].getIds() } : t))));
+  // (prompt: the same conversation with add_generation_prompt=True, what a model completes)
+  fs.writeFileSync(outFile, JSON.stringify(texts.map((t, i) => (typeof t === 'string'
+    ? { text: t, ids: encs[k++].getIds(), prompt: render(convs[i], true) } : t))));
 })().catch((e) => {
   console.error(e);
   process.exit(1);

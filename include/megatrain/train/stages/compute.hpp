@@ -35,6 +35,7 @@ struct Compute : StageBase<Ctx> {
   using B = typename Ctx::Backend;
   using Block = typename Ctx::BlockOp;
   using Exec = typename Ctx::Exec;
+  using Act = typename Ctx::Act;
   using Res = typename Ctx::Res;
   using Acc = typename Ctx::Acc;
   using Kind = TrainItem::Kind;
@@ -229,6 +230,11 @@ struct Compute : StageBase<Ctx> {
                           tok(t.batch.labels_dev.span(), r0, n_rows), loss_rows(r0, n_rows), t.arena);
       });
     };
+    if (it.kind == Kind::head_eval && !t.logits_at.empty()) {
+      next_logits(w, x);
+      dy = 0;
+      return;
+    }
     if (it.kind == Kind::head_eval) {
       forward_only();
     } else {
@@ -254,6 +260,21 @@ struct Compute : StageBase<Ctx> {
                   t.batch.loss_host.subspan(it.kind == Kind::head ? static_cast<std::size_t>(it.micro * rows() * seq()) : 0,
                                             static_cast<std::size_t>(rows() * seq())));
     if (it.kind == Kind::head && t.experts.active()) t.experts.download(t.be, exec, it.micro, t.opt.micro_batches);
+  }
+
+  // Trainer::next_logits: the final norm and the LM head at one position of each row
+  // (t.logits_at), a row at a time through one device row, down to t.logits_host.
+  template <class HeadWeights, class X>
+  void next_logits(const HeadWeights& w, const X& x) {
+    Ctx& t = *this->ctx;
+    const std::int64_t V = t.vocab();
+    const auto out = View<Act>(t.logits_dev.span().first(static_cast<std::size_t>(V)), Shape{1, V});
+    for (std::int64_t r = 0; r < rows(); ++r) {
+      const auto last = token_rows(rows_of(x, r, 1), t.logits_at[static_cast<std::size_t>(r)], 1);
+      t.model.head().op().logits(t.be, ChunkShape{1, 1}, w, View<const Res>(last), out, t.arena);
+      t.be.download(exec, std::span<const Act>(out.span()),
+                    std::span<Act>(t.logits_host).subspan(static_cast<std::size_t>(r * V), static_cast<std::size_t>(V)));
+    }
   }
 
   // Micro-batch m's token weights up to the device: an objective that reads the log-probabilities
