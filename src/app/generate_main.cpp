@@ -14,12 +14,12 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "generate_run.hpp"
+#include "prompts.hpp"
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/host_memory.hpp"
@@ -37,7 +37,6 @@ namespace megatrain::app {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
-using record = nlohmann::ordered_json;  // (a record keeps its fields' order)
 
 template <class B>
 std::vector<generate::Completion> run_generation(B& be, const char* backend_name, const GenerateInputs& in);
@@ -46,13 +45,6 @@ extern template std::vector<generate::Completion> run_generation<CpuBackend<floa
 #if MEGATRAIN_HAS_CUDA
 extern template std::vector<generate::Completion> run_generation<CudaBackend>(CudaBackend&, const char*, const GenerateInputs&);
 #endif
-
-std::optional<std::size_t> first_stop(const std::string& text, const std::vector<std::string>& stops) {
-  std::optional<std::size_t> at;
-  for (const auto& s : stops)
-    if (const auto p = text.find(s); p != std::string::npos && (!at || p < *at)) at = p;
-  return at;
-}
 
 namespace {
 
@@ -95,29 +87,6 @@ Source open_source(const Options& o) {
           [r](HostParamStore<float>& s) { r->ckpt.load_into(s); }};
 }
 
-/// The ids that end a completion: generation_config.json's eos_token_id, else config.json's (or
-/// its text_config's), else the tokenizer's eos token.
-std::vector<std::int32_t> eos_ids(const fs::path& dir, const text::Tokenizer& tok) {
-  const auto ids_of = [](const json& v) {
-    std::vector<std::int32_t> out;
-    if (v.is_number_integer()) out.push_back(v.get<std::int32_t>());
-    if (v.is_array())
-      for (const auto& x : v)
-        if (x.is_number_integer()) out.push_back(x.get<std::int32_t>());
-    return out;
-  };
-  for (const char* name : {"generation_config.json", "config.json"}) {
-    std::error_code ec;
-    if (!fs::is_regular_file(dir / name, ec)) continue;
-    const json j = json::parse(io::detail::read_file(dir / name), nullptr, false);
-    if (j.is_discarded()) continue;
-    if (j.contains("eos_token_id")) return ids_of(j["eos_token_id"]);
-    if (j.contains("text_config") && j["text_config"].contains("eos_token_id")) return ids_of(j["text_config"]["eos_token_id"]);
-  }
-  if (tok.eos_id()) return {*tok.eos_id()};
-  return {};
-}
-
 /// Sampling as transformers' generate() reads the folder's generation_config.json (greedy unless
 /// do_sample; top_k 50 when sampling, its default), each option given on the command line over it.
 generate::SamplingOptions sampling(const Options& o, const CLI::App& app, const fs::path& dir) {
@@ -143,74 +112,16 @@ generate::SamplingOptions sampling(const Options& o, const CLI::App& app, const 
   return s;
 }
 
-/// The chat format of conversations: --chat-format's, or (auto) the one the tokenizer's chat
-/// template is, where megatrain renders it.
-text::ChatFormat chat_format(const Options& o, const text::Tokenizer& tok) {
-  if (o.chat_format != "auto") {
-    const auto f = text::chat_format_named(o.chat_format);
-    MT_CHECK(f.has_value(), "--chat-format '{}' is none of: auto, {}", o.chat_format, text::chat_format_names());
-    return *f;
-  }
-  MT_CHECK(tok.chat_template().has_value(), "the prompts hold conversations but the tokenizer has no chat template: "
-           "name its format with --chat-format (one of: {})", text::chat_format_names());
-  const auto f = text::recognise_chat_template(*tok.chat_template());
-  MT_CHECK(f.has_value(), "the tokenizer's chat template is not one megatrain renders (digest {}): name its format with "
-           "--chat-format (one of: {}) if one renders it", text::chat_template_digest(*tok.chat_template()),
-           text::chat_format_names());
-  return *f;
-}
-
-/// The prompts' records (one JSON object a line; blank lines skipped) and their ids: "prompt" text
-/// as the tokenizer encodes it (its special tokens added, as transformers' tokenizer(text) does),
-/// or "messages" rendered by the model's chat format with the generation prompt.
-std::vector<std::vector<std::int32_t>> read_prompts(const Options& o, const text::Tokenizer& tok, std::vector<record>& records) {
-  std::ifstream in(o.prompts);
-  MT_CHECK(in.good(), "--prompts '{}' cannot be read", o.prompts);
-  std::optional<text::ChatFormat> chat;
-  std::vector<std::vector<std::int32_t>> out;
-  std::string line;
-  for (std::int64_t n = 1; std::getline(in, line); ++n) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string where = fmt::format("--prompts '{}' line {}", o.prompts, n);
-    record r = record::parse(line, nullptr, false);
-    MT_CHECK(!r.is_discarded() && r.is_object(), "{}: not a JSON object", where);
-    if (r.contains("prompt")) {
-      MT_CHECK(r["prompt"].is_string(), "{}: the field 'prompt' is not a string", where);
-      out.push_back(tok.encode(r["prompt"].get<std::string>(), true));
-    } else {
-      MT_CHECK(r.contains("messages") || r.contains("conversations"), "{}: neither 'prompt' (text) nor 'messages' (a "
-               "conversation)", where);
-      if (!chat) chat = chat_format(o, tok);
-      try {
-        const std::string bos = tok.bos_id() ? *tok.id_to_token(*tok.bos_id()) : std::string();
-        out.push_back(tok.encode(text::render_prompt(*chat, text::chat_messages(json::parse(r.dump())), bos), false));
-      } catch (const Error& e) {
-        MT_FAIL("{}: {}", where, e.reason());
-      }
-    }
-    MT_CHECK(!out.back().empty(), "{}: the prompt has no tokens", where);
-    records.push_back(std::move(r));
-  }
-  MT_CHECK(!out.empty(), "--prompts '{}' holds no prompt", o.prompts);
-  return out;
-}
-
-/// Each record with its completion: the text (up to a stop string, without a final end-of-sequence
-/// token and without special tokens), the prompt's and the completion's token counts, why it
-/// ended, and (--logprobs) its ids and their log-probabilities.
-std::string output_lines(const Options& o, const text::Tokenizer& tok, std::vector<record>& records,
-                         const std::vector<std::vector<std::int32_t>>& prompts, const std::vector<generate::Completion>& done) {
+/// Each record with its completion: the text (completion_text), the prompt's and the completion's
+/// token counts, why it ended, and (--logprobs) its ids and their log-probabilities.
+std::string output_lines(const Options& o, const text::Tokenizer& tok, Prompts& prompts,
+                         const std::vector<generate::Completion>& done) {
   std::string out;
-  for (std::size_t i = 0; i < records.size(); ++i) {
+  for (std::size_t i = 0; i < prompts.records.size(); ++i) {
     const generate::Completion& c = done[i];
-    std::span<const std::int32_t> ids(c.tokens);
-    if (c.finish == generate::Finish::eos) ids = ids.first(ids.size() - 1);
-    std::string text = tok.decode(ids, true);
-    if (c.finish == generate::Finish::stop)
-      if (const auto at = first_stop(text, o.stops)) text.resize(*at);
-    record& r = records[i];
-    r["completion"] = text::utf8_lossy(text);
-    r["prompt_tokens"] = prompts[i].size();
+    auto& r = prompts.records[i];
+    r["completion"] = completion_text(c, tok, o.stops);
+    r["prompt_tokens"] = prompts.ids[i].size();
     r["completion_tokens"] = c.tokens.size();
     r["finish_reason"] = generate::finish_name(c.finish);
     if (o.logprobs) {
@@ -264,8 +175,8 @@ int run(const Options& o, const CLI::App& app) {
   MT_CHECK(tok.vocab_size() <= src.cfg.vocab_size, "the tokenizer of '{}' has {} ids, more than the model's vocab_size {}",
            src.dir.string(), tok.vocab_size(), src.cfg.vocab_size);
   GenerateInputs in{src.cfg, src.dir.string(), src.load, {}, {}, 0, 0, o.stops, &tok, !o.no_progress};
-  std::vector<record> records;
-  in.prompts = read_prompts(o, tok, records);
+  Prompts prompts = read_prompts(o.prompts, "--prompts", tok, o.chat_format);
+  in.prompts = prompts.ids;
   in.options.max_new_tokens = o.max_new_tokens;
   in.options.sampling = sampling(o, app, src.dir);
   in.options.eos = eos_ids(src.dir, tok);
@@ -292,7 +203,7 @@ int run(const Options& o, const CLI::App& app) {
     CpuBackend<float> be;
     done = run_generation(be, "cpu", in);
   }
-  const std::string lines = output_lines(o, tok, records, in.prompts, done);
+  const std::string lines = output_lines(o, tok, prompts, done);
   if (o.output.empty()) {
     std::fwrite(lines.data(), 1, lines.size(), stdout);
     std::fflush(stdout);

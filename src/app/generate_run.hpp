@@ -22,6 +22,7 @@
 #include "megatrain/store/host_param_store.hpp"
 #include "megatrain/text/tokenizer.hpp"
 #include "megatrain/train/trainer.hpp"
+#include "prompts.hpp"
 
 namespace megatrain::app {
 
@@ -65,8 +66,6 @@ class GenerateProgress {
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
-/// Where a stop string first appears in the completion's text (its end: what the text keeps), if any.
-std::optional<std::size_t> first_stop(const std::string& text, const std::vector<std::string>& stops);
 
 template <class B>
 std::vector<generate::Completion> run_generation(B& be, const char* backend_name, const GenerateInputs& in) {

@@ -20,6 +20,8 @@
 
 namespace megatrain::app {
 
+struct SamplePlan;
+
 struct RunPlan {
   std::optional<io::HfCheckpoint> hf;    // --model: weights to load (released once loaded)
   std::optional<Resume> resume;          // --resume: the state to load
@@ -40,6 +42,7 @@ struct RunPlan {
   std::vector<std::string> notes;        // said once the run starts
   bool branch = false;                   // --resume from another run's checkpoint into a run folder of its own
   std::shared_ptr<io::RunFolder> folder;  // the run folder, claimed by this process (the first rank's)
+  std::shared_ptr<const SamplePlan> samples;  // --sample-every: the prompts, read and checked (train_samples.hpp)
 };
 
 /// The config.json a run keeps and exports for a model not read from a Hugging Face folder: the

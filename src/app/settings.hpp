@@ -83,6 +83,10 @@ struct Settings {
   // a metrics line that cannot be written: stop or continue
   std::string on_metrics_error = "stop";
   std::string tensorboard;  // --tensorboard DIR: the metrics as TensorBoard event files too
+  // --sample-every N --sample-prompts FILE: greedy completions of the prompts every N steps, into
+  // samples.jsonl and report.html (--sample-tokens: their length at most)
+  std::int64_t sample_every = 0, sample_tokens = 48;
+  std::string sample_prompts;
   // cuBLASLt's algorithms timed over the first step, each product's fastest kept (a resumed run
   // takes its checkpoint's)
   bool gemm_tuning = true;

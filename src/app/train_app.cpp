@@ -94,6 +94,16 @@ void add_run_options(CLI::App& app, Settings& s) {
   runo->add_option("--tensorboard", s.tensorboard,
                    "Also write the metrics as TensorBoard event files in this folder (tensorboard --logdir DIR); a "
                    "resumed run adds a file of its own");
+  runo->add_option("--sample-every", s.sample_every,
+                   "Every N steps (and after the last), greedy completions of --sample-prompts into samples.jsonl and "
+                   "report.html (0: none)")
+      ->check(at_least("--sample-every", 0));
+  runo->add_option("--sample-prompts", s.sample_prompts,
+                   "JSONL of prompts for --sample-every: {\"prompt\": text} or {\"messages\": [...]} a line "
+                   "(docs/generation.md)");
+  runo->add_option("--sample-tokens", s.sample_tokens, "Tokens a --sample-every completion may have at most")
+      ->check(at_least("--sample-tokens", 1))
+      ->capture_default_str();
   runo->add_option("--rendezvous-timeout", s.rendezvous_timeout,
                    "Launched as several processes (torchrun, mpirun, srun): seconds a process waits for the others "
                    "at start before it gives up naming the missing ones (default: MEGATRAIN_RENDEZVOUS_TIMEOUT, else 300)")

@@ -1,7 +1,7 @@
 // megatrain-train's training: the run folder started (config.json, options.json, metrics.jsonl),
 // the steps, and around them the checkpoints (--save-every, a stop signal, a failure that stops
-// the run), the exports (--export, --export-every), validation (--eval-every), report.html, and
-// an end that says what was written and what was not.
+// the run), the exports (--export, --export-every), validation (--eval-every), samples
+// (--sample-every), report.html, and an end that says what was written and what was not.
 //
 // Every rank runs this alike, each training its share of the global batch; the first rank alone
 // prints and writes the run folder (ZeRO-1: every rank writes its part of each checkpoint).
@@ -38,6 +38,7 @@
 #include "progress.hpp"
 #include "stop_signals.hpp"
 #include "train_load.hpp"
+#include "train_samples.hpp"
 
 namespace megatrain::app {
 
@@ -124,6 +125,7 @@ class TrainLoop {
       if (io::metrics_step(line) > metrics_.kept_through() && metrics_error_.empty()) metrics_error_ = metrics_.append(line);
     MT_CHECK(metrics_error_.empty(), "the metrics the checkpoint kept could not be written: {}", metrics_error_);
     if (!s.tensorboard.empty()) tensorboard_.emplace(s.tensorboard);
+    if (plan.samples) samples_.emplace(plan.samples, out_ / "samples.jsonl", s.sample_tokens, first_step_);
   }
 
   void say_start() {
@@ -299,6 +301,7 @@ class TrainLoop {
       write_tensorboard(m, step);
     }
     if (metrics_failed(step)) return 1;
+    write_samples(step);
     if (val) write_report();
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
     progress_.update(st, tok_s, elapsed, val, s.log_every);
@@ -326,6 +329,23 @@ class TrainLoop {
     return m;
   }
 
+  // --sample-every: the prompts' greedy completions by the weights of this step, into samples.jsonl.
+  // A file that cannot be written is said once and left; training goes on.
+  void write_samples(std::int64_t step) {
+    if (!samples_ || (step % s.sample_every != 0 && step != s.steps)) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string error = samples_->sample(trainer_, step, in_.cfg.vocab_size);
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (error.empty()) {
+      progress_.note(fmt::format("sampled step {} into {} in {:.1f} s", step, samples_->file().string(), secs));
+      if (tensorboard_) tensorboard_failed(tensorboard_->texts(step, samples_->texts()), step);
+      return;
+    }
+    progress_.note(fmt::format("megatrain-train: warning: --sample-every: {} at step {}; training goes on without samples",
+                               error, step), stderr);
+    samples_.reset();
+  }
+
   // The step's numbers as TensorBoard scalars (train/..., val/loss). A file that cannot be written
   // is said once and left: metrics.jsonl is the run's record, and training goes on.
   void write_tensorboard(const nlohmann::json& m, std::int64_t step) {
@@ -336,7 +356,9 @@ class TrainLoop {
       const double x = value.template get<double>();
       if (std::isfinite(x)) v.emplace_back(key == "val_loss" ? std::string("val/loss") : "train/" + key, static_cast<float>(x));
     }
-    const std::string error = tensorboard_->scalars(step, v);
+    tensorboard_failed(tensorboard_->scalars(step, v), step);
+  }
+  void tensorboard_failed(const std::string& error, std::int64_t step) {
     if (error.empty()) return;
     progress_.note(fmt::format("megatrain-train: warning: --tensorboard: '{}' could not be written at step {}: {}; "
                                "training goes on, metrics.jsonl has every step", tensorboard_->path().string(), step, error),
@@ -520,6 +542,7 @@ class TrainLoop {
   io::MetricsLog metrics_;
   std::string metrics_error_;  // (the first failed write's reason; empty while none failed)
   std::optional<io::TensorBoardWriter> tensorboard_;  // --tensorboard
+  std::optional<TrainSamples> samples_;               // --sample-every (the first process's)
   std::optional<Checkpointer> checkpointer_;
   std::optional<io::CheckpointFolder> checkpoints_;
   nlohmann::json user_;  // what the checkpoints keep of the run besides the train state

@@ -29,6 +29,7 @@
 #include "parse.hpp"
 #include "stop_signals.hpp"
 #include "train_inputs.hpp"
+#include "train_samples.hpp"
 #if MEGATRAIN_HAS_CUDA
 #include "megatrain/backend/cuda/cuda_backend.hpp"
 #endif
@@ -64,6 +65,7 @@ class TrainSetup {
     // (--gpus N: set once by main, before the ranks' threads start)
     if (!s.host_memory.empty() && !ranks_.threads()) setenv("MEGATRAIN_HOST_MEMORY", s.host_memory.c_str(), 1);
     open_model_sources();
+    plan_.samples = plan_samples(s, plan_, ranks_.several(), eval_only_);
     // Data first: text data's vocabulary (bytes) sizes a model given on the command line; token
     // files need the vocabulary given, which decides their width unless --data-format does.
     // (With --steps 0 --eval-batches 0 nothing is evaluated and no data is read.)

@@ -18,7 +18,9 @@
 #include <ctime>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <optional>
+#include <sstream>
 #include <string_view>
 #include <vector>
 
@@ -574,6 +576,45 @@ fs::path folder_of(const fs::path& run_dir) {
 
 }  // namespace
 
+// samples.jsonl (megatrain-train --sample-every): each prompt's completion at the first and the
+// latest sampled step; "" where the run has none.
+std::string samples_section(const fs::path& run_dir) {
+  std::error_code ec;
+  const fs::path file = run_dir / "samples.jsonl";
+  if (!fs::exists(file, ec)) return {};
+  std::map<std::int64_t, std::map<std::int64_t, json>> by_step;  // step -> index -> line
+  std::istringstream in(detail::read_file(file, 64u << 20));
+  for (std::string line; std::getline(in, line);) {
+    const json j = json::parse(line, nullptr, false);
+    if (j.is_object() && j.contains("step") && j.contains("index") && j["step"].is_number_integer() && j["index"].is_number_integer())
+      by_step[j["step"].get<std::int64_t>()][j["index"].get<std::int64_t>()] = j;
+  }
+  if (by_step.empty()) return {};
+  std::vector<std::int64_t> steps{by_step.begin()->first};
+  if (by_step.size() > 1) steps.push_back(by_step.rbegin()->first);
+  const auto cut = [](std::string t) {  // (at most 600 bytes, cut between UTF-8 characters)
+    if (t.size() <= 600) return escape(t);
+    std::size_t n = 600;
+    while (n > 0 && (static_cast<unsigned char>(t[n]) & 0xC0) == 0x80) --n;
+    return escape(t.substr(0, n)) + "...";
+  };
+  std::string h = "<section id=\"samples\">\n<h2>Samples</h2>\n<p>Greedy completions of <code>--sample-prompts</code> "
+                  "(<code>samples.jsonl</code>), at the first and the latest sampled step.</p>\n"
+                  "<table id=\"samples-table\">\n<tr><th>prompt</th>";
+  for (const auto st : steps) h += fmt::format("<th>step {}</th>", st);
+  h += "</tr>\n";
+  for (const auto& [index, first] : by_step.at(steps.front())) {
+    h += "<tr><td style=\"white-space: pre-wrap\">" + cut(first.value("prompt", std::string())) + "</td>";
+    for (const auto st : steps) {
+      const auto& row = by_step.at(st);
+      const auto it = row.find(index);
+      h += "<td style=\"white-space: pre-wrap\">" + (it == row.end() ? std::string() : cut(it->second.value("completion", std::string()))) + "</td>";
+    }
+    h += "</tr>\n";
+  }
+  return h + "</table>\n</section>\n";
+}
+
 std::string render_run_report(const fs::path& run_dir, const RunReportInfo& info) {
   std::error_code ec;
   MT_CHECK(fs::is_directory(run_dir, ec), "run folder '{}' does not exist (or is not a folder)", run_dir.string());
@@ -673,6 +714,7 @@ std::string render_run_report(const fs::path& run_dir, const RunReportInfo& info
                m.last_step);
   h += "</div>\n</section>\n";
 
+  h += samples_section(run_dir);
   // Tables.
   h += "<div class=\"tables\">\n";
   h += "<section id=\"options\">\n<h2>Run options</h2>\n" +

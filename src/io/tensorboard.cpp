@@ -90,6 +90,27 @@ std::string encode_scalar_event(double wall_time, std::int64_t step, std::span<c
   return e;
 }
 
+std::string encode_text_event(double wall_time, std::int64_t step, std::span<const std::pair<std::string, std::string>> texts) {
+  std::string plugin, metadata, tensor, summary;
+  bytes_field(plugin, 1, "text");  // PluginData.plugin_name
+  bytes_field(metadata, 1, plugin);  // SummaryMetadata.plugin_data
+  for (const auto& [tag, text] : texts) {
+    tensor.clear();
+    varint(tensor, 1 << 3 | 0);  // TensorProto.dtype: DT_STRING
+    varint(tensor, 7);
+    bytes_field(tensor, 2, "");  // tensor_shape: a scalar
+    bytes_field(tensor, 8, text);  // string_val
+    std::string v;
+    bytes_field(v, 1, tag);
+    bytes_field(v, 8, tensor);  // Summary.Value.tensor
+    bytes_field(v, 9, metadata);  // Summary.Value.metadata
+    bytes_field(summary, 1, v);
+  }
+  std::string e = event_head(wall_time, step);
+  bytes_field(e, 5, summary);
+  return e;
+}
+
 std::string encode_file_version_event(double wall_time) {
   std::string e = event_head(wall_time, 0);
   bytes_field(e, 3, "brain.Event:2");
@@ -136,6 +157,10 @@ TensorBoardWriter::~TensorBoardWriter() {
 
 std::string TensorBoardWriter::scalars(std::int64_t step, std::span<const std::pair<std::string, float>> values) {
   return append(frame_record(encode_scalar_event(now(), step, values)));
+}
+
+std::string TensorBoardWriter::texts(std::int64_t step, std::span<const std::pair<std::string, std::string>> values) {
+  return append(frame_record(encode_text_event(now(), step, values)));
 }
 
 std::string TensorBoardWriter::append(const std::string& record) {

@@ -4,6 +4,8 @@ a tiny model trained three steps by megatrain-train, saved and exported in float
 completions of text and chat prompts from the export, from the run folder and from its checkpoint
 (the same weights: the same completions); the records kept with their fields; a seed that repeats
 and one that does not; stop strings, full slots, and what is refused before anything is written.
+Then megatrain-train --sample-every: samples.jsonl and report.html, the samples as megatrain-generate
+gives them from the step's checkpoint, a resume, and what is refused.
 
     generate_test.py TRAIN_BIN GENERATE_BIN WORK_DIR
 
@@ -135,5 +137,41 @@ refused(["--prompts", "prompts.jsonl"], "--model DIR", "--checkpoint DIR")
 refused(["--model", "exp", "--checkpoint", "run", "--prompts", "prompts.jsonl"], "one of them")
 refused(["--model", "exp", "--prompts", "prompts.jsonl", "--chat-format", "nope"], "--chat-format 'nope'", "chatml")
 refused(["--model", "nowhere", "--prompts", "prompts.jsonl"], "nowhere")
+
+# --- megatrain-train --sample-every: the prompts' greedy completions as the run goes --------------
+write_jsonl("samples.jsonl", [{"prompt": "What is 3 plus 6?"}, {"messages": [{"role": "user", "content": "What is 1 plus 4?"}]}])
+SAMPLED = ["--data", "chat.jsonl", "--tokenizer", QWEN_DIR, "--vocab", str(VOCAB), "--hidden", "32", "--layers",
+           "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "64", "--batch", "4", "--backend", "cpu",
+           "--sample-prompts", "samples.jsonl", "--sample-tokens", "5"]
+_, err = run(train, SAMPLED + ["--seq", "64", "--steps", "4", "--save-every", "2", "--keep", "5", "--out", "srun",
+                               "--sample-every", "2"])
+check("sampled step 2 into" in err + _ and "sampled step 4 into" in err + _, f"the sampling lines: {_}{err}")
+lines = records(open(os.path.join(work, "srun", "samples.jsonl")).read())
+check([(r["step"], r["index"]) for r in lines] == [(2, 0), (2, 1), (4, 0), (4, 1)], f"samples.jsonl: {lines}")
+check(all(1 <= r["completion_tokens"] <= 5 and r["finish_reason"] in ("length", "eos") for r in lines), f"samples: {lines}")
+check(lines[1]["prompt"] == "What is 1 plus 4?", f"a conversation's prompt as shown: {lines[1]}")
+report = open(os.path.join(work, "srun", "report.html")).read()
+check('id="samples-table"' in report and "<th>step 2</th><th>step 4</th>" in report, "report.html has no samples table")
+# the same completions as megatrain-generate gives from the step's checkpoint
+again = records(run(generate, ["--checkpoint", "srun/checkpoints/step-00000004", "--prompts", "samples.jsonl",
+                               "--max-new-tokens", "5", "--temperature", "0", "--seq", "64", "--backend", "cpu"])[0])
+check([r["completion"] for r in again] == [r["completion"] for r in lines[2:]],
+      f"step 4's samples differ from megatrain-generate on its checkpoint: {again} vs {lines[2:]}")
+# a resumed run keeps the lines before its checkpoint and adds its own (and, with --tensorboard, texts)
+run(train, ["--resume", "--out", "srun", "--steps", "6", "--sample-every", "2", "--sample-prompts", "samples.jsonl",
+            "--sample-tokens", "5", "--tensorboard", "srun/tb"])
+events = b"".join(open(os.path.join(work, "srun", "tb", f), "rb").read() for f in os.listdir(os.path.join(work, "srun", "tb")))
+check(b"samples/0" in events and b"samples/1" in events and b"\x04text" in events and b"What is 3 plus 6?" in events,
+      "--tensorboard with --sample-every: no text events of the samples")
+lines = records(open(os.path.join(work, "srun", "samples.jsonl")).read())
+check([r["step"] for r in lines] == [2, 2, 4, 4, 6, 6], f"samples.jsonl after the resume: {[r['step'] for r in lines]}")
+# refused before the run starts
+for args, words in ((["--seq", "64", "--sample-every", "0", "--steps", "1", "--out", "x1"], ["--sample-prompts needs --sample-every"]),
+                    (["--sample-every", "1", "--steps", "1", "--out", "x2", "--seq", "12"], ["prompt 2 has", "--seq"]),
+                    (["--seq", "64", "--sample-every", "1", "--steps", "0", "--eval-batches", "1"], ["--steps 0"])):
+    err = run(train, SAMPLED + args, rc=1)[1]
+    check(all(w in err for w in words), f"{args}: {err}")
+check(not os.path.exists(os.path.join(work, "x1")) and not os.path.exists(os.path.join(work, "x2")),
+      "a refused run left a run folder")
 
 print("generate_test: all checks passed")

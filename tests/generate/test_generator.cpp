@@ -1,8 +1,8 @@
 // Completions (generate/generator.hpp) over the CPU trainer's next_logits: the logits against a
 // plain forward of the whole sequence (every unit resident, the head's logits at every position)
 // for a dense and a hybrid (Gated DeltaNet) model; greedy completions token for token as that
-// forward's argmax; more prompts than slots giving what each prompt gives alone; a seed that
-// repeats and another that does not; each way a completion ends; the log-probabilities as the
+// forward's argmax; more prompts than slots giving what each prompt gives alone; streamed weights
+// giving the tokens of resident ones; a seed that repeats and another that does not; each way a completion ends; the log-probabilities as the
 // trainer's scoring pass gives them; and what is refused before the first step.
 #include <doctest/doctest.h>
 
@@ -39,9 +39,14 @@ ModelConfig hybrid() {
 
 /// A model, its store (random weights, seed 17) and a CPU trainer of `rows` rows of `seq` tokens.
 struct Setup {
-  Setup(const ModelConfig& c, std::int64_t rows, std::int64_t seq)
-      : cfg(c), opt(test::options(rows, seq)), model(cfg), store(model.units(), test::store_opts(opt)),
-        trainer(std::make_unique<Trainer<CpuBackend<float>>>(model, store, be, opt)) {}
+  /// `resident`: every unit's weights kept in backend memory (device units), else streamed.
+  Setup(const ModelConfig& c, std::int64_t rows, std::int64_t seq, bool resident = false)
+      : cfg(c), opt(with_units(test::options(rows, seq), resident ? c.num_hidden_layers + 2 : 0)), model(cfg),
+        store(model.units(), test::store_opts(opt)), trainer(std::make_unique<Trainer<CpuBackend<float>>>(model, store, be, opt)) {}
+  static TrainerOptions with_units(TrainerOptions o, std::int64_t units) {
+    o.device_units = units;
+    return o;
+  }
   SlotShape shape() const { return {opt.batch_rows, opt.seq_len, cfg.vocab_size, 0}; }
   ModelConfig cfg;
   TrainerOptions opt;
@@ -158,6 +163,27 @@ TEST_CASE("greedy completions are the plain forward's argmax, token for token; m
     for (std::size_t i = 0; i < prompts.size(); ++i) {
       const auto alone = generate::generate(*one.trainer, one.shape(), std::span(prompts).subspan(i, 1), o);
       CHECK(alone[0].tokens == out[i].tokens);
+    }
+  }
+}
+
+TEST_CASE("streamed weights (a model larger than the GPU) give the tokens of resident weights") {
+  std::mt19937 g(13);
+  for (const ModelConfig& cfg : {test::tiny(true, 61), hybrid()}) {
+    CAPTURE(cfg.architecture_name());
+    Setup streamed(cfg, 2, 20), resident(cfg, 2, 20, true);
+    REQUIRE(resident.trainer->device_units() == static_cast<std::size_t>(cfg.num_hidden_layers + 2));
+    REQUIRE(streamed.trainer->device_units() == 0);
+    const auto prompts = random_prompts(g, 3, 8, cfg.vocab_size);
+    GenerationOptions o;
+    o.max_new_tokens = 8;
+    o.sampling.temperature = 0.9;
+    o.sampling.seed = 3;
+    const auto a = generate::generate(*streamed.trainer, streamed.shape(), prompts, o);
+    const auto b = generate::generate(*resident.trainer, resident.shape(), prompts, o);
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      CHECK(a[i].tokens == b[i].tokens);
+      CHECK(a[i].log_probs == b[i].log_probs);
     }
   }
 }

@@ -155,3 +155,38 @@ TEST_CASE("an events file: the file version first, then each step's scalars, as 
   CHECK(fs::exists(a.path()));
   CHECK_ERROR_MENTIONS(TensorBoardWriter(fs::path("/proc/no/such/place")), "--tensorboard '/proc/no/such/place'");
 }
+
+TEST_CASE("texts (the samples): a string tensor for TensorBoard's text plugin, one value a tag") {
+  megatrain::test::TempDir dir("megatrain-tb");
+  std::string path;
+  const std::vector<std::pair<std::string, std::string>> texts{{"samples/0", "**prompt:** 2 + 2\n\n**completion:** 4"},
+                                                               {"samples/1", std::string(300, 'x') + " \xc3\xa9"}};
+  {
+    TensorBoardWriter w(dir / "tb");
+    path = w.path().string();
+    CHECK(w.texts(7, texts).empty());
+  }
+  const auto recs = records(megatrain::test::read_file(path));
+  REQUIRE(recs.size() == 2);
+  const auto e = fields(recs[1]);
+  CHECK(static_cast<std::int64_t>(e.find(2)->second.integer) == 7);
+  const auto summary = fields(e.find(5)->second.bytes);
+  REQUIRE(summary.count(1) == texts.size());
+  std::size_t k = 0;
+  for (auto it = summary.lower_bound(1); it != summary.upper_bound(1); ++it, ++k) {
+    CAPTURE(k);
+    const auto v = fields(it->second.bytes);
+    CHECK(v.find(1)->second.bytes == texts[k].first);
+    CHECK(v.count(2) == 0);  // (no simple_value)
+    REQUIRE(v.count(9) == 1);
+    const auto plugin = fields(fields(v.find(9)->second.bytes).find(1)->second.bytes);
+    CHECK(plugin.find(1)->second.bytes == "text");
+    REQUIRE(v.count(8) == 1);
+    const auto tensor = fields(v.find(8)->second.bytes);
+    CHECK(tensor.find(1)->second.integer == 7);  // DT_STRING
+    REQUIRE(tensor.count(2) == 1);
+    CHECK(tensor.find(2)->second.bytes.empty());  // a scalar
+    REQUIRE(tensor.count(8) == 1);
+    CHECK(tensor.find(8)->second.bytes == texts[k].second);
+  }
+}

@@ -1,0 +1,43 @@
+// Prompts as megatrain-generate and megatrain-train --sample-prompts read them (docs/generation.md):
+// JSONL records of text or conversations, encoded by the model's tokenizer; the ids that end a
+// completion; and a completion's text.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "megatrain/generate/generator.hpp"
+#include "megatrain/text/tokenizer.hpp"
+
+namespace megatrain::app {
+
+/// A file of prompts: each record (its fields in order) and its ids.
+struct Prompts {
+  std::vector<nlohmann::ordered_json> records;
+  std::vector<std::vector<std::int32_t>> ids;
+};
+
+/// The records of `path` (one JSON object a line; blank lines skipped), named `option` in messages:
+/// "prompt" text as the tokenizer encodes it (its special tokens added, as transformers'
+/// tokenizer(text) does), or "messages" (sharegpt's "conversations") rendered by `chat_format`
+/// ("auto": the tokenizer's chat template, where megatrain renders it) with the generation prompt.
+/// Throws megatrain::Error naming the file and line of a record that is not one.
+Prompts read_prompts(const std::string& path, const char* option, const text::Tokenizer& tok,
+                     const std::string& chat_format = "auto");
+
+/// The ids that end a completion: generation_config.json's eos_token_id in `dir`, else config.json's
+/// (or its text_config's), else the tokenizer's end token.
+std::vector<std::int32_t> eos_ids(const std::filesystem::path& dir, const text::Tokenizer& tok);
+
+/// A completion's text: without special tokens and a final end-of-sequence token, up to the first
+/// of `stops` where one ended it.
+std::string completion_text(const generate::Completion& c, const text::Tokenizer& tok, const std::vector<std::string>& stops);
+
+/// Where a stop string first appears in `text`, if one does.
+std::optional<std::size_t> first_stop(const std::string& text, const std::vector<std::string>& stops);
+
+}  // namespace megatrain::app
