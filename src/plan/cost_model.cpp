@@ -149,7 +149,7 @@ class Prediction {
                                                               expert_gemm / 1e12, m.moe_gemm_tflops, expert_s)
                                                 : std::string(),
                                     att_s,
-                                    delta_fwd > 0 ? fmt::format(" (of it Gated DeltaNet's mixing {:.3f} s at {:.0f} / {:.0f} "
+                                    delta_fwd > 0 ? fmt::format(" (of it Gated DeltaNet's mixing {:.3f} s at {:.3g} / {:.3g} "
                                                                 "TFLOP/s)", delta_s, m.delta_rule_fwd_tflops,
                                                                 m.delta_rule_bwd_tflops)
                                                   : std::string(),
