@@ -171,6 +171,9 @@ int run(const Options& o, const CLI::App& app) {
   MT_CHECK(o.output.empty() || o.overwrite || !fs::exists(o.output, ec),
            "--output '{}' exists: pass --overwrite to replace it, or name another file", o.output);
   const Source src = open_source(o);
+  MT_CHECK(fs::exists(src.dir / "tokenizer.json", ec), "'{}' has no tokenizer.json: megatrain-generate encodes the prompts "
+           "with the model's tokenizer (a run trained on token files or the built-in text keeps none: copy the "
+           "tokenizer's files into the folder)", src.dir.string());
   const text::Tokenizer tok = text::Tokenizer::from_folder(src.dir);
   MT_CHECK(tok.vocab_size() <= src.cfg.vocab_size, "the tokenizer of '{}' has {} ids, more than the model's vocab_size {}",
            src.dir.string(), tok.vocab_size(), src.cfg.vocab_size);

@@ -137,6 +137,9 @@ refused(["--prompts", "prompts.jsonl"], "--model DIR", "--checkpoint DIR")
 refused(["--model", "exp", "--checkpoint", "run", "--prompts", "prompts.jsonl"], "one of them")
 refused(["--model", "exp", "--prompts", "prompts.jsonl", "--chat-format", "nope"], "--chat-format 'nope'", "chatml")
 refused(["--model", "nowhere", "--prompts", "prompts.jsonl"], "nowhere")
+run(train, ["--steps", "1", "--out", "bytes", "--save-every", "1", "--hidden", "32", "--layers", "1", "--heads", "2",
+            "--kv-heads", "1", "--intermediate", "64", "--batch", "2", "--seq", "16", "--backend", "cpu"])
+refused(["--checkpoint", "bytes", "--prompts", "prompts.jsonl"], "has no tokenizer.json", "copy the tokenizer's files")
 
 # --- megatrain-train --sample-every: the prompts' greedy completions as the run goes --------------
 write_jsonl("samples.jsonl", [{"prompt": "What is 3 plus 6?"}, {"messages": [{"role": "user", "content": "What is 1 plus 4?"}]}])
