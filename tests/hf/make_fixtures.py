@@ -14,11 +14,11 @@ GPU machine) only to change or add a family:
 
     python3 tests/hf/make_fixtures.py --out tests/fixtures [--only qwen3]
 
-The hybrid families' fixtures (qwen3_5, qwen3_5_mm, qwen3_5_moe, qwen3_next) in tests/fixtures were
-made with a float32 reference, before float64_family; run `--only qwen3_5 qwen3_5_mm qwen3_5_moe
-qwen3_next` again to replace them with float64 references (qwen3_5_mm's generation_config.json is
-not kept). Two more are written but not read by megatrain yet (issue 53): qwen3_5_moe_aux and
-qwen3_next_aux (the auxiliary loss as their routers record it); neither is in tests/fixtures.
+The hybrid families' fixtures (qwen3_5, qwen3_5_mm, qwen3_5_moe, qwen3_next) hold transformers'
+computation in float64 (float64_family; made on the GPU machine on 2026-12-07 with transformers
+5.17, their generation_config.json not kept). Two more are written but not read by megatrain yet
+(issue 53): qwen3_5_moe_aux and qwen3_next_aux (the auxiliary loss as their routers record it);
+neither is in tests/fixtures.
 """
 
 import argparse

@@ -93,13 +93,12 @@ void check_family(const fs::path& dir) {
     want_logits.resize(kept * V);
   }
   // The tolerance: fp32 rounding, 1e-5 of a tensor's size. The hybrid families' (Qwen3.5, Qwen3-Next)
-  // is 1e-4: their linear attention makes the problem itself less well conditioned, and both fp32
-  // computations are that far from the exact one. Measured on their fixtures against megatrain's
-  // CPU backend in float64 (the test case below prints it): megatrain's fp32 gradients within 3.5e-5
-  // to 4.3e-5, transformers' own within 2.0e-5 to 4.1e-5 (its chunked delta rule runs in fp32
-  // whatever the model's dtype); Qwen3's both within 1.1e-6. make_fixtures.py now writes their
-  // reference in float64.
-  const double tol = m.config.block().linear_attention ? 1e-4 : 1e-5;
+  // is 2e-4: their linear attention makes the problem itself less well conditioned, and an fp32
+  // computation is that far from the exact one. Their references are transformers' in float64
+  // (make_fixtures.py's float64_family), which megatrain's CPU backend in float64 matches within
+  // 1e-6 (the test case below); megatrain's fp32 gradients are 3.4e-5 to 1.1e-4 from them (Qwen3's
+  // within 1.1e-6 of its fp32 reference).
+  const double tol = m.config.block().linear_attention ? 2e-4 : 1e-5;
   const double logits_err = rel(logits, want_logits);
   CHECK(logits_err <= tol);
   double logits_worst = 0;  // (the largest single difference, against the largest logit)
@@ -244,11 +243,13 @@ std::vector<std::vector<double>> float64_gradients(const DecoderModel<>& model, 
 
 }  // namespace
 
-TEST_CASE("the hybrid families' fixtures: megatrain in float64 within fp32 rounding of both fp32 computations") {
-  // Why their check above is 1e-4 and not 1e-5: the largest distance of any gradient from
-  // megatrain's float64 one, relative to its size, of megatrain's fp32 gradient and of
-  // transformers' (whose chunked delta rule runs in fp32 whatever the model's dtype); for Qwen3,
-  // both stay within 1e-5.
+TEST_CASE("the hybrid families' fixtures: megatrain in float64 gives transformers' float64 gradients within 1e-6") {
+  // The hybrids' references are transformers' computation in float64: megatrain's CPU backend in
+  // float64 must give them within 1e-6 of each gradient's size (what storing them in fp32 leaves).
+  // Beside it, megatrain's fp32 gradients' distance from them: why the check above is 2e-4 for
+  // the hybrids. Qwen3 (an fp32 reference): both within 1e-5. Not yet qwen3_5_mm: its float64
+  // reference is 6.3e-5 from megatrain's float64 where the text model's (the same layers) is 5e-8,
+  // so some step of transformers' multimodal path stays fp32 under float64_family (not yet found).
   for (const char* name : {"qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next"}) {
     CAPTURE(name);
     const fs::path dir = fs::path(MEGATRAIN_TEST_FIXTURES) / name;
@@ -276,15 +277,15 @@ TEST_CASE("the hybrid families' fixtures: megatrain in float64 within fp32 round
         ours = std::max(ours, std::sqrt(d32 / n64));
         theirs = std::max(theirs, std::sqrt(dtf / n64));
       }
-    MESSAGE(std::string(name) << ": largest distance from megatrain's float64 gradients: megatrain fp32 " << ours << ", transformers fp32 "
-                 << theirs);
-    const double bound = std::string_view(name) == "qwen3" ? 1e-5 : 1e-4;
-    CHECK(ours <= bound);
-    CHECK(theirs <= bound);
+    const bool hybrid = std::string_view(name) != "qwen3";
+    MESSAGE(std::string(name) << ": largest distance from megatrain's float64 gradients: megatrain fp32 " << ours
+                              << ", transformers " << std::string(hybrid ? "float64 " : "fp32 ") << theirs);
+    CHECK(ours <= (hybrid ? 2e-4 : 1e-5));
+    CHECK(theirs <= (hybrid ? 1e-6 : 1e-5));
   }
 }
 
-TEST_CASE("every model family gives transformers' loss and gradients (fp32 CPU backend, rel 1e-5; hybrids 1e-4)") {
+TEST_CASE("every model family gives transformers' loss and gradients (fp32 CPU backend, rel 1e-5; hybrids 2e-4)") {
   std::vector<fs::path> dirs;
   for (const auto& e : fs::directory_iterator(MEGATRAIN_TEST_FIXTURES))
     if (fs::exists(e.path() / "reference.safetensors")) dirs.push_back(e.path());
