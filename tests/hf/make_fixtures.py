@@ -16,7 +16,8 @@ GPU machine) only to change or add a family:
 
 The hybrid families' fixtures (qwen3_5, qwen3_5_mm, qwen3_5_moe, qwen3_next) hold transformers'
 computation in float64 (float64_family; made on the GPU machine on 2026-12-07 with transformers
-5.17, their generation_config.json not kept). Two more are written but not read by megatrain yet
+5.17, their generation_config.json not kept; qwen3_5_mm's language model swapped for the copy's, as
+AutoModel builds transformers' own). Two more are written but not read by megatrain yet
 (issue 53): qwen3_5_moe_aux and qwen3_next_aux (the auxiliary loss as their routers record it);
 neither is in tests/fixtures.
 """
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -435,7 +437,12 @@ def make_qwen3_5_mm(out):
     cfg = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict())
     model = transformers.Qwen3_5ForConditionalGeneration(cfg).float().eval()
     d = perturbed_and_saved(model, name, out)
-    model64 = float64_family(transformers.Qwen3_5ForConditionalGeneration)(cfg).double().eval()
+    family = float64_family(transformers.Qwen3_5ForConditionalGeneration)
+    model64 = family(cfg)
+    # (its language model is built through AutoModel, which finds transformers' own class, float32
+    # casts and all: the float64 copy's instead)
+    model64.model.language_model = getattr(sys.modules[family.__module__], "Qwen3_5TextModel")(cfg.text_config)
+    model64 = model64.double().eval()
     model64.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     model = model64
     from safetensors.torch import load_file

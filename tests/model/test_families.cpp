@@ -247,10 +247,8 @@ TEST_CASE("the hybrid families' fixtures: megatrain in float64 gives transformer
   // The hybrids' references are transformers' computation in float64: megatrain's CPU backend in
   // float64 must give them within 1e-6 of each gradient's size (what storing them in fp32 leaves).
   // Beside it, megatrain's fp32 gradients' distance from them: why the check above is 2e-4 for
-  // the hybrids. Qwen3 (an fp32 reference): both within 1e-5. Not yet qwen3_5_mm: its float64
-  // reference is 6.3e-5 from megatrain's float64 where the text model's (the same layers) is 5e-8,
-  // so some step of transformers' multimodal path stays fp32 under float64_family (not yet found).
-  for (const char* name : {"qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next"}) {
+  // the hybrids. Qwen3 (an fp32 reference): both within 1e-5.
+  for (const char* name : {"qwen3", "qwen3_5", "qwen3_5_mm", "qwen3_5_moe", "qwen3_next"}) {
     CAPTURE(name);
     const fs::path dir = fs::path(MEGATRAIN_TEST_FIXTURES) / name;
     const auto ref = SafetensorsFile::open(dir / "reference.safetensors");
