@@ -615,41 +615,22 @@ std::string samples_section(const fs::path& run_dir) {
   return h + "</table>\n</section>\n";
 }
 
-std::string render_run_report(const fs::path& run_dir, const RunReportInfo& info) {
+// A folder without metrics.jsonl refused; a folder of runs (runs/) given for one of them names them.
+void refuse_missing_metrics(const fs::path& run_dir) {
   std::error_code ec;
-  MT_CHECK(fs::is_directory(run_dir, ec), "run folder '{}' does not exist (or is not a folder)", run_dir.string());
-  const fs::path metrics_file = run_dir / "metrics.jsonl";
-  if (!fs::exists(metrics_file, ec)) {
-    // A folder of runs (runs/) given for one of them: name them.
-    std::vector<std::string> runs;
-    for (const auto& e : fs::directory_iterator(run_dir, ec))
-      if (e.is_directory(ec) && fs::exists(e.path() / "metrics.jsonl", ec)) runs.push_back(e.path().string());
-    std::sort(runs.begin(), runs.end());
-    if (runs.size() > 5) runs.resize(5), runs.back() = "...";
-    MT_FAIL("'{}' holds no metrics.jsonl: give the folder a run wrote (megatrain-train --out DIR), after its first step{}",
-            run_dir.string(), runs.empty() ? "" : fmt::format("; run folders inside it: {}", fmt::join(runs, ", ")));
-  }
-  const Metrics m = read_metrics(metrics_file);
-  const json options = read_object_file(run_dir / "options.json");
-  const json config = read_object_file(run_dir / "config.json");
-  json machine = read_object_file(run_dir / "machine.json");
-  if (info.machine.is_object()) {
-    if (!machine.is_object()) machine = json::object();
-    for (const auto& [k, v] : info.machine.items()) machine[k] = v;
-  }
-  const fs::path folder = folder_of(run_dir);
-  const std::string title = escape(info.title.empty() ? "megatrain run " + folder.filename().string() : info.title);
+  if (fs::exists(run_dir / "metrics.jsonl", ec)) return;
+  std::vector<std::string> runs;
+  for (const auto& e : fs::directory_iterator(run_dir, ec))
+    if (e.is_directory(ec) && fs::exists(e.path() / "metrics.jsonl", ec)) runs.push_back(e.path().string());
+  std::sort(runs.begin(), runs.end());
+  if (runs.size() > 5) runs.resize(5), runs.back() = "...";
+  MT_FAIL("'{}' holds no metrics.jsonl: give the folder a run wrote (megatrain-train --out DIR), after its first step{}",
+          run_dir.string(), runs.empty() ? "" : fmt::format("; run folders inside it: {}", fmt::join(runs, ", ")));
+}
 
+// The summary table: steps, losses, tokens, time, clipping, and what was left out.
+std::string summary_section(const Metrics& m) {
   std::string h;
-  h.reserve(1 << 16);
-  h += "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n";
-  h += "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n";
-  h += fmt::format("<meta name=\"generator\" content=\"megatrain {}\">\n", escape(version()));
-  h += fmt::format("<title>{}</title>\n<style>{}</style>\n</head>\n<body>\n", title, kStyle);
-  h += fmt::format("<header>\n<h1>{}</h1>\n<p class=\"sub\">run folder <code>{}</code> · {} step{} recorded</p>\n</header>\n",
-                   title, escape(folder.string()), grouped(static_cast<double>(m.rows)), m.rows == 1 ? "" : "s");
-
-  // Summary.
   h += "<section id=\"summary\">\n<h2>Summary</h2>\n<table class=\"kv\" id=\"summary-table\">\n";
   const auto row = [&](std::string_view k, const std::string& v) {
     h += fmt::format("<tr><th>{}</th><td>{}</td></tr>\n", k, escape(v));
@@ -692,7 +673,12 @@ std::string render_run_report(const fs::path& run_dir, const RunReportInfo& info
                                             "left out", *m.torn_line));
   h += "</table>\n</section>\n";
 
-  // Charts.
+  return h;
+}
+
+// The charts against the step (a mixture of experts' two more where it has them).
+std::string charts_section(const Metrics& m) {
+  std::string h;
   h += "<section id=\"charts-section\">\n<h2>Charts</h2>\n<div class=\"charts\">\n";
   std::vector<Line> loss_lines{{"train loss", "#1f77b4", &m.loss, false}};
   if (m.val_loss.present()) loss_lines.push_back({"val loss", "#d62728", &m.val_loss, true});
@@ -714,6 +700,35 @@ std::string render_run_report(const fs::path& run_dir, const RunReportInfo& info
                m.last_step);
   h += "</div>\n</section>\n";
 
+  return h;
+}
+
+std::string render_run_report(const fs::path& run_dir, const RunReportInfo& info) {
+  std::error_code ec;
+  MT_CHECK(fs::is_directory(run_dir, ec), "run folder '{}' does not exist (or is not a folder)", run_dir.string());
+  refuse_missing_metrics(run_dir);
+  const Metrics m = read_metrics(run_dir / "metrics.jsonl");
+  const json options = read_object_file(run_dir / "options.json");
+  const json config = read_object_file(run_dir / "config.json");
+  json machine = read_object_file(run_dir / "machine.json");
+  if (info.machine.is_object()) {
+    if (!machine.is_object()) machine = json::object();
+    for (const auto& [k, v] : info.machine.items()) machine[k] = v;
+  }
+  const fs::path folder = folder_of(run_dir);
+  const std::string title = escape(info.title.empty() ? "megatrain run " + folder.filename().string() : info.title);
+
+  std::string h;
+  h.reserve(1 << 16);
+  h += "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n";
+  h += "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n";
+  h += fmt::format("<meta name=\"generator\" content=\"megatrain {}\">\n", escape(version()));
+  h += fmt::format("<title>{}</title>\n<style>{}</style>\n</head>\n<body>\n", title, kStyle);
+  h += fmt::format("<header>\n<h1>{}</h1>\n<p class=\"sub\">run folder <code>{}</code> · {} step{} recorded</p>\n</header>\n",
+                   title, escape(folder.string()), grouped(static_cast<double>(m.rows)), m.rows == 1 ? "" : "s");
+
+  h += summary_section(m);
+  h += charts_section(m);
   h += samples_section(run_dir);
   // Tables.
   h += "<div class=\"tables\">\n";
