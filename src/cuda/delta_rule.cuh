@@ -35,11 +35,21 @@ struct Rule {
   __device__ i64 vd() const { return static_cast<i64>(Hv) * dv; }
 };
 
-/// Block (piece, value head, 32 columns): o (bf16, if not null), each chunk's starting state
-/// ([chunks, Hv, dk, dv], if not null) and delta ([tokens, vd], if not null); the carries.
-void forward(const Rule& r, bf* o, float* states, float* delta, cudaStream_t stream);
-/// The chunks in reverse: each chunk's end-state gradient (dstates) and dr, from dO ([tokens, vd]).
-void state_grad(const Rule& r, const float* dO, float* dstates, float* dr, cudaStream_t stream);
+/// A window's scratch, in fp32: W ([tokens, Hv, dk]) and U ([tokens, vd]) are the rows of
+/// T diag(beta exp(G)) K and T diag(beta) V (forward), then of T^T diag(exp(G_last - G)) K and
+/// scale T^T M^T dO (state_grad); T ([chunks, Hv, C, C]) = (I + A)^-1 of each chunk.
+struct Scratch {
+  float *W, *U, *T;
+};
+
+/// The chunks' own products (W, U, T: in parallel), the state walked through the chunks (a block
+/// a piece, value head and 32 columns: each chunk's starting state into states [chunks, Hv, dk,
+/// dv] and delta [tokens, vd], either may be null; the carries), then o (bf16, if not null: in
+/// parallel, which needs states and delta).
+void forward(const Rule& r, i64 chunks, const Scratch& w, bf* o, float* states, float* delta, cudaStream_t stream);
+/// From dO ([tokens, vd]) and forward's T: each chunk's W and U for the gradient, then the chunks
+/// in reverse: each chunk's end-state gradient (dstates) and dr.
+void state_grad(const Rule& r, i64 chunks, const Scratch& w, const float* dO, float* dstates, float* dr, cudaStream_t stream);
 /// Block (chunk, value head): dq and dk per value head ([tokens, Hv, dk]), dg and dbeta ([tokens, Hv]).
 void chunk_grad(const Rule& r, i64 chunks, const float* states, const float* dstates, const float* delta, const float* dr,
                 const float* dO, float* dq, float* dk, float* dg, float* dbeta, cudaStream_t stream);

@@ -260,17 +260,25 @@ __global__ void gated_norm_grad_kernel(const bf* o, const bf* z, const float* w,
 }
 
 // partial[seg, j] = the segment's sum over its tokens and heads of dy o rstd silu(z).
-__global__ void gated_norm_weight_grad_kernel(const bf* o, const bf* z, const float* rstd, const bf* dy, i64 T, int Hv,
-                                              int dv, float* partial) {
-  const i64 seg = blockIdx.x;
-  const i64 t1 = imin(T, (seg + 1) * kDeltaNetSegment);
-  for (int j = threadIdx.x; j < dv; j += blockDim.x) {
+// The gated norm's gain gradient, sum over rows of dy o rstd silu(z), in parts of kDeltaNetNormRows
+// rows: a block a part, 4 row lanes of 64 columns, their sums added in a fixed order.
+__global__ void __launch_bounds__(256) gated_norm_weight_grad_kernel(const bf* o, const bf* z, const float* rstd,
+                                                                     const bf* dy, i64 rows, int dv, float* partial) {
+  __shared__ float red[4][64];
+  const int tx = threadIdx.x % 64, ty = threadIdx.x / 64;
+  const i64 r0 = blockIdx.x * kDeltaNetNormRows, r1 = imin(rows, r0 + kDeltaNetNormRows);
+  for (int j0 = 0; j0 < dv; j0 += 64) {
+    const int j = j0 + tx;
     float s = 0;
-    for (i64 r = seg * kDeltaNetSegment * Hv; r < t1 * Hv; ++r) {
-      const i64 i = r * dv + j;
-      s += ld(dy + i) * ld(o + i) * rstd[r] * silu(ld(z + i));
-    }
-    partial[seg * dv + j] = s;
+    if (j < dv)
+      for (i64 r = r0 + ty; r < r1; r += 4) {
+        const i64 i = r * dv + j;
+        s += ld(dy + i) * ld(o + i) * rstd[r] * silu(ld(z + i));
+      }
+    red[ty][tx] = s;
+    __syncthreads();
+    if (ty == 0 && j < dv) partial[blockIdx.x * static_cast<i64>(dv) + j] = (red[0][tx] + red[1][tx]) + (red[2][tx] + red[3][tx]);
+    __syncthreads();
   }
 }
 
@@ -366,7 +374,9 @@ struct Work {
   std::int32_t *starts, *chunk_first;
   float *c, *inv, *g, *beta;
   float* window_states;  // [windows + 1, Hv, dk, dv]: the state where each window starts
-  float *states = nullptr, *dstates = nullptr, *delta = nullptr, *dr = nullptr, *dO = nullptr;
+  delta_rule::Scratch rule;
+  float *states, *delta;  // [chunks, Hv, dk, dv], [T, vd]
+  float *dstates = nullptr, *dr = nullptr, *dO = nullptr;
   float *dq = nullptr, *dk = nullptr, *dg = nullptr, *dbeta = nullptr;
   float *pconv = nullptr, *pnorm = nullptr, *pgate = nullptr;
   float *dcarry[2] = {nullptr, nullptr}, *tail = nullptr;
@@ -389,12 +399,15 @@ Work carve_work(const DeltaNetShape& s, const DeltaNetSequences& q, std::size_t 
   w.g = cv.take<float>(T * Hv);
   w.beta = cv.take<float>(T * Hv);
   w.window_states = cv.take<float>((windows + 1) * state);
+  const auto chunks = static_cast<std::size_t>((W + C - 1) / C + pieces);
+  w.rule.W = cv.take<float>(T * Hv * static_cast<std::size_t>(s.dk));
+  w.rule.U = cv.take<float>(T * vd);
+  w.rule.T = cv.take<float>(chunks * Hv * static_cast<std::size_t>(C * C));
+  w.states = cv.take<float>(chunks * state);
+  w.delta = cv.take<float>(T * vd);
   if (backward) {
-    const auto chunks = static_cast<std::size_t>((W + C - 1) / C + pieces);
     const auto segments = static_cast<std::size_t>((W + kDeltaNetSegment - 1) / kDeltaNetSegment);
-    w.states = cv.take<float>(chunks * state);
     w.dstates = cv.take<float>(chunks * state);
-    w.delta = cv.take<float>(T * vd);
     w.dr = cv.take<float>(T * vd);
     w.dO = cv.take<float>(T * vd);
     w.dq = cv.take<float>(T * Hv * static_cast<std::size_t>(s.dk));
@@ -402,7 +415,7 @@ Work carve_work(const DeltaNetShape& s, const DeltaNetSequences& q, std::size_t 
     w.dg = cv.take<float>(T * Hv);
     w.dbeta = cv.take<float>(T * Hv);
     w.pconv = cv.take<float>(segments * static_cast<std::size_t>(s.conv_dim() * s.taps));
-    w.pnorm = cv.take<float>(segments * static_cast<std::size_t>(s.dv));
+    w.pnorm = cv.take<float>(static_cast<std::size_t>(delta_net_norm_parts(s, W)) * static_cast<std::size_t>(s.dv));
     w.pgate = cv.take<float>(segments * 2 * Hv);
     w.dcarry[0] = cv.take<float>(state);
     w.dcarry[1] = cv.take<float>(state);
@@ -471,20 +484,21 @@ void backward_window(const DeltaNetShape& s, const DeltaNetSequences& q, const D
   const float* wrstd = rstd + win.w0 * s.value_heads;
   delta_rule::Rule r = prepare_rule(s, q, in, w, win, index, stream);
   r.carry_out = false;  // (the state at the window's end is known already)
-  delta_rule::forward(r, nullptr, w.states, w.delta, stream);
+  delta_rule::forward(r, win.chunks, w.rule, nullptr, w.states, w.delta, stream);
   // the gated norm: dO (fp32), dz, the gain's gradient
   gated_norm_grad_kernel<<<grid_for(rows, 8), 256, 0, stream>>>(wo, dev(wi.z), in.norm, wrstd, wdy, rows, dv, w.dO,
                                                                  dev(g.z) + win.w0 * vd);
   MT_CUDA_CHECK_LAUNCH("gated_norm_grad_kernel");
-  gated_norm_weight_grad_kernel<<<static_cast<unsigned>(segments), 128, 0, stream>>>(wo, dev(wi.z), wrstd, wdy, T, Hv, dv,
-                                                                                      w.pnorm);
+  const i64 norm_parts = delta_net_norm_parts(s, T);
+  gated_norm_weight_grad_kernel<<<static_cast<unsigned>(norm_parts), 256, 0, stream>>>(wo, dev(wi.z), wrstd, wdy, rows, dv,
+                                                                                        w.pnorm);
   MT_CUDA_CHECK_LAUNCH("gated_norm_weight_grad_kernel");
-  sum_segments(w.pnorm, segments, dv, g.norm, stream);
+  sum_segments(w.pnorm, norm_parts, dv, g.norm, stream);
   // the delta rule: the state's gradient walked back, then each chunk's
   r.carry_out = win.carry_out;
   r.state_in = dcarry_in;
   r.state_out = dcarry_out;
-  delta_rule::state_grad(r, w.dO, w.dstates, w.dr, stream);
+  delta_rule::state_grad(r, win.chunks, w.rule, w.dO, w.dstates, w.dr, stream);
   delta_rule::chunk_grad(r, win.chunks, w.states, w.dstates, w.delta, w.dr, w.dO, w.dq, w.dk, w.dg, w.dbeta, stream);
   // back through the norms and the convolution
   l2norm_grad_kernel<<<grid_for(T * 2 * s.key_heads, 8), 256, 0, stream>>>(w.c, w.inv, w.dq, w.dk, T, cd,
@@ -541,7 +555,7 @@ void launch_delta_net_forward(const DeltaNetShape& s, const DeltaNetSequences& q
     const Window& win = windows[i];
     const i64 vd = s.value_dim(), rows = win.tokens() * s.value_heads;
     const delta_rule::Rule r = prepare_rule(s, q, in, w, win, i, stream);
-    delta_rule::forward(r, dev(o) + win.w0 * vd, nullptr, nullptr, stream);
+    delta_rule::forward(r, win.chunks, w.rule, dev(o) + win.w0 * vd, w.states, w.delta, stream);
     gated_norm_kernel<<<grid_for(rows, 8), 256, 0, stream>>>(dev(o) + win.w0 * vd, dev(in.z) + win.w0 * vd, in.norm, rows,
                                                               static_cast<int>(s.dv), static_cast<float>(s.norm_eps),
                                                               dev(y) + win.w0 * vd, rstd + win.w0 * s.value_heads);
@@ -558,7 +572,7 @@ void launch_delta_net_backward(const DeltaNetShape& s, const DeltaNetSequences& 
   const Work w = carve_work(s, q, windows.size(), workspace, bytes, true);
   for (std::size_t i = 0; i + 1 < windows.size(); ++i) {  // each window's starting state, in order
     const delta_rule::Rule r = prepare_rule(s, q, in, w, windows[i], i, stream);
-    if (r.carry_out) delta_rule::forward(r, nullptr, nullptr, nullptr, stream);
+    if (r.carry_out) delta_rule::forward(r, windows[i].chunks, w.rule, nullptr, nullptr, nullptr, stream);
   }
   for (std::size_t i = windows.size(); i-- > 0;)
     backward_window(s, q, in, o, rstd, dy, g, w, windows[i], i, w.dcarry[(i + 1) % 2], w.dcarry[i % 2], stream);

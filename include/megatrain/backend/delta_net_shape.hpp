@@ -28,6 +28,12 @@ inline constexpr std::int64_t kDeltaRuleMaxKeyDim = 128;
 inline constexpr std::int64_t kDeltaNetMaxTaps = 8;
 /// Tokens per segment of the weights' gradient sums (each segment's partial sums, then their sum).
 inline constexpr std::int64_t kDeltaNetSegment = 1024;
+/// Rows (token, value head) per part of the gated norm's gain gradient (each part's sums, then theirs).
+inline constexpr std::int64_t kDeltaNetNormRows = 1024;
+/// Parts of the gated norm's gain gradient over `tokens` tokens.
+inline std::int64_t delta_net_norm_parts(const DeltaNetShape& s, std::int64_t tokens) {
+  return (tokens * s.value_heads + kDeltaNetNormRows - 1) / kDeltaNetNormRows;
+}
 /// The device kernels take a long chunk a window of tokens at a time, the state carried across:
 /// a window's workspace is about this many bytes (windows hold at least kDeltaNetMinWindow tokens).
 inline constexpr std::size_t kDeltaNetWindowBytes = std::size_t{4} << 30;
@@ -38,8 +44,8 @@ inline std::size_t delta_net_token_bytes(const DeltaNetShape& s) {
   const auto Hk = static_cast<std::size_t>(s.key_heads), Hv = static_cast<std::size_t>(s.value_heads);
   const auto vd = static_cast<std::size_t>(s.value_dim()), cd = static_cast<std::size_t>(s.conv_dim());
   const std::size_t state = Hv * static_cast<std::size_t>(s.dk * s.dv);
-  return 4 * (cd + 2 * Hk + 2 * Hv + 2 * state / static_cast<std::size_t>(kDeltaRuleChunk) + 3 * vd +
-              2 * Hv * static_cast<std::size_t>(s.dk) + 2 * Hv + 1);
+  const auto C = static_cast<std::size_t>(kDeltaRuleChunk), dk = static_cast<std::size_t>(s.dk);
+  return 4 * (cd + 2 * Hk + 2 * Hv + 2 * state / C + 4 * vd + 3 * Hv * dk + Hv * C + 2 * Hv + 1);
 }
 /// Tokens in each window of a mixing of `tokens` (the last may hold fewer; a window ends where a
 /// chunk of its last sequence does, so it may stop up to a chunk short of this). `window` > 0 asks
@@ -67,13 +73,17 @@ inline std::size_t delta_net_workspace_bytes(const DeltaNetShape& s, std::int64_
   const auto vd = static_cast<std::size_t>(s.value_dim()), cd = static_cast<std::size_t>(s.conv_dim());
   const std::size_t state = Hv * static_cast<std::size_t>(s.dk * s.dv), pad = 256, f = sizeof(float);
   const auto windows = static_cast<std::size_t>(delta_net_windows(s, tokens, window));
-  // (each piece below aligned to 256 bytes: the sequence table, conv, norms, gates, window states)
+  // (each piece below aligned to 256 bytes: the sequence table, conv, norms, gates, window states,
+  // the rule's W, U and T, the chunks' states and delta)
+  const auto dk = static_cast<std::size_t>(s.dk), chunk = static_cast<std::size_t>(kDeltaRuleChunk);
   std::size_t n = 2 * (static_cast<std::size_t>(pieces) + 1) * sizeof(std::int32_t) + T * cd * f + T * 2 * Hk * f +
-                  2 * T * Hv * f + (windows + 1) * state * f + 8 * pad;
+                  2 * T * Hv * f + (windows + 1) * state * f + T * Hv * dk * f + T * vd * f + C * Hv * chunk * chunk * f +
+                  C * state * f + T * vd * f + 13 * pad;
   if (backward) {
     const auto segments = static_cast<std::size_t>((W + kDeltaNetSegment - 1) / kDeltaNetSegment);
-    n += 2 * C * state * f + 3 * T * vd * f + 2 * T * Hv * static_cast<std::size_t>(s.dk) * f + 2 * T * Hv * f;
-    n += segments * (cd * static_cast<std::size_t>(s.taps) + static_cast<std::size_t>(s.dv) + 2 * Hv) * f;
+    n += C * state * f + 2 * T * vd * f + 2 * T * Hv * dk * f + 2 * T * Hv * f;
+    n += segments * (cd * static_cast<std::size_t>(s.taps) + 2 * Hv) * f +
+         static_cast<std::size_t>(delta_net_norm_parts(s, W)) * static_cast<std::size_t>(s.dv) * f;
     n += 2 * state * f + static_cast<std::size_t>(std::max<std::int64_t>(s.taps - 1, 1)) * cd * f + 18 * pad;
   }
   return n;
