@@ -91,18 +91,25 @@ Source open_source(const Options& o) {
 /// do_sample; top_k 50 when sampling, its default), each option given on the command line over it.
 generate::SamplingOptions sampling(const Options& o, const CLI::App& app, const fs::path& dir) {
   generate::SamplingOptions s;
-  json g = json::object();
-  std::error_code ec;
-  if (fs::is_regular_file(dir / "generation_config.json", ec)) {
-    g = json::parse(io::detail::read_file(dir / "generation_config.json"), nullptr, false);
-    MT_CHECK(!g.is_discarded() && g.is_object(), "'{}': malformed JSON", (dir / "generation_config.json").string());
-  }
-  const bool sample = g.value("do_sample", false);
-  s.temperature = sample ? g.value("temperature", 1.0) : 0.0;
-  s.top_k = sample ? g.value("top_k", std::int64_t{50}) : 0;
-  s.top_p = sample ? g.value("top_p", 1.0) : 1.0;
-  s.min_p = sample && g.contains("min_p") && g["min_p"].is_number() ? g["min_p"].get<double>() : 0.0;
-  s.repetition_penalty = g.contains("repetition_penalty") && g["repetition_penalty"].is_number() ? g["repetition_penalty"].get<double>() : 1.0;
+  const json g = read_generation_config(dir);
+  const std::string file = (dir / "generation_config.json").string();
+  const auto number = [&](const char* key, double fallback) {  // (absent or null: the fallback)
+    if (!g.contains(key) || g[key].is_null()) return fallback;
+    std::string flag = key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    MT_CHECK(g[key].is_number(), "'{}': {} is {}, not a number: fix the file, or give --{}", file, key, g[key].dump(), flag);
+    return g[key].get<double>();
+  };
+  MT_CHECK(!g.contains("do_sample") || g["do_sample"].is_boolean() || g["do_sample"].is_null(),
+           "'{}': do_sample is {}, not true or false: fix the file", file, g["do_sample"].dump());
+  const bool sample = g.contains("do_sample") && g["do_sample"].is_boolean() && g["do_sample"].get<bool>();
+  const double temperature = number("temperature", 1.0), top_k = number("top_k", 50), top_p = number("top_p", 1.0),
+               min_p = number("min_p", 0.0);
+  s.temperature = sample ? temperature : 0.0;
+  s.top_k = sample ? static_cast<std::int64_t>(top_k) : 0;
+  s.top_p = sample ? top_p : 1.0;
+  s.min_p = sample ? min_p : 0.0;
+  s.repetition_penalty = number("repetition_penalty", 1.0);
   if (app.count("--temperature")) s.temperature = o.temperature;
   if (app.count("--top-k")) s.top_k = o.top_k;
   if (app.count("--top-p")) s.top_p = o.top_p;

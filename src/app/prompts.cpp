@@ -70,6 +70,15 @@ Prompts read_prompts(const std::string& path, const char* option, const text::To
 }
 
 
+json read_generation_config(const fs::path& dir) {
+  const fs::path file = dir / "generation_config.json";
+  std::error_code ec;
+  if (!fs::is_regular_file(file, ec)) return json::object();
+  json g = json::parse(io::detail::read_file(file), nullptr, false);
+  MT_CHECK(!g.is_discarded() && g.is_object(), "'{}' is not a JSON object: fix the file or move it away", file.string());
+  return g;
+}
+
 std::vector<std::int32_t> eos_ids(const fs::path& dir, const text::Tokenizer& tok) {
   const auto ids_of = [](const json& v) {
     std::vector<std::int32_t> out;
@@ -79,13 +88,13 @@ std::vector<std::int32_t> eos_ids(const fs::path& dir, const text::Tokenizer& to
         if (x.is_number_integer()) out.push_back(x.get<std::int32_t>());
     return out;
   };
-  for (const char* name : {"generation_config.json", "config.json"}) {
-    std::error_code ec;
-    if (!fs::is_regular_file(dir / name, ec)) continue;
-    const json j = json::parse(io::detail::read_file(dir / name), nullptr, false);
-    if (j.is_discarded()) continue;
-    if (j.contains("eos_token_id")) return ids_of(j["eos_token_id"]);
-    if (j.contains("text_config") && j["text_config"].contains("eos_token_id")) return ids_of(j["text_config"]["eos_token_id"]);
+  if (const json g = read_generation_config(dir); g.contains("eos_token_id")) return ids_of(g["eos_token_id"]);
+  std::error_code ec;
+  if (fs::is_regular_file(dir / "config.json", ec)) {
+    const json j = json::parse(io::detail::read_file(dir / "config.json"), nullptr, false);
+    if (!j.is_discarded() && j.contains("eos_token_id")) return ids_of(j["eos_token_id"]);
+    if (!j.is_discarded() && j.contains("text_config") && j["text_config"].contains("eos_token_id"))
+      return ids_of(j["text_config"]["eos_token_id"]);
   }
   if (tok.eos_id()) return {*tok.eos_id()};
   return {};

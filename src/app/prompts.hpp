@@ -29,8 +29,13 @@ struct Prompts {
 Prompts read_prompts(const std::string& path, const char* option, const text::Tokenizer& tok,
                      const std::string& chat_format = "auto");
 
+/// `dir`'s generation_config.json as an object ({} where the folder has none). Throws
+/// megatrain::Error naming the file where it is not a JSON object.
+nlohmann::json read_generation_config(const std::filesystem::path& dir);
+
 /// The ids that end a completion: generation_config.json's eos_token_id in `dir`, else config.json's
-/// (or its text_config's), else the tokenizer's end token.
+/// (or its text_config's), else the tokenizer's end token. A malformed generation_config.json is
+/// refused (read_generation_config).
 std::vector<std::int32_t> eos_ids(const std::filesystem::path& dir, const text::Tokenizer& tok);
 
 /// A completion's text: without special tokens and a final end-of-sequence token, up to the first

@@ -109,6 +109,28 @@ check(a == run(generate, SAMPLE + ["--seed", "7"])[0], "--seed 7 twice: differen
 check(a != run(generate, SAMPLE + ["--seed", "8"])[0], "--seed 7 and --seed 8: the same completions")
 check(a != plain, "sampling at temperature 1.5 gave the greedy completions")
 
+# --- the folder's generation_config.json: read as transformers reads it, the flags over it --------
+config = os.path.join(work, "exp", "generation_config.json")
+kept = open(config).read() if os.path.exists(config) else None
+with open(config, "w") as f:  # sampling, but top_k 1 keeps only the likeliest token: greedy
+    json.dump({"do_sample": True, "top_k": 1, "temperature": None, "top_p": 0.9}, f)
+check(run(generate, ["--model", "exp", "--prompts", "prompts.jsonl", "--max-new-tokens", "6", "--backend", "cpu"])[0] == plain,
+      "do_sample with top_k 1 (temperature null) did not give the greedy completions")
+check(run(generate, SAMPLE + ["--seed", "7", "--top-k", "0", "--top-p", "1"])[0] == a,
+      "--temperature, --top-k and --top-p did not override the folder's sampling")
+for bad, words in ((b"{not json", ["generation_config.json' is not a JSON object"]),
+                   (b'{"do_sample": true, "top_k": "ten"}', ["top_k is \"ten\", not a number", "--top-k"]),
+                   (b'{"do_sample": "yes"}', ["do_sample is \"yes\", not true or false"])):
+    with open(config, "wb") as f:
+        f.write(bad)
+    err = run(generate, ["--model", "exp", "--prompts", "prompts.jsonl", "--backend", "cpu"], rc=1)[1]
+    check(all(w in err for w in words), f"generation_config.json {bad!r}: {err}")
+if kept is None:
+    os.remove(config)
+else:
+    with open(config, "w") as f:
+        f.write(kept)
+
 # --- a stop string: the text ends before it, the completion's reason is stop ----------------------
 text = records(plain)[0]["completion"]
 check(len(text) >= 4, f"a greedy completion too short to cut: {text!r}")
