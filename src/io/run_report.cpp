@@ -351,22 +351,161 @@ struct Line {
   bool points;  // drawn as markers joined by a dashed line (evaluations), else as a line
 };
 
+// Where a chart's values land: its x and y ranges (y on a logarithmic axis where `log`).
+struct Frame {
+  double x0, x1, y0, y1;
+  bool log;
+  double px(double x) const { return kLeft + (x - x0) / (x1 - x0) * kPlotW; }
+  double py(double y) const {
+    const double f = log ? std::log(y / y0) / std::log(y1 / y0) : (y - y0) / (y1 - y0);
+    return kTop + (1 - f) * kPlotH;
+  }
+};
+
+// The y axis around values in [y0, y1]: on a log scale where `log_if_wide` and the positive
+// values span more than 30 times (whole decades; with few, 2 and 5 times each too), else widened
+// to whole ticks (a flat series gets room around it). Sets f's y range and scale; the ticks.
+std::vector<std::pair<double, std::string>> y_axis(Frame& f, bool log_if_wide) {
+  std::vector<std::pair<double, std::string>> ticks;  // value, label
+  f.log = log_if_wide && f.y0 > 0 && f.y1 / f.y0 > 30;
+  if (f.log) {
+    f.y0 = std::pow(10.0, std::floor(std::log10(f.y0)));
+    f.y1 = std::pow(10.0, std::ceil(std::log10(f.y1)));
+    const int decades = static_cast<int>(std::lround(std::log10(f.y1 / f.y0)));
+    for (int d = 0; d <= decades; ++d) {
+      const double v = f.y0 * std::pow(10.0, d);
+      ticks.emplace_back(v, tick_label(v, v));
+      if (decades <= 3 && d < decades)
+        for (const double m : {2.0, 5.0}) ticks.emplace_back(v * m, tick_label(v * m, v));
+    }
+    return ticks;
+  }
+  if (!(f.y1 > f.y0)) {
+    const double pad = f.y0 == 0 ? 1 : std::abs(f.y0) * 0.1;
+    f.y0 -= pad, f.y1 += pad;
+  }
+  const double ty = nice_step(f.y1 - f.y0, 5);
+  f.y0 = std::floor(f.y0 / ty) * ty;
+  f.y1 = std::ceil(f.y1 / ty) * ty;
+  for (double k = std::ceil(f.y0 / ty - 1e-9); k * ty <= f.y1 + ty * 1e-9; k += 1) ticks.emplace_back(k * ty, tick_label(k * ty, ty));
+  return ticks;
+}
+
+// The grid, the ticks and their labels, and the axes' titles.
+std::string axes_svg(const Frame& f, const std::vector<std::pair<double, std::string>>& yticks, std::string_view what) {
+  std::string svg;
+  for (const auto& [v, label] : yticks) {
+    const double y = f.py(v);
+    svg += fmt::format("<line class=\"grid\" x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\"/>"
+                       "<text class=\"tick\" x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text>\n",
+                       kLeft, y, kLeft + kPlotW, y, kLeft - 6, y + 4, label);
+  }
+  const double tx = std::max(1.0, std::round(nice_step(f.x1 - f.x0, 8)));
+  for (double k = std::ceil(f.x0 / tx - 1e-9); k * tx <= f.x1 + 1e-9; k += 1) {
+    const double x = f.px(k * tx);
+    svg += fmt::format("<line class=\"grid\" x1=\"{:.1f}\" y1=\"{}\" x2=\"{:.1f}\" y2=\"{}\"/>"
+                       "<text class=\"tick\" x=\"{:.1f}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n",
+                       x, kTop, x, kTop + kPlotH, x, kTop + kPlotH + 16, tick_label(k * tx, tx));
+  }
+  svg += fmt::format("<text class=\"axis\" x=\"{}\" y=\"{}\" text-anchor=\"middle\">step</text>\n", kLeft + kPlotW / 2,
+                     kHeight - 6);
+  svg += fmt::format("<text class=\"axis\" x=\"14\" y=\"{}\" text-anchor=\"middle\" "
+                     "transform=\"rotate(-90 14 {})\">{}{}</text>\n",
+                     kTop + kPlotH / 2, kTop + kPlotH / 2, what, f.log ? " (log scale)" : "");
+  return svg;
+}
+
+// One line's points: polylines broken where values were not finite; a lone point as a dot; the
+// range of each bucket of a long series (`bucketed`) shaded behind its line.
+std::string series_svg(const Frame& f, const Line& l, const std::vector<Point>& p, bool bucketed) {
+  std::string svg = fmt::format("<g class=\"series\" data-series=\"{}\" data-points=\"{}\" stroke=\"{}\" fill=\"{}\">\n",
+                                l.label, p.size(), l.color, l.color);
+  std::size_t start = 0;
+  for (std::size_t i = 1; i <= p.size(); ++i) {
+    if (i < p.size() && !p[i].gap_before) continue;
+    if (i - start == 1 && !l.points) {
+      svg += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"2.5\"/>\n", f.px(p[start].x), f.py(p[start].y));
+    } else if (i - start > 1) {
+      if (bucketed) {
+        svg += "<polygon class=\"band\" points=\"";
+        for (std::size_t k = start; k < i; ++k) svg += fmt::format("{:.1f},{:.1f} ", f.px(p[k].x), f.py(p[k].hi));
+        for (std::size_t k = i; k-- > start;)
+          svg += fmt::format("{:.1f},{:.1f}{}", f.px(p[k].x), f.py(p[k].lo), k > start ? " " : "");
+        svg += "\"/>\n";
+      }
+      svg += fmt::format("<polyline class=\"{}\" points=\"", l.points ? "dashed" : "line");
+      for (std::size_t k = start; k < i; ++k)
+        svg += fmt::format("{}{:.1f},{:.1f}", k > start ? " " : "", f.px(p[k].x), f.py(p[k].y));
+      svg += "\"/>\n";
+    }
+    start = i;
+  }
+  if (l.points && p.size() <= 300)
+    for (const Point& q : p) svg += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"3\"/>\n", f.px(q.x), f.py(q.y));
+  return svg + "</g>\n";
+}
+
+// Steps whose values were not finite: marks along the top of the plot.
+std::string nonfinite_marks(const Frame& f, const std::vector<Line>& lines) {
+  std::vector<long> marked;
+  for (const Line& l : lines)
+    for (const double x : l.series->nonfinite) marked.push_back(std::lround(f.px(x)));
+  std::sort(marked.begin(), marked.end());
+  marked.erase(std::unique(marked.begin(), marked.end()), marked.end());
+  if (marked.empty()) return {};
+  std::string svg = "<g class=\"nonfinite\">";
+  for (const long x : marked) svg += fmt::format("<line x1=\"{}\" y1=\"{}\" x2=\"{}\" y2=\"{}\"/>", x, kTop, x, kTop + 8);
+  return svg + "</g>\n";
+}
+
+// The legend, right-aligned above the plot.
+std::string legend_svg(const std::vector<Line>& lines) {
+  std::string svg;
+  double right = kLeft + kPlotW;
+  for (std::size_t li = lines.size(); li-- > 0;) {
+    const Line& l = lines[li];
+    const double text_w = 7.0 * static_cast<double>(l.label.size());
+    const double x = right - text_w - 26;
+    svg += fmt::format("<g class=\"legend\"><line x1=\"{:.1f}\" y1=\"18\" x2=\"{:.1f}\" y2=\"18\" stroke=\"{}\"{}/>", x, x + 20,
+                       l.color, l.points ? " stroke-dasharray=\"4 3\"" : "");
+    if (l.points) svg += fmt::format("<circle cx=\"{:.1f}\" cy=\"18\" r=\"3\" fill=\"{}\"/>", x + 10, l.color);
+    svg += fmt::format("<text x=\"{:.1f}\" y=\"22\">{}</text></g>\n", x + 25, l.label);
+    right = x - 14;
+  }
+  return svg;
+}
+
+// What a chart left out: non-finite values, and long series drawn by buckets.
+std::string chart_notes(const std::vector<Line>& lines) {
+  std::string out;
+  for (const Line& l : lines) {
+    const std::vector<double>& bad = l.series->nonfinite;
+    if (!bad.empty())
+      out += fmt::format("<p class=\"note warn\">{}: {} non-finite value{} (NaN or infinity) left out of the chart, at step{} {} "
+                         "(marked in red along the top)</p>\n",
+                         l.label, bad.size(), bad.size() == 1 ? "" : "s", bad.size() == 1 ? "" : "s", steps_list(bad));
+    if (l.series->x.size() > 2 * kBuckets)
+      out += fmt::format("<p class=\"note\">{}: {} values drawn as the mean of each of {} step ranges, their minimum "
+                         "and maximum shaded</p>\n",
+                         l.label, grouped(static_cast<double>(l.series->x.size())), kBuckets);
+  }
+  return out;
+}
+
 // A chart of `lines` against the step. `log_if_wide`: positive values whose largest is more than
 // 30 times the smallest (a gradient norm with a spike) are drawn on a logarithmic y axis.
 std::string chart(std::string_view id, std::string_view title, std::string_view what, const std::vector<Line>& lines,
                   double first_step, double last_step, bool log_if_wide = false) {
-  // The x range: the run's steps; a single step gets room on both sides.
-  double x0 = first_step, x1 = last_step;
-  if (!(x1 > x0)) x0 -= 0.5, x1 += 0.5;
+  Frame f{first_step, last_step, std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(), false};
+  if (!(f.x1 > f.x0)) f.x0 -= 0.5, f.x1 += 0.5;  // (a single step gets room on both sides)
   std::vector<std::vector<Point>> pts;
   std::vector<bool> bucketed;
-  double y0 = std::numeric_limits<double>::infinity(), y1 = -y0;
   std::size_t total = 0;
   for (const Line& l : lines) {
     bool b = false;
-    pts.push_back(downsample(*l.series, x0, x1, b));
+    pts.push_back(downsample(*l.series, f.x0, f.x1, b));
     bucketed.push_back(b);
-    for (const Point& p : pts.back()) y0 = std::min(y0, p.lo), y1 = std::max(y1, p.hi);
+    for (const Point& p : pts.back()) f.y0 = std::min(f.y0, p.lo), f.y1 = std::max(f.y1, p.hi);
     total += pts.back().size();
   }
   std::string svg;
@@ -380,124 +519,13 @@ std::string chart(std::string_view id, std::string_view title, std::string_view 
     svg += fmt::format("<text class=\"empty\" x=\"{}\" y=\"{}\" text-anchor=\"middle\">no finite values</text>\n",
                        kLeft + kPlotW / 2, kTop + kPlotH / 2);
   } else {
-    const bool log = log_if_wide && y0 > 0 && y1 / y0 > 30;
-    std::vector<std::pair<double, std::string>> yticks;  // value, label
-    if (log) {
-      // Whole decades around the data; with few decades, 2 and 5 times each too.
-      y0 = std::pow(10.0, std::floor(std::log10(y0)));
-      y1 = std::pow(10.0, std::ceil(std::log10(y1)));
-      const int decades = static_cast<int>(std::lround(std::log10(y1 / y0)));
-      for (int d = 0; d <= decades; ++d) {
-        const double v = y0 * std::pow(10.0, d);
-        yticks.emplace_back(v, tick_label(v, v));
-        if (decades <= 3 && d < decades)
-          for (const double f : {2.0, 5.0}) yticks.emplace_back(v * f, tick_label(v * f, v));
-      }
-    } else {
-      // The data's range, widened to whole ticks; a flat series gets room around it.
-      if (!(y1 > y0)) {
-        const double pad = y0 == 0 ? 1 : std::abs(y0) * 0.1;
-        y0 -= pad, y1 += pad;
-      }
-      const double ty = nice_step(y1 - y0, 5);
-      y0 = std::floor(y0 / ty) * ty;
-      y1 = std::ceil(y1 / ty) * ty;
-      for (double k = std::ceil(y0 / ty - 1e-9); k * ty <= y1 + ty * 1e-9; k += 1)
-        yticks.emplace_back(k * ty, tick_label(k * ty, ty));
-    }
-    const auto px = [&](double x) { return kLeft + (x - x0) / (x1 - x0) * kPlotW; };
-    const auto py = [&](double y) {
-      const double f = log ? std::log(y / y0) / std::log(y1 / y0) : (y - y0) / (y1 - y0);
-      return kTop + (1 - f) * kPlotH;
-    };
-    // Grid, ticks and their labels.
-    for (const auto& [v, label] : yticks) {
-      const double y = py(v);
-      svg += fmt::format("<line class=\"grid\" x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\"/>"
-                         "<text class=\"tick\" x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text>\n",
-                         kLeft, y, kLeft + kPlotW, y, kLeft - 6, y + 4, label);
-    }
-    const double tx = std::max(1.0, std::round(nice_step(x1 - x0, 8)));
-    for (double k = std::ceil(x0 / tx - 1e-9); k * tx <= x1 + 1e-9; k += 1) {
-      const double x = px(k * tx);
-      svg += fmt::format("<line class=\"grid\" x1=\"{:.1f}\" y1=\"{}\" x2=\"{:.1f}\" y2=\"{}\"/>"
-                         "<text class=\"tick\" x=\"{:.1f}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n",
-                         x, kTop, x, kTop + kPlotH, x, kTop + kPlotH + 16, tick_label(k * tx, tx));
-    }
-    svg += fmt::format("<text class=\"axis\" x=\"{}\" y=\"{}\" text-anchor=\"middle\">step</text>\n", kLeft + kPlotW / 2,
-                       kHeight - 6);
-    svg += fmt::format("<text class=\"axis\" x=\"14\" y=\"{}\" text-anchor=\"middle\" "
-                       "transform=\"rotate(-90 14 {})\">{}{}</text>\n",
-                       kTop + kPlotH / 2, kTop + kPlotH / 2, what, log ? " (log scale)" : "");
-    // The series: polylines broken where values were not finite; a lone point as a dot; the
-    // range of each bucket of a long series shaded behind its line.
-    for (std::size_t li = 0; li < lines.size(); ++li) {
-      const Line& l = lines[li];
-      const std::vector<Point>& p = pts[li];
-      svg += fmt::format("<g class=\"series\" data-series=\"{}\" data-points=\"{}\" stroke=\"{}\" fill=\"{}\">\n", l.label,
-                         p.size(), l.color, l.color);
-      std::size_t start = 0;
-      for (std::size_t i = 1; i <= p.size(); ++i) {
-        if (i < p.size() && !p[i].gap_before) continue;
-        if (i - start == 1 && !l.points) {
-          svg += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"2.5\"/>\n", px(p[start].x), py(p[start].y));
-        } else if (i - start > 1) {
-          if (bucketed[li]) {
-            svg += "<polygon class=\"band\" points=\"";
-            for (std::size_t k = start; k < i; ++k) svg += fmt::format("{:.1f},{:.1f} ", px(p[k].x), py(p[k].hi));
-            for (std::size_t k = i; k-- > start;)
-              svg += fmt::format("{:.1f},{:.1f}{}", px(p[k].x), py(p[k].lo), k > start ? " " : "");
-            svg += "\"/>\n";
-          }
-          svg += fmt::format("<polyline class=\"{}\" points=\"", l.points ? "dashed" : "line");
-          for (std::size_t k = start; k < i; ++k)
-            svg += fmt::format("{}{:.1f},{:.1f}", k > start ? " " : "", px(p[k].x), py(p[k].y));
-          svg += "\"/>\n";
-        }
-        start = i;
-      }
-      if (l.points && p.size() <= 300)
-        for (const Point& q : p) svg += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"3\"/>\n", px(q.x), py(q.y));
-      svg += "</g>\n";
-    }
-    // Steps whose values were not finite: marks along the top of the plot.
-    std::vector<long> marked;
-    for (const Line& l : lines)
-      for (const double x : l.series->nonfinite) marked.push_back(std::lround(px(x)));
-    std::sort(marked.begin(), marked.end());
-    marked.erase(std::unique(marked.begin(), marked.end()), marked.end());
-    if (!marked.empty()) {
-      svg += "<g class=\"nonfinite\">";
-      for (const long x : marked) svg += fmt::format("<line x1=\"{}\" y1=\"{}\" x2=\"{}\" y2=\"{}\"/>", x, kTop, x, kTop + 8);
-      svg += "</g>\n";
-    }
+    const auto yticks = y_axis(f, log_if_wide);
+    svg += axes_svg(f, yticks, what);
+    for (std::size_t li = 0; li < lines.size(); ++li) svg += series_svg(f, lines[li], pts[li], bucketed[li]);
+    svg += nonfinite_marks(f, lines);
   }
-  // The legend, right-aligned above the plot.
-  double right = kLeft + kPlotW;
-  for (std::size_t li = lines.size(); li-- > 0;) {
-    const Line& l = lines[li];
-    const double text_w = 7.0 * static_cast<double>(l.label.size());
-    const double x = right - text_w - 26;
-    svg += fmt::format("<g class=\"legend\"><line x1=\"{:.1f}\" y1=\"18\" x2=\"{:.1f}\" y2=\"18\" stroke=\"{}\"{}/>", x, x + 20,
-                       l.color, l.points ? " stroke-dasharray=\"4 3\"" : "");
-    if (l.points) svg += fmt::format("<circle cx=\"{:.1f}\" cy=\"18\" r=\"3\" fill=\"{}\"/>", x + 10, l.color);
-    svg += fmt::format("<text x=\"{:.1f}\" y=\"22\">{}</text></g>\n", x + 25, l.label);
-    right = x - 14;
-  }
-  svg += "</svg>\n";
-  // What was left out.
-  for (const Line& l : lines) {
-    const std::vector<double>& bad = l.series->nonfinite;
-    if (!bad.empty())
-      svg += fmt::format("<p class=\"note warn\">{}: {} non-finite value{} (NaN or infinity) left out of the chart, at step{} {} "
-                         "(marked in red along the top)</p>\n",
-                         l.label, bad.size(), bad.size() == 1 ? "" : "s", bad.size() == 1 ? "" : "s", steps_list(bad));
-    if (l.series->x.size() > 2 * kBuckets)
-      svg += fmt::format("<p class=\"note\">{}: {} values drawn as the mean of each of {} step ranges, their minimum "
-                         "and maximum shaded</p>\n",
-                         l.label, grouped(static_cast<double>(l.series->x.size())), kBuckets);
-  }
-  return svg + "</figure>\n";
+  svg += legend_svg(lines) + "</svg>\n";
+  return svg + chart_notes(lines) + "</figure>\n";
 }
 
 // ---- the page ---------------------------------------------------------------------------------
