@@ -252,6 +252,235 @@ void check_store_matches(const HostParamStore<float>& store, const std::vector<U
 
 // ---- loading ----------------------------------------------------------------------------------
 
+namespace {
+
+// A checkpoint's tensors against the model its config.json describes: each parameter's source,
+// the tensors left aside or ignored, and every problem found (listed together at the end).
+struct Match {
+  const SafetensorsCheckpoint& weights;
+  const ModelConfig& cfg;
+  const std::optional<DeclaredDType>& declared;
+  const HfOpenOptions& options;
+  std::vector<std::string> problems;
+  // Float tensors stored in another dtype than config.json declares: listed after the other
+  // problems (a whole checkpoint in the wrong dtype should not hide a missing tensor).
+  std::vector<std::string> dtype_problems;
+  std::set<std::string, std::less<>> used;
+  std::map<std::string, std::string, std::less<>> source;  // parameter -> checkpoint tensor name
+  std::vector<std::string> ignored, beside;
+  const std::string table = Embedding::kTable, head = LmHead::kHead;
+
+  Match(const SafetensorsCheckpoint& w, const ModelConfig& c, const std::optional<DeclaredDType>& d, const HfOpenOptions& o)
+      : weights(w), cfg(c), declared(d), options(o) {}
+
+  // (a multimodal checkpoint: the language model's tensors under their own names, checkpoint_name)
+  std::optional<TensorRef> find(std::string_view name) const { return weights.find(cfg.checkpoint_name(name)); }
+  void check_declared_dtype(const TensorRef& r) {
+    if (!declared || options.allow_dtype_mismatch || !is_float_dtype(r.info->dtype) || r.info->dtype == declared->dtype)
+      return;
+    dtype_problems.push_back(fmt::format(
+        "tensor '{}' in {} is stored as {} but config.json declares \"{}\": \"{}\" ({})", r.name(), where(r),
+        safetensors_dtype_name(r.info->dtype), declared->key, declared->text, safetensors_dtype_name(declared->dtype)));
+  }
+
+  // Fused tensors (Phi-3's projections, GPT-OSS's experts): each holds several parameters;
+  // checked whole, each parameter read from its place.
+  void match_fused(const std::vector<FusedTensor>& fused) {
+    for (const auto& f : fused) {
+      const std::string what = fmt::format("{} parameters such as {}", f.parts.size(), f.parts.front().param);
+      const FusedSource src = find_fused(weights, f);
+      if (src.whole) {
+        const TensorRef& ref = *src.whole;
+        used.insert(ref.name());
+        for (const auto& part : f.parts) source.emplace(part.param, ref.name());
+        if (ref.info->shape != f.shape)
+          problems.push_back(fmt::format("tensor '{}' in {} has shape {} but config.json needs {} (it holds {})",
+                                         ref.name(), where(ref), ref.info->shape_str(), shape_text(f.shape), what));
+        if (!is_float_dtype(ref.info->dtype))
+          problems.push_back(
+              fmt::format("tensor '{}' in {} holds {} elements; only F32, BF16, F16 and F64 weights can be "
+                          "loaded",
+                          ref.name(), where(ref), safetensors_dtype_name(ref.info->dtype)));
+        check_declared_dtype(ref);
+        continue;
+      }
+      if (src.blocks && src.scales) {  // MXFP4 (GPT-OSS): [E, R, G, 16] blocks and [E, R, G] scales of [E, G * 32, R]
+        for (const auto* r : {&*src.blocks, &*src.scales}) {
+          used.insert(r->name());
+          if (r->info->dtype != SafetensorsDType::u8)
+            problems.push_back(fmt::format("tensor '{}' in {} holds {} elements; MXFP4 blocks and scales are U8",
+                                           r->name(), where(*r), safetensors_dtype_name(r->info->dtype)));
+        }
+        for (const auto& part : f.parts) source.emplace(part.param, src.blocks->name());
+        const auto& b = src.blocks->info->shape;
+        const auto& sc = src.scales->info->shape;
+        const bool ok = f.shape.size() == 3 && b.size() == 4 && sc.size() == 3 && b[0] == f.shape[0] &&
+                        b[1] == f.shape[2] && b[2] * 32 == f.shape[1] && b[3] == 16 &&
+                        std::equal(sc.begin(), sc.end(), b.begin());
+        if (!ok)
+          problems.push_back(
+              fmt::format("MXFP4 tensors '{}' {} and '{}' {} in {} do not hold {} (config.json needs blocks "
+                          "[{}, {}, {}, 16] and scales [{}, {}, {}])",
+                          src.blocks->name(), src.blocks->info->shape_str(), src.scales->name(),
+                          src.scales->info->shape_str(), where(*src.blocks), shape_text(f.shape), f.shape[0],
+                          f.shape[2], f.shape[1] / 32, f.shape[0], f.shape[2], f.shape[1] / 32));
+        continue;
+      }
+      if (src.blocks || src.scales) {
+        const TensorRef& r = src.blocks ? *src.blocks : *src.scales;
+        used.insert(r.name());
+        problems.push_back(
+            fmt::format("tensor '{}' in {} has no {} beside it: an MXFP4 tensor needs both its _blocks and "
+                        "its _scales",
+                        r.name(), where(r), src.blocks ? f.name + "_scales" : f.name + "_blocks"));
+        continue;
+      }
+      problems.push_back(fmt::format(
+          "tensor '{}' is missing (the model needs {}: it holds {}){}{}", f.name, shape_text(f.shape), what,
+          f.mxfp4 ? fmt::format(" (or, MXFP4, {0}_blocks and {0}_scales)", f.name) : "",
+          f.optional ? fmt::format(" (or each of them as a tensor of its own, such as '{}')", f.parts.front().param)
+                     : ""));
+    }
+  }
+
+  // The parameters held one tensor each (those in `places` come from fused tensors).
+  void parameters(const std::vector<UnitSpec>& units, const std::map<std::string, detail::FusedPlace, std::less<>>& places) {
+    for (const auto& u : units) {
+      for (const auto& p : u.params) {
+        if (places.contains(p.name)) continue;
+        std::optional<TensorRef> ref = find(p.name);
+        if (!ref && cfg.tie_word_embeddings && p.name == table) ref = find(head);
+        if (!ref) {
+          problems.push_back(fmt::format("tensor '{}' is missing (the model needs {})", cfg.checkpoint_name(p.name),
+                                         shape_str(p.shape)));
+          continue;
+        }
+        used.insert(ref->name());
+        source.emplace(p.name, ref->name());
+        const auto& dims = ref->info->shape;
+        const auto want = p.shape.dims();
+        if (!std::equal(dims.begin(), dims.end(), want.begin(), want.end()))
+          problems.push_back(fmt::format("tensor '{}' in {} has shape {} but config.json needs {}", ref->name(),
+                                         where(*ref), ref->info->shape_str(), shape_str(p.shape)));
+        if (!is_float_dtype(ref->info->dtype))
+          problems.push_back(fmt::format(
+              "tensor '{}' in {} holds {} elements; only F32, BF16, F16 and F64 weights can be loaded (quantized "
+              "checkpoints are not supported)",
+              ref->name(), where(*ref), safetensors_dtype_name(ref->info->dtype)));
+        check_declared_dtype(*ref);
+      }
+    }
+  }
+
+  // A tied model may carry the head anyway: then it must be the table.
+  void tied_head() {
+    if (cfg.tie_word_embeddings && !used.contains(cfg.checkpoint_name(head))) {
+      if (auto h = find(head)) {
+        used.insert(h->name());
+        const auto t = find(table);
+        const bool comparable =
+            t && t->info->shape == h->info->shape && is_float_dtype(t->info->dtype) && is_float_dtype(h->info->dtype);
+        float a = 0, b = 0;
+        const std::int64_t at = comparable ? first_difference(*t, *h, &a, &b) : -1;
+        if (!comparable) {
+          problems.push_back(fmt::format(
+              "tensor '{}' in {} ({} {}) cannot be the tied embedding table (config.json has tie_word_embeddings true)",
+              head, where(*h), safetensors_dtype_name(h->info->dtype), h->info->shape_str()));
+        } else if (at >= 0) {
+          problems.push_back(
+              fmt::format("config.json has tie_word_embeddings true, but tensor '{}' in {} differs from '{}' (element "
+                          "{}: {} vs {}); "
+                          "set tie_word_embeddings to false if the model has a separate LM head",
+                          head, where(*h), table, at, b, a));
+        } else {
+          check_declared_dtype(*h);
+          ignored.push_back(fmt::format("{} (tied: equal to {})", h->name(), cfg.checkpoint_name(table)));
+        }
+      }
+    }
+  }
+
+  // The tensors no parameter read: beside the language model (kept for the export), rotary
+  // buffers (ignored), or problems.
+  void leftovers() {
+    std::vector<std::string> extras;
+    std::size_t vision = 0;  // (a multimodal checkpoint's tensors beside its language model's)
+    const bool wrapped = !cfg.wrapper_architecture.empty();
+    const auto is_beside = [&](std::string_view name) {  // (the vision tower, a projector, Qwen3.5's mtp.* layers)
+      return wrapped && (name.starts_with("vision_tower.") || name.starts_with("multi_modal_projector.") ||
+                         (!cfg.checkpoint_model_prefix.empty() &&
+                          (name.starts_with("model.visual.") || name.starts_with("mtp."))));
+    };
+    for (const auto& name : weights.names()) {
+      if (used.contains(name)) continue;
+      if (is_beside(name)) {
+        ++vision;
+        beside.push_back(name);
+        continue;
+      }
+      if (is_rotary_buffer(name)) {
+        ignored.push_back(name + " (rotary buffer: recomputed from config.json)");
+        continue;
+      }
+      extras.push_back(name);
+    }
+    if (vision > 0)
+      ignored.push_back(
+          fmt::format("{} tensors of the vision tower and its projector{} (not trained; {})", vision,
+                      cfg.checkpoint_model_prefix.empty() ? "" : " and of the multi-token prediction (mtp.*)",
+                      cfg.checkpoint_model_prefix.empty()
+                          ? fmt::format("an export is the language model alone, {}", cfg.architecture_name())
+                          : "an export of the whole model writes them back unchanged"));
+    for (const auto& name : extras) {
+      const TensorRef r = weights.tensor(name);
+      std::string why = "the model config.json describes has no such parameter";
+      if (wrapped && !cfg.param_name(name))
+        why = fmt::format(
+            "config.json is a {} whose language model's tensors are read under '{}', and whose other "
+            "tensors are the vision tower's and projector's",
+            cfg.wrapper_architecture,
+            cfg.checkpoint_prefix.empty() ? cfg.checkpoint_model_prefix : cfg.checkpoint_prefix);
+      else if (name.ends_with("_proj.bias") && name.starts_with("model.layers."))
+        why = "config.json describes no bias for this projection (Llama: attention_bias / mlp_bias)";
+      else if (name.starts_with("model.layers."))
+        why = fmt::format("config.json has num_hidden_layers {}; a layer or parameter it does not describe",
+                          cfg.num_hidden_layers);
+      problems.push_back(fmt::format("unexpected tensor '{}' in {}: {}", name, where(r), why));
+    }
+  }
+
+  // Refuses the checkpoint where anything did not match, every problem listed (with hints).
+  void refuse_problems(const fs::path& dir, const std::string& ckpt_label) {
+    const std::size_t dtype_mismatches = dtype_problems.size();
+    problems.insert(problems.end(), dtype_problems.begin(), dtype_problems.end());
+    if (!problems.empty()) {
+      std::string hint;
+      if (dtype_mismatches > 0)
+        hint += fmt::format(
+            "\n  ({} tensor{} stored in another dtype than config.json's \"{}\": \"{}\"; if the checkpoint "
+            "mixes dtypes on purpose, allow it explicitly (HfOpenOptions::allow_dtype_mismatch; "
+            "megatrain-train --allow-dtype-mismatch): every float dtype is converted to the fp32 master)",
+            dtype_mismatches, dtype_mismatches == 1 ? "" : "s", declared->key, declared->text);
+      if (!cfg.tie_word_embeddings && !find(head) && find(table))
+        hint +=
+            "\n  (lm_head.weight is missing: if the model shares its embedding table with the LM head, set "
+            "\"tie_word_embeddings\": true in config.json)";
+      if (!find(table) && weights.contains("embed_tokens.weight"))
+        hint +=
+            "\n  (the tensor names lack the 'model.' prefix: a base-model checkpoint without the causal-LM wrapper is "
+            "not supported)";
+      std::string list;
+      for (std::size_t i = 0; i < problems.size() && i < kMaxProblemsShown; ++i) list += "\n  " + problems[i];
+      if (problems.size() > kMaxProblemsShown)
+        list += fmt::format("\n  ... and {} more", problems.size() - kMaxProblemsShown);
+      MT_FAIL("'{}' does not match the model its config.json describes ({}): {} problem{} in {}:{}{}", dir.string(),
+              describe(cfg), problems.size(), problems.size() == 1 ? "" : "s", ckpt_label, list, hint);
+    }
+  }
+};
+
+}  // namespace
+
 HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& options) {
   MT_NVTX_RANGE("io::HfCheckpoint::open");
   std::error_code ec;
@@ -316,194 +545,24 @@ HfCheckpoint HfCheckpoint::open(const fs::path& dir, const HfOpenOptions& option
 
   // ---- names, shapes and dtypes against the model -------------------------------------------
   const ModelConfig& cfg = c.config_;
-  const std::string ckpt_label = c.weights_.path().string();
-  std::vector<std::string> problems;
-  // Float tensors stored in another dtype than config.json declares: listed after the other
-  // problems (a whole checkpoint in the wrong dtype should not hide a missing tensor).
-  std::vector<std::string> dtype_problems;
-  const auto check_declared_dtype = [&](const TensorRef& r) {
-    if (!declared || options.allow_dtype_mismatch || !is_float_dtype(r.info->dtype) || r.info->dtype == declared->dtype)
-      return;
-    dtype_problems.push_back(fmt::format("tensor '{}' in {} is stored as {} but config.json declares \"{}\": \"{}\" ({})",
-                                         r.name(), where(r), safetensors_dtype_name(r.info->dtype), declared->key,
-                                         declared->text, safetensors_dtype_name(declared->dtype)));
-  };
-  std::set<std::string, std::less<>> used;
-  const std::string table = Embedding::kTable, head = LmHead::kHead;
-  // (a multimodal checkpoint: the language model's tensors under their own names, checkpoint_name)
-  const auto find = [&](std::string_view name) { return c.weights_.find(cfg.checkpoint_name(name)); };
-  // Fused tensors (Phi-3's projections, GPT-OSS's experts): each holds several parameters;
-  // checked whole, each parameter read from its place.
-  // (those that may be held part by part instead, and are: read as the parameters they hold)
+  Match m(c.weights_, cfg, declared, options);
+  // (fused tensors that may be held part by part instead, and are: read as the parameters they hold)
   c.fused_ = fused_tensors(cfg);
   for (auto& f : c.fused_) f.name = cfg.checkpoint_name(f.name);
   // (any of its parts there: read part by part, a missing one named as such)
   std::erase_if(c.fused_, [&](const FusedTensor& f) {
     const FusedSource s = find_fused(c.weights_, f);
     return f.optional && !s.whole && !s.blocks && !s.scales &&
-           std::ranges::any_of(f.parts, [&](const FusedPart& p) { return find(p.param).has_value(); });
+           std::ranges::any_of(f.parts, [&](const FusedPart& p) { return m.find(p.param).has_value(); });
   });
-  const auto& fused = c.fused_;
-  const auto places = fused_places(fused, c.units_);
-  for (const auto& f : fused) {
-    const std::string what = fmt::format("{} parameters such as {}", f.parts.size(), f.parts.front().param);
-    const FusedSource src = find_fused(c.weights_, f);
-    if (src.whole) {
-      const TensorRef& ref = *src.whole;
-      used.insert(ref.name());
-      for (const auto& part : f.parts) c.source_.emplace(part.param, ref.name());
-      if (ref.info->shape != f.shape)
-        problems.push_back(fmt::format("tensor '{}' in {} has shape {} but config.json needs {} (it holds {})", ref.name(),
-                                       where(ref), ref.info->shape_str(), shape_text(f.shape), what));
-      if (!is_float_dtype(ref.info->dtype))
-        problems.push_back(fmt::format("tensor '{}' in {} holds {} elements; only F32, BF16, F16 and F64 weights can be "
-                                       "loaded", ref.name(), where(ref), safetensors_dtype_name(ref.info->dtype)));
-      check_declared_dtype(ref);
-      continue;
-    }
-    if (src.blocks && src.scales) {  // MXFP4 (GPT-OSS): [E, R, G, 16] blocks and [E, R, G] scales of [E, G * 32, R]
-      for (const auto* r : {&*src.blocks, &*src.scales}) {
-        used.insert(r->name());
-        if (r->info->dtype != SafetensorsDType::u8)
-          problems.push_back(fmt::format("tensor '{}' in {} holds {} elements; MXFP4 blocks and scales are U8", r->name(),
-                                         where(*r), safetensors_dtype_name(r->info->dtype)));
-      }
-      for (const auto& part : f.parts) c.source_.emplace(part.param, src.blocks->name());
-      const auto& b = src.blocks->info->shape;
-      const auto& sc = src.scales->info->shape;
-      const bool ok = f.shape.size() == 3 && b.size() == 4 && sc.size() == 3 && b[0] == f.shape[0] && b[1] == f.shape[2] &&
-                      b[2] * 32 == f.shape[1] && b[3] == 16 && std::equal(sc.begin(), sc.end(), b.begin());
-      if (!ok)
-        problems.push_back(fmt::format("MXFP4 tensors '{}' {} and '{}' {} in {} do not hold {} (config.json needs blocks "
-                                       "[{}, {}, {}, 16] and scales [{}, {}, {}])", src.blocks->name(),
-                                       src.blocks->info->shape_str(), src.scales->name(), src.scales->info->shape_str(),
-                                       where(*src.blocks), shape_text(f.shape), f.shape[0], f.shape[2], f.shape[1] / 32,
-                                       f.shape[0], f.shape[2], f.shape[1] / 32));
-      continue;
-    }
-    if (src.blocks || src.scales) {
-      const TensorRef& r = src.blocks ? *src.blocks : *src.scales;
-      used.insert(r.name());
-      problems.push_back(fmt::format("tensor '{}' in {} has no {} beside it: an MXFP4 tensor needs both its _blocks and "
-                                     "its _scales", r.name(), where(r), src.blocks ? f.name + "_scales" : f.name + "_blocks"));
-      continue;
-    }
-    problems.push_back(fmt::format("tensor '{}' is missing (the model needs {}: it holds {}){}{}", f.name, shape_text(f.shape),
-                                   what, f.mxfp4 ? fmt::format(" (or, MXFP4, {0}_blocks and {0}_scales)", f.name) : "",
-                                   f.optional ? fmt::format(" (or each of them as a tensor of its own, such as '{}')",
-                                                            f.parts.front().param)
-                                              : ""));
-  }
-  for (const auto& u : c.units_) {
-    for (const auto& p : u.params) {
-      if (places.contains(p.name)) continue;
-      std::optional<TensorRef> ref = find(p.name);
-      if (!ref && cfg.tie_word_embeddings && p.name == table) ref = find(head);
-      if (!ref) {
-        problems.push_back(fmt::format("tensor '{}' is missing (the model needs {})", cfg.checkpoint_name(p.name),
-                                       shape_str(p.shape)));
-        continue;
-      }
-      used.insert(ref->name());
-      c.source_.emplace(p.name, ref->name());
-      const auto& dims = ref->info->shape;
-      const auto want = p.shape.dims();
-      if (!std::equal(dims.begin(), dims.end(), want.begin(), want.end()))
-        problems.push_back(fmt::format("tensor '{}' in {} has shape {} but config.json needs {}", ref->name(), where(*ref),
-                                       ref->info->shape_str(), shape_str(p.shape)));
-      if (!is_float_dtype(ref->info->dtype))
-        problems.push_back(fmt::format(
-            "tensor '{}' in {} holds {} elements; only F32, BF16, F16 and F64 weights can be loaded (quantized "
-            "checkpoints are not supported)",
-            ref->name(), where(*ref), safetensors_dtype_name(ref->info->dtype)));
-      check_declared_dtype(*ref);
-    }
-  }
-  // A tied model may carry the head anyway: then it must be the table.
-  if (cfg.tie_word_embeddings && !used.contains(cfg.checkpoint_name(head))) {
-    if (auto h = find(head)) {
-      used.insert(h->name());
-      const auto t = find(table);
-      const bool comparable = t && t->info->shape == h->info->shape && is_float_dtype(t->info->dtype) &&
-                              is_float_dtype(h->info->dtype);
-      float a = 0, b = 0;
-      const std::int64_t at = comparable ? first_difference(*t, *h, &a, &b) : -1;
-      if (!comparable) {
-        problems.push_back(fmt::format(
-            "tensor '{}' in {} ({} {}) cannot be the tied embedding table (config.json has tie_word_embeddings true)",
-            head, where(*h), safetensors_dtype_name(h->info->dtype), h->info->shape_str()));
-      } else if (at >= 0) {
-        problems.push_back(fmt::format(
-            "config.json has tie_word_embeddings true, but tensor '{}' in {} differs from '{}' (element {}: {} vs {}); "
-            "set tie_word_embeddings to false if the model has a separate LM head",
-            head, where(*h), table, at, b, a));
-      } else {
-        check_declared_dtype(*h);
-        c.ignored_.push_back(fmt::format("{} (tied: equal to {})", h->name(), cfg.checkpoint_name(table)));
-      }
-    }
-  }
-  std::vector<std::string> extras;
-  std::size_t vision = 0;  // (a multimodal checkpoint's tensors beside its language model's)
-  const bool wrapped = !cfg.wrapper_architecture.empty();
-  const auto beside = [&](std::string_view name) {  // (the vision tower, a projector, Qwen3.5's mtp.* layers)
-    return wrapped && (name.starts_with("vision_tower.") || name.starts_with("multi_modal_projector.") ||
-                       (!cfg.checkpoint_model_prefix.empty() && (name.starts_with("model.visual.") || name.starts_with("mtp."))));
-  };
-  for (const auto& name : c.weights_.names()) {
-    if (used.contains(name)) continue;
-    if (beside(name)) {
-      ++vision;
-      c.beside_.push_back(name);
-      continue;
-    }
-    if (is_rotary_buffer(name)) {
-      c.ignored_.push_back(name + " (rotary buffer: recomputed from config.json)");
-      continue;
-    }
-    extras.push_back(name);
-  }
-  if (vision > 0)
-    c.ignored_.push_back(fmt::format("{} tensors of the vision tower and its projector{} (not trained; {})", vision,
-                                     cfg.checkpoint_model_prefix.empty() ? "" : " and of the multi-token prediction (mtp.*)",
-                                     cfg.checkpoint_model_prefix.empty()
-                                         ? fmt::format("an export is the language model alone, {}", cfg.architecture_name())
-                                         : "an export of the whole model writes them back unchanged"));
-  for (const auto& name : extras) {
-    const TensorRef r = c.weights_.tensor(name);
-    std::string why = "the model config.json describes has no such parameter";
-    if (wrapped && !cfg.param_name(name))
-      why = fmt::format("config.json is a {} whose language model's tensors are read under '{}', and whose other "
-                        "tensors are the vision tower's and projector's", cfg.wrapper_architecture,
-                        cfg.checkpoint_prefix.empty() ? cfg.checkpoint_model_prefix : cfg.checkpoint_prefix);
-    else if (name.ends_with("_proj.bias") && name.starts_with("model.layers."))
-      why = "config.json describes no bias for this projection (Llama: attention_bias / mlp_bias)";
-    else if (name.starts_with("model.layers."))
-      why = fmt::format("config.json has num_hidden_layers {}; a layer or parameter it does not describe",
-                        cfg.num_hidden_layers);
-    problems.push_back(fmt::format("unexpected tensor '{}' in {}: {}", name, where(r), why));
-  }
-  const std::size_t dtype_mismatches = dtype_problems.size();
-  problems.insert(problems.end(), dtype_problems.begin(), dtype_problems.end());
-  if (!problems.empty()) {
-    std::string hint;
-    if (dtype_mismatches > 0)
-      hint += fmt::format("\n  ({} tensor{} stored in another dtype than config.json's \"{}\": \"{}\"; if the checkpoint "
-                          "mixes dtypes on purpose, allow it explicitly (HfOpenOptions::allow_dtype_mismatch; "
-                          "megatrain-train --allow-dtype-mismatch): every float dtype is converted to the fp32 master)",
-                          dtype_mismatches, dtype_mismatches == 1 ? "" : "s", declared->key, declared->text);
-    if (!cfg.tie_word_embeddings && !find(head) && find(table))
-      hint += "\n  (lm_head.weight is missing: if the model shares its embedding table with the LM head, set "
-              "\"tie_word_embeddings\": true in config.json)";
-    if (!find(table) && c.weights_.contains("embed_tokens.weight"))
-      hint += "\n  (the tensor names lack the 'model.' prefix: a base-model checkpoint without the causal-LM wrapper is "
-              "not supported)";
-    std::string list;
-    for (std::size_t i = 0; i < problems.size() && i < kMaxProblemsShown; ++i) list += "\n  " + problems[i];
-    if (problems.size() > kMaxProblemsShown) list += fmt::format("\n  ... and {} more", problems.size() - kMaxProblemsShown);
-    MT_FAIL("'{}' does not match the model its config.json describes ({}): {} problem{} in {}:{}{}", dir.string(),
-            describe(cfg), problems.size(), problems.size() == 1 ? "" : "s", ckpt_label, list, hint);
-  }
+  m.match_fused(c.fused_);
+  m.parameters(c.units_, fused_places(c.fused_, c.units_));
+  m.tied_head();
+  m.leftovers();
+  m.refuse_problems(dir, c.weights_.path().string());
+  c.source_ = std::move(m.source);
+  c.ignored_ = std::move(m.ignored);
+  c.beside_ = std::move(m.beside);
   return c;
 }
 
