@@ -259,7 +259,6 @@ __global__ void gated_norm_grad_kernel(const bf* o, const bf* z, const float* w,
   }
 }
 
-// partial[seg, j] = the segment's sum over its tokens and heads of dy o rstd silu(z).
 // The gated norm's gain gradient, sum over rows of dy o rstd silu(z), in parts of kDeltaNetNormRows
 // rows: a block a part, 4 row lanes of 64 columns, their sums added in a fixed order.
 __global__ void __launch_bounds__(256) gated_norm_weight_grad_kernel(const bf* o, const bf* z, const float* rstd,
