@@ -58,7 +58,39 @@ PRESETS = {
                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
                           max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
                           output_router_logits=False, tie_word_embeddings=False),
+    # Qwen3.5's text models (model_type qwen3_5_text / qwen3_5_moe_text: Gated DeltaNet layers, every
+    # fourth a gated full-attention layer; layer_types is filled in after any --layers cut)
+    "qwen3.5-27b": dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hidden_size=5120,
+                        intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                        head_dim=256, vocab_size=248320, linear_num_key_heads=16, linear_num_value_heads=48,
+                        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                        max_position_embeddings=262144, rms_norm_eps=1e-6,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+                        tie_word_embeddings=False),
+    "qwen3.5-35b-a3b": dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", hidden_size=2048,
+                            num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                            vocab_size=248320, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                            linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+                            moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=262144,
+                            rms_norm_eps=1e-6, output_router_logits=False,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+                            tie_word_embeddings=False),
 }
+FULL_ATTENTION_INTERVAL = 4  # (the Qwen3.5 presets: layers 3, 7, 11, ... are full attention, as megatrain's presets)
+
+
+def linear_attention_path():
+    """Which Gated DeltaNet implementation transformers can take here: flash-linear-attention's
+    kernels where that package is installed (or a Hub kernel, which needs the `kernels` package and
+    a network), else its own PyTorch chunked delta rule and a PyTorch depthwise convolution."""
+    import importlib.util
+    from transformers.utils import is_flash_linear_attention_available
+    fla = is_flash_linear_attention_available()
+    hub = importlib.util.find_spec("kernels") is not None
+    conv = importlib.util.find_spec("causal_conv1d") is not None
+    return (f"Gated DeltaNet: {'flash-linear-attention' if fla else 'transformers own PyTorch chunked delta rule'} "
+            f"(flash-linear-attention {'installed' if fla else 'not installed'}, the kernels package "
+            f"{'installed' if hub else 'not installed'}), convolution: {'causal-conv1d' if conv else 'PyTorch conv1d'}")
 
 
 def main():
@@ -92,6 +124,10 @@ def main():
     fields = dict(PRESETS[a.preset])
     if a.layers > 0:
         fields["num_hidden_layers"] = a.layers
+    hybrid = "linear_num_value_heads" in fields
+    if hybrid:
+        fields["layer_types"] = ["full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
+                                 for i in range(fields["num_hidden_layers"])]
     cfg = transformers.AutoConfig.for_model(**fields)
     cfg.use_cache = False
     moe = "num_experts" in fields
@@ -206,6 +242,7 @@ def main():
           f"parameters, {tokens} tokens per step ({a.batch} x {a.seq}, {a.batch // micro} pass(es) of {micro}), attention "
           f"{backend.name} (trial steps: {', '.join(f'{b.name} {t:.3f} s' for b, t in trial.items())}; passes of "
           f"{', '.join(f'{m} with {k} checkpointed layers: {t:.3f} s' for (m, k), t in split_times.items())}), "
+          f"{f'{linear_attention_path()}, ' if hybrid else ''}"
           f"{'eager' if a.no_compile else 'torch.compile of each decoder layer'}, {ckpt} of {nl} layers checkpointed, "
           f"{f'loss in checkpointed chunks of {loss_chunk} tokens' if loss_chunk else 'full logits'}, fused AdamW"
           f"{f', clip_grad_norm_ {a.clip}' if a.clip > 0 else ''}", flush=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the GPU measurements on a machine with an NVIDIA GPU, from binaries
 # built elsewhere and copied to BIN (with libtbb/libfmt in BIN/../lib). Logs go to OUT.
-#   scripts/gpu_check.sh BIN OUT [tests|hf|numerics|train|bench|bench7b|checkpoint|checkpoint7b|kernels|kernelclocks|packing|plan|probe|longctx|moe|gptoss|nccl|dp|all]...
+#   scripts/gpu_check.sh BIN OUT [tests|hf|numerics|train|bench|bench7b|checkpoint|checkpoint7b|kernels|kernelclocks|packing|plan|probe|longctx|moe|qwen35|gptoss|nccl|dp|all]...
 set -uo pipefail
 BIN=$(cd "$1" && pwd); OUT=$(mkdir -p "$2" && cd "$2" && pwd); shift 2
 what=${*:-all}
@@ -146,6 +146,36 @@ if [[ " $what " == *" moe "* ]]; then
     summary+=("peer: $(grep -E '^peer: PyTorch' "$OUT/peer_moe_${ml}layers.log" | head -1)")
   fi
   done
+fi
+# Qwen3.5 (docs/models.md, issue 57): the Qwen3.5-27B shape cut to Q35_LAYERS layers (default 20,
+# the most a 120 GiB host holds: three Gated DeltaNet layers to one gated attention layer) at 32k
+# tokens per step, exact clipping, against the PyTorch peer with transformers' Qwen3.5 in the same
+# call (dense); the Qwen3.5-35B-A3B shape cut to Q35_MOE_LAYERS (default 8) at 64k tokens likewise
+# (moe); and the dense Qwen3-8B shape, whose model TFLOP/s the hybrid's are compared with (8b).
+# Q35_PARTS picks among dense, moe and 8b (default all three).
+if [[ " $what " == *" qwen35 "* ]]; then
+  ql=${Q35_LAYERS:-20} qm=${Q35_MOE_LAYERS:-8} parts=${Q35_PARTS:-dense moe 8b}
+  for args in "dense qwen3.5-27b $ql 32" "moe qwen3.5-35b-a3b $qm 64"; do
+    read -r part preset nl batch <<< "$args"
+    [[ " $parts " == *" $part "* ]] || continue
+    tag=${preset//./}_${nl}
+    MEGATRAIN_HOST_MEMORY=120G timeout 500 "$BIN/bench_train" --preset "$preset" --layers "$nl" --batch "$batch" --seq 1024 \
+      --steps 5 --skip 2 --clip-mode exact > "$OUT/bench_$tag.log" 2>&1
+    summary+=("bench_train $preset, $nl layers, ${batch}k tokens, exact rc=$?: $(grep -E '^\| (tokens/s|model TFLOP)' "$OUT/bench_$tag.log" | tr '\n' ' ')")
+    summary+=("  $(grep -oP '^\| plan: [^|]*\| \Kpredicted.*measured / predicted [0-9.]+' "$OUT/bench_$tag.log" || echo 'plan ?')")
+    if [[ -z ${NO_PEER:-} ]]; then
+      PYTHONUNBUFFERED=1 timeout 500 python3 bench/peer_pytorch.py --preset "$preset" --layers "$nl" --batch "$batch" --seq 1024 \
+        --steps 4 --skip 2 --clip 1.0 > "$OUT/peer_$tag.log" 2>&1
+      mt=$(tps "$OUT/bench_$tag.log"); pe=$(peer_tps "$OUT/peer_$tag.log")
+      summary+=("$preset $nl layers ${batch}k exact: megatrain ${mt:-?} tok/s, PyTorch peer ${pe:-?} tok/s, ratio $(ratio "$mt" "$pe")")
+      summary+=("peer: $(grep -E '^peer: PyTorch' "$OUT/peer_$tag.log" | head -1)")
+    fi
+  done
+  if [[ " $parts " == *" 8b "* ]]; then
+    MEGATRAIN_HOST_MEMORY=120G timeout 300 "$BIN/bench_train" --preset qwen3-8b --batch 32 --seq 1024 --steps 5 --skip 2 \
+      --clip-mode exact > "$OUT/bench_qwen3_8b.log" 2>&1
+    summary+=("bench_train qwen3-8b 32k exact rc=$?: $(grep -E '^\| (tokens/s|model TFLOP)' "$OUT/bench_qwen3_8b.log" | tr '\n' ' ')")
+  fi
 fi
 # GPT-OSS (docs/models.md): the gpt-oss-20b shape cut to GPTOSS_LAYERS layers (default 4; half of
 # them sliding, every attention with sinks) at 64k tokens per step, exact clipping, against its plan.

@@ -51,6 +51,9 @@ struct Settings {
   std::string tokenizer, chat_format = "auto", train_on = "completion";
   bool skip_bad_lines = false;
   bool pack = false;
+  // what the step minimises: sft (cross-entropy) or dpo (preference pairs: train/preference.hpp)
+  std::string objective = "sft", dpo_loss = "sigmoid";
+  double dpo_beta = 0.1, dpo_label_smoothing = 0.0;
   // schedule and optimizer
   std::int64_t batch = 8, seq = 128, micro_batches = 1, max_micro_batch = 0, chunk = 0, token_chunk = 0, checkpoint_every = 0,
                steps = 60;

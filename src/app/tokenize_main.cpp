@@ -1,5 +1,5 @@
 // megatrain-tokenize (programs.hpp): text, documents and fine-tuning records (prompt/completion, alpaca,
-// conversations) in, token files out, with a model's own tokenizer (its tokenizer.json);
+// conversations, preference pairs) in, token files out, with a model's own tokenizer (its tokenizer.json);
 // megatrain-train then trains on them (--data). What is read and written: megatrain/text/prepare.hpp
 // and docs/data.md.
 //
@@ -31,11 +31,13 @@ int tokenize_main(int argc, char** argv) {
   app.add_option("--tokenizer", tokenizer, "A Hugging Face model folder (its tokenizer.json) or a tokenizer.json")->required();
   app.add_option("--input", input, "Text (one document), JSONL (one record per line) or JSON (an array of records)")->required();
   app.add_option("--output", output,
-                 "The token file to write (raw little-endian ids); for fine-tuning records also OUTPUT.mask and OUTPUT.idx")
+                 "The token file to write (raw little-endian ids); for fine-tuning records also OUTPUT.mask and OUTPUT.idx, "
+                 "for preference records OUTPUT.pairs too")
       ->required();
   app.add_option("--format", o.format, "auto (by extension: .jsonl, .json, else text), text, jsonl or json")->capture_default_str();
   app.add_option("--records", o.records,
-                 "auto (by the first record's fields), text (documents), prompt-completion, alpaca or messages")
+                 "auto (by the first record's fields), text (documents), prompt-completion, alpaca, messages or preference "
+                 "(prompt, chosen and rejected: pairs for --objective dpo)")
       ->capture_default_str();
   app.add_option("--field", o.field, "The field of a JSON object that holds a document")->capture_default_str();
   app.add_option("--chat-format", o.chat_format,

@@ -17,7 +17,8 @@ void add_data_options(CLI::App& app, Settings& s) {
   auto* data = app.add_option_group("data", "Data (default: the built-in text)");
   data->add_option("--data", s.data,
                    "Token file (.bin: uint16/uint32 ids, llm.c format, or examples with .mask and .idx beside it), JSONL or "
-                   "JSON records (documents, prompt/completion, alpaca, conversations: tokenised with the model's tokenizer), "
+                   "JSON records (documents, prompt/completion, alpaca, conversations, preference pairs: tokenised with the "
+                   "model's tokenizer), "
                    "or a text file (with a tokenizer: one document; without: byte tokens)");
   data->add_option("--data-format", s.data_format,
                    "Token width of .bin files: u16, u32, or auto (u32 where the vocabulary exceeds 65536, else u16)")
@@ -44,6 +45,24 @@ void add_data_options(CLI::App& app, Settings& s) {
   add_bool_option(data, "--skip-bad-lines", s.skip_bad_lines,
                   "JSON data: skip (and count) bad records instead of stopping at the first");
 
+}
+
+// What the step minimises: cross-entropy, or a preference loss over pairs (docs/preference.md).
+void add_objective_options(CLI::App& app, Settings& s) {
+  auto* obj = app.add_option_group("objective", "What the step minimises (docs/preference.md)");
+  obj->add_option("--objective", s.objective,
+                  "sft (cross-entropy on the trained tokens) or dpo (preference pairs: --data of prompt, chosen and "
+                  "rejected records; the reference is the model as the run starts)")
+      ->check(choice("--objective", {"sft", "dpo"}))
+      ->capture_default_str();
+  obj->add_option("--dpo-loss", s.dpo_loss, "dpo: sigmoid (the DPO paper's), hinge or ipo (TRL's loss_type)")
+      ->check(choice("--dpo-loss", {"sigmoid", "hinge", "ipo"}))
+      ->capture_default_str();
+  obj->add_option("--dpo-beta", s.dpo_beta, "dpo: beta, how far the model may move from the reference (TRL's default)")
+      ->capture_default_str();
+  obj->add_option("--dpo-label-smoothing", s.dpo_label_smoothing,
+                  "dpo, sigmoid loss: the chance a pair's preference is wrong, in [0, 0.5) (conservative DPO)")
+      ->capture_default_str();
 }
 
 // The batch, the schedule, the optimizer, clipping, non-finite steps.
@@ -191,6 +210,7 @@ std::unique_ptr<CLI::App> make_train_app(Settings& s, std::string& config_file) 
   add_model_options(*app, s);
   add_data_options(*app, s);
   add_training_options(*app, s);
+  add_objective_options(*app, s);
   add_run_options(*app, s);
   add_checkpoint_options(*app, s);
   add_export_options(*app, s);

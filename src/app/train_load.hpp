@@ -5,10 +5,12 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,6 +27,13 @@ struct StartState {
   std::int64_t first_step = 1;
   /// Metrics lines a checkpoint kept because they could not be written before it (--on-metrics-error).
   std::vector<std::string> unwritten_metrics;
+  /// --objective dpo: the reference the checkpoint carries (its record, its file's bytes and the
+  /// checkpoint, for messages), if it carries one.
+  struct DpoReference {
+    nlohmann::json record;
+    std::string bytes, checkpoint;
+  };
+  std::optional<DpoReference> dpo_reference;
 };
 
 /// What this resume does otherwise than the run it continues that changes the order of a sum (the
@@ -84,6 +93,13 @@ StartState load_checkpoint(B& be, const char* backend_name, BuiltStep<B>& built,
   }
   if (const nlohmann::json& u = st.user; u.contains("unwritten_metrics") && u["unwritten_metrics"].is_array())
     for (const auto& line : u["unwritten_metrics"]) start.unwritten_metrics.push_back(line.get<std::string>());
+  if (st.user.contains("dpo_reference") && st.user["dpo_reference"].is_object()) {
+    const std::string file = st.user["dpo_reference"].value("file", "");
+    const auto bytes = resume.ckpt.file(file);
+    MT_CHECK(bytes.has_value(), "--resume '{}': the checkpoint records a DPO reference but lacks its file '{}'",
+             resume.ckpt.dir().string(), file);
+    start.dpo_reference = StartState::DpoReference{st.user["dpo_reference"], *bytes, resume.ckpt.dir().string()};
+  }
   in.plan.resume.reset();
   in.plan.hf.reset();  // (--model given again was only compared with the checkpoint's model)
   return start;

@@ -38,6 +38,7 @@
 #include "progress.hpp"
 #include "stop_signals.hpp"
 #include "train_load.hpp"
+#include "train_preference.hpp"
 #include "train_samples.hpp"
 
 namespace megatrain::app {
@@ -56,6 +57,7 @@ class TrainLoop {
         progress_(start.first_step, in.s.steps, in.ranks.out()) {
     start_run_folder(start.unwritten_metrics);
     say_start();
+    start_preference(start);
     start_checkpoints();
     start_report();
   }
@@ -165,6 +167,8 @@ class TrainLoop {
     copt.keep = static_cast<std::size_t>(s.keep);
     copt.extra_files = in_.plan.side_files;
     copt.extra_files["config.json"] = in_.plan.config_text;
+    // (--objective dpo: the reference travels with every checkpoint, so a resumed run takes the same)
+    if (preference_) copt.extra_files[kDpoReferenceFile] = preference_->file_bytes();
     // (the first process's only, where every process holds the same train state; ZeRO-1: every
     // process writes its part of each checkpoint, the first puts it in place)
     if (trainer_.options().sharded()) copt.comm = ranks_.comm();
@@ -180,6 +184,7 @@ class TrainLoop {
              {"processes", ranks_.world()},
              {"run_id", in_.plan.run_id}};
     if (in_.plan.carried) user_["carried"] = in_.plan.carried->to_json();
+    if (preference_) user_["dpo_reference"] = preference_->record();
     checkpoints_.emplace(out_ / "checkpoints");
   }
   std::string checkpoint_path(std::int64_t step) const { return checkpoints_->path_for(step).string(); }
@@ -273,6 +278,11 @@ class TrainLoop {
                      : std::span<const E>(v).subspan(static_cast<std::size_t>(ranks_.rank()) * per_process, per_process);
   }
 
+  // --objective dpo: the reference (computed now, or the resumed checkpoint's), before any checkpoint.
+  void start_preference(const StartState& start) {
+    if (s.objective == "dpo") preference_.emplace(s, trainer_, data_, start.dpo_reference, in_.plan.data_identity, ranks_.out());
+  }
+
   // One step, its metrics, validation, save and export. Returns the exit status where the run stops.
   std::optional<int> train_step(std::int64_t step) {
     data_.train_batch((step - 1) * s.batch, s.batch, ids_, labels_, positions_, mask_);
@@ -280,7 +290,11 @@ class TrainLoop {
     const std::int64_t rows = in_.topt.batch_rows;
     StepStats st;
     try {
-      st = trainer_.step(mine(ids_, rows), mine(labels_, rows), mine(positions_, rows), mine(mask_, rows));
+      if (preference_)  // (one process: its rows are the batch's)
+        st = preference_->step((step - 1) * s.batch, ids_, labels_, std::span<const std::int32_t>(positions_),
+                               std::span<const std::uint8_t>(mask_));
+      else
+        st = trainer_.step(mine(ids_, rows), mine(labels_, rows), mine(positions_, rows), mine(mask_, rows));
     } catch (const megatrain::Error& e) {
       if (trainer_.stopped_because().empty()) throw;
       return stop_nonfinite(e, step - 1);
@@ -326,6 +340,7 @@ class TrainLoop {
       m["expert_tokens"] = load;  // [layer, fewest, most] tokens routed to one expert over the step
     }
     if (val) m["val_loss"] = *val;
+    if (preference_) preference_->metrics(m, val.has_value());
     return m;
   }
 
@@ -394,6 +409,7 @@ class TrainLoop {
   // process evaluates its share; the sums over the processes give the same mean to rounding).
   double validation() {
     const std::int64_t rows = s.eval_batches * s.batch, my_rows = rows / ranks_.world();
+    if (preference_) return preference_->validation(rows);  // (the DPO loss of the validation pairs)
     std::vector<std::int32_t> vi(static_cast<std::size_t>(rows * s.seq)), vl(vi.size()), vp(data_.packed() ? vi.size() : 0);
     data_.val_batch(0, rows, vi, vl, vp);
     const auto my_labels = mine(vl, my_rows);
@@ -552,6 +568,7 @@ class TrainLoop {
   std::chrono::steady_clock::time_point t0_;
   std::vector<std::int32_t> ids_, labels_, positions_;
   std::vector<std::uint8_t> mask_;
+  std::optional<PreferenceRun<Trainer<B>>> preference_;  // --objective dpo
 };
 
 }  // namespace megatrain::app

@@ -60,6 +60,7 @@ class TrainSetup {
   int run() {
     validate_options();
     validate_ranks();
+    validate_objective();
     validate_evaluation();
     validate_export();
     // (--gpus N: set once by main, before the ranks' threads start)
@@ -153,6 +154,27 @@ class TrainSetup {
     MT_CHECK(s.micro_batches == 1 || s.micro_batches % ranks_.world() == 0,
              "--micro-batches {} (the passes of the global batch) must be 1 or a multiple of the {} {}: each runs "
              "--micro-batches / {} of them", s.micro_batches, ranks_.world(), what, ranks_.world());
+  }
+
+  // --objective dpo (docs/preference.md): what its pairs and reference need, checked before anything starts.
+  void validate_objective() {
+    for (const char* f : {"--dpo-loss", "--dpo-beta", "--dpo-label-smoothing"})
+      MT_CHECK(s.objective == "dpo" || !s.origins.conflicts(f, "--objective"), "{} applies to --objective dpo; drop it", f);
+    if (s.objective != "dpo") return;
+    MT_CHECK(std::isfinite(s.dpo_beta) && s.dpo_beta > 0, "--dpo-beta must be > 0 (got {})", s.dpo_beta);
+    MT_CHECK(s.dpo_label_smoothing >= 0 && s.dpo_label_smoothing < 0.5, "--dpo-label-smoothing must be in [0, 0.5) (got {})",
+             s.dpo_label_smoothing);
+    MT_CHECK(s.dpo_label_smoothing == 0 || s.dpo_loss == "sigmoid", "--dpo-label-smoothing applies to --dpo-loss sigmoid, "
+             "not {}", s.dpo_loss);
+    MT_CHECK(!eval_only_ || !s.origins.given_now("--objective"),
+             "--steps 0 evaluates the cross-entropy of the validation data: drop --objective dpo");
+    if (eval_only_) return;
+    MT_CHECK(s.batch % 2 == 0, "--objective dpo: --batch {} must be even (a batch is pairs: a chosen and a rejected row "
+             "each)", s.batch);
+    MT_CHECK(!ranks_.several(), "--objective dpo runs in one process on one GPU for now: drop --gpus or the launcher");
+    MT_CHECK(s.train_on == "completion", "--objective dpo compares the answers' log-probabilities: drop --train-on {}",
+             s.train_on);
+    MT_CHECK(!s.pack, "--objective dpo keeps each answer in a row of its own: drop --pack");
   }
 
   // Export: every contradiction is found now, not after hours of training.
@@ -404,6 +426,12 @@ class TrainSetup {
     MT_CHECK(train_src_->has_examples() || !s.pack,
              "--pack applies to fine-tuning examples (prompt/completion, alpaca, conversations); --data '{}' is documents, "
              "which fill every sequence already", s.data.empty() ? "built-in text" : s.data);
+    MT_CHECK(!train_src_->has_pairs() || s.objective == "dpo" || eval_only_,
+             "--data '{}' holds preference pairs (a chosen and a rejected answer to each prompt): train them with "
+             "--objective dpo", s.data);
+    MT_CHECK(s.objective != "dpo" || eval_only_ || train_src_->has_pairs(),
+             "--objective dpo trains on preference pairs, and --data '{}' is not: give JSONL records of prompt, chosen and "
+             "rejected (or a token file megatrain-tokenize made of them)", s.data.empty() ? "built-in text" : s.data);
     data_.emplace(std::move(*train_src_), dopt, std::move(val_src));
     plan_.data_identity = {{"train_digest", data_->train_source().digest()},
                            {"train_tokens", data_->train_source().size()},
@@ -430,6 +458,10 @@ class TrainSetup {
                  static_cast<long long>(t.examples - t.dropped), cut(t).c_str(), static_cast<long long>(v.examples - v.dropped),
                  cut(v).c_str(), static_cast<long long>(t.labels), static_cast<long long>(t.tokens), s.train_on.c_str(),
                  packing.c_str());
+    if (data_->pairs())
+      std::fprintf(eval_only_ ? stderr : ranks_.out(), "preference pairs: %lld for training (%lld left out whole), %lld for "
+                   "validation; a chosen and a rejected row each\n", static_cast<long long>((t.examples - t.dropped) / 2),
+                   static_cast<long long>(t.dropped / 2), static_cast<long long>((v.examples - v.dropped) / 2));
   }
 
   // ---- the trainer's options -------------------------------------------------------------------------
@@ -450,6 +482,7 @@ class TrainSetup {
       check_bf16_copy_option(s, topt_.sharded(), ranks_.world());
     }
     topt_.packed = data_ && data_->packed();
+    topt_.token_weights = s.objective == "dpo" && !eval_only_;  // (a preference loss weighs each token)
     topt_.adamw = {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
     if (eval_only_) {
       // Every validation window once (at most --eval-batches x --batch when --eval-batches is given),
@@ -466,6 +499,10 @@ class TrainSetup {
       training_options();
     }
     topt_.validate();
+    MT_CHECK(!topt_.token_weights || topt_.resolved().micro_rows() % 2 == 0,
+             "--objective dpo: each micro-batch must hold whole pairs, and --batch {} in {} micro-batches is {} rows each: "
+             "give --micro-batches (or --max-micro-batch) that leave an even count", s.batch, topt_.resolved().micro_batches,
+             topt_.resolved().micro_rows());
     MT_CHECK(!s.origins.conflicts("--micro-batches", "--max-micro-batch") || topt_.resolved().micro_batches == topt_.micro_batches,
              "--micro-batches {} contradicts --max-micro-batch {}: parts of {} sequences are more than {}; pass one of them",
              s.micro_batches, s.max_micro_batch, s.batch / std::max<std::int64_t>(s.micro_batches, 1), s.max_micro_batch);

@@ -13,8 +13,12 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <random>
+
+#include <nlohmann/json.hpp>
 
 #include "megatrain/backend/backend.hpp"  // kIgnoreIndex
 #include "megatrain/core/digest.hpp"
@@ -32,6 +36,11 @@ std::size_t width(TokenFormat f) { return f == TokenFormat::u32 ? 4 : f == Token
 
 std::filesystem::path example_mask_path(const std::filesystem::path& tokens) { return tokens.string() + ".mask"; }
 std::filesystem::path example_index_path(const std::filesystem::path& tokens) { return tokens.string() + ".idx"; }
+std::filesystem::path example_pairs_path(const std::filesystem::path& tokens) { return tokens.string() + ".pairs"; }
+
+std::string example_pairs_note(std::int64_t pairs) {
+  return nlohmann::json{{"megatrain", "preference pairs"}, {"pairs", pairs}, {"rows", "chosen, then rejected"}}.dump() + "\n";
+}
 
 struct TokenSource::Mapping {
   void* addr = nullptr;
@@ -149,6 +158,25 @@ TokenSource TokenSource::open(const std::filesystem::path& path, TokenFormat bin
       prev = at;
     }
   }
+  const auto pairs = example_pairs_path(path);
+  if (std::filesystem::exists(pairs, ec)) {
+    MT_CHECK(s.examples_ > 0, "dataset '{}': '{}' is beside it, but it is not examples (no '{}'; prepare it again with "
+             "megatrain-tokenize)", label, pairs.string(), index.string());
+    std::int64_t n = -1;
+    try {
+      std::ifstream in(pairs, std::ios::binary);
+      const nlohmann::json note = nlohmann::json::parse(std::string(std::istreambuf_iterator<char>(in), {}));
+      if (note.is_object() && note.value("megatrain", "") == "preference pairs" && note.contains("pairs") &&
+          note["pairs"].is_number_integer())
+        n = note["pairs"].get<std::int64_t>();
+    } catch (const nlohmann::json::exception&) {
+    }
+    MT_CHECK(n >= 0, "dataset '{}': '{}' is not megatrain-tokenize's note of preference pairs (prepare it again)", label,
+             pairs.string());
+    MT_CHECK(2 * n == s.examples_, "dataset '{}': '{}' says {} pairs, but the file holds {} examples (the files are not one "
+             "preparation's; prepare them again)", label, pairs.string(), n, s.examples_);
+    s.pairs_ = true;
+  }
   return s;
 }
 
@@ -213,6 +241,10 @@ std::string TokenSource::digest() const {
     parts.push_back(digest_of(std::span<const std::byte>(mask_, static_cast<std::size_t>(count_))));
     parts.push_back(digest_of(std::span<const std::byte>(index_, static_cast<std::size_t>(examples_ + 1) * 8)));
   }
+  if (pairs_) {  // (the same examples read as pairs are other data)
+    const std::string note = example_pairs_note(examples_ / 2);
+    parts.push_back(digest_of(std::as_bytes(std::span(note.data(), note.size()))));
+  }
   return digest_of(std::as_bytes(std::span<const Digest128>(parts))).hex();
 }
 
@@ -264,20 +296,27 @@ TokenDataset::TokenDataset(TokenSource train, DatasetOptions opt, std::optional<
   const std::int64_t need = opt.seq_len + 1;
   if (train_.has_examples()) {
     std::int64_t n_train = train_.examples();
+    MT_CHECK(!train_.has_pairs() || !opt.pack, "dataset '{}' holds preference pairs, which are not packed: leave --pack false",
+             train_.label());
     if (val_) {
       check_vocab(*val_, opt.vocab_size);
       MT_CHECK(val_->has_examples(), "validation set '{}' is not examples like '{}' (no '{}' beside it): prepare it the same way",
                val_->label(), train_.label(), example_index_path(val_->label()).string());
+      MT_CHECK(val_->has_pairs() == train_.has_pairs(), "validation set '{}' {} preference pairs but '{}' {}: prepare them the "
+               "same way", val_->label(), val_->has_pairs() ? "holds" : "does not hold", train_.label(),
+               train_.has_pairs() ? "does" : "does not");
       val_stats_ = select(*val_, 0, val_->examples(), val_kept_);
       val_begin_ = 0;
       val_end_ = val_->size();
     } else {
-      const std::int64_t n = train_.examples();
-      MT_CHECK(n >= 2, "dataset '{}' has {} example: too few for one training and one validation example", train_.label(), n);
+      // (pairs: the split counts pairs, and falls between them)
+      const std::int64_t unit = train_.has_pairs() ? 2 : 1, n = train_.examples() / unit;
+      MT_CHECK(n >= 2, "dataset '{}' has {} {}: too few for one training and one validation {}", train_.label(), n,
+               unit == 2 ? "pair" : "example", unit == 2 ? "pair" : "example");
       const std::int64_t n_val =
           std::min<std::int64_t>(n - 1, std::max<std::int64_t>(1, std::llround(static_cast<double>(n) * opt.val_fraction)));
-      n_train = n - n_val;
-      val_stats_ = select(train_, n_train, n, val_kept_);
+      n_train = (n - n_val) * unit;
+      val_stats_ = select(train_, n_train, train_.examples(), val_kept_);
       val_begin_ = train_.example_begin(n_train);
       val_end_ = train_.size();
     }
@@ -342,6 +381,12 @@ ExampleStats TokenDataset::select(const TokenSource& src, std::int64_t first, st
     for (std::int64_t t = b + 1; t < end; ++t) n += opt_.train_on_prompt || src.trained(t);
     labels[static_cast<std::size_t>(e - first)] = n;
   });
+  if (src.has_pairs())  // (a pair is kept whole or dropped whole)
+    for (std::int64_t e = first; e + 1 < last; e += 2) {
+      auto& a = labels[static_cast<std::size_t>(e - first)];
+      auto& b = labels[static_cast<std::size_t>(e + 1 - first)];
+      if (a == 0 || b == 0) a = b = 0;
+    }
   for (std::int64_t e = first; e < last; ++e) {
     const std::int64_t len = src.example_end(e) - src.example_begin(e);
     const std::int64_t n = labels[static_cast<std::size_t>(e - first)];
@@ -435,14 +480,19 @@ DataPosition TokenDataset::position(std::int64_t windows_consumed) const {
 
 const std::vector<std::int64_t>& TokenDataset::permutation(std::int64_t epoch) const {
   if (epoch != perm_epoch_) {
-    perm_.resize(static_cast<std::size_t>(train_windows_));
-    for (std::int64_t i = 0; i < train_windows_; ++i) perm_[static_cast<std::size_t>(i)] = i;
+    // (pairs: the units shuffled are pairs, each then its two windows in order)
+    const std::int64_t unit = pairs() ? 2 : 1, units = train_windows_ / unit;
+    std::vector<std::int64_t> order(static_cast<std::size_t>(units));
+    for (std::int64_t i = 0; i < units; ++i) order[static_cast<std::size_t>(i)] = i;
     // Fisher-Yates with a 64-bit engine whose sequence the standard fixes (unlike distributions).
     std::mt19937_64 rng(opt_.seed * 0x9e3779b97f4a7c15ull + static_cast<std::uint64_t>(epoch) + 1);
-    for (std::int64_t i = train_windows_ - 1; i > 0; --i) {
+    for (std::int64_t i = units - 1; i > 0; --i) {
       const auto j = static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(i + 1));
-      std::swap(perm_[static_cast<std::size_t>(i)], perm_[static_cast<std::size_t>(j)]);
+      std::swap(order[static_cast<std::size_t>(i)], order[static_cast<std::size_t>(j)]);
     }
+    perm_.resize(static_cast<std::size_t>(train_windows_));
+    for (std::int64_t i = 0; i < train_windows_; ++i)
+      perm_[static_cast<std::size_t>(i)] = order[static_cast<std::size_t>(i / unit)] * unit + i % unit;
     perm_epoch_ = epoch;
   }
   return perm_;
@@ -491,12 +541,28 @@ void TokenDataset::train_batch(std::int64_t first_window, std::int64_t rows, std
            attention_mask.size(), ids.size());
   const auto seq = static_cast<std::size_t>(opt_.seq_len);
   for (std::int64_t r = 0; r < rows; ++r) {
-    const std::int64_t k = first_window + r;
-    const std::int64_t w = permutation(k / train_windows_)[static_cast<std::size_t>(k % train_windows_)];
+    const std::int64_t w = train_window(first_window + r);
     const auto at = static_cast<std::size_t>(r) * seq;
     fill(train_, train_begin_, train_kept_, train_packing_, w, ids.subspan(at, seq), labels.subspan(at, seq),
          positions.empty() ? positions : positions.subspan(at, seq),
          attention_mask.empty() ? attention_mask : attention_mask.subspan(at, seq));
+  }
+}
+
+std::int64_t TokenDataset::train_window(std::int64_t k) const {
+  MT_CHECK(k >= 0, "a slot of the training order must be >= 0 (got {})", k);
+  return permutation(k / train_windows_)[static_cast<std::size_t>(k % train_windows_)];
+}
+
+void TokenDataset::train_rows(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
+                              std::span<std::int32_t> labels) const {
+  check_batch_buffers(rows, opt_.seq_len, ids, labels, {}, false);
+  MT_CHECK(!packed(), "train_rows reads windows of examples one to a row, not packed rows");
+  const auto seq = static_cast<std::size_t>(opt_.seq_len);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const auto at = static_cast<std::size_t>(r) * seq;
+    fill(train_, train_begin_, train_kept_, train_packing_, (first_window + r) % train_windows_, ids.subspan(at, seq),
+         labels.subspan(at, seq), {});
   }
 }
 

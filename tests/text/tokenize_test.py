@@ -8,21 +8,14 @@ megatrain-train run on the output.
 """
 import json
 import os
-import shutil
 import struct
 import subprocess
 import sys
 
+from checks import check, finish, start
+
 tokenize, train, work = sys.argv[1:4]
-shutil.rmtree(work, ignore_errors=True)
-os.makedirs(work)
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
+work = start(work)
 
 
 def byte_char(b):
@@ -171,6 +164,4 @@ out = run(train, ["--data", "train.bin", "--vocab", "259", "--hidden", "32", "--
                   "--intermediate", "64", "--batch", "2", "--seq", "16", "--steps", "2", "--backend", "cpu", "--out", "run"])
 check(os.path.exists(os.path.join(work, "run", "metrics.jsonl")), f"training on the token file: {out}")
 
-if failures:
-    sys.exit(f"{len(failures)} checks failed")
-print("megatrain-tokenize: all checks passed")
+finish("megatrain-tokenize")

@@ -24,6 +24,12 @@
 // no trained label left within its window is dropped (counted in ExampleStats). Validation: a
 // separate file of examples or the last `val_fraction` of the examples.
 //
+// Preference pairs: examples with FILE.pairs beside them (megatrain-tokenize writes it for
+// preference records, text/preference_records.hpp). Examples 2i and 2i + 1 are pair i's chosen and
+// rejected answers. A pair is kept only if both keep a trained label within their windows; the
+// shuffle moves whole pairs, so windows 2k and 2k + 1 of the order are one pair's; the validation
+// split falls between pairs. Pairs are not packed.
+//
 // Packing (DatasetOptions::pack, examples only): the kept examples are packed once into rows of
 // seq tokens, and a window is a row. An example takes min(length, seq + 1) - 1 tokens of a row
 // (its last token is only a label, as in its own window); positions restart at 0 for each
@@ -47,9 +53,13 @@ namespace megatrain {
 
 enum class TokenFormat { u16, u32, text };
 
-/// The sidecars of a token file of examples: FILE.mask and FILE.idx.
+/// The sidecars of a token file of examples: FILE.mask and FILE.idx, and FILE.pairs where the
+/// examples are preference pairs.
 std::filesystem::path example_mask_path(const std::filesystem::path& tokens);
 std::filesystem::path example_index_path(const std::filesystem::path& tokens);
+std::filesystem::path example_pairs_path(const std::filesystem::path& tokens);
+/// What FILE.pairs holds for `pairs` pairs (a line of JSON naming the count).
+std::string example_pairs_note(std::int64_t pairs);
 
 /// A read-only stream of token ids (memory-mapped file, or bytes in memory).
 class TokenSource {
@@ -79,6 +89,8 @@ class TokenSource {
 
   /// Whether the file is examples (FILE.mask and FILE.idx beside it).
   bool has_examples() const { return examples_ > 0; }
+  /// Whether the examples are preference pairs (FILE.pairs beside them).
+  bool has_pairs() const { return pairs_; }
   std::int64_t examples() const { return examples_; }
   /// Tokens [example_begin(e), example_end(e)) are example e.
   std::int64_t example_begin(std::int64_t e) const;
@@ -94,6 +106,7 @@ class TokenSource {
   const std::byte* mask_ = nullptr;
   const std::byte* index_ = nullptr;
   std::int64_t examples_ = 0;
+  bool pairs_ = false;
   std::int64_t count_ = 0;
   TokenFormat format_ = TokenFormat::u16;
   std::string label_;
@@ -151,6 +164,12 @@ class TokenDataset {
   void train_batch(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
                    std::span<std::int32_t> labels, std::span<std::int32_t> positions = {},
                    std::span<std::uint8_t> attention_mask = {}) const;
+  /// The training window that slot `k` of the shuffled order (epoch after epoch) reads.
+  std::int64_t train_window(std::int64_t k) const;
+  /// Training windows [first_window, first_window + rows) in file order, wrapping around (what a
+  /// pass over every training window reads: a preference run's reference, say), as train_batch().
+  void train_rows(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
+                  std::span<std::int32_t> labels) const;
   /// Where the order stands once `windows_consumed` training windows have been read.
   DataPosition position(std::int64_t windows_consumed) const;
   const TokenSource& train_source() const { return train_; }
@@ -158,6 +177,8 @@ class TokenDataset {
   bool examples() const { return train_.has_examples(); }
   /// Examples packed several to a row (DatasetOptions::pack).
   bool packed() const { return examples() && opt_.pack; }
+  /// Preference pairs: windows 2k and 2k + 1 of the training order (and of validation) are a pair.
+  bool pairs() const { return train_.has_pairs(); }
   const ExampleStats& train_examples() const { return train_stats_; }
   const ExampleStats& val_examples() const { return val_stats_; }
   const std::optional<TokenSource>& val_source() const { return val_; }

@@ -59,6 +59,7 @@ struct ChatMessage {
   std::string role;     ///< system, user or assistant
   std::string content;
   std::optional<std::string> reasoning;  ///< reasoning_content (qwen3)
+  friend bool operator==(const ChatMessage&, const ChatMessage&) = default;
 };
 
 /// A run of rendered text, trained on or not.
@@ -75,6 +76,11 @@ std::vector<Piece> render_chat(ChatFormat format, std::span<const ChatMessage> m
 /// The messages of a conversation record ({"messages": [{"role", "content"}, ...]}, or sharegpt's
 /// {"conversations": [{"from", "value"}]}). Throws megatrain::Error with what is wrong with it.
 std::vector<ChatMessage> chat_messages(const nlohmann::json& record);
+
+/// The messages of a JSON array (the value of the field `key`, named in messages):
+/// {"role", "content", "reasoning_content"?} objects, or sharegpt's {"from", "value"}. Throws
+/// megatrain::Error with what is wrong with it.
+std::vector<ChatMessage> chat_message_list(const nlohmann::json& list, std::string_view key, bool sharegpt = false);
 
 /// What apply_chat_template(add_generation_prompt=True) writes after the conversation: the
 /// header of the assistant turn the model writes next ("" for llama3-base, whose rendering
@@ -104,6 +110,7 @@ enum class RecordFormat {
   prompt_completion,  ///< {"prompt": ..., "completion": ...}: completion (and end token) trained
   alpaca,             ///< {"instruction": ..., "input": ..., "output": ...}: a user turn and its answer
   messages,           ///< {"messages": [{"role", "content"}, ...]} or sharegpt's {"conversations": [{"from", "value"}]}
+  preference,         ///< {"prompt"?, "chosen", "rejected"}: a pair of examples (text/preference_records.hpp)
 };
 std::string_view record_format_name(RecordFormat f);
 /// The format a record's fields say it is in (`text_field` names the documents' field); nullopt

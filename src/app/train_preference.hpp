@@ -1,0 +1,185 @@
+// megatrain-train --objective dpo: preference training over pairs (docs/preference.md).
+//
+// The reference is the model as the run starts: before the first step, one forward pass over
+// every training and validation window gives each row's summed log-probability of its labels
+// (Trainer::score). It is kept in every checkpoint (dpo_reference.f64, its digest in the
+// checkpoint's record), so a resumed run takes the same numbers. Each step then
+// minimises megatrain::Dpo over its pairs (windows 2k and 2k + 1 of the order: TokenDataset's
+// pairs), and the metrics carry TRL's rewards and log-probabilities.
+#pragma once
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "megatrain/backend/backend.hpp"  // kIgnoreIndex
+#include "megatrain/core/digest.hpp"
+#include "megatrain/core/error.hpp"
+#include "megatrain/data/token_dataset.hpp"
+#include "megatrain/train/preference.hpp"
+#include "megatrain/train/train_item.hpp"  // StepStats
+#include "settings.hpp"
+#include "train_load.hpp"  // StartState
+
+namespace megatrain::app {
+
+/// The reference's file in each checkpoint: little-endian float64, the training windows' then the
+/// validation windows'.
+inline constexpr const char* kDpoReferenceFile = "dpo_reference.f64";
+
+/// What a checkpoint records of the reference (beside the file): where it can be told apart from
+/// another run's.
+inline nlohmann::json dpo_reference_record(const std::string& bytes, const nlohmann::json& data, std::int64_t train_windows,
+                                           std::int64_t val_windows, std::int64_t seq) {
+  return {{"file", kDpoReferenceFile},
+          {"digest", digest_of(std::as_bytes(std::span(bytes.data(), bytes.size()))).hex()},
+          {"train_digest", data.value("train_digest", "")},  // (the data's, whatever its path)
+          {"train_windows", train_windows},
+          {"val_windows", val_windows},
+          {"seq", seq}};
+}
+
+inline PreferenceOptions preference_options(const Settings& s) {
+  PreferenceOptions o;
+  o.loss = preference_loss(s.dpo_loss);
+  o.beta = s.dpo_beta;
+  o.label_smoothing = s.dpo_label_smoothing;
+  return o;
+}
+
+template <class T>
+class PreferenceRun {
+ public:
+  /// The reference: the resumed checkpoint's (`resumed`, where it carries one), else computed now
+  /// with `trainer`'s weights. `data_identity`: what the run's checkpoints record of its data.
+  PreferenceRun(const Settings& s, T& trainer, const TokenDataset& data, const std::optional<StartState::DpoReference>& resumed,
+                const nlohmann::json& data_identity, FILE* out)
+      : opt_(preference_options(s)), trainer_(trainer), data_(data), seq_(s.seq) {
+    opt_.check();
+    const std::int64_t tw = data.train_windows(), vw = data.val_windows();
+    if (resumed) {
+      const nlohmann::json& rec = resumed->record;
+      const nlohmann::json now = dpo_reference_record(resumed->bytes, data_identity, tw, vw, seq_);
+      MT_CHECK(now == rec, "--resume '{}': its DPO reference was computed for other data or another --seq ({} training and "
+               "{} validation rows of {} tokens then, {} and {} of {} now): resume with the run's --data and --seq",
+               resumed->checkpoint, rec.value("train_windows", -1), rec.value("val_windows", -1), rec.value("seq", -1), tw,
+               vw, seq_);
+      bytes_ = resumed->bytes;
+      std::fprintf(out, "dpo: the reference log-probabilities of %lld pairs taken from the checkpoint\n",
+                   static_cast<long long>(tw / 2));
+    } else {
+      std::fprintf(out, "dpo: the reference: the log-probabilities of %lld training and %lld validation pairs under the "
+                   "model as the run starts (one forward pass each)\n", static_cast<long long>(tw / 2),
+                   static_cast<long long>(vw / 2));
+      std::fflush(out);
+      std::vector<double> ref = sums(tw, false);
+      const std::vector<double> val = sums(vw, true);
+      ref.insert(ref.end(), val.begin(), val.end());
+      bytes_.resize(ref.size() * sizeof(double));
+      std::memcpy(bytes_.data(), ref.data(), bytes_.size());  // (little-endian hosts: megatrain's targets)
+    }
+    record_ = dpo_reference_record(bytes_, data_identity, tw, vw, seq_);
+    const auto n = static_cast<std::size_t>(tw + vw);
+    MT_CHECK(bytes_.size() == n * sizeof(double), "the DPO reference holds {} bytes for {} rows", bytes_.size(), n);
+    ref_.resize(n);
+    std::memcpy(ref_.data(), bytes_.data(), bytes_.size());
+  }
+
+  const std::string& file_bytes() const { return bytes_; }
+  const nlohmann::json& record() const { return record_; }
+
+  /// The step of the batch that starts at slot `first_slot` of the training order: rows 2i and
+  /// 2i + 1 are pair i. The pairs' statistics are kept for metrics().
+  template <class... Rest>
+  StepStats step(std::int64_t first_slot, std::span<const std::int32_t> ids, std::span<const std::int32_t> labels,
+                 Rest&&... rest) {
+    const std::int64_t rows = static_cast<std::int64_t>(labels.size()) / seq_;
+    std::vector<double> ref(static_cast<std::size_t>(rows));
+    for (std::int64_t r = 0; r < rows; ++r)
+      ref[static_cast<std::size_t>(r)] = ref_[static_cast<std::size_t>(data_.train_window(first_slot + r))];
+    const Dpo dpo(opt_, std::move(ref), rows / 2);
+    StepStats st = trainer_.step(dpo, ids, labels, std::forward<Rest>(rest)...);
+    const std::vector<double> lp = trainer_.last_log_probs();
+    train_ = dpo.stats(rows_of(labels, lp, rows));
+    return st;
+  }
+
+  /// The mean DPO loss over the validation pairs of `rows` windows from the first (the
+  /// statistics kept for metrics()).
+  double validation(std::int64_t rows) {
+    const auto n = static_cast<std::size_t>(rows * seq_);
+    std::vector<std::int32_t> ids(n), labels(n);
+    data_.val_batch(0, rows, ids, labels);
+    const std::vector<double> lp = trainer_.score(ids, labels, rows);
+    std::vector<double> ref(static_cast<std::size_t>(rows));
+    const std::int64_t tw = data_.train_windows(), vw = data_.val_windows();
+    for (std::int64_t r = 0; r < rows; ++r) ref[static_cast<std::size_t>(r)] = ref_[static_cast<std::size_t>(tw + r % vw)];
+    const Dpo dpo(opt_, std::move(ref), rows / 2);
+    const ObjectiveRows all = rows_of(labels, lp, rows);
+    val_ = dpo.stats(all);
+    return dpo.value(all);
+  }
+
+  /// TRL's metrics of the last step (and of the last validation, when `val`): means over the pairs.
+  void metrics(nlohmann::json& m, bool val) const {
+    const auto put = [&](const std::string& prefix, const PreferenceStats& p) {
+      const double n = static_cast<double>(std::max<std::int64_t>(p.pairs, 1));
+      m[prefix + "rewards/chosen"] = p.rewards_chosen / n;
+      m[prefix + "rewards/rejected"] = p.rewards_rejected / n;
+      m[prefix + "rewards/accuracies"] = p.accuracies / n;
+      m[prefix + "rewards/margins"] = p.margins / n;
+      m[prefix + "logps/chosen"] = p.logps_chosen / n;
+      m[prefix + "logps/rejected"] = p.logps_rejected / n;
+    };
+    put("", train_);
+    if (val) put("val_", val_);
+  }
+
+ private:
+  ObjectiveRows rows_of(std::span<const std::int32_t> labels, const std::vector<double>& lp, std::int64_t rows) const {
+    ObjectiveRows r;
+    r.rows = rows;
+    r.seq_len = seq_;
+    r.labels = labels;
+    r.log_probs = lp;
+    r.batch_labelled = static_cast<std::int64_t>(
+        std::count_if(labels.begin(), labels.end(), [](std::int32_t l) { return l != kIgnoreIndex; }));
+    return r;
+  }
+
+  // Each window's summed log-probability of its labels under the current weights, in file order:
+  // --batch rows at a time (the last call wraps around; its extra rows are not kept).
+  std::vector<double> sums(std::int64_t windows, bool val) {
+    const std::int64_t rows = trainer_.options().batch_rows;
+    const auto n = static_cast<std::size_t>(rows * seq_);
+    std::vector<std::int32_t> ids(n), labels(n);
+    std::vector<double> out(static_cast<std::size_t>(windows), 0.0);
+    for (std::int64_t first = 0; first < windows; first += rows) {
+      if (val) data_.val_batch(first, rows, ids, labels);
+      else data_.train_rows(first, rows, ids, labels);
+      const std::vector<double> lp = trainer_.score(ids, labels, rows);
+      for (std::int64_t r = 0; r < rows && first + r < windows; ++r)
+        for (std::int64_t t = 0; t < seq_; ++t) out[static_cast<std::size_t>(first + r)] += lp[static_cast<std::size_t>(r * seq_ + t)];
+    }
+    return out;
+  }
+
+  PreferenceOptions opt_;
+  T& trainer_;
+  const TokenDataset& data_;
+  std::int64_t seq_;
+  std::string bytes_;
+  nlohmann::json record_;
+  std::vector<double> ref_;
+  PreferenceStats train_, val_;
+};
+
+}  // namespace megatrain::app
