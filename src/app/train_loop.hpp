@@ -280,7 +280,8 @@ class TrainLoop {
 
   // --objective dpo: the reference (computed now, or the resumed checkpoint's), before any checkpoint.
   void start_preference(const StartState& start) {
-    if (s.objective == "dpo") preference_.emplace(s, trainer_, data_, start.dpo_reference, in_.plan.data_identity, ranks_.out());
+    if (s.objective == "dpo")
+      preference_.emplace(s, trainer_, data_, ranks_, start.dpo_reference, in_.plan.data_identity, ranks_.out());
   }
 
   // One step, its metrics, validation, save and export. Returns the exit status where the run stops.
@@ -290,9 +291,9 @@ class TrainLoop {
     const std::int64_t rows = in_.topt.batch_rows;
     StepStats st;
     try {
-      if (preference_)  // (one process: its rows are the batch's)
-        st = preference_->step((step - 1) * s.batch, ids_, labels_, std::span<const std::int32_t>(positions_),
-                               std::span<const std::uint8_t>(mask_));
+      if (preference_)
+        st = preference_->step((step - 1) * s.batch, ranks_.rank() * rows, s.batch, mine(ids_, rows), mine(labels_, rows),
+                               mine(positions_, rows), mine(mask_, rows));
       else
         st = trainer_.step(mine(ids_, rows), mine(labels_, rows), mine(positions_, rows), mine(mask_, rows));
     } catch (const megatrain::Error& e) {

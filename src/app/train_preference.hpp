@@ -5,7 +5,9 @@
 // (Trainer::score). It is kept in every checkpoint (dpo_reference.f64, its digest in the
 // checkpoint's record), so a resumed run takes the same numbers. Each step then
 // minimises megatrain::Dpo over its pairs (windows 2k and 2k + 1 of the order: TokenDataset's
-// pairs), and the metrics carry TRL's rewards and log-probabilities.
+// pairs), and the metrics carry TRL's rewards and log-probabilities. With several ranks each
+// scores its share of the reference's rows (the sums gathered: every rank holds all of them) and
+// trains its share of each batch (whole pairs); the metrics are summed over the ranks.
 #pragma once
 
 #include <fmt/format.h>
@@ -26,6 +28,7 @@
 #include "megatrain/data/token_dataset.hpp"
 #include "megatrain/train/preference.hpp"
 #include "megatrain/train/train_item.hpp"  // StepStats
+#include "ranks.hpp"
 #include "settings.hpp"
 #include "train_load.hpp"  // StartState
 
@@ -60,9 +63,9 @@ class PreferenceRun {
  public:
   /// The reference: the resumed checkpoint's (`resumed`, where it carries one), else computed now
   /// with `trainer`'s weights. `data_identity`: what the run's checkpoints record of its data.
-  PreferenceRun(const Settings& s, T& trainer, const TokenDataset& data, const std::optional<StartState::DpoReference>& resumed,
-                const nlohmann::json& data_identity, FILE* out)
-      : opt_(preference_options(s)), trainer_(trainer), data_(data), seq_(s.seq) {
+  PreferenceRun(const Settings& s, T& trainer, const TokenDataset& data, const Ranks& ranks,
+                const std::optional<StartState::DpoReference>& resumed, const nlohmann::json& data_identity, FILE* out)
+      : opt_(preference_options(s)), trainer_(trainer), data_(data), ranks_(ranks), seq_(s.seq) {
     opt_.check();
     const std::int64_t tw = data.train_windows(), vw = data.val_windows();
     if (resumed) {
@@ -96,36 +99,40 @@ class PreferenceRun {
   const std::string& file_bytes() const { return bytes_; }
   const nlohmann::json& record() const { return record_; }
 
-  /// The step of the batch that starts at slot `first_slot` of the training order: rows 2i and
-  /// 2i + 1 are pair i. The pairs' statistics are kept for metrics().
+  /// This rank's step of the batch that starts at slot `first_slot` of the training order: its
+  /// rows (`labels`: rows 2i and 2i + 1 are a pair) are the batch's from `first_slot + first_row`;
+  /// `batch_rows`, the whole batch's. The pairs' statistics are kept for metrics().
   template <class... Rest>
-  StepStats step(std::int64_t first_slot, std::span<const std::int32_t> ids, std::span<const std::int32_t> labels,
-                 Rest&&... rest) {
+  StepStats step(std::int64_t first_slot, std::int64_t first_row, std::int64_t batch_rows, std::span<const std::int32_t> ids,
+                 std::span<const std::int32_t> labels, Rest&&... rest) {
     const std::int64_t rows = static_cast<std::int64_t>(labels.size()) / seq_;
     std::vector<double> ref(static_cast<std::size_t>(rows));
     for (std::int64_t r = 0; r < rows; ++r)
-      ref[static_cast<std::size_t>(r)] = ref_[static_cast<std::size_t>(data_.train_window(first_slot + r))];
-    const Dpo dpo(opt_, std::move(ref), rows / 2);
+      ref[static_cast<std::size_t>(r)] = ref_[static_cast<std::size_t>(data_.train_window(first_slot + first_row + r))];
+    const Dpo dpo(opt_, std::move(ref), batch_rows / 2);
     StepStats st = trainer_.step(dpo, ids, labels, std::forward<Rest>(rest)...);
     const std::vector<double> lp = trainer_.last_log_probs();
-    train_ = dpo.stats(rows_of(labels, lp, rows));
+    train_ = summed(dpo.stats(rows_of(labels, lp, rows)));
     return st;
   }
 
-  /// The mean DPO loss over the validation pairs of `rows` windows from the first (the
-  /// statistics kept for metrics()).
+  /// The mean DPO loss over the validation pairs of `rows` windows from the first, each rank
+  /// scoring its share (the statistics kept for metrics()).
   double validation(std::int64_t rows) {
-    const auto n = static_cast<std::size_t>(rows * seq_);
+    const std::int64_t mine = rows / ranks_.world(), first = ranks_.rank() * mine;
+    const auto n = static_cast<std::size_t>(mine * seq_);
     std::vector<std::int32_t> ids(n), labels(n);
-    data_.val_batch(0, rows, ids, labels);
-    const std::vector<double> lp = trainer_.score(ids, labels, rows);
-    std::vector<double> ref(static_cast<std::size_t>(rows));
+    data_.val_batch(first, mine, ids, labels);
+    const std::vector<double> lp = trainer_.score(ids, labels, mine);
+    std::vector<double> ref(static_cast<std::size_t>(mine));
     const std::int64_t tw = data_.train_windows(), vw = data_.val_windows();
-    for (std::int64_t r = 0; r < rows; ++r) ref[static_cast<std::size_t>(r)] = ref_[static_cast<std::size_t>(tw + r % vw)];
+    for (std::int64_t r = 0; r < mine; ++r) ref[static_cast<std::size_t>(r)] = ref_[static_cast<std::size_t>(tw + (first + r) % vw)];
     const Dpo dpo(opt_, std::move(ref), rows / 2);
-    const ObjectiveRows all = rows_of(labels, lp, rows);
-    val_ = dpo.stats(all);
-    return dpo.value(all);
+    const ObjectiveRows all = rows_of(labels, lp, mine);
+    double value = dpo.value(all);
+    if (ranks_.several()) ranks_.comm()->all_reduce_sum(std::span<double>(&value, 1));
+    val_ = summed(dpo.stats(all));
+    return value;
   }
 
   /// TRL's metrics of the last step (and of the last validation, when `val`): means over the pairs.
@@ -155,26 +162,40 @@ class PreferenceRun {
     return r;
   }
 
+  // The statistics of every rank's pairs, summed.
+  PreferenceStats summed(PreferenceStats p) const {
+    if (!ranks_.several()) return p;
+    double v[7] = {static_cast<double>(p.pairs), p.rewards_chosen, p.rewards_rejected, p.accuracies, p.margins,
+                   p.logps_chosen, p.logps_rejected};
+    ranks_.comm()->all_reduce_sum(std::span<double>(v));
+    return {static_cast<std::int64_t>(v[0]), v[1], v[2], v[3], v[4], v[5], v[6]};
+  }
+
   // Each window's summed log-probability of its labels under the current weights, in file order:
-  // --batch rows at a time (the last call wraps around; its extra rows are not kept).
+  // a rank's rows at a time, the ranks taking turns (each as many calls; a call past the end
+  // wraps around and its rows are not kept), then gathered (a sum: the others' rows are 0).
   std::vector<double> sums(std::int64_t windows, bool val) {
-    const std::int64_t rows = trainer_.options().batch_rows;
+    const std::int64_t rows = trainer_.options().batch_rows, world = ranks_.world();
     const auto n = static_cast<std::size_t>(rows * seq_);
     std::vector<std::int32_t> ids(n), labels(n);
     std::vector<double> out(static_cast<std::size_t>(windows), 0.0);
-    for (std::int64_t first = 0; first < windows; first += rows) {
-      if (val) data_.val_batch(first, rows, ids, labels);
-      else data_.train_rows(first, rows, ids, labels);
+    const std::int64_t calls = (windows + rows * world - 1) / (rows * world);
+    for (std::int64_t c = 0; c < calls; ++c) {
+      const std::int64_t first = (c * world + ranks_.rank()) * rows;
+      if (val) data_.val_batch(first % windows, rows, ids, labels);
+      else data_.train_rows(first % windows, rows, ids, labels);
       const std::vector<double> lp = trainer_.score(ids, labels, rows);
       for (std::int64_t r = 0; r < rows && first + r < windows; ++r)
         for (std::int64_t t = 0; t < seq_; ++t) out[static_cast<std::size_t>(first + r)] += lp[static_cast<std::size_t>(r * seq_ + t)];
     }
+    if (ranks_.several()) ranks_.comm()->all_reduce_sum(std::span<double>(out));
     return out;
   }
 
   PreferenceOptions opt_;
   T& trainer_;
   const TokenDataset& data_;
+  const Ranks& ranks_;
   std::int64_t seq_;
   std::string bytes_;
   nlohmann::json record_;

@@ -171,7 +171,8 @@ class TrainSetup {
     if (eval_only_) return;
     MT_CHECK(s.batch % 2 == 0, "--objective dpo: --batch {} must be even (a batch is pairs: a chosen and a rejected row "
              "each)", s.batch);
-    MT_CHECK(!ranks_.several(), "--objective dpo runs in one process on one GPU for now: drop --gpus or the launcher");
+    MT_CHECK(s.batch % (2 * ranks_.world()) == 0, "--objective dpo: --batch {} must hold whole pairs on each of the {} "
+             "ranks (a multiple of {})", s.batch, ranks_.world(), 2 * ranks_.world());
     MT_CHECK(s.train_on == "completion", "--objective dpo compares the answers' log-probabilities: drop --train-on {}",
              s.train_on);
     MT_CHECK(!s.pack, "--objective dpo keeps each answer in a row of its own: drop --pack");

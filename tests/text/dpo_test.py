@@ -8,7 +8,8 @@ packages of tests/text/reference):
   Hugging Face's Jinja and encodes with Hugging Face tokenizers, as TRL's recipe says;
 - megatrain-train --objective dpo on such records: the first step's loss is log 2 exactly (the
   model is its own reference), a preference that generalises is learnt (training and validation
-  pairs), a resumed run continues bit for bit with the checkpoint's reference, and what does not fit is refused before anything is written.
+  pairs), two ranks give the same run to rounding, a resumed run continues bit for bit with the
+  checkpoint's reference, and what does not fit is refused before anything is written.
 
     dpo_test.py TOKENIZE_BIN TRAIN_BIN WORK_DIR
 
@@ -143,6 +144,17 @@ if len(m) == 12:
           f"12 steps did not learn the preference: {m[-1]}")
     check(m[-1]["val_loss"] < 0.1 and m[-1]["val_rewards/accuracies"] == 1, f"the validation pairs: {m[-1]}")
 
+# two ranks (--gpus 2 on the cpu backend: two ranks in one process): each scores its share of the
+# reference and trains its share of each batch; the same run to rounding
+run(train, ["--data", "easy.jsonl", "--tokenizer", qwen, "--objective", "dpo"] + MODEL8 + ["--steps", "12", "--out", "dpo2",
+                                                                                             "--gpus", "2", "--backend", "cpu"])
+m2 = metrics("dpo2")
+# (the sums come in another order: fp32 rounding, 1e-5 relative leaves ~100 float32 epsilons)
+close = lambda a, b: abs(a - b) <= 1e-5 * abs(b) + 1e-9
+check(len(m2) == len(m) and all(close(a["loss"], b["loss"]) and close(a.get("val_loss", 0), b.get("val_loss", 0))
+                                 for a, b in zip(m2, m)),
+      f"two ranks' losses {[x['loss'] for x in m2]} vs one's {[x['loss'] for x in m]}")
+
 # resumed from step 4 (the mixed records): the same steps, bit for bit, with the checkpoint's reference
 out = run(train, DPO + ["--batch", "8", "--steps", "8", "--out", "whole"])
 run(train, DPO + ["--batch", "8", "--steps", "4", "--save-every", "4", "--out", "halves"])
@@ -164,6 +176,7 @@ for n, (args, words) in enumerate([
      "--dpo-label-smoothing applies to"),
     (DPO + ["--batch", "8", "--steps", "1", "--pack", "true"], "drop --pack"),
     (DPO + ["--batch", "6", "--steps", "1", "--micro-batches", "2"], "each micro-batch must hold whole pairs"),
+    (DPO + ["--batch", "6", "--steps", "1", "--gpus", "2", "--backend", "cpu"], "whole pairs on each of the 2 ranks"),
     (["--data", "prefs.jsonl", "--tokenizer", qwen] + MODEL8 + ["--steps", "1", "--dpo-beta", "0.2"],
      "--dpo-beta applies to --objective dpo"),
     # (megatrain-tokenize's pairs, read as a token file: trained, with the ipo loss)
