@@ -1,13 +1,14 @@
 // libFuzzer target: fine-tuning and pre-training records (megatrain/text/chat.hpp and
 // prepare.hpp): JSONL of documents, prompt/completion pairs, alpaca records and conversations
-// (messages or sharegpt), encoded with real tokenizers.
+// (messages or sharegpt), preference pairs, encoded with real tokenizers.
 //
 // An input is a JSONL file. Each line that parses is read by detect_record_format and by
 // record_pieces as each record format (with a chat format drawn from the line), and the pieces
 // of its own format are encoded by encode_pieces with Qwen3's byte-level BPE and Llama 2's
 // SentencePiece BPE: the ids are exactly the encoding of the pieces' text, one trained flag per
 // id, every id decodable, and (Qwen3) decoding and encoding again gives the same text (ASCII
-// text exactly back). Then prepare_token_files turns the whole input, as a .jsonl and as a .json
+// text exactly back). A preference record's two examples are the prompt's and each answer's
+// encodings, the answers trained. Then prepare_token_files turns the whole input, as a .jsonl and as a .json
 // array (the input, or its lines made one), into token files, stopping at a bad record and skipping bad records: a preparation
 // that succeeds must leave files that TokenSource::open reads back with the counts it reported.
 // Anything but success or megatrain::Error is a finding.
@@ -31,6 +32,7 @@
 #include "megatrain/data/token_dataset.hpp"
 #include "megatrain/text/chat.hpp"
 #include "megatrain/text/prepare.hpp"
+#include "megatrain/text/preference_records.hpp"
 #include "megatrain/text/tokenizer.hpp"
 
 using namespace megatrain;
@@ -95,6 +97,38 @@ void check_encoded(const Tokenizer& tok, std::span<const Piece> pieces, bool rou
   }
 }
 
+// A preference record (if it is one): each example is the prompt's ids then the answer's and the
+// end token, the answer's part trained.
+void check_preference(const json& r, const RecordOptions& opt, std::uint64_t h) {
+  if (!is_preference_record(r)) return;
+  PreferenceTexts texts;
+  try {
+    texts = preference_texts(r, opt.chat, opt.bos);
+  } catch (const Error&) {
+    return;
+  }
+  Tokenizers& t = tokenizers();
+  const std::optional<std::int32_t> eos = (h >> 10) % 2 ? std::optional<std::int32_t>(1) : std::nullopt;
+  for (const Tokenizer* tok : {&t.qwen3, &t.llama2}) {
+    PreferencePair pair;
+    try {
+      pair = encode_preference(*tok, texts, eos);
+    } catch (const Error&) {
+      continue;
+    }
+    const auto prompt = tok->encode(texts.prompt);
+    for (const auto& [e, answer] : {std::pair{&pair.chosen, &texts.chosen}, std::pair{&pair.rejected, &texts.rejected}}) {
+      std::vector<std::int32_t> want = prompt;
+      const auto a = tok->encode(*answer);
+      want.insert(want.end(), a.begin(), a.end());
+      if (eos) want.push_back(*eos);
+      FUZZ_REQUIRE(e->ids == want);
+      FUZZ_REQUIRE(e->trained.size() == want.size());
+      for (std::size_t i = 0; i < want.size(); ++i) FUZZ_REQUIRE(e->trained[i] == (i >= prompt.size() ? 1 : 0));
+    }
+  }
+}
+
 void check_record(const json& r, std::uint64_t h) {
   Tokenizers& t = tokenizers();
   const auto detected = detect_record_format(r);
@@ -115,6 +149,7 @@ void check_record(const json& r, std::uint64_t h) {
     check_encoded(t.qwen3, pieces, true);
     check_encoded(t.llama2, pieces, false);
   }
+  check_preference(r, opt, h);
 }
 
 /// prepare_token_files on `input`; a success must read back as it says.
@@ -139,8 +174,9 @@ void check_prepare(const Tokenizer& tok, const fuzz::fs::path& input, const std:
   FUZZ_REQUIRE(s.size() == r->tokens);
   FUZZ_REQUIRE(s.has_examples() == r->examples);
   FUZZ_REQUIRE(s.max_id() < tok.vocab_size());
+  FUZZ_REQUIRE(s.has_pairs() == (r->records == RecordFormat::preference));
   if (r->examples) {
-    FUZZ_REQUIRE(s.examples() == r->count);
+    FUZZ_REQUIRE(s.examples() == (s.has_pairs() ? 2 : 1) * r->count);
     std::int64_t trained = 0;
     for (std::int64_t i = 0; i < s.size(); ++i) trained += s.trained(i);
     FUZZ_REQUIRE(trained == r->trained_tokens);
