@@ -56,6 +56,8 @@ struct Metrics {
   // A mixture of experts: the auxiliary loss, and over all sparse layers the fewest and the most
   // tokens routed to one expert (expert_tokens: [layer, fewest, most] per layer).
   Series aux_loss, expert_min, expert_max;
+  // Preference training (--objective dpo): TRL's accuracy and reward margin, train and validation.
+  Series accuracy, val_accuracy, margin, val_margin;
   double tokens = 0, step_time = 0, timed_tokens = 0;  // sums over finite values (timed: where both are)
   bool have_tokens = false, have_time = false;
   std::optional<std::size_t> torn_line;  // the last line, left out because it does not parse
@@ -162,6 +164,10 @@ Metrics read_metrics(const fs::path& file) {
     take("clip_coef", m.clip_coef);
     take("tokens_per_s", m.tokens_per_s);
     take("aux_loss", m.aux_loss);
+    take("rewards/accuracies", m.accuracy);
+    take("val_rewards/accuracies", m.val_accuracy);
+    take("rewards/margins", m.margin);
+    take("val_rewards/margins", m.val_margin);
     if (const auto it = j.find("expert_tokens"); it != j.end() && it->is_array() && !it->empty()) {
       double lo = std::numeric_limits<double>::infinity(), hi = -lo;
       for (const json& l : *it) {
@@ -704,7 +710,8 @@ std::string summary_section(const Metrics& m) {
   return h;
 }
 
-// The charts against the step (a mixture of experts' two more where it has them).
+// The charts against the step (a mixture of experts' two more where it has them, preference
+// training's two where it has them).
 std::string charts_section(const Metrics& m) {
   std::string h;
   h += "<section id=\"charts-section\">\n<h2>Charts</h2>\n<div class=\"charts\">\n";
@@ -722,6 +729,14 @@ std::string charts_section(const Metrics& m) {
   if (m.aux_loss.present())  // a mixture of experts
     h += chart("aux_loss", "Auxiliary load-balancing loss", "aux loss", {{"aux loss", "#17becf", &m.aux_loss, false}},
                m.first_step, m.last_step);
+  if (m.accuracy.present()) {  // preference training
+    std::vector<Line> acc{{"train", "#1f77b4", &m.accuracy, false}}, margin{{"train", "#1f77b4", &m.margin, false}};
+    if (m.val_accuracy.present()) acc.push_back({"val", "#d62728", &m.val_accuracy, true});
+    if (m.val_margin.present()) margin.push_back({"val", "#d62728", &m.val_margin, true});
+    h += chart("rewards_accuracies", "Preference accuracy (chosen's reward above rejected's)", "share of pairs", acc,
+               m.first_step, m.last_step);
+    h += chart("rewards_margins", "Reward margin (chosen - rejected)", "beta x log-ratio", margin, m.first_step, m.last_step);
+  }
   if (m.expert_max.present())
     h += chart("expert_tokens", "Tokens per expert (any sparse layer)", "tokens",
                {{"most", "#e377c2", &m.expert_max, false}, {"fewest", "#7f7f7f", &m.expert_min, true}}, m.first_step,

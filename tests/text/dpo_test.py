@@ -143,6 +143,10 @@ if len(m) == 12:
     check(m[-1]["loss"] < 0.1 and m[-1]["rewards/accuracies"] == 1 and m[-1]["rewards/margins"] > 0,
           f"12 steps did not learn the preference: {m[-1]}")
     check(m[-1]["val_loss"] < 0.1 and m[-1]["val_rewards/accuracies"] == 1, f"the validation pairs: {m[-1]}")
+report = open(os.path.join(work, "dpo", "report.html"), encoding="utf-8").read() if os.path.exists(
+    os.path.join(work, "dpo", "report.html")) else ""
+check('id="chart-rewards_accuracies"' in report and 'id="chart-rewards_margins"' in report,
+      "report.html draws no preference accuracy and reward margin")
 
 # two ranks (--gpus 2 on the cpu backend: two ranks in one process): each scores its share of the
 # reference and trains its share of each batch; the same run to rounding

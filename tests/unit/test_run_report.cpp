@@ -204,6 +204,32 @@ TEST_CASE("run report: a mixture of experts' auxiliary loss and tokens per exper
   }
 }
 
+TEST_CASE("run report: preference training's accuracy and reward margin, train and validation, charted where present") {
+  TempDir tmp;
+  const fs::path dir = tmp.path();
+  std::string lines;
+  for (int s = 1; s <= 4; ++s) {
+    json m = json::parse(metrics_line(s, 0.7 - 0.1 * s, 0.001, 1.0, 1.0, 1000));
+    m["rewards/accuracies"] = 0.25 * s;
+    m["rewards/margins"] = 0.3 * s;
+    if (s % 2 == 0) {
+      m["val_rewards/accuracies"] = 0.2 * s;
+      m["val_rewards/margins"] = 0.25 * s;
+    }
+    lines += m.dump() + "\n";
+  }
+  write(dir / "metrics.jsonl", lines);
+  const std::string h = render_run_report(dir);
+  CHECK(has(h, "data-chart=\"rewards_accuracies\""));
+  CHECK(has(h, "data-chart=\"rewards_margins\""));
+  CHECK(series_points(h, "train") == 4);  // (the accuracy chart's: a point a step)
+  CHECK(series_points(h, "val") == 2);    // (a point an evaluation)
+  five_steps(dir);  // an SFT run has neither chart
+  const std::string sft = render_run_report(dir);
+  CHECK_FALSE(has(sft, "data-chart=\"rewards_accuracies\""));
+  CHECK_FALSE(has(sft, "data-chart=\"rewards_margins\""));
+}
+
 TEST_CASE("run report: a torn last line is left out and said; blank lines are skipped") {
   TempDir tmp;
   const fs::path dir = tmp.path();
