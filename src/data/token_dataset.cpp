@@ -78,6 +78,26 @@ std::shared_ptr<TokenSource::Mapping> TokenSource::Mapping::of(const std::filesy
   return map;
 }
 
+namespace {
+// FILE.pairs (example_pairs_note's): megatrain-tokenize's note, naming as many pairs as the
+// examples make.
+void check_pairs_note(const std::filesystem::path& pairs, std::int64_t examples, const std::string& label) {
+  std::int64_t n = -1;
+  try {
+    std::ifstream in(pairs, std::ios::binary);
+    const nlohmann::json note = nlohmann::json::parse(std::string(std::istreambuf_iterator<char>(in), {}));
+    if (note.is_object() && note.value("megatrain", "") == "preference pairs" && note.contains("pairs") &&
+        note["pairs"].is_number_integer())
+      n = note["pairs"].get<std::int64_t>();
+  } catch (const nlohmann::json::exception&) {
+  }
+  MT_CHECK(n >= 0, "dataset '{}': '{}' is not megatrain-tokenize's note of preference pairs (prepare it again)", label,
+           pairs.string());
+  MT_CHECK(2 * n == examples, "dataset '{}': '{}' says {} pairs, but the file holds {} examples (the files are not one "
+           "preparation's; prepare them again)", label, pairs.string(), n, examples);
+}
+}  // namespace
+
 TokenSource TokenSource::open(const std::filesystem::path& path, TokenFormat bin_format) {
   MT_NVTX_RANGE("TokenSource::open");
   MT_CHECK(bin_format != TokenFormat::text, "bin_format must be u16 or u32");
@@ -162,19 +182,7 @@ TokenSource TokenSource::open(const std::filesystem::path& path, TokenFormat bin
   if (std::filesystem::exists(pairs, ec)) {
     MT_CHECK(s.examples_ > 0, "dataset '{}': '{}' is beside it, but it is not examples (no '{}'; prepare it again with "
              "megatrain-tokenize)", label, pairs.string(), index.string());
-    std::int64_t n = -1;
-    try {
-      std::ifstream in(pairs, std::ios::binary);
-      const nlohmann::json note = nlohmann::json::parse(std::string(std::istreambuf_iterator<char>(in), {}));
-      if (note.is_object() && note.value("megatrain", "") == "preference pairs" && note.contains("pairs") &&
-          note["pairs"].is_number_integer())
-        n = note["pairs"].get<std::int64_t>();
-    } catch (const nlohmann::json::exception&) {
-    }
-    MT_CHECK(n >= 0, "dataset '{}': '{}' is not megatrain-tokenize's note of preference pairs (prepare it again)", label,
-             pairs.string());
-    MT_CHECK(2 * n == s.examples_, "dataset '{}': '{}' says {} pairs, but the file holds {} examples (the files are not one "
-             "preparation's; prepare them again)", label, pairs.string(), n, s.examples_);
+    check_pairs_note(pairs, s.examples_, label);
     s.pairs_ = true;
   }
   return s;
