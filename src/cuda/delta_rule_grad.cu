@@ -1,7 +1,9 @@
 // Each chunk's q, k, g and beta gradients on the GPU (delta_rule.cuh), from the chunk's starting
 // state S, its end-state gradient dS', delta and dr (the walks of delta_rule.cu) and dO; the
 // CPU's Chunk::backward (backend/cpu/delta_rule.hpp) term for term. A block a chunk and value
-// head; the value columns a tile of 32 at a time, their sums over the tiles kept in shared memory.
+// head; the value columns a tile of 32 at a time, their sums over the tiles kept in registers
+// ([C, dk] products) and shared memory ([C, C] ones). The products run on the tensor cores
+// (delta_rule_chunk.cuh: tf32 operands, fp32 sums).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -15,15 +17,18 @@ namespace {
 using namespace detail;
 
 std::size_t chunk_grad_smem(int dk) {
-  return (chunk_floats(dk) + 2 * static_cast<std::size_t>(dk) * VS + 3 * C * VS + 4 * C * CS + 5 * C + NT) * 4;
+  return (chunk_floats(dk) + 2 * static_cast<std::size_t>(dk) * VS + 4 * C * VS + 4 * C * CS + 5 * C + NT) * 4;
 }
 
-constexpr int kRegs = DK / 4;  // key elements a thread of chunk_grad_kernel holds (x = lane % 4 + 4 m)
+// A [C, dk] sum over the slices: S dO_i, dS delta_i or S dr_i (row i, key element x), and then
+// dq or dk. Two warps share each row (row_dots relies on it).
+using RowTile = MmaTile<C, DK>;
+static_assert(RowTile::WN == 2, "row_dots adds two warps' parts of a row, an order-free sum");
 
 // chunk_grad_kernel's shared memory beside the chunk's: the tiles of a column slice, the chunk's
 // matrices, the sums over the slices (DD = dO delta^T, DA = -dr delta^T, per-row sums).
 struct GradSmem {
-  float *St, *dSt, *Dl, *Rr, *DOt;  // S, dS ([dk, BV]); delta, dr, dO ([C, BV])
+  float *St, *dSt, *Dl, *Rr, *DOt, *SK;  // S, dS ([dk, BV]); delta, dr, dO, K S ([C, BV])
   float *EK, *M, *DD, *DA;          // [C, C]
   float *dbp, *dskp, *inter, *kt, *dG, *red;
 };
@@ -34,7 +39,8 @@ __device__ GradSmem carve_grad(float* p, int dk) {
   g.Dl = g.dSt + dk * VS;
   g.Rr = g.Dl + C * VS;
   g.DOt = g.Rr + C * VS;
-  g.EK = g.DOt + C * VS;
+  g.SK = g.DOt + C * VS;
+  g.EK = g.SK + C * VS;
   g.M = g.EK + C * CS;
   g.DD = g.M + C * CS;
   g.DA = g.DD + C * CS;
@@ -47,41 +53,33 @@ __device__ GradSmem carve_grad(float* p, int dk) {
   return g;
 }
 
-// One slice of value columns (its tiles loaded): S dO_i, dS delta_i and S dr_i into a thread's
-// registers (its row, x = xo + 4 k), DD and DA, the rows' dr.(v - exp(G) S^T k) and dr.S^T k, <S, dS>.
+// One slice of value columns (its tiles loaded): S dO_i, dS delta_i and S dr_i added to the row
+// tiles, DD and DA, the rows' dr.(v - exp(G) S^T k) and dr.S^T k, <S, dS>.
 __device__ void slice_products(const Rule& r, const ChunkSmem& m, const GradSmem& g, i64 t0, int n, int h, int col0,
-                               float (&aq)[kRegs], float (&ap)[kRegs], float (&ar)[kRegs], float& sds) {
-  const int tid = threadIdx.x, row = tid / 4, xo = tid % 4, ks = r.dk + 1;
-  for (int y = 0; y < BV; ++y) {
-    const float o_ = g.DOt[row * VS + y], d_ = g.Dl[row * VS + y], r_ = g.Rr[row * VS + y];
-#pragma unroll
-    for (int k = 0; k < kRegs; ++k) {
-      const int x = xo + 4 * k;
-      if (x < r.dk) {
-        const float sv = g.St[x * VS + y];
-        aq[k] += o_ * sv;
-        ap[k] += d_ * g.dSt[x * VS + y];
-        ar[k] += r_ * sv;
-      }
-    }
-  }
-  for (int q = tid; q < C * C; q += NT) {  // DD += dO delta^T (j <= i), DA -= dr delta^T (j < i)
-    const int i = q / C, j = q % C;
-    if (i >= n || j > i) continue;
-    float dd = 0, da = 0;
-    for (int y = 0; y < BV; ++y) {
-      dd += g.DOt[i * VS + y] * g.Dl[j * VS + y];
-      da += g.Rr[i * VS + y] * g.Dl[j * VS + y];
-    }
-    g.DD[i * CS + j] += dd;
-    if (j < i) g.DA[i * CS + j] -= da;
-  }
+                               RowTile& aq, RowTile& ap, RowTile& ar, float& sds) {
+  const int tid = threadIdx.x, ks = r.dk + 1;
+  const auto s_t = [&](int y, int x) { return x < r.dk ? g.St[x * VS + y] : 0.0f; };
+  mma_add(aq, BV, [&](int i, int y) { return g.DOt[i * VS + y]; }, s_t);
+  mma_add(ap, BV, [&](int i, int y) { return g.Dl[i * VS + y]; }, [&](int y, int x) { return x < r.dk ? g.dSt[x * VS + y] : 0.0f; });
+  mma_add(ar, BV, [&](int i, int y) { return g.Rr[i * VS + y]; }, s_t);
+  const auto delta_t = [&](int y, int j) { return g.Dl[j * VS + y]; };
+  block_mma<C, C>(  // DD += dO delta^T (j <= i)
+      BV, [&](int i, int y) { return g.DOt[i * VS + y]; }, delta_t, [&](int i, int j, float v) {
+        if (i < n && j <= i) g.DD[i * CS + j] += v;
+      });
+  block_mma<C, C>(  // DA -= dr delta^T (j < i)
+      BV, [&](int i, int y) { return g.Rr[i * VS + y]; }, delta_t, [&](int i, int j, float v) {
+        if (i < n && j < i) g.DA[i * CS + j] -= v;
+      });
+  block_mma<C, BV>(  // SK = K S
+      r.dk, [&](int i, int x) { return m.K[i * ks + x]; }, [&](int x, int y) { return g.St[x * VS + y]; },
+      [&](int i, int y, float v) { g.SK[i * VS + y] = v; });
+  __syncthreads();
   for (int q = tid; q < C * BV; q += NT) {  // a warp a row: dr_i . (v_i - exp(G_i) S^T k_i), dr_i . S^T k_i
     const int i = q / BV, y = q % BV;
     float c1 = 0, c2 = 0;
     if (i < n && col0 + y < r.dv) {
-      float sk = 0;
-      for (int x = 0; x < r.dk; ++x) sk += m.K[i * ks + x] * g.St[x * VS + y];
+      const float sk = g.SK[i * VS + y];
       const float v = r.c[(t0 + i) * r.cd + 2 * r.kd + static_cast<i64>(h) * r.dv + col0 + y];
       c1 = g.Rr[i * VS + y] * (v - m.eG[i] * sk);
       c2 = g.Rr[i * VS + y] * sk;
@@ -96,43 +94,53 @@ __device__ void slice_products(const Rule& r, const ChunkSmem& m, const GradSmem
   for (int q = tid; q < r.dk * BV; q += NT) sds += g.St[(q / BV) * VS + q % BV] * g.dSt[(q / BV) * VS + q % BV];
 }
 
+// out[i] = sum_x f(i, x) acc(i, x) for the tile's rows (out zeroed before): a thread's part of
+// its two rows, the four lanes of a row summed, the two warps of a row added (in either order,
+// the same sum).
+template <class F>
+__device__ void row_dots(RowTile& acc, F f, float* out) {
+  const int r0 = RowTile::row0();
+  float lo = 0, hi = 0;
+  acc.each([&](int i, int x, float& v) { (i == r0 ? lo : hi) += f(i, x) * v; });
+  lo += __shfl_xor_sync(kFull, lo, 1);
+  lo += __shfl_xor_sync(kFull, lo, 2);
+  hi += __shfl_xor_sync(kFull, hi, 1);
+  hi += __shfl_xor_sync(kFull, hi, 2);
+  if (threadIdx.x % 4 == 0) {
+    atomicAdd(&out[r0], lo);
+    atomicAdd(&out[r0 + 8], hi);
+  }
+}
+
 // dq_i = scale exp(G_i) S dO_i + sum_j D_ij k_j, D_ij = scale exp(G_i - G_j) dO_i.delta_j (j <= i);
 // dk_r = exp(G_last - G_r) dS delta_r - beta_r exp(G_r) S dr_r + sum_i D_ir q_i + sum_j (E + E^T)_rj k_j,
-// E_ij = DA_ij beta_i exp(G_i - G_j) (j < i). Written for the thread's row (its 4 lanes' elements).
-__device__ void write_dq_dk(const Rule& r, const ChunkSmem& m, const GradSmem& g, i64 t0, int n, int h,
-                            float (&aq)[kRegs], float (&ap)[kRegs], const float (&ar)[kRegs], float* dq, float* dk) {
-  const int i = threadIdx.x / 4, xo = threadIdx.x % 4, ks = r.dk + 1;
+// E_ij = DA_ij beta_i exp(G_i - G_j) (j < i). The tiles' elements as the threads hold them.
+__device__ void write_dq_dk(const Rule& r, const ChunkSmem& m, const GradSmem& g, i64 t0, int n, int h, RowTile& aq,
+                            RowTile& ap, const RowTile& ar, float* dq, float* dk) {
+  const int ks = r.dk + 1, r0 = RowTile::row0();
 #pragma unroll
-  for (int k = 0; k < kRegs; ++k) {
-    aq[k] *= r.scale * m.eG[i];
-    ap[k] = m.eL[i] * ap[k] - m.bt[i] * m.eG[i] * ar[k];
-  }
-  for (int j = 0; j < n; ++j) {
-    const float e_ij = j <= i ? expf(m.G[i] - m.G[j]) : 0.0f, e_ji = i <= j ? expf(m.G[j] - m.G[i]) : 0.0f;
-    const float d_ij = r.scale * e_ij * g.DD[i * CS + j];                          // D_ij (j <= i)
-    const float d_ji = r.scale * e_ji * g.DD[j * CS + i];                          // D_ji (i <= j)
-    const float e = g.DA[i * CS + j] * m.bt[i] * e_ij + g.DA[j * CS + i] * m.bt[j] * e_ji;  // (E + E^T)_ij
+  for (int c = 0; c < RowTile::TPW; ++c)
 #pragma unroll
-    for (int k = 0; k < kRegs; ++k) {
-      const int x = xo + 4 * k;
-      if (x < r.dk) {
-        const float kj = m.K[j * ks + x];
-        aq[k] += d_ij * kj;
-        ap[k] += d_ji * m.Q[j * ks + x] + e * kj;
-      }
+    for (int e = 0; e < 4; ++e) {  // (the same element of each tile: its row r0, or r0 + 8 for e >= 2)
+      const int i = e < 2 ? r0 : r0 + 8;
+      aq.v[c][e] *= r.scale * m.eG[i];
+      ap.v[c][e] = m.eL[i] * ap.v[c][e] - m.bt[i] * m.eG[i] * ar.v[c][e];
     }
-  }
-  if (i >= n) return;
-  float* dqr = dq + ((t0 + i) * r.Hv + h) * static_cast<i64>(r.dk);
-  float* dkr = dk + ((t0 + i) * r.Hv + h) * static_cast<i64>(r.dk);
-#pragma unroll
-  for (int k = 0; k < kRegs; ++k) {
-    const int x = xo + 4 * k;
-    if (x < r.dk) {
-      dqr[x] = aq[k];
-      dkr[x] = ap[k];
-    }
-  }
+  // (the decays' exponents only where they are <= 0: G falls along the chunk)
+  const auto k_of = [&](int j, int x) { return x < r.dk ? m.K[j * ks + x] : 0.0f; };
+  mma_add(aq, C, [&](int i, int j) { return j <= i ? r.scale * expf(m.G[i] - m.G[j]) * g.DD[i * CS + j] : 0.0f; }, k_of);
+  mma_add(ap, C, [&](int i, int j) { return i <= j ? r.scale * expf(m.G[j] - m.G[i]) * g.DD[j * CS + i] : 0.0f; },
+          [&](int j, int x) { return x < r.dk ? m.Q[j * ks + x] : 0.0f; });
+  mma_add(ap, C, [&](int i, int j) {  // (E + E^T)_ij
+    return j < i ? g.DA[i * CS + j] * m.bt[i] * expf(m.G[i] - m.G[j]) : i < j ? g.DA[j * CS + i] * m.bt[j] * expf(m.G[j] - m.G[i]) : 0.0f;
+  }, k_of);
+  const auto row = [&](float* out, int i) { return out + ((t0 + i) * r.Hv + h) * static_cast<i64>(r.dk); };
+  aq.each([&](int i, int x, float& v) {
+    if (i < n && x < r.dk) row(dq, i)[x] = v;
+  });
+  ap.each([&](int i, int x, float& v) {
+    if (i < n && x < r.dk) row(dk, i)[x] = v;
+  });
 }
 
 // dG and dbeta of row ir (a thread a row), from the sums over the slices; g.red[0] = <S, dS>.
@@ -170,15 +178,13 @@ __global__ void __launch_bounds__(NT) chunk_grad_kernel(Rule r, const float* sta
   const i64 chunk = blockIdx.x;
   const Span sp = span_of(r, chunk);
   const i64 t0 = sp.t0;
-  const int n = sp.n, h = blockIdx.y, ks = r.dk + 1, tid = threadIdx.x, row = tid / 4, xo = tid % 4;
+  const int n = sp.n, h = blockIdx.y, ks = r.dk + 1, tid = threadIdx.x;
   load_chunk(r, h, t0, n, m);
   chunk_matrices(r, n, m, g.EK, g.M);
   for (int q = tid; q < C * CS; q += NT) g.DD[q] = g.DA[q] = 0;
   if (tid < C) g.dbp[tid] = g.dskp[tid] = 0;
-  float aq[kRegs], ap[kRegs], ar[kRegs];  // S dO_i, dS delta_i, S dr_i at x = xo + 4 k
-#pragma unroll
-  for (int k = 0; k < kRegs; ++k) aq[k] = ap[k] = ar[k] = 0;
-  float sds = 0;  // <S, dS>
+  RowTile aq, ap, ar;  // S dO_i, dS delta_i, S dr_i
+  float sds = 0;       // <S, dS>
   for (int col0 = 0; col0 < r.dv; col0 += BV) {
     __syncthreads();
     load_state(r, state_at(r, const_cast<float*>(states), chunk, h), col0, g.St);
@@ -190,25 +196,11 @@ __global__ void __launch_bounds__(NT) chunk_grad_kernel(Rule r, const float* sta
     slice_products(r, m, g, t0, n, h, col0, aq, ap, ar, sds);
   }
   g.red[tid] = sds;
+  if (tid < C) g.inter[tid] = g.kt[tid] = 0;
   __syncthreads();
-  // q_i . (S dO_i) and k_i . (dS delta_i): the 4 lanes of a row hold its key elements.
-  float it = 0, kt_ = 0;
-#pragma unroll
-  for (int k = 0; k < kRegs; ++k) {
-    const int x = xo + 4 * k;
-    if (x < r.dk) {
-      it += m.Q[row * ks + x] * aq[k];
-      kt_ += m.K[row * ks + x] * ap[k];
-    }
-  }
-  it += __shfl_xor_sync(kFull, it, 1);
-  it += __shfl_xor_sync(kFull, it, 2);
-  kt_ += __shfl_xor_sync(kFull, kt_, 1);
-  kt_ += __shfl_xor_sync(kFull, kt_, 2);
-  if (xo == 0) {
-    g.inter[row] = it;
-    g.kt[row] = kt_;
-  }
+  // q_i . (S dO_i) and k_i . (dS delta_i)
+  row_dots(aq, [&](int i, int x) { return x < r.dk ? m.Q[i * ks + x] : 0.0f; }, g.inter);
+  row_dots(ap, [&](int i, int x) { return x < r.dk ? m.K[i * ks + x] : 0.0f; }, g.kt);
   if (tid == 0) {
     float sum = 0;
     for (int q = 0; q < NT; ++q) sum += g.red[q];
@@ -216,7 +208,7 @@ __global__ void __launch_bounds__(NT) chunk_grad_kernel(Rule r, const float* sta
   }
   __syncthreads();
   write_dq_dk(r, m, g, t0, n, h, aq, ap, ar, dq, dk);
-  if (tid < C) gate_grads(r, m, g, t0, n, h, tid, dbeta);  // (a thread a row, not the 4-lane rows above)
+  if (tid < C) gate_grads(r, m, g, t0, n, h, tid, dbeta);  // (a thread a row)
   __syncthreads();
   if (tid == 0) {  // dg = the suffix sums of dG (G = cumsum(g))
     float acc = 0;

@@ -76,29 +76,42 @@ __device__ __forceinline__ float conv_pre(const bf* x, const bf* w, i64 t, i64 f
 }
 
 // c[t, ch] = silu(sum_j w[ch, j] x[t - K + 1 + j, ch]) within t's sequence; grad: dpre (in place of
-// dc) = dc * silu'(pre), the pre-activation recomputed.
+// dc) = dc * silu'(pre), the pre-activation recomputed. A block a token at a time, its threads over
+// the channels (the token's sequence found once, no division an element).
 template <bool kGrad>
 __global__ void conv_silu_kernel(const bf* x, const bf* w, i64 T, i64 cd, int K, Seqs q, float* c) {
-  for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < T * cd; i += static_cast<i64>(gridDim.x) * blockDim.x) {
-    const i64 t = i / cd, ch = i % cd;
-    const float p = conv_pre(x, w, t, t - q.position(t), ch, cd, K);
-    if constexpr (kGrad) c[i] *= silu_grad(p);
-    else c[i] = silu(p);
+  for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
+    const i64 first = t - q.position(t);
+    for (i64 ch = threadIdx.x; ch < cd; ch += blockDim.x) {
+      const float p = conv_pre(x, w, t, first, ch, cd, K);
+      if constexpr (kGrad) c[t * cd + ch] *= silu_grad(p);
+      else c[t * cd + ch] = silu(p);
+    }
   }
 }
 
 // dx[t, ch] = sum_j w[ch, j] dpre[t + K - 1 - j, ch] over the taps that stay in t's sequence; the
 // rows past the window's T (up to K - 1 of them, while the mixing has them: rest) come from tail.
+// A block a token at a time, as above.
 __global__ void conv_input_grad_kernel(const float* dpre, const float* tail, const bf* w, i64 T, i64 rest, i64 cd, int K,
                                        Seqs q, bf* dx) {
-  for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < T * cd; i += static_cast<i64>(gridDim.x) * blockDim.x) {
-    const i64 t = i / cd, ch = i % cd, first = t - q.position(t);
-    float d = 0;
-    for (int j = 0; j < K; ++j) {
+  for (i64 t = blockIdx.x; t < T; t += gridDim.x) {
+    const i64 first = t - q.position(t);
+    bool tap[kMaxTaps];  // (whether tap j's row is in t's sequence and within reach)
+#pragma unroll
+    for (int j = 0; j < kMaxTaps; ++j) {
       const i64 s = t + K - 1 - j;
-      if (s < rest && s - q.position(s) == first) d += ld(w + ch * K + j) * (s < T ? dpre[s * cd + ch] : tail[(s - T) * cd + ch]);
+      tap[j] = j < K && s < rest && s - q.position(s) == first;
     }
-    dx[i] = __float2bfloat16(d);
+    for (i64 ch = threadIdx.x; ch < cd; ch += blockDim.x) {
+      float d = 0;
+#pragma unroll
+      for (int j = 0; j < kMaxTaps; ++j) {
+        const i64 s = t + K - 1 - j;
+        if (tap[j]) d += ld(w + ch * K + j) * (s < T ? dpre[s * cd + ch] : tail[(s - T) * cd + ch]);
+      }
+      dx[t * cd + ch] = __float2bfloat16(d);
+    }
   }
 }
 
@@ -446,7 +459,7 @@ delta_rule::Rule prepare_rule(const DeltaNetShape& s, const DeltaNetSequences& q
   sequence_table_kernel<<<1, 1, 0, stream>>>(q.starts, q.base, q.seq, win.first, win.pieces, win.w0, win.w1, w.starts,
                                              w.chunk_first);
   MT_CUDA_CHECK_LAUNCH("sequence_table_kernel");
-  conv_silu_kernel<false><<<grid_for(T * cd, 256), 256, 0, stream>>>(dev(wi.mixed), dev(wi.conv), T, cd, static_cast<int>(s.taps),
+  conv_silu_kernel<false><<<grid_for(T, 1), 256, 0, stream>>>(dev(wi.mixed), dev(wi.conv), T, cd, static_cast<int>(s.taps),
                                                                seqs_of(q, win), w.c);
   MT_CUDA_CHECK_LAUNCH("conv_silu_kernel");
   l2norm_kernel<<<grid_for(T * 2 * s.key_heads, 8), 256, 0, stream>>>(w.c, T, cd, static_cast<int>(2 * s.key_heads),
@@ -507,9 +520,9 @@ void backward_window(const DeltaNetShape& s, const DeltaNetSequences& q, const D
   value_grad_kernel<<<grid_for(T * vd, 256), 256, 0, stream>>>(w.c, w.dr, w.beta, T, cd, s.key_dim(), Hv, dv);
   MT_CUDA_CHECK_LAUNCH("value_grad_kernel");
   const Seqs sq = seqs_of(q, win);
-  conv_silu_kernel<true><<<grid_for(T * cd, 256), 256, 0, stream>>>(dev(wi.mixed), dev(wi.conv), T, cd, K, sq, w.c);
+  conv_silu_kernel<true><<<grid_for(T, 1), 256, 0, stream>>>(dev(wi.mixed), dev(wi.conv), T, cd, K, sq, w.c);
   MT_CUDA_CHECK_LAUNCH("conv_silu_kernel (grad)");
-  conv_input_grad_kernel<<<grid_for(T * cd, 256), 256, 0, stream>>>(w.c, w.tail, dev(wi.conv), T, q.tokens - win.w0, cd, K,
+  conv_input_grad_kernel<<<grid_for(T, 1), 256, 0, stream>>>(w.c, w.tail, dev(wi.conv), T, q.tokens - win.w0, cd, K,
                                                                      sq, dev(g.mixed) + win.w0 * cd);
   MT_CUDA_CHECK_LAUNCH("conv_input_grad_kernel");
   if (K > 1)  // (the window before reads these rows)

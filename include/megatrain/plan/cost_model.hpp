@@ -63,11 +63,11 @@ struct MachineFigures {
   double attention_bwd_tflops = 500;  ///< ... backward
   /// Gated DeltaNet's mixing (its convolution, norms and gates, the chunked delta rule, the gated
   /// norm), forward and backward, FLOPs counted as mixing_span counts the delta rule's (2.5 times
-  /// the forward's backward). Measured by bench_delta_net on an H100 (2026-12-07) at Qwen3.5-27B's
-  /// heads, 8 x 4,096 tokens: forward 24.8 ms, backward 121.7 ms (H100 and H200 have the same
-  /// SMs; a probe of a hybrid model measures its own).
-  double delta_rule_fwd_tflops = 11.5;
-  double delta_rule_bwd_tflops = 5.9;
+  /// the forward's backward). Measured by bench_delta_net on an H100 (2026-12-07, the chunks'
+  /// gradients on the tensor cores) at Qwen3.5-27B's heads, 8 x 4,096 tokens: forward 24.1 ms,
+  /// backward 92.2 ms (H100 and H200 have the same SMs; a probe of a hybrid model measures its own).
+  double delta_rule_fwd_tflops = 11.8;
+  double delta_rule_bwd_tflops = 7.8;
   double hbm_gbs = 4000;      ///< device memory, bytes read plus written per second (GB/s)
   double adamw_gparams = 4.4;       ///< CPU AdamW (fp32, with the bf16 copy), all cores, G parameters/s
   double adamw_dma_gparams = 4.2;   ///< the same while PCIe copies run both ways
