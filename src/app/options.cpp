@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <string_view>
 #include <vector>
@@ -273,6 +274,49 @@ plan::HostBudget host_budget(const Settings& s) {
   const bool env = std::getenv("MEGATRAIN_HOST_MEMORY") != nullptr && *std::getenv("MEGATRAIN_HOST_MEMORY") != '\0';
   return {available_host_memory(),
           !s.host_memory.empty() ? "--host-memory" : env ? "MEGATRAIN_HOST_MEMORY" : "available host memory"};
+}
+
+// What the step minimises: cross-entropy, or a preference loss over pairs (docs/preference.md).
+void add_objective_options(CLI::App& app, Settings& s) {
+  auto* obj = app.add_option_group("objective", "What the step minimises (docs/preference.md)");
+  obj->add_option("--objective", s.objective,
+                  "sft (cross-entropy on the trained tokens) or dpo (preference pairs: --data of prompt, chosen and "
+                  "rejected records; the reference is the model as the run starts)")
+      ->check(choice("--objective", {"sft", "dpo"}))
+      ->capture_default_str();
+  obj->add_option("--dpo-loss", s.dpo_loss, "dpo: sigmoid (the DPO paper's), hinge or ipo (TRL's loss_type)")
+      ->check(choice("--dpo-loss", {"sigmoid", "hinge", "ipo"}))
+      ->capture_default_str();
+  obj->add_option("--dpo-beta", s.dpo_beta, "dpo: beta, how far the model may move from the reference (TRL's default)")
+      ->capture_default_str();
+  obj->add_option("--dpo-label-smoothing", s.dpo_label_smoothing,
+                  "dpo, sigmoid loss: the chance a pair's preference is wrong, in [0, 0.5) (conservative DPO)")
+      ->capture_default_str();
+}
+
+void check_objective_options(const Settings& s) {
+  for (const char* f : {"--dpo-loss", "--dpo-beta", "--dpo-label-smoothing"})
+    MT_CHECK(s.objective == "dpo" || !s.origins.conflicts(f, "--objective"), "{} applies to --objective dpo; drop it", f);
+  if (s.objective != "dpo") return;
+  MT_CHECK(std::isfinite(s.dpo_beta) && s.dpo_beta > 0, "--dpo-beta must be > 0 (got {})", s.dpo_beta);
+  MT_CHECK(s.dpo_label_smoothing >= 0 && s.dpo_label_smoothing < 0.5, "--dpo-label-smoothing must be in [0, 0.5) (got {})",
+           s.dpo_label_smoothing);
+  MT_CHECK(s.dpo_label_smoothing == 0 || s.dpo_loss == "sigmoid", "--dpo-label-smoothing applies to --dpo-loss sigmoid, "
+           "not {}", s.dpo_loss);
+}
+
+void check_pairs_batch(std::int64_t batch, int ranks) {
+  MT_CHECK(batch % 2 == 0, "--objective dpo: --batch {} must be even (a batch is pairs: a chosen and a rejected row "
+           "each)", batch);
+  MT_CHECK(batch % (2 * ranks) == 0, "--objective dpo: --batch {} must hold whole pairs on each of the {} "
+           "ranks (a multiple of {})", batch, ranks, 2 * ranks);
+}
+
+void check_pairs_micro_batches(const TrainerOptions& topt, std::int64_t batch) {
+  MT_CHECK(topt.resolved().micro_rows() % 2 == 0,
+           "--objective dpo: each micro-batch must hold whole pairs, and --batch {} in {} micro-batches is {} rows each: "
+           "give --micro-batches (or --max-micro-batch) that leave an even count", batch, topt.resolved().micro_batches,
+           topt.resolved().micro_rows());
 }
 
 }  // namespace megatrain::app

@@ -46,6 +46,16 @@ void parse_args(CLI::App& app, std::vector<std::string> args);
 /// a --config file's JSON true or false).
 CLI::Option* add_bool_option(CLI::App* app, const std::string& name, bool& value, const std::string& description);
 
+/// What the step minimises (--objective, --dpo-loss, --dpo-beta, --dpo-label-smoothing), bound to
+/// `s`: megatrain-train's and megatrain-plan's (docs/preference.md).
+void add_objective_options(CLI::App& app, Settings& s);
+/// The objective's options alone: the --dpo-* options need --objective dpo, and their ranges.
+void check_objective_options(const Settings& s);
+/// --objective dpo: a global batch of `batch` rows must be whole pairs on each of `ranks` ranks.
+void check_pairs_batch(std::int64_t batch, int ranks);
+/// --objective dpo: each micro-batch of `topt` (one rank's, resolved) must hold whole pairs.
+void check_pairs_micro_batches(const TrainerOptions& topt, std::int64_t batch);
+
 /// The model options (--model, --model-config, --preset and the shape flags), bound to `s`:
 /// megatrain-train's and megatrain-plan's.
 void add_model_options(CLI::App& app, Settings& s);

@@ -108,6 +108,7 @@ void print_json(const plan::StepPlan& p, const plan::Suggestions& lim, const pla
   for (const auto& l : p.memory.device) j["gpu_lines"][l.what] = l.bytes;
   for (const auto& l : p.memory.host) j["host_lines"][l.what] = l.bytes;
   if (!p.memory.fits) j["refusal"] = p.refusal();
+  if (p.options.log_prob_objective) j["reference_pass_s"] = p.time.scoring_s;  // (--objective dpo: a batch of pairs)
   std::printf("%s\n", j.dump(2).c_str());
 }
 
@@ -172,6 +173,13 @@ TrainerOptions planned_options(const Settings& s, const PlanArgs& a, const Model
              a.tokens_per_step, s.seq);
     topt.batch_rows = a.tokens_per_step / s.seq;
   }
+  // (a preference run: the head's second forward priced, its pairs whole on each rank)
+  check_objective_options(s);
+  const std::int64_t batch = topt.batch_rows;
+  if (s.objective == "dpo") {
+    check_pairs_batch(batch, a.gpus);
+    topt.token_weights = topt.log_prob_objective = true;
+  }
   topt.clip_norm = s.clip;
   topt.clip_mode = s.clip_mode == "stale" ? ClipMode::stale : ClipMode::exact;
   static std::optional<PlannedProcesses> processes;
@@ -183,6 +191,7 @@ TrainerOptions planned_options(const Settings& s, const PlanArgs& a, const Model
   if (gpus == 1) {
     MT_CHECK(a.hosts == 1, "--hosts {} plans several processes: give --gpus too", a.hosts);
     topt.validate();
+    if (topt.log_prob_objective) check_pairs_micro_batches(topt, batch);
     return topt;
   }
   MT_CHECK(topt.batch_rows % gpus == 0, "--batch {} (the global batch) must be a multiple of the {} processes (--gpus)",
@@ -200,6 +209,7 @@ TrainerOptions planned_options(const Settings& s, const PlanArgs& a, const Model
   topt.gather_weights_on_device = s.gather_weights == "gpus";
   check_bf16_copy_option(s, topt.sharded(), gpus);
   topt.validate();
+  if (topt.log_prob_objective) check_pairs_micro_batches(topt, batch);
   return topt;
 }
 
@@ -333,6 +343,7 @@ int plan_main(int argc, char** argv) {
   add_step_options(*step, s);
   step->add_option("--tokens-per-step", a.tokens_per_step, "Tokens per optimizer step (instead of --batch: --batch = this / --seq)");
   add_clip_options(*step, s);
+  add_objective_options(app, s);
   auto* mem = app.add_option_group("memory", "Where it runs (megatrain-train's options)");
   add_memory_options(*mem, s);
   mem->add_option("--machine", a.machine,

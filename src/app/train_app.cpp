@@ -47,24 +47,6 @@ void add_data_options(CLI::App& app, Settings& s) {
 
 }
 
-// What the step minimises: cross-entropy, or a preference loss over pairs (docs/preference.md).
-void add_objective_options(CLI::App& app, Settings& s) {
-  auto* obj = app.add_option_group("objective", "What the step minimises (docs/preference.md)");
-  obj->add_option("--objective", s.objective,
-                  "sft (cross-entropy on the trained tokens) or dpo (preference pairs: --data of prompt, chosen and "
-                  "rejected records; the reference is the model as the run starts)")
-      ->check(choice("--objective", {"sft", "dpo"}))
-      ->capture_default_str();
-  obj->add_option("--dpo-loss", s.dpo_loss, "dpo: sigmoid (the DPO paper's), hinge or ipo (TRL's loss_type)")
-      ->check(choice("--dpo-loss", {"sigmoid", "hinge", "ipo"}))
-      ->capture_default_str();
-  obj->add_option("--dpo-beta", s.dpo_beta, "dpo: beta, how far the model may move from the reference (TRL's default)")
-      ->capture_default_str();
-  obj->add_option("--dpo-label-smoothing", s.dpo_label_smoothing,
-                  "dpo, sigmoid loss: the chance a pair's preference is wrong, in [0, 0.5) (conservative DPO)")
-      ->capture_default_str();
-}
-
 // The batch, the schedule, the optimizer, clipping, non-finite steps.
 void add_training_options(CLI::App& app, Settings& s) {
   auto* train = app.add_option_group("training", "Batch, schedule and optimizer");

@@ -158,21 +158,12 @@ class TrainSetup {
 
   // --objective dpo (docs/preference.md): what its pairs and reference need, checked before anything starts.
   void validate_objective() {
-    for (const char* f : {"--dpo-loss", "--dpo-beta", "--dpo-label-smoothing"})
-      MT_CHECK(s.objective == "dpo" || !s.origins.conflicts(f, "--objective"), "{} applies to --objective dpo; drop it", f);
+    check_objective_options(s);
     if (s.objective != "dpo") return;
-    MT_CHECK(std::isfinite(s.dpo_beta) && s.dpo_beta > 0, "--dpo-beta must be > 0 (got {})", s.dpo_beta);
-    MT_CHECK(s.dpo_label_smoothing >= 0 && s.dpo_label_smoothing < 0.5, "--dpo-label-smoothing must be in [0, 0.5) (got {})",
-             s.dpo_label_smoothing);
-    MT_CHECK(s.dpo_label_smoothing == 0 || s.dpo_loss == "sigmoid", "--dpo-label-smoothing applies to --dpo-loss sigmoid, "
-             "not {}", s.dpo_loss);
     MT_CHECK(!eval_only_ || !s.origins.given_now("--objective"),
              "--steps 0 evaluates the cross-entropy of the validation data: drop --objective dpo");
     if (eval_only_) return;
-    MT_CHECK(s.batch % 2 == 0, "--objective dpo: --batch {} must be even (a batch is pairs: a chosen and a rejected row "
-             "each)", s.batch);
-    MT_CHECK(s.batch % (2 * ranks_.world()) == 0, "--objective dpo: --batch {} must hold whole pairs on each of the {} "
-             "ranks (a multiple of {})", s.batch, ranks_.world(), 2 * ranks_.world());
+    check_pairs_batch(s.batch, ranks_.world());
     MT_CHECK(s.train_on == "completion", "--objective dpo compares the answers' log-probabilities: drop --train-on {}",
              s.train_on);
     MT_CHECK(!s.pack, "--objective dpo keeps each answer in a row of its own: drop --pack");
@@ -483,7 +474,8 @@ class TrainSetup {
       check_bf16_copy_option(s, topt_.sharded(), ranks_.world());
     }
     topt_.packed = data_ && data_->packed();
-    topt_.token_weights = s.objective == "dpo" && !eval_only_;  // (a preference loss weighs each token)
+    // (a preference loss weighs each token, from its log-probabilities)
+    topt_.token_weights = topt_.log_prob_objective = s.objective == "dpo" && !eval_only_;
     topt_.adamw = {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
     if (eval_only_) {
       // Every validation window once (at most --eval-batches x --batch when --eval-batches is given),
@@ -500,10 +492,7 @@ class TrainSetup {
       training_options();
     }
     topt_.validate();
-    MT_CHECK(!topt_.token_weights || topt_.resolved().micro_rows() % 2 == 0,
-             "--objective dpo: each micro-batch must hold whole pairs, and --batch {} in {} micro-batches is {} rows each: "
-             "give --micro-batches (or --max-micro-batch) that leave an even count", s.batch, topt_.resolved().micro_batches,
-             topt_.resolved().micro_rows());
+    if (topt_.log_prob_objective) check_pairs_micro_batches(topt_, s.batch);
     MT_CHECK(!s.origins.conflicts("--micro-batches", "--max-micro-batch") || topt_.resolved().micro_batches == topt_.micro_batches,
              "--micro-batches {} contradicts --max-micro-batch {}: parts of {} sequences are more than {}; pass one of them",
              s.micro_batches, s.max_micro_batch, s.batch / std::max<std::int64_t>(s.micro_batches, 1), s.max_micro_batch);

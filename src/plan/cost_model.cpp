@@ -115,7 +115,9 @@ class Prediction {
     // (a mixture of experts: the active experts' products run grouped, at their own rate, and are
     // recomputed in the backward even where the block keeps its other activations)
     const double experts = experts_ = active_expert_params(cfg_);
-    const double dense_gemm = (8 + 2 * refill - 2 * kept) * (active_blocks_ - experts) * T + 6 * embed_ * T;
+    // (an objective that reads the log-probabilities: the head's forward once more a micro-batch)
+    const double head_passes = opt_.log_prob_objective ? 8 : 6;
+    const double dense_gemm = (8 + 2 * refill - 2 * kept) * (active_blocks_ - experts) * T + head_passes * embed_ * T;
     const double expert_gemm = (8 + 2 * refill) * experts * T;
     const double gemm = dense_gemm + expert_gemm;
     // (attention: S x L without sliding layers; Gated DeltaNet's mixing at its own rates)
@@ -128,7 +130,7 @@ class Prediction {
     const double att_s = delta_s + (2 + refill - kept) * att_fwd / (m.attention_fwd_tflops * 1e12) +
                          2.5 * att_fwd / (m.attention_bwd_tflops * 1e12);
     // element-wise passes: block_elementwise_bytes per token and layer; the loss over the logits
-    double elem_bytes = kLossBytesPerLogit * T * V_;
+    double elem_bytes = (kLossBytesPerLogit + (opt_.log_prob_objective ? kLossForwardBytesPerLogit : 0)) * T * V_;
     for (std::int64_t l = 0; l < cfg_.num_hidden_layers; ++l) elem_bytes += T * block_elementwise_bytes(cfg_, l);
     const double elem_s = elem_s_ = elem_bytes / (m.hbm_gbs * 1e9);
     // (device AdamW: 30 bytes an element; and a device block's bf16 weights made from its masters
@@ -142,9 +144,12 @@ class Prediction {
     t_.executed_flops = gemm + (4.5 + refill - kept) * (att_fwd + delta_fwd);
     t_.model_flops = model_flops(cfg_, T, S_);
     t_.terms.push_back({"GPU", gpu_s_,
-                        fmt::format("matrix products {:.3f} s ({:.1f} TFLOP at {:.0f} TFLOP/s{}), attention {:.3f} s{}, "
+                        fmt::format("matrix products {:.3f} s ({:.1f} TFLOP at {:.0f} TFLOP/s{}{}), attention {:.3f} s{}, "
                                     "element-wise {:.3f} s, AdamW {:.3f} s{}",
                                     gemm_s, gemm / 1e12, m.gemm_tflops,
+                                    opt_.log_prob_objective ? "; the head's forward twice: the objective reads its "
+                                                              "log-probabilities"
+                                                            : "",
                                     experts > 0 ? fmt::format("; of them the experts' {:.1f} TFLOP at {:.0f}: {:.3f} s",
                                                               expert_gemm / 1e12, m.moe_gemm_tflops, expert_s)
                                                 : std::string(),
@@ -219,6 +224,9 @@ class Prediction {
     const double T = T_;
     fwd_s_ = 2 * (active_blocks_ - experts_) * T / (m.gemm_tflops * 1e12) + 2 * experts_ * T / (m.moe_gemm_tflops * 1e12) +
              att_fwd_ / (m.attention_fwd_tflops * 1e12) + delta_fwd_ / (m.delta_rule_fwd_tflops * 1e12) + elem_s_ / 4;
+    // (a forward with the head's log-probabilities alone: the GPU's, or the weights' uploads)
+    t_.scoring_s = std::max(fwd_s_ + 2 * embed_ * T / (m.gemm_tflops * 1e12) + kLossForwardBytesPerLogit * T * V_ / (m.hbm_gbs * 1e9),
+                            h2d_fwd_ / (m.h2d_gbs * 1e9));
     // (beside the forward, the pass's copies and the forward's share the link at the rate copies
     // keep while the CPU's AdamW runs: the host's memory serves both)
     pass_copies_s_ = ((pass_d2h_ ? d2h_ : spill_bytes_) + h2d_fwd_) / (m.pass_copies_gbs * 1e9);

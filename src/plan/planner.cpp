@@ -130,6 +130,16 @@ std::string refusal_message(const MemoryPlan& plan, const Suggestions& s) {
   return m;
 }
 
+namespace {
+
+// A preference run's reference pass (--objective dpo): its time a batch of pairs.
+std::string reference_pass_line(const StepTime& t) {
+  return fmt::format("\nthe reference pass before step 1: {:.3f} s a batch of pairs (a forward with the log-probabilities, "
+                     "no update), once over the training and validation pairs\n", t.scoring_s);
+}
+
+}  // namespace
+
 std::string format_summary(const StepPlan& p) {
   const TrainerBuffers& b = p.memory.buffers;
   const bool gpu = !p.memory.host_lines_include_device;
@@ -148,6 +158,7 @@ std::string format_summary(const StepPlan& p) {
     s += fmt::format("plan: predicted step {:.3f} s, {:.0f} tokens/s ({}-bound, on the figures of the {}); megatrain-plan "
                      "prints every buffer and term\n",
                      p.time.step_s, p.time.tokens_per_s(), p.time.bottleneck, p.machine.name);
+  if (gpu && p.options.log_prob_objective) s += "plan: " + reference_pass_line(p.time).substr(1);
   return s;
 }
 
@@ -198,6 +209,7 @@ std::string format_plan(const StepPlan& p) {
                    p.time.step_s, p.time.bottleneck, p.time.bound_term, p.time.bound_s, p.time.exposed_s,
                    p.time.exposed_detail.empty() ? std::string() : " (" + p.time.exposed_detail + ")", p.time.tokens_per_s(),
                    p.time.model_flops / p.time.step_s / 1e12, p.time.executed_flops / p.time.step_s / 1e12);
+  if (o.log_prob_objective) s += reference_pass_line(p.time);
   if (p.time.busy_tokens > 0)
     s += fmt::format("\nthe GPU is the bound from about {:.0f} tokens per step (this placement; fewer wait on the copies or "
                      "the CPU's AdamW){}\n",

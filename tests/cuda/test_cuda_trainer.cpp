@@ -111,7 +111,7 @@ std::vector<StepStats> train(B& be, int steps, std::size_t* spilled = nullptr, b
 template <class B>
 std::vector<StepStats> train_objectives(B& be, std::vector<double>& scored, std::vector<double>& trained) {
   auto opt = options();
-  opt.token_weights = true;
+  opt.token_weights = opt.log_prob_objective = true;
   opt.clip_mode = ClipMode::exact;
   opt.micro_batches = 2;
   DecoderModel<> model(small());

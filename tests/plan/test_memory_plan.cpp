@@ -765,6 +765,38 @@ TEST_CASE("the cost model prices Gated DeltaNet's mixing at its own rates, linea
   CHECK(back.delta_rule_bwd_tflops == fast.delta_rule_bwd_tflops);
 }
 
+TEST_CASE("an objective that reads the log-probabilities costs the head's forward once more; its reference pass is priced") {
+  const ModelConfig cfg = small(false, 3);
+  DecoderModel<> model(cfg);
+  const plan::HostBudget lots{std::size_t{1} << 34, "test"};
+  plan::DeviceBudget gpu;
+  gpu.cap = std::size_t{1} << 36;
+  TrainerOptions o = opts(6, 40);
+  o.micro_batches = 3;
+  o.token_weights = true;
+  const auto p = plan::plan_memory<plan::CudaTypes>(model, o, gpu, lots);
+  REQUIRE(p.fits);
+  const plan::MachineFigures m;
+  const auto ce = plan::predict_step(cfg, o, p, m);
+  TrainerOptions dpo = o;
+  dpo.log_prob_objective = true;
+  const auto t = plan::predict_step(cfg, dpo, p, m);
+  // the head's product forward (2 V d a token) and the loss's forward over the logits, every token
+  const double T = 6 * 40, V = static_cast<double>(cfg.vocab_size), d = static_cast<double>(cfg.hidden_size);
+  const double more = 2 * V * d * T / (m.gemm_tflops * 1e12) + plan::kLossForwardBytesPerLogit * T * V / (m.hbm_gbs * 1e9);
+  CHECK(t.terms[0].seconds - ce.terms[0].seconds == doctest::Approx(more).epsilon(1e-9));
+  CHECK(t.executed_flops - ce.executed_flops == doctest::Approx(2 * V * d * T).epsilon(1e-12));
+  CHECK(t.terms[0].detail.find("the head's forward twice") != std::string::npos);
+  CHECK(ce.terms[0].detail.find("the head's forward twice") == std::string::npos);
+  // the reference pass: a forward, less than the step, at least its head's product and the uploads of the forward
+  CHECK(t.scoring_s > 2 * V * d * T / (m.gemm_tflops * 1e12));
+  CHECK(t.scoring_s < t.step_s);
+  CHECK(t.scoring_s == ce.scoring_s);
+  // the trainer refuses log_prob_objective without the token weights' buffer
+  dpo.token_weights = false;
+  CHECK_THROWS_WITH_AS(dpo.validate(), doctest::Contains("set token_weights too"), Error);
+}
+
 TEST_CASE("the plan says from how many tokens per step the GPU is the bound") {
   auto j = nlohmann::json::parse(R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":256,"intermediate_size":704,
     "num_attention_heads":4,"num_key_value_heads":2,"num_hidden_layers":4,"vocab_size":1000,"rope_theta":10000.0})");

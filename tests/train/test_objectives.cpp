@@ -135,7 +135,7 @@ TEST_CASE("an objective that reads the step's log-probabilities (a preference pa
     o.micro_batches = k.micro;
     o.chunk_rows = k.chunk_rows;
     o.clip_norm = k.clip;
-    o.token_weights = true;
+    o.token_weights = o.log_prob_objective = true;
     DecoderModel<> model(cfg);
     HostParamStore<float> store(model.units(), store_opts(o)), ref_store(model.units(), store_opts(o));
     CpuBackend<float> be;
@@ -227,6 +227,14 @@ TEST_CASE("a weighted objective without TrainerOptions::token_weights, or with t
     CHECK(trainer.steps_done() == 0);
   }
   Trainer<CpuBackend<float>> trainer(model, store, be, o);
+  // (an objective that reads the log-probabilities: refused without log_prob_objective, which the plan prices)
+  const auto before = state_of(store);
+  CHECK_THROWS_WITH_AS(trainer.step(test::PairPreference(2), b.ids, b.labels),
+                       doctest::Contains("TrainerOptions::log_prob_objective"), Error);
+  CHECK(same_bits(before, state_of(store)));
   trainer.step(TokenWeighted(std::vector<float>(16, 0.1f)), b.ids, b.labels);  // (with as many weights as tokens, it trains)
   CHECK(trainer.steps_done() == 1);
+  o.log_prob_objective = true;
+  o.token_weights = false;
+  CHECK_THROWS_WITH_AS(o.validate(), doctest::Contains("set token_weights too"), Error);
 }

@@ -173,7 +173,7 @@ TEST_CASE("refused: options out of range, pairs split or without answers, refere
 TEST_CASE("DPO trains a tiny model: the training pairs' preference accuracy from about a half to at least 0.9") {
   constexpr std::int64_t kPairs = 8, kSeq = 13, kPrompt = 5;
   TrainerOptions opt = test::options(2 * kPairs, kSeq);
-  opt.token_weights = true;
+  opt.token_weights = opt.log_prob_objective = true;
   opt.micro_batches = 2;  // (4 pairs each)
   opt.schedule = {LrSchedule::Kind::constant, 3e-3, 0, 0, 0};
   DecoderModel<> model(test::tiny(false, 61));

@@ -4,7 +4,8 @@
 //
 //   GPU      matrix products: 8 x the blocks' parameters x tokens (forward, the recompute of the
 //            forward from the activation checkpoint, backward; 6 x for blocks that keep their
-//            activations), 6 x the head's (no recompute); a mixture of experts' active experts
+//            activations), 6 x the head's (no recompute; 8 x where the objective reads the
+//            log-probabilities: TrainerOptions::log_prob_objective); a mixture of experts' active experts
 //            (a token's k) 8 x at their own rate (grouped products; recomputed even in a block
 //            that keeps its other activations);
 //            causal attention: 2 T S q_dim per layer forward (a sliding layer's S its window's
@@ -100,6 +101,8 @@ MachineFigures machine_figures();
 /// Bytes the loss over the logits moves per logit: the fp32 logits read twice (the softmax's
 /// maximum and sum, then the gradient) and the bf16 gradient written.
 inline constexpr double kLossBytesPerLogit = 10;
+/// ... and a forward of the loss alone (the log-probabilities): the fp32 logits read twice.
+inline constexpr double kLossForwardBytesPerLogit = 8;
 
 /// Bytes of element-wise passes per token of decoder block `layer` (forward, backward and what the
 /// backward makes again): about 120 per hidden unit (the fp32 residual stream through two norms,
@@ -135,6 +138,9 @@ struct StepTime {
   double tokens = 0;
   double model_flops = 0;       ///< 6 x matmul parameters x tokens + causal attention (fwd + bwd): the MFU convention
   double executed_flops = 0;    ///< what the GPU runs (recompute included)
+  /// A forward of the step's batch with the head's log-probabilities, no gradient and no update
+  /// (Trainer::score: a preference run's reference pass, one a batch of its pairs before step 1).
+  double scoring_s = 0;
   double tokens_per_s() const { return step_s > 0 ? tokens / step_s : 0; }
 };
 

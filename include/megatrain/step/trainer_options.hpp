@@ -92,6 +92,10 @@ struct TrainerOptions {
   /// step() may take an objective with a weight per token (train/objective.hpp): a buffer of
   /// them beside the labels, on the device and in host memory (4 bytes a token each).
   bool token_weights = false;
+  /// step() may take an objective that reads the rows' log-probabilities
+  /// (Objective::needs_log_probs(): a preference loss): the head then runs forward once more a
+  /// micro-batch, which the planner prices. Needs token_weights.
+  bool log_prob_objective = false;
   AdamWConfig adamw;
   LrSchedule schedule;
   double clip_norm = 0.0;  ///< max global gradient norm; 0 disables clipping
@@ -232,6 +236,8 @@ struct TrainerOptions {
     MT_CHECK(host_bf16_copy || !sharded(),
              "host_bf16_copy false (no bf16 copy of the weights in host memory) with shard_optimizer over {} processes, "
              "which exchange that copy: keep the copy, or shard_optimizer false", sharded() ? comm->world() : 1);
+    MT_CHECK(token_weights || !log_prob_objective,
+             "log_prob_objective (an objective that reads the log-probabilities) weighs each token: set token_weights too");
     MT_CHECK(max_nonfinite_skips >= 1, "max_nonfinite_skips must be >= 1 (got {})", max_nonfinite_skips);
     MT_CHECK(on_nonfinite == NonFinite::stop || resolved().resident_gradients(),
              "skipping non-finite steps (on_nonfinite skip) needs the whole gradient before any update: exact clipping "

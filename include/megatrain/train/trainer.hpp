@@ -393,8 +393,7 @@ void Trainer<B, Block, U...>::stage_objective(const Objective& objective, std::i
   st.weighted = !uniform;
   st.loss_scale = uniform.value_or(1.0);
   if (!st.weighted) return;
-  MT_CHECK(ctx_.opt.token_weights, "the objective '{}' weighs each token: make the trainer with "
-           "TrainerOptions::token_weights = true (a buffer of a weight a token beside the labels)", objective.name());
+  check_weighted_objective(ctx_.opt, objective);
   if (objective.needs_log_probs()) return;
   for (std::int64_t m = 0; m < ctx_.opt.micro_batches; ++m)
     ctx_.batch.stage_weights(objective, ctx_.opt, m, ctx_.opt.micro_rows(), valid);

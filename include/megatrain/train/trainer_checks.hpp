@@ -13,6 +13,8 @@
 #include "megatrain/layers/ops/gated_deltanet.hpp"
 #include "megatrain/layers/ops/moe_mlp.hpp"
 #include "megatrain/layers/ops/self_attention.hpp"
+#include "megatrain/step/trainer_options.hpp"
+#include "megatrain/train/objective.hpp"
 
 namespace megatrain {
 
@@ -113,6 +115,15 @@ void check_trainer_options(const Ctx& t) {
                 "the model was not trained on; extend its context with rope scaling in config.json (rope_scaling: yarn, "
                 "linear, ...) and a larger max_position_embeddings, or train on at most {} tokens per sequence",
                 opt.seq_len, cfg.max_position_embeddings, cfg.max_position_embeddings, cfg.max_position_embeddings);
+}
+
+/// A step's objective that weighs each token: the trainer was made for it (the buffers, the plan).
+inline void check_weighted_objective(const TrainerOptions& opt, const Objective& objective) {
+  MT_CHECK(opt.token_weights, "the objective '{}' weighs each token: make the trainer with "
+           "TrainerOptions::token_weights = true (a buffer of a weight a token beside the labels)", objective.name());
+  MT_CHECK(opt.log_prob_objective || !objective.needs_log_probs(), "the objective '{}' reads the rows' log-probabilities: "
+           "make the trainer with TrainerOptions::log_prob_objective = true (the plan then prices the head's second forward)",
+           objective.name());
 }
 
 }  // namespace megatrain
