@@ -74,6 +74,7 @@ std::vector<generate::Completion> run_generation(B& be, const char* backend_name
   topt.seq_len = in.seq;
   DecoderModel<> model(in.cfg);
   StoreOptions so;
+  so.optimizer_state = false;  // (read, never stepped: 6 bytes a parameter, not 14)
   HostParamStore<float> store(model.units(), Trainer<B>::store_options(topt, so));
   in.load(store);
   Trainer<B> trainer(model, store, be, topt);

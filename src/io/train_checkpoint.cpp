@@ -95,6 +95,8 @@ struct Announcer {
 /// The caller's unit order, checked (empty: the store's).
 std::vector<std::size_t> unit_order(const fs::path& dir, const HostParamStore<float>& store,
                                     const TrainCheckpointWriteOptions& options) {
+  MT_CHECK(store.has_optimizer_state(), "writing '{}': the store keeps no optimizer state (StoreOptions::optimizer_state "
+           "false), and a checkpoint holds it; export the weights instead", dir.string());
   MT_CHECK(options.state.is_object(), "writing '{}': the train state must be a JSON object", dir.string());
   std::vector<std::size_t> order = options.unit_order;
   if (order.empty())
@@ -510,6 +512,8 @@ void TrainCheckpoint::load_into(HostParamStore<float>& store) const {
     }
   MT_CHECK(tensors.size() == expected, "{}: it holds {} tensors, the model needs {} (it was saved from another model)",
            label, tensors.size(), expected);
+  // (a store that is never stepped keeps no moments: the masters alone are read)
+  if (!store.has_optimizer_state()) std::erase_if(copies, [](const Copy& c) { return c.kind != 0; });
   // A NaN or an infinity in a weight or a moment (a corrupt file, or a state saved from a run that
   // diverged) is refused before anything is written, naming the tensor.
   std::vector<FiniteScan> bad(copies.size());

@@ -40,11 +40,17 @@ ModelConfig hybrid() {
 /// A model, its store (random weights, seed 17) and a CPU trainer of `rows` rows of `seq` tokens.
 struct Setup {
   /// `resident`: every unit's weights kept in backend memory (device units), else streamed.
-  Setup(const ModelConfig& c, std::int64_t rows, std::int64_t seq, bool resident = false)
+  /// `state`: the store keeps AdamW's moments (StoreOptions::optimizer_state).
+  Setup(const ModelConfig& c, std::int64_t rows, std::int64_t seq, bool resident = false, bool state = true)
       : cfg(c), opt(with_units(test::options(rows, seq), resident ? c.num_hidden_layers + 2 : 0)), model(cfg),
-        store(model.units(), test::store_opts(opt)), trainer(std::make_unique<Trainer<CpuBackend<float>>>(model, store, be, opt)) {}
+        store(model.units(), with_state(test::store_opts(opt), state)),
+        trainer(std::make_unique<Trainer<CpuBackend<float>>>(model, store, be, opt)) {}
   static TrainerOptions with_units(TrainerOptions o, std::int64_t units) {
     o.device_units = units;
+    return o;
+  }
+  static StoreOptions with_state(StoreOptions o, bool state) {
+    o.optimizer_state = state;
     return o;
   }
   SlotShape shape() const { return {opt.batch_rows, opt.seq_len, cfg.vocab_size, 0}; }
@@ -90,6 +96,22 @@ double max_abs(std::span<const float> a) {
   double m = 0;
   for (const float x : a) m = std::max(m, std::abs(static_cast<double>(x)));
   return m;
+}
+
+/// Sampled completions (8 tokens each, `temperature`, `seed`) of `prompts` from two setups agree
+/// token for token, and so do their log-probabilities.
+void same_completions(Setup& x, Setup& y, const std::vector<std::vector<std::int32_t>>& prompts, double temperature,
+                      std::uint64_t seed) {
+  GenerationOptions o;
+  o.max_new_tokens = 8;
+  o.sampling.temperature = temperature;
+  o.sampling.seed = seed;
+  const auto a = generate::generate(*x.trainer, x.shape(), prompts, o);
+  const auto b = generate::generate(*y.trainer, y.shape(), prompts, o);
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    CHECK(a[i].tokens == b[i].tokens);
+    CHECK(a[i].log_probs == b[i].log_probs);
+  }
 }
 
 constexpr double kEps = std::numeric_limits<float>::epsilon();
@@ -174,16 +196,29 @@ TEST_CASE("streamed weights (a model larger than the GPU) give the tokens of res
     Setup streamed(cfg, 2, 20), resident(cfg, 2, 20, true);
     REQUIRE(resident.trainer->device_units() == static_cast<std::size_t>(cfg.num_hidden_layers + 2));
     REQUIRE(streamed.trainer->device_units() == 0);
-    const auto prompts = random_prompts(g, 3, 8, cfg.vocab_size);
-    GenerationOptions o;
-    o.max_new_tokens = 8;
-    o.sampling.temperature = 0.9;
-    o.sampling.seed = 3;
-    const auto a = generate::generate(*streamed.trainer, streamed.shape(), prompts, o);
-    const auto b = generate::generate(*resident.trainer, resident.shape(), prompts, o);
-    for (std::size_t i = 0; i < prompts.size(); ++i) {
-      CHECK(a[i].tokens == b[i].tokens);
-      CHECK(a[i].log_probs == b[i].log_probs);
+    same_completions(streamed, resident, random_prompts(g, 3, 8, cfg.vocab_size), 0.9, 3);
+  }
+}
+
+TEST_CASE("a store without the optimizer state (6 bytes a parameter) samples as one with it; it is never stepped") {
+  std::mt19937 g(29);
+  for (const ModelConfig& cfg : {test::tiny(true, 61), hybrid()}) {
+    for (const bool resident : {false, true}) {
+      CAPTURE(cfg.architecture_name());
+      CAPTURE(resident);
+      Setup full(cfg, 2, 20, resident), bare(cfg, 2, 20, resident, false);
+      CHECK(bare.store.footprint().adam_bytes == 0);
+      CHECK(full.store.footprint().total_bytes() - bare.store.footprint().total_bytes() ==
+            2 * sizeof(float) * static_cast<std::size_t>(full.store.footprint().slab_elements));  // (with the alignment gaps)
+      CHECK_FALSE(bare.store.has_optimizer_state());
+      CHECK(bare.store.unit(1).adam_m().empty());
+      same_completions(full, bare, random_prompts(g, 3, 8, cfg.vocab_size), 0.8, 9);
+      // a step is refused before anything changes
+      const std::vector<float> before(bare.store.unit(1).master().begin(), bare.store.unit(1).master().end());
+      std::vector<std::int32_t> ids(40, 1), labels(40, 2);
+      CHECK_THROWS_WITH_AS(bare.trainer->step(ids, labels), doctest::Contains("StoreOptions::optimizer_state false"), Error);
+      CHECK(std::equal(before.begin(), before.end(), bare.store.unit(1).master().begin()));
+      CHECK(bare.trainer->steps_done() == 0);
     }
   }
 }

@@ -73,9 +73,10 @@ std::vector<UnitSpec> toy_units(int variant = 0) {
   return units;
 }
 
-HostParamStore<float> make_store(std::uint64_t seed, int variant = 0) {
+HostParamStore<float> make_store(std::uint64_t seed, int variant = 0, bool optimizer_state = true) {
   StoreOptions o;
   o.seed = seed;
+  o.optimizer_state = optimizer_state;
   o.grad_ring_slots = 1;
   o.pinning = Pinning::never;
   return HostParamStore<float>(toy_units(variant), o);
@@ -373,6 +374,31 @@ TEST_CASE("train checkpoint: a small one is one safetensors file; default order 
   std::vector<std::string> in_order;
   for (const auto& t : sc.files()[0].tensors()) in_order.push_back(t.name);
   CHECK(in_order == tensor_names(store, {0, 1, 2, 3}));
+}
+
+TEST_CASE("train checkpoint: a store without the optimizer state loads the masters alone, and writes none") {
+  TempDir tmp;
+  auto store = make_store(3);
+  randomize(store);
+  write_train_checkpoint(tmp / "ck", store, {});
+  auto bare = make_store(4, 0, false);
+  REQUIRE_FALSE(bare.has_optimizer_state());
+  TrainCheckpoint::open(tmp / "ck").load_into(bare);
+  for (std::size_t u = 0; u < store.num_units(); ++u) {
+    CAPTURE(u);
+    for (const auto& p : store.unit(u).params()) {  // (each parameter's elements; the gaps between are not saved)
+      const auto a = store.unit(u).master().subspan(static_cast<std::size_t>(p.offset), static_cast<std::size_t>(p.numel()));
+      const auto b = bare.unit(u).master().subspan(static_cast<std::size_t>(p.offset), static_cast<std::size_t>(p.numel()));
+      CHECK(std::equal(a.begin(), a.end(), b.begin(), b.end(), [](float x, float y) {
+        return std::bit_cast<std::uint32_t>(x) == std::bit_cast<std::uint32_t>(y);
+      }));
+      for (std::size_t i = 0; i < b.size(); ++i)  // (the bf16 copy refreshed from them)
+        CHECK(static_cast<float>(bare.unit(u).compute()[static_cast<std::size_t>(p.offset) + i]) == static_cast<float>(bf16(b[i])));
+    }
+    CHECK(bare.unit(u).adam_m().empty());
+  }
+  CHECK_ERROR_MENTIONS(write_train_checkpoint(tmp / "ck2", bare, {}), "StoreOptions::optimizer_state false");
+  CHECK_FALSE(fs::exists(tmp / "ck2"));
 }
 
 TEST_CASE("train checkpoint: bad requests are refused before anything is written") {

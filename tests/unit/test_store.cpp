@@ -1,5 +1,6 @@
 // HostParamStore: layout, alignment, byte counts, views by name, seeded initialisation, the
-// gradient ring, and refusal of stores that cannot fit.
+// gradient ring, refusal of stores that cannot fit, and stores without a bf16 copy or without the
+// optimizer state.
 #include <doctest/doctest.h>
 
 #include <oneapi/tbb/global_control.h>
@@ -8,7 +9,9 @@
 #include <cmath>
 #include <cstdint>
 #include <set>
+#include <vector>
 
+#include "megatrain/optim/adamw.hpp"
 #include "megatrain/store/host_param_store.hpp"
 
 using namespace megatrain;
@@ -248,5 +251,42 @@ TEST_CASE("a store without a bf16 copy: 12 bytes a parameter, the same masters, 
   // a store sharded over processes exchanges the copy: refused without one
   without.shard = {0, 2, true, {0}, nullptr};
   CHECK_THROWS_WITH_AS(HostParamStore<float>::footprint(toy_units(), without), doctest::Contains("sharded over 2 processes"),
+                       Error);
+}
+
+TEST_CASE("a store without the optimizer state: 6 bytes a parameter, the same masters, never stepped") {
+  auto with = small_opts(), without = small_opts();
+  without.optimizer_state = false;
+  const auto fa = HostParamStore<float>::footprint(toy_units(), with);
+  const auto fb = HostParamStore<float>::footprint(toy_units(), without);
+  CHECK(fb.adam_bytes == 0);
+  CHECK(fb.total_bytes() == fa.total_bytes() - fa.adam_bytes);
+  CHECK(fb.master_bytes + fb.compute_bytes == static_cast<std::size_t>(fb.slab_elements) * 6);
+  HostParamStore<float> a(toy_units(), with), b(toy_units(), without);
+  CHECK(a.has_optimizer_state());
+  CHECK_FALSE(b.has_optimizer_state());
+  CHECK(b.bytes() == fb.total_bytes());
+  for (std::size_t u = 0; u < a.num_units(); ++u) {
+    CAPTURE(u);
+    const auto& bu = b.unit(u);
+    CHECK_FALSE(bu.has_moments());
+    CHECK(bu.adam_m().empty());
+    CHECK(bu.adam_v().empty());
+    CHECK(bu.bytes() == static_cast<std::size_t>(bu.numel()) * 6);
+    CHECK(std::equal(a.unit(u).master().begin(), a.unit(u).master().end(), bu.master().begin()));
+    CHECK(std::equal(a.unit(u).compute().begin(), a.unit(u).compute().end(), bu.compute().begin(),
+                     [](bf16 x, bf16 y) { return static_cast<float>(x) == static_cast<float>(y); }));
+  }
+  b.initialize(5);  // (re-initialised: the masters only)
+  // AdamW refuses it before anything changes
+  const auto& u1 = b.unit(1);
+  const std::vector<float> before(u1.master().begin(), u1.master().end());
+  const std::vector<float> grad(static_cast<std::size_t>(u1.numel()), 0.25f);
+  CHECK_THROWS_WITH_AS(adamw_step<float>(u1, grad, AdamWConfig{}, 1, 1e-3, 1.0), doctest::Contains("keeps no optimizer state"),
+                       Error);
+  CHECK(std::equal(before.begin(), before.end(), u1.master().begin()));
+  // a store sharded over processes steps its part: refused without the state
+  without.shard = {0, 2, false, {}, nullptr};
+  CHECK_THROWS_WITH_AS(HostParamStore<float>::footprint(toy_units(), without), doctest::Contains("not sharded over 2"),
                        Error);
 }

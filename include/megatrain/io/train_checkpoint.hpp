@@ -156,7 +156,8 @@ class TrainCheckpoint {
 
   /// Checks that `store` holds exactly the checkpoint's parameters (names, shapes, fp32, all three
   /// kinds present) before writing anything, then reads the masters and both moments into it and
-  /// refreshes every unit's bf16 copy. Throws naming the tensor otherwise.
+  /// refreshes every unit's bf16 copy (a store without the optimizer state: the masters alone).
+  /// Throws naming the tensor otherwise.
   void load_into(HostParamStore<float>& store) const;
 
  private:

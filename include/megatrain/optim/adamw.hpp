@@ -192,6 +192,8 @@ double adamw_segments(const typename HostParamStore<T>::Unit& unit, std::span<co
                       const AdamWConfig& cfg, std::int64_t step, double lr, double grad_scale) {
   MT_NVTX_RANGE("adamw_segments");
   cfg.validate();
+  MT_CHECK(unit.has_moments(), "unit '{}': the store keeps no optimizer state (StoreOptions::optimizer_state false): it is "
+           "read, never stepped", unit.name());
   MT_CHECK(step >= 1, "step must be >= 1 (got {})", step);
   MT_CHECK(std::isfinite(lr) && lr >= 0, "learning rate must be finite and >= 0 (got {})", lr);
   const auto numel = static_cast<std::size_t>(unit.numel());

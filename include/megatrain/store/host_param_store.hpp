@@ -119,6 +119,11 @@ struct StoreOptions {
   /// rounds them to bf16 as they arrive (TrainerOptions::host_bf16_copy: the same bits, twice the
   /// PCIe bytes). Not with a store sharded over several processes, which exchange the copy.
   bool bf16_copy = true;
+  /// Keep AdamW's moments m and v (8 bytes a parameter in fp32). false: a store that is read,
+  /// never stepped (sampling, scoring: megatrain-generate): the masters and the bf16 copy only,
+  /// 6 bytes a parameter. Its units' adam_m() and adam_v() are empty; a trainer's step and a
+  /// checkpoint's save refuse it; a checkpoint's load reads its masters alone. Not sharded.
+  bool optimizer_state = true;
 };
 
 /// Byte counts of a store, computed from the specs alone.
@@ -200,8 +205,10 @@ class HostParamStore {
     /// bf16 copy shared by the processes of a host its share).
     std::size_t bytes() const {
       return static_cast<std::size_t>(master_kept_) * sizeof(T) + compute_held_ +
-             static_cast<std::size_t>(owned_end_ - owned_begin_) * 2 * sizeof(T);
+             (moments_ ? static_cast<std::size_t>(owned_end_ - owned_begin_) * 2 * sizeof(T) : 0);
     }
+    /// Whether the store keeps this unit's AdamW moments (StoreOptions::optimizer_state).
+    bool has_moments() const { return moments_; }
     /// The elements [first, second) whose AdamW state this store keeps and steps (all of them
     /// unless the store is sharded: StoreOptions::shard).
     std::pair<std::int64_t, std::int64_t> owned() const { return {owned_begin_, owned_end_}; }
@@ -258,6 +265,7 @@ class HostParamStore {
     int sharers_ = 1;               // processes mapping the bf16 copy together
     std::size_t compute_held_ = 0;  // bytes of the bf16 copy this process holds (its share, or its part)
     bool weight_parts_ = false;     // the bf16 copy held in this process's part only
+    bool moments_ = true;           // AdamW's m and v kept (StoreOptions::optimizer_state)
   };
 
   /// A process's bytes of a bf16 copy of `numel` elements mapped by `sharers` processes together.
@@ -315,6 +323,8 @@ class HostParamStore {
   /// Whether the store keeps a bf16 copy of the weights (StoreOptions::bf16_copy); without one,
   /// every Unit::compute() is empty.
   bool has_bf16_copy() const { return options_.bf16_copy; }
+  /// Whether the store keeps AdamW's moments and so can be stepped (StoreOptions::optimizer_state).
+  bool has_optimizer_state() const { return options_.optimizer_state; }
   /// Whether the bf16 copy is whole and current on this process: not kept in parts, or the root of
   /// a gather_weights with no update since.
   bool weights_whole() const { return !weights_in_parts() || weights_whole_; }
@@ -326,6 +336,9 @@ class HostParamStore {
              "the gradient ring needs at least one slot (got {}) unless gradients are resident", opt.grad_ring_slots);
     MT_CHECK(opt.shard.count >= 1 && opt.shard.index >= 0 && opt.shard.index < opt.shard.count,
              "store shard {} of {}: want 0 <= index < count", opt.shard.index, opt.shard.count);
+    MT_CHECK(opt.optimizer_state || opt.shard.count <= 1,
+             "a store without the optimizer state (StoreOptions::optimizer_state false) is read, never stepped: it is not "
+             "sharded over {} processes", opt.shard.count);
     MT_CHECK(opt.bf16_copy || (opt.shard.count <= 1 && std::is_same_v<T, float>),
              "a store without a bf16 copy (StoreOptions::bf16_copy false) {}: keep the copy",
              opt.shard.count > 1 ? fmt::format("cannot be sharded over {} processes, which exchange the copy", opt.shard.count)
@@ -363,11 +376,12 @@ class HostParamStore {
       }
       const std::size_t copy = opt.bf16_copy ? compute_held(n, lo, hi, opt.shard) : 0;
       f.compute_bytes += copy;
-      f.unit_bytes.push_back(static_cast<std::size_t>(kept) * sizeof(T) + copy + static_cast<std::size_t>(mine) * 2 * sizeof(T));
+      const std::size_t moments = opt.optimizer_state ? static_cast<std::size_t>(mine) * 2 * sizeof(T) : 0;
+      f.unit_bytes.push_back(static_cast<std::size_t>(kept) * sizeof(T) + copy + moments);
     }
     const auto elems = static_cast<std::size_t>(f.slab_elements);
     f.master_bytes = static_cast<std::size_t>(masters) * sizeof(T);  // (sharded masters: what is kept)
-    f.adam_bytes = 2 * static_cast<std::size_t>(owned) * sizeof(T);  // (a sharded store: its part)
+    f.adam_bytes = opt.optimizer_state ? 2 * static_cast<std::size_t>(owned) * sizeof(T) : 0;  // (a sharded store: its part)
     // (shared by the processes of a host: this process's share of the pages they map; in parts: its parts)
     if (opt.bf16_copy && !opt.shard.keeps_weight_parts()) f.compute_bytes = compute_bytes(f.slab_elements, sharers(opt.shard));
     // With fewer than three units there is no inner unit: the slot then holds the largest one.
@@ -399,8 +413,9 @@ class HostParamStore {
     // (whole, as addresses: a sharded store touches its parts only, and the rest takes no memory)
     // (no bf16 copy: the GPU's copy engines read the masters)
     master_buf_ = HostBuffer::allocate(elems * sizeof(T), opt.bf16_copy ? Pinning::never : opt.pinning);
-    m_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
-    v_buf_ = HostBuffer::allocate(elems * sizeof(T), Pinning::never);
+    const std::size_t moment_bytes = opt.optimizer_state ? elems * sizeof(T) : 0;
+    m_buf_ = HostBuffer::allocate(moment_bytes, Pinning::never);
+    v_buf_ = HostBuffer::allocate(moment_bytes, Pinning::never);
     // (held in parts: pinned where held, below, so that the rest can be given back)
     if (opt.bf16_copy)
       compute_buf_ = opt.shard.shares_weights() ? allocate_shared_host(elems * sizeof(bf16), "bf16 weights", opt.pinning)
@@ -430,8 +445,11 @@ class HostParamStore {
       } else {
         u.master_ = master_buf_.template as<T>(b, len);
       }
-      u.m_ = m_buf_.template as<T>(b, len);
-      u.v_ = v_buf_.template as<T>(b, len);
+      if (opt.optimizer_state) {
+        u.m_ = m_buf_.template as<T>(b, len);
+        u.v_ = v_buf_.template as<T>(b, len);
+      }
+      u.moments_ = opt.optimizer_state;
       if (opt.bf16_copy) u.compute_ = compute_buf_.template as<bf16>(b, len);
       if (opt.resident_gradients) u.grad_ = grad_buf_.template as<T>(b, len);
       const auto cut = shard_bounds(u.numel(), opt.shard.count);
@@ -497,9 +515,11 @@ class HostParamStore {
             out[i] = static_cast<T>(detail::initial_value(init, stdev, key, i));
         });
       }
-      const auto [lo, hi] = u.owned();
-      std::fill(u.m_.begin() + lo, u.m_.begin() + hi, T(0));
-      std::fill(u.v_.begin() + lo, u.v_.begin() + hi, T(0));
+      if (u.moments_) {
+        const auto [lo, hi] = u.owned();
+        std::fill(u.m_.begin() + lo, u.m_.begin() + hi, T(0));
+        std::fill(u.v_.begin() + lo, u.v_.begin() + hi, T(0));
+      }
       sync_compute(u);
     }
   }

@@ -154,7 +154,7 @@ class DeviceUnits {
   // for m and v (all of the unit where the store is not sharded).
   template <class M, class V>
   static void held(const typename HostParamStore<float>::Unit& unit, M&& masters, V&& moments) {
-    moments(unit.owned().first, unit.owned().second);
+    if (unit.has_moments()) moments(unit.owned().first, unit.owned().second);  // (none: a store that is never stepped)
     for (const auto& [a, b] : unit.held_masters()) masters(a, b);
   }
   struct Unit {

@@ -317,6 +317,7 @@ StepStats Trainer<B, Block, U...>::step(const Objective& objective, std::span<co
                                         std::span<const std::int32_t> labels, std::span<const std::int32_t> positions,
                                         std::span<const std::uint8_t> attention_mask) {
   MT_NVTX_RANGE("Trainer::step");
+  check_steppable(ctx_.store);
   const auto t0 = std::chrono::steady_clock::now();
   const std::int64_t valid = stage_batch(ids, labels, positions, attention_mask);
   stage_objective(objective, valid);

@@ -117,6 +117,13 @@ void check_trainer_options(const Ctx& t) {
                 opt.seq_len, cfg.max_position_embeddings, cfg.max_position_embeddings, cfg.max_position_embeddings);
 }
 
+/// A store a step may update: one that keeps the optimizer state (StoreOptions::optimizer_state).
+template <class Store>
+void check_steppable(const Store& store) {
+  MT_CHECK(store.has_optimizer_state(), "the store keeps no optimizer state (StoreOptions::optimizer_state false: built to "
+           "sample or score): build it with the state to train");
+}
+
 /// A step's objective that weighs each token: the trainer was made for it (the buffers, the plan).
 inline void check_weighted_objective(const TrainerOptions& opt, const Objective& objective) {
   MT_CHECK(opt.token_weights, "the objective '{}' weighs each token: make the trainer with "
