@@ -152,7 +152,7 @@ fi
 # tokens per step, exact clipping, against the PyTorch peer with transformers' Qwen3.5 in the same
 # call (dense); the Qwen3.5-35B-A3B shape cut to Q35_MOE_LAYERS (default 8) at 64k tokens likewise
 # (moe); and the dense Qwen3-8B shape, whose model TFLOP/s the hybrid's are compared with (8b).
-# Q35_PARTS picks among dense, moe and 8b (default all three).
+# Q35_PARTS picks among dense, moe and 8b (default all three); Q35_PEER_ARGS adds options to the peer.
 if [[ " $what " == *" qwen35 "* ]]; then
   ql=${Q35_LAYERS:-20} qm=${Q35_MOE_LAYERS:-8} parts=${Q35_PARTS:-dense moe 8b}
   for args in "dense qwen3.5-27b $ql 32" "moe qwen3.5-35b-a3b $qm 64"; do
@@ -164,8 +164,11 @@ if [[ " $what " == *" qwen35 "* ]]; then
     summary+=("bench_train $preset, $nl layers, ${batch}k tokens, exact rc=$?: $(grep -E '^\| (tokens/s|model TFLOP)' "$OUT/bench_$tag.log" | tr '\n' ' ')")
     summary+=("  $(grep -oP '^\| plan: [^|]*\| \Kpredicted.*measured / predicted [0-9.]+' "$OUT/bench_$tag.log" || echo 'plan ?')")
     if [[ -z ${NO_PEER:-} ]]; then
+      # (Q35_PEER_ARGS: the peer's configuration where it is known, e.g. "--micro 4 --checkpoint-layers 4
+      # --attention flash" for the 8-layer cut on an H100: its search compiles each candidate, 400 s and more)
+      # shellcheck disable=SC2086
       PYTHONUNBUFFERED=1 timeout 500 python3 bench/peer_pytorch.py --preset "$preset" --layers "$nl" --batch "$batch" --seq 1024 \
-        --steps 4 --skip 2 --clip 1.0 > "$OUT/peer_$tag.log" 2>&1
+        --steps 4 --skip 2 --clip 1.0 ${Q35_PEER_ARGS:-} > "$OUT/peer_$tag.log" 2>&1
       mt=$(tps "$OUT/bench_$tag.log"); pe=$(peer_tps "$OUT/peer_$tag.log")
       summary+=("$preset $nl layers ${batch}k exact: megatrain ${mt:-?} tok/s, PyTorch peer ${pe:-?} tok/s, ratio $(ratio "$mt" "$pe")")
       summary+=("peer: $(grep -E '^peer: PyTorch' "$OUT/peer_$tag.log" | head -1)")
