@@ -1,10 +1,9 @@
 // Hugging Face tokenizers in C++: see megatrain/text/tokenizer.hpp for what is supported.
 #include "megatrain/text/tokenizer.hpp"
 
+#include "regex.hpp"
 #include "utf8.hpp"
 
-#define PCRE2_CODE_UNIT_WIDTH 8
-#include <pcre2.h>
 #include <tbb/enumerable_thread_specific.h>
 #include <tbb/parallel_for.h>
 #include <utf8proc.h>
@@ -98,6 +97,7 @@ std::size_t first_invalid_utf8(std::string_view s) {
 
 namespace {
 
+using detail::Regex;
 using detail::utf8_next;
 
 void append_utf8(std::string& out, char32_t c) {
@@ -150,63 +150,6 @@ const ByteMap& byte_map() {
   static const ByteMap m;
   return m;
 }
-
-// ---- regular expressions (PCRE2) -------------------------------------------------------------
-
-class Regex {
- public:
-  Regex(const std::string& pattern, const std::string& where) {
-    int err = 0;
-    PCRE2_SIZE offset = 0;
-    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &err, &offset,
-                          nullptr);
-    if (!code_) {
-      PCRE2_UCHAR msg[256];
-      pcre2_get_error_message(err, msg, sizeof msg);
-      MT_FAIL("{}: the regular expression '{}' does not compile (at offset {}: {})", where, pattern, offset,
-              reinterpret_cast<const char*>(msg));
-    }
-    jit_ = pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE) == 0;
-  }
-  Regex(const Regex&) = delete;
-  Regex& operator=(const Regex&) = delete;
-  ~Regex() { pcre2_code_free(code_); }
-
-  /// Calls f(start, end) for each match of the pattern in `s` (valid UTF-8), left to right.
-  template <class F>
-  void for_each_match(std::string_view s, F&& f) const {
-    pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
-    MT_CHECK(md != nullptr, "out of memory for a regular expression match");
-    std::size_t pos = 0;
-    while (pos <= s.size()) {
-      const auto* subject = reinterpret_cast<PCRE2_SPTR>(s.data());
-      int rc = jit_ ? pcre2_jit_match(code_, subject, s.size(), pos, 0, md, nullptr) : PCRE2_ERROR_JIT_STACKLIMIT;
-      if (rc == PCRE2_ERROR_JIT_STACKLIMIT)  // (no JIT, or its stack is too small here: the interpreter's is on the heap)
-        rc = pcre2_match(code_, subject, s.size(), pos, PCRE2_NO_UTF_CHECK, md, nullptr);
-      if (rc == PCRE2_ERROR_NOMATCH) break;
-      if (rc < 0) {
-        pcre2_match_data_free(md);
-        PCRE2_UCHAR msg[256];
-        pcre2_get_error_message(rc, msg, sizeof msg);
-        MT_FAIL("regular expression match failed: {}", reinterpret_cast<const char*>(msg));
-      }
-      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
-      const std::size_t b = ov[0], e = ov[1];
-      if (e == b) {  // an empty match: step over one character
-        if (b >= s.size()) break;
-        pos = b + utf8_next(s, b);
-        continue;
-      }
-      f(b, e);
-      pos = e;
-    }
-    pcre2_match_data_free(md);
-  }
-
- private:
-  pcre2_code* code_ = nullptr;
-  bool jit_ = false;
-};
 
 // ---- the pipeline's pieces ------------------------------------------------------------------
 
