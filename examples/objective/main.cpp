@@ -63,7 +63,7 @@ int main() {
   TrainerOptions opt;
   opt.batch_rows = 2;
   opt.seq_len = kSeq;
-  opt.token_weights = true;  // (objectives with a weight per token)
+  opt.token_weights = opt.log_prob_objective = true;  // (objectives with a weight per token, one from its log p)
   opt.adamw.lr = 1e-2;
   opt.schedule = {LrSchedule::Kind::constant, 1e-2, 0, 0, 0};
   DecoderModel<> model(cfg);
