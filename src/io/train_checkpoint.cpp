@@ -443,16 +443,13 @@ std::optional<std::string> TrainCheckpoint::file(std::string_view name) const {
   return detail::read_file(dir_ / name);
 }
 
-void TrainCheckpoint::load_into(HostParamStore<float>& store) const {
-  MT_NVTX_RANGE("io::TrainCheckpoint::load_into");
-  store.check_settled(fmt::format("loading '{}'", dir_.string()));
-  const std::string index = std::string(kTrainStateShards) + ".safetensors.index.json";
-  const SafetensorsCheckpoint tensors =
-      SafetensorsCheckpoint::open(listed_.contains(index) ? dir_ / index : dir_ / (std::string(kTrainStateShards) + ".safetensors"));
-  const std::string label = fmt::format("loading checkpoint '{}'", dir_.string());
-  // The pieces of tensors that processes' parts divided ("<name>@<first element>", written by
-  // PartedCheckpointWrite): name -> first element -> the piece.
-  std::map<std::string, std::map<std::int64_t, std::string>, std::less<>> pieces;
+namespace {
+
+/// The pieces of tensors that processes' parts divided ("<name>@<first element>", written by
+/// PartedCheckpointWrite): name -> first element -> the piece.
+using PieceNames = std::map<std::string, std::map<std::int64_t, std::string>, std::less<>>;
+PieceNames piece_names(const SafetensorsCheckpoint& tensors) {
+  PieceNames pieces;
   for (const std::string& name : tensors.names()) {
     const auto at = name.rfind(kPieceSeparator);
     if (at == std::string::npos) continue;
@@ -462,6 +459,19 @@ void TrainCheckpoint::load_into(HostParamStore<float>& store) const {
     if (err != std::errc{} || ptr != end || first < 0 || at + 1 == name.size()) continue;
     pieces[name.substr(0, at)].emplace(first, name);
   }
+  return pieces;
+}
+
+}  // namespace
+
+void TrainCheckpoint::load_into(HostParamStore<float>& store) const {
+  MT_NVTX_RANGE("io::TrainCheckpoint::load_into");
+  store.check_settled(fmt::format("loading '{}'", dir_.string()));
+  const std::string index = std::string(kTrainStateShards) + ".safetensors.index.json";
+  const SafetensorsCheckpoint tensors =
+      SafetensorsCheckpoint::open(listed_.contains(index) ? dir_ / index : dir_ / (std::string(kTrainStateShards) + ".safetensors"));
+  const std::string label = fmt::format("loading checkpoint '{}'", dir_.string());
+  const PieceNames pieces = piece_names(tensors);
   // Everything is checked before anything is written: every parameter's three tensors, whole or
   // in pieces that tile it, F32 and of its shape.
   struct Copy {
