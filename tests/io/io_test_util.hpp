@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
@@ -26,10 +27,13 @@
 namespace megatrain::test {
 
 /// One generator per test program, seeded at random; the seed is printed so a failure can be
-/// replayed.
+/// replayed: MEGATRAIN_TEST_SEED=<the seed> runs the program on it again.
 inline std::mt19937_64& rng() {
   static std::mt19937_64 gen = [] {
-    const std::uint64_t seed = (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+    const char* given = std::getenv("MEGATRAIN_TEST_SEED");
+    const std::uint64_t seed = given != nullptr && *given != '\0'
+                                   ? std::stoull(given)
+                                   : (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
     MESSAGE("io test seed: " << seed);
     return std::mt19937_64(seed);
   }();

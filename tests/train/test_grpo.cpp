@@ -21,8 +21,12 @@ using megatrain::test::rng;
 
 namespace {
 
-/// TRL's advantages, written from its formulas (torch's nanmean, its nanstd with Bessel's correction).
-std::vector<long double> trl_advantages(const std::vector<double>& r, std::size_t g, RewardScale scale) {
+/// TRL's advantages, written from its formulas (torch's nanmean, its nanstd with Bessel's
+/// correction), and the divisor each was scaled by.
+struct TrlAdvantages {
+  std::vector<long double> values, divisors;
+};
+TrlAdvantages trl_advantages(const std::vector<double>& r, std::size_t g, RewardScale scale) {
   const auto stats = [](auto first, auto last) {
     long double m = 0, n = static_cast<long double>(last - first), ss = 0;
     for (auto it = first; it != last; ++it) m += *it;
@@ -31,12 +35,12 @@ std::vector<long double> trl_advantages(const std::vector<double>& r, std::size_
     return std::pair<long double, long double>{m, n > 1 ? std::sqrt(ss / (n - 1)) : 0};
   };
   const long double batch_std = stats(r.begin(), r.end()).second;
-  std::vector<long double> a(r.size());
+  TrlAdvantages a{std::vector<long double>(r.size()), std::vector<long double>(r.size(), 1)};
   for (std::size_t i = 0; i < r.size(); ++i) {
     const std::size_t first = i / g * g;
     const auto [m, s] = stats(r.begin() + static_cast<std::ptrdiff_t>(first), r.begin() + static_cast<std::ptrdiff_t>(first + g));
-    a[i] = r[i] - m;
-    if (scale != RewardScale::none) a[i] /= (scale == RewardScale::group ? s : batch_std) + 1e-4L;
+    if (scale != RewardScale::none) a.divisors[i] = (scale == RewardScale::group ? s : batch_std) + 1e-4L;
+    a.values[i] = (r[i] - m) / a.divisors[i];
   }
   return a;
 }
@@ -56,12 +60,14 @@ struct Batch {
 /// Rows of a prompt (no labels) then completion tokens; old log-probabilities up to 0.6 away, so
 /// that ratios fall beyond both clips, each at least 1e-3 from a clip (no kink within the
 /// central differences' step); advantages of both signs; one row with no completion token.
+/// Whatever the seed, row 0 (advantage above 0) starts past the upper clip and row 2 (below 0)
+/// past the lower one, so both clip statistics count at least one token.
 Batch random_batch(std::int64_t rows, std::int64_t seq, const GrpoOptions& o) {
   Batch b{rows, seq, 0, {}, {}, {}, {}, {}};
   std::uniform_int_distribution<std::int64_t> prompt(1, seq - 1);
-  std::uniform_real_distribution<double> lp(-5.0, -0.05), drift(-0.6, 0.6), adv(-2.0, 2.0);
+  std::uniform_real_distribution<double> lp(-5.0, -0.05), drift(-0.6, 0.6), adv(-2.0, 2.0), far(0.3, 0.6), size(0.2, 2.0);
   for (std::int64_t r = 0; r < rows; ++r) {
-    const std::int64_t p = r == 1 ? seq : prompt(rng());
+    const std::int64_t p = r == 1 ? seq : r == 0 || r == 2 ? 1 : prompt(rng());
     for (std::int64_t t = 0; t < seq; ++t) {
       const bool on = t >= p;
       b.labels.push_back(on ? 3 : kIgnoreIndex);
@@ -69,7 +75,8 @@ Batch random_batch(std::int64_t rows, std::int64_t seq, const GrpoOptions& o) {
       const double x = on ? lp(rng()) : 0.0;
       double old = x;
       for (;;) {
-        old = x + drift(rng());
+        // ratio exp(x - old): above 1.34 for row 0's first completion token, below 0.75 for row 2's
+        old = x + (t == p && r == 0 ? -far(rng()) : t == p && r == 2 ? far(rng()) : drift(rng()));
         const double ratio = std::exp(x - old);
         if (std::abs(ratio - (1 - o.epsilon)) > 1e-3 && std::abs(ratio - (1 + o.epsilon_high)) > 1e-3) break;
       }
@@ -77,7 +84,7 @@ Batch random_batch(std::int64_t rows, std::int64_t seq, const GrpoOptions& o) {
       b.old.push_back(on ? old : 0.0);
       b.ref.push_back(on ? x + drift(rng()) : 0.0);
     }
-    b.adv.push_back(adv(rng()));
+    b.adv.push_back(r == 0 ? size(rng()) : r == 2 ? -size(rng()) : adv(rng()));
   }
   return b;
 }
@@ -127,9 +134,16 @@ TEST_CASE("group advantages as TRL computes them: each scaling, groups of one, e
       const auto want = trl_advantages(r, static_cast<std::size_t>(g), scale);
       CHECK(a.groups == 3);
       CHECK(a.equal_groups == (g == 1 ? 3 : 1));
-      for (std::size_t i = 0; i < r.size(); ++i)
-        CHECK(static_cast<long double>(a.values[i]) ==
-              doctest::Approx(static_cast<double>(want[i])).epsilon(8 * std::numeric_limits<double>::epsilon()).scale(1));
+      // r - mean cancels where a group's rewards are close: the mean's rounding (a few ulps of the
+      // rewards' size) over the divisor bounds the error, not the advantage's own size
+      const long double largest = std::abs(*std::max_element(r.begin(), r.end(), [](double x, double y) {
+        return std::abs(x) < std::abs(y);
+      }));
+      for (std::size_t i = 0; i < r.size(); ++i) {
+        const long double bound = 8 * std::numeric_limits<double>::epsilon() *
+                                  (std::abs(want.values[i]) + largest / want.divisors[i]);
+        CHECK(std::abs(static_cast<long double>(a.values[i]) - want.values[i]) <= bound);
+      }
       for (std::int64_t i = 0; i < g; ++i) CHECK(a.values[static_cast<std::size_t>(i)] == 0.0);  // (the equal group)
     }
   }
