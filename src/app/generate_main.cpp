@@ -55,7 +55,7 @@ struct Options {
   std::int64_t top_k = 0;
   std::uint64_t seed = 0;
   std::vector<std::string> stops;
-  bool logprobs = false, overwrite = false, no_progress = false;
+  bool logprobs = false, overwrite = false, no_progress = false, no_kv_cache = false;
 };
 
 /// The folder the model is read from: --model's, or the checkpoint's (--checkpoint: a checkpoint
@@ -170,6 +170,9 @@ void add_options(CLI::App& app, Options& o) {
                  fmt::format("Conversations' format: auto (the tokenizer's chat template) or one of: {}", text::chat_format_names()))
       ->capture_default_str();
   app.add_flag("--no-progress", o.no_progress, "No progress line on standard error");
+  app.add_flag("--no-kv-cache", o.no_kv_cache,
+               "Recompute every prefix at each step instead of decoding a token at a time (slower; the same completions "
+               "to rounding)");
 }
 
 /// Everything checked, then the weights loaded and the completions made.
@@ -188,6 +191,7 @@ int run(const Options& o, const CLI::App& app) {
   Prompts prompts = read_prompts(o.prompts, "--prompts", tok, o.chat_format);
   in.prompts = prompts.ids;
   in.options.max_new_tokens = o.max_new_tokens;
+  in.options.cache = !o.no_kv_cache;
   in.options.sampling = sampling(o, app, src.dir);
   in.options.eos = eos_ids(src.dir, tok);
   std::size_t longest = 0;

@@ -78,10 +78,13 @@ std::vector<generate::Completion> run_generation(B& be, const char* backend_name
   HostParamStore<float> store(model.units(), Trainer<B>::store_options(topt, so));
   in.load(store);
   Trainer<B> trainer(model, store, be, topt);
-  std::fprintf(stderr, "megatrain-generate: %s (%s, %lld parameters), backend %s: %zu prompts, %lld slots of %lld tokens\n",
+  const char* decoding = !in.options.cache     ? "each prefix recomputed (--no-kv-cache)"
+                         : trainer.decodes() ? "a KV cache"
+                                             : "each prefix recomputed (no KV cache on this backend yet)";
+  std::fprintf(stderr, "megatrain-generate: %s (%s, %lld parameters), backend %s: %zu prompts, %lld slots of %lld tokens, %s\n",
                in.label.c_str(), std::string(in.cfg.architecture_name()).c_str(),
                static_cast<long long>(in.cfg.param_count()), backend_name, in.prompts.size(), static_cast<long long>(in.batch),
-               static_cast<long long>(in.seq));
+               static_cast<long long>(in.seq), decoding);
   GenerateProgress progress(in.prompts.size(), in.progress);
   generate::StopCheck stop;
   if (!in.stops.empty())

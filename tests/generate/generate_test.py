@@ -69,7 +69,8 @@ GREEDY = ["--prompts", "prompts.jsonl", "--max-new-tokens", "6", "--temperature"
 # --- greedy from the export: each record kept, in order, with its completion -----------------------
 stdout, stderr = run(generate, ["--model", "exp", "--logprobs"] + GREEDY)
 out = records(stdout)
-check("3/3 completions" in stderr and "backend cpu" in stderr, f"the progress and the start line: {stderr}")
+check("3/3 completions" in stderr and "backend cpu" in stderr and "a KV cache" in stderr,
+      f"the progress and the start line: {stderr}")
 check(len(out) == 3, f"{len(out)} records for 3 prompts")
 given = [r for r in prompts if r]
 for k, (r, g) in enumerate(zip(out, given)):
@@ -90,6 +91,13 @@ check(plain == run(generate, ["--checkpoint", "run"] + GREEDY)[0], "--checkpoint
 check(plain == run(generate, ["--checkpoint", "run/checkpoints/step-00000003"] + GREEDY)[0],
       "--checkpoint of the checkpoint folder differs from the export")
 check([r["completion"] for r in records(plain)] == [r["completion"] for r in out], "--logprobs changed the completions")
+# --- without the KV cache (each prefix recomputed): the same tokens, log-probabilities to rounding -
+stdout, stderr = run(generate, ["--model", "exp", "--logprobs", "--no-kv-cache"] + GREEDY)
+check("each prefix recomputed (--no-kv-cache)" in stderr, f"the start line without the cache: {stderr}")
+for r, c in zip(records(stdout), out):
+    check(r["token_ids"] == c["token_ids"], f"--no-kv-cache changed the tokens: {r['token_ids']} vs {c['token_ids']}")
+    check(all(abs(x - y) <= 1e-4 * max(1, abs(y)) for x, y in zip(r["logprobs"], c["logprobs"])),
+          f"--no-kv-cache's log-probabilities: {r['logprobs']} vs {c['logprobs']}")
 
 # --- written to --output, whole; not over a file without --overwrite -------------------------------
 run(generate, ["--model", "exp", "--output", "out.jsonl"] + GREEDY)

@@ -150,6 +150,7 @@ TEST_CASE("greedy completions are the plain forward's argmax, token for token; m
     GenerationOptions o;
     o.max_new_tokens = 6;
     o.sampling.temperature = 0;
+    o.cache = false;  // (each step a token for every slot: the steps below are counted)
     std::int64_t steps = 0, last_made = 0, last_ended = 0;
     const auto out = generate::generate(*s.trainer, s.shape(), prompts, o, {}, [&](std::int64_t made, std::int64_t ended) {
       ++steps;
@@ -187,6 +188,93 @@ TEST_CASE("greedy completions are the plain forward's argmax, token for token; m
       CHECK(alone[0].tokens == out[i].tokens);
     }
   }
+}
+
+/// The layers a cache must serve: a sliding window (Gemma 3), attention sinks with a window and
+/// experts (GPT-OSS), fused linear attention with experts (Qwen3-Next).
+ModelConfig gemma3() {
+  auto j = nlohmann::json::parse(R"({"architectures":["Gemma3ForCausalLM"],"hidden_size":32,"intermediate_size":48,
+    "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":8,"vocab_size":61,
+    "query_pre_attn_scalar":8,"sliding_window":4,"layer_types":["sliding_attention","full_attention"]})");
+  return ModelConfig::from_json(j, "gemma3 test");
+}
+ModelConfig gpt_oss() {
+  auto j = nlohmann::json::parse(R"({"architectures":["GptOssForCausalLM"],"hidden_size":32,"intermediate_size":24,
+    "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":8,"vocab_size":61,
+    "num_local_experts":4,"num_experts_per_tok":2,"sliding_window":3})");
+  return ModelConfig::from_json(j, "gpt-oss test");
+}
+ModelConfig qwen3_next() {
+  auto j = nlohmann::json::parse(R"({"architectures":["Qwen3NextForCausalLM"],"hidden_size":24,"intermediate_size":40,
+    "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":8,"vocab_size":59,
+    "linear_num_key_heads":2,"linear_num_value_heads":4,"linear_key_head_dim":6,"linear_value_head_dim":5,
+    "layer_types":["linear_attention","full_attention"],"num_experts":4,"num_experts_per_tok":2,
+    "moe_intermediate_size":16,"shared_expert_intermediate_size":16,"partial_rotary_factor":0.25})");
+  return ModelConfig::from_json(j, "qwen3-next test");
+}
+
+TEST_CASE("the KV cache: each token's logits as recomputing its whole prefix gives them; rows restart at position 0") {
+  // Three rows decode side by side, each through sequences of its own length (13, 9 and 5 tokens,
+  // from its own step: before it, a new one-token sequence each step), so the rows sit at
+  // different positions and restart at different steps.
+  std::mt19937 g(31);
+  for (const ModelConfig& cfg : {test::tiny(false, 61), test::tiny(true, 53), hybrid(), gemma3(), gpt_oss(), qwen3_next()}) {
+    CAPTURE(cfg.architecture_name());
+    Setup s(cfg, 3, 13);
+    REQUIRE(s.trainer->decodes());
+    const auto V = static_cast<std::size_t>(cfg.vocab_size);
+    const std::int64_t period[3] = {13, 9, 5}, offset[3] = {0, 3, 1};
+    std::vector<std::vector<std::int32_t>> rows(3, std::vector<std::int32_t>(13));
+    double worst = 0;
+    for (std::int64_t t = 0; t < 20; ++t) {
+      std::vector<std::int32_t> ids(3), positions(3);
+      for (std::size_t r = 0; r < 3; ++r) {
+        const std::int64_t p = t < offset[r] ? 0 : (t - offset[r]) % period[r];  // (before its start: a new sequence each step)
+        if (p == 0)  // (a new sequence)
+          for (auto& id : rows[r]) id = static_cast<std::int32_t>(g() % V);
+        ids[r] = rows[r][static_cast<std::size_t>(p)];
+        positions[r] = static_cast<std::int32_t>(p);
+      }
+      const std::vector<float> got = s.trainer->decode_logits(ids, positions, 13);
+      std::vector<std::int32_t> whole;
+      for (const auto& row : rows) whole.insert(whole.end(), row.begin(), row.end());
+      const std::vector<float> want = s.trainer->next_logits(whole, 3, std::vector<std::int64_t>(positions.begin(), positions.end()));
+      REQUIRE(got.size() == want.size());
+      for (std::size_t r = 0; r < 3; ++r) {
+        const auto a = std::span<const float>(got).subspan(r * V, V), b = std::span<const float>(want).subspan(r * V, V);
+        CHECK(max_abs(b) > 0);
+        worst = std::max(worst, max_abs_diff(a, b) / (kEps * std::max(1.0, max_abs(b))));
+      }
+    }
+    MESSAGE(cfg.architecture_name() << ": the cache's logits within " << worst << " float epsilons of recomputing's");
+    CHECK(worst <= 32);
+    // completions: the same tokens with and without the cache, greedy and sampled
+    for (const double temperature : {0.0, 0.9}) {
+      GenerationOptions o;
+      o.max_new_tokens = 7;
+      o.sampling.temperature = temperature;
+      o.sampling.seed = 5;
+      const auto prompts = random_prompts(g, 5, 6, cfg.vocab_size);
+      const auto cached = generate::generate(*s.trainer, s.shape(), prompts, o);
+      o.cache = false;
+      const auto again = generate::generate(*s.trainer, s.shape(), prompts, o);
+      for (std::size_t i = 0; i < prompts.size(); ++i) {
+        CHECK(cached[i].tokens == again[i].tokens);
+        for (std::size_t k = 0; k < std::min(cached[i].log_probs.size(), again[i].log_probs.size()); ++k)
+          CHECK(cached[i].log_probs[k] == doctest::Approx(again[i].log_probs[k]).epsilon(1e-4));
+      }
+    }
+  }
+}
+
+TEST_CASE("the KV cache refuses what it cannot do, before it changes anything") {
+  Setup s(test::tiny(false, 61), 2, 8);
+  CHECK_THROWS_WITH_AS(s.trainer->decode_logits(std::vector<std::int32_t>{1, 2, 3}, std::vector<std::int32_t>{0, 0, 0}, 8),
+                       doctest::Contains("a positive multiple of the 2 rows"), Error);
+  CHECK_THROWS_WITH_AS(s.trainer->decode_logits(std::vector<std::int32_t>{1, 2}, std::vector<std::int32_t>{0, 8}, 8),
+                       doctest::Contains("row 1's position 8 is outside its cache of 8 tokens"), Error);
+  CHECK_THROWS_WITH_AS(s.trainer->decode_logits(std::vector<std::int32_t>{1, 61}, std::vector<std::int32_t>{0, 0}, 8),
+                       doctest::Contains("row 1's id 61 is outside the vocabulary"), Error);
 }
 
 TEST_CASE("streamed weights (a model larger than the GPU) give the tokens of resident weights") {

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -66,6 +67,19 @@ struct RouterStats {
   View<const std::uint8_t> valid;
 };
 
+/// Decoding with a cache (the Trainer's decode_logits, for generate/): each row of the chunk is one
+/// new token of its own sequence, at positions[r] of it. A token mixer keeps what later tokens
+/// read of the earlier ones (attention: their keys and values; linear attention: its state) in its
+/// layer's cache, carved from `cache` for `rows` rows of up to `capacity` tokens; the chunk's rows
+/// are rows [first, first + chunk rows) of them. A row at position 0 starts a new sequence.
+struct DecodeRows {
+  View<const std::int32_t> positions;        ///< [chunk rows], in the backend's memory
+  std::span<const std::int32_t> host_positions;  ///< the same, in host memory
+  std::span<std::byte> cache;                ///< the layer's cache, in the backend's memory
+  std::int64_t rows = 0, first = 0, capacity = 0;
+  bool active() const { return capacity > 0; }
+};
+
 /// One chunk of a batch: `rows` whole rows of `seq` tokens, each one sequence or, packed, several
 /// (`packed`). Attention never crosses a row, so a unit can run a batch chunk by chunk.
 struct ChunkShape {
@@ -78,6 +92,8 @@ struct ChunkShape {
   std::int64_t token_block = 0;
   /// A mixture-of-experts block's routing statistics (the trainer's; see RouterStats).
   RouterStats router{};
+  /// Decoding with a cache (seq is 1): where the token mixers keep and read the earlier tokens.
+  DecodeRows decode{};
   std::int64_t tokens() const { return rows * seq; }
   /// The token-wise blocks of the chunk: [first, first + count) for each, in order.
   std::int64_t block_tokens() const { return token_block > 0 && token_block < tokens() ? token_block : tokens(); }

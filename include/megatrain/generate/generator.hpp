@@ -8,8 +8,11 @@
 // completion ends (an end-of-sequence id, a stop the caller finds, max_new_tokens, or a full
 // row) takes the next waiting prompt, so the batch stays full until the prompts run out.
 //
-// This path recomputes each row's whole prefix at each step (no KV cache): exact, the same
-// forward as training's, and slower as the completions grow (docs/generation.md says how much).
+// A source that decodes with a cache (DecodeSource: the Trainer, where decodes()) reads one token a
+// row a step instead: a new prompt token by token, then each chosen token, its layers keeping
+// what the later tokens read (attention's keys and values, linear attention's state). Else, or
+// with GenerationOptions::cache off, each step recomputes every row's whole prefix: the same
+// forward as training's, slower as the completions grow. Both give the same logits to rounding.
 #pragma once
 
 #include <concepts>
@@ -30,6 +33,15 @@ concept LogitsSource = requires(M& m, std::span<const std::int32_t> ids, std::in
   { m.next_logits(ids, rows, at) } -> std::same_as<std::vector<float>>;
 };
 
+/// ... that also decodes with a cache: the logits after one token a row (ids[r] at positions[r] of
+/// row r's sequence; position 0 starts a new one), the rows' earlier tokens kept for rows of up to
+/// `capacity` tokens; decodes(): whether it can.
+template <class M>
+concept DecodeSource = LogitsSource<M> && requires(M& m, std::span<const std::int32_t> ids, std::int64_t capacity) {
+  { m.decode_logits(ids, ids, capacity) } -> std::same_as<std::vector<float>>;
+  { m.decodes() } -> std::convertible_to<bool>;
+};
+
 /// Why a completion ended.
 enum class Finish : std::uint8_t {
   eos,     ///< it chose an end-of-sequence id (the last token)
@@ -45,6 +57,8 @@ struct GenerationOptions {
   SamplingOptions sampling;
   /// Ids that end a completion when chosen (the model's eos_token_id; kept as its last token).
   std::vector<std::int32_t> eos;
+  /// Decode with the source's cache where it has one (DecodeSource); false: recompute each prefix.
+  bool cache = true;
   /// Throws megatrain::Error naming the field for a value out of its range.
   void check(std::int64_t vocab) const;
 };
@@ -77,10 +91,31 @@ std::vector<Completion> generate_with(const SlotShape& shape,
                                       std::span<const std::vector<std::int32_t>> prompts, const GenerationOptions& options,
                                       const StopCheck& stop = {}, const Progress& progress = {});
 
-/// generate_with() over a LogitsSource whose rows are `shape`'s.
+/// One token a row's logits (rows x vocab) after ids[r] at positions[r], from a cache.
+using DecodeLogits =
+    std::function<std::vector<float>(std::span<const std::int32_t> ids, std::span<const std::int32_t> positions)>;
+
+/// generate_with()'s completions, each step one token a row through `decode` (the rows' caches
+/// hold seq_len tokens): a prompt's tokens one by one, then its completion's.
+std::vector<Completion> generate_cached_with(const SlotShape& shape, const DecodeLogits& decode,
+                                             std::span<const std::vector<std::int32_t>> prompts,
+                                             const GenerationOptions& options, const StopCheck& stop = {},
+                                             const Progress& progress = {});
+
+/// generate_with() over a LogitsSource whose rows are `shape`'s; generate_cached_with() over a
+/// DecodeSource that decodes, unless options.cache is off.
 template <LogitsSource M>
 std::vector<Completion> generate(M& source, const SlotShape& shape, std::span<const std::vector<std::int32_t>> prompts,
                                  const GenerationOptions& options, const StopCheck& stop = {}, const Progress& progress = {}) {
+  if constexpr (DecodeSource<M>) {
+    if (options.cache && source.decodes())
+      return generate_cached_with(
+          shape,
+          [&](std::span<const std::int32_t> ids, std::span<const std::int32_t> positions) {
+            return source.decode_logits(ids, positions, shape.seq_len);
+          },
+          prompts, options, stop, progress);
+  }
   return generate_with(
       shape,
       [&](std::span<const std::int32_t> ids, std::span<const std::int64_t> at) {

@@ -38,6 +38,7 @@
 #include "megatrain/store/host_param_store.hpp"
 #include "megatrain/train/activation_spill.hpp"
 #include "megatrain/train/batch_staging.hpp"
+#include "megatrain/train/decode_state.hpp"
 #include "megatrain/train/device_units.hpp"
 #include "megatrain/train/expert_statistics.hpp"
 #include "megatrain/train/touched_rows.hpp"
@@ -441,6 +442,7 @@ struct StepContext {
   std::vector<std::int64_t> logits_at;
   Buf<Act> logits_dev;
   std::vector<Act> logits_host;
+  DecodeState<B> decode;  // Trainer::decode_logits: the caches and the rows' positions
   Buf<double> sumsq_dev;  // each unit's sum of squared gradient elements, where summed on the device
   HostBuffer sumsq_host_mem;
   std::span<double> sumsq_host;

@@ -9,37 +9,33 @@
 //                          accumulate the weight gradient over chunks, offload it (blocks that
 //                          keep their activations, TrainerOptions::kept_blocks, recompute nothing)
 //   optimizer              AdamW on the unit as soon as its gradient has landed on the host
-// Each item flows through StreamPipeline<prefetch, compute, offload, [user stages], optimizer>
-// (train/stages/), so prefetching unit u+1 overlaps computing unit u, offloading u's gradient
-// overlaps computing u-1, and the optimizer steps u while the GPU (or CPU) works on lower layers.
-// The pipeline decides when things happen, never what is computed: results do not depend on
-// timing. The stages share the step's context (train/step_context.hpp: the buffers, and where
-// each unit's weights and gradients are).
+// Each item flows through StreamPipeline<prefetch, compute, offload, [user stages], optimizer> (train/stages/), so
+// prefetching unit u+1 overlaps computing unit u, offloading u's gradient overlaps computing u-1, and the optimizer
+// steps u while the GPU (or CPU) works on lower layers. The pipeline decides when things happen, never what is
+// computed: results do not depend on timing. The stages share the step's context (train/step_context.hpp: the buffers,
+// and where each unit's weights and gradients are).
 //
-// Gradients are resident (every unit's gradient kept until all are known) when clipping is exact
-// (PyTorch's clip_grad_norm_ over all parameters, then AdamW) or when the batch is split into
-// micro-batches (gradient accumulation). Then the optimizer runs as a second pass after the
-// global norm is known (train/step_outcome.hpp): in the background, ahead of the next step's
-// forward (TrainerOptions::overlap_update), whose prefetch of unit u waits only for u's update
-// (the pipeline's rule 4), so the AdamW pass of step t overlaps the forward of step t+1.
-// finish_update() waits for it; the next step(), evaluate() and the Checkpointer order themselves
-// after it, and the library's readers of a whole store refuse while it runs
-// (HostParamStore::check_settled). ClipMode::stale instead clips step t with the global norm
-// measured at step t-1, so each unit still steps the moment its gradient lands.
+// Gradients are resident (every unit's gradient kept until all are known) when clipping is exact (PyTorch's
+// clip_grad_norm_ over all parameters, then AdamW) or when the batch is split into micro-batches (gradient
+// accumulation). Then the optimizer runs as a second pass after the global norm is known (train/step_outcome.hpp): in
+// the background, ahead of the next step's forward (TrainerOptions::overlap_update), whose prefetch of unit u waits
+// only for u's update (the pipeline's rule 4), so the AdamW pass of step t overlaps the forward of step t+1.
+// finish_update() waits for it; the next step(), evaluate() and the Checkpointer order themselves after it, and the
+// library's readers of a whole store refuse while it runs (HostParamStore::check_settled). ClipMode::stale instead
+// clips step t with the global norm measured at step t-1, so each unit still steps the moment its gradient lands.
 //
-// Where gradients wait for the norm (TrainerOptions::gradient_home): by default on the device, one
-// fp32 accumulator per unit; the AdamW pass then downloads each host unit's gradient in slot-sized
-// pieces into the store's landing ring, in forward order, while the next forward runs. With
-// GradientHome::host every gradient lands in the store's resident slabs during the backward.
-// Device units (train/device_units.hpp) keep their AdamW state in backend memory and are updated
-// there; finish_update() writes their state back into the store.
+// Where gradients wait for the norm (TrainerOptions::gradient_home): by default on the device, one fp32 accumulator per
+// unit; the AdamW pass then downloads each host unit's gradient in slot-sized pieces into the store's landing ring, in
+// forward order, while the next forward runs. With GradientHome::host every gradient lands in the store's resident
+// slabs during the backward. Device units (train/device_units.hpp) keep their AdamW state in backend memory and are
+// updated there; finish_update() writes their state back into the store.
 //
-// Without resident gradients a host embedding's gradient comes back as its touched rows
-// (train/touched_rows.hpp) and the other rows (embed_rest items, between the blocks of the
-// backward: a tied head's gradient, or zero); a head's larger than a landing slot in pieces.
+// Without resident gradients a host embedding's gradient comes back as its touched rows (train/touched_rows.hpp) and
+// the other rows (embed_rest items, between the blocks of the backward: a tied head's gradient, or zero); a head's
+// larger than a landing slot in pieces.
 //
-// Trainer<CpuBackend<float>> and Trainer<CudaBackend> are compiled once in the library: include
-// train/cpu_trainer.hpp or train/cuda_trainer.hpp to use them without compiling them again.
+// Trainer<CpuBackend<float>> and Trainer<CudaBackend> are compiled once in the library: include train/cpu_trainer.hpp
+// or train/cuda_trainer.hpp to use them without compiling them again.
 #pragma once
 
 #include <chrono>
@@ -131,6 +127,9 @@ class Trainer {
                             std::span<const std::int32_t> positions = {});
   /// Row r's next-token logits after position at[r] (rows x vocab): evaluate()'s forward, the head at those positions alone.
   std::vector<float> next_logits(std::span<const std::int32_t> ids, std::int64_t rows, std::span<const std::int64_t> at);
+  /// Decoding with caches of rows of up to `capacity` tokens (train/decoding.hpp): the logits after ids[r] at positions[r].
+  std::vector<float> decode_logits(std::span<const std::int32_t> ids, std::span<const std::int32_t> positions, std::int64_t capacity);
+  bool decodes() const;  ///< whether this backend and model decode with caches
   /// The last step's log-probabilities of its labels, token by token, until an evaluate() or score().
   std::vector<double> last_log_probs() const { return ctx_.batch.log_probs(); }
 
@@ -142,28 +141,26 @@ class Trainer {
   bool update_pending() const { return update_pending_; }
 
   std::int64_t steps_done() const { return outcome_.steps; }
-  /// Steps skipped as non-finite (TrainerOptions::on_nonfinite skip): in all, and in a row up to
-  /// the last step. AdamW's bias correction counts steps_done() - skipped_steps() updates.
+  /// Steps skipped as non-finite (TrainerOptions::on_nonfinite skip): in all, and in a row up to the last step.
+  /// AdamW's bias correction counts steps_done() - skipped_steps() updates.
   std::int64_t skipped_steps() const { return outcome_.skipped; }
   std::int64_t skipped_in_a_row() const { return outcome_.skipped_in_a_row; }
   /// Why the trainer stopped (a non-finite step: it takes no further step); empty while it has not.
   const std::string& stopped_because() const { return outcome_.failed; }
-  /// Whether, stopped, its weights and AdamW states are still those of the last good step (with
-  /// the whole gradient known first: exact clipping), which a checkpoint may then keep.
+  /// Whether, stopped, its weights and AdamW states are still those of the last good step (with the whole gradient
+  /// known first: exact clipping), which a checkpoint may then keep.
   bool stopped_with_last_good_state() const { return !outcome_.failed.empty() && outcome_.failed_kept_state; }
   const DecoderModel<Block>& model() const { return ctx_.model; }
   /// The options in effect (resolved(), with the plan's decisions).
   const TrainerOptions& options() const { return ctx_.opt; }
   /// The global gradient norm of the last step (what ClipMode::stale clips the next step with).
   std::optional<double> last_grad_norm() const { return outcome_.last_grad_norm; }
-  /// Restores the step counter and the last norm (resuming from a checkpoint whose tensors were
-  /// loaded into the store after finish_update()); the next step takes the device units' state
-  /// from the store.
+  /// Restores the step counter and the last norm (resuming from a checkpoint whose tensors were loaded into the
+  /// store after finish_update()); the next step takes the device units' state from the store.
   void restore(std::int64_t steps_done, std::optional<double> last_grad_norm, std::int64_t skipped_steps = 0,
                std::int64_t skipped_in_a_row = 0);
-  /// A function the optimizer stage calls, on its own thread, before it changes unit u's master
-  /// weights or moments; it may block. Set it between calls of step(); empty: none. The
-  /// Checkpointer uses it to write a unit to disk before the next update changes it.
+  /// A function the optimizer stage calls, on its own thread, before it changes unit u's master weights or moments;
+  /// it may block. Set it between calls of step(); empty: none. The Checkpointer writes a unit to disk with it.
   void set_update_gate(std::function<void(std::size_t unit)> gate) {
     ctx_.update_gate.store(gate ? std::make_shared<const std::function<void(std::size_t)>>(std::move(gate)) : nullptr);
   }
@@ -498,3 +495,4 @@ void Trainer<B, Block, U...>::save_device_units() {
 }  // namespace megatrain
 
 #include "megatrain/train/scoring.hpp"  // (evaluate() and score(): the forward alone)
+#include "megatrain/train/decoding.hpp"  // (decode_logits(): a token a row over the caches)

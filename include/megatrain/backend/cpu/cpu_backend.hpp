@@ -29,6 +29,8 @@
 #include <vector>
 
 #include "megatrain/backend/backend.hpp"
+#include "megatrain/backend/cpu/attention_decode.hpp"
+#include "megatrain/backend/cpu/gated_deltanet_decode.hpp"
 #include "megatrain/backend/cpu/gated_deltanet_mix.hpp"
 #include "megatrain/core/error.hpp"
 #include "megatrain/core/host_memory.hpp"
@@ -484,6 +486,12 @@ class CpuBackend {
     }
   }
 
+  /// Attention of one new token a row over its cache (ChunkShape::decode; cpu/attention_decode.hpp).
+  void attention_decode(View<const Act> q, View<const Act> k, View<const Act> v, View<Act> kcache, View<Act> vcache,
+                        const DecodeRows& d, View<Act> out, const AttentionShape& s, View<const Acc> sinks = {}) {
+    cpu::attention_decode<T, T>(q, k, v, kcache, vcache, d, out, s, sinks);
+  }
+
   // ---- SwiGLU and GeGLU --------------------------------------------------------------------
   /// m = act(g) * u: silu(g) (SwiGLU), or GELU's tanh approximation (GeGLU, Gemma's
   /// gelu_pytorch_tanh: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))))
@@ -547,6 +555,10 @@ class CpuBackend {
   void gated_deltanet_mix_backward(const cpu::GatedDeltaNetMix<T>& m, const T* o, const T* rstd, const T* dy,
                                    const cpu::GatedDeltaNetMixGrads<T>& g) {
     cpu::gated_deltanet_mix_backward(m, o, rstd, dy, g);
+  }
+  /// Its step for one new token a row, over the rows' caches (cpu/gated_deltanet_decode.hpp).
+  void gated_deltanet_decode(const cpu::GatedDeltaNetMix<T>& m, const DecodeRows& d, T* taps, T* state, T* y) {
+    cpu::gated_deltanet_decode(m, d.host_positions, d.first, taps, state, y);
   }
 
   // ---- mixture of experts (MoeMlp) -----------------------------------------------------------

@@ -129,6 +129,25 @@ class ComposedBlock<std::variant<Tokens...>, std::variant<Channels...>>
   const TokenMixer& token_mixer() const { return token_; }
   const ChannelMixer& channel_mixer() const { return channel_; }
 
+  /// Decoding with a cache (ChunkShape::decode): whether backend B decodes this layer (its token
+  /// mixer keeps a cache there), and the bytes of the layer's cache for `rows` rows of up to
+  /// `capacity` tokens.
+  template <class B>
+  bool decodes() const {
+    return std::visit([](const auto& m) {
+      if constexpr (requires { m.template decodes<B>(); }) return m.template decodes<B>();
+      else return false;
+    }, token_);
+  }
+  template <class B>
+  std::size_t decode_cache_bytes(std::int64_t rows, std::int64_t capacity) const {
+    return std::visit([&](const auto& m) -> std::size_t {
+      Arena measure;
+      if constexpr (requires { m.template carve_cache<B>(measure, rows, capacity); }) m.template carve_cache<B>(measure, rows, capacity);
+      return measure.peak();
+    }, token_);
+  }
+
   /// The activations of one chunk: the token mixer's over the whole chunk and h (x2), and the
   /// token-wise parts' for one block of ChunkShape::block_tokens() tokens (forward and, with
   /// backward, backward buffers).

@@ -56,6 +56,11 @@ concept DeviceLinearAttentionBackend =
     };
 template <class B>
 concept LinearAttentionBackend = HostLinearAttentionBackend<B> || DeviceLinearAttentionBackend<B>;
+/// What a backend provides to decode with a cache (ChunkShape::decode; the CPU backend).
+template <class B>
+concept LinearAttentionDecodeBackend =
+    HostLinearAttentionBackend<B> && requires(B& be, const cpu::GatedDeltaNetMix<typename B::Act>& m, const DecodeRows& d,
+                                              typename B::Act* p) { be.gated_deltanet_decode(m, d, p, p, p); };
 
 class GatedDeltaNet : public CarvedOp<GatedDeltaNet> {
  public:
@@ -243,11 +248,40 @@ class GatedDeltaNet : public CarvedOp<GatedDeltaNet> {
       });
     }
   }
-  /// The whole chunk's mixing: a.o, a.y and a.rstd from the projections.
+  /// Decoding (ChunkShape::decode): each row's convolution taps and delta-rule state.
+  template <class B>
+  struct Cache {
+    View<typename B::Act> taps;   // [rows * (conv_kernel - 1), conv_dim]
+    View<typename B::Acc> state;  // [rows * value_heads * dk, dv]
+  };
+  template <class B>
+  Cache<B> carve_cache(Arena& ar, std::int64_t rows, std::int64_t /*capacity: a state whatever the length*/) const {
+    return {ar.alloc<typename B::Act>({rows * (la_.conv_kernel - 1), la_.conv_dim()}),
+            ar.alloc<typename B::Acc>({rows * la_.value_heads * la_.key_head_dim, la_.value_head_dim})};
+  }
+  /// Whether backend B decodes this layer with a cache (else Trainer::decode_logits refuses it).
+  template <class B>
+  bool decodes() const {
+    return LinearAttentionDecodeBackend<B>;
+  }
+
+  /// The whole chunk's mixing: a.o, a.y and a.rstd from the projections. Decoding: each row's one
+  /// token after the state its cache holds (a.y alone).
   template <class B>
   void mix(B& be, ChunkShape c, const Acts<B>& a, const Weights<const typename B::Weight>& w) const {
     if constexpr (!LinearAttentionBackend<B>) {
       refuse();
+    } else if (c.decode.active()) {
+      if constexpr (LinearAttentionDecodeBackend<B>) {
+        MT_CHECK(c.seq == 1, "{}: decoding takes one token a row, not {}", prefix_, c.seq);
+        Arena ar(c.decode.cache);
+        const Cache<B> cache = carve_cache<B>(ar, c.decode.rows, c.decode.capacity);
+        be.gated_deltanet_decode(operands<B>(c, a, w, sequence_starts(c)), c.decode, cache.taps.data(), cache.state.data(),
+                                 a.y.data());
+      } else {
+        MT_FAIL("{}: this backend has no linear attention over a cache (decoding runs on the CPU backend; elsewhere "
+                "generation recomputes each prefix)", prefix_);
+      }
     } else {
       if constexpr (DeviceLinearAttentionBackend<B>) {
         be.gated_deltanet_mix(device_operands<B>(c, a, w), a.o, a.rstd, a.y);

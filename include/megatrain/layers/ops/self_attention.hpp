@@ -51,6 +51,13 @@ concept GatedAttentionBackend = requires(B& be, View<const typename B::Act> c, V
   be.sigmoid_gate_backward(c, c, c, m, m);
 };
 
+/// What a backend provides to decode with a KV cache (ChunkShape::decode; the CPU backend).
+template <class B>
+concept AttentionDecodeBackend = requires(B& be, View<const typename B::Act> c, View<typename B::Act> m, const DecodeRows& d,
+                                          const AttentionShape& s, View<const typename B::Acc> sinks) {
+  be.attention_decode(c, c, c, m, m, d, m, s, sinks);
+};
+
 class SelfAttention : public CarvedOp<SelfAttention> {
  public:
   /// Layer `layer`'s attention: parameters model.layers.<layer>.self_attn.*.
@@ -293,10 +300,27 @@ class SelfAttention : public CarvedOp<SelfAttention> {
     }
     be.linear(x, w.v, w.v_bias, token_rows(a.v, first, n));
   }
+  /// Decoding (ChunkShape::decode): each row's keys and values, capacity tokens of them.
+  template <class B>
+  struct Cache {
+    View<typename B::Act> k, v;  // [rows * capacity, kv_dim]
+  };
+  template <class B>
+  Cache<B> carve_cache(Arena& ar, std::int64_t rows, std::int64_t capacity) const {
+    return {ar.alloc<typename B::Act>({rows * capacity, cfg_.kv_dim()}), ar.alloc<typename B::Act>({rows * capacity, cfg_.kv_dim()})};
+  }
+  /// Whether backend B decodes this layer with a cache (else Trainer::decode_logits refuses it).
+  template <class B>
+  bool decodes() const {
+    return AttentionDecodeBackend<B> && cfg_.rope_scaling.type != RopeScaling::Type::longrope;
+  }
+
   /// Rotary embeddings of q and k, then attention: a.att and a.lse of the whole chunk (`sinks`:
-  /// the heads' sink logits, GPT-OSS's; null for the other families).
+  /// the heads' sink logits, GPT-OSS's; null for the other families). Decoding: each row's one
+  /// token at its position, attending to its cache.
   template <class B>
   void attend(B& be, ChunkShape c, const Acts<B>& a, View<const typename B::Acc> sinks) const {
+    if (c.decode.active()) return attend_cached(be, c, a, sinks);
     cfg_.check_sequence_length(c.seq);
     if (rotary_) {
       const auto f = freqs(c);
@@ -304,6 +328,29 @@ class SelfAttention : public CarvedOp<SelfAttention> {
       be.rope(a.k, cfg_.num_key_value_heads, c.seq, f, c.packed.positions, rope_scale_);
     }
     be.attention(cview(a.q), cview(a.k), cview(a.v), a.att, a.lse, shape(c), sinks);
+  }
+  /// attend() of one token a row at c.decode's positions: its key and value into the cache, its
+  /// query over the cached ones.
+  template <class B>
+  void attend_cached(B& be, ChunkShape c, const Acts<B>& a, View<const typename B::Acc> sinks) const {
+    if constexpr (!AttentionDecodeBackend<B>) {
+      MT_FAIL("{}: this backend has no attention over a KV cache (decoding runs on the CPU backend; elsewhere "
+              "generation recomputes each prefix)", prefix_);
+    } else {
+      const DecodeRows& d = c.decode;
+      MT_CHECK(c.seq == 1 && decodes<B>(), "{}: decoding takes one token a row (not {}), and no longrope scaling", prefix_,
+               c.seq);
+      cfg_.check_sequence_length(d.capacity);
+      if (rotary_) {
+        be.rope(a.q, cfg_.num_attention_heads, 1, std::span<const double>(inv_freq_), d.positions, rope_scale_);
+        be.rope(a.k, cfg_.num_key_value_heads, 1, std::span<const double>(inv_freq_), d.positions, rope_scale_);
+      }
+      Arena ar(d.cache);
+      const Cache<B> cache = carve_cache<B>(ar, d.rows, d.capacity);
+      AttentionShape s = shape(c);
+      s.window = window_;
+      be.attention_decode(cview(a.q), cview(a.k), cview(a.v), cache.k, cache.v, d, a.att, s, sinks);
+    }
   }
   /// From a.datt (the gradient of a.att): a.dq, a.dk, a.dv, the rotations undone; the sinks'
   /// gradient added to dsinks (where the family has sinks). (a.remake_qk: q and k made again

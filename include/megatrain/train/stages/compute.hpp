@@ -95,7 +95,7 @@ struct Compute : StageBase<Ctx> {
 
  private:
   std::int64_t rows() const { return this->ctx->state.micro_rows; }
-  std::int64_t seq() const { return this->ctx->opt.seq_len; }
+  std::int64_t seq() const { return this->ctx->decode.running ? 1 : this->ctx->opt.seq_len; }  // (decoding: a token a row)
   std::int64_t chunk() const {
     const auto& o = this->ctx->opt;
     return o.chunk_rows > 0 ? std::min(o.chunk_rows, rows()) : rows();
@@ -119,6 +119,11 @@ struct Compute : StageBase<Ctx> {
   // A block's chunk: its rows, their packing, its token blocks, its routing statistics
   ChunkShape block_chunk(const TrainItem& it, std::int64_t r0, std::int64_t n_rows, RouterStats router = {}) const {
     Ctx& t = *this->ctx;
+    if (t.decode.running) {  // (one token a row, each row's cache)
+      ChunkShape c{n_rows, 1};
+      c.decode = t.decode.layer(it.unit - 1, r0, n_rows);
+      return c;
+    }
     if (t.batch.masked)  // (the tokens the routing statistics and the auxiliary loss count)
       router.valid = View<const std::uint8_t>(std::span<const std::uint8_t>(t.batch.valid_dev.span()).subspan(
                                                   static_cast<std::size_t>(r0 * seq()), static_cast<std::size_t>(n_rows * seq())),
@@ -143,9 +148,11 @@ struct Compute : StageBase<Ctx> {
     const auto n = static_cast<std::size_t>(rows() * seq());
     if (it.piece == 0) t.spill.begin_micro_batch(exec);
     if (it.piece == 0 && t.experts.active()) t.experts.zero(t.be, exec, it.micro, t.opt.micro_batches);  // (a step's forward)
-    t.be.upload(exec, std::span<const std::int32_t>(t.batch.ids_host).subspan(off, n), t.batch.ids_dev.span());
-    t.be.upload(exec, std::span<const std::int32_t>(t.batch.labels_host).subspan(off, n), t.batch.labels_dev.span());
-    if (t.opt.packed) t.batch.upload_positions(t.be, exec, seq(), it.micro, rows());
+    t.be.upload(exec, std::span<const std::int32_t>(t.batch.ids_host).subspan(off, n), t.batch.ids_dev.span().first(n));
+    t.be.upload(exec, std::span<const std::int32_t>(t.batch.labels_host).subspan(off, n), t.batch.labels_dev.span().first(n));
+    if (t.opt.packed && !t.decode.running) t.batch.upload_positions(t.be, exec, seq(), it.micro, rows());
+    if (t.decode.running)
+      t.be.upload(exec, std::span<const std::int32_t>(t.decode.positions_host), t.decode.positions_dev.span());
     if (t.batch.masked && it.piece == 0)  // (a step's forward: the tokens its auxiliary loss counts)
       t.be.upload(exec, std::span<const std::uint8_t>(t.batch.valid_host).subspan(off, n), t.batch.valid_dev.span());
     std::span<std::int32_t> ids = t.batch.ids_dev.span();
@@ -153,7 +160,7 @@ struct Compute : StageBase<Ctx> {
     if (t.devices.holds(0)) {
       table = View<const float>(t.devices.master(0).first(static_cast<std::size_t>(t.vocab() * d)), Shape{t.vocab(), d});
     } else {
-      t.be.upload(exec, t.touched.compact_ids().subspan(off, n), t.compact_ids_dev.span());
+      t.be.upload(exec, t.touched.compact_ids().subspan(off, n), t.compact_ids_dev.span().first(n));
       ids = t.compact_ids_dev.span();
       table = View<const float>(std::span<const float>(t.embed_rows.span()).first(static_cast<std::size_t>(t.touched.count() * d)),
                                 Shape{t.touched.count(), d});
@@ -162,7 +169,7 @@ struct Compute : StageBase<Ctx> {
       t.model.embedding().op().forward_full(t.be, ChunkShape{n_rows, seq()}, table, tok(ids, r0, n_rows), rows_of(out, r0, n_rows),
                                             t.arena);
     });
-    t.ckpt_down(exec, 0);
+    if (!t.decode.running) t.ckpt_down(exec, 0);
   }
 
   // A block over the micro-batch; where its activations stay for the backward (kept on the
@@ -190,7 +197,7 @@ struct Compute : StageBase<Ctx> {
                           rows_of(out, r0, n_rows), t.arena);
       });
     }
-    t.ckpt_down(exec, it.unit);
+    if (!t.decode.running) t.ckpt_down(exec, it.unit);
   }
 
   // A block's output again, from the checkpoint below it (or the output refilled before).
@@ -301,7 +308,7 @@ struct Compute : StageBase<Ctx> {
     typename Embedding::template Weights<Acc> g{};
     if (t.streamed_unit(0)) {
       const auto off = static_cast<std::size_t>(it.micro * rows() * seq()), n = static_cast<std::size_t>(rows() * seq());
-      t.be.upload(exec, t.touched.compact_ids().subspan(off, n), t.compact_ids_dev.span());
+      t.be.upload(exec, t.touched.compact_ids().subspan(off, n), t.compact_ids_dev.span().first(n));
       ids = t.compact_ids_dev.span();
       g.table = t.touched_grad();
       if (!tied) t.be.zero(exec, g.table.span());
