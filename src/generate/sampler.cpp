@@ -83,12 +83,14 @@ std::vector<double> Sampler::scaled(std::span<const float> logits, std::span<con
 
 std::vector<double> Sampler::distribution(std::span<const float> logits, std::span<const std::int32_t> seen) const {
   std::vector<double> x = scaled(logits, seen);
-  const std::vector<std::int32_t> order = most_likely_first(x);
   std::vector<double> p(x.size(), 0.0);
-  if (o_.greedy()) {
-    p[static_cast<std::size_t>(order.front())] = 1;
+  if (o_.greedy()) {  // (the first largest)
+    p[static_cast<std::size_t>(std::max_element(x.begin(), x.end()) - x.begin())] = 1;
     return p;
   }
+  // (the tokens in order, where top-k or top-p needs it: a sort of the vocabulary)
+  const std::vector<std::int32_t> order = (o_.top_k > 0 && o_.top_k < vocab_) || o_.top_p < 1 ? most_likely_first(x)
+                                                                                                 : std::vector<std::int32_t>{};
   const auto remove_after = [&](std::size_t keep) {  // (the `keep` most likely stay)
     for (std::size_t i = keep; i < order.size(); ++i) x[static_cast<std::size_t>(order[i])] = kRemoved;
   };
@@ -109,11 +111,11 @@ std::vector<double> Sampler::distribution(std::span<const float> logits, std::sp
     }
     remove_after(keep);
   }
-  if (o_.min_p > 0) {
+  if (o_.min_p > 0) {  // (the most likely always stays: it is at least min_p times itself)
     softmax(x, p);
-    const double floor = o_.min_p * p[static_cast<std::size_t>(order.front())];
-    for (std::size_t i = 1; i < order.size(); ++i)
-      if (p[static_cast<std::size_t>(order[i])] < floor) x[static_cast<std::size_t>(order[i])] = kRemoved;
+    const double floor = o_.min_p * *std::max_element(p.begin(), p.end());
+    for (std::size_t i = 0; i < p.size(); ++i)
+      if (p[i] < floor) x[i] = kRemoved;
   }
   softmax(x, p);
   return p;

@@ -60,7 +60,8 @@ std::vector<float> Trainer<B, Block, U...>::decode_logits(std::span<const std::i
   }
   d.positions_host.assign(positions.begin(), positions.end());
   load_device_units();
-  if (ctx_.logits_dev.size() < static_cast<std::size_t>(V)) ctx_.logits_dev = ctx_.be.template alloc<typename B::Act>(V);
+  if (ctx_.logits_dev.size() < static_cast<std::size_t>(R * V))  // (the micro-batch's rows' logits at once)
+    ctx_.logits_dev = ctx_.be.template alloc<typename B::Act>(static_cast<std::size_t>(R * V));
   std::vector<float> out(static_cast<std::size_t>(rows * V));
   for (std::int64_t first = 0; first < rows; first += R) {  // (a micro-batch's rows at a time)
     const auto mine = ids.subspan(static_cast<std::size_t>(first), static_cast<std::size_t>(R));

@@ -275,6 +275,12 @@ struct Compute : StageBase<Ctx> {
   void next_logits(const HeadWeights& w, const X& x) {
     Ctx& t = *this->ctx;
     const std::int64_t V = t.vocab();
+    if (t.decode.running) {  // (a token a row: every row's logits in one product)
+      const auto all = View<Act>(t.logits_dev.span().first(static_cast<std::size_t>(rows() * V)), Shape{rows(), V});
+      t.model.head().op().logits(t.be, ChunkShape{rows(), 1}, w, View<const Res>(rows_of(x, 0, rows())), all, t.arena);
+      t.be.download(exec, std::span<const Act>(all.span()), std::span<Act>(t.logits_host));
+      return;
+    }
     const auto out = View<Act>(t.logits_dev.span().first(static_cast<std::size_t>(V)), Shape{1, V});
     for (std::int64_t r = 0; r < rows(); ++r) {
       const auto last = token_rows(rows_of(x, r, 1), t.logits_at[static_cast<std::size_t>(r)], 1);
