@@ -163,10 +163,9 @@ class TrainSetup {
     MT_CHECK(!eval_only_ || !s.origins.given_now("--objective"),
              "--steps 0 evaluates the cross-entropy of the validation data: drop --objective dpo");
     if (eval_only_) return;
-    check_pairs_batch(s.batch, ranks_.world());
+    if (!s.pack) check_pairs_batch(s.batch, ranks_.world());  // (packed: each row holds whole pairs)
     MT_CHECK(s.train_on == "completion", "--objective dpo compares the answers' log-probabilities: drop --train-on {}",
              s.train_on);
-    MT_CHECK(!s.pack, "--objective dpo keeps each answer in a row of its own: drop --pack");
   }
 
   // Export: every contradiction is found now, not after hours of training.
@@ -451,9 +450,12 @@ class TrainSetup {
                  cut(v).c_str(), static_cast<long long>(t.labels), static_cast<long long>(t.tokens), s.train_on.c_str(),
                  packing.c_str());
     if (data_->pairs())
-      std::fprintf(eval_only_ ? stderr : ranks_.out(), "preference pairs: %lld for training (%lld left out whole), %lld for "
-                   "validation; a chosen and a rejected row each\n", static_cast<long long>((t.examples - t.dropped) / 2),
-                   static_cast<long long>(t.dropped / 2), static_cast<long long>((v.examples - v.dropped) / 2));
+      std::fprintf(eval_only_ ? stderr : ranks_.out(), "preference pairs: %lld for training (%lld left out whole%s), %lld for "
+                   "validation; %s\n", static_cast<long long>((t.examples - t.dropped) / 2),
+                   static_cast<long long>(t.dropped / 2),
+                   s.pack ? fmt::format(", {} of them too long for one row together", t.split).c_str() : "",
+                   static_cast<long long>((v.examples - v.dropped) / 2),
+                   s.pack ? "whole pairs packed in each row" : "a chosen and a rejected row each");
   }
 
   // ---- the trainer's options -------------------------------------------------------------------------
@@ -492,7 +494,7 @@ class TrainSetup {
       training_options();
     }
     topt_.validate();
-    if (topt_.log_prob_objective) check_pairs_micro_batches(topt_, s.batch);
+    if (topt_.log_prob_objective && !s.pack) check_pairs_micro_batches(topt_, s.batch);
     MT_CHECK(!s.origins.conflicts("--micro-batches", "--max-micro-batch") || topt_.resolved().micro_batches == topt_.micro_batches,
              "--micro-batches {} contradicts --max-micro-batch {}: parts of {} sequences are more than {}; pass one of them",
              s.micro_batches, s.max_micro_batch, s.batch / std::max<std::int64_t>(s.micro_batches, 1), s.max_micro_batch);

@@ -304,8 +304,6 @@ TokenDataset::TokenDataset(TokenSource train, DatasetOptions opt, std::optional<
   const std::int64_t need = opt.seq_len + 1;
   if (train_.has_examples()) {
     std::int64_t n_train = train_.examples();
-    MT_CHECK(!train_.has_pairs() || !opt.pack, "dataset '{}' holds preference pairs, which are not packed: leave --pack false",
-             train_.label());
     if (val_) {
       check_vocab(*val_, opt.vocab_size);
       MT_CHECK(val_->has_examples(), "validation set '{}' is not examples like '{}' (no '{}' beside it): prepare it the same way",
@@ -342,9 +340,16 @@ TokenDataset::TokenDataset(TokenSource train, DatasetOptions opt, std::optional<
     }
     train_windows_ = train_stats_.rows;
     val_windows_ = val_stats_.rows;
+    MT_CHECK(train_windows_ > 0 || train_stats_.split == 0,
+             "dataset '{}': none of its {} training pairs fits one row of {} tokens, its chosen and its rejected answer "
+             "together, as packing needs (a longer --seq, or --pack false)", train_.label(), n_train / 2, opt.seq_len);
     MT_CHECK(train_windows_ > 0,
              "dataset '{}': none of its {} training examples has a trained token within the first {} + 1 tokens (a longer "
              "--seq keeps more of each example)", train_.label(), n_train, opt.seq_len);
+    MT_CHECK(val_windows_ > 0 || val_stats_.split == 0,
+             "validation set of '{}': none of its {} pairs fits one row of {} tokens, its chosen and its rejected answer "
+             "together, as packing needs (a longer --seq, or --pack false)", (val_ ? *val_ : train_).label(),
+             val_stats_.examples / 2, opt.seq_len);
     MT_CHECK(val_windows_ > 0,
              "validation set of '{}': none of its {} examples has a trained token within the first {} + 1 tokens",
              (val_ ? *val_ : train_).label(), val_stats_.examples, opt.seq_len);
@@ -389,11 +394,13 @@ ExampleStats TokenDataset::select(const TokenSource& src, std::int64_t first, st
     for (std::int64_t t = b + 1; t < end; ++t) n += opt_.train_on_prompt || src.trained(t);
     labels[static_cast<std::size_t>(e - first)] = n;
   });
-  if (src.has_pairs())  // (a pair is kept whole or dropped whole)
+  if (src.has_pairs())  // (a pair is kept whole or dropped whole; packed, its two answers must share a row)
     for (std::int64_t e = first; e + 1 < last; e += 2) {
       auto& a = labels[static_cast<std::size_t>(e - first)];
       auto& b = labels[static_cast<std::size_t>(e + 1 - first)];
-      if (a == 0 || b == 0) a = b = 0;
+      const bool apart = opt_.pack && row_tokens(src, e) + row_tokens(src, e + 1) > opt_.seq_len;
+      st.split += apart && a > 0 && b > 0 ? 1 : 0;
+      if (a == 0 || b == 0 || apart) a = b = 0;
     }
   for (std::int64_t e = first; e < last; ++e) {
     const std::int64_t len = src.example_end(e) - src.example_begin(e);
@@ -410,18 +417,26 @@ ExampleStats TokenDataset::select(const TokenSource& src, std::int64_t first, st
   return st;
 }
 
+std::int64_t TokenDataset::row_tokens(const TokenSource& src, std::int64_t e) const {
+  return std::min(src.example_end(e) - src.example_begin(e), opt_.seq_len + 1) - 1;
+}
+
 TokenDataset::Packing TokenDataset::pack(const TokenSource& src, std::vector<std::int64_t> kept, bool shuffle) const {
+  // (the units placed: examples, or pairs: a pair's chosen then its rejected answer, together)
+  const std::size_t unit = src.has_pairs() ? 2 : 1, units = kept.size() / unit;
   if (shuffle) {  // a fixed order of its own, drawn from the seed (the epochs' orders shuffle the rows)
     std::mt19937_64 rng(opt_.seed * 0x9e3779b97f4a7c15ull + 0x7061636b);  // ("pack")
-    for (std::size_t i = kept.size(); i > 1; --i) std::swap(kept[i - 1], kept[rng() % i]);
+    for (std::size_t i = units; i > 1; --i) std::swap_ranges(kept.begin() + static_cast<std::ptrdiff_t>((i - 1) * unit),
+                                                            kept.begin() + static_cast<std::ptrdiff_t>(i * unit),
+                                                            kept.begin() + static_cast<std::ptrdiff_t>(rng() % i * unit));
   }
-  // Best fit: each example into the row with the least room that still holds it, else a new row.
+  // Best fit: each unit into the row with the least room that still holds it, else a new row.
   std::vector<std::int64_t> row_of(kept.size());
   std::multimap<std::int64_t, std::int64_t> room;  // free tokens -> row
   std::int64_t rows = 0;
-  for (std::size_t i = 0; i < kept.size(); ++i) {
-    const std::int64_t e = kept[i];
-    const std::int64_t n = std::min(src.example_end(e) - src.example_begin(e), opt_.seq_len + 1) - 1;
+  for (std::size_t i = 0; i < kept.size(); i += unit) {
+    std::int64_t n = 0;
+    for (std::size_t j = i; j < i + unit; ++j) n += row_tokens(src, kept[j]);
     auto it = room.lower_bound(n);
     std::int64_t row, left;
     if (it == room.end()) {
@@ -432,7 +447,7 @@ TokenDataset::Packing TokenDataset::pack(const TokenSource& src, std::vector<std
       left = it->first - n;
       room.erase(it);
     }
-    row_of[i] = row;
+    std::fill_n(row_of.begin() + static_cast<std::ptrdiff_t>(i), unit, row);
     if (left > 0) room.emplace(left, row);
   }
   Packing p;  // counting sort by row, keeping the order within a row
@@ -450,8 +465,7 @@ void TokenDataset::packed_window(const TokenSource& src, const Packing& packing,
                                  std::span<std::int32_t> positions, std::span<std::uint8_t> mask) const {
   std::int64_t o = 0;
   for (auto k = packing.begin[static_cast<std::size_t>(row)]; k < packing.begin[static_cast<std::size_t>(row) + 1]; ++k) {
-    const std::int64_t e = packing.examples[static_cast<std::size_t>(k)], b = src.example_begin(e);
-    const std::int64_t n = std::min(src.example_end(e) - b, opt_.seq_len + 1) - 1;
+    const std::int64_t e = packing.examples[static_cast<std::size_t>(k)], b = src.example_begin(e), n = row_tokens(src, e);
     for (std::int64_t t = 0; t < n; ++t, ++o) {
       const auto i = static_cast<std::size_t>(o);
       ids[i] = src.at(b + t);
@@ -488,8 +502,9 @@ DataPosition TokenDataset::position(std::int64_t windows_consumed) const {
 
 const std::vector<std::int64_t>& TokenDataset::permutation(std::int64_t epoch) const {
   if (epoch != perm_epoch_) {
-    // (pairs: the units shuffled are pairs, each then its two windows in order)
-    const std::int64_t unit = pairs() ? 2 : 1, units = train_windows_ / unit;
+    // (pairs a window each: the units shuffled are pairs, each then its two windows in order;
+    // packed pairs are whole within their rows)
+    const std::int64_t unit = pairs() && !packed() ? 2 : 1, units = train_windows_ / unit;
     std::vector<std::int64_t> order(static_cast<std::size_t>(units));
     for (std::int64_t i = 0; i < units; ++i) order[static_cast<std::size_t>(i)] = i;
     // Fisher-Yates with a 64-bit engine whose sequence the standard fixes (unlike distributions).
@@ -563,15 +578,22 @@ std::int64_t TokenDataset::train_window(std::int64_t k) const {
 }
 
 void TokenDataset::train_rows(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
-                              std::span<std::int32_t> labels) const {
-  check_batch_buffers(rows, opt_.seq_len, ids, labels, {}, false);
-  MT_CHECK(!packed(), "train_rows reads windows of examples one to a row, not packed rows");
+                              std::span<std::int32_t> labels, std::span<std::int32_t> positions) const {
+  check_batch_buffers(rows, opt_.seq_len, ids, labels, positions, packed());
   const auto seq = static_cast<std::size_t>(opt_.seq_len);
   for (std::int64_t r = 0; r < rows; ++r) {
     const auto at = static_cast<std::size_t>(r) * seq;
     fill(train_, train_begin_, train_kept_, train_packing_, (first_window + r) % train_windows_, ids.subspan(at, seq),
-         labels.subspan(at, seq), {});
+         labels.subspan(at, seq), positions.empty() ? positions : positions.subspan(at, seq));
   }
+}
+
+std::int64_t TokenDataset::window_examples(std::int64_t w, bool val) const {
+  const std::int64_t windows = val ? val_windows_ : train_windows_;
+  MT_CHECK(w >= 0 && w < windows, "window {} of {} {} windows", w, windows, val ? "validation" : "training");
+  if (!packed()) return 1;
+  const Packing& p = val ? val_packing_ : train_packing_;
+  return p.begin[static_cast<std::size_t>(w) + 1] - p.begin[static_cast<std::size_t>(w)];
 }
 
 void TokenDataset::val_batch(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,

@@ -835,14 +835,82 @@ TEST_CASE("pairs: kept and dropped whole, shuffled whole, split between pairs, r
   // a different order each epoch (pairs still whole)
   CHECK(epoch_examples(ds, 0) != epoch_examples(ds, 1));
 
-  // pairs are not packed; validation must be pairs too; a note that does not match is refused
-  DatasetOptions packed = o;
-  packed.pack = true;
-  CHECK_THROWS_WITH_AS(TokenDataset(src, packed), doctest::Contains("holds preference pairs, which are not packed"), Error);
+  // validation must be pairs too; a note that does not match is refused
   const auto plain = write_examples(dir.path / "plain.bin", xs);
   CHECK_THROWS_WITH_AS(TokenDataset(src, o, TokenSource::open(plain)), doctest::Contains("does not hold preference pairs"), Error);
   write_bytes(example_pairs_path(plain), example_pairs_note(11).data(), example_pairs_note(11).size());
   CHECK_THROWS_WITH_AS(TokenSource::open(plain), doctest::Contains("says 11 pairs, but the file holds 24 examples"), Error);
   write_bytes(example_pairs_path(plain), "{}", 2);
   CHECK_THROWS_WITH_AS(TokenSource::open(plain), doctest::Contains("is not megatrain-tokenize's note of preference pairs"), Error);
+}
+
+TEST_CASE("pairs packed: whole pairs a row, chosen then rejected; pairs too long for a row left out and counted") {
+  TempDir dir;
+  std::mt19937 rng(23);
+  std::vector<Example> xs;  // 30 pairs of 2..17-token answers, a prompt of 1..3 tokens untrained
+  std::vector<int> prompts;
+  for (int e = 0; e < 60; ++e) {
+    const int len = 2 + static_cast<int>(rng() % 16), prompt = 1 + static_cast<int>(rng() % 3);
+    xs.push_back(make_example(e, len, [&](int t) { return t >= prompt; }));
+    prompts.push_back(prompt);
+  }
+  const auto path = write_examples(dir.path / "pairs.bin", xs);
+  write_bytes(example_pairs_path(path), example_pairs_note(30).data(), example_pairs_note(30).size());
+  for (const std::int64_t seq : {16, 29}) {
+    CAPTURE(seq);
+    DatasetOptions o = example_options();
+    o.seq_len = seq;
+    o.pack = true;
+    o.vocab_size = 2000;   // (ids up to 100 + 20 x 59 + 17)
+    o.val_fraction = 0.2;  // (6 pairs)
+    const TokenDataset ds(TokenSource::open(path), o);
+    REQUIRE(ds.packed());
+    REQUIRE(ds.pairs());
+    // which training pairs are kept (both answers with a trained label in their windows) and fit
+    // one row together (each answer takes min(len, seq + 1) - 1 tokens)
+    std::int64_t fits = 0, apart = 0, unlabelled = 0;
+    const auto takes = [&](int e) { return std::min<std::int64_t>(static_cast<std::int64_t>(xs[static_cast<std::size_t>(e)].ids.size()), seq + 1) - 1; };
+    const auto labelled = [&](int e) { return prompts[static_cast<std::size_t>(e)] <= takes(e); };
+    for (int p = 0; p < 24; ++p) {
+      if (!labelled(2 * p) || !labelled(2 * p + 1)) ++unlabelled;
+      else (takes(2 * p) + takes(2 * p + 1) <= seq ? fits : apart) += 1;
+    }
+    CHECK(ds.train_examples().split == apart);
+    CHECK(ds.train_examples().dropped == 2 * (apart + unlabelled));
+    CHECK(apart > 0);
+    CHECK(unlabelled > 0);
+    // every row: whole pairs, each chosen then its own rejected, then padding; each fitting pair
+    // once an epoch; train_rows (file order) gives the windows train_window() names
+    const std::int64_t w = ds.train_windows();
+    for (std::int64_t epoch = 0; epoch < 2; ++epoch) {
+      std::vector<std::int32_t> ids(static_cast<std::size_t>(w * seq)), labels(ids.size()), pos(ids.size());
+      ds.train_batch(epoch * w, w, ids, labels, pos);
+      std::vector<std::int32_t> fids(ids.size()), flabels(ids.size()), fpos(ids.size());
+      ds.train_rows(0, w, fids, flabels, fpos);
+      std::set<int> seen;
+      for (std::int64_t r = 0; r < w; ++r) {
+        CAPTURE(r);
+        std::vector<int> answers;
+        for (std::int64_t t = r * seq; t < (r + 1) * seq; ++t)
+          if (pos[static_cast<std::size_t>(t)] == 0 && ids[static_cast<std::size_t>(t)] >= 100)
+            answers.push_back((ids[static_cast<std::size_t>(t)] - 100) / 20);
+        REQUIRE(answers.size() % 2 == 0);
+        CHECK(static_cast<std::int64_t>(answers.size()) == ds.window_examples(ds.train_window(epoch * w + r)));
+        for (std::size_t k = 0; k < answers.size(); k += 2) {
+          CHECK(answers[k] % 2 == 0);
+          CHECK(answers[k + 1] == answers[k] + 1);
+          CHECK(takes(answers[k]) + takes(answers[k + 1]) <= seq);
+          CHECK(seen.insert(answers[k]).second);
+        }
+        const auto row = static_cast<std::size_t>(ds.train_window(epoch * w + r) * seq);
+        CHECK(std::equal(ids.begin() + static_cast<std::ptrdiff_t>(r * seq), ids.begin() + static_cast<std::ptrdiff_t>((r + 1) * seq),
+                         fids.begin() + static_cast<std::ptrdiff_t>(row)));
+      }
+      CHECK(static_cast<std::int64_t>(seen.size()) == fits);
+    }
+    std::int64_t val_answers = 0;
+    for (std::int64_t v = 0; v < ds.val_windows(); ++v) val_answers += ds.window_examples(v, true);
+    CHECK(val_answers == ds.val_examples().examples - ds.val_examples().dropped);
+    CHECK(val_answers % 2 == 0);
+  }
 }

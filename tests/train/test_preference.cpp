@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <random>
 #include <vector>
 
@@ -151,6 +152,64 @@ TEST_CASE("micro-batches of whole pairs add up to the step; TRL's statistics") {
   CHECK(twice.margins == doctest::Approx(1.75));
 }
 
+TEST_CASE("packed rows of whole pairs: the value, weights and statistics of the same pairs an answer a row") {
+  // Five pairs of 9-token answer rows, packed two pairs a row of 40 tokens (the padding after
+  // them one more sequence, without a label), the last row one pair; micro-batches of rows.
+  for (const PreferenceOptions& o : every_loss()) {
+    CAPTURE(preference_loss_name(o.loss));
+    const Batch b = random_batch(5, 9);
+    const std::int64_t S = 40;
+    std::vector<std::int32_t> labels, positions;
+    std::vector<double> lp;
+    std::vector<std::int64_t> row_first;
+    std::vector<std::size_t> from;  // each packed token's place in the unpacked batch (or none: padding)
+    for (std::int64_t p = 0; p < 5; p += 2) {
+      row_first.push_back(2 * p);
+      for (std::int64_t a = 2 * p; a < std::min<std::int64_t>(2 * p + 4, 10); ++a)
+        for (std::int64_t t = 0; t < 9; ++t) {
+          const auto at = static_cast<std::size_t>(a * 9 + t);
+          labels.push_back(b.labels[at]);
+          lp.push_back(b.log_probs[at]);
+          positions.push_back(static_cast<std::int32_t>(t));
+          from.push_back(at);
+        }
+      for (std::int32_t t = 0; labels.size() % S != 0; ++t) {
+        labels.push_back(kIgnoreIndex);
+        lp.push_back(0);
+        positions.push_back(t);
+        from.push_back(SIZE_MAX);
+      }
+    }
+    REQUIRE(labels.size() == 3 * S);
+    const auto rows = [&](std::int64_t first, std::int64_t n) {
+      const auto at = static_cast<std::size_t>(first * S), len = static_cast<std::size_t>(n * S);
+      ObjectiveRows r{first, n, S, std::span<const std::int32_t>(labels).subspan(at, len),
+                      std::span<const double>(lp).subspan(at, len), 0};
+      r.positions = std::span<const std::int32_t>(positions).subspan(at, len);
+      return r;
+    };
+    const Dpo unpacked(o, b.reference, 5), packed(o, b.reference, 5, row_first);
+    CHECK(packed.value(rows(0, 3)) == unpacked.value(b.view()));
+    CHECK(packed.value(rows(0, 2)) + packed.value(rows(2, 1)) == doctest::Approx(unpacked.value(b.view())).epsilon(1e-14));
+    std::vector<float> want(b.labels.size()), got(labels.size());
+    unpacked.weights(b.view(), want);
+    packed.weights(rows(0, 2), std::span<float>(got).first(2 * S));
+    packed.weights(rows(2, 1), std::span<float>(got).subspan(2 * S));
+    for (std::size_t t = 0; t < got.size(); ++t) CHECK(got[t] == (from[t] == SIZE_MAX ? 0.0f : want[from[t]]));
+    const PreferenceStats a = packed.stats(rows(0, 3)), c = unpacked.stats(b.view());
+    CHECK(a.pairs == 5);
+    CHECK(a.margins == c.margins);
+    CHECK(a.accuracies == c.accuracies);
+    // a row that splits a pair, and a row without where its references start
+    std::vector<std::int32_t> odd = positions;
+    odd[static_cast<std::size_t>(S + 9)] = 1;  // (row 1's first pair merged into one answer: three answers)
+    ObjectiveRows r = rows(1, 1);
+    r.positions = std::span<const std::int32_t>(odd).subspan(static_cast<std::size_t>(S), static_cast<std::size_t>(S));
+    CHECK_ERROR_MENTIONS(packed.value(r), "packed row 1 holds 3 answers: a row must hold whole pairs");
+    CHECK_ERROR_MENTIONS(Dpo(o, b.reference, 5, {0}).value(rows(0, 3)), "row 1 has none");
+  }
+}
+
 TEST_CASE("refused: options out of range, pairs split or without answers, references short") {
   CHECK_ERROR_MENTIONS(preference_loss("kto"), "'kto' is not a preference loss: sigmoid (DPO), hinge or ipo");
   CHECK(preference_loss("ipo") == PreferenceLoss::ipo);
@@ -167,7 +226,7 @@ TEST_CASE("refused: options out of range, pairs split or without answers, refere
   CHECK_ERROR_MENTIONS(dpo.value(b.view()), "pair 0's rejected answer (row 1) has no labelled token");
   const Batch c = random_batch(2, 5);
   CHECK_ERROR_MENTIONS(Dpo({}, std::vector<double>(3, -1.0), 2).value(c.view()),
-                       "the reference's log-probabilities cover 3 rows; row 3 has none");
+                       "the reference's log-probabilities cover 3 answers; answer 3 has none");
 }
 
 TEST_CASE("DPO trains a tiny model: the training pairs' preference accuracy from about a half to at least 0.9") {

@@ -28,7 +28,8 @@
 // preference records, text/preference_records.hpp). Examples 2i and 2i + 1 are pair i's chosen and
 // rejected answers. A pair is kept only if both keep a trained label within their windows; the
 // shuffle moves whole pairs, so windows 2k and 2k + 1 of the order are one pair's; the validation
-// split falls between pairs. Pairs are not packed.
+// split falls between pairs. Packed, a pair is placed whole: its chosen then its rejected answer
+// in one row (a pair whose two answers do not fit one row together is left out, and counted).
 //
 // Packing (DatasetOptions::pack, examples only): the kept examples are packed once into rows of
 // seq tokens, and a window is a row. An example takes min(length, seq + 1) - 1 tokens of a row
@@ -142,6 +143,7 @@ struct ExampleStats {
   std::int64_t labels = 0;     ///< trained labels of the kept examples, within their windows
   std::int64_t tokens = 0;     ///< tokens of the kept examples within their windows
   std::int64_t rows = 0;       ///< windows: one per kept example, or the rows they are packed into
+  std::int64_t split = 0;      ///< packed pairs: pairs left out (among the dropped) as too long for one row together
 };
 
 class TokenDataset {
@@ -169,7 +171,9 @@ class TokenDataset {
   /// Training windows [first_window, first_window + rows) in file order, wrapping around (what a
   /// pass over every training window reads: a preference run's reference, say), as train_batch().
   void train_rows(std::int64_t first_window, std::int64_t rows, std::span<std::int32_t> ids,
-                  std::span<std::int32_t> labels) const;
+                  std::span<std::int32_t> labels, std::span<std::int32_t> positions = {}) const;
+  /// The examples window `w` holds (training, or validation with `val`): 1, or packed, its row's.
+  std::int64_t window_examples(std::int64_t w, bool val = false) const;
   /// Where the order stands once `windows_consumed` training windows have been read.
   DataPosition position(std::int64_t windows_consumed) const;
   const TokenSource& train_source() const { return train_; }
@@ -177,7 +181,8 @@ class TokenDataset {
   bool examples() const { return train_.has_examples(); }
   /// Examples packed several to a row (DatasetOptions::pack).
   bool packed() const { return examples() && opt_.pack; }
-  /// Preference pairs: windows 2k and 2k + 1 of the training order (and of validation) are a pair.
+  /// Preference pairs: windows 2k and 2k + 1 of the training order (and of validation) are a pair;
+  /// packed, each row holds whole pairs (each its chosen then its rejected answer).
   bool pairs() const { return train_.has_pairs(); }
   const ExampleStats& train_examples() const { return train_stats_; }
   const ExampleStats& val_examples() const { return val_stats_; }
@@ -192,6 +197,8 @@ class TokenDataset {
     std::vector<std::int64_t> begin, examples;
   };
   Packing pack(const TokenSource& src, std::vector<std::int64_t> kept, bool shuffle) const;
+  /// The tokens example e takes in a row: min(length, seq + 1) - 1.
+  std::int64_t row_tokens(const TokenSource& src, std::int64_t e) const;
   void fill(const TokenSource& src, std::int64_t begin, const std::vector<std::int64_t>& kept, const Packing& packing,
             std::int64_t w, std::span<std::int32_t> ids, std::span<std::int32_t> labels,
             std::span<std::int32_t> positions, std::span<std::uint8_t> mask = {}) const;

@@ -219,6 +219,7 @@ class BatchStaging {
                                bool with_log_probs) {
     const auto off = static_cast<std::size_t>(m * rows * opt.seq_len), n = static_cast<std::size_t>(rows * opt.seq_len);
     ObjectiveRows r{m * rows, rows, opt.seq_len, std::span<const std::int32_t>(labels_host).subspan(off, n), {}, batch_labelled};
+    if (opt.packed) r.positions = std::span<const std::int32_t>(positions_host_).subspan(off, n);
     if (with_log_probs) {
       log_probs_.resize(n);
       to_log_probs(std::span<const Acc>(loss_host).subspan(off, n), log_probs_);

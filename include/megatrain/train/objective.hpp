@@ -40,6 +40,9 @@ struct ObjectiveRows {
   std::span<const double> log_probs;
   /// The labelled tokens of the step's whole batch (every process's, with several).
   std::int64_t batch_labelled = 0;
+  /// Packed rows (TrainerOptions::packed): rows * seq_len positions, each token's within its
+  /// sequence (0 where one starts); empty: each row one sequence.
+  std::span<const std::int32_t> positions = {};
 };
 
 class Objective {

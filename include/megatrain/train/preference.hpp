@@ -11,11 +11,14 @@
 //
 // The loss is the mean over the step's pairs. The rows come in pairs: row 2i is pair i's chosen
 // answer, row 2i + 1 its rejected one, with the same prompt; their labels are the answers'
-// tokens (the prompt's carry none). A pair lies in one micro-batch. The reference's summed
-// log-probabilities are given for every row, computed beforehand (the scoring pass of the
-// initial weights, Trainer::score): no second model is held.
+// tokens (the prompt's carry none). A pair lies in one micro-batch. Packed rows (positions
+// given: several sequences a row) hold whole pairs instead: a row's sequences with a label are
+// its answers, chosen then rejected, pair after pair (a sequence without one, the padding, is
+// none). The reference's summed log-probabilities are given for every answer, computed
+// beforehand (the scoring pass of the initial weights, Trainer::score): no second model is held.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -52,10 +55,13 @@ struct PreferenceStats {
 
 class Dpo final : public Objective {
  public:
-  /// `reference`: the reference model's summed log-probability of every row of the step's batch
-  /// (this process's rows, in order); `batch_pairs`: the pairs of the step's whole batch (every
-  /// process's), which the loss is the mean over.
-  Dpo(const PreferenceOptions& options, std::vector<double> reference, std::int64_t batch_pairs);
+  /// `reference`: the reference model's summed log-probability of every answer of the step's
+  /// batch (this process's rows, in order); `batch_pairs`: the pairs of the step's whole batch
+  /// (every process's), which the loss is the mean over. Packed rows: `row_first[r]` is where row
+  /// r's answers start in `reference` (r counted over this process's rows of the step); empty:
+  /// an answer a row, row r's at reference[r].
+  Dpo(const PreferenceOptions& options, std::vector<double> reference, std::int64_t batch_pairs,
+      std::vector<std::int64_t> row_first = {});
 
   std::string name() const override;
   bool needs_log_probs() const override { return true; }
@@ -65,19 +71,26 @@ class Dpo final : public Objective {
   PreferenceStats stats(const ObjectiveRows& rows) const;
 
  private:
+  /// One answer: its tokens [begin, end) of the micro-batch, where its reference is.
+  struct Answer {
+    std::size_t begin = 0, end = 0, ref = 0;
+  };
   struct Pair {
     double h = 0;                          ///< the margin of log-ratios
     double scale_chosen = 1, scale_rejected = 1;  ///< d(pi)/d(log p_t): 1, or 1 / tokens for IPO
     double pi_chosen = 0, pi_rejected = 0, ref_chosen = 0, ref_rejected = 0;
   };
-  /// Pair `i` of the rows (rows 2i and 2i + 1 of the micro-batch).
-  Pair pair(const ObjectiveRows& rows, std::int64_t i) const;
+  /// The micro-batch's answers in order: answers 2i and 2i + 1 are pair i's.
+  std::vector<Answer> answers(const ObjectiveRows& rows) const;
+  /// The pair of answers `chosen` and `rejected`.
+  Pair pair(const ObjectiveRows& rows, const Answer& chosen, const Answer& rejected) const;
   /// The loss of a pair and its derivative with respect to h.
   double loss(double h, double* dloss_dh) const;
 
   PreferenceOptions o_;
   std::vector<double> ref_;
   std::int64_t batch_pairs_;
+  std::vector<std::int64_t> row_first_;
 };
 
 }  // namespace megatrain
