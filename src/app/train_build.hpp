@@ -44,7 +44,7 @@ class BuiltStep {
     check_weight_options(in.s, in.topt, kBf16, backend_name);
     // (from the config alone, before its blocks are built: a config of 10^9 layers is refused here)
     plan::check_state_fits_host(in.cfg, budget_, label_, Trainer<B>::store_options(in.topt).shard,
-                                in.topt.host_bf16_copy && !auto_copy());
+                                in.topt.host_bf16_copy && !auto_copy(), !in.plan.eval_only);
     place_state(be);
     // (ZeRO-1 exports from the first process: from the bf16 copy every process holds for a bf16
     // export of sharded masters, else from the masters, gathered there where they are sharded)
@@ -55,10 +55,7 @@ class BuiltStep {
     // is collective where the ranks share the weights, so that a rank refused above stops every
     // rank here, named, instead of meeting another rank's collective)
     in.ranks.agree_checked();
-    StoreOptions so;
-    so.seed = in.s.seed;
-    so.host_memory_budget = budget_.bytes;
-    store_.emplace(model_.units(), Trainer<B>::store_options(in.topt, so));
+    store_.emplace(model_.units(), store_options(in.topt));
     trainer_.emplace(model_, *store_, be, in.topt);
   }
 
@@ -117,14 +114,26 @@ class BuiltStep {
       all.push_back({(v - 2) % 2 == 1 ? GradientHome::host : GradientHome::device, ((v - 2) / 2) % 2 == 1, (v - 2) / 4 == 1});
     topt.gradient_home = plan::GradientHomeChoice::agree(all);
     // (several processes: where they keep their parts of the weights can follow from it)
-    plan::check_state_fits_host(in_.cfg, budget_, label_, Trainer<B>::store_options(topt).shard, topt.host_bf16_copy);
+    plan::check_state_fits_host(in_.cfg, budget_, label_, Trainer<B>::store_options(topt).shard, topt.host_bf16_copy,
+                                !in_.plan.eval_only);
+  }
+
+  // The store's options: --steps 0 reads the model and never steps it, so it keeps no AdamW
+  // moments (StoreOptions::optimizer_state: 6 bytes a parameter with the bf16 copy, not 14).
+  StoreOptions store_options(const TrainerOptions& topt) const {
+    StoreOptions so;
+    so.seed = in_.s.seed;
+    so.host_memory_budget = budget_.bytes;
+    so.optimizer_state = !in_.plan.eval_only;
+    return Trainer<B>::store_options(topt, so);
   }
 
   // The plan (docs/planner.md), before anything is allocated: printed, and refused with what would
   // fit when it cannot.
   void plan_and_say(B& be) {
     const TrainerOptions& topt = in_.topt;
-    const plan::StepPlan sp = plan::plan_step<B>(model_, topt, plan::device_budget(be), budget_, machine());
+    const plan::StepPlan sp = plan::plan_step<B>(model_, topt, plan::device_budget(be), budget_, machine(),
+                                                 HostParamStore<float>::footprint(model_.units(), store_options(topt)));
     MT_CHECK(sp.memory.fits, "{}", sp.refusal());
     planned_host_ = sp.memory.host_total();
     if (topt.sharded() && in_.ranks.lead() && in_.plan.export_options &&

@@ -358,7 +358,7 @@ class Planning {
     const StoreFootprint& store = ops_.store;
     std::vector<MemoryLine>& hl = plan_.host;
     hl.push_back({"fp32 master weights", store.master_bytes});
-    hl.push_back({"AdamW m and v (fp32)", store.adam_bytes});
+    if (store.adam_bytes > 0) hl.push_back({"AdamW m and v (fp32)", store.adam_bytes});  // (none: a store never stepped)
     const StoreShard shard = store_options(opt_, {}, ops_.bf16_weights).shard;
     if (opt_.host_bf16_copy)
       hl.push_back({shard.shares_weights()

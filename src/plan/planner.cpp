@@ -67,33 +67,34 @@ GradientHome GradientHomeChoice::agree(std::span<const GradientHomeChoice> ranks
   return GradientHome::device;
 }
 
-double min_state_bytes_per_param(const StoreShard& shard, bool bf16_copy) {
-  if (shard.count <= 1) return bf16_copy ? 14 : 12;
-  if (!shard.masters) return 6.0 + 8.0 / shard.count;
-  return (shard.shares_weights() || shard.keeps_weight_parts() ? 2.0 / shard.count : 2.0) + 12.0 / shard.count;
+double min_state_bytes_per_param(const StoreShard& shard, bool bf16_copy, bool optimizer_state) {
+  const double moments = optimizer_state ? 0.0 : 8.0 / std::max(shard.count, 1);  // (AdamW's m and v, left out)
+  if (shard.count <= 1) return (bf16_copy ? 14 : 12) - moments;
+  if (!shard.masters) return 6.0 + 8.0 / shard.count - moments;
+  return (shard.shares_weights() || shard.keeps_weight_parts() ? 2.0 / shard.count : 2.0) + 12.0 / shard.count - moments;
 }
 
-std::size_t min_state_bytes(const ModelConfig& cfg, const StoreShard& shard, bool bf16_copy) {
+std::size_t min_state_bytes(const ModelConfig& cfg, const StoreShard& shard, bool bf16_copy, bool optimizer_state) {
   return static_cast<std::size_t>(static_cast<double>(checked_mul(cfg.param_count(), 14, "the model's state in bytes")) *
-                                  (min_state_bytes_per_param(shard, bf16_copy) / 14));
+                                  (min_state_bytes_per_param(shard, bf16_copy, optimizer_state) / 14));
 }
 
 void check_state_fits_host(const ModelConfig& cfg, const HostBudget& host, std::string_view source, const StoreShard& shard,
-                           bool bf16_copy) {
-  const std::size_t need = min_state_bytes(cfg, shard, bf16_copy);
+                           bool bf16_copy, bool optimizer_state) {
+  const std::size_t need = min_state_bytes(cfg, shard, bf16_copy, optimizer_state);
   MT_CHECK(need <= host.bytes,
            "this configuration does not fit: {} describes a model of {} parameters (num_hidden_layers {}, hidden_size {}, "
-           "intermediate_size {}, vocab_size {}), whose state alone (fp32 master weights, AdamW m and v{}: "
+           "intermediate_size {}, vocab_size {}), whose state alone (fp32 master weights{}{}: "
            "{:.4g} bytes a parameter{}) needs {} of host memory, and {} is available ({}): {}use a machine with more memory, a "
            "smaller model, or check the config",
            source, cfg.param_count(), cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
-           bf16_copy ? ", the bf16 copy" : " without the bf16 copy",
-           min_state_bytes_per_param(shard, bf16_copy),
+           optimizer_state ? ", AdamW m and v" : "", bf16_copy ? ", the bf16 copy" : " without the bf16 copy",
+           min_state_bytes_per_param(shard, bf16_copy, optimizer_state),
            shard.count > 1 ? fmt::format(", this process's part of a state sharded over {}", shard.count) : std::string(),
            format_bytes(need), format_bytes(host.bytes), host.source,
-           bf16_copy && shard.count <= 1 && min_state_bytes(cfg, shard, false) <= host.bytes
+           bf16_copy && shard.count <= 1 && min_state_bytes(cfg, shard, false, optimizer_state) <= host.bytes
                ? fmt::format("without the copy it needs {}: --host-bf16-copy false (TrainerOptions::host_bf16_copy), or ",
-                             format_bytes(min_state_bytes(cfg, shard, false)))
+                             format_bytes(min_state_bytes(cfg, shard, false, optimizer_state)))
                : std::string());
 }
 

@@ -80,6 +80,14 @@ struct DecodeRows {
   bool active() const { return capacity > 0; }
 };
 
+/// Whether backend B's decoding primitives are in use: a host backend's; a device's where it says
+/// so (B::kDecodes: once its kernels have run on one).
+template <class B>
+constexpr bool decoding_enabled() {
+  if constexpr (requires { B::kDecodes; }) return B::kDecodes;
+  else return !B::kDevice;
+}
+
 /// One chunk of a batch: `rows` whole rows of `seq` tokens, each one sequence or, packed, several
 /// (`packed`). Attention never crosses a row, so a unit can run a batch chunk by chunk.
 struct ChunkShape {

@@ -108,13 +108,20 @@ template <LogitsSource M>
 std::vector<Completion> generate(M& source, const SlotShape& shape, std::span<const std::vector<std::int32_t>> prompts,
                                  const GenerationOptions& options, const StopCheck& stop = {}, const Progress& progress = {}) {
   if constexpr (DecodeSource<M>) {
-    if (options.cache && source.decodes())
+    if (options.cache && source.decodes()) {
+      struct Done {  // (the caches freed at the end, or where a step throws)
+        M& m;
+        ~Done() {
+          if constexpr (requires { m.end_decoding(); }) m.end_decoding();
+        }
+      } done{source};
       return generate_cached_with(
           shape,
           [&](std::span<const std::int32_t> ids, std::span<const std::int32_t> positions) {
             return source.decode_logits(ids, positions, shape.seq_len);
           },
           prompts, options, stop, progress);
+    }
   }
   return generate_with(
       shape,

@@ -261,17 +261,20 @@ bool choose_bf16_copy(const DecoderModel<Block>& model, const TrainerOptions& op
 /// adds alignment, gradients and rings to it); of one process of a store sharded over N (`shard`,
 /// ZeRO-1) 14 / N with its masters sharded where the host's processes share the bf16 copy or
 /// each holds its part of it (StoreShard::weights_in_parts), 2 + 12 / N where each holds a whole
-/// copy, else 6 + 8 / N.
-double min_state_bytes_per_param(const StoreShard& shard = {}, bool bf16_copy = true);
-std::size_t min_state_bytes(const ModelConfig& cfg, const StoreShard& shard = {}, bool bf16_copy = true);
+/// copy, else 6 + 8 / N. Without the optimizer state (StoreOptions::optimizer_state false: a
+/// model read, never stepped), 8 bytes (8 / N) a parameter fewer.
+double min_state_bytes_per_param(const StoreShard& shard = {}, bool bf16_copy = true, bool optimizer_state = true);
+std::size_t min_state_bytes(const ModelConfig& cfg, const StoreShard& shard = {}, bool bf16_copy = true,
+                            bool optimizer_state = true);
 
 /// Refuses a model whose state alone cannot fit the host budget, from the config alone: called
 /// before anything the config sizes is built (the model's units and blocks, the store), so that a
 /// config of 10^9 layers is an error and not an attempt to allocate them. `source` names where the
 /// config came from (its file, --preset NAME, ...); `shard`: this process's part of a sharded store;
-/// `bf16_copy`: whether the state counts a bf16 copy of the weights (false: it may go without one).
+/// `bf16_copy`: whether the state counts a bf16 copy of the weights (false: it may go without one);
+/// `optimizer_state`: whether it counts AdamW's m and v.
 void check_state_fits_host(const ModelConfig& cfg, const HostBudget& host, std::string_view source,
-                           const StoreShard& shard = {}, bool bf16_copy = true);
+                           const StoreShard& shard = {}, bool bf16_copy = true, bool optimizer_state = true);
 
 /// The refusal of a plan that does not fit, with what would (the same words from the trainer,
 /// megatrain-train and megatrain-plan).
@@ -290,19 +293,22 @@ struct StepPlan {
 
 /// Plans `options` for `model` (memory and time); a configuration that does not fit also gets
 /// what would.
+/// `store`: the footprint of the store the trainer will use (default: one built with
+/// store_options(options)).
 template <class B, class Block>
 StepPlan plan_step(const DecoderModel<Block>& model, const TrainerOptions& options, const DeviceBudget& device,
-                   const HostBudget& host, const MachineFigures& machine = {}) {
+                   const HostBudget& host, const MachineFigures& machine = {},
+                   const std::optional<StoreFootprint>& store = std::nullopt) {
   StepPlan p;
   p.config = model.config();
   p.options = options.resolved();
   p.machine = machine;
-  p.memory = plan_memory<B>(model, p.options, device, host, std::nullopt, machine);
+  p.memory = plan_memory<B>(model, p.options, device, host, store, machine);
   p.options.device_units = static_cast<std::int64_t>(p.memory.buffers.device_units);
   p.options.kept_blocks = static_cast<std::int64_t>(p.memory.buffers.kept_blocks);
   p.options.spilled_blocks = static_cast<std::int64_t>(p.memory.buffers.spilled_blocks);
   p.time = predict_step(p.config, p.options, p.memory, machine);
-  if (!p.memory.fits) p.suggestions = suggest<B>(model, p.options, device, host);
+  if (!p.memory.fits) p.suggestions = suggest<B>(model, p.options, device, host, store);
   return p;
 }
 

@@ -7,7 +7,8 @@
 //
 // The caches live in backend memory beside the trainer's buffers (the plan does not count them):
 // per attention layer 2 x rows x capacity x kv_dim activations; per linear-attention layer its
-// convolution taps and fp32 state. They are made at the first call, again when the capacity changes.
+// convolution taps and fp32 state. They are made at the first call, again when the shape changes,
+// and freed by end_decoding() (generate::generate() calls it when it ends).
 #pragma once
 
 #include <algorithm>

@@ -130,6 +130,7 @@ class Trainer {
   /// Decoding with caches of rows of up to `capacity` tokens (train/decoding.hpp): the logits after ids[r] at positions[r].
   std::vector<float> decode_logits(std::span<const std::int32_t> ids, std::span<const std::int32_t> positions, std::int64_t capacity);
   bool decodes() const;  ///< whether this backend and model decode with caches
+  void end_decoding() { ctx_.decode = {}; }  ///< frees the caches (a later decode_logits() makes them again)
   /// The last step's log-probabilities of its labels, token by token, until an evaluate() or score().
   std::vector<double> last_log_probs() const { return ctx_.batch.log_probs(); }
 

@@ -30,6 +30,7 @@
 #include "megatrain/backend/backend.hpp"
 #if MEGATRAIN_HAS_CUDNN
 #include "megatrain/backend/cuda/cudnn_attention.hpp"
+#include "megatrain/backend/cuda/decode.hpp"
 #include "megatrain/core/cudnn_check.hpp"
 #endif
 #include "megatrain/backend/cuda/gated_deltanet.hpp"
@@ -425,6 +426,25 @@ class CudaBackend {
     cuda::launch_attention_forward(q.data(), k.data(), v.data(), out.data(), lse.data(), d, stream_, positions(s),
                                    sinks.is_null() ? nullptr : sinks.data());
   }
+  /// Decoding with caches (ChunkShape::decode; backend/cuda/decode.hpp). The kernels have not
+  /// run on a GPU yet: kDecodes stays false, so the ops do not decode here (generation recomputes
+  /// each prefix), until tests/cuda/test_cuda_decode.cpp has passed on one.
+  static constexpr bool kDecodes = false;
+  void attention_decode(View<const Act> q, View<const Act> k, View<const Act> v, View<Act> kcache, View<Act> vcache,
+                        const DecodeRows& d, View<Act> out, const AttentionShape& s, View<const Acc> sinks = {}) {
+    MT_NVTX_RANGE("cuda:attention_decode");
+    const std::int64_t rows = q.rank() == 2 ? q.size(0) : 0, width = s.kv_heads * s.head_dim;
+    MT_CHECK(q.numel() == rows * s.heads * s.head_dim && out.shape() == q.shape() && k.numel() == rows * width &&
+                 v.numel() == k.numel() && d.positions.numel() == rows && d.first + rows <= d.rows &&
+                 kcache.numel() == d.rows * d.capacity * width && vcache.numel() == kcache.numel(),
+             "attention_decode: q {}, k {}, v {}, out {} for {} rows; caches of {} and {} for {} rows x {} tokens",
+             q.shape().str(), k.shape().str(), v.shape().str(), out.shape().str(), rows, kcache.numel(), vcache.numel(),
+             d.rows, d.capacity);
+    check_sinks(sinks, s);
+    cuda::launch_attention_decode(q.data(), k.data(), v.data(), kcache.data(), vcache.data(), d.positions.data(), rows,
+                                  d.first, d.capacity, s.heads, s.kv_heads, s.head_dim, static_cast<float>(s.softmax_scale()),
+                                  s.window, sinks.is_null() ? nullptr : sinks.data(), out.data(), stream_);
+  }
   void attention_backward(View<const Act> q, View<const Act> k, View<const Act> v, View<const Act> out,
                           View<const Acc> lse, View<const Act> dout, View<Act> dq, View<Act> dk, View<Act> dv,
                           const AttentionShape& s, View<const Acc> sinks = {}, View<Acc> dsinks = {}) {
@@ -498,6 +518,39 @@ class CudaBackend {
     void* w = delta_net_workspace(m.shape, q, false);
     cuda::launch_delta_net_forward(m.shape, q, delta_net_inputs(m), o.data(), rstd.data(), y.data(), w, workspace_.size(),
                                    stream_);
+  }
+  /// Its step for one token a row over the rows' caches (backend/cuda/decode.hpp; see kDecodes).
+  void gated_deltanet_decode(const DeltaNetIn& m, const DecodeRows& d, View<Act> taps, View<Acc> state, View<Act> y) {
+    MT_NVTX_RANGE("cuda:gated_deltanet_decode");
+    const DeltaNetShape& s = m.shape;
+    const std::int64_t rows = m.chunk.tokens();
+    MT_CHECK(m.chunk.seq == 1 && d.positions.numel() == rows && d.first + rows <= d.rows &&
+                 taps.numel() == d.rows * (s.taps - 1) * s.conv_dim() && state.numel() == d.rows * s.value_heads * s.dk * s.dv &&
+                 y.numel() == rows * s.value_dim(),
+             "gated_deltanet_decode: {} rows of one token; caches of {} taps and {} state elements for {} rows", rows,
+             taps.numel(), state.numel(), d.rows);
+    cuda::DeltaNetDecodeArgs a;
+    a.rows = rows;
+    a.first = d.first;
+    a.key_heads = s.key_heads;
+    a.value_heads = s.value_heads;
+    a.dk = s.dk;
+    a.dv = s.dv;
+    a.taps = s.taps;
+    a.norm_eps = s.norm_eps;
+    a.positions = d.positions.data();
+    a.mixed = m.mixed.data();
+    a.z = m.z.data();
+    a.a = m.a.data();
+    a.b = m.b.data();
+    a.conv = m.conv.data();
+    a.A_log = m.A_log.data();
+    a.dt_bias = m.dt_bias.data();
+    a.norm = m.norm.data();
+    a.taps_cache = taps.data();
+    a.state = state.data();
+    a.y = y.data();
+    cuda::launch_deltanet_decode(a, stream_);
   }
   /// Qwen3-Next's fused projections of n tokens (in_proj_qkvz's and in_proj_ba's outputs, grouped
   /// per key head) into the separate layout's rows (mixed, z, b, a); deltanet_fuse: back.

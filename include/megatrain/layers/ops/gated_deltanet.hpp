@@ -56,11 +56,19 @@ concept DeviceLinearAttentionBackend =
     };
 template <class B>
 concept LinearAttentionBackend = HostLinearAttentionBackend<B> || DeviceLinearAttentionBackend<B>;
-/// What a backend provides to decode with a cache (ChunkShape::decode; the CPU backend).
+/// What a backend provides to decode with a cache (ChunkShape::decode): the CPU backend's step
+/// over host memory, or a device's over views (the CUDA backend).
 template <class B>
-concept LinearAttentionDecodeBackend =
+concept HostLinearAttentionDecodeBackend =
     HostLinearAttentionBackend<B> && requires(B& be, const cpu::GatedDeltaNetMix<typename B::Act>& m, const DecodeRows& d,
                                               typename B::Act* p) { be.gated_deltanet_decode(m, d, p, p, p); };
+template <class B>
+concept DeviceLinearAttentionDecodeBackend =
+    DeviceLinearAttentionBackend<B> &&
+    requires(B& be, const DeltaNetOperands<typename B::Act, typename B::Weight, full_t<typename B::Weight>>& m,
+             const DecodeRows& d, View<typename B::Act> x, View<typename B::Acc> s) { be.gated_deltanet_decode(m, d, x, s, x); };
+template <class B>
+concept LinearAttentionDecodeBackend = HostLinearAttentionDecodeBackend<B> || DeviceLinearAttentionDecodeBackend<B>;
 
 class GatedDeltaNet : public CarvedOp<GatedDeltaNet> {
  public:
@@ -262,7 +270,7 @@ class GatedDeltaNet : public CarvedOp<GatedDeltaNet> {
   /// Whether backend B decodes this layer with a cache (else Trainer::decode_logits refuses it).
   template <class B>
   bool decodes() const {
-    return LinearAttentionDecodeBackend<B>;
+    return LinearAttentionDecodeBackend<B> && decoding_enabled<B>();
   }
 
   /// The whole chunk's mixing: a.o, a.y and a.rstd from the projections. Decoding: each row's one
@@ -273,14 +281,17 @@ class GatedDeltaNet : public CarvedOp<GatedDeltaNet> {
       refuse();
     } else if (c.decode.active()) {
       if constexpr (LinearAttentionDecodeBackend<B>) {
-        MT_CHECK(c.seq == 1, "{}: decoding takes one token a row, not {}", prefix_, c.seq);
+        MT_CHECK(c.seq == 1 && decodes<B>(), "{}: decoding takes one token a row, not {}, on a backend that decodes",
+                 prefix_, c.seq);
         Arena ar(c.decode.cache);
         const Cache<B> cache = carve_cache<B>(ar, c.decode.rows, c.decode.capacity);
-        be.gated_deltanet_decode(operands<B>(c, a, w, sequence_starts(c)), c.decode, cache.taps.data(), cache.state.data(),
-                                 a.y.data());
+        if constexpr (DeviceLinearAttentionDecodeBackend<B>)
+          be.gated_deltanet_decode(device_operands<B>(c, a, w), c.decode, cache.taps, cache.state, a.y);
+        else
+          be.gated_deltanet_decode(operands<B>(c, a, w, sequence_starts(c)), c.decode, cache.taps.data(), cache.state.data(),
+                                   a.y.data());
       } else {
-        MT_FAIL("{}: this backend has no linear attention over a cache (decoding runs on the CPU backend; elsewhere "
-                "generation recomputes each prefix)", prefix_);
+        MT_FAIL("{}: this backend has no linear attention over a cache (generation recomputes each prefix here)", prefix_);
       }
     } else {
       if constexpr (DeviceLinearAttentionBackend<B>) {

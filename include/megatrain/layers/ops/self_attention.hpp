@@ -51,7 +51,7 @@ concept GatedAttentionBackend = requires(B& be, View<const typename B::Act> c, V
   be.sigmoid_gate_backward(c, c, c, m, m);
 };
 
-/// What a backend provides to decode with a KV cache (ChunkShape::decode; the CPU backend).
+/// What a backend provides to decode with a KV cache (ChunkShape::decode; the CPU and CUDA backends).
 template <class B>
 concept AttentionDecodeBackend = requires(B& be, View<const typename B::Act> c, View<typename B::Act> m, const DecodeRows& d,
                                           const AttentionShape& s, View<const typename B::Acc> sinks) {
@@ -312,7 +312,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   /// Whether backend B decodes this layer with a cache (else Trainer::decode_logits refuses it).
   template <class B>
   bool decodes() const {
-    return AttentionDecodeBackend<B> && cfg_.rope_scaling.type != RopeScaling::Type::longrope;
+    return AttentionDecodeBackend<B> && decoding_enabled<B>() && cfg_.rope_scaling.type != RopeScaling::Type::longrope;
   }
 
   /// Rotary embeddings of q and k, then attention: a.att and a.lse of the whole chunk (`sinks`:
@@ -334,8 +334,7 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   template <class B>
   void attend_cached(B& be, ChunkShape c, const Acts<B>& a, View<const typename B::Acc> sinks) const {
     if constexpr (!AttentionDecodeBackend<B>) {
-      MT_FAIL("{}: this backend has no attention over a KV cache (decoding runs on the CPU backend; elsewhere "
-              "generation recomputes each prefix)", prefix_);
+      MT_FAIL("{}: this backend has no attention over a KV cache (generation recomputes each prefix here)", prefix_);
     } else {
       const DecodeRows& d = c.decode;
       MT_CHECK(c.seq == 1 && decodes<B>(), "{}: decoding takes one token a row (not {}), and no longrope scaling", prefix_,
