@@ -426,9 +426,10 @@ TokenDataset::Packing TokenDataset::pack(const TokenSource& src, std::vector<std
   const std::size_t unit = src.has_pairs() ? 2 : 1, units = kept.size() / unit;
   if (shuffle) {  // a fixed order of its own, drawn from the seed (the epochs' orders shuffle the rows)
     std::mt19937_64 rng(opt_.seed * 0x9e3779b97f4a7c15ull + 0x7061636b);  // ("pack")
-    for (std::size_t i = units; i > 1; --i) std::swap_ranges(kept.begin() + static_cast<std::ptrdiff_t>((i - 1) * unit),
-                                                            kept.begin() + static_cast<std::ptrdiff_t>(i * unit),
-                                                            kept.begin() + static_cast<std::ptrdiff_t>(rng() % i * unit));
+    for (std::size_t i = units; i > 1; --i)
+      if (const std::size_t j = rng() % i; j != i - 1)  // (a unit swapped with itself: nothing)
+        std::swap_ranges(kept.begin() + static_cast<std::ptrdiff_t>((i - 1) * unit),
+                         kept.begin() + static_cast<std::ptrdiff_t>(i * unit), kept.begin() + static_cast<std::ptrdiff_t>(j * unit));
   }
   // Best fit: each unit into the row with the least room that still holds it, else a new row.
   std::vector<std::int64_t> row_of(kept.size());

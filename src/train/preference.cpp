@@ -100,6 +100,8 @@ std::vector<Dpo::Answer> Dpo::answers(const ObjectiveRows& r) const {
 }
 
 Dpo::Pair Dpo::pair(const ObjectiveRows& r, const Answer& chosen, const Answer& rejected) const {
+  MT_CHECK(r.log_probs.size() == r.labels.size(), "preference: {} log-probabilities for {} labels (the loss reads them)",
+           r.log_probs.size(), r.labels.size());
   double sum[2] = {0, 0}, count[2] = {0, 0};
   const Answer* a[2] = {&chosen, &rejected};
   for (int k = 0; k < 2; ++k) {

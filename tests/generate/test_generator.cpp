@@ -41,12 +41,15 @@ ModelConfig hybrid() {
 struct Setup {
   /// `resident`: every unit's weights kept in backend memory (device units), else streamed.
   /// `state`: the store keeps AdamW's moments (StoreOptions::optimizer_state).
-  Setup(const ModelConfig& c, std::int64_t rows, std::int64_t seq, bool resident = false, bool state = true)
-      : cfg(c), opt(with_units(test::options(rows, seq), resident ? c.num_hidden_layers + 2 : 0)), model(cfg),
+  /// `chunk_rows`: rows a chunk of the trainer's work (0: the micro-batch's).
+  Setup(const ModelConfig& c, std::int64_t rows, std::int64_t seq, bool resident = false, bool state = true,
+        std::int64_t chunk_rows = 0)
+      : cfg(c), opt(with_units(test::options(rows, seq), resident ? c.num_hidden_layers + 2 : 0, chunk_rows)), model(cfg),
         store(model.units(), with_state(test::store_opts(opt), state)),
         trainer(std::make_unique<Trainer<CpuBackend<float>>>(model, store, be, opt)) {}
-  static TrainerOptions with_units(TrainerOptions o, std::int64_t units) {
+  static TrainerOptions with_units(TrainerOptions o, std::int64_t units, std::int64_t chunk_rows) {
     o.device_units = units;
+    o.chunk_rows = chunk_rows;
     return o;
   }
   static StoreOptions with_state(StoreOptions o, bool state) {
@@ -248,6 +251,15 @@ TEST_CASE("the KV cache: each token's logits as recomputing its whole prefix giv
     }
     MESSAGE(cfg.architecture_name() << ": the cache's logits within " << worst << " float epsilons of recomputing's");
     CHECK(worst <= 32);
+    // rows in chunks of 2 (TrainerOptions::chunk_rows): the same logits, each row's cache its own
+    Setup chunked(cfg, 3, 13, false, true, 2);
+    std::vector<std::int32_t> ids(3), positions(3);
+    for (std::int32_t p = 0; p < 4; ++p) {
+      for (std::size_t r = 0; r < 3; ++r) ids[r] = static_cast<std::int32_t>((7 * r + 3 * static_cast<std::size_t>(p)) % V);
+      positions.assign(3, p);
+      const auto a = chunked.trainer->decode_logits(ids, positions, 13), b = s.trainer->decode_logits(ids, positions, 13);
+      CHECK(max_abs_diff(a, b) <= 4 * kEps * std::max(1.0, max_abs(b)));
+    }
     // completions: the same tokens with and without the cache, greedy and sampled
     for (const double temperature : {0.0, 0.9}) {
       GenerationOptions o;

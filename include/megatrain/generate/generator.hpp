@@ -17,6 +17,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <span>
 #include <string>
@@ -109,10 +110,12 @@ std::vector<Completion> generate(M& source, const SlotShape& shape, std::span<co
                                  const GenerationOptions& options, const StopCheck& stop = {}, const Progress& progress = {}) {
   if constexpr (DecodeSource<M>) {
     if (options.cache && source.decodes()) {
-      struct Done {  // (the caches freed at the end, or where a step throws)
+      struct Done {  // (the caches freed at the end; not where a step threw: the source may still use them)
         M& m;
+        int unwinding = std::uncaught_exceptions();
         ~Done() {
-          if constexpr (requires { m.end_decoding(); }) m.end_decoding();
+          if constexpr (requires { m.end_decoding(); })
+            if (std::uncaught_exceptions() == unwinding) m.end_decoding();
         }
       } done{source};
       return generate_cached_with(

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <span>
 #include <vector>
 
@@ -51,6 +52,7 @@ std::vector<float> Trainer<B, Block, U...>::decode_logits(std::span<const std::i
   DecodeState<B>& d = ctx_.decode;
   if constexpr (requires(const Block& b) { b.template decode_cache_bytes<B>(R, capacity); }) {
     if (d.rows != rows || d.capacity != capacity) {  // (the caches of this shape, made once)
+      d.rows = d.capacity = 0;  // (none, until every one is made)
       d.caches.clear();
       for (std::size_t i = 0; i < ctx_.model.num_blocks(); ++i)
         d.caches.push_back(ctx_.be.template alloc<std::byte>(ctx_.model.block(i).op().template decode_cache_bytes<B>(rows, capacity)));
@@ -76,10 +78,14 @@ std::vector<float> Trainer<B, Block, U...>::decode_logits(std::span<const std::i
     std::vector<TrainItem> items;
     for (std::size_t u = 0; u <= ctx_.model.num_blocks(); ++u) items.push_back({Kind::forward, u, 0, 1});  // (1: keeps nothing)
     items.push_back({Kind::head_eval, ctx_.model.head_unit(), 0});
-    struct Running {  // (the compute stage decodes until the items are through, or one threw)
+    // (the compute stage decodes until the items are through; where one threw, the failed
+    // pipeline runs nothing more, and a stage still at work keeps the state it started with)
+    struct Running {
       Ctx& t;
+      int unwinding = std::uncaught_exceptions();
       explicit Running(Ctx& c) : t(c) { t.decode.running = true; }
       ~Running() {
+        if (std::uncaught_exceptions() > unwinding) return;
         t.decode.running = false;
         t.logits_at.clear();
       }

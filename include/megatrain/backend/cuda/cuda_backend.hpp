@@ -30,9 +30,9 @@
 #include "megatrain/backend/backend.hpp"
 #if MEGATRAIN_HAS_CUDNN
 #include "megatrain/backend/cuda/cudnn_attention.hpp"
-#include "megatrain/backend/cuda/decode.hpp"
 #include "megatrain/core/cudnn_check.hpp"
 #endif
+#include "megatrain/backend/cuda/decode.hpp"
 #include "megatrain/backend/cuda/gated_deltanet.hpp"
 #include "megatrain/backend/cuda/gemm.hpp"
 #include "megatrain/backend/linear_attention.hpp"

@@ -312,7 +312,9 @@ class SelfAttention : public CarvedOp<SelfAttention> {
   /// Whether backend B decodes this layer with a cache (else Trainer::decode_logits refuses it).
   template <class B>
   bool decodes() const {
-    return AttentionDecodeBackend<B> && decoding_enabled<B>() && cfg_.rope_scaling.type != RopeScaling::Type::longrope;
+    // (the GPU's kernel: head_dim a multiple of 32, at most 256)
+    const bool dims = !B::kDevice || (cfg_.head_dim % 32 == 0 && cfg_.head_dim <= 256);
+    return AttentionDecodeBackend<B> && decoding_enabled<B>() && dims && cfg_.rope_scaling.type != RopeScaling::Type::longrope;
   }
 
   /// Rotary embeddings of q and k, then attention: a.att and a.lse of the whole chunk (`sinks`:

@@ -275,10 +275,14 @@ struct Compute : StageBase<Ctx> {
   void next_logits(const HeadWeights& w, const X& x) {
     Ctx& t = *this->ctx;
     const std::int64_t V = t.vocab();
-    if (t.decode.running) {  // (a token a row: every row's logits in one product)
-      const auto all = View<Act>(t.logits_dev.span().first(static_cast<std::size_t>(rows() * V)), Shape{rows(), V});
-      t.model.head().op().logits(t.be, ChunkShape{rows(), 1}, w, View<const Res>(rows_of(x, 0, rows())), all, t.arena);
-      t.be.download(exec, std::span<const Act>(all.span()), std::span<Act>(t.logits_host));
+    if (t.decode.running) {  // (a token a row: a chunk's rows' logits in one product)
+      for_chunks([&](std::int64_t r0, std::int64_t n) {
+        const auto part = View<Act>(t.logits_dev.span().subspan(static_cast<std::size_t>(r0 * V), static_cast<std::size_t>(n * V)),
+                                    Shape{n, V});
+        t.model.head().op().logits(t.be, ChunkShape{n, 1}, w, View<const Res>(rows_of(x, r0, n)), part, t.arena);
+      });
+      const auto all = std::span<const Act>(t.logits_dev.span()).first(static_cast<std::size_t>(rows() * V));
+      t.be.download(exec, all, std::span<Act>(t.logits_host));
       return;
     }
     const auto out = View<Act>(t.logits_dev.span().first(static_cast<std::size_t>(V)), Shape{1, V});
