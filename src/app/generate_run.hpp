@@ -89,7 +89,7 @@ std::vector<generate::Completion> run_generation(B& be, const char* backend_name
   generate::StopCheck stop;
   if (!in.stops.empty())
     stop = [&](std::size_t, std::vector<std::int32_t>& tokens) {
-      return first_stop(in.tokenizer->decode(tokens, true), in.stops).has_value();
+      return first_stop(decode_known(*in.tokenizer, tokens), in.stops).has_value();
     };
   const generate::SlotShape shape{in.batch, in.seq, in.cfg.vocab_size,
                                   static_cast<std::int32_t>(in.cfg.pad_token_id.value_or(0))};

@@ -108,10 +108,17 @@ std::optional<std::size_t> first_stop(const std::string& text, const std::vector
   return at;
 }
 
+std::string decode_known(const text::Tokenizer& tok, std::span<const std::int32_t> ids) {
+  std::vector<std::int32_t> known;
+  for (const std::int32_t id : ids)
+    if (tok.id_to_token(id)) known.push_back(id);
+  return tok.decode(known, true);
+}
+
 std::string completion_text(const generate::Completion& c, const text::Tokenizer& tok, const std::vector<std::string>& stops) {
-  std::span<const std::int32_t> ids(c.tokens);
-  if (c.finish == generate::Finish::eos) ids = ids.first(ids.size() - 1);
-  std::string text = tok.decode(ids, true);
+  std::span<const std::int32_t> all(c.tokens);
+  if (c.finish == generate::Finish::eos) all = all.first(all.size() - 1);
+  std::string text = decode_known(tok, all);
   if (c.finish == generate::Finish::stop)
     if (const auto at = first_stop(text, stops)) text.resize(*at);
   return text::utf8_lossy(text);

@@ -38,8 +38,13 @@ nlohmann::json read_generation_config(const std::filesystem::path& dir);
 /// refused (read_generation_config).
 std::vector<std::int32_t> eos_ids(const std::filesystem::path& dir, const text::Tokenizer& tok);
 
+/// The text of `ids` without special tokens; ids the tokenizer has no token for add nothing.
+std::string decode_known(const text::Tokenizer& tok, std::span<const std::int32_t> ids);
+
 /// A completion's text: without special tokens and a final end-of-sequence token, up to the first
-/// of `stops` where one ended it.
+/// of `stops` where one ended it. Ids the tokenizer has no token for (a model's vocabulary may be
+/// larger than its tokenizer's: Qwen2.5's 152,064 rows, 151,665 tokens) add nothing, as in
+/// transformers' decode.
 std::string completion_text(const generate::Completion& c, const text::Tokenizer& tok, const std::vector<std::string>& stops);
 
 /// Where a stop string first appears in `text`, if one does.

@@ -5,9 +5,9 @@
 // new sequence: its cache is read as zeros). The caches the kernels update must equal the
 // reference's (keys, values and taps bit for bit; the state within fp32 rounding).
 //
-// Until this test has passed on a GPU, CudaBackend::kDecodes stays false and the trainer does not
-// decode on the GPU; the last case checks that generation then falls back to recomputing each
-// prefix, with the CPU trainer's tokens.
+// CudaBackend::kDecodes says whether the trainer decodes with these kernels (true since this test
+// passed on an H100); the last case checks generation on the GPU either way against the CPU
+// trainer's tokens.
 //
 // Label gpu: exits with 77 (CTest: skipped) when there is no CUDA device.
 #include <doctest/doctest.h>

@@ -426,10 +426,10 @@ class CudaBackend {
     cuda::launch_attention_forward(q.data(), k.data(), v.data(), out.data(), lse.data(), d, stream_, positions(s),
                                    sinks.is_null() ? nullptr : sinks.data());
   }
-  /// Decoding with caches (ChunkShape::decode; backend/cuda/decode.hpp). The kernels have not
-  /// run on a GPU yet: kDecodes stays false, so the ops do not decode here (generation recomputes
-  /// each prefix), until tests/cuda/test_cuda_decode.cpp has passed on one.
-  static constexpr bool kDecodes = false;
+  /// Decoding with caches (ChunkShape::decode; backend/cuda/decode.hpp): in use since
+  /// tests/cuda/test_cuda_decode.cpp passed on an H100 (2026-12-07). False would make generation
+  /// recompute each prefix here.
+  static constexpr bool kDecodes = true;
   void attention_decode(View<const Act> q, View<const Act> k, View<const Act> v, View<Act> kcache, View<Act> vcache,
                         const DecodeRows& d, View<Act> out, const AttentionShape& s, View<const Acc> sinks = {}) {
     MT_NVTX_RANGE("cuda:attention_decode");
