@@ -16,6 +16,7 @@
 #include "megatrain/backend/cpu/cpu_backend.hpp"
 #include "megatrain/generate/generator.hpp"
 #include "megatrain/rl/rewards.hpp"
+#include "megatrain/rl/rollouts.hpp"
 #include "megatrain/train/cpu_trainer.hpp"
 #include "megatrain/train/grpo.hpp"
 
@@ -82,19 +83,11 @@ int main() {
     }
     const rl::RewardSum::Scores s = rewards.score(batch);
     // The rows: each prompt and its completion, the completion's tokens as labels.
-    std::vector<std::int32_t> ids(static_cast<std::size_t>(rows * seq), 0), labels(ids.size(), kIgnoreIndex);
-    for (std::int64_t i = 0; i < rows; ++i) {
-      const auto& p = prompts[static_cast<std::size_t>(i)];
-      const auto& c = done[static_cast<std::size_t>(i)].tokens;
-      const auto at = static_cast<std::size_t>(i * seq), n = p.size();
-      std::copy(p.begin(), p.end(), ids.begin() + static_cast<std::ptrdiff_t>(at));
-      for (std::size_t t = 0; t < c.size(); ++t) {
-        ids[at + n + t] = c[t];
-        labels[at + n - 1 + t] = c[t];
-      }
-    }
+    std::vector<std::vector<std::int32_t>> completions;
+    for (const auto& c : done) completions.push_back(c.tokens);
+    const rl::RolloutRows batch_rows = rl::rollout_rows(prompts, completions, seq);
     const Advantages adv = group_advantages(s.total, kGroup, RewardScale::group);
-    const StepStats st = trainer.step(Grpo(grpo, adv.values, {}, {}, rows), ids, labels);
+    const StepStats st = trainer.step(Grpo(grpo, adv.values, {}, {}, rows), batch_rows.ids, batch_rows.labels);
     double mean = 0;
     for (const double r : s.total) mean += r / static_cast<double>(rows);
     means.push_back(mean);

@@ -280,9 +280,10 @@ plan::HostBudget host_budget(const Settings& s) {
 void add_objective_options(CLI::App& app, Settings& s) {
   auto* obj = app.add_option_group("objective", "What the step minimises (docs/preference.md)");
   obj->add_option("--objective", s.objective,
-                  "sft (cross-entropy on the trained tokens) or dpo (preference pairs: --data of prompt, chosen and "
-                  "rejected records; the reference is the model as the run starts)")
-      ->check(choice("--objective", {"sft", "dpo"}))
+                  "sft (cross-entropy on the trained tokens), dpo (preference pairs: --data of prompt, chosen and "
+                  "rejected records; the reference is the model as the run starts) or grpo (rewards of sampled "
+                  "completions: --data of prompts, --reward; docs/rl.md)")
+      ->check(choice("--objective", {"sft", "dpo", "grpo"}))
       ->capture_default_str();
   obj->add_option("--dpo-loss", s.dpo_loss, "dpo: sigmoid (the DPO paper's), hinge or ipo (TRL's loss_type)")
       ->check(choice("--dpo-loss", {"sigmoid", "hinge", "ipo"}))
@@ -294,15 +295,84 @@ void add_objective_options(CLI::App& app, Settings& s) {
       ->capture_default_str();
 }
 
+void add_grpo_options(CLI::App& app, Settings& s) {
+  auto* g = app.add_option_group("grpo", "--objective grpo: rewards, sampling and the policy loss (docs/rl.md)");
+  g->add_option("--reward-answer", s.reward_answer,
+                "A reward: 1 where the answer this regular expression finds in the completion (its first group, its last "
+                "match) equals the record's \"answer\", else 0");
+  g->add_option("--reward-format", s.reward_format, "A reward: 1 where the whole completion matches this regular expression");
+  g->add_option("--reward-command", s.reward_command,
+                "A reward: a program that scores the completions (JSONL records with \"completion\" on its standard "
+                "input, one number a line on its standard output)");
+  g->add_option("--reward-timeout", s.reward_timeout, "Seconds --reward-command may take a batch")->capture_default_str();
+  g->add_option("--reward-weights", s.reward_weights, "The rewards' weights, e.g. 1,0.2: --reward-answer's, --reward-format's, "
+                "--reward-command's, of those given (default 1 each)");
+  g->add_option("--generations", s.generations, "Completions sampled a prompt (a group); --batch / this many prompts a step")
+      ->capture_default_str();
+  g->add_option("--max-completion-tokens", s.max_completion_tokens,
+                "Tokens a completion may have at most (0: what --seq leaves after the longest prompt)")->capture_default_str();
+  g->add_option("--temperature", s.temperature, "Sampling temperature (1: the policy's own distribution)")->capture_default_str();
+  g->add_option("--top-k", s.top_k, "Sample among the k most likely tokens (0: all)")->capture_default_str();
+  g->add_option("--top-p", s.top_p, "Sample among the most likely tokens up to this probability (1: all)")->capture_default_str();
+  g->add_option("--min-p", s.min_p, "Sample among tokens at least this fraction as likely as the most likely (0: all)")
+      ->capture_default_str();
+  g->add_option("--clip-eps", s.clip_eps, "The policy ratio's lower clip, 1 - this (TRL's epsilon)")->capture_default_str();
+  g->add_option("--clip-eps-high", s.clip_eps_high, "Its upper clip, 1 + this (default: --clip-eps; DAPO's clip-higher: 0.28)");
+  g->add_option("--kl-beta", s.kl_beta, "The KL penalty to the initial model (0: none)")->capture_default_str();
+  g->add_option("--grpo-loss", s.grpo_loss, "dapo (the mean over the batch's completion tokens), grpo (each completion's "
+                "mean, averaged) or dr_grpo (the sum over completions x --max-completion-tokens)")
+      ->check(choice("--grpo-loss", {"dapo", "grpo", "dr_grpo"}))
+      ->capture_default_str();
+  g->add_option("--scale-rewards", s.scale_rewards, "Advantages divided by the group's standard deviation (group), the "
+                "batch's (batch), or not (none: Dr. GRPO)")
+      ->check(choice("--scale-rewards", {"group", "batch", "none"}))
+      ->capture_default_str();
+  g->add_option("--updates-per-batch", s.updates_per_batch, "Policy updates on each batch of completions")->capture_default_str();
+  add_bool_option(g, "--skip-equal-groups", s.skip_equal_groups,
+                  "Leave out of the step the groups whose rewards are all equal (they teach nothing; counted either way)");
+}
+
+const std::vector<std::string>& grpo_option_names() {
+  static const std::vector<std::string> v{"--reward-answer", "--reward-format", "--reward-command", "--reward-timeout", "--reward-weights", "--generations",
+                                          "--max-completion-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
+                                          "--clip-eps", "--clip-eps-high", "--kl-beta", "--grpo-loss", "--scale-rewards",
+                                          "--updates-per-batch", "--skip-equal-groups"};
+  return v;
+}
+
 void check_objective_options(const Settings& s) {
   for (const char* f : {"--dpo-loss", "--dpo-beta", "--dpo-label-smoothing"})
     MT_CHECK(s.objective == "dpo" || !s.origins.conflicts(f, "--objective"), "{} applies to --objective dpo; drop it", f);
+  for (const std::string& f : grpo_option_names())
+    MT_CHECK(s.objective == "grpo" || !s.origins.conflicts(f, "--objective"), "{} applies to --objective grpo; drop it", f);
+  if (s.objective == "grpo") check_grpo_options(s);
   if (s.objective != "dpo") return;
   MT_CHECK(std::isfinite(s.dpo_beta) && s.dpo_beta > 0, "--dpo-beta must be > 0 (got {})", s.dpo_beta);
   MT_CHECK(s.dpo_label_smoothing >= 0 && s.dpo_label_smoothing < 0.5, "--dpo-label-smoothing must be in [0, 0.5) (got {})",
            s.dpo_label_smoothing);
   MT_CHECK(s.dpo_label_smoothing == 0 || s.dpo_loss == "sigmoid", "--dpo-label-smoothing applies to --dpo-loss sigmoid, "
            "not {}", s.dpo_loss);
+}
+
+void check_grpo_options(const Settings& s) {
+  MT_CHECK(s.generations >= 2, "--generations must be >= 2 (a group's advantages compare its completions; got {})",
+           s.generations);
+  MT_CHECK(s.batch % s.generations == 0, "--objective grpo: --batch {} must hold whole groups of --generations {} completions "
+           "(a multiple of it)", s.batch, s.generations);
+  MT_CHECK(s.max_completion_tokens >= 0, "--max-completion-tokens must be >= 0 (0: what --seq leaves; got {})",
+           s.max_completion_tokens);
+  // (the step's log-probabilities are the model's at temperature 1: sampling at another would train on another policy's)
+  MT_CHECK(s.temperature == 1.0, "--temperature {}: GRPO's ratios here are those of the model's own distribution, which "
+           "--temperature 1 samples; another temperature is not supported yet", s.temperature);
+  MT_CHECK(s.top_k >= 0 && s.top_p > 0 && s.top_p <= 1 && s.min_p >= 0 && s.min_p < 1,
+           "--top-k >= 0, --top-p in (0, 1] and --min-p in [0, 1) (got {}, {} and {})", s.top_k, s.top_p, s.min_p);
+  MT_CHECK(std::isfinite(s.clip_eps) && s.clip_eps > 0 && s.clip_eps < 1, "--clip-eps must be in (0, 1) (got {})", s.clip_eps);
+  MT_CHECK(!s.origins.given("--clip-eps-high") || (std::isfinite(s.clip_eps_high) && s.clip_eps_high > 0),
+           "--clip-eps-high must be > 0 (got {})", s.clip_eps_high);
+  MT_CHECK(s.kl_beta == 0, "--kl-beta {}: the KL penalty needs the initial model's log-probabilities, which megatrain-train "
+           "does not keep yet; use --kl-beta 0 (recent practice, and TRL's default)", s.kl_beta);
+  MT_CHECK(s.updates_per_batch == 1, "--updates-per-batch {}: several updates on one batch of completions are not supported "
+           "yet; use 1 (a step samples, then updates once)", s.updates_per_batch);
 }
 
 void check_pairs_batch(std::int64_t batch, int ranks) {

@@ -36,6 +36,7 @@
 #include "options.hpp"
 #include "parse.hpp"
 #include "programs.hpp"
+#include "sampling_memory.hpp"
 #if MEGATRAIN_HAS_CUDA
 #include "megatrain/backend/cuda/cuda_backend.hpp"
 #endif
@@ -76,6 +77,7 @@ struct PlanArgs {
   bool probe = false;   // --probe: measure the machine's rates, keep them
   bool auto_gradients = false;  // --gradients auto
   bool auto_copy = false;       // --host-bf16-copy auto
+  bool grpo = false;            // --objective grpo: the sampling's memory beside the step's
 };
 
 // The plan as JSON (--json).
@@ -113,8 +115,14 @@ void print_json(const plan::StepPlan& p, const plan::Suggestions& lim, const pla
 }
 
 template <class B>
-int report(const DecoderModel<>& model, TrainerOptions topt, const plan::DeviceBudget& device, const plan::HostBudget& host,
+int report(const DecoderModel<>& model, TrainerOptions topt, const plan::DeviceBudget& device_in, const plan::HostBudget& host,
            const plan::MachineFigures& machine, const PlanArgs& a, const std::string& where) {
+  // (--objective grpo: the sampling's memory left free, as megatrain-train leaves it)
+  plan::DeviceBudget device = device_in;
+  if (a.grpo) {
+    topt.reserved_device_bytes = sampling_bytes<B>(model, topt.batch_rows, topt.seq_len, topt.resolved().micro_rows());
+    device.allocated += topt.reserved_device_bytes;
+  }
   // (--host-bf16-copy auto and --gradients auto: as megatrain-train decides them)
   if (a.auto_copy) topt.host_bf16_copy = plan::choose_bf16_copy<B>(model, topt, device, host, machine, a.auto_gradients);
   if (a.auto_gradients) topt.gradient_home = plan::choose_gradient_home<B>(model, topt, device, host, machine).home;
@@ -127,6 +135,7 @@ int report(const DecoderModel<>& model, TrainerOptions topt, const plan::DeviceB
   }
   std::printf("%s\n", where.c_str());
   std::printf("%s", plan::format_plan(p).c_str());
+  if (a.grpo) std::printf("\n%s", sampling_line(topt).substr(6).c_str());
   if (topt.distributed()) {  // (the plan above is one process's: one GPU's; its host holds `per_host` of them)
     const int per_host = topt.comm->world() / a.hosts;
     const double params = static_cast<double>(model.config().param_count());
@@ -176,10 +185,11 @@ TrainerOptions planned_options(const Settings& s, const PlanArgs& a, const Model
   // (a preference run: the head's second forward priced, its pairs whole on each rank)
   check_objective_options(s);
   const std::int64_t batch = topt.batch_rows;
-  if (s.objective == "dpo") {
-    check_pairs_batch(batch, a.gpus);
-    topt.token_weights = topt.log_prob_objective = true;
-  }
+  if (s.objective == "dpo") check_pairs_batch(batch, a.gpus);
+  MT_CHECK(s.objective != "grpo" || a.gpus == 1, "--objective grpo runs on one GPU: drop --gpus {}", a.gpus);
+  // (dpo and grpo weigh each token from its log-probabilities)
+  topt.token_weights = topt.log_prob_objective = s.objective != "sft";
+  const bool pairs = s.objective == "dpo";
   topt.clip_norm = s.clip;
   topt.clip_mode = s.clip_mode == "stale" ? ClipMode::stale : ClipMode::exact;
   static std::optional<PlannedProcesses> processes;
@@ -191,7 +201,7 @@ TrainerOptions planned_options(const Settings& s, const PlanArgs& a, const Model
   if (gpus == 1) {
     MT_CHECK(a.hosts == 1, "--hosts {} plans several processes: give --gpus too", a.hosts);
     topt.validate();
-    if (topt.log_prob_objective) check_pairs_micro_batches(topt, batch);
+    if (pairs) check_pairs_micro_batches(topt, batch);
     return topt;
   }
   MT_CHECK(topt.batch_rows % gpus == 0, "--batch {} (the global batch) must be a multiple of the {} processes (--gpus)",
@@ -209,7 +219,7 @@ TrainerOptions planned_options(const Settings& s, const PlanArgs& a, const Model
   topt.gather_weights_on_device = s.gather_weights == "gpus";
   check_bf16_copy_option(s, topt.sharded(), gpus);
   topt.validate();
-  if (topt.log_prob_objective) check_pairs_micro_batches(topt, batch);
+  if (pairs) check_pairs_micro_batches(topt, batch);
   return topt;
 }
 
@@ -308,6 +318,7 @@ int run(const Settings& s, const CLI::App& app, PlanArgs a) {
   check_model_source(s);
   a.auto_gradients = s.gradients == "auto";
   a.auto_copy = s.host_bf16_copy == "auto" && a.gpus == 1;  // (several ranks keep it, as in megatrain-train)
+  a.grpo = s.objective == "grpo";
   if (!s.host_memory.empty()) setenv("MEGATRAIN_HOST_MEMORY", s.host_memory.c_str(), 1);
   const ModelConfig cfg = planned_model(s, app);
   const TrainerOptions topt = planned_options(s, a, cfg);
@@ -344,6 +355,7 @@ int plan_main(int argc, char** argv) {
   step->add_option("--tokens-per-step", a.tokens_per_step, "Tokens per optimizer step (instead of --batch: --batch = this / --seq)");
   add_clip_options(*step, s);
   add_objective_options(app, s);
+  add_grpo_options(app, s);
   auto* mem = app.add_option_group("memory", "Where it runs (megatrain-train's options)");
   add_memory_options(*mem, s);
   mem->add_option("--machine", a.machine,

@@ -22,6 +22,10 @@ class Progress {
   /// Prints to `out` (the first rank's stdout; the others' /dev/null).
   Progress(std::int64_t first_step, std::int64_t steps, std::FILE* out)
       : first_(first_step), steps_(steps), out_(out), tty_(out == stdout && isatty(STDOUT_FILENO) != 0) {}
+  /// What the validation figure is called ("val_loss" unless told).
+  void name_validation(std::string name) { val_name_ = std::move(name); }
+  /// Words after the loss on each line (a GRPO run's mean reward), until changed.
+  void set_extra(std::string words) { extra_ = std::move(words); }
   void update(const StepStats& s, double tok_per_s, double elapsed, std::optional<double> val, std::int64_t log_every) {
     const double eta = elapsed / static_cast<double>(s.step - first_ + 1) * static_cast<double>(steps_ - s.step);
     if (tty_) {
@@ -30,15 +34,15 @@ class Progress {
       std::string bar(static_cast<std::size_t>(filled), '=');
       if (filled < width) bar += '>';
       bar.resize(width, ' ');
-      std::fprintf(out_, "\r\033[Kstep %lld/%lld [%s] loss %.4f | %.0f tok/s | ETA %s%s", static_cast<long long>(s.step),
-                   static_cast<long long>(steps_), bar.c_str(), s.loss, tok_per_s, clock(eta).c_str(),
+      std::fprintf(out_, "\r\033[Kstep %lld/%lld [%s] loss %.4f%s | %.0f tok/s | ETA %s%s", static_cast<long long>(s.step),
+                   static_cast<long long>(steps_), bar.c_str(), s.loss, extra_.c_str(), tok_per_s, clock(eta).c_str(),
                    val ? fmt::format(" | val {:.4f}", *val).c_str() : "");
       if (s.step == steps_ || val) std::fputc('\n', out_);
       std::fflush(out_);
     } else if (s.step % log_every == 0 || s.step == steps_ || val || s.skipped) {
-      std::fprintf(out_, "step %lld/%lld loss %.4f lr %.3g grad_norm %.3f tok/s %.0f%s%s%s\n", static_cast<long long>(s.step),
-                   static_cast<long long>(steps_), s.loss, s.lr, s.grad_norm, tok_per_s,
-                   val ? fmt::format(" val_loss {:.4f}", *val).c_str() : "", experts(s).c_str(),
+      std::fprintf(out_, "step %lld/%lld loss %.4f%s lr %.3g grad_norm %.3f tok/s %.0f%s%s%s\n", static_cast<long long>(s.step),
+                   static_cast<long long>(steps_), s.loss, extra_.c_str(), s.lr, s.grad_norm, tok_per_s,
+                   val ? fmt::format(" {} {:.4f}", val_name_, *val).c_str() : "", experts(s).c_str(),
                    s.skipped ? " (skipped: not finite)" : "");
       std::fflush(out_);
     }
@@ -67,6 +71,7 @@ class Progress {
   std::int64_t first_, steps_;
   std::FILE* out_;
   bool tty_;
+  std::string val_name_ = "val_loss", extra_;
 };
 
 }  // namespace megatrain::app

@@ -21,6 +21,7 @@
 namespace megatrain::app {
 
 struct SamplePlan;
+struct GrpoPlan;
 
 struct RunPlan {
   std::optional<io::HfCheckpoint> hf;    // --model: weights to load (released once loaded)
@@ -43,6 +44,7 @@ struct RunPlan {
   bool branch = false;                   // --resume from another run's checkpoint into a run folder of its own
   std::shared_ptr<io::RunFolder> folder;  // the run folder, claimed by this process (the first rank's)
   std::shared_ptr<const SamplePlan> samples;  // --sample-every: the prompts, read and checked (train_samples.hpp)
+  std::shared_ptr<const GrpoPlan> grpo;       // --objective grpo: its prompts and rewards (grpo_plan.hpp)
 };
 
 /// The config.json a run keeps and exports for a model not read from a Hugging Face folder: the

@@ -51,9 +51,16 @@ struct Settings {
   std::string tokenizer, chat_format = "auto", train_on = "completion";
   bool skip_bad_lines = false;
   bool pack = false;
-  // what the step minimises: sft (cross-entropy) or dpo (preference pairs: train/preference.hpp)
+  // what the step minimises: sft (cross-entropy), dpo (preference pairs: train/preference.hpp) or
+  // grpo (rewards of sampled completions: train_grpo.hpp)
   std::string objective = "sft", dpo_loss = "sigmoid";
   double dpo_beta = 0.1, dpo_label_smoothing = 0.0;
+  // --objective grpo: the rewards (an answer's regular expression, a format's, a program), their
+  // weights ("1,0.2"), the completions a prompt and their sampling, the policy loss (docs/rl.md)
+  std::string reward_answer, reward_format, reward_command, reward_weights, grpo_loss = "dapo", scale_rewards = "group";
+  double reward_timeout = 300, temperature = 1.0, top_p = 1.0, min_p = 0.0, clip_eps = 0.2, clip_eps_high = 0.2, kl_beta = 0;
+  std::int64_t generations = 8, max_completion_tokens = 0, top_k = 0, updates_per_batch = 1;
+  bool skip_equal_groups = false;
   // schedule and optimizer
   std::int64_t batch = 8, seq = 128, micro_batches = 1, max_micro_batch = 0, chunk = 0, token_chunk = 0, checkpoint_every = 0,
                steps = 60;

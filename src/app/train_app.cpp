@@ -193,6 +193,7 @@ std::unique_ptr<CLI::App> make_train_app(Settings& s, std::string& config_file) 
   add_data_options(*app, s);
   add_training_options(*app, s);
   add_objective_options(*app, s);
+  add_grpo_options(*app, s);
   add_run_options(*app, s);
   add_checkpoint_options(*app, s);
   add_export_options(*app, s);

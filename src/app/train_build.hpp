@@ -21,6 +21,7 @@
 #include "megatrain/plan/planner.hpp"
 #include "megatrain/train/trainer.hpp"
 #include "options.hpp"
+#include "sampling_memory.hpp"
 #include "train_inputs.hpp"
 
 namespace megatrain::app {
@@ -42,6 +43,10 @@ class BuiltStep {
   BuiltStep(B& be, const char* backend_name, TrainInputs& in)
       : in_(in), budget_(rank_host_budget(in.s, in.ranks)), label_(model_label(in.s, in.plan)), model_(in.cfg) {
     check_weight_options(in.s, in.topt, kBf16, backend_name);
+    // (a GRPO run samples between its steps: the caches' memory left free by every plan)
+    if (in.plan.grpo)
+      in.topt.reserved_device_bytes =
+          sampling_bytes<B>(model_, in.topt.batch_rows, in.topt.seq_len, in.topt.resolved().micro_rows());
     // (from the config alone, before its blocks are built: a config of 10^9 layers is refused here)
     plan::check_state_fits_host(in.cfg, budget_, label_, Trainer<B>::store_options(in.topt).shard,
                                 in.topt.host_bf16_copy && !auto_copy(), !in.plan.eval_only);
@@ -89,6 +94,12 @@ class BuiltStep {
  private:
   static constexpr bool kBf16 = std::is_same_v<typename B::Weight, bf16>;
   static plan::MachineFigures machine() { return B::kDevice ? plan::machine_figures() : plan::MachineFigures{}; }
+  // The backend's memory for the plans: what it holds, with the memory left free for sampling.
+  plan::DeviceBudget device_budget(B& be) const {
+    plan::DeviceBudget d = plan::device_budget(be);
+    d.allocated += in_.topt.reserved_device_bytes;
+    return d;
+  }
   // --host-bf16-copy auto: the plan decides whether host memory keeps the bf16 copy, by this rank
   // alone; ranks of several keep it.
   bool auto_copy() const { return in_.s.host_bf16_copy == "auto" && kBf16 && !in_.ranks.several(); }
@@ -96,7 +107,7 @@ class BuiltStep {
   void place_state(B& be) {
     TrainerOptions& topt = in_.topt;
     if (auto_copy())  // (kept where a plan fits with it, with the gradients where --gradients allows)
-      topt.host_bf16_copy = plan::choose_bf16_copy<B>(model_, topt, plan::device_budget(be), budget_, machine(),
+      topt.host_bf16_copy = plan::choose_bf16_copy<B>(model_, topt, device_budget(be), budget_, machine(),
                                                       in_.s.gradients == "auto");
     // Where gradients wait for the norm (--gradients auto; plan::choose_gradient_home): where the
     // plan fits, in host memory only where that is predicted faster or alone fits (on every rank);
@@ -106,7 +117,7 @@ class BuiltStep {
     const std::optional<GradientHome> was =
         plan.resume && !plan.eval_only ? std::optional(plan.resume->state.options.gradient_home) : std::nullopt;
     const plan::GradientHomeChoice mine =
-        plan::choose_gradient_home<B>(model_, topt, plan::device_budget(be), budget_, machine(), was);
+        plan::choose_gradient_home<B>(model_, topt, device_budget(be), budget_, machine(), was);
     // (agreed as the ranks' checks are: a rank refused before this point stops every rank here)
     std::vector<plan::GradientHomeChoice> all;
     for (const std::int64_t v : in_.ranks.agree_on(2 + (mine.home == GradientHome::host ? 1 : 0) +
@@ -132,7 +143,7 @@ class BuiltStep {
   // fit when it cannot.
   void plan_and_say(B& be) {
     const TrainerOptions& topt = in_.topt;
-    const plan::StepPlan sp = plan::plan_step<B>(model_, topt, plan::device_budget(be), budget_, machine(),
+    const plan::StepPlan sp = plan::plan_step<B>(model_, topt, device_budget(be), budget_, machine(),
                                                  HostParamStore<float>::footprint(model_.units(), store_options(topt)));
     MT_CHECK(sp.memory.fits, "{}", sp.refusal());
     planned_host_ = sp.memory.host_total();
@@ -140,6 +151,7 @@ class BuiltStep {
         (gathers_for_export_ || Trainer<B>::store_options(topt).shard.keeps_weight_parts()))
       check_export_fits(sp);
     std::fprintf(info(), "%s", plan::format_summary(sp).c_str());
+    if (in_.plan.grpo) std::fprintf(info(), "%s", sampling_line(topt).c_str());
     if (in_.ranks.several()) std::fprintf(info(), "%s\n", data_parallel_line(in_.s, topt, in_.ranks, kBf16).c_str());
   }
 

@@ -18,6 +18,7 @@
 #include "megatrain/core/host_memory.hpp"
 #include "megatrain/io/train_checkpoint.hpp"
 #include "megatrain/train/checkpointer.hpp"
+#include "grpo_plan.hpp"  // grpo_position
 #include "train_build.hpp"
 
 namespace megatrain::app {
@@ -73,8 +74,8 @@ StartState load_checkpoint(B& be, const char* backend_name, BuiltStep<B>& built,
   if (in.plan.eval_only) resume.ckpt.load_into(built.store());
   StartState start;
   start.first_step = st.step + 1;
-  if (!in.plan.eval_only && in.data) {
-    const DataPosition expected = in.data->position(st.step * in.s.batch);
+  if (!in.plan.eval_only && (in.data || in.plan.grpo)) {
+    const DataPosition expected = in.data ? in.data->position(st.step * in.s.batch) : grpo_position(*in.plan.grpo, in.s, st.step);
     MT_CHECK(!st.data || *st.data == expected, "--resume '{}': the data position (epoch {}, slot {}) does not follow "
              "from the step and batch (epoch {}, slot {})", resume.ckpt.dir().string(), st.data->epoch,
              st.data->slot, expected.epoch, expected.slot);

@@ -38,6 +38,7 @@
 #include "progress.hpp"
 #include "stop_signals.hpp"
 #include "train_load.hpp"
+#include "train_grpo.hpp"
 #include "train_preference.hpp"
 #include "train_samples.hpp"
 
@@ -53,11 +54,11 @@ class TrainLoop {
  public:
   TrainLoop(B& be, const char* backend_name, TrainInputs& in, BuiltStep<B>& built, const StartState& start)
       : be_(be), backend_(backend_name), in_(in), s(in.s), ranks_(in.ranks), built_(built), trainer_(built.trainer()),
-        data_(*in.data), first_step_(start.first_step), saved_step_(start.first_step - 1),
+        data_(in.data ? &*in.data : nullptr), first_step_(start.first_step), saved_step_(start.first_step - 1),
         progress_(start.first_step, in.s.steps, in.ranks.out()) {
     start_run_folder(start.unwritten_metrics);
     say_start();
-    start_preference(start);
+    start_objective(start);
     start_checkpoints();
     start_report();
   }
@@ -67,10 +68,12 @@ class TrainLoop {
     tell_signals();
     t0_ = std::chrono::steady_clock::now();
     const auto n = static_cast<std::size_t>(s.batch * s.seq);
-    ids_.resize(n), labels_.resize(n), positions_.resize(data_.packed() ? n : 0);
-    // Examples end in padding, which transformers' attention mask leaves out of a mixture of
-    // experts' auxiliary loss (and the tokens per expert): the trainer takes the same mask.
-    mask_.resize(data_.examples() && in_.cfg.moe_layer_count() > 0 ? n : 0);
+    if (data_) {  // (a GRPO run makes its rows of its completions)
+      ids_.resize(n), labels_.resize(n), positions_.resize(data_->packed() ? n : 0);
+      // Examples end in padding, which transformers' attention mask leaves out of a mixture of
+      // experts' auxiliary loss (and the tokens per expert): the trainer takes the same mask.
+      mask_.resize(data_->examples() && in_.cfg.moe_layer_count() > 0 ? n : 0);
+    }
     std::int64_t step = first_step_;
     int stop_signal = 0;  // (a signal any process got: every process stops after the same step)
     for (; step <= s.steps && (stop_signal = ranks_.stop_signal(StopSignals::first())) == 0; ++step)
@@ -133,12 +136,16 @@ class TrainLoop {
   void say_start() {
     const ModelConfig& cfg = in_.cfg;
     FILE* const o = ranks_.out();
-    std::fprintf(o, "megatrain-train: %s, %lld parameters (%lld layers, hidden %lld, vocab %lld), backend %s, data %s "
-                 "(%lld training tokens, %lld validation)\n",
+    const std::string data =
+        data_ ? fmt::format("{} ({} training tokens, {} validation)", s.data.empty() ? "built-in text" : s.data,
+                            data_->train_tokens(), data_->val_tokens())
+              : fmt::format("{} ({} training prompts, {} validation; {} completions each, of at most {} tokens)", s.data,
+                            in_.plan.grpo->train.size(), in_.plan.grpo->val.size(), s.generations,
+                            in_.plan.grpo->completion_tokens);
+    std::fprintf(o, "megatrain-train: %s, %lld parameters (%lld layers, hidden %lld, vocab %lld), backend %s, data %s\n",
                  std::string(cfg.architecture_name()).c_str(), static_cast<long long>(cfg.param_count()),
                  static_cast<long long>(cfg.num_hidden_layers), static_cast<long long>(cfg.hidden_size),
-                 static_cast<long long>(cfg.vocab_size), backend_, s.data.empty() ? "built-in text" : s.data.c_str(),
-                 static_cast<long long>(data_.train_tokens()), static_cast<long long>(data_.val_tokens()));
+                 static_cast<long long>(cfg.vocab_size), backend_, data.c_str());
     const std::int64_t micro = trainer_.options().micro_batches * ranks_.world();  // (the global batch's passes)
     std::fprintf(o, "batch %lld x %lld tokens%s, %s %lld, host memory %s as planned (%s of it the parameter store), "
                  "writing %s\n", static_cast<long long>(s.batch), static_cast<long long>(s.seq),
@@ -248,7 +255,8 @@ class TrainLoop {
     if constexpr (requires { be_.gemm_algorithms(); }) user_["gemm_algorithms"] = be_.gemm_algorithms();
     if (metrics_.pending().empty()) user_.erase("unwritten_metrics");
     else user_["unwritten_metrics"] = metrics_.pending();
-    if (checkpointer_) checkpointer_->save(trainer_, built_.store(), data_.position(step * s.batch), user_);
+    if (checkpointer_)
+      checkpointer_->save(trainer_, built_.store(), grpo_ ? grpo_->position(step) : data_->position(step * s.batch), user_);
   }
   // The train state of `step` saved, unless it is already or no step ran (the first decides).
   void save_unless_saved(std::int64_t step) {
@@ -278,20 +286,30 @@ class TrainLoop {
                      : std::span<const E>(v).subspan(static_cast<std::size_t>(ranks_.rank()) * per_process, per_process);
   }
 
-  // --objective dpo: the reference (computed now, or the resumed checkpoint's), before any checkpoint.
-  void start_preference(const StartState& start) {
+  // --objective dpo: the reference (computed now, or the resumed checkpoint's), before any checkpoint;
+  // --objective grpo: its sampling and rewards.
+  void start_objective(const StartState& start) {
     if (s.objective == "dpo")
-      preference_.emplace(s, trainer_, data_, ranks_, start.dpo_reference, in_.plan.data_identity, ranks_.out());
+      preference_.emplace(s, trainer_, *data_, ranks_, start.dpo_reference, in_.plan.data_identity, ranks_.out());
+    if (s.objective == "grpo") {
+      grpo_.emplace(s, trainer_, in_.plan.grpo, in_.cfg.vocab_size, static_cast<std::int32_t>(in_.cfg.pad_token_id.value_or(0)),
+                    in_.cfg.moe_layer_count() > 0);
+      progress_.name_validation("val_reward");
+    }
   }
 
   // One step, its metrics, validation, save and export. Returns the exit status where the run stops.
   std::optional<int> train_step(std::int64_t step) {
-    data_.train_batch((step - 1) * s.batch, s.batch, ids_, labels_, positions_, mask_);
+    if (data_) data_->train_batch((step - 1) * s.batch, s.batch, ids_, labels_, positions_, mask_);
     fault::delay_point("train:step");  // (tests: MEGATRAIN_FAULTS=delay@train:step=MICROSECONDS)
     const std::int64_t rows = in_.topt.batch_rows;
     StepStats st;
     try {
-      if (preference_)
+      if (grpo_) {
+        st = grpo_->step(step);
+        progress_.set_extra(fmt::format(" reward {:.3f}", grpo_->mean_reward()));
+      }
+      else if (preference_)
         st = preference_->step((step - 1) * s.batch, ranks_.rank() * rows, s.batch, mine(ids_, rows), mine(labels_, rows),
                                mine(positions_, rows), mine(mask_, rows));
       else
@@ -309,7 +327,9 @@ class TrainLoop {
                     ranks_.rank());
     const double tok_s = static_cast<double>(st.tokens) / st.seconds;
     std::optional<double> val;
-    if ((s.eval_every > 0 && step % s.eval_every == 0) || step == s.steps) val = validation();
+    // (a GRPO run without validation prompts: none)
+    if (((s.eval_every > 0 && step % s.eval_every == 0) || step == s.steps) && (!grpo_ || in_.plan.grpo->val.size() > 0))
+      val = validation();
     if (lead_) {
       const nlohmann::json m = metrics_line(st, tok_s, val);
       append_metrics(m, step);
@@ -340,8 +360,9 @@ class TrainLoop {
       for (const auto& l : st.expert_load) load.push_back({l.layer, l.min, l.max});
       m["expert_tokens"] = load;  // [layer, fewest, most] tokens routed to one expert over the step
     }
-    if (val) m["val_loss"] = *val;
+    if (val) m[grpo_ ? "val_reward" : "val_loss"] = *val;
     if (preference_) preference_->metrics(m, val.has_value());
+    if (grpo_) grpo_->metrics(m);
     return m;
   }
 
@@ -370,7 +391,9 @@ class TrainLoop {
     for (const auto& [key, value] : m.items()) {
       if (key == "step" || !value.is_number()) continue;
       const double x = value.template get<double>();
-      if (std::isfinite(x)) v.emplace_back(key == "val_loss" ? std::string("val/loss") : "train/" + key, static_cast<float>(x));
+      if (std::isfinite(x))
+        v.emplace_back(key == "val_loss" ? std::string("val/loss") : key == "val_reward" ? std::string("val/reward") : "train/" + key,
+                       static_cast<float>(x));
     }
     tensorboard_failed(tensorboard_->scalars(step, v), step);
   }
@@ -411,8 +434,9 @@ class TrainLoop {
   double validation() {
     const std::int64_t rows = s.eval_batches * s.batch, my_rows = rows / ranks_.world();
     if (preference_) return preference_->validation(rows);  // (the DPO loss of the validation pairs)
-    std::vector<std::int32_t> vi(static_cast<std::size_t>(rows * s.seq)), vl(vi.size()), vp(data_.packed() ? vi.size() : 0);
-    data_.val_batch(0, rows, vi, vl, vp);
+    if (grpo_) return grpo_->validation(rows);              // (the mean reward of greedy completions)
+    std::vector<std::int32_t> vi(static_cast<std::size_t>(rows * s.seq)), vl(vi.size()), vp(data_->packed() ? vi.size() : 0);
+    data_->val_batch(0, rows, vi, vl, vp);
     const auto my_labels = mine(vl, my_rows);
     if (!ranks_.several()) return trainer_.evaluate(mine(vi, my_rows), my_labels, my_rows, mine(vp, my_rows));
     // (a process whose rows hold no trained token adds nothing: fine-tuning examples may do that)
@@ -551,7 +575,7 @@ class TrainLoop {
   Ranks& ranks_;
   BuiltStep<B>& built_;
   Trainer<B>& trainer_;
-  const TokenDataset& data_;
+  const TokenDataset* data_;  // (none in a GRPO run: its prompts are the data)
   const std::int64_t first_step_;
   std::int64_t saved_step_;  // the newest complete checkpoint (or the one resumed from)
   bool lead_ = false, last_save_failed_ = false, final_export_failed_ = false;
@@ -570,6 +594,7 @@ class TrainLoop {
   std::vector<std::int32_t> ids_, labels_, positions_;
   std::vector<std::uint8_t> mask_;
   std::optional<PreferenceRun<Trainer<B>>> preference_;  // --objective dpo
+  std::optional<GrpoRun<Trainer<B>>> grpo_;              // --objective grpo
 };
 
 }  // namespace megatrain::app

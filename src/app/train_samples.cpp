@@ -7,6 +7,7 @@
 
 #include "megatrain/core/error.hpp"
 #include "megatrain/io/detail/atomic_files.hpp"
+#include "grpo_plan.hpp"  // run_tokenizer_source
 
 namespace megatrain::app {
 
@@ -32,11 +33,8 @@ std::shared_ptr<const SamplePlan> plan_samples(const Settings& s, const RunPlan&
   MT_CHECK(!eval_only, "--sample-every samples during training; with --steps 0 there is none (use megatrain-generate)");
   MT_CHECK(!several_processes, "--sample-every with several processes is not supported yet: sample the checkpoints with "
            "megatrain-generate --checkpoint");
-  fs::path dir;
+  const fs::path dir = run_tokenizer_source(s, plan);
   std::error_code ec;
-  if (!s.tokenizer.empty()) dir = s.tokenizer;
-  else if (!s.model_dir.empty()) dir = s.model_dir;
-  else if (plan.resume) dir = plan.resume->ckpt.dir();
   MT_CHECK(!dir.empty(), "--sample-prompts needs the model's tokenizer: --model DIR (with tokenizer.json) or --tokenizer");
   auto sp = std::make_shared<SamplePlan>();
   sp->tokenizer = std::make_shared<const text::Tokenizer>(fs::is_directory(dir, ec) ? text::Tokenizer::from_folder(dir)

@@ -30,6 +30,7 @@
 #include "stop_signals.hpp"
 #include "train_inputs.hpp"
 #include "train_samples.hpp"
+#include "grpo_plan.hpp"
 #if MEGATRAIN_HAS_CUDA
 #include "megatrain/backend/cuda/cuda_backend.hpp"
 #endif
@@ -67,13 +68,21 @@ class TrainSetup {
     if (!s.host_memory.empty() && !ranks_.threads()) setenv("MEGATRAIN_HOST_MEMORY", s.host_memory.c_str(), 1);
     open_model_sources();
     plan_.samples = plan_samples(s, plan_, ranks_.several(), eval_only_);
+    if (!eval_only_) plan_.grpo = plan_grpo(s, plan_);  // (its prompts: the run's data, not token windows)
+    if (plan_.grpo) keep_tokenizer_files(run_tokenizer_source(s, plan_), *plan_.grpo->tokenizer);
     // Data first: text data's vocabulary (bytes) sizes a model given on the command line; token
     // files need the vocabulary given, which decides their width unless --data-format does.
     // (With --steps 0 --eval-batches 0 nothing is evaluated and no data is read.)
-    need_data_ = !(eval_only_ && s.eval_batches == 0);
+    need_data_ = !(eval_only_ && s.eval_batches == 0) && !plan_.grpo;
     if (!eval_only_) claim_run_folder();
     fault::delay_point("train:setup");  // (tests: a signal that lands before training starts)
     StopSignals::check("while starting");
+    // (a GRPO run's checkpoint: its --data is prompts, which have no labels to evaluate)
+    MT_CHECK(!(eval_only_ && need_data_ && plan_.resume && plan_.resume->state.user["data"].contains("prompts_digest") &&
+               !s.origins.given_now("--data")),
+             "--steps 0 evaluates the cross-entropy of token data, and this checkpoint's run (--objective grpo) trained on "
+             "prompts ('{}'): add --eval-batches 0 to export only, or give --data of text or examples to evaluate",
+             s.data);
     data_file_ = !s.data.empty() ? s.data : (eval_only_ ? s.val_data : std::string());
     val_file_ = s.val_data;
     if (need_data_ && !data_file_.empty()) prepare_data();
@@ -159,10 +168,17 @@ class TrainSetup {
   // --objective dpo (docs/preference.md): what its pairs and reference need, checked before anything starts.
   void validate_objective() {
     check_objective_options(s);
-    if (s.objective != "dpo") return;
+    if (s.objective == "sft") return;
     MT_CHECK(!eval_only_ || !s.origins.given_now("--objective"),
-             "--steps 0 evaluates the cross-entropy of the validation data: drop --objective dpo");
+             "--steps 0 evaluates the cross-entropy of the validation data: drop --objective {}", s.objective);
     if (eval_only_) return;
+    if (s.objective == "grpo") {
+      MT_CHECK(!ranks_.several(), "--objective grpo runs on one GPU (one process) for now: drop --gpus, or launch one process");
+      for (const char* f : {"--pack", "--train-on", "--data-format", "--skip-bad-lines"})
+        MT_CHECK(!s.origins.conflicts(f, "--objective"), "{} applies to training data; --objective grpo samples its own "
+                 "completions of --data's prompts: drop it", f);
+      return;
+    }
     if (!s.pack) check_pairs_batch(s.batch, ranks_.world());  // (packed: each row holds whole pairs)
     MT_CHECK(s.train_on == "completion", "--objective dpo compares the answers' log-probabilities: drop --train-on {}",
              s.train_on);
@@ -271,14 +287,7 @@ class TrainSetup {
     const fs::path tp(tokenizer);
     const auto tok = fs::is_directory(tp, ec) ? text::Tokenizer::from_folder(tp) : text::Tokenizer::from_file(tp);
     StopSignals::check("while loading the tokenizer");
-    tokenizer_bos_ = tok.bos_id();
-    tokenizer_eos_ = tok.eos_id();
-    // A run on a tokenizer of its own (not --model's): its files go with the checkpoints and
-    // exports, as a model folder's would.
-    if (!plan_.hf && !plan_.resume) {
-      plan_.side_files = io::hf_side_files(fs::is_directory(tp, ec) ? tp : tp.parent_path());
-      if (!fs::is_directory(tp, ec)) plan_.side_files["tokenizer.json"] = io::read_side_file(tp);
-    }
+    keep_tokenizer_files(tokenizer, tok);
     const fs::path dir = data_folder();
     prepared_ = prepare(tok, dir, data_file_, "train.bin", "--data");
     data_file_ = (dir / "train.bin").string();
@@ -291,6 +300,19 @@ class TrainSetup {
              v.examples ? "examples" : "documents", s.data, prepared_->examples ? "examples" : "documents");
     val_file_ = (dir / "val.bin").string();
   }
+  // The tokenizer's end ids (for the config.json of a model given on the command line); and a run on
+  // a tokenizer of its own (not --model's, not a checkpoint's): its files go with the checkpoints and
+  // exports, as a model folder's would.
+  void keep_tokenizer_files(const std::string& tokenizer, const text::Tokenizer& tok) {
+    tokenizer_bos_ = tok.bos_id();
+    tokenizer_eos_ = tok.eos_id();
+    if (plan_.hf || plan_.resume) return;
+    std::error_code ec;
+    const fs::path tp(tokenizer);
+    plan_.side_files = io::hf_side_files(fs::is_directory(tp, ec) ? tp : tp.parent_path());
+    if (!fs::is_directory(tp, ec)) plan_.side_files["tokenizer.json"] = io::read_side_file(tp);
+  }
+
   // Where the data is prepared: the run folder's data/; evaluating only, a temporary folder;
   // resuming, RUN/data/incoming, moved over RUN/data's files once the resume is accepted (so a
   // refused resume leaves the run's data as it was); a process of several other than the first, a
@@ -358,7 +380,8 @@ class TrainSetup {
 
   // The model: a resumed run's (model options given again must describe it), or the options'.
   void resolve_model() {
-    const std::int64_t data_vocab = text_data_ ? 256 : 0;
+    // (a GRPO run's prompts: its tokenizer's vocabulary)
+    const std::int64_t data_vocab = text_data_ ? 256 : plan_.grpo ? plan_.grpo->tokenizer->vocab_size() : 0;
     if (plan_.resume) {
       std::vector<std::string> opts = model_source_options();
       opts.insert(opts.end(), model_shape_options().begin(), model_shape_options().end());
@@ -396,6 +419,16 @@ class TrainSetup {
 
   // The dataset over the training and validation tokens, and its identity (kept in checkpoints).
   void build_dataset() {
+    if (plan_.grpo) {
+      for (const PromptSet* set : {&plan_.grpo->train, &plan_.grpo->val})
+        for (std::size_t i = 0; i < set->ids.size(); ++i)
+          for (const std::int32_t id : set->ids[i])
+            MT_CHECK(id >= 0 && id < cfg_->vocab_size, "{} prompt {} holds token id {}, outside the model's vocabulary of {}: "
+                     "the tokenizer is not the model's", set == &plan_.grpo->train ? "--data" : "validation", i + 1, id,
+                     cfg_->vocab_size);
+      plan_.data_identity = plan_.grpo->identity;
+      return;
+    }
     std::optional<TokenSource> val_src;
     if (need_data_ && !val_file_.empty()) {
       val_src = TokenSource::open(val_file_, fmt_bin_);
@@ -477,7 +510,7 @@ class TrainSetup {
     }
     topt_.packed = data_ && data_->packed();
     // (a preference loss weighs each token, from its log-probabilities)
-    topt_.token_weights = topt_.log_prob_objective = s.objective == "dpo" && !eval_only_;
+    topt_.token_weights = topt_.log_prob_objective = s.objective != "sft" && !eval_only_;
     topt_.adamw = {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay};
     if (eval_only_) {
       // Every validation window once (at most --eval-batches x --batch when --eval-batches is given),
@@ -494,7 +527,7 @@ class TrainSetup {
       training_options();
     }
     topt_.validate();
-    if (topt_.log_prob_objective && !s.pack) check_pairs_micro_batches(topt_, s.batch);
+    if (s.objective == "dpo" && !eval_only_ && !s.pack) check_pairs_micro_batches(topt_, s.batch);
     MT_CHECK(!s.origins.conflicts("--micro-batches", "--max-micro-batch") || topt_.resolved().micro_batches == topt_.micro_batches,
              "--micro-batches {} contradicts --max-micro-batch {}: parts of {} sequences are more than {}; pass one of them",
              s.micro_batches, s.max_micro_batch, s.batch / std::max<std::int64_t>(s.micro_batches, 1), s.max_micro_batch);
@@ -542,6 +575,33 @@ class TrainSetup {
       std::string line = fmt::format("{} (checkpoint: {}, now: {})", option_of(d.field), d.before, d.after);
       if (std::find(diff.begin(), diff.end(), line) == diff.end()) diff.push_back(std::move(line));
     }
+    if (plan_.grpo) grpo_differences(diff);
+    else data_differences(diff);
+    if (r.state.data && r.state.data->seed != s.seed)
+      diff.push_back(fmt::format("--seed (checkpoint: {}, now: {})", r.state.data->seed, s.seed));
+    MT_CHECK(diff.empty(), "--resume '{}': this run would not continue the checkpoint's run exactly: {}. Drop these options (a "
+             "resumed run takes the checkpoint's), or start a new run", dir.string(), fmt::join(diff, "; "));
+    MT_CHECK(s.steps > r.state.step, "--steps {}: the checkpoint '{}' is at step {} already; give --steps > {} to train "
+             "further, or --steps 0 to evaluate or export it", s.steps, dir.string(), r.state.step, r.state.step);
+    // The data prepared again is the run's: it replaces the run folder's copy (the same files).
+    if (plan_.temp_data && plan_.temp_data->filename() == "incoming") {
+      for (const auto& e : fs::directory_iterator(*plan_.temp_data))
+        fs::rename(e.path(), plan_.temp_data->parent_path() / e.path().filename());
+    }
+  }
+  // A GRPO run's prompts: the same records and ids, split alike.
+  void grpo_differences(std::vector<std::string>& diff) const {
+    const json& was = plan_.resume->state.user["data"];
+    const json& now = plan_.data_identity;
+    if (was.value("prompts_digest", "") != now["prompts_digest"].get<std::string>())
+      diff.push_back(fmt::format("--data '{}' (its prompts, their split into training and validation prompts, or the "
+                                 "tokenizer's ids differ from the run's: {} and {} prompts then, {} and {} now)", s.data,
+                                 was.value("train_prompts", -1), was.value("val_prompts", -1),
+                                 now["train_prompts"].get<std::int64_t>(), now["val_prompts"].get<std::int64_t>()));
+  }
+  // Token data: the same tokens (and loss masks), windows, --train-on and --pack.
+  void data_differences(std::vector<std::string>& diff) const {
+    const Resume& r = *plan_.resume;
     const json& was = r.state.user["data"];
     const std::string digest = plan_.data_identity["train_digest"].get<std::string>();
     if (was.value("train_digest", "") != digest)
@@ -552,20 +612,9 @@ class TrainSetup {
       diff.push_back(fmt::format("--train-on (checkpoint: {}, now: {})", was.value("train_on", "completion"), s.train_on));
     if (data_->examples() && was.value("pack", false) != s.pack)
       diff.push_back(fmt::format("--pack (checkpoint: {}, now: {})", was.value("pack", false), s.pack));
-    if (r.state.data && r.state.data->seed != s.seed)
-      diff.push_back(fmt::format("--seed (checkpoint: {}, now: {})", r.state.data->seed, s.seed));
     if (r.state.data && r.state.data->windows_per_epoch != data_->train_windows())
       diff.push_back(fmt::format("--val-fraction or --seq (the training windows per epoch, checkpoint: {}, now: {})",
                                  r.state.data->windows_per_epoch, data_->train_windows()));
-    MT_CHECK(diff.empty(), "--resume '{}': this run would not continue the checkpoint's run exactly: {}. Drop these options (a "
-             "resumed run takes the checkpoint's), or start a new run", dir.string(), fmt::join(diff, "; "));
-    MT_CHECK(s.steps > r.state.step, "--steps {}: the checkpoint '{}' is at step {} already; give --steps > {} to train "
-             "further, or --steps 0 to evaluate or export it", s.steps, dir.string(), r.state.step, r.state.step);
-    // The data prepared again is the run's: it replaces the run folder's copy (the same files).
-    if (plan_.temp_data && plan_.temp_data->filename() == "incoming") {
-      for (const auto& e : fs::directory_iterator(*plan_.temp_data))
-        fs::rename(e.path(), plan_.temp_data->parent_path() / e.path().filename());
-    }
   }
 
   // The export directory is replaced as a whole: it must not be, or hold, the run directory or the

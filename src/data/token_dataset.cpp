@@ -1,4 +1,5 @@
 #include "megatrain/data/token_dataset.hpp"
+#include "megatrain/data/shuffle.hpp"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -506,14 +507,7 @@ const std::vector<std::int64_t>& TokenDataset::permutation(std::int64_t epoch) c
     // (pairs a window each: the units shuffled are pairs, each then its two windows in order;
     // packed pairs are whole within their rows)
     const std::int64_t unit = pairs() && !packed() ? 2 : 1, units = train_windows_ / unit;
-    std::vector<std::int64_t> order(static_cast<std::size_t>(units));
-    for (std::int64_t i = 0; i < units; ++i) order[static_cast<std::size_t>(i)] = i;
-    // Fisher-Yates with a 64-bit engine whose sequence the standard fixes (unlike distributions).
-    std::mt19937_64 rng(opt_.seed * 0x9e3779b97f4a7c15ull + static_cast<std::uint64_t>(epoch) + 1);
-    for (std::int64_t i = units - 1; i > 0; --i) {
-      const auto j = static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(i + 1));
-      std::swap(order[static_cast<std::size_t>(i)], order[static_cast<std::size_t>(j)]);
-    }
+    const std::vector<std::int64_t> order = shuffled_order(units, opt_.seed, epoch);
     perm_.resize(static_cast<std::size_t>(train_windows_));
     for (std::int64_t i = 0; i < train_windows_; ++i)
       perm_[static_cast<std::size_t>(i)] = order[static_cast<std::size_t>(i / unit)] * unit + i % unit;

@@ -133,10 +133,11 @@ std::string refusal_message(const MemoryPlan& plan, const Suggestions& s) {
 
 namespace {
 
-// A preference run's reference pass (--objective dpo): its time a batch of pairs.
+// A scoring pass (a forward with the log-probabilities, no update): what --objective dpo runs over
+// its pairs before step 1 (the reference). GRPO's sampling is not priced here.
 std::string reference_pass_line(const StepTime& t) {
-  return fmt::format("\nthe reference pass before step 1: {:.3f} s a batch of pairs (a forward with the log-probabilities, "
-                     "no update), once over the training and validation pairs\n", t.scoring_s);
+  return fmt::format("\na scoring pass (a forward with the log-probabilities, no update): {:.3f} s a batch (--objective dpo: "
+                     "the reference, once over the training and validation pairs before step 1)\n", t.scoring_s);
 }
 
 }  // namespace

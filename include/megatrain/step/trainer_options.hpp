@@ -89,6 +89,9 @@ struct TrainerOptions {
   /// Rows may hold several sequences (packing, docs/data.md): step() and evaluate() then take
   /// each token's position within its sequence, and attention stays within each sequence.
   bool packed = false;
+  /// Backend memory the plan leaves free beside the step's buffers, for the caller's own use
+  /// between steps: sampling's decoding caches (megatrain-train --objective grpo).
+  std::size_t reserved_device_bytes = 0;
   /// step() may take an objective with a weight per token (train/objective.hpp): a buffer of
   /// them beside the labels, on the device and in host memory (4 bytes a token each).
   bool token_weights = false;

@@ -94,7 +94,8 @@ struct StepContext {
   /// spilled blocks, checkpoints).
   void allocate(bool user_stages) {
     MT_NVTX_RANGE("Trainer::allocate");
-    const plan::DeviceBudget budget = plan::device_budget(be, user_stages);
+    plan::DeviceBudget budget = plan::device_budget(be, user_stages);
+    budget.allocated += opt.reserved_device_bytes;  // (left free: the caller's, beside the step)
     const plan::HostBudget host{store.host_budget(), "the host memory budget the store was built with"};
     // (decided on this machine's figures where megatrain-plan --probe kept them: plan::machine_figures())
     plan = plan::plan_memory<B>(model, opt, budget, host, store.footprint(), B::kDevice ? plan::machine_figures() : plan::MachineFigures{});
