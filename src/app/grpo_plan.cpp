@@ -109,6 +109,22 @@ void build_rewards(const Settings& s, GrpoPlan& g) {
 
 }  // namespace
 
+nlohmann::json grpo_record(const Settings& s, std::int64_t completion_tokens) {
+  return {{"--generations", s.generations},
+          {"--max-completion-tokens", completion_tokens},
+          {"--top-k", s.top_k},
+          {"--top-p", s.top_p},
+          {"--min-p", s.min_p},
+          {"--clip-eps", s.clip_eps},
+          {"--clip-eps-high", s.origins.given("--clip-eps-high") ? s.clip_eps_high : s.clip_eps},
+          {"--grpo-loss", s.grpo_loss},
+          {"--scale-rewards", s.scale_rewards},
+          {"--skip-equal-groups", s.skip_equal_groups},
+          {"--reward-answer", s.reward_answer},
+          {"--reward-format", s.reward_format},
+          {"--reward-weights", s.reward_weights}};
+}
+
 std::shared_ptr<const GrpoPlan> plan_grpo(const Settings& s, const RunPlan& plan) {
   if (s.objective != "grpo") return nullptr;
   MT_CHECK(!s.data.empty(), "--objective grpo samples completions of prompts: give --data PROMPTS.jsonl ({{\"prompt\": text, "
@@ -120,6 +136,8 @@ std::shared_ptr<const GrpoPlan> plan_grpo(const Settings& s, const RunPlan& plan
   const bool folder = fs::is_directory(source, ec);
   g->tokenizer = std::make_shared<const text::Tokenizer>(folder ? text::Tokenizer::from_folder(source)
                                                                 : text::Tokenizer::from_file(source));
+  MT_CHECK(std::isfinite(s.val_fraction) && s.val_fraction >= 0 && s.val_fraction < 1,
+           "--val-fraction must be in [0, 1) (got {})", s.val_fraction);
   g->train = read_set(s.data, "--data", *g->tokenizer, s.chat_format);
   if (!s.val_data.empty()) {
     g->val = read_set(s.val_data, "--val-data", *g->tokenizer, s.chat_format);
@@ -133,8 +151,8 @@ std::shared_ptr<const GrpoPlan> plan_grpo(const Settings& s, const RunPlan& plan
   std::int64_t longest = 0;
   for (const PromptSet* set : {&g->train, &g->val})
     for (const auto& p : set->ids) longest = std::max<std::int64_t>(longest, static_cast<std::int64_t>(p.size()));
-  MT_CHECK(longest < s.seq, "--data: the longest prompt has {} tokens, and a row holds {} (--seq), a completion at least one "
-           "more: give a larger --seq", longest, s.seq);
+  MT_CHECK(longest < s.seq, "the longest prompt (of --data{}) has {} tokens, and a row holds {} (--seq), a completion at "
+           "least one more: give a larger --seq", s.val_data.empty() ? "" : " and --val-data", longest, s.seq);
   g->completion_tokens = s.max_completion_tokens > 0 ? s.max_completion_tokens : s.seq - longest;
   MT_CHECK(longest + g->completion_tokens <= s.seq, "--max-completion-tokens {} and the longest prompt's {} tokens are more "
            "than a row's {} (--seq): give a larger --seq or fewer completion tokens", g->completion_tokens, longest, s.seq);
@@ -151,7 +169,8 @@ std::shared_ptr<const GrpoPlan> plan_grpo(const Settings& s, const RunPlan& plan
   g->identity = {{"prompts_digest", digest_of(std::as_bytes(std::span(all.data(), all.size()))).hex()},
                  {"train_prompts", g->train.size()},
                  {"val_prompts", g->val.size()},
-                 {"label", s.data}};
+                 {"label", s.data},
+                 {"grpo", grpo_record(s, g->completion_tokens)}};
   return g;
 }
 

@@ -44,6 +44,11 @@ struct GrpoPlan {
 /// compares with, a regular expression that does not compile, options that do not go together.
 std::shared_ptr<const GrpoPlan> plan_grpo(const Settings& s, const RunPlan& plan);
 
+/// What a GRPO run's checkpoints record of its options beyond the trainer's (a resume must give
+/// the same): the sampling, the policy loss and the built-in rewards. A reward program and its
+/// timeout may change (a program that failed, mended).
+nlohmann::json grpo_record(const Settings& s, std::int64_t completion_tokens);
+
 /// Where the prompt order stands once `steps` steps have run (--batch / --generations prompts a
 /// step, epoch after epoch of the training prompts, shuffled by --seed): what a checkpoint records.
 inline DataPosition grpo_position(const GrpoPlan& g, const Settings& s, std::int64_t steps) {

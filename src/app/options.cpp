@@ -282,7 +282,7 @@ void add_objective_options(CLI::App& app, Settings& s) {
   obj->add_option("--objective", s.objective,
                   "sft (cross-entropy on the trained tokens), dpo (preference pairs: --data of prompt, chosen and "
                   "rejected records; the reference is the model as the run starts) or grpo (rewards of sampled "
-                  "completions: --data of prompts, --reward; docs/rl.md)")
+                  "completions: --data of prompts, --reward-answer, --reward-format or --reward-command; docs/rl.md)")
       ->check(choice("--objective", {"sft", "dpo", "grpo"}))
       ->capture_default_str();
   obj->add_option("--dpo-loss", s.dpo_loss, "dpo: sigmoid (the DPO paper's), hinge or ipo (TRL's loss_type)")
@@ -340,12 +340,12 @@ const std::vector<std::string>& grpo_option_names() {
   return v;
 }
 
-void check_objective_options(const Settings& s) {
+void check_objective_options(const Settings& s, std::int64_t batch) {
   for (const char* f : {"--dpo-loss", "--dpo-beta", "--dpo-label-smoothing"})
     MT_CHECK(s.objective == "dpo" || !s.origins.conflicts(f, "--objective"), "{} applies to --objective dpo; drop it", f);
   for (const std::string& f : grpo_option_names())
     MT_CHECK(s.objective == "grpo" || !s.origins.conflicts(f, "--objective"), "{} applies to --objective grpo; drop it", f);
-  if (s.objective == "grpo") check_grpo_options(s);
+  if (s.objective == "grpo") check_grpo_options(s, batch > 0 ? batch : s.batch);
   if (s.objective != "dpo") return;
   MT_CHECK(std::isfinite(s.dpo_beta) && s.dpo_beta > 0, "--dpo-beta must be > 0 (got {})", s.dpo_beta);
   MT_CHECK(s.dpo_label_smoothing >= 0 && s.dpo_label_smoothing < 0.5, "--dpo-label-smoothing must be in [0, 0.5) (got {})",
@@ -354,11 +354,11 @@ void check_objective_options(const Settings& s) {
            "not {}", s.dpo_loss);
 }
 
-void check_grpo_options(const Settings& s) {
+void check_grpo_options(const Settings& s, std::int64_t batch) {
   MT_CHECK(s.generations >= 2, "--generations must be >= 2 (a group's advantages compare its completions; got {})",
            s.generations);
-  MT_CHECK(s.batch % s.generations == 0, "--objective grpo: --batch {} must hold whole groups of --generations {} completions "
-           "(a multiple of it)", s.batch, s.generations);
+  MT_CHECK(batch % s.generations == 0, "--objective grpo: --batch {} must hold whole groups of --generations {} completions "
+           "(a multiple of it)", batch, s.generations);
   MT_CHECK(s.max_completion_tokens >= 0, "--max-completion-tokens must be >= 0 (0: what --seq leaves; got {})",
            s.max_completion_tokens);
   // (the step's log-probabilities are the model's at temperature 1: sampling at another would train on another policy's)

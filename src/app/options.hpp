@@ -53,10 +53,11 @@ void add_objective_options(CLI::App& app, Settings& s);
 /// megatrain-train's and megatrain-plan's (docs/rl.md).
 void add_grpo_options(CLI::App& app, Settings& s);
 /// The objective's options alone: the --dpo-* options need --objective dpo, the GRPO options
-/// --objective grpo, and their ranges (check_grpo_options).
-void check_objective_options(const Settings& s);
-/// --objective grpo's options: whole groups in --batch, the ranges, what is not supported yet.
-void check_grpo_options(const Settings& s);
+/// --objective grpo, and their ranges (check_grpo_options); `batch`: the step's rows (0: --batch).
+void check_objective_options(const Settings& s, std::int64_t batch = 0);
+/// --objective grpo's options: whole groups in a batch of `batch` rows, the ranges, what is not
+/// supported yet.
+void check_grpo_options(const Settings& s, std::int64_t batch);
 /// --objective dpo: a global batch of `batch` rows must be whole pairs on each of `ranks` ranks.
 void check_pairs_batch(std::int64_t batch, int ranks);
 /// --objective dpo: each micro-batch of `topt` (one rank's, resolved) must hold whole pairs.

@@ -183,8 +183,8 @@ TrainerOptions planned_options(const Settings& s, const PlanArgs& a, const Model
     topt.batch_rows = a.tokens_per_step / s.seq;
   }
   // (a preference run: the head's second forward priced, its pairs whole on each rank)
-  check_objective_options(s);
   const std::int64_t batch = topt.batch_rows;
+  check_objective_options(s, batch);
   if (s.objective == "dpo") check_pairs_batch(batch, a.gpus);
   MT_CHECK(s.objective != "grpo" || a.gpus == 1, "--objective grpo runs on one GPU: drop --gpus {}", a.gpus);
   // (dpo and grpo weigh each token from its log-probabilities)

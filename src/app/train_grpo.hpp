@@ -89,7 +89,7 @@ class GrpoRun {
     const auto t0 = std::chrono::steady_clock::now();
     const std::vector<generate::Completion> done = sample(prompts, gen);
     sampling_s_ = seconds_since(t0);
-    std::vector<double> rewards = score(plan_->train, which, done);
+    std::vector<double> rewards = score(plan_->train, which, done, fmt::format("step {}: the step changed nothing", step));
     const Advantages adv = group_advantages(rewards, G, reward_scale(s_.scale_rewards));
     std::vector<std::vector<std::int32_t>> completions;
     for (const auto& c : done) completions.push_back(c.tokens);
@@ -117,8 +117,8 @@ class GrpoRun {
   }
 
   /// The mean reward of greedy completions of the first `rows` validation prompts (all of them
-  /// where fewer).
-  double validation(std::int64_t rows) {
+  /// where fewer), after step `step`.
+  double validation(std::int64_t rows, std::int64_t step) {
     const std::int64_t n = std::min(rows, plan_->val.size());
     std::vector<std::vector<std::int32_t>> prompts(plan_->val.ids.begin(), plan_->val.ids.begin() + n);
     std::vector<std::size_t> which(static_cast<std::size_t>(n));
@@ -128,7 +128,10 @@ class GrpoRun {
     gen.sampling.temperature = 0;  // (greedy: the score changes only where the model does)
     gen.eos = plan_->eos;
     trainer_.finish_update();
-    const std::vector<double> r = score(plan_->val, which, sample(prompts, gen));
+    const std::vector<double> r =
+        score(plan_->val, which, sample(prompts, gen),
+              fmt::format("the validation prompts after step {}: the run stops without saving that step (resume from the "
+                          "newest checkpoint once the reward works)", step));
     double mean = 0;
     for (const double x : r) mean += x / static_cast<double>(r.size());
     return mean;
@@ -155,8 +158,9 @@ class GrpoRun {
     return generate::generate(trainer_, shape, prompts, gen);
   }
   // Each completion's total reward (its prompt: set.records[which[i]]); each reward's mean kept.
+  // `when`: what the message of a failing reward says of the run.
   std::vector<double> score(const PromptSet& set, const std::vector<std::size_t>& which,
-                            const std::vector<generate::Completion>& done) {
+                            const std::vector<generate::Completion>& done, const std::string& when) {
     std::vector<std::string> texts;
     for (const auto& c : done) texts.push_back(completion_text(c, *plan_->tokenizer, {}));
     std::vector<rl::Scored> batch;
@@ -165,8 +169,8 @@ class GrpoRun {
     try {
       s = plan_->rewards->score(batch);
     } catch (const Error& e) {
-      MT_FAIL("{}; the step changed nothing (the rewards: --reward, --reward-command, --reward-timeout {} s)", e.reason(),
-              s_.reward_timeout);
+      MT_FAIL("{} ({}; the rewards: --reward-answer, --reward-format, --reward-command, --reward-timeout {} s)", e.reason(),
+              when, s_.reward_timeout);
     }
     each_ = std::move(s.each);
     return std::move(s.total);

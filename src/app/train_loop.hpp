@@ -329,7 +329,7 @@ class TrainLoop {
     std::optional<double> val;
     // (a GRPO run without validation prompts: none)
     if (((s.eval_every > 0 && step % s.eval_every == 0) || step == s.steps) && (!grpo_ || in_.plan.grpo->val.size() > 0))
-      val = validation();
+      val = validation(step);
     if (lead_) {
       const nlohmann::json m = metrics_line(st, tok_s, val);
       append_metrics(m, step);
@@ -430,11 +430,12 @@ class TrainLoop {
   }
 
   // The mean loss over the labelled tokens of --eval-batches x --batch validation sequences (each
-  // process evaluates its share; the sums over the processes give the same mean to rounding).
-  double validation() {
+  // process evaluates its share; the sums over the processes give the same mean to rounding);
+  // after step `step`.
+  double validation(std::int64_t step) {
     const std::int64_t rows = s.eval_batches * s.batch, my_rows = rows / ranks_.world();
     if (preference_) return preference_->validation(rows);  // (the DPO loss of the validation pairs)
-    if (grpo_) return grpo_->validation(rows);              // (the mean reward of greedy completions)
+    if (grpo_) return grpo_->validation(rows, step);        // (the mean reward of greedy completions)
     std::vector<std::int32_t> vi(static_cast<std::size_t>(rows * s.seq)), vl(vi.size()), vp(data_->packed() ? vi.size() : 0);
     data_->val_batch(0, rows, vi, vl, vp);
     const auto my_labels = mine(vl, my_rows);

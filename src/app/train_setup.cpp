@@ -598,6 +598,10 @@ class TrainSetup {
                                  "tokenizer's ids differ from the run's: {} and {} prompts then, {} and {} now)", s.data,
                                  was.value("train_prompts", -1), was.value("val_prompts", -1),
                                  now["train_prompts"].get<std::int64_t>(), now["val_prompts"].get<std::int64_t>()));
+    const json before = was.value("grpo", json::object());
+    for (const auto& [option, value] : now["grpo"].items())
+      if (before.value(option, json()) != value)
+        diff.push_back(fmt::format("{} (checkpoint: {}, now: {})", option, before.value(option, json()).dump(), value.dump()));
   }
   // Token data: the same tokens (and loss masks), windows, --train-on and --pack.
   void data_differences(std::vector<std::string>& diff) const {

@@ -58,6 +58,9 @@ struct Metrics {
   Series aux_loss, expert_min, expert_max;
   // Preference training (--objective dpo): TRL's accuracy and reward margin, train and validation.
   Series accuracy, val_accuracy, margin, val_margin;
+  // Reinforcement learning (--objective grpo): the mean reward of the step's completions, and of
+  // the validation prompts' greedy ones.
+  Series reward, val_reward;
   double tokens = 0, step_time = 0, timed_tokens = 0;  // sums over finite values (timed: where both are)
   bool have_tokens = false, have_time = false;
   std::optional<std::size_t> torn_line;  // the last line, left out because it does not parse
@@ -168,6 +171,8 @@ Metrics read_metrics(const fs::path& file) {
     take("val_rewards/accuracies", m.val_accuracy);
     take("rewards/margins", m.margin);
     take("val_rewards/margins", m.val_margin);
+    take("reward", m.reward);
+    take("val_reward", m.val_reward);
     if (const auto it = j.find("expert_tokens"); it != j.end() && it->is_array() && !it->empty()) {
       double lo = std::numeric_limits<double>::infinity(), hi = -lo;
       for (const json& l : *it) {
@@ -680,6 +685,8 @@ std::string summary_section(const Metrics& m) {
     row("best loss", best_text(m.loss));
     row("last val loss", last_text(m.val_loss));
     row("best val loss", best_text(m.val_loss));
+    if (m.reward.present()) row("last reward", last_text(m.reward));
+    if (m.val_reward.present()) row("last val reward", last_text(m.val_reward));
     if (m.have_tokens) row("tokens trained", grouped(m.tokens));
     if (m.have_time && m.step_time > 0)
       row("mean tokens/s", fmt::format("{} (tokens over the steps' time)", grouped(m.timed_tokens / m.step_time)));
@@ -711,7 +718,7 @@ std::string summary_section(const Metrics& m) {
 }
 
 // The charts against the step (a mixture of experts' two more where it has them, preference
-// training's two where it has them).
+// training's two where it has them, reinforcement learning's reward).
 std::string charts_section(const Metrics& m) {
   std::string h;
   h += "<section id=\"charts-section\">\n<h2>Charts</h2>\n<div class=\"charts\">\n";
@@ -736,6 +743,11 @@ std::string charts_section(const Metrics& m) {
     h += chart("rewards_accuracies", "Preference accuracy (chosen's reward above rejected's)", "share of pairs", acc,
                m.first_step, m.last_step);
     h += chart("rewards_margins", "Reward margin (chosen - rejected)", "beta x log-ratio", margin, m.first_step, m.last_step);
+  }
+  if (m.reward.present()) {  // reinforcement learning
+    std::vector<Line> r{{"train (sampled)", "#1f77b4", &m.reward, false}};
+    if (m.val_reward.present()) r.push_back({"val (greedy)", "#d62728", &m.val_reward, true});
+    h += chart("reward", "Mean reward", "reward", r, m.first_step, m.last_step);
   }
   if (m.expert_max.present())
     h += chart("expert_tokens", "Tokens per expert (any sparse layer)", "tokens",

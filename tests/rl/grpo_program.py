@@ -97,6 +97,8 @@ def learns():
               "sampling_tokens_per_s", "tokens_per_s"):
         check(all(k in x for x in m), f"metrics.jsonl lacks {k}: {m[0]}")
     check(all(0 <= x["reward"] <= 1 and x["completions/max_length"] <= 4 for x in m), f"rewards or lengths out of range: {m[-1]}")
+    html = open(h.path("grpo", "report.html")).read()
+    check("Mean reward" in html and "last val reward" in html, "report.html shows no reward")
     # (the first update of a batch: every ratio is 1, so no token is clipped)
     check(all(x["clip_ratio/region_mean"] == 0 for x in m), "a token was clipped on a first update")
 
@@ -108,6 +110,12 @@ def resumes():
                   "--save-every", "4"]
     h.run(run + ["--steps", "8", "--out", "whole"])
     h.run(run + ["--steps", "4", "--out", "parts"])
+    # (a resume that would sample or weigh otherwise is refused, naming the option)
+    for args, words in ((["--grpo-loss", "grpo"], "--grpo-loss (checkpoint: \"dapo\", now: \"grpo\")"),
+                        (["--generations", "8"], "--generations (checkpoint: 4, now: 8)"),
+                        (["--reward-format", "\\d"], "--reward-format (checkpoint: \"\", now: \"\\\\d\")")):
+        _, _, err = h.run(["--resume", "--steps", "8", "--out", "parts"] + args, expect_rc=1)
+        check(words in err, f"{args}: '{words}' is not in the message:\n{err[-2000:]}")
     h.run(["--resume", "--steps", "8", "--out", "parts"])
     h.same_metrics("whole", "parts", "a resumed GRPO run")
     h.same_state("whole", "parts", 8, "a resumed GRPO run")
@@ -182,6 +190,7 @@ def refusals():
             (["--data", "long.jsonl"], "give a larger --seq"),
             (["--pack", "true"], "--pack applies to training data"),
             (["--max-completion-tokens", "9"], "--max-completion-tokens 9"),
+            (["--val-fraction", "3"], "--val-fraction must be in [0, 1)"),
     ):
         given = dict(zip(args[::2], args[1::2]))
         base = [x for k, v in zip(GRPO[::2], GRPO[1::2]) if k not in given and k not in defaults for x in (k, v)]
