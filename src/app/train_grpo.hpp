@@ -89,15 +89,16 @@ class GrpoRun {
     const auto t0 = std::chrono::steady_clock::now();
     const std::vector<generate::Completion> done = sample(prompts, gen);
     sampling_s_ = seconds_since(t0);
-    std::vector<double> rewards = score(plan_->train, which, done, fmt::format("step {}: the step changed nothing", step));
-    const Advantages adv = group_advantages(rewards, G, reward_scale(s_.scale_rewards));
+    const rl::RewardSum::Scores rewards =
+        score(plan_->train, which, done, fmt::format("step {}: the step changed nothing", step));
+    const Advantages adv = group_advantages(rewards.total, G, reward_scale(s_.scale_rewards));
     std::vector<std::vector<std::int32_t>> completions;
     for (const auto& c : done) completions.push_back(c.tokens);
     rl::RolloutRows r = rl::rollout_rows(prompts, completions, trainer_.options().seq_len, pad_);
     std::int64_t kept = rows;
     if (s_.skip_equal_groups && adv.equal_groups < adv.groups)  // (equal groups teach nothing: their rows left out)
       for (std::int64_t g = 0; g < P; ++g)
-        if (equal(rewards, g, G)) {
+        if (adv.equal[static_cast<std::size_t>(g)] != 0) {
           std::fill_n(r.labels.begin() + g * G * trainer_.options().seq_len, G * trainer_.options().seq_len, kIgnoreIndex);
           kept -= G;
         }
@@ -105,14 +106,7 @@ class GrpoRun {
     const StepStats st = trainer_.step(objective, r.ids, r.labels, {}, moe_ ? std::span<const std::uint8_t>(r.mask)
                                                                               : std::span<const std::uint8_t>());
     const std::vector<double> lp = trainer_.last_log_probs();
-    ObjectiveRows o;
-    o.rows = rows;
-    o.seq_len = trainer_.options().seq_len;
-    o.labels = r.labels;
-    o.log_probs = lp;
-    o.batch_labelled = static_cast<std::int64_t>(
-        std::count_if(r.labels.begin(), r.labels.end(), [](std::int32_t l) { return l != kIgnoreIndex; }));
-    record(rewards, adv, done, objective.stats(o), G);
+    record(rewards, adv, done, objective.stats(ObjectiveRows::whole(r.labels, lp, rows)));
     return st;
   }
 
@@ -131,7 +125,8 @@ class GrpoRun {
     const std::vector<double> r =
         score(plan_->val, which, sample(prompts, gen),
               fmt::format("the validation prompts after step {}: the run stops without saving that step (resume from the "
-                          "newest checkpoint once the reward works)", step));
+                          "newest checkpoint once the reward works)", step))
+            .total;
     double mean = 0;
     for (const double x : r) mean += x / static_cast<double>(r.size());
     return mean;
@@ -157,44 +152,30 @@ class GrpoRun {
     const generate::SlotShape shape{trainer_.options().batch_rows, trainer_.options().seq_len, vocab_, pad_};
     return generate::generate(trainer_, shape, prompts, gen);
   }
-  // Each completion's total reward (its prompt: set.records[which[i]]); each reward's mean kept.
-  // `when`: what the message of a failing reward says of the run.
-  std::vector<double> score(const PromptSet& set, const std::vector<std::size_t>& which,
+  // Each completion's rewards, total and each (its prompt: set.records[which[i]]). `when`: what the
+  // message of a failing reward says of the run.
+  rl::RewardSum::Scores score(const PromptSet& set, const std::vector<std::size_t>& which,
                             const std::vector<generate::Completion>& done, const std::string& when) {
     std::vector<std::string> texts;
     for (const auto& c : done) texts.push_back(completion_text(c, *plan_->tokenizer, {}));
     std::vector<rl::Scored> batch;
     for (std::size_t i = 0; i < done.size(); ++i) batch.push_back({&set.records[which[i]], set.text[which[i]], texts[i]});
-    rl::RewardSum::Scores s;
     try {
-      s = plan_->rewards->score(batch);
+      return plan_->rewards->score(batch);
     } catch (const Error& e) {
       MT_FAIL("{} ({}; the rewards: --reward-answer, --reward-format, --reward-command, --reward-timeout {} s)", e.reason(),
               when, s_.reward_timeout);
     }
-    each_ = std::move(s.each);
-    return std::move(s.total);
   }
-  static bool equal(const std::vector<double>& r, std::int64_t g, std::int64_t G) {
-    const auto b = r.begin() + g * G;
-    return std::all_of(b, b + G, [&](double x) { return x == *b; });
-  }
-  static std::pair<double, double> mean_std(std::span<const double> v) {  // (the standard deviation with Bessel's correction)
-    double mean = 0, ss = 0;
-    for (const double x : v) mean += x / static_cast<double>(v.size());
-    for (const double x : v) ss += (x - mean) * (x - mean);
-    return {mean, v.size() > 1 ? std::sqrt(ss / static_cast<double>(v.size() - 1)) : 0.0};
-  }
-  void record(const std::vector<double>& rewards, const Advantages& adv, const std::vector<generate::Completion>& done,
-              const GrpoStats& clip, std::int64_t G) {
+  void record(const rl::RewardSum::Scores& rewards, const Advantages& adv, const std::vector<generate::Completion>& done,
+              const GrpoStats& clip) {
     nlohmann::json m;
-    m["reward"] = mean_std(rewards).first;
+    m["reward"] = mean_std(rewards.total).first;
     double group_std = 0;  // (TRL's reward_std: the groups' standard deviations, averaged)
-    for (std::size_t g = 0; g * static_cast<std::size_t>(G) < rewards.size(); ++g)
-      group_std += mean_std(std::span(rewards).subspan(g * static_cast<std::size_t>(G), static_cast<std::size_t>(G))).second;
+    for (const double sd : adv.group_std) group_std += sd;
     m["reward_std"] = group_std / static_cast<double>(adv.groups);
-    for (std::size_t i = 0; i < each_.size(); ++i) {
-      const auto [mean, sd] = mean_std(each_[i]);
+    for (std::size_t i = 0; i < rewards.each.size(); ++i) {
+      const auto [mean, sd] = mean_std(rewards.each[i]);
       m["rewards/" + plan_->reward_names[i] + "/mean"] = mean;
       m["rewards/" + plan_->reward_names[i] + "/std"] = sd;
     }
@@ -230,7 +211,6 @@ class GrpoRun {
   bool moe_;
   std::vector<std::int64_t> order_;
   std::int64_t order_epoch_ = -1;
-  std::vector<std::vector<double>> each_;  // each reward's scores of the last batch scored
   double sampling_s_ = 0;
   nlohmann::json metrics_;
 };

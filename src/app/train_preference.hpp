@@ -180,15 +180,7 @@ class PreferenceRun {
 
   ObjectiveRows rows_of(std::span<const std::int32_t> labels, std::span<const std::int32_t> positions,
                         const std::vector<double>& lp, std::int64_t rows) const {
-    ObjectiveRows r;
-    r.rows = rows;
-    r.seq_len = seq_;
-    r.labels = labels;
-    r.positions = data_.packed() ? positions : std::span<const std::int32_t>{};
-    r.log_probs = lp;
-    r.batch_labelled = static_cast<std::int64_t>(
-        std::count_if(labels.begin(), labels.end(), [](std::int32_t l) { return l != kIgnoreIndex; }));
-    return r;
+    return ObjectiveRows::whole(labels, lp, rows, data_.packed() ? positions : std::span<const std::int32_t>{});
   }
 
   // The statistics of every rank's pairs, summed.

@@ -59,9 +59,6 @@ GrpoStats& GrpoStats::operator+=(const GrpoStats& o) {
   return *this;
 }
 
-namespace {
-
-/// The mean and the standard deviation with Bessel's correction (0 for one value) of `v`.
 std::pair<double, double> mean_std(std::span<const double> v) {
   double mean = 0;
   for (const double x : v) mean += x;
@@ -71,8 +68,6 @@ std::pair<double, double> mean_std(std::span<const double> v) {
   for (const double x : v) ss += (x - mean) * (x - mean);
   return {mean, std::sqrt(ss / static_cast<double>(v.size() - 1))};
 }
-
-}  // namespace
 
 Advantages group_advantages(std::span<const double> rewards, std::int64_t group, RewardScale scale) {
   MT_CHECK(group >= 1, "grpo: groups of {} completions", group);
@@ -88,7 +83,10 @@ Advantages group_advantages(std::span<const double> rewards, std::int64_t group,
   for (std::size_t g = 0; g < rewards.size(); g += G) {
     const auto mine = rewards.subspan(g, G);
     const auto [mean, std] = mean_std(mine);
-    a.equal_groups += std::all_of(mine.begin(), mine.end(), [&](double r) { return r == mine[0]; }) ? 1 : 0;
+    const bool equal = std::all_of(mine.begin(), mine.end(), [&](double r) { return r == mine[0]; });
+    a.equal_groups += equal ? 1 : 0;
+    a.equal.push_back(equal ? 1 : 0);
+    a.group_std.push_back(std);
     const double div = scale == RewardScale::none ? 1.0 : (scale == RewardScale::group ? std : batch_std) + 1e-4;
     for (std::size_t i = 0; i < G; ++i) a.values[g + i] = (mine[i] - mean) / div;
   }

@@ -4,7 +4,23 @@
 #include "megatrain/core/error.hpp"
 #include "megatrain/backend/backend.hpp"
 
+#include <algorithm>
+
 namespace megatrain {
+
+ObjectiveRows ObjectiveRows::whole(std::span<const std::int32_t> labels, std::span<const double> log_probs, std::int64_t rows,
+                                   std::span<const std::int32_t> positions) {
+  MT_CHECK(rows > 0 && labels.size() % static_cast<std::size_t>(rows) == 0, "ObjectiveRows::whole: {} labels in {} rows",
+           labels.size(), rows);
+  ObjectiveRows r;
+  r.rows = rows;
+  r.seq_len = static_cast<std::int64_t>(labels.size()) / rows;
+  r.labels = labels;
+  r.log_probs = log_probs;
+  r.positions = positions;
+  r.batch_labelled = std::count_if(labels.begin(), labels.end(), [](std::int32_t l) { return l != kIgnoreIndex; });
+  return r;
+}
 
 namespace {
 

@@ -134,6 +134,20 @@ TEST_CASE("group advantages as TRL computes them: each scaling, groups of one, e
       const auto want = trl_advantages(r, static_cast<std::size_t>(g), scale);
       CHECK(a.groups == 3);
       CHECK(a.equal_groups == (g == 1 ? 3 : 1));
+      REQUIRE(a.equal.size() == 3);
+      REQUIRE(a.group_std.size() == 3);
+      for (std::size_t k = 0; k < 3; ++k) {  // (each group's flag, and its standard deviation in long double)
+        CHECK(a.equal[k] == (g == 1 || k == 0 ? 1 : 0));
+        long double mean = 0, ss = 0;
+        for (std::int64_t i = 0; i < g; ++i) mean += r[k * static_cast<std::size_t>(g) + static_cast<std::size_t>(i)];
+        mean /= static_cast<long double>(g);
+        for (std::int64_t i = 0; i < g; ++i) {
+          const long double d = r[k * static_cast<std::size_t>(g) + static_cast<std::size_t>(i)] - mean;
+          ss += d * d;
+        }
+        const long double sd = g > 1 ? std::sqrt(ss / static_cast<long double>(g - 1)) : 0;
+        CHECK(std::abs(a.group_std[k] - sd) <= 8 * std::numeric_limits<double>::epsilon() * (1 + sd));
+      }
       // r - mean cancels where a group's rewards are close: the mean's rounding (a few ulps of the
       // rewards' size) over the divisor bounds the error, not the advantage's own size
       const long double largest = std::abs(*std::max_element(r.begin(), r.end(), [](double x, double y) {

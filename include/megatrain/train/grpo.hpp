@@ -23,6 +23,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "megatrain/train/objective.hpp"
@@ -56,7 +57,12 @@ struct Advantages {
   std::vector<double> values;     ///< one a completion
   std::int64_t groups = 0;        ///< the prompts
   std::int64_t equal_groups = 0;  ///< groups whose rewards are all equal: their advantages are 0, they teach nothing
+  std::vector<std::uint8_t> equal;  ///< one a group: 1 where its rewards are all equal
+  std::vector<double> group_std;    ///< one a group: its rewards' standard deviation (TRL's reward_std averages them)
 };
+
+/// The mean and the standard deviation with Bessel's correction (0 for one value) of `v`.
+std::pair<double, double> mean_std(std::span<const double> v);
 
 /// TRL's advantages: each reward less its group's mean, divided (unless `scale` is none) by the
 /// standard deviation (with Bessel's correction) of its group or of the batch, plus 1e-4.

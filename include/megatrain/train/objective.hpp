@@ -43,6 +43,11 @@ struct ObjectiveRows {
   /// Packed rows (TrainerOptions::packed): rows * seq_len positions, each token's within its
   /// sequence (0 where one starts); empty: each row one sequence.
   std::span<const std::int32_t> positions = {};
+
+  /// A whole batch of `rows` rows (one process's, seq_len = labels.size() / rows): its labels, their
+  /// log-probabilities, `positions` where packed (else empty), and batch_labelled counted over them.
+  static ObjectiveRows whole(std::span<const std::int32_t> labels, std::span<const double> log_probs, std::int64_t rows,
+                             std::span<const std::int32_t> positions = {});
 };
 
 class Objective {
